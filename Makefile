@@ -1,0 +1,31 @@
+# The two commands of the README:   make run   (opens ShardScope)   ·   make test   (runs the tests)
+# Both build .venv on first use. torch: TORCH_SPEC / TORCH_PIP_ARGS choose the build (see README).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PY := $(VENV)/bin/python
+
+.PHONY: run test install lint bench
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ShardScope needs Python >= 3.11"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(VENV)/bin/shardscope
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+bench: $(VENV)/.installed
+	for f in benchmarks/*.py; do $(PY) $$f || exit 1; done

@@ -1,0 +1,6 @@
+"""Data files of ShardScope: presets, icons, style sheet. No code lives here."""
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent
+PRESETS_DIR = ASSETS_DIR / "presets"

@@ -1,0 +1,722 @@
+"""The one description of a training job that engine, backend and GUI share.
+
+A :class:`Config` is frozen and always valid: constructing one with values that break
+a rule raises :class:`ConfigError`, which lists *every* problem at once, each naming
+the field, the value and what is allowed. Files (TOML or JSON) are read with the
+standard library's ``tomllib`` / ``json``; loading never executes anything.
+
+File format (the product's public contract; keys may be added, never renamed)::
+
+    schema_version = 1
+    [model]      preset, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len,
+                 tied_embeddings, mlp, norm, attention, position, bias, dropout
+    [cluster]    preset, gpu (a preset name or a table), gpus, gpus_per_node,
+                 intra_node_bandwidth_gb_per_s, intra_node_latency_us,
+                 inter_node_bandwidth_gb_per_s, inter_node_latency_us
+    [parallel]   dp, tp, pp, zero (or fsdp = "FULL_SHARD" | ...), replicate,
+                 sequence_parallel, schedule, virtual_stages, microbatches
+    [training]   micro_batch_size, precision, grad_dtype, optimizer, recompute
+    [conventions] the switchable conventions (overhead lines, bucket size, bubble, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import names
+from engine.presets import cluster_presets, gpu_presets, model_presets
+
+SCHEMA_VERSION = 1
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a config: the field (dotted path), its value, and why."""
+
+    field: str
+    value: Any
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field} = {self.value!r}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """A config that breaks one or more rules. ``problems`` lists every one of them."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+    def fields(self) -> set[str]:
+        return {p.field for p in self.problems}
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    tied_embeddings: bool = False
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    attention: str = "flash"
+    position: str = "rope"
+    bias: bool = False
+    dropout: float = 0.0
+    preset: str | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator kind. Units are in the field names."""
+
+    name: str
+    memory_gib: float
+    peak_bf16_tflops: float
+    peak_fp32_tflops: float
+    hbm_bandwidth_gb_per_s: float
+    runtime_context_gib: float = 0.5
+    intra_node_bandwidth_gb_per_s: float = 300.0
+    inter_node_bandwidth_gb_per_s: float = 25.0
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(round(self.memory_gib * 2**30))
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s for the compute dtype of ``precision``."""
+        tflops = self.peak_fp32_tflops if precision == "fp32" else self.peak_bf16_tflops
+        return tflops * 1e12
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpu: GPUSpec
+    gpus: int
+    gpus_per_node: int
+    intra_node_bandwidth_gb_per_s: float
+    intra_node_latency_us: float
+    inter_node_bandwidth_gb_per_s: float
+    inter_node_latency_us: float
+    preset: str | None = None
+
+    @property
+    def nodes(self) -> int:
+        return max(1, math.ceil(self.gpus / self.gpus_per_node))
+
+    @property
+    def intra_node_bytes_per_s(self) -> float:
+        return self.intra_node_bandwidth_gb_per_s * 1e9
+
+    @property
+    def inter_node_bytes_per_s(self) -> float:
+        return self.inter_node_bandwidth_gb_per_s * 1e9
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Parallel layout. Rank order is TP innermost, then DP, then PP outermost."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    replicate: int = 1  # HSDP: data-parallel replicas; ZeRO shards over dp // replicate
+    sequence_parallel: bool = False
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    microbatches: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def shard_degree(self) -> int:
+        """The degree ZeRO/FSDP divides by (dp for plain sharding, dp/replicate for HSDP)."""
+        return self.dp // self.replicate
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    micro_batch_size: int = 1
+    precision: str = "bf16-mixed"
+    grad_dtype: str = "bf16"
+    optimizer: str = "adamw"
+    recompute: str = "none"
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the parameter copy used for compute."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        return names.DTYPE_BYTES[self.grad_dtype]
+
+    @property
+    def master_weights(self) -> bool:
+        """Mixed precision keeps an fp32 master copy (counted in ``optimizer``)."""
+        return self.precision != "fp32"
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """The conventions that tools in this field silently disagree on, made switchable."""
+
+    runtime_context: bool = True  # count the GPU kind's runtime context in `overhead`
+    collective_buffers: bool = True  # count collective-library buffers per communicator
+    collective_buffer_mib: float = 64.0  # per communicator a rank belongs to (NCCL-like)
+    allocator_slack_fraction: float = 0.0  # reserve on top of live tensors, as a fraction
+    ddp_bucket_mb: float = 25.0  # DDP's bucket_cap_mb
+    fsdp_prefetch: bool = True  # FSDP holds the next unit unsharded while computing this one
+    bubble: str = "share-of-total"  # or "relative-to-ideal"
+    compute_efficiency: float = 0.5  # achieved / peak FLOP/s for analytic durations
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole training job. Always valid: construction checks every rule."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    conventions: Conventions = field(default_factory=Conventions)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        problems = check(self.model, self.cluster, self.parallel, self.training, self.conventions)
+        if self.schema_version != SCHEMA_VERSION:
+            problems.append(
+                Problem("schema_version", self.schema_version, f"allowed: {SCHEMA_VERSION}")
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    # ----------------------------------------------------------------- derived
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step."""
+        return self.parallel.dp * self.parallel.microbatches * self.training.micro_batch_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.model.seq_len
+
+    # ----------------------------------------------------------------- changing
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A new, validated Config with some fields changed: ``cfg.replace(parallel={"tp": 2})``.
+
+        Raises ConfigError (naming every field at fault) if the result is invalid.
+        """
+        unknown = set(sections) - set(_SECTIONS)
+        if unknown:
+            raise ConfigError(
+                [Problem(k, None, f"unknown section; allowed: {', '.join(_SECTIONS)}") for k in sorted(unknown)]
+            )
+        changed = {}
+        problems: list[Problem] = []
+        for name, updates in sections.items():
+            current = getattr(self, name)
+            allowed = {f.name for f in dataclasses.fields(current)}
+            for key in updates:
+                if key not in allowed:
+                    problems.append(
+                        Problem(f"{name}.{key}", updates[key], f"unknown key; allowed: {', '.join(sorted(allowed))}")
+                    )
+            if not problems:
+                changed[name] = dataclasses.replace(current, **updates)
+        if problems:
+            raise ConfigError(problems)
+        return dataclasses.replace(self, **changed)
+
+    # ----------------------------------------------------------------- files
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Config:
+        return _parse(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _unparse(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Config:
+        """Read a ``.toml`` or ``.json`` file. Errors name the file and every problem."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([Problem("file", str(path), f"cannot be read: {exc.strerror or exc}")]) from None
+        if path.suffix.lower() == ".json":
+            return cls.loads_json(text)
+        return cls.loads_toml(text)
+
+    @classmethod
+    def loads_toml(cls, text: str) -> Config:
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([Problem("file", None, f"is not valid TOML: {exc}")]) from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def loads_json(cls, text: str) -> Config:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([Problem("file", None, f"is not valid JSON: {exc}")]) from None
+        if not isinstance(raw, dict):
+            raise ConfigError([Problem("file", None, "must hold a JSON object at the top level")])
+        return cls.from_dict(raw)
+
+    def dumps_toml(self) -> str:
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
+
+    def dumps_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        """Write as TOML or JSON by the file's suffix, atomically (write, then rename)."""
+        path = Path(path)
+        text = self.dumps_json() if path.suffix.lower() == ".json" else self.dumps_toml()
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+        return path
+
+
+_SECTIONS = ("model", "cluster", "parallel", "training", "conventions")
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choice(problems: list[Problem], path: str, value: Any, allowed: tuple[str, ...] | frozenset) -> None:
+    if value not in allowed:
+        problems.append(Problem(path, value, f"allowed: {' | '.join(sorted(allowed) if isinstance(allowed, frozenset) else allowed)}"))
+
+
+def _at_least(problems: list[Problem], path: str, value: Any, minimum: float) -> bool:
+    if value < minimum:
+        problems.append(Problem(path, value, f"must be at least {minimum}"))
+        return False
+    return True
+
+
+def check(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    parallel: ParallelSpec,
+    training: TrainingSpec,
+    conventions: Conventions,
+) -> list[Problem]:
+    """Every rule a Config must satisfy. Returns all problems found (empty when valid)."""
+    p: list[Problem] = []
+
+    # ---- model
+    ok_model = True
+    for key in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
+        ok_model &= _at_least(p, f"model.{key}", getattr(model, key), 1)
+    if ok_model:
+        if model.hidden % model.heads:
+            p.append(Problem("model.hidden", model.hidden, f"must be a multiple of model.heads ({model.heads})"))
+        if model.heads % model.kv_heads:
+            p.append(
+                Problem(
+                    "model.kv_heads",
+                    model.kv_heads,
+                    f"must divide model.heads ({model.heads}); allowed: {', '.join(map(str, _divisors(model.heads)))}",
+                )
+            )
+    _choice(p, "model.mlp", model.mlp, names.MLP_KINDS)
+    _choice(p, "model.norm", model.norm, names.NORM_KINDS)
+    _choice(p, "model.attention", model.attention, names.ATTENTION_KINDS)
+    _choice(p, "model.position", model.position, names.POSITION_KINDS)
+    if not 0.0 <= model.dropout < 1.0:
+        p.append(Problem("model.dropout", model.dropout, "must be in [0, 1)"))
+
+    # ---- cluster
+    gpu = cluster.gpu
+    for key in ("memory_gib", "peak_bf16_tflops", "peak_fp32_tflops", "hbm_bandwidth_gb_per_s",
+                "intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s"):
+        if getattr(gpu, key) <= 0:
+            p.append(Problem(f"cluster.gpu.{key}", getattr(gpu, key), "must be greater than 0"))
+    if gpu.runtime_context_gib < 0:
+        p.append(Problem("cluster.gpu.runtime_context_gib", gpu.runtime_context_gib, "must be at least 0"))
+    ok_cluster = _at_least(p, "cluster.gpus", cluster.gpus, 1)
+    ok_cluster &= _at_least(p, "cluster.gpus_per_node", cluster.gpus_per_node, 1)
+    if ok_cluster and cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
+        p.append(
+            Problem(
+                "cluster.gpus",
+                cluster.gpus,
+                f"must be a multiple of cluster.gpus_per_node ({cluster.gpus_per_node}) when it spans nodes",
+            )
+        )
+    for key in ("intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s"):
+        if getattr(cluster, key) <= 0:
+            p.append(Problem(f"cluster.{key}", getattr(cluster, key), "must be greater than 0"))
+    for key in ("intra_node_latency_us", "inter_node_latency_us"):
+        if getattr(cluster, key) < 0:
+            p.append(Problem(f"cluster.{key}", getattr(cluster, key), "must be at least 0"))
+
+    # ---- parallel
+    par = parallel
+    ok_par = True
+    for key in ("dp", "tp", "pp", "virtual_stages", "microbatches", "replicate"):
+        ok_par &= _at_least(p, f"parallel.{key}", getattr(par, key), 1)
+    if par.zero not in names.ZERO_STAGES:
+        p.append(Problem("parallel.zero", par.zero, "allowed: 0 (DDP), 1, 2, 3 (FSDP full shard)"))
+    _choice(p, "parallel.schedule", par.schedule, names.SCHEDULES)
+    if ok_par and ok_cluster and par.world_size != cluster.gpus:
+        p.append(
+            Problem(
+                "parallel.dp",
+                par.dp,
+                f"dp·tp·pp = {par.dp}·{par.tp}·{par.pp} = {par.world_size} must equal cluster.gpus ({cluster.gpus})",
+            )
+        )
+    if ok_par and ok_model:
+        bad = [f"model.{k} ({getattr(model, k)})" for k in ("heads", "kv_heads", "ffn_hidden")
+               if getattr(model, k) % par.tp]
+        if bad:
+            allowed = [t for t in _divisors(math.gcd(model.heads, model.kv_heads, model.ffn_hidden))]
+            p.append(
+                Problem("parallel.tp", par.tp,
+                        f"must divide {', '.join(bad)}; allowed: {', '.join(map(str, allowed))}")
+            )
+        if par.sequence_parallel and par.tp == 1:
+            p.append(Problem("parallel.sequence_parallel", True, "needs parallel.tp > 1"))
+        elif par.sequence_parallel and model.seq_len % par.tp:
+            p.append(
+                Problem("parallel.sequence_parallel", True,
+                        f"needs model.seq_len ({model.seq_len}) to be a multiple of parallel.tp ({par.tp})")
+            )
+        if par.dp % par.replicate:
+            p.append(Problem("parallel.replicate", par.replicate,
+                             f"must divide parallel.dp ({par.dp}); allowed: {', '.join(map(str, _divisors(par.dp)))}"))
+        elif par.replicate > 1 and par.zero not in (2, 3):
+            p.append(Problem("parallel.replicate", par.replicate,
+                             "HSDP replication needs parallel.zero = 2 or 3 (a sharded strategy)"))
+        _check_pipeline(p, model, par)
+
+    # ---- training
+    t = training
+    _at_least(p, "training.micro_batch_size", t.micro_batch_size, 1)
+    _choice(p, "training.precision", t.precision, names.PRECISIONS)
+    _choice(p, "training.optimizer", t.optimizer, names.OPTIMIZERS)
+    _choice(p, "training.recompute", t.recompute, names.RECOMPUTE_KINDS)
+    allowed_grads = {"fp32": ("fp32",), "bf16-mixed": ("bf16", "fp32"), "fp16-mixed": ("fp16", "fp32")}
+    if t.precision in allowed_grads and t.grad_dtype not in allowed_grads[t.precision]:
+        p.append(Problem("training.grad_dtype", t.grad_dtype,
+                         f"with precision {t.precision!r} allowed: {' | '.join(allowed_grads[t.precision])}"))
+
+    # ---- conventions
+    c = conventions
+    _choice(p, "conventions.bubble", c.bubble, names.BUBBLE_CONVENTIONS)
+    if not 0.0 <= c.allocator_slack_fraction < 1.0:
+        p.append(Problem("conventions.allocator_slack_fraction", c.allocator_slack_fraction, "must be in [0, 1)"))
+    if c.ddp_bucket_mb <= 0:
+        p.append(Problem("conventions.ddp_bucket_mb", c.ddp_bucket_mb, "must be greater than 0"))
+    if c.collective_buffer_mib < 0:
+        p.append(Problem("conventions.collective_buffer_mib", c.collective_buffer_mib, "must be at least 0"))
+    if not 0.0 < c.compute_efficiency <= 1.0:
+        p.append(Problem("conventions.compute_efficiency", c.compute_efficiency, "must be in (0, 1]"))
+    return p
+
+
+def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> None:
+    """The pipeline rules, including those torch.distributed.pipelining enforces itself."""
+    v, m, s = par.virtual_stages, par.microbatches, par.schedule
+    if par.pp == 1:
+        if v != 1:
+            p.append(Problem("parallel.virtual_stages", v, "needs parallel.pp > 1; allowed with pp = 1: 1"))
+        return
+    if s not in names.SCHEDULES:
+        return
+    if s in names.SINGLE_STAGE_SCHEDULES and v != 1:
+        p.append(Problem("parallel.virtual_stages", v, f"schedule {s} runs one stage per rank; allowed: 1"))
+    if s in names.V_SCHEDULES and v != 2:
+        p.append(Problem("parallel.virtual_stages", v, f"schedule {s} places exactly two stages per rank (a V); allowed: 2"))
+    if par.num_stages > model.layers:
+        p.append(Problem("parallel.pp", par.pp,
+                         f"pp·virtual_stages = {par.num_stages} exceeds model.layers ({model.layers}): a stage needs a layer"))
+    if s == "1F1B" and m < par.pp:
+        p.append(Problem("parallel.microbatches", m, f"schedule 1F1B needs microbatches ≥ pp ({par.pp})"))
+    if s in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, m // par.pp)
+        if m % rounds:
+            ok = [k for k in range(1, 4 * par.pp + 1) if k % max(1, k // par.pp) == 0]
+            p.append(Problem("parallel.microbatches", m,
+                             f"schedule {s} needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}; "
+                             f"allowed e.g.: {', '.join(map(str, ok[:12]))}"))
+    if s == "DualPipeV" and m < par.num_stages:
+        p.append(Problem("parallel.microbatches", m,
+                         f"schedule DualPipeV needs microbatches ≥ number of stages (2·pp = {par.num_stages})"))
+
+
+# --------------------------------------------------------------------------- parsing
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        h = hints[f.name]
+        args = [a for a in typing.get_args(h) if a is not type(None)]
+        out[f.name] = args[0] if args else h
+    return out
+
+
+def _coerce(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, Any]:
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True, float(value)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return True, value
+    if kind in (bool, str) and isinstance(value, kind):
+        return True, value
+    p.append(Problem(path, value, f"must be {_KIND_NAMES.get(kind, kind.__name__)}"))
+    return False, None
+
+
+def _table(p: list[Problem], raw: dict, key: str) -> dict:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        p.append(Problem(key, value, "must be a table"))
+        return {}
+    return value
+
+
+def _read_fields(p: list[Problem], section: str, table: dict, cls: type, skip: set[str]) -> dict[str, Any]:
+    """Type-check a table against a dataclass; unknown keys are problems that name the key."""
+    types = _field_types(cls)
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in skip:
+            continue
+        if key not in types:
+            allowed = sorted(set(types) | skip)
+            p.append(Problem(f"{section}.{key}", value, f"unknown key; allowed: {', '.join(allowed)}"))
+            continue
+        ok, v = _coerce(p, f"{section}.{key}", value, types[key])
+        if ok:
+            out[key] = v
+    return out
+
+
+def _parse(raw: dict[str, Any]) -> Config:
+    p: list[Problem] = []
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem("file", None, "must hold a table at the top level")])
+    for key in raw:
+        if key not in _SECTIONS and key != "schema_version":
+            p.append(Problem(key, raw[key], f"unknown key; allowed: schema_version, {', '.join(_SECTIONS)}"))
+    version = raw.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        p.append(Problem("schema_version", version, f"allowed: {SCHEMA_VERSION}"))
+
+    model = _parse_model(p, _table(p, raw, "model"))
+    cluster_raw = _table(p, raw, "cluster")
+    parallel_raw = _table(p, raw, "parallel")
+    par = _parse_parallel(p, parallel_raw)
+    cluster = _parse_cluster(p, cluster_raw, par)
+    if cluster is not None and "dp" not in par and cluster.gpus % (par.get("tp", 1) * par.get("pp", 1)) == 0:
+        par["dp"] = max(1, cluster.gpus // (par.get("tp", 1) * par.get("pp", 1)))
+    parallel = ParallelSpec(**par)
+    tr = _read_fields(p, "training", _table(p, raw, "training"), TrainingSpec, set())
+    if "grad_dtype" not in tr:
+        tr["grad_dtype"] = names.DEFAULT_GRAD_DTYPE.get(tr.get("precision", TrainingSpec.precision), "fp32")
+    training = TrainingSpec(**tr)
+    conventions = Conventions(**_read_fields(p, "conventions", _table(p, raw, "conventions"), Conventions, set()))
+
+    if model is not None and cluster is not None:
+        p.extend(check(model, cluster, parallel, training, conventions))
+    if p:
+        # keep order, drop exact duplicates
+        seen, unique = set(), []
+        for prob in p:
+            k = (prob.field, repr(prob.value), prob.message)
+            if k not in seen:
+                seen.add(k)
+                unique.append(prob)
+        raise ConfigError(unique)
+    return Config(model=model, cluster=cluster, parallel=parallel, training=training, conventions=conventions)
+
+
+def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
+    presets = model_presets()
+    base: dict[str, Any] = {}
+    preset = table.get("preset")
+    if preset is not None:
+        if preset not in presets:
+            p.append(Problem("model.preset", preset, f"unknown preset; allowed: {', '.join(presets)}"))
+        else:
+            base = dict(presets[preset])
+    fields = _read_fields(p, "model", table, ModelSpec, {"preset"})
+    merged = {**base, **fields}
+    if preset in presets:
+        merged["preset"] = preset
+    required = [f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING]
+    missing = [k for k in required if k not in merged]
+    if missing:
+        p.append(Problem("model", None, f"missing {', '.join(missing)} (give them, or name a preset: {', '.join(presets)})"))
+        return None
+    return ModelSpec(**merged)
+
+
+def _parse_parallel(p: list[Problem], table: dict) -> dict[str, Any]:
+    table = dict(table)
+    fsdp = table.pop("fsdp", None)
+    par = _read_fields(p, "parallel", table, ParallelSpec, set())
+    if fsdp is not None:
+        if fsdp not in names.FSDP_STRATEGIES:
+            p.append(Problem("parallel.fsdp", fsdp, f"allowed: {' | '.join(names.FSDP_STRATEGIES)}"))
+        else:
+            zero, hybrid = names.FSDP_STRATEGIES[fsdp]
+            if "zero" in par and par["zero"] != zero:
+                p.append(Problem("parallel.zero", par["zero"], f"disagrees with parallel.fsdp = {fsdp!r} (ZeRO-{zero})"))
+            par["zero"] = zero
+            if hybrid and par.get("replicate", 1) == 1:
+                p.append(Problem("parallel.replicate", par.get("replicate", 1),
+                                 f"fsdp = {fsdp!r} needs parallel.replicate > 1 (HSDP replica count)"))
+    return par
+
+
+def _parse_gpu(p: list[Problem], value: Any) -> GPUSpec | None:
+    presets = gpu_presets()
+    if isinstance(value, str):
+        if value not in presets:
+            p.append(Problem("cluster.gpu", value, f"unknown GPU; allowed: {', '.join(presets)}"))
+            return None
+        return GPUSpec(name=value, **presets[value])
+    if isinstance(value, dict):
+        value = dict(value)
+        base_name = value.pop("preset", None)
+        base: dict[str, Any] = {}
+        if base_name is not None:
+            if base_name not in presets:
+                p.append(Problem("cluster.gpu.preset", base_name, f"unknown GPU; allowed: {', '.join(presets)}"))
+            else:
+                base = {"name": base_name, **presets[base_name]}
+        fields = _read_fields(p, "cluster.gpu", value, GPUSpec, set())
+        merged = {**base, **fields}
+        merged.setdefault("name", "custom")
+        missing = [f.name for f in dataclasses.fields(GPUSpec) if f.default is dataclasses.MISSING and f.name not in merged]
+        if missing:
+            p.append(Problem("cluster.gpu", None, f"missing {', '.join(missing)}"))
+            return None
+        return GPUSpec(**merged)
+    p.append(Problem("cluster.gpu", value, f"must be a GPU preset name ({', '.join(presets)}) or a table"))
+    return None
+
+
+def _parse_cluster(p: list[Problem], table: dict, par: dict[str, Any]) -> ClusterSpec | None:
+    presets = cluster_presets()
+    table = dict(table)
+    preset = table.pop("preset", None)
+    base: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in presets:
+            p.append(Problem("cluster.preset", preset, f"unknown preset; allowed: {', '.join(presets)}"))
+            preset = None
+        else:
+            base = dict(presets[preset])
+    gpu_value = table.pop("gpu", base.pop("gpu", "cpu"))
+    gpu = _parse_gpu(p, gpu_value)
+    fields = _read_fields(p, "cluster", table, ClusterSpec, {"preset", "gpu"})
+    if gpu is None:
+        return None
+    merged = {**base, **fields}
+    if "gpus" not in fields:
+        if "dp" in par:
+            merged["gpus"] = par["dp"] * par.get("tp", 1) * par.get("pp", 1)
+        elif "gpus" not in merged:
+            merged["gpus"] = par.get("tp", 1) * par.get("pp", 1)
+    merged.setdefault("gpus_per_node", min(merged["gpus"], 8) if merged["gpus"] > 0 else 1)
+    merged.setdefault("intra_node_bandwidth_gb_per_s", gpu.intra_node_bandwidth_gb_per_s)
+    merged.setdefault("inter_node_bandwidth_gb_per_s", gpu.inter_node_bandwidth_gb_per_s)
+    merged.setdefault("intra_node_latency_us", 20.0 if gpu.name == "cpu" else 2.0)
+    merged.setdefault("inter_node_latency_us", 50.0 if gpu.name == "cpu" else 5.0)
+    return ClusterSpec(gpu=gpu, preset=preset, **merged)
+
+
+def _asdict_without_none(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+            if getattr(obj, f.name) is not None and f.name not in drop}
+
+
+def _unparse(cfg: Config) -> dict[str, Any]:
+    model = _asdict_without_none(cfg.model, drop=("preset",))
+    if cfg.model.preset is not None:
+        model = {"preset": cfg.model.preset, **model}
+    cl = cfg.cluster
+    gpu = cl.gpu
+    presets = gpu_presets()
+    if gpu.name in presets and GPUSpec(name=gpu.name, **presets[gpu.name]) == gpu:
+        gpu_value: Any = gpu.name
+    else:
+        gpu_value = _asdict_without_none(gpu)
+    cluster: dict[str, Any] = {}
+    if cl.preset is not None:
+        cluster["preset"] = cl.preset
+    cluster["gpu"] = gpu_value
+    cluster.update(_asdict_without_none(cl, drop=("gpu", "preset")))
+    return {
+        "schema_version": cfg.schema_version,
+        "model": model,
+        "cluster": cluster,
+        "parallel": _asdict_without_none(cfg.parallel),
+        "training": _asdict_without_none(cfg.training),
+        "conventions": _asdict_without_none(cfg.conventions),
+    }
+
+
+def default_config() -> Config:
+    """The embedded default: the tiny model on local CPU ranks (assets/presets/default.toml)."""
+    from assets import PRESETS_DIR
+
+    return Config.load(PRESETS_DIR / "default.toml")

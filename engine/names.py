@@ -1,0 +1,71 @@
+"""Names that every package shares. A fact lives once: here.
+
+Memory categories, schedule names, strategy names and the enumerations of the
+Config file are defined in this module and used everywhere else by reference.
+"""
+
+from __future__ import annotations
+
+#: Memory categories, in display order. Every number is per rank, in bytes.
+MEMORY_CATEGORIES: tuple[str, ...] = (
+    "params",
+    "grads",
+    "optimizer",  # includes fp32 master weights under mixed precision
+    "activations",
+    "comm_buffers",  # DDP buckets, all-gather / reduce-scatter buffers, p2p buffers
+    "temporaries",
+    "overhead",  # runtime context, collective-library buffers, allocator slack
+)
+
+#: Pipeline schedules, spelled as torch.distributed.pipelining names them (without "Schedule").
+SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+#: Schedules that run exactly one stage per rank.
+SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+#: Schedules that place two stages per rank in a V (stage i and 2p-1-i on rank i).
+V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
+#: Schedules that split the backward into input-gradient (I) and weight-gradient (W) parts.
+SPLIT_BACKWARD_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"})
+
+#: ZeRO stage -> what it shards.
+ZERO_STAGES: dict[int, str] = {
+    0: "DDP: everything replicated, gradients all-reduced",
+    1: "ZeRO-1: optimizer state sharded",
+    2: "ZeRO-2: optimizer state and gradients sharded",
+    3: "ZeRO-3 / FSDP full shard: parameters, gradients and optimizer state sharded",
+}
+
+#: FSDP sharding-strategy names (FSDP1's ShardingStrategy) mapped onto (zero stage, hybrid?).
+FSDP_STRATEGIES: dict[str, tuple[int, bool]] = {
+    "NO_SHARD": (0, False),
+    "SHARD_GRAD_OP": (2, False),
+    "FULL_SHARD": (3, False),
+    "HYBRID_SHARD": (3, True),
+    "_HYBRID_SHARD_ZERO2": (2, True),
+}
+
+MLP_KINDS = ("gelu", "swiglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+ATTENTION_KINDS = ("eager", "flash")
+POSITION_KINDS = ("rope", "learned")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+GRAD_DTYPES = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "sgd-momentum", "sgd")
+RECOMPUTE_KINDS = ("none", "selective", "full")
+BUBBLE_CONVENTIONS = ("share-of-total", "relative-to-ideal")
+
+#: Bytes per element of each dtype name used above.
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+#: Optimizer states per parameter (fp32 each), beside any master weights.
+OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "sgd-momentum": 1, "sgd": 0}
+
+#: Default gradient dtype for each precision when the file does not say.
+DEFAULT_GRAD_DTYPE: dict[str, str] = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
