@@ -1,0 +1,88 @@
+"""Where things live: rank coordinates, stage placement and the layer split.
+
+Shared by the memory model, the pipeline model and the backend so that they all cut
+the model and place the stages the same way.
+
+Rank order (torchtitan / Megatron convention): TP innermost, then DP, then PP outermost::
+
+    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.names import V_SCHEDULES
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int
+    pp: int
+    dp: int
+    tp: int
+    node: int
+
+
+def rank_coords(rank: int, dp: int, tp: int, pp: int, gpus_per_node: int) -> RankCoords:
+    """Coordinates of a global rank on the (pp, dp, tp) mesh, and the node that hosts it."""
+    world = dp * tp * pp
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside 0..{world - 1}")
+    return RankCoords(rank=rank, pp=rank // (dp * tp), dp=(rank // tp) % dp, tp=rank % tp,
+                      node=rank // gpus_per_node)
+
+
+def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int) -> int:
+    return pp_index * dp * tp + dp_index * tp + tp_index
+
+
+def placement_style(schedule: str) -> str:
+    """"v" for the V-shaped schedules (ZBVZeroBubble, DualPipeV), else "loop"."""
+    return "v" if schedule in V_SCHEDULES else "loop"
+
+
+def stage_to_pp_rank(num_stages: int, pp: int, style: str) -> list[int]:
+    """Pipeline rank (index in the pp group) of each stage.
+
+    Same rule as ``torch.distributed.pipelining.schedules.generate_stage_to_rank_mapping``:
+    "loop" puts stage s on rank s mod pp; "v" walks down then back up, so rank 0 holds the
+    first and the last stage.
+    """
+    if style == "loop":
+        return [s % pp for s in range(num_stages)]
+    if style == "v":
+        if num_stages % pp:
+            raise ValueError(f"V placement needs num_stages ({num_stages}) to be a multiple of pp ({pp})")
+        out = []
+        for s in range(num_stages):
+            block, offset = divmod(s, pp)
+            out.append(offset if block % 2 == 0 else pp - 1 - offset)
+        return out
+    raise ValueError(f"unknown placement style {style!r}; allowed: loop | v")
+
+
+def stages_of_pp_rank(num_stages: int, pp: int, style: str) -> list[list[int]]:
+    """The stages each pipeline rank holds, in increasing stage order."""
+    owners = stage_to_pp_rank(num_stages, pp, style)
+    out: list[list[int]] = [[] for _ in range(pp)]
+    for s, r in enumerate(owners):
+        out[r].append(s)
+    return out
+
+
+def split_layers(layers: int, num_stages: int) -> list[range]:
+    """Transformer blocks of each stage: as even as possible, the first stages take the remainder.
+
+    E.g. 10 layers over 4 stages -> [0,1,2] [3,4,5] [6,7] [8,9]. The embedding sits on stage 0
+    and the final norm and head on the last stage, beside these blocks.
+    """
+    if num_stages < 1 or layers < num_stages:
+        raise ValueError(f"cannot split {layers} layers over {num_stages} stages")
+    base, extra = divmod(layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
