@@ -564,8 +564,9 @@ def _parse(raw: dict[str, Any]) -> Config:
     parallel_raw = _table(p, raw, "parallel")
     par = _parse_parallel(p, parallel_raw)
     cluster = _parse_cluster(p, cluster_raw, par)
-    if cluster is not None and "dp" not in par and cluster.gpus % (par.get("tp", 1) * par.get("pp", 1)) == 0:
-        par["dp"] = max(1, cluster.gpus // (par.get("tp", 1) * par.get("pp", 1)))
+    inner = par.get("tp", 1) * par.get("pp", 1)
+    if cluster is not None and "dp" not in par and inner > 0 and cluster.gpus % inner == 0:
+        par["dp"] = max(1, cluster.gpus // inner)
     parallel = ParallelSpec(**par)
     tr = _read_fields(p, "training", _table(p, raw, "training"), TrainingSpec, set())
     if "grad_dtype" not in tr:
@@ -592,13 +593,13 @@ def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
     base: dict[str, Any] = {}
     preset = table.get("preset")
     if preset is not None:
-        if preset not in presets:
+        if not isinstance(preset, str) or preset not in presets:
             p.append(Problem("model.preset", preset, f"unknown preset; allowed: {', '.join(presets)}"))
         else:
             base = dict(presets[preset])
     fields = _read_fields(p, "model", table, ModelSpec, {"preset"})
     merged = {**base, **fields}
-    if preset in presets:
+    if base:
         merged["preset"] = preset
     required = [f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING]
     missing = [k for k in required if k not in merged]
@@ -613,7 +614,7 @@ def _parse_parallel(p: list[Problem], table: dict) -> dict[str, Any]:
     fsdp = table.pop("fsdp", None)
     par = _read_fields(p, "parallel", table, ParallelSpec, set())
     if fsdp is not None:
-        if fsdp not in names.FSDP_STRATEGIES:
+        if not isinstance(fsdp, str) or fsdp not in names.FSDP_STRATEGIES:
             p.append(Problem("parallel.fsdp", fsdp, f"allowed: {' | '.join(names.FSDP_STRATEGIES)}"))
         else:
             zero, hybrid = names.FSDP_STRATEGIES[fsdp]
@@ -638,7 +639,7 @@ def _parse_gpu(p: list[Problem], value: Any) -> GPUSpec | None:
         base_name = value.pop("preset", None)
         base: dict[str, Any] = {}
         if base_name is not None:
-            if base_name not in presets:
+            if not isinstance(base_name, str) or base_name not in presets:
                 p.append(Problem("cluster.gpu.preset", base_name, f"unknown GPU; allowed: {', '.join(presets)}"))
             else:
                 base = {"name": base_name, **presets[base_name]}
@@ -660,7 +661,7 @@ def _parse_cluster(p: list[Problem], table: dict, par: dict[str, Any]) -> Cluste
     preset = table.pop("preset", None)
     base: dict[str, Any] = {}
     if preset is not None:
-        if preset not in presets:
+        if not isinstance(preset, str) or preset not in presets:
             p.append(Problem("cluster.preset", preset, f"unknown preset; allowed: {', '.join(presets)}"))
             preset = None
         else:

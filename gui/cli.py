@@ -1,0 +1,201 @@
+"""The ``shardscope`` command line.
+
+``shardscope`` alone opens the window on the embedded default (local CPU ranks).
+Every user mistake ends with a message on stderr and a non-zero exit, never a traceback.
+
+Exit codes: 0 success; 1 the job itself failed (a run that failed, a config that does not
+fit); 2 a user mistake (bad arguments, invalid config, missing file); 3 not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
+
+class CliError(Exception):
+    """A user mistake: printed as one message, exit code attached."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
+
+
+def _load(path: str):
+    from engine import Config
+
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"config file not found: {path}")
+    return Config.load(p)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _summary(cfg) -> str:
+    m, c, par, t = cfg.model, cfg.cluster, cfg.parallel, cfg.training
+    name = m.preset or "custom model"
+    layout = f"dp={par.dp} tp={par.tp} pp={par.pp} zero={par.zero}"
+    if par.replicate > 1:
+        layout += f" replicate={par.replicate}"
+    if par.sequence_parallel:
+        layout += " +sp"
+    if par.pp > 1:
+        layout += f" {par.schedule} v={par.virtual_stages} m={par.microbatches}"
+    return (f"{name} ({m.layers} layers, hidden {m.hidden}) on {c.gpus} × {c.gpu.name} "
+            f"({c.nodes} node(s)); {layout}; {t.precision}, {t.optimizer}, recompute {t.recompute}")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from engine import ConfigError
+
+    failed = 0
+    for path in args.configs:
+        try:
+            cfg = _load(path)
+        except ConfigError as exc:
+            failed += 1
+            print(f"{path}: {exc}", file=sys.stderr)
+            continue
+        print(f"{path}: valid — {_summary(cfg)}")
+    return EXIT_USAGE if failed else EXIT_OK
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    cfg = _load(args.config)
+    try:
+        from engine.predict import predict, render_table
+    except ImportError as exc:  # the engine's models land issue by issue
+        raise CliError(f"shardscope predict is not available yet ({exc})", EXIT_UNAVAILABLE) from None
+    import json
+
+    pred = predict(cfg)
+    if args.json:
+        print(json.dumps(pred.to_json(explain=args.explain), indent=2))
+    else:
+        print(_summary(cfg))
+        print(render_table(pred, explain=args.explain))
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _load(args.config)  # validate before anything starts
+    try:
+        from backend.launch import run_cli
+    except ImportError as exc:
+        raise CliError(f"shardscope run is not available yet ({exc})", EXIT_UNAVAILABLE) from None
+    return run_cli(args.config, out_dir=args.out, steps=args.steps, json_events=args.json,
+                   timeout_s=args.timeout)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        from engine.planner import plan_cli
+    except ImportError:
+        raise CliError("shardscope plan is not available yet: the planner (issue 5) has not landed",
+                       EXIT_UNAVAILABLE) from None
+    return plan_cli(args)
+
+
+def cmd_gui(args: argparse.Namespace) -> int:
+    if getattr(args, "config", None):
+        _load(args.config)
+    try:
+        from gui.app import run_app
+    except ImportError as exc:
+        raise CliError(f"the ShardScope window is not available ({exc})", EXIT_UNAVAILABLE) from None
+    return run_app(config_path=getattr(args, "config", None), screenshot=getattr(args, "screenshot", None))
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from engine.presets import cluster_presets, gpu_presets, model_presets
+
+    for title, table in (("models", model_presets()), ("gpus", gpu_presets()), ("clusters", cluster_presets())):
+        print(f"{title}: {', '.join(table)}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardscope",
+        description="Predict memory and pipeline timelines per GPU for a distributed-training layout, "
+                    "run the same layout for real, and compare. Without a command: open the window.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("gui", help="open the window (optionally on a config; --screenshot renders offscreen)")
+    p.add_argument("--config", help="a config file (TOML or JSON)")
+    p.add_argument("--screenshot", metavar="OUT.png", help="render the window offscreen to this PNG and exit")
+    p.set_defaults(func=cmd_gui)
+
+    p = sub.add_parser("validate", help="check config files; every problem names its field")
+    p.add_argument("configs", nargs="+", metavar="CONFIG")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("predict", help="memory per rank and pipeline timeline for a config")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--explain", action="store_true", help="show the terms behind every number")
+    p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("run", help="run the config as real multi-process PyTorch training and measure it")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped as hung")
+    p.add_argument("--json", action="store_true", help="print one JSON event per line")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("plan", help="rank every valid layout of a model on N GPUs by predicted throughput")
+    p.add_argument("--model", required=True, help="a model preset")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu", default="h100-sxm", help="a GPU preset")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("presets", help="list the model, GPU and cluster presets")
+    p.set_defaults(func=cmd_presets)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from engine import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args.func = cmd_gui
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        where = getattr(args, "config", None)
+        print(f"shardscope: {where + ': ' if where else ''}{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CliError as exc:
+        print(f"shardscope: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("shardscope: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
