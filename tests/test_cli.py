@@ -40,7 +40,7 @@ def test_validate_rejects_with_field_names_and_no_traceback(tmp_path):
 
 def test_missing_file_is_a_clean_error(tmp_path):
     out = shardscope("validate", str(tmp_path / "nope.toml"))
-    assert out.returncode == 2 and "cannot be read" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "not found" in out.stderr and "Traceback" not in out.stderr
     out = shardscope("predict", str(tmp_path / "nope.toml"))
     assert out.returncode == 2 and "not found" in out.stderr and "Traceback" not in out.stderr
 
