@@ -11,7 +11,6 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ShardScope needs Python >= 3.11"'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
