@@ -1,0 +1,298 @@
+"""Communication per step: bytes and seconds, per rank and per parallel dimension.
+
+Collective times follow the ring alpha-beta model with the nccl-tests bus-bandwidth
+factors (PERFORMANCE.md)::
+
+    all-reduce                               2(n-1)·α + 2(n-1)/n · S/B
+    reduce-scatter / all-gather / all-to-all  (n-1)·α +  (n-1)/n · S/B
+    point-to-point                                 α +          S/B
+
+S is the size of the whole buffer (for all-gather: the gathered output), B the per-GPU
+bus bandwidth of the link the group spans, α its latency. A group whose ranks sit on
+several nodes with more than one rank per node runs hierarchically: an intra-node
+reduce-scatter, the inter-node collective on S/n_local, an intra-node all-gather. A group
+with one rank per node runs a flat ring over the network.
+
+Rank placement: TP innermost, then DP, then PP (engine.layout), so TP groups are the
+consecutive ranks and the most likely to fit in a node; PP groups are strided furthest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.config import Config
+from engine.layout import placement_style, rank_of, stage_to_pp_rank
+from engine.params import params_per_rank
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
+DIMENSIONS = ("dp", "tp", "pp")
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: bytes each rank moves per byte of the buffer."""
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    if kind == "p2p":
+        return 1.0
+    raise ValueError(f"unknown collective {kind!r}; allowed: {', '.join(COLLECTIVES)}")
+
+
+def ring_seconds(kind: str, size_bytes: float, n: int, bandwidth_bytes_per_s: float, latency_s: float) -> float:
+    """Flat-ring time of one collective of a ``size_bytes`` buffer over ``n`` ranks."""
+    if kind == "p2p":
+        return latency_s + size_bytes / bandwidth_bytes_per_s
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps * latency_s + bus_factor(kind, n) * size_bytes / bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """How one process group of a dimension lies on the nodes."""
+
+    dim: str
+    size: int
+    nodes: int  # nodes the group touches
+    local: int  # ranks of the group per node (the largest count on any node)
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+    @property
+    def link(self) -> str:
+        if not self.crosses_nodes:
+            return "intra-node"
+        return "hierarchical" if self.local > 1 else "inter-node"
+
+
+def group_ranks(cfg: Config, dim: str, rank: int = 0) -> list[int]:
+    """The global ranks of the ``dim`` group that contains ``rank``."""
+    par = cfg.parallel
+    pp_i, rest = divmod(rank, par.dp * par.tp)
+    dp_i, tp_i = divmod(rest, par.tp)
+    if dim == "tp":
+        return [rank_of(pp_i, dp_i, t, par.dp, par.tp) for t in range(par.tp)]
+    if dim == "dp":
+        return [rank_of(pp_i, d, tp_i, par.dp, par.tp) for d in range(par.dp)]
+    if dim == "pp":
+        return [rank_of(p, dp_i, tp_i, par.dp, par.tp) for p in range(par.pp)]
+    raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(DIMENSIONS)}")
+
+
+def group_span(cfg: Config, dim: str) -> GroupSpan:
+    """The widest-spread group of ``dim`` (all groups of a dimension have the same shape
+    when gpus_per_node divides the group stride; otherwise the worst one is reported)."""
+    par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
+    size = {"dp": par.dp, "tp": par.tp, "pp": par.pp}[dim]
+    worst = GroupSpan(dim, size, 1, size)
+    seen: set[int] = set()
+    for r in range(par.world_size):
+        if r in seen:
+            continue
+        ranks = group_ranks(cfg, dim, r)
+        seen.update(ranks)
+        per_node: dict[int, int] = {}
+        for x in ranks:
+            per_node[x // gpn] = per_node.get(x // gpn, 0) + 1
+        span = GroupSpan(dim, size, len(per_node), max(per_node.values()))
+        if (span.nodes, -span.local) > (worst.nodes, -worst.local):
+            worst = span
+    return worst
+
+
+def collective_seconds(cfg: Config, kind: str, size_bytes: float, span: GroupSpan) -> float:
+    """Time of one collective over a group laid out as ``span`` on this cluster."""
+    cl = cfg.cluster
+    intra = (cl.intra_node_bytes_per_s, cl.intra_node_latency_us * 1e-6)
+    inter = (cl.inter_node_bytes_per_s, cl.inter_node_latency_us * 1e-6)
+    n = span.size
+    if kind == "p2p":
+        return ring_seconds("p2p", size_bytes, 2, *(inter if span.crosses_nodes else intra))
+    if n <= 1:
+        return 0.0
+    if not span.crosses_nodes:
+        return ring_seconds(kind, size_bytes, n, *intra)
+    if span.local == 1:
+        return ring_seconds(kind, size_bytes, n, *inter)
+    # hierarchical: intra reduce-scatter / all-gather around an inter-node collective on S/local
+    local, nodes = span.local, span.nodes
+    if kind == "all_reduce":
+        return (ring_seconds("reduce_scatter", size_bytes, local, *intra)
+                + ring_seconds("all_reduce", size_bytes / local, nodes, *inter)
+                + ring_seconds("all_gather", size_bytes, local, *intra))
+    return (ring_seconds(kind, size_bytes, local, *intra)
+            + ring_seconds(kind, size_bytes / local, nodes, *inter))
+
+
+# --------------------------------------------------------------------------- per step
+
+
+@dataclass(frozen=True)
+class CommItem:
+    """One kind of communication a rank does in a step."""
+
+    dim: str  # "dp" | "tp" | "pp"
+    what: str  # e.g. "DDP gradient all-reduce"
+    collective: str  # one of COLLECTIVES
+    calls: int  # per step
+    size_bytes: float  # buffer size of one call (S)
+    group_size: int
+    link: str  # intra-node | inter-node | hierarchical
+    seconds: float  # all calls of the step together
+    overlappable: bool  # may hide behind compute (DP with backward, FSDP prefetch); TP is on the critical path
+    phase: str  # "forward" | "backward" | "step" | "forward+backward"
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this rank puts on the wire in the step (bus bytes)."""
+        n = 2 if self.collective == "p2p" else self.group_size
+        return self.calls * self.size_bytes * bus_factor(self.collective, n)
+
+
+@dataclass(frozen=True)
+class RankComm:
+    pp_rank: int
+    rank: int  # global rank of (pp_rank, dp 0, tp 0)
+    items: tuple[CommItem, ...] = field(default=())
+
+    def seconds(self, dim: str | None = None) -> float:
+        return sum(i.seconds for i in self.items if dim is None or i.dim == dim)
+
+    def bytes_sent(self, dim: str | None = None) -> float:
+        return sum(i.bytes_sent for i in self.items if dim is None or i.dim == dim)
+
+
+@dataclass(frozen=True)
+class CommReport:
+    per_pp_rank: tuple[RankComm, ...]
+    spans: dict[str, GroupSpan]
+
+    def to_json(self) -> dict:
+        return {
+            "groups": {d: {"size": s.size, "nodes": s.nodes, "ranks_per_node": s.local, "link": s.link,
+                           "crosses_nodes": s.crosses_nodes} for d, s in self.spans.items()},
+            "per_rank": [
+                {"pp_rank": rc.pp_rank, "rank": rc.rank, "seconds": rc.seconds(), "bytes_sent": rc.bytes_sent(),
+                 "items": [{"dim": i.dim, "what": i.what, "collective": i.collective, "calls": i.calls,
+                            "size_bytes": i.size_bytes, "group_size": i.group_size, "link": i.link,
+                            "seconds": i.seconds, "bytes_sent": i.bytes_sent, "overlappable": i.overlappable,
+                            "phase": i.phase} for i in rc.items]}
+                for rc in self.per_pp_rank
+            ],
+        }
+
+
+def activation_message_bytes(cfg: Config) -> int:
+    """One microbatch's hidden states b·s·h in the compute dtype (what TP collectives and PP sends move)."""
+    m, t = cfg.model, cfg.training
+    return t.micro_batch_size * m.seq_len * m.hidden * t.param_bytes
+
+
+def communication(cfg: Config) -> CommReport:
+    """Bytes and seconds of every collective and send a rank does in one step, per pp-rank."""
+    par = cfg.parallel
+    spans = {d: group_span(cfg, d) for d in DIMENSIONS}
+    held = params_per_rank(cfg)
+    n_stages = par.num_stages
+    owners = stage_to_pp_rank(n_stages, par.pp, placement_style(par.schedule))
+    m = par.microbatches
+    act = activation_message_bytes(cfg)
+    out = []
+    for pp_rank in range(par.pp):
+        rp = held[pp_rank][0]  # tp-rank 0 holds the largest vocabulary chunk
+        items: list[CommItem] = []
+        items += _dp_items(cfg, rp.total, spans)
+        items += _tp_items(cfg, rp, act, spans["tp"])
+        # pipeline sends: one activation forward and one gradient backward per microbatch per boundary
+        pp_msg = act / par.tp if par.sequence_parallel else act
+        fwd = sum(1 for s in rp.stage_indices if s < n_stages - 1 and owners[s + 1] != pp_rank)
+        bwd = sum(1 for s in rp.stage_indices if s > 0 and owners[s - 1] != pp_rank)
+        pspan = spans["pp"]
+        if par.pp > 1:
+            for phase, boundaries in (("forward", fwd), ("backward", bwd)):
+                if boundaries:
+                    one = collective_seconds(cfg, "p2p", pp_msg, pspan)
+                    items.append(CommItem("pp", f"pipeline {'activation' if phase == 'forward' else 'gradient'} send",
+                                          "p2p", boundaries * m, pp_msg, 2, pspan.link, boundaries * m * one, False, phase))
+        out.append(RankComm(pp_rank=pp_rank, rank=rank_of(pp_rank, 0, 0, par.dp, par.tp), items=tuple(items)))
+    return CommReport(per_pp_rank=tuple(out), spans=spans)
+
+
+def _dp_items(cfg: Config, local_params: int, spans: dict[str, GroupSpan]) -> list[CommItem]:
+    par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
+    if par.dp == 1:
+        return []
+    grads = local_params * tr.grad_bytes
+    weights = local_params * tr.param_bytes
+    shard = par.shard_degree
+    span = spans["dp"]
+    # the shard group is the first dp/replicate ranks of the dp group (replicas outermost)
+    shard_span = _sub_span(span, shard)
+    items = []
+
+    def add(what, coll, calls, size, sp, overlappable, phase):
+        if sp.size > 1:
+            one = collective_seconds(cfg, coll, size, sp)
+            items.append(CommItem("dp", what, coll, calls, size, sp.size, sp.link, calls * one, overlappable, phase))
+
+    if par.zero == 0:
+        buckets = max(1, math.ceil(grads / (conv.ddp_bucket_mb * 1e6)))
+        add(f"DDP gradient all-reduce ({buckets} bucket(s) of ≤ {conv.ddp_bucket_mb:g} MB)", "all_reduce",
+            buckets, grads / buckets, span, True, "backward")
+    elif par.zero == 1:
+        # torch's ZeroRedundancyOptimizer: DDP all-reduces the gradients, then every rank
+        # broadcasts its updated shard — an all-gather of the parameters in volume.
+        add("ZeRO-1 gradient all-reduce (DDP)", "all_reduce", 1, grads, span, True, "backward")
+        add("ZeRO-1 parameter all-gather (shard broadcasts after the step)", "all_gather", 1, weights, span, False, "step")
+    else:
+        gathers = 2 if par.zero == 3 else 1
+        add(f"FSDP parameter all-gather ({'forward and backward' if gathers == 2 else 'forward only'})",
+            "all_gather", gathers, weights, shard_span, True, "forward+backward" if gathers == 2 else "forward")
+        add("FSDP gradient reduce-scatter", "reduce_scatter", 1, grads, shard_span, True, "backward")
+        if par.replicate > 1:
+            rep = GroupSpan("dp", par.replicate, min(span.nodes, par.replicate),
+                            max(1, par.replicate // max(1, min(span.nodes, par.replicate))))
+            add("HSDP gradient all-reduce across replicas", "all_reduce", 1, grads / shard, rep, True, "backward")
+    return items
+
+
+def _sub_span(span: GroupSpan, size: int) -> GroupSpan:
+    """The span of the first ``size`` ranks of a group laid out like ``span``."""
+    if size == span.size:
+        return span
+    local = min(size, span.local)
+    nodes = math.ceil(size / local)
+    return GroupSpan(span.dim, size, nodes, local)
+
+
+def _tp_items(cfg: Config, rp, act: int, span: GroupSpan) -> list[CommItem]:
+    par, tr = cfg.parallel, cfg.training
+    if par.tp == 1:
+        return []
+    m, layers = par.microbatches, rp.layers
+    recompute_fwd = tr.recompute == "full"
+    items = []
+    fwd_calls = 2 * layers * m
+    bwd_calls = 2 * layers * m + (2 * layers * m if recompute_fwd else 0)
+    if par.sequence_parallel:
+        for coll in ("all_gather", "reduce_scatter"):
+            one = collective_seconds(cfg, coll, act, span)
+            items.append(CommItem("tp", f"TP+SP {coll.replace('_', '-')} per block (forward)", coll, fwd_calls, act,
+                                  par.tp, span.link, fwd_calls * one, False, "forward"))
+            items.append(CommItem("tp", f"TP+SP {coll.replace('_', '-')} per block (backward"
+                                        f"{' + recomputed forward' if recompute_fwd else ''})",
+                                  coll, bwd_calls, act, par.tp, span.link, bwd_calls * one, False, "backward"))
+    else:
+        one = collective_seconds(cfg, "all_reduce", act, span)
+        items.append(CommItem("tp", "TP all-reduce per block (forward: attention + MLP)", "all_reduce", fwd_calls,
+                              act, par.tp, span.link, fwd_calls * one, False, "forward"))
+        items.append(CommItem("tp", "TP all-reduce per block (backward"
+                                    f"{' + recomputed forward' if recompute_fwd else ''})", "all_reduce",
+                              bwd_calls, act, par.tp, span.link, bwd_calls * one, False, "backward"))
+    return items

@@ -1,0 +1,103 @@
+"""Communication model: ring formulas, bus-bandwidth factors, group placement, volumes."""
+
+import math
+
+import pytest
+
+from engine import Config
+from engine.comm import GroupSpan, bus_factor, collective_seconds, communication, group_span, ring_seconds
+
+
+def cfg(**parallel):
+    gpus = parallel.pop("gpus", None)
+    cluster = {"preset": parallel.pop("cluster", "h100-pod-64")}
+    par = {"dp": 1, "tp": 1, "pp": 1, **parallel}
+    cluster["gpus"] = gpus or par["dp"] * par["tp"] * par["pp"]
+    return Config.from_dict({"model": {"preset": parallel.pop("model", "llama2-7b")}, "cluster": cluster,
+                             "parallel": par})
+
+
+def test_bus_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert bus_factor("all_gather", 8) == pytest.approx(7 / 8)
+    assert bus_factor("reduce_scatter", 4) == pytest.approx(3 / 4)
+    assert bus_factor("p2p", 2) == 1.0
+    with pytest.raises(ValueError, match="allowed"):
+        bus_factor("broadcast", 2)
+
+
+def test_ring_formulas_hand_worked():
+    # 1 GB all-reduce over 8 GPUs at 100 GB/s, 5 us: 14·5us + 1.75 · 10 ms = 17.57 ms
+    assert ring_seconds("all_reduce", 1e9, 8, 100e9, 5e-6) == pytest.approx(14 * 5e-6 + 1.75e-2)
+    assert ring_seconds("all_gather", 1e9, 8, 100e9, 5e-6) == pytest.approx(7 * 5e-6 + 0.875e-2)
+    assert ring_seconds("p2p", 1e6, 2, 1e9, 1e-5) == pytest.approx(1e-5 + 1e-3)
+    assert ring_seconds("all_reduce", 1e9, 1, 100e9, 5e-6) == 0.0
+
+
+def test_groups_follow_tp_innermost_placement():
+    c = cfg(dp=8, tp=8)  # 64 GPUs, 8 per node
+    assert group_span(c, "tp") == GroupSpan("tp", 8, 1, 8)  # a TP group fills one node
+    assert group_span(c, "dp") == GroupSpan("dp", 8, 8, 1)  # a DP group has one rank per node
+    c = cfg(dp=4, tp=16)
+    span = group_span(c, "tp")
+    assert span.crosses_nodes and span.link == "hierarchical" and span.local == 8
+
+
+def test_hierarchical_all_reduce_hand_worked():
+    c = cfg(dp=4, tp=16)
+    cl = c.cluster
+    S = 64e6
+    span = GroupSpan("tp", 16, 2, 8)
+    intra, inter = cl.intra_node_bytes_per_s, cl.inter_node_bytes_per_s
+    a_in, a_out = cl.intra_node_latency_us * 1e-6, cl.inter_node_latency_us * 1e-6
+    expect = (7 * a_in + 7 / 8 * S / intra) + (2 * a_out + 1.0 * (S / 8) / inter) + (7 * a_in + 7 / 8 * S / intra)
+    assert collective_seconds(c, "all_reduce", S, span) == pytest.approx(expect)
+
+
+def dp_bytes(c):
+    return sum(rc.bytes_sent("dp") for rc in communication(c).per_pp_rank)
+
+
+def test_zero3_moves_one_and_a_half_times_ddp():
+    ddp = dp_bytes(cfg(dp=8, zero=0, gpus=8, cluster="dgx-h100"))
+    z2 = dp_bytes(cfg(dp=8, zero=2, gpus=8, cluster="dgx-h100"))
+    z3 = dp_bytes(cfg(dp=8, zero=3, gpus=8, cluster="dgx-h100"))
+    assert z2 == pytest.approx(ddp, rel=1e-9)
+    assert z3 == pytest.approx(1.5 * ddp, rel=1e-9)
+
+
+def test_ddp_volume_hand_worked():
+    c = cfg(dp=8, zero=0, gpus=8, cluster="dgx-h100")
+    psi = 6_738_415_616
+    expect = 2 * 7 / 8 * psi * 2  # bf16 grads
+    assert dp_bytes(c) == pytest.approx(expect)
+    item = communication(c).per_pp_rank[0].items[0]
+    assert item.calls == math.ceil(psi * 2 / 25e6)
+
+
+def test_pp_communication_is_far_smaller_than_tp():
+    tp = communication(cfg(tp=4, gpus=4, cluster="dgx-h100", microbatches=8))
+    pp = communication(cfg(pp=4, gpus=4, cluster="dgx-h100", microbatches=8))
+    tp_bytes = sum(r.bytes_sent("tp") for r in tp.per_pp_rank)
+    pp_bytes = sum(r.bytes_sent("pp") for r in pp.per_pp_rank)
+    assert pp_bytes > 0 and tp_bytes > 20 * pp_bytes
+
+
+def test_tp_with_sp_moves_the_same_bytes_as_all_reduce():
+    a = communication(cfg(tp=8, gpus=8, cluster="dgx-h100"))
+    b = communication(cfg(tp=8, gpus=8, cluster="dgx-h100", sequence_parallel=True))
+    assert a.per_pp_rank[0].bytes_sent("tp") == pytest.approx(b.per_pp_rank[0].bytes_sent("tp"))
+
+
+def test_v_placement_has_no_send_between_the_two_middle_stages():
+    c = cfg(pp=2, gpus=2, cluster="dgx-h100", schedule="ZBVZeroBubble", virtual_stages=2, microbatches=4)
+    ranks = communication(c).per_pp_rank
+    # rank 0 holds stages 0 and 3, rank 1 stages 1 and 2: rank 0 sends F from 0 and B from 3 → 2 boundaries
+    sends = {rc.pp_rank: sum(i.calls for i in rc.items if i.dim == "pp") for rc in ranks}
+    assert sends == {0: 2 * 4, 1: 2 * 4}
+
+
+def test_to_json_names_groups_and_links():
+    data = communication(cfg(dp=4, tp=16)).to_json()
+    assert data["groups"]["tp"]["crosses_nodes"] is True
+    assert data["per_rank"][0]["items"]
