@@ -1,0 +1,230 @@
+"""Exact parameter counts, and which pipeline stage and tensor-parallel shard holds what.
+
+THE PARAMETER RULE (the backend builds exactly this model; ``sum(p.numel())`` must match):
+
+A decoder-only transformer with ``L`` identical blocks, hidden ``h``, ``a`` heads of
+``d = h / a``, ``a_kv`` KV heads, FFN size ``f``, vocabulary ``V``, sequence ``s``:
+
+* token embedding          ``V·h``
+* position embedding       ``s·h``, only when ``model.position == "learned"`` (rope: none)
+* per block, in order
+    - norm1                LayerNorm: weight + bias = ``2h``; RMSNorm: weight only = ``h``
+    - attention            q: ``h → a·d``, k: ``h → a_kv·d``, v: ``h → a_kv·d``, o: ``h → h``
+    - norm2                as norm1
+    - MLP                  swiglu: gate ``h → f``, up ``h → f``, down ``f → h``;
+                           gelu: up ``h → f``, down ``f → h``
+    - biases               on every Linear above iff ``model.bias`` (q: ``a·d``, k and v:
+                           ``a_kv·d`` each, o: ``h``, gate/up: ``f`` each, down: ``h``)
+* final norm               as norm1
+* head                     ``h → V`` without bias; absent when ``tied_embeddings``
+
+GPT-2 small (gpt2-124m preset) gives 124,439,808; llama2-7b 6,738,415,616.
+
+PLACEMENT RULE (pipeline and tensor parallel):
+
+* Stage ``k`` holds the blocks ``engine.layout.split_layers(L, pp·v)[k]`` (uneven splits give
+  the first stages one block more). The embeddings sit on stage 0, the final norm and head on
+  the last stage; the stage-to-rank map is ``engine.layout`` (loop, or V for ZBV/DualPipeV, where
+  pp-rank 0 holds both the first and the last stage).
+* Tied embeddings with the first and last stage on different pp-ranks: the last stage keeps its
+  own copy of the embedding matrix as the head (Megatron's convention; the two copies' gradients
+  are all-reduced). When one rank holds both ends (pp = 1, or V placement) there is one copy.
+* Tensor parallel (Megatron / torchtitan plan): q, k, v, gate, up are column-parallel (output
+  dim and its bias split by ``t``); o and down are row-parallel (input dim split; bias
+  replicated); norms are replicated; the token embedding and the head are split along the
+  vocabulary like ``torch.chunk`` (``ceil(V/t)`` rows on the first ranks, the rest on the last);
+  the learned position embedding is replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from engine.config import Config, ModelSpec
+from engine.layout import placement_style, split_layers, stages_of_pp_rank
+
+# --------------------------------------------------------------------------- whole model
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one transformer block (all blocks are identical)."""
+
+    attention: int  # q, k, v, o weights
+    mlp: int  # gate/up/down weights
+    norms: int  # norm1 + norm2
+    biases: int  # every Linear's bias (0 unless model.bias)
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.mlp + self.norms + self.biases
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Exact parameter counts of a ModelSpec, by part."""
+
+    embedding: int
+    position: int
+    layer: LayerParams
+    layers: int
+    final_norm: int
+    head: int  # 0 when tied
+
+    @property
+    def per_layer(self) -> int:
+        return self.layer.total
+
+    @property
+    def blocks(self) -> int:
+        return self.layers * self.layer.total
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.position + self.blocks + self.final_norm + self.head
+
+
+def _norm_params(model: ModelSpec) -> int:
+    return 2 * model.hidden if model.norm == "layernorm" else model.hidden
+
+
+def param_counts(model: ModelSpec) -> ParamCounts:
+    """Exact parameter counts by part (see the rule at the top of this module)."""
+    h, f, q_dim, kv = model.hidden, model.ffn_hidden, model.heads * model.head_dim, model.kv_dim
+    attention = h * q_dim + 2 * h * kv + q_dim * h
+    n_up = 2 if model.mlp == "swiglu" else 1
+    mlp = n_up * h * f + f * h
+    biases = (q_dim + 2 * kv + h + n_up * f + h) if model.bias else 0
+    return ParamCounts(
+        embedding=model.vocab * h,
+        position=model.seq_len * h if model.position == "learned" else 0,
+        layer=LayerParams(attention=attention, mlp=mlp, norms=2 * _norm_params(model), biases=biases),
+        layers=model.layers,
+        final_norm=_norm_params(model),
+        head=0 if model.tied_embeddings else model.vocab * h,
+    )
+
+
+# --------------------------------------------------------------------------- local tensors
+#
+# A tensor is described by its local shape on one TP rank as (dim0, rest) — the numbers
+# ZeRO-3 / FSDP2 shard (FSDP2 pads dim 0 to a multiple of the shard degree).
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Sizes ``torch.chunk`` (and DTensor ``Shard``) gives: ceil(n/parts) on the first parts."""
+    size = -(-n // parts)
+    return [max(0, min(size, n - i * size)) for i in range(parts)]
+
+
+@lru_cache(maxsize=256)
+def layer_tensors(model: ModelSpec, tp: int) -> tuple[tuple[int, int], ...]:
+    """(dim0, rest) of every parameter of one block on one TP rank."""
+    h, f, d = model.hidden, model.ffn_hidden, model.head_dim
+    q_local, kv_local, f_local = model.heads * d // tp, model.kv_dim // tp, f // tp
+    norm = ((h, 1), (h, 1)) if model.norm == "layernorm" else ((h, 1),)
+    out: list[tuple[int, int]] = list(norm)
+    out += [(q_local, h), (kv_local, h), (kv_local, h), (h, q_local)]  # q, k, v (col); o (row)
+    if model.bias:
+        out += [(q_local, 1), (kv_local, 1), (kv_local, 1), (h, 1)]
+    out += list(norm)
+    ups = 2 if model.mlp == "swiglu" else 1
+    out += [(f_local, h)] * ups + [(h, f_local)]
+    if model.bias:
+        out += [(f_local, 1)] * ups + [(h, 1)]
+    return tuple(out)
+
+
+def sharded_numel(tensors: tuple[tuple[int, int], ...], degree: int) -> int:
+    """Elements per rank when each tensor's dim 0 is split over ``degree`` ranks, padded (FSDP2)."""
+    if degree == 1:
+        return sum(a * b for a, b in tensors)
+    return sum(-(-a // degree) * b for a, b in tensors)
+
+
+# --------------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """What one pipeline stage holds on one TP rank (local element counts)."""
+
+    stage: int
+    layers: int  # blocks on this stage
+    embedding: int  # local token-embedding rows × h (stage 0 only)
+    position: int  # learned position embedding (stage 0 only)
+    blocks: int  # layers × local params of one block
+    final_norm: int  # last stage only
+    head: int  # last stage only (a copy of the embedding when tied across ranks)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.position + self.blocks + self.final_norm + self.head
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """What one (pp-rank, tp-rank) holds; identical on every DP replica."""
+
+    pp_rank: int
+    tp_rank: int
+    stages: tuple[StageParams, ...]
+    block_tensors: tuple[tuple[int, int], ...]  # one block's local (dim0, rest) shapes
+    units: tuple[tuple[tuple[int, int], ...], ...]  # FSDP units: embeddings, each block, norm+head
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        return tuple(s.stage for s in self.stages)
+
+    @property
+    def total(self) -> int:
+        return sum(s.total for s in self.stages)
+
+    @property
+    def layers(self) -> int:
+        return sum(s.layers for s in self.stages)
+
+
+def params_per_rank(cfg: Config) -> tuple[tuple[RankParams, ...], ...]:
+    """What each pipeline rank and each TP shard holds: ``result[pp_rank][tp_rank]``."""
+    return _params_per_rank(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages,
+                            placement_style(cfg.parallel.schedule))
+
+
+@lru_cache(maxsize=128)
+def _params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str) -> tuple[tuple[RankParams, ...], ...]:
+    n_stages = pp * v
+    split = split_layers(model.layers, n_stages)
+    owners = stages_of_pp_rank(n_stages, pp, style)
+    block = layer_tensors(model, tp)
+    block_numel = sum(a * b for a, b in block)
+    h = model.hidden
+    vocab_rows = chunk_sizes(model.vocab, tp)
+    norm = ((h, 1), (h, 1)) if model.norm == "layernorm" else ((h, 1),)
+    norm_numel = _norm_params(model)
+    last_stage_rank = next(r for r, held in enumerate(owners) if n_stages - 1 in held)
+    head_is_copy = model.tied_embeddings and last_stage_rank != 0
+    out = []
+    for pp_rank, stages in enumerate(owners):
+        row = []
+        for tp_rank in range(tp):
+            rows = vocab_rows[tp_rank]
+            per_stage, units = [], []
+            for s in stages:
+                first, last = s == 0, s == n_stages - 1
+                emb = rows * h if first else 0
+                pos = model.seq_len * h if first and model.position == "learned" else 0
+                head = rows * h if last and (not model.tied_embeddings or head_is_copy) else 0
+                per_stage.append(StageParams(stage=s, layers=len(split[s]), embedding=emb, position=pos,
+                                             blocks=len(split[s]) * block_numel,
+                                             final_norm=norm_numel if last else 0, head=head))
+                if first:
+                    units.append(((rows, h),) + (((model.seq_len, h),) if pos else ()))
+                units.extend([block] * len(split[s]))
+                if last:
+                    units.append(norm + (((rows, h),) if head else ()))
+            row.append(RankParams(pp_rank=pp_rank, tp_rank=tp_rank, stages=tuple(per_stage),
+                                  block_tensors=block, units=tuple(units)))
+        out.append(tuple(row))
+    return tuple(out)
