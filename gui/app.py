@@ -1,0 +1,65 @@
+"""The ShardScope window: controls on the left, memory and pipeline in the middle, metrics and
+the strategy explainer on the right, the run panel below.
+
+``run_app`` is what ``shardscope`` and ``shardscope gui`` call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from assets import ASSETS_DIR
+
+
+def _qt():
+    """Import Qt only when a window is wanted (the CLI starts fast without it)."""
+    import pyqtgraph as pg
+    from PySide6 import QtCore, QtGui, QtWidgets
+
+    pg.setConfigOptions(antialias=False, foreground="#333")
+    return QtCore, QtGui, QtWidgets
+
+
+def make_window(state=None, config=None):
+    from gui.main_window import MainWindow
+    from gui.state import State
+
+    if state is None:
+        state = State(config)
+    return MainWindow(state)
+
+
+def _application():
+    _, _, QtWidgets = _qt()
+    app = QtWidgets.QApplication.instance()
+    if app is None:
+        app = QtWidgets.QApplication(sys.argv[:1])
+        app.setApplicationName("ShardScope")
+    style = ASSETS_DIR / "style.qss"
+    if style.exists():
+        app.setStyleSheet(style.read_text(encoding="utf-8"))
+    return app
+
+
+def run_app(config_path: str | None = None, screenshot: str | None = None) -> int:
+    """Open the window on ``config_path`` (or the embedded default).
+
+    With ``screenshot`` set: render offscreen at 1600×1000, write the PNG and return 0 without
+    entering the event loop.
+    """
+    from engine import Config, default_config
+
+    if screenshot and "QT_QPA_PLATFORM" not in os.environ:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    app = _application()
+    cfg = Config.load(config_path) if config_path else default_config()
+    window = make_window(config=cfg)
+    if config_path:
+        window.current_path = Path(config_path)
+    if screenshot:
+        return window.screenshot(screenshot)
+    window.show()
+    window.state.schedule_recompute()
+    return app.exec()

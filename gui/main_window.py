@@ -1,0 +1,145 @@
+"""The main window: lays the views out around one State and offers the session actions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QApplication,
+    QFileDialog,
+    QMainWindow,
+    QMessageBox,
+    QScrollArea,
+    QSplitter,
+    QTabWidget,
+    QWidget,
+)
+
+from engine import ConfigError
+from gui.state import State
+from gui.widgets.controls import ControlsPanel
+from gui.widgets.memory_chart import MemoryChart
+from gui.widgets.metrics import MetricsPanel
+from gui.widgets.run_panel import RunPanel
+from gui.widgets.timeline import TimelineView
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, state: State, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.state = state
+        self.current_path: Path | None = None
+        self.setWindowTitle("ShardScope")
+        self.controls = ControlsPanel(state)
+        scroll = QScrollArea()
+        scroll.setWidget(self.controls)
+        scroll.setWidgetResizable(True)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setMinimumWidth(self.controls.sizeHint().width() + scroll.verticalScrollBar().sizeHint().width() + 4)
+        self.memory = MemoryChart(state)
+        self.timeline = TimelineView(state)
+        self.metrics = MetricsPanel(state)
+        self.run_panel = RunPanel(state)
+
+        top = QSplitter(Qt.Orientation.Horizontal)
+        top.addWidget(self.memory)
+        top.addWidget(self.metrics.table_holder())
+        top.setSizes([760, 360])
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.run_panel, "Run && compare")
+        self.tabs.addTab(self.metrics.explainer, "Strategies explained")
+        middle = QSplitter(Qt.Orientation.Vertical)
+        middle.addWidget(top)
+        middle.addWidget(self.timeline)
+        middle.addWidget(self.tabs)
+        middle.setSizes([380, 340, 240])
+        outer = QSplitter(Qt.Orientation.Horizontal)
+        outer.addWidget(scroll)
+        outer.addWidget(middle)
+        outer.setSizes([360, 1240])
+        outer.setStretchFactor(1, 1)
+        self.setCentralWidget(outer)
+        self._menus()
+        self.statusBar().showMessage("Drag a control: memory and pipeline follow at once.")
+        state.predictionReady.connect(
+            lambda p: self.statusBar().showMessage(f"predicted in {p.seconds * 1e3:.1f} ms"))
+        state.configChanged.connect(lambda _cfg: self._title())
+        self._title()
+
+    # ------------------------------------------------------------------ menus
+
+    def _menus(self) -> None:
+        file = self.menuBar().addMenu("&File")
+        for text, slot, key in (
+            ("&Open config…", self.open_dialog, QKeySequence.StandardKey.Open),
+            ("&Save config as…", self.save_dialog, QKeySequence.StandardKey.Save),
+            ("Export memory chart as PNG…", lambda: self.export_dialog(self.memory.plot, "memory.png"), None),
+            ("Export timeline as PNG…", lambda: self.export_dialog(self.timeline.plot, "timeline.png"), None),
+            ("Export comparison table as CSV…", self.export_csv_dialog, None),
+            ("&Quit", self.close, QKeySequence.StandardKey.Quit),
+        ):
+            action = QAction(text, self)
+            action.triggered.connect(slot)
+            if key is not None:
+                action.setShortcut(key)
+            file.addAction(action)
+        run = self.menuBar().addMenu("&Run")
+        a = QAction("Run this configuration", self)
+        a.setShortcut("Ctrl+R")
+        a.triggered.connect(self.run_panel.start)
+        run.addAction(a)
+        c = QAction("Cancel run", self)
+        c.triggered.connect(self.state.cancel_run)
+        run.addAction(c)
+
+    def _title(self) -> None:
+        name = self.current_path.name if self.current_path else "untitled"
+        m = self.state.config.model
+        self.setWindowTitle(f"ShardScope — {name} — {m.preset or 'custom'} on {self.state.config.parallel.world_size} ranks")
+
+    # ------------------------------------------------------------------ session
+
+    def open_config(self, path: str | Path) -> None:
+        self.state.load(path)
+        self.current_path = Path(path)
+        self._title()
+
+    def open_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open config", "", "Configs (*.toml *.json)")
+        if path:
+            try:
+                self.open_config(path)
+            except ConfigError as exc:
+                QMessageBox.warning(self, "Not a valid config", str(exc))
+
+    def save_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save config", str(self.current_path or "config.toml"),
+                                              "TOML (*.toml);;JSON (*.json)")
+        if path:
+            self.state.save(path)
+            self.current_path = Path(path)
+            self._title()
+
+    def export_dialog(self, widget, default: str) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export PNG", default, "PNG (*.png)")
+        if path:
+            widget.grab().save(path, "PNG")
+
+    def export_csv_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export table", "comparison.csv", "CSV (*.csv)")
+        if path:
+            self.run_panel.export_csv(path)
+
+    # ------------------------------------------------------------------ screenshot
+
+    def screenshot(self, path: str | Path, width: int = 1600, height: int = 1000) -> int:
+        self.resize(width, height)
+        self.show()
+        self.state.recompute_now()
+        app = QApplication.instance()
+        for _ in range(3):
+            app.processEvents()
+        ok = self.grab().save(str(path), "PNG")
+        return 0 if ok else 1

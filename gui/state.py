@@ -1,0 +1,391 @@
+"""The one state object of the window: the Config, the latest Prediction and the runs.
+
+Widgets read from it and write to it, never to each other. Edits go through
+:meth:`State.edit`; the *desired* config (what the controls show) may be invalid, the
+*valid* config (what the charts show) is the last one that passed every rule. Prediction is
+recomputed on a zero-delay timer, so a burst of slider moves costs one recomputation.
+
+Runs are child processes (``python -m gui.cli run CFG --out DIR --json``) streaming one
+JSON event per line; this process never imports torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject, QProcess, QTimer, Signal
+
+from engine import Config, ConfigError, Problem
+
+# Which control a field belongs to: the first prefix that matches wins.
+FIELD_CONTROLS: tuple[tuple[str, str], ...] = (
+    ("model.preset", "model.preset"),
+    ("model.seq_len", "model.seq_len"),
+    ("model.", "model.size"),
+    ("model", "model.size"),
+    ("cluster.gpus_per_node", "cluster.gpus_per_node"),
+    ("cluster.gpus", "cluster.gpus"),
+    ("cluster.", "cluster.gpu"),
+    ("parallel.replicate", "parallel.zero"),
+    ("parallel.fsdp", "parallel.zero"),
+    ("parallel.", None),  # parallel.<key> -> the control of that key
+    ("training.grad_dtype", "training.precision"),
+    ("training.", None),
+)
+
+
+def control_for_field(name: str) -> str:
+    """The control that owns a Problem's field (``model.kv_heads`` -> ``model.size``)."""
+    for prefix, control in FIELD_CONTROLS:
+        if name == prefix or name.startswith(prefix):
+            return control if control is not None else name
+    return "general"
+
+
+@dataclass
+class Prediction:
+    """What the engine said about one valid Config. A part is None when the engine lacks it."""
+
+    config: Config
+    memory: Any | None = None  # engine.memory.MemoryReport
+    timeline: Any | None = None  # engine.timeline.Timeline
+    step: Any | None = None  # engine step-time model, when it exists
+    missing: dict[str, str] = field(default_factory=dict)  # part -> why it is not there
+    seconds: float = 0.0
+
+
+def _engine_function(module: str, name: str):
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return None
+    return getattr(mod, name, None)
+
+
+def predict(cfg: Config) -> Prediction:
+    """Ask every engine model that exists; record why a part is missing instead of faking it."""
+    t0 = time.perf_counter()
+    pred = Prediction(config=cfg)
+    for part, module, name in (
+        ("memory", "engine.memory", "memory_per_rank"),
+        ("timeline", "engine.timeline", "pipeline_prediction"),
+        ("step", "engine.step", "step_time"),
+    ):
+        fn = _engine_function(module, name)
+        if fn is None:
+            pred.missing[part] = f"{module}.{name} is not in this build of the engine yet"
+            continue
+        try:
+            setattr(pred, part, fn(cfg))
+        except Exception as exc:  # an engine limitation must not take the window down
+            pred.missing[part] = f"{module}.{name} could not predict this config: {exc}"
+    pred.seconds = time.perf_counter() - t0
+    return pred
+
+
+@dataclass
+class RunRecord:
+    """One launch of the backend: its config, where it writes, what it said."""
+
+    config: Config
+    out_dir: Path
+    status: str = "starting"  # starting | running | finished | failed | cancelled
+    events: list[dict] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    measurement: dict | None = None
+    reason: str = ""
+    step: int = 0
+    steps: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.out_dir.name
+
+
+class State(QObject):
+    """Owns the Config, the latest Prediction and the runs; widgets listen to its signals."""
+
+    configChanged = Signal(object)  # the new valid Config
+    desiredChanged = Signal(object)  # the desired config dict (controls mirror it)
+    problemsChanged = Signal(object)  # dict control -> list[Problem]; empty when valid
+    predictionReady = Signal(object)  # Prediction
+    runEvent = Signal(object, object)  # RunRecord, event dict
+    runFinished = Signal(object)  # RunRecord
+    runsChanged = Signal()
+
+    def __init__(self, config: Config | None = None, runs_dir: str | Path = "runs", parent=None):
+        super().__init__(parent)
+        from engine import default_config
+
+        self.config: Config = config if config is not None else default_config()
+        self.desired: dict[str, Any] = self.config.to_dict()
+        self.problems: dict[str, list[Problem]] = {}
+        self.prediction: Prediction | None = None
+        self.runs: list[RunRecord] = []
+        self.runs_dir = Path(runs_dir)
+        self.touched: str | None = None
+        self._process: QProcess | None = None
+        self._active: RunRecord | None = None
+        self._stdout_buffer = b""
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(0)
+        self._timer.timeout.connect(self._recompute)
+        self.recompute_count = 0
+
+    # ------------------------------------------------------------------ config
+
+    def edit(self, path: str, value: Any) -> bool:
+        """Change one field of the desired config (``"parallel.tp"``, 2). True when valid.
+
+        The data-parallel degree follows the GPU count: changing tp, pp or the GPU count
+        sets dp = gpus / (tp·pp) when that divides; changing dp sets the GPU count.
+        """
+        desired = copy.deepcopy(self.desired)
+        section, _, key = path.partition(".")
+        if path == "model.preset":
+            from engine.presets import model_presets
+
+            desired["model"] = {"preset": value, **model_presets()[value]}
+        elif path == "model.size":
+            desired["model"].update(value)  # a dict of shape fields from the family
+        elif path == "cluster.gpu":
+            cl = desired["cluster"]
+            # links follow the GPU kind's platform: let the parser fill them in again
+            desired["cluster"] = {"gpu": value, "gpus": cl["gpus"], "gpus_per_node": cl["gpus_per_node"]}
+        else:
+            desired[section][key] = value
+        par, cl = desired["parallel"], desired["cluster"]
+        if path in ("parallel.tp", "parallel.pp", "cluster.gpus"):
+            tp_pp = par["tp"] * par["pp"]
+            if cl["gpus"] % tp_pp == 0:
+                par["dp"] = cl["gpus"] // tp_pp
+        elif path == "parallel.dp":
+            cl["gpus"] = par["dp"] * par["tp"] * par["pp"]
+        self.touched = path
+        return self.set_desired(desired)
+
+    def set_desired(self, desired: dict[str, Any]) -> bool:
+        self.desired = desired
+        try:
+            cfg = Config.from_dict(desired)
+        except ConfigError as exc:
+            self.problems = self._attribute(exc.problems)
+            self.desiredChanged.emit(self.desired)
+            self.problemsChanged.emit(self.problems)
+            return False
+        self.problems = {}
+        self.desiredChanged.emit(self.desired)
+        self.problemsChanged.emit(self.problems)
+        if cfg != self.config:
+            self.config = cfg
+            self.configChanged.emit(cfg)
+            self.schedule_recompute()
+        return True
+
+    def set_config(self, cfg: Config) -> None:
+        """Replace everything (a file was opened)."""
+        self.config = cfg
+        self.touched = None
+        self.desired = cfg.to_dict()
+        self.problems = {}
+        self.desiredChanged.emit(self.desired)
+        self.problemsChanged.emit(self.problems)
+        self.configChanged.emit(cfg)
+        self.schedule_recompute()
+
+    def _attribute(self, problems: list[Problem]) -> dict[str, list[Problem]]:
+        """Problems grouped by the control that shows them.
+
+        A world-size mismatch is reported by the config on ``parallel.dp``; when the person
+        just moved tp, pp or the GPU count (and dp could not follow), show it there.
+        """
+        out: dict[str, list[Problem]] = {}
+        par, cl = self.desired["parallel"], self.desired["cluster"]
+        for p in problems:
+            control = control_for_field(p.field)
+            if (p.field == "parallel.dp" and self.touched in ("parallel.tp", "parallel.pp", "cluster.gpus")
+                    and isinstance(cl.get("gpus"), int) and cl["gpus"] % (par["tp"] * par["pp"])):
+                control = self.touched
+            out.setdefault(control, []).append(p)
+        return out
+
+    def load(self, path: str | Path) -> None:
+        self.set_config(Config.load(path))
+
+    def save(self, path: str | Path) -> Path:
+        return self.config.save(path)
+
+    # ------------------------------------------------------------------ prediction
+
+    def schedule_recompute(self) -> None:
+        """Coalesce: however many edits arrive before the event loop turns, compute once."""
+        self._timer.start()
+
+    def recompute_now(self) -> Prediction:
+        self._timer.stop()
+        self._recompute()
+        assert self.prediction is not None
+        return self.prediction
+
+    def _recompute(self) -> None:
+        self.recompute_count += 1
+        self.prediction = predict(self.config)
+        self.predictionReady.emit(self.prediction)
+
+    # ------------------------------------------------------------------ runs
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None
+
+    def run_command(self, config_path: Path, out_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "gui.cli", "run", str(config_path), "--out", str(out_dir), "--json"]
+
+    def start_run(self, cfg: Config | None = None) -> RunRecord:
+        """Launch ``cfg`` (default: the current config) as a child process; events stream in."""
+        if self._process is not None:
+            raise RuntimeError("a run is already in progress")
+        cfg = cfg or self.config
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        out_dir = self.runs_dir / stamp
+        n = 1
+        while out_dir.exists():
+            n += 1
+            out_dir = self.runs_dir / f"{stamp}-{n}"
+        out_dir.mkdir(parents=True)
+        cfg_path = cfg.save(out_dir / "config.toml")
+        record = RunRecord(config=cfg, out_dir=out_dir)
+        self.runs.append(record)
+        self._active = record
+        proc = QProcess(self)
+        cmd = self.run_command(cfg_path, out_dir)
+        proc.setProgram(cmd[0])
+        proc.setArguments(cmd[1:])
+        proc.setWorkingDirectory(str(Path(__file__).resolve().parent.parent))
+        proc.readyReadStandardOutput.connect(self._on_stdout)
+        proc.readyReadStandardError.connect(self._on_stderr)
+        proc.finished.connect(self._on_finished)
+        proc.errorOccurred.connect(self._on_error)
+        self._process = proc
+        self._stdout_buffer = b""
+        record.log.append("$ " + " ".join(cmd))
+        proc.start()
+        self.runsChanged.emit()
+        return record
+
+    def cancel_run(self) -> None:
+        if self._process is None or self._active is None:
+            return
+        self._active.status = "cancelled"
+        self._active.reason = "cancelled by the user"
+        self._process.terminate()
+        if not self._process.waitForFinished(3000):
+            self._process.kill()
+
+    def _on_stdout(self) -> None:
+        proc, record = self._process, self._active
+        if proc is None or record is None:
+            return
+        self._stdout_buffer += bytes(proc.readAllStandardOutput().data())
+        *lines, self._stdout_buffer = self._stdout_buffer.split(b"\n")
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                record.log.append(line)
+                self.runEvent.emit(record, {"event": "log", "text": line})
+                continue
+            if not isinstance(event, dict):
+                continue
+            self._apply_event(record, event)
+
+    def _apply_event(self, record: RunRecord, event: dict) -> None:
+        record.events.append(event)
+        kind = event.get("event")
+        if kind == "started":
+            record.status = "running"
+        elif kind == "step":
+            record.step = int(event.get("step", record.step))
+            record.steps = int(event.get("steps", record.steps))
+        elif kind == "failed":
+            record.status = "failed"
+            record.reason = str(event.get("reason", "the run failed"))
+        elif kind == "finished":
+            if record.status != "failed":
+                record.status = "finished"
+        record.log.append(_describe_event(event))
+        self.runEvent.emit(record, event)
+
+    def _on_stderr(self) -> None:
+        if self._process is None or self._active is None:
+            return
+        text = bytes(self._process.readAllStandardError().data()).decode("utf-8", "replace")
+        for line in text.splitlines():
+            if line.strip():
+                self._active.log.append(line)
+                self.runEvent.emit(self._active, {"event": "log", "text": line})
+
+    def _on_error(self, error) -> None:
+        if error == QProcess.ProcessError.FailedToStart and self._active is not None:
+            self._active.status = "failed"
+            self._active.reason = "the backend could not be started"
+            self._finish()
+
+    def _on_finished(self, exit_code: int, exit_status) -> None:
+        self._on_stdout()
+        record = self._active
+        if record is None:
+            return
+        if record.status not in ("failed", "cancelled"):
+            if exit_code != 0:
+                record.status = "failed"
+                record.reason = record.reason or f"the backend exited with code {exit_code}"
+            else:
+                record.status = "finished"
+        if record.status == "finished":
+            path = record.out_dir / "measurement.json"
+            try:
+                record.measurement = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                record.status = "failed"
+                record.reason = f"no readable measurement.json: {exc}"
+        self._finish()
+
+    def _finish(self) -> None:
+        record = self._active
+        proc = self._process
+        self._process = None
+        self._active = None
+        if proc is not None:
+            proc.deleteLater()
+        if record is not None:
+            record.log.append(f"-- {record.status}" + (f": {record.reason}" if record.reason else ""))
+            self.runFinished.emit(record)
+            self.runsChanged.emit()
+
+
+def _describe_event(event: dict) -> str:
+    kind = event.get("event", "?")
+    if kind == "step":
+        parts = [f"step {event.get('step')}/{event.get('steps')}"]
+        if "loss" in event:
+            parts.append(f"loss {event['loss']:.4f}" if isinstance(event["loss"], (int, float)) else f"loss {event['loss']}")
+        if "seconds" in event and isinstance(event["seconds"], (int, float)):
+            parts.append(f"{event['seconds'] * 1e3:.1f} ms")
+        return "  ".join(parts)
+    if kind == "failed":
+        return f"failed: {event.get('reason', '')}"
+    rest = {k: v for k, v in event.items() if k != "event"}
+    return f"{kind} {json.dumps(rest)}" if rest else str(kind)

@@ -1,0 +1,1 @@
+"""The window's views: thin widgets over gui.state.State."""

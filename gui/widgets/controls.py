@@ -1,0 +1,307 @@
+"""The controls: every knob of a Config, each with its problem shown right under it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QGridLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QSlider,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine import names
+from engine.presets import gpu_presets, model_presets
+from gui.family import family_for, format_params
+
+
+def nice_values(lo: int, hi: int) -> list[int]:
+    """1..8, then 2^k and 1.5·2^k: the counts people actually pick."""
+    out = set(range(lo, min(hi, 8) + 1))
+    p = 8
+    while p <= hi:
+        out.update(v for v in (p, p * 3 // 2) if lo <= v <= hi)
+        p *= 2
+    return sorted(out)
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    out, p = [], 1
+    while p <= hi:
+        if p >= lo:
+            out.append(p)
+        p *= 2
+    return out
+
+
+class StepSlider(QWidget):
+    """A slider over a list of allowed values, with the value printed beside it."""
+
+    valueChosen = Signal(int)
+
+    def __init__(self, values: list[int], parent=None):
+        super().__init__(parent)
+        self.values = list(values)
+        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider.setRange(0, len(self.values) - 1)
+        self.slider.setPageStep(1)
+        self.label = QLabel()
+        self.label.setMinimumWidth(48)
+        self.label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.slider, 1)
+        lay.addWidget(self.label)
+        self.slider.valueChanged.connect(self._moved)
+
+    def _moved(self, index: int) -> None:
+        v = self.values[index]
+        self.label.setText(f"{v:,}")
+        self.valueChosen.emit(v)
+
+    def value(self) -> int:
+        return self.values[self.slider.value()]
+
+    def set_value(self, v: int) -> None:
+        if v not in self.values:
+            self.values = sorted({*self.values, v})
+            self.slider.blockSignals(True)
+            self.slider.setRange(0, len(self.values) - 1)
+            self.slider.blockSignals(False)
+        self.slider.blockSignals(True)
+        self.slider.setValue(self.values.index(v))
+        self.slider.blockSignals(False)
+        self.label.setText(f"{v:,}")
+
+
+ZERO_LABELS = {
+    0: "DDP",
+    1: "ZeRO-1",
+    2: "ZeRO-2 (SHARD_GRAD_OP)",
+    3: "ZeRO-3 (FSDP FULL_SHARD)",
+}
+
+
+class ControlsPanel(QWidget):
+    """Writes edits to the State; mirrors the State's desired config and its problems."""
+
+    def __init__(self, state, parent=None):
+        super().__init__(parent)
+        self.state = state
+        self.controls: dict[str, QWidget] = {}
+        self.errors: dict[str, QLabel] = {}
+        self._family: list = []
+        self._syncing = False
+
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(6, 6, 6, 6)
+        self.banner = QLabel()
+        self.banner.setObjectName("problemBanner")
+        self.banner.setWordWrap(True)
+        self.banner.hide()
+        outer.addWidget(self.banner)
+
+        # ---- model
+        g, grid = self._group("Model", outer)
+        self.preset = QComboBox()
+        self.preset.addItems(list(model_presets()))
+        self.preset.currentTextChanged.connect(lambda t: self._edit("model.preset", t))
+        self._row(grid, "Preset", "model.preset", self.preset)
+        self.size = StepSlider([0])
+        self.size.valueChosen.connect(self._size_moved)
+        self.size_label = QLabel()
+        self.size_label.setObjectName("hint")
+        self._row(grid, "Size", "model.size", self.size, hint=self.size_label)
+        self.seq_len = StepSlider(powers_of_two(16, 131072))
+        self.seq_len.valueChosen.connect(lambda v: self._edit("model.seq_len", v))
+        self._row(grid, "Sequence length", "model.seq_len", self.seq_len)
+
+        # ---- cluster
+        g, grid = self._group("Cluster", outer)
+        self.gpu = QComboBox()
+        self.gpu.addItems(list(gpu_presets()))
+        self.gpu.currentTextChanged.connect(lambda t: self._edit("cluster.gpu", t))
+        self._row(grid, "GPU kind", "cluster.gpu", self.gpu)
+        self.gpus = StepSlider(nice_values(1, 16384))
+        self.gpus.valueChosen.connect(lambda v: self._edit("cluster.gpus", v))
+        self._row(grid, "GPU count", "cluster.gpus", self.gpus)
+        self.gpus_per_node = self._spin(1, 64, "cluster.gpus_per_node")
+        self._row(grid, "GPUs per node", "cluster.gpus_per_node", self.gpus_per_node)
+
+        # ---- parallelism
+        g, grid = self._group("Parallelism", outer)
+        for key, label in (("dp", "Data parallel (dp)"), ("tp", "Tensor parallel (tp)"), ("pp", "Pipeline parallel (pp)")):
+            spin = self._spin(1, 16384, f"parallel.{key}")
+            setattr(self, key, spin)
+            self._row(grid, label, f"parallel.{key}", spin)
+        self.zero = QComboBox()
+        for stage in names.ZERO_STAGES:
+            self.zero.addItem(ZERO_LABELS.get(stage, f"ZeRO-{stage}"), stage)
+        self.zero.currentIndexChanged.connect(lambda i: self._edit("parallel.zero", self.zero.itemData(i)))
+        self._row(grid, "Sharding", "parallel.zero", self.zero)
+        self.sp = QCheckBox("sequence parallel (with TP)")
+        self.sp.toggled.connect(lambda b: self._edit("parallel.sequence_parallel", bool(b)))
+        self._row(grid, "", "parallel.sequence_parallel", self.sp)
+        self.schedule = QComboBox()
+        self.schedule.addItems(list(names.SCHEDULES))
+        self.schedule.currentTextChanged.connect(lambda t: self._edit("parallel.schedule", t))
+        self._row(grid, "Schedule", "parallel.schedule", self.schedule)
+        self.virtual_stages = self._spin(1, 16, "parallel.virtual_stages")
+        self._row(grid, "Virtual stages", "parallel.virtual_stages", self.virtual_stages)
+        self.microbatches = StepSlider(nice_values(1, 2048))
+        self.microbatches.valueChosen.connect(lambda v: self._edit("parallel.microbatches", v))
+        self._row(grid, "Microbatches", "parallel.microbatches", self.microbatches)
+
+        # ---- training
+        g, grid = self._group("Training", outer)
+        self.micro_batch_size = self._spin(1, 4096, "training.micro_batch_size")
+        self._row(grid, "Micro-batch size", "training.micro_batch_size", self.micro_batch_size)
+        for key, label, choices in (
+            ("precision", "Precision", names.PRECISIONS),
+            ("optimizer", "Optimizer", names.OPTIMIZERS),
+            ("recompute", "Recompute", names.RECOMPUTE_KINDS),
+        ):
+            box = QComboBox()
+            box.addItems(list(choices))
+            box.currentTextChanged.connect(lambda t, k=key: self._edit(f"training.{k}", t))
+            setattr(self, key, box)
+            self._row(grid, label, f"training.{key}", box)
+        outer.addStretch(1)
+
+        state.desiredChanged.connect(self.sync)
+        state.problemsChanged.connect(self.show_problems)
+        self.sync(state.desired)
+
+    # ------------------------------------------------------------------ building
+
+    def _group(self, title: str, outer: QVBoxLayout) -> tuple[QGroupBox, QGridLayout]:
+        box = QGroupBox(title)
+        grid = QGridLayout(box)
+        grid.setColumnStretch(1, 1)
+        grid.setVerticalSpacing(2)
+        outer.addWidget(box)
+        return box, grid
+
+    def _row(self, grid: QGridLayout, label: str, key: str, widget: QWidget, hint: QLabel | None = None) -> None:
+        r = grid.rowCount()
+        grid.addWidget(QLabel(label), r, 0)
+        grid.addWidget(widget, r, 1)
+        if hint is not None:
+            r += 1
+            grid.addWidget(hint, r, 1)
+        err = QLabel()
+        err.setObjectName("problem")
+        err.setWordWrap(True)
+        err.hide()
+        grid.addWidget(err, r + 1, 0, 1, 2)
+        self.controls[key] = widget
+        self.errors[key] = err
+
+    def _spin(self, lo: int, hi: int, key: str) -> QSpinBox:
+        spin = QSpinBox()
+        spin.setRange(lo, hi)
+        spin.setKeyboardTracking(False)
+        spin.valueChanged.connect(lambda v: self._edit(key, int(v)))
+        return spin
+
+    # ------------------------------------------------------------------ edits
+
+    def _edit(self, path: str, value: Any) -> None:
+        if not self._syncing:
+            self.state.edit(path, value)
+
+    def _size_moved(self, index_value: int) -> None:
+        shape = self._family[self.size.slider.value()]
+        self._show_size(shape)
+        self._edit("model.size", shape.as_model_fields())
+
+    def _show_size(self, shape) -> None:
+        self.size.label.setText(f"≈{format_params(shape.approx_params)}")
+        self.size_label.setText(
+            f"{shape.layers} layers × {shape.hidden} hidden, {shape.heads} heads ({shape.kv_heads} KV), FFN {shape.ffn_hidden}"
+        )
+
+    # ------------------------------------------------------------------ mirror
+
+    def sync(self, desired: dict) -> None:
+        """Show the desired config (the controls never disagree with the State)."""
+        self._syncing = True
+        try:
+            model, cl, par, tr = desired["model"], desired["cluster"], desired["parallel"], desired["training"]
+            presets = model_presets()
+            preset = model.get("preset")
+            self._set_combo(self.preset, preset if preset in presets else None)
+            self._family, index = family_for(model, presets.get(preset))
+            self.size.values = list(range(len(self._family)))
+            self.size.slider.blockSignals(True)
+            self.size.slider.setRange(0, len(self._family) - 1)
+            self.size.slider.setValue(index)
+            self.size.slider.blockSignals(False)
+            self._show_size(self._family[index])
+            self.seq_len.set_value(int(model["seq_len"]))
+            gpu = cl.get("gpu")
+            self._set_combo(self.gpu, gpu if isinstance(gpu, str) else None)
+            self.gpus.set_value(int(cl["gpus"]))
+            self._set_spin(self.gpus_per_node, cl["gpus_per_node"])
+            for key in ("dp", "tp", "pp", "virtual_stages"):
+                self._set_spin(getattr(self, key), par[key])
+            i = self.zero.findData(par.get("zero", 0))
+            self.zero.blockSignals(True)
+            self.zero.setCurrentIndex(max(0, i))
+            self.zero.blockSignals(False)
+            self.sp.blockSignals(True)
+            self.sp.setChecked(bool(par.get("sequence_parallel", False)))
+            self.sp.blockSignals(False)
+            self._set_combo(self.schedule, par["schedule"])
+            self.microbatches.set_value(int(par["microbatches"]))
+            self._set_spin(self.micro_batch_size, tr["micro_batch_size"])
+            for key in ("precision", "optimizer", "recompute"):
+                self._set_combo(getattr(self, key), tr[key])
+        finally:
+            self._syncing = False
+
+    @staticmethod
+    def _set_combo(box: QComboBox, text: str | None) -> None:
+        box.blockSignals(True)
+        if text is None:
+            box.setCurrentIndex(-1)
+        else:
+            box.setCurrentText(text)
+        box.blockSignals(False)
+
+    @staticmethod
+    def _set_spin(spin: QSpinBox, value: int) -> None:
+        spin.blockSignals(True)
+        spin.setValue(int(value))
+        spin.blockSignals(False)
+
+    def show_problems(self, problems: dict) -> None:
+        """Each problem in words beside the control that owns its field; the rest in a banner."""
+        for key, label in self.errors.items():
+            items = problems.get(key, [])
+            label.setText("\n".join(f"⚠ {p.message}" + (f" ({p.field} = {p.value!r})" if p.value is not None else "")
+                                    for p in items))
+            label.setVisible(bool(items))
+            widget = self.controls[key]
+            widget.setProperty("invalid", bool(items))
+            widget.style().unpolish(widget)
+            widget.style().polish(widget)
+        rest = [p for key, items in problems.items() if key not in self.errors for p in items]
+        if problems:
+            head = "Not valid, the charts show the last valid configuration."
+            self.banner.setText(head + "".join(f"\n⚠ {p}" for p in rest))
+            self.banner.show()
+        else:
+            self.banner.hide()
+
+    def problem_text(self, key: str) -> str:
+        label = self.errors[key]
+        return label.text() if label.isVisible() or not label.isHidden() else ""

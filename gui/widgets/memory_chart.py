@@ -1,0 +1,306 @@
+"""The memory chart: per rank (or per group of identical ranks) a stacked bar by category.
+
+The GPU's capacity is a dashed line; a rank over it gets a red frame and an "over by …"
+label. Hovering a segment shows how the engine arrived at it (its ``explain()`` terms).
+After a run, measured memory stands as an outlined bar beside each predicted one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor, QPen
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
+
+from engine.names import MEMORY_CATEGORIES
+
+GIB = float(2**30)
+CATEGORY_COLORS = {
+    "params": "#4C78A8",
+    "grads": "#72B7B2",
+    "optimizer": "#54A24B",
+    "activations": "#F58518",
+    "comm_buffers": "#B279A2",
+    "temporaries": "#FF9DA6",
+    "overhead": "#9D755D",
+}
+OVER_COLOR = "#D62728"
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _compress(ranks: list[int]) -> str:
+    """[0,1,2,3,8] -> '0-3, 8'."""
+    out, start, prev = [], None, None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ", ".join(out)
+
+
+@dataclass
+class RankGroup:
+    """Ranks whose predicted memory is identical in every category."""
+
+    ranks: list[int]
+    values: dict[str, int]
+    total: int
+    fits: bool
+    sample: object  # one RankMemory of the group, for explain()
+    measured: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {_compress(self.ranks)}"
+
+
+def group_ranks(report) -> list[RankGroup]:
+    groups: dict[tuple, RankGroup] = {}
+    for rm in report.per_rank:
+        values = {c: int(getattr(rm, c)) for c in MEMORY_CATEGORIES}
+        key = tuple(values.values())
+        if key in groups:
+            groups[key].ranks.append(int(rm.rank))
+        else:
+            total = int(getattr(rm, "total", sum(values.values())))
+            fits = bool(getattr(rm, "fits", total <= report.capacity_bytes))
+            groups[key] = RankGroup([int(rm.rank)], values, total, fits, rm)
+    return sorted(groups.values(), key=lambda g: g.ranks[0])
+
+
+def explain_text(rank_memory, category: str) -> str:
+    """The engine's terms behind one number, one line each."""
+    explain = getattr(rank_memory, "explain", None)
+    if explain is None:
+        return ""
+    lines = []
+    for term in explain(category):
+        label = getattr(term, "label", None) or (term.get("label") if isinstance(term, dict) else str(term))
+        nbytes = getattr(term, "bytes", None)
+        if nbytes is None and isinstance(term, dict):
+            nbytes = term.get("bytes")
+        formula = getattr(term, "formula", None)
+        if formula is None and isinstance(term, dict):
+            formula = term.get("formula")
+        line = f"• {label}"
+        if nbytes is not None:
+            line += f": {fmt_bytes(nbytes)}"
+        if formula:
+            line += f"  = {formula}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+class MemoryChart(QWidget):
+    def __init__(self, state, parent=None):
+        super().__init__(parent)
+        self.state = state
+        self.groups: list[RankGroup] = []
+        self.capacity_bytes = 0
+        self.report = None
+        self.measured_by_rank: dict[int, dict[str, float]] = {}
+        self.measured_config = None
+        self.hover_text = ""
+        self.full_scale = False
+        self.unit, self.unit_name = GIB, "GiB"
+        self.capacity_in_view = True
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        head = QHBoxLayout()
+        self.header = QLabel("Memory per rank")
+        self.header.setObjectName("chartTitle")
+        head.addWidget(self.header, 1)
+        lay.addLayout(head)
+        legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
+                                     for c in MEMORY_CATEGORIES)
+        self.legend = QLabel(legend)
+        self.legend.setObjectName("legend")
+        lay.addWidget(self.legend)
+        self.plot = pg.PlotWidget(background="w")
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        pi = self.plot.getPlotItem()
+        pi.getAxis("left").enableAutoSIPrefix(False)
+        pi.getViewBox().setMouseEnabled(x=False, y=False)
+        lay.addWidget(self.plot, 1)
+        self.note = QLabel()
+        self.note.setObjectName("note")
+        self.note.setWordWrap(True)
+        self.note.hide()
+        lay.addWidget(self.note)
+        self.plot.scene().sigMouseMoved.connect(self._hover)
+        state.predictionReady.connect(self.on_prediction)
+        state.runFinished.connect(self.on_run_finished)
+
+    # ------------------------------------------------------------------ data
+
+    def on_prediction(self, pred) -> None:
+        if pred.memory is None:
+            self.report, self.groups = None, []
+            self.note.setText(pred.missing.get("memory", ""))
+            self.note.show()
+        else:
+            self.report = pred.memory
+            self.capacity_bytes = int(pred.memory.capacity_bytes)
+            self.groups = group_ranks(pred.memory)
+            self.note.hide()
+        if self.measured_config is not None and self.measured_config != pred.config:
+            self.measured_by_rank, self.measured_config = {}, None
+        self.redraw()
+
+    def on_run_finished(self, record) -> None:
+        if record.measurement is None:
+            return
+        per_rank = record.measurement.get("memory", {}).get("per_rank", [])
+        self.measured_by_rank = {int(e["rank"]): {c: float(e.get(c, 0) or 0) for c in (*MEMORY_CATEGORIES, "total")}
+                                 for e in per_rank if "rank" in e}
+        self.measured_config = record.config
+        self.redraw()
+
+    # ------------------------------------------------------------------ drawing
+
+    def redraw(self) -> None:
+        pi = self.plot.getPlotItem()
+        pi.clear()
+        if not self.groups:
+            self.header.setText("Memory per rank")
+            return
+        n = len(self.groups)
+        x = np.arange(n, dtype=float)
+        peak_bytes = max(max(g.total for g in self.groups), self._measured_max() * GIB)
+        self.unit, self.unit_name = (GIB, "GiB") if peak_bytes >= 0.5 * GIB else (2.0**20, "MiB")
+        pi.setLabel("left", f"{self.unit_name} per rank")
+        has_measured = bool(self.measured_by_rank)
+        width = 0.38 if has_measured else 0.7
+        xp = x - 0.2 if has_measured else x
+        bottom = np.zeros(n)
+        for c in MEMORY_CATEGORIES:
+            h = np.array([g.values[c] for g in self.groups], float) / self.unit
+            pi.addItem(pg.BarGraphItem(x=xp, y0=bottom.copy(), height=h, width=width,
+                                       brush=CATEGORY_COLORS.get(c, "#888"), pen=pg.mkPen("w", width=0.5)))
+            bottom += h
+        totals = bottom
+        cap = self.capacity_bytes / self.unit
+        over = [i for i, g in enumerate(self.groups) if not g.fits]
+        if over:
+            pi.addItem(pg.BarGraphItem(x=xp[over], y0=np.zeros(len(over)), height=totals[over], width=width * 1.08,
+                                       brush=None, pen=pg.mkPen(OVER_COLOR, width=3)))
+            for i in over:
+                t = pg.TextItem(f"over by\n{fmt_bytes(self.groups[i].total - self.capacity_bytes)}",
+                                color=OVER_COLOR, anchor=(0.5, 1.0))
+                t.setPos(xp[i], totals[i])
+                pi.addItem(t)
+        if has_measured:
+            self._draw_measured(pi, x + 0.2, width)
+        line = pg.InfiniteLine(pos=cap, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine),
+                               label=f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}",
+                               labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)]})
+        pi.addItem(line)
+        peak = max(float(totals.max()), self._measured_max() * GIB / self.unit)
+        self.capacity_in_view = peak >= 0.2 * cap or self.full_scale
+        top = (max(cap, peak) if self.capacity_in_view else peak) * 1.15
+        pi.setYRange(0, top, padding=0)
+        if not self.capacity_in_view:
+            t = pg.TextItem(f"▲ {self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)} is above this scale "
+                            f"(the fullest rank uses {peak / cap * 100:.1f}% of it)", color="#222", anchor=(0, 0))
+            t.setPos(-0.55, top)
+            pi.addItem(t)
+        pi.setXRange(-0.6, n - 0.4, padding=0)
+        step = max(1, n // 12)
+        pi.getAxis("bottom").setTicks([[(i, self._tick(g)) for i, g in enumerate(self.groups) if i % step == 0], []])
+        worst = max(self.groups, key=lambda g: g.total)
+        verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
+                   else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.total)} on the fullest")
+        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · {verdict}")
+        self.header.setProperty("alarm", bool(over))
+        self.header.style().unpolish(self.header)
+        self.header.style().polish(self.header)
+
+    @staticmethod
+    def _tick(g: RankGroup) -> str:
+        if len(g.ranks) == 1:
+            return f"r{g.ranks[0]}"
+        return f"r{_compress(g.ranks)}" if len(g.ranks) <= 4 else f"r{g.ranks[0]}… (×{len(g.ranks)})"
+
+    def measured_for_group(self, g: RankGroup) -> dict[str, float] | None:
+        rows = [self.measured_by_rank[r] for r in g.ranks if r in self.measured_by_rank]
+        if not rows:
+            return None
+        return {k: float(np.mean([row[k] for row in rows])) for k in rows[0]}
+
+    def _measured_max(self) -> float:
+        vals = [m.get("total", 0) for m in self.measured_by_rank.values()]
+        return max(vals, default=0.0) / GIB
+
+    def _draw_measured(self, pi, xm, width) -> None:
+        n = len(self.groups)
+        bottom = np.zeros(n)
+        present = np.array([self.measured_for_group(g) is not None for g in self.groups])
+        for c in MEMORY_CATEGORIES:
+            h = np.array([(self.measured_for_group(g) or {}).get(c, 0.0) for g in self.groups]) / self.unit
+            color = QColor(CATEGORY_COLORS.get(c, "#888"))
+            fill = QColor(color)
+            fill.setAlpha(60)
+            pi.addItem(pg.BarGraphItem(x=xm[present], y0=bottom[present], height=h[present], width=width,
+                                       brush=fill, pen=QPen(color, 2)))
+            bottom += h
+        for i in np.flatnonzero(present):
+            t = pg.TextItem("measured", color="#555", anchor=(0.5, 1.0))
+            t.setPos(xm[i], bottom[i])
+            pi.addItem(t)
+
+    # ------------------------------------------------------------------ hover
+
+    def segment_at(self, x: float, y: float) -> tuple[RankGroup, str] | None:
+        """The (group, category) under a point in chart coordinates (y in the chart's unit)."""
+        i = int(round(x))
+        if not 0 <= i < len(self.groups):
+            return None
+        g = self.groups[i]
+        acc = 0.0
+        for c in MEMORY_CATEGORIES:
+            h = g.values[c] / self.unit
+            if acc <= y < acc + h:
+                return g, c
+            acc += h
+        return None
+
+    def explain_at(self, x: float, y: float) -> str:
+        hit = self.segment_at(x, y)
+        if hit is None:
+            return ""
+        g, c = hit
+        head = f"{g.label} · {c}: {fmt_bytes(g.values[c])} predicted"
+        m = self.measured_for_group(g)
+        if m is not None:
+            head += f", {fmt_bytes(m.get(c, 0))} measured"
+        body = explain_text(g.sample, c)
+        return head + ("\n" + body if body else "")
+
+    def _hover(self, pos) -> None:
+        vb = self.plot.getPlotItem().getViewBox()
+        if not self.groups or not vb.sceneBoundingRect().contains(pos):
+            return
+        p = vb.mapSceneToView(pos)
+        text = self.explain_at(p.x(), p.y())
+        self.hover_text = text
+        if text:
+            QToolTip.showText(self.plot.mapToGlobal(self.plot.mapFromScene(pos)), text, self.plot)
+        else:
+            QToolTip.hideText()

@@ -1,0 +1,180 @@
+"""Metrics (only what the engine actually predicts) and the strategy explainer."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel, QTextBrowser, QVBoxLayout, QWidget
+
+from gui.widgets.memory_chart import fmt_bytes
+from gui.widgets.timeline import _fmt_seconds
+
+# One short paragraph per strategy: what it shards, what it costs, when to pick it.
+EXPLAINER: dict[str, tuple[str, str]] = {
+    "ddp": ("Data parallel (DDP)",
+            "Every rank holds the whole model, gradients and optimizer state and works on its own slice of the "
+            "batch. After the backward pass the gradients are averaged with an all-reduce, overlapped with compute "
+            "bucket by bucket. Cheapest in communication per byte of model; pick it whenever the model, its "
+            "gradients and optimizer state fit on one GPU."),
+    "zero1": ("ZeRO-1",
+              "Like DDP, but each of the dp ranks keeps only 1/dp of the optimizer state (and fp32 master weights). "
+              "Gradients are reduce-scattered, each rank updates its shard, and the new weights are all-gathered: "
+              "about the same traffic as DDP. The easy win when Adam's 12 bytes per parameter are what overflows."),
+    "zero2": ("ZeRO-2 / FSDP SHARD_GRAD_OP",
+              "Also shards gradients: each rank keeps only the reduced gradient shard it will update. Same traffic "
+              "as ZeRO-1, less memory; parameters are still whole on every rank, so compute is unchanged."),
+    "zero3": ("ZeRO-3 / FSDP FULL_SHARD",
+              "Shards parameters too. Each layer is all-gathered just before its forward and again before its "
+              "backward, then freed, so a rank holds about 1/dp of the model plus one or two layers in full. "
+              "Costs ~1.5× DDP's traffic and needs fast links to hide it; pick it when the model itself does not "
+              "fit, before reaching for tensor or pipeline parallelism."),
+    "tp": ("Tensor parallel (TP)",
+           "Splits each matrix multiply across tp ranks (attention heads and the MLP's hidden units), so weights, "
+           "gradients, optimizer state and most activations shrink by tp. Every layer pays two all-reduces in the "
+           "forward and two in the backward, on the critical path: keep TP inside a node (NVLink) and usually ≤ 8."),
+    "sp": ("Sequence parallel (with TP)",
+           "The parts TP leaves replicated (norms, dropout, residuals) are split along the sequence instead, so "
+           "their activations shrink by tp too. The all-reduces become reduce-scatter + all-gather of the same "
+           "volume: more memory saved at no extra traffic. Turn it on whenever tp > 1."),
+    "pp": ("Pipeline parallel (PP)",
+           "Cuts the layers into stages on different ranks and streams microbatches through them, sending only "
+           "activations between neighbours: the cheapest traffic of all, so it is what crosses slow inter-node "
+           "links. The cost is the bubble: ranks idle while the pipeline fills and drains. More microbatches "
+           "shrink the bubble; the first stage holds activations of up to pp microbatches at once."),
+    "GPipe": ("GPipe schedule",
+              "All forwards, then all backwards. Simple, but every rank holds the activations of all microbatches."),
+    "1F1B": ("1F1B schedule",
+             "After a warm-up, each rank alternates one forward and one backward, so at most pp microbatches are "
+             "in flight: same bubble as GPipe, far less activation memory."),
+    "Interleaved1F1B": ("Interleaved 1F1B",
+                        "Each rank holds several non-adjacent stages (virtual stages), so the pipeline fills v times "
+                        "faster and the bubble shrinks by v, for v times more point-to-point messages."),
+    "LoopedBFS": ("Looped BFS",
+                  "Several stages per rank, run breadth-first: all microbatches through a rank's first stage before "
+                  "its next. Overlaps communication well; holds more activations than interleaved 1F1B."),
+    "InterleavedZeroBubble": ("Interleaved zero bubble",
+                              "Splits each backward into input-gradient (I) work, which the previous stage waits "
+                              "for, and weight-gradient (W) work, which can wait; W fills what would be idle time."),
+    "ZBVZeroBubble": ("ZBV zero bubble",
+                      "Two stages per rank placed in a V (rank 0 holds the first and last stage) plus the I/W split: "
+                      "close to zero bubble with 1F1B-like memory."),
+    "DualPipeV": ("DualPipeV",
+                  "DeepSeek's V-shaped schedule that runs a forward and a backward chunk side by side so one's "
+                  "communication hides behind the other's compute; needs at least 2·pp microbatches."),
+    "recompute": ("Activation recomputation",
+                  "Drops activations in the forward and recomputes them in the backward. 'selective' recomputes only "
+                  "the attention internals (cheap, large saving at long sequences); 'full' keeps only each layer's "
+                  "input and costs about one extra forward (~33% more compute)."),
+}
+
+
+def active_strategies(cfg) -> list[str]:
+    par, tr = cfg.parallel, cfg.training
+    keys = []
+    if par.dp > 1 or par.zero:
+        keys.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[par.zero])
+    if par.tp > 1:
+        keys.append("tp")
+    if par.sequence_parallel:
+        keys.append("sp")
+    if par.pp > 1:
+        keys += ["pp", par.schedule]
+    if tr.recompute != "none":
+        keys.append("recompute")
+    return keys
+
+
+def explainer_html(cfg) -> str:
+    active = active_strategies(cfg)
+    parts = ["<p><b>In this configuration:</b> "
+             + (", ".join(EXPLAINER[k][0] for k in active if k in EXPLAINER) or "a single GPU, no parallelism")
+             + ".</p>"]
+    for key in [*active, *(k for k in EXPLAINER if k not in active)]:
+        if key not in EXPLAINER:
+            continue
+        title, text = EXPLAINER[key]
+        style = "" if key in active else ' style="color:#777"'
+        parts.append(f"<p{style}><b>{title}.</b> {text}</p>")
+    return "".join(parts)
+
+
+def _get(obj, *names):
+    for n in names:
+        v = getattr(obj, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def metric_rows(pred) -> list[tuple[str, str]]:
+    """(name, value) for every metric the engine produced for this prediction — nothing else."""
+    cfg = pred.config
+    rows = [
+        ("Global batch", f"{cfg.global_batch_size:,} sequences · {cfg.tokens_per_step:,} tokens"),
+        ("Layout", f"{cfg.parallel.world_size} ranks = dp {cfg.parallel.dp} × tp {cfg.parallel.tp} × pp {cfg.parallel.pp}"
+                   f" on {cfg.cluster.nodes} node(s)"),
+    ]
+    step = pred.step
+    if step is not None:
+        seconds = _get(step, "seconds", "step_s", "step_seconds")
+        if seconds is not None:
+            rows.append(("Step time", _fmt_seconds(float(seconds))))
+            rows.append(("Tokens/s", f"{cfg.tokens_per_step / float(seconds):,.0f}"))
+        mfu = _get(step, "mfu")
+        if mfu is not None:
+            rows.append(("MFU", f"{float(mfu) * 100:.1f}%"))
+        comm = _get(step, "communication", "comm_bytes_by_kind", "comm")
+        if isinstance(comm, dict):
+            for kind, v in comm.items():
+                rows.append((f"Comm · {kind}", fmt_bytes(v) if isinstance(v, (int, float)) else str(v)))
+    tl = pred.timeline
+    if tl is not None:
+        bubble = getattr(tl, "bubble_fraction", None)
+        if bubble is not None:
+            rows.append(("Pipeline bubble", f"{bubble * 100:.1f}% ({cfg.conventions.bubble})"))
+        makespan = getattr(tl, "makespan_s", None)
+        if makespan is not None:
+            rows.append(("Pipeline makespan", _fmt_seconds(float(makespan))))
+    mem = pred.memory
+    if mem is not None and mem.per_rank:
+        peak = max(mem.per_rank, key=lambda r: r.total)
+        head = mem.capacity_bytes - peak.total
+        rows.append(("Peak memory", f"{fmt_bytes(peak.total)} on rank {peak.rank}"))
+        rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))))
+    labels = {"step": "Step time, tokens/s, MFU, communication", "memory": "Memory", "timeline": "Pipeline"}
+    for part, why in pred.missing.items():
+        rows.append((labels.get(part, part), "not predicted yet" if "not in this build" in why else why))
+    return rows
+
+
+class MetricsPanel(QWidget):
+    def __init__(self, state, parent=None):
+        super().__init__(parent)
+        self.state = state
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(4, 4, 4, 4)
+        title = QLabel("Metrics")
+        title.setObjectName("chartTitle")
+        lay.addWidget(title)
+        self.table = QLabel()
+        self.table.setObjectName("metrics")
+        self.table.setWordWrap(True)
+        self.table.setMinimumWidth(250)
+        self.table.setTextFormat(Qt.TextFormat.RichText)
+        lay.addWidget(self.table)
+        lay.addStretch(1)
+        # the explainer is a separate view; the window places it (a tab)
+        self.explainer = QTextBrowser()
+        self.explainer.setObjectName("explainer")
+        self.rows: list[tuple[str, str]] = []
+        state.predictionReady.connect(self.on_prediction)
+        state.configChanged.connect(lambda cfg: self.explainer.setHtml(explainer_html(cfg)))
+        self.explainer.setHtml(explainer_html(state.config))
+
+    def table_holder(self) -> QWidget:
+        return self
+
+    def on_prediction(self, pred) -> None:
+        self.rows = metric_rows(pred)
+        cells = "".join(f"<tr><td style='color:#555;padding-right:10px'>{k}</td><td><b>{v}</b></td></tr>"
+                        for k, v in self.rows)
+        self.table.setText(f"<table>{cells}</table>")

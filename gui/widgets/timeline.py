@@ -1,0 +1,360 @@
+"""The pipeline timeline: one row per pipeline rank, F/B/I/W boxes coloured by kind.
+
+All boxes are painted by one :class:`BoxesItem` (a pyqtgraph GraphicsObject) that keeps one
+native QRectF array per colour and paints each with a single ``QPainter.drawRects`` call;
+outlines are dropped when boxes are narrower than a few pixels and microbatch numbers are
+drawn only on boxes wide enough to hold them. Per-box graphics items do not scale to the
+hundred thousand boxes of a 64-rank × 512-microbatch schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, QRectF, Qt
+from PySide6.QtGui import QBrush, QColor, QFont, QPen
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
+
+KINDS = ("F", "B", "I", "W")
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grads)", "W": "backward (weight grads)"}
+KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
+IDLE_COLOR = "#E6E6E6"
+OUTLINE_MIN_PX = 4.0  # narrower boxes are painted without an outline
+LABEL_MIN_PX = 18.0  # narrower boxes get no microbatch number
+MAX_LABELS = 2500
+
+try:  # native QRectF arrays (pyqtgraph >= 0.13): no Python QRectF per box
+    from pyqtgraph.Qt.internals import PrimitiveArray
+except ImportError:  # pragma: no cover - older pyqtgraph
+    PrimitiveArray = None
+
+
+@dataclass
+class Actions:
+    """Flat arrays, one entry per action."""
+
+    row: np.ndarray  # int: pipeline rank
+    kind: np.ndarray  # int codes into KINDS (F, B, I, W)
+    stage: np.ndarray
+    microbatch: np.ndarray
+    start_s: np.ndarray
+    end_s: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.row.size)
+
+    @classmethod
+    def empty(cls) -> Actions:
+        z = np.zeros(0)
+        return cls(z.astype(int), z.astype(int), z.astype(int), z.astype(int), z, z)
+
+
+_CODE = {k: i for i, k in enumerate(KINDS)}
+
+
+def _kind_codes(tl) -> np.ndarray:
+    """Kind codes in KINDS order, from the engine's codes (``kind_code``) or letters (``kind``)."""
+    code = getattr(tl, "kind_code", None)
+    if code is not None:
+        try:
+            from engine.schedules import ACTION_KINDS
+        except ImportError:
+            ACTION_KINDS = KINDS
+        remap = np.array([_CODE.get(str(k)[:1], 0) for k in ACTION_KINDS])
+        return remap[np.asarray(code, dtype=int)]
+    return np.array([_CODE.get(str(k)[:1], 0) for k in np.asarray(tl.kind).tolist()], dtype=int)
+
+
+def actions_from_timeline(tl) -> Actions:
+    """The engine's Timeline as flat arrays (rows are pipeline ranks)."""
+    row = np.asarray(tl.rank).astype(int)
+    return Actions(row=row, kind=_kind_codes(tl), stage=np.asarray(tl.stage).astype(int),
+                   microbatch=np.asarray(tl.microbatch).astype(int),
+                   start_s=np.asarray(tl.start_s, dtype=float), end_s=np.asarray(tl.end_s, dtype=float))
+
+
+def actions_from_measurement(measurement: dict, dp: int, tp: int) -> Actions:
+    """The measured pipeline of one replica (dp = tp = 0) as flat arrays, time from 0.
+
+    measurement.json: ``pipeline.per_rank = [{rank, actions: [[kind, stage, mb, start_s, end_s], ...]}]``.
+    """
+    per_rank = (measurement or {}).get("pipeline", {}).get("per_rank", [])
+    rows, kinds, stages, mbs, starts, ends = [], [], [], [], [], []
+    for entry in per_rank:
+        rank = int(entry.get("rank", 0))
+        if (rank // tp) % dp != 0 or rank % tp != 0:
+            continue  # another replica of the same pipeline rank
+        pp_index = rank // (dp * tp)
+        for a in entry.get("actions", []):
+            kind, stage, mb, s, e = a[:5]
+            rows.append(pp_index)
+            kinds.append(_CODE.get(str(kind)[:1], 0))
+            stages.append(int(stage))
+            mbs.append(int(mb))
+            starts.append(float(s))
+            ends.append(float(e))
+    if not rows:
+        return Actions.empty()
+    start = np.asarray(starts)
+    t0 = start.min()
+    return Actions(np.asarray(rows), np.asarray(kinds, dtype=int), np.asarray(stages), np.asarray(mbs),
+                   start - t0, np.asarray(ends) - t0)
+
+
+class BoxesItem(pg.GraphicsObject):
+    """Every box of a timeline, one drawRects call per colour."""
+
+    def __init__(self, alpha: int = 255):
+        super().__init__()
+        self.alpha = alpha
+        self._layers: list[tuple[QBrush, object, float, np.ndarray]] = []  # brush, rects, median width, index
+        self._bounds = QRectF()
+        self._x0 = self._x1 = self._y0 = self._y1 = np.zeros(0)
+        self._labels = np.zeros(0, dtype=int)
+        self._outline = QPen(QColor(40, 40, 40, 170))
+        self._outline.setCosmetic(True)
+        self._outline.setWidthF(0.8)
+        self._font = QFont()
+        self._font.setPointSizeF(7.5)
+        self.paint_count = 0
+        self.labels_drawn = 0
+        self.outlined_layers = 0
+
+    def set_boxes(self, x0, x1, y0, y1, colors: list[str], color_index, labels=None, *, background=None) -> None:
+        """Boxes [x0, x1] × [y0, y1]; ``color_index[i]`` picks ``colors``; optional row backgrounds."""
+        self.prepareGeometryChange()
+        self._x0, self._x1 = np.asarray(x0, float), np.asarray(x1, float)
+        self._y0, self._y1 = np.asarray(y0, float), np.asarray(y1, float)
+        self._labels = np.asarray(labels if labels is not None else np.zeros(self._x0.size, int))
+        color_index = np.asarray(color_index, int)
+        self._layers = []
+        if background is not None:
+            bx0, bx1, by0, by1 = (np.asarray(a, float) for a in background)
+            self._layers.append((QBrush(QColor(IDLE_COLOR)), self._rects(bx0, bx1, by0, by1), 0.0, None))
+        for ci, name in enumerate(colors):
+            idx = np.flatnonzero(color_index == ci)
+            if idx.size == 0:
+                continue
+            c = QColor(name)
+            c.setAlpha(self.alpha)
+            w = self._x1[idx] - self._x0[idx]
+            self._layers.append((QBrush(c), self._rects(self._x0[idx], self._x1[idx], self._y0[idx], self._y1[idx]),
+                                 float(np.median(w)), idx))
+        if self._x0.size or background is not None:
+            xs = [self._x0, self._x1] + ([bx0, bx1] if background is not None else [])
+            ys = [self._y0, self._y1] + ([by0, by1] if background is not None else [])
+            xs = np.concatenate(xs)
+            ys = np.concatenate(ys)
+            self._bounds = QRectF(xs.min(), ys.min(), max(xs.max() - xs.min(), 1e-12), max(ys.max() - ys.min(), 1e-12))
+        else:
+            self._bounds = QRectF()
+        self.update()
+
+    @staticmethod
+    def _rects(x0, x1, y0, y1):
+        n = x0.size
+        if PrimitiveArray is not None:
+            arr = PrimitiveArray(QRectF, 4)
+            arr.resize(n)
+            mem = arr.ndarray()
+            mem[:, 0] = x0
+            mem[:, 1] = y0
+            mem[:, 2] = x1 - x0
+            mem[:, 3] = y1 - y0
+            return arr
+        return [QRectF(a, c, b - a, d - c) for a, b, c, d in zip(x0, x1, y0, y1)]
+
+    def boundingRect(self) -> QRectF:
+        return self._bounds
+
+    def box_count(self) -> int:
+        return int(self._x0.size)
+
+    def paint(self, p, *args) -> None:
+        self.paint_count += 1
+        t = p.transform()
+        sx = abs(t.m11()) or 1.0
+        row_px = abs(t.m22()) * (float(np.median(self._y1 - self._y0)) if self._y0.size else 0.0)
+        self.outlined_layers = 0
+        for brush, rects, median_w, idx in self._layers:
+            if idx is not None and median_w * sx >= OUTLINE_MIN_PX and row_px >= OUTLINE_MIN_PX:
+                p.setPen(self._outline)
+                self.outlined_layers += 1
+            else:
+                p.setPen(Qt.PenStyle.NoPen)
+            p.setBrush(brush)
+            if PrimitiveArray is not None:
+                p.drawRects(*rects.drawargs())
+            else:
+                p.drawRects(rects)
+        self._paint_labels(p, sx, row_px)
+
+    def _paint_labels(self, p, sx: float, row_px: float) -> None:
+        self.labels_drawn = 0
+        if self._x0.size == 0 or row_px < 10:
+            return
+        wide = (self._x1 - self._x0) * sx >= LABEL_MIN_PX
+        vb = self.getViewBox()
+        if vb is not None:
+            vr = vb.viewRect()
+            wide &= (self._x1 > vr.left()) & (self._x0 < vr.right()) & (self._y1 > vr.top()) & (self._y0 < vr.bottom())
+        idx = np.flatnonzero(wide)[:MAX_LABELS]
+        if idx.size == 0:
+            return
+        t = p.transform()
+        p.save()
+        p.resetTransform()
+        p.setFont(self._font)
+        p.setPen(QColor("white"))
+        for i in idx:
+            a = t.map(QPointF(self._x0[i], self._y0[i]))
+            b = t.map(QPointF(self._x1[i], self._y1[i]))
+            p.drawText(QRectF(a, b).normalized(), Qt.AlignmentFlag.AlignCenter, str(int(self._labels[i])))
+        p.restore()
+        self.labels_drawn = int(idx.size)
+
+
+class TimelineView(QWidget):
+    """The predicted pipeline (and, after a run, the measured one as a lane under each row)."""
+
+    def __init__(self, state, parent=None):
+        super().__init__(parent)
+        self.state = state
+        self.predicted = Actions.empty()
+        self.measured = Actions.empty()
+        self.makespan_s = 0.0
+        self.bubble_fraction: float | None = None
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        self.header = QLabel("Pipeline")
+        self.header.setObjectName("chartTitle")
+        head = QHBoxLayout()
+        head.addWidget(self.header, 1)
+        lay.addLayout(head)
+        lay.addWidget(self._legend())
+        self.plot = pg.PlotWidget(background="w")
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        pi = self.plot.getPlotItem()
+        pi.getViewBox().invertY(True)
+        pi.setLabel("bottom", "time", units="s")
+        pi.getAxis("left").setStyle(tickLength=0)
+        pi.getViewBox().setMouseEnabled(x=True, y=True)
+        self.boxes = BoxesItem()
+        self.plot.addItem(self.boxes)
+        self.note = QLabel()
+        self.note.setObjectName("note")
+        self.note.setWordWrap(True)
+        self.note.hide()
+        lay.addWidget(self.plot, 1)
+        lay.addWidget(self.note)
+        state.predictionReady.connect(self.on_prediction)
+        state.runFinished.connect(self.on_run_finished)
+
+    @staticmethod
+    def _legend() -> QLabel:
+        parts = [f'<span style="color:{KIND_COLORS[k]}">■</span> {k} {KIND_NAMES[k]}' for k in KINDS]
+        parts.append('<span style="color:#BBBBBB">■</span> idle')
+        lab = QLabel("&nbsp;&nbsp;".join(parts))
+        lab.setObjectName("legend")
+        return lab
+
+    def on_prediction(self, pred) -> None:
+        if pred.timeline is None:
+            self.predicted = Actions.empty()
+            self.makespan_s, self.bubble_fraction = 0.0, None
+            self.note.setText(pred.missing.get("timeline", ""))
+            self.note.show()
+        else:
+            tl = pred.timeline
+            self.predicted = actions_from_timeline(tl)
+            self.makespan_s = float(getattr(tl, "makespan_s", self.predicted.end_s.max() if len(self.predicted) else 0))
+            self.bubble_fraction = getattr(tl, "bubble_fraction", None)
+            self.note.hide()
+        # a measurement belongs to the config it ran; drop it when the prediction moves on
+        if self.measured_config is not None and self.measured_config != pred.config:
+            self.measured = Actions.empty()
+            self.measured_config = None
+        self.redraw()
+
+    measured_config = None
+
+    def on_run_finished(self, record) -> None:
+        if record.measurement is None:
+            return
+        par = record.config.parallel
+        self.measured = actions_from_measurement(record.measurement, par.dp, par.tp)
+        self.measured_config = record.config
+        self.redraw()
+
+    def redraw(self) -> None:
+        pp = self.state.config.parallel.pp
+        rows = max(pp, int(self.predicted.row.max()) + 1 if len(self.predicted) else 0)
+        has_measured = len(self.measured) > 0
+        if has_measured:
+            pred_lane, meas_lane = (0.06, 0.50), (0.54, 0.94)
+        else:
+            pred_lane, meas_lane = (0.1, 0.9), None
+        xs0, xs1, ys0, ys1, ci, labels = [], [], [], [], [], []
+        for acts, lane, offset in ((self.predicted, pred_lane, 0), (self.measured, meas_lane, len(KINDS))):
+            if lane is None or len(acts) == 0:
+                continue
+            xs0.append(acts.start_s)
+            xs1.append(acts.end_s)
+            ys0.append(acts.row + lane[0])
+            ys1.append(acts.row + lane[1])
+            ci.append(acts.kind + offset)
+            labels.append(acts.microbatch)
+        span = max(self.makespan_s, float(self.measured.end_s.max()) if has_measured else 0.0)
+        colors = [KIND_COLORS[k] for k in KINDS] + [_lighter(KIND_COLORS[k]) for k in KINDS]
+        if xs0:
+            r = np.arange(rows, dtype=float)
+            bg = [np.zeros(rows), np.full(rows, self.makespan_s or span), r + pred_lane[0], r + pred_lane[1]]
+            if has_measured:
+                mspan = float(self.measured.end_s.max())
+                bg = [np.concatenate([bg[0], np.zeros(rows)]), np.concatenate([bg[1], np.full(rows, mspan)]),
+                      np.concatenate([bg[2], r + meas_lane[0]]), np.concatenate([bg[3], r + meas_lane[1]])]
+            self.boxes.set_boxes(np.concatenate(xs0), np.concatenate(xs1), np.concatenate(ys0), np.concatenate(ys1),
+                                 colors, np.concatenate(ci), np.concatenate(labels), background=bg)
+        else:
+            self.boxes.set_boxes([], [], [], [], colors, [], [])
+        ticks = []
+        step = max(1, rows // 16)
+        for r in range(0, rows, step):
+            ticks.append((r + (pred_lane[0] + pred_lane[1]) / 2, f"rank {r}" + (" predicted" if has_measured else "")))
+            if has_measured:
+                ticks.append((r + (meas_lane[0] + meas_lane[1]) / 2, "measured"))
+        self.plot.getPlotItem().getAxis("left").setTicks([ticks, []])
+        vb = self.plot.getPlotItem().getViewBox()
+        if span > 0:
+            vb.setLimits(xMin=-0.05 * span, xMax=span * 1.05, yMin=-0.5, yMax=rows + 0.5,
+                         minXRange=span * 1e-4, maxXRange=span * 1.1)
+            vb.setRange(xRange=(0, span), yRange=(0, rows), padding=0.01)
+        self._update_header(has_measured)
+
+    def _update_header(self, has_measured: bool) -> None:
+        if not len(self.predicted):
+            self.header.setText("Pipeline")
+            return
+        text = f"Pipeline · {len(self.predicted):,} actions · step {_fmt_seconds(self.makespan_s)}"
+        if self.bubble_fraction is not None:
+            conv = self.state.config.conventions.bubble
+            text += f" · bubble {self.bubble_fraction * 100:.1f}% ({conv})"
+        if has_measured:
+            text += f" · measured step {_fmt_seconds(float(self.measured.end_s.max()))}"
+        self.header.setText(text)
+
+
+def _lighter(name: str) -> str:
+    c = QColor(name).lighter(145)
+    return c.name()
+
+
+def _fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"

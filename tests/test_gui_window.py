@@ -1,0 +1,180 @@
+"""The ShardScope window, driven offscreen: real sliders, real charts, real pixels."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("PySide6")
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import QEvent, QPoint, QPointF, Qt  # noqa: E402
+from PySide6.QtGui import QImage, QMouseEvent  # noqa: E402
+from PySide6.QtWidgets import QApplication, QSlider, QStyle, QStyleOptionSlider  # noqa: E402
+
+from engine import default_config  # noqa: E402
+from gui.app import make_window, run_app  # noqa: E402
+
+pytestmark = pytest.mark.gui
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    from gui.state import State
+
+    w = make_window(State(default_config(), runs_dir=tmp_path / "runs"))
+    qtbot.addWidget(w)
+    w.resize(1500, 950)
+    w.show()
+    qtbot.waitExposed(w)
+    w.state.recompute_now()
+    QApplication.processEvents()
+    return w
+
+
+def image(widget) -> QImage:
+    QApplication.processEvents()
+    return widget.grab().toImage()
+
+
+def drag_slider(slider: QSlider, steps: int) -> None:
+    """Press on the handle, move the mouse ``steps`` positions along the groove, release."""
+    opt = QStyleOptionSlider()
+    slider.initStyleOption(opt)
+    style = slider.style()
+    handle = style.subControlRect(QStyle.ComplexControl.CC_Slider, opt, QStyle.SubControl.SC_SliderHandle, slider)
+    groove = style.subControlRect(QStyle.ComplexControl.CC_Slider, opt, QStyle.SubControl.SC_SliderGroove, slider)
+    span = groove.width() - handle.width()
+    px_per_step = span / max(1, slider.maximum() - slider.minimum())
+    start = handle.center()
+    target = slider.value() + steps
+    end = QPoint(int(round(start.x() + steps * px_per_step)), start.y())
+
+    def send(kind, pos, buttons):
+        p = QPointF(pos)
+        ev = QMouseEvent(kind, p, QPointF(slider.mapToGlobal(pos)), Qt.MouseButton.LeftButton, buttons,
+                         Qt.KeyboardModifier.NoModifier)
+        QApplication.sendEvent(slider, ev)
+
+    send(QEvent.Type.MouseButtonPress, start, Qt.MouseButton.LeftButton)
+    n = max(1, abs(steps))
+    for i in range(1, n + 1):
+        x = start.x() + (end.x() - start.x()) * i / n
+        send(QEvent.Type.MouseMove, QPoint(int(round(x)), start.y()), Qt.MouseButton.LeftButton)
+    send(QEvent.Type.MouseButtonRelease, end, Qt.MouseButton.NoButton)
+    assert slider.value() == target, f"drag ended at {slider.value()}, wanted {target}"
+
+
+def test_dragging_microbatches_changes_model_timeline_and_pixels(window, qtbot):
+    before = image(window.timeline.plot)
+    boxes_before = window.timeline.boxes.box_count()
+    assert window.state.config.parallel.microbatches == 4
+    drag_slider(window.controls.microbatches.slider, 4)  # 4 -> 8
+    qtbot.waitUntil(lambda: window.state.config.parallel.microbatches == 8, timeout=2000)
+    qtbot.waitUntil(lambda: window.timeline.boxes.box_count() != boxes_before, timeout=2000)
+    assert window.timeline.boxes.box_count() == 2 * 2 * 8  # pp ranks × (F, B) × microbatches
+    assert image(window.timeline.plot) != before
+    assert "32 actions" in window.timeline.header.text()
+
+
+def test_dragging_model_size_changes_memory_chart(window, qtbot):
+    hidden = window.state.config.model.hidden
+    peak_before = max(g.total for g in window.memory.groups)
+    before = image(window.memory.plot)
+    drag_slider(window.controls.size.slider, 3)  # one doubling of width and depth
+    qtbot.waitUntil(lambda: window.state.config.model.hidden > hidden, timeout=2000)
+    qtbot.waitUntil(lambda: max(g.total for g in window.memory.groups) > peak_before, timeout=2000)
+    assert image(window.memory.plot) != before
+    assert f"{window.state.config.model.layers} layers" in window.controls.size_label.text()
+
+
+def test_invalid_tp_is_explained_next_to_tp_and_charts_keep_last_valid(window, qtbot):
+    valid = window.state.config
+    boxes = window.timeline.boxes.box_count()
+    window.controls.tp.setValue(3)  # tiny: 8 heads, 4 KV heads -> tp must divide 4
+    qtbot.waitUntil(lambda: window.controls.errors["parallel.tp"].isVisible(), timeout=2000)
+    text = window.controls.errors["parallel.tp"].text()
+    assert "must divide" in text and "allowed" in text
+    assert window.state.config == valid
+    assert window.timeline.boxes.box_count() == boxes
+    assert window.controls.banner.isVisible()
+    window.controls.tp.setValue(1)
+    qtbot.waitUntil(lambda: not window.controls.errors["parallel.tp"].isVisible(), timeout=2000)
+    assert not window.controls.banner.isVisible()
+
+
+def test_gpu_count_that_tp_pp_cannot_divide_is_shown_at_gpu_count(window, qtbot):
+    gpus = window.controls.gpus
+    gpus.slider.setValue(gpus.values.index(3))  # dp·tp·pp with pp = 2 cannot make 3
+    qtbot.waitUntil(lambda: window.controls.errors["cluster.gpus"].isVisible(), timeout=2000)
+    assert "must equal cluster.gpus (3)" in window.controls.errors["cluster.gpus"].text()
+    gpus.slider.setValue(gpus.values.index(8))  # dp follows: 8 / (1·2) = 4
+    qtbot.waitUntil(lambda: window.state.config.parallel.dp == 4, timeout=2000)
+    assert not window.controls.errors["cluster.gpus"].isVisible()
+
+
+def test_schedule_needing_virtual_stages_is_explained(window, qtbot):
+    window.controls.schedule.setCurrentText("ZBVZeroBubble")
+    qtbot.waitUntil(lambda: window.controls.errors["parallel.virtual_stages"].isVisible(), timeout=2000)
+    assert "two stages per rank" in window.controls.errors["parallel.virtual_stages"].text()
+    window.controls.virtual_stages.setValue(2)
+    qtbot.waitUntil(lambda: window.state.config.parallel.schedule == "ZBVZeroBubble", timeout=2000)
+    qtbot.waitUntil(lambda: "I" in {"FBIW"[k] for k in window.timeline.predicted.kind.tolist()}, timeout=2000)
+
+
+def test_memory_hover_explains_the_segment(window):
+    chart = window.memory
+    g = chart.groups[0]
+    y = g.values["params"] / chart.unit / 2
+    text = chart.explain_at(0, y)
+    assert text.startswith(f"{g.label} · params")
+    assert "•" in text  # the engine's terms
+
+
+def test_over_capacity_is_unmistakable(window, qtbot):
+    window.controls.preset.setCurrentText("llama3-8b")  # on 24 GiB CPU "GPUs" it does not fit
+    window.state.recompute_now()
+    assert any(not g.fits for g in window.memory.groups)
+    assert "do NOT fit" in window.memory.header.text()
+    assert window.memory.header.property("alarm") is True
+
+
+def test_burst_of_edits_recomputes_once(window, qtbot):
+    count = window.state.recompute_count
+    for v in (1, 2, 3, 4, 6, 8, 4):
+        window.state.edit("parallel.microbatches", v)
+    qtbot.waitUntil(lambda: window.state.recompute_count > count, timeout=2000)
+    QApplication.processEvents()
+    assert window.state.recompute_count == count + 1
+
+
+def test_timeline_zoom_shows_labels_only_when_wide(window, qtbot):
+    window.state.edit("parallel.microbatches", 64)
+    window.state.recompute_now()
+    vb = window.timeline.plot.getPlotItem().getViewBox()
+    image(window.timeline.plot)
+    wide_labels = window.timeline.boxes.labels_drawn
+    span = window.timeline.makespan_s
+    vb.setXRange(0, span / 20, padding=0)
+    image(window.timeline.plot)
+    assert window.timeline.boxes.labels_drawn > 0
+    assert window.timeline.boxes.labels_drawn <= wide_labels or wide_labels == 0
+
+
+def test_save_and_open_config_round_trip(window, tmp_path):
+    window.state.edit("parallel.microbatches", 8)
+    path = tmp_path / "job.toml"
+    window.state.save(path)
+    window.state.edit("parallel.microbatches", 2)
+    window.open_config(path)
+    assert window.state.config.parallel.microbatches == 8
+    assert window.controls.microbatches.value() == 8
+
+
+def test_screenshot_writes_a_png(tmp_path, qtbot):
+    out = tmp_path / "shot.png"
+    assert run_app(screenshot=str(out)) == 0
+    assert out.stat().st_size > 10_000
+    img = QImage(str(out))
+    assert img.width() >= 1200 and img.height() >= 800
+    for w in QApplication.topLevelWidgets():
+        w.close()
