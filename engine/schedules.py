@@ -151,6 +151,7 @@ def _pipeline_actions(schedule: str, pp: int, m: int, v: int) -> PipelinePlan:
                         stage_to_rank=owners, per_rank=per_rank)
 
 
+@lru_cache(maxsize=16)
 def single_rank_plan(schedule: str, microbatches: int) -> PipelinePlan:
     """pp = 1: no pipeline; gradient accumulation runs F then B for each microbatch in turn."""
     acts = []

@@ -1,0 +1,228 @@
+"""How long each pipeline stage takes: per-stage F, B (or I and W) seconds and p2p seconds.
+
+Analytic durations come from the FLOPs of the layers a stage holds over the GPU's peak
+FLOP/s for the precision times ``conventions.compute_efficiency``; the p2p time between two
+consecutive stages from the activation bytes over the link between their ranks. Measured
+durations (calibration) replace any of them: pass them to :func:`stage_durations` or build a
+:class:`StageDurations` with :meth:`StageDurations.of`.
+
+FLOP conventions (per token, per transformer block, forward, before dividing by tp):
+
+* projections ``2·h·(h + 2·kv_dim) + 2·h·h`` (QKV and output), MLP ``2·h·ffn`` times 3
+  (SwiGLU) or 2 (GELU), attention core ``4·s·h`` (QKᵀ and AV, full square: the Megatron /
+  Narayanan MFU convention, also for causal masks); the head ``2·h·vocab`` on the last stage;
+  embedding lookup, norms and biases are not counted.
+* backward for inputs (I) = forward of the matmuls + 2× the attention core; backward for
+  weights (W) = forward of the matmuls; full backward B = I + W (≈ 2× forward).
+* recompute: ``full`` adds the blocks' forward to B (and to I), ``selective`` adds the
+  attention core's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import Config
+from engine.layout import placement_style, split_layers, stage_to_pp_rank
+
+
+@dataclass(frozen=True, eq=False)
+class StageDurations:
+    """Seconds per microbatch for each stage, and per stage boundary for p2p.
+
+    ``forward_s[s]``, ``backward_s[s]`` (full backward), ``backward_input_s[s]`` and
+    ``backward_weight_s[s]`` (the split used by zero-bubble schedules) are arrays of length
+    ``num_stages``; ``p2p_s[s]`` is the transfer time from stage ``s`` to ``s + 1`` (activations
+    forward, their gradients backward: same size), length ``num_stages - 1``. The simulator
+    charges it only where the two stages sit on different ranks.
+    """
+
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    backward_input_s: np.ndarray
+    backward_weight_s: np.ndarray
+    p2p_s: np.ndarray
+    source: str = "given"  # "model" (analytic) or "given" (calibrated / explicit)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward_s)
+
+    @classmethod
+    def of(
+        cls,
+        num_stages: int,
+        forward_s: float | Sequence[float],
+        backward_s: float | Sequence[float] | None = None,
+        backward_input_s: float | Sequence[float] | None = None,
+        backward_weight_s: float | Sequence[float] | None = None,
+        p2p_s: float | Sequence[float] = 0.0,
+        source: str = "given",
+    ) -> StageDurations:
+        """Explicit durations; scalars apply to every stage (or boundary).
+
+        Give B, or I and W, or all three. With only B, I = W = B / 2; with only I and W,
+        B = I + W. Without any backward, B = 2·F and I = W = F.
+        """
+        f = _vec(forward_s, num_stages, "forward_s")
+        i = None if backward_input_s is None else _vec(backward_input_s, num_stages, "backward_input_s")
+        w = None if backward_weight_s is None else _vec(backward_weight_s, num_stages, "backward_weight_s")
+        if (i is None) != (w is None):
+            raise ValueError("give both backward_input_s and backward_weight_s, or neither")
+        if backward_s is not None:
+            b = _vec(backward_s, num_stages, "backward_s")
+            if i is None:
+                i, w = b / 2, b / 2
+        elif i is not None:
+            b = i + w
+        else:
+            b, i, w = 2 * f, f.copy(), f.copy()
+        p = _vec(p2p_s, max(num_stages - 1, 0), "p2p_s")
+        for name, arr in (("forward_s", f), ("backward_s", b), ("backward_input_s", i),
+                          ("backward_weight_s", w), ("p2p_s", p)):
+            if np.any(arr < 0) or not np.all(np.isfinite(arr)):
+                raise ValueError(f"{name} must be finite and ≥ 0")
+        return cls(f, b, i, w, p, source)
+
+    @classmethod
+    def uniform(cls, num_stages: int, forward_s: float = 1.0, backward_input_s: float = 1.0,
+                backward_weight_s: float = 1.0, p2p_s: float = 0.0) -> StageDurations:
+        """Every stage alike (B = I + W): the textbook setting of the bubble formulas."""
+        return cls.of(num_stages, forward_s, backward_input_s=backward_input_s,
+                      backward_weight_s=backward_weight_s, p2p_s=p2p_s)
+
+    def table(self) -> np.ndarray:
+        """Rows F, B, I, W (the order of ``engine.schedules.ACTION_KINDS``), one column per stage."""
+        return np.stack([self.forward_s, self.backward_s, self.backward_input_s, self.backward_weight_s])
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "forward_s": self.forward_s.tolist(), "backward_s": self.backward_s.tolist(),
+                "backward_input_s": self.backward_input_s.tolist(),
+                "backward_weight_s": self.backward_weight_s.tolist(), "p2p_s": self.p2p_s.tolist()}
+
+
+def _vec(value, n: int, name: str) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim == 0:
+        return np.full(n, float(arr))
+    if arr.shape != (n,):
+        raise ValueError(f"{name} needs {n} values, got {arr.shape[0] if arr.ndim == 1 else arr.shape}")
+    return arr.copy()
+
+
+# --------------------------------------------------------------------------- from the model
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Forward FLOPs per token of one transformer block (before tp), split as the backward needs."""
+
+    projections: float
+    attention_core: float
+    mlp: float
+    head: float
+
+    @property
+    def matmuls(self) -> float:
+        return self.projections + self.mlp
+
+    @property
+    def block(self) -> float:
+        return self.projections + self.attention_core + self.mlp
+
+
+def flops_per_token(cfg: Config) -> FlopsPerToken:
+    m = cfg.model
+    h = m.hidden
+    proj = 2.0 * h * (h + 2 * m.kv_dim) + 2.0 * h * h
+    core = 4.0 * m.seq_len * h
+    mlp = 2.0 * h * m.ffn_hidden * (3 if m.mlp == "swiglu" else 2)
+    head = 2.0 * h * m.vocab
+    return FlopsPerToken(proj, core, mlp, head)
+
+
+def activation_bytes_per_microbatch(cfg: Config) -> int:
+    """Bytes of the hidden state one stage sends the next (and its gradient back), per microbatch."""
+    t = cfg.training
+    act_bytes = 4 if t.precision == "fp32" else 2
+    n = t.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * act_bytes
+    if cfg.parallel.sequence_parallel:
+        n //= cfg.parallel.tp
+    return n
+
+
+def stage_placement(cfg: Config) -> list[int]:
+    """Pipeline rank of each stage for the config's schedule (one stage on rank 0 when pp = 1)."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return [0]
+    return stage_to_pp_rank(par.num_stages, par.pp, placement_style(par.schedule))
+
+
+def stage_durations(
+    cfg: Config,
+    *,
+    forward_s: float | Sequence[float] | None = None,
+    backward_s: float | Sequence[float] | None = None,
+    backward_input_s: float | Sequence[float] | None = None,
+    backward_weight_s: float | Sequence[float] | None = None,
+    p2p_s: float | Sequence[float] | None = None,
+) -> StageDurations:
+    """Per-stage seconds of F, B, I, W and p2p for ``cfg``; any keyword replaces the analytic value.
+
+    Calibration hook: pass measured seconds (per stage, or one number for all). A given B
+    without I/W rescales the analytic I and W to sum to it; given I and W set B = I + W
+    unless B is given too.
+    """
+    par, tr, cl = cfg.parallel, cfg.training, cfg.cluster
+    num_stages = 1 if par.pp == 1 else par.num_stages
+    fl = flops_per_token(cfg)
+    tokens = tr.micro_batch_size * cfg.model.seq_len
+    rate = cl.gpu.peak_flops(tr.precision) * cfg.conventions.compute_efficiency * par.tp
+    layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages)], dtype=np.float64)
+    head = np.zeros(num_stages)
+    head[-1] = fl.head
+    recompute = {"full": fl.block, "selective": fl.attention_core}.get(tr.recompute, 0.0)
+
+    f = tokens * (layers * fl.block + head) / rate
+    i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + recompute) + head) / rate
+    w = tokens * (layers * fl.matmuls + head) / rate
+    b = i + w
+
+    if backward_s is not None and backward_input_s is None and backward_weight_s is None:
+        b_given = _vec(backward_s, num_stages, "backward_s")
+        scale = np.divide(b_given, b, out=np.full(num_stages, 0.5), where=b > 0)
+        i, w, b = i * scale, w * scale, b_given
+    else:
+        if backward_input_s is not None:
+            i = _vec(backward_input_s, num_stages, "backward_input_s")
+        if backward_weight_s is not None:
+            w = _vec(backward_weight_s, num_stages, "backward_weight_s")
+        b = i + w if backward_s is None else _vec(backward_s, num_stages, "backward_s")
+    if forward_s is not None:
+        f = _vec(forward_s, num_stages, "forward_s")
+    p = _p2p_seconds(cfg, num_stages) if p2p_s is None else p2p_s
+    given = any(x is not None for x in (forward_s, backward_s, backward_input_s, backward_weight_s, p2p_s))
+    return StageDurations.of(num_stages, f, b, i, w, p, source="model+given" if given else "model")
+
+
+def _p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
+    par, cl = cfg.parallel, cfg.cluster
+    owners = stage_placement(cfg)
+    nbytes = activation_bytes_per_microbatch(cfg)
+    out = np.zeros(max(num_stages - 1, 0))
+    for s in range(num_stages - 1):
+        a, b = owners[s], owners[s + 1]
+        if a == b:
+            continue  # same rank (the turn of a V): no transfer
+        # the (dp=0, tp=0) member of each pipeline rank; rank = pp_index * dp * tp + ...
+        node_a = a * par.dp * par.tp // cl.gpus_per_node
+        node_b = b * par.dp * par.tp // cl.gpus_per_node
+        if node_a == node_b:
+            out[s] = cl.intra_node_latency_us * 1e-6 + nbytes / cl.intra_node_bytes_per_s
+        else:
+            out[s] = cl.inter_node_latency_us * 1e-6 + nbytes / cl.inter_node_bytes_per_s
+    return out

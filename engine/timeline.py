@@ -1,0 +1,343 @@
+"""Timeline simulation: when every pipeline action starts and ends, with real durations.
+
+Each pipeline rank runs its plan's actions in order (:mod:`engine.schedules`); an action also
+waits for its data:
+
+* ``F(s, mb)`` after ``F(s-1, mb)`` ends, plus the p2p time when stage s-1 is on another rank;
+* ``B``/``I(s, mb)`` after ``B``/``I(s+1, mb)`` ends (+ p2p), or on the last stage after ``F(s, mb)``;
+* ``W(s, mb)`` after ``I(s, mb)``.
+
+A transfer is modelled as a delay on the dependency edge (latency + bytes / bandwidth): it does
+not occupy the sender, links do not contend, and torch's fused send/recv waits are not
+modelled. ``start = max(end of the previous action on the rank, end of the data dependency +
+p2p)`` — one pass in a topological order that is computed once per plan and cached.
+
+Bubble conventions (both are always given, ``conventions.bubble`` says which to show):
+``bubble_fraction`` = idle / (pp · makespan), the share of total time (GPipe paper);
+``bubble_relative_to_ideal`` = idle / busy, relative to the ideal time (Narayanan 2021).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from functools import cached_property
+from operator import itemgetter
+
+import numpy as np
+
+from engine.config import Config
+from engine.durations import StageDurations, stage_durations
+from engine.schedules import ACTION_KINDS, PipelinePlan, pipeline_actions, single_rank_plan
+
+_F, _B, _I, _W = range(4)
+_KIND_NAMES = np.array(ACTION_KINDS)
+_KIND_LUT = np.full(256, -1, dtype=np.int64)  # ASCII letter -> kind code
+_KIND_LUT[[ord(k) for k in ACTION_KINDS]] = np.arange(len(ACTION_KINDS))
+
+
+# --------------------------------------------------------------------------- plan -> graph
+
+
+@dataclass(frozen=True, eq=False)
+class _Graph:
+    """A plan as flat arrays (rank-major, each rank in execution order) plus its dependency graph."""
+
+    offsets: np.ndarray  # rank r's actions are [offsets[r], offsets[r+1])
+    rank: np.ndarray
+    kind: np.ndarray  # codes into ACTION_KINDS
+    stage: np.ndarray
+    microbatch: np.ndarray
+    dep: np.ndarray  # index of the data dependency, or n (sentinel) when none
+    cross: np.ndarray  # dependency on another rank (a p2p transfer)
+    boundary: np.ndarray  # stage boundary crossed by that transfer (s -> s+1 is boundary s)
+    order: list  # topological order (indices)
+    prev_in_order: list  # previous action on the same rank, or n, for each entry of ``order``
+    dep_in_order: list
+    alloc: np.ndarray  # [num_stages, m]: index of F(s, mb)
+    release: np.ndarray  # [num_stages, m]: index of the action after which activations are freed
+
+
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _graph(plan: PipelinePlan) -> _Graph:
+    g = _GRAPHS.get(plan)
+    if g is None:
+        g = _GRAPHS[plan] = _build_graph(plan)
+    return g
+
+
+def _build_graph(plan: PipelinePlan) -> _Graph:
+    S, m, p = plan.num_stages, plan.microbatches, plan.pp
+    lengths = [len(a) for a in plan.per_rank]
+    offsets = np.zeros(p + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    n = int(offsets[-1])
+    flat = [a for acts in plan.per_rank for a in acts]
+    kind = _KIND_LUT[np.frombuffer("".join(map(itemgetter(0), flat)).encode("ascii"), dtype=np.uint8)]
+    if np.any(kind < 0):
+        raise ValueError(f"plan has an action kind outside {ACTION_KINDS}")
+    stage = np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=n)
+    mb = np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=n)
+    rank = np.repeat(np.arange(p, dtype=np.int64), lengths)
+
+    where = np.full((4, S + 1, m), n, dtype=np.int64)  # where[kind, stage, mb] -> index (n: absent)
+    where[kind, stage, mb] = np.arange(n)
+    if np.count_nonzero(where[:, :S] < n) != n:
+        raise ValueError("plan repeats an action")
+    if np.any(where[_F, :S] == n):
+        raise ValueError("plan misses a forward")
+    back_in = np.minimum(where[_B], where[_I])  # B or I of (s, mb), whichever the plan has
+    release = np.where(where[_B, :S] < n, where[_B, :S], where[_W, :S])
+    if np.any(release == n):
+        raise ValueError("plan misses a backward")
+
+    dep = np.full(n, n, dtype=np.int64)
+    isf = kind == _F
+    dep[isf] = np.where(stage[isf] > 0, where[_F, stage[isf] - 1, mb[isf]], n)
+    isb = (kind == _B) | (kind == _I)
+    last = stage == S - 1
+    dep[isb & ~last] = back_in[stage[isb & ~last] + 1, mb[isb & ~last]]
+    dep[isb & last] = where[_F, stage[isb & last], mb[isb & last]]
+    isw = kind == _W
+    dep[isw] = back_in[stage[isw], mb[isw]]
+    if np.any(dep[isw] == n):
+        raise ValueError("plan has W without its I")
+    owner = np.asarray(plan.stage_to_rank, dtype=np.int64)
+    cross = np.zeros(n, dtype=bool)
+    has = dep < n
+    cross[has] = owner[stage[dep[has]]] != rank[has]
+    boundary = np.where(isf, stage - 1, stage)  # F crosses s-1 -> s; B/I crosses s -> s+1
+
+    order = _topological(offsets, dep.tolist(), n)
+    prev = np.arange(-1, n - 1, dtype=np.int64)
+    prev[offsets[:-1][np.diff(offsets) > 0]] = n  # first action of a rank: nothing before it
+    return _Graph(offsets, rank, kind, stage, mb, dep, cross, boundary, order.tolist(), prev[order].tolist(),
+                  dep[order].tolist(), where[_F, :S], release)
+
+
+def _topological(offsets: np.ndarray, dep: list, n: int) -> np.ndarray:
+    """Round-robin over ranks, each advancing while its next action's dependency is done."""
+    done = bytearray(n + 1)
+    done[n] = 1
+    ptr = offsets[:-1].tolist()
+    ends = offsets[1:].tolist()
+    order: list[int] = []
+    append = order.append
+    p = len(ptr)
+    while len(order) < n:
+        progressed = False
+        for r in range(p):
+            j, e = ptr[r], ends[r]
+            start = j
+            while j < e and done[dep[j]]:
+                done[j] = 1
+                append(j)
+                j += 1
+            if j != start:
+                ptr[r] = j
+                progressed = True
+        if not progressed:
+            stuck = {r: ptr[r] for r in range(p) if ptr[r] < ends[r]}
+            raise ValueError(f"pipeline plan deadlocks: ranks wait on each other at {stuck}")
+    return np.array(order, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- the timeline
+
+
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    """Start and end of every compute action on every pipeline rank, and what follows from them.
+
+    Flat arrays, one entry per action, grouped by pipeline rank in execution order:
+    ``rank`` (pipeline rank), ``kind`` ("F"/"B"/"I"/"W"), ``stage``, ``microbatch``,
+    ``start_s``, ``end_s``. ``busy_s``/``idle_s`` are per pipeline rank.
+    """
+
+    schedule: str
+    pp: int
+    num_stages: int
+    microbatches: int
+    stage_to_rank: tuple[int, ...]
+    global_ranks: tuple[int, ...]  # global rank of (dp=0, tp=0) on each pipeline rank
+    rank: np.ndarray
+    kind_code: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    start_s: np.ndarray
+    end_s: np.ndarray
+    makespan_s: float
+    busy_s: np.ndarray
+    idle_s: np.ndarray
+    durations: StageDurations = field(repr=False)
+    _graph: _Graph = field(repr=False)
+
+    # ----------------------------------------------------------------- bubble
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of total rank-time: idle / (pp · makespan)."""
+        total = self.pp * self.makespan_s
+        return float(self.idle_s.sum() / total) if total > 0 else 0.0
+
+    @property
+    def bubble_relative_to_ideal(self) -> float:
+        """Idle time relative to the ideal (busy) time: idle / busy."""
+        busy = float(self.busy_s.sum())
+        return float(self.idle_s.sum() / busy) if busy > 0 else 0.0
+
+    def bubble(self, convention: str = "share-of-total") -> float:
+        """The bubble in one of ``engine.names.BUBBLE_CONVENTIONS``."""
+        if convention == "share-of-total":
+            return self.bubble_fraction
+        if convention == "relative-to-ideal":
+            return self.bubble_relative_to_ideal
+        raise ValueError(f"unknown bubble convention {convention!r}; allowed: share-of-total | relative-to-ideal")
+
+    # ----------------------------------------------------------------- actions
+
+    @cached_property
+    def kind(self) -> np.ndarray:
+        """Kind letters ("F", "B", "I", "W") of every action."""
+        return _KIND_NAMES[self.kind_code]
+
+    def rank_slice(self, rank: int) -> slice:
+        o = self._graph.offsets
+        return slice(int(o[rank]), int(o[rank + 1]))
+
+    def actions_of_rank(self, rank: int) -> list[tuple[str, int, int, float, float]]:
+        """[(kind, stage, microbatch, start_s, end_s), ...] of one pipeline rank, in execution order."""
+        sl = self.rank_slice(rank)
+        return list(zip(self.kind[sl].tolist(), self.stage[sl].tolist(), self.microbatch[sl].tolist(),
+                        self.start_s[sl].tolist(), self.end_s[sl].tolist()))
+
+    # ----------------------------------------------------------------- activations
+
+    @cached_property
+    def _activation_events(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per stage: sorted event times and the live count after each (one concatenated run)."""
+        g = self._graph
+        S, m = self.num_stages, self.microbatches
+        t = np.concatenate([self.start_s[g.alloc].ravel(), self.end_s[g.release].ravel()])
+        delta = np.concatenate([np.ones(S * m, dtype=np.int64), -np.ones(S * m, dtype=np.int64)])
+        stage = np.concatenate([np.repeat(np.arange(S), m)] * 2)
+        order = np.lexsort((delta, t, stage))  # by stage, then time; a release before an allocation
+        counts = np.cumsum(delta[order])  # each stage nets to zero, so segments don't leak
+        bounds = np.arange(S + 1) * (2 * m)
+        return t[order], counts, bounds, stage[order]
+
+    def activations_in_flight(self, stage: int) -> tuple[np.ndarray, np.ndarray]:
+        """(times_s, live): after time ``times_s[k]`` the stage holds ``live[k]`` microbatches'
+        activations (from the start of F until the end of B — or of W for a split backward)."""
+        t, counts, bounds, _ = self._activation_events
+        sl = slice(int(bounds[stage]), int(bounds[stage + 1]))
+        return t[sl].copy(), counts[sl].copy()
+
+    @cached_property
+    def peak_activations(self) -> np.ndarray:
+        """Most microbatches whose activations a stage holds at once, per stage."""
+        _, counts, bounds, _ = self._activation_events
+        return np.maximum.reduceat(counts, bounds[:-1])
+
+    # ----------------------------------------------------------------- communication
+
+    @cached_property
+    def transfers(self) -> dict[str, np.ndarray]:
+        """The p2p transfers between ranks as flat arrays: ``kind`` ("F": activations,
+        "B": gradients), ``src_rank``, ``dst_rank``, ``stage`` (the receiving stage),
+        ``microbatch``, ``start_s``, ``end_s``."""
+        g = self._graph
+        idx = np.flatnonzero(g.cross)
+        src = g.dep[idx]
+        return {
+            "kind": np.where(g.kind[idx] == _F, "F", "B"),
+            "src_rank": g.rank[src], "dst_rank": g.rank[idx], "stage": g.stage[idx],
+            "microbatch": g.microbatch[idx], "start_s": self.end_s[src],
+            "end_s": self.end_s[src] + _comm_seconds(g, self.durations)[idx],
+        }
+
+    # ----------------------------------------------------------------- output
+
+    def to_json(self, convention: str | None = None) -> dict:
+        """The ``"pipeline"`` block of ``shardscope predict --json``.
+
+        ``per_rank`` has one entry per *pipeline* rank: ``pp_rank``, and ``rank`` = the global
+        rank of its (dp = 0, tp = 0) member (every dp/tp replica runs the same timeline).
+        """
+        out = {
+            "schedule": self.schedule,
+            "pp": self.pp,
+            "num_stages": self.num_stages,
+            "microbatches": self.microbatches,
+            "stage_to_pp_rank": list(self.stage_to_rank),
+            "makespan_s": self.makespan_s,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_relative_to_ideal": self.bubble_relative_to_ideal,
+            "peak_activations_per_stage": self.peak_activations.tolist(),
+            "per_rank": [
+                {"pp_rank": r, "rank": self.global_ranks[r], "busy_s": float(self.busy_s[r]),
+                 "idle_s": float(self.idle_s[r]), "actions": [list(a) for a in self.actions_of_rank(r)]}
+                for r in range(self.pp)
+            ],
+        }
+        if convention is not None:
+            out["bubble_convention"] = convention
+            out["bubble"] = self.bubble(convention)
+        return out
+
+
+def _comm_seconds(g: _Graph, durations: StageDurations) -> np.ndarray:
+    p2p = np.append(durations.p2p_s, 0.0)  # index -1 (F of stage 0) never crosses; pad anyway
+    return np.where(g.cross, p2p[np.clip(g.boundary, 0, len(p2p) - 1)], 0.0)
+
+
+def simulate(plan: PipelinePlan, durations: StageDurations,
+             global_ranks: list[int] | tuple[int, ...] | None = None) -> Timeline:
+    """Start/end of every action of ``plan`` with ``durations``; see the module doc for the rules."""
+    if durations.num_stages != plan.num_stages:
+        raise ValueError(f"durations cover {durations.num_stages} stages, the plan has {plan.num_stages}")
+    g = _graph(plan)
+    n = len(g.kind)
+    dur = durations.table()[g.kind, g.stage]
+    comm = _comm_seconds(g, durations)
+    order = g.order
+
+    end = [0.0] * (n + 1)  # index n: the sentinel "nothing", ends at 0
+    start = [0.0] * n
+    for i, pv, dp, c, d in zip(order, g.prev_in_order, g.dep_in_order, comm[order].tolist(), dur[order].tolist()):
+        t = end[pv]
+        u = end[dp] + c
+        if u > t:
+            t = u
+        start[i] = t
+        end[i] = t + d
+    start_s = np.array(start)
+    end_s = np.array(end[:n])
+    makespan = float(end_s.max()) if n else 0.0
+    busy = np.bincount(g.rank, weights=dur, minlength=plan.pp)
+    ranks = tuple(range(plan.pp)) if global_ranks is None else tuple(int(r) for r in global_ranks)
+    return Timeline(
+        schedule=plan.schedule, pp=plan.pp, num_stages=plan.num_stages, microbatches=plan.microbatches,
+        stage_to_rank=plan.stage_to_rank, global_ranks=ranks, rank=g.rank, kind_code=g.kind, stage=g.stage,
+        microbatch=g.microbatch, start_s=start_s, end_s=end_s, makespan_s=makespan, busy_s=busy,
+        idle_s=makespan - busy, durations=durations, _graph=g,
+    )
+
+
+def pipeline_plan(cfg: Config) -> PipelinePlan:
+    """The plan for the config (pp = 1: gradient accumulation, F then B per microbatch)."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return single_rank_plan(par.schedule, par.microbatches)
+    return pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+
+
+def pipeline_prediction(cfg: Config, durations: StageDurations | None = None) -> Timeline:
+    """Plan + durations (analytic unless given) + simulation for ``cfg``."""
+    plan = pipeline_plan(cfg)
+    if durations is None:
+        durations = stage_durations(cfg)
+    par = cfg.parallel
+    return simulate(plan, durations, [r * par.dp * par.tp for r in range(plan.pp)])
