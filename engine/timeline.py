@@ -241,6 +241,31 @@ class Timeline:
         _, counts, bounds, _ = self._activation_events
         return np.maximum.reduceat(counts, bounds[:-1])
 
+    def peak_activations_of_rank(self, rank: int, stage_bytes=None) -> tuple[tuple[int, ...], float]:
+        """The rank's activation peak over all its local stages at once.
+
+        ``stage_bytes[s]`` weighs one microbatch of stage ``s`` (default 1 each). Returns the
+        live microbatches per local stage (increasing stage order) at the moment the weighted
+        sum peaks, and that sum.
+        """
+        t, counts, bounds, _ = self._activation_events
+        local = [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+        weight = np.ones(self.num_stages) if stage_bytes is None else np.asarray(stage_bytes, dtype=np.float64)
+        times, deltas, which = [], [], []
+        for k, s in enumerate(local):
+            sl = slice(int(bounds[s]), int(bounds[s + 1]))
+            times.append(t[sl])
+            deltas.append(np.diff(counts[sl], prepend=0))
+            which.append(np.full(sl.stop - sl.start, k))
+        times_a, delta_a, which_a = np.concatenate(times), np.concatenate(deltas), np.concatenate(which)
+        order = np.lexsort((delta_a, times_a))
+        delta_a, which_a = delta_a[order], which_a[order]
+        w = np.asarray([weight[s] for s in local])[which_a]
+        total = np.cumsum(delta_a * w)
+        at = int(np.argmax(total))
+        per_stage = tuple(int(np.sum(delta_a[: at + 1] * (which_a[: at + 1] == k))) for k in range(len(local)))
+        return per_stage, float(total[at])
+
     # ----------------------------------------------------------------- communication
 
     @cached_property

@@ -251,3 +251,14 @@ def test_default_config_predicts():
     tl = pipeline_prediction(default_config())
     assert tl.makespan_s > 0 and 0 < tl.bubble_fraction < 1
     assert math.isfinite(tl.bubble_relative_to_ideal)
+
+
+def test_rank_peak_over_local_stages():
+    p, m = 4, 8
+    one = simulate(pipeline_actions("1F1B", p, m, 1), StageDurations.uniform(p))
+    assert [one.peak_activations_of_rank(r)[0] for r in range(p)] == [(min(m, p - r),) for r in range(p)]
+    bfs = simulate(pipeline_actions("LoopedBFS", p, m, 2), StageDurations.uniform(2 * p))
+    assert bfs.peak_activations_of_rank(1) == ((m, m), 2.0 * m)  # breadth-first: everything alive
+    zbv = simulate(pipeline_actions("ZBVZeroBubble", p, m, 2), StageDurations.uniform(2 * p))
+    per_stage, total = zbv.peak_activations_of_rank(0, stage_bytes=[2.0] + [1.0] * (2 * p - 1))
+    assert len(per_stage) == 2 and total == 2.0 * per_stage[0] + per_stage[1]
