@@ -1,0 +1,735 @@
+"""Memory per rank, per pipeline stage, by category — with the terms behind every number.
+
+``memory_per_rank(cfg)`` answers "does it fit, and on which GPU does it not?". Every rank of
+the world is listed; ranks that hold the same thing (DP replicas, TP shards with equal vocab
+chunks) share one computed body. Each category of each rank expands into named terms
+(``RankMemory.explain(category)``), each with its bytes and the formula that produced it.
+
+Conventions (each one is stated in ``MemoryReport.conventions`` too):
+
+Model states (ZeRO paper accounting, Rajbhandari et al. 2020). ``w`` = compute-copy bytes
+(2 under bf16/fp16-mixed, 4 under fp32); ``g`` = ``training.grad_dtype`` bytes; optimizer =
+fp32 master copy (4, mixed precision only) + 4 per state (adamw 2, sgd-momentum 1, sgd 0).
+ZeRO shards over ``parallel.shard_degree`` d (dp, or dp/replicate under HSDP) — never the world:
+    ZeRO-0  w·Ψ + g·Ψ + o·Ψ           ZeRO-2  w·Ψ + g·⌈Ψ/d⌉ + o·⌈Ψ/d⌉
+    ZeRO-1  w·Ψ + g·Ψ + o·⌈Ψ/d⌉       ZeRO-3  (w + g + o)·Ψ_d, Ψ_d = Σ ⌈dim0/d⌉·rest per tensor
+(ZeRO-1/2 shard one flat buffer like DeepSpeed; ZeRO-3 pads every tensor's dim 0 like FSDP2.)
+FSDP2 itself keeps the fp32 sharded parameter as the master (no separate copy) and casts to
+bf16 in the all-gather; the per-rank total is the same, the split between params/optimizer
+differs — ShardScope reports the ZeRO split.
+
+Activations per layer per microbatch (Korthikanti et al. 2022), derived tensor by tensor from
+what each op saves for backward (``_layer_activation_terms``): with f = 4h, eager attention,
+dropout on and 16-bit activations the sum is exactly Table 2 in all five cases.
+
+Pipeline: microbatches whose activations a stage holds at its peak follow torch's own order
+(``_in_flight``): GPipe m; 1F1B min(m, p − r); LoopedBFS m per local stage; Interleaved1F1B and
+InterleavedZeroBubble by replaying torch's per-rank op order (the ZB variant keeps a microbatch
+alive until its W, because torch's ``stage_backward_input`` retains the whole autograd graph);
+ZBVZeroBubble and DualPipeV by replaying torch's orders too (about 2p and 2p + 1
+stage-microbatches per rank: the ZB-V paper's "1F1B peak on every rank", and DualPipe's
+PP + 1). Each replay was checked against torch 2.13's ``pipeline_order``. DualPipe's doubled
+parameters belong to the bidirectional DualPipe with two model copies; torch ships only
+DualPipeV, whose 2p stages are distinct, so no parameter is doubled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from engine.config import Config, ConfigError, ModelSpec
+from engine.layout import rank_coords
+from engine.names import MEMORY_CATEGORIES, OPTIMIZER_STATES
+from engine.params import RankParams, param_counts, params_per_rank, sharded_numel
+
+GIB = 2**30
+MB = 10**6
+MIB = 2**20
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named contribution to a category: its bytes and the formula that gives them."""
+
+    label: str
+    bytes: int
+    formula: str
+
+
+class _Body:
+    """The categories of one distinct rank (shared by identical ranks)."""
+
+    __slots__ = ("terms", "values", "total", "stages", "pp_rank")
+
+    def __init__(self, terms: dict[str, list[Term]], stages: tuple[int, ...], pp_rank: int):
+        self.terms = terms
+        self.values = {c: sum(t.bytes for t in terms[c]) for c in MEMORY_CATEGORIES}
+        self.total = sum(self.values.values())
+        self.stages = stages
+        self.pp_rank = pp_rank
+
+
+class RankMemory:
+    """Memory of one rank: one attribute per category (bytes), ``total``, ``fits``, ``explain``."""
+
+    __slots__ = ("rank", "tp_rank", "dp_rank", "_body", "_capacity")
+
+    def __init__(self, rank: int, tp_rank: int, dp_rank: int, body: _Body, capacity: int):
+        self.rank = rank
+        self.tp_rank = tp_rank
+        self.dp_rank = dp_rank
+        self._body = body
+        self._capacity = capacity
+
+    # categories (params, grads, ...) are added as properties below the class
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    temporaries: int
+    overhead: int
+
+    @property
+    def pp_rank(self) -> int:
+        return self._body.pp_rank
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return self._body.stages
+
+    @property
+    def total(self) -> int:
+        return self._body.total
+
+    @property
+    def fits(self) -> bool:
+        return self._body.total <= self._capacity
+
+    @property
+    def model_states(self) -> int:
+        """params + grads + optimizer."""
+        v = self._body.values
+        return v["params"] + v["grads"] + v["optimizer"]
+
+    def explain(self, category: str) -> list[Term]:
+        """The terms that make up ``category`` (their bytes sum to it)."""
+        if category not in self._body.terms:
+            raise KeyError(f"unknown memory category {category!r}; allowed: {', '.join(MEMORY_CATEGORIES)}")
+        return list(self._body.terms[category])
+
+    def to_dict(self) -> dict:
+        v = self._body.values
+        out = {"rank": self.rank, "stage": self._body.stages[0], "stages": list(self._body.stages)}
+        out.update((c, v[c]) for c in MEMORY_CATEGORIES)
+        out["total"] = self._body.total
+        out["fits"] = self.fits
+        return out
+
+    def __repr__(self) -> str:
+        return f"RankMemory(rank={self.rank}, stages={self.stages}, total={self.total / GIB:.2f} GiB)"
+
+
+def _category_property(name: str) -> property:
+    return property(lambda self: self._body.values[name], doc=f"bytes of {name!r} on this rank")
+
+
+for _name in MEMORY_CATEGORIES:
+    setattr(RankMemory, _name, _category_property(_name))
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    per_rank: list[RankMemory]
+    capacity_bytes: int
+    conventions: dict[str, str]
+
+    @property
+    def peak(self) -> RankMemory:
+        """The rank that needs the most memory (lowest rank on ties)."""
+        return max(self.per_rank, key=lambda r: (r.total, -r.rank))
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.per_rank)
+
+    def distinct(self) -> list[list[RankMemory]]:
+        """Ranks grouped by identical content, in rank order of each group's first rank."""
+        groups: dict[int, list[RankMemory]] = {}
+        for r in self.per_rank:
+            groups.setdefault(id(r._body), []).append(r)
+        return list(groups.values())
+
+    def to_json(self) -> dict:
+        return {"per_rank": [r.to_dict() for r in self.per_rank], "capacity_bytes": self.capacity_bytes}
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.3g} GiB"
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the per-layer activation formula depends on."""
+
+    s: int
+    b: int
+    h: int
+    a: int
+    kv: int  # kv_heads · head_dim
+    f: int
+    t: int
+    sp: bool
+    act: int  # bytes per activation element (2 for 16-bit, 4 for fp32)
+    dropout: bool
+    flash: bool
+    swiglu: bool
+    selective: bool
+
+
+@lru_cache(maxsize=256)
+def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], str]:
+    """Saved-for-backward bytes of one block for one microbatch: ((label, bytes), ...), formula.
+
+    Derived from what each op keeps for its backward (Korthikanti et al. 2022, §4.1):
+      attention  norm1 output (QKV input) 2sbh · Q and K 2sbh each · V 2sbh ·
+                 eager: softmax output 2as²b, its dropout mask as²b and dropout output 2as²b ·
+                 o-proj input 2sbh · residual dropout mask sbh                  → 11sbh + 5as²b
+      MLP        norm2 output 2sbh · GeLU input 2sbf · fc2 input 2sbf · dropout mask sbh → 19sbh (f=4h)
+      norms      the two norm inputs 2sbh each                                   → 4sbh
+    Variants, from the same rule:
+      * dropout off: no masks (1-byte each), and no separate dropout output — the softmax output
+        is what the AV matmul saves, so eager attention keeps 2as²b instead of 5as²b.
+      * flash attention: no s² tensor at all; the kernel saves Q, K, V, its output (which is the
+        o-proj input) and the softmax log-sum-exp (a·s·b fp32); dropout is regenerated from the
+        RNG state, so no mask. K and V are saved at kv_heads·d (flash takes GQA natively), while
+        eager attention saves the K, V it multiplies — repeated to all heads (2sbh each).
+      * SwiGLU: silu saves its input (gate output), the product saves both factors (silu output,
+        up output), down saves its input: 4 tensors of 2sbf instead of GeLU's 2.
+      * TP: the parts inside the column/row pair are /t; the rest (norms, their outputs, the
+        residual masks) are replicated unless sequence parallel, which makes them /t too.
+      * selective recompute: the attention core (softmax, its dropout; flash's lse) is recomputed.
+    Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byte.
+    """
+    s, b, h, a, t, act = sh.s, sh.b, sh.h, sh.a, sh.t, sh.act
+    rep = t if sh.sp else 1
+    # coefficient per basis for the formula; basis symbols
+    rep_sym = "h/t" if sh.sp else "h"
+    out: list[tuple[str, int]] = []
+    coef: dict[str, int] = {}
+
+    def add(label: str, c: int, basis: str, numel: int) -> None:
+        out.append((label, c * numel))
+        coef[basis] = coef.get(basis, 0) + c
+
+    sbh_rep, sbh_t = s * b * h // rep, s * b * h // t
+    add("norm1 input", act, rep_sym, sbh_rep)
+    add("QKV input (norm1 output)", act, rep_sym, sbh_rep)
+    add("Q", act, "h/t", sbh_t)
+    if sh.flash:
+        add("K, V (kv heads)", 2 * act, "kv/t", s * b * sh.kv // t)
+    else:
+        add("K, V (repeated to all heads)", 2 * act, "h/t", sbh_t)
+    if not sh.selective:
+        if sh.flash:
+            add("softmax log-sum-exp (fp32)", 4, "a/t", a * s * b // t)
+        else:
+            as2b = a * s * s * b // t
+            add("softmax output", act, "as/t", as2b)
+            if sh.dropout:
+                add("attention-dropout mask", 1, "as/t", as2b)
+                add("attention-dropout output", act, "as/t", as2b)
+    add("o-proj input (attention output)", act, "h/t", sbh_t)
+    if sh.dropout:
+        add("attention residual-dropout mask", 1, rep_sym, sbh_rep)
+    add("norm2 input", act, rep_sym, sbh_rep)
+    add("MLP input (norm2 output)", act, rep_sym, sbh_rep)
+    sbf_t = s * b * sh.f // t
+    if sh.swiglu:
+        add("gate output (SiLU input)", act, "f/t", sbf_t)
+        add("SiLU output", act, "f/t", sbf_t)
+        add("up output", act, "f/t", sbf_t)
+        add("down input", act, "f/t", sbf_t)
+    else:
+        add("GeLU input", act, "f/t", sbf_t)
+        add("fc2 input (GeLU output)", act, "f/t", sbf_t)
+    if sh.dropout:
+        add("MLP residual-dropout mask", 1, rep_sym, sbh_rep)
+    order = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t")
+    parts = [f"{coef[k]}{k}" for k in order if coef.get(k)]
+    formula = "s·b·(" + " + ".join(parts) + ")"
+    return tuple(out), formula
+
+
+def _shape(cfg: Config) -> _Shape:
+    model, par, tr = cfg.model, cfg.parallel, cfg.training
+    return _Shape(s=model.seq_len, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
+                  f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel,
+                  act=4 if tr.precision == "fp32" else 2, dropout=model.dropout > 0,
+                  flash=model.attention == "flash", swiglu=model.mlp == "swiglu",
+                  selective=tr.recompute == "selective")
+
+
+def activation_terms_per_layer(cfg: Config) -> tuple[list[Term], str]:
+    """What one block saves for backward for one microbatch on one rank, tensor by tensor.
+
+    Ignores recompute = "full" (that keeps only the block input; see ``memory_per_rank``);
+    honours "selective". Returns the terms and the symbolic formula of their sum.
+    """
+    terms, formula = _layer_activation_terms(_shape(cfg))
+    return [Term(label, x, formula) for label, x in terms], formula
+
+
+def activation_bytes_per_layer(cfg: Config) -> int:
+    """Bytes one block saves for backward for one microbatch on one rank (no full recompute)."""
+    return sum(x for _, x in _layer_activation_terms(_shape(cfg))[0])
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+@lru_cache(maxsize=512)
+def _interleaved_states(rank: int, p: int, v: int, m: int, zero_bubble: bool) -> tuple[tuple[int, ...], ...]:
+    """Per-local-stage live microbatches after each forward, replaying torch's op order.
+
+    Port of ``_get_1f1b_rank_ops`` (torch.distributed.pipelining.schedules) for
+    Interleaved1F1B (warm-up factor 2) and InterleavedZeroBubble (factor 1, W deferred by
+    ``rank`` steps). A microbatch stays alive from its F to its full backward (B), or, under
+    zero bubble, to its W.
+    """
+    mpr = m // max(1, m // p)
+    warmup = min((v - 1) * mpr + (1 if zero_bubble else 2) * (p - 1 - rank), m * v)
+    fwd_bwd = m * v - warmup
+    held = [0] * v
+    states: set[tuple[int, ...]] = set()
+    bwd_ops: list[int] = []
+    w_count = 0
+
+    def fstage(op: int) -> int:
+        return (op // mpr) % v
+
+    def bstage(op: int) -> int:
+        return v - 1 - ((op - warmup) // mpr) % v
+
+    def forward(op: int) -> None:
+        held[fstage(op)] += 1
+        states.add(tuple(held))
+
+    def backward(op: int) -> None:
+        nonlocal w_count
+        bwd_ops.append(op)
+        if not zero_bubble:
+            held[bstage(op)] -= 1
+        elif op - warmup >= rank:
+            held[bstage(bwd_ops[w_count])] -= 1
+            w_count += 1
+
+    for op in range(warmup):
+        forward(op)
+    for op in range(warmup, warmup + fwd_bwd):
+        forward(op)
+        backward(op)
+    for op in range(warmup + fwd_bwd, warmup + fwd_bwd + warmup):
+        backward(op)
+    return tuple(sorted(states))
+
+
+@lru_cache(maxsize=512)
+def _zbv_states(rank: int, p: int, m: int) -> tuple[tuple[int, int], ...]:
+    """(chunk-0, chunk-1) live microbatches after each forward: torch's ScheduleZBVZeroBubble order.
+
+    Port of its ``_calculate_single_rank_operations``: the order is generated for
+    max(2p − 1, m) microbatches and the actions of microbatches ≥ m are dropped. A microbatch
+    is alive from its F until its W (the I step retains the autograd graph).
+    """
+    n_micro = max(2 * p - 1, m)
+    held = [0, 0]
+    nxt = {("F", 0): 0, ("F", 1): 0, ("W", 0): 0, ("W", 1): 0}
+    states: set[tuple[int, int]] = set()
+
+    def act(kind: str, chunk: int) -> None:
+        mb = nxt[kind, chunk]
+        nxt[kind, chunk] = mb + 1
+        if mb >= m:
+            return
+        if kind == "F":
+            held[chunk] += 1
+            states.add((held[0], held[1]))
+        else:
+            held[chunk] -= 1
+
+    for _ in range(2 * (p - rank) - 1):
+        act("F", 0)
+    for _ in range(rank):
+        act("F", 1)
+        act("F", 0)
+    for _ in range(p - rank):
+        act("F", 1)
+        act("W", 1)
+    while nxt["F", 1] < nxt["F", 0] or nxt["F", 0] < n_micro:
+        if nxt["F", 0] < n_micro:
+            act("F", 0)
+        act("W", 0)
+        act("F", 1)
+        act("W", 1)
+    return tuple(sorted(states))  # the cool-down only frees
+
+
+@lru_cache(maxsize=512)
+def _dualpipev_states(rank: int, p: int, m: int) -> tuple[tuple[int, int], ...]:
+    """(chunk-0, chunk-1) live microbatches after each forward: torch's ScheduleDualPipeV order.
+
+    Port of its ``_calculate_single_rank_operations``. FULL_BACKWARD frees at once; a
+    BACKWARD_INPUT frees at its queued W. Overlapped F+B actions run the F first.
+    """
+    held = [0, 0]
+    w_queue: list[int] = []
+    states: set[tuple[int, int]] = set()
+
+    def f(chunk: int) -> None:
+        held[chunk] += 1
+        states.add((held[0], held[1]))
+
+    def full_b(chunk: int) -> None:
+        held[chunk] -= 1
+
+    def input_b(chunk: int) -> None:
+        w_queue.append(chunk)
+
+    def w() -> None:
+        if w_queue:
+            held[w_queue.pop(0)] -= 1
+
+    for _ in range((p - rank - 1) * 2):
+        f(0)
+    for _ in range(rank + 1):
+        f(0)
+        f(1)
+    for _ in range(p - rank - 1):
+        input_b(1)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + rank + 1):
+        f(0)
+        full_b(1)
+        f(1)
+        full_b(0)
+    for _ in range(p - rank - 1):
+        full_b(1)
+        f(1)
+        full_b(0)
+    return tuple(sorted(states))  # what follows only frees
+
+
+def _in_flight(schedule: str, pp_rank: int, p: int, v: int, m: int, unit_bytes: list[int]) -> tuple[int, ...]:
+    """Microbatches each local stage holds at the rank's activation peak (local stage order)."""
+    if p == 1 or schedule in ("GPipe", "LoopedBFS"):
+        return (m,) * len(unit_bytes)
+    if schedule == "1F1B":
+        return (min(m, p - pp_rank),)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        states = _interleaved_states(pp_rank, p, v, m, schedule == "InterleavedZeroBubble")
+        return max(states, key=lambda st: sum(n * u for n, u in zip(st, unit_bytes)))
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        states = (_zbv_states if schedule == "ZBVZeroBubble" else _dualpipev_states)(pp_rank, p, m)
+        return max(states, key=lambda st: sum(n * u for n, u in zip(st, unit_bytes)))
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+_IN_FLIGHT_RULE = {
+    "GPipe": "all m microbatches (every forward before any backward)",
+    "LoopedBFS": "all m microbatches on every local stage (breadth-first)",
+    "1F1B": "min(m, p − r) on pp-rank r",
+    "Interleaved1F1B": "torch's interleaved order replayed: warm-up (v−1)·m_round + 2(p−1−r) forwards",
+    "InterleavedZeroBubble": "torch's order replayed: warm-up (v−1)·m_round + (p−1−r), each microbatch held until its W",
+    "ZBVZeroBubble": "torch's ZB-V order replayed (about 2p stage-microbatches per rank, held until W)",
+    "DualPipeV": "torch's DualPipeV order replayed (about 2p + 1 stage-microbatches per rank)",
+}
+
+
+# --------------------------------------------------------------------------- per rank
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _body(cfg: Config, rp: RankParams) -> _Body:
+    model, par, tr, conv = cfg.model, cfg.parallel, cfg.training, cfg.conventions
+    t, p, v, m = par.tp, par.pp, par.virtual_stages, par.microbatches
+    z, d = par.zero, par.shard_degree
+    w, g = tr.param_bytes, tr.grad_bytes
+    master = 4 if tr.master_weights else 0
+    n_states = OPTIMIZER_STATES[tr.optimizer]
+    psi = rp.total
+    T: dict[str, list[Term]] = {c: [] for c in MEMORY_CATEGORIES}
+    where = f"stage{'s' if len(rp.stages) > 1 else ''} {', '.join(map(str, rp.stage_indices))}"
+
+    # ---------------- model states
+    if z == 3:
+        per_unit = [sharded_numel(u, d) for u in rp.units]
+        psi_d = sum(per_unit)
+        T["params"].append(Term(f"parameters ({where}), sharded ZeRO-3", w * psi_d,
+                                f"{w} B × Ψ_d = {w} × {psi_d:,} (Ψ = {psi:,} over d = {d}, dim 0 padded per tensor)"))
+        T["grads"].append(Term("gradients, sharded ZeRO-3", g * psi_d, f"{g} B × Ψ_d = {g} × {psi_d:,}"))
+        opt_numel, opt_rule = psi_d, "Ψ_d"
+    else:
+        T["params"].append(Term(f"parameters ({where})", w * psi, f"{w} B × Ψ = {w} × {psi:,}"))
+        if z == 2:
+            gd = _ceil_div(psi, d)
+            T["grads"].append(Term("gradients, sharded ZeRO-2", g * gd, f"{g} B × ⌈Ψ/d⌉ = {g} × ⌈{psi:,}/{d}⌉"))
+        else:
+            T["grads"].append(Term("gradients", g * psi, f"{g} B × Ψ = {g} × {psi:,}"))
+        if z >= 1:
+            opt_numel, opt_rule = _ceil_div(psi, d), f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉"
+        else:
+            opt_numel, opt_rule = psi, f"Ψ = {psi:,}"
+    if master:
+        T["optimizer"].append(Term("fp32 master weights", 4 * opt_numel, f"4 B × {opt_rule}"))
+    if n_states:
+        T["optimizer"].append(Term(f"{tr.optimizer} states ({n_states} × fp32)", 4 * n_states * opt_numel,
+                                   f"{4 * n_states} B × {opt_rule}"))
+    if not T["optimizer"]:
+        T["optimizer"].append(Term("no optimizer state (plain sgd, fp32)", 0, "0"))
+
+    # ---------------- activations
+    s, b, h = model.seq_len, tr.micro_batch_size, model.hidden
+    sh = _shape(cfg)
+    act, sp = sh.act, sh.sp
+    rep = t if sp else 1
+    layer_terms, layer_formula = _layer_activation_terms(sh)
+    per_layer = sum(x for _, x in layer_terms)
+    sbh_rep = s * b * h // rep
+    if tr.recompute == "full":
+        stored, stored_formula = act * sbh_rep, f"{act}·s·b·{'h/t' if sp else 'h'} (checkpointed block input)"
+    else:
+        stored, stored_formula = per_layer, layer_formula
+    n_stages = par.num_stages
+    extras: list[list[tuple[str, int, str]]] = []
+    for st in rp.stages:
+        ex: list[tuple[str, int, str]] = []
+        if st.stage == 0:
+            ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b"))
+            if model.dropout > 0:
+                ex.append(("embedding-dropout mask", sbh_rep, "s·b·h" + ("/t" if sp else "")))
+        if st.stage == n_stages - 1:
+            ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·h" + ("/t" if sp else "")))
+            ex.append(("fp32 log-probabilities for the loss", 4 * s * b * _ceil_div(model.vocab, t), "4·s·b·⌈V/t⌉"))
+        extras.append(ex)
+    unit_bytes = [st.layers * stored + sum(x for _, x, _ in ex) for st, ex in zip(rp.stages, extras)]
+    counts = _in_flight(par.schedule, rp.pp_rank, p, v, m, unit_bytes)
+    dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
+    for st, ex, n in zip(rp.stages, extras, counts):
+        T["activations"].append(Term(
+            f"stage {st.stage}: {n} microbatch{'es' if n != 1 else ''} in flight × {st.layers} layers",
+            n * st.layers * stored,
+            f"{n} × {st.layers} × {stored_formula} = {n} × {st.layers} × {stored:,} B ({dims})"))
+        for label, x, fx in ex:
+            T["activations"].append(Term(f"stage {st.stage}: {label}", n * x, f"{n} × {fx} = {n} × {x:,} B"))
+    if tr.recompute == "full":
+        T["temporaries"].append(Term("one block recomputed during backward (full recompute)", per_layer,
+                                     f"{layer_formula} = {per_layer:,} B ({dims})"))
+    if any(st.stage == n_stages - 1 for st in rp.stages):
+        v_local = _ceil_div(model.vocab, t)
+        lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
+        T["temporaries"].append(Term("logits at the loss (compute dtype + fp32 copy)", lx,
+                                     f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B"))
+
+    # ---------------- communication buffers
+    dp_grad_group = par.dp > 1
+    if z in (0, 1) and dp_grad_group:
+        buckets = max(1, math.ceil(g * psi / (conv.ddp_bucket_mb * MB)))
+        if getattr(conv, "ddp_gradient_as_bucket_view", False):
+            T["comm_buffers"].append(Term("DDP gradient buckets (gradients are views into them)", 0,
+                                          "0 (gradient_as_bucket_view=True)"))
+        else:
+            T["comm_buffers"].append(Term(
+                f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", g * psi,
+                f"{g} B × Ψ: the Reducer's flat buckets cover every gradient; bucket_cap_mb sets their count"))
+    if z in (2, 3) and d > 1:
+        sizes = sorted((sum(a * c for a, c in u) for u in rp.units), reverse=True)
+        largest = sizes[0]
+        T["comm_buffers"].append(Term("reduce-scatter input (one unit's unsharded gradients)", g * largest,
+                                      f"{g} B × largest FSDP unit ({largest:,})"))
+        if z == 3:
+            T["comm_buffers"].append(Term("all-gather input (one unit's shard)", w * _ceil_div(largest, d),
+                                          f"{w} B × ⌈{largest:,}/{d}⌉"))
+            n_units = 2 if conv.fsdp_prefetch and len(sizes) > 1 else 1
+            unsharded = sum(sizes[:n_units])
+            T["temporaries"].append(Term(
+                "unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else ""),
+                w * unsharded, f"{w} B × ({' + '.join(f'{x:,}' for x in sizes[:n_units])}) — the all-gather output"))
+    if p > 1:
+        stage_io = act * sbh_rep
+        for st in rp.stages:
+            if st.stage > 0:
+                T["comm_buffers"].append(Term(f"stage {st.stage}: activation receive buffers", m * stage_io,
+                                              f"m × {act}·s·b·h{'/t' if sp else ''} = {m} × {stage_io:,} (torch allocates one per microbatch)"))
+            if st.stage < n_stages - 1:
+                T["comm_buffers"].append(Term(f"stage {st.stage}: gradient receive buffers", m * stage_io,
+                                              f"m × {act}·s·b·h{'/t' if sp else ''} = {m} × {stage_io:,}"))
+    if not T["comm_buffers"]:
+        T["comm_buffers"].append(Term("no collective buffers (nothing to reduce)", 0, "0"))
+    if not T["temporaries"]:
+        T["temporaries"].append(Term("no large temporaries", 0, "0"))
+
+    # ---------------- overhead
+    gpu = cfg.cluster.gpu
+    if conv.runtime_context:
+        ctx = int(round(gpu.runtime_context_gib * GIB))
+        T["overhead"].append(Term(f"runtime context ({gpu.name}; cluster.gpu.runtime_context_gib)", ctx,
+                                  f"{gpu.runtime_context_gib:g} GiB (conventions.runtime_context)"))
+    if conv.collective_buffers:
+        comms = _communicators(cfg)
+        if comms:
+            per = int(round(conv.collective_buffer_mib * MIB))
+            T["overhead"].append(Term(
+                f"collective-library buffers ({', '.join(comms)})", len(comms) * per,
+                f"{len(comms)} communicators × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)"))
+    if conv.allocator_slack_fraction > 0:
+        live = sum(x.bytes for c in MEMORY_CATEGORIES for x in T[c] if c != "overhead")
+        slack = int(live * conv.allocator_slack_fraction)
+        T["overhead"].append(Term("allocator slack (reserved, not allocated)", slack,
+                                  f"{conv.allocator_slack_fraction:g} × live tensors {_gib(live)} "
+                                  "(conventions.allocator_slack_fraction)"))
+    if not T["overhead"]:
+        T["overhead"].append(Term("no overhead counted (all overhead conventions off)", 0, "0"))
+    return _Body(T, rp.stage_indices, rp.pp_rank)
+
+
+def _communicators(cfg: Config) -> list[str]:
+    """Communicators a rank belongs to (size > 1): the world, and each mesh dimension's group."""
+    par = cfg.parallel
+    out = []
+    if par.world_size > 1:
+        out.append("world")
+    if par.replicate > 1:
+        out.append("dp-replicate")
+        if par.shard_degree > 1:
+            out.append("dp-shard")
+    elif par.dp > 1:
+        out.append("dp")
+    if par.tp > 1:
+        out.append("tp")
+    if par.pp > 1:
+        out.append("pp")
+    return out
+
+
+def conventions_of(cfg: Config) -> dict[str, str]:
+    """The conventions this report used, in words (shown next to the numbers)."""
+    tr, par, conv = cfg.training, cfg.parallel, cfg.conventions
+    w, g = tr.param_bytes, tr.grad_bytes
+    o = (4 if tr.master_weights else 0) + 4 * OPTIMIZER_STATES[tr.optimizer]
+    return {
+        "bytes_per_parameter": f"{w + g + o} unsharded = params {w} + grads {g} ({tr.grad_dtype}) + optimizer {o} "
+                               f"({'fp32 master 4 + ' if tr.master_weights else ''}{OPTIMIZER_STATES[tr.optimizer]} "
+                               f"fp32 state(s) of {tr.optimizer})",
+        "sharding_degree": f"ZeRO-{par.zero} divides by parallel.shard_degree = {par.shard_degree} "
+                           "(dp, or dp/replicate under HSDP), never by the world size",
+        "zero_accounting": "ZeRO paper split (bf16 working copy in params, fp32 master in optimizer); "
+                           "FSDP2 keeps the fp32 shard as master — same total, different split",
+        "activations": "saved-for-backward tensors per op (Korthikanti et al. 2022 Table 2 when f=4h, "
+                       f"eager, dropout on); attention = {cfg.model.attention}, dropout "
+                       f"{'on' if cfg.model.dropout > 0 else 'off (no masks)'}, recompute = {tr.recompute}, "
+                       f"{4 if tr.precision == 'fp32' else 2}-byte activations",
+        "pipeline_in_flight": f"{par.schedule}: {_IN_FLIGHT_RULE[par.schedule]}" if par.pp > 1 else "no pipeline",
+        "dualpipe_parameters": "not doubled: torch's DualPipeV holds 2p distinct stages in a V",
+        "tied_embeddings": "one copy when one rank holds both ends; otherwise the last stage keeps its own copy",
+        "ddp_buckets": "the DDP Reducer's buckets cover all gradients (bucket_cap_mb = "
+                       f"{conv.ddp_bucket_mb:g} sets their count) unless gradient_as_bucket_view",
+        "fsdp_units": "one unit per block, one for the embeddings, one for final norm + head; "
+                      f"prefetch {'on' if conv.fsdp_prefetch else 'off'} (conventions.fsdp_prefetch)",
+        "pipeline_buffers": "torch allocates one receive buffer per microbatch for activations and for gradients",
+        "loss": "last stage holds fp32 log-probabilities per microbatch in flight; logits counted as temporaries",
+        "overhead.runtime_context": f"{'on' if conv.runtime_context else 'off'}: cluster.gpu.runtime_context_gib "
+                                    f"= {cfg.cluster.gpu.runtime_context_gib:g} GiB",
+        "overhead.collective_buffers": f"{'on' if conv.collective_buffers else 'off'}: "
+                                       f"{conv.collective_buffer_mib:g} MiB per communicator",
+        "overhead.allocator_slack": f"{conv.allocator_slack_fraction:g} × live tensors",
+        "capacity": f"cluster.gpu.memory_gib = {cfg.cluster.gpu.memory_gib:g} GiB",
+    }
+
+
+def memory_per_rank(cfg: Config) -> MemoryReport:
+    """Memory of every rank 0..world−1, by category, with the terms behind each number."""
+    par = cfg.parallel
+    capacity = cfg.cluster.gpu.memory_bytes
+    grid = params_per_rank(cfg)
+    bodies: dict[tuple[int, int], _Body] = {}
+    for pp_rank, row in enumerate(grid):
+        seen: dict[int, _Body] = {}
+        for tp_rank, rp in enumerate(row):
+            key = rp.total  # TP shards differ only by their vocabulary chunk
+            body = seen.get(key)
+            if body is None:
+                body = seen[key] = _body(cfg, rp)
+            bodies[pp_rank, tp_rank] = body
+    per_rank = []
+    gpn = cfg.cluster.gpus_per_node
+    for rank in range(par.world_size):
+        c = rank_coords(rank, par.dp, par.tp, par.pp, gpn)
+        per_rank.append(RankMemory(rank, c.tp, c.dp, bodies[c.pp, c.tp], capacity))
+    return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def _family_member(base: ModelSpec, tp: int, n: int, min_layers: int) -> ModelSpec:
+    """Member ``n`` of ``base``'s shape family (see ``largest_fitting_model``)."""
+    group = base.heads // base.kv_heads
+    kv_heads = n * tp
+    heads = kv_heads * group
+    hidden = heads * base.head_dim
+    ffn = max(tp, round(base.ffn_hidden / base.hidden * hidden / tp) * tp)
+    layers = max(min_layers, round(base.layers * hidden / base.hidden))
+    return replace(base, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn, layers=layers,
+                   preset=None)
+
+
+def largest_fitting_model(cfg: Config) -> tuple[ModelSpec, int] | None:
+    """The largest model of ``cfg.model``'s shape family that fits every rank of this layout.
+
+    Family rule: head_dim, the GQA group (heads / kv_heads), the FFN ratio (f / h), the
+    aspect ratio (layers / hidden), vocabulary and sequence length stay fixed; the width grows
+    in steps of ``tp`` KV heads (so tp always divides heads and kv_heads), f is rounded to a
+    multiple of tp, and layers never drop below pp·virtual_stages. Returns (spec, parameters),
+    or None when even the smallest member (tp KV heads) does not fit.
+    """
+    tp = cfg.parallel.tp
+    min_layers = cfg.parallel.num_stages
+
+    def fits(n: int) -> tuple[bool, ModelSpec | None]:
+        spec = _family_member(cfg.model, tp, n, min_layers)
+        try:
+            trial = replace(cfg, model=spec)
+        except ConfigError:
+            return False, None
+        return memory_per_rank(trial).fits, spec
+
+    ok, spec = fits(1)
+    if not ok:
+        return None
+    lo, hi = 1, 2
+    while hi <= 1 << 16:
+        ok, _ = fits(hi)
+        if not ok:
+            break
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid)[0]:
+            lo = mid
+        else:
+            hi = mid
+    best = _family_member(cfg.model, tp, lo, min_layers)
+    return best, param_counts(best).total
