@@ -40,7 +40,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from engine.config import Config, ConfigError, ModelSpec
-from engine.layout import rank_coords
 from engine.names import MEMORY_CATEGORIES, OPTIMIZER_STATES
 from engine.params import RankParams, param_counts, params_per_rank, sharded_numel
 
@@ -339,7 +338,7 @@ def _interleaved_states(rank: int, p: int, v: int, m: int, zero_bubble: bool) ->
         backward(op)
     for op in range(warmup + fwd_bwd, warmup + fwd_bwd + warmup):
         backward(op)
-    return tuple(sorted(states))
+    return _frontier(states)
 
 
 @lru_cache(maxsize=512)
@@ -380,7 +379,7 @@ def _zbv_states(rank: int, p: int, m: int) -> tuple[tuple[int, int], ...]:
         act("W", 0)
         act("F", 1)
         act("W", 1)
-    return tuple(sorted(states))  # the cool-down only frees
+    return _frontier(states)  # the cool-down only frees
 
 
 @lru_cache(maxsize=512)
@@ -426,7 +425,16 @@ def _dualpipev_states(rank: int, p: int, m: int) -> tuple[tuple[int, int], ...]:
         full_b(1)
         f(1)
         full_b(0)
-    return tuple(sorted(states))  # what follows only frees
+    return _frontier(states)  # what follows only frees
+
+
+def _frontier(states: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The states no other state dominates (only these can be a weighted peak), sorted."""
+    kept: list[tuple[int, ...]] = []
+    for a in sorted(states, key=sum, reverse=True):  # a dominator always has a larger sum
+        if not any(all(x >= y for x, y in zip(b, a)) for b in kept):
+            kept.append(a)
+    return tuple(sorted(kept))
 
 
 def _in_flight(schedule: str, pp_rank: int, p: int, v: int, m: int, unit_bytes: list[int]) -> tuple[int, ...]:
@@ -673,11 +681,10 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
             if body is None:
                 body = seen[key] = _body(cfg, rp)
             bodies[pp_rank, tp_rank] = body
-    per_rank = []
-    gpn = cfg.cluster.gpus_per_node
-    for rank in range(par.world_size):
-        c = rank_coords(rank, par.dp, par.tp, par.pp, gpn)
-        per_rank.append(RankMemory(rank, c.tp, c.dp, bodies[c.pp, c.tp], capacity))
+    # rank order as engine.layout.rank_coords: TP innermost, then DP, then PP
+    dp, tp = par.dp, par.tp
+    per_rank = [RankMemory(rank, rank % tp, (rank // tp) % dp, bodies[rank // (dp * tp), rank % tp], capacity)
+                for rank in range(par.world_size)]
     return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))
 
 

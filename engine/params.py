@@ -39,7 +39,7 @@ PLACEMENT RULE (pipeline and tensor parallel):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from engine.config import Config, ModelSpec
 from engine.layout import placement_style, split_layers, stages_of_pp_rank
@@ -177,7 +177,7 @@ class RankParams:
     def stage_indices(self) -> tuple[int, ...]:
         return tuple(s.stage for s in self.stages)
 
-    @property
+    @cached_property
     def total(self) -> int:
         return sum(s.total for s in self.stages)
 
