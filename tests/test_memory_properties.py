@@ -1,0 +1,122 @@
+"""Invariants of the memory model over random valid configs (hypothesis)."""
+
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from engine import MEMORY_CATEGORIES, Config, ConfigError
+from engine.memory import memory_per_rank
+from engine.names import SCHEDULES
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def raw_configs(draw):
+    head_dim = draw(st.sampled_from([8, 16]))
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    heads = kv_heads * draw(st.sampled_from([1, 2]))
+    tp = draw(st.sampled_from([t for t in (1, 2, 4) if kv_heads % t == 0]))
+    pp = draw(st.sampled_from([1, 2, 4]))
+    schedule = draw(st.sampled_from(SCHEDULES)) if pp > 1 else "1F1B"
+    v = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else (
+        1 if schedule in ("GPipe", "1F1B") else draw(st.sampled_from([1, 2])))
+    if pp == 1:
+        v = 1
+    m = draw(st.integers(min_value=max(1, pp * v), max_value=2 * pp * v + 2)) if pp > 1 else 1
+    dp = draw(st.sampled_from([1, 2, 4]))
+    zero = draw(st.sampled_from([0, 1, 2, 3]))
+    replicate = draw(st.sampled_from([r for r in (1, 2) if dp % r == 0 and (r == 1 or zero >= 2)]))
+    return {
+        "model": {
+            "layers": draw(st.integers(min_value=pp * v, max_value=pp * v + 4)),
+            "hidden": heads * head_dim, "heads": heads, "kv_heads": kv_heads,
+            "ffn_hidden": tp * draw(st.integers(min_value=4, max_value=24)),
+            "vocab": draw(st.integers(min_value=16, max_value=300)),
+            "seq_len": 4 * draw(st.integers(min_value=2, max_value=16)),
+            "tied_embeddings": draw(st.booleans()),
+            "mlp": draw(st.sampled_from(["gelu", "swiglu"])),
+            "norm": draw(st.sampled_from(["layernorm", "rmsnorm"])),
+            "attention": draw(st.sampled_from(["eager", "flash"])),
+            "position": draw(st.sampled_from(["rope", "learned"])),
+            "bias": draw(st.booleans()),
+            "dropout": draw(st.sampled_from([0.0, 0.1])),
+        },
+        "cluster": {"gpu": "h100-sxm", "gpus": dp * tp * pp},
+        "parallel": {"dp": dp, "tp": tp, "pp": pp, "zero": zero, "replicate": replicate,
+                     "sequence_parallel": tp > 1 and draw(st.booleans()), "schedule": schedule,
+                     "virtual_stages": v, "microbatches": m},
+        "training": {"micro_batch_size": draw(st.integers(min_value=1, max_value=3)),
+                     "precision": draw(st.sampled_from(["fp32", "bf16-mixed", "fp16-mixed"])),
+                     "optimizer": draw(st.sampled_from(["adamw", "sgd-momentum", "sgd"])),
+                     "recompute": draw(st.sampled_from(["none", "selective", "full"]))},
+        "conventions": {"allocator_slack_fraction": draw(st.sampled_from([0.0, 0.05]))},
+    }
+
+
+def build(raw) -> Config:
+    try:
+        return Config.from_dict(raw)
+    except ConfigError:
+        assume(False)
+
+
+def with_(raw, section, **changes):
+    return {**raw, section: {**raw[section], **changes}}
+
+
+@SETTINGS
+@given(raw_configs())
+def test_totals_are_sums_and_every_rank_reported(raw):
+    cfg = build(raw)
+    rep = memory_per_rank(cfg)
+    par = cfg.parallel
+    assert [r.rank for r in rep.per_rank] == list(range(par.world_size))
+    assert {r.pp_rank for r in rep.per_rank} == set(range(par.pp))
+    assert sorted(s for r in rep.per_rank if r.dp_rank == 0 and r.tp_rank == 0 for s in r.stages) == \
+        list(range(par.num_stages))
+    for r in rep.per_rank:
+        values = [getattr(r, c) for c in MEMORY_CATEGORIES]
+        assert all(isinstance(x, int) and x >= 0 for x in values)
+        assert r.total == sum(values)
+        for c in MEMORY_CATEGORIES:
+            assert sum(t.bytes for t in r.explain(c)) == getattr(r, c)
+        assert r.fits == (r.total <= rep.capacity_bytes)
+    j = rep.to_json()
+    assert len(j["per_rank"]) == par.world_size
+
+
+@SETTINGS
+@given(raw_configs())
+def test_more_sharding_never_raises_model_states(raw):
+    cfg = build(raw)
+    base = [r.model_states for r in memory_per_rank(cfg).per_rank]
+    # a higher ZeRO stage on the same layout (HSDP needs 2 or 3)
+    for z in range(cfg.parallel.zero + 1, 4):
+        try:
+            higher = Config.from_dict(with_(raw, "parallel", zero=z))
+        except ConfigError:
+            continue
+        states = [r.model_states for r in memory_per_rank(higher).per_rank]
+        assert all(a <= b for a, b in zip(states, base)), z
+    # twice the data-parallel ranks at the same ZeRO stage
+    wider = with_(with_(raw, "parallel", dp=2 * cfg.parallel.dp), "cluster", gpus=2 * cfg.parallel.world_size)
+    wide = memory_per_rank(build(wider))
+    per_local = {(r.pp_rank, r.tp_rank): r.model_states for r in memory_per_rank(cfg).per_rank}
+    for r in wide.per_rank:
+        assert r.model_states <= per_local[r.pp_rank, r.tp_rank]
+
+
+@SETTINGS
+@given(raw_configs(), st.sampled_from(["layers", "ffn_hidden", "vocab", "seq_len", "micro_batch_size"]))
+def test_bigger_models_never_need_less(raw, knob):
+    cfg = build(raw)
+    if knob == "micro_batch_size":
+        bigger = with_(raw, "training", micro_batch_size=cfg.training.micro_batch_size + 1)
+    else:
+        step = {"layers": 1, "ffn_hidden": cfg.parallel.tp, "vocab": 7, "seq_len": 4}[knob]
+        bigger = with_(raw, "model", **{knob: getattr(cfg.model, knob) + step})
+    small, big = memory_per_rank(cfg), memory_per_rank(build(bigger))
+    for a, b in zip(small.per_rank, big.per_rank):
+        assert b.total >= a.total, (knob, a.rank)
+        if knob in ("layers", "ffn_hidden", "vocab"):
+            assert b.model_states >= a.model_states
