@@ -251,9 +251,12 @@ def _dp_items(cfg: Config, local_params: int, spans: dict[str, GroupSpan]) -> li
         add("ZeRO-1 gradient all-reduce (DDP)", "all_reduce", 1, grads, span, True, "backward")
         add("ZeRO-1 parameter all-gather (shard broadcasts after the step)", "all_gather", 1, weights, span, False, "step")
     else:
-        gathers = 2 if par.zero == 3 else 1
-        add(f"FSDP parameter all-gather ({'forward and backward' if gathers == 2 else 'forward only'})",
-            "all_gather", gathers, weights, shard_span, True, "forward+backward" if gathers == 2 else "forward")
+        # Gradients are reduced once per step (torch's pipelining and our training loop turn
+        # gradient sync off until the last microbatch). ZeRO-3 reshards after every forward, so
+        # each microbatch gathers twice (forward and backward); ZeRO-2 keeps the first gather.
+        gathers = 2 * par.microbatches if par.zero == 3 else 1
+        add(f"FSDP parameter all-gather ({'forward and backward, every microbatch' if par.zero == 3 else 'once'})",
+            "all_gather", gathers, weights, shard_span, True, "forward+backward" if par.zero == 3 else "forward")
         add("FSDP gradient reduce-scatter", "reduce_scatter", 1, grads, shard_span, True, "backward")
         if par.replicate > 1:
             rep = GroupSpan("dp", par.replicate, min(span.nodes, par.replicate),

@@ -1,0 +1,157 @@
+"""Step time, tokens/s, MFU and HFU, with a breakdown that sums to the step.
+
+The step is composed as::
+
+    step = pipeline makespan (compute with TP communication on the critical path, p2p waits, bubble)
+         + exposed data-parallel communication (what the backward / forward cannot hide)
+         + optimizer step (memory-bound: bytes touched per local parameter / HBM bandwidth)
+
+for the pipeline rank whose step ends last. TP collectives run inside each F/B (Megatron
+TP does not overlap them), so they lengthen the stage durations the timeline simulates.
+DP overlap: gradient all-reduce / reduce-scatter hide behind the backward of the last
+microbatch except the last bucket; FSDP all-gathers hide behind the compute of the previous
+unit except the first. Recompute adds its forward to the backward (HFU counts it, MFU does not).
+
+Calibration hook: pass measured ``durations`` (engine.durations.StageDurations) and/or a
+Config whose cluster links and ``conventions.compute_efficiency`` come from a run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.comm import CommReport, collective_seconds, communication, group_span
+from engine.config import Config
+from engine.durations import StageDurations, flops_per_token, stage_durations
+from engine.layout import split_layers
+from engine.names import OPTIMIZER_STATES
+from engine.params import params_per_rank
+from engine.timeline import Timeline, pipeline_prediction
+
+BREAKDOWN_KEYS = ("compute", "tp_comm", "pipeline_bubble", "dp_comm_exposed", "optimizer")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    breakdown: dict[str, float]  # BREAKDOWN_KEYS, sums to seconds
+    critical_pp_rank: int
+    tokens_per_s: float
+    model_flops: float  # per step, all GPUs
+    hardware_flops: float  # model flops + recompute
+    mfu: float
+    hfu: float
+    dp_comm_s: float  # total DP communication of the critical rank (hidden + exposed)
+    optimizer_s: float
+    timeline: Timeline
+    comm: CommReport
+
+    def to_json(self) -> dict:
+        return {"seconds": self.seconds, "breakdown": self.breakdown, "critical_pp_rank": self.critical_pp_rank,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu,
+                "model_flops": self.model_flops, "hardware_flops": self.hardware_flops,
+                "dp_comm_s": self.dp_comm_s, "optimizer_s": self.optimizer_s}
+
+
+def tp_seconds_per_layer(cfg: Config) -> tuple[float, float]:
+    """TP communication of one block for one microbatch: (forward, backward) seconds."""
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    if par.tp == 1:
+        return 0.0, 0.0
+    span = group_span(cfg, "tp")
+    act = tr.micro_batch_size * m.seq_len * m.hidden * tr.param_bytes
+    if par.sequence_parallel:
+        one = collective_seconds(cfg, "all_gather", act, span) + collective_seconds(cfg, "reduce_scatter", act, span)
+    else:
+        one = collective_seconds(cfg, "all_reduce", act, span)
+    fwd = 2 * one  # attention and MLP
+    bwd = 2 * one + (2 * one if tr.recompute == "full" else 0.0)
+    return fwd, bwd
+
+
+def with_tp_communication(cfg: Config, d: StageDurations) -> StageDurations:
+    """Stage durations with each block's TP collectives added to F, B and I (not W)."""
+    fwd, bwd = tp_seconds_per_layer(cfg)
+    if fwd == 0.0 and bwd == 0.0:
+        return d
+    layers = np.array([len(r) for r in split_layers(cfg.model.layers, d.num_stages)], dtype=np.float64)
+    return StageDurations.of(d.num_stages, d.forward_s + layers * fwd, d.backward_s + layers * bwd,
+                             d.backward_input_s + layers * bwd, d.backward_weight_s, d.p2p_s,
+                             source=d.source)
+
+
+def optimizer_seconds(cfg: Config, local_params: int) -> float:
+    """Optimizer step over the local shard: memory-bound, bytes read + written per parameter / HBM."""
+    par, tr = cfg.parallel, cfg.training
+    shard = local_params / (par.shard_degree if par.zero >= 1 else 1)
+    states = OPTIMIZER_STATES[tr.optimizer]
+    master = 4 if tr.master_weights else 0
+    # read grad + param (master or compute copy) + states; write param (+ compute copy) + states
+    per_param = tr.grad_bytes + (master or tr.param_bytes) + 8 * states + (master or tr.param_bytes) \
+        + (tr.param_bytes if master else 0)
+    return shard * per_param / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9)
+
+
+def step_time(cfg: Config, durations: StageDurations | None = None) -> StepTime:
+    """Predicted step time for ``cfg`` (analytic durations unless measured ones are given)."""
+    par, tr, model = cfg.parallel, cfg.training, cfg.model
+    base = durations if durations is not None else stage_durations(cfg)
+    d = with_tp_communication(cfg, base)
+    timeline = pipeline_prediction(cfg, d)
+    comm = communication(cfg)
+    held = params_per_rank(cfg)
+    fwd_tp, bwd_tp = tp_seconds_per_layer(cfg)
+    n_stages = d.num_stages
+    split = split_layers(model.layers, n_stages)
+    stages_of = [list(rp[0].stage_indices) for rp in held] if par.pp > 1 else [[0]]
+
+    best = None
+    for pp_rank in range(par.pp):
+        rc = comm.per_pp_rank[pp_rank]
+        stages = stages_of[pp_rank]
+        back_one = float(sum(d.backward_s[s] for s in stages))  # backward of one microbatch
+        fwd_one = float(sum(d.forward_s[s] for s in stages))
+        exposed = 0.0
+        dp_total = 0.0
+        for item in rc.items:
+            if item.dim != "dp":
+                continue
+            dp_total += item.seconds
+            one_call = item.seconds / item.calls
+            if not item.overlappable:
+                exposed += item.seconds
+            elif item.phase == "backward":
+                exposed += max(one_call, item.seconds - back_one)
+            else:  # FSDP gathers: the first unit's gather is exposed, the rest hide behind compute
+                window = (fwd_one + back_one) * par.microbatches
+                units = max(1, len(held[pp_rank][0].units))
+                exposed += max(one_call / units, item.seconds - window)
+        opt = optimizer_seconds(cfg, held[pp_rank][0].total)
+        busy = float(timeline.busy_s[pp_rank])
+        layers_here = sum(len(split[s]) for s in stages)
+        tp_here = layers_here * (fwd_tp + bwd_tp) * par.microbatches
+        total = timeline.makespan_s + exposed + opt
+        entry = (total, pp_rank, busy, tp_here, exposed, opt, dp_total)
+        if best is None or total > best[0]:
+            best = entry
+    total, pp_rank, busy, tp_here, exposed, opt, dp_total = best
+    breakdown = {
+        "compute": busy - tp_here,
+        "tp_comm": tp_here,
+        "pipeline_bubble": timeline.makespan_s - busy,
+        "dp_comm_exposed": exposed,
+        "optimizer": opt,
+    }
+    fl = flops_per_token(cfg)
+    tokens = cfg.tokens_per_step
+    model_flops = tokens * 3 * (model.layers * fl.block + fl.head)
+    recompute = {"full": fl.block, "selective": fl.attention_core}.get(tr.recompute, 0.0)
+    hardware_flops = model_flops + tokens * model.layers * recompute
+    peak = cfg.cluster.gpu.peak_flops(tr.precision) * cfg.cluster.gpus
+    return StepTime(
+        seconds=total, breakdown=breakdown, critical_pp_rank=pp_rank, tokens_per_s=tokens / total,
+        model_flops=model_flops, hardware_flops=hardware_flops, mfu=model_flops / (total * peak),
+        hfu=hardware_flops / (total * peak), dp_comm_s=dp_total, optimizer_s=opt, timeline=timeline, comm=comm,
+    )
