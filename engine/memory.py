@@ -651,7 +651,7 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                        f"{4 if tr.precision == 'fp32' else 2}-byte activations",
         "pipeline_in_flight": f"{par.schedule}: {_IN_FLIGHT_RULE[par.schedule]}" if par.pp > 1 else "no pipeline",
         "dualpipe_parameters": "not doubled: torch's DualPipeV holds 2p distinct stages in a V",
-        "tied_embeddings": "one copy when one rank holds both ends; otherwise the last stage keeps its own copy",
+        "tied_embeddings": "one matrix with a single stage; with more stages the last stage keeps its own copy",
         "ddp_buckets": "the DDP Reducer's buckets cover all gradients (bucket_cap_mb = "
                        f"{conv.ddp_bucket_mb:g} sets their count) unless gradient_as_bucket_view",
         "fsdp_units": "one unit per block, one for the embeddings, one for final norm + head; "

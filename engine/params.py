@@ -26,9 +26,10 @@ PLACEMENT RULE (pipeline and tensor parallel):
   the first stages one block more). The embeddings sit on stage 0, the final norm and head on
   the last stage; the stage-to-rank map is ``engine.layout`` (loop, or V for ZBV/DualPipeV, where
   pp-rank 0 holds both the first and the last stage).
-* Tied embeddings with the first and last stage on different pp-ranks: the last stage keeps its
-  own copy of the embedding matrix as the head (Megatron's convention; the two copies' gradients
-  are all-reduced). When one rank holds both ends (pp = 1, or V placement) there is one copy.
+* Tied embeddings with more than one stage: the last stage keeps its own copy of the embedding
+  matrix as the head (Megatron's convention, and ``backend.model.cut_stage``: a stage is its own
+  module, so even under V placement, where pp-rank 0 holds both ends, the head is a copy).
+  With a single stage (pp = 1) there is one matrix.
 * Tensor parallel (Megatron / torchtitan plan): q, k, v, gate, up are column-parallel (output
   dim and its bias split by ``t``); o and down are row-parallel (input dim split; bias
   replicated); norms are replicated; the token embedding and the head are split along the
@@ -203,8 +204,7 @@ def _params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str) -> 
     vocab_rows = chunk_sizes(model.vocab, tp)
     norm = ((h, 1), (h, 1)) if model.norm == "layernorm" else ((h, 1),)
     norm_numel = _norm_params(model)
-    last_stage_rank = next(r for r, held in enumerate(owners) if n_stages - 1 in held)
-    head_is_copy = model.tied_embeddings and last_stage_rank != 0
+    head_is_copy = model.tied_embeddings and n_stages > 1
     out = []
     for pp_rank, stages in enumerate(owners):
         row = []

@@ -1,5 +1,7 @@
 """Exact parameter counts (hand-worked) and what each stage / TP shard holds."""
 
+import pytest
+
 from engine import Config
 from engine.params import chunk_sizes, param_counts, params_per_rank
 
@@ -78,14 +80,32 @@ def test_v_placement_puts_embedding_and_head_on_rank0():
     assert sum(row[0].total for row in grid) == param_counts(cfg.model).total
 
 
-def test_tied_embeddings_copy_only_across_ranks():
+def test_tied_embeddings_copy_on_the_last_stage():
     tied = {"preset": "tiny", "tied_embeddings": True}
     one = params_per_rank(_cfg(tied))
     assert one[0][0].total == param_counts(_cfg(tied).model).total
     two = params_per_rank(_cfg(tied, pp=2, microbatches=2))
     assert two[1][0].stages[0].head == 512 * 128  # the last stage's own copy
+    # a stage is its own module (backend.model.cut_stage): a copy even when rank 0 holds both ends
     v = params_per_rank(_cfg(tied, pp=2, schedule="DualPipeV", virtual_stages=2, microbatches=4))
-    assert v[0][0].stages[-1].head == 0  # rank 0 holds both ends: one copy
+    assert v[0][0].stages[-1].head == 512 * 128
+
+
+def test_counts_equal_the_backend_model():
+    torch = pytest.importorskip("torch")
+    model_mod = pytest.importorskip("backend.model")
+    for preset in ("tiny", "gpt2-124m", "llama2-7b", "llama3-8b"):
+        spec = _preset(preset).model
+        with torch.device("meta"):
+            built = model_mod.Transformer(spec)
+        assert model_mod.count_parameters(built) == param_counts(spec).total, preset
+    # every stage the backend cuts holds what params_per_rank says, tied and untied
+    for tied in (False, True):
+        cfg = _cfg({"preset": "gpt2-124m", "tied_embeddings": tied, "layers": 5}, pp=2, microbatches=2)
+        for stage, row in enumerate(params_per_rank(cfg)):
+            with torch.device("meta"):
+                cut = model_mod.cut_stage(model_mod.Transformer(cfg.model), stage, 2)
+            assert model_mod.count_parameters(cut) == row[0].total, (tied, stage)
 
 
 def test_tp_shards_sum_to_the_model():
