@@ -1,0 +1,408 @@
+"""Launching ranks with torchrun and following them (no torch imported here, ever).
+
+``launch(cfg, out_dir)`` starts ``python -m torch.distributed.run --standalone
+--nproc-per-node=N -m backend.worker`` in its own process group, bound to loopback, and
+returns a :class:`Run` at once. A monitor thread forwards the ranks' events into
+``events.jsonl`` (and :meth:`Run.events`), enforces the timeout, and writes the final
+``measurement.json`` and a ``finished`` or ``failed`` event. Cancelling, a timeout or a rank
+failure ends every process: the agent's group and each rank's own group (torchrun starts
+ranks in new sessions) get SIGTERM, then SIGKILL; ranks also carry a parent-death signal.
+
+Multi-node runs go through an existing scheduler (a Slurm batch script running torchrun with
+c10d rendezvous): see :func:`slurm_script`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from backend.records import TERMINAL_EVENTS, Measurement, RunDir, assemble, iter_new_lines, tail
+from engine.config import Config, ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STEPS = 5
+DEFAULT_TIMEOUT_S = 300.0
+KILL_GRACE_S = 3.0
+#: after a rank reports failure, how long torchrun gets to wind down before we end it
+FAILURE_GRACE_S = 5.0
+
+
+def default_run_dir(base: str | Path = "runs") -> Path:
+    return Path(base) / _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+
+
+def _has_torch(python: str) -> bool:
+    if os.path.realpath(python) == os.path.realpath(sys.executable) and not sys.flags.no_site:
+        return importlib.util.find_spec("torch") is not None
+    try:
+        rc = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"],
+                            capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return rc == 0
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+class Run:
+    """A launched (or refused) run. Iterate :meth:`events`, or :meth:`wait` for the end."""
+
+    def __init__(self, run_dir: RunDir, cfg: Config | None, steps: int, timeout_s: float):
+        self.dir = run_dir
+        self.path = run_dir.path
+        self.cfg = cfg
+        self.steps = steps
+        self.timeout_s = timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._queue: queue.Queue[dict] = queue.Queue()
+        self._done = threading.Event()
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._worker_pids: dict[int, int] = {}
+        self.result: dict | None = None  # the terminal event
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None and self.result["event"] == "finished"
+
+    def events(self, timeout_s: float | None = None) -> Iterator[dict]:
+        """Yield each event as it happens, ending with ``finished`` or ``failed``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+            try:
+                ev = self._queue.get(timeout=wait)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return
+                continue
+            yield ev
+            if ev["event"] in TERMINAL_EVENTS:
+                return
+
+    def wait(self, timeout_s: float | None = None) -> dict | None:
+        """Block until the run ends; returns the terminal event (None if still running)."""
+        self._done.wait(timeout_s)
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop every process of the run (SIGTERM, then SIGKILL); the record says "cancelled"."""
+        self._cancel.set()
+        self._done.wait(KILL_GRACE_S + 30)
+
+    def measurement(self) -> Measurement:
+        """The assembled measurement (after a successful run)."""
+        self.wait()
+        if not self.dir.measurement.exists():
+            reason = self.result.get("reason") if self.result else "no result"
+            raise RuntimeError(f"run {self.path} has no measurement: {reason}")
+        return Measurement.load(self.dir.measurement)
+
+    # ----------------------------------------------------------------- internals
+
+    def _emit(self, event: str, **fields) -> dict:
+        obj = self.dir.emit(event, **fields)
+        self._queue.put(obj)
+        if event in TERMINAL_EVENTS:
+            self.result = obj
+            self._done.set()
+        return obj
+
+    def _start(self, python: str, extra_env: dict[str, str] | None) -> None:
+        cfg = self.cfg
+        world = cfg.parallel.world_size
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "--max-restarts=0", "--local-addr=127.0.0.1", "--monitor-interval=0.2",
+               "-m", "backend.worker", "--run-dir", str(self.path.resolve()), "--steps", str(self.steps)]
+        env = dict(os.environ)
+        env.update({
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+            "MASTER_ADDR": "127.0.0.1",
+            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+            "NCCL_SOCKET_IFNAME": env.get("NCCL_SOCKET_IFNAME", "lo"),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+            "TORCHELASTIC_ERROR_FILE": str(self.dir.logs / "error.json"),
+        })
+        env.update(extra_env or {})
+        self._emit("started", world=world, steps=self.steps, command=cmd, run_dir=str(self.path))
+        log = open(self.dir.agent_log, "ab")  # noqa: SIM115 - closed by the monitor
+        self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self._thread = threading.Thread(target=self._monitor, args=(log, world), daemon=True,
+                                        name=f"shardscope-run-{self.path.name}")
+        self._thread.start()
+
+    def _kill_all(self) -> None:
+        """SIGTERM the agent's group and every rank's group, then SIGKILL what is left."""
+        groups = []
+        if self.proc is not None:
+            groups.append(self.proc.pid)
+        groups += list(self._worker_pids.values())
+        for g in groups:
+            _kill_group(g, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < deadline:
+            if (self.proc is None or self.proc.poll() is not None) and not any(
+                    _alive(p) for p in self._worker_pids.values()):
+                break
+            time.sleep(0.05)
+        for g in groups:
+            _kill_group(g, signal.SIGKILL)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in self._worker_pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _poll_ranks(self, world: int, offsets: dict[int, int], rank_events: dict[int, list[dict]]) -> None:
+        for r in range(world):
+            new, offsets[r] = iter_new_lines(self.dir.rank_events(r), offsets.get(r, 0))
+            for ev in new:
+                rank_events.setdefault(r, []).append(ev)
+                if "pid" in ev:
+                    self._worker_pids[r] = int(ev["pid"])
+                kind = ev.get("event")
+                if kind == "rank_ready":
+                    self._emit("rank_ready", rank=r, stages=ev.get("stages"), pid=ev.get("pid"))
+                elif kind == "step":
+                    self._emit("step", **{k: ev[k] for k in ("k", "n", "loss", "seconds") if k in ev})
+                elif kind == "failed":
+                    self._queue.put({"event": "rank_failed", "rank": r, "reason": ev.get("reason")})
+
+    def _monitor(self, log, world: int) -> None:
+        start = time.monotonic()
+        offsets: dict[int, int] = {}
+        rank_events: dict[int, list[dict]] = {}
+        reason = None
+        first_failure_at = None
+        try:
+            while True:
+                self._poll_ranks(world, offsets, rank_events)
+                rc = self.proc.poll()
+                if rc is not None:
+                    break
+                if self._cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if time.monotonic() - start > self.timeout_s:
+                    last = max((e["k"] for evs in rank_events.values() for e in evs if e.get("event") == "step"),
+                               default=0)
+                    reason = (f"timed out after {self.timeout_s:g} s (last completed step {last} of "
+                              f"{self.steps}); every process was killed")
+                    break
+                if first_failure_at is None and any(e.get("event") == "failed" for evs in rank_events.values()
+                                                     for e in evs):
+                    first_failure_at = time.monotonic()
+                if first_failure_at is not None and time.monotonic() - first_failure_at > FAILURE_GRACE_S:
+                    break
+                time.sleep(0.1)
+            if self.proc.poll() is None:
+                self._kill_all()
+            rc = self.proc.returncode
+            # anything the ranks wrote while we were stopping
+            self._poll_ranks(world, offsets, rank_events)
+            self._kill_all()  # ranks live in their own sessions: make sure none outlives the run
+            log.close()
+            if reason is None and rc == 0:
+                self._finish(world, time.monotonic() - start)
+            else:
+                self._fail(reason, rc, rank_events)
+        except Exception as exc:  # noqa: BLE001 - the record must always end
+            try:
+                self._kill_all()
+            finally:
+                self._emit("failed", reason=f"launcher error: {type(exc).__name__}: {exc}", rank=None,
+                           log_tail=tail(self.dir.agent_log))
+
+    def _finish(self, world: int, seconds: float) -> None:
+        records = []
+        missing = []
+        for r in range(world):
+            p = self.dir.rank_measurement(r)
+            if p.exists():
+                records.append(json.loads(p.read_text(encoding="utf-8")))
+            else:
+                missing.append(r)
+        if missing:
+            self._emit("failed", reason=f"ranks {missing} exited without a measurement", rank=missing[0],
+                       log_tail=tail(self.dir.rank_log(missing[0])))
+            return
+        meas = assemble(records)
+        from backend.records import write_json_atomic
+
+        write_json_atomic(self.dir.measurement, meas.to_dict())
+        losses = meas.step.losses
+        self._emit("measurement", path=str(self.dir.measurement), step_seconds=meas.step.seconds,
+                   first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+                   total_bytes=[r.total for r in meas.memory.per_rank])
+        self._emit("finished", seconds=seconds)
+
+    def _fail(self, reason: str | None, rc: int | None, rank_events: dict[int, list[dict]]) -> None:
+        failed = sorted(((e["time"], r, e.get("reason", "")) for r, evs in rank_events.items() for e in evs
+                         if e.get("event") == "failed"))
+        rank = None
+        if failed:
+            _, rank, why = failed[0]
+            reason = reason or f"rank {rank} failed: {why}"
+        else:
+            m = _ROOT_CAUSE.search(tail(self.dir.agent_log, 200))
+            if m:
+                rank, code = int(m.group(1)), int(m.group(2))
+                if code < 0:
+                    try:
+                        sig = signal.Signals(-code).name
+                    except ValueError:
+                        sig = f"signal {-code}"
+                    why = f"was killed by {sig}"
+                else:
+                    why = f"exited with code {code}"
+                reason = reason or f"rank {rank} {why}"
+        if reason is None:
+            reason = f"torchrun exited with code {rc}"
+        log_path = self.dir.rank_log(rank) if rank is not None else self.dir.agent_log
+        log_tail = tail(log_path) or tail(self.dir.agent_log)
+        self._emit("failed", reason=reason, rank=rank, exit_code=rc, log_tail=log_tail)
+
+
+def _refused(out_dir: Path, reason: str, cfg: Config | None = None, steps: int = 0) -> Run:
+    run_dir = RunDir(out_dir)
+    run_dir.clear()
+    run = Run(run_dir, cfg, steps, 0.0)
+    run._emit("failed", reason=reason, rank=None, log_tail="")
+    return run
+
+
+def launch(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: int = DEFAULT_STEPS,
+           timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None,
+           env: dict[str, str] | None = None) -> Run:
+    """Start the ranks of ``cfg`` (a Config or a config file) and return the :class:`Run` at once.
+
+    Never raises for a bad job: an invalid config or a Python without torch gives a Run that
+    has already failed, with the reason in its record. ``python`` is the interpreter the ranks
+    use (default: this one); ``env`` adds environment variables for the ranks.
+    """
+    out = Path(out_dir) if out_dir is not None else default_run_dir()
+    if not isinstance(cfg, Config):
+        try:
+            cfg = Config.load(cfg)
+        except ConfigError as exc:
+            return _refused(out, str(exc))
+    if steps < 1:
+        return _refused(out, f"steps = {steps}: must be at least 1", cfg)
+    run_dir = RunDir(out)
+    run_dir.clear()
+    cfg.save(run_dir.config)
+    python = python or sys.executable
+    if not _has_torch(python):
+        return _refused(out, f"torch is not installed for {python}: install it (see README, "
+                             "'Installing torch') to run configurations", cfg, steps)
+    run = Run(run_dir, cfg, steps, timeout_s)
+    run._start(python, env)
+    return run
+
+
+def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: int = DEFAULT_STEPS,
+            json_events: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, stream=None) -> int:
+    """``shardscope run``: launch, print progress (or one JSON event per line), return an exit code.
+
+    0 finished, 1 the run failed, 2 the config is invalid or cannot be read.
+    """
+    stream = stream or sys.stdout
+    run = launch(config_path, out_dir, steps=steps, timeout_s=timeout_s)
+    try:
+        for ev in run.events():
+            if json_events:
+                stream.write(json.dumps(ev) + "\n")
+            else:
+                stream.write(_human(ev) + "\n")
+            stream.flush()
+    except KeyboardInterrupt:
+        run.cancel()
+    result = run.wait() or {}
+    if result.get("event") == "finished":
+        return 0
+    return 2 if run.cfg is None else 1
+
+
+def _human(ev: dict) -> str:
+    kind = ev["event"]
+    if kind == "started":
+        return f"started {ev['world']} ranks, {ev['steps']} steps -> {ev['run_dir']}"
+    if kind == "rank_ready":
+        return f"rank {ev['rank']} ready (stages {ev.get('stages')})"
+    if kind == "step":
+        return f"step {ev['k']}/{ev['n']}  loss {ev['loss']:.4f}  {ev['seconds'] * 1000:.1f} ms"
+    if kind == "measurement":
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in ev.get("total_bytes", []))
+        return f"measured: step {ev['step_seconds'] * 1000:.1f} ms; MiB per rank: {mib}  ({ev['path']})"
+    if kind == "finished":
+        return f"finished in {ev['seconds']:.1f} s"
+    if kind == "failed":
+        where = f" (rank {ev['rank']})" if ev.get("rank") is not None else ""
+        text = f"FAILED{where}: {ev['reason']}"
+        if ev.get("log_tail"):
+            text += "\n--- log tail ---\n" + ev["log_tail"]
+        return text
+    return json.dumps(ev)
+
+
+def slurm_script(cfg: Config, run_dir: str | Path, steps: int = DEFAULT_STEPS, python: str = "python") -> str:
+    """A Slurm batch script that runs ``cfg`` with torchrun's c10d rendezvous across nodes (sbatch it)."""
+    nodes = cfg.cluster.nodes
+    per_node = min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
+    return f"""#!/bin/bash
+#SBATCH --job-name=shardscope
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={per_node}
+#SBATCH --output={run_dir}/logs/slurm-%j.log
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun {python} -m torch.distributed.run --nnodes={nodes} --nproc-per-node={per_node} \\
+  --rdzv-backend=c10d --rdzv-endpoint="$head":29500 --rdzv-id="$SLURM_JOB_ID" \\
+  -m backend.worker --run-dir {run_dir} --steps {steps}
+"""

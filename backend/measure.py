@@ -1,0 +1,153 @@
+"""Measuring one rank: exact local bytes of params / grads / optimizer state, and the
+PyTorch MemTracker's peak breakdown mapped onto engine.names.MEMORY_CATEGORIES.
+
+The tracker runs over a separate, untimed step, so the timed steps carry no tracking cost.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from engine.names import MEMORY_CATEGORIES
+
+#: MemTracker / FSDPMemTracker reference types -> our categories.
+TRACKER_TO_CATEGORY: dict[str, str] = {
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Unsharded Param": "comm_buffers",  # all-gathered copy of FSDP parameters
+    "Buffer": "overhead",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "comm_buffers",  # full gradient before the reduce-scatter
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "All Gather": "comm_buffers",
+    "Reduce Scatter": "comm_buffers",
+    "Other": "overhead",
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def unique_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def param_bytes(params: list[nn.Parameter]) -> int:
+    return sum(_nbytes(p) for p in params)
+
+
+def param_count_local(params: list[nn.Parameter]) -> int:
+    return sum(_local(p).numel() for p in params)
+
+
+def grad_bytes(params: list[nn.Parameter]) -> int:
+    return sum(_nbytes(p.grad) for p in params if p.grad is not None)
+
+
+def optimizer_state_of(optimizer: torch.optim.Optimizer) -> dict:
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer
+    return inner.state
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """State tensors (exp_avg, exp_avg_sq, momentum_buffer, ...), without Adam's scalar step."""
+    total = 0
+    for state in optimizer_state_of(optimizer).values():
+        for key, v in state.items():
+            if key != "step" and isinstance(v, torch.Tensor):
+                total += _nbytes(v)
+    return total
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer):
+    """FSDPMemTracker for a single fully_shard'ed module, else the general MemTracker."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if len(modules) == 1 and isinstance(modules[0], FSDPModule):
+        tracker = FSDPMemTracker(modules[0], optimizer)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(*modules, optimizer)
+    _allow_repeated_root_calls(tracker)
+    return tracker
+
+
+_STEP_PARENT = "<shardscope step>"
+
+
+def _allow_repeated_root_calls(tracker) -> None:
+    """Let the trackers follow microbatches and pipeline schedules.
+
+    Both trackers refuse a second forward of a root module (they take it for a second
+    iteration, which their per-module statistics do not support). Gradient accumulation and
+    every pipeline schedule call the root once per microbatch. We only read the tracker's
+    overall peak, not its per-module statistics, so we make every module look nested in one
+    enclosing "step": the tracker's ModTracker always reports that parent.
+    """
+    mt = tracker._mod_tracker
+    base = type(mt)
+
+    class _StepModTracker(base):
+        @property
+        def parents(self):
+            s = self.__dict__["_shardscope_parents"]
+            s.add(_STEP_PARENT)
+            return s
+
+        @parents.setter
+        def parents(self, value):
+            self.__dict__["_shardscope_parents"] = value
+
+    current = mt.__dict__.pop("parents", {"Global"})
+    mt.__class__ = _StepModTracker
+    mt.parents = current
+
+
+def tracker_peak(tracker, device: torch.device) -> dict[str, int]:
+    """The tracker's peak snapshot for ``device`` as {tracker category name: bytes}."""
+    snap = tracker.get_tracker_snapshot("peak")
+    out: dict[str, int] = {}
+    for dev, cats in snap.items():
+        if torch.device(dev).type != device.type:
+            continue
+        for k, v in cats.items():
+            name = getattr(k, "value", str(k))
+            out[name] = out.get(name, 0) + int(v)
+    return out
+
+
+def categories_from(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict[str, int]:
+    """Our seven categories: params/grads/optimizer exact, the rest from the tracker's peak."""
+    cats = dict.fromkeys(MEMORY_CATEGORIES, 0)
+    for name, v in tracker_raw.items():
+        cat = TRACKER_TO_CATEGORY.get(name)
+        if cat is not None:
+            cats[cat] += v
+    cats.update({k: exact[k] for k in ("params", "grads", "optimizer")})
+    return cats

@@ -1,0 +1,26 @@
+"""One small ``apply_*`` function per strategy, composed on one DeviceMesh (pp, dp, tp).
+
+Order (torchtitan's): cut the pipeline stage -> TP -> recompute -> data parallel
+(DDP / ZeRO-1 / FSDP). Every function uses PyTorch's own API for its strategy.
+"""
+
+from backend.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, make_zero1_optimizer
+from backend.parallel.dims import ParallelDims
+from backend.parallel.pipeline import apply_pp, build_schedule
+from backend.parallel.precision import autocast_context, fsdp_mp_policy
+from backend.parallel.recompute import apply_recompute
+from backend.parallel.tensor_parallel import apply_tp
+
+__all__ = [
+    "ParallelDims",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_pp",
+    "apply_recompute",
+    "apply_replicate",
+    "apply_tp",
+    "autocast_context",
+    "build_schedule",
+    "fsdp_mp_policy",
+    "make_zero1_optimizer",
+]

@@ -1,0 +1,91 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+Stages are cut from the full model by engine.layout (loop or V placement, the layer split),
+so the backend runs exactly the stages the engine predicts. ``ActionTimer`` wraps each stage's
+forward_one_chunk / backward_one_chunk / backward_weight_one_chunk, which every schedule calls,
+to time each F / B / I / W action.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from backend.model import Transformer, cut_stage
+from engine.config import ParallelSpec
+from engine.layout import placement_style, stages_of_pp_rank
+
+
+def stage_ids_of(par: ParallelSpec, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds (engine.layout's placement)."""
+    return stages_of_pp_rank(par.num_stages, par.pp, placement_style(par.schedule))[pp_rank]
+
+
+def apply_pp(model: Transformer, par: ParallelSpec, pp_rank: int) -> list[tuple[int, Transformer]]:
+    """(stage index, stage module) for every stage this pipeline rank holds."""
+    ids = stage_ids_of(par, pp_rank)
+    out = []
+    for i, s in enumerate(ids):
+        part = model if i == len(ids) - 1 else copy.deepcopy(model)
+        out.append((s, cut_stage(part, s, par.num_stages)))
+    return out
+
+
+class ActionTimer:
+    """Records (kind, stage, microbatch, start_ns, end_ns) of every compute action while on."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.actions: list[tuple[str, int, int, int, int]] = []
+
+    def wrap(self, stage: PipelineStage) -> None:
+        timer, s = self, stage.stage_index
+        fwd, bwd, bw = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+            t0 = time.perf_counter_ns()
+            out = fwd(fwd_chunk_id, *args, **kwargs)
+            timer._add("F", s, fwd_chunk_id, t0)
+            return out
+
+        def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            t0 = time.perf_counter_ns()
+            out = bwd(bwd_chunk_id, *args, **kwargs)
+            timer._add("B" if full else "I", s, bwd_chunk_id, t0)
+            return out
+
+        def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
+            t0 = time.perf_counter_ns()
+            out = bw(bwd_chunk_id, *args, **kwargs)
+            timer._add("W", s, bwd_chunk_id, t0)
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def _add(self, kind: str, stage: int, mb: int, t0: int) -> None:
+        if self.on:
+            self.actions.append((kind, stage, int(mb), t0, time.perf_counter_ns()))
+
+
+def build_schedule(stage_modules: list[tuple[int, nn.Module]], par: ParallelSpec, pp_group,
+                   device: torch.device, loss_fn: Callable, timer: ActionTimer):
+    """PipelineStage per held stage and the schedule named by ``par.schedule``."""
+    stages = []
+    for s, mod in stage_modules:
+        stage = PipelineStage(mod, s, par.num_stages, device, group=pp_group)
+        timer.wrap(stage)
+        stages.append(stage)
+    cls = get_schedule_class(par.schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        assert len(stages) == 1
+        return cls(stages[0], n_microbatches=par.microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=par.microbatches, loss_fn=loss_fn, scale_grads=True)

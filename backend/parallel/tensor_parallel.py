@@ -1,0 +1,61 @@
+"""Tensor parallelism with parallelize_module (Megatron-style plan, torchtitan's names).
+
+Attention: wq/wk/wv column-parallel, wo row-parallel; MLP: w1/w3 column, w2 row. With
+sequence parallelism the norms run SequenceParallel on sequence shards, the blocks gather the
+sequence at their input, and the head's output stays vocab-sharded for loss_parallel.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a whole model or a pipeline stage) over ``tp_mesh`` in place."""
+    sp = sequence_parallel
+    act = Shard(1) if sp else Replicate()
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+        if model.pos_embeddings is not None:
+            # positions are (1, seq): the sequence dim is 1, as for the tokens
+            top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=act,
+            output_layouts=Shard(-1) if sp else Replicate(),
+            use_local_output=not sp,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+
+    for block in model.layers.values():
+        plan: dict[str, object] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=act),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=act),
+        }
+        if hasattr(block.feed_forward, "w3"):
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sp:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)

@@ -1,0 +1,246 @@
+"""The run directory and its records (no torch).
+
+::
+
+    RUN_DIR/
+      config.toml          the Config that ran (Config.save: write-then-rename)
+      events.jsonl         one JSON object per line, appended as it happens
+      measurement.json     assembled when the run finishes (write-then-rename)
+      logs/torchrun.log    the launcher agent's output
+      logs/rank{r}.log     each rank's stdout and stderr
+      ranks/rank{r}.events.jsonl, ranks/rank{r}.measurement.json   what each rank reports
+
+Events: ``started`` {world, steps, command}, ``rank_ready`` {rank, stages, pid}, ``step``
+{k, n, loss, seconds}, ``measurement`` {path, ...summary}, then ``finished`` {seconds} or
+``failed`` {reason, rank, log_tail}. Each carries ``event`` and ``time`` (Unix seconds).
+A reader tolerates a torn last line, so a crash at any moment leaves a readable record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.names import MEMORY_CATEGORIES
+
+TERMINAL_EVENTS = ("finished", "failed")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def append_jsonl(path: Path, obj: dict) -> None:
+    line = json.dumps(obj, separators=(",", ":")) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete JSON line of ``path`` (a torn or garbled line is skipped)."""
+    out = []
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class RunDir:
+    """Paths of a run directory; creates it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.logs = self.path / "logs"
+        self.ranks = self.path / "ranks"
+        for d in (self.path, self.logs, self.ranks):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def clear(self) -> None:
+        """Remove an earlier run's records, so a reused directory holds only this run."""
+        for d in (self.logs, self.ranks):
+            for f in d.iterdir():
+                if f.is_file():
+                    f.unlink()
+        for f in (self.events, self.measurement):
+            f.unlink(missing_ok=True)
+
+    config = property(lambda self: self.path / "config.toml")
+    events = property(lambda self: self.path / "events.jsonl")
+    measurement = property(lambda self: self.path / "measurement.json")
+    agent_log = property(lambda self: self.logs / "torchrun.log")
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def rank_events(self, rank: int) -> Path:
+        return self.ranks / f"rank{rank}.events.jsonl"
+
+    def rank_measurement(self, rank: int) -> Path:
+        return self.ranks / f"rank{rank}.measurement.json"
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        obj = {"event": event, "time": time.time(), **fields}
+        append_jsonl(self.events, obj)
+        return obj
+
+    def read_events(self) -> list[dict]:
+        return read_jsonl(self.events)
+
+
+class RankWriter:
+    """What a rank writes (used inside the worker; no torch here either)."""
+
+    def __init__(self, run_dir: str | Path, rank: int):
+        self.dir = RunDir(run_dir)
+        self.rank = rank
+
+    def event(self, event: str, **fields: Any) -> None:
+        append_jsonl(self.dir.rank_events(self.rank),
+                     {"event": event, "time": time.time(), "rank": self.rank, **fields})
+
+    def measurement(self, obj: dict) -> None:
+        write_json_atomic(self.dir.rank_measurement(self.rank), obj)
+
+
+# --------------------------------------------------------------------------- Measurement
+
+
+@dataclass
+class MemoryRank:
+    """Bytes per category for one rank; the keys of ``shardscope predict --json``."""
+
+    rank: int
+    stage: int
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    comm_buffers: int = 0
+    temporaries: int = 0
+    overhead: int = 0
+    total: int = 0
+
+
+@dataclass
+class Memory:
+    per_rank: list[MemoryRank] = field(default_factory=list)
+
+
+@dataclass
+class PipelineRank:
+    rank: int
+    actions: list[list] = field(default_factory=list)  # [kind, stage, microbatch, start_s, end_s]
+
+
+@dataclass
+class Pipeline:
+    per_rank: list[PipelineRank] = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    seconds: float  # median over the timed steps of the slowest rank's step time
+    per_step: list[float] = field(default_factory=list)  # slowest rank per step
+    losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Measurement:
+    """Same shape and category names as the engine's prediction (memory / pipeline / step)."""
+
+    memory: Memory
+    step: Step
+    pipeline: Pipeline
+    ranks: list[dict] = field(default_factory=list)  # per-rank detail: tracker peak, exact, RSS, ...
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Measurement:
+        return cls(
+            memory=Memory([MemoryRank(**r) for r in d["memory"]["per_rank"]]),
+            step=Step(**d["step"]),
+            pipeline=Pipeline([PipelineRank(**r) for r in d["pipeline"]["per_rank"]]),
+            ranks=d.get("ranks", []),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Measurement:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def assemble(rank_records: list[dict]) -> Measurement:
+    """Combine what every rank reported into one Measurement (ranks in order)."""
+    recs = sorted(rank_records, key=lambda r: r["rank"])
+    per_rank = []
+    for r in recs:
+        cats = r["memory"]["categories"]
+        row = MemoryRank(rank=r["rank"], stage=r["stages"][0],
+                         **{c: int(cats.get(c, 0)) for c in MEMORY_CATEGORIES})
+        row.total = sum(getattr(row, c) for c in MEMORY_CATEGORIES)
+        per_rank.append(row)
+    n = min(len(r["step_seconds"]) for r in recs) if recs else 0
+    per_step = [max(r["step_seconds"][i] for r in recs) for i in range(n)]
+    losses = next((r["losses"] for r in recs if r["rank"] == 0), [])
+    timed = sorted(per_step[1:] if len(per_step) > 1 else per_step)  # first step warms up
+    median = timed[len(timed) // 2] if timed else 0.0
+    pipeline = Pipeline([PipelineRank(rank=r["rank"], actions=r.get("actions", [])) for r in recs]
+                        if any(r.get("actions") for r in recs) else [])
+    detail = [{k: v for k, v in r.items() if k not in ("actions",)} for r in recs]
+    return Measurement(memory=Memory(per_rank), step=Step(median, per_step, losses), pipeline=pipeline,
+                       ranks=detail)
+
+
+def iter_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
+    """Complete JSON lines appended to ``path`` since byte ``offset``; returns (objects, new offset)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n")
+    if end < 0:
+        return [], offset
+    out = []
+    for line in data[: end + 1].splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out, offset + end + 1
+
+
+def events_of(path: str | Path) -> Iterator[dict]:
+    yield from read_jsonl(Path(path))

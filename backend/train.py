@@ -1,0 +1,260 @@
+"""One rank's training: build the model, apply the strategies, train, measure. Imports torch.
+
+Run by backend.worker inside each torchrun rank; talks to the launcher only through files in
+the run directory (backend.records.RankWriter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+
+from backend import measure
+from backend.faults import maybe_fault
+from backend.model import SyntheticData, Transformer
+from backend.parallel import (
+    ParallelDims,
+    apply_ddp,
+    apply_fsdp,
+    apply_pp,
+    apply_recompute,
+    apply_replicate,
+    apply_tp,
+    autocast_context,
+    build_schedule,
+    fsdp_mp_policy,
+    make_zero1_optimizer,
+)
+from backend.parallel.pipeline import ActionTimer
+from backend.records import RankWriter
+from engine.config import Config
+
+LEARNING_RATE = 3e-3
+SEED = 0
+
+
+def _optimizer_cls_and_kwargs(name: str):
+    if name == "adamw":
+        return torch.optim.AdamW, {"lr": LEARNING_RATE, "weight_decay": 0.0}
+    if name == "sgd-momentum":
+        return torch.optim.SGD, {"lr": 0.3, "momentum": 0.9}
+    return torch.optim.SGD, {"lr": 0.3}
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+class Trainer:
+    """Everything one rank holds: stage modules, optimizer, schedule (PP), data."""
+
+    def __init__(self, cfg: Config, out: RankWriter):
+        self.cfg, self.out = cfg, out
+        par, tr = cfg.parallel, cfg.training
+        self.device = self._init_process_group()
+        self.rank = dist.get_rank()
+        self.dims = ParallelDims(par, self.device.type, cfg.cluster.gpus_per_node)
+        self.dims.build_mesh()
+        self.coords = self.dims.coords
+        self.fsdp = par.zero in (2, 3)
+        self.pipelined = par.pp > 1
+        if par.zero == 1 and par.tp > 1:
+            raise NotImplementedError(
+                "ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
+                "parameters; use parallel.zero = 2 (fully_shard) with TP")
+
+        torch.manual_seed(SEED)  # every rank builds the same full model, then keeps its part
+        with torch.device(self.device):
+            model = Transformer(cfg.model)
+        if cfg.model.tied_embeddings and par.tp > 1:
+            raise NotImplementedError("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
+        parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
+        mp = fsdp_mp_policy(tr)
+        self.modules = []
+        for s, m in parts:
+            if par.tp > 1:
+                apply_tp(m, self.dims["tp"], par.sequence_parallel)
+            apply_recompute(m, tr.recompute)
+            if self.fsdp:
+                m = apply_fsdp(m, self.dims["dp"], par.zero, mp, pipelined=self.pipelined)
+            elif par.dp > 1 and par.tp > 1:
+                m = apply_replicate(m, self.dims["dp"], mp)
+            elif par.dp > 1:
+                m = apply_ddp(m, self.dims.dp_group(), cfg.conventions.ddp_bucket_mb, self.device)
+            self.modules.append((s, m))
+        self.stages = [s for s, _ in self.modules]
+        self.params = measure.unique_params(m for _, m in self.modules)
+
+        cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
+        if par.zero == 1 and par.dp > 1:
+            self.optimizer = make_zero1_optimizer(self.params, cls, self.dims.dp_group(), **kw)
+        else:
+            self.optimizer = cls(self.params, **kw)
+
+        self.timer = ActionTimer()
+        self.schedule = None
+        if self.pipelined:
+            self.schedule = build_schedule(self.modules, par, self.dims["pp"].get_group(), self.device,
+                                           loss_fn, self.timer)
+        self.has_first = 0 in self.stages
+        self.has_last = par.num_stages - 1 in self.stages
+        self.data = SyntheticData(cfg.model.vocab, cfg.model.seq_len)
+        self.local_batch = par.microbatches * tr.micro_batch_size
+
+    def _init_process_group(self) -> torch.device:
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo")
+        return device
+
+    # ----------------------------------------------------------------- one step
+
+    def _loss_ctx(self):
+        ctx = contextlib.ExitStack()
+        if self.cfg.parallel.sequence_parallel:
+            ctx.enter_context(loss_parallel())
+        ctx.enter_context(autocast_context(self.cfg.training, self.device.type, self.fsdp))
+        return ctx
+
+    def forward_backward(self, step: int) -> tuple[float, int]:
+        """Forward and backward of one optimizer step's local batch: (loss sum, loss count)."""
+        x, y = self.data.batch(step, self.coords.dp, self.local_batch)
+        x, y = x.to(self.device), y.to(self.device)
+        if self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            args = (x,) if self.has_first else ()
+            with self._loss_ctx():
+                if self.has_last:
+                    self.schedule.step(*args, target=y, losses=losses)
+                else:
+                    self.schedule.step(*args)
+            if not losses:
+                return 0.0, 0
+            return float(torch.stack([loss.detach().float() for loss in losses]).mean()), 1
+        (_, model), = self.modules
+        mbs = self.cfg.training.micro_batch_size
+        m = self.cfg.parallel.microbatches
+        total = 0.0
+        for i in range(m):
+            last = i == m - 1
+            sync = contextlib.nullcontext()
+            if isinstance(model, DistributedDataParallel) and not last:
+                sync = model.no_sync()
+            elif isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(last)
+            with sync, self._loss_ctx():
+                loss = loss_fn(model(x[i * mbs:(i + 1) * mbs]), y[i * mbs:(i + 1) * mbs]) / m
+                loss.backward()
+            total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+        return total, 1
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ----------------------------------------------------------------- the run
+
+    def train(self, steps: int) -> None:
+        n = steps
+        step_seconds: list[float] = []
+        losses: list[float] = []
+        actions: list = []
+        self.out.event("rank_ready", stages=self.stages, pid=os.getpid())
+        for k in range(1, n + 1):
+            maybe_fault(self.rank, k)
+            dist.barrier()
+            self.timer.actions.clear()
+            self.timer.on = k == n
+            t0 = time.perf_counter_ns()
+            loss_sum, count = self.forward_backward(k)
+            self.optimizer_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t1 = time.perf_counter_ns()
+            self.timer.on = False
+            seconds = (t1 - t0) / 1e9
+            if k == n:
+                actions = [[kind, s, mb, (a - t0) / 1e9, (b - t0) / 1e9]
+                           for kind, s, mb, a, b in self.timer.actions]
+            # outside the timed region: mean loss over the ranks that have one, slowest rank's time
+            stats = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
+            slow = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(stats)
+            dist.all_reduce(slow, op=dist.ReduceOp.MAX)
+            loss = float(stats[0] / max(stats[1], 1.0))
+            step_seconds.append(seconds)
+            losses.append(loss)
+            if self.rank == 0:
+                self.out.event("step", k=k, n=n, loss=loss, seconds=float(slow[0]))
+        memory = self.measure_memory(n + 1)
+        self.out.measurement({
+            "rank": self.rank,
+            "coords": {"pp": self.coords.pp, "dp": self.coords.dp, "tp": self.coords.tp},
+            "stages": self.stages,
+            "memory": memory,
+            "step_seconds": step_seconds,
+            "losses": losses,
+            "actions": actions,
+            "peak_rss_bytes": measure.peak_rss_bytes(),
+            **self._cuda_stats(),
+        })
+
+    def measure_memory(self, step: int) -> dict:
+        """One extra, untimed step under PyTorch's MemTracker, plus exact local byte counts."""
+        mods = [m for _, m in self.modules]
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        tracker = measure.tracker_for(mods, self.optimizer)
+        with tracker:
+            self.forward_backward(step)
+            grads = measure.grad_bytes(self.params)
+            self.optimizer.step()
+        exact = {
+            "params": measure.param_bytes(self.params),
+            "grads": grads,
+            "optimizer": measure.optimizer_bytes(self.optimizer),
+        }
+        self.optimizer.zero_grad(set_to_none=True)
+        raw = measure.tracker_peak(tracker, self.device)
+        cats = measure.categories_from(raw, exact)
+        if any(isinstance(m, DistributedDataParallel) for m in mods):
+            cats["comm_buffers"] += grads  # DDP's reducer buckets hold a flat copy of every gradient
+        return {
+            "categories": cats,
+            "exact": exact,
+            "params_local_count": measure.param_count_local(self.params),
+            "tracker_peak": raw,
+        }
+
+    def _cuda_stats(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        return {"max_memory_allocated": torch.cuda.max_memory_allocated(self.device),
+                "max_memory_reserved": torch.cuda.max_memory_reserved(self.device)}
+
+    def close(self) -> None:
+        """The shutdown that avoids gloo's exit crash (pytorch-notes.md)."""
+        dist.barrier()
+        del self.schedule, self.modules, self.optimizer, self.params
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def run_rank(cfg: Config, out: RankWriter, steps: int) -> None:
+    trainer = Trainer(cfg, out)
+    trainer.train(steps)
+    trainer.close()
