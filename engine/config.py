@@ -202,6 +202,7 @@ class Conventions:
     collective_buffer_mib: float = 64.0  # per communicator a rank belongs to (NCCL-like)
     allocator_slack_fraction: float = 0.0  # reserve on top of live tensors, as a fraction
     ddp_bucket_mb: float = 25.0  # DDP's bucket_cap_mb
+    ddp_gradient_as_bucket_view: bool = False  # DDP gradients alias the buckets (no separate bucket copy)
     fsdp_prefetch: bool = True  # FSDP holds the next unit unsharded while computing this one
     bubble: str = "share-of-total"  # or "relative-to-ideal"
     compute_efficiency: float = 0.5  # achieved / peak FLOP/s for analytic durations

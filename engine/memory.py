@@ -439,7 +439,9 @@ def _frontier(states: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
 
 def _in_flight(schedule: str, pp_rank: int, p: int, v: int, m: int, unit_bytes: list[int]) -> tuple[int, ...]:
     """Microbatches each local stage holds at the rank's activation peak (local stage order)."""
-    if p == 1 or schedule in ("GPipe", "LoopedBFS"):
+    if p == 1:  # no pipeline: gradient accumulation runs F then B per microbatch, one alive at a time
+        return (1,) * len(unit_bytes)
+    if schedule in ("GPipe", "LoopedBFS"):
         return (m,) * len(unit_bytes)
     if schedule == "1F1B":
         return (min(m, p - pp_rank),)

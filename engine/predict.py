@@ -1,0 +1,124 @@
+"""``predict(cfg)``: everything the engine says about one config, in one object.
+
+A Prediction has the same shape and category names as a backend Measurement
+(``memory.per_rank[i]`` with the seven categories and ``total``; ``pipeline.per_rank[r].actions``
+as ``[kind, stage, microbatch, start_s, end_s]``), so comparing is a subtraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.comm import CommReport
+from engine.config import Config
+from engine.durations import StageDurations
+from engine.memory import MemoryReport, memory_per_rank
+from engine.names import MEMORY_CATEGORIES
+from engine.step import StepTime, step_time
+from engine.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class Prediction:
+    config: Config
+    memory: MemoryReport
+    step: StepTime
+
+    @property
+    def pipeline(self) -> Timeline:
+        return self.step.timeline
+
+    @property
+    def comm(self) -> CommReport:
+        return self.step.comm
+
+    @property
+    def conventions(self) -> dict[str, str]:
+        conv = dict(self.memory.conventions)
+        c = self.config.conventions
+        conv["bubble"] = (f"{c.bubble}: idle / (makespan × ranks)" if c.bubble == "share-of-total"
+                          else f"{c.bubble}: idle / busy (Narayanan 2021)")
+        conv["compute_efficiency"] = f"{c.compute_efficiency:g} of peak FLOP/s for analytic durations"
+        conv["step_time"] = ("pipeline makespan (TP collectives inside F/B) + exposed DP communication "
+                             "+ memory-bound optimizer step")
+        return conv
+
+    def to_json(self, explain: bool = False) -> dict:
+        mem = self.memory.to_json()
+        if explain:
+            for row, rank in zip(mem["per_rank"], self.memory.per_rank):
+                row["explain"] = {c: [{"label": t.label, "bytes": t.bytes, "formula": t.formula}
+                                      for t in rank.explain(c)] for c in MEMORY_CATEGORIES}
+        return {
+            "memory": mem,
+            "pipeline": self.pipeline.to_json(self.config.conventions.bubble),
+            "communication": self.comm.to_json(),
+            "step": self.step.to_json(),
+            "conventions": self.conventions,
+        }
+
+
+def predict(cfg: Config, durations: StageDurations | None = None) -> Prediction:
+    """Memory per rank, pipeline timeline, communication and step time for ``cfg``.
+
+    ``durations`` (measured per-stage seconds) replaces the analytic F/B/W times: the
+    calibration hook.
+    """
+    return Prediction(config=cfg, memory=memory_per_rank(cfg), step=step_time(cfg, durations))
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    shown = ",".join(map(str, ranks[:4]))
+    return shown + (f",… ({len(ranks)})" if len(ranks) > 4 else "")
+
+
+def render_table(pred: Prediction, explain: bool = False) -> str:
+    """A readable report: memory per distinct rank group (GiB), pipeline and step time."""
+    mem = pred.memory
+    cats = list(MEMORY_CATEGORIES)
+    unit, scale = _unit(max(r.total for r in mem.per_rank))
+
+    def _gib(n: float) -> str:
+        return f"{n / scale:.2f}"
+
+    head = ["ranks", "stages"] + cats + ["total", "fits"]
+    rows = []
+    for group in mem.distinct():
+        r = group[0]
+        rows.append([_ranks_label([g.rank for g in group]), ",".join(map(str, r.stages))]
+                    + [_gib(getattr(r, c)) for c in cats] + [_gib(r.total), "yes" if r.fits else "NO"])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = [f"memory per rank ({unit}), capacity {_gib(mem.capacity_bytes)} {unit}"
+             f" ({pred.config.cluster.gpu.name}):"]
+    lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    for row, group in zip(rows, mem.distinct()):
+        lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
+        if explain:
+            for c in cats:
+                for t in group[0].explain(c):
+                    lines.append(f"      {c:<12} {t.bytes / scale:10.4f} {unit}  {t.label}: {t.formula}")
+    tl, st = pred.pipeline, pred.step
+    conv = pred.config.conventions.bubble
+    lines.append("")
+    lines.append(f"pipeline: {pred.config.parallel.schedule if pred.config.parallel.pp > 1 else 'none (pp = 1)'}, "
+                 f"makespan {tl.makespan_s * 1e3:.2f} ms, bubble {tl.bubble(conv) * 100:.1f} % ({conv})")
+    lines.append(f"step: {st.seconds * 1e3:.2f} ms, {st.tokens_per_s:,.0f} tokens/s, "
+                 f"MFU {st.mfu * 100:.1f} %, HFU {st.hfu * 100:.1f} %")
+    lines.append("  breakdown: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in st.breakdown.items()))
+    comm = pred.comm.per_pp_rank[st.critical_pp_rank]
+    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "tp", "pp") if comm.bytes_sent(d)}
+    if per_dim:
+        lines.append("  communication sent per step by rank "
+                     f"{comm.rank}: " + ", ".join(f"{d} {b / 2**30:.3f} GiB" for d, b in per_dim.items()))
+    return "\n".join(lines)
