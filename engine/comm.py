@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from engine.config import Config
 from engine.layout import placement_style, rank_of, stage_to_pp_rank
@@ -88,14 +89,29 @@ def group_ranks(cfg: Config, dim: str, rank: int = 0) -> list[int]:
 def group_span(cfg: Config, dim: str) -> GroupSpan:
     """The widest-spread group of ``dim`` (all groups of a dimension have the same shape
     when gpus_per_node divides the group stride; otherwise the worst one is reported)."""
-    par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
-    size = {"dp": par.dp, "tp": par.tp, "pp": par.pp}[dim]
+    par = cfg.parallel
+    if dim not in DIMENSIONS:
+        raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(DIMENSIONS)}")
+    return _group_span(par.dp, par.tp, par.pp, cfg.cluster.gpus_per_node, dim)
+
+
+@lru_cache(maxsize=4096)
+def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str) -> GroupSpan:
+    """Cached by mesh shape: the scan is O(world), and step_time asks five times per config."""
+    size = {"dp": dp, "tp": tp, "pp": pp}[dim]
     worst = GroupSpan(dim, size, 1, size)
     seen: set[int] = set()
-    for r in range(par.world_size):
+    for r in range(dp * tp * pp):
         if r in seen:
             continue
-        ranks = group_ranks(cfg, dim, r)
+        pp_i, rest = divmod(r, dp * tp)
+        dp_i, tp_i = divmod(rest, tp)
+        if dim == "tp":
+            ranks = [rank_of(pp_i, dp_i, t, dp, tp) for t in range(tp)]
+        elif dim == "dp":
+            ranks = [rank_of(pp_i, d, tp_i, dp, tp) for d in range(dp)]
+        else:
+            ranks = [rank_of(p, dp_i, tp_i, dp, tp) for p in range(pp)]
         seen.update(ranks)
         per_node: dict[int, int] = {}
         for x in ranks:
