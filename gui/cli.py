@@ -168,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="h100-sxm", help="a GPU preset")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
+                   help="sequences per step, the same for every layout (default: about 4 Mi tokens, "
+                        "a multiple of --gpus, at most 8 per GPU)")
+    p.add_argument("--max-virtual-stages", type=int, default=8, metavar="V",
+                   help="largest virtual stages per rank tried for the interleaved schedules (default 8)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

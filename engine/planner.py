@@ -1,0 +1,741 @@
+"""The planner: every valid layout of a model on N GPUs, ranked by predicted throughput.
+
+``plan(model, gpus, gpu, gpus_per_node, top=K)`` enumerates dp × tp × pp, ZeRO stage,
+sequence parallel, pipeline schedule, virtual stages, micro-batch size (and with it the
+microbatch count) and recompute, keeps the layouts that validation accepts and that fit on
+every rank, and returns the K with the highest predicted tokens/s — each with the engine's
+full numbers (``memory_per_rank`` + ``step_time``) and why it wins or loses.
+
+Fair comparison: every layout trains the same **global batch** (sequences per optimizer
+step), so dp · microbatches · micro_batch_size = global_batch and tokens per step are equal;
+ranking by tokens/s is ranking by step time. Default global batch: ``default_global_batch``
+(about 4 Mi tokens, a multiple of the GPU count, at most 8 sequences per GPU).
+
+What is enumerated (duplicates that the engine cannot tell apart are left out, and said so):
+    tp   divides gpus, heads, kv_heads and ffn_hidden     pp   divides gpus / tp, pp ≤ layers
+    dp   = gpus / (tp · pp), must divide the global batch
+    schedule  pp = 1: none (gradient accumulation; the schedule name does not matter);
+              pp > 1: GPipe, 1F1B (v = 1), ZBVZeroBubble, DualPipeV (v = 2),
+              Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (v = 2 … max_virtual_stages,
+              pp · v ≤ layers; v = 1 is the plain GPipe / 1F1B already listed)
+    micro_batch_size  every divisor b of global_batch / dp; microbatches = global_batch / (dp · b)
+    zero  0–3 when dp > 1 (with dp = 1 all stages are the same layout: only 0)
+    sequence_parallel  off, and on when tp > 1 and tp divides seq_len
+    recompute  none, selective, full
+Schedule rules (1F1B needs m ≥ pp, …) come from ``engine.schedules.schedule_problems``, and
+every layout that is fully evaluated is built as a ``Config`` (which validates it).
+
+Speed (branch and bound; the answer is the same as fully evaluating every layout):
+1. For the whole candidate grid, vectorised with numpy: a closed-form **lower bound on peak
+   memory** (model states, activations in flight from torch's schedule order, p2p and bucket
+   buffers, logits, overhead — the terms of ``engine.memory`` minus a few small ones and
+   rounding) drops layouts that cannot fit; and a **lower bound on step time**: the exact
+   per-stage F/B durations (compute + TP collectives, as ``engine.step``), each pipeline
+   rank's busy time plus the forward chain before its first stage, the one-microbatch critical
+   path, the exact exposed DP communication and optimizer step.
+2. Best first by that bound: a candidate whose bound is below the K-th best step found so
+   far gets its pipeline simulated (the exact makespan, cached per pipeline shape and shared
+   by the ZeRO stages) — a tighter bound; if it is still below, the full engine runs
+   (``memory_per_rank``; if it fits, ``step_time``). The search stops when the smallest bound
+   left exceeds the K-th best step. The final ranking uses only full engine numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine import names
+from engine.comm import collective_seconds, group_span
+from engine.config import Config, ConfigError, ModelSpec
+from engine.durations import flops_per_token, stage_durations
+from engine.layout import placement_style, split_layers, stage_to_pp_rank
+from engine.memory import GIB, MIB, _in_flight, activation_bytes_per_layer, memory_per_rank
+from engine.params import params_per_rank
+from engine.schedules import pipeline_actions, schedule_problems, single_rank_plan
+from engine.step import optimizer_seconds, step_time, with_tp_communication
+from engine.timeline import simulate
+
+DEFAULT_TOKENS_PER_STEP = 4 * 2**20
+MAX_SEQUENCES_PER_GPU = 8
+_SAFETY = 1.0 - 1e-9  # bounds are compared with this margin against float rounding
+_RECOMPUTE = names.RECOMPUTE_KINDS
+_SCHEDULE_INDEX = {s: i for i, s in enumerate(names.SCHEDULES)}
+
+
+class PlanError(ValueError):
+    """A planner argument that cannot be used; ``argument`` names it (``model``, ``gpus``, ...)."""
+
+    def __init__(self, argument: str, message: str):
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+        self.message = message
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One ranked layout with the engine's full numbers and why it ranks where it does."""
+
+    position: int  # 1 = fastest
+    config: Config
+    seconds: float
+    tokens_per_s: float
+    mfu: float
+    breakdown: dict[str, float]  # engine.step.BREAKDOWN_KEYS, sums to seconds
+    peak_bytes: int  # the rank that needs the most memory
+    peak_rank: int
+    capacity_bytes: int
+    why: tuple[str, ...] = ()
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_bytes
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        par, tr = self.config.parallel, self.config.training
+        return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
+                "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
+                "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
+                "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+
+    def label(self) -> str:
+        return layout_label(self.config)
+
+    def to_json(self) -> dict:
+        return {"position": self.position, "layout": self.layout, "label": self.label(),
+                "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "breakdown": self.breakdown, "peak_bytes": self.peak_bytes, "peak_rank": self.peak_rank,
+                "capacity_bytes": self.capacity_bytes, "headroom_bytes": self.headroom_bytes,
+                "why": list(self.why), "config": self.config.to_dict()}
+
+
+@dataclass(frozen=True)
+class PlanCounts:
+    """How many layouts went where (the search's own accounting)."""
+
+    enumerated: int = 0  # valid layouts in the grid (schedule rules applied)
+    skipped_global_batch: int = 0  # (tp, pp) pairs whose dp does not divide the global batch
+    memory_bound_rejected: int = 0  # cannot fit: the closed-form lower bound already exceeds capacity
+    pruned_by_time_bound: int = 0  # cannot reach the top K: bound above the K-th best step
+    pipelines_simulated: int = 0  # distinct pipeline shapes simulated for the tighter bound
+    fully_evaluated: int = 0  # memory_per_rank ran
+    did_not_fit: int = 0  # ... and said it does not fit
+    rejected_by_validation: int = 0  # Config refused it (should stay 0: the grid follows the rules)
+    fitting_timed: int = 0  # step_time ran
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    model: str
+    gpus: int
+    gpu: str
+    gpus_per_node: int
+    global_batch: int  # sequences per step, the same for every layout
+    tokens_per_step: int
+    capacity_bytes: int
+    entries: tuple[PlanEntry, ...]
+    counts: PlanCounts
+    elapsed_s: float
+    exhaustive: bool = False  # True: every layout was fully evaluated (no pruning)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def best(self) -> PlanEntry | None:
+        return self.entries[0] if self.entries else None
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "gpus": self.gpus, "gpu": self.gpu, "gpus_per_node": self.gpus_per_node,
+                "global_batch": self.global_batch, "tokens_per_step": self.tokens_per_step,
+                "capacity_bytes": self.capacity_bytes, "elapsed_s": self.elapsed_s,
+                "exhaustive": self.exhaustive, "counts": self.counts.to_json(), "notes": list(self.notes),
+                "entries": [e.to_json() for e in self.entries]}
+
+
+def layout_label(cfg: Config) -> str:
+    """A compact name of a layout: ``dp16 tp8 pp8 ZeRO-1 +SP Interleaved1F1B v2 m64 b1 recompute=selective``."""
+    par, tr = cfg.parallel, cfg.training
+    parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}", f"ZeRO-{par.zero}"]
+    if par.sequence_parallel:
+        parts.append("+SP")
+    if par.pp > 1:
+        parts.append(par.schedule + (f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""))
+    parts += [f"m{par.microbatches}", f"b{tr.micro_batch_size}", f"recompute={tr.recompute}"]
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def default_global_batch(gpus: int, seq_len: int) -> int:
+    """About 4 Mi tokens per step, as a multiple of ``gpus``, 1 … 8 sequences per GPU."""
+    per_gpu = round(DEFAULT_TOKENS_PER_STEP / seq_len / gpus)
+    return gpus * min(MAX_SEQUENCES_PER_GPU, max(1, per_gpu))
+
+
+def _base_config(model: ModelSpec | str, gpus: int, gpu: str, gpus_per_node: int,
+                 training: dict | None, conventions: dict | None) -> Config:
+    """The validated starting point (dp = gpus); errors name the planner argument at fault."""
+    from engine.presets import gpu_presets, model_presets
+
+    if isinstance(model, str) and model not in model_presets():
+        raise PlanError("model", f"unknown preset {model!r}; allowed: {', '.join(model_presets())}")
+    if isinstance(gpu, str) and gpu not in gpu_presets():
+        raise PlanError("gpu", f"unknown GPU {gpu!r}; allowed: {', '.join(gpu_presets())}")
+    for arg, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(arg, f"must be a whole number ≥ 1, got {value!r}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise PlanError("gpus", f"{gpus} must be a multiple of gpus_per_node ({gpus_per_node}) "
+                                "when it spans nodes")
+    raw = {"model": {"preset": model} if isinstance(model, str) else {"preset": "tiny"},
+           "cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
+           "parallel": {"dp": gpus}, "training": dict(training or {}), "conventions": dict(conventions or {})}
+    try:
+        base = Config.from_dict(raw)
+        if isinstance(model, ModelSpec):
+            base = dataclasses.replace(base, model=model)
+    except ConfigError as exc:
+        field_to_arg = {"model": "model", "cluster.gpu": "gpu", "cluster.gpus": "gpus",
+                        "cluster.gpus_per_node": "gpus_per_node", "training": "training",
+                        "conventions": "conventions"}
+        prob = exc.problems[0]
+        arg = next((a for f, a in field_to_arg.items() if prob.field.startswith(f)), prob.field)
+        raise PlanError(arg, "; ".join(str(p) for p in exc.problems)) from None
+    return base
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+_COLS = ("tp", "pp", "v", "sched", "m", "b", "zero", "sp", "rc", "struct")
+
+
+@dataclass
+class _Grid:
+    """The candidate layouts as columns, with their bounds."""
+
+    cols: dict[str, np.ndarray]
+    mem_lb: np.ndarray
+    rest_lb: np.ndarray  # max over pp ranks of exposed DP + optimizer (exact), per candidate
+    makespan_lb: np.ndarray
+    rest_by_rank: list[np.ndarray]  # per candidate group: [candidates, pp] exposed DP + optimizer
+    skipped_global_batch: int
+
+
+class _Planner:
+    def __init__(self, base: Config, global_batch: int, zero: tuple[int, ...], schedules: tuple[str, ...],
+                 recompute: tuple[str, ...], max_virtual_stages: int, micro_batch_sizes: tuple[int, ...] | None):
+        self.base = base
+        self.G = global_batch
+        self.zero = zero
+        self.schedules = schedules
+        self.recompute = recompute
+        self.max_v = max_virtual_stages
+        self.mbs = micro_batch_sizes
+        self.structs: list[tuple[int, int, int, str]] = []  # (tp, pp, v, schedule)
+        self._coll: dict[tuple, float] = {}
+        self._act1: dict[tuple, int] = {}
+        self._plans: dict[tuple, Any] = {}
+        self._makespans: dict[tuple, float] = {}
+
+    # ----------------------------------------------------------------- helpers
+
+    def _rep(self, tp: int, pp: int) -> Config:
+        """A valid config with this mesh (GPipe has no microbatch rule) for group spans."""
+        return self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * pp), "tp": tp, "pp": pp,
+                                           "schedule": "GPipe", "microbatches": 1})
+
+    def _collective(self, rep: Config, dim: str, kind: str, size: float) -> float:
+        par = rep.parallel
+        key = (par.dp, par.tp, par.pp, dim, kind, size)
+        out = self._coll.get(key)
+        if out is None:
+            out = self._coll[key] = collective_seconds(self.base, kind, size, group_span(rep, dim))
+        return out
+
+    def _act_per_layer_b1(self, tp: int, sp: bool, rc: str) -> int:
+        """Saved bytes of one block for one sequence (b = 1) — b times this is ≤ the engine's b-value."""
+        key = (tp, sp, rc)
+        out = self._act1.get(key)
+        if out is None:
+            cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // tp, "tp": tp, "sequence_parallel": sp},
+                                    training={"micro_batch_size": 1, "recompute": "none" if rc == "full" else rc})
+            out = self._act1[key] = activation_bytes_per_layer(cfg)
+        return out
+
+    # ----------------------------------------------------------------- enumeration + bounds
+
+    def grid(self) -> _Grid:
+        base = self.base
+        model, cl, tr, conv = base.model, base.cluster, base.training, base.conventions
+        gpus = cl.gpus
+        fl = flops_per_token(base)
+        s_len, h = model.seq_len, model.hidden
+        act_b = 4 if tr.precision == "fp32" else 2
+        w_b, g_b = tr.param_bytes, tr.grad_bytes
+        o_b = (4 if tr.master_weights else 0) + 4 * names.OPTIMIZER_STATES[tr.optimizer]
+        opt_per_param = optimizer_seconds(base, 1.0)  # base has zero 0: seconds per local parameter
+        ctx = int(round(cl.gpu.runtime_context_gib * GIB)) if conv.runtime_context else 0
+        buf = int(round(conv.collective_buffer_mib * MIB)) if conv.collective_buffers else 0
+        peak_rate = cl.gpu.peak_flops(tr.precision) * conv.compute_efficiency
+        tps = [t for t in _divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
+               and model.ffn_hidden % t == 0]
+        cols: dict[str, list[np.ndarray]] = {c: [] for c in _COLS}
+        mem_parts, rest_parts, mk_parts, rest_rank = [], [], [], []
+        skipped = 0
+        for tp in tps:
+            for pp in _divisors(gpus // tp):
+                if pp > model.layers:
+                    continue
+                dp = gpus // (tp * pp)
+                if self.G % dp:
+                    skipped += 1
+                    continue
+                per_dp = self.G // dp
+                rep = self._rep(tp, pp)
+                bs = [b for b in _divisors(per_dp) if self.mbs is None or b in self.mbs]
+                if pp == 1:
+                    shapes = [(1, "1F1B")]
+                else:
+                    shapes = []
+                    for sc in self.schedules:
+                        if sc in names.SINGLE_STAGE_SCHEDULES:
+                            shapes.append((1, sc))
+                        elif sc in names.V_SCHEDULES:
+                            if 2 * pp <= model.layers:
+                                shapes.append((2, sc))
+                        else:
+                            shapes += [(v, sc) for v in range(2, self.max_v + 1) if pp * v <= model.layers]
+                zeros = [z for z in self.zero if dp > 1 or z == 0] or [0]
+                sps = [False] + ([True] if tp > 1 and s_len % tp == 0 else [])
+                for v, sc in shapes:
+                    ok_b = [b for b in bs if pp == 1 or not schedule_problems(sc, pp, per_dp // b, v)]
+                    if not ok_b or not zeros:
+                        continue
+                    si = len(self.structs)
+                    self.structs.append((tp, pp, v, sc))
+                    part = self._struct_bounds(
+                        tp, pp, dp, v, sc, ok_b, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
+                        opt_per_param, ctx, buf, peak_rate)
+                    n = len(part["b"])
+                    for c in ("m", "b", "zero", "sp", "rc"):
+                        cols[c].append(part[c])
+                    for c, val in (("tp", tp), ("pp", pp), ("v", v), ("sched", _SCHEDULE_INDEX[sc]), ("struct", si)):
+                        cols[c].append(np.full(n, val, dtype=np.int64))
+                    mem_parts.append(part["mem"])
+                    rest_parts.append(part["rest"])
+                    mk_parts.append(part["mk"])
+                    rest_rank.append(part["rest_rank"])
+        if not mem_parts:
+            empty = np.zeros(0)
+            return _Grid({c: np.zeros(0, dtype=np.int64) for c in _COLS}, empty, empty, empty, [], skipped)
+        out = {c: np.concatenate(v) for c, v in cols.items()}
+        return _Grid(out, np.concatenate(mem_parts), np.concatenate(rest_parts), np.concatenate(mk_parts),
+                     rest_rank, skipped)
+
+    def _struct_bounds(self, tp, pp, dp, v, sc, bs, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
+                       opt_per_param, ctx, buf, peak_rate) -> dict[str, np.ndarray]:
+        """Bounds for every (b, zero, sp, recompute) of one (tp, pp, v, schedule)."""
+        model, conv = self.base.model, self.base.conventions
+        n_stages = pp * v
+        style = placement_style(sc)
+        held = params_per_rank(self.base.replace(parallel={"dp": dp, "tp": tp, "pp": pp, "schedule": sc,
+                                                          "virtual_stages": v, "microbatches": per_dp // bs[0]}))
+        rows = [row[0] for row in held]  # tp-rank 0 of each pp rank: the largest vocabulary chunk
+        psi = np.array([r.total for r in rows], dtype=np.float64)  # [pp]
+        layers_of = split_layers(model.layers, n_stages)
+        L = np.array([len(x) for x in layers_of], dtype=np.float64)  # [S]
+        head = np.zeros(n_stages)
+        head[-1] = fl.head
+        owners = stage_to_pp_rank(n_stages, pp, style) if pp > 1 else [0]
+        member = np.zeros((pp, n_stages))
+        member[owners, np.arange(n_stages)] = 1.0
+        first_stage = np.array([min(r.stage_indices) for r in rows])
+        fwd_prefix_mask = (np.arange(n_stages)[None, :] < first_stage[:, None]).astype(np.float64)  # [pp, S]
+        split = sc in names.SPLIT_BACKWARD_SCHEDULES
+        vocab_t = -(-model.vocab // tp)
+
+        # grid axes: b (with m), zero, sp, recompute
+        B = np.array(bs, dtype=np.int64)
+        Z = np.array(zeros, dtype=np.int64)
+        SP = np.array(sps, dtype=bool)
+        RC = np.array([_RECOMPUTE.index(r) for r in self.recompute], dtype=np.int64)
+        gb, gz, gs, gr = (a.ravel() for a in np.meshgrid(B, Z, SP, RC, indexing="ij"))
+        gm = per_dp // gb
+        n = len(gb)
+        bf = gb.astype(np.float64)
+        rep_div = np.where(gs, tp, 1)
+
+        # ---------------- per-stage durations (exactly engine.durations + engine.step's TP terms)
+        tokens = bf * s_len
+        rate = peak_rate * tp
+        rc_extra = np.select([gr == _RECOMPUTE.index("full"), gr == _RECOMPUTE.index("selective")],
+                             [fl.block, fl.attention_core], 0.0)
+        f = tokens[:, None] * (L[None, :] * fl.block + head[None, :]) / rate
+        i_ = tokens[:, None] * (L[None, :] * (fl.matmuls + 2 * fl.attention_core + rc_extra[:, None])
+                                + head[None, :]) / rate
+        w_ = tokens[:, None] * (L[None, :] * fl.matmuls + head[None, :]) / rate
+        one_tp = np.zeros(n)
+        if tp > 1:
+            for b in bs:
+                size = b * s_len * h * w_b
+                ar = self._collective(rep, "tp", "all_reduce", size)
+                agrs = self._collective(rep, "tp", "all_gather", size) + self._collective(rep, "tp", "reduce_scatter", size)
+                one_tp[(gb == b) & ~gs] = ar
+                one_tp[(gb == b) & gs] = agrs
+        fwd_tp = 2 * one_tp
+        bwd_tp = 2 * one_tp * np.where(gr == _RECOMPUTE.index("full"), 2.0, 1.0)
+        f = f + L[None, :] * fwd_tp[:, None]
+        i_ = i_ + L[None, :] * bwd_tp[:, None]
+        b_ = i_ + w_
+        chain_back = i_ if split else b_
+        busy = gm[:, None] * ((f + b_) @ member.T)  # [n, pp]
+        head_wait = f @ fwd_prefix_mask.T  # [n, pp]
+        mk = np.maximum((busy + head_wait).max(axis=1), f.sum(axis=1) + chain_back.sum(axis=1))
+
+        # ---------------- exposed DP communication + optimizer per pp rank (as engine.step)
+        back_one = b_ @ member.T  # [n, pp]
+        fwd_one = f @ member.T
+        zc = gz[:, None]
+        opt = opt_per_param * psi[None, :] / np.where(zc >= 1, dp, 1)
+        if dp > 1:
+            g_bytes = self.base.training.grad_bytes
+
+            def per_rank(fn) -> np.ndarray:
+                return np.array([fn(int(t)) for t in psi])
+
+            nb = per_rank(lambda t: max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6))))
+            one_bucket = per_rank(lambda t: self._collective(
+                rep, "dp", "all_reduce", t * g_bytes / max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6)))))
+            ar = per_rank(lambda t: self._collective(rep, "dp", "all_reduce", t * g_bytes))
+            ag = per_rank(lambda t: self._collective(rep, "dp", "all_gather", t * w_b))
+            rs = per_rank(lambda t: self._collective(rep, "dp", "reduce_scatter", t * g_bytes))
+            n_units = np.array([max(1, len(r.units)) for r in rows], dtype=np.float64)
+            window = (fwd_one + back_one) * gm[:, None]
+            calls = np.where(zc == 3, 2 * gm[:, None], 1)
+            exposed = np.select(
+                [zc == 0, zc == 1],
+                [np.maximum(one_bucket, nb * one_bucket - back_one), np.broadcast_to(ar + ag, back_one.shape)],
+                np.maximum(ag / n_units, calls * ag - window) + rs)
+        else:
+            exposed = 0.0
+        rest = exposed + opt
+
+        # ---------------- memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak)
+        full = gr == _RECOMPUTE.index("full")
+        per_layer1 = self._per_layer_vec(tp, gs, gr)
+        sbh1 = np.floor(s_len * h / rep_div)  # one sequence's hidden state, /t under SP (≤ the engine's floor)
+        stored1 = np.where(full, act_b * sbh1, per_layer1)
+        n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (dp > 1) + (tp > 1) + (pp > 1)
+        overhead = ctx + n_comms * buf
+        capacity = self.base.cluster.gpu.memory_bytes
+        mem = np.zeros(n)
+        for ri in sorted({0, pp - 1}):
+            r = rows[ri]
+            stages = r.stage_indices
+            p_ = psi[ri]
+            fixed = np.select([gz == 0, gz == 1, gz == 2],
+                              [(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dp,
+                               w_b * p_ + (g_b + o_b) * p_ / dp], (w_b + g_b + o_b) * p_ / dp) + overhead
+            fixed = fixed + np.where(full, bf * per_layer1, 0.0)  # the recomputed block (temporaries)
+            if n_stages - 1 in stages:  # logits at the loss
+                fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
+            if dp > 1:
+                if not getattr(conv, "ddp_gradient_as_bucket_view", False):
+                    fixed = fixed + np.where(gz <= 1, g_b * p_, 0.0)
+                sizes = sorted((sum(x * y for x, y in u) for u in r.units), reverse=True)
+                fixed = fixed + np.where(gz >= 2, g_b * sizes[0], 0.0)
+                gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
+                fixed = fixed + np.where(gz == 3, w_b * gathered, 0.0)
+            if pp > 1:
+                ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
+                fixed = fixed + ends * gm * bf * act_b * sbh1
+            act = np.zeros(n)
+            for m_val in np.unique(gm[fixed * _SAFETY <= capacity]):  # replay torch's order only where it matters
+                sel = gm == m_val
+                counts = _in_flight(sc, ri, pp, v, int(m_val), [len(layers_of[s]) for s in stages])
+                lsum = sum(c * len(layers_of[s]) for c, s in zip(counts, stages))
+                first = sum(c for c, s in zip(counts, stages) if s == 0)
+                last = sum(c for c, s in zip(counts, stages) if s == n_stages - 1)
+                act[sel] = bf[sel] * (lsum * stored1[sel] + first * 8 * s_len
+                                      + last * (2 * act_b * sbh1[sel] + 4 * s_len * vocab_t))
+            mem = np.maximum(mem, fixed + act)
+        return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr,
+                "mem": mem, "mk": mk, "rest": rest.max(axis=1), "rest_rank": rest}
+
+    def _per_layer_vec(self, tp, gs, gr) -> np.ndarray:
+        out = np.zeros(len(gs))
+        for s in (False, True):
+            for r in np.unique(gr):
+                sel = (gs == s) & (gr == r)
+                if sel.any():
+                    out[sel] = self._act_per_layer_b1(tp, s, _RECOMPUTE[int(r)])
+        return out
+
+    # ----------------------------------------------------------------- exact pieces
+
+    def config(self, g: _Grid, i: int) -> Config:
+        c = g.cols
+        tp, pp, v, sc = self.structs[int(c["struct"][i])]
+        return self.base.replace(
+            parallel={"dp": self.base.cluster.gpus // (tp * pp), "tp": tp, "pp": pp, "zero": int(c["zero"][i]),
+                      "sequence_parallel": bool(c["sp"][i]), "schedule": sc, "virtual_stages": v,
+                      "microbatches": int(c["m"][i])},
+            training={"micro_batch_size": int(c["b"][i]), "recompute": _RECOMPUTE[int(c["rc"][i])]})
+
+    def makespan(self, cfg: Config) -> float:
+        """The simulated pipeline makespan (as engine.step computes it), cached per pipeline shape."""
+        par, tr = cfg.parallel, cfg.training
+        key = (par.tp, par.pp, par.virtual_stages, par.schedule, par.microbatches, tr.micro_batch_size,
+               par.sequence_parallel, tr.recompute)
+        out = self._makespans.get(key)
+        if out is None:
+            pkey = (par.schedule, par.pp, par.microbatches, par.virtual_stages)
+            plan = self._plans.get(pkey)
+            if plan is None:
+                plan = self._plans[pkey] = (single_rank_plan(par.schedule, par.microbatches) if par.pp == 1 else
+                                            pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages))
+            d = with_tp_communication(cfg, stage_durations(cfg))
+            out = self._makespans[key] = simulate(plan, d).makespan_s
+        return out
+
+
+def _key(g: _Grid, i: int) -> tuple:
+    """Deterministic tie-break between layouts with equal step time."""
+    c = g.cols
+    return tuple(int(c[k][i]) for k in ("tp", "pp", "v", "sched", "m", "b", "zero", "sp", "rc"))
+
+
+# --------------------------------------------------------------------------- public entry
+
+
+def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node: int = 8, *,
+         top: int = 10, global_batch: int | None = None, zero: tuple[int, ...] = (0, 1, 2, 3),
+         schedules: tuple[str, ...] = names.SCHEDULES, recompute: tuple[str, ...] = names.RECOMPUTE_KINDS,
+         max_virtual_stages: int = 8, micro_batch_sizes: tuple[int, ...] | None = None,
+         training: dict | None = None, conventions: dict | None = None, exhaustive: bool = False) -> PlanResult:
+    """The ``top`` fastest layouts of ``model`` on ``gpus`` GPUs that are valid and fit.
+
+    ``model`` is a preset name or a ModelSpec; ``gpu`` a GPU preset; ``global_batch`` the
+    sequences per step every layout trains (default: ``default_global_batch``). ``training``
+    and ``conventions`` are Config tables applied to every layout (precision, optimizer, …).
+    ``exhaustive=True`` fully evaluates every layout (no pruning; for checking and benchmarks).
+    Raises PlanError naming the argument at fault.
+    """
+    t0 = time.perf_counter()
+    base = _base_config(model, gpus, gpu, gpus_per_node, training, conventions)
+    if not isinstance(top, int) or top < 1:
+        raise PlanError("top", f"must be a whole number ≥ 1, got {top!r}")
+    G = default_global_batch(gpus, base.model.seq_len) if global_batch is None else global_batch
+    if not isinstance(G, int) or isinstance(G, bool) or G < 1:
+        raise PlanError("global_batch", f"must be a whole number ≥ 1, got {global_batch!r}")
+    bad_z = [z for z in zero if z not in names.ZERO_STAGES]
+    if bad_z or not zero:
+        raise PlanError("zero", f"allowed: {', '.join(map(str, names.ZERO_STAGES))}; got {list(zero)}")
+    bad_s = [s for s in schedules if s not in names.SCHEDULES]
+    if bad_s or not schedules:
+        raise PlanError("schedules", f"allowed: {' | '.join(names.SCHEDULES)}; got {list(schedules)}")
+    bad_r = [r for r in recompute if r not in names.RECOMPUTE_KINDS]
+    if bad_r or not recompute:
+        raise PlanError("recompute", f"allowed: {' | '.join(names.RECOMPUTE_KINDS)}; got {list(recompute)}")
+    if max_virtual_stages < 1:
+        raise PlanError("max_virtual_stages", f"must be ≥ 1, got {max_virtual_stages}")
+
+    pl = _Planner(base, G, tuple(zero), tuple(schedules), tuple(recompute), max_virtual_stages,
+                  None if micro_batch_sizes is None else tuple(micro_batch_sizes))
+    g = pl.grid()
+    n = len(g.mem_lb)
+    capacity = base.cluster.gpu.memory_bytes
+    counts = {"enumerated": n, "skipped_global_batch": g.skipped_global_batch}
+    may_fit = np.ones(n, dtype=bool) if exhaustive else g.mem_lb * _SAFETY <= capacity
+    counts["memory_bound_rejected"] = int(n - may_fit.sum())
+    bound0 = (g.makespan_lb + g.rest_lb) * _SAFETY
+    idx = np.flatnonzero(may_fit)
+    idx = idx[np.argsort(bound0[idx], kind="stable")]
+
+    best: list[tuple[float, tuple, int, Config, Any, Any]] = []  # (seconds, key, i, cfg, step, memory), sorted
+    simulated = evaluated = no_fit = invalid = timed = 0
+    heap: list[tuple[float, int, Config]] = []  # (tighter bound, i, cfg)
+    ptr = 0
+
+    def kth() -> float:
+        return best[top - 1][0] if len(best) >= top else math.inf
+
+    while True:
+        next0 = bound0[idx[ptr]] if ptr < len(idx) else math.inf
+        next1 = heap[0][0] if heap else math.inf
+        if not exhaustive and min(next0, next1) > kth():
+            break
+        if next0 == math.inf and next1 == math.inf:
+            break
+        if next0 <= next1:
+            i = int(idx[ptr])
+            ptr += 1
+            try:
+                cfg = pl.config(g, i)
+            except ConfigError:
+                invalid += 1
+                continue
+            if exhaustive:
+                heapq.heappush(heap, (float(bound0[i]), i, cfg))
+                continue
+            before = len(pl._makespans)
+            mk = pl.makespan(cfg)
+            simulated += len(pl._makespans) - before
+            bound1 = (mk + g.rest_lb[i]) * _SAFETY
+            heapq.heappush(heap, (max(bound1, float(bound0[i])), i, cfg))
+            continue
+        _, i, cfg = heapq.heappop(heap)
+        evaluated += 1
+        mem = memory_per_rank(cfg)
+        if not mem.fits:
+            no_fit += 1
+            continue
+        timed += 1
+        st = step_time(cfg)
+        entry = (st.seconds, _key(g, i), i, cfg, st, mem)
+        if len(best) < top or (entry[0], entry[1]) < (best[-1][0], best[-1][1]):
+            best.append(entry)
+            best.sort(key=lambda e: (e[0], e[1]))
+            del best[top:]
+    pruned = len(idx) - evaluated - invalid
+    counts.update(pruned_by_time_bound=pruned, pipelines_simulated=simulated, fully_evaluated=evaluated,
+                  did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=timed)
+    entries = _explain(best, capacity)
+    notes = (
+        f"every layout trains the same global batch: {G} sequences × {base.model.seq_len} tokens "
+        f"= {G * base.model.seq_len:,} tokens per step (--global-batch changes it)",
+        "pp = 1 has no schedule (gradient accumulation); with dp = 1 ZeRO stages are identical, only ZeRO-0 is listed; "
+        "interleaved schedules start at v = 2 (v = 1 is plain GPipe / 1F1B)",
+        "time = engine.step (makespan with TP collectives inside F/B + exposed DP communication + optimizer); "
+        "fit = engine.memory on every rank against cluster.gpu.memory_gib",
+    )
+    return PlanResult(model=base.model.preset or "custom", gpus=gpus, gpu=base.cluster.gpu.name,
+                      gpus_per_node=gpus_per_node, global_batch=G, tokens_per_step=G * base.model.seq_len,
+                      capacity_bytes=capacity, entries=entries, counts=PlanCounts(**counts),
+                      elapsed_s=time.perf_counter() - t0, exhaustive=exhaustive, notes=notes)
+
+
+# --------------------------------------------------------------------------- why
+
+
+_NICE = {"compute": "compute", "tp_comm": "TP communication", "pipeline_bubble": "pipeline bubble",
+         "dp_comm_exposed": "exposed DP communication", "optimizer": "optimizer step"}
+
+
+def _diff(a: Config, b: Config) -> str:
+    """What differs between two layouts, as 'pp 4→8, b 1→2'."""
+    la, lb = _fields(a), _fields(b)
+    return ", ".join(f"{k} {la[k]}→{lb[k]}" for k in la if la[k] != lb[k])
+
+
+def _fields(cfg: Config) -> dict[str, Any]:
+    par, tr = cfg.parallel, cfg.training
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "ZeRO": par.zero, "SP": "on" if par.sequence_parallel else "off",
+            "schedule": par.schedule if par.pp > 1 else "-", "v": par.virtual_stages, "m": par.microbatches,
+            "b": tr.micro_batch_size, "recompute": tr.recompute}
+
+
+def _explain(best: list, capacity: int) -> tuple[PlanEntry, ...]:
+    out = []
+    if not best:
+        return ()
+    top_s, top_st, top_cfg = best[0][0], best[0][4], best[0][3]
+    for pos, (seconds, _, _i, cfg, st, mem) in enumerate(best, start=1):
+        peak = mem.peak
+        bd = st.breakdown
+        why = []
+        head = capacity - peak.total
+        why.append(f"memory: peak {peak.total / GIB:.1f} GiB on rank {peak.rank} of {capacity / GIB:.1f} GiB — "
+                   f"headroom {head / GIB:.1f} GiB ({100 * head / capacity:.0f}%)"
+                   + ("; tight" if head < 0.05 * capacity else ""))
+        shares = ", ".join(f"{_NICE[k]} {100 * bd[k] / seconds:.0f}%" for k in ("compute", "tp_comm", "pipeline_bubble",
+                                                                          "dp_comm_exposed") if bd[k] > 0)
+        why.append(f"step {seconds:.3f} s = {shares}; MFU {100 * st.mfu:.1f}%")
+        if pos == 1:
+            lost = sorted(((bd[k], k) for k in _NICE if k != "compute"), reverse=True)
+            if lost[0][0] > 0:
+                why.append(f"fastest; its largest loss is {_NICE[lost[0][1]]} ({lost[0][0]:.3f} s)")
+            else:
+                why.append("fastest; nothing but compute on the critical path")
+        else:
+            deltas = sorted(((bd[k] - top_st.breakdown[k], k) for k in _NICE), reverse=True)
+            worse = [f"+{d:.3f} s {_NICE[k]}" for d, k in deltas if d > 1e-4 * seconds][:2]
+            better = [f"{-d:.3f} s {_NICE[k]}" for d, k in deltas[::-1] if d < -1e-4 * seconds][:1]
+            text = f"{100 * (seconds / top_s - 1):.1f}% slower than #1"
+            change = _diff(top_cfg, cfg)
+            if change:
+                text += f" ({change})"
+            if worse:
+                text += ": " + ", ".join(worse)
+            if better:
+                text += f"; gains {better[0]}"
+            why.append(text)
+        out.append(PlanEntry(position=pos, config=cfg, seconds=seconds, tokens_per_s=st.tokens_per_s, mfu=st.mfu,
+                             breakdown=dict(bd), peak_bytes=peak.total, peak_rank=peak.rank,
+                             capacity_bytes=capacity, why=tuple(why)))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- text and CLI
+
+
+def render_table(result: PlanResult) -> str:
+    lines = [f"{result.model} on {result.gpus} × {result.gpu} ({result.gpus_per_node} per node); "
+             f"global batch {result.global_batch} × {result.tokens_per_step // result.global_batch} tokens"]
+    c = result.counts
+    lines.append(f"{c.enumerated:,} valid layouts: {c.memory_bound_rejected:,} cannot fit (memory bound), "
+                 f"{c.pruned_by_time_bound:,} cannot reach the top {len(result.entries) or '-'} (time bound), "
+                 f"{c.fully_evaluated:,} fully evaluated ({c.did_not_fit:,} did not fit); "
+                 f"{result.elapsed_s:.2f} s")
+    if not result.entries:
+        lines.append("no layout fits: try more GPUs, a GPU with more memory, or a smaller --global-batch")
+        return "\n".join(lines)
+    hdr = f"{'#':>2}  {'layout':<66} {'tokens/s':>11} {'step s':>8} {'MFU':>6} {'peak GiB':>9} {'free GiB':>9}"
+    lines += ["", hdr, "-" * len(hdr)]
+    for e in result.entries:
+        lines.append(f"{e.position:>2}  {e.label():<66} {e.tokens_per_s:>11,.0f} {e.seconds:>8.3f} "
+                     f"{100 * e.mfu:>5.1f}% {e.peak_bytes / GIB:>9.1f} {e.headroom_bytes / GIB:>9.1f}")
+        for w in e.why:
+            lines.append(f"      {w}")
+    lines += [""] + [f"note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def plan_cli(args) -> int:
+    """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2."""
+    import json
+    import sys
+
+    kwargs = {}
+    for name in ("global_batch", "max_virtual_stages"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kwargs[name] = value
+    try:
+        result = plan(args.model, args.gpus, args.gpu, args.gpus_per_node, top=args.top, **kwargs)
+    except PlanError as exc:
+        print(f"shardscope plan: --{exc.argument.replace('_', '-')}: {exc.message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(render_table(result))
+    return 0 if result.entries else 1

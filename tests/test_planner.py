@@ -1,0 +1,204 @@
+"""The planner: never proposes an invalid or non-fitting layout, loses nothing by pruning, clean CLI."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import Config
+from engine.comm import GroupSpan, group_ranks, group_span
+from engine.memory import memory_per_rank
+from engine.planner import PlanError, _Planner, default_global_batch, plan, render_table
+from engine.step import step_time
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small cases whose every layout can be evaluated in a second or two. The rtx4090 and a100-40g
+# cases leave most layouts not fitting, so the memory bound is exercised; gpus_per_node = 4
+# puts groups across nodes.
+SMALL = {
+    "llama2-7b/8×rtx4090": dict(model="llama2-7b", gpus=8, gpu="rtx4090", gpus_per_node=8, global_batch=16,
+                                max_virtual_stages=4),
+    "llama2-7b/8×a100-40g/2 nodes": dict(model="llama2-7b", gpus=8, gpu="a100-40g", gpus_per_node=4,
+                                         global_batch=8, max_virtual_stages=3),
+}
+
+
+def _brute_force(kw):
+    """Every layout of the grid, fully evaluated: (seconds, key, label, fits) + the bounds."""
+    from engine import names
+    from engine.planner import _base_config, _key
+
+    base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
+    pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, names.RECOMPUTE_KINDS,
+                  kw["max_virtual_stages"], None)
+    g = pl.grid()
+    rows = []
+    for i in range(len(g.mem_lb)):
+        cfg = pl.config(g, i)  # raises if the grid held an invalid layout
+        mem = memory_per_rank(cfg)
+        st = step_time(cfg)
+        rows.append(dict(i=i, cfg=cfg, key=_key(g, i), fits=mem.fits, peak=mem.peak.total, seconds=st.seconds,
+                         mem_lb=g.mem_lb[i], bound0=g.makespan_lb[i] + g.rest_lb[i],
+                         bound1=pl.makespan(cfg) + g.rest_lb[i]))
+    return rows
+
+
+@pytest.fixture(scope="module", params=list(SMALL))
+def small_case(request):
+    kw = SMALL[request.param]
+    return kw, _brute_force(kw)
+
+
+def test_bounds_never_exceed_the_engine(small_case):
+    """Pruning is sound: the memory bound ≤ the true peak, the time bounds ≤ the true step, on every layout."""
+    _, rows = small_case
+    assert len(rows) > 500
+    assert any(not r["fits"] for r in rows) and any(r["fits"] for r in rows)
+    for r in rows:
+        assert r["mem_lb"] <= r["peak"] * (1 + 1e-9), r["cfg"].parallel
+        assert r["bound0"] <= r["seconds"] * (1 + 1e-9), r["cfg"].parallel
+        assert r["bound1"] <= r["seconds"] * (1 + 1e-9), r["cfg"].parallel
+    # and they are tight enough to matter: the simulated bound is the step up to the DP/optimizer max
+    close = sum(r["bound1"] >= 0.98 * r["seconds"] for r in rows)
+    assert close > 0.9 * len(rows)
+
+
+@pytest.mark.parametrize("top", [1, 7])
+def test_ranking_equals_brute_force(small_case, top):
+    kw, rows = small_case
+    expected = sorted((r for r in rows if r["fits"]), key=lambda r: (r["seconds"], r["key"]))[:top]
+    result = plan(**kw, top=top)
+    assert [e.config for e in result.entries] == [r["cfg"] for r in expected]
+    assert [e.seconds for e in result.entries] == [r["seconds"] for e, r in zip(result.entries, expected)]
+    assert result.counts.enumerated == len(rows)
+    assert result.counts.rejected_by_validation == 0
+    assert result.counts.fully_evaluated < len(rows) / 20  # the pruning did its job
+    if top == 1:  # the exhaustive path agrees with both (cheaply checked once per case)
+        exhaustive = plan(**kw, top=top, exhaustive=True)
+        assert [e.config for e in exhaustive.entries] == [e.config for e in result.entries]
+
+
+def _assert_valid_and_fitting(result):
+    for e in result.entries:
+        again = Config.from_dict(e.config.to_dict())  # validation from scratch
+        assert again == e.config
+        mem = memory_per_rank(again)
+        assert mem.fits and all(r.total <= mem.capacity_bytes for r in mem.per_rank)
+        assert e.peak_bytes == mem.peak.total <= e.capacity_bytes
+        assert again.global_batch_size == result.global_batch
+        assert step_time(again).seconds == pytest.approx(e.seconds, rel=1e-12)
+        assert sum(e.breakdown.values()) == pytest.approx(e.seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("args", [
+    ("tiny", 8, "h100-sxm", 8),
+    ("llama3-8b", 16, "a100-40g", 8),
+    ("llama3-70b", 64, "h100-sxm", 8),
+])
+def test_every_proposed_layout_is_valid_and_fits(args):
+    result = plan(*args, top=8)
+    assert result.entries, "these clusters can train these models"
+    _assert_valid_and_fitting(result)
+    secs = [e.seconds for e in result.entries]
+    assert secs == sorted(secs)
+    assert result.entries[0].why[-1].startswith("fastest")
+    assert all("slower than #1" in e.why[-1] for e in result.entries[1:])
+    assert all(e.why[0].startswith("memory: peak") for e in result.entries)
+
+
+def test_nothing_fits_gives_no_entries():
+    result = plan("llama3-405b", 8, "rtx4090", 8, top=3)
+    assert result.entries == () and result.best is None
+    assert "no layout fits" in render_table(result)
+
+
+def test_default_global_batch_is_a_multiple_of_the_gpus():
+    assert default_global_batch(1024, 8192) == 1024  # 4 Mi tokens would be 512 sequences: at least one per GPU
+    assert default_global_batch(64, 8192) == 512
+    assert default_global_batch(8, 64) == 64  # capped at 8 per GPU
+    assert default_global_batch(24, 4096) % 24 == 0
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(model="llama-nope", gpus=8), "model"),
+    (dict(model="tiny", gpus=12, gpus_per_node=8), "gpus"),
+    (dict(model="tiny", gpus=0), "gpus"),
+    (dict(model="tiny", gpus=8, gpu="tpu"), "gpu"),
+    (dict(model="tiny", gpus=8, top=0), "top"),
+    (dict(model="tiny", gpus=8, global_batch=0), "global_batch"),
+    (dict(model="tiny", gpus=8, zero=(4,)), "zero"),
+])
+def test_bad_arguments_name_the_argument(kwargs, argument):
+    with pytest.raises(PlanError) as info:
+        plan(**kwargs)
+    assert info.value.argument == argument
+
+
+def test_group_span_cache_matches_a_scan_of_every_group():
+    for dp, tp, pp, gpn in [(4, 2, 2, 8), (2, 4, 2, 4), (3, 2, 2, 4), (8, 1, 2, 8), (2, 2, 4, 2)]:
+        cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": dp * tp * pp,
+                                                                          "gpus_per_node": gpn},
+                                "parallel": {"dp": dp, "tp": tp, "pp": pp, "schedule": "GPipe"}})
+        for dim in ("dp", "tp", "pp"):
+            spans = []
+            for r in range(dp * tp * pp):
+                nodes = [x // gpn for x in group_ranks(cfg, dim, r)]
+                spans.append(GroupSpan(dim, len(nodes), len(set(nodes)), max(nodes.count(n) for n in set(nodes))))
+            worst = max(spans, key=lambda s: (s.nodes, -s.local))
+            assert group_span(cfg, dim) == worst
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def shardscope(*args):
+    return subprocess.run([sys.executable, "-m", "gui.cli", "plan", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_cli_table_and_json():
+    out = shardscope("--model", "tiny", "--gpus", "8", "--top", "3", "--global-batch", "16")
+    assert out.returncode == 0, out.stderr
+    assert "tokens/s" in out.stdout and "fastest" in out.stdout and "headroom" in out.stdout
+    out = shardscope("--model", "tiny", "--gpus", "8", "--top", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["entries"]) == 3 and data["global_batch"] == 64
+    first = data["entries"][0]
+    assert set(first["breakdown"]) >= {"compute", "pipeline_bubble", "dp_comm_exposed"}
+    cfg = Config.from_dict(first["config"])
+    assert memory_per_rank(cfg).fits and cfg.global_batch_size == 64
+    assert math.isclose(first["tokens_per_s"], step_time(cfg).tokens_per_s, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("--model", "nope", "--gpus", "8"), "--model"),
+    (("--model", "tiny", "--gpus", "12", "--gpus-per-node", "8"), "--gpus"),
+    (("--model", "tiny", "--gpus", "8", "--gpu", "tpu-v9"), "--gpu"),
+])
+def test_cli_errors_are_clean(args, flag):
+    out = shardscope(*args)
+    assert out.returncode == 2
+    assert flag in out.stderr and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_cli_nothing_fits_exits_1():
+    out = shardscope("--model", "llama3-405b", "--gpus", "8", "--gpu", "rtx4090")
+    assert out.returncode == 1 and "no layout fits" in out.stdout
+
+
+def test_bounds_are_vectors_of_the_grid():
+    kw = SMALL["llama2-7b/8×rtx4090"]
+    from engine import names
+    from engine.planner import _base_config
+
+    base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
+    g = _Planner(base, 16, (0, 1, 2, 3), names.SCHEDULES, names.RECOMPUTE_KINDS, 4, None).grid()
+    n = len(g.mem_lb)
+    assert all(len(c) == n for c in g.cols.values())
+    assert np.all(np.isfinite(g.mem_lb)) and np.all(g.makespan_lb > 0)
