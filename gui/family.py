@@ -12,6 +12,7 @@ Pure Python (no Qt) so that it is testable by itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden")
@@ -66,7 +67,12 @@ def shape_family(base: dict[str, Any], *, down: int = 9, up: int = 6) -> tuple[l
 
     Shapes are sorted by size and de-duplicated; ``base`` is always a member.
     """
-    b = shape_of(base)
+    shapes, index = _family(shape_of(base), down, up)
+    return list(shapes), index
+
+
+@lru_cache(maxsize=64)
+def _family(b: Shape, down: int, up: int) -> tuple[tuple[Shape, ...], int]:
     head_dim = b.hidden // b.heads
     group = b.heads // b.kv_heads
     ffn_ratio = b.ffn_hidden / b.hidden
@@ -93,7 +99,7 @@ def shape_family(base: dict[str, Any], *, down: int = 9, up: int = 6) -> tuple[l
         if out and out[-1].approx_params >= s.approx_params and out[-1] != b:
             out.pop()
         out.append(s)
-    return out, out.index(b)
+    return tuple(out), out.index(b)
 
 
 def family_for(model: dict[str, Any], preset: dict[str, Any] | None) -> tuple[list[Shape], int]:

@@ -65,6 +65,7 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage("Drag a control: memory and pipeline follow at once.")
         state.predictionReady.connect(
             lambda p: self.statusBar().showMessage(f"predicted in {p.seconds * 1e3:.1f} ms"))
+        self.statusBar().setSizeGripEnabled(False)
         state.configChanged.connect(lambda _cfg: self._title())
         self._title()
 

@@ -176,7 +176,7 @@ class State(QObject):
     def set_desired(self, desired: dict[str, Any]) -> bool:
         self.desired = desired
         try:
-            cfg = Config.from_dict(desired)
+            cfg = self._fast_config(desired) or Config.from_dict(desired)
         except ConfigError as exc:
             self.problems = self._attribute(exc.problems)
             self.desiredChanged.emit(self.desired)
@@ -190,6 +190,24 @@ class State(QObject):
             self.configChanged.emit(cfg)
             self.schedule_recompute()
         return True
+
+    def _fast_config(self, desired: dict[str, Any]) -> Config | None:
+        """``config.replace(...)`` with what differs from the valid config, when that is all plain
+        fields (no preset or GPU kind to resolve): the same rules, without re-parsing a file."""
+        current = self.config.to_dict()
+        updates: dict[str, dict[str, Any]] = {}
+        for section in ("model", "cluster", "parallel", "training", "conventions"):
+            want, have = desired.get(section, {}), current.get(section, {})
+            if set(want) != set(have):
+                return None
+            diff = {k: v for k, v in want.items() if v != have[k]}
+            if diff:
+                if any(k in ("preset", "gpu") for k in diff):
+                    return None
+                updates[section] = diff
+        if desired.get("schema_version") != current.get("schema_version"):
+            return None
+        return self.config.replace(**updates) if updates else self.config
 
     def set_config(self, cfg: Config) -> None:
         """Replace everything (a file was opened)."""
@@ -287,9 +305,14 @@ class State(QObject):
             return
         self._active.status = "cancelled"
         self._active.reason = "cancelled by the user"
-        self._process.terminate()
-        if not self._process.waitForFinished(3000):
-            self._process.kill()
+        proc = self._process
+        proc.terminate()  # SIGTERM: the backend stops its ranks; never block the window on it
+
+        def force() -> None:
+            if self._process is proc and proc.state() != QProcess.ProcessState.NotRunning:
+                proc.kill()
+
+        QTimer.singleShot(5000, force)
 
     def _on_stdout(self) -> None:
         proc, record = self._process, self._active
@@ -316,9 +339,10 @@ class State(QObject):
         kind = event.get("event")
         if kind == "started":
             record.status = "running"
-        elif kind == "step":
-            record.step = int(event.get("step", record.step))
-            record.steps = int(event.get("steps", record.steps))
+            record.steps = int(event.get("steps", record.steps) or 0)
+        elif kind == "step":  # the backend may name them step/steps or k/n
+            record.step = int(event.get("step", event.get("k", record.step)))
+            record.steps = int(event.get("steps", event.get("n", record.steps)))
         elif kind == "failed":
             record.status = "failed"
             record.reason = str(event.get("reason", "the run failed"))
@@ -379,7 +403,7 @@ class State(QObject):
 def _describe_event(event: dict) -> str:
     kind = event.get("event", "?")
     if kind == "step":
-        parts = [f"step {event.get('step')}/{event.get('steps')}"]
+        parts = [f"step {event.get('step', event.get('k'))}/{event.get('steps', event.get('n'))}"]
         if "loss" in event:
             parts.append(f"loss {event['loss']:.4f}" if isinstance(event["loss"], (int, float)) else f"loss {event['loss']}")
         if "seconds" in event and isinstance(event["seconds"], (int, float)):

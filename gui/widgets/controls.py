@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QSizePolicy,
     QSlider,
     QSpinBox,
     QVBoxLayout,
@@ -119,6 +120,7 @@ class ControlsPanel(QWidget):
         self.size.valueChosen.connect(self._size_moved)
         self.size_label = QLabel()
         self.size_label.setObjectName("hint")
+        self.size_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self._row(grid, "Size", "model.size", self.size, hint=self.size_label)
         self.seq_len = StepSlider(powers_of_two(16, 131072))
         self.seq_len.valueChosen.connect(lambda v: self._edit("model.seq_len", v))
@@ -287,8 +289,11 @@ class ControlsPanel(QWidget):
         """Each problem in words beside the control that owns its field; the rest in a banner."""
         for key, label in self.errors.items():
             items = problems.get(key, [])
-            label.setText("\n".join(f"⚠ {p.message}" + (f" ({p.field} = {p.value!r})" if p.value is not None else "")
-                                    for p in items))
+            text = "\n".join(f"⚠ {p.message}" + (f" ({p.field} = {p.value!r})" if p.value is not None else "")
+                             for p in items)
+            if text == label.text() and label.isHidden() != bool(items):
+                continue  # unchanged: don't touch (re-polishing costs milliseconds per move)
+            label.setText(text)
             label.setVisible(bool(items))
             widget = self.controls[key]
             widget.setProperty("invalid", bool(items))
@@ -299,7 +304,7 @@ class ControlsPanel(QWidget):
             head = "Not valid, the charts show the last valid configuration."
             self.banner.setText(head + "".join(f"\n⚠ {p}" for p in rest))
             self.banner.show()
-        else:
+        elif not self.banner.isHidden():
             self.banner.hide()
 
     def problem_text(self, key: str) -> str:

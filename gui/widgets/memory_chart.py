@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
-from PySide6.QtGui import QColor, QPen
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
+from gui.widgets.timeline import BoxesItem
 
 GIB = float(2**30)
 CATEGORY_COLORS = {
@@ -28,6 +28,7 @@ CATEGORY_COLORS = {
     "overhead": "#9D755D",
 }
 OVER_COLOR = "#D62728"
+MAX_OVER_LABELS = 16  # "over by …" labels are drawn when there are at most this many bars
 
 
 def fmt_bytes(n: float) -> str:
@@ -118,6 +119,7 @@ class MemoryChart(QWidget):
         self.measured_config = None
         self.hover_text = ""
         self.full_scale = False
+        self._ticks: list = []
         self.unit, self.unit_name = GIB, "GiB"
         self.capacity_in_view = True
         lay = QVBoxLayout(self)
@@ -125,10 +127,12 @@ class MemoryChart(QWidget):
         head = QHBoxLayout()
         self.header = QLabel("Memory per rank")
         self.header.setObjectName("chartTitle")
+        self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         head.addWidget(self.header, 1)
         lay.addLayout(head)
         legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
                                      for c in MEMORY_CATEGORIES)
+        legend += "&nbsp;&nbsp;· outlined bars: measured · red frame: over capacity"
         self.legend = QLabel(legend)
         self.legend.setObjectName("legend")
         lay.addWidget(self.legend)
@@ -144,6 +148,7 @@ class MemoryChart(QWidget):
         self.note.setWordWrap(True)
         self.note.hide()
         lay.addWidget(self.note)
+        self._build_items(pi)
         self.plot.scene().sigMouseMoved.connect(self._hover)
         state.predictionReady.connect(self.on_prediction)
         state.runFinished.connect(self.on_run_finished)
@@ -175,62 +180,89 @@ class MemoryChart(QWidget):
 
     # ------------------------------------------------------------------ drawing
 
+    def _build_items(self, pi) -> None:
+        """Persistent items: re-adding pyqtgraph items on every slider move costs milliseconds."""
+        self.stacks = BoxesItem()  # predicted segments, one drawRects per category colour
+        self.measured_stacks = BoxesItem(alpha=70, outline=True)
+        self.frames = pg.BarGraphItem(x=[], height=[], width=0.1, brush=None, pen=pg.mkPen(OVER_COLOR, width=3))
+        self.capacity_line = pg.InfiniteLine(
+            pos=0, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine), label="",
+            labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)]})
+        self.off_scale = pg.TextItem("", color="#222", anchor=(0, 0))
+        self.over_labels = [pg.TextItem("", color=OVER_COLOR, anchor=(0.5, 1.0)) for _ in range(MAX_OVER_LABELS)]
+        for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.off_scale,
+                     *self.over_labels):
+            pi.addItem(item)
+
     def redraw(self) -> None:
         pi = self.plot.getPlotItem()
-        pi.clear()
         if not self.groups:
             self.header.setText("Memory per rank")
+            for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.off_scale,
+                         *self.over_labels):
+                item.setVisible(False)
             return
         n = len(self.groups)
         x = np.arange(n, dtype=float)
-        peak_bytes = max(max(g.total for g in self.groups), self._measured_max() * GIB)
-        self.unit, self.unit_name = (GIB, "GiB") if peak_bytes >= 0.5 * GIB else (2.0**20, "MiB")
-        pi.setLabel("left", f"{self.unit_name} per rank")
         has_measured = bool(self.measured_by_rank)
+        peak_bytes = max(max(g.total for g in self.groups), self._measured_max() * GIB)
+        unit = (GIB, "GiB") if peak_bytes >= 0.5 * GIB else (2.0**20, "MiB")
+        if unit != (self.unit, self.unit_name):
+            self.unit, self.unit_name = unit
+            pi.setLabel("left", f"{self.unit_name} per rank")
         width = 0.38 if has_measured else 0.7
         xp = x - 0.2 if has_measured else x
-        bottom = np.zeros(n)
-        for c in MEMORY_CATEGORIES:
-            h = np.array([g.values[c] for g in self.groups], float) / self.unit
-            pi.addItem(pg.BarGraphItem(x=xp, y0=bottom.copy(), height=h, width=width,
-                                       brush=CATEGORY_COLORS.get(c, "#888"), pen=pg.mkPen("w", width=0.5)))
-            bottom += h
-        totals = bottom
+        values = np.array([[g.values[c] for c in MEMORY_CATEGORIES] for g in self.groups], float) / self.unit
+        top_of = np.cumsum(values, axis=1)
+        bottom_of = top_of - values
+        cat = np.tile(np.arange(len(MEMORY_CATEGORIES)), n)
+        xs = np.repeat(xp, len(MEMORY_CATEGORIES))
+        colors = [CATEGORY_COLORS.get(c, "#888") for c in MEMORY_CATEGORIES]
+        self.stacks.set_boxes(xs - width / 2, xs + width / 2, bottom_of.ravel(), top_of.ravel(), colors, cat)
+        self.stacks.setVisible(True)
+        totals = top_of[:, -1]
         cap = self.capacity_bytes / self.unit
         over = [i for i, g in enumerate(self.groups) if not g.fits]
-        if over:
-            pi.addItem(pg.BarGraphItem(x=xp[over], y0=np.zeros(len(over)), height=totals[over], width=width * 1.08,
-                                       brush=None, pen=pg.mkPen(OVER_COLOR, width=3)))
-            for i in over:
-                t = pg.TextItem(f"over by\n{fmt_bytes(self.groups[i].total - self.capacity_bytes)}",
-                                color=OVER_COLOR, anchor=(0.5, 1.0))
-                t.setPos(xp[i], totals[i])
-                pi.addItem(t)
+        self.frames.setOpts(x=xp[over], y0=np.zeros(len(over)), height=totals[over], width=width * 1.08)
+        self.frames.setVisible(bool(over))
+        for k, label in enumerate(self.over_labels):
+            if k < len(over) and n <= MAX_OVER_LABELS:
+                i = over[k]
+                label.setText(f"over by\n{fmt_bytes(self.groups[i].total - self.capacity_bytes)}")
+                label.setPos(xp[i], totals[i])
+                label.setVisible(True)
+            else:
+                label.setVisible(False)
         if has_measured:
-            self._draw_measured(pi, x + 0.2, width)
-        line = pg.InfiniteLine(pos=cap, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine),
-                               label=f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}",
-                               labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)]})
-        pi.addItem(line)
+            self._draw_measured(x + 0.2, width)
+        else:
+            self.measured_stacks.setVisible(False)
+        self.capacity_line.setValue(cap)
+        self.capacity_line.label.setFormat(f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}")
         peak = max(float(totals.max()), self._measured_max() * GIB / self.unit)
         self.capacity_in_view = peak >= 0.2 * cap or self.full_scale
+        self.capacity_line.setVisible(self.capacity_in_view)
         top = (max(cap, peak) if self.capacity_in_view else peak) * 1.15
         pi.setYRange(0, top, padding=0)
-        if not self.capacity_in_view:
-            t = pg.TextItem(f"▲ {self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)} is above this scale "
-                            f"(the fullest rank uses {peak / cap * 100:.1f}% of it)", color="#222", anchor=(0, 0))
-            t.setPos(-0.55, top)
-            pi.addItem(t)
         pi.setXRange(-0.6, n - 0.4, padding=0)
+        if not self.capacity_in_view:
+            self.off_scale.setText(f"▲ {self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)} is "
+                                   f"above this scale (the fullest rank uses {peak / cap * 100:.1f}% of it)")
+            self.off_scale.setPos(-0.55, top)
+        self.off_scale.setVisible(not self.capacity_in_view)
         step = max(1, n // 12)
-        pi.getAxis("bottom").setTicks([[(i, self._tick(g)) for i, g in enumerate(self.groups) if i % step == 0], []])
+        ticks = [(i, self._tick(g)) for i, g in enumerate(self.groups) if i % step == 0]
+        if ticks != self._ticks:
+            self._ticks = ticks
+            pi.getAxis("bottom").setTicks([ticks, []])
         worst = max(self.groups, key=lambda g: g.total)
         verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
                    else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.total)} on the fullest")
         self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · {verdict}")
-        self.header.setProperty("alarm", bool(over))
-        self.header.style().unpolish(self.header)
-        self.header.style().polish(self.header)
+        if self.header.property("alarm") != bool(over):
+            self.header.setProperty("alarm", bool(over))
+            self.header.style().unpolish(self.header)
+            self.header.style().polish(self.header)
 
     @staticmethod
     def _tick(g: RankGroup) -> str:
@@ -248,22 +280,25 @@ class MemoryChart(QWidget):
         vals = [m.get("total", 0) for m in self.measured_by_rank.values()]
         return max(vals, default=0.0) / GIB
 
-    def _draw_measured(self, pi, xm, width) -> None:
-        n = len(self.groups)
-        bottom = np.zeros(n)
-        present = np.array([self.measured_for_group(g) is not None for g in self.groups])
-        for c in MEMORY_CATEGORIES:
-            h = np.array([(self.measured_for_group(g) or {}).get(c, 0.0) for g in self.groups]) / self.unit
-            color = QColor(CATEGORY_COLORS.get(c, "#888"))
-            fill = QColor(color)
-            fill.setAlpha(60)
-            pi.addItem(pg.BarGraphItem(x=xm[present], y0=bottom[present], height=h[present], width=width,
-                                       brush=fill, pen=QPen(color, 2)))
-            bottom += h
-        for i in np.flatnonzero(present):
-            t = pg.TextItem("measured", color="#555", anchor=(0.5, 1.0))
-            t.setPos(xm[i], bottom[i])
-            pi.addItem(t)
+    def _draw_measured(self, xm, width) -> None:
+        """Measured memory as outlined, lightly filled stacks beside the predicted ones."""
+        x0, x1, y0, y1, cat = [], [], [], [], []
+        for i, g in enumerate(self.groups):
+            m = self.measured_for_group(g)
+            if m is None:
+                continue
+            acc = 0.0
+            for k, c in enumerate(MEMORY_CATEGORIES):
+                h = m.get(c, 0.0) / self.unit
+                x0.append(xm[i] - width / 2)
+                x1.append(xm[i] + width / 2)
+                y0.append(acc)
+                y1.append(acc + h)
+                cat.append(k)
+                acc += h
+        colors = [CATEGORY_COLORS.get(c, "#888") for c in MEMORY_CATEGORIES]
+        self.measured_stacks.set_boxes(x0, x1, y0, y1, colors, cat)
+        self.measured_stacks.setVisible(bool(x0))
 
     # ------------------------------------------------------------------ hover
 

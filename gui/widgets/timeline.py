@@ -15,7 +15,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QPen
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 KINDS = ("F", "B", "I", "W")
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grads)", "W": "backward (weight grads)"}
@@ -106,10 +106,11 @@ def actions_from_measurement(measurement: dict, dp: int, tp: int) -> Actions:
 class BoxesItem(pg.GraphicsObject):
     """Every box of a timeline, one drawRects call per colour."""
 
-    def __init__(self, alpha: int = 255):
+    def __init__(self, alpha: int = 255, outline: bool = False):
         super().__init__()
         self.alpha = alpha
-        self._layers: list[tuple[QBrush, object, float, np.ndarray]] = []  # brush, rects, median width, index
+        self.coloured_outline = outline  # outline each box in its own colour (measured memory)
+        self._layers: list[tuple] = []  # (brush, rects, median width, index, pen or None) per colour
         self._bounds = QRectF()
         self._x0 = self._x1 = self._y0 = self._y1 = np.zeros(0)
         self._labels = np.zeros(0, dtype=int)
@@ -119,6 +120,8 @@ class BoxesItem(pg.GraphicsObject):
         self._font = QFont()
         self._font.setPointSizeF(7.5)
         self.paint_count = 0
+        self.show_labels = True
+        self._row_h = 0.0
         self.labels_drawn = 0
         self.outlined_layers = 0
 
@@ -127,12 +130,13 @@ class BoxesItem(pg.GraphicsObject):
         self.prepareGeometryChange()
         self._x0, self._x1 = np.asarray(x0, float), np.asarray(x1, float)
         self._y0, self._y1 = np.asarray(y0, float), np.asarray(y1, float)
-        self._labels = np.asarray(labels if labels is not None else np.zeros(self._x0.size, int))
+        self._labels = np.asarray(labels) if labels is not None else None
         color_index = np.asarray(color_index, int)
+        self._row_h = float(np.median(self._y1 - self._y0)) if self._y0.size else 0.0
         self._layers = []
         if background is not None:
             bx0, bx1, by0, by1 = (np.asarray(a, float) for a in background)
-            self._layers.append((QBrush(QColor(IDLE_COLOR)), self._rects(bx0, bx1, by0, by1), 0.0, None))
+            self._layers.append((QBrush(QColor(IDLE_COLOR)), self._rects(bx0, bx1, by0, by1), 0.0, None, None))
         for ci, name in enumerate(colors):
             idx = np.flatnonzero(color_index == ci)
             if idx.size == 0:
@@ -140,8 +144,12 @@ class BoxesItem(pg.GraphicsObject):
             c = QColor(name)
             c.setAlpha(self.alpha)
             w = self._x1[idx] - self._x0[idx]
+            pen = None
+            if self.coloured_outline:
+                pen = QPen(QColor(name), 2)
+                pen.setCosmetic(True)
             self._layers.append((QBrush(c), self._rects(self._x0[idx], self._x1[idx], self._y0[idx], self._y1[idx]),
-                                 float(np.median(w)), idx))
+                                 float(np.median(w)), idx, pen))
         if self._x0.size or background is not None:
             xs = [self._x0, self._x1] + ([bx0, bx1] if background is not None else [])
             ys = [self._y0, self._y1] + ([by0, by1] if background is not None else [])
@@ -176,10 +184,12 @@ class BoxesItem(pg.GraphicsObject):
         self.paint_count += 1
         t = p.transform()
         sx = abs(t.m11()) or 1.0
-        row_px = abs(t.m22()) * (float(np.median(self._y1 - self._y0)) if self._y0.size else 0.0)
+        row_px = abs(t.m22()) * self._row_h
         self.outlined_layers = 0
-        for brush, rects, median_w, idx in self._layers:
-            if idx is not None and median_w * sx >= OUTLINE_MIN_PX and row_px >= OUTLINE_MIN_PX:
+        for brush, rects, median_w, idx, pen in self._layers:
+            if pen is not None:
+                p.setPen(pen)
+            elif idx is not None and median_w * sx >= OUTLINE_MIN_PX and row_px >= OUTLINE_MIN_PX:
                 p.setPen(self._outline)
                 self.outlined_layers += 1
             else:
@@ -189,11 +199,12 @@ class BoxesItem(pg.GraphicsObject):
                 p.drawRects(*rects.drawargs())
             else:
                 p.drawRects(rects)
-        self._paint_labels(p, sx, row_px)
+        if self.show_labels:
+            self._paint_labels(p, sx, row_px)
 
     def _paint_labels(self, p, sx: float, row_px: float) -> None:
         self.labels_drawn = 0
-        if self._x0.size == 0 or row_px < 10:
+        if self._x0.size == 0 or row_px < 10 or self._labels is None:
             return
         wide = (self._x1 - self._x0) * sx >= LABEL_MIN_PX
         vb = self.getViewBox()
@@ -226,10 +237,14 @@ class TimelineView(QWidget):
         self.measured = Actions.empty()
         self.makespan_s = 0.0
         self.bubble_fraction: float | None = None
+        self._ticks: list = []
+        self._rows = -1
+        self.scale_s = 1.0  # seconds per x unit: x runs 0..1 over the step
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         self.header = QLabel("Pipeline")
         self.header.setObjectName("chartTitle")
+        self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         head = QHBoxLayout()
         head.addWidget(self.header, 1)
         lay.addLayout(head)
@@ -297,23 +312,26 @@ class TimelineView(QWidget):
             pred_lane, meas_lane = (0.06, 0.50), (0.54, 0.94)
         else:
             pred_lane, meas_lane = (0.1, 0.9), None
+        span = max(self.makespan_s, float(self.measured.end_s.max()) if has_measured else 0.0)
+        # x is drawn in units of the span and the axis scaled back to seconds: a new makespan then
+        # changes the axis only, not the view (a view change costs pyqtgraph a second paint)
+        scale = span if span > 0 else 1.0
         xs0, xs1, ys0, ys1, ci, labels = [], [], [], [], [], []
         for acts, lane, offset in ((self.predicted, pred_lane, 0), (self.measured, meas_lane, len(KINDS))):
             if lane is None or len(acts) == 0:
                 continue
-            xs0.append(acts.start_s)
-            xs1.append(acts.end_s)
+            xs0.append(acts.start_s / scale)
+            xs1.append(acts.end_s / scale)
             ys0.append(acts.row + lane[0])
             ys1.append(acts.row + lane[1])
             ci.append(acts.kind + offset)
             labels.append(acts.microbatch)
-        span = max(self.makespan_s, float(self.measured.end_s.max()) if has_measured else 0.0)
         colors = [KIND_COLORS[k] for k in KINDS] + [_lighter(KIND_COLORS[k]) for k in KINDS]
         if xs0:
             r = np.arange(rows, dtype=float)
-            bg = [np.zeros(rows), np.full(rows, self.makespan_s or span), r + pred_lane[0], r + pred_lane[1]]
+            bg = [np.zeros(rows), np.full(rows, (self.makespan_s or span) / scale), r + pred_lane[0], r + pred_lane[1]]
             if has_measured:
-                mspan = float(self.measured.end_s.max())
+                mspan = float(self.measured.end_s.max()) / scale
                 bg = [np.concatenate([bg[0], np.zeros(rows)]), np.concatenate([bg[1], np.full(rows, mspan)]),
                       np.concatenate([bg[2], r + meas_lane[0]]), np.concatenate([bg[3], r + meas_lane[1]])]
             self.boxes.set_boxes(np.concatenate(xs0), np.concatenate(xs1), np.concatenate(ys0), np.concatenate(ys1),
@@ -326,12 +344,17 @@ class TimelineView(QWidget):
             ticks.append((r + (pred_lane[0] + pred_lane[1]) / 2, f"rank {r}" + (" predicted" if has_measured else "")))
             if has_measured:
                 ticks.append((r + (meas_lane[0] + meas_lane[1]) / 2, "measured"))
-        self.plot.getPlotItem().getAxis("left").setTicks([ticks, []])
+        if ticks != self._ticks:  # re-setting ticks makes the axis lay itself out again
+            self._ticks = ticks
+            self.plot.getPlotItem().getAxis("left").setTicks([ticks, []])
         vb = self.plot.getPlotItem().getViewBox()
-        if span > 0:
-            vb.setLimits(xMin=-0.05 * span, xMax=span * 1.05, yMin=-0.5, yMax=rows + 0.5,
-                         minXRange=span * 1e-4, maxXRange=span * 1.1)
-            vb.setRange(xRange=(0, span), yRange=(0, rows), padding=0.01)
+        if scale != self.scale_s:
+            self.scale_s = scale
+            self.plot.getPlotItem().getAxis("bottom").setScale(scale)
+        if rows != self._rows:
+            self._rows = rows
+            vb.setLimits(xMin=-0.05, xMax=1.05, yMin=-0.5, yMax=rows + 0.5, minXRange=1e-4, maxXRange=1.1)
+            vb.setRange(xRange=(0, 1), yRange=(0, rows), padding=0.01)
         self._update_header(has_measured)
 
     def _update_header(self, has_measured: bool) -> None:
