@@ -74,6 +74,16 @@ def predict(cfg: Config) -> Prediction:
     """Ask every engine model that exists; record why a part is missing instead of faking it."""
     t0 = time.perf_counter()
     pred = Prediction(config=cfg)
+    whole = _engine_function("engine.predict", "predict")
+    if whole is not None:
+        try:
+            p = whole(cfg)
+        except Exception:  # fall back to asking part by part, so one failing model hides only its part
+            pass
+        else:
+            pred.memory, pred.step, pred.timeline = p.memory, p.step, p.pipeline
+            pred.seconds = time.perf_counter() - t0
+            return pred
     for part, module, name in (
         ("memory", "engine.memory", "memory_per_rank"),
         ("timeline", "engine.timeline", "pipeline_prediction"),

@@ -55,7 +55,7 @@ class StepSlider(QWidget):
         self.slider.setRange(0, len(self.values) - 1)
         self.slider.setPageStep(1)
         self.label = QLabel()
-        self.label.setMinimumWidth(48)
+        self.label.setFixedWidth(self.label.fontMetrics().horizontalAdvance("≈888.8M") + 4)
         self.label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         lay = QHBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QTextBrowser, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from gui.widgets.memory_chart import fmt_bytes
 from gui.widgets.timeline import _fmt_seconds
@@ -122,10 +122,19 @@ def metric_rows(pred) -> list[tuple[str, str]]:
         mfu = _get(step, "mfu")
         if mfu is not None:
             rows.append(("MFU", f"{float(mfu) * 100:.1f}%"))
-        comm = _get(step, "communication", "comm_bytes_by_kind", "comm")
-        if isinstance(comm, dict):
-            for kind, v in comm.items():
-                rows.append((f"Comm · {kind}", fmt_bytes(v) if isinstance(v, (int, float)) else str(v)))
+        breakdown = getattr(step, "breakdown", None)
+        if isinstance(breakdown, dict) and seconds:
+            parts = [f"{k.replace('_', ' ')} {v / float(seconds) * 100:.0f}%" for k, v in breakdown.items() if v > 0]
+            rows.append(("Step breakdown", " · ".join(parts)))
+        comm = getattr(step, "comm", None)
+        per_pp = getattr(comm, "per_pp_rank", None)
+        if per_pp:
+            critical = per_pp[min(int(getattr(step, "critical_pp_rank", 0)), len(per_pp) - 1)]
+            dims = sorted({i.dim for i in critical.items})
+            for dim in dims:
+                rows.append((f"Comm · {dim}",
+                             f"{fmt_bytes(critical.bytes_sent(dim))} sent, {_fmt_seconds(critical.seconds(dim))}"
+                             f" (rank {critical.rank})"))
     tl = pred.timeline
     if tl is not None:
         bubble = getattr(tl, "bubble_fraction", None)
@@ -159,9 +168,11 @@ class MetricsPanel(QWidget):
         self.table.setObjectName("metrics")
         self.table.setWordWrap(True)
         self.table.setMinimumWidth(250)
+        self.table.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        # new numbers must not re-layout the window on every slider move
+        self.table.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
         self.table.setTextFormat(Qt.TextFormat.RichText)
-        lay.addWidget(self.table)
-        lay.addStretch(1)
+        lay.addWidget(self.table, 1)
         # the explainer is a separate view; the window places it (a tab)
         self.explainer = QTextBrowser()
         self.explainer.setObjectName("explainer")
