@@ -1,0 +1,416 @@
+"""Predicted vs measured, per rank and category: ``compare(prediction, measurement)``.
+
+Pure (numpy + standard library): the measurement is the dict of a run's ``measurement.json``
+(``backend.records.Measurement.to_dict()``), the prediction an ``engine.predict.Prediction``
+or its ``to_json(explain=True)`` dict. Both carry the same category names, so a comparison
+is a subtraction; what this module adds is the bookkeeping and the *reasons*.
+
+Sign convention: ``error = predicted − measured`` (positive: the model says more than the
+run used); ``relative = error / measured`` (``None`` when the measured value is 0 and the
+predicted is not; 0 when both are 0).
+
+Known causes of a difference are attached as notes next to the number they explain, never
+subtracted silently: the runtime context (CUDA/ROCm context, outside PyTorch's allocator,
+so PyTorch's MemTracker never sees it; a CPU/gloo run has none), collective-library
+communicator buffers (NCCL's own allocations, also outside the tracker), and for time
+the CPU-oversubscription and analytic-throughput caveats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.names import MEMORY_CATEGORIES
+
+#: Terms whose bytes live outside PyTorch's caching allocator (label substrings, lower case):
+#: the measurement (MemTracker) cannot see them, so a difference of that size is expected.
+UNTRACKED_TERMS: dict[str, str] = {
+    "runtime context": "the runtime context (CUDA/ROCm context) is allocated by the driver, outside "
+                       "PyTorch's allocator; MemTracker never sees it (compare nvidia-smi instead)",
+    "communicator": "collective-library buffers are allocated by NCCL itself, outside PyTorch's allocator; "
+                    "MemTracker never sees them",
+    "collective": "collective-library buffers are allocated by NCCL itself, outside PyTorch's allocator; "
+                  "MemTracker never sees them",
+    "allocator slack": "allocator slack (reserved but unallocated) is not a tensor; MemTracker counts tensors only",
+}
+
+
+def _rel(pred: float, meas: float) -> float | None:
+    if meas == 0:
+        return 0.0 if pred == 0 else None
+    return (pred - meas) / meas
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One predicted-vs-measured number (bytes or seconds) with its error and any known cause."""
+
+    predicted: float
+    measured: float
+    notes: tuple[str, ...] = ()
+    untracked: float = 0.0  # predicted bytes that the measurement cannot see (see UNTRACKED_TERMS)
+
+    @property
+    def error(self) -> float:
+        return self.predicted - self.measured
+
+    @property
+    def relative(self) -> float | None:
+        return _rel(self.predicted, self.measured)
+
+    @property
+    def relative_tracked(self) -> float | None:
+        """Relative error counting only what the measurement can see (predicted − untracked)."""
+        return _rel(self.predicted - self.untracked, self.measured)
+
+    def to_json(self) -> dict:
+        out = {"predicted": self.predicted, "measured": self.measured, "error": self.error,
+               "relative": self.relative}
+        if self.untracked:
+            out["untracked"] = self.untracked
+            out["relative_tracked"] = self.relative_tracked
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+
+@dataclass(frozen=True)
+class RankComparison:
+    rank: int
+    stage: int
+    categories: dict[str, Cell]  # MEMORY_CATEGORIES
+    peak: Cell  # total bytes at the peak (sum of categories on both sides)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "stage": self.stage,
+                "categories": {c: v.to_json() for c, v in self.categories.items()}, "peak": self.peak.to_json()}
+
+
+@dataclass(frozen=True)
+class TimelineComparison:
+    """The measured actions of one (global) rank against its pipeline rank's predicted ones."""
+
+    rank: int
+    pp_rank: int
+    order_identical: bool
+    first_difference: int | None  # index of the first action where the orders differ
+    matched: int  # actions present on both sides
+    start_error_s: np.ndarray  # predicted − measured start of each matched action, measured order
+    end_error_s: np.ndarray
+    predicted_busy_s: float
+    measured_busy_s: float
+
+    def to_json(self) -> dict:
+        def stats(a: np.ndarray) -> dict:
+            if a.size == 0:
+                return {"mean_abs": None, "max_abs": None}
+            return {"mean_abs": float(np.mean(np.abs(a))), "max_abs": float(np.max(np.abs(a)))}
+        return {"rank": self.rank, "pp_rank": self.pp_rank, "order_identical": self.order_identical,
+                "first_difference": self.first_difference, "matched": self.matched,
+                "start_error_s": stats(self.start_error_s), "end_error_s": stats(self.end_error_s),
+                "busy_s": {"predicted": self.predicted_busy_s, "measured": self.measured_busy_s}}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    memory: list[RankComparison]
+    step: Cell  # seconds
+    makespan: Cell | None  # seconds; pipeline runs only
+    bubble: Cell | None  # share-of-total (idle / (ranks · makespan)); pipeline runs only
+    timeline: list[TimelineComparison]
+    notes: list[str] = field(default_factory=list)
+
+    # ----------------------------------------------------------------- summaries
+
+    def max_relative(self, category: str, tracked: bool = True) -> float | None:
+        """Largest |relative error| of one category (or "peak") over the ranks; None if undefined."""
+        vals = []
+        for r in self.memory:
+            cell = r.peak if category == "peak" else r.categories[category]
+            rel = cell.relative_tracked if tracked else cell.relative
+            if rel is None:
+                if cell.predicted != cell.measured:
+                    return math.inf
+                continue
+            vals.append(abs(rel))
+        return max(vals) if vals else 0.0
+
+    @property
+    def orders_identical(self) -> bool | None:
+        return None if not self.timeline else all(t.order_identical for t in self.timeline)
+
+    def summary(self) -> dict:
+        out: dict[str, Any] = {c: self.max_relative(c) for c in MEMORY_CATEGORIES}
+        out["peak"] = self.max_relative("peak")
+        out["peak_untracked_included"] = self.max_relative("peak", tracked=False)
+        out["step"] = self.step.relative
+        out["bubble_error"] = None if self.bubble is None else self.bubble.error
+        out["makespan"] = None if self.makespan is None else self.makespan.relative
+        out["orders_identical"] = self.orders_identical
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "summary": self.summary(),
+            "memory": {"per_rank": [r.to_json() for r in self.memory]},
+            "pipeline": None if self.bubble is None else {
+                "makespan_s": self.makespan.to_json(), "bubble_fraction": self.bubble.to_json(),
+                "orders_identical": self.orders_identical, "per_rank": [t.to_json() for t in self.timeline]},
+            "step": {"seconds": self.step.to_json()},
+            "notes": list(self.notes),
+            "conventions": {
+                "error": "predicted − measured", "relative": "error / measured",
+                "relative_tracked": "(predicted − bytes the measurement cannot see) / measured − 1",
+                "bubble": "share of total: idle / (ranks · makespan), both sides",
+                "peak": "sum of the categories at the peak (measured: MemTracker's peak snapshot "
+                        "with exact params/grads/optimizer)"},
+        }
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def _as_prediction_json(pred) -> tuple[dict, Any]:
+    if isinstance(pred, dict):
+        return pred, None
+    return pred.to_json(explain=True), pred.config
+
+
+def _as_measurement_json(meas) -> dict:
+    if isinstance(meas, dict):
+        return meas
+    if hasattr(meas, "to_dict"):
+        return meas.to_dict()
+    raise TypeError(f"measurement must be a dict (measurement.json) or have to_dict(), not {type(meas).__name__}")
+
+
+def _untracked(explain: dict | None, category: str) -> tuple[float, tuple[str, ...]]:
+    if not explain:
+        return 0.0, ()
+    total, notes = 0.0, []
+    for term in explain.get(category, []):
+        label = str(term.get("label", "")).lower()
+        for key, why in UNTRACKED_TERMS.items():
+            if key in label and term.get("bytes", 0):
+                total += term["bytes"]
+                if why not in notes:
+                    notes.append(why)
+                break
+    return total, tuple(notes)
+
+
+def _memory_notes(category: str, pred: float, meas: float, measured_detail: dict | None,
+                  device: str | None) -> list[str]:
+    notes = []
+    if category == "overhead" and meas == 0 and device == "cpu":
+        notes.append("CPU/gloo run: there is no CUDA context, and MemTracker sees only tensors, so measured "
+                     "overhead is 0")
+    if category == "comm_buffers" and measured_detail is not None:
+        raw = measured_detail.get("memory", {}).get("tracker_peak", {})
+        if raw and not any(k in raw for k in ("All Gather", "Reduce Scatter", "Unsharded Param")) \
+                and measured_detail.get("memory", {}).get("exact", {}).get("grads"):
+            notes.append("measured comm_buffers = the DDP Reducer's flat bucket copy of the gradients, added by the "
+                         "backend (MemTracker does not tag DDP's buckets); gloo/NCCL internal buffers are not visible")
+    if category == "temporaries" and pred != meas:
+        notes.append("measured temporaries are what MemTracker tags Temp at the overall peak moment; the model "
+                     "counts only large named temporaries (logits at the loss)")
+    return notes
+
+
+def _device_of(meas: dict) -> str | None:
+    ranks = meas.get("ranks") or []
+    if not ranks:
+        return None
+    return "cuda" if any("max_memory_allocated" in r for r in ranks) else "cpu"
+
+
+def compare(pred, measurement) -> Comparison:
+    """Compare a Prediction (or its ``to_json(explain=True)`` dict) with a run's measurement dict."""
+    pj, cfg = _as_prediction_json(pred)
+    mj = _as_measurement_json(measurement)
+    device = _device_of(mj)
+    notes: list[str] = []
+
+    # ---- memory
+    pred_rows = {int(r["rank"]): r for r in pj["memory"]["per_rank"]}
+    detail = {int(r["rank"]): r for r in (mj.get("ranks") or []) if "rank" in r}
+    rows: list[RankComparison] = []
+    missing = []
+    for mrow in sorted(mj["memory"]["per_rank"], key=lambda r: r["rank"]):
+        rank = int(mrow["rank"])
+        prow = pred_rows.get(rank)
+        if prow is None:
+            missing.append(rank)
+            continue
+        cells: dict[str, Cell] = {}
+        for c in MEMORY_CATEGORIES:
+            p, m = float(prow.get(c, 0)), float(mrow.get(c, 0))
+            untracked, why = _untracked(prow.get("explain"), c)
+            extra = _memory_notes(c, p, m, detail.get(rank), device)
+            cells[c] = Cell(p, m, tuple(why) + tuple(extra), untracked)
+        p_peak = float(sum(cells[c].predicted for c in MEMORY_CATEGORIES))
+        m_peak = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
+        peak_notes = []
+        if any(cells[c].untracked for c in MEMORY_CATEGORIES):
+            peak_notes.append("includes predicted bytes the measurement cannot see; see relative_tracked")
+        rows.append(RankComparison(rank, int(mrow.get("stage", prow.get("stage", 0))), cells,
+                                   Cell(p_peak, m_peak, tuple(peak_notes),
+                                        float(sum(cells[c].untracked for c in MEMORY_CATEGORIES)))))
+    if missing:
+        notes.append(f"measured ranks {missing} have no predicted row (different world size?)")
+    if len(pred_rows) > len(mj["memory"]["per_rank"]):
+        notes.append(f"the prediction has {len(pred_rows)} ranks, the measurement {len(mj['memory']['per_rank'])}")
+
+    # ---- pipeline
+    ppj = pj.get("pipeline") or {}
+    pp = int(ppj.get("pp", len(ppj.get("per_rank", [])) or 1))
+    measured_actions = [r for r in (mj.get("pipeline") or {}).get("per_rank", []) if r.get("actions")]
+    timeline: list[TimelineComparison] = []
+    makespan = bubble = None
+    if pp > 1 and measured_actions:
+        world = max(len(mj["memory"]["per_rank"]), 1)
+        pred_by_pp = {int(r["pp_rank"]): r for r in ppj["per_rank"]}
+        ends, busy = [], []
+        starts = []
+        for mr in sorted(measured_actions, key=lambda r: r["rank"]):
+            rank = int(mr["rank"])
+            coords = (detail.get(rank) or {}).get("coords")
+            pp_rank = int(coords["pp"]) if coords else rank * pp // world
+            timeline.append(_compare_actions(rank, pp_rank, pred_by_pp[pp_rank]["actions"], mr["actions"]))
+            acts = mr["actions"]
+            starts.append(min(a[3] for a in acts))
+            ends.append(max(a[4] for a in acts))
+            busy.append(sum(a[4] - a[3] for a in acts))
+        m_span = max(ends) - min(starts)
+        m_bubble = float(sum(m_span - b for b in busy) / (len(busy) * m_span)) if m_span > 0 else 0.0
+        p_span = float(ppj["makespan_s"])
+        makespan = Cell(p_span, m_span, ("measured: first action start to last action end over all ranks",))
+        bubble = Cell(float(ppj["bubble_fraction"]), m_bubble,
+                      ("share of total time: idle / (ranks · makespan); measured over every global rank",))
+        if not all(t.order_identical for t in timeline):
+            notes.append("the measured action order differs from the predicted plan on some rank "
+                         "(first_difference gives the index)")
+    elif pp > 1:
+        notes.append("the measurement has no pipeline actions: timeline and bubble not compared")
+
+    # ---- step
+    step_notes = []
+    if cfg is not None and getattr(cfg.cluster.gpu, "name", "") == "cpu":
+        step_notes.append("CPU ranks: the analytic time uses the 'cpu' preset's rough peak FLOP/s × "
+                          f"compute_efficiency ({cfg.conventions.compute_efficiency:g}); ranks share the "
+                          "machine's cores, which no analytic model of a GPU cluster includes — calibrate "
+                          "(shardscope predict --calibration RUN_DIR)")
+    step = Cell(float(pj["step"]["seconds"]), float(mj["step"]["seconds"]), tuple(step_notes))
+    return Comparison(rows, step, makespan, bubble, timeline, notes)
+
+
+def _compare_actions(rank: int, pp_rank: int, predicted: list, measured: list) -> TimelineComparison:
+    pk = [(a[0], int(a[1]), int(a[2])) for a in predicted]
+    mk = [(a[0], int(a[1]), int(a[2])) for a in measured]
+    first = next((i for i, (x, y) in enumerate(zip(pk, mk)) if x != y), None)
+    if first is None and len(pk) != len(mk):
+        first = min(len(pk), len(mk))
+    p_at = {k: a for k, a in zip(pk, predicted)}
+    m0 = min((a[3] for a in measured), default=0.0)  # measured times count from the step's start;
+    p0 = min((a[3] for a in predicted), default=0.0)  # align the first action of each side
+    se, ee = [], []
+    for k, a in zip(mk, measured):
+        if k in p_at:
+            p = p_at[k]
+            se.append((p[3] - p0) - (a[3] - m0))
+            ee.append((p[4] - p0) - (a[4] - m0))
+    return TimelineComparison(
+        rank, pp_rank, first is None, first, len(se), np.asarray(se), np.asarray(ee),
+        float(sum(a[4] - a[3] for a in predicted)), float(sum(a[4] - a[3] for a in measured)))
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _fmt_bytes(n: float) -> str:
+    a = abs(n)
+    if a >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if a >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    if a >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n:.0f} B"
+
+
+def _fmt_rel(r: float | None) -> str:
+    if r is None:
+        return "n/a"
+    return f"{r * 100:+.1f} %"
+
+
+def render_comparison(cmp: Comparison) -> str:
+    """A readable table: per rank (identical ranks merged) and category, then pipeline and step."""
+    lines = ["memory per rank: predicted vs measured (error = predicted − measured, relative to measured)"]
+    groups: list[list[RankComparison]] = []
+    for r in cmp.memory:
+        key = (r.stage, tuple((c.predicted, c.measured) for c in r.categories.values()))
+        for g in groups:
+            if (g[0].stage, tuple((c.predicted, c.measured) for c in g[0].categories.values())) == key:
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    head = ("ranks", "category", "predicted", "measured", "error", "relative")
+    table = []
+    all_notes: list[str] = []
+    for g in groups:
+        ranks = [r.rank for r in g]
+        label = (f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1))
+                 else ",".join(map(str, ranks)))
+        r = g[0]
+        for c, cell in list(r.categories.items()) + [("peak", r.peak)]:
+            marks = ""
+            for n in cell.notes:
+                if n not in all_notes:
+                    all_notes.append(n)
+                marks += f"[{all_notes.index(n) + 1}]"
+            rel = _fmt_rel(cell.relative)
+            if cell.untracked:
+                rel += f" ({_fmt_rel(cell.relative_tracked)} tracked)"
+            table.append((label, c, _fmt_bytes(cell.predicted), _fmt_bytes(cell.measured),
+                          _fmt_bytes(cell.error), rel + (" " + marks if marks else "")))
+            label = ""
+    widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(head)]
+    lines.append("  " + "  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))))
+    for row in table:
+        lines.append("  " + "  ".join(v.ljust(w) if i < 2 else v.rjust(w)
+                                      for i, (v, w) in enumerate(zip(row, widths))).rstrip())
+    if cmp.bubble is not None:
+        lines.append("")
+        lines.append(f"pipeline: makespan {cmp.makespan.predicted * 1e3:.2f} ms predicted, "
+                     f"{cmp.makespan.measured * 1e3:.2f} ms measured ({_fmt_rel(cmp.makespan.relative)}); "
+                     f"bubble {cmp.bubble.predicted * 100:.1f} % predicted, {cmp.bubble.measured * 100:.1f} % "
+                     f"measured ({cmp.bubble.error * 100:+.1f} points)")
+        lines.append(f"  action order identical to the plan on every rank: {'yes' if cmp.orders_identical else 'NO'}")
+        for t in cmp.timeline:
+            j = t.to_json()
+            order = "same order" if t.order_identical else f"order differs at action {t.first_difference}"
+            se, ee = j["start_error_s"], j["end_error_s"]
+            lines.append(f"  rank {t.rank} (pp {t.pp_rank}): {order}, {t.matched} actions; start error mean "
+                         f"{(se['mean_abs'] or 0) * 1e3:.2f} ms max {(se['max_abs'] or 0) * 1e3:.2f} ms, end error mean "
+                         f"{(ee['mean_abs'] or 0) * 1e3:.2f} ms max {(ee['max_abs'] or 0) * 1e3:.2f} ms; busy "
+                         f"{t.predicted_busy_s * 1e3:.2f} ms predicted, {t.measured_busy_s * 1e3:.2f} ms measured")
+    lines.append("")
+    marks = ""
+    for n in cmp.step.notes:
+        if n not in all_notes:
+            all_notes.append(n)
+        marks += f"[{all_notes.index(n) + 1}]"
+    lines.append(f"step: {cmp.step.predicted * 1e3:.2f} ms predicted, {cmp.step.measured * 1e3:.2f} ms measured "
+                 f"({_fmt_rel(cmp.step.relative)}) {marks}".rstrip())
+    for n in cmp.notes:
+        lines.append(f"note: {n}")
+    if all_notes:
+        lines.append("")
+        lines.extend(f"[{i + 1}] {n}" for i, n in enumerate(all_notes))
+    return "\n".join(lines)
