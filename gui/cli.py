@@ -82,12 +82,70 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise CliError(f"shardscope predict is not available yet ({exc})", EXIT_UNAVAILABLE) from None
     import json
 
-    pred = predict(cfg)
+    calibration = None
+    if getattr(args, "calibration", None):
+        calibration = _calibration(args.calibration)
+        pred = calibration.predict(cfg)
+    else:
+        pred = predict(cfg)
     if args.json:
-        print(json.dumps(pred.to_json(explain=args.explain), indent=2))
+        out = pred.to_json(explain=args.explain)
+        if calibration is not None:
+            out["calibration"] = calibration.to_json()
+        print(json.dumps(out, indent=2))
     else:
         print(_summary(cfg))
+        if calibration is not None:
+            c = calibration
+            print(f"calibrated from {c.source}: compute efficiency {c.compute_efficiency:.3g} "
+                  f"(forward {c.forward_efficiency:.3g}, backward {c.backward_efficiency:.3g})"
+                  + ("; same stages: measured per-stage durations" if c.same_stages(cfg) else ""))
         print(render_table(pred, explain=args.explain))
+    return EXIT_OK
+
+
+def _run_dir(path: str) -> Path:
+    d = Path(path)
+    if not d.exists():
+        raise CliError(f"run directory not found: {path}")
+    if not d.is_dir():
+        raise CliError(f"not a run directory: {path}")
+    if not (d / "config.toml").exists():
+        raise CliError(f"{path} has no config.toml: not a run directory")
+    if not (d / "measurement.json").exists():
+        raise CliError(f"{path} has no measurement.json: the run failed or has not finished "
+                       f"(see {d / 'events.jsonl'})")
+    return d
+
+
+def _calibration(path: str):
+    from engine.calibrate import CalibrationError, load_calibration
+
+    d = _run_dir(path)
+    try:
+        return load_calibration(d)
+    except CalibrationError as exc:
+        raise CliError(f"cannot calibrate from {path}: {exc}") from None
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from engine.compare import compare, render_comparison
+    from engine.predict import predict
+
+    d = _run_dir(args.run_dir)
+    cfg = _load(str(d / "config.toml"))
+    try:
+        meas = json.loads((d / "measurement.json").read_text(encoding="utf-8"))
+        cmp = compare(predict(cfg), meas)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise CliError(f"{d / 'measurement.json'} is not a readable measurement ({exc})") from None
+    if args.json:
+        print(json.dumps(cmp.to_json(), indent=2))
+    else:
+        print(_summary(cfg))
+        print(render_comparison(cmp))
     return EXIT_OK
 
 
@@ -152,7 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--explain", action="store_true", help="show the terms behind every number")
+    p.add_argument("--calibration", metavar="RUN_DIR",
+                   help="predict time with durations, efficiency and bandwidths measured by this run")
     p.set_defaults(func=cmd_predict)
+
+    p = sub.add_parser("compare", help="predicted vs measured per rank and category for a finished run")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("run", help="run the config as real multi-process PyTorch training and measure it")
     p.add_argument("config", metavar="CONFIG")
