@@ -1,0 +1,203 @@
+"""Accuracy of the engine against real runs: a matrix of layouts of the tiny preset.
+
+Run:  .venv/bin/python benchmarks/accuracy.py            (≈ 10–15 min on 2 cores; runs kept)
+      .venv/bin/python benchmarks/accuracy.py --reuse    (recompute the table from kept runs)
+
+Every layout runs through ``backend.launch`` on this machine (local CPU ranks, gloo), is
+compared with ``engine.predict`` (``engine.compare``), and is predicted twice more for time:
+calibrated from the *reference* run (dp2 × pp2 1F1B, the embedded default: a different
+layout, the cross-layout case) and, for pipeline runs, self-calibrated from its own measured
+per-stage durations. Prints one table and writes it as markdown to benchmarks/accuracy.md.
+
+Columns: states = params, grads, optimizer exact on every rank; worst category = the largest
+|relative error| of any category on any rank (bytes the tracker cannot see excluded; a
+category measured 0 but predicted > 0 shows "∞"); act = activations; peak = the sum of
+categories at the peak, worst rank; bubble = predicted − measured share of total (points);
+step = (predicted − measured) / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine import Config, default_config  # noqa: E402
+from engine.calibrate import calibrate  # noqa: E402
+from engine.compare import compare  # noqa: E402
+from engine.names import MEMORY_CATEGORIES  # noqa: E402
+from engine.predict import predict  # noqa: E402
+
+REFERENCE = "2-D dp2×pp2 1F1B (reference)"
+
+
+def _layout(par: dict, gpus: int = 4, training: dict | None = None) -> Config:
+    base = default_config().to_dict()
+    base["cluster"]["gpus"] = gpus
+    p = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "sequence_parallel": False, "schedule": "1F1B",
+         "virtual_stages": 1, "microbatches": 4}
+    p.update(par)
+    base["parallel"] = p
+    base["training"].update(training or {})
+    return Config.from_dict(base)
+
+
+LAYOUTS: dict[str, Config] = {
+    REFERENCE: _layout({"dp": 2, "pp": 2}),
+    "DDP dp4": _layout({"dp": 4, "microbatches": 2}),
+    "ZeRO-1 dp4": _layout({"dp": 4, "zero": 1, "microbatches": 2}),
+    "ZeRO-2 dp4": _layout({"dp": 4, "zero": 2, "microbatches": 2}),
+    "ZeRO-3 dp4": _layout({"dp": 4, "zero": 3, "microbatches": 2}),
+    "TP tp4": _layout({"tp": 4, "microbatches": 2}),
+    "TP+SP tp4": _layout({"tp": 4, "sequence_parallel": True, "microbatches": 2}),
+    "PP pp4 GPipe": _layout({"pp": 4, "schedule": "GPipe"}),
+    "PP pp4 1F1B": _layout({"pp": 4, "schedule": "1F1B"}),
+    "PP pp4 Interleaved1F1B v2": _layout({"pp": 4, "schedule": "Interleaved1F1B", "virtual_stages": 2}),
+    "PP pp4 LoopedBFS v2": _layout({"pp": 4, "schedule": "LoopedBFS", "virtual_stages": 2}),
+    "PP pp4 InterleavedZeroBubble v2": _layout({"pp": 4, "schedule": "InterleavedZeroBubble", "virtual_stages": 2}),
+    "PP pp4 ZBVZeroBubble": _layout({"pp": 4, "schedule": "ZBVZeroBubble", "virtual_stages": 2}),
+    "PP pp4 DualPipeV m8": _layout({"pp": 4, "schedule": "DualPipeV", "virtual_stages": 2, "microbatches": 8}),
+    "2-D dp2×tp2": _layout({"dp": 2, "tp": 2, "microbatches": 2}),
+    "2-D ZeRO-3 dp2×pp2 1F1B": _layout({"dp": 2, "pp": 2, "zero": 3}),
+    "3-D dp2×tp2×pp2 1F1B (8 ranks)": _layout({"dp": 2, "tp": 2, "pp": 2}, gpus=8),
+    "recompute full dp2×pp2 1F1B": _layout({"dp": 2, "pp": 2}, training={"recompute": "full"}),
+    "recompute selective tp4": _layout({"tp": 4, "microbatches": 2}, training={"recompute": "selective"}),
+}
+
+
+def run_all(runs_dir: Path, steps: int, reuse: bool, only: list[str] | None) -> dict[str, Path]:
+    from backend.launch import launch
+
+    out = {}
+    for i, (name, cfg) in enumerate(LAYOUTS.items()):
+        if only and name not in only and name != REFERENCE:
+            continue
+        d = runs_dir / f"{i:02d}"
+        out[name] = d
+        if reuse and (d / "measurement.json").exists():
+            continue
+        t0 = time.perf_counter()
+        run = launch(cfg, d, steps=steps, timeout_s=300)
+        res = run.wait()
+        print(f"  ran {name}: {res['event'] if res else 'no result'} in {time.perf_counter() - t0:.1f} s"
+              + ("" if run.ok else f" — {res.get('reason', '')[:200] if res else ''}"), flush=True)
+    return out
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    if x is None:
+        return "—"
+    if math.isinf(x):
+        return "∞"
+    return f"{x * 100:+.{digits}f} %"
+
+
+def _abs_pct(x: float | None) -> str:
+    if x is None:
+        return "—"
+    return "∞" if math.isinf(x) else f"{x * 100:.1f} %"
+
+
+def evaluate(dirs: dict[str, Path]) -> list[dict]:
+    ref_dir = dirs[REFERENCE]
+    ref_cal = None
+    if (ref_dir / "measurement.json").exists():
+        ref_cal = calibrate(Config.load(ref_dir / "config.toml"),
+                            json.loads((ref_dir / "measurement.json").read_text()), source=str(ref_dir))
+    rows = []
+    for name, d in dirs.items():
+        row: dict = {"layout": name, "dir": str(d)}
+        mpath = d / "measurement.json"
+        if not mpath.exists():
+            events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines() if x.strip()] \
+                if (d / "events.jsonl").exists() else []
+            reason = next((e.get("reason", "") for e in events if e.get("event") == "failed"), "no measurement")
+            row["failed"] = reason.splitlines()[0][:160] if reason else "no measurement"
+            rows.append(row)
+            continue
+        cfg = Config.load(d / "config.toml")
+        meas = json.loads(mpath.read_text())
+        cmp = compare(predict(cfg), meas)
+        s = cmp.summary()
+        worst = max(MEMORY_CATEGORIES, key=lambda c: -1 if s[c] is None else s[c])
+        row.update({
+            "states_exact": all(r.categories[c].error == 0 for r in cmp.memory for c in ("params", "grads", "optimizer")),
+            "worst_category": worst, "worst": s[worst], "activations": s["activations"], "peak": s["peak"],
+            "bubble_error": s["bubble_error"], "step_analytic": s["step"],
+            "step_measured_s": cmp.step.measured, "orders_identical": s["orders_identical"],
+        })
+        if ref_cal is not None:
+            row["step_calibrated"] = compare(ref_cal.predict(cfg), meas).step.relative
+        if cfg.parallel.pp > 1:
+            own = calibrate(cfg, meas, source=str(d))
+            row["step_self"] = compare(own.predict(cfg), meas).step.relative
+        rows.append(row)
+    return rows
+
+
+HEAD = ("layout", "states exact", "worst category", "act", "peak", "bubble", "step analytic",
+        "step calibrated (ref)", "step self-cal.", "measured step")
+
+
+def table(rows: list[dict]) -> list[tuple[str, ...]]:
+    out = []
+    for r in rows:
+        if "failed" in r:
+            out.append((r["layout"], "run failed: " + r["failed"]) + ("",) * (len(HEAD) - 2))
+            continue
+        out.append((
+            r["layout"], "yes" if r["states_exact"] else "NO",
+            f"{r['worst_category']} {_abs_pct(r['worst'])}", _abs_pct(r["activations"]), _abs_pct(r["peak"]),
+            "—" if r["bubble_error"] is None else f"{r['bubble_error'] * 100:+.1f} pt",
+            _pct(r["step_analytic"]), _pct(r.get("step_calibrated")),
+            "(fit)" if r["layout"] == REFERENCE and "step_self" not in r else _pct(r.get("step_self")),
+            f"{r['step_measured_s'] * 1e3:.0f} ms"))
+    return out
+
+
+def render(rows: list[dict]) -> str:
+    body = table(rows)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(HEAD)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEAD, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict], steps: int) -> str:
+    body = table(rows)
+    out = ["| " + " | ".join(HEAD) + " |", "|" + "|".join("---" for _ in HEAD) + "|"]
+    out += ["| " + " | ".join(b) + " |" for b in body]
+    return "\n".join(out) + (
+        f"\n\nTiny preset (8 layers, hidden 128, fp32, AdamW), local CPU ranks over gloo, {steps} steps "
+        "(the first is warm-up; step = median of the rest, slowest rank). Reproduce: "
+        "`.venv/bin/python benchmarks/accuracy.py`.\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs-dir", default="/tmp/shardscope-accuracy", type=Path)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--reuse", action="store_true", help="keep runs that already have a measurement")
+    ap.add_argument("--only", nargs="*", help="layout names (the reference always runs)")
+    ap.add_argument("--markdown", default=str(ROOT / "benchmarks" / "accuracy.md"))
+    ap.add_argument("--json", help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    dirs = run_all(args.runs_dir, args.steps, args.reuse, args.only)
+    rows = evaluate(dirs)
+    print(render(rows))
+    print(f"\n{len(rows)} layouts in {time.perf_counter() - t0:.0f} s; runs in {args.runs_dir}")
+    Path(args.markdown).write_text(markdown(rows, args.steps), encoding="utf-8")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

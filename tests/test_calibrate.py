@@ -1,0 +1,97 @@
+"""engine.calibrate: what a run measures comes back out, and a calibration predicts other layouts better."""
+
+import pytest
+
+from engine import Config, default_config
+from engine.calibrate import CalibrationError, calibrate, load_calibration
+from engine.names import MEMORY_CATEGORIES
+from engine.predict import predict
+
+TRUE_EFFICIENCY = 0.08  # "the machine": much slower than the config's analytic 0.5
+
+
+def _cfg(gpus=4, **par) -> Config:
+    raw = default_config().to_dict()
+    raw["cluster"]["gpus"] = gpus
+    p = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "schedule": "1F1B", "virtual_stages": 1, "microbatches": 4}
+    p.update(par)
+    raw["parallel"] = p
+    return Config.from_dict(raw)
+
+
+def _machine(cfg: Config) -> Config:
+    return cfg.replace(conventions={"compute_efficiency": TRUE_EFFICIENCY})
+
+
+def _measurement_of(cfg: Config) -> dict:
+    """What a run of ``cfg`` on "the machine" would record: the engine at the true efficiency."""
+    pred = predict(_machine(cfg))
+    j = pred.to_json()
+    par = cfg.parallel
+    ranks, actions = [], []
+    for r in range(par.world_size):
+        pp, rest = divmod(r, par.dp * par.tp)
+        dp, tp = divmod(rest, par.tp)
+        ranks.append({"rank": r, "coords": {"pp": pp, "dp": dp, "tp": tp}})
+        if par.pp > 1:
+            actions.append({"rank": r, "actions": j["pipeline"]["per_rank"][pp]["actions"]})
+    rows = [{k: row[k] for k in ("rank", "stage", *MEMORY_CATEGORIES, "total")} for row in j["memory"]["per_rank"]]
+    s = pred.step.seconds
+    return {"memory": {"per_rank": rows}, "step": {"seconds": s, "per_step": [s, s]},
+            "pipeline": {"per_rank": actions}, "ranks": ranks}
+
+
+def test_pipeline_durations_and_efficiency_come_back_out():
+    cfg = _cfg(dp=1, pp=4, schedule="1F1B")
+    cal = calibrate(cfg, _measurement_of(cfg), cores=64)
+    truth = predict(_machine(cfg)).pipeline.durations
+    assert cal.measured.forward_s == pytest.approx(truth.forward_s)
+    assert cal.measured.backward_s == pytest.approx(truth.backward_s)
+    assert cal.compute_efficiency == pytest.approx(TRUE_EFFICIENCY)
+    assert cal.forward_efficiency == pytest.approx(TRUE_EFFICIENCY)
+    # the same layout predicted with its own measurement reproduces the step
+    assert cal.predict(cfg).step.seconds == pytest.approx(predict(_machine(cfg)).step.seconds, rel=0.02)
+
+
+def test_calibration_beats_the_analytic_guess_on_other_layouts():
+    source = _cfg(dp=2, pp=2, schedule="1F1B")
+    cal = calibrate(source, _measurement_of(source), cores=64)
+    for target in (_cfg(dp=1, pp=4, schedule="GPipe"), _cfg(dp=4, microbatches=2),
+                   _cfg(dp=1, pp=4, schedule="Interleaved1F1B", virtual_stages=2)):
+        truth = predict(_machine(target)).step.seconds
+        analytic = abs(predict(target).step.seconds - truth) / truth
+        calibrated = abs(cal.predict(target).step.seconds - truth) / truth
+        assert calibrated < 0.05 < analytic, (target.parallel, analytic, calibrated)
+
+
+def test_without_pipeline_actions_one_efficiency_is_fitted_to_the_step():
+    cfg = _cfg(dp=4, microbatches=2)
+    meas = _measurement_of(cfg)
+    cal = calibrate(cfg, meas, cores=64)
+    assert cal.measured is None
+    assert cal.predict(cfg).step.seconds == pytest.approx(meas["step"]["seconds"], rel=1e-3)
+    other = _cfg(dp=2, pp=2)
+    truth = predict(_machine(other)).step.seconds
+    assert abs(cal.predict(other).step.seconds - truth) < abs(predict(other).step.seconds - truth)
+
+
+def test_ranks_sharing_cores_are_scaled_by_cores_over_world():
+    source = _cfg(dp=2, pp=2)
+    cal = calibrate(source, _measurement_of(source), cores=2)  # 4 ranks on 2 cores: half a core each
+    two = _cfg(gpus=2, dp=1, pp=2)
+    assert cal.speed_factor(two) == pytest.approx(2.0) and cal.speed_factor(source) == 1.0
+    assert cal.durations_for(two).forward_s == pytest.approx(cal.measured.forward_s / 2)
+
+
+def test_unusable_runs_are_refused(tmp_path):
+    cfg = _cfg(dp=2, pp=2)
+    meas = _measurement_of(cfg)
+    meas["step"]["seconds"] = 0.0
+    with pytest.raises(CalibrationError, match="no timed step"):
+        calibrate(cfg, meas)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_calibration(tmp_path / "nope")
+    (tmp_path / "run").mkdir()
+    cfg.save(tmp_path / "run" / "config.toml")
+    with pytest.raises(FileNotFoundError, match="measurement.json"):
+        load_calibration(tmp_path / "run")
