@@ -265,6 +265,8 @@ def compare(pred, measurement) -> Comparison:
     if len(pred_rows) > len(mj["memory"]["per_rank"]):
         notes.append(f"the prediction has {len(pred_rows)} ranks, the measurement {len(mj['memory']['per_rank'])}")
 
+    notes.extend(_state_notes(rows, cfg, detail))
+
     # ---- pipeline
     ppj = pj.get("pipeline") or {}
     pp = int(ppj.get("pp", len(ppj.get("per_rank", [])) or 1))
@@ -306,6 +308,31 @@ def compare(pred, measurement) -> Comparison:
                           "(shardscope predict --calibration RUN_DIR)")
     step = Cell(float(pj["step"]["seconds"]), float(mj["step"]["seconds"]), tuple(step_notes))
     return Comparison(rows, step, makespan, bubble, timeline, notes)
+
+
+def _state_notes(rows: list[RankComparison], cfg, detail: dict) -> list[str]:
+    """Known reasons why params / grads / optimizer differ (the model says ZeRO, torch does ...)."""
+    out = []
+    err = {c: [r for r in rows if r.categories[c].error] for c in ("params", "grads", "optimizer")}
+    raw_keys = {k for d in detail.values() for k in (d.get("memory", {}).get("tracker_peak") or {})}
+    if err["params"] and "Sharded Param" in raw_keys:
+        out.append("params: FSDP2 (fully_shard) keeps the parameters sharded and holds the unsharded compute copy "
+                   "as 'Unsharded Param' (the backend counts it in comm_buffers); ShardScope's ZeRO-2 accounting "
+                   "reports that copy as params — compare the peak, not the split")
+    if err["optimizer"] and cfg is not None and cfg.parallel.zero == 1:
+        p = sum(r.categories["optimizer"].predicted for r in rows)
+        m = sum(r.categories["optimizer"].measured for r in rows)
+        if p == m:
+            out.append("optimizer: torch's ZeroRedundancyOptimizer gives each rank whole parameters (largest first, "
+                       "to the least-loaded rank), not an even flat split like DeepSpeed's ZeRO-1 that the model "
+                       "assumes; the sum over ranks is exact")
+    if err["grads"] and cfg is not None and cfg.parallel.tp > 1:
+        t, m = cfg.parallel.tp, cfg.model
+        full_emb = m.vocab * m.hidden * cfg.training.grad_bytes
+        if all(r.categories["grads"].error == -(full_emb - full_emb // t) for r in err["grads"]):
+            out.append("grads: with TP the token embedding's gradient is materialised at full vocab × hidden on "
+                       "every TP rank (torch keeps it replicated); the model counts it sharded by tp")
+    return out
 
 
 def _compare_actions(rank: int, pp_rank: int, predicted: list, measured: list) -> TimelineComparison:
