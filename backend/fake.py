@@ -1,0 +1,218 @@
+"""Measure huge configurations without the hardware: simulate ranks in child processes (no torch here).
+
+``simulate(cfg)`` runs ``python -m backend.fake_worker --run-dir D --rank R`` once per chosen
+rank (by default one rank per pipeline stage: dp = 0, tp = 0) and stores what they report as
+a run directory with the same ``measurement.json`` as a real run, marked ``"simulated": true``.
+Each worker runs the real backend code path (model, apply_* strategies, Trainer's step and
+MemTracker measurement) on a fake process group with fake tensors: see backend.fake_worker.
+
+    from backend.fake import simulate
+    res = simulate(cfg, out_dir="runs/x")        # SimulatedRun; raises SimulationError on failure
+    res.measurement.memory.per_rank[0].activations
+    res.warnings, res.not_covered                # tracker cross-check, what a simulation leaves out
+
+``measure_cli`` is ``shardscope measure CONFIG --fake``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backend.records import Measurement, RunDir, assemble, read_jsonl, tail, write_json_atomic
+from engine.config import Config
+from engine.layout import rank_of
+from engine.names import MEMORY_CATEGORIES
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class SimulationError(RuntimeError):
+    """A simulated rank failed; the message carries the reason and the tail of its log."""
+
+
+@dataclass
+class SimulatedRun:
+    path: Path
+    ranks: list[int]
+    measurement: Measurement
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+    not_covered: list[str] = field(default_factory=list)
+
+    @property
+    def records(self) -> list[dict]:
+        return self.measurement.ranks
+
+
+def default_ranks(cfg: Config) -> list[int]:
+    """One rank per pipeline rank (its first DP replica and TP shard): each distinct stage set."""
+    par = cfg.parallel
+    return [rank_of(p, 0, 0, par.dp, par.tp) for p in range(par.pp)]
+
+
+def _default_run_dir() -> Path:
+    import datetime as _dt
+
+    return Path("runs") / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + "-fake")
+
+
+def _kill_group(pgid: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.2)
+
+
+def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks: list[int] | None = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None, real_tensors: bool = False,
+             jobs: int | None = None) -> SimulatedRun:
+    """Simulate ``ranks`` of ``cfg`` (default :func:`default_ranks`), each in a child process.
+
+    ``real_tensors`` runs the same path with real tensors (the reference the fake ones are
+    checked against; only for small configs). ``jobs``: how many ranks run at once (default:
+    the CPU count). Raises ValueError for a rank outside the world, SimulationError when a rank
+    fails or times out (every child is killed).
+    """
+    if not isinstance(cfg, Config):
+        cfg = Config.load(cfg)
+    world = cfg.parallel.world_size
+    ranks = sorted(set(default_ranks(cfg) if ranks is None else ranks))
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"rank {bad[0]} is outside the world of {world} ranks (0..{world - 1})")
+    run = RunDir(out_dir if out_dir is not None else _default_run_dir())
+    run.clear()
+    cfg.save(run.config)
+    python = python or sys.executable
+    run.emit("started", world=world, simulated=True, ranks=ranks, run_dir=str(run.path))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    start = time.monotonic()
+    pending = list(ranks)
+    running: dict[int, tuple[subprocess.Popen, object]] = {}
+    failure: str | None = None
+    try:
+        while (pending or running) and failure is None:
+            while pending and len(running) < jobs:
+                r = pending.pop(0)
+                cmd = [python, "-m", "backend.fake_worker", "--run-dir", str(run.path.resolve()), "--rank", str(r)]
+                if real_tensors:
+                    cmd.append("--real-tensors")
+                log = open(run.rank_log(r), "ab")  # noqa: SIM115 - closed when the child ends
+                running[r] = (subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               start_new_session=True), log)
+            for r, (proc, log) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                log.close()
+                del running[r]
+                if rc != 0 or not run.rank_measurement(r).exists():
+                    reasons = [e.get("reason") for e in read_jsonl(run.rank_events(r)) if e.get("event") == "failed"]
+                    why = reasons[-1] if reasons else f"exited with code {rc}"
+                    failure = f"rank {r}: {why}\n--- log tail ---\n{tail(run.rank_log(r))}"
+            if failure is None and time.monotonic() - start > timeout_s:
+                failure = f"timed out after {timeout_s:g} s; every simulated rank was stopped"
+            time.sleep(0.05)
+    finally:
+        for _r, (proc, log) in running.items():
+            _kill_group(proc.pid)
+            proc.wait()
+            log.close()
+    seconds = time.monotonic() - start
+    if failure is not None:
+        run.emit("failed", reason=failure.split("\n", 1)[0], log_tail=failure, simulated=True)
+        raise SimulationError(failure)
+
+    records = [json.loads(run.rank_measurement(r).read_text(encoding="utf-8")) for r in ranks]
+    meas = assemble(records)
+    warnings = [f"rank {rec['rank']}: {w}" for rec in records for w in rec["cross_check"]["warnings"]]
+    not_covered = list(dict.fromkeys(n for rec in records for n in rec["not_covered"]))
+    doc = meas.to_dict()
+    doc.update({"simulated": True, "simulated_ranks": ranks, "fake_tensors": not real_tensors,
+                "warnings": warnings, "not_covered": not_covered})
+    write_json_atomic(run.measurement, doc)
+    run.emit("measurement", path=str(run.measurement), simulated=True,
+             total_bytes=[r.total for r in meas.memory.per_rank])
+    run.emit("finished", seconds=seconds)
+    return SimulatedRun(run.path, ranks, meas, seconds, warnings, not_covered)
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def comparison(cfg: Config, meas: Measurement) -> list[dict]:
+    """Per simulated rank and category (and total): predicted, measured, measured − predicted."""
+    from engine.predict import predict
+
+    pred = {r.rank: r for r in predict(cfg).memory.per_rank}
+    rows = []
+    for m in meas.memory.per_rank:
+        p = pred[m.rank]
+        for c in (*MEMORY_CATEGORIES, "total"):
+            pv, mv = int(getattr(p, c)), int(getattr(m, c))
+            rows.append({"rank": m.rank, "stage": m.stage, "category": c, "predicted": pv, "measured": mv,
+                         "difference": mv - pv})
+    return rows
+
+
+def render(cfg: Config, res: SimulatedRun) -> str:
+    rows = comparison(cfg, res.measurement)
+    big = max((max(x["predicted"], x["measured"]) for x in rows), default=0) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    lines = [f"simulated ranks {', '.join(map(str, res.ranks))} of {cfg.parallel.world_size} "
+             f"in {res.seconds:.1f} s (fake process group + fake tensors) -> {res.path}"]
+    for rec in res.records:
+        r = rec["rank"]
+        lines.append("")
+        lines.append(f"rank {r} (pp {rec['coords']['pp']}, stages {','.join(map(str, rec['stages']))}"
+                     + (f", microbatches in flight {rec['in_flight']}" if rec.get("in_flight") else "")
+                     + f"): {unit}, {rec['seconds']['total']:.1f} s, peak RSS {rec['peak_rss_bytes'] / 2**20:.0f} MiB")
+        lines.append(f"  {'category':<13}{'predicted':>11}{'simulated':>11}{'sim - pred':>12}")
+        for row in (x for x in rows if x["rank"] == r):
+            lines.append(f"  {row['category']:<13}{row['predicted'] / scale:>11.3f}{row['measured'] / scale:>11.3f}"
+                         f"{row['difference'] / scale:>+12.3f}")
+    if res.warnings:
+        lines.append("")
+        lines.append("tracker cross-check (params / grads / optimizer are reported from exact local bytes):")
+        lines += [f"  {w}" for w in res.warnings]
+    lines.append("")
+    lines.append("not covered by a simulation:")
+    lines += [f"  - {n}" for n in res.not_covered]
+    return "\n".join(lines)
+
+
+def measure_cli(config_path: str | Path, ranks: list[int] | None = None, out_dir: str | Path | None = None,
+                json_out: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, stream=None) -> int:
+    """``shardscope measure CONFIG --fake``: 0 done, 1 the simulation failed.
+
+    Raises ConfigError / ValueError for the caller to report as a user mistake.
+    """
+    stream = stream or sys.stdout
+    cfg = Config.load(config_path)
+    try:
+        res = simulate(cfg, out_dir, ranks=ranks, timeout_s=timeout_s)
+    except SimulationError as exc:
+        print(f"shardscope: simulation failed: {exc}", file=sys.stderr)
+        return 1
+    if json_out:
+        doc = json.loads(Path(res.path, "measurement.json").read_text(encoding="utf-8"))
+        doc["run_dir"] = str(res.path)
+        doc["comparison"] = comparison(cfg, res.measurement)
+        stream.write(json.dumps(doc, indent=1) + "\n")
+    else:
+        stream.write(render(cfg, res) + "\n")
+    return 0

@@ -1,0 +1,387 @@
+"""One simulated rank: ``python -m backend.fake_worker --run-dir D --rank R``. Imports torch.
+
+Runs the real backend code path for one rank of the configured job in this single process:
+a fake process group (``FakeStore``, backend "fake": every collective is a no-op that
+hallucinates its result) and ``FakeTensorMode`` (tensors carry shapes, dtypes and storage
+sizes, never data), under the PyTorch MemTracker / FSDPMemTracker that the real runs use.
+
+Order (pytorch-notes.md, "Fake-scale"): the model is built on the meta device and TP /
+recompute / ``fully_shard`` are applied outside the fake mode, exactly as backend.train
+composes them; ``to_empty`` then materialises it inside ``FakeTensorMode(allow_non_fake_inputs=
+True)``. DDP and ZeRO-1 wrap the materialised (fake) module, since they copy parameters into
+flat buckets at construction. Then optimizer state is created (one step on zero gradients, as a
+real run's training steps leave it) and one step runs under the tracker: backend.train.Trainer's own
+``forward_backward`` / ``measure_memory``.
+
+Pipeline parallelism: the stage modules this rank holds are cut by backend.parallel.apply_pp,
+but no schedule runs (a fake process group cannot carry the schedule's shape exchange). Each
+local stage runs forward on the number of microbatches the engine says it holds at its peak
+(``engine.memory``, replaying torch's schedule orders), keeps them alive, then runs their
+backwards — FSDP is driven as torch's PipelineStage drives it. See ``NOT_COVERED_PP``.
+
+Writes ``ranks/rank{R}.measurement.json`` in the run directory in the same shape as a real
+rank (backend.train), plus ``simulated``, ``cross_check`` and ``not_covered``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import traceback
+
+NOT_COVERED_PP = [
+    "pipeline: no schedule runs; each local stage holds the engine's in-flight microbatch count "
+    "(forwards kept alive, then their backwards) instead of torch's interleaved order",
+    "pipeline: p2p send/receive buffers (one per microbatch in torch) are not allocated",
+]
+NOT_COVERED = [
+    "runtime context, allocator caching/fragmentation and collective-library buffers (no device, no NCCL)",
+    "kernels' workspaces and the fused/foreach optimizer paths a GPU would take (CPU default: for-loop AdamW)",
+]
+
+#: relative disagreement beyond which a tracker category is reported as wrong
+TOLERANCE = 0.01
+
+
+def _in_flight_counts(cfg, rank: int, stages: list[int]) -> list[int]:
+    """Microbatches each local stage holds at the rank's peak, from the engine's memory model."""
+    import re
+
+    from engine.memory import memory_per_rank
+
+    row = memory_per_rank(cfg).per_rank[rank]
+    found: dict[int, int] = {}
+    for term in row.explain("activations"):
+        m = re.match(r"stage (\d+): (\d+) microbatch(?:es)? in flight", term.label)
+        if m:
+            found[int(m.group(1))] = int(m.group(2))
+    return [found.get(s, cfg.parallel.microbatches) for s in stages]
+
+
+def _build(cfg, rank: int, fake_tensors: bool = True):
+    """A backend.train.Trainer for ``rank`` on the fake process group, with fake tensors
+    (or, for checking them, real ones: the same path with ``FakeTensorMode`` left out)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from backend import measure
+    from backend.model import Transformer
+    from backend.parallel import (
+        ParallelDims,
+        apply_ddp,
+        apply_fsdp,
+        apply_pp,
+        apply_recompute,
+        apply_replicate,
+        apply_tp,
+        fsdp_mp_policy,
+        make_zero1_optimizer,
+    )
+    from backend.parallel.pipeline import ActionTimer
+    from backend.train import SEED, Trainer, _optimizer_cls_and_kwargs
+
+    par, tr = cfg.parallel, cfg.training
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
+
+    class FakeTrainer(Trainer):
+        """Trainer's state, composed as Trainer.__init__ does, on meta then fake tensors."""
+
+        def __init__(self):  # noqa: D401 - deliberately not Trainer.__init__ (no real process group)
+            self.cfg, self.out = cfg, None
+            self.device = torch.device("cpu")
+            self.rank = dist.get_rank()
+            self.dims = ParallelDims(par, self.device.type, cfg.cluster.gpus_per_node)
+            self.dims.build_mesh()
+            self.coords = self.dims.coords
+            self.fsdp = par.zero in (2, 3)
+            self.pipelined = par.pp > 1
+            if par.zero == 1 and par.tp > 1:
+                raise NotImplementedError(
+                    "ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
+                    "parameters; use parallel.zero = 2 (fully_shard) with TP")
+            if cfg.model.tied_embeddings and par.tp > 1:
+                raise NotImplementedError("tied embeddings with tp > 1 are not supported; "
+                                          "set model.tied_embeddings = false")
+            torch.manual_seed(SEED)
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+            parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
+            mp = fsdp_mp_policy(tr)
+            self.fake_mode = (FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors
+                              else contextlib.nullcontext())
+            self.modules = []
+            for s, m in parts:
+                if par.tp > 1:
+                    apply_tp(m, self.dims["tp"], par.sequence_parallel)
+                apply_recompute(m, tr.recompute)
+                if self.fsdp:
+                    m = apply_fsdp(m, self.dims["dp"], par.zero, mp, pipelined=self.pipelined)
+                    with self.fake_mode:
+                        m.to_empty(device=self.device)
+                else:
+                    with self.fake_mode:
+                        m.to_empty(device=self.device)
+                        if par.dp > 1 and par.tp > 1:
+                            m = apply_replicate(m, self.dims["dp"], mp)
+                        elif par.dp > 1:
+                            with _ddp_without_init_checks():
+                                m = apply_ddp(m, self.dims.dp_group(), cfg.conventions.ddp_bucket_mb,
+                                              self.device)
+                            m.register_comm_hook(None, _bucket_as_reduced)
+                            m.reducer = _NoRebuildReducer(m.reducer)
+                self.modules.append((s, m))
+            self.stages = [s for s, _ in self.modules]
+            self.params = measure.unique_params(m for _, m in self.modules)
+            cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
+            with self.fake_mode:
+                if par.zero == 1 and par.dp > 1:
+                    self.optimizer = make_zero1_optimizer(self.params, cls, self.dims.dp_group(), **kw)
+                else:
+                    self.optimizer = cls(self.params, **kw)
+            self.timer = ActionTimer()
+            self.schedule = None
+            self.has_first = 0 in self.stages
+            self.has_last = par.num_stages - 1 in self.stages
+            self.data = _ZeroData(cfg.model.seq_len)
+            self.local_batch = par.microbatches * tr.micro_batch_size
+            self.in_flight = _in_flight_counts(cfg, self.rank, self.stages) if self.pipelined else []
+
+        def step_input(self, step: int):
+            """What Trainer.forward_backward takes (the batch, or the step in older versions)."""
+            return self.batch(step) if hasattr(Trainer, "batch") else step
+
+        def forward_backward(self, arg) -> tuple[float, int]:
+            if not self.pipelined:
+                return super().forward_backward(arg)
+            return self._stage_forward_backward()
+
+        def _stage_forward_backward(self) -> tuple[float, int]:
+            """Each local stage: ``n`` forwards kept alive, then their backwards (see module doc)."""
+            from torch.distributed.fsdp import FSDPModule
+
+            from backend.train import loss_fn
+
+            mbs, seq, hidden = tr.micro_batch_size, cfg.model.seq_len, cfg.model.hidden
+            sp_seq = seq // par.tp if par.sequence_parallel else seq
+            act_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(tr.precision, torch.float32)
+            if not self.fsdp:
+                act_dtype = torch.float32  # autocast leaves the residual stream in fp32
+            for (s, mod), n in zip(self.modules, self.in_flight):
+                outputs = []
+                with self._loss_ctx():
+                    for _ in range(n):
+                        if s == 0:
+                            x = torch.zeros(mbs, seq, dtype=torch.long)
+                        else:
+                            x = torch.zeros(mbs, sp_seq, hidden, dtype=act_dtype, requires_grad=True)
+                        out = mod(x)
+                        if s == par.num_stages - 1:
+                            out = loss_fn(out, torch.zeros(mbs, seq, dtype=torch.long)) / par.microbatches
+                        outputs.append(out)
+                    for i, out in enumerate(outputs):
+                        if isinstance(mod, FSDPModule):  # as PipelineStage.backward_maybe_with_nosync
+                            mod.set_is_last_backward(False)
+                            mod.set_reshard_after_backward(False)
+                            mod.set_requires_gradient_sync(False)
+                        if out.dim() == 0:
+                            out.backward()
+                        else:
+                            out.backward(torch.ones_like(out))
+                        outputs[i] = None
+                if isinstance(mod, FSDPModule):  # as PipelineStage.perform_reduce_grad
+                    from torch.distributed.fsdp import fully_shard
+
+                    mod.set_is_last_backward(True)
+                    mod.set_reshard_after_backward(True)
+                    mod.set_requires_gradient_sync(True)
+                    state = fully_shard.state(mod)
+                    for st in state._state_ctx.all_states:
+                        for group in st._fsdp_param_groups:
+                            group.post_backward()
+                    state._root_post_backward_final_callback()
+            return 0.0, 1
+
+    class _ZeroData:
+        """Token ids of the right shape (fake tensors carry no values)."""
+
+        def __init__(self, seq_len: int):
+            self.seq_len = seq_len
+
+        def batch(self, step: int, dp_index: int, batch_size: int):
+            z = torch.zeros(batch_size, self.seq_len, dtype=torch.long)
+            return z, z
+
+    return FakeTrainer()
+
+
+def _bucket_as_reduced(state, bucket):
+    """DDP comm hook: the bucket as if all-reduced (the fake group's all-reduce future yields None,
+    which DDP's reducer rejects). The Reducer's flat buckets are allocated just the same."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class _NoRebuildReducer:
+    """DDP's Reducer, minus the one-off bucket rebuild after the first step: it broadcasts the
+    bucket order by reading tensor data. The buckets keep their construction order (same bytes)."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
+@contextlib.contextmanager
+def _ddp_without_init_checks():
+    """DDP's constructor compares parameter shapes across ranks by reading tensor data, which
+    fake tensors do not have; on a fake process group the comparison is meaningless anyway."""
+    import torch.nn.parallel.distributed as ddp_mod
+
+    old = ddp_mod._verify_param_shape_across_processes
+    ddp_mod._verify_param_shape_across_processes = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        ddp_mod._verify_param_shape_across_processes = old
+
+
+def _create_optimizer_state(trainer) -> None:
+    """What a real run's earlier steps leave behind: optimizer state exists before the measured
+    step. One optimizer step on zero gradients creates it without a forward and backward."""
+    import torch
+
+    for p in trainer.params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer_step()  # zero_grad(set_to_none=True) follows, as after a training step
+
+
+@contextlib.contextmanager
+def _fake_scalars_read_as_zero():
+    """``float(fake tensor)`` is 0.0 (Trainer logs each microbatch's loss; fakes hold no value)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    had = "__float__" in FakeTensor.__dict__
+    old = FakeTensor.__dict__.get("__float__")
+    FakeTensor.__float__ = lambda self: 0.0
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensor.__float__ = old
+        else:
+            del FakeTensor.__float__
+
+
+def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
+    """Simulate ``rank`` of ``cfg``; the rank record (backend.train's shape plus the fake extras)."""
+    import torch.distributed as dist
+
+    from backend import measure
+
+    t0 = time.perf_counter()
+    trainer = _build(cfg, rank, fake_tensors)
+    t_build = time.perf_counter() - t0
+    with trainer.fake_mode, _fake_scalars_read_as_zero():
+        _create_optimizer_state(trainer)
+        t_warm = time.perf_counter() - t0
+        memory = trainer.measure_memory(2)
+    seconds = time.perf_counter() - t0
+    check = cross_check(memory["tracker_peak"], memory["exact"])
+    not_covered = list(NOT_COVERED)
+    if trainer.pipelined:
+        not_covered = NOT_COVERED_PP + not_covered
+    coords = trainer.coords
+    rec = {
+        "rank": rank,
+        "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp},
+        "stages": trainer.stages,
+        "memory": memory,
+        "step_seconds": [],
+        "losses": [],
+        "actions": [],
+        "peak_rss_bytes": measure.peak_rss_bytes(),
+        "simulated": True,
+        "fake_tensors": fake_tensors,
+        "in_flight": trainer.in_flight,
+        "cross_check": check,
+        "not_covered": not_covered,
+        "seconds": {"build": t_build, "optimizer_state": t_warm - t_build, "measured_step": seconds - t_warm,
+                    "total": seconds},
+    }
+    dist.destroy_process_group()
+    return rec
+
+
+def cross_check(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict:
+    """The tracker's params / grads / optimizer at its peak beside the exact local bytes.
+
+    Gradients may legitimately be lower at the peak (it can fall before the backward ends);
+    more than exact is an over-count. The reported categories use the exact bytes (backend.measure.categories_from); a
+    disagreement means the tracker's peak snapshot is off for that category (seen with TP:
+    short-lived optimizer-step buffers counted as state), so the other categories of that
+    peak deserve doubt too.
+    """
+    from backend.measure import TRACKER_TO_CATEGORY
+
+    tracked = dict.fromkeys(("params", "grads", "optimizer"), 0)
+    for name, v in tracker_raw.items():
+        cat = TRACKER_TO_CATEGORY.get(name)
+        if cat in tracked:
+            tracked[cat] += int(v)
+    out: dict = {"categories": {}, "agree": True, "warnings": []}
+    for cat, t in tracked.items():
+        e = int(exact[cat])
+        rel = abs(t - e) / e if e else (0.0 if t == 0 else float("inf"))
+        ok = rel <= TOLERANCE
+        if cat == "grads" and t <= e:
+            ok = True  # the peak may come before the last gradient exists (e.g. mid-backward)
+        out["categories"][cat] = {"tracker": t, "exact": e, "relative_difference": rel, "agree": ok}
+        if not ok:
+            out["agree"] = False
+            out["warnings"].append(
+                f"{cat}: the tracker's peak holds {t:,} B but the exact local bytes are {e:,} B "
+                f"({rel * 100:.1f} % off); {cat} is reported from the exact bytes")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--real-tensors", action="store_true",
+                    help="allocate real tensors (on the fake process group): the reference for the fake ones")
+    args = ap.parse_args(argv)
+
+    from backend.records import RankWriter, RunDir
+    from engine.config import Config
+
+    run = RunDir(args.run_dir)
+    out = RankWriter(args.run_dir, args.rank)
+    out.event("rank_started", pid=os.getpid())
+    try:
+        cfg = Config.load(run.config)
+        rec = simulate_rank(cfg, args.rank, fake_tensors=not args.real_tensors)
+        out.measurement(rec)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the record
+        traceback.print_exc()
+        sys.stderr.flush()
+        out.event("failed", reason=f"{type(exc).__name__}: {exc}"[:2000])
+        return 1
+    out.event("rank_done", seconds=rec["seconds"]["total"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

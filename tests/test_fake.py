@@ -1,0 +1,96 @@
+"""Simulated measurement (backend.fake): fake tensors against real tensors on the fake process group.
+
+The integration test simulates the same ranks of a small 3-D config (tiny preset: FSDP 2 ×
+TP 2 × PP 2) twice, once with fake tensors and once with real ones, through the same backend
+path. Model states must match to the byte, the total peak within 5 %. On a stage without the
+head, activations / temporaries / comm_buffers match within 2 % (real CPU kernels keep a little
+scratch the meta kernels do not). KNOWN DIFFERENCE: on the rank holding the output head and loss
+the tracker's peak falls at a different instant with fake tensors (it then holds ~0.7 MB of
+"Temp" and more unsharded parameters; with real tensors more activations), so that rank's split
+between activations / temporaries / comm_buffers is not compared, only its total. The 7B cases live in benchmarks/bench_fake.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from backend.fake import comparison, default_ranks, simulate
+from backend.records import Measurement
+from engine import default_config
+from engine.names import MEMORY_CATEGORIES
+from gui.cli import main as cli_main
+
+#: categories that must match to the byte; activations / temporaries / total within 2 % or 256 KiB
+EXACT = ("params", "grads", "optimizer", "overhead")
+SMALL = {"cluster": {"gpus": 8},
+         "parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 3, "schedule": "1F1B", "microbatches": 4}}
+
+
+def test_default_ranks_one_per_pipeline_rank():
+    cfg = default_config().replace(**SMALL)
+    assert default_ranks(cfg) == [0, 4]
+    assert default_ranks(default_config().replace(parallel={"dp": 4, "pp": 1, "microbatches": 1})) == [0]
+
+
+def test_cli_measure_user_mistakes(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    default_config().save(path)
+    assert cli_main(["measure", str(path)]) == 2
+    assert "--fake" in capsys.readouterr().err
+    assert cli_main(["measure", str(path), "--fake", "--rank", "99"]) == 2
+    assert "outside the world" in capsys.readouterr().err
+    assert cli_main(["measure", str(tmp_path / "missing.toml"), "--fake"]) == 2
+
+
+def test_launching_side_imports_no_torch():
+    import subprocess
+
+    code = "import sys, backend.fake, gui.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.integration
+def test_fake_tensors_match_real_tensors_per_category(tmp_path):
+    pytest.importorskip("torch")
+    cfg = default_config().replace(**SMALL)
+    ranks = default_ranks(cfg)
+    with ThreadPoolExecutor(2) as pool:
+        fake_f = pool.submit(simulate, cfg, tmp_path / "fake", ranks, 240, None, False, 2)
+        real_f = pool.submit(simulate, cfg, tmp_path / "real", ranks, 240, None, True, 2)
+        fake, real = fake_f.result(), real_f.result()
+
+    off = []
+    for f, r in zip(fake.measurement.memory.per_rank, real.measurement.memory.per_rank):
+        assert f.rank == r.rank and f.stage == r.stage
+        assert f.params > 0 and f.activations > 0
+        last = f.stage == cfg.parallel.num_stages - 1
+        for c in (*MEMORY_CATEGORIES, "total"):
+            fv, rv = getattr(f, c), getattr(r, c)
+            if c in EXACT:
+                ok = fv == rv
+            elif c == "total":
+                ok = abs(fv - rv) <= 0.05 * rv
+            elif last:  # KNOWN: the peak instant differs around the head and loss (see module doc)
+                continue
+            else:  # CPU kernels' own scratch (index tensors, masks) differs from the meta kernels'
+                ok = abs(fv - rv) <= max(0.02 * rv, 256 * 1024)
+            if not ok:
+                off.append(f"rank {f.rank} {c}: fake {fv:,} real {rv:,}")
+    assert not off, "\n".join(off)
+    for f, r in zip(fake.records, real.records):
+        assert f["in_flight"] == r["in_flight"] and f["in_flight"]  # 1F1B: min(m, p - r)
+        assert f["cross_check"]["agree"] == r["cross_check"]["agree"]
+
+    # stored like a real run: the same measurement.json, marked simulated, and comparable
+    doc = json.loads((fake.path / "measurement.json").read_text())
+    assert doc["simulated"] is True and doc["simulated_ranks"] == ranks and doc["not_covered"]
+    meas = Measurement.load(fake.path / "measurement.json")
+    assert [r.rank for r in meas.memory.per_rank] == ranks
+    rows = comparison(cfg, meas)
+    assert {r["category"] for r in rows} == {*MEMORY_CATEGORIES, "total"}
+    events = [json.loads(line)["event"] for line in (fake.path / "events.jsonl").read_text().splitlines()]
+    assert events[0] == "started" and events[-1] == "finished"
