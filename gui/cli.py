@@ -159,6 +159,22 @@ def cmd_run(args: argparse.Namespace) -> int:
                    timeout_s=args.timeout)
 
 
+def cmd_measure(args: argparse.Namespace) -> int:
+    cfg = _load(args.config)
+    if not args.fake:
+        raise CliError("measure needs --fake (simulate ranks on a fake process group); "
+                       "`shardscope run` measures a real run")
+    world = cfg.parallel.world_size
+    if args.rank is not None and not 0 <= args.rank < world:
+        raise CliError(f"--rank {args.rank} is outside the world of {world} ranks (0..{world - 1})")
+    try:
+        from backend.fake import measure_cli
+    except ImportError as exc:
+        raise CliError(f"shardscope measure is not available ({exc})", EXIT_UNAVAILABLE) from None
+    ranks = None if args.rank is None else [args.rank]
+    return measure_cli(args.config, ranks=ranks, out_dir=args.out, json_out=args.json, timeout_s=args.timeout)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     try:
         from engine.planner import plan_cli
@@ -226,6 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped as hung")
     p.add_argument("--json", action="store_true", help="print one JSON event per line")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("measure", help="simulate ranks of a config on a fake process group and compare "
+                                       "with the prediction (no hardware needed)")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("--fake", action="store_true", help="fake process group + fake tensors (required)")
+    p.add_argument("--rank", type=int, help="the rank to simulate (default: one per pipeline stage)")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>-fake)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the simulation is stopped")
+    p.add_argument("--json", action="store_true", help="the measurement and the comparison as JSON")
+    p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("plan", help="rank every valid layout of a model on N GPUs by predicted throughput")
     p.add_argument("--model", required=True, help="a model preset")
