@@ -56,7 +56,7 @@ SETUPS = {
 @pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != "1F1B"])  # 1F1B: the 3-D test
 def test_schedule_runs_timed_in_planned_order(tmp_path, schedule):
     v, m = SETUPS[schedule]
-    _, meas, _ = run_ok(tmp_path, cluster={"gpus": 2},
+    _, meas, _ = run_ok(tmp_path, steps=2, cluster={"gpus": 2},
                         parallel={"dp": 1, "tp": 1, "pp": 2, "schedule": schedule, "virtual_stages": v,
                                   "microbatches": m})
     assert sum(col(meas, "params")) == 4 * FULL
