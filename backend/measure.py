@@ -7,6 +7,7 @@ The tracker runs over a separate, untimed step, so the timed steps carry no trac
 from __future__ import annotations
 
 import resource
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -102,7 +103,7 @@ _STEP_PARENT = "<shardscope step>"
 
 
 def _allow_repeated_root_calls(tracker) -> None:
-    """Let the trackers follow microbatches and pipeline schedules.
+    """Let the trackers follow microbatches and every pipeline schedule.
 
     Both trackers refuse a second forward of a root module (they take it for a second
     iteration, which their per-module statistics do not support). Gradient accumulation and
@@ -114,6 +115,21 @@ def _allow_repeated_root_calls(tracker) -> None:
     base = type(mt)
 
     class _StepModTracker(base):
+        # Module-level backward hooks (multi-grad hooks) break the split backward of the
+        # zero-bubble schedules (autograd.grad); the tracker needs them only for per-module
+        # backward statistics. Backward vs forward is still known from the autograd engine.
+        def _fw_pre_hook(self, mod, input):
+            name = self._get_mod_name(mod)
+            self._get_append_fn(weakref.ref(mod), name, False)()
+            if self._user_pre_fw_hook is not None:
+                self._user_pre_fw_hook(mod, input)
+
+        def _fw_post_hook(self, mod, input, output):
+            name = self._get_mod_name(mod)
+            if self._user_post_fw_hook is not None:
+                self._user_post_fw_hook(mod, input, output)
+            self._get_pop_fn(weakref.ref(mod), name, False)()
+
         @property
         def parents(self):
             s = self.__dict__["_shardscope_parents"]

@@ -201,24 +201,29 @@ def cut_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
 class SyntheticData:
     """A deterministic, learnable token stream: each sequence follows a fixed random bigram map.
 
-    ``next = table[prev]`` for most positions (a few are random noise), so a model can learn
-    the table and the loss falls well below log(vocab). Batches depend only on (seed, step,
+    Sequences use a fixed subset of ``active`` tokens, and ``next = table[prev]`` for most
+    positions (a few are random noise within the subset). A model first learns which tokens
+    occur (the loss falls from log(vocab) towards log(active) within a few steps), then the
+    table (towards the noise floor). Batches depend only on (seed, step,
     data-parallel index), so every layout sees the same data and equivalent layouts give the
     same losses.
     """
 
-    def __init__(self, vocab: int, seq_len: int, seed: int = 1234, noise: float = 0.05):
+    def __init__(self, vocab: int, seq_len: int, seed: int = 1234, noise: float = 0.05, active: int = 32):
         self.vocab, self.seq_len, self.seed, self.noise = vocab, seq_len, seed, noise
         g = torch.Generator().manual_seed(seed)
-        self.table = torch.randperm(vocab, generator=g)
+        self.tokens = torch.randperm(vocab, generator=g)[: min(active, vocab)]
+        self.table = torch.zeros(vocab, dtype=torch.long)
+        self.table[self.tokens] = self.tokens[torch.randperm(len(self.tokens), generator=g)]
 
     def batch(self, step: int, dp_index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), each (batch_size, seq_len) int64."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 9973 + dp_index)
         seq = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long)
-        seq[:, 0] = torch.randint(self.vocab, (batch_size,), generator=g)
+        n = len(self.tokens)
+        seq[:, 0] = self.tokens[torch.randint(n, (batch_size,), generator=g)]
         noise = torch.rand(batch_size, self.seq_len, generator=g) < self.noise
-        rand = torch.randint(self.vocab, (batch_size, self.seq_len), generator=g)
+        rand = self.tokens[torch.randint(n, (batch_size, self.seq_len), generator=g)]
         for t in range(self.seq_len):
             seq[:, t + 1] = torch.where(noise[:, t], rand[:, t], self.table[seq[:, t]])
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
