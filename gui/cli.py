@@ -150,13 +150,57 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _load(args.config)  # validate before anything starts
+    cfg = _load(args.config)  # validate before anything starts
+    if args.target != "local" or args.dry_run:
+        return _cmd_run_cluster(args, cfg)
     try:
         from backend.launch import run_cli
     except ImportError as exc:
         raise CliError(f"shardscope run is not available yet ({exc})", EXIT_UNAVAILABLE) from None
     return run_cli(args.config, out_dir=args.out, steps=args.steps, json_events=args.json,
                    timeout_s=args.timeout)
+
+
+def _cmd_run_cluster(args: argparse.Namespace, cfg) -> int:
+    """``run --target slurm|hosts`` (issue 11): backend.cluster builds, submits and follows."""
+    from backend.cluster import ClusterError, cluster_run_cli, node_layout
+    from backend.cluster import hosts as hosts_target
+    from backend.cluster import slurm as slurm_target
+    from backend.cluster.follow import config_for_layout
+    from backend.launch import default_run_dir
+
+    if args.target == "local":
+        raise CliError("--dry-run needs --target slurm or --target hosts")
+    if args.target == "hosts" and not args.hosts:
+        raise CliError("--target hosts needs --hosts HOST1,HOST2,...")
+    if args.target == "slurm" and args.hosts:
+        raise CliError("--hosts is for --target hosts; Slurm chooses the nodes (use --nodes, --partition)")
+    out = Path(args.out) if args.out else default_run_dir()
+    try:
+        if args.target == "hosts":
+            hosts, port = hosts_target.parse_hosts(args.hosts)
+            if args.nodes is not None and args.nodes != len(hosts):
+                raise CliError(f"--nodes {args.nodes} but --hosts names {len(hosts)} host(s)")
+            if args.dry_run:
+                nodes, per_node = node_layout(cfg, len(hosts), args.gpus_per_node)
+                for c in hosts_target.node_commands(config_for_layout(cfg, nodes, per_node), out, args.steps,
+                                                    hosts, per_node, port):
+                    print(f"# on {c['host']} (node {c['node']}):\n{c['shell']}")
+                return EXIT_OK
+            run = hosts_target.start(cfg, args.hosts, out, steps=args.steps, timeout_s=args.timeout,
+                                     per_node=args.gpus_per_node)
+        else:
+            opts = dict(partition=args.partition, time_limit=args.time, account=args.account)
+            if args.dry_run:
+                nodes, per_node = node_layout(cfg, args.nodes, args.gpus_per_node)
+                print(slurm_target.sbatch_script(config_for_layout(cfg, nodes, per_node), out, args.steps,
+                                                 nodes=nodes, per_node=per_node, **opts), end="")
+                return EXIT_OK
+            run = slurm_target.submit(cfg, out, steps=args.steps, timeout_s=args.timeout, nodes=args.nodes,
+                                      per_node=args.gpus_per_node, **opts)
+    except ClusterError as exc:
+        raise CliError(str(exc)) from None
+    return cluster_run_cli(run, json_events=args.json)
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -241,6 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped as hung")
     p.add_argument("--json", action="store_true", help="print one JSON event per line")
+    p.add_argument("--target", choices=("local", "slurm", "hosts"), default="local",
+                   help="where the ranks run: this machine (default), a Slurm job (sbatch), or hosts "
+                        "you start one command on each (the run directory must be on a shared filesystem)")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--nodes", type=int, help="nodes (default: from the config's cluster)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node (default: from the config)")
+    p.add_argument("--time", metavar="LIMIT", help="Slurm time limit, e.g. 00:30:00")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--hosts", metavar="A,B,...", help="hosts for --target hosts; the first hosts the rendezvous "
+                                                      "(A:PORT sets its port, default 29500)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the sbatch script (slurm) or the per-host commands (hosts) and stop")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("measure", help="simulate ranks of a config on a fake process group and compare "
