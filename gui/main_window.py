@@ -76,6 +76,7 @@ class MainWindow(QMainWindow):
         for text, slot, key in (
             ("&Open config…", self.open_dialog, QKeySequence.StandardKey.Open),
             ("&Save config as…", self.save_dialog, QKeySequence.StandardKey.Save),
+            ("Open &run…", self.open_run_dialog, None),
             ("Export memory chart as PNG…", lambda: self.export_dialog(self.memory.plot, "memory.png"), None),
             ("Export timeline as PNG…", lambda: self.export_dialog(self.timeline.plot, "timeline.png"), None),
             ("Export comparison table as CSV…", self.export_csv_dialog, None),
@@ -91,6 +92,9 @@ class MainWindow(QMainWindow):
         a.setShortcut("Ctrl+R")
         a.triggered.connect(self.run_panel.start)
         run.addAction(a)
+        s = QAction("Simulate at scale (fake PG)", self)
+        s.triggered.connect(self.run_panel.simulate)
+        run.addAction(s)
         c = QAction("Cancel run", self)
         c.triggered.connect(self.state.cancel_run)
         run.addAction(c)
@@ -114,6 +118,14 @@ class MainWindow(QMainWindow):
                 self.open_config(path)
             except ConfigError as exc:
                 QMessageBox.warning(self, "Not a valid config", str(exc))
+
+    def open_run_dialog(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Open run directory", str(self.state.runs_dir))
+        if path:
+            try:
+                self.state.open_run(path)
+            except (OSError, ConfigError) as exc:
+                QMessageBox.warning(self, "Not a run directory", str(exc))
 
     def save_dialog(self) -> None:
         path, _ = QFileDialog.getSaveFileName(self, "Save config", str(self.current_path or "config.toml"),

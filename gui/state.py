@@ -6,7 +6,10 @@ Widgets read from it and write to it, never to each other. Edits go through
 recomputed on a zero-delay timer, so a burst of slider moves costs one recomputation.
 
 Runs are child processes (``python -m gui.cli run CFG --out DIR --json``) streaming one
-JSON event per line; this process never imports torch.
+JSON event per line; a simulation at scale is ``python -m gui.cli measure CFG --fake --out DIR
+--json``. This process never imports torch. Every run directory under ``runs/`` (and any opened
+by hand) is listed with its status from ``events.jsonl``; showing one loads its config and draws
+its measurement over the prediction of that config.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -60,6 +65,8 @@ class Prediction:
     step: Any | None = None  # engine step-time model, when it exists
     missing: dict[str, str] = field(default_factory=dict)  # part -> why it is not there
     seconds: float = 0.0
+    engine: Any | None = None  # the engine.predict.Prediction itself (what engine.compare takes)
+    calibrated_from: str | None = None  # run directory whose calibration timed this prediction
 
 
 def _engine_function(module: str, name: str):
@@ -70,18 +77,32 @@ def _engine_function(module: str, name: str):
     return getattr(mod, name, None)
 
 
-def predict(cfg: Config) -> Prediction:
-    """Ask every engine model that exists; record why a part is missing instead of faking it."""
+def predict(cfg: Config, calibration=None) -> Prediction:
+    """Ask every engine model that exists; record why a part is missing instead of faking it.
+
+    ``calibration`` (an ``engine.calibrate.Calibration``) times the step and the pipeline with
+    what a run measured on this machine; memory is the same either way.
+    """
     t0 = time.perf_counter()
     pred = Prediction(config=cfg)
     whole = _engine_function("engine.predict", "predict")
+    if calibration is not None:
+        try:
+            p = calibration.predict(cfg)
+        except Exception as exc:  # a calibration that cannot time this config: say so, use the analytic one
+            pred.missing["calibration"] = f"the calibration could not time this config: {exc}"
+        else:
+            pred.memory, pred.step, pred.timeline, pred.engine = p.memory, p.step, p.pipeline, p
+            pred.calibrated_from = str(calibration.source)
+            pred.seconds = time.perf_counter() - t0
+            return pred
     if whole is not None:
         try:
             p = whole(cfg)
         except Exception:  # fall back to asking part by part, so one failing model hides only its part
             pass
         else:
-            pred.memory, pred.step, pred.timeline = p.memory, p.step, p.pipeline
+            pred.memory, pred.step, pred.timeline, pred.engine = p.memory, p.step, p.pipeline, p
             pred.seconds = time.perf_counter() - t0
             return pred
     for part, module, name in (
@@ -103,21 +124,99 @@ def predict(cfg: Config) -> Prediction:
 
 @dataclass
 class RunRecord:
-    """One launch of the backend: its config, where it writes, what it said."""
+    """One launch of the backend (or one run directory found on disk): its config, where it
+    writes, what it said."""
 
-    config: Config
+    config: Config | None  # None: the directory's config.toml could not be read (see reason)
     out_dir: Path
-    status: str = "starting"  # starting | running | finished | failed | cancelled
+    status: str = "starting"  # starting | running | finished | failed | cancelled | incomplete
     events: list[dict] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
     measurement: dict | None = None
     reason: str = ""
     step: int = 0
     steps: int = 0
+    simulated: bool = False  # fake process group + fake tensors (memory only)
+    runnable_of: Config | None = None  # the config this run is the runnable version of
+    from_disk: bool = False  # found under runs/ or opened, not launched by this window
 
     @property
     def name(self) -> str:
         return self.out_dir.name
+
+    @property
+    def label(self) -> str:
+        kind = " · simulated" if self.simulated else (" · runnable version" if self.runnable_of is not None else "")
+        return f"{self.name} · {self.status}{kind}"
+
+    def load_measurement(self) -> dict | None:
+        """Read measurement.json when it is not in memory yet (a run found on disk)."""
+        if self.measurement is None:
+            path = self.out_dir / "measurement.json"
+            if path.exists():
+                try:
+                    self.measurement = json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    self.reason = self.reason or f"measurement.json is not readable: {exc}"
+            if isinstance(self.measurement, dict) and self.measurement.get("simulated"):
+                self.simulated = True
+        return self.measurement
+
+
+def read_events(path: Path) -> list[dict]:
+    """events.jsonl, tolerating a torn last line (a run may be writing it, or have crashed)."""
+    out = []
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def read_run_dir(path: str | Path) -> RunRecord:
+    """A run directory as a RunRecord: status from events.jsonl, config from config.toml.
+
+    The measurement is read when the run is shown (:meth:`RunRecord.load_measurement`).
+    """
+    d = Path(path)
+    events = read_events(d / "events.jsonl")
+    try:
+        cfg: Config | None = Config.load(d / "config.toml")
+        reason = ""
+    except (ConfigError, OSError, ValueError) as exc:
+        cfg, reason = None, f"config.toml is not readable: {exc}"
+    record = RunRecord(config=cfg, out_dir=d, events=events, reason=reason, from_disk=True)
+    has_measurement = (d / "measurement.json").exists()
+    record.simulated = any(e.get("simulated") for e in events)
+    terminal = [e for e in events if e.get("event") in ("finished", "failed")]
+    if cfg is None:
+        record.status = "unreadable"
+    elif terminal and terminal[-1].get("event") == "failed":
+        record.status = "failed"
+        record.reason = str(terminal[-1].get("reason", "the run failed"))
+    elif has_measurement:
+        record.status = "finished"
+    elif terminal:
+        record.status = "failed"
+        record.reason = "finished without a measurement.json"
+    else:
+        record.status = "incomplete" if events else "empty"
+        record.reason = "no finished or failed event: the run was interrupted (or is still running elsewhere)"
+    for e in events:
+        if e.get("event") == "step":
+            record.step = int(e.get("step", e.get("k", record.step)) or 0)
+            record.steps = int(e.get("steps", e.get("n", record.steps)) or 0)
+    record.log = [f"# {d}"] + [_describe_event(e) for e in events]
+    if record.reason:
+        record.log.append(f"-- {record.status}: {record.reason}")
+    return record
 
 
 class State(QObject):
@@ -130,6 +229,8 @@ class State(QObject):
     runEvent = Signal(object, object)  # RunRecord, event dict
     runFinished = Signal(object)  # RunRecord
     runsChanged = Signal()
+    measurementShown = Signal(object)  # RunRecord drawn over the prediction of its config
+    calibrationChanged = Signal(object)  # RunRecord whose calibration times predictions, or None
 
     def __init__(self, config: Config | None = None, runs_dir: str | Path = "runs", parent=None):
         super().__init__(parent)
@@ -150,6 +251,11 @@ class State(QObject):
         self._timer.setInterval(0)
         self._timer.timeout.connect(self._recompute)
         self.recompute_count = 0
+        self.shown: RunRecord | None = None  # the run whose measurement is drawn
+        self.before_runnable: Config | None = None  # the config shown before a runnable version's result
+        self.calibration = None  # engine.calibrate.Calibration
+        self.calibration_run: RunRecord | None = None
+        self.scan_runs()
 
     # ------------------------------------------------------------------ config
 
@@ -266,8 +372,85 @@ class State(QObject):
 
     def _recompute(self) -> None:
         self.recompute_count += 1
-        self.prediction = predict(self.config)
+        self.prediction = predict(self.config, self.calibration)
         self.predictionReady.emit(self.prediction)
+
+    def set_calibration(self, record: RunRecord | None) -> None:
+        """Time predictions with what ``record`` measured (``load_calibration``), or analytically (None).
+
+        Raises ``engine.calibrate.CalibrationError`` / OSError when the run cannot calibrate.
+        """
+        if record is None:
+            self.calibration, self.calibration_run = None, None
+        else:
+            from engine.calibrate import load_calibration
+
+            self.calibration = load_calibration(record.out_dir)
+            self.calibration_run = record
+        self.recompute_now()
+        self.calibrationChanged.emit(record)
+
+    def predict_for(self, cfg: Config) -> Prediction:
+        """The prediction of ``cfg`` as the window currently predicts (calibrated or not)."""
+        pred = self.prediction
+        source = None if self.calibration is None else str(self.calibration.source)
+        if pred is not None and pred.config == cfg and pred.engine is not None and pred.calibrated_from == source:
+            return pred
+        return predict(cfg, self.calibration)
+
+    # ------------------------------------------------------------------ recorded runs
+
+    def scan_runs(self) -> list[RunRecord]:
+        """Add every run directory under ``runs_dir`` not listed yet (oldest first)."""
+        known = {r.out_dir.resolve() for r in self.runs}
+        found = []
+        if self.runs_dir.is_dir():
+            for d in sorted(self.runs_dir.iterdir()):
+                if d.is_dir() and (d / "config.toml").exists() and d.resolve() not in known:
+                    found.append(read_run_dir(d))
+        if found:
+            self.runs[:0] = found  # what ran before this window opened comes first
+            self.runsChanged.emit()
+        return found
+
+    def open_run(self, path: str | Path) -> RunRecord:
+        """List a run directory (File → Open run…) and show it; an already listed one is re-read."""
+        d = Path(path)
+        if not (d / "config.toml").exists():
+            raise FileNotFoundError(f"{d} has no config.toml: not a run directory")
+        for i, r in enumerate(self.runs):
+            if r.out_dir.resolve() == d.resolve():
+                if r.from_disk:
+                    self.runs[i] = read_run_dir(d)
+                record = self.runs[i]
+                break
+        else:
+            record = read_run_dir(d)
+            self.runs.append(record)
+        self.runsChanged.emit()
+        self.show_run(record)
+        return record
+
+    def show_run(self, record: RunRecord) -> bool:
+        """Load the run's config into the window and draw its measurement over that config's
+        prediction. False when there is nothing to draw (no config or no measurement)."""
+        if record.config is None or self.running and record is self._active:
+            return False
+        record.load_measurement()
+        if record.measurement is None:
+            return False
+        self.shown = record
+        if record.config != self.config:
+            self.set_config(record.config)
+            self.recompute_now()  # draw the measurement over its own config's prediction, not a stale one
+        self.measurementShown.emit(record)
+        return True
+
+    def back_from_runnable(self) -> None:
+        """Return to the config a runnable version was made from."""
+        if self.before_runnable is not None:
+            cfg, self.before_runnable = self.before_runnable, None
+            self.set_config(cfg)
 
     # ------------------------------------------------------------------ runs
 
@@ -278,12 +461,24 @@ class State(QObject):
     def run_command(self, config_path: Path, out_dir: Path) -> list[str]:
         return [sys.executable, "-m", "gui.cli", "run", str(config_path), "--out", str(out_dir), "--json"]
 
-    def start_run(self, cfg: Config | None = None) -> RunRecord:
-        """Launch ``cfg`` (default: the current config) as a child process; events stream in."""
+    def simulate_command(self, config_path: Path, out_dir: Path) -> list[str]:
+        return [sys.executable, "-m", "gui.cli", "measure", str(config_path), "--fake", "--out", str(out_dir),
+                "--json"]
+
+    def start_simulation(self, cfg: Config | None = None) -> RunRecord:
+        """Simulate ``cfg`` at full scale on a fake process group (memory only) in a child process."""
+        return self.start_run(cfg, simulate=True)
+
+    def start_run(self, cfg: Config | None = None, *, simulate: bool = False,
+                  runnable_of: Config | None = None) -> RunRecord:
+        """Launch ``cfg`` (default: the current config) as a child process; events stream in.
+
+        ``runnable_of``: the (too large) config ``cfg`` is the runnable version of.
+        """
         if self._process is not None:
             raise RuntimeError("a run is already in progress")
         cfg = cfg or self.config
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + ("-fake" if simulate else "")
         out_dir = self.runs_dir / stamp
         n = 1
         while out_dir.exists():
@@ -291,11 +486,11 @@ class State(QObject):
             out_dir = self.runs_dir / f"{stamp}-{n}"
         out_dir.mkdir(parents=True)
         cfg_path = cfg.save(out_dir / "config.toml")
-        record = RunRecord(config=cfg, out_dir=out_dir)
+        record = RunRecord(config=cfg, out_dir=out_dir, simulated=simulate, runnable_of=runnable_of)
         self.runs.append(record)
         self._active = record
         proc = QProcess(self)
-        cmd = self.run_command(cfg_path, out_dir)
+        cmd = (self.simulate_command if simulate else self.run_command)(cfg_path, out_dir)
         proc.setProgram(cmd[0])
         proc.setArguments(cmd[1:])
         proc.setWorkingDirectory(str(Path(__file__).resolve().parent.parent))
@@ -316,7 +511,11 @@ class State(QObject):
         self._active.status = "cancelled"
         self._active.reason = "cancelled by the user"
         proc = self._process
-        proc.terminate()  # SIGTERM: the backend stops its ranks; never block the window on it
+        if self._active.simulated and proc.processId() > 0:
+            # SIGINT: `measure --fake` stops its simulated ranks in a finally block (SIGTERM would orphan them)
+            os.kill(proc.processId(), signal.SIGINT)
+        else:
+            proc.terminate()  # SIGTERM: the backend stops its ranks; never block the window on it
 
         def force() -> None:
             if self._process is proc and proc.state() != QProcess.ProcessState.NotRunning:
@@ -329,6 +528,8 @@ class State(QObject):
         if proc is None or record is None:
             return
         self._stdout_buffer += bytes(proc.readAllStandardOutput().data())
+        if record.simulated:
+            return  # one JSON document at the end (measurement.json has it all), not an event stream
         *lines, self._stdout_buffer = self._stdout_buffer.split(b"\n")
         for raw in lines:
             line = raw.decode("utf-8", "replace").strip()
@@ -395,6 +596,13 @@ class State(QObject):
             except (OSError, json.JSONDecodeError) as exc:
                 record.status = "failed"
                 record.reason = f"no readable measurement.json: {exc}"
+            else:
+                if record.simulated:
+                    record.measurement["simulated"] = True
+                    ranks = [r.get("rank") for r in record.measurement.get("memory", {}).get("per_rank", [])]
+                    record.log.append(f"simulated ranks {ranks} on a fake process group (memory only)")
+                    record.log += [f"tracker: {w}" for w in record.measurement.get("warnings") or []]
+                    record.log += [f"not covered: {n}" for n in record.measurement.get("not_covered") or []]
         self._finish()
 
     def _finish(self) -> None:
@@ -408,6 +616,13 @@ class State(QObject):
             record.log.append(f"-- {record.status}" + (f": {record.reason}" if record.reason else ""))
             self.runFinished.emit(record)
             self.runsChanged.emit()
+            # draw it, unless the person has moved on to another config meanwhile (it stays in the list)
+            if record.status == "finished" and record.measurement is not None and record.config is not None:
+                if record.config == self.config:
+                    self.show_run(record)
+                elif record.runnable_of is not None and record.runnable_of == self.config:
+                    self.before_runnable = self.config
+                    self.show_run(record)
 
 
 def _describe_event(event: dict) -> str:

@@ -25,27 +25,38 @@ from gui.state import State  # noqa: E402
 pytestmark = pytest.mark.gui
 
 
-def stand_in_backend(tmp_path, cfg, *, sleep_s: float = 0.0) -> str:
-    """A script that prints the backend's events and writes a measurement.json for ``cfg``."""
-    from engine.memory import memory_per_rank
-    from engine.timeline import pipeline_prediction
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries")
 
-    mem = memory_per_rank(cfg)
-    tl = pipeline_prediction(cfg)
+
+def stand_in_measurement(cfg, *, ranks=None) -> dict:
+    """measurement.json for ``cfg``: every category "measured" = predicted × 1.1 (error -9.1 %),
+    overhead 0 (a CPU/gloo run has no CUDA context), timeline stretched by 1.2."""
+    from engine.predict import predict
+
+    pred = predict(cfg)
+    tl = pred.pipeline
     par = cfg.parallel
-    measurement = {
-        # "measured" = predicted × 1.1, so every error is -9.1 %
-        "memory": {"per_rank": [{"rank": r.rank, "stage": list(r.stages)[0],
-                                 **{c: int(getattr(r, c) * 1.1) for c in
-                                    ("params", "grads", "optimizer", "activations", "comm_buffers",
-                                     "temporaries", "overhead")},
-                                 "total": int(r.total * 1.1)} for r in mem.per_rank]},
+    rows = [r for r in pred.memory.per_rank if ranks is None or r.rank in ranks]
+    per_rank = []
+    for r in rows:
+        row = {"rank": r.rank, "stage": list(r.stages)[0], **{c: int(getattr(r, c) * 1.1) for c in CATEGORIES},
+               "overhead": 0}
+        row["total"] = sum(row[c] for c in (*CATEGORIES, "overhead"))
+        per_rank.append(row)
+    return {
+        "memory": {"per_rank": per_rank},
         "pipeline": {"per_rank": [{"rank": tl.global_ranks[p],
-                                   "actions": [[k, s, m, 100 + a * 1.2, 100 + b * 1.2]
-                                               for k, s, m, a, b in tl.actions_of_rank(p)]}
-                                  for p in range(par.pp)]},
+                                   "actions": [[k, s, m, a * 1.2, b * 1.2] for k, s, m, a, b in tl.actions_of_rank(p)]}
+                                  for p in range(par.pp)] if ranks is None else []},
+        "step": {"seconds": pred.step.seconds * 1.2, "per_step": [pred.step.seconds * 1.2] * 3, "losses": []},
+        "ranks": [{"rank": r.rank} for r in rows],
     }
-    script = tmp_path / "backend.py"
+
+
+def stand_in_backend(tmp_path, cfg, *, sleep_s: float = 0.0, name: str = "backend.py") -> str:
+    """A script that prints the backend's events and writes a measurement.json for ``cfg``."""
+    measurement = stand_in_measurement(cfg)
+    script = tmp_path / name
     script.write_text(textwrap.dedent(f"""
         import json, sys, time, pathlib
         out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])
@@ -55,6 +66,26 @@ def stand_in_backend(tmp_path, cfg, *, sleep_s: float = 0.0) -> str:
             print(json.dumps({{"event": "step", "k": k, "n": 3, "loss": 6.0 - k, "seconds": 0.1}}), flush=True)
         (out / "measurement.json").write_text({json.dumps(json.dumps(measurement))})
         print(json.dumps({{"event": "finished"}}), flush=True)
+    """))
+    return str(script)
+
+
+def stand_in_simulator(tmp_path, cfg) -> str:
+    """`measure --fake` stand-in: one rank per pipeline stage, marked simulated, one JSON document out."""
+    from backend.fake import default_ranks
+
+    ranks = default_ranks(cfg)
+    measurement = stand_in_measurement(cfg, ranks=set(ranks))
+    measurement.update(simulated=True, simulated_ranks=ranks, warnings=[],
+                       not_covered=["the CUDA context and NCCL buffers"])
+    script = tmp_path / "simulator.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys, pathlib
+        out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])
+        assert "--fake" in sys.argv and "--json" in sys.argv
+        doc = json.loads({json.dumps(json.dumps(measurement))})
+        (out / "measurement.json").write_text(json.dumps(doc))
+        print(json.dumps(doc, indent=1), flush=True)  # several lines: not an event stream
     """))
     return str(script)
 
@@ -87,14 +118,41 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
     assert window.memory.plot.grab().toImage() != mem_before
     assert len(window.timeline.measured) == len(window.timeline.predicted)
     assert "measured step" in window.timeline.header.text()
-    # the comparison table: every rank × category, error -9.1 %
+    # the comparison table is engine.compare's: every rank × category, error -9.1 %, with the causes
+    from engine.compare import compare
+    from engine.predict import predict
+
+    cmp = compare(predict(record.config), record.measurement)
     rows = window.run_panel.rows
-    assert {r[1] for r in rows} >= {"params", "activations", "total", "pipeline makespan (s)"}
-    mem_errors = [r[4] for r in rows if r[1] == "total"]
-    assert all(abs(e - (-100 / 11)) < 0.1 for e in mem_errors)
+    assert {r.quantity for r in rows} >= {"params", "activations", "total", "pipeline makespan", "bubble",
+                                          "action order identical?", "step time"}
+    params = [r for r in rows if r.quantity == "params"]
+    assert len(params) == len(cmp.memory) == record.config.parallel.world_size
+    assert all(abs(r.error - (-100 / 11)) < 0.1 for r in params)
+    overhead = next(r for r in rows if r.quantity == "overhead")
+    assert "CPU/gloo run" in overhead.note  # engine.compare's explanation, shown beside the number
+    order = next(r for r in rows if r.quantity == "action order identical?")
+    assert order.measured == "yes"
+    bubble = next(r for r in rows if r.quantity == "bubble")
+    assert bubble.predicted == pytest.approx(cmp.bubble.predicted) and bubble.measured == pytest.approx(cmp.bubble.measured)
+    step = next(r for r in rows if r.quantity == "step time")
+    assert step.error == pytest.approx(cmp.step.relative * 100)
     assert window.run_panel.table.rowCount() == len(rows)
+    table_text = [window.run_panel.table.item(i, 5).text() for i in range(len(rows))]
+    assert any("CPU/gloo run" in t for t in table_text)
     csv_path = window.run_panel.export_csv(tmp_path / "cmp.csv")
     assert csv_path.read_text().startswith("rank,quantity,predicted,measured,error_percent")
+    # the calibration toggle: this run's timings re-time the prediction (step and timeline)
+    analytic_step = window.state.prediction.step.seconds
+    assert window.run_panel.calibrate_box.isEnabled()
+    window.run_panel.calibrate_box.setChecked(True)
+    assert window.state.prediction.calibrated_from == str(record.out_dir)
+    assert window.state.prediction.step.seconds != pytest.approx(analytic_step)
+    assert "calibration" in window.timeline.header.text()
+    assert "calibrated" in window.run_panel.table_title.text()
+    window.run_panel.calibrate_box.setChecked(False)
+    assert window.state.prediction.calibrated_from is None
+    assert window.state.prediction.step.seconds == pytest.approx(analytic_step)
     # moving on to another config drops the overlay (it belongs to the config that ran)
     window.state.edit("parallel.microbatches", 8)
     window.state.recompute_now()
@@ -129,4 +187,112 @@ def test_tiny_preset_end_to_end_through_the_backend(window, qtbot):
     QApplication.processEvents()
     assert window.memory.measured_by_rank
     assert len(window.timeline.measured) > 0
-    assert any(r[1] == "total" for r in window.run_panel.rows)
+    assert any(r.quantity == "total" for r in window.run_panel.rows)
+    # a real CPU run calibrates: the step is re-timed with what it measured
+    window.run_panel.calibrate_box.setChecked(True)
+    assert window.state.prediction.calibrated_from == str(record.out_dir)
+    step = next(r for r in window.run_panel.rows if r.quantity == "step time")
+    assert "calibrated" in step.note
+
+
+def test_simulate_at_scale_is_shown_like_a_measurement(window, qtbot, tmp_path):
+    cfg = window.state.config
+    script = stand_in_simulator(tmp_path, cfg)
+    window.state.simulate_command = lambda cfg_path, out_dir: [sys.executable, script, str(cfg_path), "--fake",
+                                                               "--out", str(out_dir), "--json"]
+    with qtbot.waitSignal(window.state.runFinished, timeout=20000) as blocker:
+        window.run_panel.simulate_button.click()
+    record = blocker.args[0]
+    assert record.status == "finished", record.log
+    assert record.simulated and record.measurement["simulated"] is True
+    assert record.out_dir.name.endswith("-fake")
+    QApplication.processEvents()
+    # drawn over the prediction like a run, and compared, memory only
+    from backend.fake import default_ranks
+
+    assert set(window.memory.measured_by_rank) == set(default_ranks(cfg))
+    assert "simulated" in window.memory.header.text()
+    rows = window.run_panel.rows
+    assert {r.rank for r in rows if r.quantity == "total"} == {str(r) for r in default_ranks(cfg)}
+    step = next(r for r in rows if r.quantity == "step time")
+    assert step.measured is None and "fake tensors" in step.note
+    assert any("simulated" in n for n in window.run_panel.notes)
+    assert "simulated" in window.run_panel.runs.item(window.run_panel.runs.count() - 1).text()
+    assert not window.run_panel.calibrate_box.isEnabled()  # a simulation has no timings to calibrate from
+
+
+def _write_run(d, cfg, events, measurement=None):
+    d.mkdir(parents=True)
+    cfg.save(d / "config.toml")
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "st')  # torn line
+    if measurement is not None:
+        (d / "measurement.json").write_text(json.dumps(measurement))
+
+
+def test_recent_runs_are_listed_with_status_and_selecting_one_shows_it(qtbot, tmp_path):
+    from engine import Config
+
+    runs = tmp_path / "runs"
+    measured_cfg = default_config().replace(parallel={"microbatches": 8})
+    _write_run(runs / "20260101-000000", measured_cfg,
+               [{"event": "started", "steps": 3}, {"event": "step", "k": 3, "n": 3}, {"event": "finished"}],
+               stand_in_measurement(measured_cfg))
+    _write_run(runs / "20260101-000100", default_config(),
+               [{"event": "started"}, {"event": "failed", "reason": "rank 1 died (exit 9)"}])
+    _write_run(runs / "20260101-000200", default_config(), [{"event": "started"}])
+    w = make_window(State(default_config(), runs_dir=runs))
+    qtbot.addWidget(w)
+    w.show()
+    w.state.recompute_now()
+    labels = [w.run_panel.runs.item(i).text() for i in range(w.run_panel.runs.count())]
+    assert labels == ["20260101-000000 · finished", "20260101-000100 · failed", "20260101-000200 · incomplete"]
+    w.run_panel.runs.setCurrentRow(1)  # a failed run: its log and reason, nothing drawn
+    assert "rank 1 died" in w.run_panel.log.toPlainText()
+    assert not w.memory.measured_by_rank
+    w.run_panel.runs.setCurrentRow(0)  # the finished one: its config, its measurement, its comparison
+    assert w.state.config == measured_cfg and w.controls.microbatches.value() == 8
+    assert w.memory.measured_by_rank and len(w.timeline.measured) > 0
+    assert any(r.quantity == "total" for r in w.run_panel.rows)
+    # File → Open run… on a directory outside runs/
+    elsewhere = tmp_path / "elsewhere" / "run-a"
+    other = Config.from_dict({**default_config().to_dict(), "parallel": {**default_config().to_dict()["parallel"],
+                                                                       "microbatches": 2}})
+    _write_run(elsewhere, other, [{"event": "finished"}], stand_in_measurement(other))
+    w.state.open_run(elsewhere)
+    assert w.run_panel.runs.count() == 4 and w.run_panel.runs.currentRow() == 3
+    assert w.state.config == other and w.memory.measured_by_rank
+
+
+def test_too_large_config_runs_its_runnable_version(window, qtbot, tmp_path):
+    from engine import Config
+    from gui.runnable import runnable_version
+
+    big = Config.load("assets/examples/llama3-8b-16gpu.toml")
+    window.state.set_config(big)
+    window.state.recompute_now()
+    panel = window.run_panel
+    assert panel.run_button.text() == "▶ Run runnable version"
+    assert panel.runnable_note.isVisible()
+    note = panel.runnable_note.text()
+    assert "h100-sxm" in note and "tiny" in note and "apples to apples" in note
+    small = runnable_version(big).config
+    p, q = small.parallel, big.parallel
+    assert (p.tp, p.pp, p.zero, p.schedule, p.virtual_stages, p.microbatches, p.sequence_parallel) == \
+        (q.tp, q.pp, q.zero, q.schedule, q.virtual_stages, q.microbatches, q.sequence_parallel)
+    assert small.training.recompute == big.training.recompute and small.training.precision == big.training.precision
+    assert small.cluster.gpu.name == "cpu" and small.model.preset == "tiny" and p.world_size <= 8
+    use_backend(window.state, stand_in_backend(tmp_path, small))
+    with qtbot.waitSignal(window.state.runFinished, timeout=20000) as blocker:
+        panel.run_button.click()
+    record = blocker.args[0]
+    assert record.status == "finished" and record.config == small and record.runnable_of == big
+    QApplication.processEvents()
+    # the window now shows the runnable config with its measurement, compared with its own prediction
+    assert window.state.config == small
+    assert window.memory.measured_by_rank and len(window.timeline.measured) > 0
+    assert "runnable" in panel.table_title.text() and "runnable" in panel.status.text()
+    params = [r for r in panel.rows if r.quantity == "params"]
+    assert all(abs(r.error - (-100 / 11)) < 0.1 for r in params)  # apples to apples: exactly the stand-in's 1.1×
+    assert panel.back_button.isVisible()
+    panel.back_button.click()
+    assert window.state.config == big and not panel.back_button.isVisible()

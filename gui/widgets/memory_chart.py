@@ -117,6 +117,7 @@ class MemoryChart(QWidget):
         self.report = None
         self.measured_by_rank: dict[int, dict[str, float]] = {}
         self.measured_config = None
+        self.measured_label = ""
         self.hover_text = ""
         self.full_scale = False
         self._ticks: list = []
@@ -151,7 +152,7 @@ class MemoryChart(QWidget):
         self._build_items(pi)
         self.plot.scene().sigMouseMoved.connect(self._hover)
         state.predictionReady.connect(self.on_prediction)
-        state.runFinished.connect(self.on_run_finished)
+        state.measurementShown.connect(self.on_run_finished)
 
     # ------------------------------------------------------------------ data
 
@@ -176,6 +177,7 @@ class MemoryChart(QWidget):
         self.measured_by_rank = {int(e["rank"]): {c: float(e.get(c, 0) or 0) for c in (*MEMORY_CATEGORIES, "total")}
                                  for e in per_rank if "rank" in e}
         self.measured_config = record.config
+        self.measured_label = f"{'simulated' if record.simulated else 'measured'} {record.name}"
         self.redraw()
 
     # ------------------------------------------------------------------ drawing
@@ -258,7 +260,10 @@ class MemoryChart(QWidget):
         worst = max(self.groups, key=lambda g: g.total)
         verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
                    else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.total)} on the fullest")
-        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · {verdict}")
+        text = f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · {verdict}"
+        if has_measured:
+            text += f" · outlined: {self.measured_label}"
+        self.header.setText(text)
         if self.header.property("alarm") != bool(over):
             self.header.setProperty("alarm", bool(over))
             self.header.style().unpolish(self.header)

@@ -1,12 +1,23 @@
-"""Run the current config for real, watch it, and compare what was measured to the prediction."""
+"""Run the current config for real (or simulate it at scale), watch it, and compare what was
+measured to the prediction of that exact config.
+
+The comparison is ``engine.compare`` (see gui.comparison): per rank and category predicted,
+measured, error % and the known cause of a difference; then pipeline makespan, bubble, action
+order, and step time. Recent runs (every directory under runs/, and any opened) are listed
+with their status; selecting one loads its config and draws its measurement.
+"""
 
 from __future__ import annotations
 
 import csv
 from pathlib import Path
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QCheckBox,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QListWidget,
     QPlainTextEdit,
@@ -19,98 +30,175 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.names import MEMORY_CATEGORIES
-from gui.state import predict
-from gui.widgets.memory_chart import fmt_bytes
-from gui.widgets.timeline import actions_from_measurement
+from gui.comparison import Row, comparison_rows
+from gui.runnable import Runnable, runnable_version
 
-
-def comparison_rows(record, prediction) -> list[tuple[str, str, float, float, float | None]]:
-    """(rank, quantity, predicted, measured, error %) for every rank and category measured.
-
-    ``prediction`` must be the prediction of ``record.config`` itself (apples to apples).
-    Error % = (predicted - measured) / measured.
-    """
-    rows = []
-    meas = record.measurement or {}
-    mem = prediction.memory if prediction is not None else None
-    if mem is not None:
-        predicted = {int(r.rank): r for r in mem.per_rank}
-        for entry in meas.get("memory", {}).get("per_rank", []):
-            rank = int(entry.get("rank", -1))
-            if rank not in predicted:
-                continue
-            for c in (*MEMORY_CATEGORIES, "total"):
-                if c not in entry:
-                    continue
-                p, m = float(getattr(predicted[rank], c)), float(entry[c])
-                err = (p - m) / m * 100 if m else None
-                rows.append((str(rank), c, p, m, err))
-    tl = prediction.timeline if prediction is not None else None
-    if tl is not None and meas.get("pipeline"):
-        par = record.config.parallel
-        acts = actions_from_measurement(meas, par.dp, par.tp)
-        if len(acts):
-            m = float(acts.end_s.max())
-            p = float(tl.makespan_s)
-            rows.append(("all", "pipeline makespan (s)", p, m, (p - m) / m * 100 if m else None))
-    return rows
+HEADERS = ["rank", "quantity", "predicted", "measured", "error %", "why it differs / note"]
 
 
 class RunPanel(QWidget):
     def __init__(self, state, parent=None):
         super().__init__(parent)
         self.state = state
-        self.rows: list = []
+        self.rows: list[Row] = []
+        self.notes: list[str] = []
+        self.comparison = None
+        self.current: object | None = None  # the RunRecord whose comparison is shown
+        self.runnable: Runnable = runnable_version(state.config)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         bar = QHBoxLayout()
         self.run_button = QPushButton("▶ Run")
         self.run_button.setObjectName("runButton")
+        self.simulate_button = QPushButton("Simulate at scale (fake PG)")
+        self.simulate_button.setToolTip(
+            "Measure memory of this exact config at full scale without the hardware: the real backend code "
+            "path on a fake process group with fake tensors, one rank per pipeline stage (shardscope measure "
+            "--fake). Memory only: fake tensors do no arithmetic, so there is no step time.")
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.setEnabled(False)
+        self.calibrate_box = QCheckBox("Use this run's calibration")
+        self.calibrate_box.setEnabled(False)
+        self.calibrate_box.setToolTip("Time the step and the pipeline with the durations, efficiency and "
+                                      "bandwidths this run measured on this machine (engine.calibrate)")
         self.progress = QProgressBar()
         self.progress.setRange(0, 1)
         self.progress.setValue(0)
+        for w in (self.run_button, self.simulate_button, self.cancel_button):
+            bar.addWidget(w)
+        bar.addWidget(self.progress, 1)
+        bar.addWidget(self.calibrate_box)
+        lay.addLayout(bar)
         self.status = QLabel("Runs this configuration as real multi-process training.")
         self.status.setWordWrap(True)
-        bar.addWidget(self.run_button)
-        bar.addWidget(self.cancel_button)
-        bar.addWidget(self.progress, 1)
-        lay.addLayout(bar)
         lay.addWidget(self.status)
+        offer = QHBoxLayout()
+        self.runnable_note = QLabel()
+        self.runnable_note.setObjectName("note")
+        self.runnable_note.setWordWrap(True)
+        self.back_button = QPushButton("Back to your config")
+        self.back_button.hide()
+        offer.addWidget(self.runnable_note, 1)
+        offer.addWidget(self.back_button)
+        lay.addLayout(offer)
+
         split = QSplitter()
+        left = QWidget()
+        ll = QVBoxLayout(left)
+        ll.setContentsMargins(0, 0, 0, 0)
+        title = QLabel("Recent runs")
+        title.setObjectName("hint")
+        ll.addWidget(title)
+        self.runs = QListWidget()
+        self.runs.setToolTip("Every run directory under runs/ and any opened with File → Open run…; "
+                             "select one to load its config and draw its measurement")
+        ll.addWidget(self.runs, 1)
         self.log = QPlainTextEdit()
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(5000)
         self.log.setPlaceholderText("live log")
-        self.runs = QListWidget()
-        self.runs.setMaximumWidth(180)
-        split.addWidget(self.runs)
-        split.addWidget(self.log)
-        self.table = QTableWidget(0, 5)
-        self.table.setHorizontalHeaderLabels(["rank", "quantity", "predicted", "measured", "error %"])
+        right = QWidget()
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(0, 0, 0, 0)
+        self.table_title = QLabel("Predicted vs measured (error % = (predicted − measured) / measured)")
+        self.table_title.setObjectName("hint")
+        rl.addWidget(self.table_title)
+        self.table = QTableWidget(0, len(HEADERS))
+        self.table.setHorizontalHeaderLabels(HEADERS)
         self.table.verticalHeader().hide()
-        split.addWidget(self.table)
-        split.setSizes([140, 300, 420])
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setWordWrap(False)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        rl.addWidget(self.table, 1)
+        self.notes_label = QLabel()
+        self.notes_label.setObjectName("hint")
+        self.notes_label.setWordWrap(True)
+        self.notes_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.notes_label.hide()
+        rl.addWidget(self.notes_label)
+        split.addWidget(left)
+        split.addWidget(self.log)
+        split.addWidget(right)
+        split.setSizes([190, 260, 640])
+        split.setStretchFactor(2, 1)
         lay.addWidget(split, 1)
+
         self.run_button.clicked.connect(self.start)
+        self.simulate_button.clicked.connect(self.simulate)
         self.cancel_button.clicked.connect(state.cancel_run)
+        self.back_button.clicked.connect(state.back_from_runnable)
+        self.calibrate_box.toggled.connect(self._toggle_calibration)
         self.runs.currentRowChanged.connect(self._show_run)
         state.runEvent.connect(self.on_event)
         state.runFinished.connect(self.on_finished)
         state.runsChanged.connect(self._list_runs)
+        state.measurementShown.connect(self.on_shown)
+        state.configChanged.connect(self._config_changed)
+        state.calibrationChanged.connect(self._calibration_changed)
+        self._list_runs()
+        self._config_changed(state.config)
+
+    # ------------------------------------------------------------------ runnable version
+
+    def _config_changed(self, cfg) -> None:
+        self.runnable = runnable_version(cfg)
+        r = self.runnable
+        if r.is_original:
+            self.run_button.setText("▶ Run")
+            self.run_button.setToolTip("Run this configuration as real multi-process training")
+            self.runnable_note.setVisible(self.state.before_runnable is not None)
+        else:
+            self.run_button.setText("▶ Run runnable version" if r.config is not None else "▶ Run")
+            self.run_button.setToolTip(r.describe())
+            self.runnable_note.setText(r.describe())
+            self.runnable_note.show()
+        if self.state.before_runnable is not None and cfg != self.state.before_runnable:
+            b, shown = self.state.before_runnable, self.state.shown
+            if shown is not None and cfg == shown.config:
+                self.runnable_note.setText(
+                    f"Showing the runnable version of {b.model.preset or 'your model'} on {b.parallel.world_size} × "
+                    f"{b.cluster.gpu.name}: the prediction, the overlays and the table are all of this exact config.")
+                self.runnable_note.show()
+            self.back_button.show()
+        else:
+            self.back_button.hide()
+            if self.state.before_runnable is not None and cfg == self.state.before_runnable:
+                self.state.before_runnable = None
+        self._update_buttons()
+
+    def _update_buttons(self) -> None:
+        running = self.state.running
+        self.run_button.setEnabled(not running and self.runnable.config is not None)
+        self.simulate_button.setEnabled(not running)
+        self.cancel_button.setEnabled(running)
+
+    # ------------------------------------------------------------------ launching
 
     def start(self) -> None:
+        """Run the config (or, when it is too large for this machine, its runnable version)."""
+        if self.state.running or self.runnable.config is None:
+            return
+        r = self.runnable
+        if r.is_original:
+            record = self.state.start_run()
+        else:
+            record = self.state.start_run(r.config, runnable_of=r.original)
+        self._started(record, "Starting the runnable version " if not r.is_original else "Starting ")
+
+    def simulate(self) -> None:
+        """Simulate the current config at full scale on a fake process group (memory only)."""
         if self.state.running:
             return
+        record = self.state.start_simulation()
+        self._started(record, f"Simulating {self.state.config.parallel.world_size} ranks on a fake process group: ")
+
+    def _started(self, record, words: str) -> None:
         self.log.clear()
-        self.table.setRowCount(0)
-        record = self.state.start_run()
-        self.run_button.setEnabled(False)
-        self.cancel_button.setEnabled(True)
+        self._clear_table()
+        self._update_buttons()
         self.progress.setRange(0, 0)  # busy until the first step says how many
-        self.status.setText(f"Starting {record.name} …")
+        self.status.setText(f"{words}{record.name} …")
+        self.status.setProperty("alarm", False)
         for line in record.log:
             self.log.appendPlainText(line)
 
@@ -125,54 +213,143 @@ class RunPanel(QWidget):
             self.status.setText(f"{record.name}: started")
 
     def on_finished(self, record) -> None:
-        self.run_button.setEnabled(True)
-        self.cancel_button.setEnabled(False)
+        self._update_buttons()
         self.progress.setRange(0, max(1, record.steps))
-        self.progress.setValue(record.steps if record.status == "finished" else 0)
-        self.log.appendPlainText(record.log[-1])
-        words = {"finished": "finished: measured memory and timeline are drawn over the prediction",
+        self.progress.setValue(max(1, record.steps) if record.status == "finished" else 0)
+        self.log.setPlainText("\n".join(record.log))
+        what = "simulated memory is" if record.simulated else "measured memory and timeline are"
+        words = {"finished": f"finished: {what} drawn over the prediction",
                  "cancelled": "cancelled", "failed": f"failed: {record.reason}"}
-        self.status.setText(f"{record.name} {words.get(record.status, record.status)}")
+        text = f"{record.name} {words.get(record.status, record.status)}"
+        if record.status == "finished" and record.runnable_of is not None:
+            text += " — this was the runnable version (tiny model, CPU ranks); the table compares it with the " \
+                    "prediction of that same config"
+        self.status.setText(text)
         self.status.setProperty("alarm", record.status == "failed")
         self.show_comparison(record)
 
+    # ------------------------------------------------------------------ showing a run
+
+    def on_shown(self, record) -> None:
+        self.show_comparison(record)
+        row = self.state.runs.index(record) if record in self.state.runs else -1
+        if row >= 0 and self.runs.currentRow() != row:
+            self.runs.blockSignals(True)
+            self.runs.setCurrentRow(row)
+            self.runs.blockSignals(False)
+
+    def _clear_table(self) -> None:
+        self.rows, self.notes, self.comparison = [], [], None
+        self.table.setRowCount(0)
+        self.notes_label.hide()
+
     def show_comparison(self, record) -> None:
-        if record.measurement is None:
-            self.rows = []
-            self.table.setRowCount(0)
+        """engine.compare of the run's measurement with the prediction of the config that ran."""
+        self.current = record
+        self._calibration_enabled()
+        if record.config is None or record.load_measurement() is None:
+            self._clear_table()
+            self.table_title.setText(f"{record.name}: nothing measured" + (f" ({record.reason})" if record.reason
+                                                                           else ""))
             return
-        pred = self.state.prediction
-        if pred is None or pred.config != record.config:
-            pred = predict(record.config)
-        self.rows = comparison_rows(record, pred)
+        pred = self.state.predict_for(record.config)
+        try:
+            self.rows, self.notes, self.comparison = comparison_rows(
+                pred.engine, record.measurement, simulated=record.simulated, calibrated_from=pred.calibrated_from)
+        except (KeyError, TypeError, ValueError) as exc:
+            self._clear_table()
+            self.table_title.setText(f"{record.name}: the measurement cannot be compared ({exc})")
+            return
+        kind = "simulated" if record.simulated else "measured"
+        title = f"{record.name}: predicted vs {kind} (error % = (predicted − measured) / measured)"
+        if record.runnable_of is not None:
+            title += " · runnable version: predicted for the same tiny/CPU config"
+        if pred.calibrated_from:
+            title += f" · time calibrated from {Path(pred.calibrated_from).name}"
+        self.table_title.setText(title)
+        self.table.setUpdatesEnabled(False)
         self.table.setRowCount(len(self.rows))
-        for i, (rank, qty, p, m, err) in enumerate(self.rows):
-            is_bytes = qty in MEMORY_CATEGORIES or qty == "total"
-            cells = [rank, qty, fmt_bytes(p) if is_bytes else f"{p:.4g}", fmt_bytes(m) if is_bytes else f"{m:.4g}",
-                     "—" if err is None else f"{err:+.1f}"]
-            for j, text in enumerate(cells):
-                self.table.setItem(i, j, QTableWidgetItem(text))
+        for i, row in enumerate(self.rows):
+            for j, text in enumerate(row.cells()):
+                item = QTableWidgetItem(text)
+                if j in (2, 3, 4):
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                if j == 5 and text:
+                    item.setToolTip(text)
+                self.table.setItem(i, j, item)
         self.table.resizeColumnsToContents()
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(5, QHeaderView.ResizeMode.Stretch)
+        self.table.setUpdatesEnabled(True)
+        if self.notes:
+            self.notes_label.setText("\n".join(f"• {n}" for n in self.notes))
+            self.notes_label.show()
+        else:
+            self.notes_label.hide()
 
     def _list_runs(self) -> None:
         self.runs.blockSignals(True)
+        current = self.current
         self.runs.clear()
         for r in self.state.runs:
-            self.runs.addItem(f"{r.name} · {r.status}")
+            self.runs.addItem(r.label)
+            item = self.runs.item(self.runs.count() - 1)
+            item.setToolTip(f"{r.out_dir}\n{r.reason}" if r.reason else str(r.out_dir))
+        if current in self.state.runs:
+            self.runs.setCurrentRow(self.state.runs.index(current))
         self.runs.blockSignals(False)
 
     def _show_run(self, row: int) -> None:
+        """Selecting a run loads its config and draws its measurement; a run without one shows its log."""
         if not 0 <= row < len(self.state.runs):
             return
         record = self.state.runs[row]
         self.log.setPlainText("\n".join(record.log))
-        self.show_comparison(record)
+        if not self.state.show_run(record):
+            self.show_comparison(record)
+
+    # ------------------------------------------------------------------ calibration
+
+    def _calibration_enabled(self) -> None:
+        r = self.current
+        usable = (r is not None and getattr(r, "status", "") == "finished" and not r.simulated
+                  and r.config is not None)
+        self.calibrate_box.blockSignals(True)
+        self.calibrate_box.setChecked(self.state.calibration_run is not None and self.state.calibration_run is r)
+        self.calibrate_box.blockSignals(False)
+        self.calibrate_box.setEnabled(usable or self.state.calibration_run is not None)
+
+    def _toggle_calibration(self, on: bool) -> None:
+        try:
+            self.state.set_calibration(self.current if on else None)
+        except (OSError, ValueError) as exc:  # CalibrationError is a ValueError
+            self.calibrate_box.blockSignals(True)
+            self.calibrate_box.setChecked(False)
+            self.calibrate_box.blockSignals(False)
+            self.status.setText(f"cannot calibrate from {getattr(self.current, 'name', '?')}: {exc}")
+            self.status.setProperty("alarm", True)
+
+    def _calibration_changed(self, record) -> None:
+        if record is None:
+            self.status.setText("Predictions are analytic again (no calibration).")
+        else:
+            self.status.setText(f"Step and pipeline are now timed with the calibration of {record.name}; "
+                                "untick to go back to the analytic model.")
+        self.status.setProperty("alarm", False)
+        if self.current is not None:
+            self.show_comparison(self.current)
+
+    # ------------------------------------------------------------------ export
 
     def export_csv(self, path: str | Path) -> Path:
         path = Path(path)
         with path.open("w", newline="", encoding="utf-8") as fh:
             w = csv.writer(fh)
-            w.writerow(["rank", "quantity", "predicted", "measured", "error_percent"])
-            for rank, qty, p, m, err in self.rows:
-                w.writerow([rank, qty, p, m, "" if err is None else f"{err:.3f}"])
+            w.writerow(["rank", "quantity", "predicted", "measured", "error_percent", "unit", "note"])
+            for r in self.rows:
+                w.writerow([r.rank, r.quantity, "" if r.predicted is None else r.predicted,
+                            "" if r.measured is None else r.measured,
+                            "" if r.error is None else f"{r.error:.3f}", r.unit, r.note])
+            for n in self.notes:
+                w.writerow(["", "note", "", "", "", "", n])
         return path

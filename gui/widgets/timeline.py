@@ -10,6 +10,7 @@ hundred thousand boxes of a 64-rank × 512-microbatch schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyqtgraph as pg
@@ -266,7 +267,7 @@ class TimelineView(QWidget):
         lay.addWidget(self.plot, 1)
         lay.addWidget(self.note)
         state.predictionReady.connect(self.on_prediction)
-        state.runFinished.connect(self.on_run_finished)
+        state.measurementShown.connect(self.on_run_finished)
 
     @staticmethod
     def _legend() -> QLabel:
@@ -288,6 +289,7 @@ class TimelineView(QWidget):
             self.makespan_s = float(getattr(tl, "makespan_s", self.predicted.end_s.max() if len(self.predicted) else 0))
             self.bubble_fraction = getattr(tl, "bubble_fraction", None)
             self.note.hide()
+        self.calibrated_from = pred.calibrated_from
         # a measurement belongs to the config it ran; drop it when the prediction moves on
         if self.measured_config is not None and self.measured_config != pred.config:
             self.measured = Actions.empty()
@@ -295,6 +297,7 @@ class TimelineView(QWidget):
         self.redraw()
 
     measured_config = None
+    calibrated_from: str | None = None
 
     def on_run_finished(self, record) -> None:
         if record.measurement is None:
@@ -365,6 +368,8 @@ class TimelineView(QWidget):
         if self.bubble_fraction is not None:
             conv = self.state.config.conventions.bubble
             text += f" · bubble {self.bubble_fraction * 100:.1f}% ({conv})"
+        if self.calibrated_from:
+            text += f" · timed with the calibration of {Path(self.calibrated_from).name}"
         if has_measured:
             text += f" · measured step {_fmt_seconds(float(self.measured.end_s.max()))}"
         self.header.setText(text)

@@ -1,0 +1,132 @@
+"""The comparison table's rows: ``engine.compare`` laid out for a table (no Qt, no arithmetic).
+
+Every number and every explanation comes from :func:`engine.compare.compare`; this module only
+chooses the rows, their units and their words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.compare import Comparison, compare
+
+BYTES, SECONDS, SHARE, TEXT = "bytes", "seconds", "share", "text"
+
+
+def fmt_bytes(n: float) -> str:
+    n = float(n)
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_seconds(s: float) -> str:
+    a = abs(s)
+    if a >= 1:
+        return f"{s:.3g} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the comparison table.
+
+    ``error`` is the relative error in percent ((predicted − measured) / measured) for bytes and
+    seconds, the difference in percentage points for a share, and None where it is undefined.
+    """
+
+    rank: str
+    quantity: str
+    predicted: float | str | None
+    measured: float | str | None
+    error: float | None
+    note: str = ""
+    unit: str = BYTES
+
+    def _fmt(self, v) -> str:
+        if v is None:
+            return "—"
+        if isinstance(v, str):
+            return v
+        if self.unit == BYTES:
+            return fmt_bytes(v)
+        if self.unit == SECONDS:
+            return fmt_seconds(v)
+        if self.unit == SHARE:
+            return f"{v * 100:.1f} %"
+        return f"{v:.4g}"
+
+    def cells(self) -> list[str]:
+        if self.error is None:
+            err = "—"
+        elif self.unit == SHARE:
+            err = f"{self.error:+.1f} pts"
+        else:
+            err = f"{self.error:+.1f}"
+        return [self.rank, self.quantity, self._fmt(self.predicted), self._fmt(self.measured), err, self.note]
+
+
+def _pct(rel: float | None) -> float | None:
+    return None if rel is None else rel * 100
+
+
+def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = False,
+                    calibrated_from: str | None = None) -> tuple[list[Row], list[str], Comparison]:
+    """(rows, notes for the whole comparison, the Comparison itself).
+
+    ``engine_prediction`` must be ``engine.predict`` (or a calibration's predict) of the config
+    that ran — the same config, so the comparison is apples to apples.
+    """
+    cmp = compare(engine_prediction, measurement)
+    rows: list[Row] = []
+    for rc in cmp.memory:
+        for name, cell in (*rc.categories.items(), ("total", rc.peak)):
+            notes = list(cell.notes)
+            if cell.untracked:
+                tracked = cell.relative_tracked
+                notes.insert(0, f"{fmt_bytes(cell.untracked)} of the prediction is invisible to the tracker; "
+                                f"counting only what it sees: "
+                                + ("n/a" if tracked is None else f"{tracked * 100:+.1f} %"))
+            rows.append(Row(str(rc.rank), name, cell.predicted, cell.measured, _pct(cell.relative),
+                            "; ".join(notes), BYTES))
+    if cmp.makespan is not None:
+        rows.append(Row("all", "pipeline makespan", cmp.makespan.predicted, cmp.makespan.measured,
+                        _pct(cmp.makespan.relative), "; ".join(cmp.makespan.notes), SECONDS))
+    if cmp.bubble is not None:
+        rows.append(Row("all", "bubble", cmp.bubble.predicted, cmp.bubble.measured, cmp.bubble.error * 100,
+                        "; ".join(cmp.bubble.notes), SHARE))
+    if cmp.timeline:
+        same = cmp.orders_identical
+        rows.append(Row("all", "action order identical?", "plan", "yes" if same else "NO", None,
+                        "measured order of F/B/I/W actions against the schedule's plan, every rank", TEXT))
+        for t in cmp.timeline:
+            j = t.to_json()
+            se, ee = j["start_error_s"], j["end_error_s"]
+            order = "same order" if t.order_identical else f"differs at action {t.first_difference}"
+            note = (f"{t.matched} actions matched; start error mean {fmt_seconds(se['mean_abs'] or 0)}, "
+                    f"max {fmt_seconds(se['max_abs'] or 0)}; end error mean {fmt_seconds(ee['mean_abs'] or 0)}, "
+                    f"max {fmt_seconds(ee['max_abs'] or 0)}")
+            rows.append(Row(str(t.rank), f"actions (pp rank {t.pp_rank})", fmt_seconds(t.predicted_busy_s) + " busy",
+                            order, None, note, TEXT))
+    step_notes = list(cmp.step.notes)
+    if calibrated_from:
+        step_notes.insert(0, f"time calibrated from {calibrated_from}")
+    if simulated:
+        rows.append(Row("all", "step time", cmp.step.predicted, None, None,
+                        "simulated on fake tensors: no arithmetic is done, so there is no step time to compare",
+                        SECONDS))
+    else:
+        rows.append(Row("all", "step time", cmp.step.predicted, cmp.step.measured, _pct(cmp.step.relative),
+                        "; ".join(step_notes), SECONDS))
+    notes = list(cmp.notes)
+    if simulated:
+        ranks = ", ".join(rc.rank.__str__() for rc in cmp.memory)
+        notes.insert(0, f"simulated (fake process group + fake tensors): ranks {ranks} through the real backend "
+                        "code path; memory only")
+        for extra in ("warnings", "not_covered"):
+            for line in measurement.get(extra) or []:
+                notes.append(("tracker: " if extra == "warnings" else "not covered: ") + str(line))
+    return rows, notes, cmp
