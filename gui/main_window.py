@@ -54,7 +54,7 @@ class MainWindow(QMainWindow):
         middle.addWidget(top)
         middle.addWidget(self.timeline)
         middle.addWidget(self.tabs)
-        middle.setSizes([380, 340, 240])
+        middle.setSizes([350, 310, 300])
         outer = QSplitter(Qt.Orientation.Horizontal)
         outer.addWidget(scroll)
         outer.addWidget(middle)

@@ -211,7 +211,7 @@ def test_simulate_at_scale_is_shown_like_a_measurement(window, qtbot, tmp_path):
     from backend.fake import default_ranks
 
     assert set(window.memory.measured_by_rank) == set(default_ranks(cfg))
-    assert "simulated" in window.memory.header.text()
+    assert "outlined bars: simulated" in window.memory.legend.text()
     rows = window.run_panel.rows
     assert {r.rank for r in rows if r.quantity == "total"} == {str(r) for r in default_ranks(cfg)}
     step = next(r for r in rows if r.quantity == "step time")

@@ -133,8 +133,10 @@ class MemoryChart(QWidget):
         lay.addLayout(head)
         legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
                                      for c in MEMORY_CATEGORIES)
-        legend += "&nbsp;&nbsp;· outlined bars: measured · red frame: over capacity"
-        self.legend = QLabel(legend)
+        self._legend_html = legend
+        self.legend = QLabel()
+        self.legend.setWordWrap(True)  # a long run name wraps instead of widening the chart
+        self._set_legend()
         self.legend.setObjectName("legend")
         lay.addWidget(self.legend)
         self.plot = pg.PlotWidget(background="w")
@@ -167,8 +169,14 @@ class MemoryChart(QWidget):
             self.groups = group_ranks(pred.memory)
             self.note.hide()
         if self.measured_config is not None and self.measured_config != pred.config:
-            self.measured_by_rank, self.measured_config = {}, None
+            self.measured_by_rank, self.measured_config, self.measured_label = {}, None, ""
+            self._set_legend()
         self.redraw()
+
+    def _set_legend(self) -> None:
+        """The legend names what the outlined bars are (set when a measurement comes or goes, not per redraw)."""
+        outlined = self.measured_label or "measured"
+        self.legend.setText(self._legend_html + f"&nbsp;&nbsp;· outlined bars: {outlined} · red frame: over capacity")
 
     def on_run_finished(self, record) -> None:
         if record.measurement is None:
@@ -177,7 +185,8 @@ class MemoryChart(QWidget):
         self.measured_by_rank = {int(e["rank"]): {c: float(e.get(c, 0) or 0) for c in (*MEMORY_CATEGORIES, "total")}
                                  for e in per_rank if "rank" in e}
         self.measured_config = record.config
-        self.measured_label = f"{'simulated' if record.simulated else 'measured'} {record.name}"
+        self.measured_label = f"{'simulated' if record.simulated else 'measured'} ({record.name})"
+        self._set_legend()
         self.redraw()
 
     # ------------------------------------------------------------------ drawing
@@ -260,10 +269,7 @@ class MemoryChart(QWidget):
         worst = max(self.groups, key=lambda g: g.total)
         verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
                    else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.total)} on the fullest")
-        text = f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · {verdict}"
-        if has_measured:
-            text += f" · outlined: {self.measured_label}"
-        self.header.setText(text)
+        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · {verdict}")
         if self.header.property("alarm") != bool(over):
             self.header.setProperty("alarm", bool(over))
             self.header.style().unpolish(self.header)
