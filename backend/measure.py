@@ -80,6 +80,28 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+def p2p_buffer_bytes(schedule) -> int:
+    """Bytes of the receive buffers torch.distributed.pipelining keeps per microbatch and stage.
+
+    Each PipelineStage allocates one activation receive buffer (``args_recv_info``) and one
+    gradient receive buffer (``grad_recv_info``) per microbatch in its first step and reuses them;
+    they predate the MemTracker of the measuring step, so it never sees them. Counted here, as
+    comm_buffers, like DDP's buckets. (The activation buffer is also the stage's input that its
+    first block saves for backward — so that input is not in the tracker's activations either.)
+    """
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    seen: set[int] = set()
+    total = 0
+    for st in stages:
+        for infos in list(st.args_recv_info.values()) + list(st.grad_recv_info.values()):
+            for info in infos if isinstance(infos, (tuple, list)) else (infos,):
+                buf = getattr(info, "buffer", None)
+                if isinstance(buf, torch.Tensor) and buf.untyped_storage().data_ptr() not in seen:
+                    seen.add(buf.untyped_storage().data_ptr())
+                    total += _nbytes(buf)
+    return total
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 

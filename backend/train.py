@@ -238,6 +238,8 @@ class Trainer:
         cats = measure.categories_from(raw, exact)
         if any(isinstance(m, DistributedDataParallel) for m in mods):
             cats["comm_buffers"] += grads  # DDP's reducer buckets hold a flat copy of every gradient
+        if self.schedule is not None:
+            cats["comm_buffers"] += measure.p2p_buffer_bytes(self.schedule)  # untracked p2p receive buffers
         return {
             "categories": cats,
             "exact": exact,
