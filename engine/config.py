@@ -206,6 +206,11 @@ class Conventions:
     fsdp_prefetch: bool = True  # FSDP holds the next unit unsharded while computing this one
     bubble: str = "share-of-total"  # or "relative-to-ideal"
     compute_efficiency: float = 0.5  # achieved / peak FLOP/s for analytic durations
+    # How model states split into params / grads / optimizer (names.STATE_ACCOUNTINGS).
+    # "pytorch" (default): what torch's autocast, FSDP2 and ZeroRedundancyOptimizer actually
+    # keep — the product promises predicted-vs-measured agreement with PyTorch, and the backend
+    # runs exactly those APIs. "zero-paper": the ZeRO paper's 2 + 2 + 12 split (issue 3's checks).
+    state_accounting: str = "pytorch"
 
 
 @dataclass(frozen=True)
@@ -457,6 +462,10 @@ def check(
     # ---- conventions
     c = conventions
     _choice(p, "conventions.bubble", c.bubble, names.BUBBLE_CONVENTIONS)
+    if c.state_accounting not in names.STATE_ACCOUNTINGS:
+        p.append(Problem("conventions.state_accounting", c.state_accounting,
+                         "allowed: pytorch (what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep) | "
+                         "zero-paper (the ZeRO paper's 2 + 2 + 12 bytes per parameter split)"))
     if not 0.0 <= c.allocator_slack_fraction < 1.0:
         p.append(Problem("conventions.allocator_slack_fraction", c.allocator_slack_fraction, "must be in [0, 1)"))
     if c.ddp_bucket_mb <= 0:

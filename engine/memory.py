@@ -14,9 +14,27 @@ ZeRO shards over ``parallel.shard_degree`` d (dp, or dp/replicate under HSDP) �
     ZeRO-0  w·Ψ + g·Ψ + o·Ψ           ZeRO-2  w·Ψ + g·⌈Ψ/d⌉ + o·⌈Ψ/d⌉
     ZeRO-1  w·Ψ + g·Ψ + o·⌈Ψ/d⌉       ZeRO-3  (w + g + o)·Ψ_d, Ψ_d = Σ ⌈dim0/d⌉·rest per tensor
 (ZeRO-1/2 shard one flat buffer like DeepSpeed; ZeRO-3 pads every tensor's dim 0 like FSDP2.)
-FSDP2 itself keeps the fp32 sharded parameter as the master (no separate copy) and casts to
-bf16 in the all-gather; the per-rank total is the same, the split between params/optimizer
-differs — ShardScope reports the ZeRO split.
+That is ``conventions.state_accounting = "zero-paper"``. The default, "pytorch", reports what
+torch keeps, strategy by strategy, exactly as ``backend/`` runs it — the product promises
+predicted-vs-measured agreement with PyTorch, so its default split is the one PyTorch has:
+    DDP / ZeRO-0    autocast (mixed) or fp32: params 4Ψ (fp32; autocast casts on the fly, caching
+                    the 16-bit weights for the step — counted in activations), grads 4Ψ (the
+                    parameter dtype), optimizer 4kΨ (no separate master); DDP buckets 4Ψ.
+    ZeRO-1          the same, optimizer 4k × this DP rank's share under ZeroRedundancyOptimizer's
+                    greedy whole-tensor partition (``engine.params.zero_redundancy_partition``):
+                    ranks differ, the sum is exact. (With TP torch has no ZeRO-1: flat split.)
+    ZeRO-2 / -3     FSDP2 + MixedPrecisionPolicy: params 4Ψ_d (the fp32 shard is the master),
+                    grads 4Ψ_d, optimizer 4kΨ_d; the 16-bit gathered copy is comm_buffers (every
+                    unit under ZeRO-2, current + prefetched unit under ZeRO-3), plus one unit's
+                    all-gather output and the unsharded gradients (every unit with m > 1, as
+                    FSDP2 accumulates unsharded without sync; one unit with m = 1).
+    DP × TP         FSDP2's replicate: whole fp32 params / grads, all units gathered (16-bit).
+    TP alone        the vocab-parallel token embedding's gradient is full V × h on every rank.
+Under "pytorch" the activation terms also follow torch's kernels: the residual stream and the
+norms in fp32 under autocast, one 16-bit input cast per Linear, torch's composite RMSNorm on CPU
+(x̂ = x·rstd saved too), rstd, rope tables, the causal mask, SP's gathered Linear inputs, a
+pipeline stage's kept output, and its input that is the p2p receive buffer (comm_buffers).
+Checked against PyTorch's MemTracker on CPU (benchmarks/accuracy.md).
 
 Activations per layer per microbatch (Korthikanti et al. 2022), derived tensor by tensor from
 what each op saves for backward (``_layer_activation_terms``): with f = 4h, eager attention,
@@ -41,7 +59,14 @@ from functools import lru_cache
 
 from engine.config import Config, ConfigError, ModelSpec
 from engine.names import MEMORY_CATEGORIES, OPTIMIZER_STATES
-from engine.params import RankParams, param_counts, params_per_rank, sharded_numel
+from engine.params import (
+    RankParams,
+    param_counts,
+    params_per_rank,
+    rank_tensor_numels,
+    sharded_numel,
+    zero_redundancy_partition,
+)
 
 GIB = 2**30
 MB = 10**6
@@ -192,6 +217,12 @@ class _Shape:
     flash: bool
     swiglu: bool
     selective: bool
+    # "pytorch" accounting only (all False / equal to ``act`` under "zero-paper"):
+    torch_ops: bool = False  # count what torch's kernels save beyond the paper's terms
+    resid: int = 0  # bytes of the residual stream (fp32 under autocast, whose norms run in fp32)
+    composite_norm: bool = False  # RMSNorm as torch's composite (CPU): also saves x̂ = x·rstd
+    rope: bool = False  # rope's cos/sin tables saved by its multiplies
+    head_dim: int = 0
 
 
 @lru_cache(maxsize=256)
@@ -219,6 +250,7 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
     Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byte.
     """
     s, b, h, a, t, act = sh.s, sh.b, sh.h, sh.a, sh.t, sh.act
+    res = sh.resid or act  # norm inputs (the residual stream)
     rep = t if sh.sp else 1
     # coefficient per basis for the formula; basis symbols
     rep_sym = "h/t" if sh.sp else "h"
@@ -230,9 +262,22 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
         coef[basis] = coef.get(basis, 0) + c
 
     sbh_rep, sbh_t = s * b * h // rep, s * b * h // t
-    add("norm1 input", act, rep_sym, sbh_rep)
-    add("QKV input (norm1 output)", act, rep_sym, sbh_rep)
+
+    def norm(n: int) -> None:
+        add(f"norm{n} input", res, rep_sym, sbh_rep)
+        if sh.composite_norm:
+            add(f"norm{n} x̂ = x·rstd (torch's composite RMSNorm)", res, rep_sym, sbh_rep)
+        if sh.torch_ops:
+            add(f"norm{n} rstd (fp32)", 4, "1/t" if sh.sp else "1", s * b // rep)
+
+    # torch's SequenceParallel + PrepareModuleInput all-gather the norm output into a replicated
+    # DTensor, and the column-parallel Linears save that full s·b·h input (Megatron re-gathers it)
+    lin_in, lin_sym = (s * b * h, "h") if sh.torch_ops else (sbh_rep, rep_sym)
+    norm(1)
+    add("QKV input (norm1 output)", act, lin_sym, lin_in)
     add("Q", act, "h/t", sbh_t)
+    if sh.rope and sh.torch_ops:
+        add("rope cos and sin for Q and K (saved by their multiplies)", 4 * act, "d/2b", s * (sh.head_dim // 2))
     if sh.flash:
         add("K, V (kv heads)", 2 * act, "kv/t", s * b * sh.kv // t)
     else:
@@ -242,6 +287,8 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
             add("softmax log-sum-exp (fp32)", 4, "a/t", a * s * b // t)
         else:
             as2b = a * s * s * b // t
+            if sh.torch_ops:
+                add("causal mask (bool, saved by masked_fill)", 1, "s/b", s * s)
             add("softmax output", act, "as/t", as2b)
             if sh.dropout:
                 add("attention-dropout mask", 1, "as/t", as2b)
@@ -249,8 +296,8 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
     add("o-proj input (attention output)", act, "h/t", sbh_t)
     if sh.dropout:
         add("attention residual-dropout mask", 1, rep_sym, sbh_rep)
-    add("norm2 input", act, rep_sym, sbh_rep)
-    add("MLP input (norm2 output)", act, rep_sym, sbh_rep)
+    norm(2)
+    add("MLP input (norm2 output)", act, lin_sym, lin_in)
     sbf_t = s * b * sh.f // t
     if sh.swiglu:
         add("gate output (SiLU input)", act, "f/t", sbf_t)
@@ -262,19 +309,37 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
         add("fc2 input (GeLU output)", act, "f/t", sbf_t)
     if sh.dropout:
         add("MLP residual-dropout mask", 1, rep_sym, sbh_rep)
-    order = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t")
-    parts = [f"{coef[k]}{k}" for k in order if coef.get(k)]
+    order = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t", "1", "1/t", "d/2b", "s/b")
+    parts = [f"{coef[k]}{'' if k == '1' else k}" for k in order if coef.get(k)]
     formula = "s·b·(" + " + ".join(parts) + ")"
     return tuple(out), formula
 
 
+def _uses_fsdp2(cfg: Config) -> bool:
+    """The backend wraps in FSDP2: fully_shard for ZeRO-2/3, FSDP2's ``replicate`` for DP × TP."""
+    par = cfg.parallel
+    return par.zero in (2, 3) or (par.dp > 1 and par.tp > 1)
+
+
 def _shape(cfg: Config) -> _Shape:
     model, par, tr = cfg.model, cfg.parallel, cfg.training
-    return _Shape(s=model.seq_len, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
-                  f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel,
-                  act=4 if tr.precision == "fp32" else 2, dropout=model.dropout > 0,
-                  flash=model.attention == "flash", swiglu=model.mlp == "swiglu",
-                  selective=tr.recompute == "selective")
+    act = 4 if tr.precision == "fp32" else 2
+    base = dict(s=model.seq_len, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
+                f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
+                flash=model.attention == "flash", swiglu=model.mlp == "swiglu",
+                selective=tr.recompute == "selective")
+    if cfg.conventions.state_accounting != "pytorch":
+        return _Shape(**base)
+    # autocast keeps the residual stream (embedding output, residual adds, the norms) in fp32;
+    # FSDP2's MixedPrecisionPolicy casts the whole forward to the 16-bit param dtype.
+    autocast = tr.precision != "fp32" and not _uses_fsdp2(cfg)
+    # The per-layer terms stay at 16 bits here (so ``activation_bytes_per_layer`` does not depend on
+    # the DP wrapper, and the planner's per-layer bound stays a bound); ``_body`` adds autocast's
+    # fp32 residual stream as its own term.
+    del autocast
+    return _Shape(**base, torch_ops=True, resid=act,
+                  composite_norm=model.norm == "rmsnorm" and cfg.cluster.gpu.name == "cpu",
+                  rope=model.position == "rope", head_dim=model.head_dim)
 
 
 def activation_terms_per_layer(cfg: Config) -> tuple[list[Term], str]:
@@ -472,7 +537,55 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _body(cfg: Config, rp: RankParams) -> _Body:
+def _torch_states(cfg: Config, rp: RankParams, dp_rank: int, T: dict[str, list[Term]], where: str) -> None:
+    """params / grads / optimizer as torch keeps them ("pytorch" accounting; see the module docstring)."""
+    par, tr, model = cfg.parallel, cfg.training, cfg.model
+    z, d, k = par.zero, par.shard_degree, OPTIMIZER_STATES[tr.optimizer]
+    psi = rp.total
+    if z == 1 and par.tp > 1 and par.dp > 1:
+        # torch has no ZeRO-1 for DTensor (TP) parameters (ZeroRedundancyOptimizer refuses them; the
+        # backend raises): the states follow Megatron's distributed optimizer, an even flat split.
+        T["params"].append(Term(f"parameters ({where}), fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}"))
+        T["grads"].append(Term("gradients, fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}"))
+        opt_numel = _ceil_div(psi, d)
+        rule = f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉ (flat split: torch has no ZeRO-1 for TP parameters)"
+    elif _uses_fsdp2(cfg):
+        shard = d if par.zero in (2, 3) else 1  # FSDP2's replicate (DP × TP) keeps whole fp32 params
+        psi_d = sharded_numel(tuple(x for u in rp.units for x in u), shard)
+        how = (f"Ψ_d = {psi_d:,} (Ψ = {psi:,} over d = {shard}, dim 0 padded per tensor)" if shard > 1
+               else f"Ψ = {psi:,} (FSDP2 replicate: not sharded)")
+        T["params"].append(Term(f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)",
+                                4 * psi_d, f"4 B × {how}"))
+        T["grads"].append(Term("gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}"))
+        opt_numel, rule = psi_d, how
+    else:
+        T["params"].append(Term(f"parameters ({where}), fp32 (autocast casts on the fly; no separate master)"
+                                if tr.precision != "fp32" else f"parameters ({where})", 4 * psi, f"4 B × Ψ = 4 × {psi:,}"))
+        grads = psi
+        gterm = f"4 B × Ψ = 4 × {psi:,}"
+        if par.tp > 1 and any(st.stage == 0 for st in rp.stages):
+            # The vocab-parallel embedding's gradient comes back replicated: full V × h locally
+            local_rows = rp.stages[[st.stage for st in rp.stages].index(0)].embedding
+            extra = model.vocab * model.hidden - local_rows
+            grads += extra
+            gterm += f" + token-embedding gradient at full V × h on every TP rank (+{extra:,})"
+        T["grads"].append(Term("gradients, fp32 (autocast gradients take the parameter dtype)"
+                               if tr.precision != "fp32" else "gradients", 4 * grads, gterm))
+        if z == 1 and par.dp > 1:
+            sizes = zero_redundancy_partition(rank_tensor_numels(rp), par.dp)
+            opt_numel = sizes[dp_rank]
+            rule = (f"{opt_numel:,} elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
+                    f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
+        else:
+            opt_numel, rule = psi, f"Ψ = {psi:,}"
+    if k:
+        T["optimizer"].append(Term(f"{tr.optimizer} states ({k} × fp32; no master copy: the fp32 parameter is it)",
+                                   4 * k * opt_numel, f"{4 * k} B × {rule}"))
+    else:
+        T["optimizer"].append(Term("no optimizer state (plain sgd)", 0, "0"))
+
+
+def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
     model, par, tr, conv = cfg.model, cfg.parallel, cfg.training, cfg.conventions
     t, p, v, m = par.tp, par.pp, par.virtual_stages, par.microbatches
     z, d = par.zero, par.shard_degree
@@ -482,9 +595,15 @@ def _body(cfg: Config, rp: RankParams) -> _Body:
     psi = rp.total
     T: dict[str, list[Term]] = {c: [] for c in MEMORY_CATEGORIES}
     where = f"stage{'s' if len(rp.stages) > 1 else ''} {', '.join(map(str, rp.stage_indices))}"
+    torch_acc = conv.state_accounting == "pytorch"
+    fsdp2 = _uses_fsdp2(cfg)
+    autocast = torch_acc and tr.precision != "fp32" and not fsdp2
+    pd = w  # bytes of the compute copy FSDP2 all-gathers (MixedPrecisionPolicy.param_dtype)
 
     # ---------------- model states
-    if z == 3:
+    if torch_acc:
+        _torch_states(cfg, rp, dp_rank, T, where)
+    elif z == 3:
         per_unit = [sharded_numel(u, d) for u in rp.units]
         psi_d = sum(per_unit)
         T["params"].append(Term(f"parameters ({where}), sharded ZeRO-3", w * psi_d,
@@ -502,9 +621,9 @@ def _body(cfg: Config, rp: RankParams) -> _Body:
             opt_numel, opt_rule = _ceil_div(psi, d), f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉"
         else:
             opt_numel, opt_rule = psi, f"Ψ = {psi:,}"
-    if master:
+    if master and not torch_acc:
         T["optimizer"].append(Term("fp32 master weights", 4 * opt_numel, f"4 B × {opt_rule}"))
-    if n_states:
+    if n_states and not torch_acc:
         T["optimizer"].append(Term(f"{tr.optimizer} states ({n_states} × fp32)", 4 * n_states * opt_numel,
                                    f"{4 * n_states} B × {opt_rule}"))
     if not T["optimizer"]:
@@ -514,12 +633,28 @@ def _body(cfg: Config, rp: RankParams) -> _Body:
     s, b, h = model.seq_len, tr.micro_batch_size, model.hidden
     sh = _shape(cfg)
     act, sp = sh.act, sh.sp
+    # residual stream: stage inputs/outputs, p2p buffers (autocast keeps it, and the norms, in fp32)
+    res = 4 if autocast else act
     rep = t if sp else 1
     layer_terms, layer_formula = _layer_activation_terms(sh)
     per_layer = sum(x for _, x in layer_terms)
     sbh_rep = s * b * h // rep
+    hs = "h/t" if sp else "h"
+    if res > act:
+        n_fp32 = 4 if sh.composite_norm else 2  # the two norm inputs (and x̂ of composite RMSNorm)
+        per_layer += n_fp32 * (res - act) * sbh_rep
+        # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
+        # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
+        n_casts = 2 + (1 if model.mlp == "swiglu" else 0)
+        per_layer += n_casts * act * s * b * h
+        layer_formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
+                          f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+    # torch's loss: loss_parallel (SP) keeps the vocabulary sharded; otherwise the head's output is
+    # replicated (ColwiseParallel → Replicate), so the loss sees all V on every TP rank.
+    v_loss = _ceil_div(model.vocab, t) if (sp or not torch_acc) else model.vocab
+    v_sym = "⌈V/t⌉" if v_loss != model.vocab else "V"
     if tr.recompute == "full":
-        stored, stored_formula = act * sbh_rep, f"{act}·s·b·{'h/t' if sp else 'h'} (checkpointed block input)"
+        stored, stored_formula = res * sbh_rep, f"{res}·s·b·{hs} (checkpointed block input)"
     else:
         stored, stored_formula = per_layer, layer_formula
     n_stages = par.num_stages
@@ -529,10 +664,25 @@ def _body(cfg: Config, rp: RankParams) -> _Body:
         if st.stage == 0:
             ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b"))
             if model.dropout > 0:
-                ex.append(("embedding-dropout mask", sbh_rep, "s·b·h" + ("/t" if sp else "")))
+                ex.append(("embedding-dropout mask", sbh_rep, "s·b·" + hs))
+        elif torch_acc:
+            ex.append(("stage input is the p2p receive buffer (counted in comm_buffers)", -res * sbh_rep,
+                       f"−{res}·s·b·{hs}"))
         if st.stage == n_stages - 1:
-            ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·h" + ("/t" if sp else "")))
-            ex.append(("fp32 log-probabilities for the loss", 4 * s * b * _ceil_div(model.vocab, t), "4·s·b·⌈V/t⌉"))
+            if torch_acc:
+                ex.append(("final-norm input", res * sbh_rep, f"{res}·s·b·{hs}"))
+                if sh.composite_norm:
+                    ex.append(("final-norm x̂ and rstd (composite RMSNorm)", res * sbh_rep + 4 * s * b // rep,
+                               f"{res}·s·b·{hs} + 4·s·b"))
+                else:
+                    ex.append(("final-norm rstd", 4 * s * b // rep, "4·s·b"))
+                ex.append(("head input", act * sbh_rep, f"{act}·s·b·{hs}"))
+            else:
+                ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·{hs}"))
+            ex.append(("fp32 log-probabilities for the loss", 4 * s * b * v_loss, f"4·s·b·{v_sym}"))
+        elif torch_acc:
+            ex.append(("stage output kept by the pipeline stage for its backward", res * sbh_rep,
+                       f"{res}·s·b·{hs}"))
         extras.append(ex)
     unit_bytes = [st.layers * stored + sum(x for _, x, _ in ex) for st, ex in zip(rp.stages, extras)]
     counts = _in_flight(par.schedule, rp.pp_rank, p, v, m, unit_bytes)
@@ -544,27 +694,67 @@ def _body(cfg: Config, rp: RankParams) -> _Body:
             f"{n} × {st.layers} × {stored_formula} = {n} × {st.layers} × {stored:,} B ({dims})"))
         for label, x, fx in ex:
             T["activations"].append(Term(f"stage {st.stage}: {label}", n * x, f"{n} × {fx} = {n} × {x:,} B"))
+    if autocast:
+        # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
+        # (the backend's context spans forward and backward); the matmuls save these casts.
+        cast = sum(a * c for blk in [rp.block_tensors] for a, c in blk if c > 1) * rp.layers
+        cast += sum(st.head for st in rp.stages)
+        T["activations"].append(Term("autocast's 16-bit weight casts (cached for the whole step)", act * cast,
+                                     f"{act} B × {cast:,} matmul weights (blocks and head)"))
     if tr.recompute == "full":
         T["temporaries"].append(Term("one block recomputed during backward (full recompute)", per_layer,
                                      f"{layer_formula} = {per_layer:,} B ({dims})"))
     if any(st.stage == n_stages - 1 for st in rp.stages):
-        v_local = _ceil_div(model.vocab, t)
-        lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
-        T["temporaries"].append(Term("logits at the loss (compute dtype + fp32 copy)", lx,
-                                     f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B"))
+        if torch_acc:
+            lx = 2 * 4 * s * b * v_loss
+            T["temporaries"].append(Term("loss: fp32 logits and the log-softmax gradient at the start of backward",
+                                         lx, f"2 × 4·s·b·{v_sym} = {lx:,} B"))
+        else:
+            v_local = _ceil_div(model.vocab, t)
+            lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
+            T["temporaries"].append(Term("logits at the loss (compute dtype + fp32 copy)", lx,
+                                         f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B"))
 
     # ---------------- communication buffers
     dp_grad_group = par.dp > 1
-    if z in (0, 1) and dp_grad_group:
-        buckets = max(1, math.ceil(g * psi / (conv.ddp_bucket_mb * MB)))
+    if torch_acc and fsdp2 and dp_grad_group:
+        sizes = sorted((sum(a * c for a, c in u) for u in rp.units), reverse=True)
+        largest = sizes[0]
+        if z == 3:
+            n_units = 2 if conv.fsdp_prefetch and len(sizes) > 1 else 1
+            T["comm_buffers"].append(Term(
+                "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else ""),
+                pd * sum(sizes[:n_units]), f"{pd} B × ({' + '.join(f'{x:,}' for x in sizes[:n_units])})"))
+        else:
+            T["comm_buffers"].append(Term(
+                "FSDP2 unsharded parameters, all units (" + ("ZeRO-2: not resharded after forward"
+                                                              if z == 2 else "replicate") + ")",
+                pd * psi, f"{pd} B × Ψ = {pd} × {psi:,}"))
+        if z in (2, 3):
+            T["comm_buffers"].append(Term("all-gather output of one unit (largest)", pd * largest,
+                                          f"{pd} B × {largest:,}"))
+        if m > 1:
+            T["comm_buffers"].append(Term(
+                "FSDP2 unsharded gradients of every unit (accumulated unsharded over microbatches without sync)",
+                pd * psi, f"{pd} B × Ψ = {pd} × {psi:,}"))
+        else:
+            T["comm_buffers"].append(Term("reduce-scatter input (one unit's unsharded gradients)", pd * largest,
+                                          f"{pd} B × largest FSDP unit ({largest:,})"))
+    elif z in (0, 1) and dp_grad_group:
+        gb = 4 if torch_acc else g  # DDP's buckets take the gradients' dtype (fp32 under autocast)
+        buckets = max(1, math.ceil(gb * psi / (conv.ddp_bucket_mb * MB)))
         if getattr(conv, "ddp_gradient_as_bucket_view", False):
             T["comm_buffers"].append(Term("DDP gradient buckets (gradients are views into them)", 0,
                                           "0 (gradient_as_bucket_view=True)"))
         else:
             T["comm_buffers"].append(Term(
-                f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", g * psi,
-                f"{g} B × Ψ: the Reducer's flat buckets cover every gradient; bucket_cap_mb sets their count"))
-    if z in (2, 3) and d > 1:
+                f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", gb * psi,
+                f"{gb} B × Ψ: the Reducer's flat buckets cover every gradient; bucket_cap_mb sets their count"))
+        if torch_acc:
+            T["temporaries"].append(Term(
+                "DDP: a gradient-sized temporary early in the synchronised backward (measured, torch 2.13)",
+                gb * psi, f"{gb} B × Ψ = {gb} × {psi:,}"))
+    elif z in (2, 3) and d > 1:
         sizes = sorted((sum(a * c for a, c in u) for u in rp.units), reverse=True)
         largest = sizes[0]
         T["comm_buffers"].append(Term("reduce-scatter input (one unit's unsharded gradients)", g * largest,
@@ -578,14 +768,14 @@ def _body(cfg: Config, rp: RankParams) -> _Body:
                 "unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else ""),
                 w * unsharded, f"{w} B × ({' + '.join(f'{x:,}' for x in sizes[:n_units])}) — the all-gather output"))
     if p > 1:
-        stage_io = act * sbh_rep
+        stage_io = res * sbh_rep
         for st in rp.stages:
             if st.stage > 0:
                 T["comm_buffers"].append(Term(f"stage {st.stage}: activation receive buffers", m * stage_io,
-                                              f"m × {act}·s·b·h{'/t' if sp else ''} = {m} × {stage_io:,} (torch allocates one per microbatch)"))
+                                              f"m × {res}·s·b·{hs} = {m} × {stage_io:,} (torch allocates one per microbatch)"))
             if st.stage < n_stages - 1:
                 T["comm_buffers"].append(Term(f"stage {st.stage}: gradient receive buffers", m * stage_io,
-                                              f"m × {act}·s·b·h{'/t' if sp else ''} = {m} × {stage_io:,}"))
+                                              f"m × {res}·s·b·{hs} = {m} × {stage_io:,}"))
     if not T["comm_buffers"]:
         T["comm_buffers"].append(Term("no collective buffers (nothing to reduce)", 0, "0"))
     if not T["temporaries"]:
@@ -637,16 +827,32 @@ def _communicators(cfg: Config) -> list[str]:
 def conventions_of(cfg: Config) -> dict[str, str]:
     """The conventions this report used, in words (shown next to the numbers)."""
     tr, par, conv = cfg.training, cfg.parallel, cfg.conventions
-    w, g = tr.param_bytes, tr.grad_bytes
-    o = (4 if tr.master_weights else 0) + 4 * OPTIMIZER_STATES[tr.optimizer]
+    k = OPTIMIZER_STATES[tr.optimizer]
+    if conv.state_accounting == "pytorch":
+        how = ("FSDP2 (fully_shard / replicate, MixedPrecisionPolicy): the fp32 sharded parameter is the master"
+               if _uses_fsdp2(cfg) else
+               "autocast: fp32 parameters, 16-bit casts made on the fly" if tr.precision != "fp32" else "fp32")
+        bpp = (f"{4 + 4 + 4 * k} unsharded = params 4 + grads 4 (the parameter dtype) + optimizer {4 * k} "
+               f"({k} fp32 state(s) of {tr.optimizer}, no separate master) — {how}")
+        acc = ("pytorch (default): what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep, strategy by "
+               "strategy — the split the backend measures, so predicted and measured compare category by "
+               "category; ZeRO-1 gives each DP rank whole tensors (greedy, largest first); the TP token "
+               "embedding's gradient is full size without an FSDP2 wrapper. conventions.state_accounting = "
+               "'zero-paper' gives the ZeRO paper's split")
+    else:
+        w, g = tr.param_bytes, tr.grad_bytes
+        o = (4 if tr.master_weights else 0) + 4 * k
+        bpp = (f"{w + g + o} unsharded = params {w} + grads {g} ({tr.grad_dtype}) + optimizer {o} "
+               f"({'fp32 master 4 + ' if tr.master_weights else ''}{k} fp32 state(s) of {tr.optimizer})")
+        acc = ("zero-paper: ZeRO paper split (16-bit working copy in params, fp32 master in optimizer, grads in "
+               "grad_dtype, ZeRO-1/2 as an even flat split); torch (FSDP2, autocast) keeps the fp32 "
+               "parameter as master — same total in most cases, a different split")
     return {
-        "bytes_per_parameter": f"{w + g + o} unsharded = params {w} + grads {g} ({tr.grad_dtype}) + optimizer {o} "
-                               f"({'fp32 master 4 + ' if tr.master_weights else ''}{OPTIMIZER_STATES[tr.optimizer]} "
-                               f"fp32 state(s) of {tr.optimizer})",
+        "bytes_per_parameter": bpp,
         "sharding_degree": f"ZeRO-{par.zero} divides by parallel.shard_degree = {par.shard_degree} "
                            "(dp, or dp/replicate under HSDP), never by the world size",
-        "zero_accounting": "ZeRO paper split (bf16 working copy in params, fp32 master in optimizer); "
-                           "FSDP2 keeps the fp32 shard as master — same total, different split",
+        "zero_accounting": acc,
+        "state_accounting": conv.state_accounting,
         "activations": "saved-for-backward tensors per op (Korthikanti et al. 2022 Table 2 when f=4h, "
                        f"eager, dropout on); attention = {cfg.model.attention}, dropout "
                        f"{'on' if cfg.model.dropout > 0 else 'off (no masks)'}, recompute = {tr.recompute}, "
@@ -674,18 +880,22 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     par = cfg.parallel
     capacity = cfg.cluster.gpu.memory_bytes
     grid = params_per_rank(cfg)
-    bodies: dict[tuple[int, int], _Body] = {}
+    # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per dp-rank then
+    per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1 and par.tp == 1
+    bodies: dict[tuple[int, int, int], _Body] = {}
     for pp_rank, row in enumerate(grid):
-        seen: dict[int, _Body] = {}
+        seen: dict[tuple[int, int], _Body] = {}
         for tp_rank, rp in enumerate(row):
-            key = rp.total  # TP shards differ only by their vocabulary chunk
-            body = seen.get(key)
-            if body is None:
-                body = seen[key] = _body(cfg, rp)
-            bodies[pp_rank, tp_rank] = body
+            for dp_rank in range(par.dp if per_dp else 1):
+                key = (rp.total, dp_rank)  # TP shards differ only by their vocabulary chunk
+                body = seen.get(key)
+                if body is None:
+                    body = seen[key] = _body(cfg, rp, dp_rank)
+                bodies[pp_rank, tp_rank, dp_rank] = body
     # rank order as engine.layout.rank_coords: TP innermost, then DP, then PP
     dp, tp = par.dp, par.tp
-    per_rank = [RankMemory(rank, rank % tp, (rank // tp) % dp, bodies[rank // (dp * tp), rank % tp], capacity)
+    per_rank = [RankMemory(rank, rank % tp, (rank // tp) % dp,
+                           bodies[rank // (dp * tp), rank % tp, (rank // tp) % dp if per_dp else 0], capacity)
                 for rank in range(par.world_size)]
     return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))
 

@@ -60,6 +60,10 @@ GRAD_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "sgd-momentum", "sgd")
 RECOMPUTE_KINDS = ("none", "selective", "full")
 BUBBLE_CONVENTIONS = ("share-of-total", "relative-to-ideal")
+#: How model states are split into params / grads / optimizer (engine.memory's docstring):
+#: "pytorch" = what torch's AMP autocast, FSDP2 (fully_shard + MixedPrecisionPolicy) and
+#: ZeroRedundancyOptimizer keep; "zero-paper" = Rajbhandari et al. 2020's split.
+STATE_ACCOUNTINGS = ("pytorch", "zero-paper")
 
 #: Bytes per element of each dtype name used above.
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -228,3 +228,26 @@ def _params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str) -> 
                                   block_tensors=block, units=tuple(units)))
         out.append(tuple(row))
     return tuple(out)
+
+
+# --------------------------------------------------------------------------- ZeRO-1 in torch
+
+
+def rank_tensor_numels(rp: RankParams) -> list[int]:
+    """Element counts of every parameter tensor a (pp-rank, tp-rank) holds (its FSDP units, flattened)."""
+    return [a * b for unit in rp.units for a, b in unit]
+
+
+def zero_redundancy_partition(numels: list[int], degree: int) -> list[int]:
+    """Elements each of ``degree`` ranks owns under torch's ZeroRedundancyOptimizer.
+
+    Its ``_partition_parameters``: whole tensors, largest first (a stable sort by numel), each to
+    the rank with the fewest elements so far (the lowest such rank on ties). Unlike DeepSpeed's
+    flat ZeRO-1 split, ranks differ; the sum is exact. Ties between equal-size tensors cannot
+    change the per-rank sums, so the order of equal tensors does not matter here.
+    """
+    sizes = [0] * degree
+    for n in sorted(numels, reverse=True):
+        r = min(range(degree), key=lambda i: (sizes[i], i))
+        sizes[r] += n
+    return sizes

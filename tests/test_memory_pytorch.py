@@ -1,0 +1,122 @@
+"""The "pytorch" state accounting: what torch's autocast, FSDP2 and ZeroRedundancyOptimizer keep.
+
+Hand-worked numbers per strategy (bytes per parameter), torch's ZeRO-1 partition on a small
+tensor list, and the tiny preset against what PyTorch's MemTracker measured for it.
+"""
+
+import pytest
+
+from engine import Config, ConfigError
+from engine.memory import memory_per_rank
+from engine.params import param_counts, params_per_rank, rank_tensor_numels, zero_redundancy_partition
+
+NO_OVERHEAD = {"runtime_context": False, "collective_buffers": False}
+EVEN = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 8, "ffn_hidden": 1024, "vocab": 1024,
+        "seq_len": 128, "mlp": "gelu", "norm": "layernorm", "attention": "eager", "bias": False}
+MIXED = {"precision": "bf16-mixed", "grad_dtype": "bf16", "optimizer": "adamw"}
+
+
+def cfg(model=None, training=None, accounting="pytorch", gpu="h100-sxm", **parallel) -> Config:
+    par = {"dp": 1, "tp": 1, "pp": 1, **parallel}
+    return Config.from_dict({
+        "model": model or {"preset": "tiny"},
+        "cluster": {"gpu": gpu, "gpus": par["dp"] * par["tp"] * par["pp"]},
+        "parallel": par, "training": training or {},
+        "conventions": {**NO_OVERHEAD, "state_accounting": accounting},
+    })
+
+
+def test_default_is_pytorch_and_bad_value_names_the_field():
+    assert Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 1}}) \
+        .conventions.state_accounting == "pytorch"
+    with pytest.raises(ConfigError) as e:
+        cfg(accounting="deepspeed")
+    assert "conventions.state_accounting" in str(e.value) and "zero-paper" in str(e.value)
+
+
+def test_ddp_autocast_adamw_is_4_4_8():
+    c = cfg(EVEN, MIXED, dp=4)
+    psi = param_counts(c.model).total
+    r = memory_per_rank(c).per_rank[0]
+    assert (r.params, r.grads, r.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    # DDP's buckets take the gradients' dtype: fp32 under autocast
+    assert r.comm_buffers == 4 * psi
+    # same 16 B/param total as the ZeRO paper's 2 + 2 + 12, different split
+    z = memory_per_rank(cfg(EVEN, MIXED, accounting="zero-paper", dp=4)).per_rank[0]
+    assert z.model_states == r.model_states and (z.params, z.grads, z.optimizer) == (2 * psi, 2 * psi, 12 * psi)
+
+
+def test_fsdp2_zero3_keeps_the_fp32_shard_as_master():
+    d = 4
+    c = cfg(EVEN, MIXED, dp=d, zero=3)
+    psi = param_counts(c.model).total
+    assert psi % d == 0
+    r = memory_per_rank(c).per_rank[0]
+    assert (r.params, r.grads, r.optimizer) == (4 * psi // d, 4 * psi // d, 8 * psi // d)
+    rp = params_per_rank(c)[0][0]
+    sizes = sorted((sum(a * b for a, b in u) for u in rp.units), reverse=True)
+    # bf16 unsharded current + prefetched unit, the all-gather output, one unit's unsharded grads (m = 1)
+    assert r.comm_buffers == 2 * (sizes[0] + sizes[1]) + 2 * sizes[0] + 2 * sizes[0]
+    # with gradient accumulation FSDP2 keeps every unit's unsharded gradient until the synced microbatch
+    r4 = memory_per_rank(cfg(EVEN, MIXED, dp=d, zero=3, microbatches=4)).per_rank[0]
+    assert r4.comm_buffers == 2 * (sizes[0] + sizes[1]) + 2 * sizes[0] + 2 * psi
+
+
+def test_fsdp2_zero2_params_are_sharded_the_gathered_copy_is_a_buffer():
+    d = 4
+    c = cfg(EVEN, MIXED, dp=d, zero=2)
+    psi = param_counts(c.model).total
+    r = memory_per_rank(c).per_rank[0]
+    assert (r.params, r.grads, r.optimizer) == (psi, psi, 2 * psi)  # 4/d, 4/d, 8/d with d = 4
+    assert r.comm_buffers >= 2 * psi  # all units stay gathered (bf16) between forward and backward
+    z = memory_per_rank(cfg(EVEN, MIXED, accounting="zero-paper", dp=d, zero=2)).per_rank[0]
+    assert (z.params, z.grads, z.optimizer) == (2 * psi, 2 * psi // d, 12 * psi // d)
+
+
+def test_zero_redundancy_partition_is_torchs_greedy():
+    assert zero_redundancy_partition([10, 7, 5, 3, 1], 2) == [13, 13]
+    # 6 → r0, 5 → r1, 4 → r2, 3 → r2 (4 is least), 2 → r1, 1 → r0
+    assert zero_redundancy_partition([1, 2, 3, 4, 5, 6], 3) == [7, 7, 7]
+    assert zero_redundancy_partition([4, 4, 4], 4) == [4, 4, 4, 0]  # whole tensors: a rank may get none
+    assert zero_redundancy_partition([9, 1, 1], 2) == [9, 2]
+
+
+def test_zero1_optimizer_differs_per_rank_and_sums_exactly():
+    c = cfg(None, None, dp=4, zero=1)  # tiny preset, fp32
+    rep = memory_per_rank(c)
+    rp = params_per_rank(c)[0][0]
+    shares = zero_redundancy_partition(rank_tensor_numels(rp), 4)
+    assert [r.optimizer for r in rep.per_rank] == [8 * x for x in shares]
+    assert sum(r.optimizer for r in rep.per_rank) == 8 * rp.total
+    assert len(set(shares)) > 1  # the tiny preset's tensors do not split evenly
+    assert all(r.params == 4 * rp.total and r.grads == 4 * rp.total for r in rep.per_rank)
+
+
+def test_tp_embedding_gradient_is_full_size():
+    c = cfg(None, None, tp=4)
+    m = c.model
+    r = memory_per_rank(c).per_rank[1]
+    local = params_per_rank(c)[0][1].total
+    assert r.params == 4 * local
+    assert r.grads == 4 * (local + m.vocab * m.hidden - m.vocab * m.hidden // 4)
+    # under FSDP2's replicate (dp × tp) the gradient comes back sharded
+    assert memory_per_rank(cfg(None, None, dp=2, tp=2)).per_rank[0].grads == \
+        4 * params_per_rank(cfg(None, None, dp=2, tp=2))[0][0].total
+
+
+@pytest.mark.parametrize("training, measured", [
+    ({"precision": "fp32", "grad_dtype": "fp32"}, 13_675_016),  # MemTracker "Activation" at the peak, torch 2.13 CPU, one rank, one microbatch
+    (MIXED, 11_971_080),  # the same under bf16 autocast
+])
+def test_tiny_activations_match_memtracker(training, measured):
+    r = memory_per_rank(cfg(None, {**training, "micro_batch_size": 2}, gpu="cpu")).per_rank[0]
+    assert abs(r.activations - measured) / measured < 0.001
+
+
+def test_pipeline_stage_input_is_the_receive_buffer():
+    c = cfg(None, None, pp=2, microbatches=4, schedule="1F1B")
+    r1 = memory_per_rank(c).per_rank[1]
+    labels = {t.label for t in r1.explain("activations")}
+    assert any("receive buffer" in x for x in labels)
+    sbh = c.model.seq_len * c.training.micro_batch_size * c.model.hidden
+    assert r1.comm_buffers == 4 * 4 * sbh  # m activation receive buffers, fp32
