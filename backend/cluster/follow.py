@@ -60,6 +60,15 @@ def config_for_layout(cfg: Config, nodes: int, per_node: int) -> Config:
     return cfg.replace(cluster={"gpus": nodes * per_node, "gpus_per_node": per_node})
 
 
+#: pending reasons that never clear by waiting: the job asks for more than the partition,
+#: account or QOS allows (Slurm queues it anyway unless EnforcePartLimits is set)
+HOPELESS_REASONS = frozenset({
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+    "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
+    "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit", "QOSMaxGRESPerJob",
+})
+
+
 @dataclass
 class JobState:
     """What the scheduler says about a job."""
@@ -83,6 +92,11 @@ class JobState:
     @property
     def ok(self) -> bool:
         return self.state == "COMPLETED"
+
+    @property
+    def hopeless(self) -> bool:
+        """Pending for a reason that only an administrator can change (Slurm keeps such jobs queued)."""
+        return self.state == "PENDING" and (self.reason or "") in HOPELESS_REASONS
 
 
 class Job:
@@ -164,6 +178,11 @@ class ClusterRun(Run):
                         last = st
                 if last is not None and last.terminal:
                     break
+                if last is not None and last.hopeless and reason is None:
+                    reason = (f"Slurm will not run the job as asked: it stays {last.state} with "
+                              f"Reason={last.reason}; cancelled it")
+                    cancel_sent_at = now
+                    job.cancel()
                 if last is not None and last.running and running_since is None:
                     running_since = now
                 if self._cancel.is_set() and cancel_sent_at is None:

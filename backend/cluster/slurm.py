@@ -46,7 +46,8 @@ def sbatch_script(cfg: Config, run_dir: str | Path, steps: int = DEFAULT_STEPS, 
     head = ["#!/bin/bash",
             f"#SBATCH --job-name=shardscope-{Path(run_dir).name}",
             f"#SBATCH --nodes={nodes}",
-            "#SBATCH --ntasks-per-node=1"]
+            "#SBATCH --ntasks-per-node=1",
+            "#SBATCH --no-requeue"]  # a measurement that silently restarts elsewhere would be a lie
     if cfg.cluster.gpu.name != "cpu":
         head.append(f"#SBATCH --gpus-per-node={per_node}")
     if partition:
