@@ -239,8 +239,11 @@ class ClusterRun(Run):
             parts.append(job.failure(st, cancelled))
         elif st is not None:
             parts.append(f"{job.name} job {job.job_id} was {st.state} when we stopped following it")
-        if rank is not None and not cancelled:
+        # a rank's own failure leads only when Slurm did not end the job itself (time limit, node, cancel)
+        if rank is not None and not cancelled and (st is None or st.state in ("FAILED", "COMPLETED", "UNKNOWN")):
             parts.insert(0, f"rank {rank} {why}")
+        if job.job_id is None and reason is not None:
+            parts.append("stopped following the run; the torchrun processes on the hosts are yours to stop")
         if not parts:
             parts.append("the ranks stopped without finishing")
         log_tail = (tail(self.dir.rank_log(rank)) if rank is not None else "") or job.log_tail()
