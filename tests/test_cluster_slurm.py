@@ -3,7 +3,7 @@ each slurmd in its own network namespace (tests/cluster_helpers.py).
 
 A 2-node job of the tiny preset through ``shardscope run --target slurm`` (one rank per
 node, gloo) whose ranks report different nodes; a job Slurm rejects (bad partition, too many
-nodes); Ctrl-C (scancel); a node that goes down under a running job (NODE_FAIL). Each ends
+nodes); a rank that raises on one node; Ctrl-C (scancel); a node that goes down under a running job (NODE_FAIL). Each ends
 as a record with Slurm's own words. Skipped, with the reason, where Slurm or namespaces are
 not to be had (.ci/run installs slurm-wlm and munge).
 """
@@ -53,11 +53,12 @@ def slurm():
         net.close()
 
 
-def shardscope_run(slurm: SlurmCluster, tmp_path: Path, *args: str, config: str = TWO_RANKS) -> subprocess.Popen:
+def shardscope_run(slurm: SlurmCluster, tmp_path: Path, *args: str, config: str = TWO_RANKS,
+                   env: dict[str, str] | None = None) -> subprocess.Popen:
     """``shardscope run CONFIG --target slurm ...`` in the controller's namespace (where sbatch can reach it)."""
     cfg = tmp_path / "job.toml"
     cfg.write_text(config)
-    env = {**slurm.env, "GLOO_SOCKET_IFNAME": IFNAME}
+    env = {**slurm.env, "GLOO_SOCKET_IFNAME": IFNAME, **(env or {})}
     return subprocess.Popen([*slurm.client(), sys.executable, "-m", "gui.cli", "run", str(cfg), "--target", "slurm",
                              "--out", str(tmp_path / "run"), *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -150,6 +151,18 @@ def test_ctrl_c_cancels_the_job(slurm, tmp_path):
     assert "ended CANCELLED" in last["reason"] and last["job_state"] == "CANCELLED"
     assert time.monotonic() - t0 < 90
     assert _squeue(slurm) == ""
+
+
+def test_rank_failure_on_a_node(slurm, tmp_path):
+    """Rank 1 raises at step 2 (the backend's fault hook; sbatch passes the environment on)."""
+    p = shardscope_run(slurm, tmp_path, "--nodes", "2", "--steps", "5", "--timeout", "90",
+                       env={"SHARDSCOPE_FAULT": "raise@1:2"})
+    out, err = finish(p, 90)
+    assert p.returncode == 1, (out, err)
+    last = events(tmp_path)[-1]
+    assert last["event"] == "failed" and last["rank"] == 1 and last["job_state"] == "FAILED", last
+    assert last["reason"].startswith("rank 1 failed: RuntimeError: injected fault on rank 1 at step 2")
+    assert "ended FAILED" in last["reason"] and "RuntimeError" in last["log_tail"]
 
 
 def test_node_failure(slurm, tmp_path):
