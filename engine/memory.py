@@ -694,6 +694,12 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
             f"{n} × {st.layers} × {stored_formula} = {n} × {st.layers} × {stored:,} B ({dims})"))
         for label, x, fx in ex:
             T["activations"].append(Term(f"stage {st.stage}: {label}", n * x, f"{n} × {fx} = {n} × {x:,} B"))
+    if torch_acc and p > 1 and any(st.stage == n_stages - 1 for st in rp.stages):
+        # torch.distributed.pipelining keeps every microbatch's output (the logits) on the last stage
+        # until step() merges them, whatever the schedule
+        lo = act * s * b * v_loss
+        T["activations"].append(Term("last stage: every microbatch's logits, kept by the schedule to merge the output",
+                                     m * lo, f"m × {act}·s·b·{v_sym} = {m} × {lo:,} B"))
     if autocast:
         # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
         # (the backend's context spans forward and backward); the matmuls save these casts.
@@ -750,7 +756,11 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
             T["comm_buffers"].append(Term(
                 f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", gb * psi,
                 f"{gb} B × Ψ: the Reducer's flat buckets cover every gradient; bucket_cap_mb sets their count"))
-        if torch_acc:
+        # it is part of the peak where the rank's peak falls in a backward: no pipeline, the last stage
+        # (one microbatch in flight), full recompute; stages holding several microbatches peak at the
+        # end of their warm-up forwards, before it exists (measured)
+        in_backward = p == 1 or tr.recompute == "full" or any(st.stage == n_stages - 1 for st in rp.stages)
+        if torch_acc and in_backward:
             T["temporaries"].append(Term(
                 "DDP: a gradient-sized temporary early in the synchronised backward (measured, torch 2.13)",
                 gb * psi, f"{gb} B × Ψ = {gb} × {psi:,}"))
