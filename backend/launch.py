@@ -9,7 +9,7 @@ failure ends every process: the agent's group and each rank's own group (torchru
 ranks in new sessions) get SIGTERM, then SIGKILL; ranks also carry a parent-death signal.
 
 Multi-node runs go through an existing scheduler (a Slurm batch script running torchrun with
-c10d rendezvous): see :func:`slurm_script`.
+c10d rendezvous) or per-host torchrun commands: see :mod:`backend.cluster`.
 """
 
 from __future__ import annotations
@@ -412,20 +412,3 @@ def _human(ev: dict) -> str:
             text += "\n--- log tail ---\n" + ev["log_tail"]
         return text
     return json.dumps(ev)
-
-
-def slurm_script(cfg: Config, run_dir: str | Path, steps: int = DEFAULT_STEPS, python: str = "python") -> str:
-    """A Slurm batch script that runs ``cfg`` with torchrun's c10d rendezvous across nodes (sbatch it)."""
-    nodes = cfg.cluster.nodes
-    per_node = min(cfg.cluster.gpus_per_node, cfg.parallel.world_size)
-    return f"""#!/bin/bash
-#SBATCH --job-name=shardscope
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={per_node}
-#SBATCH --output={run_dir}/logs/slurm-%j.log
-head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-srun {python} -m torch.distributed.run --nnodes={nodes} --nproc-per-node={per_node} \\
-  --rdzv-backend=c10d --rdzv-endpoint="$head":29500 --rdzv-id="$SLURM_JOB_ID" \\
-  -m backend.worker --run-dir {run_dir} --steps {steps}
-"""
