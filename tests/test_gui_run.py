@@ -271,7 +271,7 @@ def test_too_large_config_runs_its_runnable_version(window, qtbot, tmp_path):
     window.state.set_config(big)
     window.state.recompute_now()
     panel = window.run_panel
-    assert panel.run_button.text() == "▶ Run runnable version"
+    qtbot.waitUntil(lambda: panel.run_button.text() == "▶ Run runnable version", timeout=2000)
     assert panel.runnable_note.isVisible()
     note = panel.runnable_note.text()
     assert "h100-sxm" in note and "tiny" in note and "apples to apples" in note

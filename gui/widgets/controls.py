@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 from engine import names
 from engine.presets import gpu_presets, model_presets
 from gui.family import family_for, format_params
+from gui.widgets.barrier import LayoutBarrier
 
 
 def nice_values(lo: int, hi: int) -> list[int]:
@@ -55,7 +56,9 @@ class StepSlider(QWidget):
         self.slider.setRange(0, len(self.values) - 1)
         self.slider.setPageStep(1)
         self.label = QLabel()
-        self.label.setFixedWidth(self.label.fontMetrics().horizontalAdvance("≈888.8M") + 4)
+        # fixed in both directions: a new value repaints the label without re-laying out the window
+        self.label.setFixedSize(self.label.fontMetrics().horizontalAdvance("≈888.8M") + 4,
+                                self.label.sizeHint().height())
         self.label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         lay = QHBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -121,7 +124,7 @@ class ControlsPanel(QWidget):
         self.size_label = QLabel()
         self.size_label.setObjectName("hint")
         self.size_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self._row(grid, "Size", "model.size", self.size, hint=self.size_label)
+        self._row(grid, "Size", "model.size", self.size, hint=LayoutBarrier(self.size_label))
         self.seq_len = StepSlider(powers_of_two(16, 131072))
         self.seq_len.valueChosen.connect(lambda v: self._edit("model.seq_len", v))
         self._row(grid, "Sequence length", "model.seq_len", self.seq_len)

@@ -15,6 +15,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
+from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.timeline import BoxesItem
 
 GIB = float(2**30)
@@ -122,6 +123,10 @@ class MemoryChart(QWidget):
         self.full_scale = False
         self._ticks: list = []
         self.unit, self.unit_name = GIB, "GiB"
+        self.y_scale = 1.0  # chart units (self.unit) per view unit: the view spans 0..1
+        self._frames: tuple | None = None
+        self._cap_text = ""
+        self._view: tuple | None = None
         self.capacity_in_view = True
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -129,7 +134,7 @@ class MemoryChart(QWidget):
         self.header = QLabel("Memory per rank")
         self.header.setObjectName("chartTitle")
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        head.addWidget(self.header, 1)
+        head.addWidget(LayoutBarrier(self.header), 1)
         lay.addLayout(head)
         legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
                                      for c in MEMORY_CATEGORIES)
@@ -225,16 +230,28 @@ class MemoryChart(QWidget):
         xp = x - 0.2 if has_measured else x
         values = np.array([[g.values[c] for c in MEMORY_CATEGORIES] for g in self.groups], float) / self.unit
         top_of = np.cumsum(values, axis=1)
+        totals = top_of[:, -1]
+        cap = self.capacity_bytes / self.unit
+        peak = max(float(totals.max()), self._measured_max() * GIB / self.unit)
+        self.capacity_in_view = peak >= 0.2 * cap or self.full_scale
+        top = (max(cap, peak) if self.capacity_in_view else peak) * 1.15
+        # The view always spans y = 0..1 and the left axis is scaled by `top`: a new peak then
+        # changes the axis only, not the view (a view change costs pyqtgraph a second paint).
+        if top != self.y_scale:
+            self.y_scale = top
+            pi.getAxis("left").setScale(top)
+        values, top_of, totals, cap = values / top, top_of / top, totals / top, cap / top
         bottom_of = top_of - values
         cat = np.tile(np.arange(len(MEMORY_CATEGORIES)), n)
         xs = np.repeat(xp, len(MEMORY_CATEGORIES))
         colors = [CATEGORY_COLORS.get(c, "#888") for c in MEMORY_CATEGORIES]
         self.stacks.set_boxes(xs - width / 2, xs + width / 2, bottom_of.ravel(), top_of.ravel(), colors, cat)
         self.stacks.setVisible(True)
-        totals = top_of[:, -1]
-        cap = self.capacity_bytes / self.unit
         over = [i for i, g in enumerate(self.groups) if not g.fits]
-        self.frames.setOpts(x=xp[over], y0=np.zeros(len(over)), height=totals[over], width=width * 1.08)
+        frames = (tuple(xp[over]), tuple(totals[over]), width)
+        if frames != self._frames:  # BarGraphItem re-records its picture on every setOpts
+            self._frames = frames
+            self.frames.setOpts(x=xp[over], y0=np.zeros(len(over)), height=totals[over], width=width * 1.08)
         self.frames.setVisible(bool(over))
         for k, label in enumerate(self.over_labels):
             if k < len(over) and n <= MAX_OVER_LABELS:
@@ -242,24 +259,26 @@ class MemoryChart(QWidget):
                 label.setText(f"over by\n{fmt_bytes(self.groups[i].total - self.capacity_bytes)}")
                 label.setPos(xp[i], totals[i])
                 label.setVisible(True)
-            else:
+            elif label.isVisible():
                 label.setVisible(False)
         if has_measured:
             self._draw_measured(x + 0.2, width)
         else:
             self.measured_stacks.setVisible(False)
         self.capacity_line.setValue(cap)
-        self.capacity_line.label.setFormat(f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}")
-        peak = max(float(totals.max()), self._measured_max() * GIB / self.unit)
-        self.capacity_in_view = peak >= 0.2 * cap or self.full_scale
+        cap_text = f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}"
+        if cap_text != self._cap_text:
+            self._cap_text = cap_text
+            self.capacity_line.label.setFormat(cap_text)
         self.capacity_line.setVisible(self.capacity_in_view)
-        top = (max(cap, peak) if self.capacity_in_view else peak) * 1.15
-        pi.setYRange(0, top, padding=0)
-        pi.setXRange(-0.6, n - 0.4, padding=0)
+        if self._view != (n, 1.0):
+            self._view = (n, 1.0)
+            pi.setYRange(0, 1.0, padding=0)
+            pi.setXRange(-0.6, n - 0.4, padding=0)
         if not self.capacity_in_view:
             self.off_scale.setText(f"▲ {self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)} is "
-                                   f"above this scale (the fullest rank uses {peak / cap * 100:.1f}% of it)")
-            self.off_scale.setPos(-0.55, top)
+                                   f"above this scale (the fullest rank uses {peak / (cap * top) * 100:.1f}% of it)")
+            self.off_scale.setPos(-0.55, 1.0)
         self.off_scale.setVisible(not self.capacity_in_view)
         step = max(1, n // 12)
         ticks = [(i, self._tick(g)) for i, g in enumerate(self.groups) if i % step == 0]
@@ -300,7 +319,7 @@ class MemoryChart(QWidget):
                 continue
             acc = 0.0
             for k, c in enumerate(MEMORY_CATEGORIES):
-                h = m.get(c, 0.0) / self.unit
+                h = m.get(c, 0.0) / self.unit / self.y_scale
                 x0.append(xm[i] - width / 2)
                 x1.append(xm[i] + width / 2)
                 y0.append(acc)
@@ -344,7 +363,7 @@ class MemoryChart(QWidget):
         if not self.groups or not vb.sceneBoundingRect().contains(pos):
             return
         p = vb.mapSceneToView(pos)
-        text = self.explain_at(p.x(), p.y())
+        text = self.explain_at(p.x(), p.y() * self.y_scale)
         self.hover_text = text
         if text:
             QToolTip.showText(self.plot.mapToGlobal(self.plot.mapFromScene(pos)), text, self.plot)

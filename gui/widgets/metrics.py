@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from pathlib import Path
+
+from PySide6.QtCore import QRect, QSize, Qt
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QLabel, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from gui.widgets.memory_chart import fmt_bytes
@@ -150,9 +153,61 @@ def metric_rows(pred) -> list[tuple[str, str]]:
         rows.append(("Peak memory", f"{fmt_bytes(peak.total)} on rank {peak.rank}"))
         rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))))
     labels = {"step": "Step time, tokens/s, MFU, communication", "memory": "Memory", "timeline": "Pipeline"}
+    if getattr(pred, "calibrated_from", None):
+        rows.append(("Time from", f"the calibration of run {Path(pred.calibrated_from).name}"))
     for part, why in pred.missing.items():
         rows.append((labels.get(part, part), "not predicted yet" if "not in this build" in why else why))
     return rows
+
+
+class MetricsTable(QWidget):
+    """Name/value rows painted directly, values bold and wrapped.
+
+    A rich-text QLabel cost ~6 ms per slider move (HTML parsed and laid out again, and its
+    geometry update re-laid out the window); new numbers here only repaint this widget.
+    """
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("metrics")
+        self.rows: list[tuple[str, str]] = []
+        self.setMinimumWidth(250)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
+        self.bold = QFont(self.font())
+        self.bold.setBold(True)
+
+    def set_rows(self, rows: list[tuple[str, str]]) -> None:
+        if rows != self.rows:
+            self.rows = list(rows)
+            self.update()
+
+    def text(self) -> str:
+        return "\n".join(f"{k}: {v}" for k, v in self.rows)
+
+    def sizeHint(self) -> QSize:
+        return QSize(360, 300)
+
+    def paintEvent(self, event) -> None:
+        if not self.rows:
+            return
+        p = QPainter(self)
+        fm, bfm = self.fontMetrics(), QFontMetrics(self.bold)
+        key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
+        value_w = max(40, self.width() - key_w - 4)
+        top = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop
+        wrap = top | Qt.TextFlag.TextWordWrap
+        key_color, value_color = QColor("#555"), self.palette().windowText().color()
+        y = 2
+        for k, v in self.rows:
+            h = bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height()
+            p.setFont(self.font())
+            p.setPen(key_color)
+            p.drawText(QRect(0, y, key_w, h), top, k)
+            p.setFont(self.bold)
+            p.setPen(value_color)
+            p.drawText(QRect(key_w, y, value_w, h), wrap, v)
+            y += h + 3
+        p.end()
 
 
 class MetricsPanel(QWidget):
@@ -164,28 +219,26 @@ class MetricsPanel(QWidget):
         title = QLabel("Metrics")
         title.setObjectName("chartTitle")
         lay.addWidget(title)
-        self.table = QLabel()
-        self.table.setObjectName("metrics")
-        self.table.setWordWrap(True)
-        self.table.setMinimumWidth(250)
-        self.table.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
-        # new numbers must not re-layout the window on every slider move
-        self.table.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Ignored)
-        self.table.setTextFormat(Qt.TextFormat.RichText)
+        self.table = MetricsTable()
         lay.addWidget(self.table, 1)
         # the explainer is a separate view; the window places it (a tab)
         self.explainer = QTextBrowser()
         self.explainer.setObjectName("explainer")
         self.rows: list[tuple[str, str]] = []
         state.predictionReady.connect(self.on_prediction)
-        state.configChanged.connect(lambda cfg: self.explainer.setHtml(explainer_html(cfg)))
-        self.explainer.setHtml(explainer_html(state.config))
+        self._explainer_html = ""
+        state.configChanged.connect(self._explain)
+        self._explain(state.config)
+
+    def _explain(self, cfg) -> None:
+        html = explainer_html(cfg)
+        if html != self._explainer_html:  # the strategy changed, not just a number: lay the text out again
+            self._explainer_html = html
+            self.explainer.setHtml(html)
 
     def table_holder(self) -> QWidget:
         return self
 
     def on_prediction(self, pred) -> None:
         self.rows = metric_rows(pred)
-        cells = "".join(f"<tr><td style='color:#555;padding-right:10px'>{k}</td><td><b>{v}</b></td></tr>"
-                        for k, v in self.rows)
-        self.table.setText(f"<table>{cells}</table>")
+        self.table.set_rows(self.rows)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -44,7 +44,7 @@ class RunPanel(QWidget):
         self.notes: list[str] = []
         self.comparison = None
         self.current: object | None = None  # the RunRecord whose comparison is shown
-        self.runnable: Runnable = runnable_version(state.config)
+        self.runnable: Runnable | None = None  # what Run executes for the current config
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         bar = QHBoxLayout()
@@ -134,42 +134,59 @@ class RunPanel(QWidget):
         state.runFinished.connect(self.on_finished)
         state.runsChanged.connect(self._list_runs)
         state.measurementShown.connect(self.on_shown)
+        # what Run will execute is worked out after a drag pauses, off the slider-to-repaint path
+        self._runnable_timer = QTimer(self)
+        self._runnable_timer.setSingleShot(True)
+        self._runnable_timer.setInterval(80)
+        self._runnable_timer.timeout.connect(self._refresh_runnable)
         state.configChanged.connect(self._config_changed)
         state.calibrationChanged.connect(self._calibration_changed)
         self._list_runs()
-        self._config_changed(state.config)
+        self._refresh_runnable()
 
     # ------------------------------------------------------------------ runnable version
 
     def _config_changed(self, cfg) -> None:
-        self.runnable = runnable_version(cfg)
+        self._show_runnable_result(cfg)
+        self._runnable_timer.start()  # coalesce: a drag's moves cost one refresh when it pauses
+
+    def _show_runnable_result(self, cfg) -> bool:
+        """While the window shows a runnable version's result: say so, and offer the way back."""
+        before, shown = self.state.before_runnable, self.state.shown
+        if before is not None and cfg == before:
+            self.state.before_runnable = before = None
+        self.back_button.setVisible(before is not None)
+        if before is not None and shown is not None and cfg == shown.config:
+            self.runnable_note.setText(
+                f"Showing the runnable version of {before.model.preset or 'your model'} on {before.parallel.world_size}"
+                f" × {before.cluster.gpu.name}: the prediction, the overlays and the table are all of this exact "
+                "config.")
+            self.runnable_note.show()
+            return True
+        return False
+
+    def _refresh_runnable(self) -> None:
+        """Work out what Run executes for the current config (itself, or its runnable version)."""
+        self._runnable_timer.stop()
+        cfg = self.state.config
+        if self.runnable is None or self.runnable.original != cfg:
+            self.runnable = runnable_version(cfg)
         r = self.runnable
         if r.is_original:
             self.run_button.setText("▶ Run")
             self.run_button.setToolTip("Run this configuration as real multi-process training")
-            self.runnable_note.setVisible(self.state.before_runnable is not None)
+            if not self._show_runnable_result(cfg):
+                self.runnable_note.hide()
         else:
             self.run_button.setText("▶ Run runnable version" if r.config is not None else "▶ Run")
             self.run_button.setToolTip(r.describe())
             self.runnable_note.setText(r.describe())
             self.runnable_note.show()
-        if self.state.before_runnable is not None and cfg != self.state.before_runnable:
-            b, shown = self.state.before_runnable, self.state.shown
-            if shown is not None and cfg == shown.config:
-                self.runnable_note.setText(
-                    f"Showing the runnable version of {b.model.preset or 'your model'} on {b.parallel.world_size} × "
-                    f"{b.cluster.gpu.name}: the prediction, the overlays and the table are all of this exact config.")
-                self.runnable_note.show()
-            self.back_button.show()
-        else:
-            self.back_button.hide()
-            if self.state.before_runnable is not None and cfg == self.state.before_runnable:
-                self.state.before_runnable = None
         self._update_buttons()
 
     def _update_buttons(self) -> None:
         running = self.state.running
-        self.run_button.setEnabled(not running and self.runnable.config is not None)
+        self.run_button.setEnabled(not running and self.runnable is not None and self.runnable.config is not None)
         self.simulate_button.setEnabled(not running)
         self.cancel_button.setEnabled(running)
 
@@ -177,6 +194,7 @@ class RunPanel(QWidget):
 
     def start(self) -> None:
         """Run the config (or, when it is too large for this machine, its runnable version)."""
+        self._refresh_runnable()  # never run what an earlier config would have run
         if self.state.running or self.runnable.config is None:
             return
         r = self.runnable

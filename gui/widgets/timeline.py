@@ -18,6 +18,8 @@ from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from gui.widgets.barrier import LayoutBarrier  # noqa: E402
+
 KINDS = ("F", "B", "I", "W")
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grads)", "W": "backward (weight grads)"}
 KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
@@ -247,7 +249,7 @@ class TimelineView(QWidget):
         self.header.setObjectName("chartTitle")
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         head = QHBoxLayout()
-        head.addWidget(self.header, 1)
+        head.addWidget(LayoutBarrier(self.header), 1)
         lay.addLayout(head)
         lay.addWidget(self._legend())
         self.plot = pg.PlotWidget(background="w")
