@@ -18,7 +18,7 @@ from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from gui.widgets.barrier import LayoutBarrier  # noqa: E402
+from gui.widgets.barrier import LayoutBarrier
 
 KINDS = ("F", "B", "I", "W")
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grads)", "W": "backward (weight grads)"}
