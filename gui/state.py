@@ -28,6 +28,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QProcess, QTimer, Signal
 
+from backend.records import read_jsonl
 from engine import Config, ConfigError, Problem
 
 # Which control a field belongs to: the first prefix that matches wins.
@@ -163,30 +164,13 @@ class RunRecord:
         return self.measurement
 
 
-def read_events(path: Path) -> list[dict]:
-    """events.jsonl, tolerating a torn last line (a run may be writing it, or have crashed)."""
-    out = []
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
-
-
 def read_run_dir(path: str | Path) -> RunRecord:
     """A run directory as a RunRecord: status from events.jsonl, config from config.toml.
 
     The measurement is read when the run is shown (:meth:`RunRecord.load_measurement`).
     """
     d = Path(path)
-    events = read_events(d / "events.jsonl")
+    events = read_jsonl(d / "events.jsonl")
     try:
         cfg: Config | None = Config.load(d / "config.toml")
         reason = ""
