@@ -83,7 +83,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
         make_zero1_optimizer,
     )
     from backend.parallel.pipeline import ActionTimer
-    from backend.train import SEED, Trainer, _optimizer_cls_and_kwargs
+    from backend.train import SEED, Trainer, _optimizer_cls_and_kwargs, check_supported
 
     par, tr = cfg.parallel, cfg.training
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
@@ -100,13 +100,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.coords = self.dims.coords
             self.fsdp = par.zero in (2, 3)
             self.pipelined = par.pp > 1
-            if par.zero == 1 and par.tp > 1:
-                raise NotImplementedError(
-                    "ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
-                    "parameters; use parallel.zero = 2 (fully_shard) with TP")
-            if cfg.model.tied_embeddings and par.tp > 1:
-                raise NotImplementedError("tied embeddings with tp > 1 are not supported; "
-                                          "set model.tied_embeddings = false")
+            check_supported(cfg)
             torch.manual_seed(SEED)
             with torch.device("meta"):
                 model = Transformer(cfg.model)

@@ -54,6 +54,17 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def check_supported(cfg: Config) -> None:
+    """Combinations torch's APIs cannot compose; raised before anything is built."""
+    par = cfg.parallel
+    if par.zero == 1 and par.tp > 1:
+        raise NotImplementedError(
+            "ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
+            "parameters; use parallel.zero = 2 (fully_shard) with TP")
+    if cfg.model.tied_embeddings and par.tp > 1:
+        raise NotImplementedError("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
+
+
 class Trainer:
     """Everything one rank holds: stage modules, optimizer, schedule (PP), data."""
 
@@ -67,16 +78,11 @@ class Trainer:
         self.coords = self.dims.coords
         self.fsdp = par.zero in (2, 3)
         self.pipelined = par.pp > 1
-        if par.zero == 1 and par.tp > 1:
-            raise NotImplementedError(
-                "ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
-                "parameters; use parallel.zero = 2 (fully_shard) with TP")
+        check_supported(cfg)
 
         torch.manual_seed(SEED)  # every rank builds the same full model, then keeps its part
         with torch.device(self.device):
             model = Transformer(cfg.model)
-        if cfg.model.tied_embeddings and par.tp > 1:
-            raise NotImplementedError("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
         parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
         mp = fsdp_mp_policy(tr)
         self.modules = []

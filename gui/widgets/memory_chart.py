@@ -15,6 +15,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
+from gui.comparison import fmt_bytes
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.timeline import BoxesItem
 
@@ -32,12 +33,6 @@ OVER_COLOR = "#D62728"
 MAX_OVER_LABELS = 16  # "over by …" labels are drawn when there are at most this many bars
 
 
-def fmt_bytes(n: float) -> str:
-    n = float(n)
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _compress(ranks: list[int]) -> str:
