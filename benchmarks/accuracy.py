@@ -7,7 +7,10 @@ Every layout runs through ``backend.launch`` on this machine (local CPU ranks, g
 compared with ``engine.predict`` (``engine.compare``), and is predicted twice more for time:
 calibrated from the *reference* run (dp2 × pp2 1F1B, the embedded default: a different
 layout, the cross-layout case) and, for pipeline runs, self-calibrated from its own measured
-per-stage durations. Prints one table and writes it as markdown to benchmarks/accuracy.md.
+per-stage durations. Both calibrations are combined with a link calibration measured first
+(``shardscope calibrate --links --ranks 4``: α and β per collective, matmul FLOP/s per rank),
+which alone gives the "links only" column (analytic compute at the measured throughput,
+measured collectives). Prints one table and writes it as markdown to benchmarks/accuracy.md.
 
 Columns: states = params, grads, optimizer exact on every rank; worst category = the largest
 |relative error| of any category on any rank (bytes the tracker cannot see excluded; a
@@ -29,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import Config, default_config  # noqa: E402
-from engine.calibrate import calibrate  # noqa: E402
+from engine.calibrate import calibrate, load_links  # noqa: E402
 from engine.compare import compare  # noqa: E402
 from engine.names import MEMORY_CATEGORIES  # noqa: E402
 from engine.predict import predict  # noqa: E402
@@ -111,12 +114,26 @@ def _abs_pct(x: float | None) -> str:
     return "∞" if math.isinf(x) else f"{x * 100:.1f} %"
 
 
-def evaluate(dirs: dict[str, Path]) -> list[dict]:
+def measure_links(runs_dir: Path, reuse: bool) -> Path:
+    from backend.linkbench import measure_links as bench
+    from backend.linkbench import render_links
+
+    d = runs_dir / "links"
+    if not (reuse and (d / "links.json").exists()):
+        t0 = time.perf_counter()
+        print(render_links(bench(4, d)), flush=True)
+        print(f"  links measured in {time.perf_counter() - t0:.1f} s", flush=True)
+    return d
+
+
+def evaluate(dirs: dict[str, Path], links_dir: Path | None = None) -> list[dict]:
+    links = load_links(links_dir) if links_dir is not None and (links_dir / "links.json").exists() else None
     ref_dir = dirs[REFERENCE]
     ref_cal = None
     if (ref_dir / "measurement.json").exists():
         ref_cal = calibrate(Config.load(ref_dir / "config.toml"),
-                            json.loads((ref_dir / "measurement.json").read_text()), source=str(ref_dir))
+                            json.loads((ref_dir / "measurement.json").read_text()), source=str(ref_dir),
+                            links=links)
     rows = []
     for name, d in dirs.items():
         row: dict = {"layout": name, "dir": str(d)}
@@ -139,17 +156,19 @@ def evaluate(dirs: dict[str, Path]) -> list[dict]:
             "bubble_error": s["bubble_error"], "step_analytic": s["step"],
             "step_measured_s": cmp.step.measured, "orders_identical": s["orders_identical"],
         })
+        if links is not None:
+            row["step_links"] = compare(links.predict(cfg), meas).step.relative
         if ref_cal is not None:
             row["step_calibrated"] = compare(ref_cal.predict(cfg), meas).step.relative
         if cfg.parallel.pp > 1:
-            own = calibrate(cfg, meas, source=str(d))
+            own = calibrate(cfg, meas, source=str(d), links=links)
             row["step_self"] = compare(own.predict(cfg), meas).step.relative
         rows.append(row)
     return rows
 
 
 HEAD = ("layout", "states exact", "worst category", "act", "peak", "bubble", "step analytic",
-        "step calibrated (ref)", "step self-cal.", "measured step")
+        "step links only", "step calibrated (ref + links)", "step self-cal. (+ links)", "measured step")
 
 
 def table(rows: list[dict]) -> list[tuple[str, ...]]:
@@ -162,7 +181,7 @@ def table(rows: list[dict]) -> list[tuple[str, ...]]:
             r["layout"], "yes" if r["states_exact"] else "NO",
             f"{r['worst_category']} {_abs_pct(r['worst'])}", _abs_pct(r["activations"]), _abs_pct(r["peak"]),
             "—" if r["bubble_error"] is None else f"{r['bubble_error'] * 100:+.1f} pt",
-            _pct(r["step_analytic"]), _pct(r.get("step_calibrated")),
+            _pct(r["step_analytic"]), _pct(r.get("step_links")), _pct(r.get("step_calibrated")),
             "(fit)" if r["layout"] == REFERENCE and "step_self" not in r else _pct(r.get("step_self")),
             f"{r['step_measured_s'] * 1e3:.0f} ms"))
     return out
@@ -236,8 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    links_dir = measure_links(args.runs_dir, args.reuse)
     dirs = run_all(args.runs_dir, args.steps, args.reuse, args.only)
-    rows = evaluate(dirs)
+    rows = evaluate(dirs, links_dir)
     print(render(rows))
     print(f"\n{len(rows)} layouts in {time.perf_counter() - t0:.0f} s; runs in {args.runs_dir}")
     Path(args.markdown).write_text(markdown(rows, args.steps), encoding="utf-8")

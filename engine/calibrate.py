@@ -26,6 +26,16 @@ layout to the target one, so a 2-rank prediction from a 4-rank run on 2 cores is
 ``Calibration.predict(other_cfg)`` predicts another layout of the same model on the same
 machine: the same stage layout reuses the measured per-stage seconds; any other layout
 scales the analytic per-stage FLOPs by the measured efficiencies.
+
+**Link calibration** (``shardscope calibrate --links``, backend.linkbench): a micro-benchmark
+times all-reduce / all-gather / reduce-scatter / send-recv over a sweep of sizes, every rank
+at once at the given world size, and a matmul per rank. :func:`fit_links` fits α and B per
+collective and group size by least squares on the ring formulas of engine.comm (relative
+residuals, so small and large buffers weigh alike); :class:`LinkCalibration` keeps them
+(``links.json`` in the run directory) with the per-rank FLOP/s. Given to :func:`calibrate`
+(or :meth:`Calibration.with_links`) they replace the cluster's α and B for every collective
+the prediction charges and for the p2p sends; alone, :meth:`LinkCalibration.predict` is the
+analytic model with measured links and the measured matmul throughput as the peak.
 """
 
 from __future__ import annotations
@@ -39,12 +49,16 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_seconds
 from engine.config import Config
 from engine.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
 from engine.layout import split_layers
+from engine.memory import memory_per_rank
 from engine.params import params_per_rank
-from engine.predict import Prediction, predict
+from engine.predict import Prediction
 from engine.step import optimizer_seconds, step_time, tp_seconds_per_layer
+
+LINKS_FILE = "links.json"
 
 _KINDS = ("F", "B", "I", "W")
 
@@ -67,6 +81,11 @@ class Calibration:
     measured: StageDurations | None  # per-stage means (TP comm taken out), PP runs only
     step_seconds: float  # the measured step
     notes: tuple[str, ...] = ()
+    links: LinkCalibration | None = None  # measured α and B per collective (shardscope calibrate --links)
+
+    def with_links(self, links: LinkCalibration) -> Calibration:
+        """This calibration with measured links for every collective and send."""
+        return dataclasses.replace(self, links=links, notes=self.notes + (f"links measured by {links.source}",))
 
     # ----------------------------------------------------------------- contention
 
@@ -92,16 +111,17 @@ class Calibration:
                 and (pa.zero in (2, 3)) == (pb.zero in (2, 3)))
 
     def config_for(self, cfg: Config) -> Config:
-        """``cfg`` with this machine's calibrated efficiency and bandwidths."""
+        """``cfg`` with this machine's calibrated efficiency and bandwidths (core sharing is the
+        calibration's own ``speed_factor``: the analytic ``cluster.cpu_cores`` is switched off)."""
         k = self.speed_factor(cfg)
         eff = min(1.0, max(1e-6, self.compute_efficiency * k))
-        cluster: dict = {}
+        cluster: dict = {"cpu_cores": 0}
         if self.memory_bytes_per_s is not None:
             cluster["gpu"] = dataclasses.replace(cfg.cluster.gpu,
                                                  hbm_bandwidth_gb_per_s=self.memory_bytes_per_s * k / 1e9)
         if self.link_bytes_per_s is not None:
             cluster["intra_node_bandwidth_gb_per_s"] = self.link_bytes_per_s * k / 1e9
-        return cfg.replace(conventions={"compute_efficiency": eff}, **({"cluster": cluster} if cluster else {}))
+        return cfg.replace(conventions={"compute_efficiency": eff}, cluster=cluster)
 
     def durations_for(self, cfg: Config) -> StageDurations:
         """Per-stage seconds for ``cfg``: measured when the stages match, else analytic FLOPs / efficiency."""
@@ -112,6 +132,10 @@ class Calibration:
         if self.p2p_s is not None and len(p2p):
             scale = activation_bytes_per_microbatch(cfg) / activation_bytes_per_microbatch(self.config)
             p2p = np.where(p2p > 0, self.p2p_s * scale, 0.0)
+        elif self.links is not None and len(p2p):
+            one = self.links.p2p_seconds(cfg, activation_bytes_per_microbatch(cfg))
+            if one is not None:
+                p2p = np.where(p2p > 0, one, 0.0)
         if self.same_stages(cfg):
             m = self.measured
             return StageDurations.of(m.num_stages, m.forward_s / k, m.backward_s / k, m.backward_input_s / k,
@@ -123,8 +147,10 @@ class Calibration:
                                  source="calibrated: analytic FLOPs / measured efficiency")
 
     def predict(self, cfg: Config) -> Prediction:
-        """``engine.predict`` for ``cfg`` with this calibration."""
-        return predict(self.config_for(cfg), self.durations_for(cfg))
+        """``engine.predict`` for ``cfg`` with this calibration (and its measured links)."""
+        c = self.config_for(cfg)
+        links = None if self.links is None else self.links.links_for(cfg)
+        return Prediction(config=c, memory=memory_per_rank(c), step=step_time(c, self.durations_for(cfg), links))
 
     def to_json(self) -> dict:
         return {
@@ -139,6 +165,7 @@ class Calibration:
             "measured_durations": None if self.measured is None else self.measured.to_json(),
             "step_seconds": self.step_seconds,
             "notes": list(self.notes),
+            "links": None if self.links is None else self.links.to_json(),
         }
 
 
@@ -238,9 +265,14 @@ def _default_cores() -> int:
         return os.cpu_count() or 1
 
 
-def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int | None = None) -> Calibration:
-    """Derive a :class:`Calibration` from a run of ``cfg`` and its measurement dict."""
+def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int | None = None,
+              links: LinkCalibration | None = None) -> Calibration:
+    """Derive a :class:`Calibration` from a run of ``cfg`` and its measurement dict; with
+    ``links`` (a link calibration of the same machine) the communication it takes out of the
+    measured times, and the one it predicts, use the measured α and B."""
     meas = measurement if isinstance(measurement, dict) else measurement.to_dict()
+    cfg = cfg.replace(cluster={"cpu_cores": 0})  # core sharing is scaled by the calibration itself
+    lk = None if links is None else links.links_for(cfg)
     step_s = float((meas.get("step") or {}).get("seconds") or 0.0)
     if not step_s > 0:
         raise CalibrationError("the measurement has no timed step (step.seconds is 0)")
@@ -258,7 +290,8 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     if not have_actions:
         # pp = 1: one efficiency, fitted to the whole step with analytic communication
         def step_at(e: float) -> float:
-            return step_time(cfg.replace(conventions={"compute_efficiency": min(e, 1.0)}), _scaled(cfg, e)).seconds
+            return step_time(cfg.replace(conventions={"compute_efficiency": min(e, 1.0)}), _scaled(cfg, e),
+                             lk).seconds
         eff = _bisect_log(step_at, step_s, 1e-6, 1e3)
         if eff is None:
             eff = cfg.conventions.compute_efficiency
@@ -267,11 +300,11 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
         else:
             notes.append("no pipeline actions (pp = 1): one compute efficiency fitted so the predicted step "
                          "equals the measured one (communication and optimizer analytic)")
-        return Calibration(source, cfg, eff, eff, eff, cores, None, None, None, None, step_s, tuple(notes))
+        return Calibration(source, cfg, eff, eff, eff, cores, None, None, None, None, step_s, tuple(notes), links)
 
     # ---- per-stage durations, TP communication taken out (the engine adds it back)
     layers = _stage_layers(cfg, num_stages)
-    tp_f, tp_b = tp_seconds_per_layer(cfg)
+    tp_f, tp_b = tp_seconds_per_layer(cfg, lk)
     f = med["F"] - layers * tp_f
     split = not np.all(np.isnan(med["I"]))
     if split:
@@ -316,11 +349,13 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
                      "modelled memory-bound)")
 
     p2p = _p2p_wait(meas)
-    cal = Calibration(source, cfg, eff, eff_f, eff_b, cores, mem_bw, None, p2p, measured, step_s, ())
+    cal = Calibration(source, cfg, eff, eff_f, eff_b, cores, mem_bw, None, p2p, measured, step_s, (), links)
 
     # ---- link bandwidth: the exposed DP reduction in each stage's last backward
     link = None
-    if par.dp > 1 and dp_excess > 0:
+    if links is not None:
+        notes.append(f"links measured by {links.source}: α and B per collective replace the cluster's")
+    elif par.dp > 1 and dp_excess > 0:
         bw0 = cfg.cluster.intra_node_bytes_per_s
 
         def exposed_with(bw: float) -> float:
@@ -362,3 +397,137 @@ def load_calibration(run_dir: str | Path, cores: int | None = None) -> Calibrati
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CalibrationError(f"{meas_path} is not valid JSON: {exc}") from None
     return calibrate(Config.load(cfg_path), meas, source=str(run_dir), cores=cores)
+
+
+# --------------------------------------------------------------------------- links
+
+
+def _ring_terms(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, bus factor) of one ``kind`` collective over ``n`` ranks (engine.comm's ring)."""
+    if kind == "p2p":
+        return 1.0, 1.0
+    return (2.0 * (n - 1) if kind == "all_reduce" else n - 1.0), bus_factor(kind, n)
+
+
+def fit_alpha_beta(kind: str, n: int, sizes_bytes, seconds) -> tuple[float, float]:
+    """α (s per ring step) and B (bytes/s) with ``ring_seconds(kind, S, n, B, α)`` ≈ the measured
+    seconds, least squares on relative residuals, both ≥ 0 (B = inf when size does not matter)."""
+    steps, factor = _ring_terms(kind, n)
+    S = np.asarray(sizes_bytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if len(S) == 0 or len(S) != len(t) or np.any(t <= 0):
+        raise CalibrationError(f"{kind} over {n} ranks: need positive times for every size")
+    A = np.stack([np.full_like(S, steps), factor * S], axis=1) / t[:, None]
+    (alpha, inv_b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if alpha < 0:  # bandwidth alone
+        alpha, inv_b = 0.0, float(np.sum(A[:, 1]) / np.sum(A[:, 1] ** 2))
+    if inv_b <= 0:  # latency alone
+        alpha, inv_b = float(np.sum(A[:, 0]) / np.sum(A[:, 0] ** 2)), 0.0
+    return float(alpha), (math.inf if inv_b == 0 else float(1.0 / inv_b))
+
+
+def fit_links(samples: list[dict]) -> tuple[LinkFit, ...]:
+    """One :class:`LinkFit` per (collective, group size) from benchmark samples
+    ``{"kind", "n", "bytes", "seconds": [...]}`` (the median of each sample's times is fitted)."""
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for smp in samples:
+        if smp["kind"] not in COLLECTIVES or not smp["seconds"]:
+            continue
+        groups.setdefault((smp["kind"], int(smp["n"])), []).append((float(smp["bytes"]),
+                                                                      float(np.median(smp["seconds"]))))
+    fits = []
+    for (kind, n), pts in sorted(groups.items()):
+        a, b = fit_alpha_beta(kind, n, [p[0] for p in pts], [p[1] for p in pts])
+        fits.append(LinkFit(kind, n, a, b))
+    return tuple(fits)
+
+
+@dataclass(frozen=True)
+class LinkCalibration:
+    """What ``shardscope calibrate --links`` measured on this machine at ``world`` ranks."""
+
+    source: str
+    world: int
+    cores: int | None  # CPU cores the ranks shared; None on GPUs
+    backend: str  # gloo | nccl
+    fits: tuple[LinkFit, ...]
+    flops_per_rank: dict[str, float]  # "fp32" / "bf16": median per-rank matmul FLOP/s, every rank at once
+    notes: tuple[str, ...] = ()
+
+    def _over(self, world: int) -> float:
+        return 1.0 if not self.cores else max(1.0, world / self.cores)
+
+    def links_for(self, cfg: Config) -> MeasuredLinks:
+        """The fits for ``cfg``: α multiplied and B divided by its core sharing relative to the benchmark's."""
+        scale = 1.0 if cfg.cluster.gpu.name != "cpu" else self._over(cfg.parallel.world_size) / self._over(self.world)
+        return MeasuredLinks(self.fits, scale)
+
+    def p2p_seconds(self, cfg: Config, size_bytes: float) -> float | None:
+        found = self.links_for(cfg).lookup("p2p", 2)
+        return None if found is None else ring_seconds("p2p", size_bytes, 2, *found)
+
+    def config_for(self, cfg: Config) -> Config:
+        """``cfg`` with the measured matmul throughput as the peak (per core on CPU: the
+        benchmark's per-rank rate times its core sharing) and the benchmark's core count."""
+        over = self._over(self.world)
+        gpu = cfg.cluster.gpu
+        peaks = {}
+        for key, dtype in (("peak_fp32_tflops", "fp32"), ("peak_bf16_tflops", "bf16")):
+            if self.flops_per_rank.get(dtype):
+                peaks[key] = self.flops_per_rank[dtype] * over / 1e12
+        cluster: dict = {"gpu": dataclasses.replace(gpu, **peaks)}
+        if gpu.name == "cpu" and self.cores:
+            cluster["cpu_cores"] = self.cores
+        return cfg.replace(cluster=cluster)
+
+    def predict(self, cfg: Config) -> Prediction:
+        """The analytic prediction with measured links and measured throughput (no training run)."""
+        c = self.config_for(cfg)
+        return Prediction(config=c, memory=memory_per_rank(c), step=step_time(c, None, self.links_for(cfg)))
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "world": self.world, "cores": self.cores, "backend": self.backend,
+                "flops_per_rank": self.flops_per_rank, "notes": list(self.notes),
+                "fits": [{"kind": f.kind, "group_size": f.group_size, "alpha_us": f.latency_s * 1e6,
+                          "bandwidth_gb_per_s": None if math.isinf(f.bytes_per_s) else f.bytes_per_s / 1e9}
+                         for f in self.fits]}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str | None = None) -> LinkCalibration:
+        try:
+            fits = tuple(LinkFit(f["kind"], int(f["group_size"]), float(f["alpha_us"]) * 1e-6,
+                                 math.inf if f["bandwidth_gb_per_s"] is None else float(f["bandwidth_gb_per_s"]) * 1e9)
+                         for f in data["fits"])
+            return cls(source or data.get("source", "given"), int(data["world"]), data.get("cores"),
+                       data.get("backend", "?"), fits, {k: float(v) for k, v in data["flops_per_rank"].items()},
+                       tuple(data.get("notes", ())))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CalibrationError(f"not a link calibration ({type(exc).__name__}: {exc})") from None
+
+
+def links_from_benchmark(raw: dict, source: str = "given", cores: int | None = None) -> LinkCalibration:
+    """Fit a :class:`LinkCalibration` from the benchmark's raw record (backend.linkbench_worker)."""
+    on_cpu = raw.get("device", "cpu") == "cpu"
+    flops = {}
+    for dtype in ("float32", "bfloat16"):
+        # the largest shape: the machine's throughput (the model's own efficiency stays a convention)
+        rows = [m for m in raw.get("matmul", []) if m["dtype"] == dtype]
+        if rows:
+            big = max(rows, key=lambda m: math.prod(m["shape"]))
+            flops["fp32" if dtype == "float32" else "bf16"] = float(np.median(big["flops_per_s_per_rank"]))
+    return LinkCalibration(source, int(raw["world"]), (cores or _default_cores()) if on_cpu else None,
+                           raw.get("backend", "?"), fit_links(raw["samples"]), flops)
+
+
+def load_links(path: str | Path) -> LinkCalibration:
+    """A link calibration from a run directory (its ``links.json``) or the file itself."""
+    p = Path(path)
+    f = p / LINKS_FILE if p.is_dir() else p
+    if not f.exists():
+        raise FileNotFoundError(f"{p} has no {LINKS_FILE} (run `shardscope calibrate --links --out {p}`)"
+                                if p.is_dir() else f"link calibration not found: {p}")
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CalibrationError(f"{f} is not valid JSON: {exc}") from None
+    return LinkCalibration.from_json(data, source=str(p))

@@ -15,6 +15,14 @@ with one rank per node runs a flat ring over the network.
 
 Rank placement: TP innermost, then DP, then PP (engine.layout), so TP groups are the
 consecutive ranks and the most likely to fit in a node; PP groups are strided furthest.
+
+Local CPU ranks (GPU kind "cpu") that outnumber ``cluster.cpu_cores`` share the cores: every
+hop of a ring waits for a descheduled peer and every copy runs on a shared core, so α is
+multiplied and B divided by the oversubscription ``world / cores`` (the ``local-cpu`` preset's
+α and B are per core, measured with ``shardscope calibrate --links``).
+
+Measured links (:class:`MeasuredLinks`, from ``shardscope calibrate --links``) replace the
+cluster's intra-node α and B per collective and group size when given.
 """
 
 from __future__ import annotations
@@ -50,6 +58,43 @@ def ring_seconds(kind: str, size_bytes: float, n: int, bandwidth_bytes_per_s: fl
         return 0.0
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     return steps * latency_s + bus_factor(kind, n) * size_bytes / bandwidth_bytes_per_s
+
+
+def cpu_oversubscription(cfg: Config) -> float:
+    """How many ranks share each core: ``world / cluster.cpu_cores`` for CPU ranks, at least 1."""
+    cl = cfg.cluster
+    if cl.gpu.name != "cpu" or cl.cpu_cores <= 0:
+        return 1.0
+    return max(1.0, cfg.parallel.world_size / cl.cpu_cores)
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """α and B of one collective over groups of ``group_size`` ranks, fitted to measured times."""
+
+    kind: str  # one of COLLECTIVES
+    group_size: int
+    latency_s: float  # α, per ring step
+    bytes_per_s: float  # B, bus bandwidth
+
+
+@dataclass(frozen=True)
+class MeasuredLinks:
+    """Per-collective α and B measured inside a node; ``scale`` multiplies α and divides B
+    (core sharing of the target layout relative to the benchmark's)."""
+
+    fits: tuple[LinkFit, ...]
+    scale: float = 1.0
+
+    def lookup(self, kind: str, n: int) -> tuple[float, float] | None:
+        """(bytes/s, α) for ``kind`` over ``n`` ranks: the fit of the nearest measured group size
+        (the larger one on a tie); all-to-all uses the all-gather fit. None: not measured."""
+        kind = "all_gather" if kind == "all_to_all" else kind
+        fits = [f for f in self.fits if f.kind == kind]
+        if not fits:
+            return None
+        f = min(fits, key=lambda x: (abs(x.group_size - n), -x.group_size))
+        return f.bytes_per_s / self.scale, f.latency_s * self.scale
 
 
 @dataclass(frozen=True)
@@ -122,17 +167,24 @@ def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str) -> GroupSpan:
     return worst
 
 
-def collective_seconds(cfg: Config, kind: str, size_bytes: float, span: GroupSpan) -> float:
-    """Time of one collective over a group laid out as ``span`` on this cluster."""
+def collective_seconds(cfg: Config, kind: str, size_bytes: float, span: GroupSpan,
+                       links: MeasuredLinks | None = None) -> float:
+    """Time of one collective over a group laid out as ``span`` on this cluster (intra-node
+    α and B from ``links`` where it measured the collective)."""
     cl = cfg.cluster
-    intra = (cl.intra_node_bytes_per_s, cl.intra_node_latency_us * 1e-6)
-    inter = (cl.inter_node_bytes_per_s, cl.inter_node_latency_us * 1e-6)
+    over = cpu_oversubscription(cfg)
+    intra = (cl.intra_node_bytes_per_s / over, cl.intra_node_latency_us * 1e-6 * over)
+    inter = (cl.inter_node_bytes_per_s / over, cl.inter_node_latency_us * 1e-6 * over)
     n = span.size
     if kind == "p2p":
+        if links is not None and not span.crosses_nodes:
+            intra = links.lookup("p2p", 2) or intra
         return ring_seconds("p2p", size_bytes, 2, *(inter if span.crosses_nodes else intra))
     if n <= 1:
         return 0.0
     if not span.crosses_nodes:
+        if links is not None:
+            intra = links.lookup(kind, n) or intra
         return ring_seconds(kind, size_bytes, n, *intra)
     if span.local == 1:
         return ring_seconds(kind, size_bytes, n, *inter)
@@ -210,8 +262,9 @@ def activation_message_bytes(cfg: Config) -> int:
     return t.micro_batch_size * m.seq_len * m.hidden * t.param_bytes
 
 
-def communication(cfg: Config) -> CommReport:
-    """Bytes and seconds of every collective and send a rank does in one step, per pp-rank."""
+def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport:
+    """Bytes and seconds of every collective and send a rank does in one step, per pp-rank
+    (intra-node α and B from ``links`` where given)."""
     par = cfg.parallel
     spans = {d: group_span(cfg, d) for d in DIMENSIONS}
     held = params_per_rank(cfg)
@@ -223,8 +276,8 @@ def communication(cfg: Config) -> CommReport:
     for pp_rank in range(par.pp):
         rp = held[pp_rank][0]  # tp-rank 0 holds the largest vocabulary chunk
         items: list[CommItem] = []
-        items += _dp_items(cfg, rp.total, spans)
-        items += _tp_items(cfg, rp, act, spans["tp"])
+        items += _dp_items(cfg, rp, spans, links)
+        items += _tp_items(cfg, rp, act, spans["tp"], links)
         # pipeline sends: one activation forward and one gradient backward per microbatch per boundary
         pp_msg = act / par.tp if par.sequence_parallel else act
         fwd = sum(1 for s in rp.stage_indices if s < n_stages - 1 and owners[s + 1] != pp_rank)
@@ -233,29 +286,43 @@ def communication(cfg: Config) -> CommReport:
         if par.pp > 1:
             for phase, boundaries in (("forward", fwd), ("backward", bwd)):
                 if boundaries:
-                    one = collective_seconds(cfg, "p2p", pp_msg, pspan)
+                    one = collective_seconds(cfg, "p2p", pp_msg, pspan, links)
                     items.append(CommItem("pp", f"pipeline {'activation' if phase == 'forward' else 'gradient'} send",
                                           "p2p", boundaries * m, pp_msg, 2, pspan.link, boundaries * m * one, False, phase))
         out.append(RankComm(pp_rank=pp_rank, rank=rank_of(pp_rank, 0, 0, par.dp, par.tp), items=tuple(items)))
     return CommReport(per_pp_rank=tuple(out), spans=spans)
 
 
-def _dp_items(cfg: Config, local_params: int, spans: dict[str, GroupSpan]) -> list[CommItem]:
+def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks | None) -> list[CommItem]:
+    """DP communication of one step.
+
+    FSDP (ZeRO-2/3, torch's fully_shard per block + the root) gathers and reduce-scatters each
+    unit separately: one call per unit, each paying the ring's latency. ZeRO-3 gathers every
+    unit in the forward and again in the backward of every microbatch; ZeRO-2 keeps the
+    forward's gather for the backward but FSDP2 reshards after each backward, so it gathers
+    once per microbatch (once per step under pipelining, whose stages skip the reshard until
+    the last backward). The reduce-scatters run once per step (gradient sync only on the last
+    microbatch) and are counted exposed. On CPU ranks nothing overlaps: communication and
+    compute share the same cores.
+    """
     par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
     if par.dp == 1:
         return []
+    local_params = rp.total
     grads = local_params * tr.grad_bytes
     weights = local_params * tr.param_bytes
     shard = par.shard_degree
     span = spans["dp"]
     # the shard group is the first dp/replicate ranks of the dp group (replicas outermost)
     shard_span = _sub_span(span, shard)
+    hides = cfg.cluster.gpu.name != "cpu"
     items = []
 
     def add(what, coll, calls, size, sp, overlappable, phase):
         if sp.size > 1:
-            one = collective_seconds(cfg, coll, size, sp)
-            items.append(CommItem("dp", what, coll, calls, size, sp.size, sp.link, calls * one, overlappable, phase))
+            one = collective_seconds(cfg, coll, size, sp, links)
+            items.append(CommItem("dp", what, coll, calls, size, sp.size, sp.link, calls * one,
+                                  overlappable and hides, phase))
 
     if par.zero == 0:
         buckets = max(1, math.ceil(grads / (conv.ddp_bucket_mb * 1e6)))
@@ -267,13 +334,18 @@ def _dp_items(cfg: Config, local_params: int, spans: dict[str, GroupSpan]) -> li
         add("ZeRO-1 gradient all-reduce (DDP)", "all_reduce", 1, grads, span, True, "backward")
         add("ZeRO-1 parameter all-gather (shard broadcasts after the step)", "all_gather", 1, weights, span, False, "step")
     else:
-        # Gradients are reduced once per step (torch's pipelining and our training loop turn
-        # gradient sync off until the last microbatch). ZeRO-3 reshards after every forward, so
-        # each microbatch gathers twice (forward and backward); ZeRO-2 keeps the first gather.
-        gathers = 2 * par.microbatches if par.zero == 3 else 1
-        add(f"FSDP parameter all-gather ({'forward and backward, every microbatch' if par.zero == 3 else 'once'})",
-            "all_gather", gathers, weights, shard_span, True, "forward+backward" if par.zero == 3 else "forward")
-        add("FSDP gradient reduce-scatter", "reduce_scatter", 1, grads, shard_span, True, "backward")
+        units = max(1, len(rp.units))
+        m = par.microbatches
+        if par.zero == 3:
+            passes, when = 2 * m, "forward and backward, every microbatch"
+        elif par.pp == 1:
+            passes, when = m, "once per microbatch (resharded after each backward)"
+        else:
+            passes, when = 1, "once per step (pipelining keeps it until the last backward)"
+        add(f"FSDP parameter all-gather ({units} unit(s), {when})", "all_gather", passes * units,
+            weights / units, shard_span, True, "forward+backward" if par.zero == 3 else "forward")
+        add(f"FSDP gradient reduce-scatter ({units} unit(s))", "reduce_scatter", units, grads / units, shard_span,
+            False, "backward")
         if par.replicate > 1:
             rep = GroupSpan("dp", par.replicate, min(span.nodes, par.replicate),
                             max(1, par.replicate // max(1, min(span.nodes, par.replicate))))
@@ -290,28 +362,39 @@ def _sub_span(span: GroupSpan, size: int) -> GroupSpan:
     return GroupSpan(span.dim, size, nodes, local)
 
 
-def _tp_items(cfg: Config, rp, act: int, span: GroupSpan) -> list[CommItem]:
-    par, tr = cfg.parallel, cfg.training
+def tp_block_collectives(cfg: Config) -> list[tuple[str, str, int]]:
+    """TP collectives of one block for one microbatch: (collective, phase, calls), as torch's
+    DTensor plan (backend.parallel.tensor_parallel) issues them.
+
+    Without sequence parallelism the row-parallel outputs (wo, w2) all-reduce in the forward;
+    in the backward every column-parallel module (wq, wk, wv, w1 and w3 for SwiGLU) turns its
+    own replicated input back from a partial gradient: one all-reduce each, not Megatron's one
+    per sub-layer. With sequence parallelism each sub-layer gathers its input once
+    (PrepareModuleInput) and reduce-scatters its output, forward and backward. Full recompute
+    repeats the forward's collectives in the backward.
+    """
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
     if par.tp == 1:
         return []
-    m, layers = par.microbatches, rp.layers
-    recompute_fwd = tr.recompute == "full"
-    items = []
-    fwd_calls = 2 * layers * m
-    bwd_calls = 2 * layers * m + (2 * layers * m if recompute_fwd else 0)
+    again = tr.recompute == "full"
     if par.sequence_parallel:
-        for coll in ("all_gather", "reduce_scatter"):
-            one = collective_seconds(cfg, coll, act, span)
-            items.append(CommItem("tp", f"TP+SP {coll.replace('_', '-')} per block (forward)", coll, fwd_calls, act,
-                                  par.tp, span.link, fwd_calls * one, False, "forward"))
-            items.append(CommItem("tp", f"TP+SP {coll.replace('_', '-')} per block (backward"
-                                        f"{' + recomputed forward' if recompute_fwd else ''})",
-                                  coll, bwd_calls, act, par.tp, span.link, bwd_calls * one, False, "backward"))
-    else:
-        one = collective_seconds(cfg, "all_reduce", act, span)
-        items.append(CommItem("tp", "TP all-reduce per block (forward: attention + MLP)", "all_reduce", fwd_calls,
-                              act, par.tp, span.link, fwd_calls * one, False, "forward"))
-        items.append(CommItem("tp", "TP all-reduce per block (backward"
-                                    f"{' + recomputed forward' if recompute_fwd else ''})", "all_reduce",
-                              bwd_calls, act, par.tp, span.link, bwd_calls * one, False, "backward"))
+        return [("all_gather", "forward", 2), ("reduce_scatter", "forward", 2),
+                ("all_gather", "backward", 2 + (2 if again else 0)),
+                ("reduce_scatter", "backward", 2 + (2 if again else 0))]
+    column_modules = 3 + (2 if m.mlp == "swiglu" else 1)
+    return [("all_reduce", "forward", 2), ("all_reduce", "backward", column_modules + (2 if again else 0))]
+
+
+def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks | None) -> list[CommItem]:
+    par, tr = cfg.parallel, cfg.training
+    m, layers = par.microbatches, rp.layers
+    again = " + recomputed forward" if tr.recompute == "full" else ""
+    items = []
+    for coll, phase, per_block in tp_block_collectives(cfg):
+        calls = per_block * layers * m
+        one = collective_seconds(cfg, coll, act, span, links)
+        label = "TP+SP " + coll.replace("_", "-") if par.sequence_parallel else "TP " + coll.replace("_", "-")
+        items.append(CommItem("tp", f"{label} per block ({phase}{again if phase == 'backward' else ''}; "
+                                    f"{per_block} per block)", coll, calls, act, par.tp, span.link, calls * one,
+                              False, phase))
     return items

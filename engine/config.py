@@ -12,7 +12,7 @@ File format (the product's public contract; keys may be added, never renamed)::
                  tied_embeddings, mlp, norm, attention, position, bias, dropout
     [cluster]    preset, gpu (a preset name or a table), gpus, gpus_per_node,
                  intra_node_bandwidth_gb_per_s, intra_node_latency_us,
-                 inter_node_bandwidth_gb_per_s, inter_node_latency_us
+                 inter_node_bandwidth_gb_per_s, inter_node_latency_us, cpu_cores
     [parallel]   dp, tp, pp, zero (or fsdp = "FULL_SHARD" | ...), replicate,
                  sequence_parallel, schedule, virtual_stages, microbatches
     [training]   micro_batch_size, precision, grad_dtype, optimizer, recompute
@@ -128,6 +128,9 @@ class ClusterSpec:
     inter_node_bandwidth_gb_per_s: float
     inter_node_latency_us: float
     preset: str | None = None
+    # Local CPU ranks (gpu "cpu") share this many physical cores: with more ranks than cores
+    # each rank gets cores / ranks of a core (engine.step models it). 0 = one core per rank.
+    cpu_cores: int = 0
 
     @property
     def nodes(self) -> int:
@@ -407,6 +410,8 @@ def check(
     for key in ("intra_node_latency_us", "inter_node_latency_us"):
         if getattr(cluster, key) < 0:
             p.append(Problem(f"cluster.{key}", getattr(cluster, key), "must be at least 0"))
+    if cluster.cpu_cores < 0:
+        p.append(Problem("cluster.cpu_cores", cluster.cpu_cores, "must be at least 0 (0 = one core per rank)"))
 
     # ---- parallel
     par = parallel

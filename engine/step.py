@@ -8,12 +8,19 @@ The step is composed as::
 
 for the pipeline rank whose step ends last. TP collectives run inside each F/B (Megatron
 TP does not overlap them), so they lengthen the stage durations the timeline simulates.
-DP overlap: gradient all-reduce / reduce-scatter hide behind the backward of the last
-microbatch except the last bucket; FSDP all-gathers hide behind the compute of the previous
-unit except the first. Recompute adds its forward to the backward (HFU counts it, MFU does not).
+DP overlap: gradient all-reduces hide behind the backward of the last microbatch except the
+last bucket; FSDP all-gathers hide behind the compute of the previous unit except the first;
+FSDP reduce-scatters are counted exposed. On CPU ranks (GPU kind "cpu") nothing hides:
+communication and compute share the cores. Recompute adds its forward to the backward (HFU
+counts it, MFU does not).
 
-Calibration hook: pass measured ``durations`` (engine.durations.StageDurations) and/or a
-Config whose cluster links and ``conventions.compute_efficiency`` come from a run.
+Core sharing: CPU ranks beyond ``cluster.cpu_cores`` share the cores, so the analytic compute,
+p2p and optimizer times are multiplied by ``engine.comm.cpu_oversubscription`` (and the
+collectives' α and B scaled by it in engine.comm). Given durations are used as given.
+
+Calibration hook: pass measured ``durations`` (engine.durations.StageDurations), measured
+``links`` (engine.comm.MeasuredLinks: α and B per collective) and/or a Config whose cluster
+links and ``conventions.compute_efficiency`` come from a run.
 """
 
 from __future__ import annotations
@@ -22,7 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.comm import CommReport, collective_seconds, communication, group_span
+from engine.comm import (
+    CommReport,
+    MeasuredLinks,
+    collective_seconds,
+    communication,
+    cpu_oversubscription,
+    group_span,
+    tp_block_collectives,
+)
 from engine.config import Config
 from engine.durations import StageDurations, flops_per_token, stage_durations
 from engine.layout import split_layers
@@ -55,25 +70,23 @@ class StepTime:
                 "dp_comm_s": self.dp_comm_s, "optimizer_s": self.optimizer_s}
 
 
-def tp_seconds_per_layer(cfg: Config) -> tuple[float, float]:
-    """TP communication of one block for one microbatch: (forward, backward) seconds."""
+def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tuple[float, float]:
+    """TP communication of one block for one microbatch: (forward, backward) seconds
+    (the calls of engine.comm.tp_block_collectives)."""
     par, tr, m = cfg.parallel, cfg.training, cfg.model
     if par.tp == 1:
         return 0.0, 0.0
     span = group_span(cfg, "tp")
     act = tr.micro_batch_size * m.seq_len * m.hidden * tr.param_bytes
-    if par.sequence_parallel:
-        one = collective_seconds(cfg, "all_gather", act, span) + collective_seconds(cfg, "reduce_scatter", act, span)
-    else:
-        one = collective_seconds(cfg, "all_reduce", act, span)
-    fwd = 2 * one  # attention and MLP
-    bwd = 2 * one + (2 * one if tr.recompute == "full" else 0.0)
-    return fwd, bwd
+    out = {"forward": 0.0, "backward": 0.0}
+    for coll, phase, calls in tp_block_collectives(cfg):
+        out[phase] += calls * collective_seconds(cfg, coll, act, span, links)
+    return out["forward"], out["backward"]
 
 
-def with_tp_communication(cfg: Config, d: StageDurations) -> StageDurations:
+def with_tp_communication(cfg: Config, d: StageDurations, links: MeasuredLinks | None = None) -> StageDurations:
     """Stage durations with each block's TP collectives added to F, B and I (not W)."""
-    fwd, bwd = tp_seconds_per_layer(cfg)
+    fwd, bwd = tp_seconds_per_layer(cfg, links)
     if fwd == 0.0 and bwd == 0.0:
         return d
     layers = np.array([len(r) for r in split_layers(cfg.model.layers, d.num_stages)], dtype=np.float64)
@@ -91,18 +104,30 @@ def optimizer_seconds(cfg: Config, local_params: int) -> float:
     # read grad + param (master or compute copy) + states; write param (+ compute copy) + states
     per_param = tr.grad_bytes + (master or tr.param_bytes) + 8 * states + (master or tr.param_bytes) \
         + (tr.param_bytes if master else 0)
-    return shard * per_param / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9)
+    return shard * per_param / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9) * cpu_oversubscription(cfg)
 
 
-def step_time(cfg: Config, durations: StageDurations | None = None) -> StepTime:
-    """Predicted step time for ``cfg`` (analytic durations unless measured ones are given)."""
+def analytic_durations(cfg: Config) -> StageDurations:
+    """engine.durations' FLOP-based durations, slowed by core sharing on CPU ranks."""
+    d = stage_durations(cfg)
+    over = cpu_oversubscription(cfg)
+    if over == 1.0:
+        return d
+    return StageDurations.of(d.num_stages, d.forward_s * over, d.backward_s * over, d.backward_input_s * over,
+                             d.backward_weight_s * over, d.p2p_s * over, source=d.source)
+
+
+def step_time(cfg: Config, durations: StageDurations | None = None,
+              links: MeasuredLinks | None = None) -> StepTime:
+    """Predicted step time for ``cfg`` (analytic durations unless measured ones are given;
+    intra-node collectives from ``links`` where given)."""
     par, tr, model = cfg.parallel, cfg.training, cfg.model
-    base = durations if durations is not None else stage_durations(cfg)
-    d = with_tp_communication(cfg, base)
+    base = durations if durations is not None else analytic_durations(cfg)
+    d = with_tp_communication(cfg, base, links)
     timeline = pipeline_prediction(cfg, d)
-    comm = communication(cfg)
+    comm = communication(cfg, links)
     held = params_per_rank(cfg)
-    fwd_tp, bwd_tp = tp_seconds_per_layer(cfg)
+    fwd_tp, bwd_tp = tp_seconds_per_layer(cfg, links)
     n_stages = d.num_stages
     split = split_layers(model.layers, n_stages)
     stages_of = [list(rp[0].stage_indices) for rp in held] if par.pp > 1 else [[0]]
@@ -124,10 +149,9 @@ def step_time(cfg: Config, durations: StageDurations | None = None) -> StepTime:
                 exposed += item.seconds
             elif item.phase == "backward":
                 exposed += max(one_call, item.seconds - back_one)
-            else:  # FSDP gathers: the first unit's gather is exposed, the rest hide behind compute
+            else:  # FSDP gathers (one call per unit): the first is exposed, the rest hide behind compute
                 window = (fwd_one + back_one) * par.microbatches
-                units = max(1, len(held[pp_rank][0].units))
-                exposed += max(one_call / units, item.seconds - window)
+                exposed += max(one_call, item.seconds - window)
         opt = optimizer_seconds(cfg, held[pp_rank][0].total)
         busy = float(timeline.busy_s[pp_rank])
         layers_here = sum(len(split[s]) for s in stages)

@@ -228,6 +228,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan_cli(args)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``calibrate --links``: time this machine's collectives and matmuls, fit α and β per collective."""
+    import json
+
+    if not args.links:
+        raise CliError("calibrate needs --links (measure this machine's collectives); a finished run "
+                       "calibrates with `shardscope predict CONFIG --calibration RUN_DIR`")
+    if args.ranks < 2:
+        raise CliError(f"--ranks {args.ranks}: a collective needs at least 2 ranks")
+    try:
+        from backend.linkbench import LinkBenchError, measure_links, render_links
+    except ImportError as exc:
+        raise CliError(f"shardscope calibrate is not available ({exc})", EXIT_UNAVAILABLE) from None
+    from backend.launch import default_run_dir
+
+    out = Path(args.out) if args.out else Path(str(default_run_dir()) + "-links")
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {args.out}: exists and is not a directory")
+    try:
+        cal = measure_links(args.ranks, out, timeout_s=args.timeout)
+    except LinkBenchError as exc:
+        raise CliError(str(exc), EXIT_FAILED) from None
+    if args.json:
+        print(json.dumps(cal.to_json(), indent=2))
+    else:
+        print(render_links(cal))
+        print(f"written: {out / 'links.json'}")
+    return EXIT_OK
+
+
 def cmd_gui(args: argparse.Namespace) -> int:
     if getattr(args, "config", None):
         _load(args.config)
@@ -322,6 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest virtual stages per rank tried for the interleaved schedules (default 8)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="measure this machine: collectives' latency and bandwidth and the "
+                                         "matmul FLOP/s per rank (torchrun micro-benchmark, ~15 s)")
+    p.add_argument("--links", action="store_true", help="time all-reduce / all-gather / reduce-scatter / send-recv "
+                                                        "over a sweep of sizes and fit α and β per collective")
+    p.add_argument("--ranks", type=int, default=4, help="ranks to measure with (default 4: the default config's)")
+    p.add_argument("--out", metavar="DIR", help="where links.json goes (default: runs/<timestamp>-links)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds before the benchmark is stopped")
+    p.add_argument("--json", action="store_true", help="the fitted calibration as JSON")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("presets", help="list the model, GPU and cluster presets")
     p.set_defaults(func=cmd_presets)

@@ -5,7 +5,16 @@ import math
 import pytest
 
 from engine import Config
-from engine.comm import GroupSpan, bus_factor, collective_seconds, communication, group_span, ring_seconds
+from engine.comm import (
+    GroupSpan,
+    LinkFit,
+    MeasuredLinks,
+    bus_factor,
+    collective_seconds,
+    communication,
+    group_span,
+    ring_seconds,
+)
 
 
 def cfg(**parallel):
@@ -83,10 +92,64 @@ def test_pp_communication_is_far_smaller_than_tp():
     assert pp_bytes > 0 and tp_bytes > 20 * pp_bytes
 
 
-def test_tp_with_sp_moves_the_same_bytes_as_all_reduce():
-    a = communication(cfg(tp=8, gpus=8, cluster="dgx-h100"))
-    b = communication(cfg(tp=8, gpus=8, cluster="dgx-h100", sequence_parallel=True))
-    assert a.per_pp_rank[0].bytes_sent("tp") == pytest.approx(b.per_pp_rank[0].bytes_sent("tp"))
+def _tp_bytes(c, phase):
+    return sum(i.bytes_sent for i in communication(c).per_pp_rank[0].items if i.dim == "tp" and i.phase == phase)
+
+
+def test_tp_with_sp_moves_the_same_forward_bytes_as_all_reduce():
+    a = cfg(tp=8, gpus=8, cluster="dgx-h100")
+    b = cfg(tp=8, gpus=8, cluster="dgx-h100", sequence_parallel=True)
+    assert _tp_bytes(a, "forward") == pytest.approx(_tp_bytes(b, "forward"))
+    # backward: torch's DTensor plan all-reduces the input gradient of every column-parallel
+    # module (wq, wk, wv, w1, w3 = 5 per SwiGLU block), SP one reduce-scatter + gather per sub-layer
+    assert _tp_bytes(a, "backward") == pytest.approx(_tp_bytes(b, "backward") * 5 / 2)
+
+
+def test_tp_collectives_per_block_follow_torchs_plan():
+    calls = {(i.collective, i.phase): i.calls // 32 for i in communication(cfg(tp=8, gpus=8)).per_pp_rank[0].items
+             if i.dim == "tp"}  # llama2-7b: 32 blocks, one microbatch
+    assert calls == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 5}
+    gelu = Config.from_dict({"model": {"preset": "gpt2-124m"}, "cluster": {"preset": "dgx-h100", "gpus": 2},
+                             "parallel": {"tp": 2}})
+    calls = {(i.collective, i.phase): i.calls // 12 for i in communication(gelu).per_pp_rank[0].items if i.dim == "tp"}
+    assert calls == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 4}
+
+
+def test_fsdp_gathers_and_reduce_scatters_once_per_unit():
+    c = cfg(dp=8, zero=3, gpus=8, microbatches=2)
+    items = {i.collective: i for i in communication(c).per_pp_rank[0].items if i.dim == "dp"}
+    units = 32 + 2  # embedding, 32 blocks, norm + head
+    assert items["all_gather"].calls == 2 * 2 * units  # forward and backward, each microbatch
+    assert items["reduce_scatter"].calls == units and not items["reduce_scatter"].overlappable
+    z2 = {i.collective: i for i in communication(cfg(dp=8, zero=2, gpus=8, microbatches=2)).per_pp_rank[0].items}
+    assert z2["all_gather"].calls == 2 * units  # FSDP2 reshards after each backward
+
+
+def test_cpu_ranks_sharing_cores_slow_the_links_and_hide_nothing():
+    def local(cores, **par):
+        par = {"dp": 4, **par}
+        return Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"preset": "local-cpu", "gpus": 4,
+                                                                            "cpu_cores": cores}, "parallel": par})
+    span = group_span(local(4), "dp")
+    one = collective_seconds(local(4), "all_reduce", 1e6, span)
+    assert collective_seconds(local(2), "all_reduce", 1e6, span) == pytest.approx(2 * one)
+    assert collective_seconds(local(0), "all_reduce", 1e6, span) == pytest.approx(one)
+    assert not any(i.overlappable for i in communication(local(2)).per_pp_rank[0].items)
+
+
+def test_measured_links_replace_alpha_and_beta_per_collective_and_group_size():
+    c = cfg(dp=4, gpus=4, cluster="dgx-h100")
+    links = MeasuredLinks((LinkFit("all_reduce", 2, 1e-3, 1e9), LinkFit("all_reduce", 4, 2e-3, 5e8)))
+    span = group_span(c, "dp")
+    assert collective_seconds(c, "all_reduce", 1e6, span, links) == pytest.approx(
+        ring_seconds("all_reduce", 1e6, 4, 5e8, 2e-3))
+    assert links.lookup("all_reduce", 3) == (5e8, 2e-3)  # nearest group size, the larger on a tie
+    assert links.lookup("all_gather", 4) is None
+    # not measured: the cluster's link
+    assert collective_seconds(c, "all_gather", 1e6, span, links) == pytest.approx(
+        collective_seconds(c, "all_gather", 1e6, span))
+    doubled = MeasuredLinks(links.fits, scale=2.0)
+    assert doubled.lookup("all_reduce", 2) == (5e8, 2e-3)
 
 
 def test_v_placement_has_no_send_between_the_two_middle_stages():

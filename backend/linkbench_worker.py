@@ -1,0 +1,176 @@
+"""One rank of the link micro-benchmark: ``python -m backend.linkbench_worker --out DIR``.
+
+Started by :mod:`backend.linkbench` under torchrun (gloo on CPU, NCCL on GPUs). Every rank
+times, with every other rank doing the same at the same moment (so oversubscribed cores and
+shared links are measured as the training sees them):
+
+* ``all_reduce``, ``all_gather``, ``reduce_scatter`` over groups of 2 consecutive ranks and
+  over the whole world, for a sweep of buffer sizes S (S = the whole buffer, the gathered
+  output for all-gather, the input for reduce-scatter: ``engine.comm``'s convention);
+* ``p2p``: one send from each even rank to the next odd rank (all pairs at once);
+* a matmul per rank, fp32 and bf16, at a small (model-like) and a large shape.
+
+Each timed call is preceded by a barrier of its group; a sample is the slowest rank's time of
+that call, and the result per (collective, group size, S) is the median of the samples. Rank 0
+writes ``links_raw.json`` into DIR; the launcher fits α and β from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _bench(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        backend = "gloo"
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # groups: pairs of consecutive ranks, and the world (every rank calls new_group for each)
+    groups: dict[int, object] = {}
+    if world >= 4 and world % 2 == 0:
+        for start in range(0, world, 2):
+            g = dist.new_group(list(range(start, start + 2)))
+            if start <= rank < start + 2:
+                groups[2] = g
+    if world >= 2:
+        groups[world] = dist.group.WORLD
+
+    sizes = [int(s) for s in args.sizes]
+    samples: list[dict] = []
+
+    def timed(fn, group, reps: int) -> list[float]:
+        out = []
+        for i in range(reps + args.warmup):
+            dist.barrier(group=group)
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            dt = time.perf_counter() - t0
+            if i >= args.warmup:
+                out.append(dt)
+        return out
+
+    for n, group in sorted(groups.items()):
+        for size in sizes:
+            reps = args.reps if size <= 2**20 else max(3, args.reps // 2)
+            elems = max(n, size // 4 // n * n)  # fp32, divisible by n
+            full = torch.ones(elems, dtype=torch.float32, device=device)
+            part = torch.empty(elems // n, dtype=torch.float32, device=device)
+            cases = {
+                "all_reduce": lambda full=full, group=group: dist.all_reduce(full, group=group),
+                "all_gather": lambda full=full, part=part, group=group: dist.all_gather_into_tensor(full, part,
+                                                                                                    group=group),
+                "reduce_scatter": lambda full=full, part=part, group=group: dist.reduce_scatter_tensor(part, full,
+                                                                                                       group=group),
+            }
+            for kind, fn in cases.items():
+                samples.append({"kind": kind, "n": n, "bytes": elems * 4, "seconds": timed(fn, group, reps)})
+    if world >= 2 and world % 2 == 0:
+        pair = groups.get(2, dist.group.WORLD)
+        for size in sizes:
+            reps = args.reps if size <= 2**20 else max(3, args.reps // 2)
+            buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+            peer = rank + 1 if rank % 2 == 0 else rank - 1
+
+            def one(buf=buf, peer=peer):
+                if rank % 2 == 0:
+                    dist.send(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+
+            samples.append({"kind": "p2p", "n": 2, "bytes": buf.numel() * 4, "seconds": timed(one, pair, reps)})
+
+    # matmul FLOP/s per rank, every rank at once
+    matmul = []
+    shapes = [(128, 128, 352), (512, 512, 512)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            for _ in range(3):
+                a @ b
+            dist.barrier()
+            sync()
+            iters, t0 = 0, time.perf_counter()
+            while True:
+                for _ in range(8):
+                    a @ b
+                sync()
+                iters += 8
+                dt = time.perf_counter() - t0
+                if dt >= args.matmul_seconds:
+                    break
+            matmul.append({"dtype": str(dtype).replace("torch.", ""), "shape": [m, k, n],
+                           "flops_per_s": 2.0 * m * k * n * iters / dt})
+
+    every = [None] * world
+    dist.all_gather_object(every, {"samples": samples, "matmul": matmul})
+    result = None
+    if rank == 0:
+        merged = []
+        for j, s in enumerate(samples):
+            per_rank = [e["samples"][j]["seconds"] for e in every]
+            slowest = [max(t) for t in zip(*per_rank)]  # one sample = the slowest rank's time of that call
+            merged.append({**s, "seconds": slowest})
+        mm = []
+        for j, x in enumerate(matmul):
+            rates = [e["matmul"][j]["flops_per_s"] for e in every]
+            mm.append({**x, "flops_per_s_per_rank": rates})
+            mm[-1].pop("flops_per_s")
+        result = {"backend": backend, "world": world, "device": device.type,
+                  "torch": torch.__version__, "samples": merged, "matmul": mm,
+                  "threads": torch.get_num_threads()}
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sizes", nargs="+", default=[2**10, 2**13, 2**16, 2**19, 2**21, 2**23])
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--matmul-seconds", type=float, default=0.3)
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    result = _bench(args)
+    if result is not None:
+        tmp = os.path.join(args.out, "links_raw.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        os.replace(tmp, os.path.join(args.out, "links_raw.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
