@@ -1,0 +1,137 @@
+"""Link calibration: the α/β fit recovers the ring formulas, a link calibration feeds predictions,
+the CLI refuses mistakes cleanly, and (with torch) the benchmark runs end to end."""
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from engine import Config, default_config
+from engine.calibrate import (
+    CalibrationError,
+    LinkCalibration,
+    calibrate,
+    fit_alpha_beta,
+    fit_links,
+    links_from_benchmark,
+    load_links,
+)
+from engine.comm import LinkFit, ring_seconds
+from engine.predict import predict
+from gui.cli import main as cli
+
+
+def _samples(alpha: float, bw: float, kinds=("all_reduce", "all_gather", "reduce_scatter", "p2p"), ns=(2, 4)):
+    out = []
+    for kind in kinds:
+        for n in ((2,) if kind == "p2p" else ns):
+            for size in (2**10, 2**14, 2**18, 2**22):
+                t = ring_seconds(kind, size, 2 if kind == "p2p" else n, bw, alpha)
+                out.append({"kind": kind, "n": n, "bytes": size, "seconds": [t * 1.01, t, t * 0.99]})
+    return out
+
+
+@pytest.mark.parametrize("kind,n", [("all_reduce", 4), ("all_gather", 2), ("reduce_scatter", 8), ("p2p", 2)])
+def test_fit_recovers_alpha_and_beta_of_the_ring_formula(kind, n):
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
+    times = [ring_seconds(kind, s, n, 2e9, 30e-6) for s in sizes]
+    a, b = fit_alpha_beta(kind, n, sizes, times)
+    assert a == pytest.approx(30e-6, rel=1e-6) and b == pytest.approx(2e9, rel=1e-6)
+
+
+def test_fit_clamps_to_non_negative():
+    a, b = fit_alpha_beta("all_reduce", 2, [1e3, 1e6], [1e-3, 0.9e-3])  # larger was faster: latency only
+    assert a > 0 and math.isinf(b)
+    a, b = fit_alpha_beta("p2p", 2, [1e3, 1e6], [1e-6, 1e-3])  # proportional to size: bandwidth only
+    assert a == pytest.approx(0.0, abs=1e-9) and b == pytest.approx(1e9, rel=1e-2)
+    with pytest.raises(CalibrationError, match="positive"):
+        fit_alpha_beta("all_reduce", 2, [1e3], [0.0])
+
+
+def test_one_fit_per_collective_and_group_size():
+    fits = fit_links(_samples(100e-6, 1e9))
+    assert {(f.kind, f.group_size) for f in fits} == {("all_reduce", 2), ("all_reduce", 4), ("all_gather", 2),
+                                                      ("all_gather", 4), ("reduce_scatter", 2),
+                                                      ("reduce_scatter", 4), ("p2p", 2)}
+    assert all(f.latency_s == pytest.approx(100e-6, rel=1e-3) and f.bytes_per_s == pytest.approx(1e9, rel=1e-3)
+               for f in fits)
+
+
+def _raw(alpha=500e-6, bw=1e9, world=4):
+    return {"backend": "gloo", "world": world, "device": "cpu", "samples": _samples(alpha, bw),
+            "matmul": [{"dtype": "float32", "shape": [512, 512, 512], "flops_per_s_per_rank": [5e10, 6e10, 7e10]},
+                       {"dtype": "float32", "shape": [128, 128, 352], "flops_per_s_per_rank": [1e10] * 3}]}
+
+
+def test_link_calibration_round_trips_and_drives_the_prediction(tmp_path):
+    cal = links_from_benchmark(_raw(), source="bench", cores=2)
+    assert cal.flops_per_rank == {"fp32": 6e10}  # the largest shape's median
+    (tmp_path / "links.json").write_text(json.dumps(cal.to_json()))
+    back = load_links(tmp_path)
+    assert back.cores == 2 and back.world == 4 and len(back.fits) == len(cal.fits)
+    for x, y in zip(back.fits, cal.fits):
+        assert (x.kind, x.group_size) == (y.kind, y.group_size)
+        assert (x.latency_s, x.bytes_per_s) == pytest.approx((y.latency_s, y.bytes_per_s))
+    cfg = default_config().replace(parallel={"dp": 4, "pp": 1, "microbatches": 2})
+    slow = links_from_benchmark(_raw(alpha=5e-3), cores=2)
+    a, b = cal.predict(cfg).step, slow.predict(cfg).step
+    # one all-reduce over 4 ranks: 6 ring steps of α more each
+    assert b.breakdown["dp_comm_exposed"] - a.breakdown["dp_comm_exposed"] == pytest.approx(6 * 4.5e-3)
+    # 4 ranks on 2 cores: the measured per-rank rate is half a core; the peak it sets is per core
+    assert cal.config_for(cfg).cluster.gpu.peak_fp32_tflops == pytest.approx(0.12)
+    # 8 ranks on the same 2 cores: links twice as slow as measured at 4
+    assert cal.links_for(default_config().replace(cluster={"gpus": 8}, parallel={"dp": 8, "pp": 1})).scale == 2.0
+
+
+def test_training_calibration_with_links_uses_them_for_communication():
+    cfg = default_config().replace(parallel={"dp": 4, "pp": 1, "microbatches": 2}, cluster={"cpu_cores": 0})
+    meas = predict(cfg).to_json()
+    meas = {"step": {"seconds": meas["step"]["seconds"] * 3, "per_step": [1.0]}, "pipeline": {"per_rank": []}}
+    fast = calibrate(cfg, meas, cores=64, links=links_from_benchmark(_raw(alpha=1e-6), cores=64))
+    slow = calibrate(cfg, meas, cores=64, links=links_from_benchmark(_raw(alpha=1e-3), cores=64))
+    # the same measured step: slower links leave less of it to compute
+    assert slow.compute_efficiency > fast.compute_efficiency
+    assert slow.predict(cfg).step.seconds == pytest.approx(meas["step"]["seconds"], rel=1e-3)
+    other = cfg.replace(parallel={"dp": 2, "pp": 2, "microbatches": 4})
+    assert slow.predict(other).step.breakdown["dp_comm_exposed"] > fast.predict(other).step.breakdown["dp_comm_exposed"]
+
+
+def test_unreadable_link_calibrations_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="calibrate --links"):
+        load_links(tmp_path)
+    (tmp_path / "links.json").write_text("{}")
+    with pytest.raises(CalibrationError, match="not a link calibration"):
+        load_links(tmp_path)
+    with pytest.raises(CalibrationError):
+        LinkCalibration.from_json({"world": 4, "fits": [{"kind": "all_reduce"}], "flops_per_rank": {}})
+    assert LinkFit("p2p", 2, 1e-4, 1e9).group_size == 2
+
+
+def test_cli_calibrate_mistakes_exit_2_without_traceback(capsys):
+    assert cli(["calibrate"]) == 2
+    assert "--links" in capsys.readouterr().err
+    assert cli(["calibrate", "--links", "--ranks", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "at least 2 ranks" in err and "Traceback" not in err
+
+
+def test_launching_side_imports_no_torch():
+    code = "import sys, backend.linkbench; sys.exit(1 if 'torch' in sys.modules else 0)"
+    import subprocess
+
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_benchmark_runs_end_to_end(tmp_path):
+    from backend.linkbench import measure_links
+
+    cal = measure_links(2, tmp_path, timeout_s=120)
+    assert (tmp_path / "links.json").exists()
+    kinds = {f.kind for f in cal.fits}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    assert all(f.latency_s >= 0 and f.bytes_per_s > 0 for f in cal.fits)
+    assert cal.flops_per_rank["fp32"] > 0
+    assert Config.load  # the engine stays importable beside it
