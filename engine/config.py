@@ -14,8 +14,11 @@ File format (the product's public contract; keys may be added, never renamed)::
                  intra_node_bandwidth_gb_per_s, intra_node_latency_us,
                  inter_node_bandwidth_gb_per_s, inter_node_latency_us, cpu_cores
     [parallel]   dp, tp, pp, zero (or fsdp = "FULL_SHARD" | ...), replicate,
-                 sequence_parallel, schedule, virtual_stages, microbatches
-    [training]   micro_batch_size, precision, grad_dtype, optimizer, recompute
+                 sequence_parallel, schedule, virtual_stages, microbatches,
+                 dp_mode ("ddp" | "dataparallel": legacy single-process nn.DataParallel)
+    [training]   micro_batch_size, precision, grad_dtype, optimizer, recompute,
+                 finetune ("full" | "lora"), lora_rank, lora_alpha,
+                 lora_targets ("attention" | "mlp" | "all"), lora_base_dtype ("fp32" | "bf16" | "nf4")
     [conventions] the switchable conventions (overhead lines, bucket size, bubble, ...)
 """
 
@@ -158,6 +161,9 @@ class ParallelSpec:
     schedule: str = "1F1B"
     virtual_stages: int = 1
     microbatches: int = 1
+    # "ddp": one process per GPU; "dataparallel": legacy torch.nn.DataParallel, one process
+    # driving every GPU from GPU 0 (engine.legacy_dp). names.DP_MODES.
+    dp_mode: str = "ddp"
 
     @property
     def world_size(self) -> int:
@@ -180,6 +186,17 @@ class TrainingSpec:
     grad_dtype: str = "bf16"
     optimizer: str = "adamw"
     recompute: str = "none"
+    # LoRA (names.FINETUNE_KINDS): the base weights are frozen and adapters B·A of rank
+    # ``lora_rank`` train on the Linears ``lora_targets`` names, scaled by lora_alpha / lora_rank.
+    finetune: str = "full"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: str = "all"
+    lora_base_dtype: str = "fp32"  # storage of the frozen base: fp32 | bf16 | nf4 (QLoRA)
+
+    @property
+    def lora(self) -> bool:
+        return self.finetune == "lora"
 
     @property
     def param_bytes(self) -> int:
@@ -452,6 +469,19 @@ def check(
             p.append(Problem("parallel.replicate", par.replicate,
                              "HSDP replication needs parallel.zero = 2 or 3 (a sharded strategy)"))
         _check_pipeline(p, model, par)
+    _choice(p, "parallel.dp_mode", par.dp_mode, names.DP_MODES)
+    if par.dp_mode == "dataparallel":
+        bad = [f"{k} = {getattr(par, k)}" for k, ok in (("tp", 1), ("pp", 1), ("zero", 0), ("replicate", 1))
+               if getattr(par, k) != ok]
+        if bad:
+            p.append(Problem("parallel.dp_mode", par.dp_mode,
+                             "legacy nn.DataParallel replicates one process's model over the GPUs of one node; it "
+                             "needs parallel.tp = 1, parallel.pp = 1, parallel.zero = 0, parallel.replicate = 1 "
+                             f"(got {', '.join('parallel.' + b for b in bad)}); use dp_mode = \"ddp\" for these layouts"))
+        if ok_cluster and cluster.gpus > cluster.gpus_per_node:
+            p.append(Problem("parallel.dp_mode", par.dp_mode,
+                             f"nn.DataParallel runs in one process on one node: cluster.gpus ({cluster.gpus}) must "
+                             f"not exceed cluster.gpus_per_node ({cluster.gpus_per_node})"))
 
     # ---- training
     t = training
@@ -463,6 +493,7 @@ def check(
     if t.precision in allowed_grads and t.grad_dtype not in allowed_grads[t.precision]:
         p.append(Problem("training.grad_dtype", t.grad_dtype,
                          f"with precision {t.precision!r} allowed: {' | '.join(allowed_grads[t.precision])}"))
+    _check_lora(p, model, par, t)
 
     # ---- conventions
     c = conventions
@@ -480,6 +511,30 @@ def check(
     if not 0.0 < c.compute_efficiency <= 1.0:
         p.append(Problem("conventions.compute_efficiency", c.compute_efficiency, "must be in (0, 1]"))
     return p
+
+
+def _check_lora(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:
+    """LoRA's fields: always type- and range-checked; the cross-rules only when finetune = "lora"."""
+    _choice(p, "training.finetune", t.finetune, names.FINETUNE_KINDS)
+    _choice(p, "training.lora_targets", t.lora_targets, names.LORA_TARGETS)
+    _choice(p, "training.lora_base_dtype", t.lora_base_dtype, names.LORA_BASE_DTYPES)
+    _at_least(p, "training.lora_rank", t.lora_rank, 1)
+    if not t.lora_alpha > 0:
+        p.append(Problem("training.lora_alpha", t.lora_alpha, "must be greater than 0 (the adapter scale is alpha / rank)"))
+    if t.finetune != "lora":
+        return
+    if t.lora_rank >= 1 and t.lora_rank > min(model.hidden, model.ffn_hidden):
+        p.append(Problem("training.lora_rank", t.lora_rank,
+                         f"must not exceed the smallest adapted dimension, min(model.hidden, model.ffn_hidden) = "
+                         f"{min(model.hidden, model.ffn_hidden)}: a low-rank adapter that is not low rank"))
+    if t.lora_base_dtype == "bf16" and t.precision == "fp32":
+        p.append(Problem("training.lora_base_dtype", t.lora_base_dtype,
+                         "a bf16 base needs training.precision = bf16-mixed or fp16-mixed (fp32 compute cannot use "
+                         "bf16 weights as stored); allowed with precision fp32: fp32 | nf4"))
+    if t.lora_base_dtype == "nf4" and (par.zero in (2, 3) or par.tp > 1):
+        p.append(Problem("training.lora_base_dtype", t.lora_base_dtype,
+                         "a 4-bit (nf4) base composes here with DDP / ZeRO-1 and pipelining only: needs parallel.zero "
+                         f"≤ 1 and parallel.tp = 1 (got zero = {par.zero}, tp = {par.tp})"))
 
 
 def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> None:

@@ -57,6 +57,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from engine import lora
 from engine.config import Config, ConfigError, ModelSpec
 from engine.names import MEMORY_CATEGORIES, OPTIMIZER_STATES
 from engine.params import (
@@ -223,6 +224,10 @@ class _Shape:
     composite_norm: bool = False  # RMSNorm as torch's composite (CPU): also saves x̂ = x·rstd
     rope: bool = False  # rope's cos/sin tables saved by its multiplies
     head_dim: int = 0
+    # LoRA (engine.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names. A frozen
+    # Linear saves no input for a weight gradient; each adapter saves A's output for B's gradient.
+    lora_r: int = 0
+    lora_mods: tuple[str, ...] = ()
 
 
 @lru_cache(maxsize=256)
@@ -273,8 +278,15 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
     # torch's SequenceParallel + PrepareModuleInput all-gather the norm output into a replicated
     # DTensor, and the column-parallel Linears save that full s·b·h input (Megatron re-gathers it)
     lin_in, lin_sym = (s * b * h, "h") if sh.torch_ops else (sbh_rep, rep_sym)
+    lora_on = sh.lora_r > 0
+
+    def keeps(*mods: str) -> bool:
+        """A Linear's input is saved for its weight gradient: full fine-tuning, or an adapter's A."""
+        return not lora_on or any(x in sh.lora_mods for x in mods)
+
     norm(1)
-    add("QKV input (norm1 output)", act, lin_sym, lin_in)
+    if keeps("wq", "wk", "wv"):
+        add("QKV input (norm1 output)", act, lin_sym, lin_in)
     add("Q", act, "h/t", sbh_t)
     if sh.rope and sh.torch_ops:
         add("rope cos and sin for Q and K (saved by their multiplies)", 4 * act, "d/2b", s * (sh.head_dim // 2))
@@ -293,23 +305,31 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
             if sh.dropout:
                 add("attention-dropout mask", 1, "as/t", as2b)
                 add("attention-dropout output", act, "as/t", as2b)
-    add("o-proj input (attention output)", act, "h/t", sbh_t)
+    if keeps("wo") or sh.flash:  # the flash kernel saves its output (the o-proj input) itself
+        add("o-proj input (attention output)", act, "h/t", sbh_t)
     if sh.dropout:
         add("attention residual-dropout mask", 1, rep_sym, sbh_rep)
     norm(2)
-    add("MLP input (norm2 output)", act, lin_sym, lin_in)
+    if keeps("w1", "w3"):
+        add("MLP input (norm2 output)", act, lin_sym, lin_in)
     sbf_t = s * b * sh.f // t
     if sh.swiglu:
         add("gate output (SiLU input)", act, "f/t", sbf_t)
         add("SiLU output", act, "f/t", sbf_t)
         add("up output", act, "f/t", sbf_t)
-        add("down input", act, "f/t", sbf_t)
+        if keeps("w2"):
+            add("down input", act, "f/t", sbf_t)
     else:
         add("GeLU input", act, "f/t", sbf_t)
-        add("fc2 input (GeLU output)", act, "f/t", sbf_t)
+        if keeps("w2"):
+            add("fc2 input (GeLU output)", act, "f/t", sbf_t)
+    if lora_on:
+        n = len(sh.lora_mods)
+        add(f"LoRA: A's output, saved by B for its gradient ({n} adapted Linears, rank r = {sh.lora_r})",
+            n * act, "r", s * b * sh.lora_r)
     if sh.dropout:
         add("MLP residual-dropout mask", 1, rep_sym, sbh_rep)
-    order = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t", "1", "1/t", "d/2b", "s/b")
+    order = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t", "1", "1/t", "d/2b", "s/b", "r")
     parts = [f"{coef[k]}{'' if k == '1' else k}" for k in order if coef.get(k)]
     formula = "s·b·(" + " + ".join(parts) + ")"
     return tuple(out), formula
@@ -328,6 +348,8 @@ def _shape(cfg: Config) -> _Shape:
                 f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
                 flash=model.attention == "flash", swiglu=model.mlp == "swiglu",
                 selective=tr.recompute == "selective")
+    if tr.finetune == "lora":
+        base.update(lora_r=tr.lora_rank, lora_mods=tuple(lora.target_modules(model, tr.lora_targets)))
     if cfg.conventions.state_accounting != "pytorch":
         return _Shape(**base)
     # autocast keeps the residual stream (embedding output, residual adds, the norms) in fp32;
@@ -585,6 +607,104 @@ def _torch_states(cfg: Config, rp: RankParams, dp_rank: int, T: dict[str, list[T
         T["optimizer"].append(Term("no optimizer state (plain sgd)", 0, "0"))
 
 
+def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int, hs: str) -> tuple[str, int, str]:
+    """What the first block of stage 0 does not save under LoRA: nothing before the first adapter
+    requires grad (frozen embedding), so the ops there keep nothing for backward. With attention
+    adapters that is norm1; with MLP adapters only, the whole attention half and norm2."""
+    labels = [lbl for lbl, _ in layer_terms]
+    if any(x in sh.lora_mods for x in ("wq", "wk", "wv")):
+        skipped = [x for lbl, x in layer_terms if lbl.startswith("norm1")]
+        n_norm, what = 1, "norm1"
+    else:
+        first_mlp = next(i for i, lbl in enumerate(labels) if lbl.startswith("MLP input") or lbl.startswith("gate")
+                         or lbl.startswith("GeLU"))
+        skipped = [x for lbl, x in layer_terms[:first_mlp] if not lbl.startswith("MLP input")]
+        n_norm, what = 2, "the attention half and norm2"
+    n_fp32 = (2 if sh.composite_norm else 1) * n_norm
+    total = sum(skipped) + n_fp32 * (res - sh.act) * sbh_rep
+    return (f"LoRA: the first block saves nothing for {what} (its input needs no gradient before the first "
+            "adapter)", -total, f"−{total:,} B")
+
+
+def _lora_units(cfg: Config, rp: RankParams) -> list[tuple[tuple[int, int], ...]]:
+    """The adapter tensors of each FSDP unit of this rank (empty for embeddings and norm + head)."""
+    tr = cfg.training
+    block = lora.adapter_block_tensors(cfg.model, tr.lora_rank, tr.lora_targets, cfg.parallel.tp)
+    return [block if u == rp.block_tensors else () for u in rp.units]
+
+
+def _lora_states(cfg: Config, rp: RankParams, dp_rank: int, T: dict[str, list[Term]], where: str) -> int:
+    """params / grads / optimizer under LoRA (engine.lora): frozen base, trainable fp32 adapters.
+
+    The base has no gradient and no optimizer state; it is sharded like any parameter under
+    ZeRO-3 / FSDP2 (fully_shard shards frozen parameters too). Returns the trainable elements this
+    rank holds before any sharding (what DDP's buckets and the DP gradient traffic cover).
+    """
+    par, tr = cfg.parallel, cfg.training
+    torch_acc = cfg.conventions.state_accounting == "pytorch"
+    z, d, k = par.zero, par.shard_degree, OPTIMIZER_STATES[tr.optimizer]
+    units = _lora_units(cfg, rp)
+    ad = [x for u in units for x in u]
+    psi_lora = sum(a * b for a, b in ad)
+    psi_base = rp.total
+    fsdp2 = _uses_fsdp2(cfg) if torch_acc else z == 3
+    shard = d if (z in (2, 3) if torch_acc else z == 3) else 1
+    # ---- frozen base
+    if tr.lora_base_dtype == "nf4":
+        weights = [a * b for a, b in rp.block_tensors if b > 1]  # the block Linears' weight matrices
+        q_bytes = rp.layers * sum(lora.nf4_bytes(n) for n in weights)
+        q_numel = rp.layers * sum(weights)
+        u = lora.unquantised_bytes(tr)
+        T["params"].append(Term(f"frozen base ({where}): block Linears in nf4 with double-quantised constants",
+                                q_bytes, f"Σ ⌈n/2⌉ + ⌈n/64⌉ + 4·⌈⌈n/64⌉/256⌉ + 4 over {q_numel:,} weights "
+                                         f"(≈ {lora.nf4_bytes_per_param():.4f} B each)"))
+        T["params"].append(Term("frozen base: embeddings, norms, head (not quantised)", u * (psi_base - q_numel),
+                                f"{u} B × {psi_base - q_numel:,}"))
+    else:
+        bb = lora.base_bytes_per_param(tr)
+        base_d = sharded_numel(tuple(x for u in rp.units for x in u), shard)
+        how = (f"Ψ_base,d = {base_d:,} (Ψ_base = {psi_base:,} over d = {shard}, dim 0 padded per tensor)"
+               if shard > 1 else f"Ψ_base = {psi_base:,}")
+        T["params"].append(Term(f"frozen base ({where}), {tr.lora_base_dtype}; no gradient, no optimizer state",
+                                bb * base_d, f"{bb} B × {how}"))
+    # ---- adapters
+    lora_d = sharded_numel(tuple(ad), shard)
+    how = (f"Ψ_lora,d = {lora_d:,} (Ψ_lora = {psi_lora:,} over d = {shard}, dim 0 padded per tensor)"
+           if shard > 1 else f"Ψ_lora = {psi_lora:,}")
+    per_layer = lora.adapter_params_per_layer(cfg.model, tr.lora_rank, tr.lora_targets)
+    origin = (f"{rp.layers} blocks × Σ r·(d_in + d_out) = {rp.layers} × {per_layer:,} (r = {tr.lora_rank}, "
+              f"targets {tr.lora_targets}{', local TP shard' if par.tp > 1 else ''})")
+    if torch_acc:
+        w_a = g_a = 4
+        master = 0
+    else:
+        w_a, g_a = tr.param_bytes, tr.grad_bytes
+        master = 4 if tr.master_weights else 0
+    T["params"].append(Term(f"LoRA adapters A and B ({origin})", w_a * lora_d, f"{w_a} B × {how}"))
+    g_numel, g_how = lora_d, how
+    if not torch_acc and z == 2 and shard == 1:
+        g_numel, g_how = _ceil_div(psi_lora, d), f"⌈Ψ_lora/d⌉ = ⌈{psi_lora:,}/{d}⌉"
+    T["grads"].append(Term("adapter gradients" + (" (fp32, the adapters' dtype)" if torch_acc else ""),
+                           g_a * g_numel, f"{g_a} B × {g_how}"))
+    if z == 1 and par.dp > 1 and torch_acc and par.tp == 1:
+        sizes = zero_redundancy_partition([a * b for a, b in ad], par.dp)
+        opt_numel = sizes[dp_rank]
+        rule = (f"{opt_numel:,} adapter elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
+                f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
+    elif z >= 1 and par.dp > 1 and not (fsdp2 and shard > 1):
+        opt_numel, rule = _ceil_div(psi_lora, d), f"⌈Ψ_lora/d⌉ = ⌈{psi_lora:,}/{d}⌉"
+    else:
+        opt_numel, rule = lora_d, how
+    if master:
+        T["optimizer"].append(Term("fp32 master weights of the adapters", 4 * opt_numel, f"4 B × {rule}"))
+    if k:
+        T["optimizer"].append(Term(f"{tr.optimizer} states of the adapters ({k} × fp32); none for the frozen base",
+                                   4 * k * opt_numel, f"{4 * k} B × {rule}"))
+    if not T["optimizer"]:
+        T["optimizer"].append(Term("no optimizer state (plain sgd)", 0, "0"))
+    return psi_lora
+
+
 def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
     model, par, tr, conv = cfg.model, cfg.parallel, cfg.training, cfg.conventions
     t, p, v, m = par.tp, par.pp, par.virtual_stages, par.microbatches
@@ -600,8 +720,17 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
     autocast = torch_acc and tr.precision != "fp32" and not fsdp2
     pd = w  # bytes of the compute copy FSDP2 all-gathers (MixedPrecisionPolicy.param_dtype)
 
+    lora_on = tr.finetune == "lora"
+    psi_train = psi  # elements that get a gradient (DDP buckets, unsharded gradients)
+    train_units = [sum(a * c for a, c in u) for u in rp.units]
     # ---------------- model states
-    if torch_acc:
+    if lora_on:
+        psi_train = _lora_states(cfg, rp, dp_rank, T, where)
+        lora_units = _lora_units(cfg, rp)
+        train_units = [sum(a * c for a, c in u) for u in lora_units]
+        psi = psi + psi_train  # every parameter the rank holds (FSDP2 gathers the frozen base too)
+        rp = replace(rp, units=tuple(u + a for u, a in zip(rp.units, lora_units)))
+    elif torch_acc:
         _torch_states(cfg, rp, dp_rank, T, where)
     elif z == 3:
         per_unit = [sharded_numel(u, d) for u in rp.units]
@@ -621,9 +750,9 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
             opt_numel, opt_rule = _ceil_div(psi, d), f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉"
         else:
             opt_numel, opt_rule = psi, f"Ψ = {psi:,}"
-    if master and not torch_acc:
+    if master and not torch_acc and not lora_on:
         T["optimizer"].append(Term("fp32 master weights", 4 * opt_numel, f"4 B × {opt_rule}"))
-    if n_states and not torch_acc:
+    if n_states and not torch_acc and not lora_on:
         T["optimizer"].append(Term(f"{tr.optimizer} states ({n_states} × fp32)", 4 * n_states * opt_numel,
                                    f"{4 * n_states} B × {opt_rule}"))
     if not T["optimizer"]:
@@ -646,6 +775,9 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
         # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
         # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
         n_casts = 2 + (1 if model.mlp == "swiglu" else 0)
+        if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
+            n_casts = (max(0, sum(x in sh.lora_mods for x in ("wq", "wk", "wv")) - 1)
+                       + max(0, sum(x in sh.lora_mods for x in ("w1", "w3")) - 1))
         per_layer += n_casts * act * s * b * h
         layer_formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
                           f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
@@ -662,8 +794,11 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
     for st in rp.stages:
         ex: list[tuple[str, int, str]] = []
         if st.stage == 0:
-            ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b"))
-            if model.dropout > 0:
+            if not lora_on:  # a frozen embedding saves nothing
+                ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b"))
+            elif tr.recompute != "full":
+                ex.append(_lora_first_block_saving(sh, layer_terms, res, sbh_rep, hs))
+            if model.dropout > 0 and not lora_on:
                 ex.append(("embedding-dropout mask", sbh_rep, "s·b·" + hs))
         elif torch_acc:
             ex.append(("stage input is the p2p receive buffer (counted in comm_buffers)", -res * sbh_rep,
@@ -676,7 +811,10 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
                                f"{res}·s·b·{hs} + 4·s·b"))
                 else:
                     ex.append(("final-norm rstd", 4 * s * b // rep, "4·s·b"))
-                ex.append(("head input", act * sbh_rep, f"{act}·s·b·{hs}"))
+                if not lora_on:  # a frozen head saves no input for a weight gradient
+                    ex.append(("head input", act * sbh_rep, f"{act}·s·b·{hs}"))
+            elif lora_on:
+                ex.append(("final-norm input (the frozen head saves none)", act * sbh_rep, f"{act}·s·b·{hs}"))
             else:
                 ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·{hs}"))
             ex.append(("fp32 log-probabilities for the loss", 4 * s * b * v_loss, f"4·s·b·{v_sym}"))
@@ -700,7 +838,12 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
         lo = act * s * b * v_loss
         T["activations"].append(Term("last stage: every microbatch's logits, kept by the schedule to merge the output",
                                      m * lo, f"m × {act}·s·b·{v_sym} = {m} × {lo:,} B"))
-    if autocast:
+    if autocast and lora_on:
+        # autocast caches casts of leaf tensors that require grad only: the adapters, not the base
+        T["activations"].append(Term("autocast's 16-bit casts of the adapters (cached; the frozen base is cast "
+                                     "on the fly and not cached)", act * psi_train,
+                                     f"{act} B × {psi_train:,} adapter weights"))
+    elif autocast:
         # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
         # (the backend's context spans forward and backward); the matmuls save these casts.
         cast = sum(a * c for blk in [rp.block_tensors] for a, c in blk if c > 1) * rp.layers
@@ -741,21 +884,25 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
                                           f"{pd} B × {largest:,}"))
         if m > 1:
             T["comm_buffers"].append(Term(
-                "FSDP2 unsharded gradients of every unit (accumulated unsharded over microbatches without sync)",
-                pd * psi, f"{pd} B × Ψ = {pd} × {psi:,}"))
+                "FSDP2 unsharded gradients of every unit (accumulated unsharded over microbatches without sync)"
+                + (" — adapters only under LoRA" if lora_on else ""),
+                pd * psi_train, f"{pd} B × Ψ{'_lora' if lora_on else ''} = {pd} × {psi_train:,}"))
         else:
-            T["comm_buffers"].append(Term("reduce-scatter input (one unit's unsharded gradients)", pd * largest,
-                                          f"{pd} B × largest FSDP unit ({largest:,})"))
+            big = max(train_units)
+            T["comm_buffers"].append(Term("reduce-scatter input (one unit's unsharded gradients"
+                                          + (", adapters only)" if lora_on else ")"), pd * big,
+                                          f"{pd} B × largest FSDP unit's trainable elements ({big:,})"))
     elif z in (0, 1) and dp_grad_group:
         gb = 4 if torch_acc else g  # DDP's buckets take the gradients' dtype (fp32 under autocast)
-        buckets = max(1, math.ceil(gb * psi / (conv.ddp_bucket_mb * MB)))
+        buckets = max(1, math.ceil(gb * psi_train / (conv.ddp_bucket_mb * MB)))
         if getattr(conv, "ddp_gradient_as_bucket_view", False):
             T["comm_buffers"].append(Term("DDP gradient buckets (gradients are views into them)", 0,
                                           "0 (gradient_as_bucket_view=True)"))
         else:
             T["comm_buffers"].append(Term(
-                f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", gb * psi,
-                f"{gb} B × Ψ: the Reducer's flat buckets cover every gradient; bucket_cap_mb sets their count"))
+                f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", gb * psi_train,
+                f"{gb} B × {'Ψ_lora (frozen parameters have no bucket)' if lora_on else 'Ψ'}: the Reducer's flat "
+                "buckets cover every gradient; bucket_cap_mb sets their count"))
         # it is part of the peak where the rank's peak falls in a backward: no pipeline, the last stage
         # (one microbatch in flight), full recompute; stages holding several microbatches peak at the
         # end of their warm-up forwards, before it exists (measured)
@@ -763,12 +910,13 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
         if torch_acc and in_backward:
             T["temporaries"].append(Term(
                 "DDP: a gradient-sized temporary early in the synchronised backward (measured, torch 2.13)",
-                gb * psi, f"{gb} B × Ψ = {gb} × {psi:,}"))
+                gb * psi_train, f"{gb} B × Ψ{'_lora' if lora_on else ''} = {gb} × {psi_train:,}"))
     elif z in (2, 3) and d > 1:
         sizes = sorted((sum(a * c for a, c in u) for u in rp.units), reverse=True)
         largest = sizes[0]
-        T["comm_buffers"].append(Term("reduce-scatter input (one unit's unsharded gradients)", g * largest,
-                                      f"{g} B × largest FSDP unit ({largest:,})"))
+        big = max(train_units)
+        T["comm_buffers"].append(Term("reduce-scatter input (one unit's unsharded gradients)", g * big,
+                                      f"{g} B × largest FSDP unit's trainable elements ({big:,})"))
         if z == 3:
             T["comm_buffers"].append(Term("all-gather input (one unit's shard)", w * _ceil_div(largest, d),
                                           f"{w} B × ⌈{largest:,}/{d}⌉"))

@@ -60,6 +60,23 @@ GRAD_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "sgd-momentum", "sgd")
 RECOMPUTE_KINDS = ("none", "selective", "full")
 BUBBLE_CONVENTIONS = ("share-of-total", "relative-to-ideal")
+#: How data-parallel replicas are driven (parallel.dp_mode): "ddp" = one process per GPU
+#: (DistributedDataParallel, or ZeRO / FSDP by parallel.zero); "dataparallel" = the legacy
+#: single-process torch.nn.DataParallel (GPU 0 scatters, gathers and steps: engine.legacy_dp).
+DP_MODES = ("ddp", "dataparallel")
+#: What training updates (training.finetune): every weight, or LoRA adapters on a frozen base.
+FINETUNE_KINDS = ("full", "lora")
+#: Which Linears get LoRA adapters (training.lora_targets), as the backend's module names:
+#: attention = q, k, v, o projections; mlp = gate, up, down (gelu: up, down); all = both.
+LORA_TARGETS = ("attention", "mlp", "all")
+LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    "attention": ("wq", "wk", "wv", "wo"),
+    "mlp": ("w1", "w3", "w2"),
+    "all": ("wq", "wk", "wv", "wo", "w1", "w3", "w2"),
+}
+#: Storage of the frozen base weights under LoRA (training.lora_base_dtype): fp32, bf16, or
+#: nf4 (QLoRA: 4-bit NormalFloat, blocks of 64 with an absmax constant each, double-quantised).
+LORA_BASE_DTYPES = ("fp32", "bf16", "nf4")
 #: How model states are split into params / grads / optimizer (engine.memory's docstring):
 #: "pytorch" = what torch's AMP autocast, FSDP2 (fully_shard + MixedPrecisionPolicy) and
 #: ZeroRedundancyOptimizer keep; "zero-paper" = Rajbhandari et al. 2020's split.

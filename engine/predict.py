@@ -64,6 +64,10 @@ def predict(cfg: Config, durations: StageDurations | None = None) -> Prediction:
     ``durations`` (measured per-stage seconds) replaces the analytic F/B/W times: the
     calibration hook.
     """
+    if cfg.parallel.dp_mode == "dataparallel":  # legacy nn.DataParallel: its own memory and step model
+        from engine import legacy_dp
+
+        return Prediction(config=cfg, memory=legacy_dp.memory(cfg), step=legacy_dp.step(cfg))
     return Prediction(config=cfg, memory=memory_per_rank(cfg), step=step_time(cfg, durations))
 
 

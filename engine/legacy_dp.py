@@ -1,0 +1,257 @@
+"""Legacy single-process data parallelism (``torch.nn.DataParallel``, ``parallel.dp_mode =
+"dataparallel"``): what each GPU holds, what flows through GPU 0, and why it stops scaling.
+
+One Python process drives N GPUs of one node. Every forward, ``nn.DataParallel``:
+
+1. scatters the batch (token ids) from GPU 0 to the others, ``micro_batch_size`` sequences each;
+2. *replicates* the module: broadcasts every parameter (frozen ones too) from GPU 0
+   (``comm.broadcast_coalesced``; NCCL's ring broadcast: each GPU receives P bytes, GPU 0 sends
+   them once, pipelined: ``(N−1)·α + P/B``); replica 0 is the module itself;
+3. runs the N replicas in N Python threads (``parallel_apply``), serialised on the GIL;
+4. gathers every replica's output (the logits, ``s·b·V`` each) onto GPU 0, where the loss of the
+   whole batch is computed; backward scatters the logits' gradient back the same way;
+5. in backward, each replica's weight gradients are reduce-added onto GPU 0's parameters
+   (``ReduceAddCoalesced``, the backward of the broadcast): it fires after the replicas' backward,
+   so nothing overlaps it;
+6. the optimizer steps once, on GPU 0, which alone holds the optimizer state.
+
+Memory per GPU, built from the single-GPU body of the same job (``dp = 1``, ``engine.memory``):
+
+* GPU 0: the module's parameters, ``.grad`` and the optimizer state; its replica's activations;
+  the loss of the whole batch — N × the log-probabilities (activations) and N × the loss
+  temporaries (the gathered logits and their gradient); its own replica's gradients before the
+  reduce-add (temporaries, the size of the gradients).
+* GPU i > 0: the broadcast parameter copies (params, rebuilt every forward), the replica's
+  gradients until the reduce-add (grads, transient but at the backward peak), no optimizer
+  state; its replica's activations without any loss; its output logits until gathered
+  (temporaries).
+* every GPU: the runtime context; one NCCL communicator over the N GPUs (when
+  ``conventions.collective_buffers``).
+
+Step time (no overlap anywhere — that is the point)::
+
+    step = m × ( scatter inputs + broadcast params + forward (max with the GIL-serialised
+                 Python of N replicas) + gather logits + loss of the other N−1 replicas' b
+                 sequences on GPU 0 (its own is not counted, as for DDP)
+                 + scatter logit gradients + backward + reduce-add gradients onto GPU 0 )
+         + optimizer step on GPU 0
+
+The GIL term is a stated estimate, ``PYTHON_S_PER_BLOCK`` seconds of Python per transformer
+block per replica per forward (op dispatch and the per-forward module copies of ``replicate``),
+serialised over the N threads; it shows only where it exceeds the GPU's forward time. As N grows,
+the gather / scatter through GPU 0 grow as N − 1, the loss on GPU 0 as N and the Python as N,
+while DDP's step stays flat: tokens/s stops growing (``scaling``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from dataclasses import replace as dc_replace
+
+from engine.comm import CommItem, CommReport, GroupSpan, RankComm
+from engine.config import Config
+from engine.durations import flops_per_token, stage_durations
+from engine.lora import adapter_params
+from engine.memory import GIB, MIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
+from engine.names import MEMORY_CATEGORIES
+from engine.params import param_counts
+from engine.step import StepTime, optimizer_seconds, step_time
+
+#: Python seconds per transformer block per replica per forward (dispatch of ~30 ops and the
+#: replicate() module copies, ~10 µs each): a stated estimate, not a measurement.
+PYTHON_S_PER_BLOCK = 400e-6
+#: Bytes read and written per logit by the loss on GPU 0 (fp32 log-softmax forward and backward).
+LOSS_BYTES_PER_LOGIT = 16
+
+BREAKDOWN_KEYS = ("compute", "python_gil_exposed", "loss_on_gpu0", "dp_comm_exposed", "optimizer",
+                  "tp_comm", "pipeline_bubble")
+
+
+def is_legacy(cfg: Config) -> bool:
+    return cfg.parallel.dp_mode == "dataparallel"
+
+
+def single_gpu_config(cfg: Config) -> Config:
+    """The same job on one GPU (one replica): the body every GPU's memory starts from."""
+    return cfg.replace(cluster={"gpus": 1, "gpus_per_node": 1},
+                       parallel={"dp": 1, "dp_mode": "ddp", "zero": 0, "replicate": 1})
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _loss_terms(body: _Body) -> tuple[int, int]:
+    """(bytes of the log-probabilities kept for backward, bytes of the loss temporaries) of one replica."""
+    logp = sum(t.bytes for t in body.terms["activations"] if "log-probabilities" in t.label)
+    tmp = sum(t.bytes for t in body.terms["temporaries"]
+              if t.label.startswith("loss:") or t.label.startswith("logits at the loss"))
+    return logp, tmp
+
+
+def memory(cfg: Config) -> MemoryReport:
+    """Memory of each of the N GPUs of a ``dp_mode = "dataparallel"`` job (GPU 0 is the heavy one)."""
+    n = cfg.parallel.dp
+    one = memory_per_rank(single_gpu_config(cfg))
+    base: _Body = one.per_rank[0]._body
+    model, tr = cfg.model, cfg.training
+    s, b = model.seq_len, tr.micro_batch_size
+    act = 4 if tr.precision == "fp32" else 2
+    logp, loss_tmp = _loss_terms(base)
+    params_b, grads_b = base.values["params"], base.values["grads"]
+    logits = act * s * b * model.vocab
+    conv = cfg.conventions
+    comm_term = None
+    if n > 1 and conv.collective_buffers:
+        per = int(round(conv.collective_buffer_mib * MIB))
+        comm_term = Term("collective-library buffers (one NCCL communicator over the N GPUs: broadcast, reduce)",
+                         per, f"1 × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)")
+
+    def copy_terms() -> dict[str, list[Term]]:
+        return {c: list(base.terms[c]) for c in MEMORY_CATEGORIES}
+
+    # GPU 0: the module, its state, and the whole batch's loss
+    t0 = copy_terms()
+    if n > 1:
+        t0["activations"].append(Term(f"GPU 0: the other {n - 1} replicas' log-probabilities (the loss of the whole "
+                                      "batch is computed here)", (n - 1) * logp, f"(N − 1) × {logp:,} B"))
+        t0["temporaries"].append(Term(f"GPU 0: gathered outputs of the other {n - 1} replicas and their loss "
+                                      "gradient", (n - 1) * loss_tmp, f"(N − 1) × {loss_tmp:,} B"))
+        t0["temporaries"].append(Term("GPU 0: its replica's gradients before ReduceAddCoalesced sums every "
+                                      "replica's into .grad", grads_b, f"{grads_b:,} B (the gradients' size)"))
+    if comm_term:
+        t0["overhead"].append(comm_term)
+    bodies = [_Body(t0, (0,), 0)]
+    if n > 1:
+        ti = {c: [] for c in MEMORY_CATEGORIES}
+        ti["params"].append(Term("replica: parameters broadcast from GPU 0 (rebuilt every forward, frozen ones too)",
+                                 params_b, f"{params_b:,} B (as GPU 0's parameters)"))
+        ti["grads"].append(Term("replica gradients, alive until reduce-added onto GPU 0 at the end of backward",
+                                grads_b, f"{grads_b:,} B"))
+        ti["optimizer"].append(Term("none: only GPU 0 steps the optimizer", 0, "0"))
+        ti["activations"] = [t for t in base.terms["activations"] if "log-probabilities" not in t.label]
+        ti["temporaries"] = [t for t in base.terms["temporaries"]
+                             if not (t.label.startswith("loss:") or t.label.startswith("logits at the loss"))]
+        ti["temporaries"].append(Term("replica's output logits until gathered onto GPU 0 (then their gradient)",
+                                      logits, f"{act}·s·b·V = {logits:,} B"))
+        ti["comm_buffers"] = list(base.terms["comm_buffers"])
+        ti["overhead"] = list(base.terms["overhead"]) + ([comm_term] if comm_term else [])
+        bodies.append(_Body(ti, (0,), 0))
+    capacity = cfg.cluster.gpu.memory_bytes
+    per_rank = [RankMemory(r, 0, r, bodies[min(r, 1)], capacity) for r in range(n)]
+    conventions = dict(one.conventions)
+    conventions["legacy_dataparallel"] = (
+        "nn.DataParallel: GPU 0 holds the module, .grad, the optimizer state and the loss of the whole batch; "
+        "GPUs 1..N−1 hold broadcast parameter copies and their replica's gradients until the reduce-add")
+    return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions)
+
+
+# --------------------------------------------------------------------------- traffic and time
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One movement through GPU 0 per microbatch: bytes that enter or leave GPU 0, and its seconds."""
+
+    what: str
+    bytes_through_gpu0: float
+    seconds: float
+    phase: str
+
+
+def _trainable(cfg: Config) -> int:
+    if cfg.training.finetune == "lora":
+        return adapter_params(cfg.model, cfg.training.lora_rank, cfg.training.lora_targets)
+    return param_counts(cfg.model).total
+
+
+def transfers(cfg: Config) -> list[Transfer]:
+    """What moves through GPU 0 for one microbatch (the step repeats it ``microbatches`` times)."""
+    n = cfg.parallel.dp
+    if n == 1:
+        return []
+    cl = cfg.cluster
+    bw, lat = cl.intra_node_bytes_per_s, cl.intra_node_latency_us * 1e-6
+    body = memory_per_rank(single_gpu_config(cfg)).per_rank[0]
+    params_b, grads_b = body.params, body.grads
+    model, tr = cfg.model, cfg.training
+    act = 4 if tr.precision == "fp32" else 2
+    ids = 8 * model.seq_len * tr.micro_batch_size
+    logits = act * model.seq_len * tr.micro_batch_size * model.vocab
+    return [
+        Transfer("scatter the batch (token ids) from GPU 0", (n - 1) * ids, (n - 1) * (lat + ids / bw), "forward"),
+        Transfer("broadcast every parameter from GPU 0 (replicate; NCCL ring, pipelined)", params_b,
+                 (n - 1) * lat + params_b / bw, "forward"),
+        Transfer("gather every replica's logits onto GPU 0", (n - 1) * logits, (n - 1) * (lat + logits / bw),
+                 "forward"),
+        Transfer("scatter the logits' gradients from GPU 0", (n - 1) * logits, (n - 1) * (lat + logits / bw),
+                 "backward"),
+        Transfer("reduce-add every replica's gradients onto GPU 0 (NCCL ring reduce, after the backward)",
+                 grads_b, (n - 1) * lat + grads_b / bw, "backward"),
+    ]
+
+
+def step(cfg: Config) -> StepTime:
+    """Step time of a ``dp_mode = "dataparallel"`` job, with the legacy breakdown (sums to the step)."""
+    par, tr, model = cfg.parallel, cfg.training, cfg.model
+    n, m = par.dp, par.microbatches
+    one_cfg = single_gpu_config(cfg)
+    base = step_time(one_cfg)
+    d = stage_durations(one_cfg)
+    fwd, bwd = float(d.forward_s[0]), float(d.backward_s[0])
+    python = n * model.layers * PYTHON_S_PER_BLOCK if n > 1 else 0.0
+    gil = max(0.0, python - fwd)
+    loss_bytes = LOSS_BYTES_PER_LOGIT * (n - 1) * tr.micro_batch_size * model.seq_len * model.vocab
+    loss = loss_bytes / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9)
+    comm = sum(t.seconds for t in transfers(cfg))
+    opt = optimizer_seconds(one_cfg, _trainable(cfg))
+    breakdown = {
+        "compute": m * (fwd + bwd),
+        "python_gil_exposed": m * gil,
+        "loss_on_gpu0": m * loss,
+        "dp_comm_exposed": m * comm,
+        "optimizer": opt,
+        "tp_comm": 0.0,
+        "pipeline_bubble": 0.0,
+    }
+    total = sum(breakdown.values())
+    fl = flops_per_token(cfg)
+    tokens = cfg.tokens_per_step
+    model_flops = tokens * 3 * (model.layers * fl.block + fl.head)
+    recompute = {"full": fl.block, "selective": fl.attention_core}.get(tr.recompute, 0.0)
+    hardware_flops = model_flops + tokens * model.layers * recompute
+    peak = cfg.cluster.gpu.peak_flops(tr.precision) * n
+    items = tuple(CommItem(dim="dp", what=t.what, collective="p2p", calls=m, size_bytes=t.bytes_through_gpu0,
+                           group_size=n, link="intra-node", seconds=m * t.seconds, overlappable=False, phase=t.phase)
+                  for t in transfers(cfg))
+    report = CommReport(per_pp_rank=(RankComm(pp_rank=0, rank=0, items=items),),
+                        spans={"dp": GroupSpan("dp", n, 1, n)})
+    return dc_replace(base, seconds=total, breakdown=breakdown, tokens_per_s=tokens / total,
+                      model_flops=model_flops, hardware_flops=hardware_flops, mfu=model_flops / (total * peak),
+                      hfu=hardware_flops / (total * peak), dp_comm_s=m * comm, optimizer_s=opt, comm=report)
+
+
+def scaling(cfg: Config, gpus: tuple[int, ...] | None = None) -> list[dict]:
+    """tokens/s of the same job under nn.DataParallel and under DDP for N = 1, 2, 4, ... GPUs of one node.
+
+    Each row: {"gpus", "dataparallel_tokens_per_s", "ddp_tokens_per_s", "gpu0_bytes", "other_gpu_bytes"}.
+    """
+    if gpus is None:
+        top = cfg.cluster.gpus_per_node
+        gpus = tuple(sorted({1, *(2**k for k in range(1, 8) if 2**k <= top), top}))
+    rows = []
+    for n in gpus:
+        c = cfg.replace(cluster={"gpus": n, "gpus_per_node": max(n, 1)}, parallel={"dp": n, "dp_mode": "dataparallel"})
+        ddp = c.replace(parallel={"dp_mode": "ddp"})
+        mem = memory(c)
+        rows.append({"gpus": n, "dataparallel_tokens_per_s": step(c).tokens_per_s,
+                     "ddp_tokens_per_s": step_time(ddp).tokens_per_s, "gpu0_bytes": mem.per_rank[0].total,
+                     "other_gpu_bytes": mem.per_rank[-1].total})
+    return rows
+
+
+def summary(cfg: Config) -> str:
+    """One line for reports: GPU 0 against the others."""
+    mem = memory(cfg)
+    g0, gi = mem.per_rank[0].total, mem.per_rank[-1].total
+    return (f"nn.DataParallel over {cfg.parallel.dp} GPUs: GPU 0 {g0 / GIB:.2f} GiB, "
+            f"GPU 1..{cfg.parallel.dp - 1} {gi / GIB:.2f} GiB each")
