@@ -252,6 +252,9 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
       * TP: the parts inside the column/row pair are /t; the rest (norms, their outputs, the
         residual masks) are replicated unless sequence parallel, which makes them /t too.
       * selective recompute: the attention core (softmax, its dropout; flash's lse) is recomputed.
+      * LoRA (frozen base): a frozen Linear keeps no input for its weight gradient, so the QKV, o-proj,
+        MLP and down inputs stay only where an adapter's A reads them (flash keeps its output anyway);
+        each adapter adds A's output (s·b·r) for B's gradient; a frozen composite RMSNorm keeps no x̂.
     Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byte.
     """
     s, b, h, a, t, act = sh.s, sh.b, sh.h, sh.a, sh.t, sh.act
@@ -270,7 +273,7 @@ def _layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int], ...], st
 
     def norm(n: int) -> None:
         add(f"norm{n} input", res, rep_sym, sbh_rep)
-        if sh.composite_norm:
+        if sh.composite_norm and not sh.lora_r:  # x̂ is kept for the weight's gradient: none when frozen
             add(f"norm{n} x̂ = x·rstd (torch's composite RMSNorm)", res, rep_sym, sbh_rep)
         if sh.torch_ops:
             add(f"norm{n} rstd (fp32)", 4, "1/t" if sh.sp else "1", s * b // rep)
@@ -620,7 +623,7 @@ def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int, hs
                          or lbl.startswith("GeLU"))
         skipped = [x for lbl, x in layer_terms[:first_mlp] if not lbl.startswith("MLP input")]
         n_norm, what = 2, "the attention half and norm2"
-    n_fp32 = (2 if sh.composite_norm else 1) * n_norm
+    n_fp32 = n_norm  # the norm inputs (a frozen composite RMSNorm keeps no x̂)
     total = sum(skipped) + n_fp32 * (res - sh.act) * sbh_rep
     return (f"LoRA: the first block saves nothing for {what} (its input needs no gradient before the first "
             "adapter)", -total, f"−{total:,} B")
@@ -770,7 +773,7 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
     sbh_rep = s * b * h // rep
     hs = "h/t" if sp else "h"
     if res > act:
-        n_fp32 = 4 if sh.composite_norm else 2  # the two norm inputs (and x̂ of composite RMSNorm)
+        n_fp32 = 4 if sh.composite_norm and not lora_on else 2  # the two norm inputs (and x̂ of composite RMSNorm)
         per_layer += n_fp32 * (res - act) * sbh_rep
         # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
         # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
@@ -806,7 +809,7 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
         if st.stage == n_stages - 1:
             if torch_acc:
                 ex.append(("final-norm input", res * sbh_rep, f"{res}·s·b·{hs}"))
-                if sh.composite_norm:
+                if sh.composite_norm and not lora_on:
                     ex.append(("final-norm x̂ and rstd (composite RMSNorm)", res * sbh_rep + 4 * s * b // rep,
                                f"{res}·s·b·{hs} + 4·s·b"))
                 else:
@@ -907,7 +910,8 @@ def _body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
         # (one microbatch in flight), full recompute; stages holding several microbatches peak at the
         # end of their warm-up forwards, before it exists (measured)
         in_backward = p == 1 or tr.recompute == "full" or any(st.stage == n_stages - 1 for st in rp.stages)
-        if torch_acc and in_backward:
+        # not seen with LoRA's frozen base (measured: DDP + peft, torch 2.13)
+        if torch_acc and in_backward and not lora_on:
             T["temporaries"].append(Term(
                 "DDP: a gradient-sized temporary early in the synchronised backward (measured, torch 2.13)",
                 gb * psi_train, f"{gb} B × Ψ{'_lora' if lora_on else ''} = {gb} × {psi_train:,}"))

@@ -82,7 +82,9 @@ def test_targets_change_the_count_and_the_activations():
 
 def test_lora_per_layer_activation_terms_hand_worked():
     """fp32, eager, b = 2, s = 64, h = 128, f = 352, targets = attention: the MLP's frozen Linears save
-    neither the MLP input (4·s·b·h) nor the down input (4·s·b·f); four adapters save A's output 4·s·b·r."""
+    neither the MLP input (4·s·b·h) nor the down input (4·s·b·f); the frozen RMSNorm weights need no
+    x̂ = x·rstd (torch's composite RMSNorm on CPU keeps it only for the weight's gradient: 2 × 4·s·b·h);
+    four adapters save A's output 4·s·b·r."""
     from engine.memory import activation_terms_per_layer
 
     full_cfg = default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1, "microbatches": 1})
@@ -94,7 +96,8 @@ def test_lora_per_layer_activation_terms_hand_worked():
     assert "MLP input (norm2 output)" not in att and "down input" not in att
     lora_label = next(k for k in att if k.startswith("LoRA"))
     assert att[lora_label] == 4 * 4 * s * b * r  # 4 adapted Linears × fp32 × s·b·r
-    assert sum(att.values()) == sum(full.values()) - 4 * s * b * h - 4 * s * b * f + 16 * s * b * r
+    assert not any("x̂" in k for k in att)
+    assert sum(att.values()) == sum(full.values()) - 4 * s * b * h - 4 * s * b * f - 2 * 4 * s * b * h + 16 * s * b * r
 
 
 def test_nf4_base_bytes_hand_worked():
