@@ -34,6 +34,8 @@ from backend.parallel import (
     fsdp_mp_policy,
     make_zero1_optimizer,
 )
+from backend.parallel.data_parallel import dataparallel_refusal
+from backend.parallel.lora import apply_lora, lora_refusal, trainable
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
 from engine.config import Config
@@ -63,6 +65,29 @@ def check_supported(cfg: Config) -> None:
             "parameters; use parallel.zero = 2 (fully_shard) with TP")
     if cfg.model.tied_embeddings and par.tp > 1:
         raise NotImplementedError("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
+    if par.dp_mode == "dataparallel":
+        raise NotImplementedError(dataparallel_refusal(cfg, torch.cuda.device_count()))
+    if cfg.training.finetune == "lora":
+        if par.tp > 1:
+            raise NotImplementedError(
+                "LoRA with tp > 1: peft wraps nn.Linear, and the TP plan would have to shard its lora_A / lora_B "
+                "too; the engine predicts it, the backend runs LoRA with DDP, ZeRO-1, FSDP and PP")
+        why = lora_refusal(cfg.training, torch.cuda.is_available())
+        if why:
+            raise NotImplementedError(why)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_grad_hooks_on_frozen(tracker, params) -> None:
+    """MemTracker registers a gradient hook on every parameter, which torch refuses for a frozen one
+    (LoRA's base): mark those as already hooked so the tracker leaves them alone."""
+    for p in params:
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
 
 
 class Trainer:
@@ -87,6 +112,8 @@ class Trainer:
         mp = fsdp_mp_policy(tr)
         self.modules = []
         for s, m in parts:
+            if tr.finetune == "lora":
+                m = apply_lora(m, cfg.model, tr)  # before DP, which must see the frozen base
             if par.tp > 1:
                 apply_tp(m, self.dims["tp"], par.sequence_parallel)
             apply_recompute(m, tr.recompute)
@@ -101,10 +128,11 @@ class Trainer:
         self.params = measure.unique_params(m for _, m in self.modules)
 
         cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
+        stepped = trainable(self.params)  # LoRA: the adapters only; the frozen base has no optimizer state
         if par.zero == 1 and par.dp > 1:
-            self.optimizer = make_zero1_optimizer(self.params, cls, self.dims.dp_group(), **kw)
+            self.optimizer = make_zero1_optimizer(stepped, cls, self.dims.dp_group(), **kw)
         else:
-            self.optimizer = cls(self.params, **kw)
+            self.optimizer = cls(stepped, **kw)
 
         self.timer = ActionTimer()
         self.schedule = None
@@ -230,6 +258,7 @@ class Trainer:
         gc.collect()
         batch = self.batch(step)
         tracker = measure.tracker_for(mods, self.optimizer)
+        _skip_grad_hooks_on_frozen(tracker, self.params)
         with tracker:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)

@@ -43,6 +43,30 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, mp_policy: Mixe
     return model
 
 
+def dataparallel_refusal(cfg, cuda_devices: int) -> str:
+    """Why a ``parallel.dp_mode = "dataparallel"`` run does not start on this machine (always a reason).
+
+    ``nn.DataParallel`` drives several CUDA GPUs from one process; it needs at least two (and
+    ``parallel.dp`` of them). Where they exist, the launcher still starts one process per GPU,
+    which is DDP's model, so the run is refused there too until the launcher starts one process.
+    """
+    n = cfg.parallel.dp
+    if cuda_devices < 2 or cuda_devices < n:
+        return (f"parallel.dp_mode = 'dataparallel' (legacy torch.nn.DataParallel) drives {n} CUDA GPUs from one "
+                f"process, and this machine has {cuda_devices} CUDA GPU(s): it needs at least "
+                f"{max(2, n)}. The prediction (GPU 0's extra load, the traffic through it, the step) is in "
+                "shardscope predict; to train, use parallel.dp_mode = 'ddp' (DistributedDataParallel, one "
+                "process per GPU: faster, balanced, and what PyTorch recommends)")
+    return ("parallel.dp_mode = 'dataparallel': the launcher starts one process per GPU (torchrun), while "
+            "nn.DataParallel needs a single process driving all of them; run it as DDP "
+            "(parallel.dp_mode = 'ddp'), or see engine.legacy_dp for the prediction")
+
+
+def apply_dataparallel(model: nn.Module, gpus: int) -> nn.Module:
+    """Legacy single-process data parallelism over CUDA GPUs 0..gpus-1 (kept for comparison only)."""
+    return nn.DataParallel(model, device_ids=list(range(gpus)), output_device=0)
+
+
 def make_zero1_optimizer(params, optimizer_cls: type[torch.optim.Optimizer], dp_group,
                          **kwargs) -> ZeroRedundancyOptimizer:
     """ZeRO-1: each data-parallel rank keeps the optimizer state of its share of the parameters."""
