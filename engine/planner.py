@@ -200,6 +200,9 @@ def _base_config(model: ModelSpec | str, gpus: int, gpu: str, gpus_per_node: int
     if gpus > gpus_per_node and gpus % gpus_per_node:
         raise PlanError("gpus", f"{gpus} must be a multiple of gpus_per_node ({gpus_per_node}) "
                                 "when it spans nodes")
+    if (training or {}).get("finetune", "full") != "full":
+        raise PlanError("training", "the planner searches full fine-tuning layouts only; its pruning bounds "
+                                    "do not hold for LoRA (predict a LoRA config with shardscope predict)")
     raw = {"model": {"preset": model} if isinstance(model, str) else {"preset": "tiny"},
            "cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
            "parallel": {"dp": gpus}, "training": dict(training or {}), "conventions": dict(conventions or {})}

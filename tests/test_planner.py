@@ -202,3 +202,11 @@ def test_bounds_are_vectors_of_the_grid():
     n = len(g.mem_lb)
     assert all(len(c) == n for c in g.cols.values())
     assert np.all(np.isfinite(g.mem_lb)) and np.all(g.makespan_lb > 0)
+
+
+def test_lora_is_refused_with_the_argument_named():
+    from engine.planner import PlanError, plan
+
+    with pytest.raises(PlanError) as info:
+        plan("tiny", 2, gpu="cpu", gpus_per_node=2, training={"finetune": "lora"})
+    assert info.value.argument == "training" and "LoRA" in str(info.value)
