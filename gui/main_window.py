@@ -23,6 +23,7 @@ from gui.widgets.controls import ControlsPanel
 from gui.widgets.memory_chart import MemoryChart
 from gui.widgets.metrics import MetricsPanel
 from gui.widgets.run_panel import RunPanel
+from gui.widgets.scaling import ScalingView
 from gui.widgets.timeline import TimelineView
 
 
@@ -42,6 +43,7 @@ class MainWindow(QMainWindow):
         self.timeline = TimelineView(state)
         self.metrics = MetricsPanel(state)
         self.run_panel = RunPanel(state)
+        self.scaling = ScalingView(state)
 
         top = QSplitter(Qt.Orientation.Horizontal)
         top.addWidget(self.memory)
@@ -50,6 +52,8 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.addTab(self.run_panel, "Run && compare")
         self.tabs.addTab(self.metrics.explainer, "Strategies explained")
+        self.tabs.addTab(self.scaling, "DataParallel vs DDP")
+        self._dp_mode = state.config.parallel.dp_mode
         middle = QSplitter(Qt.Orientation.Vertical)
         middle.addWidget(top)
         middle.addWidget(self.timeline)
@@ -66,7 +70,7 @@ class MainWindow(QMainWindow):
         state.predictionReady.connect(
             lambda p: self.statusBar().showMessage(f"predicted in {p.seconds * 1e3:.1f} ms"))
         self.statusBar().setSizeGripEnabled(False)
-        state.configChanged.connect(lambda _cfg: self._title())
+        state.configChanged.connect(self._config_changed)
         self._title()
 
     # ------------------------------------------------------------------ menus
@@ -98,6 +102,13 @@ class MainWindow(QMainWindow):
         c = QAction("Cancel run", self)
         c.triggered.connect(self.state.cancel_run)
         run.addAction(c)
+
+    def _config_changed(self, cfg) -> None:
+        self._title()
+        if cfg.parallel.dp_mode != self._dp_mode:
+            self._dp_mode = cfg.parallel.dp_mode
+            if self._dp_mode == "dataparallel":  # the person just chose it: show why it stops scaling
+                self.tabs.setCurrentWidget(self.scaling)
 
     def _title(self) -> None:
         name = self.current_path.name if self.current_path else "untitled"

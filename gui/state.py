@@ -68,6 +68,23 @@ class Prediction:
     seconds: float = 0.0
     engine: Any | None = None  # the engine.predict.Prediction itself (what engine.compare takes)
     calibrated_from: str | None = None  # run directory whose calibration timed this prediction
+    full_finetune_peak_bytes: int | None = None  # LoRA only: the fullest rank's memory under full fine-tuning
+
+
+def _full_finetune_peak(cfg: Config) -> int | None:
+    """Under LoRA: what the fullest rank would hold if every weight trained (same layout), by the
+    same memory model engine.predict picks for the layout (nn.DataParallel has its own)."""
+    if cfg.training.finetune != "lora":
+        return None
+    if cfg.parallel.dp_mode == "dataparallel":
+        fn = _engine_function("engine.legacy_dp", "memory")
+    else:
+        fn = _engine_function("engine.memory", "memory_per_rank")
+    try:
+        report = fn(cfg.replace(training={"finetune": "full"})) if fn is not None else None
+    except Exception:  # the same layout may not be valid under full fine-tuning: no marker then
+        return None
+    return None if report is None else int(max(r.total for r in report.per_rank))
 
 
 def _engine_function(module: str, name: str):
@@ -95,6 +112,7 @@ def predict(cfg: Config, calibration=None) -> Prediction:
         else:
             pred.memory, pred.step, pred.timeline, pred.engine = p.memory, p.step, p.pipeline, p
             pred.calibrated_from = str(calibration.source)
+            pred.full_finetune_peak_bytes = _full_finetune_peak(cfg)
             pred.seconds = time.perf_counter() - t0
             return pred
     if whole is not None:
@@ -104,6 +122,7 @@ def predict(cfg: Config, calibration=None) -> Prediction:
             pass
         else:
             pred.memory, pred.step, pred.timeline, pred.engine = p.memory, p.step, p.pipeline, p
+            pred.full_finetune_peak_bytes = _full_finetune_peak(cfg)
             pred.seconds = time.perf_counter() - t0
             return pred
     for part, module, name in (
@@ -123,6 +142,57 @@ def predict(cfg: Config, calibration=None) -> Prediction:
     return pred
 
 
+TARGETS = ("local", "slurm", "hosts")  # the values of `shardscope run --target`
+DRY_RUN_FILE = "dry-run.txt"  # what a dry run printed (the sbatch script or the per-host commands)
+
+
+@dataclass(frozen=True)
+class RunTarget:
+    """Where Run sends the config: this machine, a Slurm job (sbatch), or hosts the user starts
+    one command on each. Empty fields are left to the CLI (its defaults come from the config)."""
+
+    kind: str = "local"  # one of TARGETS
+    partition: str = ""
+    nodes: int = 0  # 0: from the config's cluster
+    gpus_per_node: int = 0  # 0: from the config's cluster
+    time: str = ""  # Slurm time limit, e.g. 00:30:00
+    account: str = ""
+    hosts: str = ""  # a,b[,...] for kind = "hosts"
+
+    def problem(self) -> str:
+        """Why this target cannot be used as filled in ('' when it can)."""
+        if self.kind not in TARGETS:
+            return f"unknown target {self.kind!r}"
+        if self.kind == "hosts" and not [h for h in self.hosts.split(",") if h.strip()]:
+            return "name the hosts (a,b,…): the first hosts the rendezvous"
+        return ""
+
+    def cli_args(self) -> list[str]:
+        """The ``shardscope run`` options for this target (nothing for this machine)."""
+        if self.kind == "local":
+            return []
+        args = ["--target", self.kind]
+        if self.kind == "slurm":
+            for flag, value in (("--partition", self.partition.strip()), ("--time", self.time.strip()),
+                                ("--account", self.account.strip())):
+                if value:
+                    args += [flag, value]
+        if self.kind == "hosts":
+            args += ["--hosts", ",".join(h.strip() for h in self.hosts.split(",") if h.strip())]
+        if self.nodes:
+            args += ["--nodes", str(self.nodes)]
+        if self.gpus_per_node:
+            args += ["--gpus-per-node", str(self.gpus_per_node)]
+        return args
+
+    def describe(self) -> str:
+        if self.kind == "slurm":
+            return "a Slurm job" + (f" on partition {self.partition.strip()}" if self.partition.strip() else "")
+        if self.kind == "hosts":
+            return f"hosts {self.hosts.strip()}"
+        return "this machine"
+
+
 @dataclass
 class RunRecord:
     """One launch of the backend (or one run directory found on disk): its config, where it
@@ -140,6 +210,9 @@ class RunRecord:
     simulated: bool = False  # fake process group + fake tensors (memory only)
     runnable_of: Config | None = None  # the config this run is the runnable version of
     from_disk: bool = False  # found under runs/ or opened, not launched by this window
+    target: RunTarget = field(default_factory=RunTarget)
+    dry_run: bool = False  # printed what it would submit, submitted nothing
+    printed: list[str] = field(default_factory=list)  # the child's stdout lines that were not events
 
     @property
     def name(self) -> str:
@@ -148,6 +221,8 @@ class RunRecord:
     @property
     def label(self) -> str:
         kind = " · simulated" if self.simulated else (" · runnable version" if self.runnable_of is not None else "")
+        if self.target.kind != "local":
+            kind += f" · {self.target.kind}"
         return f"{self.name} · {self.status}{kind}"
 
     def load_measurement(self) -> dict | None:
@@ -180,8 +255,12 @@ def read_run_dir(path: str | Path) -> RunRecord:
     has_measurement = (d / "measurement.json").exists()
     record.simulated = any(e.get("simulated") for e in events)
     terminal = [e for e in events if e.get("event") in ("finished", "failed")]
+    dry = d / DRY_RUN_FILE
     if cfg is None:
         record.status = "unreadable"
+    elif not events and dry.exists():
+        record.status, record.dry_run = "dry run", True
+        record.reason = "nothing was submitted"
     elif terminal and terminal[-1].get("event") == "failed":
         record.status = "failed"
         record.reason = str(terminal[-1].get("reason", "the run failed"))
@@ -198,6 +277,11 @@ def read_run_dir(path: str | Path) -> RunRecord:
             record.step = int(e.get("step", e.get("k", record.step)) or 0)
             record.steps = int(e.get("steps", e.get("n", record.steps)) or 0)
     record.log = [f"# {d}"] + [_describe_event(e) for e in events]
+    if record.dry_run:
+        try:
+            record.log += dry.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            record.log.append(f"{dry} is not readable: {exc}")
     if record.reason:
         record.log.append(f"-- {record.status}: {record.reason}")
     return record
@@ -271,6 +355,31 @@ class State(QObject):
         elif path == "parallel.dp":
             cl["gpus"] = par["dp"] * par["tp"] * par["pp"]
         self.touched = path
+        return self.set_desired(desired)
+
+    def dataparallel_changes(self) -> dict[str, Any]:
+        """What legacy nn.DataParallel needs changed in the desired config (path -> new value):
+        one process over the GPUs of one node, so no tp, pp, sharding or HSDP replication."""
+        par, cl = self.desired["parallel"], self.desired["cluster"]
+        want = {"parallel.tp": 1, "parallel.pp": 1, "parallel.zero": 0, "parallel.replicate": 1,
+                "parallel.sequence_parallel": False, "parallel.virtual_stages": 1}
+        changes = {k: v for k, v in want.items() if par.get(k.split(".")[1]) != v}
+        gpus = cl.get("gpus")
+        per_node = cl.get("gpus_per_node")
+        if isinstance(gpus, int) and isinstance(per_node, int) and gpus > per_node:
+            changes["cluster.gpus"] = per_node
+        return changes
+
+    def use_dataparallel(self) -> bool:
+        """Switch to legacy nn.DataParallel and make the layout one it can run (dp = every GPU)."""
+        desired = copy.deepcopy(self.desired)
+        for path, value in self.dataparallel_changes().items():
+            section, _, key = path.partition(".")
+            desired[section][key] = value
+        par, cl = desired["parallel"], desired["cluster"]
+        par["dp_mode"] = "dataparallel"
+        par["dp"] = cl["gpus"]
+        self.touched = "parallel.dp_mode"
         return self.set_desired(desired)
 
     def set_desired(self, desired: dict[str, Any]) -> bool:
@@ -442,8 +551,11 @@ class State(QObject):
     def running(self) -> bool:
         return self._process is not None
 
-    def run_command(self, config_path: Path, out_dir: Path) -> list[str]:
-        return [sys.executable, "-m", "gui.cli", "run", str(config_path), "--out", str(out_dir), "--json"]
+    def run_command(self, config_path: Path, out_dir: Path, target: RunTarget | None = None,
+                    dry_run: bool = False) -> list[str]:
+        """``python -m gui.cli run CFG --out DIR [target options] [--dry-run] --json``."""
+        extra = (target or RunTarget()).cli_args() + (["--dry-run"] if dry_run else [])
+        return [sys.executable, "-m", "gui.cli", "run", str(config_path), "--out", str(out_dir), *extra, "--json"]
 
     def simulate_command(self, config_path: Path, out_dir: Path) -> list[str]:
         return [sys.executable, "-m", "gui.cli", "measure", str(config_path), "--fake", "--out", str(out_dir),
@@ -454,15 +566,24 @@ class State(QObject):
         return self.start_run(cfg, simulate=True)
 
     def start_run(self, cfg: Config | None = None, *, simulate: bool = False,
-                  runnable_of: Config | None = None) -> RunRecord:
+                  runnable_of: Config | None = None, target: RunTarget | None = None,
+                  dry_run: bool = False) -> RunRecord:
         """Launch ``cfg`` (default: the current config) as a child process; events stream in.
 
-        ``runnable_of``: the (too large) config ``cfg`` is the runnable version of.
+        ``runnable_of``: the (too large) config ``cfg`` is the runnable version of. ``target``:
+        where it runs (default this machine); ``dry_run``: print the sbatch script or the per-host
+        commands into the log (and ``dry-run.txt``) without submitting anything.
         """
         if self._process is not None:
             raise RuntimeError("a run is already in progress")
+        target = target or RunTarget()
+        if dry_run and target.kind == "local":
+            raise ValueError("a dry run needs a Slurm or hosts target")
+        if target.problem():
+            raise ValueError(target.problem())
         cfg = cfg or self.config
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + ("-fake" if simulate else "")
+        suffix = "-fake" if simulate else ("-dry" if dry_run else "")
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + suffix
         out_dir = self.runs_dir / stamp
         n = 1
         while out_dir.exists():
@@ -470,11 +591,15 @@ class State(QObject):
             out_dir = self.runs_dir / f"{stamp}-{n}"
         out_dir.mkdir(parents=True)
         cfg_path = cfg.save(out_dir / "config.toml")
-        record = RunRecord(config=cfg, out_dir=out_dir, simulated=simulate, runnable_of=runnable_of)
+        record = RunRecord(config=cfg, out_dir=out_dir, simulated=simulate, runnable_of=runnable_of,
+                           target=target, dry_run=dry_run)
         self.runs.append(record)
         self._active = record
         proc = QProcess(self)
-        cmd = (self.simulate_command if simulate else self.run_command)(cfg_path, out_dir)
+        if simulate:
+            cmd = self.simulate_command(cfg_path, out_dir)
+        else:
+            cmd = self.run_command(cfg_path, out_dir, target, dry_run)
         proc.setProgram(cmd[0])
         proc.setArguments(cmd[1:])
         proc.setWorkingDirectory(str(Path(__file__).resolve().parent.parent))
@@ -495,8 +620,9 @@ class State(QObject):
         self._active.status = "cancelled"
         self._active.reason = "cancelled by the user"
         proc = self._process
-        if self._active.simulated and proc.processId() > 0:
-            # SIGINT: `measure --fake` stops its simulated ranks in a finally block (SIGTERM would orphan them)
+        if (self._active.simulated or self._active.target.kind != "local") and proc.processId() > 0:
+            # SIGINT: `measure --fake` stops its simulated ranks in a finally block (SIGTERM would orphan
+            # them); a cluster run treats it as Ctrl-C: scancel the job, or stop following the hosts
             os.kill(proc.processId(), signal.SIGINT)
         else:
             proc.terminate()  # SIGTERM: the backend stops its ranks; never block the window on it
@@ -512,16 +638,30 @@ class State(QObject):
         if proc is None or record is None:
             return
         self._stdout_buffer += bytes(proc.readAllStandardOutput().data())
-        if record.simulated:
-            return  # one JSON document at the end (measurement.json has it all), not an event stream
+        self._consume_stdout()
+
+    def _consume_stdout(self, final: bool = False) -> None:
+        """Buffered stdout as events, one JSON object a line; other lines are printed text (a dry
+        run's script). ``final``: the process ended, so a last line without newline counts too."""
+        record = self._active
+        if record is None or record.simulated:
+            return  # simulated: one JSON document at the end (measurement.json has it all), not an event stream
         *lines, self._stdout_buffer = self._stdout_buffer.split(b"\n")
+        if final and self._stdout_buffer:
+            lines.append(self._stdout_buffer)
+            self._stdout_buffer = b""
         for raw in lines:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line.strip():
+                if record.printed:  # keep a script's blank lines
+                    record.printed.append("")
+                    record.log.append("")
+                    self.runEvent.emit(record, {"event": "log", "text": ""})
                 continue
             try:
                 event = json.loads(line)
             except json.JSONDecodeError:
+                record.printed.append(line)
                 record.log.append(line)
                 self.runEvent.emit(record, {"event": "log", "text": line})
                 continue
@@ -538,6 +678,10 @@ class State(QObject):
         elif kind == "step":  # the backend may name them step/steps or k/n
             record.step = int(event.get("step", event.get("k", record.step)))
             record.steps = int(event.get("steps", event.get("n", record.steps)))
+        elif kind == "submitted" and record.status == "starting":
+            record.status = "submitted"
+        elif kind == "job_state" and event.get("state") == "RUNNING" and record.status in ("starting", "submitted"):
+            record.status = "running"
         elif kind == "failed":
             record.status = "failed"
             record.reason = str(event.get("reason", "the run failed"))
@@ -564,8 +708,18 @@ class State(QObject):
 
     def _on_finished(self, exit_code: int, exit_status) -> None:
         self._on_stdout()
+        self._consume_stdout(final=True)  # a last line without newline (a printed script ends so)
         record = self._active
         if record is None:
+            return
+        if record.dry_run and record.status not in ("failed", "cancelled"):
+            if exit_code == 0:
+                record.status, record.reason = "dry run", "nothing was submitted"
+                (record.out_dir / DRY_RUN_FILE).write_text("\n".join(record.printed) + "\n", encoding="utf-8")
+            else:
+                record.status = "failed"
+                record.reason = record.reason or f"the dry run exited with code {exit_code}"
+            self._finish()
             return
         if record.status not in ("failed", "cancelled"):
             if exit_code != 0:
@@ -609,8 +763,18 @@ class State(QObject):
                     self.show_run(record)
 
 
+CLUSTER_EVENTS = ("submitted", "job_state", "rank_node", "node_command", "waiting")
+
+
 def _describe_event(event: dict) -> str:
     kind = event.get("event", "?")
+    if kind in CLUSTER_EVENTS:
+        from backend.cluster.follow import human  # the CLI's own words (no torch: launch/records only)
+
+        try:
+            return human(event)
+        except (KeyError, TypeError):
+            pass
     if kind == "step":
         parts = [f"step {event.get('step', event.get('k'))}/{event.get('steps', event.get('n'))}"]
         if "loss" in event:

@@ -177,3 +177,83 @@ def test_screenshot_writes_a_png(tmp_path, qtbot):
     assert img.width() >= 1200 and img.height() >= 800
     for w in QApplication.topLevelWidgets():
         w.close()
+
+
+def one_h100(state, preset: str = "llama2-7b") -> None:
+    """``preset`` on one H100 with bf16 mixed precision (full fine-tuning does not fit a 7B model there)."""
+    state.edit("model.preset", preset)
+    state.edit("cluster.gpu", "h100-sxm")
+    state.edit("parallel.pp", 1)
+    state.edit("cluster.gpus", 1)
+    state.edit("training.precision", "bf16-mixed")
+    state.edit("training.grad_dtype", "bf16")
+    assert state.config.parallel.world_size == 1, state.problems
+    state.recompute_now()
+
+
+def test_lora_makes_a_7b_model_fit_one_card_and_the_chart_shows_it(window, qtbot):
+    one_h100(window.state)
+    chart = window.memory
+    assert any(not g.fits for g in chart.groups) and chart.header.property("alarm") is True
+    assert window.controls.lora_rank.isHidden()  # LoRA's knobs appear only under LoRA
+    before = image(chart.plot)
+    box = window.controls.finetune
+    box.setCurrentIndex(box.findData("lora"))
+    qtbot.waitUntil(lambda: window.state.config.training.finetune == "lora", timeout=2000)
+    window.state.recompute_now()
+    assert all(g.fits for g in chart.groups)
+    assert chart.header.property("alarm") is False
+    assert "full fine-tune" in chart.header.text() and "does not fit" in chart.header.text()
+    assert chart.full_line.isVisible()  # the full fine-tune's peak stays drawn beside the LoRA bars
+    assert chart.full_finetune_peak > chart.capacity_bytes
+    assert image(chart.plot) != before
+    assert not window.controls.lora_rank.isHidden()
+    assert "Trainable (LoRA)" in window.metrics.table.text()
+    in_this_config = window.metrics.explainer.toPlainText().splitlines()[0]
+    assert "LoRA fine-tuning" in in_this_config  # the explainer names it among the active strategies
+    box.setCurrentIndex(box.findData("full"))  # and back
+    qtbot.waitUntil(lambda: window.state.config.training.finetune == "full", timeout=2000)
+    window.state.recompute_now()
+    assert any(not g.fits for g in chart.groups) and not chart.full_line.isVisible()
+
+
+def test_lora_base_dtype_problem_is_shown_under_its_control(window, qtbot):
+    window.state.edit("training.finetune", "lora")
+    assert window.state.config.training.precision == "fp32"
+    box = window.controls.lora_base_dtype
+    box.setCurrentIndex(box.findData("bf16"))  # a bf16 base needs mixed precision
+    qtbot.waitUntil(lambda: window.controls.errors["training.lora_base_dtype"].isVisible(), timeout=2000)
+    assert "bf16-mixed" in window.controls.errors["training.lora_base_dtype"].text()
+    assert window.state.config.training.lora_base_dtype == "fp32"  # charts keep the last valid config
+    box.setCurrentIndex(box.findData("nf4"))
+    qtbot.waitUntil(lambda: window.state.config.training.lora_base_dtype == "nf4", timeout=2000)
+    assert not window.controls.errors["training.lora_base_dtype"].isVisible()
+    from gui.widgets.metrics import active_strategies
+
+    assert active_strategies(window.state.config)[-2:] == ["lora", "qlora"]
+
+
+def test_choosing_dataparallel_explains_offers_and_shows_gpu0_and_scaling(window, qtbot):
+    c = window.controls
+    c.dp_mode.setCurrentIndex(c.dp_mode.findData("dataparallel"))  # the default layout has pp = 2
+    qtbot.waitUntil(lambda: c.errors["parallel.dp_mode"].isVisible(), timeout=2000)
+    assert "parallel.pp = 2" in c.errors["parallel.dp_mode"].text()
+    assert not c.dataparallel_offer.isHidden() and "pp 1" in c.dataparallel_hint.text()
+    c.dataparallel_fix.click()
+    qtbot.waitUntil(lambda: window.state.config.parallel.dp_mode == "dataparallel", timeout=2000)
+    par = window.state.config.parallel
+    assert (par.tp, par.pp, par.dp) == (1, 1, window.state.config.cluster.gpus)
+    assert not c.errors["parallel.dp_mode"].isVisible() and c.dataparallel_offer.isHidden()
+    window.state.recompute_now()
+    chart = window.memory
+    assert chart.groups[0].ranks == [0] and chart.groups[0].total > chart.groups[-1].total  # GPU 0's extra load
+    assert chart._ticks[0][1].startswith("GPU 0")
+    assert "GPU 0 carries" in chart.header.text()
+    assert "python gil exposed" in window.metrics.table.text()
+    assert window.tabs.currentWidget() is window.scaling  # why it stops scaling, shown when chosen
+    qtbot.waitUntil(lambda: bool(window.scaling.rows), timeout=2000)
+    assert [r["gpus"] for r in window.scaling.rows][:3] == [1, 2, 4]
+    assert len(window.scaling.dp_curve.getData()[0]) == len(window.scaling.rows)
+    assert "of DDP" in window.scaling.text.text()
+    assert window.metrics.explainer.toPlainText().index("Legacy DataParallel") < \
+        window.metrics.explainer.toPlainText().index("ZeRO-1")  # active: first, not greyed at the end

@@ -8,10 +8,12 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
+    QDoubleSpinBox,
     QGridLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QPushButton,
     QSizePolicy,
     QSlider,
     QSpinBox,
@@ -94,6 +96,27 @@ ZERO_LABELS = {
 }
 
 
+DP_MODE_LABELS = {
+    "ddp": "DDP (one process per GPU)",
+    "dataparallel": "DataParallel (legacy, one process)",
+}
+FINETUNE_LABELS = {"full": "Full (every weight trains)", "lora": "LoRA (frozen base, adapters train)"}
+LORA_TARGET_LABELS = {"attention": "attention (q, k, v, o)", "mlp": "MLP (gate, up, down)", "all": "attention + MLP"}
+LORA_BASE_LABELS = {"fp32": "fp32", "bf16": "bf16", "nf4": "nf4 (QLoRA, 4-bit)"}
+LORA_KEYS = ("training.lora_rank", "training.lora_alpha", "training.lora_targets", "training.lora_base_dtype")
+
+
+def _describe_change(path: str, value) -> str:
+    key = path.split(".", 1)[1]
+    if key == "zero":
+        return "sharding DDP"
+    if key == "sequence_parallel":
+        return "sequence parallel off"
+    if key == "gpus":
+        return f"GPU count {value} (one node)"
+    return f"{key.replace('_', ' ')} {value}"
+
+
 class ControlsPanel(QWidget):
     """Writes edits to the State; mirrors the State's desired config and its problems."""
 
@@ -102,6 +125,7 @@ class ControlsPanel(QWidget):
         self.state = state
         self.controls: dict[str, QWidget] = {}
         self.errors: dict[str, QLabel] = {}
+        self.row_labels: dict[str, QLabel] = {}
         self._family: list = []
         self._syncing = False
 
@@ -143,6 +167,22 @@ class ControlsPanel(QWidget):
 
         # ---- parallelism
         g, grid = self._group("Parallelism", outer)
+        self.dp_mode = self._choice(names.DP_MODES, DP_MODE_LABELS, "parallel.dp_mode")
+        self.dp_mode.setToolTip("DDP: one process per GPU, gradients all-reduced. DataParallel: the legacy "
+                                "torch.nn.DataParallel, one process drives every GPU of one node from GPU 0.")
+        self.dataparallel_offer = QWidget()
+        offer = QHBoxLayout(self.dataparallel_offer)
+        offer.setContentsMargins(0, 0, 0, 0)
+        self.dataparallel_hint = QLabel()
+        self.dataparallel_hint.setObjectName("hint")
+        self.dataparallel_hint.setWordWrap(True)
+        self.dataparallel_fix = QPushButton("Set them")
+        self.dataparallel_fix.setToolTip("Change the layout so nn.DataParallel can drive it: every GPU a replica")
+        self.dataparallel_fix.clicked.connect(self.state.use_dataparallel)
+        offer.addWidget(self.dataparallel_hint, 1)
+        offer.addWidget(self.dataparallel_fix)
+        self.dataparallel_offer.hide()
+        self._row(grid, "DP mode", "parallel.dp_mode", self.dp_mode, hint=self.dataparallel_offer)
         for key, label in (("dp", "Data parallel (dp)"), ("tp", "Tensor parallel (tp)"), ("pp", "Pipeline parallel (pp)")):
             spin = self._spin(1, 16384, f"parallel.{key}")
             setattr(self, key, spin)
@@ -179,6 +219,25 @@ class ControlsPanel(QWidget):
             box.currentTextChanged.connect(lambda t, k=key: self._edit(f"training.{k}", t))
             setattr(self, key, box)
             self._row(grid, label, f"training.{key}", box)
+        self.finetune = self._choice(names.FINETUNE_KINDS, FINETUNE_LABELS, "training.finetune")
+        self._row(grid, "Fine-tuning", "training.finetune", self.finetune)
+        self.lora_rank = self._spin(1, 4096, "training.lora_rank")
+        self.lora_rank.setToolTip("r: each adapted Linear gains B·A with r·(d_in + d_out) trainable parameters")
+        self._row(grid, "LoRA rank", "training.lora_rank", self.lora_rank)
+        self.lora_alpha = QDoubleSpinBox()
+        self.lora_alpha.setRange(0.01, 4096.0)
+        self.lora_alpha.setDecimals(2)
+        self.lora_alpha.setKeyboardTracking(False)
+        self.lora_alpha.setToolTip("The adapter's output is scaled by alpha / rank (no effect on memory)")
+        self.lora_alpha.valueChanged.connect(lambda v: self._edit("training.lora_alpha", float(v)))
+        self._row(grid, "LoRA alpha", "training.lora_alpha", self.lora_alpha)
+        self.lora_targets = self._choice(names.LORA_TARGETS, LORA_TARGET_LABELS, "training.lora_targets")
+        self._row(grid, "LoRA targets", "training.lora_targets", self.lora_targets)
+        self.lora_base_dtype = self._choice(names.LORA_BASE_DTYPES, LORA_BASE_LABELS, "training.lora_base_dtype")
+        self.lora_base_dtype.setToolTip("How the frozen base weights are stored: nf4 is QLoRA's 4-bit NormalFloat "
+                                        "(blocks of 64 with a quantisation constant each)")
+        self._row(grid, "Base weights", "training.lora_base_dtype", self.lora_base_dtype)
+        self._lora_shown: bool | None = None
         outer.addStretch(1)
 
         state.desiredChanged.connect(self.sync)
@@ -197,8 +256,10 @@ class ControlsPanel(QWidget):
 
     def _row(self, grid: QGridLayout, label: str, key: str, widget: QWidget, hint: QLabel | None = None) -> None:
         r = grid.rowCount()
-        grid.addWidget(QLabel(label), r, 0)
+        name = QLabel(label)
+        grid.addWidget(name, r, 0)
         grid.addWidget(widget, r, 1)
+        self.row_labels[key] = name
         if hint is not None:
             r += 1
             grid.addWidget(hint, r, 1)
@@ -209,6 +270,14 @@ class ControlsPanel(QWidget):
         grid.addWidget(err, r + 1, 0, 1, 2)
         self.controls[key] = widget
         self.errors[key] = err
+
+    def _choice(self, values, labels: dict[str, str], key: str) -> QComboBox:
+        """A combo box over the engine's names, showing words; the item data is the config value."""
+        box = QComboBox()
+        for v in values:
+            box.addItem(labels.get(v, v), v)
+        box.currentIndexChanged.connect(lambda i: self._edit(key, box.itemData(i)))
+        return box
 
     def _spin(self, lo: int, hi: int, key: str) -> QSpinBox:
         spin = QSpinBox()
@@ -270,8 +339,45 @@ class ControlsPanel(QWidget):
             self._set_spin(self.micro_batch_size, tr["micro_batch_size"])
             for key in ("precision", "optimizer", "recompute"):
                 self._set_combo(getattr(self, key), tr[key])
+            self._set_data(self.dp_mode, par.get("dp_mode", "ddp"))
+            self._set_data(self.finetune, tr.get("finetune", "full"))
+            self._set_spin(self.lora_rank, tr.get("lora_rank", 16))
+            self.lora_alpha.blockSignals(True)
+            self.lora_alpha.setValue(float(tr.get("lora_alpha", 32.0)))
+            self.lora_alpha.blockSignals(False)
+            self._set_data(self.lora_targets, tr.get("lora_targets", "all"))
+            self._set_data(self.lora_base_dtype, tr.get("lora_base_dtype", "fp32"))
+            self._show_lora(tr.get("finetune") == "lora")
+            self._offer_dataparallel(par.get("dp_mode") == "dataparallel")
         finally:
             self._syncing = False
+
+    def _show_lora(self, on: bool) -> None:
+        """LoRA's own knobs appear only under LoRA (toggled on a change, not on every sync)."""
+        if on == self._lora_shown:
+            return
+        self._lora_shown = on
+        for key in LORA_KEYS:
+            self.controls[key].setVisible(on)
+            self.row_labels[key].setVisible(on)
+
+    def _offer_dataparallel(self, chosen: bool) -> None:
+        """Under DataParallel: say in words what the layout must change, with a button that does it."""
+        changes = self.state.dataparallel_changes() if chosen else {}
+        if changes:
+            words = ", ".join(_describe_change(k, v) for k, v in changes.items())
+            text = (f"nn.DataParallel is one process on one node: it needs {words}; "
+                    "every GPU then becomes a data-parallel replica.")
+            if text != self.dataparallel_hint.text():
+                self.dataparallel_hint.setText(text)
+        if self.dataparallel_offer.isHidden() == bool(changes):
+            self.dataparallel_offer.setVisible(bool(changes))
+
+    @staticmethod
+    def _set_data(box: QComboBox, value) -> None:
+        box.blockSignals(True)
+        box.setCurrentIndex(box.findData(value))
+        box.blockSignals(False)
 
     @staticmethod
     def _set_combo(box: QComboBox, text: str | None) -> None:

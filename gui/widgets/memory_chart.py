@@ -30,6 +30,7 @@ CATEGORY_COLORS = {
     "overhead": "#9D755D",
 }
 OVER_COLOR = "#D62728"
+FULL_FT_COLOR = "#555"  # the dotted line: what the fullest rank would hold under full fine-tuning (LoRA)
 MAX_OVER_LABELS = 16  # "over by …" labels are drawn when there are at most this many bars
 
 
@@ -123,6 +124,9 @@ class MemoryChart(QWidget):
         self._cap_text = ""
         self._view: tuple | None = None
         self.capacity_in_view = True
+        self.full_finetune_peak: int | None = None  # LoRA: the fullest rank under full fine-tuning
+        self.dataparallel = False  # legacy nn.DataParallel: rank r is GPU r, GPU 0 is the heavy one
+        self._full_text = ""
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         head = QHBoxLayout()
@@ -168,6 +172,8 @@ class MemoryChart(QWidget):
             self.capacity_bytes = int(pred.memory.capacity_bytes)
             self.groups = group_ranks(pred.memory)
             self.note.hide()
+        self.full_finetune_peak = getattr(pred, "full_finetune_peak_bytes", None)
+        self.dataparallel = getattr(pred.config.parallel, "dp_mode", "ddp") == "dataparallel"
         if self.measured_config is not None and self.measured_config != pred.config:
             self.measured_by_rank, self.measured_config, self.measured_label = {}, None, ""
             self._set_legend()
@@ -200,17 +206,21 @@ class MemoryChart(QWidget):
             pos=0, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine), label="",
             labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)]})
         self.off_scale = pg.TextItem("", color="#222", anchor=(0, 0))
+        self.full_line = pg.InfiniteLine(
+            pos=0, angle=0, pen=pg.mkPen(FULL_FT_COLOR, width=1.5, style=Qt.PenStyle.DotLine), label="",
+            labelOpts={"position": 0.98, "color": FULL_FT_COLOR, "anchors": [(1, 1), (1, 1)]})
+        self.full_line.setVisible(False)
         self.over_labels = [pg.TextItem("", color=OVER_COLOR, anchor=(0.5, 1.0)) for _ in range(MAX_OVER_LABELS)]
-        for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.off_scale,
-                     *self.over_labels):
+        for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
+                     self.off_scale, *self.over_labels):
             pi.addItem(item)
 
     def redraw(self) -> None:
         pi = self.plot.getPlotItem()
         if not self.groups:
             self.header.setText("Memory per rank")
-            for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.off_scale,
-                         *self.over_labels):
+            for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
+                         self.off_scale, *self.over_labels):
                 item.setVisible(False)
             return
         n = len(self.groups)
@@ -230,6 +240,10 @@ class MemoryChart(QWidget):
         peak = max(float(totals.max()), self._measured_max() * GIB / self.unit)
         self.capacity_in_view = peak >= 0.2 * cap or self.full_scale
         top = (max(cap, peak) if self.capacity_in_view else peak) * 1.15
+        full = None if self.full_finetune_peak is None else self.full_finetune_peak / self.unit
+        full_in_view = full is not None and full <= 3 * top  # LoRA beside full fine-tuning, when the scale allows
+        if full_in_view:
+            top = max(top, full * 1.08)
         # The view always spans y = 0..1 and the left axis is scaled by `top`: a new peak then
         # changes the axis only, not the view (a view change costs pyqtgraph a second paint).
         if top != self.y_scale:
@@ -266,6 +280,14 @@ class MemoryChart(QWidget):
             self._cap_text = cap_text
             self.capacity_line.label.setFormat(cap_text)
         self.capacity_line.setVisible(self.capacity_in_view)
+        if full_in_view:
+            self.full_line.setValue(full / top)
+            text = f"full fine-tune: {fmt_bytes(self.full_finetune_peak)}"
+            if text != self._full_text:
+                self._full_text = text
+                self.full_line.label.setFormat(text)
+        if self.full_line.isVisible() != full_in_view:
+            self.full_line.setVisible(full_in_view)
         if self._view != (n, 1.0):
             self._view = (n, 1.0)
             pi.setYRange(0, 1.0, padding=0)
@@ -276,14 +298,24 @@ class MemoryChart(QWidget):
             self.off_scale.setPos(-0.55, 1.0)
         self.off_scale.setVisible(not self.capacity_in_view)
         step = max(1, n // 12)
-        ticks = [(i, self._tick(g)) for i, g in enumerate(self.groups) if i % step == 0]
+        tick = self._gpu_tick if self.dataparallel else self._tick
+        ticks = [(i, tick(g)) for i, g in enumerate(self.groups) if i % step == 0]
         if ticks != self._ticks:
             self._ticks = ticks
             pi.getAxis("bottom").setTicks([ticks, []])
         worst = max(self.groups, key=lambda g: g.total)
         verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
                    else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.total)} on the fullest")
-        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · {verdict}")
+        extra = ""
+        if self.full_finetune_peak is not None:
+            fits_full = self.full_finetune_peak <= self.capacity_bytes
+            extra += (f" · LoRA (full fine-tune: {fmt_bytes(self.full_finetune_peak)}, "
+                      f"{'fits' if fits_full else 'does not fit'})")
+        if self.dataparallel and len(self.groups) > 1:
+            extra += (f" · nn.DataParallel: GPU 0 carries {fmt_bytes(self.groups[0].total - self.groups[-1].total)}"
+                      " more than each other GPU")
+        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · "
+                            f"{verdict}{extra}")
         if self.header.property("alarm") != bool(over):
             self.header.setProperty("alarm", bool(over))
             self.header.style().unpolish(self.header)
@@ -294,6 +326,13 @@ class MemoryChart(QWidget):
         if len(g.ranks) == 1:
             return f"r{g.ranks[0]}"
         return f"r{_compress(g.ranks)}" if len(g.ranks) <= 4 else f"r{g.ranks[0]}… (×{len(g.ranks)})"
+
+    @staticmethod
+    def _gpu_tick(g: RankGroup) -> str:
+        """nn.DataParallel has one process: its ranks are the GPUs of the node."""
+        if g.ranks == [0]:
+            return "GPU 0 (scatters, gathers, steps)"
+        return f"GPU {_compress(g.ranks)}"
 
     def measured_for_group(self, g: RankGroup) -> dict[str, float] | None:
         rows = [self.measured_by_rank[r] for r in g.ranks if r in self.measured_by_rank]

@@ -18,6 +18,13 @@ EXPLAINER: dict[str, tuple[str, str]] = {
             "batch. After the backward pass the gradients are averaged with an all-reduce, overlapped with compute "
             "bucket by bucket. Cheapest in communication per byte of model; pick it whenever the model, its "
             "gradients and optimizer state fit on one GPU."),
+    "dataparallel": ("Legacy DataParallel (nn.DataParallel)",
+                     "One Python process drives every GPU of one node. Each step GPU 0 splits the batch, copies the "
+                     "whole model out to the other GPUs, runs the copies in threads that take turns on the GIL, "
+                     "pulls every output back to compute the loss, and sums every gradient onto itself before it "
+                     "alone steps the optimizer. So GPU 0 holds more than the rest, and all traffic funnels "
+                     "through it with nothing overlapped: adding GPUs adds work to GPU 0, and tokens/s falls behind "
+                     "DDP. Use DDP (one process per GPU) instead; this is here to show why."),
     "zero1": ("ZeRO-1",
               "Like DDP, but each of the dp ranks keeps only 1/dp of the optimizer state (and fp32 master weights). "
               "Gradients are reduce-scattered, each rank updates its shard, and the new weights are all-gathered: "
@@ -63,6 +70,17 @@ EXPLAINER: dict[str, tuple[str, str]] = {
     "DualPipeV": ("DualPipeV",
                   "DeepSeek's V-shaped schedule that runs a forward and a backward chunk side by side so one's "
                   "communication hides behind the other's compute; needs at least 2·pp microbatches."),
+    "lora": ("LoRA fine-tuning",
+             "Freezes the base weights and trains a small low-rank pair B·A beside each chosen Linear (rank r, "
+             "scaled by alpha / r). Frozen weights need no gradients and no optimizer state, so instead of ~16 "
+             "bytes per parameter the base costs only its storage; the adapters are usually well under 1 % of the "
+             "model. Activations barely shrink: backward still has to pass gradients through the frozen layers. "
+             "Pick it when full fine-tuning does not fit, or when many task-specific variants must share one base."),
+    "qlora": ("QLoRA (4-bit base)",
+              "LoRA with the frozen base stored in 4-bit NormalFloat (nf4), one scale per block of 64 weights, the "
+              "scales themselves quantised again: about 0.5 bytes per base parameter. Weights are dequantised on "
+              "the fly for each matmul, so compute gets a little slower; memory for the base drops about 4× from "
+              "bf16. The way a 70B model is fine-tuned on a single large GPU."),
     "recompute": ("Activation recomputation",
                   "Drops activations in the forward and recomputes them in the backward. 'selective' recomputes only "
                   "the attention internals (cheap, large saving at long sequences); 'full' keeps only each layer's "
@@ -73,7 +91,9 @@ EXPLAINER: dict[str, tuple[str, str]] = {
 def active_strategies(cfg) -> list[str]:
     par, tr = cfg.parallel, cfg.training
     keys = []
-    if par.dp > 1 or par.zero:
+    if getattr(par, "dp_mode", "ddp") == "dataparallel":
+        keys.append("dataparallel")
+    elif par.dp > 1 or par.zero:
         keys.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[par.zero])
     if par.tp > 1:
         keys.append("tp")
@@ -81,6 +101,10 @@ def active_strategies(cfg) -> list[str]:
         keys.append("sp")
     if par.pp > 1:
         keys += ["pp", par.schedule]
+    if getattr(tr, "finetune", "full") == "lora":
+        keys.append("lora")
+        if tr.lora_base_dtype == "nf4":
+            keys.append("qlora")
     if tr.recompute != "none":
         keys.append("recompute")
     return keys
@@ -98,6 +122,21 @@ def explainer_html(cfg) -> str:
         style = "" if key in active else ' style="color:#777"'
         parts.append(f"<p{style}><b>{title}.</b> {text}</p>")
     return "".join(parts)
+
+
+def _lora_trainable(cfg) -> str:
+    """Adapter parameters against the model's, from engine.lora (the same count the memory uses)."""
+    try:
+        from engine.lora import adapter_params
+        from engine.params import param_counts
+
+        adapters = adapter_params(cfg.model, cfg.training.lora_rank, cfg.training.lora_targets)
+        total = param_counts(cfg.model).total
+    except Exception as exc:  # an engine limitation must not take the panel down
+        return f"not predicted ({exc})"
+    from gui.family import format_params
+
+    return f"{format_params(adapters)} of {format_params(total)} parameters ({adapters / total * 100:.2f} %)"
 
 
 def _get(obj, *names):
@@ -152,6 +191,17 @@ def metric_rows(pred) -> list[tuple[str, str]]:
         head = mem.capacity_bytes - peak.total
         rows.append(("Peak memory", f"{fmt_bytes(peak.total)} on rank {peak.rank}"))
         rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))))
+        if getattr(cfg.parallel, "dp_mode", "ddp") == "dataparallel" and len(mem.per_rank) > 1:
+            g0, gi = mem.per_rank[0].total, mem.per_rank[-1].total
+            rows.append(("GPU 0 vs others", f"{fmt_bytes(g0)} vs {fmt_bytes(gi)} (+{fmt_bytes(g0 - gi)}: module, "
+                                            ".grad, optimizer, the whole batch's loss)"))
+    full_peak = getattr(pred, "full_finetune_peak_bytes", None)
+    if getattr(cfg.training, "finetune", "full") == "lora":
+        rows.append(("Trainable (LoRA)", _lora_trainable(cfg)))
+        if full_peak is not None:
+            fits = mem is not None and full_peak <= mem.capacity_bytes
+            rows.append(("Full fine-tune would need", f"{fmt_bytes(full_peak)} on the fullest rank"
+                                                     f" ({'fits' if fits else 'does not fit'})"))
     labels = {"step": "Step time, tokens/s, MFU, communication", "memory": "Memory", "timeline": "Pipeline"}
     if getattr(pred, "calibrated_from", None):
         rows.append(("Time from", f"the calibration of run {Path(pred.calibrated_from).name}"))
