@@ -101,7 +101,8 @@ def window(qtbot, tmp_path):
 
 
 def use_backend(state, script):
-    state.run_command = lambda cfg_path, out_dir: [sys.executable, script, str(cfg_path), "--out", str(out_dir)]
+    state.run_command = lambda cfg_path, out_dir, *_target: [sys.executable, script, str(cfg_path), "--out",
+                                                               str(out_dir)]
 
 
 def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
@@ -296,3 +297,70 @@ def test_too_large_config_runs_its_runnable_version(window, qtbot, tmp_path):
     assert panel.back_button.isVisible()
     panel.back_button.click()
     assert window.state.config == big and not panel.back_button.isVisible()
+
+
+def test_slurm_dry_run_passes_the_target_and_shows_the_sbatch_script(window, qtbot, tmp_path):
+    panel = window.run_panel
+    assert panel.dry_run_button.isHidden()  # this machine: nothing to dry-run
+    panel.set_target("slurm")
+    assert not panel.dry_run_button.isHidden() and not panel.partition.isHidden() and panel.hosts.isHidden()
+    assert "Slurm" in panel.run_button.text()
+    panel.partition.setText("gpu")
+    panel.nodes.setValue(2)
+    panel.time_limit.setText("00:30:00")
+    panel.account.setText("proj")
+    with qtbot.waitSignal(window.state.runFinished, timeout=30000) as blocker:
+        panel.dry_run_button.click()
+        args = window.state._process.arguments()  # what the QProcess was given
+    assert args[:3] == ["-m", "gui.cli", "run"]
+    opts = args[3:]
+    for flag, value in (("--target", "slurm"), ("--partition", "gpu"), ("--nodes", "2"), ("--time", "00:30:00"),
+                        ("--account", "proj")):
+        assert opts[opts.index(flag) + 1] == value
+    assert "--dry-run" in opts and "--json" in opts and "--hosts" not in opts
+    record = blocker.args[0]
+    assert record.status == "dry run" and record.dry_run, record.log
+    log = panel.log.toPlainText()
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --time=00:30:00", "#SBATCH --account=proj", "#SBATCH --nodes=2"):
+        assert line in log
+    assert 'bash -c "$per_node"\n-- dry run' in log  # the script's last line has no newline: still shown
+    assert "nothing was submitted" in panel.status.text()
+    script = (record.out_dir / "dry-run.txt").read_text()
+    assert script.startswith("#!/bin/bash") and "#SBATCH --partition=gpu" in script
+    assert not (record.out_dir / "measurement.json").exists()
+    again = State(default_config(), runs_dir=tmp_path / "runs")  # found on disk later: still a dry run
+    assert [r.status for r in again.runs] == ["dry run"]
+    assert "#SBATCH --partition=gpu" in "\n".join(again.runs[0].log)
+
+
+def test_hosts_target_needs_hosts_and_dry_run_prints_one_command_per_host(window, qtbot):
+    panel = window.run_panel
+    panel.set_target("hosts")
+    assert not panel.run_button.isEnabled() and not panel.dry_run_button.isEnabled()
+    assert "name the hosts" in panel.target_note.text()
+    panel.hosts.setText("a, b")
+    assert panel.run_button.isEnabled() and panel.dry_run_button.isEnabled()
+    with qtbot.waitSignal(window.state.runFinished, timeout=30000) as blocker:
+        panel.dry_run_button.click()
+        args = window.state._process.arguments()
+    assert args[args.index("--target") + 1] == "hosts" and args[args.index("--hosts") + 1] == "a,b"
+    assert "--partition" not in args and "--dry-run" in args
+    assert blocker.args[0].status == "dry run", blocker.args[0].log
+    log = panel.log.toPlainText()
+    assert "# on a (node 0):" in log and "# on b (node 1):" in log
+    assert "--rdzv-endpoint=a:29500" in log
+
+
+def test_cluster_events_are_described_and_cancel_is_ctrl_c():
+    from gui.state import RunRecord, RunTarget, _describe_event
+
+    assert _describe_event({"event": "submitted", "job_id": "42", "script": "x.sbatch"}).startswith(
+        "submitted Slurm job 42")
+    assert "PENDING (Resources)" in _describe_event({"event": "job_state", "job_id": "42", "state": "PENDING",
+                                                     "reason": "Resources"})
+    assert RunTarget().cli_args() == []
+    assert RunTarget("slurm", nodes=2, gpus_per_node=4).cli_args() == ["--target", "slurm", "--nodes", "2",
+                                                                        "--gpus-per-node", "4"]
+    assert RunTarget("hosts").problem()
+    assert "· slurm" in RunRecord(config=None, out_dir=__import__("pathlib").Path("r"),
+                                  target=RunTarget("slurm")).label

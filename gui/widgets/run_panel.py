@@ -16,13 +16,16 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
+    QComboBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
+    QLineEdit,
     QListWidget,
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QSpinBox,
     QSplitter,
     QTableWidget,
     QTableWidgetItem,
@@ -32,7 +35,14 @@ from PySide6.QtWidgets import (
 
 from gui.comparison import Row, comparison_rows
 from gui.runnable import Runnable, runnable_version
+from gui.state import RunTarget
 
+TARGET_LABELS = {"local": "This machine", "slurm": "Slurm (sbatch)", "hosts": "Hosts (one command each)"}
+TARGET_NOTES = {
+    "local": "",
+    "slurm": "One torchrun per node through srun; the run directory must be on a filesystem every node shares.",
+    "hosts": "Prints one command per host (start each yourself); the first host holds the rendezvous.",
+}
 HEADERS = ["rank", "quantity", "predicted", "measured", "error %", "why it differs / note"]
 
 
@@ -69,6 +79,7 @@ class RunPanel(QWidget):
         bar.addWidget(self.progress, 1)
         bar.addWidget(self.calibrate_box)
         lay.addLayout(bar)
+        lay.addLayout(self._target_row())
         self.status = QLabel("Runs this configuration as real multi-process training.")
         self.status.setWordWrap(True)
         lay.addWidget(self.status)
@@ -144,6 +155,70 @@ class RunPanel(QWidget):
         self._list_runs()
         self._refresh_runnable()
 
+    # ------------------------------------------------------------------ target
+
+    def _target_row(self) -> QHBoxLayout:
+        """Where Run sends the config: this machine, a Slurm job, or hosts; Dry run only prints."""
+        row = QHBoxLayout()
+        self.target_box = QComboBox()
+        for kind, label in TARGET_LABELS.items():
+            self.target_box.addItem(label, kind)
+        self.partition = QLineEdit()
+        self.partition.setPlaceholderText("partition")
+        self.nodes = QSpinBox()
+        self.nodes.setRange(0, 4096)
+        self.nodes.setSpecialValueText("nodes: from config")
+        self.nodes.setPrefix("nodes ")
+        self.gpus_per_node = QSpinBox()
+        self.gpus_per_node.setRange(0, 64)
+        self.gpus_per_node.setSpecialValueText("GPUs/node: from config")
+        self.gpus_per_node.setPrefix("GPUs/node ")
+        self.time_limit = QLineEdit()
+        self.time_limit.setPlaceholderText("time, e.g. 00:30:00")
+        self.account = QLineEdit()
+        self.account.setPlaceholderText("account")
+        self.hosts = QLineEdit()
+        self.hosts.setPlaceholderText("hosts: node1,node2[:port]")
+        self.dry_run_button = QPushButton("Dry run")
+        self.dry_run_button.setToolTip("Print the sbatch script (Slurm) or the per-host commands into the log, "
+                                       "without submitting anything")
+        self.target_note = QLabel()
+        self.target_note.setObjectName("hint")
+        self.target_note.setWordWrap(True)
+        row.addWidget(QLabel("Target"))
+        for w in (self.target_box, self.partition, self.nodes, self.gpus_per_node, self.time_limit, self.account,
+                  self.hosts, self.dry_run_button):
+            row.addWidget(w)
+        row.addWidget(self.target_note, 1)
+        self.slurm_fields = (self.partition, self.time_limit, self.account)
+        self.target_box.currentIndexChanged.connect(self._target_changed)
+        for edit in (self.partition, self.time_limit, self.account, self.hosts):
+            edit.textChanged.connect(self._update_buttons)
+        self.dry_run_button.clicked.connect(self.dry_run)
+        for w, chars in ((self.partition, 12), (self.time_limit, 16), (self.account, 12), (self.hosts, 26)):
+            w.setMaximumWidth(w.fontMetrics().horizontalAdvance("m" * chars))
+        self._target_changed()
+        return row
+
+    def target(self) -> RunTarget:
+        return RunTarget(kind=self.target_box.currentData(), partition=self.partition.text(),
+                         nodes=self.nodes.value(), gpus_per_node=self.gpus_per_node.value(),
+                         time=self.time_limit.text(), account=self.account.text(), hosts=self.hosts.text())
+
+    def set_target(self, kind: str) -> None:
+        self.target_box.setCurrentIndex(self.target_box.findData(kind))
+
+    def _target_changed(self, *_args) -> None:
+        kind = self.target_box.currentData()
+        for w in self.slurm_fields:
+            w.setVisible(kind == "slurm")
+        self.hosts.setVisible(kind == "hosts")
+        for w in (self.nodes, self.gpus_per_node):
+            w.setVisible(kind != "local")
+        self.dry_run_button.setVisible(kind != "local")
+        if hasattr(self, "run_button") and self.runnable is not None:
+            self._refresh_runnable()
+
     # ------------------------------------------------------------------ runnable version
 
     def _config_changed(self, cfg) -> None:
@@ -172,7 +247,13 @@ class RunPanel(QWidget):
         if self.runnable is None or self.runnable.original != cfg:
             self.runnable = runnable_version(cfg)
         r = self.runnable
-        if r.is_original:
+        target = self.target()
+        if target.kind != "local":  # a cluster runs the config itself, at its own scale
+            self.run_button.setText("▶ Submit to Slurm" if target.kind == "slurm" else "▶ Run on hosts")
+            self.run_button.setToolTip(f"Run this exact configuration on {target.describe()}")
+            if not self._show_runnable_result(cfg):
+                self.runnable_note.hide()
+        elif r.is_original:
             self.run_button.setText("▶ Run")
             self.run_button.setToolTip("Run this configuration as real multi-process training")
             if not self._show_runnable_result(cfg):
@@ -184,17 +265,34 @@ class RunPanel(QWidget):
             self.runnable_note.show()
         self._update_buttons()
 
-    def _update_buttons(self) -> None:
+    def _update_buttons(self, *_args) -> None:
         running = self.state.running
-        self.run_button.setEnabled(not running and self.runnable is not None and self.runnable.config is not None)
+        target = self.target()
+        problem = target.problem()
+        if target.kind == "local":
+            can_run = self.runnable is not None and self.runnable.config is not None
+        else:
+            can_run = not problem
+        self.run_button.setEnabled(not running and can_run)
+        self.dry_run_button.setEnabled(not running and not problem)
         self.simulate_button.setEnabled(not running)
         self.cancel_button.setEnabled(running)
+        note = f"⚠ {problem}" if problem else TARGET_NOTES.get(target.kind, "")
+        if note != self.target_note.text():
+            self.target_note.setText(note)
 
     # ------------------------------------------------------------------ launching
 
     def start(self) -> None:
         """Run the config (or, when it is too large for this machine, its runnable version)."""
         self._refresh_runnable()  # never run what an earlier config would have run
+        target = self.target()
+        if target.kind != "local":
+            if self.state.running or target.problem():
+                return
+            record = self.state.start_run(self.state.config, target=target)
+            self._started(record, f"Starting on {target.describe()}: ")
+            return
         if self.state.running or self.runnable.config is None:
             return
         r = self.runnable
@@ -203,6 +301,14 @@ class RunPanel(QWidget):
         else:
             record = self.state.start_run(r.config, runnable_of=r.original)
         self._started(record, "Starting the runnable version " if not r.is_original else "Starting ")
+
+    def dry_run(self) -> None:
+        """Print what the target would run (the sbatch script, or one command per host); submit nothing."""
+        target = self.target()
+        if self.state.running or target.kind == "local" or target.problem():
+            return
+        record = self.state.start_run(self.state.config, target=target, dry_run=True)
+        self._started(record, f"Dry run for {target.describe()} (nothing is submitted): ")
 
     def simulate(self) -> None:
         """Simulate the current config at full scale on a fake process group (memory only)."""
@@ -230,6 +336,8 @@ class RunPanel(QWidget):
             self.status.setText(f"{record.name}: step {record.step} of {record.steps}")
         elif kind == "started":
             self.status.setText(f"{record.name}: started")
+        elif kind in ("submitted", "job_state", "waiting"):
+            self.status.setText(f"{record.name}: {record.log[-1]}")
 
     def on_finished(self, record) -> None:
         self._update_buttons()
@@ -238,7 +346,9 @@ class RunPanel(QWidget):
         self.log.setPlainText("\n".join(record.log))
         what = "simulated memory is" if record.simulated else "measured memory and timeline are"
         words = {"finished": f"finished: {what} drawn over the prediction",
-                 "cancelled": "cancelled", "failed": f"failed: {record.reason}"}
+                 "cancelled": "cancelled", "failed": f"failed: {record.reason}",
+                 "dry run": f"dry run: {'the sbatch script' if record.target.kind == 'slurm' else 'the per-host commands'}"
+                            f" in the log (saved as {record.out_dir.name}/dry-run.txt); nothing was submitted"}
         text = f"{record.name} {words.get(record.status, record.status)}"
         if record.status == "finished" and record.runnable_of is not None:
             text += " — this was the runnable version (tiny model, CPU ranks); the table compares it with the " \
