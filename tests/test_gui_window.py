@@ -203,8 +203,9 @@ def test_lora_makes_a_7b_model_fit_one_card_and_the_chart_shows_it(window, qtbot
     window.state.recompute_now()
     assert all(g.fits for g in chart.groups)
     assert chart.header.property("alarm") is False
-    assert "full fine-tune" in chart.header.text() and "does not fit" in chart.header.text()
+    assert "LoRA" in chart.header.text()
     assert chart.full_line.isVisible()  # the full fine-tune's peak stays drawn beside the LoRA bars
+    assert "does NOT fit" in chart.full_label.toPlainText()
     assert chart.full_finetune_peak > chart.capacity_bytes
     assert image(chart.plot) != before
     assert not window.controls.lora_rank.isHidden()
@@ -247,8 +248,8 @@ def test_choosing_dataparallel_explains_offers_and_shows_gpu0_and_scaling(window
     window.state.recompute_now()
     chart = window.memory
     assert chart.groups[0].ranks == [0] and chart.groups[0].total > chart.groups[-1].total  # GPU 0's extra load
-    assert chart._ticks[0][1].startswith("GPU 0")
-    assert "GPU 0 carries" in chart.header.text()
+    assert chart._ticks[0][1].startswith("GPU 0: +")  # its extra load, under its bar
+    assert "nn.DataParallel" in chart.header.text()
     assert "python gil exposed" in window.metrics.table.text()
     assert window.tabs.currentWidget() is window.scaling  # why it stops scaling, shown when chosen
     qtbot.waitUntil(lambda: bool(window.scaling.rows), timeout=2000)

@@ -206,13 +206,14 @@ class MemoryChart(QWidget):
             pos=0, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine), label="",
             labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)]})
         self.off_scale = pg.TextItem("", color="#222", anchor=(0, 0))
-        self.full_line = pg.InfiniteLine(
-            pos=0, angle=0, pen=pg.mkPen(FULL_FT_COLOR, width=1.5, style=Qt.PenStyle.DotLine), label="",
-            labelOpts={"position": 0.98, "color": FULL_FT_COLOR, "anchors": [(1, 1), (1, 1)]})
+        self.full_line = pg.InfiniteLine(pos=0, angle=0,
+                                         pen=pg.mkPen(FULL_FT_COLOR, width=1.5, style=Qt.PenStyle.DotLine))
+        self.full_label = pg.TextItem("", color=FULL_FT_COLOR, anchor=(1, 1))
         self.full_line.setVisible(False)
+        self.full_label.setVisible(False)
         self.over_labels = [pg.TextItem("", color=OVER_COLOR, anchor=(0.5, 1.0)) for _ in range(MAX_OVER_LABELS)]
         for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
-                     self.off_scale, *self.over_labels):
+                     self.full_label, self.off_scale, *self.over_labels):
             pi.addItem(item)
 
     def redraw(self) -> None:
@@ -220,7 +221,7 @@ class MemoryChart(QWidget):
         if not self.groups:
             self.header.setText("Memory per rank")
             for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
-                         self.off_scale, *self.over_labels):
+                         self.full_label, self.off_scale, *self.over_labels):
                 item.setVisible(False)
             return
         n = len(self.groups)
@@ -282,12 +283,16 @@ class MemoryChart(QWidget):
         self.capacity_line.setVisible(self.capacity_in_view)
         if full_in_view:
             self.full_line.setValue(full / top)
-            text = f"full fine-tune: {fmt_bytes(self.full_finetune_peak)}"
+            fits_full = self.full_finetune_peak <= self.capacity_bytes
+            text = (f"without LoRA (full fine-tune): {fmt_bytes(self.full_finetune_peak)} on the fullest rank"
+                    f" — {'fits' if fits_full else 'does NOT fit'}")
             if text != self._full_text:
                 self._full_text = text
-                self.full_line.label.setFormat(text)
+                self.full_label.setText(text)
+            self.full_label.setPos(n - 0.45, full / top)
         if self.full_line.isVisible() != full_in_view:
             self.full_line.setVisible(full_in_view)
+            self.full_label.setVisible(full_in_view)
         if self._view != (n, 1.0):
             self._view = (n, 1.0)
             pi.setYRange(0, 1.0, padding=0)
@@ -306,14 +311,9 @@ class MemoryChart(QWidget):
         worst = max(self.groups, key=lambda g: g.total)
         verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
                    else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.total)} on the fullest")
-        extra = ""
-        if self.full_finetune_peak is not None:
-            fits_full = self.full_finetune_peak <= self.capacity_bytes
-            extra += (f" · LoRA (full fine-tune: {fmt_bytes(self.full_finetune_peak)}, "
-                      f"{'fits' if fits_full else 'does not fit'})")
-        if self.dataparallel and len(self.groups) > 1:
-            extra += (f" · nn.DataParallel: GPU 0 carries {fmt_bytes(self.groups[0].total - self.groups[-1].total)}"
-                      " more than each other GPU")
+        # short: the header shares its row with the metrics panel; the chart itself carries the words
+        extra = (" · LoRA" if self.full_finetune_peak is not None else "") + \
+            (" · nn.DataParallel" if self.dataparallel else "")
         self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · "
                             f"{verdict}{extra}")
         if self.header.property("alarm") != bool(over):
@@ -327,11 +327,12 @@ class MemoryChart(QWidget):
             return f"r{g.ranks[0]}"
         return f"r{_compress(g.ranks)}" if len(g.ranks) <= 4 else f"r{g.ranks[0]}… (×{len(g.ranks)})"
 
-    @staticmethod
-    def _gpu_tick(g: RankGroup) -> str:
-        """nn.DataParallel has one process: its ranks are the GPUs of the node."""
+    def _gpu_tick(self, g: RankGroup) -> str:
+        """nn.DataParallel has one process: its ranks are the GPUs of the node; GPU 0 carries more."""
         if g.ranks == [0]:
-            return "GPU 0 (scatters, gathers, steps)"
+            if len(self.groups) > 1:
+                return f"GPU 0: +{fmt_bytes(g.total - self.groups[-1].total)} (scatters, gathers, steps)"
+            return "GPU 0"
         return f"GPU {_compress(g.ranks)}"
 
     def measured_for_group(self, g: RankGroup) -> dict[str, float] | None:
