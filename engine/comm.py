@@ -23,6 +23,15 @@ multiplied and B divided by the oversubscription ``world / cores`` (the ``local-
 
 Measured links (:class:`MeasuredLinks`, from ``shardscope calibrate --links``) replace the
 cluster's intra-node α and B per collective and group size when given.
+
+LoRA (``training.finetune = "lora"``): only the adapters have gradients, so DDP's all-reduce,
+ZeRO-1's all-reduce and parameter broadcast, FSDP's reduce-scatter and HSDP's replica all-reduce
+move adapter bytes only (:func:`trainable_local`); FSDP still all-gathers the frozen base with the
+adapters (fully_shard shards frozen parameters too), and reduce-scatters only the units that hold
+adapters (the blocks). Wire dtypes follow the backend: FSDP2 reduces in its MixedPrecisionPolicy's
+``reduce_dtype`` (``training.grad_dtype``); DDP and ZeroRedundancyOptimizer move the fp32 adapters'
+own gradients and parameters under PyTorch state accounting (``training.grad_dtype`` /
+``param_bytes`` under the paper convention, as engine.memory counts them).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from engine.config import Config
+from engine.durations import adapter_elements_per_block
 from engine.layout import placement_style, rank_of, stage_to_pp_rank
 from engine.params import params_per_rank
 
@@ -293,6 +303,24 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
     return CommReport(per_pp_rank=tuple(out), spans=spans)
 
 
+def trainable_local(cfg: Config, rp) -> int:
+    """Elements with a gradient that one (pp-rank, tp-rank) holds before any DP sharding: every
+    local parameter under full fine-tuning, the blocks' adapters under LoRA."""
+    if cfg.training.finetune != "lora":
+        return rp.total
+    return rp.layers * adapter_elements_per_block(cfg)
+
+
+def lora_wire_bytes(cfg: Config, fsdp: bool) -> tuple[int, int]:
+    """(bytes per adapter parameter, bytes per adapter gradient) that DP collectives move under LoRA."""
+    tr = cfg.training
+    if fsdp:  # FSDP2's MixedPrecisionPolicy: gathered in param_dtype, reduced in reduce_dtype
+        return tr.param_bytes, tr.grad_bytes
+    if cfg.conventions.state_accounting == "pytorch":  # fp32 adapters, fp32 gradients (peft upcasts)
+        return 4, 4
+    return tr.param_bytes, tr.grad_bytes
+
+
 def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks | None) -> list[CommItem]:
     """DP communication of one step.
 
@@ -304,6 +332,8 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     the last backward). The reduce-scatters run once per step (gradient sync only on the last
     microbatch) and are counted exposed. On CPU ranks nothing overlaps: communication and
     compute share the same cores.
+
+    LoRA: gradients (and ZeRO-1's broadcast) cover the adapters only; FSDP gathers base + adapters.
     """
     par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
     if par.dp == 1:
@@ -311,6 +341,17 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     local_params = rp.total
     grads = local_params * tr.grad_bytes
     weights = local_params * tr.param_bytes
+    lora_on = tr.finetune == "lora"
+    grad_units = max(1, len(rp.units))
+    if lora_on:
+        adapters = trainable_local(cfg, rp)
+        w_a, g_a = lora_wire_bytes(cfg, fsdp=par.zero >= 2)
+        grads = adapters * g_a
+        if par.zero >= 2:
+            weights = (local_params + adapters) * tr.param_bytes  # the frozen base is gathered too
+        else:
+            weights = adapters * w_a  # ZeRO-1 broadcasts the updated adapter shards
+        grad_units = max(1, rp.layers)  # only the blocks hold adapters (and reduce-scatter)
     shard = par.shard_degree
     span = spans["dp"]
     # the shard group is the first dp/replicate ranks of the dp group (replicas outermost)
@@ -326,7 +367,8 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
 
     if par.zero == 0:
         buckets = max(1, math.ceil(grads / (conv.ddp_bucket_mb * 1e6)))
-        add(f"DDP gradient all-reduce ({buckets} bucket(s) of ≤ {conv.ddp_bucket_mb:g} MB)", "all_reduce",
+        add(f"DDP gradient all-reduce ({buckets} bucket(s) of ≤ {conv.ddp_bucket_mb:g} MB"
+            f"{'; adapters only' if lora_on else ''})", "all_reduce",
             buckets, grads / buckets, span, True, "backward")
     elif par.zero == 1:
         # torch's ZeroRedundancyOptimizer: DDP all-reduces the gradients, then every rank
@@ -344,8 +386,9 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
             passes, when = 1, "once per step (pipelining keeps it until the last backward)"
         add(f"FSDP parameter all-gather ({units} unit(s), {when})", "all_gather", passes * units,
             weights / units, shard_span, True, "forward+backward" if par.zero == 3 else "forward")
-        add(f"FSDP gradient reduce-scatter ({units} unit(s))", "reduce_scatter", units, grads / units, shard_span,
-            False, "backward")
+        add(f"FSDP gradient reduce-scatter ({grad_units if lora_on else units} unit(s)"
+            f"{' with adapters' if lora_on else ''})", "reduce_scatter", grad_units if lora_on else units,
+            grads / (grad_units if lora_on else units), shard_span, False, "backward")
         if par.replicate > 1:
             rep = GroupSpan("dp", par.replicate, min(span.nodes, par.replicate),
                             max(1, par.replicate // max(1, min(span.nodes, par.replicate))))

@@ -16,6 +16,15 @@ FLOP conventions (per token, per transformer block, forward, before dividing by 
   weights (W) = forward of the matmuls; full backward B = I + W (≈ 2× forward).
 * recompute: ``full`` adds the blocks' forward to B (and to I), ``selective`` adds the
   attention core's forward.
+
+LoRA (``training.finetune = "lora"``, engine.lora): every adapted Linear adds its adapter's
+matmuls, ``2·r·(d_in + d_out)`` FLOPs per token (x·Aᵀ, then ·Bᵀ) in the forward, as much again
+for the adapter's input gradient (in I) and for its weight gradients (in W). The frozen base still
+computes its input gradients (I unchanged: the gradient must reach the adapters below), but no
+weight gradient: W is the adapters' weight gradients only — no base matmuls, no head. Under TP the
+adapter FLOPs are each TP rank's local shard (column-parallel A is replicated, so every TP rank
+computes it). Stated simplification: the first block skips the input gradients below its first
+adapter (its input comes from the frozen embedding and needs none); I is not reduced for that.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import numpy as np
 
 from engine.config import Config
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
+from engine.lora import adapter_block_tensors
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,6 +154,40 @@ def flops_per_token(cfg: Config) -> FlopsPerToken:
     return FlopsPerToken(proj, core, mlp, head)
 
 
+def adapter_elements_per_block(cfg: Config) -> int:
+    """LoRA adapter elements one TP rank holds per block (0 under full fine-tuning)."""
+    tr = cfg.training
+    if tr.finetune != "lora":
+        return 0
+    return sum(a * b for a, b in adapter_block_tensors(cfg.model, tr.lora_rank, tr.lora_targets, cfg.parallel.tp))
+
+
+def adapter_flops_per_token(cfg: Config) -> float:
+    """One block's adapter forward FLOPs per token, before dividing by tp (the per-TP-rank matmuls
+    ``2·local elements``, times tp): also the cost of the adapters' input gradient and of their
+    weight gradients. 0 under full fine-tuning."""
+    return 2.0 * adapter_elements_per_block(cfg) * cfg.parallel.tp
+
+
+def model_flops_per_token(cfg: Config) -> float:
+    """FLOPs per token of one training step without recompute, all layers and the head, before tp:
+    F + I + W. Full fine-tuning: ``3·(layers·block + head)``. LoRA: the forward with the adapters,
+    the input gradients of every layer and of the head, the adapters' weight gradients only."""
+    fl = flops_per_token(cfg)
+    n = cfg.model.layers
+    if cfg.training.finetune != "lora":
+        return 3 * (n * fl.block + fl.head)
+    a = adapter_flops_per_token(cfg)
+    return n * (fl.block + a) + fl.head + n * (fl.matmuls + 2 * fl.attention_core + a) + fl.head + n * a
+
+
+def recompute_flops_per_token(cfg: Config) -> float:
+    """Forward FLOPs per token per block that recompute repeats in the backward (adapters included)."""
+    fl = flops_per_token(cfg)
+    return {"full": fl.block + adapter_flops_per_token(cfg), "selective": fl.attention_core}.get(
+        cfg.training.recompute, 0.0)
+
+
 def activation_bytes_per_microbatch(cfg: Config) -> int:
     """Bytes of the hidden state one stage sends the next (and its gradient back), per microbatch."""
     t = cfg.training
@@ -185,11 +229,17 @@ def stage_durations(
     layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages)], dtype=np.float64)
     head = np.zeros(num_stages)
     head[-1] = fl.head
-    recompute = {"full": fl.block, "selective": fl.attention_core}.get(tr.recompute, 0.0)
+    recompute = recompute_flops_per_token(cfg)
 
-    f = tokens * (layers * fl.block + head) / rate
-    i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + recompute) + head) / rate
-    w = tokens * (layers * fl.matmuls + head) / rate
+    if tr.finetune == "lora":  # frozen base: input gradients as before, weight gradients of the adapters only
+        a = adapter_flops_per_token(cfg)
+        f = tokens * (layers * (fl.block + a) + head) / rate
+        i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + a + recompute) + head) / rate
+        w = tokens * (layers * a) / rate
+    else:
+        f = tokens * (layers * fl.block + head) / rate
+        i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + recompute) + head) / rate
+        w = tokens * (layers * fl.matmuls + head) / rate
     b = i + w
 
     if backward_s is not None and backward_input_s is None and backward_weight_s is None:

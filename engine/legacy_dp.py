@@ -50,7 +50,7 @@ from dataclasses import replace as dc_replace
 
 from engine.comm import CommItem, CommReport, GroupSpan, RankComm
 from engine.config import Config
-from engine.durations import flops_per_token, stage_durations
+from engine.durations import flops_per_token, model_flops_per_token, recompute_flops_per_token, stage_durations
 from engine.lora import adapter_params
 from engine.memory import GIB, MIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
 from engine.names import MEMORY_CATEGORIES
@@ -214,11 +214,13 @@ def step(cfg: Config) -> StepTime:
         "pipeline_bubble": 0.0,
     }
     total = sum(breakdown.values())
-    fl = flops_per_token(cfg)
     tokens = cfg.tokens_per_step
-    model_flops = tokens * 3 * (model.layers * fl.block + fl.head)
-    recompute = {"full": fl.block, "selective": fl.attention_core}.get(tr.recompute, 0.0)
-    hardware_flops = model_flops + tokens * model.layers * recompute
+    if tr.finetune == "lora":  # the step's own FLOPs (engine.durations): no base weight gradients
+        model_flops = tokens * model_flops_per_token(cfg)
+    else:
+        fl = flops_per_token(cfg)
+        model_flops = tokens * 3 * (model.layers * fl.block + fl.head)
+    hardware_flops = model_flops + tokens * model.layers * recompute_flops_per_token(cfg)
     peak = cfg.cluster.gpu.peak_flops(tr.precision) * n
     items = tuple(CommItem(dim="dp", what=t.what, collective="p2p", calls=m, size_bytes=t.bytes_through_gpu0,
                            group_size=n, link="intra-node", seconds=m * t.seconds, overlappable=False, phase=t.phase)

@@ -14,6 +14,12 @@ FSDP reduce-scatters are counted exposed. On CPU ranks (GPU kind "cpu") nothing 
 communication and compute share the cores. Recompute adds its forward to the backward (HFU
 counts it, MFU does not).
 
+LoRA (``training.finetune = "lora"``): engine.durations gives the backward the frozen base's input
+gradients and the adapters' weight gradients only; engine.comm moves adapter gradients only (FSDP
+still gathers the frozen base); the optimizer steps the adapters only (fp32 under PyTorch state
+accounting). MFU counts the FLOPs the step needs (engine.durations.model_flops_per_token): the
+forward, every input gradient, the adapters' weight gradients — not 6·Ψ.
+
 Core sharing: CPU ranks beyond ``cluster.cpu_cores`` share the cores, so the analytic compute,
 p2p and optimizer times are multiplied by ``engine.comm.cpu_oversubscription`` (and the
 collectives' α and B scaled by it in engine.comm). Given durations are used as given.
@@ -37,9 +43,16 @@ from engine.comm import (
     cpu_oversubscription,
     group_span,
     tp_block_collectives,
+    trainable_local,
 )
 from engine.config import Config
-from engine.durations import StageDurations, flops_per_token, stage_durations
+from engine.durations import (
+    StageDurations,
+    flops_per_token,
+    model_flops_per_token,
+    recompute_flops_per_token,
+    stage_durations,
+)
 from engine.layout import split_layers
 from engine.names import OPTIMIZER_STATES
 from engine.params import params_per_rank
@@ -96,11 +109,19 @@ def with_tp_communication(cfg: Config, d: StageDurations, links: MeasuredLinks |
 
 
 def optimizer_seconds(cfg: Config, local_params: int) -> float:
-    """Optimizer step over the local shard: memory-bound, bytes read + written per parameter / HBM."""
+    """Optimizer step over the local shard: memory-bound, bytes read + written per parameter / HBM.
+
+    ``local_params`` are the parameters the optimizer steps before DP sharding (under LoRA the
+    adapters only: :func:`engine.comm.trainable_local`). LoRA's adapters are fp32 with fp32
+    gradients and no master copy under PyTorch state accounting, as engine.memory counts them.
+    """
     par, tr = cfg.parallel, cfg.training
     shard = local_params / (par.shard_degree if par.zero >= 1 else 1)
     states = OPTIMIZER_STATES[tr.optimizer]
     master = 4 if tr.master_weights else 0
+    if tr.finetune == "lora" and cfg.conventions.state_accounting == "pytorch":
+        per_param = 4 + 4 + 8 * states + 4  # read grad + param + states; write param + states
+        return shard * per_param / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9) * cpu_oversubscription(cfg)
     # read grad + param (master or compute copy) + states; write param (+ compute copy) + states
     per_param = tr.grad_bytes + (master or tr.param_bytes) + 8 * states + (master or tr.param_bytes) \
         + (tr.param_bytes if master else 0)
@@ -152,7 +173,7 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
             else:  # FSDP gathers (one call per unit): the first is exposed, the rest hide behind compute
                 window = (fwd_one + back_one) * par.microbatches
                 exposed += max(one_call, item.seconds - window)
-        opt = optimizer_seconds(cfg, held[pp_rank][0].total)
+        opt = optimizer_seconds(cfg, trainable_local(cfg, held[pp_rank][0]))
         busy = float(timeline.busy_s[pp_rank])
         layers_here = sum(len(split[s]) for s in stages)
         tp_here = layers_here * (fwd_tp + bwd_tp) * par.microbatches
@@ -168,11 +189,13 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
         "dp_comm_exposed": exposed,
         "optimizer": opt,
     }
-    fl = flops_per_token(cfg)
     tokens = cfg.tokens_per_step
-    model_flops = tokens * 3 * (model.layers * fl.block + fl.head)
-    recompute = {"full": fl.block, "selective": fl.attention_core}.get(tr.recompute, 0.0)
-    hardware_flops = model_flops + tokens * model.layers * recompute
+    if tr.finetune == "lora":
+        model_flops = tokens * model_flops_per_token(cfg)
+    else:
+        fl = flops_per_token(cfg)
+        model_flops = tokens * 3 * (model.layers * fl.block + fl.head)
+    hardware_flops = model_flops + tokens * model.layers * recompute_flops_per_token(cfg)
     peak = cfg.cluster.gpu.peak_flops(tr.precision) * cfg.cluster.gpus
     return StepTime(
         seconds=total, breakdown=breakdown, critical_pp_rank=pp_rank, tokens_per_s=tokens / total,
