@@ -8,6 +8,12 @@ returns a :class:`Run` at once. A monitor thread forwards the ranks' events into
 failure ends every process: the agent's group and each rank's own group (torchrun starts
 ranks in new sessions) get SIGTERM, then SIGKILL; ranks also carry a parent-death signal.
 
+Legacy ``parallel.dp_mode = "dataparallel"`` (``nn.DataParallel``) starts ONE process
+(``--nproc-per-node=1``, :func:`processes_for`) that drives ``parallel.dp`` GPUs; everything else
+(records, events, timeout, cancel) is the same. That process writes one measurement record per
+GPU, so the run still assembles ``parallel.dp`` rows. Where it cannot run (fewer than two CUDA
+GPUs) the process refuses and the record says why (backend.train.check_supported).
+
 Multi-node runs go through an existing scheduler (a Slurm batch script running torchrun with
 c10d rendezvous) or per-host torchrun commands: see :mod:`backend.cluster`.
 """
@@ -41,6 +47,11 @@ FAILURE_GRACE_S = 5.0
 
 def default_run_dir(base: str | Path = "runs") -> Path:
     return Path(base) / _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+
+
+def processes_for(cfg: Config) -> int:
+    """Processes torchrun starts for ``cfg``: one per rank, or one for nn.DataParallel (it drives every GPU)."""
+    return 1 if cfg.parallel.dp_mode == "dataparallel" else cfg.parallel.world_size
 
 
 def _has_torch(python: str) -> bool:
@@ -151,8 +162,9 @@ class Run:
 
     def _start(self, python: str, extra_env: dict[str, str] | None) -> None:
         cfg = self.cfg
-        world = cfg.parallel.world_size
-        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        world = cfg.parallel.world_size  # measurement rows (GPUs)
+        procs = processes_for(cfg)  # processes torchrun starts
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
                "--max-restarts=0", "--local-addr=127.0.0.1", "--monitor-interval=0.2",
                "-m", "backend.worker", "--run-dir", str(self.path.resolve()), "--steps", str(self.steps)]
         env = dict(os.environ)
@@ -166,11 +178,12 @@ class Run:
             "TORCHELASTIC_ERROR_FILE": str(self.dir.logs / "error.json"),
         })
         env.update(extra_env or {})
-        self._emit("started", world=world, steps=self.steps, command=cmd, run_dir=str(self.path))
+        extra = {} if procs == world else {"processes": procs, "dp_mode": cfg.parallel.dp_mode}
+        self._emit("started", world=world, steps=self.steps, command=cmd, run_dir=str(self.path), **extra)
         log = open(self.dir.agent_log, "ab")  # noqa: SIM115 - closed by the monitor
         self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        self._thread = threading.Thread(target=self._monitor, args=(log, world), daemon=True,
+        self._thread = threading.Thread(target=self._monitor, args=(log, procs, world), daemon=True,
                                         name=f"shardscope-run-{self.path.name}")
         self._thread.start()
 
@@ -214,7 +227,8 @@ class Run:
                 elif kind == "failed":
                     self._queue.put({"event": "rank_failed", "rank": r, "reason": ev.get("reason")})
 
-    def _monitor(self, log, world: int) -> None:
+    def _monitor(self, log, world: int, rows: int | None = None) -> None:
+        """Follow ``world`` processes; on success assemble ``rows`` measurement records (default: world)."""
         start = time.monotonic()
         offsets: dict[int, int] = {}
         rank_events: dict[int, list[dict]] = {}
@@ -249,7 +263,7 @@ class Run:
             self._kill_all()  # ranks live in their own sessions: make sure none outlives the run
             log.close()
             if reason is None and rc == 0:
-                self._finish(world, time.monotonic() - start)
+                self._finish(rows or world, time.monotonic() - start)
             else:
                 self._fail(reason, rc, rank_events)
         except Exception as exc:  # noqa: BLE001 - the record must always end
@@ -395,6 +409,9 @@ def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: i
 def _human(ev: dict) -> str:
     kind = ev["event"]
     if kind == "started":
+        if ev.get("processes", ev["world"]) != ev["world"]:
+            return (f"started {ev['processes']} process driving {ev['world']} GPUs (nn.DataParallel), "
+                    f"{ev['steps']} steps -> {ev['run_dir']}")
         return f"started {ev['world']} ranks, {ev['steps']} steps -> {ev['run_dir']}"
     if kind == "rank_ready":
         return f"rank {ev['rank']} ready (stages {ev.get('stages')})"

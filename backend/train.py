@@ -2,11 +2,18 @@
 
 Run by backend.worker inside each torchrun rank; talks to the launcher only through files in
 the run directory (backend.records.RankWriter).
+
+Legacy ``parallel.dp_mode = "dataparallel"``: the launcher starts ONE process (world size 1);
+it builds the model on cuda:0, wraps it in ``nn.DataParallel`` over GPUs 0..dp-1, feeds each
+microbatch as the concatenation of what the dp DDP ranks would get (so the losses follow DDP's),
+and writes one measurement record per GPU (rows 0..dp-1) from each GPU's CUDA allocator
+(backend.parallel.data_parallel.dataparallel_rows says how the categories are split).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import time
@@ -34,7 +41,7 @@ from backend.parallel import (
     fsdp_mp_policy,
     make_zero1_optimizer,
 )
-from backend.parallel.data_parallel import dataparallel_refusal
+from backend.parallel.data_parallel import apply_dataparallel, dataparallel_refusal, dataparallel_rows
 from backend.parallel.lora import apply_lora, lora_refusal, trainable
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
@@ -66,7 +73,9 @@ def check_supported(cfg: Config) -> None:
     if cfg.model.tied_embeddings and par.tp > 1:
         raise NotImplementedError("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
     if par.dp_mode == "dataparallel":
-        raise NotImplementedError(dataparallel_refusal(cfg, torch.cuda.device_count()))
+        why = dataparallel_refusal(cfg, torch.cuda.device_count())
+        if why:
+            raise NotImplementedError(why)
     if cfg.training.finetune == "lora":
         if par.tp > 1:
             raise NotImplementedError(
@@ -93,17 +102,29 @@ def _skip_grad_hooks_on_frozen(tracker, params) -> None:
 class Trainer:
     """Everything one rank holds: stage modules, optimizer, schedule (PP), data."""
 
+    legacy = False  # nn.DataParallel (set in __init__; class defaults keep subclasses such as the fake trainer)
+    gpus = 1  # GPUs this process drives
+
+    @property
+    def microbatch_rows(self) -> int:
+        """Sequences per microbatch this process feeds (nn.DataParallel scatters them over its GPUs)."""
+        return self.cfg.training.micro_batch_size * self.gpus
+
     def __init__(self, cfg: Config, out: RankWriter):
         self.cfg, self.out = cfg, out
         par, tr = cfg.parallel, cfg.training
+        check_supported(cfg)  # first: a refused dataparallel job would not match the one-process world
+        self.legacy = par.dp_mode == "dataparallel"  # nn.DataParallel: one process drives par.dp GPUs
+        self.gpus = par.dp if self.legacy else 1  # GPUs this process drives
         self.device = self._init_process_group()
         self.rank = dist.get_rank()
-        self.dims = ParallelDims(par, self.device.type, cfg.cluster.gpus_per_node)
+        # the process group of a dataparallel job is this one process: its mesh is the dp = 1 layout
+        spec = dataclasses.replace(par, dp=1, dp_mode="ddp") if self.legacy else par
+        self.dims = ParallelDims(spec, self.device.type, cfg.cluster.gpus_per_node)
         self.dims.build_mesh()
         self.coords = self.dims.coords
         self.fsdp = par.zero in (2, 3)
         self.pipelined = par.pp > 1
-        check_supported(cfg)
 
         torch.manual_seed(SEED)  # every rank builds the same full model, then keeps its part
         with torch.device(self.device):
@@ -112,6 +133,12 @@ class Trainer:
         mp = fsdp_mp_policy(tr)
         self.modules = []
         for s, m in parts:
+            if self.legacy:
+                if tr.finetune == "lora":
+                    m = apply_lora(m, cfg.model, tr)
+                apply_recompute(m, tr.recompute)
+                self.modules.append((s, apply_dataparallel(m, self.gpus)))  # m lives on cuda:0
+                continue
             if tr.finetune == "lora":
                 m = apply_lora(m, cfg.model, tr)  # before DP, which must see the frozen base
             if par.tp > 1:
@@ -142,7 +169,7 @@ class Trainer:
         self.has_first = 0 in self.stages
         self.has_last = par.num_stages - 1 in self.stages
         self.data = SyntheticData(cfg.model.vocab, cfg.model.seq_len)
-        self.local_batch = par.microbatches * tr.micro_batch_size
+        self.local_batch = par.microbatches * tr.micro_batch_size  # per DDP rank (per GPU under DataParallel)
 
     def _init_process_group(self) -> torch.device:
         if torch.cuda.is_available():
@@ -165,8 +192,24 @@ class Trainer:
         return ctx
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.legacy:  # microbatch i = [dp-rank 0's microbatch i, ..., dp-rank N-1's]: chunk d goes to GPU d
+            mbs, m = self.cfg.training.micro_batch_size, self.cfg.parallel.microbatches
+            parts = [self.data.batch(step, d, self.local_batch) for d in range(self.gpus)]
+            x = torch.cat([p[0][i * mbs:(i + 1) * mbs] for i in range(m) for p in parts])
+            y = torch.cat([p[1][i * mbs:(i + 1) * mbs] for i in range(m) for p in parts])
+            return x.to(self.device), y.to(self.device)
         x, y = self.data.batch(step, self.coords.dp, self.local_batch)
         return x.to(self.device), y.to(self.device)
+
+    def synchronize(self) -> None:
+        """Wait for every GPU this process drives (all of them under nn.DataParallel)."""
+        if self.device.type != "cuda":
+            return
+        if not self.legacy:
+            torch.cuda.synchronize(self.device)
+            return
+        for i in range(self.gpus):
+            torch.cuda.synchronize(i)
 
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int]:
         """Forward and backward of one optimizer step's local batch: (loss sum, loss count)."""
@@ -183,7 +226,7 @@ class Trainer:
                 return 0.0, 0
             return float(torch.stack([loss.detach().float() for loss in losses]).mean()), 1
         (_, model), = self.modules
-        mbs = self.cfg.training.micro_batch_size
+        mbs = self.microbatch_rows
         m = self.cfg.parallel.microbatches
         total = 0.0
         for i in range(m):
@@ -220,8 +263,7 @@ class Trainer:
             t0 = time.perf_counter_ns()
             loss_sum, count = self.forward_backward(batch)
             self.optimizer_step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            self.synchronize()
             t1 = time.perf_counter_ns()
             self.timer.on = False
             seconds = (t1 - t0) / 1e9
@@ -229,8 +271,9 @@ class Trainer:
                 actions = [[kind, s, mb, (a - t0) / 1e9, (b - t0) / 1e9]
                            for kind, s, mb, a, b in self.timer.actions]
             # outside the timed region: mean loss over the ranks that have one, slowest rank's time
-            stats = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
-            slow = torch.tensor([seconds], dtype=torch.float64)
+            # on the rank's device: an NCCL-only process group reduces CUDA tensors only
+            stats = torch.tensor([loss_sum, float(count)], dtype=torch.float64, device=self.device)
+            slow = torch.tensor([seconds], dtype=torch.float64, device=self.device)
             dist.all_reduce(stats)
             dist.all_reduce(slow, op=dist.ReduceOp.MAX)
             loss = float(stats[0] / max(stats[1], 1.0))
@@ -238,6 +281,9 @@ class Trainer:
             losses.append(loss)
             if self.rank == 0:
                 self.out.event("step", k=k, n=n, loss=loss, seconds=float(slow[0]))
+        if self.legacy:
+            self._write_dataparallel_rows(n + 1, step_seconds, losses)
+            return
         memory = self.measure_memory(n + 1)
         self.out.measurement({
             "rank": self.rank,
@@ -281,6 +327,59 @@ class Trainer:
             "params_local_count": measure.param_count_local(self.params),
             "tracker_peak": raw,
         }
+
+    def measure_dataparallel(self, step: int) -> list[dict[str, int]]:
+        """One extra, untimed nn.DataParallel step measured by each GPU's CUDA allocator (no MemTracker:
+        the replicas run in nn.DataParallel's threads, which a dispatch-mode tracker does not follow)."""
+        gpus = range(self.gpus)
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        batch = self.batch(step)
+        self.synchronize()
+        for i in gpus:
+            torch.cuda.reset_peak_memory_stats(i)
+        before = [torch.cuda.memory_allocated(i) for i in gpus]
+        after_forward: list[int] = []
+        x, y = batch
+        (_, model), = self.modules
+        mbs, m = self.microbatch_rows, self.cfg.parallel.microbatches
+        for k in range(m):
+            with self._loss_ctx():
+                loss = loss_fn(model(x[k * mbs:(k + 1) * mbs]), y[k * mbs:(k + 1) * mbs]) / m
+            if k == 0:
+                self.synchronize()
+                after_forward = [torch.cuda.memory_allocated(i) for i in gpus]
+            loss.backward()
+        grads = measure.grad_bytes(self.params)
+        self.optimizer.step()
+        self.synchronize()
+        peak = [torch.cuda.max_memory_allocated(i) for i in gpus]
+        exact = {"params": measure.param_bytes(self.params), "grads": grads,
+                 "optimizer": measure.optimizer_bytes(self.optimizer)}
+        self.optimizer.zero_grad(set_to_none=True)
+        rows = dataparallel_rows(before, after_forward, peak, exact, replica_param_bytes=exact["params"])
+        return [{"categories": row, "exact": exact if i == 0 else {}, "params_local_count":
+                 measure.param_count_local(self.params), "cuda_allocated": {"before": before[i],
+                 "after_forward": after_forward[i], "peak": peak[i]}} for i, row in enumerate(rows)]
+
+    def _write_dataparallel_rows(self, step: int, step_seconds: list[float], losses: list[float]) -> None:
+        """One measurement record per GPU (rows 0..dp-1), as if each GPU were a rank: the launcher
+        assembles them like any run, so the comparison sees GPU 0's extra load per category."""
+        rows = self.measure_dataparallel(step)
+        for i, memory in enumerate(rows):
+            RankWriter(self.out.dir.path, i).measurement({
+                "rank": i,
+                "coords": {"pp": 0, "dp": i, "tp": 0},
+                "stages": [0],
+                "memory": memory,
+                "step_seconds": step_seconds,  # one process: the same clock for every GPU
+                "losses": losses,
+                "actions": [],
+                "peak_rss_bytes": measure.peak_rss_bytes() if i == 0 else 0,
+                "dp_mode": "dataparallel",
+                "max_memory_allocated": memory["cuda_allocated"]["peak"],
+                "max_memory_reserved": torch.cuda.max_memory_reserved(i),
+            })
 
     def _cuda_stats(self) -> dict:
         if self.device.type != "cuda":

@@ -43,12 +43,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, mp_policy: Mixe
     return model
 
 
-def dataparallel_refusal(cfg, cuda_devices: int) -> str:
-    """Why a ``parallel.dp_mode = "dataparallel"`` run does not start on this machine (always a reason).
+def dataparallel_refusal(cfg, cuda_devices: int) -> str | None:
+    """Why a ``parallel.dp_mode = "dataparallel"`` run cannot start on this machine (None when it can).
 
-    ``nn.DataParallel`` drives several CUDA GPUs from one process; it needs at least two (and
-    ``parallel.dp`` of them). Where they exist, the launcher still starts one process per GPU,
-    which is DDP's model, so the run is refused there too until the launcher starts one process.
+    ``nn.DataParallel`` drives several CUDA GPUs from one process (the launcher starts one process
+    for it: backend.launch.processes_for); it needs at least two CUDA GPUs, and ``parallel.dp`` of them.
     """
     n = cfg.parallel.dp
     if cuda_devices < 2 or cuda_devices < n:
@@ -57,14 +56,54 @@ def dataparallel_refusal(cfg, cuda_devices: int) -> str:
                 f"{max(2, n)}. The prediction (GPU 0's extra load, the traffic through it, the step) is in "
                 "shardscope predict; to train, use parallel.dp_mode = 'ddp' (DistributedDataParallel, one "
                 "process per GPU: faster, balanced, and what PyTorch recommends)")
-    return ("parallel.dp_mode = 'dataparallel': the launcher starts one process per GPU (torchrun), while "
-            "nn.DataParallel needs a single process driving all of them; run it as DDP "
-            "(parallel.dp_mode = 'ddp'), or see engine.legacy_dp for the prediction")
+    return None
 
 
 def apply_dataparallel(model: nn.Module, gpus: int) -> nn.Module:
-    """Legacy single-process data parallelism over CUDA GPUs 0..gpus-1 (kept for comparison only)."""
+    """Legacy single-process data parallelism over CUDA GPUs 0..gpus-1 (kept for comparison only).
+
+    ``model`` must already live on cuda:0 (nn.DataParallel's source device); outputs gather there.
+    """
     return nn.DataParallel(model, device_ids=list(range(gpus)), output_device=0)
+
+
+def dataparallel_rows(before: list[int], after_forward: list[int], peak: list[int], exact: dict[str, int],
+                      replica_param_bytes: int) -> list[dict[str, int]]:
+    """Per-GPU memory categories of one nn.DataParallel step, from the CUDA allocator of each GPU.
+
+    ``before`` / ``after_forward`` / ``peak``: ``torch.cuda.memory_allocated(i)`` before the step's
+    forward, after its forward and loss (before backward), and ``max_memory_allocated(i)`` over the
+    step (peak stats reset before it). ``exact``: the module's params / grads / optimizer bytes, all
+    on GPU 0. Each row sums to that GPU's peak (when nothing is negative). The split:
+
+    * GPU 0: params, grads, optimizer exact; overhead = what was allocated before the step besides
+      params and optimizer state (buffers); activations = after_forward − before (replica 0's saved
+      activations and the whole batch's gathered logits and loss); temporaries = the rest of the
+      peak (the backward's transients: replica 0's gradients before the reduce-add, the logits'
+      gradient), minus the ``.grad`` the reduce-add leaves.
+    * GPU i > 0: params = the replica's broadcast copies (``replica_param_bytes``: the module's
+      parameters, copied whole — a size, not a separate measurement); activations = after_forward −
+      before − params; temporaries = peak − after_forward (the replica's gradients until they are
+      reduce-added onto GPU 0, activation gradients: the allocator cannot tell these apart, so the
+      replica's gradients are reported here, not in grads); overhead = what it held before the step;
+      grads = optimizer = 0.
+    """
+    rows = []
+    for i, (b, f, p) in enumerate(zip(before, after_forward, peak, strict=True)):
+        row = dict.fromkeys(("params", "grads", "optimizer", "activations", "comm_buffers", "temporaries",
+                             "overhead"), 0)
+        if i == 0:
+            row.update({k: exact[k] for k in ("params", "grads", "optimizer")})
+            row["overhead"] = max(0, b - exact["params"] - exact["optimizer"])
+            row["activations"] = max(0, f - b)
+            row["temporaries"] = max(0, p - f - exact["grads"])
+        else:
+            row["params"] = replica_param_bytes
+            row["overhead"] = b
+            row["activations"] = max(0, f - b - replica_param_bytes)
+            row["temporaries"] = max(0, p - f)
+        rows.append(row)
+    return rows
 
 
 def make_zero1_optimizer(params, optimizer_cls: type[torch.optim.Optimizer], dp_group,
