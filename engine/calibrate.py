@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_seconds
+from engine.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_seconds, trainable_local
 from engine.config import Config
 from engine.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
 from engine.layout import split_layers
@@ -341,7 +341,7 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     last_end = max((a[4] for r in meas["pipeline"]["per_rank"] for a in r.get("actions", [])), default=0.0)
     tail = float(per_step[-1]) - float(last_end)
     held = params_per_rank(cfg)
-    opt = max(optimizer_seconds(cfg, held[p][0].total) for p in range(par.pp))
+    opt = max(optimizer_seconds(cfg, trainable_local(cfg, held[p][0])) for p in range(par.pp))
     mem_bw = None
     if tail > 0 and opt > 0:
         mem_bw = cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9 * opt / tail
