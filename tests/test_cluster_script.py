@@ -178,3 +178,13 @@ def test_no_sbatch_on_path(tmp_path):
     run = submit(TWO, tmp_path / "r", env={"PATH": str(tmp_path)})
     res = run.wait(5)
     assert res["event"] == "failed" and "sbatch not found" in res["reason"]
+
+
+def test_legacy_dataparallel_is_refused_for_cluster_targets():
+    from backend.cluster.follow import ClusterError, node_layout
+    from engine import Config
+
+    cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 2},
+                            "parallel": {"dp": 2, "dp_mode": "dataparallel"}})
+    with pytest.raises(ClusterError, match="one process on one machine"):
+        node_layout(cfg)

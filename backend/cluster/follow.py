@@ -36,6 +36,9 @@ class ClusterError(ValueError):
 
 def node_layout(cfg: Config, nodes: int | None = None, per_node: int | None = None) -> tuple[int, int]:
     """(nodes, ranks per node) for ``cfg``'s world, from the overrides or the config's cluster."""
+    if cfg.parallel.dp_mode == "dataparallel":
+        raise ClusterError("parallel.dp_mode = 'dataparallel' runs one process on one machine; "
+                           "use --target local, or dp_mode = 'ddp' to run across nodes")
     world = cfg.parallel.world_size
     for name, v in (("--nodes", nodes), ("--gpus-per-node", per_node)):
         if v is not None and v < 1:
