@@ -33,10 +33,10 @@ simulation's job (:mod:`engine.timeline`), with real durations, not unit time st
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
+
+import numpy as np
 
 from engine.layout import placement_style, stage_to_pp_rank
 from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
@@ -56,21 +56,69 @@ class Action(NamedTuple):
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
-@dataclass(frozen=True, eq=False)
+class PlanArrays(NamedTuple):
+    """A plan as flat integer arrays, rank-major, each rank in execution order: rank ``r``'s
+    actions are ``[offsets[r], offsets[r+1])``; ``kind`` codes index ACTION_KINDS."""
+
+    offsets: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+
+
 class PipelinePlan:
     """The per-rank compute order of one schedule for (pp, microbatches, virtual stages).
 
     ``per_rank[r]`` lists what pipeline rank ``r`` executes, in order (compute actions only).
-    ``stage_to_rank[s]`` is the pipeline rank that holds stage ``s``. Sequences are tuples so a
-    cached plan cannot be changed by a caller. Plans compare by identity (they are cached).
+    ``stage_to_rank[s]`` is the pipeline rank that holds stage ``s``. ``arrays`` is the same
+    order as flat integer arrays (:class:`PlanArrays`) — what the timeline uses. A plan is
+    made from either one; the other is derived on first use. Sequences are tuples and arrays
+    are read-only so a cached plan cannot be changed by a caller. Plans compare by identity
+    (they are cached).
     """
 
-    schedule: str
-    pp: int
-    num_stages: int
-    microbatches: int
-    stage_to_rank: tuple[int, ...]
-    per_rank: tuple[tuple[Action, ...], ...]
+    __slots__ = ("schedule", "pp", "num_stages", "microbatches", "stage_to_rank", "_per_rank", "_arrays",
+                 "__weakref__")
+
+    def __init__(self, schedule: str, pp: int, num_stages: int, microbatches: int,
+                 stage_to_rank: tuple[int, ...], per_rank: tuple[tuple[Action, ...], ...] | None = None,
+                 *, arrays: PlanArrays | None = None):
+        if (per_rank is None) == (arrays is None):
+            raise TypeError("PipelinePlan needs exactly one of per_rank and arrays")
+        if arrays is not None:
+            for a in arrays:
+                a.setflags(write=False)
+        else:
+            per_rank = tuple(tuple(Action(*a) for a in acts) for acts in per_rank)
+        for name, value in (("schedule", schedule), ("pp", pp), ("num_stages", num_stages),
+                            ("microbatches", microbatches), ("stage_to_rank", tuple(stage_to_rank)),
+                            ("_per_rank", per_rank), ("_arrays", arrays)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"PipelinePlan is immutable (cannot set {name!r})")
+
+    def __repr__(self) -> str:
+        return (f"PipelinePlan(schedule={self.schedule!r}, pp={self.pp}, num_stages={self.num_stages}, "
+                f"microbatches={self.microbatches}, actions={self.num_actions})")
+
+    @property
+    def per_rank(self) -> tuple[tuple[Action, ...], ...]:
+        if self._per_rank is None:
+            a = self._arrays
+            letters = np.array(ACTION_KINDS)[a.kind].tolist()
+            stage, mb, o = a.stage.tolist(), a.microbatch.tolist(), a.offsets.tolist()
+            per_rank = tuple(tuple(map(Action, letters[o[r]:o[r + 1]], stage[o[r]:o[r + 1]], mb[o[r]:o[r + 1]]))
+                             for r in range(len(o) - 1))
+            object.__setattr__(self, "_per_rank", per_rank)
+        return self._per_rank
+
+    @property
+    def arrays(self) -> PlanArrays:
+        """Raises ValueError when an action's kind is not one of ACTION_KINDS."""
+        if self._arrays is None:
+            object.__setattr__(self, "_arrays", _arrays_of(self._per_rank))
+        return self._arrays
 
     @property
     def virtual_stages(self) -> int:
@@ -78,12 +126,14 @@ class PipelinePlan:
 
     @property
     def num_actions(self) -> int:
-        return sum(len(a) for a in self.per_rank)
+        if self._arrays is not None:
+            return len(self._arrays.kind)
+        return sum(len(a) for a in self._per_rank)
 
     @property
     def splits_backward(self) -> bool:
         """True when some backward runs as I + W (zero-bubble schedules)."""
-        return any(a.kind == "I" for acts in self.per_rank for a in acts)
+        return bool(np.any(self.arrays.kind == ACTION_KINDS.index("I")))
 
     def stages_of_rank(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
@@ -91,6 +141,21 @@ class PipelinePlan:
     def to_strings(self) -> list[list[str]]:
         """Per rank, torch-style action strings ("0F0", "3B1", ...): handy in tests and logs."""
         return [[str(a) for a in acts] for acts in self.per_rank]
+
+
+def _arrays_of(per_rank) -> PlanArrays:
+    lengths = [len(a) for a in per_rank]
+    offsets = np.zeros(len(per_rank) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = [a for acts in per_rank for a in acts]
+    code = {k: i for i, k in enumerate(ACTION_KINDS)}
+    try:
+        kind = np.fromiter((code[a[0]] for a in flat), dtype=np.int64, count=len(flat))
+    except KeyError as e:
+        raise ValueError(f"plan has an action kind {e.args[0]!r} outside {ACTION_KINDS}") from None
+    stage = np.fromiter((a[1] for a in flat), dtype=np.int64, count=len(flat))
+    mb = np.fromiter((a[2] for a in flat), dtype=np.int64, count=len(flat))
+    return PlanArrays(offsets, kind, stage, mb)
 
 
 # --------------------------------------------------------------------------- validation
@@ -146,56 +211,106 @@ def _pipeline_actions(schedule: str, pp: int, m: int, v: int) -> PipelinePlan:
     num_stages = pp * v
     owners = tuple(stage_to_pp_rank(num_stages, pp, placement_style(schedule)))
     gen = _GENERATORS[schedule]
-    per_rank = tuple(tuple(gen(rank, pp, m, v)) for rank in range(pp))
-    return PipelinePlan(schedule=schedule, pp=pp, num_stages=num_stages, microbatches=m,
-                        stage_to_rank=owners, per_rank=per_rank)
+    parts = [gen(rank, pp, m, v) for rank in range(pp)]
+    offsets = np.zeros(pp + 1, dtype=np.int64)
+    np.cumsum([len(p[0]) for p in parts], out=offsets[1:])
+    arrays = PlanArrays(offsets, *(np.concatenate([p[i] for p in parts]) for i in range(3)))
+    return PipelinePlan(schedule, pp, num_stages, m, owners, arrays=arrays)
 
 
 @lru_cache(maxsize=16)
 def single_rank_plan(schedule: str, microbatches: int) -> PipelinePlan:
     """pp = 1: no pipeline; gradient accumulation runs F then B for each microbatch in turn."""
-    acts = []
-    for mb in range(microbatches):
-        acts.append(Action("F", 0, mb))
-        acts.append(Action("B", 0, mb))
-    return PipelinePlan(schedule=schedule, pp=1, num_stages=1, microbatches=microbatches,
-                        stage_to_rank=(0,), per_rank=(tuple(acts),))
+    m = microbatches
+    arrays = PlanArrays(np.array([0, 2 * m], dtype=np.int64), np.tile(np.array([_F, _B], dtype=np.int64), m),
+                        np.zeros(2 * m, dtype=np.int64), np.repeat(np.arange(m, dtype=np.int64), 2))
+    return PipelinePlan(schedule, 1, 1, m, (0,), arrays=arrays)
 
 
 # --------------------------------------------------------------------------- generators
-# Each returns rank's compute actions in execution order; arguments (rank, pp, m, v).
+# Each returns rank's compute actions in execution order as integer arrays (kind codes into
+# ACTION_KINDS, stage, microbatch); arguments (rank, pp, m, v). They are closed forms of
+# torch's step-by-step loops: each phase of a loop (warm-up, steady state, cool-down) emits a
+# regular pattern, written here as a few numpy ranges. tests/schedules_reference.py keeps the
+# literal loop ports; tests/test_schedules.py checks the two agree on a wide grid and that
+# both agree with torch.
+
+_F, _B, _I, _W = range(4)
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def _gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
+class _Seq:
+    """Appends runs of actions; ``kind``/``stage`` may be scalars (broadcast over ``mb``)."""
+
+    __slots__ = ("kind", "stage", "mb")
+
+    def __init__(self) -> None:
+        self.kind: list[np.ndarray] = []
+        self.stage: list[np.ndarray] = []
+        self.mb: list[np.ndarray] = []
+
+    def run(self, kind, stage, mb) -> None:
+        mb = np.asarray(mb, dtype=np.int64)
+        self.kind.append(np.broadcast_to(np.asarray(kind, dtype=np.int64), mb.shape))
+        self.stage.append(np.broadcast_to(np.asarray(stage, dtype=np.int64), mb.shape))
+        self.mb.append(mb)
+
+    def rows(self, *cols, keep=None) -> None:
+        """Row i emits cols[0][i], cols[1][i], ... (each col a (kind, stage, mb) triple of
+        equal-length arrays or scalars); ``keep`` (rows × cols bools) drops entries."""
+        n = max(np.size(c[2]) for c in cols)
+        k = np.empty((n, len(cols)), dtype=np.int64)
+        s = np.empty_like(k)
+        b = np.empty_like(k)
+        for j, (ck, cs, cb) in enumerate(cols):
+            k[:, j], s[:, j], b[:, j] = ck, cs, cb
+        if keep is None:
+            self.kind.append(k.ravel())
+            self.stage.append(s.ravel())
+            self.mb.append(b.ravel())
+        else:
+            self.kind.append(k[keep])
+            self.stage.append(s[keep])
+            self.mb.append(b[keep])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self.mb:
+            return _EMPTY, _EMPTY, _EMPTY
+        return np.concatenate(self.kind), np.concatenate(self.stage), np.concatenate(self.mb)
+
+
+def _r(a: int, b: int) -> np.ndarray:
+    return np.arange(a, b, dtype=np.int64)
+
+
+def _gpipe(rank: int, pp: int, m: int, v: int):
     # ScheduleGPipe._step_microbatches: all forwards, then all backwards, in microbatch order.
-    return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+    q = _Seq()
+    q.run(_F, rank, _r(0, m))
+    q.run(_B, rank, _r(0, m))
+    return q.arrays()
 
 
-def _one_f_one_b(rank: int, pp: int, m: int, v: int) -> list[Action]:
-    # Schedule1F1B._step_microbatches: warm-up of min(m, num_stages - stage) forwards, then
-    # "1B1F" (backward first) until the forwards run out, then the remaining backwards.
-    warmup = min(m, pp - rank)
-    out = [Action("F", rank, i) for i in range(warmup)]
-    fwd, bwd = warmup, 0
-    while True:
-        out.append(Action("B", rank, bwd))
-        bwd += 1
-        if fwd == m:
-            break
-        out.append(Action("F", rank, fwd))
-        fwd += 1
-    while bwd < m:
-        out.append(Action("B", rank, bwd))
-        bwd += 1
-    return out
+def _one_f_one_b(rank: int, pp: int, m: int, v: int):
+    # Schedule1F1B._step_microbatches: warm-up of w = min(m, num_stages - stage) forwards,
+    # then "1B1F" (backward first) until the forwards run out — pairs (B k, F w+k) — then the
+    # remaining w backwards.
+    w = min(m, pp - rank)
+    q = _Seq()
+    q.run(_F, rank, _r(0, w))
+    q.rows((_B, rank, _r(0, m - w)), (_F, rank, _r(w, m)))
+    q.run(_B, rank, _r(m - w, m))
+    return q.arrays()
 
 
-def _looped_bfs(rank: int, pp: int, m: int, v: int) -> list[Action]:
-    # ScheduleLoopedBFS._calculate_single_rank_operations
-    stages = range(rank, pp * v, pp)
-    out = [Action("F", s, mb) for s in stages for mb in range(m)]
-    out += [Action("B", s, mb) for s in reversed(stages) for mb in reversed(range(m))]
-    return out
+def _looped_bfs(rank: int, pp: int, m: int, v: int):
+    # ScheduleLoopedBFS._calculate_single_rank_operations: every forward of each local stage
+    # in turn, then the backwards, stages and microbatches reversed.
+    stages = _r(rank, pp * v)[::pp]
+    q = _Seq()
+    q.run(_F, np.repeat(stages, m), np.tile(_r(0, m), v))
+    q.run(_B, np.repeat(stages[::-1], m), np.tile(_r(0, m)[::-1], v))
+    return q.arrays()
 
 
 def _warmup_ops(rank: int, v: int, per_round: int, pp: int, m: int, factor: int) -> int:
@@ -203,175 +318,127 @@ def _warmup_ops(rank: int, v: int, per_round: int, pp: int, m: int, factor: int)
     return min((v - 1) * per_round + factor * ((pp - 1) - rank), m * v)
 
 
-def _interleaved(rank: int, pp: int, m: int, v: int, zero_bubble: bool) -> list[Action]:
+def _interleaved(rank: int, pp: int, m: int, v: int, zero_bubble: bool):
     # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble._calculate_single_rank_operations
-    # feeding _get_1f1b_rank_ops.
+    # feeding _get_1f1b_rank_ops. Op j's forward runs local chunk (j // per_round) % v; the
+    # j-th backward runs the chunks in reverse; per chunk, microbatches count up, so the
+    # microbatch of the j-th forward (and of the j-th backward) is
+    # (j // (per_round·v))·per_round + j % per_round (m is a multiple of per_round).
+    # Order: w warm-up forwards, then per op (forward j+w if any, backward j), then for zero
+    # bubble the weight of backward j - rank after backward j (once j ≥ rank: rank steps of
+    # plain 1F1B first), and the weights still owed at the end.
     rounds = max(1, m // pp)
     per_round = m // rounds
-    warmup = _warmup_ops(rank, v, per_round, pp, m, 1 if zero_bubble else 2)
-    microbatch_ops = v * m
-    fwd_bwd = microbatch_ops - warmup
-    cooldown = microbatch_ops - fwd_bwd
-    num_1f1b = rank  # zero bubble only: steps of plain 1F1B before W starts trailing
-
-    def fwd_stage(step: int) -> int:
-        return ((step // per_round) % v) * pp + rank
-
-    def bwd_stage(step: int) -> int:
-        return (v - 1 - ((step - warmup) // per_round) % v) * pp + rank
-
-    f_mb: dict[int, int] = defaultdict(int)
-    b_mb: dict[int, int] = defaultdict(int)
-    w_mb: dict[int, int] = defaultdict(int)
-    backward_steps: list[int] = []
-    w_count = 0
-    bkind = "I" if zero_bubble else "B"
-    out: list[Action] = []
-
-    def weight() -> None:
-        nonlocal w_count
-        s = bwd_stage(backward_steps[w_count])
-        out.append(Action("W", s, w_mb[s]))
-        w_mb[s] += 1
-        w_count += 1
-
-    for op in range(warmup + fwd_bwd + cooldown):
-        if op < warmup + fwd_bwd:
-            s = fwd_stage(op)
-            out.append(Action("F", s, f_mb[s]))
-            f_mb[s] += 1
-            if op < warmup:
-                continue
-        s = bwd_stage(op)
-        out.append(Action(bkind, s, b_mb[s]))
-        b_mb[s] += 1
-        backward_steps.append(op)
-        if zero_bubble and op - warmup >= num_1f1b:
-            weight()
-    while zero_bubble and w_count < len(backward_steps):
-        weight()
-    return out
+    w = _warmup_ops(rank, v, per_round, pp, m, 1 if zero_bubble else 2)
+    total = v * m
+    j = _r(0, total)
+    mb = (j // (per_round * v)) * per_round + j % per_round
+    chunk = (j // per_round) % v
+    f_stage = chunk * pp + rank
+    b_stage = (v - 1 - chunk) * pp + rank
+    q = _Seq()
+    q.run(_F, f_stage[:w], mb[:w])
+    if not zero_bubble:
+        q.rows((_F, f_stage[w:], mb[w:]), (_B, b_stage[: total - w], mb[: total - w]))
+        q.run(_B, b_stage[total - w:], mb[total - w:])
+        return q.arrays()
+    fi = np.minimum(j + w, total - 1)  # forward j + w, where there is one
+    wi = np.maximum(j - rank, 0)  # weight j - rank, once j ≥ rank
+    keep = np.ones((total, 3), dtype=bool)
+    keep[:, 0] = j < total - w
+    keep[:, 2] = j >= rank
+    q.rows((_F, f_stage[fi], mb[fi]), (_I, b_stage, mb), (_W, b_stage[wi], mb[wi]), keep=keep)
+    tail = slice(max(0, total - rank), total)
+    q.run(_W, b_stage[tail], mb[tail])
+    return q.arrays()
 
 
-def _interleaved_1f1b(rank: int, pp: int, m: int, v: int) -> list[Action]:
+def _interleaved_1f1b(rank: int, pp: int, m: int, v: int):
     return _interleaved(rank, pp, m, v, zero_bubble=False)
 
 
-def _interleaved_zero_bubble(rank: int, pp: int, m: int, v: int) -> list[Action]:
+def _interleaved_zero_bubble(rank: int, pp: int, m: int, v: int):
     return _interleaved(rank, pp, m, v, zero_bubble=True)
 
 
-def _zbv_zero_bubble(rank: int, pp: int, m: int, v: int) -> list[Action]:
-    # ScheduleZBVZeroBubble._calculate_single_rank_operations: planned with at least 2pp-1
-    # microbatches, then actions of microbatches ≥ m are dropped.
+def _zbv_zero_bubble(rank: int, pp: int, m: int, v: int):
+    # ScheduleZBVZeroBubble._calculate_single_rank_operations: planned with n = max(2pp-1, m)
+    # microbatches, then actions of microbatches ≥ m are dropped. Chunks c0 = rank and
+    # c1 = 2pp-1-rank; the phases of torch's loop, with the microbatch counters worked out:
     n = max(2 * pp - 1, m)
     c0, c1 = rank, 2 * pp - 1 - rank
-    f0 = f1 = b0 = b1 = 0
-    out: list[Action] = []
-    for _ in range(2 * (pp - rank) - 1):
-        out.append(Action("F", c0, f0))
-        f0 += 1
-    for _ in range(rank):
-        out.append(Action("F", c1, f1))
-        f1 += 1
-        out.append(Action("F", c0, f0))
-        f0 += 1
-    for _ in range(pp - rank):
-        out += [Action("F", c1, f1), Action("I", c1, b1), Action("W", c1, b1)]
-        f1 += 1
-        b1 += 1
-    while f1 < f0 or f0 < n:
-        if f0 < n:
-            out.append(Action("F", c0, f0))
-            f0 += 1
-        out += [Action("I", c0, b0), Action("W", c0, b0)]
-        b0 += 1
-        out += [Action("F", c1, f1), Action("I", c1, b1), Action("W", c1, b1)]
-        f1 += 1
-        b1 += 1
-    w0, w1 = b0, b1
-    for _ in range(rank):
-        out.append(Action("I", c0, b0))
-        b0 += 1
-        out.append(Action("I", c1, b1))
-        b1 += 1
-    for _ in range(pp - rank):
-        out.append(Action("I", c0, b0))
-        b0 += 1
-        out.append(Action("W", c0, w0))
-        w0 += 1
-    while w1 < b1:
-        out.append(Action("W", c1, w1))
-        w1 += 1
-    while w0 < b0:
-        out.append(Action("W", c0, w0))
-        w0 += 1
-    return [a for a in out if a.microbatch < m]
+    a = 2 * (pp - rank) - 1  # warm-up forwards of c0
+    k = n - pp  # iterations of the steady loop (it runs until c1's forwards reach n)
+    q = _Seq()
+    q.run(_F, c0, _r(0, a))
+    q.rows((_F, c1, _r(0, rank)), (_F, c0, _r(a, a + rank)))
+    q.rows((_F, c1, _r(rank, pp)), (_I, c1, _r(0, pp - rank)), (_W, c1, _r(0, pp - rank)))
+    i = _r(0, k)
+    f0 = a + rank + i  # c0's forwards stop at n
+    keep = np.ones((k, 6), dtype=bool)
+    keep[:, 0] = f0 < n
+    b1 = pp - rank + i
+    q.rows((_F, c0, f0), (_I, c0, i), (_W, c0, i), (_F, c1, pp + i), (_I, c1, b1), (_W, c1, b1), keep=keep)
+    b1 = pp - rank + k
+    q.rows((_I, c0, _r(k, k + rank)), (_I, c1, _r(b1, b1 + rank)))
+    q.rows((_I, c0, _r(k + rank, k + pp)), (_W, c0, _r(k, k + pp - rank)))
+    q.run(_W, c1, _r(b1, b1 + rank))
+    q.run(_W, c0, _r(k + pp - rank, k + pp))
+    kind, stage, mb = q.arrays()
+    ok = mb < m
+    return kind[ok], stage[ok], mb[ok]
 
 
-def _dualpipev(rank: int, pp: int, m: int, v: int) -> list[Action]:
+def _dualpipev(rank: int, pp: int, m: int, v: int):
     # ScheduleDualPipeV._calculate_single_rank_operations, OVERLAP_F_B flattened to F, B.
+    # Chunks s0 = rank, s1 = 2pp-1-rank. Per chunk, forwards count up, and B and I share one
+    # backward counter; a W runs the oldest pending I (a FIFO queue). Phases of torch's loop:
     s0, s1 = rank, 2 * pp - 1 - rank
-    count: dict[tuple[int, str], int] = defaultdict(int)  # (stage, F|I|W) -> next microbatch
-    weight_queue: list[tuple[int, int]] = []
-    out: list[Action] = []
-
-    def add(stage: int, kind: str) -> None:
-        key = (stage, "I" if kind == "B" else kind)
-        mb = count[key]
-        out.append(Action(kind, stage, mb))
-        if kind == "B":  # a full backward advances both the I and the W counters
-            count[(stage, "I")] += 1
-            count[(stage, "W")] += 1
-        else:
-            if kind == "I":
-                weight_queue.append((stage, mb))
-            count[key] = mb + 1
-
-    def add_weight_if_pending() -> None:
-        if weight_queue:
-            stage, mb = weight_queue.pop(0)
-            out.append(Action("W", stage, mb))
-            count[(stage, "W")] += 1
-
-    def overlap(f_stage: int, b_stage: int) -> None:  # OVERLAP_F_B: sub-actions F then B
-        add(f_stage, "F")
-        add(b_stage, "B")
-
-    for _ in range((pp - rank - 1) * 2):
-        add(s0, "F")
-    for _ in range(rank + 1):
-        add(s0, "F")
-        add(s1, "F")
-    for _ in range(pp - rank - 1):
-        add(s1, "I")
-        add_weight_if_pending()
-        add(s1, "F")
-    for i in range(m - pp * 2 + rank + 1):
-        if i == 0 and rank == pp - 1:
-            add(s0, "F")
-            add(s1, "B")
-        else:
-            overlap(s0, s1)
-        overlap(s1, s0)
-    for _ in range(pp - rank - 1):
-        add(s1, "B")
-        overlap(s1, s0)
+    c = pp - rank - 1
+    q = _Seq()
+    q.run(_F, s0, _r(0, 2 * c))  # warm-up
+    f0 = 2 * c
+    q.rows((_F, s0, _r(f0, f0 + rank + 1)), (_F, s1, _r(0, rank + 1)))
+    f0, f1 = f0 + rank + 1, rank + 1
+    # I s1 then its W at once (the queue holds just that one), then F s1
+    q.rows((_I, s1, _r(0, c)), (_W, s1, _r(0, c)), (_F, s1, _r(f1, f1 + c)))
+    b0, b1, f1 = 0, c, f1 + c
+    steady = max(0, m - pp * 2 + rank + 1)  # overlap(s0, s1) then overlap(s1, s0)
+    q.rows((_F, s0, _r(f0, f0 + steady)), (_B, s1, _r(b1, b1 + steady)),
+           (_F, s1, _r(f1, f1 + steady)), (_B, s0, _r(b0, b0 + steady)))
+    f0, b1, f1, b0 = f0 + steady, b1 + steady, f1 + steady, b0 + steady
+    q.rows((_B, s1, _r(b1, b1 + c)), (_F, s1, _r(f1, f1 + c)), (_B, s0, _r(b0, b0 + c)))
+    b1, f1, b0 = b1 + c, f1 + c, b0 + c
+    # cool-down: rank+1 steps of (s1, s0) backwards, split into I from the middle step on
     steps = rank + 1
+    ks: list[int] = []
+    ss: list[int] = []
+    ms: list[int] = []
+    queue_s: list[int] = []
+    queue_m: list[int] = []
     zb = False
     for i in range(steps):
-        if i == steps // 2 and rank % 2 == 1:
-            zb = True
-        add(s1, "I" if zb else "B")
-        if i == steps // 2 and rank % 2 == 0:
-            zb = True
-        add(s0, "I" if zb else "B")
-    for _ in range(pp - rank - 1):
-        add_weight_if_pending()
-        add(s0, "I" if zb else "B")
-    for _ in range(rank + 1):
-        add_weight_if_pending()
-    return out
+        for stage in (s1, s0):
+            if i == steps // 2 and (rank % 2 == 1) == (stage == s1):
+                zb = True
+            mb = b1 if stage == s1 else b0
+            ks.append(_I if zb else _B)
+            ss.append(stage)
+            ms.append(mb)
+            if zb:
+                queue_s.append(stage)
+                queue_m.append(mb)
+            if stage == s1:
+                b1 += 1
+            else:
+                b0 += 1
+    q.run(np.array(ks, dtype=np.int64), np.array(ss, dtype=np.int64), np.array(ms, dtype=np.int64))
+    # then c steps of (W of the oldest I, I s0), then the W still queued
+    qs = np.array(queue_s + [s0] * c, dtype=np.int64)
+    qm = np.concatenate([np.array(queue_m, dtype=np.int64), _r(b0, b0 + c)])
+    q.rows((_W, qs[:c], qm[:c]), (_I, s0, _r(b0, b0 + c)))
+    q.run(_W, qs[c:], qm[c:])
+    return q.arrays()
 
 
 _GENERATORS = {

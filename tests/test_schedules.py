@@ -23,14 +23,27 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
+from schedules_reference import REFERENCE_GENERATORS
 
 from engine import Config, ConfigError
 from engine.layout import stage_to_pp_rank
 from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-from engine.schedules import Action, pipeline_actions, schedule_problems, single_rank_plan
+from engine.schedules import (
+    Action,
+    PipelinePlan,
+    _pipeline_actions,
+    pipeline_actions,
+    schedule_problems,
+    single_rank_plan,
+)
 
-torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+try:
+    from torch.distributed.pipelining import schedules as torch_schedules
+except ImportError:  # the torch comparisons skip; the reference comparison below still runs
+    torch_schedules = None
+needs_torch = pytest.mark.skipif(torch_schedules is None, reason="torch is not installed")
 _COMPUTE = {"F", "B", "I", "W"}
 
 
@@ -121,6 +134,7 @@ def _grid():
 GRID = list(_grid())
 
 
+@needs_torch
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_order_equals_what_torch_runs(name):
     combos = [g for g in GRID if g[0] == name]
@@ -136,6 +150,7 @@ def test_order_equals_what_torch_runs(name):
         assert list(plan.stage_to_rank) == stage_to_pp_rank(pp * v, pp, "v" if name in V_SCHEDULES else "loop")
 
 
+@needs_torch
 def test_1f1b_pipeline_order_quirk():
     """torch 2.13: Schedule1F1B's planned order numbers the last rank's forwards from 1."""
     pp, m = 3, 4
@@ -148,6 +163,53 @@ def test_1f1b_pipeline_order_quirk():
     assert planned_last[0].microbatch == 1
     # we follow what runs
     assert [a.microbatch for a in pipeline_actions("1F1B", pp, m, 1).per_rank[pp - 1] if a.kind == "F"] == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------- the reference port
+
+# The generators in engine/schedules.py are closed forms (numpy ranges per phase) of torch's
+# loops. tests/schedules_reference.py keeps the literal step-by-step ports they replaced; the
+# torch test above covers a small grid, this one a wide one (no torch needed), so a closed form
+# cannot drift from the loop it summarises on sizes torch's grid does not reach.
+
+def _wide_grid():
+    for name in SCHEDULES:
+        vs = (1,) if name in SINGLE_STAGE_SCHEDULES else (2,) if name in V_SCHEDULES else (1, 2, 3, 4)
+        for pp in (1, 2, 3, 4, 5, 6, 7, 8, 11, 16):
+            for v in vs:
+                for m in (*range(1, 27), 31, 32, 33, 40, 48, 63, 64, 65, 96, 100):
+                    if not schedule_problems(name, pp, m, v):
+                        yield name, pp, m, v
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_closed_forms_equal_the_reference_port(name):
+    combos = [g for g in _wide_grid() if g[0] == name]
+    assert len(combos) > 100
+    ref = REFERENCE_GENERATORS[name]
+    for _, pp, m, v in combos:
+        plan = _pipeline_actions.__wrapped__(name, pp, m, v)  # uncached: a fresh generation
+        expected = tuple(tuple(ref(rank, pp, m, v)) for rank in range(pp))
+        assert plan.per_rank == expected, f"{name} pp={pp} m={m} v={v}"
+
+
+def test_arrays_and_actions_are_the_same_plan():
+    plan = pipeline_actions("ZBVZeroBubble", 3, 7, 2)
+    offsets, kind, stage, mb = plan.arrays
+    assert offsets.tolist() == [0, *np.cumsum([len(a) for a in plan.per_rank]).tolist()]
+    flat = [a for acts in plan.per_rank for a in acts]
+    assert [("F", "B", "I", "W")[k] for k in kind.tolist()] == [a.kind for a in flat]
+    assert stage.tolist() == [a.stage for a in flat] and mb.tolist() == [a.microbatch for a in flat]
+    assert plan.num_actions == len(flat) and plan.splits_backward
+    # and the other way round: a plan given as actions gets the same arrays
+    again = PipelinePlan("x", plan.pp, plan.num_stages, plan.microbatches, plan.stage_to_rank, plan.per_rank)
+    assert all(np.array_equal(a, b) for a, b in zip(again.arrays, plan.arrays))
+    with pytest.raises(ValueError, match="kind"):
+        _ = PipelinePlan("x", 1, 1, 1, (0,), ((Action("X", 0, 0),),)).arrays
+    with pytest.raises(AttributeError):
+        plan.pp = 4
+    with pytest.raises(ValueError):
+        kind[0] = 1  # read-only: a cached plan cannot be changed by a caller
 
 
 # --------------------------------------------------------------------------- rejections
@@ -174,6 +236,7 @@ def _torch_accepts(name: str, pp: int, m: int, v: int) -> bool:
     return True
 
 
+@needs_torch
 def test_config_rejects_exactly_what_torch_rejects():
     checked_rejects = 0
     for name in SCHEDULES:
