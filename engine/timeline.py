@@ -10,7 +10,7 @@ waits for its data:
 A transfer is modelled as a delay on the dependency edge (latency + bytes / bandwidth): it does
 not occupy the sender, links do not contend, and torch's fused send/recv waits are not
 modelled. ``start = max(end of the previous action on the rank, end of the data dependency +
-p2p)`` — one pass in a topological order that is computed once per plan and cached.
+p2p)`` — the ranks take turns running what their data allows (see ``_run``).
 
 Bubble conventions (both are always given, ``conventions.bubble`` says which to show):
 ``bubble_fraction`` = idle / (pp · makespan), the share of total time (GPipe paper);
@@ -22,7 +22,6 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import itemgetter
 
 import numpy as np
 
@@ -32,8 +31,6 @@ from engine.schedules import ACTION_KINDS, PipelinePlan, pipeline_actions, singl
 
 _F, _B, _I, _W = range(4)
 _KIND_NAMES = np.array(ACTION_KINDS)
-_KIND_LUT = np.full(256, -1, dtype=np.int64)  # ASCII letter -> kind code
-_KIND_LUT[[ord(k) for k in ACTION_KINDS]] = np.arange(len(ACTION_KINDS))
 
 
 # --------------------------------------------------------------------------- plan -> graph
@@ -51,11 +48,9 @@ class _Graph:
     dep: np.ndarray  # index of the data dependency, or n (sentinel) when none
     cross: np.ndarray  # dependency on another rank (a p2p transfer)
     boundary: np.ndarray  # stage boundary crossed by that transfer (s -> s+1 is boundary s)
-    order: list  # topological order (indices)
-    prev_in_order: list  # previous action on the same rank, or n, for each entry of ``order``
-    dep_in_order: list
     alloc: np.ndarray  # [num_stages, m]: index of F(s, mb)
     release: np.ndarray  # [num_stages, m]: index of the action after which activations are freed
+    dep_list: list = field(repr=False)  # dep as a Python list (the simulation loop's input)
 
 
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -70,17 +65,13 @@ def _graph(plan: PipelinePlan) -> _Graph:
 
 def _build_graph(plan: PipelinePlan) -> _Graph:
     S, m, p = plan.num_stages, plan.microbatches, plan.pp
-    lengths = [len(a) for a in plan.per_rank]
-    offsets = np.zeros(p + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    n = int(offsets[-1])
-    flat = [a for acts in plan.per_rank for a in acts]
-    kind = _KIND_LUT[np.frombuffer("".join(map(itemgetter(0), flat)).encode("ascii"), dtype=np.uint8)]
-    if np.any(kind < 0):
-        raise ValueError(f"plan has an action kind outside {ACTION_KINDS}")
-    stage = np.fromiter(map(itemgetter(1), flat), dtype=np.int64, count=n)
-    mb = np.fromiter(map(itemgetter(2), flat), dtype=np.int64, count=n)
-    rank = np.repeat(np.arange(p, dtype=np.int64), lengths)
+    offsets, kind, stage, mb = plan.arrays  # ValueError for a kind outside ACTION_KINDS
+    n = len(kind)
+    if len(offsets) != p + 1:
+        raise ValueError(f"plan lists {len(offsets) - 1} ranks, pp is {p}")
+    if n and (stage.min() < 0 or stage.max() >= S or mb.min() < 0 or mb.max() >= m):
+        raise ValueError("plan has an action outside its stages or microbatches")
+    rank = np.repeat(np.arange(p, dtype=np.int64), np.diff(offsets))
 
     where = np.full((4, S + 1, m), n, dtype=np.int64)  # where[kind, stage, mb] -> index (n: absent)
     where[kind, stage, mb] = np.arange(n)
@@ -93,55 +84,61 @@ def _build_graph(plan: PipelinePlan) -> _Graph:
     if np.any(release == n):
         raise ValueError("plan misses a backward")
 
-    dep = np.full(n, n, dtype=np.int64)
-    isf = kind == _F
-    dep[isf] = np.where(stage[isf] > 0, where[_F, stage[isf] - 1, mb[isf]], n)
-    isb = (kind == _B) | (kind == _I)
-    last = stage == S - 1
-    dep[isb & ~last] = back_in[stage[isb & ~last] + 1, mb[isb & ~last]]
-    dep[isb & last] = where[_F, stage[isb & last], mb[isb & last]]
-    isw = kind == _W
-    dep[isw] = back_in[stage[isw], mb[isw]]
-    if np.any(dep[isw] == n):
+    # the data dependency of each action, by kind: F(s-1) for F (none on stage 0); B/I(s+1)
+    # for B/I (F(s) on the last stage); I(s) for W
+    dep_f = np.vstack([np.full((1, m), n, dtype=np.int64), where[_F, : S - 1]])
+    dep_b = np.vstack([back_in[1:S], where[_F, S - 1 : S]])
+    dep_of = np.stack([dep_f, dep_b, dep_b, back_in[:S]])  # [kind, stage, mb]
+    dep = dep_of[kind, stage, mb]
+    if np.any(dep[kind == _W] == n):
         raise ValueError("plan has W without its I")
     owner = np.asarray(plan.stage_to_rank, dtype=np.int64)
     cross = np.zeros(n, dtype=bool)
     has = dep < n
     cross[has] = owner[stage[dep[has]]] != rank[has]
-    boundary = np.where(isf, stage - 1, stage)  # F crosses s-1 -> s; B/I crosses s -> s+1
-
-    order = _topological(offsets, dep.tolist(), n)
-    prev = np.arange(-1, n - 1, dtype=np.int64)
-    prev[offsets[:-1][np.diff(offsets) > 0]] = n  # first action of a rank: nothing before it
-    return _Graph(offsets, rank, kind, stage, mb, dep, cross, boundary, order.tolist(), prev[order].tolist(),
-                  dep[order].tolist(), where[_F, :S], release)
+    boundary = np.where(kind == _F, stage - 1, stage)  # F crosses s-1 -> s; B/I crosses s -> s+1
+    return _Graph(offsets, rank, kind, stage, mb, dep, cross, boundary, where[_F, :S], release, dep.tolist())
 
 
-def _topological(offsets: np.ndarray, dep: list, n: int) -> np.ndarray:
-    """Round-robin over ranks, each advancing while its next action's dependency is done."""
-    done = bytearray(n + 1)
-    done[n] = 1
-    ptr = offsets[:-1].tolist()
-    ends = offsets[1:].tolist()
-    order: list[int] = []
-    append = order.append
-    p = len(ptr)
-    while len(order) < n:
-        progressed = False
-        for r in range(p):
-            j, e = ptr[r], ends[r]
-            start = j
-            while j < e and done[dep[j]]:
-                done[j] = 1
-                append(j)
+def _run(g: _Graph, dur: list, comm: list) -> np.ndarray:
+    """End of every action: the ranks take turns, each running its next actions while their
+    data is there (a sweep down the ranks, then one back up, so that forwards and backwards
+    both travel a whole pipeline per round). Any order that respects the data and the ranks'
+    orders gives the same times, bit for bit. A round in which no rank can move is a deadlock."""
+    n = len(dur)
+    dep = g.dep_list
+    end = [-1.0] * n + [0.0]  # -1: not run yet; index n: the sentinel "nothing", ends at 0
+    ptr = g.offsets[:-1].tolist()
+    stop = g.offsets[1:].tolist()
+    last = [0.0] * len(ptr)  # end of each rank's latest action
+    live = [r for r in range(len(ptr)) if ptr[r] < stop[r]]
+    left = n
+    while left:
+        moved = 0
+        for r in live + live[::-1]:
+            j0 = j = ptr[r]
+            e = stop[r]
+            t = last[r]
+            while j < e:
+                u = end[dep[j]]
+                if u < 0.0:
+                    break
+                u += comm[j]
+                if u > t:
+                    t = u
+                t += dur[j]
+                end[j] = t
                 j += 1
-            if j != start:
+            if j != j0:
                 ptr[r] = j
-                progressed = True
-        if not progressed:
-            stuck = {r: ptr[r] for r in range(p) if ptr[r] < ends[r]}
+                last[r] = t
+                moved += j - j0
+        if not moved:
+            stuck = {r: ptr[r] for r in live}
             raise ValueError(f"pipeline plan deadlocks: ranks wait on each other at {stuck}")
-    return np.array(order, dtype=np.int64)
+        left -= moved
+        live = [r for r in live if ptr[r] < stop[r]]
+    return np.fromiter(end, dtype=np.float64, count=n + 1)
 
 
 # --------------------------------------------------------------------------- the timeline
@@ -327,19 +324,13 @@ def simulate(plan: PipelinePlan, durations: StageDurations,
     n = len(g.kind)
     dur = durations.table()[g.kind, g.stage]
     comm = _comm_seconds(g, durations)
-    order = g.order
-
-    end = [0.0] * (n + 1)  # index n: the sentinel "nothing", ends at 0
-    start = [0.0] * n
-    for i, pv, dp, c, d in zip(order, g.prev_in_order, g.dep_in_order, comm[order].tolist(), dur[order].tolist()):
-        t = end[pv]
-        u = end[dp] + c
-        if u > t:
-            t = u
-        start[i] = t
-        end[i] = t + d
-    start_s = np.array(start)
-    end_s = np.array(end[:n])
+    end = _run(g, dur.tolist(), comm.tolist())  # end[n] = 0: the sentinel "nothing"
+    # start = max(end of the previous action on the rank, end of the data + p2p): the same
+    # float operations as the loop, so the same bits
+    prev = np.arange(-1, n - 1, dtype=np.int64)
+    prev[g.offsets[:-1][np.diff(g.offsets) > 0]] = n  # first action of a rank: nothing before it
+    start_s = np.maximum(end[prev], end[g.dep] + comm)
+    end_s = end[:n]
     makespan = float(end_s.max()) if n else 0.0
     busy = np.bincount(g.rank, weights=dur, minlength=plan.pp)
     ranks = tuple(range(plan.pp)) if global_ranks is None else tuple(int(r) for r in global_ranks)

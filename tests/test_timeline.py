@@ -116,6 +116,55 @@ def test_timeline_respects_order_and_data(name, p, m, v):
     assert np.allclose(tr["end_s"] - tr["start_s"], dur.p2p_s[np.where(tr["kind"] == "F", tr["stage"] - 1, tr["stage"])])
 
 
+def _reference_times(plan, dur):
+    """The textbook recurrence, one action at a time, in whichever order the data allows:
+    start = max(end of the rank's previous action, end of the dependency + p2p)."""
+    owner, S = plan.stage_to_rank, plan.num_stages
+    table = {k: dur.table()[i] for i, k in enumerate("FBIW")}
+    present = {a for acts in plan.per_rank for a in acts}
+    end: dict = {}
+    start: dict = {}
+    ptr = [0] * plan.pp
+    last = [0.0] * plan.pp
+    while any(ptr[r] < len(plan.per_rank[r]) for r in range(plan.pp)):
+        for r, acts in enumerate(plan.per_rank):
+            while ptr[r] < len(acts):
+                k, s, mb = a = acts[ptr[r]]
+                src, link = None, None
+                if k == "F" and s > 0:
+                    src, link = ("F", s - 1, mb), s - 1
+                elif k == "W":
+                    src = ("I", s, mb)
+                elif k in "BI" and s < S - 1:
+                    src, link = ("I" if ("I", s + 1, mb) in present else "B", s + 1, mb), s
+                elif k in "BI":
+                    src = ("F", s, mb)
+                if src is not None and src not in end:
+                    break  # its data is not there yet: next rank
+                t = last[r]
+                if src is not None:
+                    comm = dur.p2p_s[link] if link is not None and owner[src[1]] != r else 0.0
+                    t = max(t, end[src] + comm)
+                start[a], end[a] = t, t + table[k][s]
+                last[r] = end[a]
+                ptr[r] += 1
+    return start, end
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in _all_combos() if c[2] in (3, 8)])
+def test_times_equal_the_textbook_recurrence_exactly(name, p, m, v):
+    plan = pipeline_actions(name, p, m, v)
+    rng = np.random.default_rng(p * 100 + m * 10 + v)
+    S = plan.num_stages
+    dur = StageDurations.of(S, rng.random(S), backward_input_s=rng.random(S), backward_weight_s=rng.random(S),
+                            p2p_s=rng.random(S - 1) * 0.3)
+    tl = simulate(plan, dur)
+    start, end = _reference_times(plan, dur)
+    for r in range(p):
+        for k, s, mb, t0, t1 in tl.actions_of_rank(r):
+            assert (t0, t1) == (start[(k, s, mb)], end[(k, s, mb)])  # bit for bit
+
+
 def test_deadlocking_plan_is_reported():
     # rank 1 wants microbatch 1's forward before 0's, which rank 0 sends only after its backward
     bad = PipelinePlan("custom", 2, 2, 2, (0, 1), (
