@@ -354,6 +354,18 @@ def _refused(out_dir: Path, reason: str, cfg: Config | None = None, steps: int =
     return run
 
 
+def prepare(cfg: Config | str | Path, out_dir: str | Path | None) -> tuple[Path, Config | None, Run | None]:
+    """The run directory and the Config of a launch — or, when the config cannot be read, an
+    already-failed Run (every launcher, local or cluster, starts here)."""
+    out = Path(out_dir) if out_dir is not None else default_run_dir()
+    if isinstance(cfg, Config):
+        return out, cfg, None
+    try:
+        return out, Config.load(cfg), None
+    except ConfigError as exc:
+        return out, None, _refused(out, str(exc))
+
+
 def launch(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: int = DEFAULT_STEPS,
            timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None,
            env: dict[str, str] | None = None) -> Run:
@@ -363,12 +375,9 @@ def launch(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: i
     has already failed, with the reason in its record. ``python`` is the interpreter the ranks
     use (default: this one); ``env`` adds environment variables for the ranks.
     """
-    out = Path(out_dir) if out_dir is not None else default_run_dir()
-    if not isinstance(cfg, Config):
-        try:
-            cfg = Config.load(cfg)
-        except ConfigError as exc:
-            return _refused(out, str(exc))
+    out, cfg, refused = prepare(cfg, out_dir)
+    if refused is not None:
+        return refused
     if steps < 1:
         return _refused(out, f"steps = {steps}: must be at least 1", cfg)
     run_dir = RunDir(out)

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from backend.cluster.follow import ClusterError, ClusterRun, Job, config_for_layout, node_layout
-from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, _refused, default_run_dir
+from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, prepare
 from backend.records import RunDir
-from engine.config import Config, ConfigError
+from engine.config import Config
 
 RDZV_PORT = 29500
 
@@ -77,12 +77,9 @@ def start(cfg: Config | str | Path, hosts: str | list[str], out_dir: str | Path 
     ``timeout_s`` counts from now: the time the user has to start every command and the run
     to finish. Raises :class:`ClusterError` for hosts that do not fit the layout.
     """
-    out = Path(out_dir) if out_dir is not None else default_run_dir()
-    if not isinstance(cfg, Config):
-        try:
-            cfg = Config.load(cfg)
-        except ConfigError as exc:
-            return _refused(out, str(exc))
+    out, cfg, refused = prepare(cfg, out_dir)
+    if refused is not None:
+        return refused
     host_list, port = parse_hosts(hosts)
     nodes, per_node = node_layout(cfg, len(host_list), per_node)
     cfg = config_for_layout(cfg, nodes, per_node)

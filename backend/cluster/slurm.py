@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 from backend.cluster.follow import ClusterRun, Job, JobState, config_for_layout, node_layout
-from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, _refused, default_run_dir
+from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, prepare
 from backend.records import RunDir, tail
-from engine.config import Config, ConfigError
+from engine.config import Config
 
 #: torchrun's c10d store listens on RDZV_PORT_BASE + (job id mod 1000) on the head node
 RDZV_PORT_BASE = 29500
@@ -208,12 +208,9 @@ def submit(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: i
     moment the job is RUNNING (queueing is Slurm's business; its --time is the hard limit).
     Raises :class:`backend.cluster.ClusterError` for node counts that do not fit the layout.
     """
-    out = Path(out_dir) if out_dir is not None else default_run_dir()
-    if not isinstance(cfg, Config):
-        try:
-            cfg = Config.load(cfg)
-        except ConfigError as exc:
-            return _refused(out, str(exc))
+    out, cfg, refused = prepare(cfg, out_dir)
+    if refused is not None:
+        return refused
     nodes, per_node = node_layout(cfg, nodes, per_node)
     cfg = config_for_layout(cfg, nodes, per_node)
     run_dir = RunDir(out.resolve())
