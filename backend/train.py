@@ -45,6 +45,7 @@ from backend.parallel.data_parallel import apply_dataparallel, dataparallel_refu
 from backend.parallel.lora import apply_lora, lora_refusal, trainable
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
+from backend.support import composition_problems
 from engine.config import Config
 
 LEARNING_RATE = 5e-3
@@ -66,21 +67,13 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def check_supported(cfg: Config) -> None:
     """Combinations torch's APIs cannot compose; raised before anything is built."""
     par = cfg.parallel
-    if par.zero == 1 and par.tp > 1:
-        raise NotImplementedError(
-            "ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
-            "parameters; use parallel.zero = 2 (fully_shard) with TP")
-    if cfg.model.tied_embeddings and par.tp > 1:
-        raise NotImplementedError("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
+    for problem in composition_problems(cfg):
+        raise NotImplementedError(problem)
     if par.dp_mode == "dataparallel":
         why = dataparallel_refusal(cfg, torch.cuda.device_count())
         if why:
             raise NotImplementedError(why)
     if cfg.training.finetune == "lora":
-        if par.tp > 1:
-            raise NotImplementedError(
-                "LoRA with tp > 1: peft wraps nn.Linear, and the TP plan would have to shard its lora_A / lora_B "
-                "too; the engine predicts it, the backend runs LoRA with DDP, ZeRO-1, FSDP and PP")
         why = lora_refusal(cfg.training, torch.cuda.is_available())
         if why:
             raise NotImplementedError(why)

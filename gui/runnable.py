@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from backend.support import composition_problems
 from engine import Config, ConfigError
 
 LOCAL_MAX_RANKS = 8  # child processes this machine is asked to run at once
@@ -55,12 +56,14 @@ class Runnable:
 
     @property
     def is_original(self) -> bool:
-        return not self.reasons
+        return not self.reasons and self.config is not None
 
     def describe(self) -> str:
         if self.is_original:
             return ""
         if self.config is None:
+            if not self.reasons:
+                return "This layout cannot run with PyTorch's APIs (the prediction stands): " + "; ".join(self.problems)
             return ("Too large to run here (" + "; ".join(self.reasons) + ") and no runnable version keeps this "
                     "layout: " + "; ".join(self.problems))
         par = self.config.parallel
@@ -75,7 +78,8 @@ def runnable_version(cfg: Config) -> Runnable:
     """The config Run executes for ``cfg``: ``cfg`` itself when it fits this machine."""
     reasons = too_large_reasons(cfg)
     if not reasons:
-        return Runnable(cfg, cfg)
+        problems = composition_problems(cfg)
+        return Runnable(cfg, None, problems=problems) if problems else Runnable(cfg, cfg)
     d = copy.deepcopy(cfg.to_dict())
     par = d["parallel"]
     changes = []
@@ -105,4 +109,7 @@ def runnable_version(cfg: Config) -> Runnable:
     except ConfigError as exc:
         return Runnable(cfg, None, reasons, changes,
                         [str(p) for p in exc.problems] or [str(exc)])
+    problems = composition_problems(small)
+    if problems:
+        return Runnable(cfg, None, reasons, changes, problems)
     return Runnable(cfg, small, reasons, changes)
