@@ -34,14 +34,6 @@ def _load(path: str):
     return Config.load(p)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def _summary(cfg) -> str:
     m, c, par, t = cfg.model, cfg.cluster, cfg.parallel, cfg.training
     name = m.preset or "custom model"
