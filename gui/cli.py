@@ -250,9 +250,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _no_display() -> bool:
+    """On Linux, Qt aborts the process when it finds no screen; say so first, in words."""
+    import os
+
+    return (sys.platform.startswith("linux") and not os.environ.get("QT_QPA_PLATFORM")
+            and not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"))
+
+
 def cmd_gui(args: argparse.Namespace) -> int:
     if getattr(args, "config", None):
         _load(args.config)
+    if _no_display() and not getattr(args, "screenshot", None):
+        raise CliError("no display to open the window on (DISPLAY and WAYLAND_DISPLAY are unset): run it in a "
+                       "desktop session or under xvfb-run, or use the command line (shardscope --help) or "
+                       "shardscope gui --screenshot OUT.png")
     try:
         from gui.app import run_app
     except ImportError as exc:

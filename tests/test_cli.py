@@ -66,3 +66,12 @@ def test_unfinished_commands_say_so(cmd):
         assert "not available yet" in out.stderr and out.stdout == ""
     else:  # once it lands it must succeed
         assert out.returncode == 0, out.stderr
+
+
+def test_no_display_is_a_clear_message_not_a_qt_abort():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    out = subprocess.run([sys.executable, "-m", "gui.cli"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60, env=env)
+    assert out.returncode == 2 and "no display" in out.stderr and "xvfb-run" in out.stderr
