@@ -47,6 +47,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -470,15 +471,14 @@ class _Planner:
             if pp > 1:
                 ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
                 fixed = fixed + ends * gm * bf * act_b * sbh1
-            act = np.zeros(n)
-            for m_val in np.unique(gm[fixed * _SAFETY <= capacity]):  # replay torch's order only where it matters
-                sel = gm == m_val
-                counts = _in_flight(sc, ri, pp, v, int(m_val), [len(layers_of[s]) for s in stages])
-                lsum = sum(c * len(layers_of[s]) for c, s in zip(counts, stages))
-                first = sum(c for c, s in zip(counts, stages) if s == 0)
-                last = sum(c for c, s in zip(counts, stages) if s == n_stages - 1)
-                act[sel] = bf[sel] * (lsum * stored1[sel] + first * 8 * s_len
-                                      + last * (2 * act_b * sbh1[sel] + 4 * s_len * vocab_t))
+            # replay torch's order only where it matters: the m values whose fixed part fits
+            need = np.unique(gm[fixed * _SAFETY <= capacity])
+            lut = np.zeros((3, per_dp + 1))  # (layer-weighted, first-stage, last-stage) in-flight counts per m
+            units = tuple(len(layers_of[s]) for s in stages)
+            for m_val in need.tolist():
+                lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages)
+            lsum, first, last = lut[:, gm]
+            act = bf * (lsum * stored1 + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
             mem = np.maximum(mem, fixed + act)
         return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr,
                 "mem": mem, "mk": mk, "rest": rest.max(axis=1), "rest_rank": rest}
@@ -518,6 +518,22 @@ class _Planner:
             d = with_tp_communication(cfg, stage_durations(cfg))
             out = self._makespans[key] = simulate(plan, d).makespan_s
         return out
+
+
+@lru_cache(maxsize=8192)
+def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages: tuple[int, ...],
+                    units: tuple[int, ...], n_stages: int) -> tuple[int, int, int]:
+    """At the rank's activation peak (``engine.memory._in_flight``): in-flight microbatches weighted by
+    each local stage's layer count, and those on the first and on the last stage.
+
+    Pure in its arguments, so shared by every layout group (tp, b, ZeRO, SP, recompute) with this
+    pipeline shape, within one plan and across plans: replaying torch's order is the costly part.
+    """
+    counts = _in_flight(schedule, pp_rank, pp, v, m, list(units))
+    lsum = sum(c * u for c, u in zip(counts, units))
+    first = sum(c for c, s in zip(counts, stages) if s == 0)
+    last = sum(c for c, s in zip(counts, stages) if s == n_stages - 1)
+    return lsum, first, last
 
 
 def _key(g: _Grid, i: int) -> tuple:
