@@ -258,6 +258,7 @@ class _Planner:
         self._act1: dict[tuple, int] = {}
         self._plans: dict[tuple, Any] = {}
         self._makespans: dict[tuple, float] = {}
+        self._shapes: dict[tuple, dict[str, Any]] = {}
 
     # ----------------------------------------------------------------- helpers
 
@@ -359,20 +360,9 @@ class _Planner:
         """Bounds for every (b, zero, sp, recompute) of one (tp, pp, v, schedule)."""
         model, conv = self.base.model, self.base.conventions
         n_stages = pp * v
-        style = placement_style(sc)
-        held = params_per_rank(self.base.replace(parallel={"dp": dp, "tp": tp, "pp": pp, "schedule": sc,
-                                                          "virtual_stages": v, "microbatches": per_dp // bs[0]}))
-        rows = [row[0] for row in held]  # tp-rank 0 of each pp rank: the largest vocabulary chunk
-        psi = np.array([r.total for r in rows], dtype=np.float64)  # [pp]
-        layers_of = split_layers(model.layers, n_stages)
-        L = np.array([len(x) for x in layers_of], dtype=np.float64)  # [S]
-        head = np.zeros(n_stages)
-        head[-1] = fl.head
-        owners = stage_to_pp_rank(n_stages, pp, style) if pp > 1 else [0]
-        member = np.zeros((pp, n_stages))
-        member[owners, np.arange(n_stages)] = 1.0
-        first_stage = np.array([min(r.stage_indices) for r in rows])
-        fwd_prefix_mask = (np.arange(n_stages)[None, :] < first_stage[:, None]).astype(np.float64)  # [pp, S]
+        sh = self._shape(tp, pp, v, sc, per_dp // bs[0], dp, rep, fl)
+        psi, layers_of, L, head, member, fwd_prefix_mask = (
+            sh["psi"], sh["layers_of"], sh["L"], sh["head"], sh["member"], sh["fwd_prefix_mask"])
         split = sc in names.SPLIT_BACKWARD_SCHEDULES
         vocab_t = -(-model.vocab // tp)
 
@@ -390,8 +380,9 @@ class _Planner:
         # ---------------- per-stage durations (exactly engine.durations + engine.step's TP terms)
         tokens = bf * s_len
         rate = peak_rate * tp
-        rc_extra = np.select([gr == _RECOMPUTE.index("full"), gr == _RECOMPUTE.index("selective")],
-                             [fl.block, fl.attention_core], 0.0)
+        rc_flops = np.zeros(len(_RECOMPUTE))  # recomputed forward flops per token and layer, by recompute kind
+        rc_flops[_RECOMPUTE.index("full")], rc_flops[_RECOMPUTE.index("selective")] = fl.block, fl.attention_core
+        rc_extra = rc_flops[gr]
         f = tokens[:, None] * (L[None, :] * fl.block + head[None, :]) / rate
         i_ = tokens[:, None] * (L[None, :] * (fl.matmuls + 2 * fl.attention_core + rc_extra[:, None])
                                 + head[None, :]) / rate
@@ -420,24 +411,11 @@ class _Planner:
         zc = gz[:, None]
         opt = opt_per_param * psi[None, :] / np.where(zc >= 1, dp, 1)
         if dp > 1:
-            g_bytes = self.base.training.grad_bytes
-
-            def per_rank(fn) -> np.ndarray:
-                return np.array([fn(int(t)) for t in psi])
-
-            nb = per_rank(lambda t: max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6))))
-            one_bucket = per_rank(lambda t: self._collective(
-                rep, "dp", "all_reduce", t * g_bytes / max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6)))))
-            ar = per_rank(lambda t: self._collective(rep, "dp", "all_reduce", t * g_bytes))
-            ag = per_rank(lambda t: self._collective(rep, "dp", "all_gather", t * w_b))
-            rs = per_rank(lambda t: self._collective(rep, "dp", "reduce_scatter", t * g_bytes))
-            n_units = np.array([max(1, len(r.units)) for r in rows], dtype=np.float64)
+            nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
             window = (fwd_one + back_one) * gm[:, None]
             calls = np.where(zc == 3, 2 * gm[:, None], 1)
-            exposed = np.select(
-                [zc == 0, zc == 1],
-                [np.maximum(one_bucket, nb * one_bucket - back_one), np.broadcast_to(ar + ag, back_one.shape)],
-                np.maximum(ag / n_units, calls * ag - window) + rs)
+            exposed = np.where(zc == 0, np.maximum(one_bucket, nb * one_bucket - back_one),
+                               np.where(zc == 1, ar + ag, np.maximum(ag / n_units, calls * ag - window) + rs))
         else:
             exposed = 0.0
         rest = exposed + opt
@@ -451,20 +429,17 @@ class _Planner:
         overhead = ctx + n_comms * buf
         capacity = self.base.cluster.gpu.memory_bytes
         mem = np.zeros(n)
-        for ri in sorted({0, pp - 1}):
-            r = rows[ri]
-            stages = r.stage_indices
+        for ri, stages, sizes in sh["ends"]:
             p_ = psi[ri]
-            fixed = np.select([gz == 0, gz == 1, gz == 2],
-                              [(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dp,
-                               w_b * p_ + (g_b + o_b) * p_ / dp], (w_b + g_b + o_b) * p_ / dp) + overhead
+            states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dp,
+                                       w_b * p_ + (g_b + o_b) * p_ / dp, (w_b + g_b + o_b) * p_ / dp])
+            fixed = states_by_zero[gz] + overhead
             fixed = fixed + np.where(full, bf * per_layer1, 0.0)  # the recomputed block (temporaries)
             if n_stages - 1 in stages:  # logits at the loss
                 fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
             if dp > 1:
                 if not getattr(conv, "ddp_gradient_as_bucket_view", False):
                     fixed = fixed + np.where(gz <= 1, g_b * p_, 0.0)
-                sizes = sorted((sum(x * y for x, y in u) for u in r.units), reverse=True)
                 fixed = fixed + np.where(gz >= 2, g_b * sizes[0], 0.0)
                 gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
                 fixed = fixed + np.where(gz == 3, w_b * gathered, 0.0)
@@ -483,14 +458,55 @@ class _Planner:
         return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr,
                 "mem": mem, "mk": mk, "rest": rest.max(axis=1), "rest_rank": rest}
 
-    def _per_layer_vec(self, tp, gs, gr) -> np.ndarray:
-        out = np.zeros(len(gs))
-        for s in (False, True):
-            for r in np.unique(gr):
-                sel = (gs == s) & (gr == r)
-                if sel.any():
-                    out[sel] = self._act_per_layer_b1(tp, s, _RECOMPUTE[int(r)])
+    def _shape(self, tp: int, pp: int, v: int, sc: str, m: int, dp: int, rep: Config, fl) -> dict[str, Any]:
+        """What the bounds need from one (tp, pp, v, placement style), shared by the schedules with it:
+        parameters per pp rank, the stage placement and the DP collectives of each rank's gradients."""
+        style = placement_style(sc)
+        key = (tp, pp, v, style)
+        out = self._shapes.get(key)
+        if out is not None:
+            return out
+        model, conv = self.base.model, self.base.conventions
+        n_stages = pp * v
+        held = params_per_rank(self.base.replace(parallel={"dp": dp, "tp": tp, "pp": pp, "schedule": sc,
+                                                          "virtual_stages": v, "microbatches": m}))
+        rows = [row[0] for row in held]  # tp-rank 0 of each pp rank: the largest vocabulary chunk
+        psi = np.array([r.total for r in rows], dtype=np.float64)  # [pp]
+        layers_of = split_layers(model.layers, n_stages)
+        head = np.zeros(n_stages)
+        head[-1] = fl.head
+        owners = stage_to_pp_rank(n_stages, pp, style) if pp > 1 else [0]
+        member = np.zeros((pp, n_stages))
+        member[owners, np.arange(n_stages)] = 1.0
+        first_stage = np.array([min(r.stage_indices) for r in rows])
+        out = {"psi": psi, "layers_of": layers_of, "L": np.array([len(x) for x in layers_of], dtype=np.float64),
+               "head": head, "member": member,
+               "fwd_prefix_mask": (np.arange(n_stages)[None, :] < first_stage[:, None]).astype(np.float64),
+               "ends": [(ri, rows[ri].stage_indices,
+                         sorted((sum(x * y for x, y in u) for u in rows[ri].units), reverse=True))
+                        for ri in sorted({0, pp - 1})]}
+        if dp > 1:
+            g_bytes, w_b = self.base.training.grad_bytes, self.base.training.param_bytes
+
+            def per_rank(fn) -> np.ndarray:
+                return np.array([fn(int(t)) for t in psi])
+
+            out["nb"] = per_rank(lambda t: max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6))))
+            out["one_bucket"] = per_rank(lambda t: self._collective(
+                rep, "dp", "all_reduce", t * g_bytes / max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6)))))
+            out["ar"] = per_rank(lambda t: self._collective(rep, "dp", "all_reduce", t * g_bytes))
+            out["ag"] = per_rank(lambda t: self._collective(rep, "dp", "all_gather", t * w_b))
+            out["rs"] = per_rank(lambda t: self._collective(rep, "dp", "reduce_scatter", t * g_bytes))
+            out["n_units"] = np.array([max(1, len(r.units)) for r in rows], dtype=np.float64)
+        self._shapes[key] = out
         return out
+
+    def _per_layer_vec(self, tp, gs, gr) -> np.ndarray:
+        lut = np.zeros((2, len(_RECOMPUTE)))
+        for s in np.unique(gs).tolist():
+            for r in np.unique(gr).tolist():
+                lut[int(s), r] = self._act_per_layer_b1(tp, s, _RECOMPUTE[r])
+        return lut[gs.astype(np.int64), gr]
 
     # ----------------------------------------------------------------- exact pieces
 
