@@ -32,7 +32,10 @@ Speed (branch and bound; the answer is the same as fully evaluating every layout
    rounding) drops layouts that cannot fit; and a **lower bound on step time**: the exact
    per-stage F/B durations (compute + TP collectives, as ``engine.step``), each pipeline
    rank's busy time plus the forward chain before its first stage, the one-microbatch critical
-   path, the exact exposed DP communication and optimizer step.
+   path, the exact exposed DP communication and optimizer step. What does not depend on the
+   layout group is computed once: in-flight counts per (schedule, pp rank, pp, v, m) — the
+   costly replay of torch's order, kept across plans (``_in_flight_sums``) — and parameters,
+   placement and DP collectives per (tp, pp, v, placement style).
 2. Best first by that bound: a candidate whose bound is below the K-th best step found so
    far gets its pipeline simulated (the exact makespan, cached per pipeline shape and shared
    by the ZeRO stages) — a tighter bound; if it is still below, the full engine runs

@@ -210,3 +210,25 @@ def test_lora_is_refused_with_the_argument_named():
     with pytest.raises(PlanError) as info:
         plan("tiny", 2, gpu="cpu", gpus_per_node=2, training={"finetune": "lora"})
     assert info.value.argument == "training" and "LoRA" in str(info.value)
+
+
+def test_shared_in_flight_counts_match_a_fresh_replay():
+    """The in-flight counts cached across layout groups and plans give the same bounds as a cold replay."""
+    from engine import names
+    from engine.planner import _base_config, _in_flight_sums
+
+    kw = SMALL["llama2-7b/8×rtx4090"]
+    base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
+
+    def bounds():
+        pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, names.RECOMPUTE_KINDS,
+                      kw["max_virtual_stages"], None)
+        g = pl.grid()
+        return g.mem_lb, g.makespan_lb, g.rest_lb
+
+    _in_flight_sums.cache_clear()
+    cold = bounds()
+    assert _in_flight_sums.cache_info().hits > 0  # shapes shared between tp groups
+    warm = bounds()
+    for a, b in zip(cold, warm):
+        np.testing.assert_array_equal(a, b)
