@@ -278,6 +278,26 @@ def _fake_scalars_read_as_zero():
             del FakeTensor.__float__
 
 
+@contextlib.contextmanager
+def _dtensor_propagation_in_own_fake_mode():
+    """DTensor's sharding propagation computes output metadata by running the op on fake tensors
+    in ``detect_fake_mode() or FakeTensorMode()`` (torch.distributed.tensor._sharding_prop). With
+    real tensors that is a fresh mode, which the MemTracker ignores (it counts only ops under the
+    fake mode it was entered in). Under our FakeTensorMode it is *our* mode, so every propagation
+    (a global-shape copy of the op: mm, empty_strided, ... on each cache miss) was counted as
+    memory of the rank: transient Temp in backward / Activation in forward that a real run never
+    allocates, enough to move the peak (the head and loss rank of the tiny 3-D config: +0.7 MB
+    Temp). A fresh mode per propagation, as with real tensors, removes them."""
+    import torch.distributed.tensor._sharding_prop as sp
+
+    old = sp.detect_fake_mode
+    sp.detect_fake_mode = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        sp.detect_fake_mode = old
+
+
 def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
     """Simulate ``rank`` of ``cfg``; the rank record (backend.train's shape plus the fake extras)."""
     import torch.distributed as dist
@@ -287,7 +307,8 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
     t0 = time.perf_counter()
     trainer = _build(cfg, rank, fake_tensors)
     t_build = time.perf_counter() - t0
-    with trainer.fake_mode, _fake_scalars_read_as_zero():
+    own = _dtensor_propagation_in_own_fake_mode() if fake_tensors else contextlib.nullcontext()
+    with own, trainer.fake_mode, _fake_scalars_read_as_zero():
         _create_optimizer_state(trainer)
         t_warm = time.perf_counter() - t0
         memory = trainer.measure_memory(2)
