@@ -374,7 +374,16 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
         # torch's ZeroRedundancyOptimizer: DDP all-reduces the gradients, then every rank
         # broadcasts its updated shard — an all-gather of the parameters in volume.
         add("ZeRO-1 gradient all-reduce (DDP)", "all_reduce", 1, grads, span, True, "backward")
-        add("ZeRO-1 parameter all-gather (shard broadcasts after the step)", "all_gather", 1, weights, span, False, "step")
+        # ...then every rank broadcasts its updated shard, one ``dist.broadcast`` per parameter
+        # tensor (parameters_as_bucket_view=False, torch's default): every rank takes part in every
+        # tensor's broadcast, each paying the broadcast's latency. Listed as one all-gather of the
+        # parameters (its volume: calls and size_bytes), timed as the per-tensor broadcasts.
+        tensors = zero1_broadcast_tensors(cfg, rp)
+        if span.size > 1:
+            secs = tensors * broadcast_seconds(cfg, weights / tensors, span, links)
+            items.append(CommItem("dp", f"ZeRO-1 parameter all-gather (timed as {tensors} per-tensor broadcasts "
+                                        "after the step)", "all_gather", 1, weights, span.size, span.link,
+                                  secs, False, "step"))
     else:
         units = max(1, len(rp.units))
         m = par.microbatches
@@ -394,6 +403,27 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
                             max(1, par.replicate // max(1, min(span.nodes, par.replicate))))
             add("HSDP gradient all-reduce across replicas", "all_reduce", 1, grads / shard, rep, True, "backward")
     return items
+
+
+def zero1_broadcast_tensors(cfg: Config, rp) -> int:
+    """Parameter tensors ZeroRedundancyOptimizer broadcasts after each step (one call each): every
+    local parameter tensor, or under LoRA the blocks' adapter tensors."""
+    if cfg.training.finetune == "lora":
+        from engine.lora import adapter_block_tensors
+
+        m = cfg.model
+        return max(1, rp.layers * len(adapter_block_tensors(m, 0, cfg.training.lora_targets, cfg.parallel.tp)))
+    return max(1, sum(len(unit) for unit in rp.units))
+
+
+def broadcast_seconds(cfg: Config, size_bytes: float, span: GroupSpan, links: MeasuredLinks | None = None) -> float:
+    """One broadcast of ``size_bytes`` over a group laid out as ``span``: a binomial tree
+    (gloo's and MPI's short-message algorithm), ⌈log₂ n⌉ rounds of one point-to-point send
+    (α + S/B of the p2p link, measured where ``links`` has it)."""
+    if span.size <= 1:
+        return 0.0
+    rounds = math.ceil(math.log2(span.size))
+    return rounds * collective_seconds(cfg, "p2p", size_bytes, span, links)
 
 
 def _sub_span(span: GroupSpan, size: int) -> GroupSpan:
@@ -428,6 +458,36 @@ def tp_block_collectives(cfg: Config) -> list[tuple[str, str, int]]:
     return [("all_reduce", "forward", 2), ("all_reduce", "backward", column_modules + (2 if again else 0))]
 
 
+def tp_edge_collectives(cfg: Config, first: bool, last: bool) -> list[tuple[str, str, int, float]]:
+    """TP collectives outside the blocks for one microbatch, as backend.parallel.tensor_parallel
+    plans them: (collective, phase, calls, bytes of one call).
+
+    The vocabulary-parallel embedding (RowwiseParallel, first stage) sums its partial output:
+    an all-reduce of b·s·h (a reduce-scatter under SP) in the forward; its input is token ids, so
+    nothing flows back. The head (ColwiseParallel, last stage): without SP its output is
+    replicated — an all-gather of the b·s·V logits in the forward — and its replicated input's
+    partial gradient is all-reduced in the backward; with SP it gathers its sequence-sharded input
+    (all-gather of b·s·h) and reduce-scatters that gradient, and loss_parallel reduces the row max,
+    the sum of exponentials and the target logit: three all-reduces of b·s fp32 values.
+    """
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    if par.tp == 1:
+        return []
+    act = float(activation_message_bytes(cfg))
+    rows = tr.micro_batch_size * m.seq_len
+    out: list[tuple[str, str, int, float]] = []
+    if first:
+        out.append(("reduce_scatter" if par.sequence_parallel else "all_reduce", "forward", 1, act))
+    if last:
+        if par.sequence_parallel:
+            out += [("all_gather", "forward", 1, act), ("reduce_scatter", "backward", 1, act),
+                    ("all_reduce", "forward", 3, rows * 4.0)]
+        else:
+            out += [("all_gather", "forward", 1, float(rows * m.vocab * tr.param_bytes)),
+                    ("all_reduce", "backward", 1, act)]
+    return out
+
+
 def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks | None) -> list[CommItem]:
     par, tr = cfg.parallel, cfg.training
     m, layers = par.microbatches, rp.layers
@@ -440,4 +500,10 @@ def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks |
         items.append(CommItem("tp", f"{label} per block ({phase}{again if phase == 'backward' else ''}; "
                                     f"{per_block} per block)", coll, calls, act, par.tp, span.link, calls * one,
                               False, phase))
+    stages = rp.stage_indices
+    n_stages = par.num_stages
+    for coll, phase, calls, size in tp_edge_collectives(cfg, 0 in stages, n_stages - 1 in stages):
+        one = collective_seconds(cfg, coll, size, span, links)
+        items.append(CommItem("tp", f"TP {coll.replace('_', '-')} of the embedding / head / loss ({phase})", coll,
+                              calls * m, size, par.tp, span.link, calls * m * one, False, phase))
     return items

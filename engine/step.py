@@ -43,6 +43,7 @@ from engine.comm import (
     cpu_oversubscription,
     group_span,
     tp_block_collectives,
+    tp_edge_collectives,
     trainable_local,
 )
 from engine.config import Config
@@ -97,14 +98,33 @@ def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
     return out["forward"], out["backward"]
 
 
+def tp_stage_seconds(cfg: Config, num_stages: int,
+                     links: MeasuredLinks | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """TP communication per stage for one microbatch: (forward, backward) arrays — the blocks'
+    collectives (:func:`tp_seconds_per_layer`) plus the embedding's on the first stage and the
+    head's and loss_parallel's on the last (engine.comm.tp_edge_collectives)."""
+    fwd_l, bwd_l = tp_seconds_per_layer(cfg, links)
+    layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages)], dtype=np.float64)
+    fwd, bwd = layers * fwd_l, layers * bwd_l
+    if cfg.parallel.tp > 1:
+        span = group_span(cfg, "tp")
+        for s in {0, num_stages - 1}:
+            for coll, phase, calls, size in tp_edge_collectives(cfg, s == 0, s == num_stages - 1):
+                t = calls * collective_seconds(cfg, coll, size, span, links)
+                if phase == "forward":
+                    fwd[s] += t
+                else:
+                    bwd[s] += t
+    return fwd, bwd
+
+
 def with_tp_communication(cfg: Config, d: StageDurations, links: MeasuredLinks | None = None) -> StageDurations:
-    """Stage durations with each block's TP collectives added to F, B and I (not W)."""
-    fwd, bwd = tp_seconds_per_layer(cfg, links)
-    if fwd == 0.0 and bwd == 0.0:
+    """Stage durations with the TP collectives (:func:`tp_stage_seconds`) added to F, B and I (not W)."""
+    if cfg.parallel.tp == 1:
         return d
-    layers = np.array([len(r) for r in split_layers(cfg.model.layers, d.num_stages)], dtype=np.float64)
-    return StageDurations.of(d.num_stages, d.forward_s + layers * fwd, d.backward_s + layers * bwd,
-                             d.backward_input_s + layers * bwd, d.backward_weight_s, d.p2p_s,
+    fwd, bwd = tp_stage_seconds(cfg, d.num_stages, links)
+    return StageDurations.of(d.num_stages, d.forward_s + fwd, d.backward_s + bwd,
+                             d.backward_input_s + bwd, d.backward_weight_s, d.p2p_s,
                              source=d.source)
 
 
@@ -148,9 +168,7 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
     timeline = pipeline_prediction(cfg, d)
     comm = communication(cfg, links)
     held = params_per_rank(cfg)
-    fwd_tp, bwd_tp = tp_seconds_per_layer(cfg, links)
-    n_stages = d.num_stages
-    split = split_layers(model.layers, n_stages)
+    tp_f, tp_b = tp_stage_seconds(cfg, d.num_stages, links)
     stages_of = [list(rp[0].stage_indices) for rp in held] if par.pp > 1 else [[0]]
 
     best = None
@@ -175,8 +193,7 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
                 exposed += max(one_call, item.seconds - window)
         opt = optimizer_seconds(cfg, trainable_local(cfg, held[pp_rank][0]))
         busy = float(timeline.busy_s[pp_rank])
-        layers_here = sum(len(split[s]) for s in stages)
-        tp_here = layers_here * (fwd_tp + bwd_tp) * par.microbatches
+        tp_here = float(sum(tp_f[s] + tp_b[s] for s in stages)) * par.microbatches
         total = timeline.makespan_s + exposed + opt
         entry = (total, pp_rank, busy, tp_here, exposed, opt, dp_total)
         if best is None or total > best[0]:
