@@ -56,7 +56,7 @@ from engine.layout import split_layers
 from engine.memory import memory_per_rank
 from engine.params import params_per_rank
 from engine.predict import Prediction
-from engine.step import optimizer_seconds, step_time, tp_seconds_per_layer
+from engine.step import optimizer_seconds, step_time, tp_stage_seconds
 
 LINKS_FILE = "links.json"
 
@@ -82,6 +82,7 @@ class Calibration:
     step_seconds: float  # the measured step
     notes: tuple[str, ...] = ()
     links: LinkCalibration | None = None  # measured α and B per collective (shardscope calibrate --links)
+    busy_fraction: float | None = None  # Σ busy / (ranks × makespan) of the source's pipeline actions
 
     def with_links(self, links: LinkCalibration) -> Calibration:
         """This calibration with measured links for every collective and send."""
@@ -89,14 +90,21 @@ class Calibration:
 
     # ----------------------------------------------------------------- contention
 
-    def _share(self, cfg: Config) -> float:
-        """Share of a core each rank gets (1 on GPUs or when ranks ≤ cores)."""
+    def _share(self, cfg: Config, busy: float = 1.0) -> float:
+        """Share of a core each *working* rank gets: ``cores / (world × busy)``, at most 1 (1 on
+        GPUs). ``busy`` is the layout's busy fraction: ranks idle in pipeline bubbles (blocked
+        in a receive) lend their core to the others, so on average ``world × busy`` ranks compete."""
         if self.cores is None or cfg.cluster.gpu.name != "cpu":
             return 1.0
-        return min(1.0, self.cores / cfg.parallel.world_size)
+        return min(1.0, self.cores / (cfg.parallel.world_size * max(busy, 1e-3)))
 
-    def speed_factor(self, cfg: Config) -> float:
-        """Target throughput over source throughput from core sharing alone."""
+    def speed_factor(self, cfg: Config, busy: float = 1.0) -> float:
+        """Target compute throughput over the source's from core sharing: the source at its
+        measured busy fraction, the target at ``busy`` (1: every rank always working)."""
+        return self._share(cfg, busy) / self._share(self.config, self.busy_fraction or 1.0)
+
+    def _all_busy_factor(self, cfg: Config) -> float:
+        """Core sharing when every rank works at once in both layouts (the optimizer step, collectives)."""
         return self._share(cfg) / self._share(self.config)
 
     # ----------------------------------------------------------------- applying
@@ -110,23 +118,27 @@ class Calibration:
                                                                               pb.sequence_parallel)
                 and (pa.zero in (2, 3)) == (pb.zero in (2, 3)))
 
-    def config_for(self, cfg: Config) -> Config:
+    def config_for(self, cfg: Config, busy: float = 1.0) -> Config:
         """``cfg`` with this machine's calibrated efficiency and bandwidths (core sharing is the
-        calibration's own ``speed_factor``: the analytic ``cluster.cpu_cores`` is switched off)."""
-        k = self.speed_factor(cfg)
+        calibration's own ``speed_factor`` at the target's busy fraction ``busy``; the optimizer's
+        memory bandwidth and a fitted link scale as every rank working at once: the analytic
+        ``cluster.cpu_cores`` is switched off)."""
+        k = self.speed_factor(cfg, busy)
+        k_all = self._all_busy_factor(cfg)
         eff = min(1.0, max(1e-6, self.compute_efficiency * k))
         cluster: dict = {"cpu_cores": 0}
         if self.memory_bytes_per_s is not None:
             cluster["gpu"] = dataclasses.replace(cfg.cluster.gpu,
-                                                 hbm_bandwidth_gb_per_s=self.memory_bytes_per_s * k / 1e9)
+                                                 hbm_bandwidth_gb_per_s=self.memory_bytes_per_s * k_all / 1e9)
         if self.link_bytes_per_s is not None:
-            cluster["intra_node_bandwidth_gb_per_s"] = self.link_bytes_per_s * k / 1e9
+            cluster["intra_node_bandwidth_gb_per_s"] = self.link_bytes_per_s * k_all / 1e9
         return cfg.replace(conventions={"compute_efficiency": eff}, cluster=cluster)
 
-    def durations_for(self, cfg: Config) -> StageDurations:
-        """Per-stage seconds for ``cfg``: measured when the stages match, else analytic FLOPs / efficiency."""
-        cal = self.config_for(cfg)
-        k = self.speed_factor(cfg)
+    def durations_for(self, cfg: Config, busy: float = 1.0) -> StageDurations:
+        """Per-stage seconds for ``cfg`` at busy fraction ``busy``: measured when the stages match,
+        else analytic FLOPs / efficiency."""
+        cal = self.config_for(cfg, busy)
+        k = self.speed_factor(cfg, busy)
         analytic = stage_durations(cal)
         p2p = analytic.p2p_s
         if self.p2p_s is not None and len(p2p):
@@ -147,10 +159,24 @@ class Calibration:
                                  source="calibrated: analytic FLOPs / measured efficiency")
 
     def predict(self, cfg: Config) -> Prediction:
-        """``engine.predict`` for ``cfg`` with this calibration (and its measured links)."""
-        c = self.config_for(cfg)
+        """``engine.predict`` for ``cfg`` with this calibration (and its measured links).
+
+        On shared CPU cores the target's busy fraction decides how fast each working rank
+        computes, and the predicted timeline decides the busy fraction: a fixed point, found by
+        iterating from "every rank always busy" (uniformly scaled durations leave the fraction
+        unchanged, so a few rounds settle it; pp = 1 is busy throughout and needs one)."""
         links = None if self.links is None else self.links.links_for(cfg)
-        return Prediction(config=c, memory=memory_per_rank(c), step=step_time(c, self.durations_for(cfg), links))
+        busy = 1.0
+        for _ in range(8):
+            c = self.config_for(cfg, busy)
+            st = step_time(c, self.durations_for(cfg, busy), links)
+            if self.cores is None or self.busy_fraction is None or cfg.cluster.gpu.name != "cpu":
+                break
+            new = timeline_busy_fraction(st.timeline)
+            if abs(new - busy) < 1e-3:
+                break
+            busy = new
+        return Prediction(config=c, memory=memory_per_rank(c), step=st)
 
     def to_json(self) -> dict:
         return {
@@ -166,6 +192,7 @@ class Calibration:
             "step_seconds": self.step_seconds,
             "notes": list(self.notes),
             "links": None if self.links is None else self.links.to_json(),
+            "busy_fraction": self.busy_fraction,
         }
 
 
@@ -211,6 +238,26 @@ def _action_means(meas: dict, num_stages: int, drop_last_backward: bool) -> tupl
         out[kind] = np.array([float(np.max(samples[(kind, s)])) if (kind, s) in samples else np.nan
                               for s in range(num_stages)])
     return out, (float(np.mean(excess)) if excess else 0.0)
+
+
+def timeline_busy_fraction(timeline) -> float:
+    """Σ busy / (pp ranks × makespan) of a predicted timeline (DP/TP replicas work alike)."""
+    busy = np.asarray(timeline.busy_s, dtype=np.float64)
+    span = float(timeline.makespan_s)
+    return float(busy.sum() / (len(busy) * span)) if span > 0 and len(busy) else 1.0
+
+
+def measured_busy_fraction(meas: dict) -> float | None:
+    """Σ busy / (ranks × makespan) of a run's timed pipeline actions: the share of rank-time spent
+    computing, the makespan from the first action's start to the last one's end; None without actions."""
+    per_rank = [r.get("actions", []) for r in (meas.get("pipeline") or {}).get("per_rank", [])]
+    per_rank = [a for a in per_rank if a]
+    if not per_rank:
+        return None
+    start = min(float(a[3]) for acts in per_rank for a in acts)
+    end = max(float(a[4]) for acts in per_rank for a in acts)
+    busy = sum(float(a[4]) - float(a[3]) for acts in per_rank for a in acts)
+    return min(1.0, busy / (len(per_rank) * (end - start))) if end > start else None
 
 
 def _p2p_wait(meas: dict) -> float | None:
@@ -303,17 +350,16 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
         return Calibration(source, cfg, eff, eff, eff, cores, None, None, None, None, step_s, tuple(notes), links)
 
     # ---- per-stage durations, TP communication taken out (the engine adds it back)
-    layers = _stage_layers(cfg, num_stages)
-    tp_f, tp_b = tp_seconds_per_layer(cfg, lk)
-    f = med["F"] - layers * tp_f
+    tp_f, tp_b = tp_stage_seconds(cfg, num_stages, lk)
+    f = med["F"] - tp_f
     split = not np.all(np.isnan(med["I"]))
     if split:
-        i = med["I"] - layers * tp_b
+        i = med["I"] - tp_b
         w = med["W"]
         # a split schedule may still run full B for some stages/microbatches
-        b = np.where(np.isnan(med["B"]), i + w, med["B"] - layers * tp_b)
+        b = np.where(np.isnan(med["B"]), i + w, med["B"] - tp_b)
     else:
-        b = med["B"] - layers * tp_b
+        b = med["B"] - tp_b
     for name, arr, raw in (("F", f, med["F"]), ("B", b, med["B"] if not split else b)):
         if np.any(np.isnan(arr)):
             raise CalibrationError(f"the measurement lacks {name} actions for some stage")
@@ -349,7 +395,12 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
                      "modelled memory-bound)")
 
     p2p = _p2p_wait(meas)
-    cal = Calibration(source, cfg, eff, eff_f, eff_b, cores, mem_bw, None, p2p, measured, step_s, (), links)
+    busy = measured_busy_fraction(meas) if on_cpu else None
+    if busy is not None and cores:
+        notes.append(f"busy fraction {busy:.2f} (Σ action time / (ranks × makespan)): about {busy * par.world_size:.1f} "
+                     f"of {par.world_size} ranks computed at once on {cores} cores; compute is rescaled to the "
+                     "target's predicted busy fraction")
+    cal = Calibration(source, cfg, eff, eff_f, eff_b, cores, mem_bw, None, p2p, measured, step_s, (), links, busy)
 
     # ---- link bandwidth: the exposed DP reduction in each stage's last backward
     link = None
@@ -360,7 +411,8 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
 
         def exposed_with(bw: float) -> float:
             c = dataclasses.replace(cal, link_bytes_per_s=bw)
-            return step_time(c.config_for(cfg), c.durations_for(cfg)).breakdown["dp_comm_exposed"]
+            b = cal.busy_fraction or 1.0
+            return step_time(c.config_for(cfg, b), c.durations_for(cfg, b)).breakdown["dp_comm_exposed"]
 
         link = _bisect_log(exposed_with, dp_excess, bw0 * 1e-4, bw0 * 1e4)
         if link is None:

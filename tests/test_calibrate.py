@@ -76,12 +76,40 @@ def test_without_pipeline_actions_one_efficiency_is_fitted_to_the_step():
     assert abs(cal.predict(other).step.seconds - truth) < abs(predict(other).step.seconds - truth)
 
 
-def test_ranks_sharing_cores_are_scaled_by_cores_over_world():
+def test_ranks_sharing_cores_are_scaled_by_the_ranks_that_work_at_once():
     source = _cfg(dp=2, pp=2)
-    cal = calibrate(source, _measurement_of(source), cores=2)  # 4 ranks on 2 cores: half a core each
+    meas = _measurement_of(source)
+    cal = calibrate(source, meas, cores=2)  # 4 ranks on 2 cores, idle part of the time in bubbles
+    acts = [a for r in meas["pipeline"]["per_rank"] for a in r["actions"]]
+    span = max(a[4] for a in acts) - min(a[3] for a in acts)
+    u = sum(a[4] - a[3] for a in acts) / (4 * span)
+    assert cal.busy_fraction == pytest.approx(u) and 0.5 < u < 1
+    src_share = min(1.0, 2 / (4 * u))  # about 4u ranks compete for the 2 cores
     two = _cfg(gpus=2, dp=1, pp=2)
-    assert cal.speed_factor(two) == pytest.approx(2.0) and cal.speed_factor(source) == 1.0
-    assert cal.durations_for(two).forward_s == pytest.approx(cal.measured.forward_s / 2)
+    assert cal.speed_factor(two) == pytest.approx(1.0 / src_share)
+    assert cal.speed_factor(source, cal.busy_fraction) == pytest.approx(1.0)
+    assert cal.durations_for(two).forward_s == pytest.approx(cal.measured.forward_s * src_share)
+    # all four ranks busy at once (dp4): slower than the source's per-action rate, by its busy fraction
+    dp4 = _cfg(dp=4, microbatches=2)
+    assert cal.speed_factor(dp4) == pytest.approx(0.5 / src_share) and 0.5 / src_share < 1
+    # without a busy fraction (pp = 1 source) the rule is cores / world
+    plain = calibrate(_cfg(dp=4, microbatches=2), _measurement_of(_cfg(dp=4, microbatches=2)), cores=2)
+    assert plain.busy_fraction is None and plain.speed_factor(two) == pytest.approx(2.0)
+
+
+def test_target_busy_fraction_is_a_fixed_point_of_the_prediction():
+    from engine.calibrate import timeline_busy_fraction
+    from engine.step import step_time
+
+    source = _cfg(dp=2, pp=2)
+    cal = calibrate(source, _measurement_of(source), cores=2)
+    target = _cfg(dp=1, pp=4, schedule="GPipe")
+    pred = cal.predict(target)
+    u = timeline_busy_fraction(pred.step.timeline)
+    assert 0 < u < 1  # GPipe's bubble: ranks idle part of the step
+    # the durations used are the ones at the predicted busy fraction
+    at_u = step_time(cal.config_for(target, u), cal.durations_for(target, u))
+    assert pred.step.seconds == pytest.approx(at_u.seconds, rel=1e-2)
 
 
 def test_unusable_runs_are_refused(tmp_path):

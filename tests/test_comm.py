@@ -93,7 +93,8 @@ def test_pp_communication_is_far_smaller_than_tp():
 
 
 def _tp_bytes(c, phase):
-    return sum(i.bytes_sent for i in communication(c).per_pp_rank[0].items if i.dim == "tp" and i.phase == phase)
+    return sum(i.bytes_sent for i in communication(c).per_pp_rank[0].items
+               if i.dim == "tp" and i.phase == phase and "per block" in i.what)
 
 
 def test_tp_with_sp_moves_the_same_forward_bytes_as_all_reduce():
@@ -107,11 +108,12 @@ def test_tp_with_sp_moves_the_same_forward_bytes_as_all_reduce():
 
 def test_tp_collectives_per_block_follow_torchs_plan():
     calls = {(i.collective, i.phase): i.calls // 32 for i in communication(cfg(tp=8, gpus=8)).per_pp_rank[0].items
-             if i.dim == "tp"}  # llama2-7b: 32 blocks, one microbatch
+             if i.dim == "tp" and "per block" in i.what}  # llama2-7b: 32 blocks, one microbatch
     assert calls == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 5}
     gelu = Config.from_dict({"model": {"preset": "gpt2-124m"}, "cluster": {"preset": "dgx-h100", "gpus": 2},
                              "parallel": {"tp": 2}})
-    calls = {(i.collective, i.phase): i.calls // 12 for i in communication(gelu).per_pp_rank[0].items if i.dim == "tp"}
+    calls = {(i.collective, i.phase): i.calls // 12 for i in communication(gelu).per_pp_rank[0].items
+             if i.dim == "tp" and "per block" in i.what}
     assert calls == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 4}
 
 
@@ -164,3 +166,35 @@ def test_to_json_names_groups_and_links():
     data = communication(cfg(dp=4, tp=16)).to_json()
     assert data["groups"]["tp"]["crosses_nodes"] is True
     assert data["per_rank"][0]["items"]
+
+
+def test_tp_embedding_head_and_loss_collectives_follow_the_backend_plan():
+    from engine.comm import tp_edge_collectives
+
+    c = cfg(tp=8, gpus=8)  # llama2-7b, one stage holds embedding and head
+    m, t = c.model, c.training
+    act = t.micro_batch_size * m.seq_len * m.hidden * t.param_bytes
+    logits = t.micro_batch_size * m.seq_len * m.vocab * t.param_bytes
+    assert tp_edge_collectives(c, True, True) == [("all_reduce", "forward", 1, act), ("all_gather", "forward", 1, logits),
+                                                   ("all_reduce", "backward", 1, act)]
+    sp = cfg(tp=8, gpus=8, sequence_parallel=True)
+    rows = t.micro_batch_size * m.seq_len
+    assert tp_edge_collectives(sp, True, False) == [("reduce_scatter", "forward", 1, act)]
+    assert tp_edge_collectives(sp, False, True)[-1] == ("all_reduce", "forward", 3, rows * 4.0)  # loss_parallel
+    assert tp_edge_collectives(cfg(dp=8, gpus=8), True, True) == []
+    edges = [i for i in communication(c).per_pp_rank[0].items if i.dim == "tp" and "embedding" in i.what]
+    assert sum(i.calls for i in edges) == 3 * c.parallel.microbatches
+
+
+def test_zero1_broadcasts_every_parameter_tensor_separately():
+    from engine.comm import broadcast_seconds
+
+    c = cfg(dp=4, zero=1, gpus=4)
+    it = next(i for i in communication(c).per_pp_rank[0].items if i.what.startswith("ZeRO-1 parameter"))
+    tensors = 1 + 32 * 9 + 2  # embedding, 32 blocks × (wq wk wv wo w1 w2 w3 + 2 norms), norm + head
+    assert f"{tensors} per-tensor broadcasts" in it.what and not it.overlappable
+    held = it.size_bytes  # listed as one all-gather of the whole local parameters (its volume)
+    span = group_span(c, "dp")
+    # binomial tree over 4 ranks: 2 rounds of one send, per tensor
+    assert broadcast_seconds(c, 1e6, span) == pytest.approx(2 * collective_seconds(c, "p2p", 1e6, span))
+    assert it.seconds == pytest.approx(tensors * broadcast_seconds(c, held / tensors, span))
