@@ -213,18 +213,31 @@ same buffer) from activations.
   and group size, printed above the table; kept in `/tmp/shardscope-accuracy/links/links.json`): gloo on 4 ranks
   over 2 cores costs 120–300 µs per ring step within pairs and 0.7–1.7 ms across all four,
   at 0.4–1.7 GB/s, so collectives now cost what they cost. What is left:
-  - *Compute on shared cores.* The tiny model is dispatch-bound (small kernels, autograd,
-    Python), far below the matmul throughput the benchmark measures, so analytic compute
-    (0.5 × measured peak, cores shared) stays 2–4× optimistic ("step analytic", "links
-    only"). The reference calibration learns the effective rate, but from a pipeline run
-    whose ranks idle in bubbles and lend their core to the others: its per-action durations
-    are faster than the same work with all four ranks busy, hence −20 … −50 % on the dp4 rows.
-  - *TP* (−47 … −90 %): DTensor's per-op sharding propagation runs in Python on a shared
-    core for every Linear, plus loss_parallel's statistics all-reduces and the embedding /
-    head collectives, none modelled (the engine now counts torch's backward all-reduce per
-    column-parallel module, 5 per SwiGLU block, not Megatron's 2).
-  - *ZeRO-1* (−50 %): ZeroRedundancyOptimizer broadcasts every parameter tensor separately
-    (one call per tensor, each paying gloo's latency); modelled as one all-gather.
+  - *Compute on shared cores* (modelled). The tiny model is dispatch-bound (small kernels,
+    autograd, Python), far below the benchmark's matmul throughput, so analytic compute stays
+    2–4× optimistic ("step analytic", "links only"). The calibration learns the per-action rate
+    from the reference, whose ranks idle in bubbles (blocked in a receive) and lend their core:
+    its busy fraction Σ busy / (ranks × makespan) is 0.70, i.e. ~2.8 of 4 ranks compete for the
+    2 cores. Each working rank gets min(1, cores / (world × busy)) of a core, the source at its
+    measured busy fraction, the target at its predicted one (a fixed point of the timeline).
+    The pp4 runs confirm it: at 1.2–1.8 ranks working their F costs 1.8–2.1 ms per layer, the
+    reference's 3.4 ms. DDP dp4 went −20.5 → +8.0 %, the ZeRO rows gained 11–32 points.
+  - *Pipeline timelines on gloo* (pp4 rows, −40 … −57 %; self-calibrated −3 … −48 %): the
+    per-action durations are now right, but the measured runs idle far more than any schedule
+    predicts (GPipe: busy 0.29 measured vs 0.57 ideal). In the GPipe trace the last stage starts
+    the backward of microbatch k+1 only when stage 0 starts that of k (~11 ms waits each): the
+    gloo sends/receives of torch.distributed.pipelining serialise the backward waves. The
+    timeline does not model that; before this change the over-slow compute of the old
+    cores / world rule hid part of it (those rows read −30 … −56 %).
+  - *TP* (−44 … −87 %): now counted are the embedding's all-reduce (reduce-scatter under SP),
+    the head's logits all-gather and input-gradient all-reduce (all-gather + reduce-scatter
+    under SP) and loss_parallel's three statistics all-reduces, besides the blocks' 5 backward
+    all-reduces per SwiGLU block. What is left is DTensor's per-op sharding propagation in
+    Python on a shared core for every Linear: a per-call overhead that only a run with TP can
+    calibrate, and the reference has no TP, so nothing is fitted for it.
+  - *ZeRO-1* (−19 / −20 %, was −50 %): ZeroRedundancyOptimizer broadcasts every parameter
+    tensor separately (75 calls on the tiny model), now modelled per tensor as a binomial tree
+    (⌈log₂ n⌉ point-to-point rounds at the measured p2p α and B).
   - *Noise.* The machine is shared with other sessions (load average 5–7 on 2 cores during
     this run); the same layout measured 93 ms here and 162 ms in the previous run (PP 1F1B),
     183 vs 374 ms (DDP dp4). Self-calibrated pipeline rows (−48 … +26 %) show that part.
