@@ -164,20 +164,11 @@ class Run:
         cfg = self.cfg
         world = cfg.parallel.world_size  # measurement rows (GPUs)
         procs = processes_for(cfg)  # processes torchrun starts
-        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
-               "--max-restarts=0", "--local-addr=127.0.0.1", "--monitor-interval=0.2",
-               "-m", "backend.worker", "--run-dir", str(self.path.resolve()), "--steps", str(self.steps)]
-        env = dict(os.environ)
-        env.update({
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
-            "MASTER_ADDR": "127.0.0.1",
-            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
-            "NCCL_SOCKET_IFNAME": env.get("NCCL_SOCKET_IFNAME", "lo"),
-            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-            "PYTHONUNBUFFERED": "1",
-            "TORCHELASTIC_ERROR_FILE": str(self.dir.logs / "error.json"),
-        })
-        env.update(extra_env or {})
+        cmd, env = local_torchrun(python, procs, "backend.worker",
+                                  ["--run-dir", str(self.path.resolve()), "--steps", str(self.steps)],
+                                  {"PYTHONUNBUFFERED": "1",
+                                   "TORCHELASTIC_ERROR_FILE": str(self.dir.logs / "error.json"),
+                                   **(extra_env or {})})
         extra = {} if procs == world else {"processes": procs, "dp_mode": cfg.parallel.dp_mode}
         self._emit("started", world=world, steps=self.steps, command=cmd, run_dir=str(self.path), **extra)
         log = open(self.dir.agent_log, "ab")  # noqa: SIM115 - closed by the monitor
@@ -352,6 +343,23 @@ def _refused(out_dir: Path, reason: str, cfg: Config | None = None, steps: int =
     run = Run(run_dir, cfg, steps, 0.0)
     run._emit("failed", reason=reason, rank=None, log_tail="")
     return run
+
+
+def local_torchrun(python: str, nproc: int, module: str, args: list[str],
+                   extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a standalone torchrun of ``module`` on this machine, bound to loopback."""
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "--local-addr=127.0.0.1", "--monitor-interval=0.2", "-m", module, *args]
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+        "NCCL_SOCKET_IFNAME": env.get("NCCL_SOCKET_IFNAME", "lo"),
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+    })
+    env.update(extra_env or {})
+    return cmd, env
 
 
 def prepare(cfg: Config | str | Path, out_dir: str | Path | None) -> tuple[Path, Config | None, Run | None]:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend.launch import REPO_ROOT, _has_torch
+from backend.launch import REPO_ROOT, _has_torch, local_torchrun
 from engine.calibrate import LINKS_FILE, LinkCalibration, links_from_benchmark
 
 RAW_FILE = "links_raw.json"
@@ -39,18 +39,8 @@ def measure_links(ranks: int, out_dir: str | Path, timeout_s: float = 180.0, pyt
         raise LinkBenchError(f"torch is not installed for {python}: install it to measure links")
     for name in (RAW_FILE, LINKS_FILE):
         (out / name).unlink(missing_ok=True)
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
-           "--local-addr=127.0.0.1", "--monitor-interval=0.2", "-m", "backend.linkbench_worker",
-           "--out", str(out.resolve())]
-    env = dict(os.environ)
-    env.update({
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
-        "MASTER_ADDR": "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
-        "NCCL_SOCKET_IFNAME": env.get("NCCL_SOCKET_IFNAME", "lo"),
-        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-        "PYTHONWARNINGS": "ignore",
-    })
+    cmd, env = local_torchrun(python, ranks, "backend.linkbench_worker", ["--out", str(out.resolve())],
+                              {"PYTHONWARNINGS": "ignore"})
     log_path = out / "linkbench.log"
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
