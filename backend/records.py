@@ -48,14 +48,10 @@ def append_jsonl(path: Path, obj: dict) -> None:
         f.flush()
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every complete JSON line of ``path`` (a torn or garbled line is skipped)."""
+def _json_objects(lines) -> list[dict]:
+    """The JSON objects among ``lines`` (a torn or garbled line is skipped)."""
     out = []
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
+    for line in lines:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
@@ -63,6 +59,15 @@ def read_jsonl(path: Path) -> list[dict]:
         if isinstance(obj, dict):
             out.append(obj)
     return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete JSON line of ``path`` (a torn or garbled line is skipped)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    return _json_objects(text.splitlines())
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -231,15 +236,7 @@ def iter_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
     end = data.rfind(b"\n")
     if end < 0:
         return [], offset
-    out = []
-    for line in data[: end + 1].splitlines():
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out, offset + end + 1
+    return _json_objects(data[: end + 1].splitlines()), offset + end + 1
 
 
 def events_of(path: str | Path) -> Iterator[dict]:
