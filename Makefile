@@ -1,4 +1,5 @@
 # The two commands of the README:   make run   (opens ShardScope)   ·   make test   (runs the tests)
+# make test-fast: unit and property tests only (no rank launches, no window) for the edit-test loop.
 # Both build .venv on first use. torch: TORCH_SPEC / TORCH_PIP_ARGS choose the build (see README).
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 
-.PHONY: run test install lint bench
+.PHONY: run test test-fast install lint bench
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "ShardScope needs Python >= 3.11"'
@@ -22,6 +23,9 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m 'not integration and not gui'
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

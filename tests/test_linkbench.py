@@ -124,6 +124,7 @@ def test_launching_side_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_benchmark_runs_end_to_end(tmp_path):
     from backend.linkbench import measure_links
