@@ -18,6 +18,7 @@ from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
+from engine.schedules import ACTION_KINDS
 from gui.widgets.barrier import LayoutBarrier
 
 KINDS = ("F", "B", "I", "W")
@@ -61,10 +62,6 @@ def _kind_codes(tl) -> np.ndarray:
     """Kind codes in KINDS order, from the engine's codes (``kind_code``) or letters (``kind``)."""
     code = getattr(tl, "kind_code", None)
     if code is not None:
-        try:
-            from engine.schedules import ACTION_KINDS
-        except ImportError:
-            ACTION_KINDS = KINDS
         remap = np.array([_CODE.get(str(k)[:1], 0) for k in ACTION_KINDS])
         return remap[np.asarray(code, dtype=int)]
     return np.array([_CODE.get(str(k)[:1], 0) for k in np.asarray(tl.kind).tolist()], dtype=int)
@@ -266,8 +263,15 @@ class TimelineView(QWidget):
         self.note.setObjectName("note")
         self.note.setWordWrap(True)
         self.note.hide()
+        # what the cursor is over: kind, stage, microbatch, start, end, duration, predicted and measured
+        self.hover = QLabel(" ")
+        self.hover.setObjectName("hover")
+        self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self._lanes: tuple = ((0.1, 0.9), None)
         lay.addWidget(self.plot, 1)
+        lay.addWidget(LayoutBarrier(self.hover))
         lay.addWidget(self.note)
+        self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         state.predictionReady.connect(self.on_prediction)
         state.measurementShown.connect(self.on_run_finished)
 
@@ -317,6 +321,7 @@ class TimelineView(QWidget):
             pred_lane, meas_lane = (0.06, 0.50), (0.54, 0.94)
         else:
             pred_lane, meas_lane = (0.1, 0.9), None
+        self._lanes = (pred_lane, meas_lane)
         span = max(self.makespan_s, float(self.measured.end_s.max()) if has_measured else 0.0)
         # x is drawn in units of the span and the axis scaled back to seconds: a new makespan then
         # changes the axis only, not the view (a view change costs pyqtgraph a second paint)
@@ -361,6 +366,52 @@ class TimelineView(QWidget):
             vb.setLimits(xMin=-0.05, xMax=1.05, yMin=-0.5, yMax=rows + 0.5, minXRange=1e-4, maxXRange=1.1)
             vb.setRange(xRange=(0, 1), yRange=(0, rows), padding=0.01)
         self._update_header(has_measured)
+
+    # ------------------------------------------------------------------ hover
+
+    def action_at(self, x: float, y: float) -> tuple[str, int] | None:
+        """The action drawn at view coordinates (x in step fractions, y in rows): (lane, index), lane
+        "predicted" or "measured", index into that lane's Actions; None over idle time or between lanes."""
+        row = int(np.floor(y))
+        frac = y - row
+        t = x * self.scale_s
+        for name, acts, lane in (("predicted", self.predicted, self._lanes[0]),
+                                 ("measured", self.measured, self._lanes[1])):
+            if lane is None or not len(acts) or not lane[0] <= frac <= lane[1]:
+                continue
+            hit = np.flatnonzero((acts.row == row) & (acts.start_s <= t) & (acts.end_s >= t))
+            if hit.size:
+                return name, int(hit[0])
+        return None
+
+    def describe_action(self, lane: str, i: int) -> str:
+        """Kind, stage, microbatch, start, end and duration of one action, with its counterpart in the
+        other lane (same rank, kind, stage and microbatch) when a measurement is shown."""
+        acts, other = (self.predicted, self.measured) if lane == "predicted" else (self.measured, self.predicted)
+        kind = KINDS[int(acts.kind[i])]
+        row, stage, mb = int(acts.row[i]), int(acts.stage[i]), int(acts.microbatch[i])
+
+        def times(a: Actions, j: int) -> str:
+            s0, s1 = float(a.start_s[j]), float(a.end_s[j])
+            return f"{_fmt_seconds(s0)} → {_fmt_seconds(s1)} ({_fmt_seconds(s1 - s0)})"
+
+        text = (f"rank {row} · {kind} {KIND_NAMES[kind]} · stage {stage} · microbatch {mb} · "
+                f"{lane} {times(acts, i)}")
+        if len(other):
+            twin = np.flatnonzero((other.row == row) & (other.kind == acts.kind[i]) & (other.stage == stage)
+                                  & (other.microbatch == mb))
+            other_name = "measured" if lane == "predicted" else "predicted"
+            text += f" · {other_name} {times(other, int(twin[0]))}" if twin.size else f" · not in the {other_name}"
+        return text
+
+    def _on_mouse_moved(self, scene_pos) -> None:
+        vb = self.plot.getPlotItem().getViewBox()
+        if not vb.sceneBoundingRect().contains(scene_pos):
+            self.hover.setText(" ")
+            return
+        p = vb.mapSceneToView(scene_pos)
+        hit = self.action_at(p.x(), p.y())
+        self.hover.setText(self.describe_action(*hit) if hit else " ")
 
     def _update_header(self, has_measured: bool) -> None:
         if not len(self.predicted):
