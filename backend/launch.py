@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from backend.blame import blame
 from backend.records import TERMINAL_EVENTS, Measurement, RunDir, assemble, iter_new_lines, tail
 from engine.config import Config, ConfigError
 
@@ -85,9 +85,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
-
-
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
 class Run:
@@ -294,47 +291,6 @@ class Run:
         log_path = self.dir.rank_log(rank) if rank is not None else self.dir.agent_log
         log_tail = tail(log_path) or tail(self.dir.agent_log)
         self._emit("failed", reason=reason, rank=rank, exit_code=rc, log_tail=log_tail)
-
-
-_SUMMARY_ENTRY = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)")
-#: a rank reporting one of these is usually a victim of another rank's death, not the cause
-_SECONDARY = re.compile(r"Connection (reset|closed|refused)|Broken pipe|ProcessGroup|timed out|timeout|"
-                        r"Socket|peer", re.I)
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
-def blame(rank_events: dict[int, list[dict]], agent_log: str) -> tuple[int | None, str]:
-    """The rank that most likely caused a failure, and what happened to it.
-
-    In order: a rank that reported its own (non-communication) exception; a rank that died
-    from a signal we did not send (torchrun ends the survivors with SIGTERM) without a word;
-    any rank that reported a failure; torchrun's own "root cause".
-    """
-    failed = sorted((e["time"], r, e.get("reason", "")) for r, evs in rank_events.items() for e in evs
-                    if e.get("event") == "failed")
-    for _, r, why in failed:
-        if not _SECONDARY.search(why):
-            return r, f"failed: {why}"
-    summary = agent_log[agent_log.rfind("Failures:"):] if "Failures:" in agent_log else agent_log
-    exits = [(int(m.group(1)), int(m.group(2))) for m in _SUMMARY_ENTRY.finditer(summary)]
-    reported = {r for _, r, _ in failed}
-    for r, code in exits:
-        if code < 0 and -code != signal.SIGTERM and r not in reported:
-            return r, f"was killed by {_signal_name(code)}"
-    if failed:
-        _, r, why = failed[0]
-        return r, f"failed: {why}"
-    m = _ROOT_CAUSE.search(agent_log)
-    if m:
-        r, code = int(m.group(1)), int(m.group(2))
-        return r, (f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}")
-    return None, ""
 
 
 def _refused(out_dir: Path, reason: str, cfg: Config | None = None, steps: int = 0) -> Run:
