@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from backend.events import describe
 from backend.records import TERMINAL_EVENTS, Measurement, RunDir, assemble, iter_new_lines, tail
 from engine.config import Config, ConfigError
 
@@ -413,7 +414,7 @@ def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: i
             if json_events:
                 stream.write(json.dumps(ev) + "\n")
             else:
-                stream.write(_human(ev) + "\n")
+                stream.write(describe(ev) + "\n")
             stream.flush()
     except KeyboardInterrupt:
         run.cancel()
@@ -422,27 +423,3 @@ def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: i
         return 0
     return 2 if run.cfg is None else 1
 
-
-def _human(ev: dict) -> str:
-    kind = ev["event"]
-    if kind == "started":
-        if ev.get("processes", ev["world"]) != ev["world"]:
-            return (f"started {ev['processes']} process driving {ev['world']} GPUs (nn.DataParallel), "
-                    f"{ev['steps']} steps -> {ev['run_dir']}")
-        return f"started {ev['world']} ranks, {ev['steps']} steps -> {ev['run_dir']}"
-    if kind == "rank_ready":
-        return f"rank {ev['rank']} ready (stages {ev.get('stages')})"
-    if kind == "step":
-        return f"step {ev['k']}/{ev['n']}  loss {ev['loss']:.4f}  {ev['seconds'] * 1000:.1f} ms"
-    if kind == "measurement":
-        mib = ", ".join(f"{b / 2**20:.1f}" for b in ev.get("total_bytes", []))
-        return f"measured: step {ev['step_seconds'] * 1000:.1f} ms; MiB per rank: {mib}  ({ev['path']})"
-    if kind == "finished":
-        return f"finished in {ev['seconds']:.1f} s"
-    if kind == "failed":
-        where = f" (rank {ev['rank']})" if ev.get("rank") is not None else ""
-        text = f"FAILED{where}: {ev['reason']}"
-        if ev.get("log_tail"):
-            text += "\n--- log tail ---\n" + ev["log_tail"]
-        return text
-    return json.dumps(ev)

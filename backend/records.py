@@ -12,7 +12,9 @@
 
 Events: ``started`` {world, steps, command}, ``rank_ready`` {rank, stages, pid}, ``step``
 {k, n, loss, seconds}, ``measurement`` {path, ...summary}, then ``finished`` {seconds} or
-``failed`` {reason, rank, log_tail}. Each carries ``event`` and ``time`` (Unix seconds).
+``failed`` {reason, rank, log_tail}; a cluster run adds ``submitted``, ``job_state``,
+``rank_node``, ``node_command`` and ``waiting``. Each carries ``event`` and ``time`` (Unix
+seconds); :func:`backend.events.describe` says each in words.
 A reader tolerates a torn last line, so a crash at any moment leaves a readable record.
 """
 
