@@ -352,12 +352,13 @@ def test_hosts_target_needs_hosts_and_dry_run_prints_one_command_per_host(window
 
 
 def test_cluster_events_are_described_and_cancel_is_ctrl_c():
-    from gui.state import RunRecord, RunTarget, _describe_event
+    from backend.events import describe
+    from gui.state import RunRecord, RunTarget
 
-    assert _describe_event({"event": "submitted", "job_id": "42", "script": "x.sbatch"}).startswith(
+    assert describe({"event": "submitted", "job_id": "42", "script": "x.sbatch"}).startswith(
         "submitted Slurm job 42")
-    assert "PENDING (Resources)" in _describe_event({"event": "job_state", "job_id": "42", "state": "PENDING",
-                                                     "reason": "Resources"})
+    assert "PENDING (Resources)" in describe({"event": "job_state", "job_id": "42", "state": "PENDING",
+                                              "reason": "Resources"})
     assert RunTarget().cli_args() == []
     assert RunTarget("slurm", nodes=2, gpus_per_node=4).cli_args() == ["--target", "slurm", "--nodes", "2",
                                                                         "--gpus-per-node", "4"]
