@@ -66,6 +66,13 @@ def _has_torch(python: str) -> bool:
     return rc == 0
 
 
+def torch_missing(python: str) -> str:
+    """What to do when ``python`` (the ranks' interpreter) has no torch."""
+    return (f"torch is not installed for {python}: install it with `{python} -m pip install 'torch>=2.6'` "
+            "(on a machine without a GPU add --index-url https://download.pytorch.org/whl/cpu for the CPU build; "
+            "see README, 'Installing torch deliberately') to run configurations")
+
+
 def _kill_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -394,8 +401,7 @@ def launch(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: i
     cfg.save(run_dir.config)
     python = python or sys.executable
     if not _has_torch(python):
-        return _refused(out, f"torch is not installed for {python}: install it (see README, "
-                             "'Installing torch') to run configurations", cfg, steps)
+        return _refused(out, torch_missing(python), cfg, steps)
     run = Run(run_dir, cfg, steps, timeout_s)
     run._start(python, env)
     return run
