@@ -58,11 +58,6 @@ class RunStatus(StrEnum):
             allowed = ", ".join(repr(s.value) for s in cls)
             raise ValueError(f"run status {value!r} is not one of {allowed}") from None
 
-    @property
-    def ended(self) -> bool:
-        """True once nothing more will happen to the run (in this process)."""
-        return self in (RunStatus.FINISHED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DRY_RUN)
-
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     path = Path(path)
