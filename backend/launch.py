@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from backend.blame import blame
+from backend.events import describe
 from backend.records import TERMINAL_EVENTS, Measurement, RunDir, assemble, iter_new_lines, tail
 from engine.config import Config, ConfigError
 
@@ -63,6 +64,13 @@ def _has_torch(python: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return rc == 0
+
+
+def torch_missing(python: str) -> str:
+    """What to do when ``python`` (the ranks' interpreter) has no torch."""
+    return (f"torch is not installed for {python}: install it with `{python} -m pip install 'torch>=2.6'` "
+            "(on a machine without a GPU add --index-url https://download.pytorch.org/whl/cpu for the CPU build; "
+            "see README, 'Installing torch deliberately') to run configurations")
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -349,8 +357,7 @@ def launch(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: i
     cfg.save(run_dir.config)
     python = python or sys.executable
     if not _has_torch(python):
-        return _refused(out, f"torch is not installed for {python}: install it (see README, "
-                             "'Installing torch') to run configurations", cfg, steps)
+        return _refused(out, torch_missing(python), cfg, steps)
     run = Run(run_dir, cfg, steps, timeout_s)
     run._start(python, env)
     return run
@@ -369,7 +376,7 @@ def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: i
             if json_events:
                 stream.write(json.dumps(ev) + "\n")
             else:
-                stream.write(_human(ev) + "\n")
+                stream.write(describe(ev) + "\n")
             stream.flush()
     except KeyboardInterrupt:
         run.cancel()
@@ -378,27 +385,3 @@ def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: i
         return 0
     return 2 if run.cfg is None else 1
 
-
-def _human(ev: dict) -> str:
-    kind = ev["event"]
-    if kind == "started":
-        if ev.get("processes", ev["world"]) != ev["world"]:
-            return (f"started {ev['processes']} process driving {ev['world']} GPUs (nn.DataParallel), "
-                    f"{ev['steps']} steps -> {ev['run_dir']}")
-        return f"started {ev['world']} ranks, {ev['steps']} steps -> {ev['run_dir']}"
-    if kind == "rank_ready":
-        return f"rank {ev['rank']} ready (stages {ev.get('stages')})"
-    if kind == "step":
-        return f"step {ev['k']}/{ev['n']}  loss {ev['loss']:.4f}  {ev['seconds'] * 1000:.1f} ms"
-    if kind == "measurement":
-        mib = ", ".join(f"{b / 2**20:.1f}" for b in ev.get("total_bytes", []))
-        return f"measured: step {ev['step_seconds'] * 1000:.1f} ms; MiB per rank: {mib}  ({ev['path']})"
-    if kind == "finished":
-        return f"finished in {ev['seconds']:.1f} s"
-    if kind == "failed":
-        where = f" (rank {ev['rank']})" if ev.get("rank") is not None else ""
-        text = f"FAILED{where}: {ev['reason']}"
-        if ev.get("log_tail"):
-            text += "\n--- log tail ---\n" + ev["log_tail"]
-        return text
-    return json.dumps(ev)

@@ -12,7 +12,9 @@
 
 Events: ``started`` {world, steps, command}, ``rank_ready`` {rank, stages, pid}, ``step``
 {k, n, loss, seconds}, ``measurement`` {path, ...summary}, then ``finished`` {seconds} or
-``failed`` {reason, rank, log_tail}. Each carries ``event`` and ``time`` (Unix seconds).
+``failed`` {reason, rank, log_tail}; a cluster run adds ``submitted``, ``job_state``,
+``rank_node``, ``node_command`` and ``waiting``. Each carries ``event`` and ``time`` (Unix
+seconds); :func:`backend.events.describe` says each in words.
 A reader tolerates a torn last line, so a crash at any moment leaves a readable record.
 """
 
@@ -23,12 +25,38 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from engine.names import MEMORY_CATEGORIES
 
 TERMINAL_EVENTS = ("finished", "failed")
+
+
+class RunStatus(StrEnum):
+    """Where a run stands. String-valued: ``RunStatus.FINISHED == "finished"``, and JSON and labels
+    show the plain word."""
+
+    STARTING = "starting"      # launched, no event yet
+    SUBMITTED = "submitted"    # a Slurm job is queued
+    RUNNING = "running"        # the ranks started (or the job runs)
+    FINISHED = "finished"      # ended with a measurement.json
+    FAILED = "failed"          # ended without one; the record's reason says why
+    CANCELLED = "cancelled"    # stopped by the user
+    DRY_RUN = "dry run"        # printed what it would submit, submitted nothing
+    INCOMPLETE = "incomplete"  # found on disk with events but no end: interrupted or still running elsewhere
+    EMPTY = "empty"            # found on disk without any event
+    UNREADABLE = "unreadable"  # found on disk, its config.toml cannot be read
+
+    @classmethod
+    def parse(cls, value: str | RunStatus) -> RunStatus:
+        """The status named ``value``; ValueError naming the allowed words for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(s.value) for s in cls)
+            raise ValueError(f"run status {value!r} is not one of {allowed}") from None
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -4,7 +4,8 @@
 Every user mistake ends with a message on stderr and a non-zero exit, never a traceback.
 
 Exit codes: 0 success; 1 the job itself failed (a run that failed, a config that does not
-fit); 2 a user mistake (bad arguments, invalid config, missing file); 3 not available.
+fit, a Python for the ranks without torch: the message says what to install); 2 a user mistake
+(bad arguments, invalid config, missing file).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class CliError(Exception):
@@ -67,15 +68,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    cfg = _load(args.config)
-    try:
-        from engine.predict import predict, render_table
-    except ImportError as exc:  # the engine's models land issue by issue
-        raise CliError(f"shardscope predict is not available yet ({exc})", EXIT_UNAVAILABLE) from None
     import json
 
+    from engine.predict import predict, render_table
+
+    cfg = _load(args.config)
+
     calibration = None
-    if getattr(args, "calibration", None):
+    if args.calibration:
         calibration = _calibration(args.calibration)
         pred = calibration.predict(cfg)
     else:
@@ -145,16 +145,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.config)  # validate before anything starts
     if args.target != "local" or args.dry_run:
         return _cmd_run_cluster(args, cfg)
-    try:
-        from backend.launch import run_cli
-    except ImportError as exc:
-        raise CliError(f"shardscope run is not available yet ({exc})", EXIT_UNAVAILABLE) from None
+    from backend.launch import run_cli
+
     return run_cli(args.config, out_dir=args.out, steps=args.steps, json_events=args.json,
                    timeout_s=args.timeout)
 
 
 def _cmd_run_cluster(args: argparse.Namespace, cfg) -> int:
-    """``run --target slurm|hosts`` (issue 11): backend.cluster builds, submits and follows."""
+    """``run --target slurm|hosts``: backend.cluster builds the job, submits it and follows it."""
     from backend.cluster import ClusterError, cluster_run_cli, node_layout
     from backend.cluster import hosts as hosts_target
     from backend.cluster import slurm as slurm_target
@@ -203,20 +201,15 @@ def cmd_measure(args: argparse.Namespace) -> int:
     world = cfg.parallel.world_size
     if args.rank is not None and not 0 <= args.rank < world:
         raise CliError(f"--rank {args.rank} is outside the world of {world} ranks (0..{world - 1})")
-    try:
-        from backend.fake import measure_cli
-    except ImportError as exc:
-        raise CliError(f"shardscope measure is not available ({exc})", EXIT_UNAVAILABLE) from None
+    from backend.fake import measure_cli
+
     ranks = None if args.rank is None else [args.rank]
     return measure_cli(args.config, ranks=ranks, out_dir=args.out, json_out=args.json, timeout_s=args.timeout)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        from engine.planner import plan_cli
-    except ImportError:
-        raise CliError("shardscope plan is not available yet: the planner (issue 5) has not landed",
-                       EXIT_UNAVAILABLE) from None
+    from engine.planner import plan_cli
+
     return plan_cli(args)
 
 
@@ -229,11 +222,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                        "calibrates with `shardscope predict CONFIG --calibration RUN_DIR`")
     if args.ranks < 2:
         raise CliError(f"--ranks {args.ranks}: a collective needs at least 2 ranks")
-    try:
-        from backend.linkbench import LinkBenchError, measure_links, render_links
-    except ImportError as exc:
-        raise CliError(f"shardscope calibrate is not available ({exc})", EXIT_UNAVAILABLE) from None
     from backend.launch import default_run_dir
+    from backend.linkbench import LinkBenchError, measure_links, render_links
 
     out = Path(args.out) if args.out else Path(str(default_run_dir()) + "-links")
     if out.exists() and not out.is_dir():
@@ -265,10 +255,8 @@ def cmd_gui(args: argparse.Namespace) -> int:
         raise CliError("no display to open the window on (DISPLAY and WAYLAND_DISPLAY are unset): run it in a "
                        "desktop session or under xvfb-run, or use the command line (shardscope --help) or "
                        "shardscope gui --screenshot OUT.png")
-    try:
-        from gui.app import run_app
-    except ImportError as exc:
-        raise CliError(f"the ShardScope window is not available ({exc})", EXIT_UNAVAILABLE) from None
+    from gui.app import run_app
+
     return run_app(config_path=getattr(args, "config", None), screenshot=getattr(args, "screenshot", None))
 
 

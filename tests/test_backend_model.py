@@ -187,4 +187,5 @@ def test_missing_torch_gives_failed_record(tmp_path):
     run = launch(default_config(), tmp_path / "run", steps=1, python=str(fake))
     assert run.finished and not run.ok
     assert "torch is not installed" in run.result["reason"]
+    assert "-m pip install 'torch>=2.6'" in run.result["reason"]  # says exactly what to install
     assert (tmp_path / "run" / "config.toml").exists()

@@ -112,7 +112,9 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
         qtbot.mouseClick(window.run_panel.run_button, __import__("PySide6.QtCore").QtCore.Qt.MouseButton.LeftButton)
     record = blocker.args[0]
     assert record.status == "finished", record.log
-    assert "step 3/3" in window.run_panel.log.toPlainText()
+    log = window.run_panel.log.toPlainText()
+    assert "step 3/3" in log
+    assert "started 4 ranks, 3 steps" in log and '{"' not in log  # the events in words, not JSON
     assert window.run_panel.progress.value() == 3
     # measured memory beside the predicted bars, measured timeline as a second lane
     assert window.memory.measured_by_rank
@@ -185,6 +187,17 @@ def test_tiny_preset_end_to_end_through_the_backend(window, qtbot):
         window.run_panel.start()
     record = blocker.args[0]
     assert record.status == "finished", "\n".join(record.log[-20:])
+    # the live log says each event in the CLI's words (backend.events.describe); events.jsonl keeps the JSON
+    from backend.events import describe
+    from backend.records import read_jsonl
+
+    events = read_jsonl(record.out_dir / "events.jsonl")
+    assert [e["event"] for e in events][0] == "started" and events[-1]["event"] == "finished"
+    log = window.run_panel.log.toPlainText()
+    for event in events:
+        assert describe(event) in log
+    assert '{"' not in log
+    assert f"started {record.config.parallel.world_size} ranks, " in log and "finished in " in log
     QApplication.processEvents()
     assert window.memory.measured_by_rank
     assert len(window.timeline.measured) > 0
@@ -352,12 +365,13 @@ def test_hosts_target_needs_hosts_and_dry_run_prints_one_command_per_host(window
 
 
 def test_cluster_events_are_described_and_cancel_is_ctrl_c():
-    from gui.state import RunRecord, RunTarget, _describe_event
+    from backend.events import describe
+    from gui.state import RunRecord, RunTarget
 
-    assert _describe_event({"event": "submitted", "job_id": "42", "script": "x.sbatch"}).startswith(
+    assert describe({"event": "submitted", "job_id": "42", "script": "x.sbatch"}).startswith(
         "submitted Slurm job 42")
-    assert "PENDING (Resources)" in _describe_event({"event": "job_state", "job_id": "42", "state": "PENDING",
-                                                     "reason": "Resources"})
+    assert "PENDING (Resources)" in describe({"event": "job_state", "job_id": "42", "state": "PENDING",
+                                              "reason": "Resources"})
     assert RunTarget().cli_args() == []
     assert RunTarget("slurm", nodes=2, gpus_per_node=4).cli_args() == ["--target", "slurm", "--nodes", "2",
                                                                         "--gpus-per-node", "4"]

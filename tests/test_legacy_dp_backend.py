@@ -87,7 +87,8 @@ def test_dataparallel_batch_is_the_ddp_ranks_microbatches_side_by_side():
 
 @pytest.mark.integration
 def test_dataparallel_launches_one_process_and_is_refused_without_two_gpus(tmp_path):
-    from backend.launch import _human, launch
+    from backend.events import describe
+    from backend.launch import launch
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has two CUDA GPUs: the run is not refused")
@@ -96,7 +97,7 @@ def test_dataparallel_launches_one_process_and_is_refused_without_two_gpus(tmp_p
     started = events[0]
     assert started["event"] == "started" and started["world"] == 2 and started["processes"] == 1
     assert "--nproc-per-node=1" in started["command"]
-    assert "1 process driving 2 GPUs" in _human(started)
+    assert "1 process driving 2 GPUs" in describe(started)
     res = run.wait()
     assert res["event"] == "failed" and res["rank"] == 0
     assert "nn.DataParallel" in res["reason"] and "dp_mode = 'ddp'" in res["reason"], res["reason"]

@@ -16,7 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from backend.launch import Run, _human, blame
+from backend.events import describe
+from backend.launch import Run, blame
 from backend.records import RunDir, assemble, tail, write_json_atomic
 from engine.config import Config
 
@@ -279,38 +280,17 @@ class ClusterRun(Run):
         self._emit("finished", seconds=seconds)
 
 
-def human(ev: dict) -> str:
-    """One line (or a few) of progress for a cluster run's event."""
-    kind = ev["event"]
-    if kind == "started":
-        return (f"started {ev['world']} ranks on {ev.get('nodes')} node(s) ({ev.get('target')}), "
-                f"{ev['steps']} steps -> {ev['run_dir']}")
-    if kind == "submitted":
-        return f"submitted Slurm job {ev['job_id']} ({ev.get('script')})"
-    if kind == "job_state":
-        why = f" ({ev['reason']})" if ev.get("reason") and ev["reason"] != "None" else ""
-        where = f" on {ev['nodes']}" if ev.get("nodes") and ev["state"] == "RUNNING" else ""
-        return f"job {ev.get('job_id')}: {ev['state']}{why}{where}"
-    if kind == "rank_node":
-        return f"rank {ev['rank']} on {ev['node']} (node rank {ev.get('node_rank')})"
-    if kind == "node_command":
-        return f"# on {ev['host']} (node {ev['node']}{', the rendezvous host' if ev['node'] == 0 else ''}):\n{ev['shell']}"
-    if kind == "waiting":
-        return ev["message"]
-    return _human(ev)
-
-
 def cluster_run_cli(run: Run, json_events: bool = False, stream=None) -> int:
     """Print a cluster run's events like ``shardscope run`` does; Ctrl-C cancels. 0 finished, 1 failed."""
     stream = stream or sys.stdout
     try:
         for ev in run.events():
-            stream.write((json.dumps(ev) if json_events else human(ev)) + "\n")
+            stream.write((json.dumps(ev) if json_events else describe(ev)) + "\n")
             stream.flush()
     except KeyboardInterrupt:
         run.cancel()
         res = run.wait(CANCEL_WAIT_S + 10) or {}
         if res:
-            stream.write((json.dumps(res) if json_events else human(res)) + "\n")
+            stream.write((json.dumps(res) if json_events else describe(res)) + "\n")
     result = run.wait() or {}
     return 0 if result.get("event") == "finished" else 1

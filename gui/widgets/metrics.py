@@ -91,7 +91,7 @@ EXPLAINER: dict[str, tuple[str, str]] = {
 def active_strategies(cfg) -> list[str]:
     par, tr = cfg.parallel, cfg.training
     keys = []
-    if getattr(par, "dp_mode", "ddp") == "dataparallel":
+    if par.dp_mode == "dataparallel":
         keys.append("dataparallel")
     elif par.dp > 1 or par.zero:
         keys.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[par.zero])
@@ -101,7 +101,7 @@ def active_strategies(cfg) -> list[str]:
         keys.append("sp")
     if par.pp > 1:
         keys += ["pp", par.schedule]
-    if getattr(tr, "finetune", "full") == "lora":
+    if tr.finetune == "lora":
         keys.append("lora")
         if tr.lora_base_dtype == "nf4":
             keys.append("qlora")
@@ -139,14 +139,6 @@ def _lora_trainable(cfg) -> str:
     return f"{format_params(adapters)} of {format_params(total)} parameters ({adapters / total * 100:.2f} %)"
 
 
-def _get(obj, *names):
-    for n in names:
-        v = getattr(obj, n, None)
-        if v is not None:
-            return v
-    return None
-
-
 def metric_rows(pred) -> list[tuple[str, str]]:
     """(name, value) for every metric the engine produced for this prediction — nothing else."""
     cfg = pred.config
@@ -155,58 +147,49 @@ def metric_rows(pred) -> list[tuple[str, str]]:
         ("Layout", f"{cfg.parallel.world_size} ranks = dp {cfg.parallel.dp} × tp {cfg.parallel.tp} × pp {cfg.parallel.pp}"
                    f" on {cfg.cluster.nodes} node(s)"),
     ]
-    step = pred.step
+    step = pred.step  # engine.step.StepTime
     if step is not None:
-        seconds = _get(step, "seconds", "step_s", "step_seconds")
-        if seconds is not None:
-            rows.append(("Step time", _fmt_seconds(float(seconds))))
-            rows.append(("Tokens/s", f"{cfg.tokens_per_step / float(seconds):,.0f}"))
-        mfu = _get(step, "mfu")
-        if mfu is not None:
-            rows.append(("MFU", f"{float(mfu) * 100:.1f}%"))
-        breakdown = getattr(step, "breakdown", None)
-        if isinstance(breakdown, dict) and seconds:
-            parts = [f"{k.replace('_', ' ')} {v / float(seconds) * 100:.0f}%" for k, v in breakdown.items() if v > 0]
+        seconds = step.seconds
+        rows.append(("Step time", _fmt_seconds(seconds)))
+        rows.append(("Tokens/s", f"{cfg.tokens_per_step / seconds:,.0f}" if seconds > 0 else "—"))
+        rows.append(("MFU", f"{step.mfu * 100:.1f}%"))
+        if seconds > 0:
+            parts = [f"{k.replace('_', ' ')} {v / seconds * 100:.0f}%" for k, v in step.breakdown.items() if v > 0]
             rows.append(("Step breakdown", " · ".join(parts)))
-        comm = getattr(step, "comm", None)
-        per_pp = getattr(comm, "per_pp_rank", None)
+        per_pp = step.comm.per_pp_rank
         if per_pp:
-            critical = per_pp[min(int(getattr(step, "critical_pp_rank", 0)), len(per_pp) - 1)]
+            critical = per_pp[min(step.critical_pp_rank, len(per_pp) - 1)]
             dims = sorted({i.dim for i in critical.items})
             for dim in dims:
                 rows.append((f"Comm · {dim}",
                              f"{fmt_bytes(critical.bytes_sent(dim))} sent, {_fmt_seconds(critical.seconds(dim))}"
                              f" (rank {critical.rank})"))
-    tl = pred.timeline
+    tl = pred.timeline  # engine.timeline.Timeline
     if tl is not None:
-        bubble = getattr(tl, "bubble_fraction", None)
-        if bubble is not None:
-            rows.append(("Pipeline bubble", f"{bubble * 100:.1f}% ({cfg.conventions.bubble})"))
-        makespan = getattr(tl, "makespan_s", None)
-        if makespan is not None:
-            rows.append(("Pipeline makespan", _fmt_seconds(float(makespan))))
+        rows.append(("Pipeline bubble", f"{tl.bubble_fraction * 100:.1f}% ({cfg.conventions.bubble})"))
+        rows.append(("Pipeline makespan", _fmt_seconds(tl.makespan_s)))
     mem = pred.memory
     if mem is not None and mem.per_rank:
         peak = max(mem.per_rank, key=lambda r: r.total)
         head = mem.capacity_bytes - peak.total
         rows.append(("Peak memory", f"{fmt_bytes(peak.total)} on rank {peak.rank}"))
         rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))))
-        if getattr(cfg.parallel, "dp_mode", "ddp") == "dataparallel" and len(mem.per_rank) > 1:
+        if cfg.parallel.dp_mode == "dataparallel" and len(mem.per_rank) > 1:
             g0, gi = mem.per_rank[0].total, mem.per_rank[-1].total
             rows.append(("GPU 0 vs others", f"{fmt_bytes(g0)} vs {fmt_bytes(gi)} (+{fmt_bytes(g0 - gi)}: module, "
                                             ".grad, optimizer, the whole batch's loss)"))
-    full_peak = getattr(pred, "full_finetune_peak_bytes", None)
-    if getattr(cfg.training, "finetune", "full") == "lora":
+    full_peak = pred.full_finetune_peak_bytes
+    if cfg.training.finetune == "lora":
         rows.append(("Trainable (LoRA)", _lora_trainable(cfg)))
         if full_peak is not None:
             fits = mem is not None and full_peak <= mem.capacity_bytes
             rows.append(("Full fine-tune would need", f"{fmt_bytes(full_peak)} on the fullest rank"
                                                      f" ({'fits' if fits else 'does not fit'})"))
     labels = {"step": "Step time, tokens/s, MFU, communication", "memory": "Memory", "timeline": "Pipeline"}
-    if getattr(pred, "calibrated_from", None):
+    if pred.calibrated_from:
         rows.append(("Time from", f"the calibration of run {Path(pred.calibrated_from).name}"))
     for part, why in pred.missing.items():
-        rows.append((labels.get(part, part), "not predicted yet" if "not in this build" in why else why))
+        rows.append((labels.get(part, part), why))
     return rows
 
 

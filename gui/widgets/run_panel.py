@@ -33,9 +33,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from backend.records import RunStatus
 from gui.comparison import Row, comparison_rows
 from gui.runnable import Runnable, runnable_version
-from gui.state import RunTarget
+from gui.session import RunRecord, RunTarget
 
 TARGET_LABELS = {"local": "This machine", "slurm": "Slurm (sbatch)", "hosts": "Hosts (one command each)"}
 TARGET_NOTES = {
@@ -53,7 +54,7 @@ class RunPanel(QWidget):
         self.rows: list[Row] = []
         self.notes: list[str] = []
         self.comparison = None
-        self.current: object | None = None  # the RunRecord whose comparison is shown
+        self.current: RunRecord | None = None  # the run whose comparison is shown
         self.runnable: Runnable | None = None  # what Run executes for the current config
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -342,15 +343,15 @@ class RunPanel(QWidget):
     def on_finished(self, record) -> None:
         self._update_buttons()
         self.progress.setRange(0, max(1, record.steps))
-        self.progress.setValue(max(1, record.steps) if record.status == "finished" else 0)
+        self.progress.setValue(max(1, record.steps) if record.status == RunStatus.FINISHED else 0)
         self.log.setPlainText("\n".join(record.log))
         what = "simulated memory is" if record.simulated else "measured memory and timeline are"
-        words = {"finished": f"finished: {what} drawn over the prediction",
-                 "cancelled": "cancelled", "failed": f"failed: {record.reason}",
-                 "dry run": f"dry run: {'the sbatch script' if record.target.kind == 'slurm' else 'the per-host commands'}"
+        words = {RunStatus.FINISHED: f"finished: {what} drawn over the prediction",
+                 RunStatus.CANCELLED: "cancelled", RunStatus.FAILED: f"failed: {record.reason}",
+                 RunStatus.DRY_RUN: f"dry run: {'the sbatch script' if record.target.kind == 'slurm' else 'the per-host commands'}"
                             f" in the log (saved as {record.out_dir.name}/dry-run.txt); nothing was submitted"}
         text = f"{record.name} {words.get(record.status, record.status)}"
-        if record.status == "finished" and record.runnable_of is not None:
+        if record.status == RunStatus.FINISHED and record.runnable_of is not None:
             text += " — this was the runnable version (tiny model, CPU ranks); the table compares it with the " \
                     "prediction of that same config"
         self.status.setText(text)
@@ -441,7 +442,7 @@ class RunPanel(QWidget):
 
     def _calibration_enabled(self) -> None:
         r = self.current
-        usable = (r is not None and getattr(r, "status", "") == "finished" and not r.simulated
+        usable = (r is not None and r.status == RunStatus.FINISHED and not r.simulated
                   and r.config is not None)
         self.calibrate_box.blockSignals(True)
         self.calibrate_box.setChecked(self.state.calibration_run is not None and self.state.calibration_run is r)
@@ -455,7 +456,7 @@ class RunPanel(QWidget):
             self.calibrate_box.blockSignals(True)
             self.calibrate_box.setChecked(False)
             self.calibrate_box.blockSignals(False)
-            self.status.setText(f"cannot calibrate from {getattr(self.current, 'name', '?')}: {exc}")
+            self.status.setText(f"cannot calibrate from {self.current.name if self.current is not None else 'no run'}: {exc}")
             self.status.setProperty("alarm", True)
 
     def _calibration_changed(self, record) -> None:

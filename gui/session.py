@@ -1,0 +1,727 @@
+"""The window's model, in plain Python: the Config being edited, the latest Prediction, the runs.
+
+A :class:`Session` holds two configs: the *desired* one (what the controls show, a dict that
+may break a rule) and the *valid* one (what the charts show, the last one that passed every
+rule). :meth:`Session.edit` changes one field and applies the layout rules that tie fields
+together; a problem is attributed to the control that shows it. The prediction of the valid
+config is recomputed on request (:meth:`Session.recompute`), optionally timed with a run's
+calibration.
+
+Runs are records (:class:`RunRecord`): found under ``runs/`` (status from ``events.jsonl``),
+opened by hand, or launched. The session turns a launched child's output lines into events
+applied to the record; starting and stopping the child process is the caller's job (the Qt
+adapter, :class:`gui.state.State`).
+
+No Qt here: listeners subscribe to named notifications (:data:`NOTIFICATIONS`) with plain
+callbacks, so the whole model is driven and tested without a window.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from backend.events import describe
+from backend.records import RunStatus, read_jsonl
+from engine import Config, ConfigError, Problem, default_config
+from engine.legacy_dp import memory as legacy_dp_memory
+from engine.memory import memory_per_rank
+from engine.predict import predict as engine_predict
+from engine.presets import model_presets
+from engine.step import step_time
+from engine.timeline import pipeline_prediction
+
+# Which control a field belongs to: the first prefix that matches wins.
+FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
+    ("model.preset", "model.preset"),
+    ("model.seq_len", "model.seq_len"),
+    ("model.", "model.size"),
+    ("model", "model.size"),
+    ("cluster.gpus_per_node", "cluster.gpus_per_node"),
+    ("cluster.gpus", "cluster.gpus"),
+    ("cluster.", "cluster.gpu"),
+    ("parallel.replicate", "parallel.zero"),
+    ("parallel.fsdp", "parallel.zero"),
+    ("parallel.", None),  # parallel.<key> -> the control of that key
+    ("training.grad_dtype", "training.precision"),
+    ("training.", None),
+)
+
+#: fields whose change makes dp follow the GPU count (dp = gpus / (tp·pp))
+LAYOUT_FIELDS = ("parallel.tp", "parallel.pp", "cluster.gpus")
+
+
+def control_for_field(name: str) -> str:
+    """The control that owns a Problem's field (``model.kv_heads`` -> ``model.size``)."""
+    for prefix, control in FIELD_CONTROLS:
+        if name == prefix or name.startswith(prefix):
+            return control if control is not None else name
+    return "general"
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+@dataclass
+class Prediction:
+    """What the engine said about one valid Config. A part is None when the engine could not
+    predict it for this config (``missing`` says why)."""
+
+    config: Config
+    memory: Any | None = None  # engine.memory.MemoryReport
+    timeline: Any | None = None  # engine.timeline.Timeline
+    step: Any | None = None  # engine.step.StepTime
+    missing: dict[str, str] = field(default_factory=dict)  # part -> why it is not there
+    seconds: float = 0.0
+    engine: Any | None = None  # the engine.predict.Prediction itself (what engine.compare takes)
+    calibrated_from: str | None = None  # run directory whose calibration timed this prediction
+    full_finetune_peak_bytes: int | None = None  # LoRA only: the fullest rank's memory under full fine-tuning
+
+
+def _full_finetune_peak(cfg: Config) -> int | None:
+    """Under LoRA: what the fullest rank would hold if every weight trained (same layout), by the
+    same memory model engine.predict picks for the layout (nn.DataParallel has its own)."""
+    if cfg.training.finetune != "lora":
+        return None
+    fn = legacy_dp_memory if cfg.parallel.dp_mode == "dataparallel" else memory_per_rank
+    try:
+        report = fn(cfg.replace(training={"finetune": "full"}))
+    except Exception:  # the same layout may not be valid under full fine-tuning: no marker then
+        return None
+    return int(max(r.total for r in report.per_rank))
+
+
+def _whole(pred: Prediction, p) -> Prediction:
+    pred.memory, pred.step, pred.timeline, pred.engine = p.memory, p.step, p.pipeline, p
+    pred.full_finetune_peak_bytes = _full_finetune_peak(pred.config)
+    return pred
+
+
+def predict(cfg: Config, calibration=None) -> Prediction:
+    """engine.predict of ``cfg`` (timed by ``calibration``, an ``engine.calibrate.Calibration``,
+    when given; memory is the same either way).
+
+    When the engine cannot predict the whole config, each model is asked on its own so one
+    failing model hides only its part, and ``missing`` says why.
+    """
+    t0 = time.perf_counter()
+    pred = Prediction(config=cfg)
+    if calibration is not None:
+        try:
+            p = calibration.predict(cfg)
+        except Exception as exc:  # a calibration that cannot time this config: say so, use the analytic one
+            pred.missing["calibration"] = f"the calibration could not time this config: {exc}"
+        else:
+            pred.calibrated_from = str(calibration.source)
+            _whole(pred, p)
+            pred.seconds = time.perf_counter() - t0
+            return pred
+    try:
+        p = engine_predict(cfg)
+    except Exception:  # an engine limitation must not take the window down: ask part by part
+        for part, fn in (("memory", memory_per_rank), ("timeline", pipeline_prediction), ("step", step_time)):
+            try:
+                setattr(pred, part, fn(cfg))
+            except Exception as exc:
+                pred.missing[part] = f"{fn.__module__}.{fn.__name__} could not predict this config: {exc}"
+    else:
+        _whole(pred, p)
+    pred.seconds = time.perf_counter() - t0
+    return pred
+
+
+# --------------------------------------------------------------------------- runs
+
+TARGETS = ("local", "slurm", "hosts")  # the values of `shardscope run --target`
+DRY_RUN_FILE = "dry-run.txt"  # what a dry run printed (the sbatch script or the per-host commands)
+
+
+@dataclass(frozen=True)
+class RunTarget:
+    """Where Run sends the config: this machine, a Slurm job (sbatch), or hosts the user starts
+    one command on each. Empty fields are left to the CLI (its defaults come from the config)."""
+
+    kind: str = "local"  # one of TARGETS
+    partition: str = ""
+    nodes: int = 0  # 0: from the config's cluster
+    gpus_per_node: int = 0  # 0: from the config's cluster
+    time: str = ""  # Slurm time limit, e.g. 00:30:00
+    account: str = ""
+    hosts: str = ""  # a,b[,...] for kind = "hosts"
+
+    def problem(self) -> str:
+        """Why this target cannot be used as filled in ('' when it can)."""
+        if self.kind not in TARGETS:
+            return f"unknown target {self.kind!r}: one of {', '.join(TARGETS)}"
+        if self.kind == "hosts" and not [h for h in self.hosts.split(",") if h.strip()]:
+            return "name the hosts (a,b,…): the first hosts the rendezvous"
+        return ""
+
+    def cli_args(self) -> list[str]:
+        """The ``shardscope run`` options for this target (nothing for this machine)."""
+        if self.kind == "local":
+            return []
+        args = ["--target", self.kind]
+        if self.kind == "slurm":
+            for flag, value in (("--partition", self.partition.strip()), ("--time", self.time.strip()),
+                                ("--account", self.account.strip())):
+                if value:
+                    args += [flag, value]
+        if self.kind == "hosts":
+            args += ["--hosts", ",".join(h.strip() for h in self.hosts.split(",") if h.strip())]
+        if self.nodes:
+            args += ["--nodes", str(self.nodes)]
+        if self.gpus_per_node:
+            args += ["--gpus-per-node", str(self.gpus_per_node)]
+        return args
+
+    def describe(self) -> str:
+        if self.kind == "slurm":
+            return "a Slurm job" + (f" on partition {self.partition.strip()}" if self.partition.strip() else "")
+        if self.kind == "hosts":
+            return f"hosts {self.hosts.strip()}"
+        return "this machine"
+
+
+def run_command(config_path: Path, out_dir: Path, target: RunTarget | None = None,
+                dry_run: bool = False) -> list[str]:
+    """``python -m gui.cli run CFG --out DIR [target options] [--dry-run] --json``."""
+    extra = (target or RunTarget()).cli_args() + (["--dry-run"] if dry_run else [])
+    return [sys.executable, "-m", "gui.cli", "run", str(config_path), "--out", str(out_dir), *extra, "--json"]
+
+
+def simulate_command(config_path: Path, out_dir: Path) -> list[str]:
+    """``python -m gui.cli measure CFG --fake --out DIR --json``: one JSON document at the end."""
+    return [sys.executable, "-m", "gui.cli", "measure", str(config_path), "--fake", "--out", str(out_dir), "--json"]
+
+
+@dataclass
+class RunRecord:
+    """One launch of the backend (or one run directory found on disk): its config, where it
+    writes, what it said."""
+
+    config: Config | None  # None: the directory's config.toml could not be read (see reason)
+    out_dir: Path
+    status: RunStatus = RunStatus.STARTING
+    events: list[dict] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    measurement: dict | None = None
+    reason: str = ""
+    step: int = 0
+    steps: int = 0
+    simulated: bool = False  # fake process group + fake tensors (memory only)
+    runnable_of: Config | None = None  # the config this run is the runnable version of
+    from_disk: bool = False  # found under runs/ or opened, not launched by this window
+    target: RunTarget = field(default_factory=RunTarget)
+    dry_run: bool = False  # printed what it would submit, submitted nothing
+    printed: list[str] = field(default_factory=list)  # the child's stdout lines that were not events
+
+    def __post_init__(self) -> None:
+        self.status = RunStatus.parse(self.status)
+
+    @property
+    def name(self) -> str:
+        return self.out_dir.name
+
+    @property
+    def label(self) -> str:
+        kind = " · simulated" if self.simulated else (" · runnable version" if self.runnable_of is not None else "")
+        if self.target.kind != "local":
+            kind += f" · {self.target.kind}"
+        return f"{self.name} · {self.status}{kind}"
+
+    def load_measurement(self) -> dict | None:
+        """Read measurement.json when it is not in memory yet (a run found on disk)."""
+        if self.measurement is None:
+            path = self.out_dir / "measurement.json"
+            if path.exists():
+                try:
+                    self.measurement = json.loads(path.read_text(encoding="utf-8"))
+                except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    self.reason = self.reason or f"measurement.json is not readable: {exc}"
+            if isinstance(self.measurement, dict) and self.measurement.get("simulated"):
+                self.simulated = True
+        return self.measurement
+
+
+def apply_event(record: RunRecord, event: dict) -> None:
+    """One event of a run (the backend's JSON line) applied to its record: status, progress, log."""
+    record.events.append(event)
+    kind = event.get("event")
+    if kind == "started":
+        record.status = RunStatus.RUNNING
+        record.steps = int(event.get("steps", record.steps) or 0)
+    elif kind == "step":
+        record.step = int(event.get("k", record.step))
+        record.steps = int(event.get("n", record.steps))
+    elif kind == "submitted" and record.status == RunStatus.STARTING:
+        record.status = RunStatus.SUBMITTED
+    elif kind == "job_state" and event.get("state") == "RUNNING" and record.status in (RunStatus.STARTING,
+                                                                                        RunStatus.SUBMITTED):
+        record.status = RunStatus.RUNNING
+    elif kind == "failed":
+        record.status = RunStatus.FAILED
+        record.reason = str(event.get("reason", "the run failed"))
+    elif kind == "finished" and record.status != RunStatus.FAILED:
+        record.status = RunStatus.FINISHED
+    record.log.append(describe(event))
+
+
+def read_run_dir(path: str | Path) -> RunRecord:
+    """A run directory as a RunRecord: status from events.jsonl, config from config.toml.
+
+    The measurement is read when the run is shown (:meth:`RunRecord.load_measurement`).
+    """
+    d = Path(path)
+    events = read_jsonl(d / "events.jsonl")
+    try:
+        cfg: Config | None = Config.load(d / "config.toml")
+        reason = ""
+    except (ConfigError, OSError, ValueError) as exc:
+        cfg, reason = None, f"config.toml is not readable: {exc}"
+    record = RunRecord(config=cfg, out_dir=d, events=events, reason=reason, from_disk=True)
+    has_measurement = (d / "measurement.json").exists()
+    record.simulated = any(e.get("simulated") for e in events)
+    terminal = [e for e in events if e.get("event") in ("finished", "failed")]
+    dry = d / DRY_RUN_FILE
+    if cfg is None:
+        record.status = RunStatus.UNREADABLE
+    elif not events and dry.exists():
+        record.status, record.dry_run = RunStatus.DRY_RUN, True
+        record.reason = "nothing was submitted"
+    elif terminal and terminal[-1].get("event") == "failed":
+        record.status = RunStatus.FAILED
+        record.reason = str(terminal[-1].get("reason", "the run failed"))
+    elif has_measurement:
+        record.status = RunStatus.FINISHED
+    elif terminal:
+        record.status = RunStatus.FAILED
+        record.reason = "finished without a measurement.json"
+    else:
+        record.status = RunStatus.INCOMPLETE if events else RunStatus.EMPTY
+        record.reason = "no finished or failed event: the run was interrupted (or is still running elsewhere)"
+    for e in events:
+        if e.get("event") == "step":
+            record.step = int(e.get("k", record.step) or 0)
+            record.steps = int(e.get("n", record.steps) or 0)
+    record.log = [f"# {d}"] + [describe(e) for e in events]
+    if record.dry_run:
+        try:
+            record.log += dry.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            record.log.append(f"{dry} is not readable: {exc}")
+    if record.reason:
+        record.log.append(f"-- {record.status}: {record.reason}")
+    return record
+
+
+# --------------------------------------------------------------------------- the session
+
+#: what a Session tells its listeners, and with what
+NOTIFICATIONS = {
+    "desired": "the desired config dict (the controls mirror it)",
+    "problems": "dict control -> list[Problem]; empty when the desired config is valid",
+    "config": "the new valid Config (its prediction is stale until recompute)",
+    "prediction": "the new Prediction",
+    "runs": "the list of runs changed (no argument)",
+    "run_event": "RunRecord, event dict (a line the child printed is {'event': 'log', 'text': ...})",
+    "run_finished": "RunRecord",
+    "shown": "RunRecord whose measurement is drawn over the prediction of its config",
+    "calibration": "RunRecord whose calibration times predictions, or None",
+}
+
+
+class Session:
+    """The Config being edited, the last valid one, the latest Prediction and the runs."""
+
+    def __init__(self, config: Config | None = None, runs_dir: str | Path = "runs"):
+        self.config: Config = config if config is not None else default_config()
+        self.desired: dict[str, Any] = self.config.to_dict()
+        self.problems: dict[str, list[Problem]] = {}
+        self.prediction: Prediction | None = None
+        self.stale = True  # the prediction is not of the current config yet
+        self.recompute_count = 0
+        self.runs: list[RunRecord] = []
+        self.runs_dir = Path(runs_dir)
+        self.touched: str | None = None  # the field the person moved last
+        self.active: RunRecord | None = None  # the run whose child process is running
+        self.shown: RunRecord | None = None  # the run whose measurement is drawn
+        self.before_runnable: Config | None = None  # the config shown before a runnable version's result
+        self.calibration = None  # engine.calibrate.Calibration
+        self.calibration_run: RunRecord | None = None
+        self._listeners: dict[str, list[Callable[..., Any]]] = {name: [] for name in NOTIFICATIONS}
+        self.scan_runs()
+
+    # ------------------------------------------------------------------ listeners
+
+    def subscribe(self, name: str, callback: Callable[..., Any]) -> None:
+        """Call ``callback`` on every ``name`` notification (one of :data:`NOTIFICATIONS`)."""
+        if name not in self._listeners:
+            raise ValueError(f"unknown notification {name!r}: one of {', '.join(NOTIFICATIONS)}")
+        self._listeners[name].append(callback)
+
+    def _notify(self, name: str, *args: Any) -> None:
+        for callback in self._listeners[name]:
+            callback(*args)
+
+    # ------------------------------------------------------------------ config
+
+    def edit(self, path: str, value: Any) -> bool:
+        """Change one field of the desired config (``"parallel.tp"``, 2). True when valid.
+
+        The data-parallel degree follows the GPU count: changing tp, pp or the GPU count
+        sets dp = gpus / (tp·pp) when that divides; changing dp sets the GPU count.
+        """
+        desired = copy.deepcopy(self.desired)
+        section, _, key = path.partition(".")
+        if path == "model.preset":
+            desired["model"] = {"preset": value, **model_presets()[value]}
+        elif path == "model.size":
+            desired["model"].update(value)  # a dict of shape fields from the family
+        elif path == "cluster.gpu":
+            cl = desired["cluster"]
+            # links follow the GPU kind's platform: let the parser fill them in again
+            desired["cluster"] = {"gpu": value, "gpus": cl["gpus"], "gpus_per_node": cl["gpus_per_node"]}
+        else:
+            desired[section][key] = value
+        par, cl = desired["parallel"], desired["cluster"]
+        if path in LAYOUT_FIELDS:
+            tp_pp = par["tp"] * par["pp"]
+            if cl["gpus"] % tp_pp == 0:
+                par["dp"] = cl["gpus"] // tp_pp
+        elif path == "parallel.dp":
+            cl["gpus"] = par["dp"] * par["tp"] * par["pp"]
+        self.touched = path
+        return self.set_desired(desired)
+
+    def dataparallel_changes(self) -> dict[str, Any]:
+        """What legacy nn.DataParallel needs changed in the desired config (path -> new value):
+        one process over the GPUs of one node, so no tp, pp, sharding or HSDP replication."""
+        par, cl = self.desired["parallel"], self.desired["cluster"]
+        want = {"parallel.tp": 1, "parallel.pp": 1, "parallel.zero": 0, "parallel.replicate": 1,
+                "parallel.sequence_parallel": False, "parallel.virtual_stages": 1}
+        changes = {k: v for k, v in want.items() if par.get(k.split(".")[1]) != v}
+        gpus = cl.get("gpus")
+        per_node = cl.get("gpus_per_node")
+        if isinstance(gpus, int) and isinstance(per_node, int) and gpus > per_node:
+            changes["cluster.gpus"] = per_node
+        return changes
+
+    def use_dataparallel(self) -> bool:
+        """Switch to legacy nn.DataParallel and make the layout one it can run (dp = every GPU)."""
+        desired = copy.deepcopy(self.desired)
+        for path, value in self.dataparallel_changes().items():
+            section, _, key = path.partition(".")
+            desired[section][key] = value
+        par, cl = desired["parallel"], desired["cluster"]
+        par["dp_mode"] = "dataparallel"
+        par["dp"] = cl["gpus"]
+        self.touched = "parallel.dp_mode"
+        return self.set_desired(desired)
+
+    def set_desired(self, desired: dict[str, Any]) -> bool:
+        """Take ``desired`` as what the controls show; when it is valid it becomes the config."""
+        self.desired = desired
+        try:
+            cfg = self._fast_config(desired) or Config.from_dict(desired)
+        except ConfigError as exc:
+            self.problems = self._attribute(exc.problems)
+            self._notify("desired", self.desired)
+            self._notify("problems", self.problems)
+            return False
+        self.problems = {}
+        self._notify("desired", self.desired)
+        self._notify("problems", self.problems)
+        if cfg != self.config:
+            self.config = cfg
+            self.stale = True
+            self._notify("config", cfg)
+        return True
+
+    def _fast_config(self, desired: dict[str, Any]) -> Config | None:
+        """``config.replace(...)`` with what differs from the valid config, when that is all plain
+        fields (no preset or GPU kind to resolve): the same rules, without re-parsing a file."""
+        current = self.config.to_dict()
+        updates: dict[str, dict[str, Any]] = {}
+        for section in ("model", "cluster", "parallel", "training", "conventions"):
+            want, have = desired.get(section, {}), current.get(section, {})
+            if set(want) != set(have):
+                return None
+            diff = {k: v for k, v in want.items() if v != have[k]}
+            if diff:
+                if any(k in ("preset", "gpu") for k in diff):
+                    return None
+                updates[section] = diff
+        if desired.get("schema_version") != current.get("schema_version"):
+            return None
+        return self.config.replace(**updates) if updates else self.config
+
+    def set_config(self, cfg: Config) -> None:
+        """Replace everything (a file was opened, a run was shown)."""
+        self.config = cfg
+        self.touched = None
+        self.desired = cfg.to_dict()
+        self.problems = {}
+        self.stale = True
+        self._notify("desired", self.desired)
+        self._notify("problems", self.problems)
+        self._notify("config", cfg)
+
+    def _attribute(self, problems: list[Problem]) -> dict[str, list[Problem]]:
+        """Problems grouped by the control that shows them.
+
+        A world-size mismatch is reported by the config on ``parallel.dp``; when the person
+        just moved tp, pp or the GPU count (and dp could not follow), show it there.
+        """
+        out: dict[str, list[Problem]] = {}
+        par, cl = self.desired["parallel"], self.desired["cluster"]
+        for p in problems:
+            control = control_for_field(p.field)
+            if (p.field == "parallel.dp" and self.touched in LAYOUT_FIELDS
+                    and isinstance(cl.get("gpus"), int) and cl["gpus"] % (par["tp"] * par["pp"])):
+                control = self.touched
+            out.setdefault(control, []).append(p)
+        return out
+
+    def load(self, path: str | Path) -> None:
+        self.set_config(Config.load(path))
+
+    def save(self, path: str | Path) -> Path:
+        return self.config.save(path)
+
+    # ------------------------------------------------------------------ prediction
+
+    def recompute(self) -> Prediction:
+        """Predict the valid config now (calibrated when a calibration is set)."""
+        self.recompute_count += 1
+        self.prediction = predict(self.config, self.calibration)
+        self.stale = False
+        self._notify("prediction", self.prediction)
+        return self.prediction
+
+    def set_calibration(self, record: RunRecord | None) -> None:
+        """Time predictions with what ``record`` measured (``load_calibration``), or analytically (None).
+
+        Raises ``engine.calibrate.CalibrationError`` / OSError when the run cannot calibrate.
+        """
+        if record is None:
+            self.calibration, self.calibration_run = None, None
+        else:
+            from engine.calibrate import load_calibration
+
+            self.calibration = load_calibration(record.out_dir)
+            self.calibration_run = record
+        self.recompute()
+        self._notify("calibration", record)
+
+    def predict_for(self, cfg: Config) -> Prediction:
+        """The prediction of ``cfg`` as the session currently predicts (calibrated or not)."""
+        pred = self.prediction
+        source = None if self.calibration is None else str(self.calibration.source)
+        if pred is not None and pred.config == cfg and pred.engine is not None and pred.calibrated_from == source:
+            return pred
+        return predict(cfg, self.calibration)
+
+    # ------------------------------------------------------------------ recorded runs
+
+    def scan_runs(self) -> list[RunRecord]:
+        """Add every run directory under ``runs_dir`` not listed yet (oldest first)."""
+        known = {r.out_dir.resolve() for r in self.runs}
+        found = []
+        if self.runs_dir.is_dir():
+            for d in sorted(self.runs_dir.iterdir()):
+                if d.is_dir() and (d / "config.toml").exists() and d.resolve() not in known:
+                    found.append(read_run_dir(d))
+        if found:
+            self.runs[:0] = found  # what ran before this window opened comes first
+            self._notify("runs")
+        return found
+
+    def open_run(self, path: str | Path) -> RunRecord:
+        """List a run directory (File → Open run…) and show it; an already listed one is re-read."""
+        d = Path(path)
+        if not (d / "config.toml").exists():
+            raise FileNotFoundError(f"{d} has no config.toml: not a run directory")
+        for i, r in enumerate(self.runs):
+            if r.out_dir.resolve() == d.resolve():
+                if r.from_disk:
+                    self.runs[i] = read_run_dir(d)
+                record = self.runs[i]
+                break
+        else:
+            record = read_run_dir(d)
+            self.runs.append(record)
+        self._notify("runs")
+        self.show_run(record)
+        return record
+
+    def show_run(self, record: RunRecord) -> bool:
+        """Load the run's config and draw its measurement over that config's prediction. False
+        when there is nothing to draw (no config, no measurement, or the run is still going)."""
+        if record.config is None or record is self.active:
+            return False
+        record.load_measurement()
+        if record.measurement is None:
+            return False
+        self.shown = record
+        if record.config != self.config:
+            self.set_config(record.config)
+            self.recompute()  # draw the measurement over its own config's prediction, not a stale one
+        self._notify("shown", record)
+        return True
+
+    def back_from_runnable(self) -> None:
+        """Return to the config a runnable version was made from."""
+        if self.before_runnable is not None:
+            cfg, self.before_runnable = self.before_runnable, None
+            self.set_config(cfg)
+
+    # ------------------------------------------------------------------ a launched run
+
+    @property
+    def running(self) -> bool:
+        return self.active is not None
+
+    def begin_run(self, cfg: Config | None = None, *, simulate: bool = False, runnable_of: Config | None = None,
+                  target: RunTarget | None = None, dry_run: bool = False) -> RunRecord:
+        """A new run directory under ``runs_dir`` with ``cfg`` (default: the current config) saved
+        in it, and its record, now the active run. The caller starts the child process.
+
+        ``runnable_of``: the (too large) config ``cfg`` is the runnable version of. ``target``:
+        where it runs (default this machine); ``dry_run``: print the sbatch script or the per-host
+        commands without submitting anything.
+        """
+        if self.active is not None:
+            raise RuntimeError("a run is already in progress")
+        target = target or RunTarget()
+        if dry_run and target.kind == "local":
+            raise ValueError("a dry run needs a Slurm or hosts target")
+        if target.problem():
+            raise ValueError(target.problem())
+        cfg = cfg or self.config
+        suffix = "-fake" if simulate else ("-dry" if dry_run else "")
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + suffix
+        out_dir = self.runs_dir / stamp
+        n = 1
+        while out_dir.exists():
+            n += 1
+            out_dir = self.runs_dir / f"{stamp}-{n}"
+        out_dir.mkdir(parents=True)
+        cfg.save(out_dir / "config.toml")
+        record = RunRecord(config=cfg, out_dir=out_dir, simulated=simulate, runnable_of=runnable_of,
+                           target=target, dry_run=dry_run)
+        self.runs.append(record)
+        self.active = record
+        return record
+
+    def launched(self, command: list[str]) -> None:
+        """The active run's child was started with ``command``."""
+        assert self.active is not None
+        self.active.log.append("$ " + " ".join(command))
+        self._notify("runs")
+
+    def take_line(self, line: str) -> None:
+        """One line the active run's child printed on stdout: a JSON event, or printed text (a dry
+        run's script). A simulation prints one JSON document at the end, not events: ignored."""
+        record = self.active
+        if record is None or record.simulated:
+            return
+        line = line.rstrip()
+        if not line.strip():
+            if record.printed:  # keep a script's blank lines
+                self._printed(record, "")
+            return
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            self._printed(record, line)
+            return
+        if isinstance(event, dict):
+            apply_event(record, event)
+            self._notify("run_event", record, event)
+
+    def take_error_line(self, line: str) -> None:
+        """One line the active run's child printed on stderr: into the log."""
+        if self.active is not None and line.strip():
+            self.active.log.append(line)
+            self._notify("run_event", self.active, {"event": "log", "text": line})
+
+    def _printed(self, record: RunRecord, line: str) -> None:
+        record.printed.append(line)
+        record.log.append(line)
+        self._notify("run_event", record, {"event": "log", "text": line})
+
+    def cancelled(self) -> RunRecord | None:
+        """The person cancelled the active run (the caller stops its child)."""
+        record = self.active
+        if record is not None:
+            record.status = RunStatus.CANCELLED
+            record.reason = "cancelled by the user"
+        return record
+
+    def could_not_start(self) -> None:
+        """The active run's child could not be started."""
+        if self.active is not None:
+            self.active.status = RunStatus.FAILED
+            self.active.reason = "the backend could not be started"
+            self._end()
+
+    def exited(self, exit_code: int) -> None:
+        """The active run's child ended with ``exit_code``: conclude the record (a finished run
+        reads its measurement.json; a dry run keeps what it printed as dry-run.txt)."""
+        record = self.active
+        if record is None:
+            return
+        ended = (RunStatus.FAILED, RunStatus.CANCELLED)
+        if record.dry_run and record.status not in ended:
+            if exit_code == 0:
+                record.status, record.reason = RunStatus.DRY_RUN, "nothing was submitted"
+                (record.out_dir / DRY_RUN_FILE).write_text("\n".join(record.printed) + "\n", encoding="utf-8")
+            else:
+                record.status = RunStatus.FAILED
+                record.reason = record.reason or f"the dry run exited with code {exit_code}"
+            self._end()
+            return
+        if record.status not in ended:
+            if exit_code != 0:
+                record.status = RunStatus.FAILED
+                record.reason = record.reason or f"the backend exited with code {exit_code}"
+            else:
+                record.status = RunStatus.FINISHED
+        if record.status == RunStatus.FINISHED:
+            path = record.out_dir / "measurement.json"
+            try:
+                record.measurement = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                record.status = RunStatus.FAILED
+                record.reason = f"no readable measurement.json: {exc}"
+            else:
+                if record.simulated:
+                    record.measurement["simulated"] = True
+                    ranks = [r.get("rank") for r in record.measurement.get("memory", {}).get("per_rank", [])]
+                    record.log.append(f"simulated ranks {ranks} on a fake process group (memory only)")
+                    record.log += [f"tracker: {w}" for w in record.measurement.get("warnings") or []]
+                    record.log += [f"not covered: {n}" for n in record.measurement.get("not_covered") or []]
+        self._end()
+
+    def _end(self) -> None:
+        record, self.active = self.active, None
+        if record is None:
+            return
+        record.log.append(f"-- {record.status}" + (f": {record.reason}" if record.reason else ""))
+        self._notify("run_finished", record)
+        self._notify("runs")
+        # draw it, unless the person has moved on to another config meanwhile (it stays in the list)
+        if record.status == RunStatus.FINISHED and record.measurement is not None and record.config is not None:
+            if record.config == self.config:
+                self.show_run(record)
+            elif record.runnable_of is not None and record.runnable_of == self.config:
+                self.before_runnable = self.config
+                self.show_run(record)
