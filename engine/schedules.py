@@ -452,3 +452,64 @@ _GENERATORS = {
 }
 assert set(_GENERATORS) == set(SCHEDULES)
 assert SPLIT_BACKWARD_SCHEDULES <= set(SCHEDULES)
+
+
+# --------------------------------------------------------------------------- microbatches in flight
+
+
+def microbatches_in_flight(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatches: int,
+                           unit_bytes=None) -> tuple[int, ...]:
+    """Microbatches each local stage of ``pp_rank`` holds at the rank's activation peak (local stage order).
+
+    Derived from the action lists above: a stage-microbatch is alive from its F until its full
+    backward B, or until its W where the backward is split (I then W: torch's
+    ``stage_backward_input`` keeps the autograd graph until the weight gradient); an overlapped
+    DualPipeV F+B pair runs the F first (the generator already flattened it so). Of the states
+    after each F, the peak is the non-dominated one maximising Σ count × ``unit_bytes`` (one
+    entry per local stage, the bytes one microbatch costs there; all 1 when omitted). Closed
+    forms where the order makes them obvious: pp = 1 → 1 (gradient accumulation, one at a time),
+    GPipe and LoopedBFS m on every local stage, 1F1B min(m, pp − r). Cached per
+    (schedule, rank, pp, v, m): the GUI asks on every slider move.
+    """
+    v = virtual_stages
+    if unit_bytes is None:
+        unit_bytes = (1,) * (1 if pp == 1 else v)
+    if pp == 1:
+        return (1,) * len(unit_bytes)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; allowed: {' | '.join(SCHEDULES)}")
+    if schedule in ("GPipe", "LoopedBFS"):
+        return (microbatches,) * len(unit_bytes)
+    if schedule == "1F1B":
+        return (min(microbatches, pp - pp_rank),)
+    states = in_flight_states(schedule, pp_rank, pp, v, microbatches)
+    return max(states, key=lambda st: sum(n * u for n, u in zip(st, unit_bytes)))
+
+
+@lru_cache(maxsize=4096)
+def in_flight_states(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
+                     microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """Live microbatches per local stage after each forward of ``pp_rank``, non-dominated states only
+    (only these can be a weighted peak), sorted. See :func:`microbatches_in_flight`."""
+    plan = pipeline_actions(schedule, pp, microbatches, virtual_stages)
+    a = plan.arrays
+    lo, hi = int(a.offsets[pp_rank]), int(a.offsets[pp_rank + 1])
+    kind, stage = a.kind[lo:hi], a.stage[lo:hi]
+    local = plan.stages_of_rank(pp_rank)
+    split = plan.splits_backward
+    # +1 at F; −1 at B, or at W where the backward is split; I frees nothing
+    delta = np.where(kind == _F, 1, np.where((kind == _B) | (split & (kind == _W)), -1, 0))
+    column = np.searchsorted(np.asarray(local, dtype=np.int64), stage)
+    onehot = np.zeros((hi - lo, len(local)), dtype=np.int64)
+    onehot[np.arange(hi - lo), column] = delta
+    held = np.cumsum(onehot, axis=0)[kind == _F]
+    return _frontier(set(map(tuple, np.unique(held, axis=0).tolist())))
+
+
+def _frontier(states) -> tuple[tuple[int, ...], ...]:
+    """The states no other state dominates, sorted."""
+    kept: list[tuple[int, ...]] = []
+    for a in sorted(states, key=sum, reverse=True):  # a dominator always has a larger sum
+        if not any(all(x >= y for x, y in zip(b, a)) for b in kept):
+            kept.append(a)
+    return tuple(sorted(kept))
