@@ -491,19 +491,43 @@ def in_flight_states(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
                      microbatches: int) -> tuple[tuple[int, ...], ...]:
     """Live microbatches per local stage after each forward of ``pp_rank``, non-dominated states only
     (only these can be a weighted peak), sorted. See :func:`microbatches_in_flight`."""
-    plan = pipeline_actions(schedule, pp, microbatches, virtual_stages)
+    return _plan_in_flight_states(schedule, pp, virtual_stages, microbatches)[pp_rank]
+
+
+@lru_cache(maxsize=512)
+def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """:func:`in_flight_states` of every rank of one plan, in one pass over its action arrays."""
+    plan = pipeline_actions(schedule, pp, m, v)
     a = plan.arrays
-    lo, hi = int(a.offsets[pp_rank]), int(a.offsets[pp_rank + 1])
-    kind, stage = a.kind[lo:hi], a.stage[lo:hi]
-    local = plan.stages_of_rank(pp_rank)
-    split = plan.splits_backward
-    # +1 at F; −1 at B, or at W where the backward is split; I frees nothing
-    delta = np.where(kind == _F, 1, np.where((kind == _B) | (split & (kind == _W)), -1, 0))
-    column = np.searchsorted(np.asarray(local, dtype=np.int64), stage)
-    onehot = np.zeros((hi - lo, len(local)), dtype=np.int64)
-    onehot[np.arange(hi - lo), column] = delta
-    held = np.cumsum(onehot, axis=0)[kind == _F]
-    return _frontier(set(map(tuple, np.unique(held, axis=0).tolist())))
+    n = len(a.kind)
+    # column of each action: its stage's position among its rank's local stages
+    position = np.zeros(plan.num_stages, dtype=np.int64)
+    for r in range(pp):
+        position[plan.stages_of_rank(r)] = np.arange(v)
+    # +1 at F; −1 at a full backward B or at a W (a split backward's I frees nothing; schedules
+    # without the split have no W)
+    delta = np.where(a.kind == _F, 1, np.where((a.kind == _B) | (a.kind == _W), -1, 0))
+    onehot = np.zeros((n, v), dtype=np.int64)
+    onehot[np.arange(n), position[a.stage]] = delta
+    held = np.cumsum(onehot, axis=0)
+    rank = np.repeat(np.arange(pp), np.diff(a.offsets))
+    start = a.offsets[:-1]
+    before = np.where(start[:, None] > 0, held[np.maximum(start - 1, 0)], 0)  # held before each rank's first action
+    held -= before[rank]
+    is_f = a.kind == _F
+    # distinct (rank, state) pairs after each forward, as one integer key each
+    base = m + 1
+    weights = base ** np.arange(v, dtype=np.int64)
+    keys = np.unique(rank[is_f] * base**v + held[is_f] @ weights)
+    owner = keys // base**v
+    states = (keys % base**v)[:, None] // weights % base
+    out = []
+    for r in range(pp):
+        u = states[owner == r]
+        # u[j] dominates u[i]: every column ≥ (the rows are distinct, so one is strictly greater)
+        dominated = ((u[None, :, :] >= u[:, None, :]).all(axis=2) & ~np.eye(len(u), dtype=bool)).any(axis=1)
+        out.append(tuple(sorted(map(tuple, u[~dominated].tolist()))))
+    return tuple(out)
 
 
 def _frontier(states) -> tuple[tuple[int, ...], ...]:

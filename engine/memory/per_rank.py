@@ -23,13 +23,14 @@ from engine.memory.overhead import overhead
 from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, lora_states, lora_units
 from engine.params import RankParams, params_per_rank
-from engine.wrapping import wrapping_plan
+from engine.wrapping import WrappingPlan, wrapping_plan
 
 
-def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0) -> _Body:
-    """The categories and terms of one rank holding ``rp`` (its dp-rank matters under ZeRO-1 only)."""
+def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan | None = None) -> _Body:
+    """The categories and terms of one rank holding ``rp`` (its dp-rank matters under ZeRO-1 only);
+    ``plan`` is ``wrapping_plan(cfg)``, computed when not given."""
     par, tr = cfg.parallel, cfg.training
-    plan = wrapping_plan(cfg)
+    plan = plan or wrapping_plan(cfg)
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     T = Terms()
     where = f"stage{'s' if len(rp.stages) > 1 else ''} {', '.join(map(str, rp.stage_indices))}"
@@ -60,6 +61,7 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     par = cfg.parallel
     capacity = cfg.cluster.gpu.memory_bytes
     grid = params_per_rank(cfg)
+    plan = wrapping_plan(cfg)
     # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per dp-rank then
     per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1 and par.tp == 1
     bodies: dict[tuple[int, int, int], _Body] = {}
@@ -70,7 +72,7 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
                 key = (rp.total, dp_rank)  # TP shards differ only by their vocabulary chunk
                 body = seen.get(key)
                 if body is None:
-                    body = seen[key] = rank_body(cfg, rp, dp_rank)
+                    body = seen[key] = rank_body(cfg, rp, dp_rank, plan)
                 bodies[pp_rank, tp_rank, dp_rank] = body
     dp, tp = par.dp, par.tp
     per_rank = [RankMemory(rank, rank % tp, (rank // tp) % dp,

@@ -12,6 +12,7 @@ DataParallel model). Labels and formulas are for people and are never parsed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.names import MEMORY_CATEGORIES
 
@@ -20,15 +21,16 @@ MB = 10**6
 MIB = 2**20
 
 
-@dataclass(frozen=True)
-class Term:
+class Term(NamedTuple):
     """One named contribution to a category: its bytes, the formula that gives them, and what it is.
 
-    ``category``: one of ``engine.names.MEMORY_CATEGORIES`` (the one the term sits in).
-    ``tracked``: PyTorch's MemTracker and caching allocator see these bytes (False for the
-    runtime context, collective-library buffers and allocator slack). ``stage``: the pipeline
-    stage the term belongs to, or None. ``in_flight``: the microbatches in flight the term is
-    multiplied by, or None. ``kind``: a short machine-readable name of the term's source.
+    ``category``: one of ``engine.names.MEMORY_CATEGORIES`` (the one the term sits in; a rank's
+    body refuses a term filed under another). ``tracked``: PyTorch's MemTracker and caching
+    allocator see these bytes (False for the runtime context, collective-library buffers and
+    allocator slack). ``stage``: the pipeline stage the term belongs to, or None. ``in_flight``:
+    the microbatches in flight the term is multiplied by, or None. ``kind``: a short
+    machine-readable name of the term's source. (A NamedTuple: immutable and cheap to build —
+    a body has dozens and the GUI rebuilds them on every slider move.)
     """
 
     label: str
@@ -39,11 +41,6 @@ class Term:
     stage: int | None = None
     in_flight: int | None = None
     kind: str = ""
-
-    def __post_init__(self):
-        if self.category not in MEMORY_CATEGORIES:
-            raise ValueError(f"Term.category {self.category!r} is not a memory category; allowed: "
-                             f"{', '.join(MEMORY_CATEGORIES)}")
 
     def to_json(self) -> dict:
         return {"label": self.label, "bytes": self.bytes, "formula": self.formula, "category": self.category,
@@ -56,10 +53,9 @@ class Terms(dict):
     def __init__(self) -> None:
         super().__init__((c, []) for c in MEMORY_CATEGORIES)
 
-    def add(self, category: str, label: str, nbytes: int, formula: str, **fields) -> Term:
-        term = Term(label, nbytes, formula, category, **fields)
-        self[category].append(term)
-        return term
+    def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
+            stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:
+        self[category].append(Term(label, nbytes, formula, category, tracked, stage, in_flight, kind))
 
 
 class _Body:
@@ -71,7 +67,8 @@ class _Body:
         for c in MEMORY_CATEGORIES:
             for t in terms[c]:
                 if t.category != c:
-                    raise ValueError(f"term {t.label!r} has category {t.category!r} but sits in {c!r}")
+                    raise ValueError(f"term {t.label!r} has category {t.category!r} but sits in {c!r}; "
+                                     f"allowed categories: {', '.join(MEMORY_CATEGORIES)}")
         self.terms = terms
         self.values = {c: sum(t.bytes for t in terms[c]) for c in MEMORY_CATEGORIES}
         self.total = sum(self.values.values())
