@@ -515,12 +515,16 @@ def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int) -> tuple[tupl
     before = np.where(start[:, None] > 0, held[np.maximum(start - 1, 0)], 0)  # held before each rank's first action
     held -= before[rank]
     is_f = a.kind == _F
-    # distinct (rank, state) pairs after each forward, as one integer key each
+    # distinct (rank, state) pairs after each forward: as one integer key each where that fits in int64
     base = m + 1
-    weights = base ** np.arange(v, dtype=np.int64)
-    keys = np.unique(rank[is_f] * base**v + held[is_f] @ weights)
-    owner = keys // base**v
-    states = (keys % base**v)[:, None] // weights % base
+    if pp * base**v < 2**62:
+        weights = base ** np.arange(v, dtype=np.int64)
+        keys = np.unique(rank[is_f] * base**v + held[is_f] @ weights)
+        owner = keys // base**v
+        states = (keys % base**v)[:, None] // weights % base
+    else:
+        rows = np.unique(np.column_stack([rank[is_f], held[is_f]]), axis=0)
+        owner, states = rows[:, 0], rows[:, 1:]
     out = []
     for r in range(pp):
         u = states[owner == r]

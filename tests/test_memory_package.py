@@ -650,3 +650,22 @@ def test_a_term_filed_under_another_category_is_refused():
     terms["params"].append(Term("x", 1, "1", "grads"))
     with pytest.raises(ValueError, match="sits in 'params'"):
         _Body(terms, (0,), 0)
+
+
+def test_in_flight_states_for_many_virtual_stages_match_a_plain_replay():
+    """Many local stages overflow the one-integer state key; the row path must agree with a replay."""
+    from engine.schedules import _frontier, in_flight_states, pipeline_actions
+
+    for sc, p, v, m in (("Interleaved1F1B", 4, 16, 32), ("InterleavedZeroBubble", 2, 16, 16),
+                        ("ZBVZeroBubble", 3, 2, 6)):
+        plan = pipeline_actions(sc, p, m, v)
+        for r in range(p):
+            local = plan.stages_of_rank(r)
+            held, states = [0] * len(local), set()
+            for a in plan.per_rank[r]:
+                if a.kind == "F":
+                    held[local.index(a.stage)] += 1
+                    states.add(tuple(held))
+                elif a.kind in "BW":
+                    held[local.index(a.stage)] -= 1
+            assert in_flight_states(sc, r, p, v, m) == _frontier(states), (sc, r)
