@@ -52,17 +52,12 @@ TOLERANCE = 0.01
 
 
 def _in_flight_counts(cfg, rank: int, stages: list[int]) -> list[int]:
-    """Microbatches each local stage holds at the rank's peak, from the engine's memory model."""
-    import re
-
+    """Microbatches each local stage holds at the rank's peak, from the engine's memory model
+    (its activation terms carry their stage and microbatches in flight)."""
     from engine.memory import memory_per_rank
 
     row = memory_per_rank(cfg).per_rank[rank]
-    found: dict[int, int] = {}
-    for term in row.explain("activations"):
-        m = re.match(r"stage (\d+): (\d+) microbatch(?:es)? in flight", term.label)
-        if m:
-            found[int(m.group(1))] = int(m.group(2))
+    found = {t.stage: t.in_flight for t in row.explain("activations") if t.kind == "layers"}
     return [found.get(s, cfg.parallel.microbatches) for s in stages]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Config, default_config, memory, params  # noqa: E402
+from engine import Config, default_config, memory, params, schedules  # noqa: E402
 
 CONFIGS = {
     "default (tiny, dp2 × pp2, 1F1B)": default_config(),
@@ -35,9 +35,21 @@ CONFIGS = {
 
 
 def _clear() -> None:
-    for fn in (params._params_per_rank, params.layer_tensors, memory._layer_activation_terms,
-               memory._interleaved_states, memory._zbv_states, memory._dualpipev_states):
+    # the parameter placement, the activation table and the pipeline's in-flight states (with the
+    # action lists they are derived from)
+    for fn in _CACHES:
         fn.cache_clear()
+
+
+def _caches() -> tuple:
+    if hasattr(memory, "activations"):  # engine.memory as a package
+        return (params._params_per_rank, params.layer_tensors, memory.activations.layer_activation_terms,
+                schedules.in_flight_states, schedules._pipeline_actions)
+    return (params._params_per_rank, params.layer_tensors, memory._layer_activation_terms,  # the single module
+            memory._interleaved_states, memory._zbv_states, memory._dualpipev_states)
+
+
+_CACHES = _caches()
 
 
 def bench(cfg: Config, repeat: int = 300, cold: bool = False) -> float:

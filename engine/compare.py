@@ -26,17 +26,16 @@ import numpy as np
 
 from engine.names import MEMORY_CATEGORIES
 
-#: Terms whose bytes live outside PyTorch's caching allocator (label substrings, lower case):
-#: the measurement (MemTracker) cannot see them, so a difference of that size is expected.
-UNTRACKED_TERMS: dict[str, str] = {
-    "runtime context": "the runtime context (CUDA/ROCm context) is allocated by the driver, outside "
+#: Why the measurement (MemTracker) cannot see a term, by the term's ``kind``; every term with
+#: ``tracked`` False is counted as untracked, and a difference of that size is expected.
+UNTRACKED_NOTES: dict[str, str] = {
+    "runtime_context": "the runtime context (CUDA/ROCm context) is allocated by the driver, outside "
                        "PyTorch's allocator; MemTracker never sees it (compare nvidia-smi instead)",
-    "communicator": "collective-library buffers are allocated by NCCL itself, outside PyTorch's allocator; "
-                    "MemTracker never sees them",
-    "collective": "collective-library buffers are allocated by NCCL itself, outside PyTorch's allocator; "
-                  "MemTracker never sees them",
-    "allocator slack": "allocator slack (reserved but unallocated) is not a tensor; MemTracker counts tensors only",
+    "collective_buffers": "collective-library buffers are allocated by NCCL itself, outside PyTorch's allocator; "
+                          "MemTracker never sees them",
+    "allocator_slack": "allocator slack (reserved but unallocated) is not a tensor; MemTracker counts tensors only",
 }
+_UNTRACKED_OTHER = "outside PyTorch's allocator: MemTracker never sees it"
 
 
 def _rel(pred: float, meas: float) -> float | None:
@@ -52,7 +51,7 @@ class Cell:
     predicted: float
     measured: float
     notes: tuple[str, ...] = ()
-    untracked: float = 0.0  # predicted bytes that the measurement cannot see (see UNTRACKED_TERMS)
+    untracked: float = 0.0  # predicted bytes that the measurement cannot see (terms with tracked = False)
 
     @property
     def error(self) -> float:
@@ -189,17 +188,17 @@ def _as_measurement_json(meas) -> dict:
 
 
 def _untracked(explain: dict | None, category: str) -> tuple[float, tuple[str, ...]]:
+    """Bytes of the category's terms that the measurement cannot see (``tracked`` False), and why."""
     if not explain:
         return 0.0, ()
     total, notes = 0.0, []
     for term in explain.get(category, []):
-        label = str(term.get("label", "")).lower()
-        for key, why in UNTRACKED_TERMS.items():
-            if key in label and term.get("bytes", 0):
-                total += term["bytes"]
-                if why not in notes:
-                    notes.append(why)
-                break
+        if term.get("tracked", True) or not term.get("bytes", 0):
+            continue
+        total += term["bytes"]
+        why = UNTRACKED_NOTES.get(term.get("kind", ""), _UNTRACKED_OTHER)
+        if why not in notes:
+            notes.append(why)
     return total, tuple(notes)
 
 

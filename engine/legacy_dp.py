@@ -82,9 +82,8 @@ def single_gpu_config(cfg: Config) -> Config:
 
 def _loss_terms(body: _Body) -> tuple[int, int]:
     """(bytes of the log-probabilities kept for backward, bytes of the loss temporaries) of one replica."""
-    logp = sum(t.bytes for t in body.terms["activations"] if "log-probabilities" in t.label)
-    tmp = sum(t.bytes for t in body.terms["temporaries"]
-              if t.label.startswith("loss:") or t.label.startswith("logits at the loss"))
+    logp = sum(t.bytes for t in body.terms["activations"] if t.kind == "log_probabilities")
+    tmp = sum(t.bytes for t in body.terms["temporaries"] if t.kind == "loss")
     return logp, tmp
 
 
@@ -104,7 +103,8 @@ def memory(cfg: Config) -> MemoryReport:
     if n > 1 and conv.collective_buffers:
         per = int(round(conv.collective_buffer_mib * MIB))
         comm_term = Term("collective-library buffers (one NCCL communicator over the N GPUs: broadcast, reduce)",
-                         per, f"1 × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)")
+                         per, f"1 × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)",
+                         "overhead", tracked=False, kind="collective_buffers")
 
     def copy_terms() -> dict[str, list[Term]]:
         return {c: list(base.terms[c]) for c in MEMORY_CATEGORIES}
@@ -113,26 +113,29 @@ def memory(cfg: Config) -> MemoryReport:
     t0 = copy_terms()
     if n > 1:
         t0["activations"].append(Term(f"GPU 0: the other {n - 1} replicas' log-probabilities (the loss of the whole "
-                                      "batch is computed here)", (n - 1) * logp, f"(N − 1) × {logp:,} B"))
+                                      "batch is computed here)", (n - 1) * logp, f"(N − 1) × {logp:,} B",
+                                      "activations", kind="log_probabilities"))
         t0["temporaries"].append(Term(f"GPU 0: gathered outputs of the other {n - 1} replicas and their loss "
-                                      "gradient", (n - 1) * loss_tmp, f"(N − 1) × {loss_tmp:,} B"))
+                                      "gradient", (n - 1) * loss_tmp, f"(N − 1) × {loss_tmp:,} B",
+                                      "temporaries", kind="loss"))
         t0["temporaries"].append(Term("GPU 0: its replica's gradients before ReduceAddCoalesced sums every "
-                                      "replica's into .grad", grads_b, f"{grads_b:,} B (the gradients' size)"))
+                                      "replica's into .grad", grads_b, f"{grads_b:,} B (the gradients' size)",
+                                      "temporaries", kind="gradients_before_reduce"))
     if comm_term:
         t0["overhead"].append(comm_term)
     bodies = [_Body(t0, (0,), 0)]
     if n > 1:
         ti = {c: [] for c in MEMORY_CATEGORIES}
         ti["params"].append(Term("replica: parameters broadcast from GPU 0 (rebuilt every forward, frozen ones too)",
-                                 params_b, f"{params_b:,} B (as GPU 0's parameters)"))
+                                 params_b, f"{params_b:,} B (as GPU 0's parameters)", "params",
+                                 kind="replica_parameters"))
         ti["grads"].append(Term("replica gradients, alive until reduce-added onto GPU 0 at the end of backward",
-                                grads_b, f"{grads_b:,} B"))
-        ti["optimizer"].append(Term("none: only GPU 0 steps the optimizer", 0, "0"))
-        ti["activations"] = [t for t in base.terms["activations"] if "log-probabilities" not in t.label]
-        ti["temporaries"] = [t for t in base.terms["temporaries"]
-                             if not (t.label.startswith("loss:") or t.label.startswith("logits at the loss"))]
+                                grads_b, f"{grads_b:,} B", "grads", kind="gradients"))
+        ti["optimizer"].append(Term("none: only GPU 0 steps the optimizer", 0, "0", "optimizer", kind="none"))
+        ti["activations"] = [t for t in base.terms["activations"] if t.kind != "log_probabilities"]
+        ti["temporaries"] = [t for t in base.terms["temporaries"] if t.kind != "loss"]
         ti["temporaries"].append(Term("replica's output logits until gathered onto GPU 0 (then their gradient)",
-                                      logits, f"{act}·s·b·V = {logits:,} B"))
+                                      logits, f"{act}·s·b·V = {logits:,} B", "temporaries", kind="replica_logits"))
         ti["comm_buffers"] = list(base.terms["comm_buffers"])
         ti["overhead"] = list(base.terms["overhead"]) + ([comm_term] if comm_term else [])
         bodies.append(_Body(ti, (0,), 0))

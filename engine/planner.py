@@ -60,9 +60,9 @@ from engine.comm import collective_seconds, group_span
 from engine.config import Config, ConfigError, ModelSpec
 from engine.durations import flops_per_token, stage_durations
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
-from engine.memory import GIB, MIB, _in_flight, activation_bytes_per_layer, memory_per_rank
+from engine.memory import GIB, MIB, activation_bytes_per_layer, memory_per_rank
 from engine.params import params_per_rank
-from engine.schedules import pipeline_actions, schedule_problems, single_rank_plan
+from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
 from engine.step import optimizer_seconds, step_time, with_tp_communication
 from engine.timeline import simulate
 
@@ -542,13 +542,13 @@ class _Planner:
 @lru_cache(maxsize=8192)
 def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages: tuple[int, ...],
                     units: tuple[int, ...], n_stages: int) -> tuple[int, int, int]:
-    """At the rank's activation peak (``engine.memory._in_flight``): in-flight microbatches weighted by
+    """At the rank's activation peak (``engine.schedules.microbatches_in_flight``): in-flight microbatches weighted by
     each local stage's layer count, and those on the first and on the last stage.
 
     Pure in its arguments, so shared by every layout group (tp, b, ZeRO, SP, recompute) with this
     pipeline shape, within one plan and across plans: replaying torch's order is the costly part.
     """
-    counts = _in_flight(schedule, pp_rank, pp, v, m, list(units))
+    counts = microbatches_in_flight(schedule, pp_rank, pp, v, m, units)
     lsum = sum(c * u for c, u in zip(counts, units))
     first = sum(c for c, s in zip(counts, stages) if s == 0)
     last = sum(c for c, s in zip(counts, stages) if s == n_stages - 1)

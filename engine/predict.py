@@ -47,8 +47,7 @@ class Prediction:
         mem = self.memory.to_json()
         if explain:
             for row, rank in zip(mem["per_rank"], self.memory.per_rank):
-                row["explain"] = {c: [{"label": t.label, "bytes": t.bytes, "formula": t.formula}
-                                      for t in rank.explain(c)] for c in MEMORY_CATEGORIES}
+                row["explain"] = {c: [t.to_json() for t in rank.explain(c)] for c in MEMORY_CATEGORIES}
         return {
             "memory": mem,
             "pipeline": self.pipeline.to_json(self.config.conventions.bubble),

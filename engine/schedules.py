@@ -452,3 +452,92 @@ _GENERATORS = {
 }
 assert set(_GENERATORS) == set(SCHEDULES)
 assert SPLIT_BACKWARD_SCHEDULES <= set(SCHEDULES)
+
+
+# --------------------------------------------------------------------------- microbatches in flight
+
+
+def microbatches_in_flight(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatches: int,
+                           unit_bytes=None) -> tuple[int, ...]:
+    """Microbatches each local stage of ``pp_rank`` holds at the rank's activation peak (local stage order).
+
+    Derived from the action lists above: a stage-microbatch is alive from its F until its full
+    backward B, or until its W where the backward is split (I then W: torch's
+    ``stage_backward_input`` keeps the autograd graph until the weight gradient); an overlapped
+    DualPipeV F+B pair runs the F first (the generator already flattened it so). Of the states
+    after each F, the peak is the non-dominated one maximising Σ count × ``unit_bytes`` (one
+    entry per local stage, the bytes one microbatch costs there; all 1 when omitted). Closed
+    forms where the order makes them obvious: pp = 1 → 1 (gradient accumulation, one at a time),
+    GPipe and LoopedBFS m on every local stage, 1F1B min(m, pp − r). Cached per
+    (schedule, rank, pp, v, m): the GUI asks on every slider move.
+    """
+    v = virtual_stages
+    if unit_bytes is None:
+        unit_bytes = (1,) * (1 if pp == 1 else v)
+    if pp == 1:
+        return (1,) * len(unit_bytes)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; allowed: {' | '.join(SCHEDULES)}")
+    if schedule in ("GPipe", "LoopedBFS"):
+        return (microbatches,) * len(unit_bytes)
+    if schedule == "1F1B":
+        return (min(microbatches, pp - pp_rank),)
+    states = in_flight_states(schedule, pp_rank, pp, v, microbatches)
+    return max(states, key=lambda st: sum(n * u for n, u in zip(st, unit_bytes)))
+
+
+@lru_cache(maxsize=4096)
+def in_flight_states(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
+                     microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """Live microbatches per local stage after each forward of ``pp_rank``, non-dominated states only
+    (only these can be a weighted peak), sorted. See :func:`microbatches_in_flight`."""
+    return _plan_in_flight_states(schedule, pp, virtual_stages, microbatches)[pp_rank]
+
+
+@lru_cache(maxsize=512)
+def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """:func:`in_flight_states` of every rank of one plan, in one pass over its action arrays."""
+    plan = pipeline_actions(schedule, pp, m, v)
+    a = plan.arrays
+    n = len(a.kind)
+    # column of each action: its stage's position among its rank's local stages
+    position = np.zeros(plan.num_stages, dtype=np.int64)
+    for r in range(pp):
+        position[plan.stages_of_rank(r)] = np.arange(v)
+    # +1 at F; −1 at a full backward B or at a W (a split backward's I frees nothing; schedules
+    # without the split have no W)
+    delta = np.where(a.kind == _F, 1, np.where((a.kind == _B) | (a.kind == _W), -1, 0))
+    onehot = np.zeros((n, v), dtype=np.int64)
+    onehot[np.arange(n), position[a.stage]] = delta
+    held = np.cumsum(onehot, axis=0)
+    rank = np.repeat(np.arange(pp), np.diff(a.offsets))
+    start = a.offsets[:-1]
+    before = np.where(start[:, None] > 0, held[np.maximum(start - 1, 0)], 0)  # held before each rank's first action
+    held -= before[rank]
+    is_f = a.kind == _F
+    # distinct (rank, state) pairs after each forward: as one integer key each where that fits in int64
+    base = m + 1
+    if pp * base**v < 2**62:
+        weights = base ** np.arange(v, dtype=np.int64)
+        keys = np.unique(rank[is_f] * base**v + held[is_f] @ weights)
+        owner = keys // base**v
+        states = (keys % base**v)[:, None] // weights % base
+    else:
+        rows = np.unique(np.column_stack([rank[is_f], held[is_f]]), axis=0)
+        owner, states = rows[:, 0], rows[:, 1:]
+    out = []
+    for r in range(pp):
+        u = states[owner == r]
+        # u[j] dominates u[i]: every column ≥ (the rows are distinct, so one is strictly greater)
+        dominated = ((u[None, :, :] >= u[:, None, :]).all(axis=2) & ~np.eye(len(u), dtype=bool)).any(axis=1)
+        out.append(tuple(sorted(map(tuple, u[~dominated].tolist()))))
+    return tuple(out)
+
+
+def _frontier(states) -> tuple[tuple[int, ...], ...]:
+    """The states no other state dominates, sorted."""
+    kept: list[tuple[int, ...]] = []
+    for a in sorted(states, key=sum, reverse=True):  # a dominator always has a larger sum
+        if not any(all(x >= y for x, y in zip(b, a)) for b in kept):
+            kept.append(a)
+    return tuple(sorted(kept))

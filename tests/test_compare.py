@@ -56,7 +56,9 @@ def test_memory_errors_are_exact_per_rank_and_category():
 
 def test_bytes_the_tracker_cannot_see_are_explained_not_hidden():
     row = _row(0, params=100, overhead=50)
-    row["explain"] = {"overhead": [{"label": "runtime context (h100)", "bytes": 50, "formula": "0.5 GiB"}]}
+    row["explain"] = {"overhead": [{"label": "runtime context (h100)", "bytes": 50, "formula": "0.5 GiB",
+                                    "category": "overhead", "tracked": False, "stage": None,
+                                    "in_flight": None, "kind": "runtime_context"}]}
     cmp = compare(_pred([row]), _meas([_row(0, params=100)]))
     cell = cmp.memory[0].categories["overhead"]
     assert cell.relative is None and cell.untracked == 50 and cell.relative_tracked == 0.0

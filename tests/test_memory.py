@@ -185,8 +185,11 @@ def in_flight(schedule, p=4, m=8, v=1, layers=8):
     per = activation_bytes_per_layer(c)
     out = []
     for rank in rep.per_rank:
-        terms = [t for t in rank.explain("activations") if t.label.endswith("layers")]
-        out.append(tuple(t.bytes // per // int(t.label.split("× ")[1].split()[0]) for t in terms))
+        terms = [t for t in rank.explain("activations") if t.kind == "layers"]
+        assert [t.stage for t in terms] == list(rank.stages)
+        for t in terms:  # the layer term is in_flight × (its stage's layers) × one layer's bytes
+            assert t.bytes == 0 if t.in_flight == 0 else t.bytes % (t.in_flight * per) == 0 < t.bytes
+        out.append(tuple(t.in_flight for t in terms))
     return out, rep
 
 
@@ -336,7 +339,7 @@ def test_schedule_replays_match_torch_pipeline_order():
 
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     from engine.layout import stage_to_pp_rank
-    from engine.memory import _dualpipev_states, _frontier, _interleaved_states, _zbv_states
+    from engine.schedules import _frontier, in_flight_states
 
     def stand_ins(p, v, style):
         owner = stage_to_pp_rank(p * v, p, style)
@@ -361,12 +364,5 @@ def test_schedule_replays_match_torch_pipeline_order():
                         states.add(tuple(held))
                     elif kind == "BACKWARD_WEIGHT" or (kind == "FULL_BACKWARD"):
                         held[local.index(x.stage_index)] -= 1
-            if name == "ScheduleInterleaved1F1B":  # full backward frees; no W
-                mine = _interleaved_states(r, p, v, m, False)
-            elif name == "ScheduleInterleavedZeroBubble":
-                mine = _interleaved_states(r, p, v, m, True)
-            elif name == "ScheduleZBVZeroBubble":
-                mine = _zbv_states(r, p, m)
-            else:
-                mine = _dualpipev_states(r, p, m)
+            mine = in_flight_states(name.removeprefix("Schedule"), r, p, v, m)
             assert mine == _frontier(states), (name, r)

@@ -1,0 +1,410 @@
+"""Activations: what each op saves for backward, as a table of saved tensors, one row per tensor.
+
+Per layer per microbatch (Korthikanti et al. 2022, §4.1), derived tensor by tensor from what
+each op keeps for its backward (``SAVED_TENSORS``, evaluated by ``layer_activation_terms``):
+  attention  norm1 output (QKV input) 2sbh · Q and K 2sbh each · V 2sbh ·
+             eager: softmax output 2as²b, its dropout mask as²b and dropout output 2as²b ·
+             o-proj input 2sbh · residual dropout mask sbh                  → 11sbh + 5as²b
+  MLP        norm2 output 2sbh · GeLU input 2sbf · fc2 input 2sbf · dropout mask sbh → 19sbh (f=4h)
+  norms      the two norm inputs 2sbh each                                   → 4sbh
+With f = 4h, eager attention, dropout on and 16-bit activations the sum is exactly Table 2 in
+all five cases. Variants, each a condition on a row (``only``), never a branch:
+  * dropout off: no masks (1-byte each), and no separate dropout output — the softmax output
+    is what the AV matmul saves, so eager attention keeps 2as²b instead of 5as²b.
+  * flash attention: no s² tensor at all; the kernel saves Q, K, V, its output (which is the
+    o-proj input) and the softmax log-sum-exp (a·s·b fp32); dropout is regenerated from the
+    RNG state, so no mask. K and V are saved at kv_heads·d (flash takes GQA natively), while
+    eager attention saves the K, V it multiplies — repeated to all heads (2sbh each).
+  * SwiGLU: silu saves its input (gate output), the product saves both factors (silu output,
+    up output), down saves its input: 4 tensors of 2sbf instead of GeLU's 2.
+  * TP: the parts inside the column/row pair are /t; the rest (norms, their outputs, the
+    residual masks) are replicated unless sequence parallel, which makes them /t too.
+  * recompute: a row names the policies that recompute it instead of keeping it
+    (``recomputed_by``); selective recomputes the attention core (softmax, its dropout; flash's
+    lse). Full recompute keeps only each block's input (``memory_per_rank``); the table itself
+    ignores it.
+  * LoRA (frozen base): a frozen Linear keeps no input for its weight gradient, so the QKV, o-proj,
+    MLP and down inputs stay only where an adapter's A reads them (``for_weight_grad_of``; flash
+    keeps its output anyway, ``kernel_keeps``); each adapter adds A's output (s·b·r) for B's
+    gradient; a frozen composite RMSNorm keeps no x̂.
+Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byte.
+
+Under ``conventions.state_accounting = "pytorch"`` the rows marked ``torch_ops`` follow torch's
+kernels too: rstd of each norm, rope's cos/sin tables, the causal mask, SP's gathered Linear
+inputs (torch's SequenceParallel + PrepareModuleInput all-gather the norm output into a
+replicated DTensor, and the column-parallel Linears save that full s·b·h input), torch's
+composite RMSNorm on CPU (x̂ = x·rstd saved too). Beyond the block (``stage_activation_terms``):
+the residual stream and the norms in fp32 under autocast, one 16-bit input cast per Linear,
+autocast's cached weight casts, a pipeline stage's kept output, and its input that is the p2p
+receive buffer (counted in comm_buffers). Checked against PyTorch's MemTracker on CPU
+(benchmarks/accuracy.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from engine import lora
+from engine.config import Config
+from engine.memory.report import Term, Terms, ceil_div
+from engine.names import RECOMPUTE_KINDS
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the per-layer activation table depends on."""
+
+    s: int
+    b: int
+    h: int
+    a: int
+    kv: int  # kv_heads · head_dim
+    f: int
+    t: int
+    sp: bool
+    act: int  # bytes per activation element (2 for 16-bit, 4 for fp32)
+    dropout: bool
+    flash: bool
+    swiglu: bool
+    recompute: str = "none"  # the policy the table is evaluated under ("full" is applied per block)
+    # "pytorch" accounting only (all False / equal to ``act`` under "zero-paper"):
+    torch_ops: bool = False  # count what torch's kernels save beyond the paper's terms
+    resid: int = 0  # bytes of the residual stream (the norm inputs)
+    composite_norm: bool = False  # RMSNorm as torch's composite (CPU): also saves x̂ = x·rstd
+    rope: bool = False  # rope's cos/sin tables saved by its multiplies
+    head_dim: int = 0
+    # LoRA (engine.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names
+    lora_r: int = 0
+    lora_mods: tuple[str, ...] = ()
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_r > 0
+
+    @property
+    def rep(self) -> int:
+        """Divisor of the replicated parts: t under sequence parallel, else 1."""
+        return self.t if self.sp else 1
+
+    @property
+    def res(self) -> int:
+        return self.resid or self.act
+
+    @property
+    def selective(self) -> bool:
+        return self.recompute == "selective"
+
+
+# numel rule name -> (elements for one microbatch, the basis symbol in the formula s·b·(...))
+_NUMEL = {
+    "sbh_rep": (lambda sh: sh.s * sh.b * sh.h // sh.rep, lambda sh: "h/t" if sh.sp else "h"),
+    "sb_rep": (lambda sh: sh.s * sh.b // sh.rep, lambda sh: "1/t" if sh.sp else "1"),
+    # the column-parallel Linears' input: gathered to full s·b·h by torch's SP, else like the norm output
+    "linear_input": (lambda sh: sh.s * sh.b * sh.h if sh.torch_ops else sh.s * sh.b * sh.h // sh.rep,
+                     lambda sh: "h" if sh.torch_ops else ("h/t" if sh.sp else "h")),
+    "sbh_t": (lambda sh: sh.s * sh.b * sh.h // sh.t, lambda sh: "h/t"),
+    "sbkv_t": (lambda sh: sh.s * sh.b * sh.kv // sh.t, lambda sh: "kv/t"),
+    "sbf_t": (lambda sh: sh.s * sh.b * sh.f // sh.t, lambda sh: "f/t"),
+    "as2b_t": (lambda sh: sh.a * sh.s * sh.s * sh.b // sh.t, lambda sh: "as/t"),
+    "asb_t": (lambda sh: sh.a * sh.s * sh.b // sh.t, lambda sh: "a/t"),
+    "ss": (lambda sh: sh.s * sh.s, lambda sh: "s/b"),
+    "s_half_d": (lambda sh: sh.s * (sh.head_dim // 2), lambda sh: "d/2b"),
+    "sbr": (lambda sh: sh.s * sh.b * sh.lora_r, lambda sh: "r"),
+}
+#: order of the bases in the formula string
+_BASIS_ORDER = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t", "1", "1/t", "d/2b", "s/b", "r")
+#: element-bytes rule name -> bytes
+_ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
+#: shape flags a row's ``only`` may name ("!flag" negates)
+_FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora")
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor an op of the block saves for backward, declared once.
+
+    ``elem`` (an ``_ELEM`` rule) × ``count`` bytes per element of ``numel`` (a ``_NUMEL`` rule).
+    ``part``: the part of the block it is saved in (norm1, attention, norm2, mlp, lora).
+    ``only``: the shape flags it needs ("!flag": needs the flag off). ``recomputed_by``: the
+    recompute policies that recompute it instead of keeping it. ``for_weight_grad_of``: Linears
+    whose weight gradient is the only reason it is kept (under LoRA it stays only if one of them
+    has an adapter), unless ``kernel_keeps`` names a flag under which the kernel saves it anyway.
+    ``count`` = "adapters" multiplies by the number of adapted Linears.
+    """
+
+    label: str
+    elem: str
+    numel: str
+    part: str
+    count: int | str = 1
+    only: tuple[str, ...] = ()
+    recomputed_by: frozenset[str] = frozenset()
+    for_weight_grad_of: tuple[str, ...] = ()
+    kernel_keeps: str = ""
+
+    def applies(self, sh: _Shape) -> bool:
+        for flag in self.only:
+            if flag.startswith("!") == bool(getattr(sh, flag.lstrip("!"))):
+                return False
+        if sh.recompute in self.recomputed_by:
+            return False
+        if self.for_weight_grad_of and sh.lora and not (self.kernel_keeps and getattr(sh, self.kernel_keeps)):
+            return any(x in sh.lora_mods for x in self.for_weight_grad_of)
+        return True
+
+    def coefficient(self, sh: _Shape) -> int:
+        n = len(sh.lora_mods) if self.count == "adapters" else self.count
+        return n * _ELEM[self.elem](sh)
+
+    def label_for(self, sh: _Shape) -> str:
+        return self.label.format(n=len(sh.lora_mods), r=sh.lora_r)
+
+
+_ATTENTION_CORE = frozenset({"selective"})
+
+
+def _norm(n: int) -> tuple[SavedTensor, ...]:
+    part = f"norm{n}"
+    return (
+        SavedTensor(f"norm{n} input", "res", "sbh_rep", part),
+        # x̂ is kept for the weight's gradient: none when the norm is frozen (LoRA)
+        SavedTensor(f"norm{n} x̂ = x·rstd (torch's composite RMSNorm)", "res", "sbh_rep", part,
+                    only=("composite_norm", "!lora")),
+        SavedTensor(f"norm{n} rstd (fp32)", "fp32", "sb_rep", part, only=("torch_ops",)),
+    )
+
+
+#: The saved tensors of one transformer block, in the order its ops run.
+SAVED_TENSORS: tuple[SavedTensor, ...] = (
+    *_norm(1),
+    SavedTensor("QKV input (norm1 output)", "act", "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv")),
+    SavedTensor("Q", "act", "sbh_t", "attention"),
+    SavedTensor("rope cos and sin for Q and K (saved by their multiplies)", "act", "s_half_d", "attention", count=4,
+                only=("rope", "torch_ops")),
+    SavedTensor("K, V (kv heads)", "act", "sbkv_t", "attention", count=2, only=("flash",)),
+    SavedTensor("K, V (repeated to all heads)", "act", "sbh_t", "attention", count=2, only=("!flash",)),
+    SavedTensor("softmax log-sum-exp (fp32)", "fp32", "asb_t", "attention", only=("flash",),
+                recomputed_by=_ATTENTION_CORE),
+    SavedTensor("causal mask (bool, saved by masked_fill)", "bool", "ss", "attention", only=("!flash", "torch_ops"),
+                recomputed_by=_ATTENTION_CORE),
+    SavedTensor("softmax output", "act", "as2b_t", "attention", only=("!flash",), recomputed_by=_ATTENTION_CORE),
+    SavedTensor("attention-dropout mask", "bool", "as2b_t", "attention", only=("!flash", "dropout"),
+                recomputed_by=_ATTENTION_CORE),
+    SavedTensor("attention-dropout output", "act", "as2b_t", "attention", only=("!flash", "dropout"),
+                recomputed_by=_ATTENTION_CORE),
+    # the flash kernel saves its output (the o-proj input) itself
+    SavedTensor("o-proj input (attention output)", "act", "sbh_t", "attention", for_weight_grad_of=("wo",),
+                kernel_keeps="flash"),
+    SavedTensor("attention residual-dropout mask", "bool", "sbh_rep", "attention", only=("dropout",)),
+    *_norm(2),
+    SavedTensor("MLP input (norm2 output)", "act", "linear_input", "mlp", for_weight_grad_of=("w1", "w3")),
+    SavedTensor("gate output (SiLU input)", "act", "sbf_t", "mlp", only=("swiglu",)),
+    SavedTensor("SiLU output", "act", "sbf_t", "mlp", only=("swiglu",)),
+    SavedTensor("up output", "act", "sbf_t", "mlp", only=("swiglu",)),
+    SavedTensor("down input", "act", "sbf_t", "mlp", only=("swiglu",), for_weight_grad_of=("w2",)),
+    SavedTensor("GeLU input", "act", "sbf_t", "mlp", only=("!swiglu",)),
+    SavedTensor("fc2 input (GeLU output)", "act", "sbf_t", "mlp", only=("!swiglu",), for_weight_grad_of=("w2",)),
+    SavedTensor("LoRA: A's output, saved by B for its gradient ({n} adapted Linears, rank r = {r})", "act", "sbr",
+                "lora", count="adapters", only=("lora",)),
+    SavedTensor("MLP residual-dropout mask", "bool", "sbh_rep", "mlp", only=("dropout",)),
+)
+
+for _row in SAVED_TENSORS:
+    assert _row.elem in _ELEM and _row.numel in _NUMEL and _row.recomputed_by <= set(RECOMPUTE_KINDS), _row
+    assert all(f.lstrip("!") in _FLAGS for f in _row.only), _row
+
+
+@lru_cache(maxsize=256)
+def layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int, str], ...], str]:
+    """Saved-for-backward bytes of one block for one microbatch: ((label, bytes, part), ...), formula.
+
+    The rows of ``SAVED_TENSORS`` that apply to ``sh``, evaluated; the formula's coefficient
+    per basis is the sum of the rows' element bytes on it.
+    """
+    out: list[tuple[str, int, str]] = []
+    coef: dict[str, int] = {}
+    for row in SAVED_TENSORS:
+        if not row.applies(sh):
+            continue
+        numel, basis = _NUMEL[row.numel]
+        c = row.coefficient(sh)
+        out.append((row.label_for(sh), c * numel(sh), row.part))
+        key = basis(sh)
+        coef[key] = coef.get(key, 0) + c
+    parts = [f"{coef[k]}{'' if k == '1' else k}" for k in _BASIS_ORDER if coef.get(k)]
+    return tuple(out), "s·b·(" + " + ".join(parts) + ")"
+
+
+def shape_of(cfg: Config) -> _Shape:
+    model, par, tr = cfg.model, cfg.parallel, cfg.training
+    act = 4 if tr.precision == "fp32" else 2
+    base = dict(s=model.seq_len, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
+                f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
+                flash=model.attention == "flash", swiglu=model.mlp == "swiglu",
+                recompute="selective" if tr.recompute == "selective" else "none")
+    if tr.finetune == "lora":
+        base.update(lora_r=tr.lora_rank, lora_mods=tuple(lora.target_modules(model, tr.lora_targets)))
+    if cfg.conventions.state_accounting != "pytorch":
+        return _Shape(**base)
+    # The per-layer terms stay at 16 bits here even under autocast (so ``activation_bytes_per_layer``
+    # does not depend on the DP wrapper, and the planner's per-layer bound stays a bound);
+    # ``stage_activation_terms`` adds autocast's fp32 residual stream as its own term.
+    return _Shape(**base, torch_ops=True, resid=act,
+                  composite_norm=model.norm == "rmsnorm" and cfg.cluster.gpu.name == "cpu",
+                  rope=model.position == "rope", head_dim=model.head_dim)
+
+
+def activation_terms_per_layer(cfg: Config) -> tuple[list[Term], str]:
+    """What one block saves for backward for one microbatch on one rank, tensor by tensor.
+
+    Ignores recompute = "full" (that keeps only the block input; see ``memory_per_rank``);
+    honours "selective". Returns the terms and the symbolic formula of their sum.
+    """
+    terms, formula = layer_activation_terms(shape_of(cfg))
+    return [Term(label, x, formula, "activations", kind=f"saved:{part}") for label, x, part in terms], formula
+
+
+def activation_bytes_per_layer(cfg: Config) -> int:
+    """Bytes one block saves for backward for one microbatch on one rank (no full recompute)."""
+    return sum(x for _, x, _ in layer_activation_terms(shape_of(cfg))[0])
+
+
+# --------------------------------------------------------------------------- per stage
+
+
+def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) -> tuple[str, int, str, str]:
+    """What the first block of stage 0 does not save under LoRA: nothing before the first adapter
+    requires grad (frozen embedding), so the ops there keep nothing for backward. With attention
+    adapters that is norm1; with MLP adapters only, the whole attention half and norm2."""
+    if any(x in sh.lora_mods for x in ("wq", "wk", "wv")):
+        parts, n_norm, what = {"norm1"}, 1, "norm1"
+    else:
+        parts, n_norm, what = {"norm1", "attention", "norm2"}, 2, "the attention half and norm2"
+    skipped = [x for _, x, part in layer_terms if part in parts]
+    # the norm inputs (a frozen composite RMSNorm keeps no x̂) at the residual stream's dtype
+    total = sum(skipped) + n_norm * (res - sh.act) * sbh_rep
+    return (f"LoRA: the first block saves nothing for {what} (its input needs no gradient before the first "
+            "adapter)", -total, f"−{total:,} B", "lora_first_block")
+
+
+def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
+                           in_flight) -> dict:
+    """Activations of every local stage (each multiplied by its microbatches in flight) and the loss
+    and recompute temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts.
+
+    Returns what the buffers need: the residual stream's element bytes and numel.
+    """
+    model, par, tr = cfg.model, cfg.parallel, cfg.training
+    t, p, m = par.tp, par.pp, par.microbatches
+    s, b, h = model.seq_len, tr.micro_batch_size, model.hidden
+    lora_on = tr.finetune == "lora"
+    sh = shape_of(cfg)
+    act, sp = sh.act, sh.sp
+    # residual stream: stage inputs/outputs, p2p buffers (autocast keeps it, and the norms, in fp32)
+    res = 4 if autocast else act
+    sbh_rep = s * b * h // sh.rep
+    hs = "h/t" if sp else "h"
+    layer_terms, layer_formula = layer_activation_terms(sh)
+    per_layer = sum(x for _, x, _ in layer_terms)
+    if res > act:
+        n_fp32 = 4 if sh.composite_norm and not lora_on else 2  # the two norm inputs (and x̂ of composite RMSNorm)
+        per_layer += n_fp32 * (res - act) * sbh_rep
+        # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
+        # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
+        n_casts = 2 + (1 if model.mlp == "swiglu" else 0)
+        if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
+            n_casts = (max(0, sum(x in sh.lora_mods for x in ("wq", "wk", "wv")) - 1)
+                       + max(0, sum(x in sh.lora_mods for x in ("w1", "w3")) - 1))
+        per_layer += n_casts * act * s * b * h
+        layer_formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
+                          f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+    # torch's loss: loss_parallel (SP) keeps the vocabulary sharded; otherwise the head's output is
+    # replicated (ColwiseParallel → Replicate), so the loss sees all V on every TP rank.
+    v_loss = ceil_div(model.vocab, t) if (sp or not torch_acc) else model.vocab
+    v_sym = "⌈V/t⌉" if v_loss != model.vocab else "V"
+    if tr.recompute == "full":
+        stored, stored_formula = res * sbh_rep, f"{res}·s·b·{hs} (checkpointed block input)"
+    else:
+        stored, stored_formula = per_layer, layer_formula
+    n_stages = par.num_stages
+    holds_last = any(st.stage == n_stages - 1 for st in rp.stages)
+    extras: list[list[tuple[str, int, str, str]]] = []
+    for st in rp.stages:
+        ex: list[tuple[str, int, str, str]] = []
+        if st.stage == 0:
+            if not lora_on:  # a frozen embedding saves nothing
+                ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b", "token_ids"))
+            elif tr.recompute != "full":
+                ex.append(_lora_first_block_saving(sh, layer_terms, res, sbh_rep))
+            if model.dropout > 0 and not lora_on:
+                ex.append(("embedding-dropout mask", sbh_rep, "s·b·" + hs, "embedding_dropout_mask"))
+        elif torch_acc:
+            ex.append(("stage input is the p2p receive buffer (counted in comm_buffers)", -res * sbh_rep,
+                       f"−{res}·s·b·{hs}", "stage_input_in_p2p_buffer"))
+        if st.stage == n_stages - 1:
+            if torch_acc:
+                ex.append(("final-norm input", res * sbh_rep, f"{res}·s·b·{hs}", "final_norm"))
+                if sh.composite_norm and not lora_on:
+                    ex.append(("final-norm x̂ and rstd (composite RMSNorm)", res * sbh_rep + 4 * s * b // sh.rep,
+                               f"{res}·s·b·{hs} + 4·s·b", "final_norm"))
+                else:
+                    ex.append(("final-norm rstd", 4 * s * b // sh.rep, "4·s·b", "final_norm"))
+                if not lora_on:  # a frozen head saves no input for a weight gradient
+                    ex.append(("head input", act * sbh_rep, f"{act}·s·b·{hs}", "head_input"))
+            elif lora_on:
+                ex.append(("final-norm input (the frozen head saves none)", act * sbh_rep, f"{act}·s·b·{hs}",
+                           "final_norm"))
+            else:
+                ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·{hs}",
+                           "final_norm"))
+            ex.append(("fp32 log-probabilities for the loss", 4 * s * b * v_loss, f"4·s·b·{v_sym}",
+                       "log_probabilities"))
+        elif torch_acc:
+            ex.append(("stage output kept by the pipeline stage for its backward", res * sbh_rep,
+                       f"{res}·s·b·{hs}", "stage_output"))
+        extras.append(ex)
+    unit_bytes = [st.layers * stored + sum(x for _, x, _, _ in ex) for st, ex in zip(rp.stages, extras)]
+    counts = in_flight(unit_bytes)
+    dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
+    for st, ex, n in zip(rp.stages, extras, counts):
+        T.add("activations", f"stage {st.stage}: {n} microbatch{'es' if n != 1 else ''} in flight × {st.layers} layers",
+              n * st.layers * stored,
+              f"{n} × {st.layers} × {stored_formula} = {n} × {st.layers} × {stored:,} B ({dims})",
+              stage=st.stage, in_flight=n, kind="layers")
+        for label, x, fx, kind in ex:
+            T.add("activations", f"stage {st.stage}: {label}", n * x, f"{n} × {fx} = {n} × {x:,} B",
+                  stage=st.stage, in_flight=n, kind=kind)
+    if torch_acc and p > 1 and holds_last:
+        # torch.distributed.pipelining keeps every microbatch's output (the logits) on the last stage
+        # until step() merges them, whatever the schedule
+        lo = act * s * b * v_loss
+        T.add("activations", "last stage: every microbatch's logits, kept by the schedule to merge the output",
+              m * lo, f"m × {act}·s·b·{v_sym} = {m} × {lo:,} B", stage=n_stages - 1, in_flight=m,
+              kind="pipeline_outputs")
+    if autocast and lora_on:
+        # autocast caches casts of leaf tensors that require grad only: the adapters, not the base
+        T.add("activations", "autocast's 16-bit casts of the adapters (cached; the frozen base is cast "
+              "on the fly and not cached)", act * psi_train, f"{act} B × {psi_train:,} adapter weights",
+              kind="autocast_weight_casts")
+    elif autocast:
+        # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
+        # (the backend's context spans forward and backward); the matmuls save these casts.
+        cast = sum(a * c for a, c in rp.block_tensors if c > 1) * rp.layers
+        cast += sum(st.head for st in rp.stages)
+        T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
+              f"{act} B × {cast:,} matmul weights (blocks and head)", kind="autocast_weight_casts")
+    if tr.recompute == "full":
+        T.add("temporaries", "one block recomputed during backward (full recompute)", per_layer,
+              f"{layer_formula} = {per_layer:,} B ({dims})", kind="recomputed_block")
+    if holds_last:
+        if torch_acc:
+            lx = 2 * 4 * s * b * v_loss
+            T.add("temporaries", "loss: fp32 logits and the log-softmax gradient at the start of backward",
+                  lx, f"2 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
+        else:
+            v_local = ceil_div(model.vocab, t)
+            lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
+            T.add("temporaries", "logits at the loss (compute dtype + fp32 copy)", lx,
+                  f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
+    return {"res": res, "sbh_rep": sbh_rep, "hs": hs}

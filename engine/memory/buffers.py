@@ -1,0 +1,141 @@
+"""Communication buffers: DDP's gradient buckets, FSDP2's unsharded units, all-gather and
+reduce-scatter buffers, and the pipeline's p2p receive buffers.
+
+Conventions:
+* DDP: the Reducer's flat buckets cover every gradient (``conventions.ddp_bucket_mb`` sets
+  their count), none under ``gradient_as_bucket_view``; they take the gradients' dtype (fp32
+  under autocast). A gradient-sized temporary appears early in the synchronised backward
+  (measured, torch 2.13) where the rank's peak falls in a backward.
+* FSDP2 (``engine.wrapping``: fully_shard, or replicate for DP × TP): one unit per block, one
+  for the embeddings, one for final norm + head. The 16-bit gathered copy is comm_buffers
+  (every unit under ZeRO-2 and replicate, current + prefetched unit under ZeRO-3 with
+  ``conventions.fsdp_prefetch``), plus one unit's all-gather output and the unsharded gradients
+  (every unit with m > 1, as FSDP2 accumulates unsharded without sync; one unit with m = 1).
+* "zero-paper": one unit's reduce-scatter input; under ZeRO-3 one unit's all-gather input and
+  the unsharded parameters of the current (+ prefetched) unit as temporaries.
+* Pipeline: torch allocates one receive buffer per microbatch for activations and for gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.config import Config
+from engine.memory.report import MB, Terms, ceil_div
+from engine.params import RankParams
+from engine.wrapping import WrappingPlan
+
+
+def _unit_sizes(rp: RankParams) -> list[int]:
+    return sorted((sum(a * c for a, c in u) for u in rp.units), reverse=True)
+
+
+def fsdp2_buffers(cfg: Config, rp: RankParams, T: Terms, psi: int, psi_train: int, train_units: list[int]) -> None:
+    """What FSDP2 (fully_shard / replicate + MixedPrecisionPolicy) gathers and reduces on this rank."""
+    par, conv = cfg.parallel, cfg.conventions
+    z, m = par.zero, par.microbatches
+    pd = cfg.training.param_bytes  # bytes of the compute copy FSDP2 all-gathers (MixedPrecisionPolicy.param_dtype)
+    lora_on = cfg.training.finetune == "lora"
+    sizes = _unit_sizes(rp)
+    largest = sizes[0]
+    if z == 3:
+        n_units = 2 if conv.fsdp_prefetch and len(sizes) > 1 else 1
+        T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else ""),
+              pd * sum(sizes[:n_units]), f"{pd} B × ({' + '.join(f'{x:,}' for x in sizes[:n_units])})",
+              kind="fsdp_unsharded_params")
+    else:
+        T.add("comm_buffers", "FSDP2 unsharded parameters, all units (" + ("ZeRO-2: not resharded after forward"
+                                                                            if z == 2 else "replicate") + ")",
+              pd * psi, f"{pd} B × Ψ = {pd} × {psi:,}", kind="fsdp_unsharded_params")
+    if z in (2, 3):
+        T.add("comm_buffers", "all-gather output of one unit (largest)", pd * largest, f"{pd} B × {largest:,}",
+              kind="all_gather_output")
+    if m > 1:
+        T.add("comm_buffers",
+              "FSDP2 unsharded gradients of every unit (accumulated unsharded over microbatches without sync)"
+              + (" — adapters only under LoRA" if lora_on else ""),
+              pd * psi_train, f"{pd} B × Ψ{'_lora' if lora_on else ''} = {pd} × {psi_train:,}",
+              kind="fsdp_unsharded_grads")
+    else:
+        big = max(train_units)
+        T.add("comm_buffers", "reduce-scatter input (one unit's unsharded gradients"
+              + (", adapters only)" if lora_on else ")"), pd * big,
+              f"{pd} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
+
+
+def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc: bool) -> None:
+    """DDP's gradient buckets, and the gradient-sized temporary of its synchronised backward."""
+    par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
+    lora_on = tr.finetune == "lora"
+    gb = 4 if torch_acc else tr.grad_bytes  # DDP's buckets take the gradients' dtype (fp32 under autocast)
+    buckets = max(1, math.ceil(gb * psi_train / (conv.ddp_bucket_mb * MB)))
+    if getattr(conv, "ddp_gradient_as_bucket_view", False):
+        T.add("comm_buffers", "DDP gradient buckets (gradients are views into them)", 0,
+              "0 (gradient_as_bucket_view=True)", kind="ddp_buckets")
+    else:
+        T.add("comm_buffers", f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", gb * psi_train,
+              f"{gb} B × {'Ψ_lora (frozen parameters have no bucket)' if lora_on else 'Ψ'}: the Reducer's flat "
+              "buckets cover every gradient; bucket_cap_mb sets their count", kind="ddp_buckets")
+    # it is part of the peak where the rank's peak falls in a backward: no pipeline, the last stage
+    # (one microbatch in flight), full recompute; stages holding several microbatches peak at the
+    # end of their warm-up forwards, before it exists (measured)
+    in_backward = (par.pp == 1 or tr.recompute == "full"
+                   or any(st.stage == par.num_stages - 1 for st in rp.stages))
+    # not seen with LoRA's frozen base (measured: DDP + peft, torch 2.13)
+    if torch_acc and in_backward and not lora_on:
+        T.add("temporaries", "DDP: a gradient-sized temporary early in the synchronised backward (measured, torch 2.13)",
+              gb * psi_train, f"{gb} B × Ψ{'_lora' if lora_on else ''} = {gb} × {psi_train:,}",
+              kind="ddp_backward_temporary")
+
+
+def zero_paper_buffers(cfg: Config, rp: RankParams, T: Terms, train_units: list[int]) -> None:
+    """ZeRO-2/3 under the paper's accounting: one unit's reduce-scatter input, ZeRO-3's gathers."""
+    par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
+    w, g, d = tr.param_bytes, tr.grad_bytes, par.shard_degree
+    sizes = _unit_sizes(rp)
+    largest = sizes[0]
+    big = max(train_units)
+    T.add("comm_buffers", "reduce-scatter input (one unit's unsharded gradients)", g * big,
+          f"{g} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
+    if par.zero == 3:
+        T.add("comm_buffers", "all-gather input (one unit's shard)", w * ceil_div(largest, d),
+              f"{w} B × ⌈{largest:,}/{d}⌉", kind="all_gather_input")
+        n_units = 2 if conv.fsdp_prefetch and len(sizes) > 1 else 1
+        unsharded = sum(sizes[:n_units])
+        T.add("temporaries", "unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else ""),
+              w * unsharded, f"{w} B × ({' + '.join(f'{x:,}' for x in sizes[:n_units])}) — the all-gather output",
+              kind="unsharded_params")
+
+
+def pipeline_buffers(cfg: Config, rp: RankParams, T: Terms, res: int, sbh_rep: int, hs: str) -> None:
+    """The p2p receive buffers of each local stage: one per microbatch, for activations and gradients."""
+    m, n_stages = cfg.parallel.microbatches, cfg.parallel.num_stages
+    stage_io = res * sbh_rep
+    for st in rp.stages:
+        if st.stage > 0:
+            T.add("comm_buffers", f"stage {st.stage}: activation receive buffers", m * stage_io,
+                  f"m × {res}·s·b·{hs} = {m} × {stage_io:,} (torch allocates one per microbatch)",
+                  stage=st.stage, kind="p2p_activation_receive")
+        if st.stage < n_stages - 1:
+            T.add("comm_buffers", f"stage {st.stage}: gradient receive buffers", m * stage_io,
+                  f"m × {res}·s·b·{hs} = {m} × {stage_io:,}", stage=st.stage, kind="p2p_gradient_receive")
+
+
+def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, psi: int, psi_train: int,
+                 train_units: list[int], res: int, sbh_rep: int, hs: str) -> None:
+    """Every communication buffer of this rank (and the temporaries that go with them)."""
+    par = cfg.parallel
+    torch_acc = cfg.conventions.state_accounting == "pytorch"
+    z = par.zero
+    if torch_acc and plan.fsdp2 and par.dp > 1:
+        fsdp2_buffers(cfg, rp, T, psi, psi_train, train_units)
+    elif z in (0, 1) and par.dp > 1:
+        ddp_buffers(cfg, rp, T, psi_train, torch_acc)
+    elif z in (2, 3) and par.shard_degree > 1:
+        zero_paper_buffers(cfg, rp, T, train_units)
+    if par.pp > 1:
+        pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
+    if not T["comm_buffers"]:
+        T.add("comm_buffers", "no collective buffers (nothing to reduce)", 0, "0", kind="none")
+    if not T["temporaries"]:
+        T.add("temporaries", "no large temporaries", 0, "0", kind="none")

@@ -1,0 +1,69 @@
+"""The conventions a memory report used, in words, shown next to the numbers (``conventions_of``).
+
+Tools in this field silently disagree (16 vs 18 bytes per parameter, fp32 vs bf16 gradients,
+with or without the attention-score term under fused attention); every choice the memory
+model makes is stated here, and the switchable ones name their ``conventions.*`` field. The
+rules themselves are documented where they are computed: ``states`` (bytes per parameter,
+sharding degree, accounting), ``activations``, ``in_flight`` (pipeline), ``buffers``,
+``overhead``.
+"""
+
+from __future__ import annotations
+
+from engine.config import Config
+from engine.memory.in_flight import IN_FLIGHT_RULE
+from engine.names import OPTIMIZER_STATES
+from engine.wrapping import wrapping_plan
+
+
+def conventions_of(cfg: Config) -> dict[str, str]:
+    """The conventions this report used, in words (shown next to the numbers)."""
+    tr, par, conv = cfg.training, cfg.parallel, cfg.conventions
+    k = OPTIMIZER_STATES[tr.optimizer]
+    if conv.state_accounting == "pytorch":
+        how = ("FSDP2 (fully_shard / replicate, MixedPrecisionPolicy): the fp32 sharded parameter is the master"
+               if wrapping_plan(cfg).fsdp2 else
+               "autocast: fp32 parameters, 16-bit casts made on the fly" if tr.precision != "fp32" else "fp32")
+        bpp = (f"{4 + 4 + 4 * k} unsharded = params 4 + grads 4 (the parameter dtype) + optimizer {4 * k} "
+               f"({k} fp32 state(s) of {tr.optimizer}, no separate master) — {how}")
+        acc = ("pytorch (default): what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep, strategy by "
+               "strategy — the split the backend measures, so predicted and measured compare category by "
+               "category; ZeRO-1 gives each DP rank whole tensors (greedy, largest first); the TP token "
+               "embedding's gradient is full size without an FSDP2 wrapper. conventions.state_accounting = "
+               "'zero-paper' gives the ZeRO paper's split")
+    else:
+        w, g = tr.param_bytes, tr.grad_bytes
+        o = (4 if tr.master_weights else 0) + 4 * k
+        bpp = (f"{w + g + o} unsharded = params {w} + grads {g} ({tr.grad_dtype}) + optimizer {o} "
+               f"({'fp32 master 4 + ' if tr.master_weights else ''}{k} fp32 state(s) of {tr.optimizer})")
+        acc = ("zero-paper: ZeRO paper split (16-bit working copy in params, fp32 master in optimizer, grads in "
+               "grad_dtype, ZeRO-1/2 as an even flat split); torch (FSDP2, autocast) keeps the fp32 "
+               "parameter as master — same total in most cases, a different split")
+    return {
+        "bytes_per_parameter": bpp,
+        "sharding_degree": f"ZeRO-{par.zero} divides by parallel.shard_degree = {par.shard_degree} "
+                           "(dp, or dp/replicate under HSDP), never by the world size",
+        "zero_accounting": acc,
+        "state_accounting": conv.state_accounting,
+        "activations": "saved-for-backward tensors per op (Korthikanti et al. 2022 Table 2 when f=4h, "
+                       f"eager, dropout on); attention = {cfg.model.attention}, dropout "
+                       f"{'on' if cfg.model.dropout > 0 else 'off (no masks)'}, recompute = {tr.recompute}, "
+                       f"{4 if tr.precision == 'fp32' else 2}-byte activations",
+        "pipeline_in_flight": f"{par.schedule}: {IN_FLIGHT_RULE[par.schedule]}" if par.pp > 1 else "no pipeline",
+        "dualpipe_parameters": "not doubled: torch's DualPipeV holds 2p distinct stages in a V",
+        "tied_embeddings": "one matrix with a single stage; with more stages the last stage keeps its own copy",
+        "ddp_buckets": "the DDP Reducer's buckets cover all gradients (bucket_cap_mb = "
+                       f"{conv.ddp_bucket_mb:g} sets their count) unless gradient_as_bucket_view",
+        "fsdp_units": "one unit per block, one for the embeddings, one for final norm + head; "
+                      f"prefetch {'on' if conv.fsdp_prefetch else 'off'} (conventions.fsdp_prefetch)",
+        "pipeline_buffers": "torch allocates one receive buffer per microbatch for activations and for gradients",
+        "loss": "last stage holds fp32 log-probabilities per microbatch in flight; logits counted as temporaries",
+        "overhead.runtime_context": f"{'on' if conv.runtime_context else 'off'}: cluster.gpu.runtime_context_gib "
+                                    f"= {cfg.cluster.gpu.runtime_context_gib:g} GiB",
+        "overhead.collective_buffers": f"{'on' if conv.collective_buffers else 'off'}: "
+                                       f"{conv.collective_buffer_mib:g} MiB per communicator",
+        "overhead.allocator_slack": f"{conv.allocator_slack_fraction:g} × live tensors",
+        "capacity": f"cluster.gpu.memory_gib = {cfg.cluster.gpu.memory_gib:g} GiB",
+    }
+
+

@@ -1,0 +1,81 @@
+"""``memory_per_rank(cfg)``: every rank of the world, its categories and the terms behind them.
+
+It answers "does it fit, and on which GPU does it not?". One rank's body is assembled from the
+modules of this package in order: model states (``states``, by accounting), activations
+(``activations``) at the microbatches in flight of its stages (``in_flight``), communication
+buffers (``buffers``), then the device overhead (``overhead``, last: its allocator slack is a
+fraction of the rest). Ranks that hold the same thing (DP replicas, TP shards with equal vocab
+chunks) share one computed body; under torch's ZeroRedundancyOptimizer DP ranks hold different
+optimizer shares, so each dp-rank gets its own. Rank order is ``engine.layout.rank_coords``':
+TP innermost, then DP, then PP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.config import Config
+from engine.memory.activations import stage_activation_terms
+from engine.memory.buffers import comm_buffers
+from engine.memory.conventions import conventions_of
+from engine.memory.in_flight import microbatches_in_flight
+from engine.memory.overhead import overhead
+from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
+from engine.memory.states import ACCOUNTINGS, lora_states, lora_units
+from engine.params import RankParams, params_per_rank
+from engine.wrapping import WrappingPlan, wrapping_plan
+
+
+def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan | None = None) -> _Body:
+    """The categories and terms of one rank holding ``rp`` (its dp-rank matters under ZeRO-1 only);
+    ``plan`` is ``wrapping_plan(cfg)``, computed when not given."""
+    par, tr = cfg.parallel, cfg.training
+    plan = plan or wrapping_plan(cfg)
+    torch_acc = cfg.conventions.state_accounting == "pytorch"
+    T = Terms()
+    where = f"stage{'s' if len(rp.stages) > 1 else ''} {', '.join(map(str, rp.stage_indices))}"
+    psi = psi_train = rp.total  # psi_train: elements that get a gradient (DDP buckets, unsharded gradients)
+    train_units = [sum(a * c for a, c in u) for u in rp.units]
+    if tr.finetune == "lora":
+        psi_train = lora_states(cfg, plan, rp, dp_rank, T, where)
+        adapters = lora_units(cfg, rp)
+        train_units = [sum(a * c for a, c in u) for u in adapters]
+        psi = psi + psi_train  # every parameter the rank holds (FSDP2 gathers the frozen base too)
+        rp = replace(rp, units=tuple(u + a for u, a in zip(rp.units, adapters)))
+    else:
+        ACCOUNTINGS[cfg.conventions.state_accounting](cfg, plan, rp, dp_rank, T, where)
+
+    def in_flight(unit_bytes: list[int]) -> tuple[int, ...]:
+        return microbatches_in_flight(par.schedule, rp.pp_rank, par.pp, par.virtual_stages, par.microbatches,
+                                      unit_bytes)
+
+    stream = stage_activation_terms(cfg, rp, T, torch_acc=torch_acc, autocast=torch_acc and plan.autocast,
+                                    psi_train=psi_train, in_flight=in_flight)
+    comm_buffers(cfg, plan, rp, T, psi=psi, psi_train=psi_train, train_units=train_units, **stream)
+    overhead(cfg, T)
+    return _Body(T, rp.stage_indices, rp.pp_rank)
+
+
+def memory_per_rank(cfg: Config) -> MemoryReport:
+    """Memory of every rank 0..world−1, by category, with the terms behind each number."""
+    par = cfg.parallel
+    capacity = cfg.cluster.gpu.memory_bytes
+    grid = params_per_rank(cfg)
+    plan = wrapping_plan(cfg)
+    # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per dp-rank then
+    per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1 and par.tp == 1
+    bodies: dict[tuple[int, int, int], _Body] = {}
+    for pp_rank, row in enumerate(grid):
+        seen: dict[tuple[int, int], _Body] = {}
+        for tp_rank, rp in enumerate(row):
+            for dp_rank in range(par.dp if per_dp else 1):
+                key = (rp.total, dp_rank)  # TP shards differ only by their vocabulary chunk
+                body = seen.get(key)
+                if body is None:
+                    body = seen[key] = rank_body(cfg, rp, dp_rank, plan)
+                bodies[pp_rank, tp_rank, dp_rank] = body
+    dp, tp = par.dp, par.tp
+    per_rank = [RankMemory(rank, rank % tp, (rank // tp) % dp,
+                           bodies[rank // (dp * tp), rank % tp, (rank // tp) % dp if per_dp else 0], capacity)
+                for rank in range(par.world_size)]
+    return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))

@@ -1,0 +1,179 @@
+"""The result types of the memory model: ``Term``, one rank's body, ``RankMemory``, ``MemoryReport``.
+
+Every number is per rank, in bytes, for a named rank (and its pipeline stages); a category is
+the sum of its terms and a rank's total the sum of its categories, never a separate guess.
+Ranks that hold the same thing (DP replicas, TP shards with equal vocabulary chunks) share one
+body. A ``Term`` says in fields, not in its label, which category it belongs to, whether
+PyTorch's MemTracker / caching allocator can see it, its pipeline stage and the microbatches
+in flight it is multiplied by; ``kind`` names its source for machines (compare's notes, the
+DataParallel model). Labels and formulas are for people and are never parsed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine.names import MEMORY_CATEGORIES
+
+GIB = 2**30
+MB = 10**6
+MIB = 2**20
+
+
+class Term(NamedTuple):
+    """One named contribution to a category: its bytes, the formula that gives them, and what it is.
+
+    ``category``: one of ``engine.names.MEMORY_CATEGORIES`` (the one the term sits in; a rank's
+    body refuses a term filed under another). ``tracked``: PyTorch's MemTracker and caching
+    allocator see these bytes (False for the runtime context, collective-library buffers and
+    allocator slack). ``stage``: the pipeline stage the term belongs to, or None. ``in_flight``:
+    the microbatches in flight the term is multiplied by, or None. ``kind``: a short
+    machine-readable name of the term's source. (A NamedTuple: immutable and cheap to build —
+    a body has dozens and the GUI rebuilds them on every slider move.)
+    """
+
+    label: str
+    bytes: int
+    formula: str
+    category: str
+    tracked: bool = True
+    stage: int | None = None
+    in_flight: int | None = None
+    kind: str = ""
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "bytes": self.bytes, "formula": self.formula, "category": self.category,
+                "tracked": self.tracked, "stage": self.stage, "in_flight": self.in_flight, "kind": self.kind}
+
+
+class Terms(dict):
+    """Terms being collected for one rank, by category: ``T.add(category, label, bytes, formula, ...)``."""
+
+    def __init__(self) -> None:
+        super().__init__((c, []) for c in MEMORY_CATEGORIES)
+
+    def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
+            stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:
+        self[category].append(Term(label, nbytes, formula, category, tracked, stage, in_flight, kind))
+
+
+class _Body:
+    """The categories of one distinct rank (shared by identical ranks)."""
+
+    __slots__ = ("terms", "values", "total", "stages", "pp_rank")
+
+    def __init__(self, terms: dict[str, list[Term]], stages: tuple[int, ...], pp_rank: int):
+        for c in MEMORY_CATEGORIES:
+            for t in terms[c]:
+                if t.category != c:
+                    raise ValueError(f"term {t.label!r} has category {t.category!r} but sits in {c!r}; "
+                                     f"allowed categories: {', '.join(MEMORY_CATEGORIES)}")
+        self.terms = terms
+        self.values = {c: sum(t.bytes for t in terms[c]) for c in MEMORY_CATEGORIES}
+        self.total = sum(self.values.values())
+        self.stages = stages
+        self.pp_rank = pp_rank
+
+
+class RankMemory:
+    """Memory of one rank: one attribute per category (bytes), ``total``, ``fits``, ``explain``."""
+
+    __slots__ = ("rank", "tp_rank", "dp_rank", "_body", "_capacity")
+
+    def __init__(self, rank: int, tp_rank: int, dp_rank: int, body: _Body, capacity: int):
+        self.rank = rank
+        self.tp_rank = tp_rank
+        self.dp_rank = dp_rank
+        self._body = body
+        self._capacity = capacity
+
+    # categories (params, grads, ...) are added as properties below the class
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    temporaries: int
+    overhead: int
+
+    @property
+    def pp_rank(self) -> int:
+        return self._body.pp_rank
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return self._body.stages
+
+    @property
+    def total(self) -> int:
+        return self._body.total
+
+    @property
+    def fits(self) -> bool:
+        return self._body.total <= self._capacity
+
+    @property
+    def model_states(self) -> int:
+        """params + grads + optimizer."""
+        v = self._body.values
+        return v["params"] + v["grads"] + v["optimizer"]
+
+    def explain(self, category: str) -> list[Term]:
+        """The terms that make up ``category`` (their bytes sum to it)."""
+        if category not in self._body.terms:
+            raise KeyError(f"unknown memory category {category!r}; allowed: {', '.join(MEMORY_CATEGORIES)}")
+        return list(self._body.terms[category])
+
+    def to_dict(self) -> dict:
+        v = self._body.values
+        out = {"rank": self.rank, "stage": self._body.stages[0], "stages": list(self._body.stages)}
+        out.update((c, v[c]) for c in MEMORY_CATEGORIES)
+        out["total"] = self._body.total
+        out["fits"] = self.fits
+        return out
+
+    def __repr__(self) -> str:
+        return f"RankMemory(rank={self.rank}, stages={self.stages}, total={self.total / GIB:.2f} GiB)"
+
+
+def _category_property(name: str) -> property:
+    return property(lambda self: self._body.values[name], doc=f"bytes of {name!r} on this rank")
+
+
+for _name in MEMORY_CATEGORIES:
+    setattr(RankMemory, _name, _category_property(_name))
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    per_rank: list[RankMemory]
+    capacity_bytes: int
+    conventions: dict[str, str]
+
+    @property
+    def peak(self) -> RankMemory:
+        """The rank that needs the most memory (lowest rank on ties)."""
+        return max(self.per_rank, key=lambda r: (r.total, -r.rank))
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.per_rank)
+
+    def distinct(self) -> list[list[RankMemory]]:
+        """Ranks grouped by identical content, in rank order of each group's first rank."""
+        groups: dict[int, list[RankMemory]] = {}
+        for r in self.per_rank:
+            groups.setdefault(id(r._body), []).append(r)
+        return list(groups.values())
+
+    def to_json(self) -> dict:
+        return {"per_rank": [r.to_dict() for r in self.per_rank], "capacity_bytes": self.capacity_bytes}
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.3g} GiB"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

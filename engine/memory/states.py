@@ -1,0 +1,205 @@
+"""Model states (params, grads, optimizer): one function per accounting, and adapters under LoRA.
+
+``conventions.state_accounting = "zero-paper"`` (``zero_paper_states``) is the ZeRO paper's split
+(Rajbhandari et al. 2020). ``w`` = compute-copy bytes (2 under bf16/fp16-mixed, 4 under fp32);
+``g`` = ``training.grad_dtype`` bytes; optimizer = fp32 master copy (4, mixed precision only) +
+4 per state (adamw 2, sgd-momentum 1, sgd 0). ZeRO shards over ``parallel.shard_degree`` d (dp,
+or dp/replicate under HSDP) — never the world:
+    ZeRO-0  w·Ψ + g·Ψ + o·Ψ           ZeRO-2  w·Ψ + g·⌈Ψ/d⌉ + o·⌈Ψ/d⌉
+    ZeRO-1  w·Ψ + g·Ψ + o·⌈Ψ/d⌉       ZeRO-3  (w + g + o)·Ψ_d, Ψ_d = Σ ⌈dim0/d⌉·rest per tensor
+(ZeRO-1/2 shard one flat buffer like DeepSpeed; ZeRO-3 pads every tensor's dim 0 like FSDP2.)
+
+The default, "pytorch" (``pytorch_states``), reports what torch keeps, strategy by strategy,
+exactly as ``backend/`` runs it — the product promises predicted-vs-measured agreement with
+PyTorch, so its default split is the one PyTorch has. Which wrapper holds the model is
+``engine.wrapping.wrapping_plan``'s decision:
+    DDP / ZeRO-0    autocast (mixed) or fp32: params 4Ψ (fp32; autocast casts on the fly, caching
+                    the 16-bit weights for the step — counted in activations), grads 4Ψ (the
+                    parameter dtype), optimizer 4kΨ (no separate master); DDP buckets 4Ψ.
+    ZeRO-1          the same, optimizer 4k × this DP rank's share under ZeroRedundancyOptimizer's
+                    greedy whole-tensor partition (``engine.params.zero_redundancy_partition``):
+                    ranks differ, the sum is exact. (With TP torch has no ZeRO-1: flat split.)
+    ZeRO-2 / -3     FSDP2 + MixedPrecisionPolicy: params 4Ψ_d (the fp32 shard is the master),
+                    grads 4Ψ_d, optimizer 4kΨ_d (the gathered 16-bit copies: ``buffers``).
+    DP × TP         FSDP2's replicate: whole fp32 params / grads.
+    TP alone        the vocab-parallel token embedding's gradient is full V × h on every rank.
+
+LoRA (``lora_states``, engine.lora): a frozen base with no gradient and no optimizer state,
+sharded like any parameter under ZeRO-3 / FSDP2 (fully_shard shards frozen parameters too),
+and trainable adapters (fp32 under "pytorch").
+"""
+
+from __future__ import annotations
+
+from engine import lora
+from engine.config import Config
+from engine.memory.report import Terms, ceil_div
+from engine.names import OPTIMIZER_STATES
+from engine.params import RankParams, rank_tensor_numels, sharded_numel, zero_redundancy_partition
+from engine.wrapping import WrappingPlan
+
+
+def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
+    """params / grads / optimizer as torch keeps them ("pytorch" accounting)."""
+    par, tr, model = cfg.parallel, cfg.training, cfg.model
+    z, d, k = par.zero, par.shard_degree, OPTIMIZER_STATES[tr.optimizer]
+    psi = rp.total
+    if z == 1 and par.tp > 1 and par.dp > 1:
+        # torch has no ZeRO-1 for DTensor (TP) parameters (ZeroRedundancyOptimizer refuses them; the
+        # backend raises): the states follow Megatron's distributed optimizer, an even flat split.
+        T.add("params", f"parameters ({where}), fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="parameters")
+        T.add("grads", "gradients, fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="gradients")
+        opt_numel = ceil_div(psi, d)
+        rule = f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉ (flat split: torch has no ZeRO-1 for TP parameters)"
+    elif plan.fsdp2:
+        shard = d if par.zero in (2, 3) else 1  # FSDP2's replicate (DP × TP) keeps whole fp32 params
+        psi_d = sharded_numel(tuple(x for u in rp.units for x in u), shard)
+        how = (f"Ψ_d = {psi_d:,} (Ψ = {psi:,} over d = {shard}, dim 0 padded per tensor)" if shard > 1
+               else f"Ψ = {psi:,} (FSDP2 replicate: not sharded)")
+        T.add("params", f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)", 4 * psi_d,
+              f"4 B × {how}", kind="parameters")
+        T.add("grads", "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}",
+              kind="gradients")
+        opt_numel, rule = psi_d, how
+    else:
+        T.add("params", f"parameters ({where}), fp32 (autocast casts on the fly; no separate master)"
+              if tr.precision != "fp32" else f"parameters ({where})", 4 * psi, f"4 B × Ψ = 4 × {psi:,}",
+              kind="parameters")
+        grads = psi
+        gterm = f"4 B × Ψ = 4 × {psi:,}"
+        if par.tp > 1 and any(st.stage == 0 for st in rp.stages):
+            # The vocab-parallel embedding's gradient comes back replicated: full V × h locally
+            local_rows = rp.stages[[st.stage for st in rp.stages].index(0)].embedding
+            extra = model.vocab * model.hidden - local_rows
+            grads += extra
+            gterm += f" + token-embedding gradient at full V × h on every TP rank (+{extra:,})"
+        T.add("grads", "gradients, fp32 (autocast gradients take the parameter dtype)"
+              if tr.precision != "fp32" else "gradients", 4 * grads, gterm, kind="gradients")
+        if z == 1 and par.dp > 1:
+            sizes = zero_redundancy_partition(rank_tensor_numels(rp), par.dp)
+            opt_numel = sizes[dp_rank]
+            rule = (f"{opt_numel:,} elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
+                    f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
+        else:
+            opt_numel, rule = psi, f"Ψ = {psi:,}"
+    if k:
+        T.add("optimizer", f"{tr.optimizer} states ({k} × fp32; no master copy: the fp32 parameter is it)",
+              4 * k * opt_numel, f"{4 * k} B × {rule}", kind="optimizer_states")
+    else:
+        T.add("optimizer", "no optimizer state (plain sgd)", 0, "0", kind="none")
+
+
+def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
+    """params / grads / optimizer as the ZeRO paper splits them ("zero-paper" accounting)."""
+    par, tr = cfg.parallel, cfg.training
+    z, d = par.zero, par.shard_degree
+    w, g = tr.param_bytes, tr.grad_bytes
+    k = OPTIMIZER_STATES[tr.optimizer]
+    psi = rp.total
+    if z == 3:
+        psi_d = sum(sharded_numel(u, d) for u in rp.units)
+        T.add("params", f"parameters ({where}), sharded ZeRO-3", w * psi_d,
+              f"{w} B × Ψ_d = {w} × {psi_d:,} (Ψ = {psi:,} over d = {d}, dim 0 padded per tensor)", kind="parameters")
+        T.add("grads", "gradients, sharded ZeRO-3", g * psi_d, f"{g} B × Ψ_d = {g} × {psi_d:,}", kind="gradients")
+        opt_numel, opt_rule = psi_d, "Ψ_d"
+    else:
+        T.add("params", f"parameters ({where})", w * psi, f"{w} B × Ψ = {w} × {psi:,}", kind="parameters")
+        if z == 2:
+            gd = ceil_div(psi, d)
+            T.add("grads", "gradients, sharded ZeRO-2", g * gd, f"{g} B × ⌈Ψ/d⌉ = {g} × ⌈{psi:,}/{d}⌉",
+                  kind="gradients")
+        else:
+            T.add("grads", "gradients", g * psi, f"{g} B × Ψ = {g} × {psi:,}", kind="gradients")
+        if z >= 1:
+            opt_numel, opt_rule = ceil_div(psi, d), f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉"
+        else:
+            opt_numel, opt_rule = psi, f"Ψ = {psi:,}"
+    if tr.master_weights:
+        T.add("optimizer", "fp32 master weights", 4 * opt_numel, f"4 B × {opt_rule}", kind="master_weights")
+    if k:
+        T.add("optimizer", f"{tr.optimizer} states ({k} × fp32)", 4 * k * opt_numel, f"{4 * k} B × {opt_rule}",
+              kind="optimizer_states")
+    if not T["optimizer"]:
+        T.add("optimizer", "no optimizer state (plain sgd, fp32)", 0, "0", kind="none")
+
+
+#: state_accounting -> the function that writes the model states of full fine-tuning
+ACCOUNTINGS = {"pytorch": pytorch_states, "zero-paper": zero_paper_states}
+
+
+def lora_units(cfg: Config, rp: RankParams) -> list[tuple[tuple[int, int], ...]]:
+    """The adapter tensors of each FSDP unit of this rank (empty for embeddings and norm + head)."""
+    tr = cfg.training
+    block = lora.adapter_block_tensors(cfg.model, tr.lora_rank, tr.lora_targets, cfg.parallel.tp)
+    return [block if u == rp.block_tensors else () for u in rp.units]
+
+
+def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> int:
+    """params / grads / optimizer under LoRA (engine.lora): frozen base, trainable adapters.
+
+    Returns the trainable elements this rank holds before any sharding (what DDP's buckets and
+    the DP gradient traffic cover).
+    """
+    par, tr = cfg.parallel, cfg.training
+    torch_acc = cfg.conventions.state_accounting == "pytorch"
+    z, d, k = par.zero, par.shard_degree, OPTIMIZER_STATES[tr.optimizer]
+    ad = [x for u in lora_units(cfg, rp) for x in u]
+    psi_lora = sum(a * b for a, b in ad)
+    psi_base = rp.total
+    fsdp2 = plan.fsdp2 if torch_acc else z == 3
+    shard = d if (z in (2, 3) if torch_acc else z == 3) else 1
+    # ---- frozen base
+    if tr.lora_base_dtype == "nf4":
+        weights = [a * b for a, b in rp.block_tensors if b > 1]  # the block Linears' weight matrices
+        q_bytes = rp.layers * sum(lora.nf4_bytes(n) for n in weights)
+        q_numel = rp.layers * sum(weights)
+        u = lora.unquantised_bytes(tr)
+        T.add("params", f"frozen base ({where}): block Linears in nf4 with double-quantised constants", q_bytes,
+              f"Σ ⌈n/2⌉ + ⌈n/64⌉ + 4·⌈⌈n/64⌉/256⌉ + 4 over {q_numel:,} weights "
+              f"(≈ {lora.nf4_bytes_per_param():.4f} B each)", kind="frozen_base")
+        T.add("params", "frozen base: embeddings, norms, head (not quantised)", u * (psi_base - q_numel),
+              f"{u} B × {psi_base - q_numel:,}", kind="frozen_base")
+    else:
+        bb = lora.base_bytes_per_param(tr)
+        base_d = sharded_numel(tuple(x for u in rp.units for x in u), shard)
+        how = (f"Ψ_base,d = {base_d:,} (Ψ_base = {psi_base:,} over d = {shard}, dim 0 padded per tensor)"
+               if shard > 1 else f"Ψ_base = {psi_base:,}")
+        T.add("params", f"frozen base ({where}), {tr.lora_base_dtype}; no gradient, no optimizer state",
+              bb * base_d, f"{bb} B × {how}", kind="frozen_base")
+    # ---- adapters
+    lora_d = sharded_numel(tuple(ad), shard)
+    how = (f"Ψ_lora,d = {lora_d:,} (Ψ_lora = {psi_lora:,} over d = {shard}, dim 0 padded per tensor)"
+           if shard > 1 else f"Ψ_lora = {psi_lora:,}")
+    per_layer = lora.adapter_params_per_layer(cfg.model, tr.lora_rank, tr.lora_targets)
+    origin = (f"{rp.layers} blocks × Σ r·(d_in + d_out) = {rp.layers} × {per_layer:,} (r = {tr.lora_rank}, "
+              f"targets {tr.lora_targets}{', local TP shard' if par.tp > 1 else ''})")
+    if torch_acc:
+        w_a = g_a = 4
+        master = 0
+    else:
+        w_a, g_a = tr.param_bytes, tr.grad_bytes
+        master = 4 if tr.master_weights else 0
+    T.add("params", f"LoRA adapters A and B ({origin})", w_a * lora_d, f"{w_a} B × {how}", kind="adapters")
+    g_numel, g_how = lora_d, how
+    if not torch_acc and z == 2 and shard == 1:
+        g_numel, g_how = ceil_div(psi_lora, d), f"⌈Ψ_lora/d⌉ = ⌈{psi_lora:,}/{d}⌉"
+    T.add("grads", "adapter gradients" + (" (fp32, the adapters' dtype)" if torch_acc else ""),
+          g_a * g_numel, f"{g_a} B × {g_how}", kind="gradients")
+    if z == 1 and par.dp > 1 and torch_acc and par.tp == 1:
+        sizes = zero_redundancy_partition([a * b for a, b in ad], par.dp)
+        opt_numel = sizes[dp_rank]
+        rule = (f"{opt_numel:,} adapter elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
+                f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
+    elif z >= 1 and par.dp > 1 and not (fsdp2 and shard > 1):
+        opt_numel, rule = ceil_div(psi_lora, d), f"⌈Ψ_lora/d⌉ = ⌈{psi_lora:,}/{d}⌉"
+    else:
+        opt_numel, rule = lora_d, how
+    if master:
+        T.add("optimizer", "fp32 master weights of the adapters", 4 * opt_numel, f"4 B × {rule}",
+              kind="master_weights")
+    if k:
+        T.add("optimizer", f"{tr.optimizer} states of the adapters ({k} × fp32); none for the frozen base",
+              4 * k * opt_numel, f"{4 * k} B × {rule}", kind="optimizer_states")
+    if not T["optimizer"]:
+        T.add("optimizer", "no optimizer state (plain sgd)", 0, "0", kind="none")
+    return psi_lora
