@@ -50,7 +50,13 @@ from dataclasses import replace as dc_replace
 
 from engine.comm import CommItem, CommReport, GroupSpan, MeasuredLinks, RankComm
 from engine.config import Config
-from engine.durations import StageDurations, flops_per_token, model_flops_per_token, recompute_flops_per_token, stage_durations
+from engine.durations import (
+    StageDurations,
+    flops_per_token,
+    model_flops_per_token,
+    recompute_flops_per_token,
+    stage_durations,
+)
 from engine.lora import adapter_params
 from engine.memory import GIB, MIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
 from engine.names import MEMORY_CATEGORIES

@@ -24,6 +24,7 @@ The rules (torch 2.13's APIs decide them):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from engine.config import Config
 
 #: ``WrappingPlan.data_parallel`` values.
