@@ -43,7 +43,7 @@ NOT_COVERED = [
 ]
 NOT_COVERED_CPU_KERNELS = [
     "CPU kernels stand in for GPU ones where torch has no fake equivalent: autocast's CPU cast lists "
-    "(non-FSDP mixed precision), CPU flash attention (saves what CUDA flash saves: Q, K, V, output, "
+    "(mixed precision without an FSDP2 wrapper), CPU flash attention (saves what CUDA flash saves: Q, K, V, output, "
     "log-sum-exp; not CUDA's RNG state)",
 ]
 
@@ -67,23 +67,16 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from backend import measure
     from backend.model import Transformer
-    from backend.parallel import (
-        ParallelDims,
-        apply_ddp,
-        apply_fsdp,
-        apply_pp,
-        apply_recompute,
-        apply_replicate,
-        apply_tp,
-        fsdp_mp_policy,
-        make_zero1_optimizer,
-    )
+    from backend.parallel import ParallelDims, apply_pp, build_optimizer, parallelize
     from backend.parallel.pipeline import ActionTimer
+    from backend.parallel.precision import compute_dtype
     from backend.train import SEED, Trainer, _optimizer_cls_and_kwargs, check_supported
+    from engine.wrapping import wrapping_plan
 
     par, tr = cfg.parallel, cfg.training
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
@@ -98,47 +91,39 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.dims = ParallelDims(par, self.device.type, cfg.cluster.gpus_per_node)
             self.dims.build_mesh()
             self.coords = self.dims.coords
-            self.fsdp = par.zero in (2, 3)
-            self.pipelined = par.pp > 1
             check_supported(cfg)
+            self.plan = wrapping_plan(cfg)
+            self.pipelined = self.plan.pipelined
             torch.manual_seed(SEED)
             with torch.device("meta"):
                 model = Transformer(cfg.model)
             if cfg.cluster.gpu.name != "cpu":
                 use_fused_rms_norm(model)  # the kernel the GPU kind runs, not CPU's composite
             parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
-            mp = fsdp_mp_policy(tr)
             self.fake_mode = (FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors
                               else contextlib.nullcontext())
+
+            @contextlib.contextmanager
+            def materialize(m):
+                """The meta module's tensors allocated (fake ones: storage sizes, no data); the
+                wrappers that copy parameters at construction are built in the same mode."""
+                with self.fake_mode, _ddp_without_init_checks():
+                    m.to_empty(device=self.device)
+                    yield
+
             self.modules = []
             for s, m in parts:
-                if par.tp > 1:
-                    apply_tp(m, self.dims["tp"], par.sequence_parallel)
-                apply_recompute(m, tr.recompute)
-                if self.fsdp:
-                    m = apply_fsdp(m, self.dims["dp"], par.zero, mp, pipelined=self.pipelined)
+                m = parallelize(m, cfg, self.plan, self.dims, self.device, materialize=materialize)
+                if isinstance(m, DistributedDataParallel):
                     with self.fake_mode:
-                        m.to_empty(device=self.device)
-                else:
-                    with self.fake_mode:
-                        m.to_empty(device=self.device)
-                        if par.dp > 1 and par.tp > 1:
-                            m = apply_replicate(m, self.dims["dp"], mp)
-                        elif par.dp > 1:
-                            with _ddp_without_init_checks():
-                                m = apply_ddp(m, self.dims.dp_group(), cfg.conventions.ddp_bucket_mb,
-                                              self.device)
-                            m.register_comm_hook(None, _bucket_as_reduced)
-                            m.reducer = _NoRebuildReducer(m.reducer)
+                        m.register_comm_hook(None, _bucket_as_reduced)
+                        m.reducer = _NoRebuildReducer(m.reducer)
                 self.modules.append((s, m))
             self.stages = [s for s, _ in self.modules]
             self.params = measure.unique_params(m for _, m in self.modules)
             cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
             with self.fake_mode:
-                if par.zero == 1 and par.dp > 1:
-                    self.optimizer = make_zero1_optimizer(self.params, cls, self.dims.dp_group(), **kw)
-                else:
-                    self.optimizer = cls(self.params, **kw)
+                self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
             self.timer = ActionTimer()
             self.schedule = None
             self.has_first = 0 in self.stages
@@ -164,9 +149,9 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
 
             mbs, seq, hidden = tr.micro_batch_size, cfg.model.seq_len, cfg.model.hidden
             sp_seq = seq // par.tp if par.sequence_parallel else seq
-            act_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(tr.precision, torch.float32)
-            if not self.fsdp:
-                act_dtype = torch.float32  # autocast leaves the residual stream in fp32
+            # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype;
+            # autocast (and fp32) leave it in fp32
+            act_dtype = compute_dtype(self.plan) if self.plan.mixed_precision == "fsdp2-policy" else torch.float32
             for (s, mod), n in zip(self.modules, self.in_flight):
                 outputs = []
                 with self._loss_ctx():

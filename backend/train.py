@@ -28,25 +28,14 @@ from torch.nn.parallel import DistributedDataParallel
 from backend import measure
 from backend.faults import maybe_fault
 from backend.model import SyntheticData, Transformer
-from backend.parallel import (
-    ParallelDims,
-    apply_ddp,
-    apply_fsdp,
-    apply_pp,
-    apply_recompute,
-    apply_replicate,
-    apply_tp,
-    autocast_context,
-    build_schedule,
-    fsdp_mp_policy,
-    make_zero1_optimizer,
-)
-from backend.parallel.data_parallel import apply_dataparallel, dataparallel_refusal, dataparallel_rows
-from backend.parallel.lora import apply_lora, lora_refusal, trainable
+from backend.parallel import ParallelDims, apply_pp, autocast_context, build_optimizer, build_schedule, parallelize
+from backend.parallel.data_parallel import dataparallel_refusal, dataparallel_rows
+from backend.parallel.lora import lora_refusal
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
 from backend.support import composition_problems
 from engine.config import Config
+from engine.wrapping import wrapping_plan
 
 LEARNING_RATE = 5e-3
 SEED = 0
@@ -107,7 +96,8 @@ class Trainer:
         self.cfg, self.out = cfg, out
         par, tr = cfg.parallel, cfg.training
         check_supported(cfg)  # first: a refused dataparallel job would not match the one-process world
-        self.legacy = par.dp_mode == "dataparallel"  # nn.DataParallel: one process drives par.dp GPUs
+        self.plan = wrapping_plan(cfg)  # which wrapper and precision: read, never re-decided, below
+        self.legacy = self.plan.legacy  # nn.DataParallel: one process drives par.dp GPUs
         self.gpus = par.dp if self.legacy else 1  # GPUs this process drives
         self.device = self._init_process_group()
         self.rank = dist.get_rank()
@@ -116,43 +106,18 @@ class Trainer:
         self.dims = ParallelDims(spec, self.device.type, cfg.cluster.gpus_per_node)
         self.dims.build_mesh()
         self.coords = self.dims.coords
-        self.fsdp = par.zero in (2, 3)
-        self.pipelined = par.pp > 1
+        self.pipelined = self.plan.pipelined
 
         torch.manual_seed(SEED)  # every rank builds the same full model, then keeps its part
-        with torch.device(self.device):
+        with torch.device(self.device):  # nn.DataParallel: cuda:0, its source device
             model = Transformer(cfg.model)
         parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
-        mp = fsdp_mp_policy(tr)
-        self.modules = []
-        for s, m in parts:
-            if self.legacy:
-                if tr.finetune == "lora":
-                    m = apply_lora(m, cfg.model, tr)
-                apply_recompute(m, tr.recompute)
-                self.modules.append((s, apply_dataparallel(m, self.gpus)))  # m lives on cuda:0
-                continue
-            if tr.finetune == "lora":
-                m = apply_lora(m, cfg.model, tr)  # before DP, which must see the frozen base
-            if par.tp > 1:
-                apply_tp(m, self.dims["tp"], par.sequence_parallel)
-            apply_recompute(m, tr.recompute)
-            if self.fsdp:
-                m = apply_fsdp(m, self.dims["dp"], par.zero, mp, pipelined=self.pipelined)
-            elif par.dp > 1 and par.tp > 1:
-                m = apply_replicate(m, self.dims["dp"], mp)
-            elif par.dp > 1:
-                m = apply_ddp(m, self.dims.dp_group(), cfg.conventions.ddp_bucket_mb, self.device)
-            self.modules.append((s, m))
+        self.modules = [(s, parallelize(m, cfg, self.plan, self.dims, self.device)) for s, m in parts]
         self.stages = [s for s, _ in self.modules]
         self.params = measure.unique_params(m for _, m in self.modules)
 
         cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
-        stepped = trainable(self.params)  # LoRA: the adapters only; the frozen base has no optimizer state
-        if par.zero == 1 and par.dp > 1:
-            self.optimizer = make_zero1_optimizer(stepped, cls, self.dims.dp_group(), **kw)
-        else:
-            self.optimizer = cls(stepped, **kw)
+        self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
 
         self.timer = ActionTimer()
         self.schedule = None
@@ -181,7 +146,7 @@ class Trainer:
         ctx = contextlib.ExitStack()
         if self.cfg.parallel.sequence_parallel:
             ctx.enter_context(loss_parallel())
-        ctx.enter_context(autocast_context(self.cfg.training, self.device.type, self.fsdp))
+        ctx.enter_context(autocast_context(self.plan, self.device.type))
         return ctx
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,8 @@ LAYOUTS: dict[str, Config] = {
     "bf16 ZeRO-1 dp4": _layout({"dp": 4, "zero": 1, "microbatches": 2}, training=BF16),
     "bf16 ZeRO-3 dp4": _layout({"dp": 4, "zero": 3, "microbatches": 2}, training=BF16),
     "bf16 TP+SP tp4": _layout({"tp": 4, "sequence_parallel": True, "microbatches": 2}, training=BF16),
+    # dp × tp: FSDP2's replicate (DTensor parameters) with its MixedPrecisionPolicy, no autocast
+    "bf16 2-D dp2×tp2": _layout({"dp": 2, "tp": 2, "microbatches": 2}, training=BF16),
 }
 
 

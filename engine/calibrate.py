@@ -53,10 +53,10 @@ from engine.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_se
 from engine.config import Config
 from engine.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
 from engine.layout import split_layers
-from engine.memory import memory_per_rank
 from engine.params import params_per_rank
-from engine.predict import Prediction
-from engine.step import optimizer_seconds, step_time, tp_stage_seconds
+from engine.predict import Prediction, predict, predicted_step
+from engine.step import optimizer_seconds, tp_stage_seconds
+from engine.wrapping import wrapping_plan
 
 LINKS_FILE = "links.json"
 
@@ -116,7 +116,7 @@ class Calibration:
         return (self.measured is not None and a.model == b.model and a.training == b.training
                 and (pa.pp, pa.virtual_stages, pa.tp, pa.sequence_parallel) == (pb.pp, pb.virtual_stages, pb.tp,
                                                                               pb.sequence_parallel)
-                and (pa.zero in (2, 3)) == (pb.zero in (2, 3)))
+                and _stage_wrapping(a) == _stage_wrapping(b))
 
     def config_for(self, cfg: Config, busy: float = 1.0) -> Config:
         """``cfg`` with this machine's calibrated efficiency and bandwidths (core sharing is the
@@ -168,15 +168,14 @@ class Calibration:
         links = None if self.links is None else self.links.links_for(cfg)
         busy = 1.0
         for _ in range(8):
-            c = self.config_for(cfg, busy)
-            st = step_time(c, self.durations_for(cfg, busy), links)
+            c, d = self.config_for(cfg, busy), self.durations_for(cfg, busy)
             if self.cores is None or self.busy_fraction is None or cfg.cluster.gpu.name != "cpu":
                 break
-            new = timeline_busy_fraction(st.timeline)
+            new = timeline_busy_fraction(predicted_step(c, d, links).timeline)
             if abs(new - busy) < 1e-3:
                 break
             busy = new
-        return Prediction(config=c, memory=memory_per_rank(c), step=st)
+        return predict(c, d, links)
 
     def to_json(self) -> dict:
         return {
@@ -337,8 +336,8 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     if not have_actions:
         # pp = 1: one efficiency, fitted to the whole step with analytic communication
         def step_at(e: float) -> float:
-            return step_time(cfg.replace(conventions={"compute_efficiency": min(e, 1.0)}), _scaled(cfg, e),
-                             lk).seconds
+            return predicted_step(cfg.replace(conventions={"compute_efficiency": min(e, 1.0)}), _scaled(cfg, e),
+                                  lk).seconds
         eff = _bisect_log(step_at, step_s, 1e-6, 1e3)
         if eff is None:
             eff = cfg.conventions.compute_efficiency
@@ -412,7 +411,7 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
         def exposed_with(bw: float) -> float:
             c = dataclasses.replace(cal, link_bytes_per_s=bw)
             b = cal.busy_fraction or 1.0
-            return step_time(c.config_for(cfg, b), c.durations_for(cfg, b)).breakdown["dp_comm_exposed"]
+            return predicted_step(c.config_for(cfg, b), c.durations_for(cfg, b)).breakdown["dp_comm_exposed"]
 
         link = _bisect_log(exposed_with, dp_excess, bw0 * 1e-4, bw0 * 1e4)
         if link is None:
@@ -424,6 +423,13 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     else:
         notes.append("no exposed DP reduction measured (dp = 1 or no excess): analytic link kept")
     return dataclasses.replace(cal, link_bytes_per_s=link, notes=tuple(notes))
+
+
+def _stage_wrapping(cfg: Config) -> tuple[bool, str]:
+    """What of the wrapping plan changes a stage's measured seconds: whether ``fully_shard``
+    gathers and reshards around it, and how mixed precision runs (autocast or FSDP2's policy)."""
+    plan = wrapping_plan(cfg)
+    return plan.sharded, plan.mixed_precision
 
 
 def _scaled(cfg: Config, eff: float) -> StageDurations:
@@ -535,7 +541,7 @@ class LinkCalibration:
     def predict(self, cfg: Config) -> Prediction:
         """The analytic prediction with measured links and measured throughput (no training run)."""
         c = self.config_for(cfg)
-        return Prediction(config=c, memory=memory_per_rank(c), step=step_time(c, None, self.links_for(cfg)))
+        return predict(c, None, self.links_for(cfg))
 
     def to_json(self) -> dict:
         return {"source": self.source, "world": self.world, "cores": self.cores, "backend": self.backend,

@@ -44,6 +44,7 @@ from engine.config import Config
 from engine.durations import adapter_elements_per_block
 from engine.layout import placement_style, rank_of, stage_to_pp_rank
 from engine.params import params_per_rank
+from engine.wrapping import wrapping_plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 DIMENSIONS = ("dp", "tp", "pp")
@@ -343,11 +344,12 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     weights = local_params * tr.param_bytes
     lora_on = tr.finetune == "lora"
     grad_units = max(1, len(rp.units))
+    plan = wrapping_plan(cfg)
     if lora_on:
         adapters = trainable_local(cfg, rp)
-        w_a, g_a = lora_wire_bytes(cfg, fsdp=par.zero >= 2)
+        w_a, g_a = lora_wire_bytes(cfg, fsdp=plan.sharded)
         grads = adapters * g_a
-        if par.zero >= 2:
+        if plan.sharded:
             weights = (local_params + adapters) * tr.param_bytes  # the frozen base is gathered too
         else:
             weights = adapters * w_a  # ZeRO-1 broadcasts the updated adapter shards
@@ -365,12 +367,12 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
             items.append(CommItem("dp", what, coll, calls, size, sp.size, sp.link, calls * one,
                                   overlappable and hides, phase))
 
-    if par.zero == 0:
+    if not plan.sharded and not plan.zero_redundancy_optimizer:  # DDP (or FSDP2's replicate)
         buckets = max(1, math.ceil(grads / (conv.ddp_bucket_mb * 1e6)))
         add(f"DDP gradient all-reduce ({buckets} bucket(s) of ≤ {conv.ddp_bucket_mb:g} MB"
             f"{'; adapters only' if lora_on else ''})", "all_reduce",
             buckets, grads / buckets, span, True, "backward")
-    elif par.zero == 1:
+    elif plan.zero_redundancy_optimizer:
         # torch's ZeroRedundancyOptimizer: DDP all-reduces the gradients, then every rank
         # broadcasts its updated shard — an all-gather of the parameters in volume.
         add("ZeRO-1 gradient all-reduce (DDP)", "all_reduce", 1, grads, span, True, "backward")
@@ -387,14 +389,14 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     else:
         units = max(1, len(rp.units))
         m = par.microbatches
-        if par.zero == 3:
+        if plan.reshard_after_forward:
             passes, when = 2 * m, "forward and backward, every microbatch"
         elif par.pp == 1:
             passes, when = m, "once per microbatch (resharded after each backward)"
         else:
             passes, when = 1, "once per step (pipelining keeps it until the last backward)"
         add(f"FSDP parameter all-gather ({units} unit(s), {when})", "all_gather", passes * units,
-            weights / units, shard_span, True, "forward+backward" if par.zero == 3 else "forward")
+            weights / units, shard_span, True, "forward+backward" if plan.reshard_after_forward else "forward")
         add(f"FSDP gradient reduce-scatter ({grad_units if lora_on else units} unit(s)"
             f"{' with adapters' if lora_on else ''})", "reduce_scatter", grad_units if lora_on else units,
             grads / (grad_units if lora_on else units), shard_span, False, "backward")

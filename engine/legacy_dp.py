@@ -48,14 +48,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 
-from engine.comm import CommItem, CommReport, GroupSpan, RankComm
+from engine.comm import CommItem, CommReport, GroupSpan, MeasuredLinks, RankComm
 from engine.config import Config
-from engine.durations import flops_per_token, model_flops_per_token, recompute_flops_per_token, stage_durations
+from engine.durations import (
+    StageDurations,
+    flops_per_token,
+    model_flops_per_token,
+    recompute_flops_per_token,
+    stage_durations,
+)
 from engine.lora import adapter_params
 from engine.memory import GIB, MIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
 from engine.names import MEMORY_CATEGORIES
 from engine.params import param_counts
 from engine.step import StepTime, optimizer_seconds, step_time
+from engine.wrapping import wrapping_plan
 
 #: Python seconds per transformer block per replica per forward (dispatch of ~30 ops and the
 #: replicate() module copies, ~10 µs each): a stated estimate, not a measurement.
@@ -68,7 +75,7 @@ BREAKDOWN_KEYS = ("compute", "python_gil_exposed", "loss_on_gpu0", "dp_comm_expo
 
 
 def is_legacy(cfg: Config) -> bool:
-    return cfg.parallel.dp_mode == "dataparallel"
+    return wrapping_plan(cfg).legacy
 
 
 def single_gpu_config(cfg: Config) -> Config:
@@ -167,13 +174,19 @@ def _trainable(cfg: Config) -> int:
     return param_counts(cfg.model).total
 
 
-def transfers(cfg: Config) -> list[Transfer]:
-    """What moves through GPU 0 for one microbatch (the step repeats it ``microbatches`` times)."""
+def transfers(cfg: Config, links: MeasuredLinks | None = None) -> list[Transfer]:
+    """What moves through GPU 0 for one microbatch (the step repeats it ``microbatches`` times).
+
+    Each is a point-to-point movement between GPU 0 and the others (NCCL's broadcast and reduce
+    are pipelined rings of sends): timed with the cluster's intra-node α and B, or with the
+    measured point-to-point ones where ``links`` has them."""
     n = cfg.parallel.dp
     if n == 1:
         return []
     cl = cfg.cluster
     bw, lat = cl.intra_node_bytes_per_s, cl.intra_node_latency_us * 1e-6
+    if links is not None:
+        bw, lat = links.lookup("p2p", 2) or (bw, lat)
     body = memory_per_rank(single_gpu_config(cfg)).per_rank[0]
     params_b, grads_b = body.params, body.grads
     model, tr = cfg.model, cfg.training
@@ -193,19 +206,25 @@ def transfers(cfg: Config) -> list[Transfer]:
     ]
 
 
-def step(cfg: Config) -> StepTime:
-    """Step time of a ``dp_mode = "dataparallel"`` job, with the legacy breakdown (sums to the step)."""
+def step(cfg: Config, durations: StageDurations | None = None, links: MeasuredLinks | None = None) -> StepTime:
+    """Step time of a ``dp_mode = "dataparallel"`` job, with the legacy breakdown (sums to the step).
+
+    ``durations``: measured (calibrated) seconds of one replica's forward and backward of a
+    microbatch — the same per-GPU work as the single-GPU body's, so they replace its analytic
+    ones; ``links``: measured point-to-point α and B for the traffic through GPU 0 (:func:`transfers`).
+    """
     par, tr, model = cfg.parallel, cfg.training, cfg.model
     n, m = par.dp, par.microbatches
     one_cfg = single_gpu_config(cfg)
-    base = step_time(one_cfg)
-    d = stage_durations(one_cfg)
+    base = step_time(one_cfg, durations, links)
+    d = durations if durations is not None else stage_durations(one_cfg)
     fwd, bwd = float(d.forward_s[0]), float(d.backward_s[0])
     python = n * model.layers * PYTHON_S_PER_BLOCK if n > 1 else 0.0
     gil = max(0.0, python - fwd)
     loss_bytes = LOSS_BYTES_PER_LOGIT * (n - 1) * tr.micro_batch_size * model.seq_len * model.vocab
     loss = loss_bytes / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9)
-    comm = sum(t.seconds for t in transfers(cfg))
+    moved = transfers(cfg, links)
+    comm = sum(t.seconds for t in moved)
     opt = optimizer_seconds(one_cfg, _trainable(cfg))
     breakdown = {
         "compute": m * (fwd + bwd),
@@ -227,7 +246,7 @@ def step(cfg: Config) -> StepTime:
     peak = cfg.cluster.gpu.peak_flops(tr.precision) * n
     items = tuple(CommItem(dim="dp", what=t.what, collective="p2p", calls=m, size_bytes=t.bytes_through_gpu0,
                            group_size=n, link="intra-node", seconds=m * t.seconds, overlappable=False, phase=t.phase)
-                  for t in transfers(cfg))
+                  for t in moved)
     report = CommReport(per_pp_rank=(RankComm(pp_rank=0, rank=0, items=items),),
                         spans={"dp": GroupSpan("dp", n, 1, n)})
     return dc_replace(base, seconds=total, breakdown=breakdown, tokens_per_s=tokens / total,

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.comm import CommReport
+from engine.comm import CommReport, MeasuredLinks
 from engine.config import Config
 from engine.durations import StageDurations
 from engine.memory import MemoryReport, memory_per_rank
 from engine.names import MEMORY_CATEGORIES
 from engine.step import StepTime, step_time
 from engine.timeline import Timeline
+from engine.wrapping import wrapping_plan
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,31 @@ class Prediction:
         }
 
 
-def predict(cfg: Config, durations: StageDurations | None = None) -> Prediction:
-    """Memory per rank, pipeline timeline, communication and step time for ``cfg``.
-
-    ``durations`` (measured per-stage seconds) replaces the analytic F/B/W times: the
-    calibration hook.
-    """
-    if cfg.parallel.dp_mode == "dataparallel":  # legacy nn.DataParallel: its own memory and step model
+def predicted_step(cfg: Config, durations: StageDurations | None = None,
+                   links: MeasuredLinks | None = None) -> StepTime:
+    """The step model the wrapping plan of ``cfg`` selects: legacy ``nn.DataParallel``'s
+    (engine.legacy_dp) or the per-rank one (engine.step). predict() builds on it; calibration
+    fits call it directly when they need only the step, many times over."""
+    if wrapping_plan(cfg).legacy:
         from engine import legacy_dp
 
-        return Prediction(config=cfg, memory=legacy_dp.memory(cfg), step=legacy_dp.step(cfg))
-    return Prediction(config=cfg, memory=memory_per_rank(cfg), step=step_time(cfg, durations))
+        return legacy_dp.step(cfg, durations, links)
+    return step_time(cfg, durations, links)
+
+
+def predict(cfg: Config, durations: StageDurations | None = None,
+            links: MeasuredLinks | None = None) -> Prediction:
+    """Memory per rank, pipeline timeline, communication and step time for ``cfg``; the only
+    constructor of a :class:`Prediction`.
+
+    ``durations`` (measured per-stage seconds) replaces the analytic F/B/W times and ``links``
+    (measured α and B per collective) the cluster's intra-node links: the calibration hooks.
+    """
+    if wrapping_plan(cfg).legacy:  # legacy nn.DataParallel: its own memory and step model
+        from engine import legacy_dp
+
+        return Prediction(config=cfg, memory=legacy_dp.memory(cfg), step=predicted_step(cfg, durations, links))
+    return Prediction(config=cfg, memory=memory_per_rank(cfg), step=predicted_step(cfg, durations, links))
 
 
 # --------------------------------------------------------------------------- text

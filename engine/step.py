@@ -58,6 +58,7 @@ from engine.layout import split_layers
 from engine.names import OPTIMIZER_STATES
 from engine.params import params_per_rank
 from engine.timeline import Timeline, pipeline_prediction
+from engine.wrapping import wrapping_plan
 
 BREAKDOWN_KEYS = ("compute", "tp_comm", "pipeline_bubble", "dp_comm_exposed", "optimizer")
 
@@ -136,7 +137,7 @@ def optimizer_seconds(cfg: Config, local_params: int) -> float:
     gradients and no master copy under PyTorch state accounting, as engine.memory counts them.
     """
     par, tr = cfg.parallel, cfg.training
-    shard = local_params / (par.shard_degree if par.zero >= 1 else 1)
+    shard = local_params / (par.shard_degree if wrapping_plan(cfg).optimizer_sharded else 1)
     states = OPTIMIZER_STATES[tr.optimizer]
     master = 4 if tr.master_weights else 0
     if tr.finetune == "lora" and cfg.conventions.state_accounting == "pytorch":

@@ -60,6 +60,21 @@ class WrappingPlan:
     def autocast(self) -> bool:
         return self.mixed_precision == "autocast"
 
+    @property
+    def sharded(self) -> bool:
+        """``fully_shard`` holds the model (parameters, gradients and optimizer state sharded)."""
+        return self.data_parallel == "fully_shard"
+
+    @property
+    def optimizer_sharded(self) -> bool:
+        """Each data-parallel rank steps only its shard of the optimizer state (ZeRO-1, -2, -3)."""
+        return self.zero_redundancy_optimizer or self.sharded
+
+    @property
+    def legacy(self) -> bool:
+        """Legacy ``nn.DataParallel``: one process drives the node's GPUs."""
+        return self.data_parallel == "dataparallel"
+
     def describe(self) -> str:
         """The plan in one line, as the explainer and the run log show it."""
         wrap = {"none": "no data-parallel wrapper", "ddp": "DistributedDataParallel",

@@ -124,3 +124,63 @@ def test_unusable_runs_are_refused(tmp_path):
     cfg.save(tmp_path / "run" / "config.toml")
     with pytest.raises(FileNotFoundError, match="measurement.json"):
         load_calibration(tmp_path / "run")
+
+
+def _dataparallel(n=4, microbatches=2) -> Config:
+    return _cfg(gpus=n, dp=n, microbatches=microbatches).replace(parallel={"dp_mode": "dataparallel"})
+
+
+def test_a_calibrated_dataparallel_config_is_predicted_by_the_legacy_model():
+    """Calibrations go through predict(): nn.DataParallel keeps GPU 0's extra load and its step model."""
+    from engine import legacy_dp
+    from engine.step import step_time
+
+    cfg = _dataparallel()
+    meas = _measurement_of(cfg)  # "the machine" runs the legacy model too
+    cal = calibrate(cfg, meas, cores=64)
+    pred = cal.predict(cfg)
+    # the step fitted with the legacy model reproduces the measured one
+    assert pred.step.seconds == pytest.approx(meas["step"]["seconds"], rel=1e-3)
+    assert {"python_gil_exposed", "loss_on_gpu0"} <= set(pred.step.breakdown)
+    c = cal.config_for(cfg)
+    legacy_step = legacy_dp.step(c, cal.durations_for(cfg))
+    assert (pred.step.seconds, pred.step.breakdown) == (legacy_step.seconds, legacy_step.breakdown)
+    assert pred.step.seconds != pytest.approx(step_time(c, cal.durations_for(cfg)).seconds, rel=1e-3)  # not DDP's
+    # memory: GPU 0 holds the optimizer state and the whole batch's loss; the others do not
+    legacy_mem = legacy_dp.memory(c)
+    assert [r.total for r in pred.memory.per_rank] == [r.total for r in legacy_mem.per_rank]
+    assert pred.memory.per_rank[0].optimizer > 0 == pred.memory.per_rank[1].optimizer
+    assert pred.memory.per_rank[0].total > pred.memory.per_rank[1].total
+    # calibrated from a DDP run of the same job, the DataParallel target is still the legacy model
+    ddp = _cfg(gpus=4, dp=4, microbatches=2)
+    from_ddp = calibrate(ddp, _measurement_of(ddp), cores=64).predict(cfg)
+    assert "loss_on_gpu0" in from_ddp.step.breakdown
+    assert from_ddp.memory.per_rank[0].total > from_ddp.memory.per_rank[1].total
+
+
+def test_legacy_dataparallel_step_takes_measured_durations_and_links():
+    from engine.calibrate import LinkCalibration
+    from engine.comm import LinkFit, MeasuredLinks
+    from engine.durations import StageDurations, stage_durations
+    from engine.legacy_dp import single_gpu_config, step, transfers
+
+    cfg = _dataparallel()
+    d = stage_durations(single_gpu_config(cfg))
+    slow = StageDurations.of(1, d.forward_s * 3, d.backward_s * 3, d.backward_input_s * 3, d.backward_weight_s * 3,
+                             d.p2p_s, source="measured")
+    assert step(cfg, slow).breakdown["compute"] == pytest.approx(3 * step(cfg).breakdown["compute"])
+    assert predict(cfg, slow).step.breakdown == step(cfg, slow).breakdown
+    # measured point-to-point links time the traffic through GPU 0
+    fit = LinkFit("p2p", 2, 1e-3, 1e8)
+    links = MeasuredLinks((fit,))
+    moved = transfers(cfg, links)
+    assert [t.bytes_through_gpu0 for t in moved] == [t.bytes_through_gpu0 for t in transfers(cfg)]
+    broadcast = moved[1]
+    assert broadcast.seconds == pytest.approx(3 * fit.latency_s + broadcast.bytes_through_gpu0 / fit.bytes_per_s)
+    with_links = predict(cfg, None, links).step
+    m = cfg.parallel.microbatches
+    assert with_links.breakdown["dp_comm_exposed"] == pytest.approx(m * sum(t.seconds for t in moved))
+    assert with_links.breakdown["dp_comm_exposed"] > predict(cfg).step.breakdown["dp_comm_exposed"]
+    # a link calibration alone predicts the legacy model as well
+    lc = LinkCalibration("given", 4, None, "nccl", (fit,), {"fp32": 1e12})
+    assert "loss_on_gpu0" in lc.predict(cfg).step.breakdown

@@ -31,15 +31,17 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPreci
     return replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int, mp_policy: MixedPrecisionPolicy,
-               pipelined: bool = False) -> nn.Module:
-    """fully_shard each transformer block, then the root. zero=2 keeps params gathered after forward."""
-    reshard = zero == 3
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+               reshard_after_forward: bool, root_reshard_after_forward: bool) -> nn.Module:
+    """fully_shard each transformer block, then the root (embeddings, final norm, head).
+
+    ZeRO-3 reshards the blocks after forward, ZeRO-2 keeps them gathered; under PP the root is
+    not resharded after forward (the schedule drives its gradient sync; resharding would only
+    add all-gathers) — engine.wrapping's plan says which.
+    """
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
-    # The root holds embeddings / final norm / head; under PP the schedule drives its own
-    # gradient sync, and resharding the root after forward would only add all-gathers.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard and not pipelined, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=root_reshard_after_forward, mp_policy=mp_policy)
     return model
 
 

@@ -1,0 +1,81 @@
+"""``parallelize``: one pipeline stage (or the whole model) wrapped as the config's wrapping plan says.
+
+The one place the backend composes strategies (torchtitan's ``parallelize_llama`` shape), in
+their order: LoRA adapters where configured (before data parallelism, which must see the frozen
+base), tensor parallelism, activation recompute, then the data-parallel wrapper the plan names —
+``fully_shard`` with the plan's reshard policy, FSDP2's ``replicate``, DistributedDataParallel,
+legacy ``nn.DataParallel``, or none — with the plan's MixedPrecisionPolicy where an FSDP2 wrapper
+holds the model. ``build_optimizer`` makes the optimizer the plan implies (ZeroRedundancyOptimizer
+for ZeRO-1, plain otherwise) and ``backend.parallel.precision.autocast_context`` is the precision
+context of the forward and loss. ``backend.train.Trainer`` and the fake-scale trainer
+(``backend.fake_worker``) both build their stage modules here, so what is predicted
+(``engine.wrapping`` is read by the engine too) is what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from backend.parallel.data_parallel import (
+    apply_dataparallel,
+    apply_ddp,
+    apply_fsdp,
+    apply_replicate,
+    make_zero1_optimizer,
+)
+from backend.parallel.dims import ParallelDims
+from backend.parallel.lora import apply_lora, trainable
+from backend.parallel.precision import fsdp_mp_policy
+from backend.parallel.recompute import apply_recompute
+from backend.parallel.tensor_parallel import apply_tp
+from engine.config import Config
+from engine.wrapping import WrappingPlan
+
+
+def parallelize(model: nn.Module, cfg: Config, plan: WrappingPlan, dims: ParallelDims, device: torch.device,
+                materialize: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None) -> nn.Module:
+    """``model`` (a Transformer or one pipeline stage of it) with every strategy of ``plan`` applied.
+
+    ``materialize(module)``: a context entered once the parameters must be real — after
+    ``fully_shard`` (which shards meta parameters as they are) and before the wrappers that copy
+    parameters at construction (DDP's buckets, ``replicate``, ``nn.DataParallel``); the wrapper is
+    built inside it. The fake-scale trainer allocates its (fake) tensors there; a real model is
+    already materialised (the default: no context).
+    """
+    tr = cfg.training
+    if tr.finetune == "lora":
+        model = apply_lora(model, cfg.model, tr)
+    if plan.tensor_parallel:
+        apply_tp(model, dims["tp"], plan.sequence_parallel)
+    apply_recompute(model, tr.recompute)
+    if plan.data_parallel == "fully_shard":
+        model = apply_fsdp(model, dims["dp"], fsdp_mp_policy(plan), plan.reshard_after_forward,
+                           plan.root_reshard_after_forward)
+    with (materialize or _already_real)(model):
+        if plan.data_parallel == "replicate":
+            model = apply_replicate(model, dims["dp"], fsdp_mp_policy(plan))
+        elif plan.data_parallel == "ddp":
+            model = apply_ddp(model, dims.dp_group(), cfg.conventions.ddp_bucket_mb, device)
+        elif plan.data_parallel == "dataparallel":
+            model = apply_dataparallel(model, cfg.parallel.dp)  # the model lives on cuda:0
+    return model
+
+
+def build_optimizer(params: list[nn.Parameter], plan: WrappingPlan, dims: ParallelDims,
+                    optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+    """The optimizer over the trainable parameters (LoRA: the adapters only; the frozen base has no
+    state): sharded by ZeroRedundancyOptimizer where the plan says ZeRO-1, plain otherwise
+    (``fully_shard``'s parameters are already shards)."""
+    stepped = trainable(params)
+    if plan.zero_redundancy_optimizer:
+        return make_zero1_optimizer(stepped, optimizer_cls, dims.dp_group(), **kwargs)
+    return optimizer_cls(stepped, **kwargs)
+
+
+@contextlib.contextmanager
+def _already_real(model: nn.Module):
+    yield
