@@ -58,7 +58,8 @@ from engine.durations import (
     stage_durations,
 )
 from engine.lora import adapter_params
-from engine.memory import GIB, MIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
+from engine.memory import GIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
+from engine.memory.overhead import collective_buffer_bytes
 from engine.names import MEMORY_CATEGORIES
 from engine.params import param_counts
 from engine.step import StepTime, optimizer_seconds, step_time
@@ -107,8 +108,8 @@ def memory(cfg: Config) -> MemoryReport:
     logits = act * s * b * model.vocab
     conv = cfg.conventions
     comm_term = None
-    if n > 1 and conv.collective_buffers:
-        per = int(round(conv.collective_buffer_mib * MIB))
+    per = collective_buffer_bytes(cfg)
+    if n > 1 and per:
         comm_term = Term("collective-library buffers (one NCCL communicator over the N GPUs: broadcast, reduce)",
                          per, f"1 × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)",
                          "overhead", tracked=False, kind="collective_buffers")

@@ -60,7 +60,8 @@ from engine.comm import collective_seconds, group_span
 from engine.config import Config, ConfigError, ModelSpec
 from engine.durations import flops_per_token, stage_durations
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
-from engine.memory import GIB, MIB, activation_bytes_per_layer, memory_per_rank
+from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
+from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.params import params_per_rank
 from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
 from engine.step import optimizer_seconds, step_time, with_tp_communication
@@ -300,8 +301,7 @@ class _Planner:
         w_b, g_b = tr.param_bytes, tr.grad_bytes
         o_b = (4 if tr.master_weights else 0) + 4 * names.OPTIMIZER_STATES[tr.optimizer]
         opt_per_param = optimizer_seconds(base, 1.0)  # base has zero 0: seconds per local parameter
-        ctx = int(round(cl.gpu.runtime_context_gib * GIB)) if conv.runtime_context else 0
-        buf = int(round(conv.collective_buffer_mib * MIB)) if conv.collective_buffers else 0
+        ctx, buf = runtime_context_bytes(base), collective_buffer_bytes(base)
         peak_rate = cl.gpu.peak_flops(tr.precision) * conv.compute_efficiency
         tps = [t for t in _divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
                and model.ffn_hidden % t == 0]

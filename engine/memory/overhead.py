@@ -7,6 +7,10 @@ its own buffers, ``conventions.collective_buffer_mib`` per communicator the rank
 (the world and each mesh dimension's group of size > 1); allocator slack (reserved, not
 allocated) is ``conventions.allocator_slack_fraction`` × the live tensors of the other
 categories. A caching-allocator model belongs here.
+
+The overhead follows the device: local CPU ranks (``cluster.gpu = "cpu"``) talk through gloo,
+which keeps no per-communicator device buffers, and have no runtime context — so a CPU prediction
+counts neither, whatever the conventions say, and its total compares with a gloo run's.
 """
 
 from __future__ import annotations
@@ -35,17 +39,38 @@ def communicators(cfg: Config) -> list[str]:
     return out
 
 
+def collective_library(cfg: Config) -> str:
+    """The collective library the ranks use: gloo on CPU ranks, RCCL on AMD GPUs, NCCL on the others."""
+    name = cfg.cluster.gpu.name
+    return "gloo" if name == "cpu" else "rccl" if name.startswith("mi") else "nccl"
+
+
+def collective_buffer_bytes(cfg: Config) -> int:
+    """Device bytes the collective library keeps per communicator (0 under gloo or with the convention off)."""
+    if not cfg.conventions.collective_buffers or collective_library(cfg) == "gloo":
+        return 0
+    return int(round(cfg.conventions.collective_buffer_mib * MIB))
+
+
+def runtime_context_bytes(cfg: Config) -> int:
+    """The runtime context before the first tensor (none on CPU ranks or with the convention off)."""
+    gpu = cfg.cluster.gpu
+    if not cfg.conventions.runtime_context or collective_library(cfg) == "gloo":
+        return 0
+    return int(round(gpu.runtime_context_gib * GIB))
+
+
 def overhead(cfg: Config, T: Terms) -> None:
     """The overhead terms; call last (the slack is a fraction of everything else)."""
     conv, gpu = cfg.conventions, cfg.cluster.gpu
-    if conv.runtime_context:
-        ctx = int(round(gpu.runtime_context_gib * GIB))
+    ctx = runtime_context_bytes(cfg)
+    if ctx:
         T.add("overhead", f"runtime context ({gpu.name}; cluster.gpu.runtime_context_gib)", ctx,
               f"{gpu.runtime_context_gib:g} GiB (conventions.runtime_context)", tracked=False, kind="runtime_context")
-    if conv.collective_buffers:
+    per = collective_buffer_bytes(cfg)
+    if per:
         comms = communicators(cfg)
         if comms:
-            per = int(round(conv.collective_buffer_mib * MIB))
             T.add("overhead", f"collective-library buffers ({', '.join(comms)})", len(comms) * per,
                   f"{len(comms)} communicators × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)",
                   tracked=False, kind="collective_buffers")
@@ -56,4 +81,6 @@ def overhead(cfg: Config, T: Terms) -> None:
               f"{conv.allocator_slack_fraction:g} × live tensors {gib(live)} (conventions.allocator_slack_fraction)",
               tracked=False, kind="allocator_slack")
     if not T["overhead"]:
-        T.add("overhead", "no overhead counted (all overhead conventions off)", 0, "0", kind="none")
+        why = ("CPU ranks over gloo: no runtime context, no per-communicator device buffers"
+               if collective_library(cfg) == "gloo" else "all overhead conventions off")
+        T.add("overhead", f"no overhead counted ({why})", 0, "0", kind="none")

@@ -1,6 +1,7 @@
 """Record the golden corpus of predictions: random valid configs and what the engine says of them.
 
     .venv/bin/python tests/golden/make_corpus.py            # writes tests/golden/corpus.json.gz
+    .venv/bin/python tests/golden/make_corpus.py --rerecord # same configs, new observations; prints what moved
 
 Each entry keeps the config (as its dict, so the corpus does not depend on this generator's
 randomness), every rank's memory by category and total, and the step's seconds. The test
@@ -105,9 +106,32 @@ def generate(n: int, seed: int = 20261201) -> list[dict]:
     return out
 
 
+def rerecord() -> list[dict]:
+    """The stored configs observed again; prints each entry whose prediction moved and by how much."""
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        old = json.load(f)["entries"]
+    out, moved = [], 0
+    for i, e in enumerate(old):
+        cfg = Config.from_dict(e["config"])
+        new = {"config": e["config"], **observe(cfg)}
+        if new["memory"] != e["memory"] or new["step_seconds"] != e["step_seconds"]:
+            moved += 1
+            d_tot = max(abs(a[-1] - b[-1]) for a, b in zip(new["memory"], e["memory"]))
+            cats = sorted({names.MEMORY_CATEGORIES[j] for a, b in zip(new["memory"], e["memory"])
+                           for j in range(len(names.MEMORY_CATEGORIES)) if a[j] != b[j]})
+            print(f"entry {i}: {cfg.model.preset} on {cfg.cluster.gpu.name}, dp{cfg.parallel.dp} tp{cfg.parallel.tp} "
+                  f"pp{cfg.parallel.pp}: {', '.join(cats) or 'step only'} moved, largest total change "
+                  f"{d_tot / 2**20:.1f} MiB, step {e['step_seconds']:.6g} -> {new['step_seconds']:.6g} s")
+        out.append(new)
+    print(f"{moved} of {len(old)} entries moved")
+    return out
+
+
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 480
-    corpus = generate(n)
+    if sys.argv[1:] == ["--rerecord"]:
+        corpus = rerecord()
+    else:
+        corpus = generate(int(sys.argv[1]) if len(sys.argv) > 1 else 480)
     with gzip.open(CORPUS, "wt", encoding="utf-8") as f:
         json.dump({"count": len(corpus), "categories": list(names.MEMORY_CATEGORIES) + ["total"],
                    "entries": corpus}, f, separators=(",", ":"))
