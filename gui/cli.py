@@ -255,6 +255,14 @@ def cmd_gui(args: argparse.Namespace) -> int:
         raise CliError("no display to open the window on (DISPLAY and WAYLAND_DISPLAY are unset): run it in a "
                        "desktop session or under xvfb-run, or use the command line (shardscope --help) or "
                        "shardscope gui --screenshot OUT.png")
+    if not getattr(args, "screenshot", None):
+        import os
+
+        from gui.platform_check import xcb_problem
+
+        problem = xcb_problem(dict(os.environ))
+        if problem:  # Qt would abort with "no Qt platform plugin could be initialized"
+            raise CliError(problem)
     from gui.app import run_app
 
     return run_app(config_path=getattr(args, "config", None), screenshot=getattr(args, "screenshot", None))
