@@ -11,7 +11,7 @@ from engine.memory import (
 )
 from engine.params import param_counts
 
-# Issue 3's hand-worked checks are the published accountings (ZeRO paper, Korthikanti Table 2):
+# The hand-worked checks below are the published accountings (ZeRO paper, Korthikanti Table 2):
 # pinned to "zero-paper". What torch keeps ("pytorch", the default) is tests/test_memory_pytorch.py.
 NO_OVERHEAD = {"runtime_context": False, "collective_buffers": False, "state_accounting": "zero-paper"}
 
