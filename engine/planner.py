@@ -883,7 +883,7 @@ def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: di
                             pareto=on)
                    for (i, (sec, _key_, cfg, st, mem)), on in zip(rows, front))
     note = (f"every fitting layout: {evaluated:,} of {len(idx):,} layouts that pass the memory bound fully "
-            f"evaluated, best bound first, {len(points):,} fit"
+            f"evaluated, best bound first; {len(points):,} fit (the top {len(best)} always among them)"
             + (f"; {stopped}" if stopped else "") + f" ({time.perf_counter() - t0:.1f} s)")
     return {"fitting": points, "fitting_candidates": len(idx), "fitting_evaluated": evaluated,
             "fitting_stopped": stopped, "note": note}
@@ -976,21 +976,62 @@ def render_table(result: PlanResult) -> str:
 
 
 def plan_cli(args) -> int:
-    """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2."""
+    """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2.
+
+    ``args.base_config`` (a Config, from ``--config``) plans that config's job instead of
+    ``--model``/``--gpus``/``--gpu``/``--gpus-per-node``. ``--all-fitting`` adds every fitting layout
+    (``fitting`` and ``base_config`` in the JSON). ``--progress`` writes JSON lines instead:
+    ``{"event": "progress", "phase": "top" | "fitting", "evaluated": k, "total": n}`` as the search
+    goes (at most ten a second), then ``{"event": "result", "result": {...}}`` (or
+    ``{"event": "error", "argument": ..., "message": ...}``).
+    """
     import json
     import sys
 
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for name in ("global_batch", "max_virtual_stages"):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
+    all_fitting = bool(getattr(args, "all_fitting", False))
+    if all_fitting:
+        kwargs["all_fitting"] = True
+        for name in ("fitting_limit", "fitting_seconds"):
+            value = getattr(args, name, None)
+            if value is not None:
+                kwargs[name] = value
+    stream = bool(getattr(args, "progress", False))
+    last = [0.0]
+
+    def emit(event: dict) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    if stream:
+        def progress(evaluated: int, total: int) -> None:
+            now = time.perf_counter()
+            if evaluated in (0, total) or now - last[0] >= 0.1:
+                last[0] = now
+                emit({"event": "progress", "phase": "fitting", "evaluated": evaluated, "total": total})
+
+        kwargs["progress"] = progress
+        emit({"event": "progress", "phase": "top", "evaluated": 0, "total": 0})
+    base = getattr(args, "base_config", None)
     try:
-        result = plan(args.model, args.gpus, args.gpu, args.gpus_per_node, top=args.top, **kwargs)
+        if base is not None:
+            result = plan_config(base, top=args.top, **kwargs)
+        else:
+            result = plan(args.model, args.gpus, args.gpu, args.gpus_per_node, top=args.top, **kwargs)
     except PlanError as exc:
-        print(f"shardscope plan: --{exc.argument.replace('_', '-')}: {exc.message}", file=sys.stderr)
+        flag = "--config" if exc.argument in ("config", "training") and base is not None else \
+            f"--{exc.argument.replace('_', '-')}"
+        if stream:
+            emit({"event": "error", "argument": exc.argument, "message": f"{flag}: {exc.message}"})
+        print(f"shardscope plan: {flag}: {exc.message}", file=sys.stderr)
         return 2
-    if args.json:
+    if stream:
+        emit({"event": "result", "result": result.to_json()})
+    elif args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
         print(render_table(result))
