@@ -22,7 +22,7 @@ from engine.planner import FITTING_LIMIT, FITTING_SECONDS, default_global_batch,
 GIB = 2**30
 DEFAULT_TOP = 10
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak GiB", "free GiB", "why it wins or loses"]
+TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak GiB", "vs #1 (select a row: why)"]
 
 
 def fmt_seconds(seconds: float) -> str:
@@ -126,11 +126,21 @@ class PlanOutcome:
     def rows(self) -> list[list[str]]:
         out = []
         for e in self.entries:
-            why = e.get("why") or []
             out.append([str(e["position"]), e["label"], f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
-                        f"{100 * e['mfu']:.1f}%", f"{e['peak_bytes'] / GIB:.2f}", f"{e['headroom_bytes'] / GIB:.2f}",
-                        why[-1] if why else ""])
+                        f"{100 * e['mfu']:.1f}%", f"{e['peak_bytes'] / GIB:.2f}", self.versus_first(len(out))])
         return out
+
+    def versus_first(self, row: int) -> str:
+        """The short verdict of a row: 'fastest', or how much slower than #1 and what differs from it."""
+        e, first = self.entries[row], self.entries[0]
+        if row == 0:
+            return "fastest"
+        slower = 100 * (e["seconds"] / first["seconds"] - 1)
+        names = {"zero": "ZeRO", "sequence_parallel": "SP", "virtual_stages": "v", "microbatches": "m",
+                 "micro_batch_size": "b"}
+        diff = [f"{names.get(k, k)} {_short(first['layout'][k])}→{_short(e['layout'][k])}"
+                for k in first["layout"] if first["layout"][k] != e["layout"][k]]
+        return f"+{slower:.1f}%" + (f": {', '.join(diff)}" if diff else "")
 
     def why(self, row: int) -> list[str]:
         return list(self.entries[row].get("why") or [])
@@ -193,6 +203,14 @@ class PlanOutcome:
         if self.stopped:
             text += f", best bound first — {self.stopped}; the top {len(self.entries)} are exact"
         return text + "). Click a row or a point to make it the window's config."
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def _same_layout(layout: dict, cfg: Config) -> bool:

@@ -66,8 +66,11 @@ def test_plan_shows_top_layouts_and_every_fitting_one_and_a_click_applies_it(win
     # the table: the top 10 with why each wins or loses
     assert panel.table.rowCount() == 10
     assert panel.table.item(0, 1).text() == out.entries[0]["label"]
-    assert panel.table.item(0, 7).text().startswith("fastest")
-    assert "slower than #1" in panel.table.item(1, 7).text()
+    assert panel.table.item(0, 6).text() == "fastest"
+    assert panel.table.item(1, 6).text().startswith("+")
+    assert "slower than #1" in panel.table.item(1, 6).toolTip()  # every reason, in the tooltip
+    panel.table.setCurrentCell(3, 1)  # ... and under the table for the selected row
+    assert all(w in panel.why.text() for w in out.entries[3]["why"])
     # the scatter: one item holding every fitting layout the sweep evaluated, the front drawn as a line
     assert out.stopped == "" and out.evaluated == out.candidates
     assert len(panel.scatter.data) == len(out.points) > 100

@@ -99,7 +99,7 @@ class PlannerPanel(QWidget):
         self.status.setWordWrap(True)
         lay.addWidget(self.status)
 
-        split = QSplitter(Qt.Orientation.Horizontal)
+        self.split = split = QSplitter(Qt.Orientation.Horizontal)
         left = QWidget()
         ll = QVBoxLayout(left)
         ll.setContentsMargins(0, 0, 0, 0)
@@ -127,12 +127,10 @@ class PlannerPanel(QWidget):
         pi.setLabel("left", "tokens/s")
         pi.getAxis("left").enableAutoSIPrefix(True)
         pi.showGrid(x=True, y=True, alpha=0.2)
-        pi.addLegend(offset=(-10, 10))
-        self.front_line = pg.PlotDataItem([], [], pen=pg.mkPen(FRONT_COLOR, width=1.5), name="Pareto front")
+        self.front_line = pg.PlotDataItem([], [], pen=pg.mkPen(FRONT_COLOR, width=1.5))
         pi.addItem(self.front_line)
         self.scatter = pg.ScatterPlotItem(size=7, pen=None, hoverable=True, hoverSize=11,
-                                          hoverPen=pg.mkPen("k", width=1.5), tip=self._tip,
-                                          name="fitting layouts")
+                                          hoverPen=pg.mkPen("k", width=1.5), tip=self._tip)
         pi.addItem(self.scatter)
         self.selected = pg.ScatterPlotItem(size=15, pen=pg.mkPen("k", width=2), brush=None, symbol="o")
         pi.addItem(self.selected)
@@ -140,8 +138,24 @@ class PlannerPanel(QWidget):
                                              label="capacity", labelOpts={"position": 0.92, "color": "#B00020"})
         self.capacity_line.hide()
         pi.addItem(self.capacity_line, ignoreBounds=True)  # shown when the points reach it, never zoomed out to
-        split.addWidget(self.plot)
-        split.setSizes([640, 520])
+        right = QWidget()
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.addWidget(self.plot, 1)
+        self.legend = QLabel(  # under the plot, so it never hides a point
+            f"<span style='color:{POINT_COLOR.name()}'>●</span> fits &nbsp; "
+            f"<span style='color:{TOP_COLOR.name()}'>●</span> top K &nbsp; "
+            f"<span style='color:{FRONT_COLOR.name()}'>●—</span> Pareto front &nbsp; ◯ the window's layout"
+            " &nbsp;· hover: which layout · click: use it")
+        self.legend.setToolTip("Pareto front: no other fitting layout is as fast with less memory per GPU, "
+                               "or faster with as little")
+        self.legend.setObjectName("hint")
+        self.legend.setWordWrap(True)
+        rl.addWidget(self.legend)
+        split.addWidget(right)
+        split.setSizes([860, 400])
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
         lay.addWidget(split, 1)
 
         self.plan_button.clicked.connect(self.start)
@@ -280,13 +294,14 @@ class PlannerPanel(QWidget):
             why = "\n".join(outcome.why(i))
             for j, text in enumerate(row):
                 item = QTableWidgetItem(text)
-                if j in (0, 2, 3, 4, 5, 6):
+                if j not in (1, len(row) - 1):  # numbers right-aligned; the layout and the reason read left to right
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 item.setToolTip(f"{row[1]}\n{why}\nclick: make it the window's config")
                 self.table.setItem(i, j, item)
         self.table.resizeColumnsToContents()
         self.table.horizontalHeader().setSectionResizeMode(len(TABLE_HEADERS) - 1, QHeaderView.ResizeMode.Stretch)
         self.table.setUpdatesEnabled(True)
+        self._fit_table()
 
         xs, ys = outcome.xy()
         brushes = [pg.mkBrush(FRONT_COLOR if p.get("pareto") else TOP_COLOR if p.get("position") else POINT_COLOR)
@@ -304,6 +319,16 @@ class PlannerPanel(QWidget):
         self._say(outcome.summary())
         self.why.setText("")
         self._mark_current()
+
+    def _fit_table(self) -> None:
+        """Give the table the width its columns need (the verdict column at least 220 px), the scatter the rest,
+        as long as the scatter keeps a readable width."""
+        total = sum(self.split.sizes())
+        cols = len(TABLE_HEADERS)
+        need = sum(self.table.columnWidth(c) for c in range(cols - 1)) + max(220, self.table.sizeHintForColumn(cols - 1))
+        need += self.table.verticalScrollBar().sizeHint().width() + 2 * self.table.frameWidth() + 4
+        if total and total - need >= 380:
+            self.split.setSizes([need, total - need])
 
     def _tip(self, x: float, y: float, data) -> str:
         if self.outcome is None or data is None:
