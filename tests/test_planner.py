@@ -379,3 +379,40 @@ def test_cli_all_fitting_streams_progress_then_the_result(tmp_path):
 def test_cli_plan_option_errors_are_clean(args, words):
     out = shardscope(*args)
     assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------- what the planner panel draws (no Qt)
+
+
+def test_plan_outcome_rows_points_and_configs():
+    """gui.planning turns a plan's JSON into the panel's rows and points, and each back into its Config."""
+    from gui.planning import LineReader, PlanOutcome, PlanRequest, fmt_seconds, progress_text
+
+    cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
+                            "parallel": {"dp": 8}})
+    from engine.planner import plan_config
+
+    result = plan_config(cfg, top=4, global_batch=16, all_fitting=True, fitting_limit=200)
+    line = (json.dumps({"event": "progress", "phase": "fitting", "evaluated": 3, "total": 9}) + "\n"
+            + "not json\n" + json.dumps({"event": "result", "result": result.to_json()}))
+    reader = LineReader()
+    data = line.encode()
+    events = reader.feed(data[:40]) + reader.feed(data[40:]) + reader.feed(b"", final=True)
+    assert [e["event"] for e in events] == ["progress", "result"] and reader.text == ["not json"]
+    assert progress_text(events[0]) == (3, 9, "evaluating every layout that may fit: 3 of 9")
+    out = PlanOutcome(events[1]["result"])
+    rows = out.rows()
+    assert len(rows) == 4 and rows[0][1] == result.entries[0].label() and rows[0][-1] == "fastest"
+    assert rows[1][-1].startswith("+")
+    for i, e in enumerate(result.entries):
+        assert out.entry_config(i) == e.config and out.row_of(e.config) == i
+    for j, p in enumerate(result.fitting):
+        assert out.point_config(j) == p.config
+        assert out.point_of(p.config) in {k for k, q in enumerate(result.fitting) if q.config == p.config}
+    assert p.label() in out.point_tip(j) and "tokens/s" in out.point_tip(j)
+    assert out.front() == sorted((j for j, p in enumerate(result.fitting) if p.pareto),
+                                 key=lambda j: (result.fitting[j].peak_bytes, result.fitting[j].tokens_per_s))
+    assert "stopped after 200 layouts" in out.summary() and "the top 4 are exact" in out.summary()
+    cmd = PlanRequest(cfg, global_batch=16, top=4).command("job.toml")
+    assert cmd[1:4] == ["-m", "gui.cli", "plan"] and "--all-fitting" in cmd and "--progress" in cmd
+    assert [fmt_seconds(x) for x in (2.5, 0.0123, 4.56e-4)] == ["2.5 s", "12.3 ms", "456 µs"]

@@ -19,6 +19,7 @@ from PySide6.QtCore import QProcess, Qt
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QApplication,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -166,6 +167,9 @@ class PlannerPanel(QWidget):
         self.scatter.sigClicked.connect(self._point_clicked)
         state.configChanged.connect(self._config_changed)
         self._config_changed(state.config)
+        app = QApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(self.shutdown)
 
     # ------------------------------------------------------------------ the job
 
@@ -216,6 +220,17 @@ class PlannerPanel(QWidget):
             return
         self._cancelled = True
         self.process.kill()
+
+    def shutdown(self) -> None:
+        """The application is quitting: end a running plan now and remove its temporary config."""
+        proc = self.process
+        if proc is None:
+            return
+        self._cancelled = True
+        proc.kill()
+        proc.waitForFinished(2000)
+        if self.process is proc:  # finished was not delivered (no event loop any more)
+            self._finish()
 
     def _on_stdout(self) -> None:
         if self.process is None:
