@@ -116,6 +116,11 @@ def test_plan_shows_top_layouts_and_every_fitting_one_and_a_click_applies_it(win
     assert step_time(cfg).tokens_per_s == pytest.approx(out.points[chosen]["tokens_per_s"], rel=1e-12)
     assert len(panel.selected.data) == 1  # the window's layout is ringed
 
+    # another job in the window: the plan says it is of the old one
+    state.set_config(default_config())
+    assert "Plan again for tiny on 4 × cpu" in panel.status.text()
+    assert len(panel.selected.data) == 0
+
 
 def test_cancel_stops_a_running_plan(window, qtbot):
     panel, state = window.planner, window.state

@@ -41,6 +41,7 @@ from gui.planning import (
     PlanOutcome,
     PlanRequest,
     default_batch,
+    job_key,
     job_text,
     progress_text,
 )
@@ -184,6 +185,11 @@ class PlannerPanel(QWidget):
             self._batch_for = key
             self.batch.setValue(default_batch(cfg))
         self._mark_current()
+        if self.outcome is not None and self.request is not None and not self.running \
+                and job_key(cfg) != job_key(self.request.config):
+            self._say(f"This plan is of {job_text(self.request.config)}; the window's job has changed since "
+                      f"(its model, cluster, precision or conventions): Plan again for {job_text(cfg)}. "
+                      "Clicking a layout below goes back to the planned job with that layout.")
 
     # ------------------------------------------------------------------ running the planner
 
@@ -360,8 +366,9 @@ class PlannerPanel(QWidget):
     def _mark_current(self) -> None:
         """Ring the point (and select the row) of the layout the window shows, when it is one of the plan's."""
         cfg = self.state.config
-        if self.outcome is None:
-            self.selected.setData([], [])
+        if self.outcome is None or (self.request is not None and job_key(cfg) != job_key(self.request.config)):
+            self.selected.setData([], [])  # nothing of this plan is the window's layout: another job
+            self.table.clearSelection()
             return
         j = self.outcome.point_of(cfg)
         if j is None:
