@@ -978,8 +978,7 @@ def render_table(result: PlanResult) -> str:
 def plan_cli(args) -> int:
     """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2.
 
-    ``args.base_config`` (a Config, from ``--config``) plans that config's job instead of
-    ``--model``/``--gpus``/``--gpu``/``--gpus-per-node``. ``--all-fitting`` adds every fitting layout
+    ``--config CFG`` plans that config's job instead of ``--model``/``--gpus``/``--gpu``/``--gpus-per-node``. ``--all-fitting`` adds every fitting layout
     (``fitting`` and ``base_config`` in the JSON). ``--progress`` writes JSON lines instead:
     ``{"event": "progress", "phase": "top" | "fitting", "evaluated": k, "total": n}`` as the search
     goes (at most ten a second), then ``{"event": "result", "result": {...}}`` (or
@@ -987,20 +986,50 @@ def plan_cli(args) -> int:
     """
     import json
     import sys
+    from pathlib import Path
+
+    def usage(message: str) -> int:
+        print(f"shardscope plan: {message}", file=sys.stderr)
+        return 2
+
+    base = None
+    config = getattr(args, "config", None)
+    if config is not None:
+        given = [flag for flag, name in (("--model", "model"), ("--gpus", "gpus"), ("--gpu", "gpu"),
+                                         ("--gpus-per-node", "gpus_per_node")) if getattr(args, name, None) is not None]
+        if given:
+            return usage(f"--config takes the model and the cluster from the config; leave out {', '.join(given)}")
+        if not Path(config).is_file():
+            return usage(f"--config: config file not found: {config}")
+        try:
+            base = Config.load(config)
+        except (ConfigError, OSError, ValueError) as exc:
+            return usage(f"--config {config}: {exc}")
+    else:
+        missing = [flag for flag, name in (("--model", "model"), ("--gpus", "gpus")) if getattr(args, name, None) is None]
+        if missing:
+            return usage(f"needs {' and '.join(missing)} (or --config CFG)")
+        args.gpu = "h100-sxm" if getattr(args, "gpu", None) is None else args.gpu
+        args.gpus_per_node = 8 if getattr(args, "gpus_per_node", None) is None else args.gpus_per_node
+    all_fitting = bool(getattr(args, "all_fitting", False))
+    limits = [getattr(args, name, None) for name in ("fitting_limit", "fitting_seconds")]
+    if any(v is not None for v in limits) and not all_fitting:
+        return usage("--fitting-limit and --fitting-seconds limit --all-fitting; add --all-fitting")
+    stream = bool(getattr(args, "progress", False))
+    if stream and not args.json:
+        return usage("--progress writes JSON lines; add --json")
 
     kwargs: dict[str, Any] = {}
     for name in ("global_batch", "max_virtual_stages"):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
-    all_fitting = bool(getattr(args, "all_fitting", False))
     if all_fitting:
         kwargs["all_fitting"] = True
         for name in ("fitting_limit", "fitting_seconds"):
             value = getattr(args, name, None)
             if value is not None:
                 kwargs[name] = value
-    stream = bool(getattr(args, "progress", False))
     last = [0.0]
 
     def emit(event: dict) -> None:
@@ -1016,7 +1045,6 @@ def plan_cli(args) -> int:
 
         kwargs["progress"] = progress
         emit({"event": "progress", "phase": "top", "evaluated": 0, "total": 0})
-    base = getattr(args, "base_config", None)
     try:
         if base is not None:
             result = plan_config(base, top=args.top, **kwargs)

@@ -212,29 +212,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        from engine.planner import plan_cli
-    except ImportError:
-        raise CliError("shardscope plan is not available yet: the planner has not landed",
-                       EXIT_UNAVAILABLE) from None
-    args.base_config = None
-    if args.config is not None:
-        given = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--gpu", args.gpu),
-                                          ("--gpus-per-node", args.gpus_per_node)) if value is not None]
-        if given:
-            raise CliError(f"plan --config takes the model and the cluster from the config; leave out "
-                           f"{', '.join(given)}")
-        args.base_config = _load(args.config)
-    else:
-        missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus)) if value is None]
-        if missing:
-            raise CliError(f"plan needs {' and '.join(missing)} (or --config CFG)")
-        args.gpu = "h100-sxm" if args.gpu is None else args.gpu
-        args.gpus_per_node = 8 if args.gpus_per_node is None else args.gpus_per_node
-    if (args.fitting_limit is not None or args.fitting_seconds is not None) and not args.all_fitting:
-        raise CliError("--fitting-limit and --fitting-seconds limit --all-fitting; add --all-fitting")
-    if args.progress and not args.json:
-        raise CliError("--progress writes JSON lines; add --json")
+    from engine.planner import plan_cli
+
     return plan_cli(args)
 
 
