@@ -20,6 +20,9 @@ File format (the product's public contract; keys may be added, never renamed)::
                  finetune ("full" | "lora"), lora_rank, lora_alpha,
                  lora_targets ("attention" | "mlp" | "all"), lora_base_dtype ("fp32" | "bf16" | "nf4")
     [conventions] the switchable conventions (overhead lines, bucket size, bubble, ...)
+
+Every numeric field has a documented range (``FIELD_RANGES``: the bound and where it comes
+from); a value outside it is a problem that names the field and the range.
 """
 
 from __future__ import annotations
@@ -445,7 +448,8 @@ FIELD_RANGES: dict[str, Range] = {
     "parallel.zero": Range(0, max(names.ZERO_STAGES), "the ZeRO stages",
                            note="0 (DDP), 1, 2, 3 (FSDP full shard)"),
     "parallel.replicate": Range(1, 1048576, "as cluster.gpus (replicate divides dp)"),
-    "parallel.virtual_stages": Range(1, 4096, "as model.layers (pp·virtual_stages ≤ layers)"),
+    "parallel.virtual_stages": Range(1, 2048, "pp ≥ 2 whenever virtual_stages > 1, and pp·virtual_stages ≤ "
+                                     "model.layers ≤ 4096"),
     "parallel.microbatches": Range(1, 65536, "gradient accumulation: DeepSeek-V3's 15360-sequence batch on one "
                                    "replica, ×4"),
     # ---- training
