@@ -3,10 +3,10 @@
 import pytest
 
 from engine import MEMORY_CATEGORIES, Config, ConfigError
+from engine.family import largest_fitting_model
 from engine.memory import (
     activation_bytes_per_layer,
     activation_terms_per_layer,
-    largest_fitting_model,
     memory_per_rank,
 )
 from engine.params import param_counts
