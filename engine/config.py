@@ -15,8 +15,12 @@ File format (the product's public contract; keys may be added, never renamed)::
                  inter_node_bandwidth_gb_per_s, inter_node_latency_us, cpu_cores
     [parallel]   dp, tp, pp, zero (or fsdp = "FULL_SHARD" | ...), replicate,
                  sequence_parallel, schedule, virtual_stages, microbatches,
-                 dp_mode ("ddp" | "dataparallel": legacy single-process nn.DataParallel)
-    [training]   micro_batch_size, precision, grad_dtype, optimizer, recompute,
+                 dp_mode ("ddp" | "dataparallel": legacy single-process nn.DataParallel),
+                 async_tp, fsdp_reshard_after_forward ("default" | "always" | "never"),
+                 pipeline_split ("even" | "torchtitan")
+    [training]   micro_batch_size, precision, grad_dtype, optimizer, recompute ("none" |
+                 "selective" | "full" | "selective-op" | "selective-layer"), recompute_every,
+                 float8 ("none" | "tensorwise" | "rowwise"), float8_all_gather, compile,
                  finetune ("full" | "lora"), lora_rank, lora_alpha,
                  lora_targets ("attention" | "mlp" | "all"), lora_base_dtype ("fp32" | "bf16" | "nf4")
     [conventions] the switchable conventions (overhead lines, bucket size, bubble, ...)
@@ -167,6 +171,11 @@ class ParallelSpec:
     # "ddp": one process per GPU; "dataparallel": legacy torch.nn.DataParallel, one process
     # driving every GPU from GPU 0 (engine.legacy_dp). names.DP_MODES.
     dp_mode: str = "ddp"
+    # micro-pipelined TP collectives (torch's async TP: all-gather / reduce-scatter overlapped with
+    # the sequence-parallel matmuls; needs SP and torch.compile, as in torchtitan)
+    async_tp: bool = False
+    fsdp_reshard_after_forward: str = "default"  # names.RESHARD_POLICIES (ZeRO-3 only)
+    pipeline_split: str = "even"  # names.PIPELINE_SPLITS
 
     @property
     def world_size(self) -> int:
@@ -189,6 +198,10 @@ class TrainingSpec:
     grad_dtype: str = "bf16"
     optimizer: str = "adamw"
     recompute: str = "none"
+    recompute_every: int = 2  # "selective-layer": every N-th block is checkpointed (torchtitan's "2")
+    float8: str = "none"  # names.FLOAT8_KINDS: torchao float8 training of the Linear layers
+    float8_all_gather: bool = False  # FSDP2 all-gathers float8 weights (tensorwise scaling only)
+    compile: bool = False  # torch.compile per block (inductor)
     # LoRA (names.FINETUNE_KINDS): the base weights are frozen and adapters B·A of rank
     # ``lora_rank`` train on the Linears ``lora_targets`` names, scaled by lora_alpha / lora_rank.
     finetune: str = "full"
@@ -232,7 +245,7 @@ class Conventions:
     # How model states split into params / grads / optimizer (names.STATE_ACCOUNTINGS).
     # "pytorch" (default): what torch's autocast, FSDP2 and ZeroRedundancyOptimizer actually
     # keep — the product promises predicted-vs-measured agreement with PyTorch, and the backend
-    # runs exactly those APIs. "zero-paper": the ZeRO paper's 2 + 2 + 12 split (the calculators' and papers' split).
+    # runs exactly those APIs. "zero-paper": the ZeRO paper's 2 + 2 + 12 split.
     state_accounting: str = "pytorch"
 
 
@@ -454,6 +467,7 @@ FIELD_RANGES: dict[str, Range] = {
                                    "replica, ×4"),
     # ---- training
     "training.micro_batch_size": Range(1, 65536, "the largest batches trained (LAMB's 64k sequences) on one rank"),
+    "training.recompute_every": Range(1, 4096, "as model.layers (checkpoint every N-th block)"),
     "training.lora_rank": Range(1, 131072, "as model.hidden (a rank beyond the adapted dimension is refused too)"),
     "training.lora_alpha": Range(0, 1e6, "alphas in use are 8–512; rsLoRA-style scales stay far below", lo_open=True,
                                  note="the adapter scale is alpha / rank"),
@@ -599,6 +613,7 @@ def check(
     _choice(p, "training.precision", t.precision, names.PRECISIONS)
     _choice(p, "training.optimizer", t.optimizer, names.OPTIMIZERS)
     _choice(p, "training.recompute", t.recompute, names.RECOMPUTE_KINDS)
+    _check_torchtitan_knobs(p, par, t)
     allowed_grads = {"fp32": ("fp32",), "bf16-mixed": ("bf16", "fp32"), "fp16-mixed": ("fp16", "fp32")}
     if t.precision in allowed_grads and t.grad_dtype not in allowed_grads[t.precision]:
         p.append(Problem("training.grad_dtype", t.grad_dtype,
@@ -613,6 +628,35 @@ def check(
                          "allowed: pytorch (what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep) | "
                          "zero-paper (the ZeRO paper's 2 + 2 + 12 bytes per parameter split)"))
     return p
+
+
+def _check_torchtitan_knobs(p: list[Problem], par: ParallelSpec, t: TrainingSpec) -> None:
+    """float8, compile, async TP, the FSDP reshard policy and the pipeline split (torchtitan's knobs)."""
+    _choice(p, "training.float8", t.float8, names.FLOAT8_KINDS)
+    _choice(p, "parallel.fsdp_reshard_after_forward", par.fsdp_reshard_after_forward, names.RESHARD_POLICIES)
+    _choice(p, "parallel.pipeline_split", par.pipeline_split, names.PIPELINE_SPLITS)
+    for path, value in (("training.float8_all_gather", t.float8_all_gather), ("training.compile", t.compile),
+                        ("parallel.async_tp", par.async_tp)):
+        if not isinstance(value, bool):
+            p.append(Problem(path, value, "allowed: true | false"))
+    if t.float8 in ("tensorwise", "rowwise") and t.precision != "bf16-mixed":
+        p.append(Problem("training.float8", t.float8, f"float8 training runs under bf16 autocast or an FSDP2 bf16 "
+                         f"policy: needs training.precision = 'bf16-mixed' (got {t.precision!r})"))
+    if t.float8_all_gather is True and (t.float8 != "tensorwise" or par.zero not in (2, 3)):
+        p.append(Problem("training.float8_all_gather", True,
+                         "FSDP2 gathers float8 weights with tensorwise scaling only: needs training.float8 = "
+                         f"'tensorwise' and parallel.zero = 2 or 3 (got float8 = {t.float8!r}, zero = {par.zero})"))
+    if par.async_tp is True and not (isinstance(par.tp, int) and par.tp > 1 and par.sequence_parallel is True
+                                     and t.compile is True):
+        p.append(Problem("parallel.async_tp", True,
+                         "async TP micro-pipelines the sequence-parallel collectives through torch.compile: needs "
+                         "parallel.tp > 1, parallel.sequence_parallel = true and training.compile = true"))
+    if par.fsdp_reshard_after_forward in ("always", "never") and par.zero != 3:
+        p.append(Problem("parallel.fsdp_reshard_after_forward", par.fsdp_reshard_after_forward,
+                         "sets ZeRO-3's reshard policy: needs parallel.zero = 3 (ZeRO-2 never reshards after "
+                         "forward; that is what makes it ZeRO-2); allowed otherwise: default"))
+    if par.pipeline_split == "torchtitan" and par.pp == 1:
+        p.append(Problem("parallel.pipeline_split", par.pipeline_split, "needs parallel.pp > 1 (a pipeline to split)"))
 
 
 def _check_lora(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:

@@ -58,7 +58,20 @@ POSITION_KINDS = ("rope", "learned")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 GRAD_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "sgd-momentum", "sgd")
-RECOMPUTE_KINDS = ("none", "selective", "full")
+#: Activation recomputation (training.recompute): none; "selective" = Korthikanti et al.'s attention
+#: core; "full" = every block; "selective-op" = torchtitan's per-op selective checkpointing (its save
+#: list: matmul outputs saved every other one, attention outputs and reduce-scatters kept, the rest
+#: recomputed); "selective-layer" = full recompute of every training.recompute_every-th block.
+RECOMPUTE_KINDS = ("none", "selective", "full", "selective-op", "selective-layer")
+#: torchao float8 training of the Linear layers (training.float8): scaling granularity.
+FLOAT8_KINDS = ("none", "tensorwise", "rowwise")
+#: FSDP2 reshard_after_forward (parallel.fsdp_reshard_after_forward) for ZeRO-3: "default" as
+#: torchtitan means it (reshard after forward, except under pipelining), "always", "never".
+RESHARD_POLICIES = ("default", "always", "never")
+#: How the blocks are cut into pipeline stages (parallel.pipeline_split): "even" = blocks split as
+#: evenly as they go; "torchtitan" = its generate_llm_fqn_per_model_part with input and output
+#: weights 1: the embeddings count as one block on the first stage, norm + head as one on the last.
+PIPELINE_SPLITS = ("even", "torchtitan")
 BUBBLE_CONVENTIONS = ("share-of-total", "relative-to-ideal")
 #: How data-parallel replicas are driven (parallel.dp_mode): "ddp" = one process per GPU
 #: (DistributedDataParallel, or ZeRO / FSDP by parallel.zero); "dataparallel" = the legacy

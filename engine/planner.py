@@ -82,6 +82,8 @@ DEFAULT_TOKENS_PER_STEP = 4 * 2**20
 MAX_SEQUENCES_PER_GPU = 8
 _SAFETY = 1.0 - 1e-9  # bounds are compared with this margin against float rounding
 _RECOMPUTE = names.RECOMPUTE_KINDS
+#: the recompute kinds searched unless told otherwise
+SEARCHED_RECOMPUTE = ("none", "selective", "full")
 _SCHEDULE_INDEX = {s: i for i, s in enumerate(names.SCHEDULES)}
 FITTING_LIMIT = 10_000  # layouts the all-fitting sweep evaluates at most
 FITTING_SECONDS = 30.0  # ... and seconds it spends at most
@@ -679,7 +681,7 @@ def _key(g: _Grid, i: int) -> tuple:
 
 def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node: int = 8, *,
          top: int = 10, global_batch: int | None = None, zero: tuple[int, ...] = (0, 1, 2, 3),
-         schedules: tuple[str, ...] = names.SCHEDULES, recompute: tuple[str, ...] = names.RECOMPUTE_KINDS,
+         schedules: tuple[str, ...] = names.SCHEDULES, recompute: tuple[str, ...] = SEARCHED_RECOMPUTE,
          max_virtual_stages: int = 8, micro_batch_sizes: tuple[int, ...] | None = None,
          training: dict | None = None, conventions: dict | None = None, exhaustive: bool = False,
          all_fitting: bool = False, fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
@@ -721,7 +723,7 @@ def plan_config(cfg: Config, **options: Any) -> PlanResult:
 
 def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = None,
           zero: tuple[int, ...] = (0, 1, 2, 3), schedules: tuple[str, ...] = names.SCHEDULES,
-          recompute: tuple[str, ...] = names.RECOMPUTE_KINDS, max_virtual_stages: int = 8,
+          recompute: tuple[str, ...] = SEARCHED_RECOMPUTE, max_virtual_stages: int = 8,
           micro_batch_sizes: tuple[int, ...] | None = None, exhaustive: bool = False, all_fitting: bool = False,
           fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
           progress: Callable[[int, int], None] | None = None,
