@@ -594,6 +594,14 @@ def check(
             p.append(Problem("parallel.replicate", par.replicate,
                              "HSDP replication needs parallel.zero = 2 or 3 (a sharded strategy)"))
         _check_pipeline(p, model, par)
+        if par.pipeline_split == "torchtitan" and par.pp > 1 and not any(q.field.startswith("parallel.") for q in p):
+            from engine.layout import split_layers
+
+            try:
+                split_layers(model.layers, par.num_stages, "torchtitan")
+            except ValueError as exc:
+                p.append(Problem("parallel.pipeline_split", par.pipeline_split,
+                                 f"{exc}: needs model.layers ≥ 2·(pp·virtual_stages) − 2 or so; allowed: even"))
     _choice(p, "parallel.dp_mode", par.dp_mode, names.DP_MODES)
     if par.dp_mode == "dataparallel":
         bad = [f"{k} = {getattr(par, k)}" for k, ok in (("tp", 1), ("pp", 1), ("zero", 0), ("replicate", 1))

@@ -71,18 +71,34 @@ def stages_of_pp_rank(num_stages: int, pp: int, style: str) -> list[list[int]]:
     return out
 
 
-def split_layers(layers: int, num_stages: int) -> list[range]:
-    """Transformer blocks of each stage: as even as possible, the first stages take the remainder.
+def split_layers(layers: int, num_stages: int, split: str = "even") -> list[range]:
+    """Transformer blocks of each stage (``parallel.pipeline_split``, names.PIPELINE_SPLITS).
 
-    E.g. 10 layers over 4 stages -> [0,1,2] [3,4,5] [6,7] [8,9]. The embedding sits on stage 0
-    and the final norm and head on the last stage, beside these blocks.
+    "even": as even as possible, the first stages take the remainder; e.g. 10 layers over 4
+    stages -> [0,1,2] [3,4,5] [6,7] [8,9]. "torchtitan": its ``generate_llm_fqn_per_model_part``
+    with input and output weights 1 — the embedding counts as one block on the first stage and
+    norm + head as one on the last, the ``layers + 2`` effective blocks are split evenly (first
+    stages take the remainder), so the first and last stages hold one block fewer; e.g. 8 layers
+    over 4 stages -> [0,1] [2,3,4] [5,6] [7]. The embedding sits on stage 0 and
+    the final norm and head on the last stage, beside these blocks.
     """
     if num_stages < 1 or layers < num_stages:
         raise ValueError(f"cannot split {layers} layers over {num_stages} stages")
-    base, extra = divmod(layers, num_stages)
+    if split == "torchtitan" and num_stages > 1:
+        base, extra = divmod(layers + 2, num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        sizes[0] -= 1
+        sizes[-1] -= 1
+        if min(sizes) < 1:
+            raise ValueError(f"the torchtitan split of {layers} layers over {num_stages} stages leaves a stage "
+                             "without a block")
+    elif split in ("even", "torchtitan"):
+        base, extra = divmod(layers, num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    else:
+        raise ValueError(f"unknown pipeline split {split!r}; allowed: even | torchtitan")
     out, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
+    for n in sizes:
         out.append(range(start, start + n))
         start += n
     return out

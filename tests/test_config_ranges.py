@@ -127,3 +127,34 @@ def test_nan_and_wrong_types_are_refused(path):
 
 def test_an_integer_field_refuses_a_fraction():
     assert problems_on("model.layers", {"model.layers": 2.5})[0].message.startswith("must be an integer")
+
+
+def test_torchtitan_knobs_are_checked_together():
+    from engine import Config, ConfigError, default_config
+    from engine.layout import split_layers
+
+    base = default_config().to_dict()
+
+    def problems(**sections):
+        raw = {k: dict(v) for k, v in base.items() if isinstance(v, dict)}
+        for sec, kv in sections.items():
+            raw[sec].update(kv)
+        try:
+            Config.from_dict(raw)
+        except ConfigError as err:
+            return err.fields()
+        return set()
+
+    assert problems(training={"float8": "tensorwise"}) == {"training.float8"}  # the default is fp32
+    assert problems(training={"float8": "tensorwise", "precision": "bf16-mixed", "grad_dtype": "bf16"}) == set()
+    assert problems(training={"float8_all_gather": True}) == {"training.float8_all_gather"}
+    assert problems(parallel={"async_tp": True}) == {"parallel.async_tp"}
+    assert problems(parallel={"fsdp_reshard_after_forward": "never"}) == {"parallel.fsdp_reshard_after_forward"}
+    assert problems(parallel={"fsdp_reshard_after_forward": "never", "zero": 3}) == set()
+    assert problems(parallel={"pipeline_split": "torchtitan"}) == set()  # 8 layers over pp 2
+    assert problems(parallel={"pipeline_split": "diagonal"}) == {"parallel.pipeline_split"}
+    assert problems(training={"recompute": "selective-layer", "recompute_every": 0}) == {"training.recompute_every"}
+    # torchtitan's split: the embedding and norm + head weigh one block each
+    assert [len(r) for r in split_layers(8, 4, "torchtitan")] == [2, 3, 2, 1]
+    assert [len(r) for r in split_layers(126, 8, "torchtitan")] == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert [len(r) for r in split_layers(10, 4)] == [3, 3, 2, 2]
