@@ -316,19 +316,23 @@ def zero_redundancy_partition(groups, degree: int) -> list[int]:
     flat ZeRO-1 split, ranks differ; the sum is exact. Equal-size tensors are interchangeable, so
     their order cannot change the per-rank sums.
 
-    Exact without a per-tensor loop: handing ``c`` tensors of ``n`` elements out greedily gives
-    rank ``r`` its candidates (size_r + j·n, r), j = 0, 1, …, in increasing order, and each step
-    takes the smallest candidate of all ranks — a merge of ``degree`` sorted sequences, so the
-    ``c`` tensors go to the ``c`` smallest candidates. Small groups are handed out one by one
-    (a heap keyed (size, rank)); large ones find the ``c``-th smallest candidate by bisection.
+    Exact without a per-tensor loop: handing ``c`` tensors of ``n`` elements out greedily offers
+    rank ``r`` the keys (size_r + j·n, r), j = 0, 1, … in increasing order, and each tensor goes
+    to the smallest key on offer — a merge of ``degree`` sorted sequences, so the ``c`` tensors
+    go to the ``c`` smallest keys of all ranks, which ``_hand_out_equal`` counts in closed form.
     """
     if degree < 1:
         raise ValueError(f"degree must be at least 1, got {degree}")
+    return list(_partition(tensor_groups(groups), degree))
+
+
+@lru_cache(maxsize=256)
+def _partition(groups: tuple[tuple[int, int], ...], degree: int) -> tuple[int, ...]:
     sizes = [0] * degree
-    for n, c in tensor_groups(groups):
+    for n, c in groups:  # largest first
         if n == 0 or degree == 1:
             sizes[0] += n * c
-        elif c <= 2 * degree:
+        elif c <= degree:  # a few tensors: one at a time, the least-loaded (size, rank) first
             heap = [(x, r) for r, x in enumerate(sizes)]
             heapq.heapify(heap)
             for _ in range(c):
@@ -338,28 +342,29 @@ def zero_redundancy_partition(groups, degree: int) -> list[int]:
                 sizes[r] = x
         else:
             _hand_out_equal(sizes, n, c)
-    return sizes
+    return tuple(sizes)
 
 
 def _hand_out_equal(sizes: list[int], n: int, c: int) -> None:
-    """Give ``c`` tensors of ``n`` > 0 elements to the ``c`` smallest candidates (size_r + j·n, r)."""
+    """Give ``c`` tensors of ``n`` > 0 elements to the ``c`` smallest keys (size_r + j·n, r), j ≥ 0.
 
-    def below(t: int) -> int:  # candidates with a value < t
-        return sum(-(-(t - x) // n) for x in sizes if x < t)
-
-    # the c-th smallest candidate's value: the largest t with fewer than c candidates below it
-    lo, hi = min(sizes), min(sizes) + c * n  # below(lo) = 0 < c; below(hi) >= c
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if below(mid) < c:
-            lo = mid
-        else:
-            hi = mid
-    t = lo
-    left = c - below(t)
-    for r, x in enumerate(sizes):
-        k = -(-(t - x) // n) if x < t else 0
-        if left and x <= t and (t - x) % n == 0:  # a candidate exactly at t: lowest ranks first
-            k += 1
-            left -= 1
-        sizes[r] = x + k * n
+    With size_r = q_r·n + ρ_r (0 ≤ ρ_r < n), rank r's keys sit at levels k = q_r, q_r + 1, … (value
+    k·n + ρ_r); keys order by level, then by (ρ_r, r) within a level. Below level K there are
+    Σ max(0, K − q_r) keys: find the level K where the c-th key lies, give every rank its keys
+    below K, and the remaining ones at level K to its ranks in (ρ_r, r) order.
+    """
+    q = sorted(x // n for x in sizes)
+    prefix = 0
+    for i, qi in enumerate(q, start=1):  # levels [q_(i), q_(i+1)): the i lowest ranks take part
+        prefix += qi
+        nxt = q[i] if i < len(q) else None
+        if nxt is None or i * nxt - prefix >= c:  # the c-th key lies below level q_(i+1)
+            level = -(-(c + prefix) // i) - 1  # the largest K with i·K − Σq < c
+            break
+    below = [max(0, level - x // n) for x in sizes]
+    left = c - sum(below)
+    at_level = sorted((x % n, r) for r, x in enumerate(sizes) if x // n <= level)
+    for _, r in at_level[:left]:
+        below[r] += 1
+    for r, k in enumerate(below):
+        sizes[r] += k * n
