@@ -5,8 +5,8 @@ Blocks are identical, so a prediction should cost the same for 32 or millions of
 parameter placement keeps runs of identical FSDP units with a count, and ZeRO-1's partition
 hands out equal tensors in closed form. Two configs: llama3-8b dense 1F1B over pp8, and
 llama3-8b ZeRO-1 over dp8 (torch's ZeroRedundancyOptimizer: one partition per dp-rank). The
-layer counts: 32, 1,000, 100,000 and the largest the config's validation accepts (searched up
-to 4,096 × 1,024). Each call is timed cold: the layout caches are cleared first (a slider that
+layer counts: 32, 1,000, 100,000 (those the config accepts) and the largest the config's
+validation accepts (searched up to 4,096 × 1,024). Each call is timed cold: the layout caches are cleared first (a slider that
 moves the layer count misses them), so the median includes placing the parameters.
 """
 
@@ -53,15 +53,16 @@ def _valid(base: dict, layers: int) -> bool:
     return True
 
 
-def largest_layers(base: dict, lo: int = 100_000, cap: int = SEARCH_CAP) -> int:
-    """The largest layer count in [lo, cap] that validation accepts (it accepts a prefix of them)."""
+def largest_layers(base: dict, cap: int = SEARCH_CAP) -> int:
+    """The largest layer count up to ``cap`` that validation accepts (it accepts 1 .. a bound)."""
     if _valid(base, cap):
         return cap
+    lo, hi = 32, cap
     if not _valid(base, lo):
-        raise SystemExit(f"model.layers = {lo:,} is not accepted by the config's validation")
-    while cap - lo > 1:
-        mid = (lo + cap) // 2
-        lo, cap = (mid, cap) if _valid(base, mid) else (lo, mid)
+        raise SystemExit(f"model.layers = {lo} is not accepted by the config's validation")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _valid(base, mid) else (lo, mid)
     return lo
 
 
@@ -81,13 +82,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=100, help="timed calls per (config, layers); default 100")
     args = ap.parse_args()
     for name, base in BASES.items():
-        counts = [32, 1_000, 100_000, largest_layers(base)]
+        bound = largest_layers(base)
+        counts = sorted({n for n in (32, 1_000, 100_000) if n <= bound} | {bound})
         medians = [bench(with_layers(base, n), args.repeat) for n in counts]
         print(name)
         for n, t in zip(counts, medians):
             print(f"  layers = {n:>9,}  predict() median {t * 1e3:8.3f} ms")
+        for n in (1_000, 100_000):
+            if n > bound:
+                print(f"  layers = {n:>9,}  not accepted by the config (model.layers ≤ {bound:,})")
         print(f"  largest / smallest median: {max(medians) / min(medians):.2f}")
-
 
 if __name__ == "__main__":
     main()
