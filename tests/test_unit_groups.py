@@ -180,8 +180,9 @@ def test_a_100000_layer_prediction_touches_nothing_per_layer(layout, training, a
     pred = predict(cfg)
     assert pred.step.seconds > 0
     # nothing the size of the layer count is allocated: a 32-layer prediction of the same layout
-    # needs as much memory as a 100,000-layer one, to within a few kB (one pointer per layer
-    # would be 8 B × layers: 32 kB even at 4,096 layers)
+    # peaks at as much memory as a 100,000-layer one, to within a few kB (one pointer per layer
+    # is 800 kB at 100,000 layers; at a 4,096-layer bound, 32 kB shows only where it is alive at
+    # the peak — the expanded-units guard above is what holds there)
     peaks = []
     for layers in (32, MOST):
         c = _huge(layout, training, layers, accounting=accounting)
