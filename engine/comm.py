@@ -343,7 +343,7 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     grads = local_params * tr.grad_bytes
     weights = local_params * tr.param_bytes
     lora_on = tr.finetune == "lora"
-    grad_units = max(1, len(rp.units))
+    grad_units = max(1, rp.unit_count)
     plan = wrapping_plan(cfg)
     if lora_on:
         adapters = trainable_local(cfg, rp)
@@ -387,7 +387,7 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
                                         "after the step)", "all_gather", 1, weights, span.size, span.link,
                                   secs, False, "step"))
     else:
-        units = max(1, len(rp.units))
+        units = max(1, rp.unit_count)
         m = par.microbatches
         if plan.reshard_after_forward:
             passes, when = 2 * m, "forward and backward, every microbatch"
@@ -415,7 +415,7 @@ def zero1_broadcast_tensors(cfg: Config, rp) -> int:
 
         m = cfg.model
         return max(1, rp.layers * len(adapter_block_tensors(m, 0, cfg.training.lora_targets, cfg.parallel.tp)))
-    return max(1, sum(len(unit) for unit in rp.units))
+    return max(1, rp.tensor_count)
 
 
 def broadcast_seconds(cfg: Config, size_bytes: float, span: GroupSpan, links: MeasuredLinks | None = None) -> float:

@@ -39,6 +39,7 @@ PLACEMENT RULE (pipeline and tensor parallel):
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -164,15 +165,24 @@ class StageParams:
         return self.embedding + self.position + self.blocks + self.final_norm + self.head
 
 
+Tensors = tuple[tuple[int, int], ...]  # (dim0, rest) of each tensor of one FSDP unit
+
+
 @dataclass(frozen=True)
 class RankParams:
-    """What one (pp-rank, tp-rank) holds; identical on every DP replica."""
+    """What one (pp-rank, tp-rank) holds; identical on every DP replica.
+
+    Its FSDP units (embeddings, each block, final norm + head) are kept as ``unit_groups``: runs
+    of identical units with their multiplicity, in stage order — O(stages) entries however many
+    layers the model has. Everything the engine asks of the units (element counts, the largest
+    units, how many there are, the tensors ZeRO-1 partitions) is computed from the groups.
+    """
 
     pp_rank: int
     tp_rank: int
     stages: tuple[StageParams, ...]
-    block_tensors: tuple[tuple[int, int], ...]  # one block's local (dim0, rest) shapes
-    units: tuple[tuple[tuple[int, int], ...], ...]  # FSDP units: embeddings, each block, norm+head
+    block_tensors: Tensors  # one block's local (dim0, rest) shapes
+    unit_groups: tuple[tuple[Tensors, int], ...]  # (one unit's tensors, how many in a row), stage order
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
@@ -185,6 +195,44 @@ class RankParams:
     @property
     def layers(self) -> int:
         return sum(s.layers for s in self.stages)
+
+    @property
+    def units(self) -> tuple[Tensors, ...]:
+        """Every FSDP unit, one entry per unit (O(layers): for tests and inspection, never the engine's hot path)."""
+        return tuple(u for u, count in self.unit_groups for _ in range(count))
+
+    @cached_property
+    def unit_count(self) -> int:
+        """How many FSDP units this rank holds (each ``fully_shard`` call)."""
+        return sum(count for _, count in self.unit_groups)
+
+    @cached_property
+    def tensor_count(self) -> int:
+        """How many parameter tensors this rank holds."""
+        return sum(len(u) * count for u, count in self.unit_groups)
+
+    def sharded_numel(self, degree: int) -> int:
+        """Elements per rank when every tensor's dim 0 is split over ``degree`` ranks, padded (FSDP2)."""
+        return sum(sharded_numel(u, degree) * count for u, count in self.unit_groups)
+
+    def largest_unit_numels(self, n: int) -> list[int]:
+        """The element counts of the ``n`` largest units, largest first (fewer when it holds fewer)."""
+        return largest_numels(((unit_numel(u), count) for u, count in self.unit_groups), n)
+
+
+def unit_numel(tensors: Tensors) -> int:
+    """Elements of one unit (the sum of its tensors)."""
+    return sum(a * b for a, b in tensors)
+
+
+def largest_numels(groups, n: int) -> list[int]:
+    """The ``n`` largest values of (value, count) groups with their multiplicity, largest first."""
+    out: list[int] = []
+    for value, count in sorted(groups, key=lambda g: g[0], reverse=True):
+        out.extend([value] * min(count, n - len(out)))
+        if len(out) >= n:
+            break
+    return out
 
 
 def params_per_rank(cfg: Config) -> tuple[tuple[RankParams, ...], ...]:
@@ -210,7 +258,8 @@ def _params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str) -> 
         row = []
         for tp_rank in range(tp):
             rows = vocab_rows[tp_rank]
-            per_stage, units = [], []
+            per_stage: list[StageParams] = []
+            groups: list[tuple[Tensors, int]] = []
             for s in stages:
                 first, last = s == 0, s == n_stages - 1
                 emb = rows * h if first else 0
@@ -220,34 +269,102 @@ def _params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str) -> 
                                              blocks=len(split[s]) * block_numel,
                                              final_norm=norm_numel if last else 0, head=head))
                 if first:
-                    units.append(((rows, h),) + (((model.seq_len, h),) if pos else ()))
-                units.extend([block] * len(split[s]))
+                    _append_units(groups, ((rows, h),) + (((model.seq_len, h),) if pos else ()), 1)
+                _append_units(groups, block, len(split[s]))
                 if last:
-                    units.append(norm + (((rows, h),) if head else ()))
+                    _append_units(groups, norm + (((rows, h),) if head else ()), 1)
             row.append(RankParams(pp_rank=pp_rank, tp_rank=tp_rank, stages=tuple(per_stage),
-                                  block_tensors=block, units=tuple(units)))
+                                  block_tensors=block, unit_groups=tuple(groups)))
         out.append(tuple(row))
     return tuple(out)
+
+
+def _append_units(groups: list[tuple[Tensors, int]], unit: Tensors, count: int) -> None:
+    """Add ``count`` copies of ``unit`` after the last group (merged with it when it is the same unit)."""
+    if count <= 0:
+        return
+    if groups and groups[-1][0] == unit:
+        groups[-1] = (unit, groups[-1][1] + count)
+    else:
+        groups.append((unit, count))
 
 
 # --------------------------------------------------------------------------- ZeRO-1 in torch
 
 
-def rank_tensor_numels(rp: RankParams) -> list[int]:
-    """Element counts of every parameter tensor a (pp-rank, tp-rank) holds (its FSDP units, flattened)."""
-    return [a * b for unit in rp.units for a, b in unit]
+def rank_tensor_groups(rp: RankParams) -> tuple[tuple[int, int], ...]:
+    """(numel, count) of the parameter tensors a (pp-rank, tp-rank) holds: every tensor of its FSDP
+    units, equal sizes merged, largest first."""
+    return tensor_groups((a * b, count) for u, count in rp.unit_groups for a, b in u)
 
 
-def zero_redundancy_partition(numels: list[int], degree: int) -> list[int]:
-    """Elements each of ``degree`` ranks owns under torch's ZeroRedundancyOptimizer.
+def tensor_groups(groups) -> tuple[tuple[int, int], ...]:
+    """(numel, count) pairs with equal numels merged, largest first (zero counts dropped)."""
+    merged: dict[int, int] = {}
+    for numel, count in groups:
+        if count:
+            merged[numel] = merged.get(numel, 0) + count
+    return tuple(sorted(merged.items(), reverse=True))
+
+
+def zero_redundancy_partition(groups, degree: int) -> list[int]:
+    """Elements each of ``degree`` ranks owns under torch's ZeroRedundancyOptimizer, given the
+    tensors as (numel, count) groups.
 
     Its ``_partition_parameters``: whole tensors, largest first (a stable sort by numel), each to
     the rank with the fewest elements so far (the lowest such rank on ties). Unlike DeepSpeed's
-    flat ZeRO-1 split, ranks differ; the sum is exact. Ties between equal-size tensors cannot
-    change the per-rank sums, so the order of equal tensors does not matter here.
+    flat ZeRO-1 split, ranks differ; the sum is exact. Equal-size tensors are interchangeable, so
+    their order cannot change the per-rank sums.
+
+    Exact without a per-tensor loop: handing ``c`` tensors of ``n`` elements out greedily offers
+    rank ``r`` the keys (size_r + j·n, r), j = 0, 1, … in increasing order, and each tensor goes
+    to the smallest key on offer — a merge of ``degree`` sorted sequences, so the ``c`` tensors
+    go to the ``c`` smallest keys of all ranks, which ``_hand_out_equal`` counts in closed form.
     """
+    if degree < 1:
+        raise ValueError(f"degree must be at least 1, got {degree}")
+    return list(_partition(tensor_groups(groups), degree))
+
+
+@lru_cache(maxsize=256)
+def _partition(groups: tuple[tuple[int, int], ...], degree: int) -> tuple[int, ...]:
     sizes = [0] * degree
-    for n in sorted(numels, reverse=True):
-        r = min(range(degree), key=lambda i: (sizes[i], i))
-        sizes[r] += n
-    return sizes
+    for n, c in groups:  # largest first
+        if n == 0 or degree == 1:
+            sizes[0] += n * c
+        elif c <= degree:  # a few tensors: one at a time, the least-loaded (size, rank) first
+            heap = [(x, r) for r, x in enumerate(sizes)]
+            heapq.heapify(heap)
+            for _ in range(c):
+                x, r = heap[0]
+                heapq.heapreplace(heap, (x + n, r))
+            for x, r in heap:
+                sizes[r] = x
+        else:
+            _hand_out_equal(sizes, n, c)
+    return tuple(sizes)
+
+
+def _hand_out_equal(sizes: list[int], n: int, c: int) -> None:
+    """Give ``c`` tensors of ``n`` > 0 elements to the ``c`` smallest keys (size_r + j·n, r), j ≥ 0.
+
+    With size_r = q_r·n + ρ_r (0 ≤ ρ_r < n), rank r's keys sit at levels k = q_r, q_r + 1, … (value
+    k·n + ρ_r); keys order by level, then by (ρ_r, r) within a level. Below level K there are
+    Σ max(0, K − q_r) keys: find the level K where the c-th key lies, give every rank its keys
+    below K, and the remaining ones at level K to its ranks in (ρ_r, r) order.
+    """
+    q = sorted(x // n for x in sizes)
+    prefix = 0
+    for i, qi in enumerate(q, start=1):  # levels [q_(i), q_(i+1)): the i lowest ranks take part
+        prefix += qi
+        nxt = q[i] if i < len(q) else None
+        if nxt is None or i * nxt - prefix >= c:  # the c-th key lies below level q_(i+1)
+            level = -(-(c + prefix) // i) - 1  # the largest K with i·K − Σq < c
+            break
+    below = [max(0, level - x // n) for x in sizes]
+    left = c - sum(below)
+    at_level = sorted((x % n, r) for r, x in enumerate(sizes) if x // n <= level)
+    for _, r in at_level[:left]:
+        below[r] += 1
+    for r, k in enumerate(below):
+        sizes[r] += k * n

@@ -601,7 +601,7 @@ class _Planner:
                "head": head, "member": member,
                "fwd_prefix_mask": (np.arange(n_stages)[None, :] < first_stage[:, None]).astype(np.float64),
                "ends": [(ri, rows[ri].stage_indices,
-                         sorted((sum(x * y for x, y in u) for u in rows[ri].units), reverse=True))
+                         rows[ri].largest_unit_numels(2))
                         for ri in sorted({0, pp - 1})]}
         if dp > 1:
             g_bytes, w_b = self.base.training.grad_bytes, self.base.training.param_bytes
@@ -615,7 +615,7 @@ class _Planner:
             out["ar"] = per_rank(lambda t: self._collective(rep, "dp", "all_reduce", t * g_bytes))
             out["ag"] = per_rank(lambda t: self._collective(rep, "dp", "all_gather", t * w_b))
             out["rs"] = per_rank(lambda t: self._collective(rep, "dp", "reduce_scatter", t * g_bytes))
-            out["n_units"] = np.array([max(1, len(r.units)) for r in rows], dtype=np.float64)
+            out["n_units"] = np.array([max(1, r.unit_count) for r in rows], dtype=np.float64)
         self._shapes[key] = out
         return out
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine import Config, ConfigError
 from engine.memory import memory_per_rank
-from engine.params import param_counts, params_per_rank, rank_tensor_numels, zero_redundancy_partition
+from engine.params import param_counts, params_per_rank, rank_tensor_groups, zero_redundancy_partition
 
 NO_OVERHEAD = {"runtime_context": False, "collective_buffers": False}
 EVEN = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 8, "ffn_hidden": 1024, "vocab": 1024,
@@ -73,19 +73,26 @@ def test_fsdp2_zero2_params_are_sharded_the_gathered_copy_is_a_buffer():
     assert (z.params, z.grads, z.optimizer) == (2 * psi, 2 * psi // d, 12 * psi // d)
 
 
+def _each(*numels: int) -> list[tuple[int, int]]:
+    return [(n, 1) for n in numels]
+
+
 def test_zero_redundancy_partition_is_torchs_greedy():
-    assert zero_redundancy_partition([10, 7, 5, 3, 1], 2) == [13, 13]
+    assert zero_redundancy_partition(_each(10, 7, 5, 3, 1), 2) == [13, 13]
     # 6 → r0, 5 → r1, 4 → r2, 3 → r2 (4 is least), 2 → r1, 1 → r0
-    assert zero_redundancy_partition([1, 2, 3, 4, 5, 6], 3) == [7, 7, 7]
-    assert zero_redundancy_partition([4, 4, 4], 4) == [4, 4, 4, 0]  # whole tensors: a rank may get none
-    assert zero_redundancy_partition([9, 1, 1], 2) == [9, 2]
+    assert zero_redundancy_partition(_each(1, 2, 3, 4, 5, 6), 3) == [7, 7, 7]
+    assert zero_redundancy_partition(_each(4, 4, 4), 4) == [4, 4, 4, 0]  # whole tensors: a rank may get none
+    assert zero_redundancy_partition(_each(9, 1, 1), 2) == [9, 2]
+    # the same tensors given as (numel, count) groups
+    assert zero_redundancy_partition([(4, 3)], 4) == [4, 4, 4, 0]
+    assert zero_redundancy_partition([(1, 2), (9, 1)], 2) == [9, 2]
 
 
 def test_zero1_optimizer_differs_per_rank_and_sums_exactly():
     c = cfg(None, None, dp=4, zero=1)  # tiny preset, fp32
     rep = memory_per_rank(c)
     rp = params_per_rank(c)[0][0]
-    shares = zero_redundancy_partition(rank_tensor_numels(rp), 4)
+    shares = zero_redundancy_partition(rank_tensor_groups(rp), 4)
     assert [r.optimizer for r in rep.per_rank] == [8 * x for x in shares]
     assert sum(r.optimizer for r in rep.per_rank) == 8 * rp.total
     assert len(set(shares)) > 1  # the tiny preset's tensors do not split evenly

@@ -27,10 +27,11 @@ from engine.wrapping import WrappingPlan
 
 
 def _unit_sizes(rp: RankParams) -> list[int]:
-    return sorted((sum(a * c for a, c in u) for u in rp.units), reverse=True)
+    """The two largest units, largest first: what FSDP2 holds gathered (current + prefetched)."""
+    return rp.largest_unit_numels(2)
 
 
-def fsdp2_buffers(cfg: Config, rp: RankParams, T: Terms, psi: int, psi_train: int, train_units: list[int]) -> None:
+def fsdp2_buffers(cfg: Config, rp: RankParams, T: Terms, psi: int, psi_train: int, train_units: tuple[tuple[int, int], ...]) -> None:
     """What FSDP2 (fully_shard / replicate + MixedPrecisionPolicy) gathers and reduces on this rank."""
     par, conv = cfg.parallel, cfg.conventions
     z, m = par.zero, par.microbatches
@@ -57,7 +58,7 @@ def fsdp2_buffers(cfg: Config, rp: RankParams, T: Terms, psi: int, psi_train: in
               pd * psi_train, f"{pd} B × Ψ{'_lora' if lora_on else ''} = {pd} × {psi_train:,}",
               kind="fsdp_unsharded_grads")
     else:
-        big = max(train_units)
+        big = max(n for n, _ in train_units)
         T.add("comm_buffers", "reduce-scatter input (one unit's unsharded gradients"
               + (", adapters only)" if lora_on else ")"), pd * big,
               f"{pd} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
@@ -88,13 +89,13 @@ def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc
               kind="ddp_backward_temporary")
 
 
-def zero_paper_buffers(cfg: Config, rp: RankParams, T: Terms, train_units: list[int]) -> None:
+def zero_paper_buffers(cfg: Config, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...]) -> None:
     """ZeRO-2/3 under the paper's accounting: one unit's reduce-scatter input, ZeRO-3's gathers."""
     par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
     w, g, d = tr.param_bytes, tr.grad_bytes, par.shard_degree
     sizes = _unit_sizes(rp)
     largest = sizes[0]
-    big = max(train_units)
+    big = max(n for n, _ in train_units)
     T.add("comm_buffers", "reduce-scatter input (one unit's unsharded gradients)", g * big,
           f"{g} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
     if par.zero == 3:
@@ -122,7 +123,7 @@ def pipeline_buffers(cfg: Config, rp: RankParams, T: Terms, res: int, sbh_rep: i
 
 
 def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, psi: int, psi_train: int,
-                 train_units: list[int], res: int, sbh_rep: int, hs: str) -> None:
+                 train_units: tuple[tuple[int, int], ...], res: int, sbh_rep: int, hs: str) -> None:
     """Every communication buffer of this rank (and the temporaries that go with them)."""
     par = cfg.parallel
     torch_acc = cfg.conventions.state_accounting == "pytorch"

@@ -21,8 +21,8 @@ from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.overhead import overhead
 from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
-from engine.memory.states import ACCOUNTINGS, lora_states, lora_units
-from engine.params import RankParams, params_per_rank
+from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups
+from engine.params import RankParams, params_per_rank, unit_numel
 from engine.wrapping import WrappingPlan, wrapping_plan
 
 
@@ -35,13 +35,13 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     T = Terms()
     where = f"stage{'s' if len(rp.stages) > 1 else ''} {', '.join(map(str, rp.stage_indices))}"
     psi = psi_train = rp.total  # psi_train: elements that get a gradient (DDP buckets, unsharded gradients)
-    train_units = [sum(a * c for a, c in u) for u in rp.units]
+    train_units = tuple((unit_numel(u), count) for u, count in rp.unit_groups)  # (elements, units)
     if tr.finetune == "lora":
         psi_train = lora_states(cfg, plan, rp, dp_rank, T, where)
-        adapters = lora_units(cfg, rp)
-        train_units = [sum(a * c for a, c in u) for u in adapters]
+        adapters = lora_unit_groups(cfg, rp)
+        train_units = tuple((unit_numel(a), count) for a, count in adapters)
         psi = psi + psi_train  # every parameter the rank holds (FSDP2 gathers the frozen base too)
-        rp = replace(rp, units=tuple(u + a for u, a in zip(rp.units, adapters)))
+        rp = replace(rp, unit_groups=tuple((u + a, count) for (u, count), (a, _) in zip(rp.unit_groups, adapters)))
     else:
         ACCOUNTINGS[cfg.conventions.state_accounting](cfg, plan, rp, dp_rank, T, where)
 

@@ -35,7 +35,7 @@ from engine import lora
 from engine.config import Config
 from engine.memory.report import Terms, ceil_div
 from engine.names import OPTIMIZER_STATES
-from engine.params import RankParams, rank_tensor_numels, sharded_numel, zero_redundancy_partition
+from engine.params import RankParams, Tensors, rank_tensor_groups, sharded_numel, zero_redundancy_partition
 from engine.wrapping import WrappingPlan
 
 
@@ -53,7 +53,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         rule = f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉ (flat split: torch has no ZeRO-1 for TP parameters)"
     elif plan.fsdp2:
         shard = d if par.zero in (2, 3) else 1  # FSDP2's replicate (DP × TP) keeps whole fp32 params
-        psi_d = sharded_numel(tuple(x for u in rp.units for x in u), shard)
+        psi_d = rp.sharded_numel(shard)
         how = (f"Ψ_d = {psi_d:,} (Ψ = {psi:,} over d = {shard}, dim 0 padded per tensor)" if shard > 1
                else f"Ψ = {psi:,} (FSDP2 replicate: not sharded)")
         T.add("params", f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)", 4 * psi_d,
@@ -76,7 +76,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("grads", "gradients, fp32 (autocast gradients take the parameter dtype)"
               if tr.precision != "fp32" else "gradients", 4 * grads, gterm, kind="gradients")
         if z == 1 and par.dp > 1:
-            sizes = zero_redundancy_partition(rank_tensor_numels(rp), par.dp)
+            sizes = zero_redundancy_partition(rank_tensor_groups(rp), par.dp)
             opt_numel = sizes[dp_rank]
             rule = (f"{opt_numel:,} elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
                     f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
@@ -97,7 +97,7 @@ def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: 
     k = OPTIMIZER_STATES[tr.optimizer]
     psi = rp.total
     if z == 3:
-        psi_d = sum(sharded_numel(u, d) for u in rp.units)
+        psi_d = rp.sharded_numel(d)
         T.add("params", f"parameters ({where}), sharded ZeRO-3", w * psi_d,
               f"{w} B × Ψ_d = {w} × {psi_d:,} (Ψ = {psi:,} over d = {d}, dim 0 padded per tensor)", kind="parameters")
         T.add("grads", "gradients, sharded ZeRO-3", g * psi_d, f"{g} B × Ψ_d = {g} × {psi_d:,}", kind="gradients")
@@ -127,11 +127,12 @@ def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: 
 ACCOUNTINGS = {"pytorch": pytorch_states, "zero-paper": zero_paper_states}
 
 
-def lora_units(cfg: Config, rp: RankParams) -> list[tuple[tuple[int, int], ...]]:
-    """The adapter tensors of each FSDP unit of this rank (empty for embeddings and norm + head)."""
+def lora_unit_groups(cfg: Config, rp: RankParams) -> tuple[tuple[Tensors, int], ...]:
+    """The adapter tensors of each FSDP unit of this rank (empty for embeddings and norm + head),
+    one entry per group of ``rp.unit_groups`` with its count."""
     tr = cfg.training
     block = lora.adapter_block_tensors(cfg.model, tr.lora_rank, tr.lora_targets, cfg.parallel.tp)
-    return [block if u == rp.block_tensors else () for u in rp.units]
+    return tuple((block if u == rp.block_tensors else (), count) for u, count in rp.unit_groups)
 
 
 def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> int:
@@ -143,8 +144,8 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
     par, tr = cfg.parallel, cfg.training
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     z, d, k = par.zero, par.shard_degree, OPTIMIZER_STATES[tr.optimizer]
-    ad = [x for u in lora_units(cfg, rp) for x in u]
-    psi_lora = sum(a * b for a, b in ad)
+    ad = lora_unit_groups(cfg, rp)
+    psi_lora = sum(sum(a * b for a, b in u) * count for u, count in ad)
     psi_base = rp.total
     fsdp2 = plan.fsdp2 if torch_acc else z == 3
     shard = d if (z in (2, 3) if torch_acc else z == 3) else 1
@@ -161,13 +162,13 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
               f"{u} B × {psi_base - q_numel:,}", kind="frozen_base")
     else:
         bb = lora.base_bytes_per_param(tr)
-        base_d = sharded_numel(tuple(x for u in rp.units for x in u), shard)
+        base_d = rp.sharded_numel(shard)
         how = (f"Ψ_base,d = {base_d:,} (Ψ_base = {psi_base:,} over d = {shard}, dim 0 padded per tensor)"
                if shard > 1 else f"Ψ_base = {psi_base:,}")
         T.add("params", f"frozen base ({where}), {tr.lora_base_dtype}; no gradient, no optimizer state",
               bb * base_d, f"{bb} B × {how}", kind="frozen_base")
     # ---- adapters
-    lora_d = sharded_numel(tuple(ad), shard)
+    lora_d = sum(sharded_numel(u, shard) * count for u, count in ad)
     how = (f"Ψ_lora,d = {lora_d:,} (Ψ_lora = {psi_lora:,} over d = {shard}, dim 0 padded per tensor)"
            if shard > 1 else f"Ψ_lora = {psi_lora:,}")
     per_layer = lora.adapter_params_per_layer(cfg.model, tr.lora_rank, tr.lora_targets)
@@ -186,7 +187,7 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
     T.add("grads", "adapter gradients" + (" (fp32, the adapters' dtype)" if torch_acc else ""),
           g_a * g_numel, f"{g_a} B × {g_how}", kind="gradients")
     if z == 1 and par.dp > 1 and torch_acc and par.tp == 1:
-        sizes = zero_redundancy_partition([a * b for a, b in ad], par.dp)
+        sizes = zero_redundancy_partition([(a * b, count) for u, count in ad for a, b in u], par.dp)
         opt_numel = sizes[dp_rank]
         rule = (f"{opt_numel:,} adapter elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
                 f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
