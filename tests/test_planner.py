@@ -12,7 +12,7 @@ import pytest
 from engine import Config
 from engine.comm import GroupSpan, group_ranks, group_span
 from engine.memory import memory_per_rank
-from engine.planner import PlanError, _Planner, default_global_batch, plan, render_table
+from engine.planner import SEARCHED_RECOMPUTE, PlanError, _Planner, default_global_batch, plan, render_table
 from engine.step import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def _brute_force(kw):
     from engine.planner import _base_config, _key
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
-    pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, names.RECOMPUTE_KINDS,
+    pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE,
                   kw["max_virtual_stages"], None)
     g = pl.grid()
     rows = []
@@ -198,7 +198,7 @@ def test_bounds_are_vectors_of_the_grid():
     from engine.planner import _base_config
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
-    g = _Planner(base, 16, (0, 1, 2, 3), names.SCHEDULES, names.RECOMPUTE_KINDS, 4, None).grid()
+    g = _Planner(base, 16, (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE, 4, None).grid()
     n = len(g.mem_lb)
     assert all(len(c) == n for c in g.cols.values())
     assert np.all(np.isfinite(g.mem_lb)) and np.all(g.makespan_lb > 0)
@@ -221,7 +221,7 @@ def test_shared_in_flight_counts_match_a_fresh_replay():
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
 
     def bounds():
-        pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, names.RECOMPUTE_KINDS,
+        pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE,
                       kw["max_virtual_stages"], None)
         g = pl.grid()
         return g.mem_lb, g.makespan_lb, g.rest_lb
