@@ -1,4 +1,9 @@
-"""Metrics (only what the engine actually predicts) and the strategy explainer."""
+"""Metrics (only what the engine actually predicts) and the strategy explainer.
+
+With a pinned baseline each metric also shows the baseline's value and the change
+(``Step time: 412 ms (baseline 530 ms, −22 %)``), and the first row says which config the
+baseline is.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from PySide6.QtCore import QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QLabel, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
+from gui.session import describe_config
 from gui.widgets.memory_chart import fmt_bytes
 from gui.widgets.timeline import _fmt_seconds
 
@@ -193,6 +199,68 @@ def metric_rows(pred) -> list[tuple[str, str]]:
     return rows
 
 
+#: metric row -> the PredictionDiff number its change is told by ("peak.total": diff.peak["total"])
+ROW_CHANGES = {
+    "Step time": "step_seconds",
+    "Tokens/s": "tokens_per_s",
+    "MFU": "mfu",
+    "Pipeline bubble": "bubble_fraction",
+    "Pipeline makespan": "makespan_s",
+    "Peak memory": "peak.total",
+}
+#: rows shown with the baseline's value only when it differs (no single number to take a change of)
+ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Memory headroom", "GPU 0 vs others", "Trainable (LoRA)", "Full fine-tune would need")
+
+
+def format_change(change) -> str:
+    """'−22 %' (a relative change), '+2.8 pt' for a fraction (MFU, bubble), 'same', or '' when unknown."""
+    if change is None or change.delta is None:
+        return ""
+    if change.delta == 0:
+        return "same"
+    sign = "−" if change.delta < 0 else "+"
+    if change.unit == "fraction":
+        return f"{sign}{abs(change.delta) * 100:.1f} pt"
+    if change.relative is None:
+        return ""
+    pct = abs(change.relative) * 100
+    return f"{sign}{pct:.1f} %" if pct < 10 else f"{sign}{pct:.0f} %"
+
+
+def _row_change(name: str, diff):
+    key = ROW_CHANGES.get(name)
+    if key is None and name.startswith("Comm · "):
+        key = f"comm.{name.removeprefix('Comm · ')}.seconds"
+    if key is None:
+        return None
+    if key.startswith("peak."):
+        return diff.peak.get(key.removeprefix("peak."))
+    return diff.metrics.get(key)
+
+
+def rows_with_baseline(rows: list[tuple[str, str]], baseline_rows: list[tuple[str, str]], diff,
+                       baseline_text: str) -> list[tuple[str, str]]:
+    """The current rows, each number followed by the baseline's and the change; a metric only the
+    baseline has is listed as missing now; the first row names the baseline's config."""
+    base = dict(baseline_rows)
+    out = [("Baseline", baseline_text)]
+    for name, value in rows:
+        if name in base and (name in ROW_CHANGES or name.startswith("Comm · ")):
+            change = format_change(_row_change(name, diff))
+            if change and name.startswith("Comm · "):
+                change += " time"  # the row shows bytes and seconds; the change is of the seconds
+            out.append((name, f"{value} (baseline {base[name]}" + (f", {change})" if change else ")")))
+        elif name in ROWS_COMPARED_AS_TEXT and name in base and base[name] != value:
+            out.append((name, f"{value} (baseline {base[name]})"))
+        else:
+            out.append((name, value))
+    have = {name for name, _ in rows}
+    for name, value in baseline_rows:
+        if name not in have and (name in ROW_CHANGES or name.startswith("Comm · ")):
+            out.append((name, f"none (baseline {value})"))
+    return out
+
+
 class MetricsTable(QWidget):
     """Name/value rows painted directly, values bold and wrapped.
 
@@ -258,7 +326,11 @@ class MetricsPanel(QWidget):
         self.explainer = QTextBrowser()
         self.explainer.setObjectName("explainer")
         self.rows: list[tuple[str, str]] = []
+        self.baseline_rows: list[tuple[str, str]] = []  # metric_rows of the baseline, made once when pinned
+        self.baseline_text = ""
+        self._last = None  # the prediction shown
         state.predictionReady.connect(self.on_prediction)
+        state.baselineChanged.connect(self.on_baseline)
         self._explainer_html = ""
         state.configChanged.connect(self._explain)
         self._explain(state.config)
@@ -273,5 +345,19 @@ class MetricsPanel(QWidget):
         return self
 
     def on_prediction(self, pred) -> None:
+        self._last = pred
         self.rows = metric_rows(pred)
+        diff = self.state.difference if self.baseline_rows else None
+        if diff is not None and diff.current is pred:
+            self.rows = rows_with_baseline(self.rows, self.baseline_rows, diff, self.baseline_text)
         self.table.set_rows(self.rows)
+
+    def on_baseline(self, pred) -> None:
+        if pred is None:
+            self.baseline_rows, self.baseline_text = [], ""
+        else:
+            self.baseline_rows = metric_rows(pred)
+            self.baseline_text = describe_config(pred.config) + (
+                f" · timed with the calibration of {Path(pred.calibrated_from).name}" if pred.calibrated_from else "")
+        if self._last is not None:
+            self.on_prediction(self._last)
