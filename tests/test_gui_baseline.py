@@ -41,7 +41,7 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     chart, metrics, state = window.memory, window.metrics, window.state
     n = len(chart.groups)
     single = image(chart.plot)
-    assert chart.stacks.box_count() == K * n
+    assert chart.stacks.box_count() == K * n and not chart.baseline_stacks.isVisible()
     assert not window.clear_baseline_action.isEnabled()
     assert "baseline" not in chart.legend.text() and "baseline" not in metrics.table.text()
 
@@ -51,7 +51,8 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     assert pinned is state.prediction and state.recompute_count == count  # fresh: pinned as it is
     assert window.clear_baseline_action.isEnabled()
     # the baseline's bars join the chart: one more stack per rank group, in the lighter colours
-    assert chart.stacks.box_count() == 2 * K * n
+    assert chart.stacks.box_count() == K * n and chart.baseline_stacks.isVisible()
+    assert chart.stacks.box_count() + chart.baseline_stacks.box_count() == 2 * K * n
     assert image(chart.plot) != single
     assert "baseline (tiny · 4× cpu · dp2 tp1 pp2 ZeRO-0" in chart.legend.text()
     assert "(same as baseline)" in chart.header.text()  # same config: no change yet
@@ -61,7 +62,7 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     assert "baseline step" in window.timeline.header.text()
     # clearing at the same config gives back exactly the single view, pixel for pixel
     window.clear_baseline_action.trigger()
-    assert image(chart.plot) == single and chart.stacks.box_count() == K * n
+    assert image(chart.plot) == single and not chart.baseline_stacks.isVisible()
     window.pin_action.trigger()
     assert state.baseline is pinned  # the same, still fresh prediction
 
@@ -74,9 +75,9 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     assert state.baseline is pinned  # survives the drag, and was not predicted again
     diff = state.difference
     assert diff.current is state.prediction and diff.peak["total"].delta > 0
-    assert chart.stacks.box_count() == 2 * K * len(chart.groups)
+    assert chart.baseline_stacks.box_count() == chart.stacks.box_count() == K * len(chart.groups)
     assert f"of {fmt_bytes(chart.capacity_bytes)} (+{fmt_bytes(diff.peak['total'].delta)}" in chart.header.text()
-    assert chart.baseline_note.isVisible() and "vs baseline" in chart.baseline_note.toPlainText()
+    assert f"vs baseline {fmt_bytes(pinned.memory.peak.total)})" in chart.header.text()
     # the metrics: each number, the baseline's and the change
     step = diff.metrics["step_seconds"]
     expected = (f"Step time: {_fmt_seconds(step.current)} (baseline {_fmt_seconds(step.baseline)}, "
@@ -95,9 +96,8 @@ def test_pin_drag_compare_and_clear(window, qtbot):
 
     window.clear_baseline_action.trigger()
     assert state.baseline is None and not window.clear_baseline_action.isEnabled()
-    assert chart.stacks.box_count() == K * len(chart.groups)
+    assert not chart.baseline_stacks.isVisible() and chart.stacks.box_count() == K * len(chart.groups)
     assert "baseline" not in chart.legend.text() and "vs baseline" not in chart.header.text()
-    assert not chart.baseline_note.isVisible()
     assert "baseline" not in metrics.table.text() and "baseline" not in window.timeline.header.text()
     assert image(chart.plot) != compared
 

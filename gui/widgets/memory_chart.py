@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QTransform
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
@@ -36,7 +37,6 @@ OVER_COLOR = "#D62728"
 BASELINE_COLORS = {  # each category's colour, halfway to white: the same hue, lighter, never white itself
     c: "#" + "".join(f"{round(int(v[i:i + 2], 16) * 0.55 + 255 * 0.45):02X}" for i in (1, 3, 5))
     for c, v in CATEGORY_COLORS.items()}
-BASELINE_TEXT_COLOR = "#444"
 FULL_FT_COLOR = "#555"  # the dotted line: what the fullest rank would hold under full fine-tuning (LoRA)
 MAX_OVER_LABELS = 16  # "over by …" labels are drawn when there are at most this many bars
 
@@ -141,7 +141,8 @@ class MemoryChart(QWidget):
         self._base_row: dict[int, int] = {}  # rank -> row of _base_values
         self.baseline_groups: list[tuple[int, np.ndarray] | None] = []  # per group: (baseline rank, values)
         self._base_span: tuple[float, float] = (0.0, 0.0)  # x offset of the baseline bar from its group, width
-        self._diff_text = ""
+        self._base_key: tuple | None = None  # what the baseline boxes were last set from
+        self._base_scale = 0.0
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         head = QHBoxLayout()
@@ -248,29 +249,31 @@ class MemoryChart(QWidget):
         """Persistent items: re-adding pyqtgraph items on every slider move costs milliseconds."""
         self.stacks = BoxesItem()  # predicted segments, one drawRects per category colour
         self.measured_stacks = BoxesItem(alpha=70, outline=True)
+        # the baseline's segments, in bytes and scaled into the view by the item's transform: a move
+        # that only rescales the chart then sets a transform, not the boxes again
+        self.baseline_stacks = BoxesItem()
+        self.baseline_stacks.setVisible(False)
         self.frames = pg.BarGraphItem(x=[], height=[], width=0.1, brush=None, pen=pg.mkPen(OVER_COLOR, width=3))
         self.capacity_line = pg.InfiniteLine(
             pos=0, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine), label="",
             labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)]})
         self.off_scale = pg.TextItem("", color="#222", anchor=(0, 0))
-        self.baseline_note = pg.TextItem("", color=BASELINE_TEXT_COLOR, anchor=(1, 0))
-        self.baseline_note.setVisible(False)
         self.full_line = pg.InfiniteLine(pos=0, angle=0,
                                          pen=pg.mkPen(FULL_FT_COLOR, width=1.5, style=Qt.PenStyle.DotLine))
         self.full_label = pg.TextItem("", color=FULL_FT_COLOR, anchor=(1, 1))
         self.full_line.setVisible(False)
         self.full_label.setVisible(False)
         self.over_labels = [pg.TextItem("", color=OVER_COLOR, anchor=(0.5, 1.0)) for _ in range(MAX_OVER_LABELS)]
-        for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
-                     self.full_label, self.off_scale, self.baseline_note, *self.over_labels):
+        for item in (self.stacks, self.measured_stacks, self.baseline_stacks, self.frames, self.capacity_line,
+                     self.full_line, self.full_label, self.off_scale, *self.over_labels):
             pi.addItem(item)
 
     def redraw(self) -> None:
         pi = self.plot.getPlotItem()
         if not self.groups:
             self.header.setText("Memory per rank")
-            for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
-                         self.full_label, self.off_scale, self.baseline_note, *self.over_labels):
+            for item in (self.stacks, self.measured_stacks, self.baseline_stacks, self.frames, self.capacity_line,
+                         self.full_line, self.full_label, self.off_scale, *self.over_labels):
                 item.setVisible(False)
             return
         n = len(self.groups)
@@ -313,11 +316,11 @@ class MemoryChart(QWidget):
         cat = np.tile(np.arange(len(MEMORY_CATEGORIES)), n)
         xs = np.repeat(xp, len(MEMORY_CATEGORIES))
         colors = [CATEGORY_COLORS.get(c, "#888") for c in MEMORY_CATEGORIES]
-        x0, x1, y0, y1 = xs - width / 2, xs + width / 2, bottom_of.ravel(), top_of.ravel()
-        if has_base:  # the baseline's segments join the same item, in the lighter colours after the current ones
-            x0, x1, y0, y1, cat = self._with_baseline(x, x0, x1, y0, y1, cat, top)
-            colors = colors + [BASELINE_COLORS.get(c, "#ccc") for c in MEMORY_CATEGORIES]
-        self.stacks.set_boxes(x0, x1, y0, y1, colors, cat)
+        self.stacks.set_boxes(xs - width / 2, xs + width / 2, bottom_of.ravel(), top_of.ravel(), colors, cat)
+        if has_base:
+            self._draw_baseline(x, top)
+        if self.baseline_stacks.isVisible() != has_base:
+            self.baseline_stacks.setVisible(has_base)
         self.stacks.setVisible(True)
         over = [i for i, g in enumerate(self.groups) if not g.fits]
         frames = (tuple(xp[over]), tuple(totals[over]), width)
@@ -376,8 +379,8 @@ class MemoryChart(QWidget):
         # short: the header shares its row with the metrics panel; the chart itself carries the words
         extra = (" · LoRA" if self.full_finetune_peak is not None else "") + \
             (" · nn.DataParallel" if self.dataparallel else "")
+        # the header, not a text item in the plot: a QGraphicsTextItem re-laid out per move costs ~0.4 ms
         diff = self._peak_difference()
-        self._draw_baseline_note(diff, n)
         self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)}"
                             f"{f' ({diff})' if diff else ''} · {verdict}{extra}")
         if self.header.property("alarm") != bool(over):
@@ -385,21 +388,27 @@ class MemoryChart(QWidget):
             self.header.style().unpolish(self.header)
             self.header.style().polish(self.header)
 
-    def _with_baseline(self, x, x0, x1, y0, y1, cat, top):
-        """The current segments followed by the baseline's (category index + len(MEMORY_CATEGORIES))."""
+    def _draw_baseline(self, x, top) -> None:
+        """The baseline's stacks (bytes) beside the groups, in the lighter colours, scaled into the view."""
         off, bw = self._base_span
-        k = len(MEMORY_CATEGORIES)
-        rows = [(i, b[1]) for i, b in enumerate(self.baseline_groups) if b is not None]
-        idx = np.array([i for i, _ in rows])
-        vals = np.array([v for _, v in rows], float) / self.unit / top
-        tops = np.cumsum(vals, axis=1)
-        bx = np.repeat(x[idx] + off, k)
-        return (np.concatenate([x0, bx - bw / 2]), np.concatenate([x1, bx + bw / 2]),
-                np.concatenate([y0, (tops - vals).ravel()]), np.concatenate([y1, tops.ravel()]),
-                np.concatenate([cat, np.tile(np.arange(k), len(rows)) + k]))
+        key = (len(x), off, bw, tuple(None if b is None else b[0] for b in self.baseline_groups), id(self.baseline))
+        if key != self._base_key:
+            self._base_key = key
+            k = len(MEMORY_CATEGORIES)
+            rows = [(i, b[1]) for i, b in enumerate(self.baseline_groups) if b is not None]
+            vals = np.array([v for _, v in rows], float)
+            tops = np.cumsum(vals, axis=1)
+            bx = np.repeat(x[[i for i, _ in rows]] + off, k)
+            colors = [BASELINE_COLORS.get(c, "#ccc") for c in MEMORY_CATEGORIES]
+            self.baseline_stacks.set_boxes(bx - bw / 2, bx + bw / 2, (tops - vals).ravel(), tops.ravel(), colors,
+                                           np.tile(np.arange(k), len(rows)))
+        scale = 1.0 / (self.unit * top)
+        if scale != self._base_scale:
+            self._base_scale = scale
+            self.baseline_stacks.setTransform(QTransform.fromScale(1.0, scale))
 
     def _peak_difference(self) -> str:
-        """'−3.2 GiB, −12 % vs baseline': how the fullest rank moved from the baseline's fullest."""
+        """'−3.2 GiB, −12 % vs baseline 27.5 GiB': how the fullest rank moved from the baseline's fullest."""
         diff = self.state.difference if self.baseline is not None else None
         change = diff.peak["total"] if diff is not None else None
         if change is None or change.delta is None:
@@ -408,19 +417,7 @@ class MemoryChart(QWidget):
             return "same as baseline"
         sign = "−" if change.delta < 0 else "+"
         rel = f", {sign}{abs(change.relative) * 100:.0f} %" if change.relative is not None else ""
-        return f"{sign}{fmt_bytes(abs(change.delta))}{rel} vs baseline"
-
-    def _draw_baseline_note(self, text: str, n: int) -> None:
-        if text:
-            text = f"peak {text} ({fmt_bytes(self.state.difference.peak['total'].baseline)})"
-            if text != self._diff_text:
-                self._diff_text = text
-                self.baseline_note.setText(text)
-            # top right; below the off-scale capacity note when that one is shown at the top
-            below = 24 / max(self.plot.getPlotItem().getViewBox().height(), 1.0) if not self.capacity_in_view else 0
-            self.baseline_note.setPos(n - 0.45, 1.0 - below)
-        if self.baseline_note.isVisible() != bool(text):
-            self.baseline_note.setVisible(bool(text))
+        return f"{sign}{fmt_bytes(abs(change.delta))}{rel} vs baseline {fmt_bytes(change.baseline)}"
 
     @staticmethod
     def _tick(g: RankGroup) -> str:

@@ -199,17 +199,19 @@ def metric_rows(pred) -> list[tuple[str, str]]:
     return rows
 
 
-#: metric row -> the PredictionDiff number its change is told by ("peak.total": diff.peak["total"])
+#: metric row -> (the PredictionDiff number its change is told by, how to write the baseline's value);
+#: "peak.total" is diff.peak["total"]
 ROW_CHANGES = {
-    "Step time": "step_seconds",
-    "Tokens/s": "tokens_per_s",
-    "MFU": "mfu",
-    "Pipeline bubble": "bubble_fraction",
-    "Pipeline makespan": "makespan_s",
-    "Peak memory": "peak.total",
+    "Step time": ("step_seconds", _fmt_seconds),
+    "Tokens/s": ("tokens_per_s", lambda v: f"{v:,.0f}"),
+    "MFU": ("mfu", lambda v: f"{v * 100:.1f}%"),
+    "Pipeline bubble": ("bubble_fraction", lambda v: f"{v * 100:.1f}%"),
+    "Pipeline makespan": ("makespan_s", _fmt_seconds),
+    "Peak memory": ("peak.total", fmt_bytes),
 }
 #: rows shown with the baseline's value only when it differs (no single number to take a change of)
-ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Memory headroom", "GPU 0 vs others", "Trainable (LoRA)", "Full fine-tune would need")
+ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Memory headroom", "GPU 0 vs others", "Trainable (LoRA)",
+                         "Full fine-tune would need")
 
 
 def format_change(change) -> str:
@@ -227,29 +229,38 @@ def format_change(change) -> str:
     return f"{sign}{pct:.1f} %" if pct < 10 else f"{sign}{pct:.0f} %"
 
 
-def _row_change(name: str, diff):
-    key = ROW_CHANGES.get(name)
-    if key is None and name.startswith("Comm · "):
-        key = f"comm.{name.removeprefix('Comm · ')}.seconds"
-    if key is None:
+def _baseline_value(name: str, diff) -> str | None:
+    """'530 ms (baseline …' part of a metric row: the baseline's value and the change; None when the
+    row is not a number the differences have, or the baseline has no such number."""
+    if name.startswith("Comm · "):
+        dim = name.removeprefix("Comm · ")
+        seconds, sent = diff.metrics.get(f"comm.{dim}.seconds"), diff.metrics.get(f"comm.{dim}.bytes_sent")
+        if seconds is None or seconds.baseline is None:
+            return None
+        change = format_change(seconds)
+        return (f"baseline {fmt_bytes(sent.baseline)} sent, {_fmt_seconds(seconds.baseline)}"
+                + (f", {change} time" if change else ""))
+    if name not in ROW_CHANGES:
         return None
-    if key.startswith("peak."):
-        return diff.peak.get(key.removeprefix("peak."))
-    return diff.metrics.get(key)
+    key, fmt = ROW_CHANGES[name]
+    change = diff.peak.get("total") if key == "peak.total" else diff.metrics.get(key)
+    if change is None or change.baseline is None:
+        return None
+    text = format_change(change)
+    return f"baseline {fmt(change.baseline)}" + (f", {text}" if text else "")
 
 
 def rows_with_baseline(rows: list[tuple[str, str]], baseline_rows: list[tuple[str, str]], diff,
                        baseline_text: str) -> list[tuple[str, str]]:
-    """The current rows, each number followed by the baseline's and the change; a metric only the
-    baseline has is listed as missing now; the first row names the baseline's config."""
+    """The current rows, each number followed by the baseline's and the change (from ``diff``, a
+    gui.session.PredictionDiff); a metric only the baseline has is listed as none now; the first row
+    names the baseline's config (``baseline_text``)."""
     base = dict(baseline_rows)
     out = [("Baseline", baseline_text)]
     for name, value in rows:
-        if name in base and (name in ROW_CHANGES or name.startswith("Comm · ")):
-            change = format_change(_row_change(name, diff))
-            if change and name.startswith("Comm · "):
-                change += " time"  # the row shows bytes and seconds; the change is of the seconds
-            out.append((name, f"{value} (baseline {base[name]}" + (f", {change})" if change else ")")))
+        told = _baseline_value(name, diff)
+        if told is not None:
+            out.append((name, f"{value} ({told})"))
         elif name in ROWS_COMPARED_AS_TEXT and name in base and base[name] != value:
             out.append((name, f"{value} (baseline {base[name]})"))
         else:
