@@ -207,6 +207,7 @@ class MemoryChart(QWidget):
     def on_baseline(self, pred) -> None:
         """A baseline was pinned (its prediction) or cleared (None): arrange its numbers once."""
         self.baseline = pred
+        self._base_key = None  # boxes set again from this baseline
         mem = getattr(pred, "memory", None)
         if pred is None or mem is None or not mem.per_rank:
             self._base_values, self._base_row = None, {}
