@@ -6,6 +6,10 @@ synchronously. Reports the median, how much of it the engine's prediction took, 
 CPU time of this process per sample (wall time on a shared machine includes waiting for a core;
 CPU time does not, so it is the number to compare between changes).
 
+Each case runs twice: as it is, and with the first prediction pinned as the baseline (the chart
+then draws the baseline's bars too and the metrics the differences; the baseline itself is
+predicted once, when pinned, so a move should cost the same).
+
     .venv/bin/python benchmarks/bench_gui.py            # goals: 8×32 < 16 ms, 64×512 < 100 ms
 """
 
@@ -79,19 +83,27 @@ def main() -> int:
     print("slider-move-to-repaint latency (model-size slider, memory chart + pipeline timeline repainted)")
     ok = True
     for label, preset, gpu, gpus, pp, m, samples, goal in CASES:
-        window = make_window(config=config(preset, gpu, gpus, pp, m))
-        window.resize(1600, 1000)
-        window.show()
-        window.state.recompute_now()
-        cpu: list[float] = []
-        total, engine = measure(window, samples, cpu)
-        med, eng = statistics.median(total), statistics.median(engine)
-        boxes = window.timeline.boxes.box_count()
-        verdict = "ok" if med < goal else "OVER GOAL"
-        ok &= med < goal
-        print(f"  {label:30s} median {med:7.1f} ms (engine {eng:6.1f} ms, gui {med - eng:6.1f} ms) "
-              f"· cpu {statistics.median(cpu):6.1f} ms · {boxes:,} boxes · goal < {goal:.0f} ms: {verdict}")
-        window.close()
+        for pinned in (False, True):
+            window = make_window(config=config(preset, gpu, gpus, pp, m))
+            window.resize(1600, 1000)
+            window.show()
+            window.state.recompute_now()
+            if pinned:
+                window.state.pin_baseline()
+            count = window.state.recompute_count
+            cpu: list[float] = []
+            total, engine = measure(window, samples, cpu)
+            if pinned and window.state.difference is None:
+                raise RuntimeError("the baseline was not compared")
+            med, eng = statistics.median(total), statistics.median(engine)
+            boxes = window.timeline.boxes.box_count()
+            verdict = "ok" if med < goal else "OVER GOAL"
+            ok &= med < goal
+            name = label + (" · baseline" if pinned else "")
+            print(f"  {name:41s} median {med:7.1f} ms (engine {eng:6.1f} ms, gui {med - eng:6.1f} ms) "
+                  f"· cpu {statistics.median(cpu):6.1f} ms · {boxes:,} boxes · goal < {goal:.0f} ms: {verdict}"
+                  f" · {window.state.recompute_count - count} predictions")
+            window.close()
     return 0 if ok else 1
 
 

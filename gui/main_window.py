@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine import ConfigError
+from gui.session import describe_config
 from gui.state import State
 from gui.widgets.controls import ControlsPanel
 from gui.widgets.memory_chart import MemoryChart
@@ -105,6 +106,27 @@ class MainWindow(QMainWindow):
         c = QAction("Cancel run", self)
         c.triggered.connect(self.state.cancel_run)
         run.addAction(c)
+        self._baseline_menu()
+
+    def _baseline_menu(self) -> None:
+        """Pin the current prediction as the baseline the charts and metrics compare with, or clear it."""
+        menu = self.menuBar().addMenu("&Baseline")
+        self.pin_action = QAction("Pin as baseline", self)
+        self.pin_action.setShortcut("Ctrl+B")
+        self.pin_action.setToolTip("Keep this prediction; later ones are drawn and listed beside it")
+        self.pin_action.triggered.connect(self.state.pin_baseline)
+        self.clear_baseline_action = QAction("Clear baseline", self)
+        self.clear_baseline_action.setShortcut("Ctrl+Shift+B")
+        self.clear_baseline_action.triggered.connect(self.state.clear_baseline)
+        self.clear_baseline_action.setEnabled(False)
+        menu.addAction(self.pin_action)
+        menu.addAction(self.clear_baseline_action)
+        self.state.baselineChanged.connect(self._baseline_changed)
+
+    def _baseline_changed(self, pred) -> None:
+        self.clear_baseline_action.setEnabled(pred is not None)
+        if pred is not None:
+            self.statusBar().showMessage(f"baseline pinned: {describe_config(pred.config)}")
 
     def _config_changed(self, cfg) -> None:
         self._title()

@@ -7,6 +7,12 @@ together; a problem is attributed to the control that shows it. The prediction o
 config is recomputed on request (:meth:`Session.recompute`), optionally timed with a run's
 calibration.
 
+A prediction can be pinned as the *baseline* (:meth:`Session.pin_baseline`): it stays while the
+person edits, and :attr:`Session.difference` (a :class:`PredictionDiff`, from
+:func:`compare_predictions`) says what changed from it, per memory category and rank and for the
+step, throughput, pipeline and communication numbers. It is predicted once, when pinned (and
+once more when a calibration changes how predictions are timed), never per edit.
+
 Runs are records (:class:`RunRecord`): found under ``runs/`` (status from ``events.jsonl``),
 opened by hand, or launched. The session turns a launched child's output lines into events
 applied to the record; starting and stopping the child process is the caller's job (the Qt
@@ -33,6 +39,7 @@ from backend.records import RunStatus, read_jsonl
 from engine import Config, ConfigError, Problem, default_config
 from engine.legacy_dp import memory as legacy_dp_memory
 from engine.memory import memory_per_rank
+from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict as engine_predict
 from engine.presets import model_presets
 from engine.step import step_time
@@ -135,6 +142,144 @@ def predict(cfg: Config, calibration=None) -> Prediction:
         _whole(pred, p)
     pred.seconds = time.perf_counter() - t0
     return pred
+
+
+# --------------------------------------------------------------------------- a baseline and its differences
+
+
+@dataclass(frozen=True)
+class Change:
+    """One number of a baseline prediction against the current one. ``None`` on a side: that
+    prediction has no such number (a part the engine could not predict, a rank it does not have)."""
+
+    name: str
+    baseline: float | None
+    current: float | None
+    unit: str  # "bytes", "s", "tokens/s" or "fraction" (MFU, bubble: a share of 1)
+
+    @property
+    def delta(self) -> float | None:
+        """current − baseline."""
+        if self.baseline is None or self.current is None:
+            return None
+        return self.current - self.baseline
+
+    @property
+    def relative(self) -> float | None:
+        """(current − baseline) / baseline; None when either side is missing or the baseline is 0."""
+        if self.delta is None or not self.baseline:
+            return None
+        return self.delta / self.baseline
+
+
+def _rank_bytes(rank_memory) -> dict[str, float]:
+    out = {c: float(getattr(rank_memory, c)) for c in MEMORY_CATEGORIES}
+    out["total"] = float(rank_memory.total)
+    return out
+
+
+def _bytes_changes(base: dict[str, float] | None, cur: dict[str, float] | None) -> dict[str, Change]:
+    return {c: Change(c, None if base is None else base[c], None if cur is None else cur[c], "bytes")
+            for c in (*MEMORY_CATEGORIES, "total")}
+
+
+def _critical_comm(step) -> Any | None:
+    """The RankComm of the pipeline rank that sets the step time (what the metrics panel shows)."""
+    per_pp = step.comm.per_pp_rank if step is not None else ()
+    return per_pp[min(step.critical_pp_rank, len(per_pp) - 1)] if per_pp else None
+
+
+def _scalar_metrics(pred: Prediction) -> dict[str, tuple[float, str]]:
+    """The step, throughput, pipeline and communication numbers of one prediction, by name."""
+    out: dict[str, tuple[float, str]] = {}
+    step, tl = pred.step, pred.timeline
+    if step is not None:
+        out["step_seconds"] = (float(step.seconds), "s")
+        tokens = pred.config.tokens_per_step / step.seconds if step.seconds > 0 else 0.0
+        out["tokens_per_s"] = (float(tokens), "tokens/s")
+        out["mfu"] = (float(step.mfu), "fraction")
+        for key, seconds in step.breakdown.items():
+            out[f"breakdown.{key}"] = (float(seconds), "s")
+        critical = _critical_comm(step)
+        if critical is not None:
+            for dim in sorted({i.dim for i in critical.items}):
+                out[f"comm.{dim}.seconds"] = (float(critical.seconds(dim)), "s")
+                out[f"comm.{dim}.bytes_sent"] = (float(critical.bytes_sent(dim)), "bytes")
+    if tl is not None:
+        out["bubble_fraction"] = (float(tl.bubble_fraction), "fraction")
+        out["makespan_s"] = (float(tl.makespan_s), "s")
+    return out
+
+
+#: the order of PredictionDiff.metrics (comm.* and breakdown.* follow, sorted)
+METRIC_ORDER = ("step_seconds", "tokens_per_s", "mfu", "bubble_fraction", "makespan_s")
+
+
+@dataclass
+class PredictionDiff:
+    """A pinned baseline prediction against the current one, in the engine's own terms.
+
+    ``peak``: per memory category (and ``total``) of each prediction's fullest rank (the two may
+    be different ranks: ``baseline_peak_rank``, ``current_peak_rank``). ``metrics``: step seconds,
+    tokens/s, MFU, bubble fraction, pipeline makespan, the step breakdown (``breakdown.<key>``)
+    and the critical pipeline rank's communication per dimension (``comm.<dim>.seconds``,
+    ``comm.<dim>.bytes_sent``). ``per_rank``: every category of every rank either has, by rank
+    number (computed when first read: it is the one part whose size grows with the world).
+    """
+
+    baseline: Prediction
+    current: Prediction
+    peak: dict[str, Change]
+    metrics: dict[str, Change]
+    baseline_peak_rank: int | None
+    current_peak_rank: int | None
+
+    @property
+    def per_rank(self) -> dict[int, dict[str, Change]]:
+        cached = self.__dict__.get("_per_rank")
+        if cached is None:
+            base = {int(r.rank): _rank_bytes(r) for r in (self.baseline.memory.per_rank if self.baseline.memory
+                                                        else ())}
+            cur = {int(r.rank): _rank_bytes(r) for r in (self.current.memory.per_rank if self.current.memory
+                                                       else ())}
+            cached = {rank: _bytes_changes(base.get(rank), cur.get(rank)) for rank in sorted(base.keys() | cur.keys())}
+            self.__dict__["_per_rank"] = cached
+        return cached
+
+
+def _peak(pred: Prediction):
+    mem = pred.memory
+    return mem.peak if mem is not None and mem.per_rank else None
+
+
+def compare_predictions(baseline: Prediction, current: Prediction) -> PredictionDiff:
+    """What changed from ``baseline`` to ``current`` (see :class:`PredictionDiff`)."""
+    bp, cp = _peak(baseline), _peak(current)
+    peak = _bytes_changes(None if bp is None else _rank_bytes(bp), None if cp is None else _rank_bytes(cp))
+    bm, cm = _scalar_metrics(baseline), _scalar_metrics(current)
+    extra = sorted((bm.keys() | cm.keys()) - set(METRIC_ORDER))
+    metrics = {}
+    for name in (*METRIC_ORDER, *extra):
+        if name in bm or name in cm:
+            unit = (bm.get(name) or cm.get(name))[1]
+            metrics[name] = Change(name, bm[name][0] if name in bm else None, cm[name][0] if name in cm else None, unit)
+    return PredictionDiff(baseline, current, peak, metrics,
+                          None if bp is None else int(bp.rank), None if cp is None else int(cp.rank))
+
+
+def describe_config(cfg: Config) -> str:
+    """A config in words, to say what a baseline is: model, GPUs and layout
+    (``tiny · 4× cpu · dp2 tp1 pp2 ZeRO-0 1F1B m4 b2 recompute=none``)."""
+    from engine.planner import layout_label
+
+    model = cfg.model.preset or f"custom {cfg.model.layers}×{cfg.model.hidden}"
+    extra = ""
+    if cfg.parallel.dp_mode == "dataparallel":
+        extra += " nn.DataParallel"
+    if cfg.training.finetune == "lora":
+        extra += f" LoRA r{cfg.training.lora_rank}" + (" nf4" if cfg.training.lora_base_dtype == "nf4" else "")
+    return (f"{model} · {cfg.cluster.gpus}× {cfg.cluster.gpu.name} · {layout_label(cfg)} · "
+            f"{cfg.training.precision}{extra}")
 
 
 # --------------------------------------------------------------------------- runs
@@ -335,6 +480,7 @@ NOTIFICATIONS = {
     "run_finished": "RunRecord",
     "shown": "RunRecord whose measurement is drawn over the prediction of its config",
     "calibration": "RunRecord whose calibration times predictions, or None",
+    "baseline": "the pinned baseline Prediction, or None when it was cleared",
 }
 
 
@@ -356,6 +502,8 @@ class Session:
         self.before_runnable: Config | None = None  # the config shown before a runnable version's result
         self.calibration = None  # engine.calibrate.Calibration
         self.calibration_run: RunRecord | None = None
+        self.baseline: Prediction | None = None  # the pinned prediction the current one is compared with
+        self._difference: PredictionDiff | None = None
         self._listeners: dict[str, list[Callable[..., Any]]] = {name: [] for name in NOTIFICATIONS}
         self.scan_runs()
 
@@ -518,8 +666,48 @@ class Session:
 
             self.calibration = load_calibration(record.out_dir)
             self.calibration_run = record
+        retimed = self.baseline is not None
+        if retimed:  # both sides timed the same way: the baseline's config again, under this calibration
+            self.baseline = predict(self.baseline.config, self.calibration)
         self.recompute()
         self._notify("calibration", record)
+        if retimed:
+            self._notify("baseline", self.baseline)
+
+    # ------------------------------------------------------------------ baseline
+
+    def pin_baseline(self) -> Prediction:
+        """Keep the current prediction (of the valid config; predicted first when stale) as the
+        baseline that every later prediction is compared with (:attr:`difference`).
+
+        The baseline stays through edits, opened configs and shown runs (comparing across them is
+        its point). A calibration set or cleared re-times it (its config predicted again once,
+        with the session's calibration), so the difference never mixes analytic and calibrated
+        times; its memory is the same either way. Only :meth:`clear_baseline` drops it.
+        """
+        pred = self.prediction if self.prediction is not None and not self.stale else self.recompute()
+        self.baseline = pred
+        self._notify("baseline", pred)
+        return pred
+
+    def clear_baseline(self) -> None:
+        """Drop the baseline (nothing is compared any more)."""
+        if self.baseline is not None:
+            self.baseline = None
+            self._difference = None
+            self._notify("baseline", None)
+
+    @property
+    def difference(self) -> PredictionDiff | None:
+        """The current prediction against the baseline (None without either); computed once per
+        pair, when first read after a new prediction."""
+        base, cur = self.baseline, self.prediction
+        if base is None or cur is None:
+            return None
+        diff = self._difference
+        if diff is None or diff.baseline is not base or diff.current is not cur:
+            diff = self._difference = compare_predictions(base, cur)
+        return diff
 
     def predict_for(self, cfg: Config) -> Prediction:
         """The prediction of ``cfg`` as the session currently predicts (calibrated or not)."""

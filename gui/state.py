@@ -65,6 +65,7 @@ class State(QObject):
     runsChanged = Signal()
     measurementShown = Signal(object)  # RunRecord drawn over the prediction of its config
     calibrationChanged = Signal(object)  # RunRecord whose calibration times predictions, or None
+    baselineChanged = Signal(object)  # the pinned baseline Prediction, or None when cleared
 
     config = _forward("config")
     desired = _forward("desired")
@@ -78,6 +79,8 @@ class State(QObject):
     before_runnable = _forward("before_runnable", writable=True)
     calibration = _forward("calibration")
     calibration_run = _forward("calibration_run")
+    baseline = _forward("baseline")
+    difference = _forward("difference")  # gui.session.PredictionDiff of the prediction against the baseline
 
     def __init__(self, config: Config | None = None, runs_dir: str | Path = "runs", parent=None):
         super().__init__(parent)
@@ -98,6 +101,7 @@ class State(QObject):
         s.subscribe("run_finished", self.runFinished.emit)
         s.subscribe("shown", self.measurementShown.emit)
         s.subscribe("calibration", self.calibrationChanged.emit)
+        s.subscribe("baseline", self.baselineChanged.emit)
 
     def _config_changed(self, cfg: Config) -> None:
         self.configChanged.emit(cfg)
@@ -148,6 +152,12 @@ class State(QObject):
 
     def predict_for(self, cfg: Config) -> Prediction:
         return self.session.predict_for(cfg)
+
+    def pin_baseline(self) -> Prediction:
+        return self.session.pin_baseline()
+
+    def clear_baseline(self) -> None:
+        self.session.clear_baseline()
 
     # ------------------------------------------------------------------ recorded runs
 

@@ -2,7 +2,9 @@
 
 The GPU's capacity is a dashed line; a rank over it gets a red frame and an "over by …"
 label. Hovering a segment shows how the engine arrived at it (its ``explain()`` terms).
-After a run, measured memory stands as an outlined bar beside each predicted one.
+After a run, measured memory stands as an outlined bar beside each predicted one. A pinned
+baseline stands as a thinner, lighter stack on the left of each group (the baseline's fullest
+rank among the group's ranks), and the header says how the peak moved from the baseline's.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QTransform
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
 from gui.comparison import fmt_bytes
+from gui.session import describe_config
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.timeline import BoxesItem
 
@@ -30,6 +34,9 @@ CATEGORY_COLORS = {
     "overhead": "#9D755D",
 }
 OVER_COLOR = "#D62728"
+BASELINE_COLORS = {  # each category's colour, halfway to white: the same hue, lighter, never white itself
+    c: "#" + "".join(f"{round(int(v[i:i + 2], 16) * 0.55 + 255 * 0.45):02X}" for i in (1, 3, 5))
+    for c, v in CATEGORY_COLORS.items()}
 FULL_FT_COLOR = "#555"  # the dotted line: what the fullest rank would hold under full fine-tuning (LoRA)
 MAX_OVER_LABELS = 16  # "over by …" labels are drawn when there are at most this many bars
 
@@ -127,6 +134,15 @@ class MemoryChart(QWidget):
         self.full_finetune_peak: int | None = None  # LoRA: the fullest rank under full fine-tuning
         self.dataparallel = False  # legacy nn.DataParallel: rank r is GPU r, GPU 0 is the heavy one
         self._full_text = ""
+        # the pinned baseline: per rank and category (bytes), arranged once when it is pinned
+        self.baseline = None
+        self.baseline_text = ""  # the baseline's config in words
+        self._base_values: np.ndarray | None = None  # ranks × categories
+        self._base_row: dict[int, int] = {}  # rank -> row of _base_values
+        self.baseline_groups: list[tuple[int, np.ndarray] | None] = []  # per group: (baseline rank, values)
+        self._base_span: tuple[float, float] = (0.0, 0.0)  # x offset of the baseline bar from its group, width
+        self._base_key: tuple | None = None  # what the baseline boxes were last set from
+        self._base_scale = 0.0
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         head = QHBoxLayout()
@@ -159,6 +175,7 @@ class MemoryChart(QWidget):
         self.plot.scene().sigMouseMoved.connect(self._hover)
         state.predictionReady.connect(self.on_prediction)
         state.measurementShown.connect(self.on_run_finished)
+        state.baselineChanged.connect(self.on_baseline)
 
     # ------------------------------------------------------------------ data
 
@@ -182,7 +199,39 @@ class MemoryChart(QWidget):
     def _set_legend(self) -> None:
         """The legend names what the outlined bars are (set when a measurement comes or goes, not per redraw)."""
         outlined = self.measured_label or "measured"
-        self.legend.setText(self._legend_html + f"&nbsp;&nbsp;· outlined bars: {outlined} · red frame: over capacity")
+        text = self._legend_html + f"&nbsp;&nbsp;· outlined bars: {outlined} · red frame: over capacity"
+        if self.baseline_text:
+            text += f" · thin light bars: baseline ({self.baseline_text})"
+        self.legend.setText(text)
+
+    def on_baseline(self, pred) -> None:
+        """A baseline was pinned (its prediction) or cleared (None): arrange its numbers once."""
+        self.baseline = pred
+        self._base_key = None  # boxes set again from this baseline
+        mem = getattr(pred, "memory", None)
+        if pred is None or mem is None or not mem.per_rank:
+            self._base_values, self._base_row = None, {}
+        else:
+            self._base_values = np.array([[getattr(r, c) for c in MEMORY_CATEGORIES] for r in mem.per_rank], float)
+            self._base_row = {int(r.rank): i for i, r in enumerate(mem.per_rank)}
+        self.baseline_text = "" if pred is None else describe_config(pred.config)
+        self._set_legend()
+        self.redraw()
+
+    def _baseline_of_groups(self) -> list[tuple[int, np.ndarray] | None]:
+        """Per group: the baseline's fullest rank among the group's ranks and its bytes per category
+        (None when the baseline has none of those ranks)."""
+        values, row = self._base_values, self._base_row
+        totals = values.sum(axis=1)
+        out: list[tuple[int, np.ndarray] | None] = []
+        for g in self.groups:
+            rows = [row[r] for r in g.ranks if r in row]
+            if not rows:
+                out.append(None)
+                continue
+            best = rows[int(np.argmax(totals[rows]))]
+            out.append((g.ranks[rows.index(best)], values[best]))
+        return out
 
     def on_run_finished(self, record) -> None:
         if record.measurement is None:
@@ -201,6 +250,10 @@ class MemoryChart(QWidget):
         """Persistent items: re-adding pyqtgraph items on every slider move costs milliseconds."""
         self.stacks = BoxesItem()  # predicted segments, one drawRects per category colour
         self.measured_stacks = BoxesItem(alpha=70, outline=True)
+        # the baseline's segments, in bytes and scaled into the view by the item's transform: a move
+        # that only rescales the chart then sets a transform, not the boxes again
+        self.baseline_stacks = BoxesItem()
+        self.baseline_stacks.setVisible(False)
         self.frames = pg.BarGraphItem(x=[], height=[], width=0.1, brush=None, pen=pg.mkPen(OVER_COLOR, width=3))
         self.capacity_line = pg.InfiniteLine(
             pos=0, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine), label="",
@@ -212,33 +265,42 @@ class MemoryChart(QWidget):
         self.full_line.setVisible(False)
         self.full_label.setVisible(False)
         self.over_labels = [pg.TextItem("", color=OVER_COLOR, anchor=(0.5, 1.0)) for _ in range(MAX_OVER_LABELS)]
-        for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
-                     self.full_label, self.off_scale, *self.over_labels):
+        for item in (self.stacks, self.measured_stacks, self.baseline_stacks, self.frames, self.capacity_line,
+                     self.full_line, self.full_label, self.off_scale, *self.over_labels):
             pi.addItem(item)
 
     def redraw(self) -> None:
         pi = self.plot.getPlotItem()
         if not self.groups:
             self.header.setText("Memory per rank")
-            for item in (self.stacks, self.measured_stacks, self.frames, self.capacity_line, self.full_line,
-                         self.full_label, self.off_scale, *self.over_labels):
+            for item in (self.stacks, self.measured_stacks, self.baseline_stacks, self.frames, self.capacity_line,
+                         self.full_line, self.full_label, self.off_scale, *self.over_labels):
                 item.setVisible(False)
             return
         n = len(self.groups)
         x = np.arange(n, dtype=float)
         has_measured = bool(self.measured_by_rank)
-        peak_bytes = max(max(g.total for g in self.groups), self._measured_max() * GIB)
+        self.baseline_groups = self._baseline_of_groups() if self._base_values is not None else []
+        has_base = any(b is not None for b in self.baseline_groups)
+        base_peak = max((float(b[1].sum()) for b in self.baseline_groups if b is not None), default=0.0)
+        peak_bytes = max(max(g.total for g in self.groups), self._measured_max() * GIB, base_peak)
         unit = (GIB, "GiB") if peak_bytes >= 0.5 * GIB else (2.0**20, "MiB")
         if unit != (self.unit, self.unit_name):
             self.unit, self.unit_name = unit
             pi.setLabel("left", f"{self.unit_name} per rank")
         width = 0.38 if has_measured else 0.7
         xp = x - 0.2 if has_measured else x
+        xm = x + 0.2
+        if has_base:  # a thin baseline bar on the left of each group, the current (and measured) beside it
+            self._base_span = (-0.3, 0.16) if has_measured else (-0.25, 0.2)
+            width = 0.32 if has_measured else 0.45
+            xp = x - 0.02 if has_measured else x + 0.1
+            xm = x + 0.3
         values = np.array([[g.values[c] for c in MEMORY_CATEGORIES] for g in self.groups], float) / self.unit
         top_of = np.cumsum(values, axis=1)
         totals = top_of[:, -1]
         cap = self.capacity_bytes / self.unit
-        peak = max(float(totals.max()), self._measured_max() * GIB / self.unit)
+        peak = max(float(totals.max()), self._measured_max() * GIB / self.unit, base_peak / self.unit)
         self.capacity_in_view = peak >= 0.2 * cap or self.full_scale
         top = (max(cap, peak) if self.capacity_in_view else peak) * 1.15
         full = None if self.full_finetune_peak is None else self.full_finetune_peak / self.unit
@@ -256,6 +318,10 @@ class MemoryChart(QWidget):
         xs = np.repeat(xp, len(MEMORY_CATEGORIES))
         colors = [CATEGORY_COLORS.get(c, "#888") for c in MEMORY_CATEGORIES]
         self.stacks.set_boxes(xs - width / 2, xs + width / 2, bottom_of.ravel(), top_of.ravel(), colors, cat)
+        if has_base:
+            self._draw_baseline(x, top)
+        if self.baseline_stacks.isVisible() != has_base:
+            self.baseline_stacks.setVisible(has_base)
         self.stacks.setVisible(True)
         over = [i for i, g in enumerate(self.groups) if not g.fits]
         frames = (tuple(xp[over]), tuple(totals[over]), width)
@@ -272,7 +338,7 @@ class MemoryChart(QWidget):
             elif label.isVisible():
                 label.setVisible(False)
         if has_measured:
-            self._draw_measured(x + 0.2, width)
+            self._draw_measured(xm, width)
         else:
             self.measured_stacks.setVisible(False)
         self.capacity_line.setValue(cap)
@@ -314,12 +380,45 @@ class MemoryChart(QWidget):
         # short: the header shares its row with the metrics panel; the chart itself carries the words
         extra = (" · LoRA" if self.full_finetune_peak is not None else "") + \
             (" · nn.DataParallel" if self.dataparallel else "")
-        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)} · "
-                            f"{verdict}{extra}")
+        # the header, not a text item in the plot: a QGraphicsTextItem re-laid out per move costs ~0.4 ms
+        diff = self._peak_difference()
+        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)}"
+                            f"{f' ({diff})' if diff else ''} · {verdict}{extra}")
         if self.header.property("alarm") != bool(over):
             self.header.setProperty("alarm", bool(over))
             self.header.style().unpolish(self.header)
             self.header.style().polish(self.header)
+
+    def _draw_baseline(self, x, top) -> None:
+        """The baseline's stacks (bytes) beside the groups, in the lighter colours, scaled into the view."""
+        off, bw = self._base_span
+        key = (len(x), off, bw, tuple(None if b is None else b[0] for b in self.baseline_groups), id(self.baseline))
+        if key != self._base_key:
+            self._base_key = key
+            k = len(MEMORY_CATEGORIES)
+            rows = [(i, b[1]) for i, b in enumerate(self.baseline_groups) if b is not None]
+            vals = np.array([v for _, v in rows], float)
+            tops = np.cumsum(vals, axis=1)
+            bx = np.repeat(x[[i for i, _ in rows]] + off, k)
+            colors = [BASELINE_COLORS.get(c, "#ccc") for c in MEMORY_CATEGORIES]
+            self.baseline_stacks.set_boxes(bx - bw / 2, bx + bw / 2, (tops - vals).ravel(), tops.ravel(), colors,
+                                           np.tile(np.arange(k), len(rows)))
+        scale = 1.0 / (self.unit * top)
+        if scale != self._base_scale:
+            self._base_scale = scale
+            self.baseline_stacks.setTransform(QTransform.fromScale(1.0, scale))
+
+    def _peak_difference(self) -> str:
+        """'−3.2 GiB, −12 % vs baseline 27.5 GiB': how the fullest rank moved from the baseline's fullest."""
+        diff = self.state.difference if self.baseline is not None else None
+        change = diff.peak["total"] if diff is not None else None
+        if change is None or change.delta is None:
+            return ""
+        if change.delta == 0:
+            return "same as baseline"
+        sign = "−" if change.delta < 0 else "+"
+        rel = f", {sign}{abs(change.relative) * 100:.0f} %" if change.relative is not None else ""
+        return f"{sign}{fmt_bytes(abs(change.delta))}{rel} vs baseline {fmt_bytes(change.baseline)}"
 
     @staticmethod
     def _tick(g: RankGroup) -> str:
@@ -381,7 +480,28 @@ class MemoryChart(QWidget):
             acc += h
         return None
 
+    def baseline_segment_at(self, x: float, y: float) -> tuple[int, str, float] | None:
+        """(baseline rank, category, bytes) of the baseline bar under a point (y in the chart's unit)."""
+        i = int(round(x))
+        if not 0 <= i < len(self.baseline_groups) or self.baseline_groups[i] is None:
+            return None
+        off, bw = self._base_span
+        if abs(x - (i + off)) > bw / 2:
+            return None
+        rank, values = self.baseline_groups[i]
+        acc = 0.0
+        for c, v in zip(MEMORY_CATEGORIES, values):
+            h = v / self.unit
+            if acc <= y < acc + h:
+                return rank, c, float(v)
+            acc += h
+        return None
+
     def explain_at(self, x: float, y: float) -> str:
+        base = self.baseline_segment_at(x, y)
+        if base is not None:
+            rank, c, nbytes = base
+            return f"baseline · rank {rank} · {c}: {fmt_bytes(nbytes)}\n({self.baseline_text})"
         hit = self.segment_at(x, y)
         if hit is None:
             return ""

@@ -1,4 +1,9 @@
-"""Metrics (only what the engine actually predicts) and the strategy explainer."""
+"""Metrics (only what the engine actually predicts) and the strategy explainer.
+
+With a pinned baseline each metric also shows the baseline's value and the change
+(``Step time: 412 ms (baseline 530 ms, −22 %)``), and the first row says which config the
+baseline is.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from PySide6.QtCore import QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QLabel, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
+from gui.session import describe_config
 from gui.widgets.memory_chart import fmt_bytes
 from gui.widgets.timeline import _fmt_seconds
 
@@ -193,6 +199,79 @@ def metric_rows(pred) -> list[tuple[str, str]]:
     return rows
 
 
+#: metric row -> (the PredictionDiff number its change is told by, how to write the baseline's value);
+#: "peak.total" is diff.peak["total"]
+ROW_CHANGES = {
+    "Step time": ("step_seconds", _fmt_seconds),
+    "Tokens/s": ("tokens_per_s", lambda v: f"{v:,.0f}"),
+    "MFU": ("mfu", lambda v: f"{v * 100:.1f}%"),
+    "Pipeline bubble": ("bubble_fraction", lambda v: f"{v * 100:.1f}%"),
+    "Pipeline makespan": ("makespan_s", _fmt_seconds),
+    "Peak memory": ("peak.total", fmt_bytes),
+}
+#: rows shown with the baseline's value only when it differs (no single number to take a change of)
+ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Memory headroom", "GPU 0 vs others", "Trainable (LoRA)",
+                         "Full fine-tune would need")
+
+
+def format_change(change) -> str:
+    """'−22 %' (a relative change), '+2.8 pt' for a fraction (MFU, bubble), 'same', or '' when unknown."""
+    if change is None or change.delta is None:
+        return ""
+    if change.delta == 0:
+        return "same"
+    sign = "−" if change.delta < 0 else "+"
+    if change.unit == "fraction":
+        return f"{sign}{abs(change.delta) * 100:.1f} pt"
+    if change.relative is None:
+        return ""
+    pct = abs(change.relative) * 100
+    return f"{sign}{pct:.1f} %" if pct < 10 else f"{sign}{pct:.0f} %"
+
+
+def _baseline_value(name: str, diff) -> str | None:
+    """'530 ms (baseline …' part of a metric row: the baseline's value and the change; None when the
+    row is not a number the differences have, or the baseline has no such number."""
+    if name.startswith("Comm · "):
+        dim = name.removeprefix("Comm · ")
+        seconds, sent = diff.metrics.get(f"comm.{dim}.seconds"), diff.metrics.get(f"comm.{dim}.bytes_sent")
+        if seconds is None or seconds.baseline is None:
+            return None
+        change = format_change(seconds)
+        return (f"baseline {fmt_bytes(sent.baseline)} sent, {_fmt_seconds(seconds.baseline)}"
+                + (f", {change} time" if change else ""))
+    if name not in ROW_CHANGES:
+        return None
+    key, fmt = ROW_CHANGES[name]
+    change = diff.peak.get("total") if key == "peak.total" else diff.metrics.get(key)
+    if change is None or change.baseline is None:
+        return None
+    text = format_change(change)
+    return f"baseline {fmt(change.baseline)}" + (f", {text}" if text else "")
+
+
+def rows_with_baseline(rows: list[tuple[str, str]], baseline_rows: list[tuple[str, str]], diff,
+                       baseline_text: str) -> list[tuple[str, str]]:
+    """The current rows, each number followed by the baseline's and the change (from ``diff``, a
+    gui.session.PredictionDiff); a metric only the baseline has is listed as none now; the first row
+    names the baseline's config (``baseline_text``)."""
+    base = dict(baseline_rows)
+    out = [("Baseline", baseline_text)]
+    for name, value in rows:
+        told = _baseline_value(name, diff)
+        if told is not None:
+            out.append((name, f"{value} ({told})"))
+        elif name in ROWS_COMPARED_AS_TEXT and name in base and base[name] != value:
+            out.append((name, f"{value} (baseline {base[name]})"))
+        else:
+            out.append((name, value))
+    have = {name for name, _ in rows}
+    for name, value in baseline_rows:
+        if name not in have and (name in ROW_CHANGES or name.startswith("Comm · ")):
+            out.append((name, f"none (baseline {value})"))
+    return out
+
+
 class MetricsTable(QWidget):
     """Name/value rows painted directly, values bold and wrapped.
 
@@ -258,7 +337,11 @@ class MetricsPanel(QWidget):
         self.explainer = QTextBrowser()
         self.explainer.setObjectName("explainer")
         self.rows: list[tuple[str, str]] = []
+        self.baseline_rows: list[tuple[str, str]] = []  # metric_rows of the baseline, made once when pinned
+        self.baseline_text = ""
+        self._last = None  # the prediction shown
         state.predictionReady.connect(self.on_prediction)
+        state.baselineChanged.connect(self.on_baseline)
         self._explainer_html = ""
         state.configChanged.connect(self._explain)
         self._explain(state.config)
@@ -273,5 +356,19 @@ class MetricsPanel(QWidget):
         return self
 
     def on_prediction(self, pred) -> None:
+        self._last = pred
         self.rows = metric_rows(pred)
+        diff = self.state.difference if self.baseline_rows else None
+        if diff is not None and diff.current is pred:
+            self.rows = rows_with_baseline(self.rows, self.baseline_rows, diff, self.baseline_text)
         self.table.set_rows(self.rows)
+
+    def on_baseline(self, pred) -> None:
+        if pred is None:
+            self.baseline_rows, self.baseline_text = [], ""
+        else:
+            self.baseline_rows = metric_rows(pred)
+            self.baseline_text = describe_config(pred.config) + (
+                f" · timed with the calibration of {Path(pred.calibrated_from).name}" if pred.calibrated_from else "")
+        if self._last is not None:
+            self.on_prediction(self._last)

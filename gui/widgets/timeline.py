@@ -274,6 +274,7 @@ class TimelineView(QWidget):
         self.plot.scene().sigMouseMoved.connect(self._on_mouse_moved)
         state.predictionReady.connect(self.on_prediction)
         state.measurementShown.connect(self.on_run_finished)
+        state.baselineChanged.connect(self.on_baseline)
 
     @staticmethod
     def _legend() -> QLabel:
@@ -304,6 +305,12 @@ class TimelineView(QWidget):
 
     measured_config = None
     calibrated_from: str | None = None
+    baseline_makespan_s: float | None = None  # the pinned baseline's pipeline step, for the header
+
+    def on_baseline(self, pred) -> None:
+        tl = getattr(pred, "timeline", None)
+        self.baseline_makespan_s = None if tl is None else float(tl.makespan_s)
+        self._update_header(len(self.measured) > 0)
 
     def on_run_finished(self, record) -> None:
         if record.measurement is None:
@@ -425,6 +432,8 @@ class TimelineView(QWidget):
             text += f" · timed with the calibration of {Path(self.calibrated_from).name}"
         if has_measured:
             text += f" · measured step {_fmt_seconds(float(self.measured.end_s.max()))}"
+        if self.baseline_makespan_s is not None:
+            text += f" · baseline step {_fmt_seconds(self.baseline_makespan_s)}"
         self.header.setText(text)
 
 
