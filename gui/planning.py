@@ -18,10 +18,10 @@ from typing import Any
 
 from engine import Config
 from engine.planner import FITTING_LIMIT, FITTING_SECONDS, default_global_batch, layout_config
+from gui.child_process import Lines
 
 GIB = 2**30
 DEFAULT_TOP = 10
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak GiB", "vs #1 (select a row: why)"]
 
 
@@ -74,18 +74,13 @@ class LineReader:
     """Bytes from a child's stdout in, JSON objects (one a line) out; other lines are kept as text."""
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._lines = Lines()
         self.text: list[str] = []
 
     def feed(self, data: bytes, final: bool = False) -> list[dict]:
-        self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
-        if final and self._buffer:
-            lines.append(self._buffer)
-            self._buffer = b""
         out = []
-        for raw in lines:
-            line = raw.decode("utf-8", "replace").strip()
+        for line in self._lines.feed(data, final):
+            line = line.strip()
             if not line:
                 continue
             try:

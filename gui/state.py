@@ -23,6 +23,7 @@ from PySide6.QtCore import QObject, QProcess, QTimer, Signal
 
 from engine import Config
 from gui import session as _session
+from gui.child_process import Lines, start_child
 from gui.session import (  # noqa: F401 - the window's model types, importable from here as before
     DRY_RUN_FILE,
     FIELD_CONTROLS,
@@ -36,7 +37,6 @@ from gui.session import (  # noqa: F401 - the window's model types, importable f
     read_run_dir,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 #: after a cancel, how long the child gets to stop its ranks before it is killed
 KILL_AFTER_MS = 5000
 
@@ -89,7 +89,7 @@ class State(QObject):
         self._timer.setInterval(0)
         self._timer.timeout.connect(self._recompute)
         self._process: QProcess | None = None
-        self._stdout_buffer = b""
+        self._stdout = Lines()
         self.session = Session(config, runs_dir)
         s = self.session
         s.subscribe("desired", self.desiredChanged.emit)
@@ -208,18 +208,10 @@ class State(QObject):
             cmd = self.simulate_command(cfg_path, record.out_dir)
         else:
             cmd = self.run_command(cfg_path, record.out_dir, record.target, dry_run)
-        proc = QProcess(self)
-        proc.setProgram(cmd[0])
-        proc.setArguments(cmd[1:])
-        proc.setWorkingDirectory(str(REPO_ROOT))
-        proc.readyReadStandardOutput.connect(self._on_stdout)
-        proc.readyReadStandardError.connect(self._on_stderr)
-        proc.finished.connect(self._on_finished)
-        proc.errorOccurred.connect(self._on_error)
-        self._process = proc
-        self._stdout_buffer = b""
+        self._stdout = Lines()
         self.session.launched(cmd)
-        proc.start()
+        self._process = start_child(self, cmd, on_stdout=self._on_stdout, on_stderr=self._on_stderr,
+                                    on_finished=self._on_finished, on_error=self._on_error)
         return record
 
     def cancel_run(self) -> None:
@@ -244,18 +236,13 @@ class State(QObject):
     def _on_stdout(self) -> None:
         if self._process is None:
             return
-        self._stdout_buffer += bytes(self._process.readAllStandardOutput().data())
-        self._consume_stdout()
+        self._consume_stdout(bytes(self._process.readAllStandardOutput().data()))
 
-    def _consume_stdout(self, final: bool = False) -> None:
-        """Buffered stdout, one line at a time, to the session. ``final``: the process ended, so
-        a last line without newline counts too."""
-        *lines, self._stdout_buffer = self._stdout_buffer.split(b"\n")
-        if final and self._stdout_buffer:
-            lines.append(self._stdout_buffer)
-            self._stdout_buffer = b""
-        for raw in lines:
-            self.session.take_line(raw.decode("utf-8", "replace"))
+    def _consume_stdout(self, data: bytes = b"", final: bool = False) -> None:
+        """Stdout, one line at a time, to the session. ``final``: the process ended, so a last line
+        without newline counts too."""
+        for line in self._stdout.feed(data, final):
+            self.session.take_line(line)
 
     def _on_stderr(self) -> None:
         if self._process is None:

@@ -56,6 +56,7 @@ def test_plan_shows_top_layouts_and_every_fitting_one_and_a_click_applies_it(win
     assert "tiny on 8 × h100-sxm" in panel.job.text()
     assert panel.batch.value() == default_global_batch(8, 64)  # the planner's default for this job
     panel.batch.setValue(16)
+    panel.fitting_seconds = 900  # a loaded machine must not cut the sweep short: only its count decides
     qtbot.mouseClick(panel.plan_button, Qt.MouseButton.LeftButton)
     assert panel.running and not panel.plan_button.isEnabled() and panel.cancel_button.isEnabled()
     qtbot.waitUntil(lambda: not panel.running, timeout=180000)

@@ -33,9 +33,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.planner import FITTING_SECONDS
+from gui.child_process import start_child
 from gui.planning import (
     DEFAULT_TOP,
-    REPO_ROOT,
     TABLE_HEADERS,
     LineReader,
     PlanOutcome,
@@ -64,6 +65,7 @@ class PlannerPanel(QWidget):
         self._cancelled = False
         self._result_seen = False
         self._batch_for: tuple | None = None
+        self.fitting_seconds = FITTING_SECONDS  # how long the scatter's sweep may run
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -198,19 +200,11 @@ class PlannerPanel(QWidget):
         if self.process is not None:
             return
         cfg = self.state.config
-        self.request = PlanRequest(cfg, global_batch=self.batch.value(), top=self.top.value())
+        self.request = PlanRequest(cfg, global_batch=self.batch.value(), top=self.top.value(),
+                                   fitting_seconds=self.fitting_seconds)
         self._tmp = Path(tempfile.mkdtemp(prefix="shardscope-plan-"))
         path = cfg.save(self._tmp / "job.toml")
         cmd = self.request.command(path)
-        proc = QProcess(self)
-        proc.setProgram(cmd[0])
-        proc.setArguments(cmd[1:])
-        proc.setWorkingDirectory(str(REPO_ROOT))
-        proc.readyReadStandardOutput.connect(self._on_stdout)
-        proc.readyReadStandardError.connect(self._on_stderr)
-        proc.finished.connect(self._on_finished)
-        proc.errorOccurred.connect(self._on_error)
-        self.process = proc
         self._reader = LineReader()
         self._stderr = []
         self._cancelled = self._result_seen = False
@@ -218,7 +212,8 @@ class PlannerPanel(QWidget):
         self.cancel_button.setEnabled(True)
         self.progress.setRange(0, 0)  # busy until the sweep says how many
         self._say(f"Planning {job_text(cfg)}, global batch {self.request.global_batch} …")
-        proc.start()
+        self.process = start_child(self, cmd, on_stdout=self._on_stdout, on_stderr=self._on_stderr,
+                                   on_finished=self._on_finished, on_error=self._on_error)
 
     def cancel(self) -> None:
         """Stop a running plan: the child is killed (it holds nothing worth a clean shutdown)."""
