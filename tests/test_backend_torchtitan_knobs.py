@@ -26,8 +26,8 @@ torch = pytest.importorskip("torch")
 TINY = default_config().model
 
 
-def _tiny_cfg(**training):
-    return default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1, "microbatches": 1},
+def _tiny_cfg(zero=0, **training):
+    return default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1, "microbatches": 1, "zero": zero},
                                     training={"micro_batch_size": 8, **training})
 
 
@@ -185,10 +185,9 @@ def test_recompute_kinds_match_none_exactly_and_measure_between_none_and_full(tm
 def test_float8_trains_close_to_its_bf16_run(tmp_path):
     pytest.importorskip("torchao")
     bf16 = {"precision": "bf16-mixed", "grad_dtype": "bf16"}
-    zero3 = {"zero": 3}
-    base, _ = _run(tmp_path, "bf16", _tiny_cfg(**bf16).replace(parallel=zero3))
+    base, _ = _run(tmp_path, "bf16", _tiny_cfg(zero=3, **bf16))
     for kind, extra in (("tensorwise", {"float8_all_gather": True}), ("rowwise", {})):
-        f8, path = _run(tmp_path, kind, _tiny_cfg(**bf16, float8=kind, **extra).replace(parallel=zero3))
+        f8, path = _run(tmp_path, kind, _tiny_cfg(zero=3, **bf16, float8=kind, **extra))
         first, second = f8.step.losses
         assert first == pytest.approx(base.step.losses[0], rel=1e-3), kind
         assert second == pytest.approx(base.step.losses[1], rel=2e-2), kind
