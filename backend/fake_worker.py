@@ -51,6 +51,16 @@ NOT_COVERED_CPU_KERNELS = [
 TOLERANCE = 0.01
 
 
+def fake_refusal(cfg) -> str | None:
+    """What this simulation cannot run with fake tensors, in words (None: it can)."""
+    if cfg.training.float8_all_gather:
+        return ("training.float8_all_gather: torchao's float8-gathered weight (WeightWithDynamicFloat8CastTensor) "
+                "computes its scale from the weight's values when FSDP2 flattens it for the all-gather, which "
+                "fake tensors cannot (DataDependentOutputException: aten._local_scalar_dense); simulate with "
+                "float8_all_gather = false, or run it for real")
+    return None
+
+
 def _in_flight_counts(cfg, rank: int, stages: list[int]) -> list[int]:
     """Microbatches each local stage holds at the rank's peak, from the engine's memory model
     (its activation terms carry their stage and microbatches in flight)."""
@@ -92,6 +102,9 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.dims.build_mesh()
             self.coords = self.dims.coords
             check_supported(cfg)
+            why = fake_refusal(cfg) if fake_tensors else None
+            if why:
+                raise NotImplementedError(why)
             self.plan = wrapping_plan(cfg)
             self.pipelined = self.plan.pipelined
             torch.manual_seed(SEED)

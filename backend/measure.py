@@ -189,3 +189,10 @@ def categories_from(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict[
             cats[cat] += v
     cats.update({k: exact[k] for k in ("params", "grads", "optimizer")})
     return cats
+
+
+def memory_notes(cfg) -> list[str]:
+    """What this rank's memory measurement could not see, in words (``memory.notes`` of its record)."""
+    from backend.parallel.compile import COMPILED_MEMORY_NOTE
+
+    return [COMPILED_MEMORY_NOTE] if cfg.training.compile else []

@@ -171,8 +171,9 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def cut_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
-    """Keep only what pipeline ``stage`` owns (engine.layout.split_layers): in place, returns it.
+def cut_stage(model: Transformer, stage: int, num_stages: int, split: str = "even") -> Transformer:
+    """Keep only what pipeline ``stage`` owns (engine.layout.split_layers with ``split``, the
+    config's ``parallel.pipeline_split``): in place, returns it.
 
     The embedding goes with stage 0, the final norm and head with the last stage. A tied head
     on a different stage than the embedding is untied (torch cannot share a parameter across
@@ -180,7 +181,7 @@ def cut_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
     """
     from engine.layout import split_layers
 
-    keep = {str(i) for i in split_layers(model.spec.layers, num_stages)[stage]}
+    keep = {str(i) for i in split_layers(model.spec.layers, num_stages, split)[stage]}
     for name in list(model.layers.keys()):
         if name not in keep:
             del model.layers[name]

@@ -21,4 +21,20 @@ def composition_problems(cfg: Config) -> list[str]:
     if cfg.training.finetune == "lora" and par.tp > 1:
         out.append("LoRA with tp > 1: peft wraps nn.Linear, and the TP plan would have to shard its lora_A / "
                    "lora_B too; the engine predicts it, the backend runs LoRA with DDP, ZeRO-1, FSDP and PP")
+    tr = cfg.training
+    if par.async_tp is True:
+        out.append("parallel.async_tp: torch's async TP (torch._inductor.config._micro_pipeline_tp after "
+                   "enable_symm_mem_for_group on the TP group) rewrites the sequence-parallel all-gather + "
+                   "matmul into symm_mem::fused_all_gather_matmul / fused_matmul_reduce_scatter over CUDA "
+                   "symmetric memory; those ops have no CPU kernel and a CPU build cannot allocate the "
+                   "symmetric-memory workspace (get_symm_mem_workspace), so gloo ranks cannot run it and the "
+                   "backend does not apply it; set parallel.async_tp = false (the same training, TP collectives "
+                   "not overlapped)")
+    if tr.float8 in ("tensorwise", "rowwise") and par.tp > 1:
+        out.append("training.float8 with tp > 1: torchao's float8 tensor parallelism needs its own "
+                   "Float8ColwiseParallel / Float8RowwiseParallel plan (float8 DTensor all-gathers), which "
+                   "the backend's TP plan does not use; run float8 with DDP / FSDP / PP (tp = 1)")
+    if tr.float8 in ("tensorwise", "rowwise") and tr.finetune == "lora":
+        out.append("training.float8 with LoRA: peft wraps the same nn.Linear layers torchao swaps for "
+                   "Float8Linear; the backend runs float8 on full fine-tuning only")
     return out

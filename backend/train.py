@@ -29,7 +29,9 @@ from backend import measure
 from backend.faults import maybe_fault
 from backend.model import SyntheticData, Transformer
 from backend.parallel import ParallelDims, apply_pp, autocast_context, build_optimizer, build_schedule, parallelize
+from backend.parallel.compile import measured_eagerly
 from backend.parallel.data_parallel import dataparallel_refusal, dataparallel_rows
+from backend.parallel.float8 import precompute_scales
 from backend.parallel.lora import lora_refusal
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
@@ -202,7 +204,13 @@ class Trainer:
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
+        self.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def after_optimizer_step(self) -> None:
+        """torchtitan's post-optimizer hook: FSDP2's float8-gathered weights get their next scales."""
+        if self.cfg.training.float8_all_gather:
+            precompute_scales([m for _, m in self.modules])
 
     # ----------------------------------------------------------------- the run
 
@@ -263,10 +271,11 @@ class Trainer:
         batch = self.batch(step)
         tracker = measure.tracker_for(mods, self.optimizer)
         _skip_grad_hooks_on_frozen(tracker, self.params)
-        with tracker:
+        with measured_eagerly(self.cfg.training.compile), tracker:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
             self.optimizer.step()
+            self.after_optimizer_step()
         exact = {
             "params": measure.param_bytes(self.params),
             "grads": grads,
@@ -284,6 +293,7 @@ class Trainer:
             "exact": exact,
             "params_local_count": measure.param_count_local(self.params),
             "tracker_peak": raw,
+            "notes": measure.memory_notes(self.cfg),
         }
 
     def measure_dataparallel(self, step: int) -> list[dict[str, int]]:

@@ -80,6 +80,15 @@ LAYOUTS: dict[str, Config] = {
     "bf16 TP+SP tp4": _layout({"tp": 4, "sequence_parallel": True, "microbatches": 2}, training=BF16),
     # dp × tp: FSDP2's replicate (DTensor parameters) with its MixedPrecisionPolicy, no autocast
     "bf16 2-D dp2×tp2": _layout({"dp": 2, "tp": 2, "microbatches": 2}, training=BF16),
+    # torchtitan's knobs: per-op / per-layer selective AC, torchao float8, per-block compile, its split
+    "selective-op dp2×pp2 1F1B": _layout({"dp": 2, "pp": 2}, training={"recompute": "selective-op"}),
+    "selective-layer N=2 dp2×pp2 1F1B": _layout({"dp": 2, "pp": 2},
+                                                training={"recompute": "selective-layer", "recompute_every": 2}),
+    "float8 tensorwise bf16 ZeRO-3 dp4 (float8 all-gather)": _layout(
+        {"dp": 4, "zero": 3, "microbatches": 2}, training={**BF16, "float8": "tensorwise", "float8_all_gather": True}),
+    "float8 rowwise bf16 DDP dp4": _layout({"dp": 4, "microbatches": 2}, training={**BF16, "float8": "rowwise"}),
+    "compile dp2": _layout({"dp": 2, "microbatches": 2}, gpus=2, training={"compile": True}),
+    "torchtitan split pp4 1F1B": _layout({"pp": 4, "schedule": "1F1B", "pipeline_split": "torchtitan"}),
 }
 
 

@@ -2,7 +2,8 @@
 
 The one place the backend composes strategies (torchtitan's ``parallelize_llama`` shape), in
 their order: LoRA adapters where configured (before data parallelism, which must see the frozen
-base), tensor parallelism, activation recompute, then the data-parallel wrapper the plan names —
+base), float8 Linears (torchao, as torchtitan converts at model build), tensor parallelism,
+activation recompute, ``torch.compile`` per block, then the data-parallel wrapper the plan names —
 ``fully_shard`` with the plan's reshard policy, FSDP2's ``replicate``, DistributedDataParallel,
 legacy ``nn.DataParallel``, or none — with the plan's MixedPrecisionPolicy where an FSDP2 wrapper
 holds the model. ``build_optimizer`` makes the optimizer the plan implies (ZeroRedundancyOptimizer
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from backend.parallel.compile import apply_compile
 from backend.parallel.data_parallel import (
     apply_dataparallel,
     apply_ddp,
@@ -28,6 +30,7 @@ from backend.parallel.data_parallel import (
     make_zero1_optimizer,
 )
 from backend.parallel.dims import ParallelDims
+from backend.parallel.float8 import apply_float8
 from backend.parallel.lora import apply_lora, trainable
 from backend.parallel.precision import fsdp_mp_policy
 from backend.parallel.recompute import apply_recompute
@@ -49,9 +52,12 @@ def parallelize(model: nn.Module, cfg: Config, plan: WrappingPlan, dims: Paralle
     tr = cfg.training
     if tr.finetune == "lora":
         model = apply_lora(model, cfg.model, tr)
+    apply_float8(model, tr.float8, tr.float8_all_gather)
     if plan.tensor_parallel:
         apply_tp(model, dims["tp"], plan.sequence_parallel)
-    apply_recompute(model, tr.recompute)
+    apply_recompute(model, tr.recompute, tr.recompute_every)
+    if tr.compile:
+        apply_compile(model)
     if plan.data_parallel == "fully_shard":
         model = apply_fsdp(model, dims["dp"], fsdp_mp_policy(plan), plan.reshard_after_forward,
                            plan.root_reshard_after_forward)

@@ -1,6 +1,6 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
-Stages are cut from the full model by engine.layout (loop or V placement, the layer split),
+Stages are cut from the full model by engine.layout (loop or V placement, the layer split ``parallel.pipeline_split``),
 so the backend runs exactly the stages the engine predicts. ``ActionTimer`` wraps each stage's
 forward_one_chunk / backward_one_chunk / backward_weight_one_chunk, which every schedule calls,
 to time each F / B / I / W action.
@@ -33,7 +33,7 @@ def apply_pp(model: Transformer, par: ParallelSpec, pp_rank: int) -> list[tuple[
     out = []
     for i, s in enumerate(ids):
         part = model if i == len(ids) - 1 else copy.deepcopy(model)
-        out.append((s, cut_stage(part, s, par.num_stages)))
+        out.append((s, cut_stage(part, s, par.num_stages, par.pipeline_split)))
     return out
 
 
