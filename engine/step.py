@@ -105,7 +105,7 @@ def tp_stage_seconds(cfg: Config, num_stages: int,
     collectives (:func:`tp_seconds_per_layer`) plus the embedding's on the first stage and the
     head's and loss_parallel's on the last (engine.comm.tp_edge_collectives)."""
     fwd_l, bwd_l = tp_seconds_per_layer(cfg, links)
-    layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages)], dtype=np.float64)
+    layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)], dtype=np.float64)
     fwd, bwd = layers * fwd_l, layers * bwd_l
     if cfg.parallel.tp > 1:
         span = group_span(cfg, "tp")
