@@ -513,9 +513,10 @@ def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks |
         calls = per_block * layers * m
         one = collective_seconds(cfg, coll, act, span, links)
         label = "TP+SP " + coll.replace("_", "-") if par.sequence_parallel else "TP " + coll.replace("_", "-")
+        # async TP micro-pipelines them with the matmuls (engine.step exposes only what those cannot hide)
         items.append(CommItem("tp", f"{label} per block ({phase}{again if phase == 'backward' else ''}; "
-                                    f"{per_block} per block)", coll, calls, act, par.tp, span.link, calls * one,
-                              False, phase))
+                                    f"{per_block} per block{'; async TP' if par.async_tp else ''})", coll, calls,
+                              act, par.tp, span.link, calls * one, bool(par.async_tp), phase))
     stages = rp.stage_indices
     n_stages = par.num_stages
     for coll, phase, calls, size in tp_edge_collectives(cfg, 0 in stages, n_stages - 1 in stages):
