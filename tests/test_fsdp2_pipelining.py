@@ -102,3 +102,9 @@ def test_float8_refused_without_fp8_tensor_cores():
     assert any(p.field == "training.float8" and "float8 tensor cores" in p.message for p in err.value.problems)
     raw["cluster"]["gpu"] = "h100-sxm"
     assert Config.from_dict(raw).cluster.gpu.peak_fp8_tflops == 1979.0
+
+
+def test_fresh_gradient_beside_a_reduce_dtype_accumulation():
+    # fp32 accumulation of bf16 gradients: the largest unit's bf16 gradient waits for post-backward
+    assert term(cfg(m=4, grad="fp32"), "fsdp_fresh_grad").bytes == 2 * BLOCK
+    assert not [t for t in memory_per_rank(cfg(m=4)).per_rank[0].explain("comm_buffers") if t.kind == "fsdp_fresh_grad"]

@@ -27,7 +27,7 @@ import math
 from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
 from engine.params import RankParams, Tensors, largest_numels, unit_numel
-from engine.wrapping import WrappingPlan, forward_after_first_backward
+from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
 
 def _unit_sizes(rp: RankParams) -> list[int]:
@@ -75,7 +75,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     * unsharded gradients: every unit where they accumulate without sync (pipelining: every
       microbatch until the schedule's REDUCE_GRAD; m > 1 without pipelining), in the accumulation
       dtype (the reduce dtype when it differs from the parameter dtype); else one unit's
-      reduce-scatter input, in the reduce dtype.
+      reduce-scatter input, in the reduce dtype; where the two dtypes differ, one unit's fresh
+      gradient in the parameter dtype beside the accumulation (until post-backward adds it in).
     """
     par, conv = cfg.parallel, cfg.conventions
     z, m = par.zero, par.microbatches
@@ -118,6 +119,14 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
               + (" — adapters only under LoRA" if lora_on else ""),
               gacc * psi_train, f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}",
               kind="fsdp_unsharded_grads")
+        if plan.grad_accumulation_dtype != plan.compute_dtype:
+            # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
+            # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
+            big = max(n for n, _ in train_units)
+            pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+            T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
+                  f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
+                  f"{pgrad} B × largest FSDP unit's trainable elements ({big:,})", kind="fsdp_fresh_grad")
     else:
         big = max(n for n, _ in train_units)
         T.add("comm_buffers", f"reduce-scatter input (one unit's unsharded gradients, in {plan.reduce_dtype}"
