@@ -108,3 +108,17 @@ def test_fresh_gradient_beside_a_reduce_dtype_accumulation():
     # fp32 accumulation of bf16 gradients: the largest unit's bf16 gradient waits for post-backward
     assert term(cfg(m=4, grad="fp32"), "fsdp_fresh_grad").bytes == 2 * BLOCK
     assert not [t for t in memory_per_rank(cfg(m=4)).per_rank[0].explain("comm_buffers") if t.kind == "fsdp_fresh_grad"]
+
+
+def test_pipeline_split_flows_into_every_stage_split():
+    from engine.durations import stage_durations
+    from engine.params import params_per_rank
+
+    raw = {"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 4},
+           "parallel": {"pp": 4, "microbatches": 4, "pipeline_split": "torchtitan"}}
+    tt = Config.from_dict(raw)
+    assert [row[0].layers for row in params_per_rank(tt)] == [2, 3, 2, 1]  # split_layers(8, 4, "torchtitan")
+    even = tt.replace(parallel={"pipeline_split": "even"})
+    assert [row[0].layers for row in params_per_rank(even)] == [2, 2, 2, 2]
+    d_tt, d_even = stage_durations(tt), stage_durations(even)
+    assert d_tt.forward_s[1] > d_even.forward_s[1] and d_tt.forward_s[3] < d_even.forward_s[3]
