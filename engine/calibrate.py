@@ -199,7 +199,7 @@ class Calibration:
 
 
 def _stage_layers(cfg: Config, num_stages: int) -> np.ndarray:
-    return np.array([len(r) for r in split_layers(cfg.model.layers, num_stages)], dtype=np.float64)
+    return np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)], dtype=np.float64)
 
 
 def _action_means(meas: dict, num_stages: int, drop_last_backward: bool) -> tuple[dict[str, np.ndarray], float]:

@@ -44,7 +44,7 @@ from engine.config import Config
 from engine.durations import adapter_elements_per_block
 from engine.layout import placement_style, rank_of, stage_to_pp_rank
 from engine.params import params_per_rank
-from engine.wrapping import wrapping_plan
+from engine.wrapping import forwards_before_first_backward, wrapping_plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
 DIMENSIONS = ("dp", "tp", "pp")
@@ -330,7 +330,10 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     unit in the forward and again in the backward of every microbatch; ZeRO-2 keeps the
     forward's gather for the backward but FSDP2 reshards after each backward, so it gathers
     once per microbatch (once per step under pipelining, whose stages skip the reshard until
-    the last backward). The reduce-scatters run once per step (gradient sync only on the last
+    the last backward). Under pipelining a ZeRO-3 unit that reshards after forward
+    (``fsdp_reshard_after_forward = "always"``) is gathered in each forward before its stage's
+    first backward and in that backward, then stays unsharded (engine.wrapping). float8
+    all-gather moves the blocks' Linear weights in 1 byte (engine.memory.buffers.gathered_unit_bytes). The reduce-scatters run once per step (gradient sync only on the last
     microbatch) and are counted exposed. On CPU ranks nothing overlaps: communication and
     compute share the same cores.
 
@@ -389,13 +392,24 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     else:
         units = max(1, rp.unit_count)
         m = par.microbatches
-        if plan.reshard_after_forward:
-            passes, when = 2 * m, "forward and backward, every microbatch"
+        if not lora_on:
+            from engine.memory.buffers import gathered_unit_bytes
+
+            weights = sum(gathered_unit_bytes(plan, rp, u) * count for u, count in rp.unit_groups)
+        if plan.reshard_after_forward and par.pp == 1:
+            calls, when = 2 * m * units, "forward and backward, every microbatch"
+        elif plan.reshard_after_forward:
+            # every forward before a stage's first backward, and that backward; then unsharded for good
+            before = forwards_before_first_backward(par.schedule, rp.pp_rank, par.pp, par.virtual_stages, m)
+            calls = sum((st.layers + (st.stage == 0) + (st.stage == par.num_stages - 1)) * (f + 1)
+                        for st, f in zip(rp.stages, before))
+            calls, when = max(1, calls), "each forward until the stage's first backward, and that backward"
         elif par.pp == 1:
-            passes, when = m, "once per microbatch (resharded after each backward)"
+            calls, when = m * units, "once per microbatch (resharded after each backward)"
         else:
-            passes, when = 1, "once per step (pipelining keeps it until the last backward)"
-        add(f"FSDP parameter all-gather ({units} unit(s), {when})", "all_gather", passes * units,
+            calls, when = units, "once per step (pipelining keeps it until the last backward)"
+        add(f"FSDP parameter all-gather ({units} unit(s), {when}"
+            f"{'; float8 Linear weights' if plan.float8_all_gather else ''})", "all_gather", calls,
             weights / units, shard_span, True, "forward+backward" if plan.reshard_after_forward else "forward")
         add(f"FSDP gradient reduce-scatter ({grad_units if lora_on else units} unit(s)"
             f"{' with adapters' if lora_on else ''})", "reduce_scatter", grad_units if lora_on else units,
@@ -499,9 +513,10 @@ def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks |
         calls = per_block * layers * m
         one = collective_seconds(cfg, coll, act, span, links)
         label = "TP+SP " + coll.replace("_", "-") if par.sequence_parallel else "TP " + coll.replace("_", "-")
+        # async TP micro-pipelines them with the matmuls (engine.step exposes only what those cannot hide)
         items.append(CommItem("tp", f"{label} per block ({phase}{again if phase == 'backward' else ''}; "
-                                    f"{per_block} per block)", coll, calls, act, par.tp, span.link, calls * one,
-                              False, phase))
+                                    f"{per_block} per block{'; async TP' if par.async_tp else ''})", coll, calls,
+                              act, par.tp, span.link, calls * one, bool(par.async_tp), phase))
     stages = rp.stage_indices
     n_stages = par.num_stages
     for coll, phase, calls, size in tp_edge_collectives(cfg, 0 in stages, n_stages - 1 in stages):

@@ -117,6 +117,8 @@ class GPUSpec:
     runtime_context_gib: float = 0.5
     intra_node_bandwidth_gb_per_s: float = 300.0
     inter_node_bandwidth_gb_per_s: float = 25.0
+    # dense float8 tensor-core TFLOP/s (torch._scaled_mm); 0 = no float8 tensor cores (training.float8 refused)
+    peak_fp8_tflops: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
@@ -449,6 +451,8 @@ FIELD_RANGES: dict[str, Range] = {
                                     "ranks", lo_open=True),
     "cluster.gpu.peak_bf16_tflops": Range(0, 1e6, "1 EFLOP/s per device: 8× a Cerebras WSE-3", lo_open=True),
     "cluster.gpu.peak_fp32_tflops": Range(0, 1e6, "as peak_bf16_tflops", lo_open=True),
+    "cluster.gpu.peak_fp8_tflops": Range(0, 1e6, "as peak_bf16_tflops (B200: 4500 dense)",
+                                         note="0 = no float8 tensor cores: training.float8 is refused"),
     "cluster.gpu.hbm_bandwidth_gb_per_s": Range(0, 1e8, "100 PB/s: 5× a WSE-3's on-chip SRAM", lo_open=True),
     "cluster.gpu.runtime_context_gib": Range(0, 1024, "CUDA / ROCm contexts take 0.3–1 GiB"),
     "cluster.gpu.intra_node_bandwidth_gb_per_s": _BANDWIDTH,
@@ -622,6 +626,12 @@ def check(
     _choice(p, "training.optimizer", t.optimizer, names.OPTIMIZERS)
     _choice(p, "training.recompute", t.recompute, names.RECOMPUTE_KINDS)
     _check_torchtitan_knobs(p, par, t)
+    fp8 = cluster.gpu.peak_fp8_tflops
+    if t.float8 in ("tensorwise", "rowwise") and isinstance(fp8, (int, float)) and not fp8 > 0:
+        p.append(Problem("training.float8", t.float8,
+                         f"cluster.gpu {cluster.gpu.name!r} has no float8 tensor cores (peak_fp8_tflops = "
+                         f"{cluster.gpu.peak_fp8_tflops:g}): float8 training needs one that has (H100, H200, B200, "
+                         "MI300X, RTX 4090); allowed on this GPU: none"))
     allowed_grads = {"fp32": ("fp32",), "bf16-mixed": ("bf16", "fp32"), "fp16-mixed": ("fp16", "fp32")}
     if t.precision in allowed_grads and t.grad_dtype not in allowed_grads[t.precision]:
         p.append(Problem("training.grad_dtype", t.grad_dtype,

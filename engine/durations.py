@@ -226,7 +226,7 @@ def stage_durations(
     fl = flops_per_token(cfg)
     tokens = tr.micro_batch_size * cfg.model.seq_len
     rate = cl.gpu.peak_flops(tr.precision) * cfg.conventions.compute_efficiency * par.tp
-    layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages)], dtype=np.float64)
+    layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)], dtype=np.float64)
     head = np.zeros(num_stages)
     head[-1] = fl.head
     recompute = recompute_flops_per_token(cfg)

@@ -22,8 +22,9 @@ GPT-2 small (gpt2-124m preset) gives 124,439,808; llama2-7b 6,738,415,616.
 
 PLACEMENT RULE (pipeline and tensor parallel):
 
-* Stage ``k`` holds the blocks ``engine.layout.split_layers(L, pp·v)[k]`` (uneven splits give
-  the first stages one block more). The embeddings sit on stage 0, the final norm and head on
+* Stage ``k`` holds the blocks ``engine.layout.split_layers(L, pp·v, parallel.pipeline_split)[k]``
+  ("even": uneven splits give the first stages one block more; "torchtitan": the embeddings and
+  norm + head count as a block each). The embeddings sit on stage 0, the final norm and head on
   the last stage; the stage-to-rank map is ``engine.layout`` (loop, or V for ZBV/DualPipeV, where
   pp-rank 0 holds both the first and the last stage).
 * Tied embeddings with more than one stage: the last stage keeps its own copy of the embedding
@@ -238,13 +239,14 @@ def largest_numels(groups, n: int) -> list[int]:
 def params_per_rank(cfg: Config) -> tuple[tuple[RankParams, ...], ...]:
     """What each pipeline rank and each TP shard holds: ``result[pp_rank][tp_rank]``."""
     return _params_per_rank(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages,
-                            placement_style(cfg.parallel.schedule))
+                            placement_style(cfg.parallel.schedule), cfg.parallel.pipeline_split)
 
 
 @lru_cache(maxsize=128)
-def _params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str) -> tuple[tuple[RankParams, ...], ...]:
+def _params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
+                     pipeline_split: str = "even") -> tuple[tuple[RankParams, ...], ...]:
     n_stages = pp * v
-    split = split_layers(model.layers, n_stages)
+    split = split_layers(model.layers, n_stages, pipeline_split)
     owners = stages_of_pp_rank(n_stages, pp, style)
     block = layer_tensors(model, tp)
     block_numel = sum(a * b for a, b in block)

@@ -590,7 +590,7 @@ class _Planner:
                                                           "virtual_stages": v, "microbatches": m}))
         rows = [row[0] for row in held]  # tp-rank 0 of each pp rank: the largest vocabulary chunk
         psi = np.array([r.total for r in rows], dtype=np.float64)  # [pp]
-        layers_of = split_layers(model.layers, n_stages)
+        layers_of = split_layers(model.layers, n_stages, self.base.parallel.pipeline_split)
         head = np.zeros(n_stages)
         head[-1] = fl.head
         owners = stage_to_pp_rank(n_stages, pp, style) if pp > 1 else [0]

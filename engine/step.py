@@ -24,6 +24,27 @@ Core sharing: CPU ranks beyond ``cluster.cpu_cores`` share the cores, so the ana
 p2p and optimizer times are multiplied by ``engine.comm.cpu_oversubscription`` (and the
 collectives' α and B scaled by it in engine.comm). Given durations are used as given.
 
+float8 (``training.float8``, torchao's Float8Linear on the blocks' Linears; the head stays bf16):
+the Linear matmuls of F, I and W (and full recompute's forward) run at ``cluster.gpu.peak_fp8_tflops``
+times the same ``conventions.compute_efficiency``; the casts are memory-bound time added to the
+stage (:func:`float8_cast_bytes_per_token`: each Linear casts its input and its weight in the
+forward and its output gradient in the backward — rowwise casts input and output gradient once
+more along the other axis for the weight gradient; each cast reads the 16-bit tensor twice, for
+its amax and to scale it, and writes 1 byte: 5 B per element; under float8 all-gather the weight
+is cast on its shard before the gather, 1/d of it).
+
+torch.compile (``training.compile``), convention ``COMPILE_CONVENTION`` = "fused-elementwise":
+inductor fuses the elementwise chains between the matmuls, so each removes one write and one read
+of its intermediate per element — SwiGLU's silu·mul (f), each residual add + RMSNorm pair (2 · h),
+RoPE on q and k (q + kv dims) — in the forward and twice that in the backward, time at the HBM
+bandwidth taken off F and B; and each float8 cast fuses its amax into the cast (3 B per element
+instead of 5). Nothing else changes: the rest of compile's gain is inside compute_efficiency.
+
+Async TP (``parallel.async_tp``, SP + compile): the blocks' all-gathers and reduce-scatters are
+micro-pipelined with their matmuls, so per stage only ``max(0, collectives − matmuls)`` is exposed
+(forward against the forward matmuls, backward against I + W's); the embedding's and head's
+collectives stay exposed.
+
 Calibration hook: pass measured ``durations`` (engine.durations.StageDurations), measured
 ``links`` (engine.comm.MeasuredLinks: α and B per collective) and/or a Config whose cluster
 links and ``conventions.compute_efficiency`` come from a run.
@@ -99,14 +120,37 @@ def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
     return out["forward"], out["backward"]
 
 
+def _stage_layers(cfg: Config, num_stages: int) -> np.ndarray:
+    return np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)],
+                    dtype=np.float64)
+
+
+def linear_matmul_seconds(cfg: Config, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of the blocks' Linear matmuls per stage for one microbatch, at the rate they run
+    (float8 or the compute dtype): (forward, backward = I + W, with full recompute's forward)."""
+    par, tr = cfg.parallel, cfg.training
+    fl = flops_per_token(cfg)
+    tokens = tr.micro_batch_size * cfg.model.seq_len
+    gpu = cfg.cluster.gpu
+    peak = gpu.peak_fp8_tflops * 1e12 if tr.float8 != "none" else gpu.peak_flops(tr.precision)
+    rate = peak * cfg.conventions.compute_efficiency * par.tp
+    fwd = _stage_layers(cfg, num_stages) * tokens * fl.matmuls / rate
+    again = 1.0 if tr.recompute == "full" else 0.0
+    return fwd, fwd * (2.0 + again)
+
+
 def tp_stage_seconds(cfg: Config, num_stages: int,
                      links: MeasuredLinks | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """TP communication per stage for one microbatch: (forward, backward) arrays — the blocks'
-    collectives (:func:`tp_seconds_per_layer`) plus the embedding's on the first stage and the
-    head's and loss_parallel's on the last (engine.comm.tp_edge_collectives)."""
+    """TP communication per stage for one microbatch, as it lies on the critical path: (forward,
+    backward) arrays — the blocks' collectives (:func:`tp_seconds_per_layer`; under async TP only
+    what their matmuls cannot hide) plus the embedding's on the first stage and the head's and
+    loss_parallel's on the last (engine.comm.tp_edge_collectives)."""
     fwd_l, bwd_l = tp_seconds_per_layer(cfg, links)
-    layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages)], dtype=np.float64)
+    layers = _stage_layers(cfg, num_stages)
     fwd, bwd = layers * fwd_l, layers * bwd_l
+    if cfg.parallel.async_tp:
+        mm_f, mm_b = linear_matmul_seconds(cfg, num_stages)
+        fwd, bwd = np.maximum(0.0, fwd - mm_f), np.maximum(0.0, bwd - mm_b)
     if cfg.parallel.tp > 1:
         span = group_span(cfg, "tp")
         for s in {0, num_stages - 1}:
@@ -149,9 +193,87 @@ def optimizer_seconds(cfg: Config, local_params: int) -> float:
     return shard * per_param / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9) * cpu_oversubscription(cfg)
 
 
+#: the name of the torch.compile speed-up convention (module docstring)
+COMPILE_CONVENTION = "fused-elementwise"
+#: bytes one float8 cast moves per element: reads the 16-bit tensor for its amax and again to scale it,
+#: writes 1 byte; torch.compile fuses the amax into the cast (one read)
+FLOAT8_CAST_BYTES = {False: 5, True: 3}
+
+
+def _linears(cfg: Config) -> list[tuple[int, int]]:
+    """(d_in, d_out) of each block Linear on one TP rank (q, k, v, o, gate, up, down)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    q, kv, f, h = m.heads * m.head_dim // tp, m.kv_dim // tp, m.ffn_hidden // tp, m.hidden
+    ups = [(h, f)] * (2 if m.mlp == "swiglu" else 1)
+    return [(h, q), (h, kv), (h, kv), (q, h)] + ups + [(f, h)]
+
+
+def float8_cast_bytes(cfg: Config) -> tuple[float, float]:
+    """Bytes the float8 casts of one block move for one microbatch on one rank: (forward, backward)."""
+    tr, par = cfg.training, cfg.parallel
+    if tr.float8 == "none":
+        return 0.0, 0.0
+    tokens = tr.micro_batch_size * cfg.model.seq_len
+    per = FLOAT8_CAST_BYTES[bool(tr.compile)]
+    lin = _linears(cfg)
+    inputs = tokens * sum(i for i, _ in lin)
+    grads_out = tokens * sum(o for _, o in lin)
+    weights = sum(i * o for i, o in lin) / (par.shard_degree if tr.float8_all_gather else 1)
+    again = 2 if tr.float8 == "rowwise" else 1  # rowwise: input and output gradient cast along the other axis too
+    fwd = per * (inputs + weights)
+    bwd = per * (again * grads_out + (again - 1) * inputs + weights)
+    if tr.recompute == "full":
+        bwd += fwd
+    return fwd, bwd
+
+
+def compile_saved_bytes(cfg: Config) -> tuple[float, float]:
+    """Bytes torch.compile's fused elementwise chains save per block for one microbatch on one
+    rank under ``COMPILE_CONVENTION``: (forward, backward = twice the forward)."""
+    tr, m, par = cfg.training, cfg.model, cfg.parallel
+    if not tr.compile:
+        return 0.0, 0.0
+    tokens = tr.micro_batch_size * m.seq_len
+    act = 4 if tr.precision == "fp32" else 2
+    f = m.ffn_hidden / par.tp if m.mlp == "swiglu" else 0.0
+    rope = (m.heads * m.head_dim + m.kv_dim) / par.tp if m.position == "rope" else 0.0
+    residual_norm = 2 * m.hidden / (par.tp if par.sequence_parallel else 1)
+    fwd = 2 * act * tokens * (f + residual_norm + rope)  # one write + one read of each intermediate
+    return fwd, 2 * fwd
+
+
+def with_float8_and_compile(cfg: Config, d: StageDurations) -> StageDurations:
+    """Analytic durations with float8's matmul rate and cast time and compile's fused elementwise
+    time (module docstring); unchanged when neither is on."""
+    tr = cfg.training
+    if tr.float8 == "none" and not tr.compile:
+        return d
+    n = d.num_stages
+    layers = _stage_layers(cfg, n)
+    hbm = cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9
+    f, i, w = d.forward_s.copy(), d.backward_input_s.copy(), d.backward_weight_s.copy()
+    if tr.float8 != "none":
+        fl = flops_per_token(cfg)
+        tokens = tr.micro_batch_size * cfg.model.seq_len
+        eff, tp = cfg.conventions.compute_efficiency, cfg.parallel.tp
+        saved = layers * tokens * fl.matmuls / (eff * tp) * (
+            1 / cfg.cluster.gpu.peak_flops(tr.precision) - 1 / (cfg.cluster.gpu.peak_fp8_tflops * 1e12))
+        again = 1.0 if tr.recompute == "full" else 0.0
+        cast_f, cast_b = float8_cast_bytes(cfg)
+        f += layers * cast_f / hbm - saved
+        i += layers * cast_b / hbm - saved * (1 + again)
+        w -= saved
+    save_f, save_b = compile_saved_bytes(cfg)
+    f -= layers * save_f / hbm
+    i -= layers * save_b / hbm
+    f, i, w = (np.maximum(x, 0.0) for x in (f, i, w))
+    return StageDurations.of(n, f, i + w, i, w, d.p2p_s, source=d.source)
+
+
 def analytic_durations(cfg: Config) -> StageDurations:
-    """engine.durations' FLOP-based durations, slowed by core sharing on CPU ranks."""
-    d = stage_durations(cfg)
+    """engine.durations' FLOP-based durations with float8 and compile (:func:`with_float8_and_compile`),
+    slowed by core sharing on CPU ranks."""
+    d = with_float8_and_compile(cfg, stage_durations(cfg))
     over = cpu_oversubscription(cfg)
     if over == 1.0:
         return d

@@ -2,7 +2,9 @@
 
 ZeRO-2 is ``fully_shard(reshard_after_forward=False)`` (parameters stay gathered between
 forward and backward, gradients and optimizer state sharded); ZeRO-3 reshards after the
-forward. HSDP: the same calls on the 2-D (dp_replicate, dp_shard) mesh.
+forward as ``parallel.fsdp_reshard_after_forward`` says (torchtitan's "default": not under
+pipelining) — the flags come from engine.wrapping's plan. HSDP: the same calls on the 2-D
+(dp_replicate, dp_shard) mesh.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
                reshard_after_forward: bool, root_reshard_after_forward: bool) -> nn.Module:
     """fully_shard each transformer block, then the root (embeddings, final norm, head).
 
-    ZeRO-3 reshards the blocks after forward, ZeRO-2 keeps them gathered; under PP the root is
-    not resharded after forward (the schedule drives its gradient sync; resharding would only
-    add all-gathers) — engine.wrapping's plan says which.
+    The flags are engine.wrapping's plan (blocks and root alike): ZeRO-2 keeps them gathered;
+    ZeRO-3 follows ``parallel.fsdp_reshard_after_forward`` ("default" reshards except under PP,
+    where per-microbatch all-gathers would not overlap; "always"; "never").
     """
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)

@@ -8,9 +8,13 @@ Conventions:
   (measured, torch 2.13) where the rank's peak falls in a backward.
 * FSDP2 (``engine.wrapping``: fully_shard, or replicate for DP × TP): one unit per block, one
   for the embeddings, one for final norm + head. The 16-bit gathered copy is comm_buffers
-  (every unit under ZeRO-2 and replicate, current + prefetched unit under ZeRO-3 with
-  ``conventions.fsdp_prefetch``), plus one unit's all-gather output and the unsharded gradients
-  (every unit with m > 1, as FSDP2 accumulates unsharded without sync; one unit with m = 1).
+  (every unit under ZeRO-2, replicate, ZeRO-3 not resharded after forward, and under pipelining
+  once the rank runs forwards after its first backward; current + prefetched unit under ZeRO-3
+  resharding after forward, with ``conventions.fsdp_prefetch``), plus one unit's all-gather
+  output and the unsharded gradients (every unit under pipelining or with m > 1, as FSDP2
+  accumulates unsharded without sync, in the reduce dtype when it differs from the parameter
+  dtype; one unit's reduce-scatter input otherwise). float8 all-gather: the blocks' Linear
+  weights are gathered and held in 1 byte, plus an fp32 scale per weight.
 * "zero-paper": one unit's reduce-scatter input; under ZeRO-3 one unit's all-gather input and
   the unsharded parameters of the current (+ prefetched) unit as temporaries.
 * Pipeline: torch allocates one receive buffer per microbatch for activations and for gradients.
@@ -22,8 +26,8 @@ import math
 
 from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
-from engine.params import RankParams
-from engine.wrapping import WrappingPlan
+from engine.params import RankParams, Tensors, largest_numels, unit_numel
+from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
 
 def _unit_sizes(rp: RankParams) -> list[int]:
@@ -31,37 +35,103 @@ def _unit_sizes(rp: RankParams) -> list[int]:
     return rp.largest_unit_numels(2)
 
 
-def fsdp2_buffers(cfg: Config, rp: RankParams, T: Terms, psi: int, psi_train: int, train_units: tuple[tuple[int, int], ...]) -> None:
-    """What FSDP2 (fully_shard / replicate + MixedPrecisionPolicy) gathers and reduces on this rank."""
+def float8_weight_numel(unit: Tensors, block: Tensors) -> tuple[int, int]:
+    """(elements, tensors) of the float8 Linear weights in one FSDP unit: the block's weight matrices
+    (q, k, v, o, gate, up, down) when the unit is a block (LoRA adapters appended after them stay in
+    the compute dtype); none in the embeddings or the norm + head unit (torchtitan keeps "output" in
+    high precision)."""
+    if unit[:len(block)] != block:
+        return 0, 0
+    weights = [a * b for a, b in block if b > 1]
+    return sum(weights), len(weights)
+
+
+def gathered_unit_bytes(plan: WrappingPlan, rp: RankParams, unit: Tensors) -> int:
+    """Bytes FSDP2 gathers (and holds unsharded) for one unit: the compute dtype, or under float8
+    all-gather 1 B per Linear weight element plus one fp32 scale per weight (tensorwise)."""
+    pd = plan.gathered_bytes
+    numel = unit_numel(unit)
+    if not plan.float8_all_gather:
+        return pd * numel
+    f8, n_weights = float8_weight_numel(unit, rp.block_tensors)
+    return pd * (numel - f8) + f8 + 4 * n_weights
+
+
+def _explain_units(sizes: list[int]) -> str:
+    return " + ".join(f"{x:,} B" for x in sizes)
+
+
+def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi: int, psi_train: int,
+                  train_units: tuple[tuple[int, int], ...]) -> None:
+    """What FSDP2 (fully_shard / replicate + MixedPrecisionPolicy) gathers and reduces on this rank,
+    held at the rank's peak as ``plan`` says (engine.wrapping):
+
+    * unsharded parameters: every unit when nothing reshards after forward (ZeRO-2, replicate,
+      ZeRO-3 with reshard_after_forward False: all units of the stage gathered between its forward
+      and its backward) and under pipelining where the rank runs a forward after its first backward
+      (from then on every unit stays unsharded: ``set_reshard_after_backward(False)``); otherwise
+      the current + prefetched unit;
+    * one unit's all-gather output (the flat buffer the gather lands in, copied out into the params);
+    * unsharded gradients: every unit where they accumulate without sync (pipelining: every
+      microbatch until the schedule's REDUCE_GRAD; m > 1 without pipelining), in the accumulation
+      dtype (the reduce dtype when it differs from the parameter dtype); else one unit's
+      reduce-scatter input, in the reduce dtype; where the two dtypes differ, one unit's fresh
+      gradient in the parameter dtype beside the accumulation (until post-backward adds it in).
+    """
     par, conv = cfg.parallel, cfg.conventions
     z, m = par.zero, par.microbatches
-    pd = cfg.training.param_bytes  # bytes of the compute copy FSDP2 all-gathers (MixedPrecisionPolicy.param_dtype)
     lora_on = cfg.training.finetune == "lora"
-    sizes = _unit_sizes(rp)
-    largest = sizes[0]
-    if z == 3:
-        n_units = 2 if conv.fsdp_prefetch and len(sizes) > 1 else 1
-        T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else ""),
-              pd * sum(sizes[:n_units]), f"{pd} B × ({' + '.join(f'{x:,}' for x in sizes[:n_units])})",
-              kind="fsdp_unsharded_params")
+    pd = plan.gathered_bytes  # MixedPrecisionPolicy.param_dtype: the copy FSDP2 all-gathers
+    f8 = " (float8 Linear weights: 1 B + an fp32 scale each)" if plan.float8_all_gather else ""
+    groups = [(gathered_unit_bytes(plan, rp, u), count) for u, count in rp.unit_groups]
+    all_bytes = sum(b * count for b, count in groups)
+    two = largest_numels(groups, 2)
+    after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
+    if plan.sharded and plan.reshard_after_forward and not after_backward:
+        n_units = 2 if conv.fsdp_prefetch and len(two) > 1 else 1
+        T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
+              + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
     else:
-        T.add("comm_buffers", "FSDP2 unsharded parameters, all units (" + ("ZeRO-2: not resharded after forward"
-                                                                            if z == 2 else "replicate") + ")",
-              pd * psi, f"{pd} B × Ψ = {pd} × {psi:,}", kind="fsdp_unsharded_params")
+        if not plan.sharded:
+            why = "replicate"
+        elif after_backward:
+            why = ("pipelined: every unit stays unsharded from the stage's first backward on "
+                   "(set_reshard_after_backward(False)), and the rank runs forwards after it")
+        elif z == 2:
+            why = "ZeRO-2: not resharded after forward"
+        else:
+            why = (f"ZeRO-3 not resharded after forward (policy {plan.reshard_policy}"
+                   + (": the default under pipelining" if plan.pipelined and plan.reshard_policy == "default" else "")
+                   + "): every unit gathered between forward and backward")
+        how = (f"{pd} B × Ψ = {pd} × {psi:,}" if not plan.float8_all_gather
+               else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
+        T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
+              kind="fsdp_unsharded_params")
     if z in (2, 3):
-        T.add("comm_buffers", "all-gather output of one unit (largest)", pd * largest, f"{pd} B × {largest:,}",
+        T.add("comm_buffers", "all-gather output of one unit (largest)" + f8, two[0], f"{two[0]:,} B",
               kind="all_gather_output")
-    if m > 1:
+    gacc = plan.grad_accumulation_bytes
+    if plan.unsharded_after_first_backward or m > 1:
+        why = ("every microbatch's backward until the schedule's REDUCE_GRAD (set_requires_gradient_sync(False))"
+               if plan.unsharded_after_first_backward else "accumulated unsharded over microbatches without sync")
         T.add("comm_buffers",
-              "FSDP2 unsharded gradients of every unit (accumulated unsharded over microbatches without sync)"
+              f"FSDP2 unsharded gradients of every unit ({why}), in {plan.grad_accumulation_dtype}"
               + (" — adapters only under LoRA" if lora_on else ""),
-              pd * psi_train, f"{pd} B × Ψ{'_lora' if lora_on else ''} = {pd} × {psi_train:,}",
+              gacc * psi_train, f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}",
               kind="fsdp_unsharded_grads")
+        if plan.grad_accumulation_dtype != plan.compute_dtype:
+            # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
+            # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
+            big = max(n for n, _ in train_units)
+            pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+            T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
+                  f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
+                  f"{pgrad} B × largest FSDP unit's trainable elements ({big:,})", kind="fsdp_fresh_grad")
     else:
         big = max(n for n, _ in train_units)
-        T.add("comm_buffers", "reduce-scatter input (one unit's unsharded gradients"
-              + (", adapters only)" if lora_on else ")"), pd * big,
-              f"{pd} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
+        T.add("comm_buffers", f"reduce-scatter input (one unit's unsharded gradients, in {plan.reduce_dtype}"
+              + (", adapters only)" if lora_on else ")"), gacc * big,
+              f"{gacc} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
 
 
 def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc: bool) -> None:
@@ -129,7 +199,7 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     z = par.zero
     if torch_acc and plan.fsdp2 and par.dp > 1:
-        fsdp2_buffers(cfg, rp, T, psi, psi_train, train_units)
+        fsdp2_buffers(cfg, plan, rp, T, psi, psi_train, train_units)
     elif z in (0, 1) and par.dp > 1:
         ddp_buffers(cfg, rp, T, psi_train, torch_acc)
     elif z in (2, 3) and par.shard_degree > 1:

@@ -1,0 +1,124 @@
+"""FSDP2 as torchtitan runs it: reshard policy, FSDP2 under pipelining, float8 all-gather — hand-worked
+bytes on the tiny preset (hidden 128, 8 heads, 4 KV heads, FFN 352, vocabulary 512, SwiGLU, RMSNorm).
+
+One block: norms 2 × 128, q 128·128 = 16,384, k and v 64·128 = 8,192 each, o 16,384, gate / up /
+down 352·128 = 45,056 each: 184,576 elements, of which 184,320 in 7 Linear weights. Embeddings
+512·128 = 65,536. pp = 2: stage 0 holds the embeddings + 4 blocks (Ψ = 803,840).
+"""
+
+import pytest
+
+from engine import Config
+from engine.memory import memory_per_rank
+from engine.step import step_time
+
+BLOCK, LINEAR, EMB = 184_576, 184_320, 65_536
+STAGE0 = EMB + 4 * BLOCK
+
+
+def cfg(dp=2, pp=2, zero=3, m=4, reshard="default", grad="bf16", float8="none", f8ag=False, schedule="1F1B"):
+    return Config.from_dict({
+        "model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": dp * pp},
+        "parallel": {"dp": dp, "pp": pp, "zero": zero, "microbatches": m, "schedule": schedule,
+                     "fsdp_reshard_after_forward": reshard},
+        "training": {"precision": "bf16-mixed", "grad_dtype": grad, "float8": float8, "float8_all_gather": f8ag}})
+
+
+def term(c, kind, rank=0):
+    found = [t for t in memory_per_rank(c).per_rank[rank].explain("comm_buffers") if t.kind == kind]
+    assert len(found) == 1, [t.kind for t in memory_per_rank(c).per_rank[rank].explain("comm_buffers")]
+    return found[0]
+
+
+def test_zero3_pp2_default_holds_every_unit_always_reshards():
+    # m = 2 = p − r on pp-rank 0 of 1F1B: both forwards run before the first backward, so a unit that
+    # reshards after forward is only held current + prefetched at the activation peak
+    assert term(cfg(m=2), "fsdp_unsharded_params").bytes == 2 * STAGE0 == 1_607_680  # default: no reshard under PP
+    assert term(cfg(m=2, reshard="always"), "fsdp_unsharded_params").bytes == 2 * (BLOCK + BLOCK) == 738_304
+    assert term(cfg(m=2, reshard="never"), "fsdp_unsharded_params").bytes == 1_607_680
+    # the all-gather output of the largest unit (a block) either way
+    assert term(cfg(m=2), "all_gather_output").bytes == 2 * BLOCK == 369_152
+
+
+def test_unsharded_after_first_backward():
+    # m = 4 > p − r: rank 0 runs forwards after its first backward, when every unit stays unsharded
+    # (set_reshard_after_backward(False)) even though each resharded after its forward
+    assert term(cfg(m=4, reshard="always"), "fsdp_unsharded_params").bytes == 2 * STAGE0
+    # the last stage runs one forward before its first backward, so it is there too
+    last = term(cfg(m=4, reshard="always"), "fsdp_unsharded_params", rank=2)
+    assert last.bytes == 2 * (4 * BLOCK + 128 + EMB)  # 4 blocks + final norm and head
+    # without pipelining ZeRO-3 "always" holds current + prefetched
+    assert term(cfg(dp=4, pp=1, m=4, reshard="always"), "fsdp_unsharded_params").bytes == 2 * 2 * BLOCK
+
+
+def test_always_gathers_until_the_first_backward():
+    def gathers(c):
+        (item,) = [i for i in step_time(c).comm.per_pp_rank[0].items if "all-gather" in i.what and i.dim == "dp"]
+        return item.calls
+    units = 5  # embeddings + 4 blocks on stage 0
+    assert gathers(cfg(m=4, reshard="always")) == units * (2 + 1)  # 2 forwards before its first B, then that B
+    assert gathers(cfg(m=4)) == units  # default under PP: once per step
+    assert gathers(cfg(dp=4, pp=1, m=4, reshard="always")) == 2 * 4 * 10  # 10 units, forward + backward per microbatch
+
+
+@pytest.mark.parametrize(("grad", "nbytes"), [("bf16", 2), ("fp32", 4)])
+def test_grad_accumulation_dtype(grad, nbytes):
+    t = term(cfg(m=4, grad=grad), "fsdp_unsharded_grads")
+    assert t.bytes == nbytes * STAGE0 and (("fp32" if grad == "fp32" else "bf16") in t.label)
+    # without pipelining, gradient accumulation (m > 1) accumulates in the reduce dtype too
+    assert term(cfg(dp=4, pp=1, m=4, grad=grad), "fsdp_unsharded_grads").bytes == nbytes * (EMB + 8 * BLOCK + 128 + EMB)
+    # m = 1 without pipelining: one unit's reduce-scatter input, in the reduce dtype
+    assert term(cfg(dp=4, pp=1, m=1, grad=grad), "reduce_scatter_input").bytes == nbytes * BLOCK
+
+
+def test_pipelined_fsdp2_accumulates_every_unit_even_with_one_microbatch():
+    c = cfg(m=1, schedule="GPipe", grad="fp32")
+    assert term(c, "fsdp_unsharded_grads").bytes == 4 * STAGE0
+
+
+def test_float8_all_gather_bytes():
+    block8 = 2 * (BLOCK - LINEAR) + LINEAR + 4 * 7  # norms in bf16, 7 Linear weights in 1 B + an fp32 scale
+    assert block8 == 184_860
+    c = cfg(dp=4, pp=1, m=1, float8="tensorwise", f8ag=True)
+    assert term(c, "fsdp_unsharded_params").bytes == 2 * block8  # current + prefetched block
+    assert term(c, "all_gather_output").bytes == block8
+    # every unit: embeddings and norm + head stay in bf16
+    c = cfg(dp=2, pp=2, m=4, float8="tensorwise", f8ag=True)
+    assert term(c, "fsdp_unsharded_params").bytes == 2 * EMB + 4 * block8
+    # float8 without its all-gather gathers bf16
+    assert term(cfg(dp=4, pp=1, m=1, float8="tensorwise"), "all_gather_output").bytes == 2 * BLOCK
+    # FSDP gathers move the same bytes
+    (item,) = [i for i in step_time(c).comm.per_pp_rank[0].items if "all-gather" in i.what and i.dim == "dp"]
+    assert item.calls * item.size_bytes == pytest.approx(2 * EMB + 4 * block8)
+
+
+def test_float8_refused_without_fp8_tensor_cores():
+    from engine import ConfigError
+
+    raw = {"model": {"preset": "tiny"}, "cluster": {"gpu": "a100-80g", "gpus": 1},
+           "training": {"precision": "bf16-mixed", "float8": "rowwise"}}
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(raw)
+    assert any(p.field == "training.float8" and "float8 tensor cores" in p.message for p in err.value.problems)
+    raw["cluster"]["gpu"] = "h100-sxm"
+    assert Config.from_dict(raw).cluster.gpu.peak_fp8_tflops == 1979.0
+
+
+def test_fresh_gradient_beside_a_reduce_dtype_accumulation():
+    # fp32 accumulation of bf16 gradients: the largest unit's bf16 gradient waits for post-backward
+    assert term(cfg(m=4, grad="fp32"), "fsdp_fresh_grad").bytes == 2 * BLOCK
+    assert not [t for t in memory_per_rank(cfg(m=4)).per_rank[0].explain("comm_buffers") if t.kind == "fsdp_fresh_grad"]
+
+
+def test_pipeline_split_flows_into_every_stage_split():
+    from engine.durations import stage_durations
+    from engine.params import params_per_rank
+
+    raw = {"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 4},
+           "parallel": {"pp": 4, "microbatches": 4, "pipeline_split": "torchtitan"}}
+    tt = Config.from_dict(raw)
+    assert [row[0].layers for row in params_per_rank(tt)] == [2, 3, 2, 1]  # split_layers(8, 4, "torchtitan")
+    even = tt.replace(parallel={"pipeline_split": "even"})
+    assert [row[0].layers for row in params_per_rank(even)] == [2, 2, 2, 2]
+    d_tt, d_even = stage_durations(tt), stage_durations(even)
+    assert d_tt.forward_s[1] > d_even.forward_s[1] and d_tt.forward_s[3] < d_even.forward_s[3]
