@@ -18,7 +18,6 @@ k % recompute_every == 0 — with N = 2 the second, fourth, ... block.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch._functorch.partitioners import get_default_op_list
