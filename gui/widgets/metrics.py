@@ -6,7 +6,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
-from PySide6.QtWidgets import QLabel, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from gui.widgets.memory_chart import fmt_bytes
 from gui.widgets.timeline import _fmt_seconds
@@ -197,7 +197,9 @@ class MetricsTable(QWidget):
     """Name/value rows painted directly, values bold and wrapped.
 
     A rich-text QLabel cost ~6 ms per slider move (HTML parsed and laid out again, and its
-    geometry update re-laid out the window); new numbers here only repaint this widget.
+    geometry update re-laid out the window); new numbers here only repaint this widget. It says
+    how tall its rows are for a width (``heightForWidth``), so the scroll area holding it scrolls
+    instead of cutting the last rows off; it asks for a new layout only when that height changes.
     """
 
     def __init__(self, parent=None):
@@ -205,14 +207,45 @@ class MetricsTable(QWidget):
         self.setObjectName("metrics")
         self.rows: list[tuple[str, str]] = []
         self.setMinimumWidth(250)
-        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
+        policy = QSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
+        policy.setHeightForWidth(True)
+        self.setSizePolicy(policy)
         self.bold = QFont(self.font())
         self.bold.setBold(True)
+        self._laid_out: tuple[int, int] = (-1, 0)  # (width, height) of the last layout
 
     def set_rows(self, rows: list[tuple[str, str]]) -> None:
         if rows != self.rows:
             self.rows = list(rows)
+            before = self._laid_out[1]
+            if self._row_heights(self.width())[1] != before:
+                self.updateGeometry()  # a wrapped line more or fewer: the scroll area must know
             self.update()
+
+    def _row_heights(self, width: int) -> tuple[list[tuple[int, int, int]], int]:
+        """(key width, value width, height) per row and the total height, for ``width``."""
+        if not self.rows:
+            return [], 0
+        fm, bfm = self.fontMetrics(), QFontMetrics(self.bold)
+        key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
+        value_w = max(40, width - key_w - 4)
+        wrap = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop | Qt.TextFlag.TextWordWrap
+        out, y = [], 2
+        for _, v in self.rows:
+            h = max(fm.height(), bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height())
+            out.append((key_w, value_w, h))
+            y += h + 3
+        self._laid_out = (width, y)
+        return out, y
+
+    def hasHeightForWidth(self) -> bool:
+        return True
+
+    def heightForWidth(self, width: int) -> int:
+        return self._row_heights(width)[1]
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(250, 0)
 
     def text(self) -> str:
         return "\n".join(f"{k}: {v}" for k, v in self.rows)
@@ -224,15 +257,12 @@ class MetricsTable(QWidget):
         if not self.rows:
             return
         p = QPainter(self)
-        fm, bfm = self.fontMetrics(), QFontMetrics(self.bold)
-        key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
-        value_w = max(40, self.width() - key_w - 4)
         top = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop
         wrap = top | Qt.TextFlag.TextWordWrap
         key_color, value_color = QColor("#555"), self.palette().windowText().color()
         y = 2
-        for k, v in self.rows:
-            h = bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height()
+        layout, _ = self._row_heights(self.width())
+        for (k, v), (key_w, value_w, h) in zip(self.rows, layout):
             p.setFont(self.font())
             p.setPen(key_color)
             p.drawText(QRect(0, y, key_w, h), top, k)
@@ -253,7 +283,12 @@ class MetricsPanel(QWidget):
         title.setObjectName("chartTitle")
         lay.addWidget(title)
         self.table = MetricsTable()
-        lay.addWidget(self.table, 1)
+        self.scroll = QScrollArea()  # rows that do not fit scroll, never get cut off
+        self.scroll.setWidget(self.table)
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        lay.addWidget(self.scroll, 1)
         # the explainer is a separate view; the window places it (a tab)
         self.explainer = QTextBrowser()
         self.explainer.setObjectName("explainer")
