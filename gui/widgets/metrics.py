@@ -213,6 +213,7 @@ class MetricsTable(QWidget):
         self.bold = QFont(self.font())
         self.bold.setBold(True)
         self._laid_out: tuple[int, int] = (-1, 0)  # (width, height) of the last layout
+        self._layout_cache: tuple[int, list, list, int] | None = None  # (width, rows, layout, height)
 
     def set_rows(self, rows: list[tuple[str, str]]) -> None:
         if rows != self.rows:
@@ -226,6 +227,10 @@ class MetricsTable(QWidget):
         """(key width, value width, height) per row and the total height, for ``width``."""
         if not self.rows:
             return [], 0
+        cached = self._layout_cache
+        if cached is not None and cached[0] == width and cached[1] is self.rows:
+            self._laid_out = (width, cached[3])
+            return cached[2], cached[3]
         fm, bfm = self.fontMetrics(), QFontMetrics(self.bold)
         key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
         value_w = max(40, width - key_w - 4)
@@ -236,6 +241,7 @@ class MetricsTable(QWidget):
             out.append((key_w, value_w, h))
             y += h + 3
         self._laid_out = (width, y)
+        self._layout_cache = (width, self.rows, out, y)
         return out, y
 
     def hasHeightForWidth(self) -> bool:
