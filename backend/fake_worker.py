@@ -5,7 +5,7 @@ a fake process group (``FakeStore``, backend "fake": every collective is a no-op
 hallucinates its result) and ``FakeTensorMode`` (tensors carry shapes, dtypes and storage
 sizes, never data), under the PyTorch MemTracker / FSDPMemTracker that the real runs use.
 
-Order (pytorch-notes.md, "Fake-scale"): the model is built on the meta device and TP /
+Order (what works with torch 2.13's fake tensors): the model is built on the meta device and TP /
 recompute / ``fully_shard`` are applied outside the fake mode, exactly as backend.train
 composes them; ``to_empty`` then materialises it inside ``FakeTensorMode(allow_non_fake_inputs=
 True)``. DDP and ZeRO-1 wrap the materialised (fake) module, since they copy parameters into

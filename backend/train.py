@@ -346,7 +346,8 @@ class Trainer:
                 "max_memory_reserved": torch.cuda.max_memory_reserved(self.device)}
 
     def close(self) -> None:
-        """The shutdown that avoids gloo's exit crash (pytorch-notes.md)."""
+        """Barrier, drop the model and optimizer, collect, then destroy the group: a plain
+        ``destroy_process_group()`` lets gloo workers die with SIGABRT after training (4 in 10 runs here)."""
         dist.barrier()
         del self.schedule, self.modules, self.optimizer, self.params
         gc.collect()

@@ -202,7 +202,7 @@ NOTES = """
 
 The engine predicts with `conventions.state_accounting = "pytorch"` (the default): the split of
 params / grads / optimizer that torch's autocast, FSDP2 and ZeroRedundancyOptimizer keep (see
-`engine/memory.py`), and the activations its kernels save. Pipeline p2p receive buffers are real
+`engine/memory/states.py`), and the activations its kernels save. Pipeline p2p receive buffers are real
 memory that PyTorch's MemTracker never sees (allocated in the first step, before the measuring
 step's tracker), so the backend adds them to measured `comm_buffers` from the PipelineStage's
 own buffers, like DDP's buckets; the engine counts them there and drops the stage input (the

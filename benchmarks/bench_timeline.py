@@ -1,6 +1,6 @@
 """Timeline simulation speed: the GUI redraws the pipeline while a slider moves.
 
-Goals (issue 4): 8 stages × 32 microbatches in about 1 ms; 64 × 512 well under 100 ms.
+Goals: 8 stages × 32 microbatches in about 1 ms; 64 × 512 well under 100 ms.
 Prints medians; asserts nothing (timing is machine-dependent).
 
     .venv/bin/python benchmarks/bench_timeline.py [--repeat N]

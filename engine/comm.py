@@ -1,7 +1,7 @@
 """Communication per step: bytes and seconds, per rank and per parallel dimension.
 
 Collective times follow the ring alpha-beta model with the nccl-tests bus-bandwidth
-factors (PERFORMANCE.md)::
+factors (NVIDIA nccl-tests, doc/PERFORMANCE.md in that repository)::
 
     all-reduce                               2(n-1)·α + 2(n-1)/n · S/B
     reduce-scatter / all-gather / all-to-all  (n-1)·α +  (n-1)/n · S/B

@@ -20,6 +20,9 @@ File format (the product's public contract; keys may be added, never renamed)::
                  finetune ("full" | "lora"), lora_rank, lora_alpha,
                  lora_targets ("attention" | "mlp" | "all"), lora_base_dtype ("fp32" | "bf16" | "nf4")
     [conventions] the switchable conventions (overhead lines, bucket size, bubble, ...)
+
+Every numeric field has a documented range (``FIELD_RANGES``: the bound and where it comes
+from); a value outside it is a problem that names the field and the range.
 """
 
 from __future__ import annotations
@@ -229,7 +232,7 @@ class Conventions:
     # How model states split into params / grads / optimizer (names.STATE_ACCOUNTINGS).
     # "pytorch" (default): what torch's autocast, FSDP2 and ZeroRedundancyOptimizer actually
     # keep — the product promises predicted-vs-measured agreement with PyTorch, and the backend
-    # runs exactly those APIs. "zero-paper": the ZeRO paper's 2 + 2 + 12 split (issue 3's checks).
+    # runs exactly those APIs. "zero-paper": the ZeRO paper's 2 + 2 + 12 split (the calculators' and papers' split).
     state_accounting: str = "pytorch"
 
 
@@ -352,6 +355,137 @@ class Config:
 _SECTIONS = ("model", "cluster", "parallel", "training", "conventions")
 
 
+# --------------------------------------------------------------------------- ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of one numeric field: ``lo … hi``, either end open or closed.
+
+    ``source`` says where the bound comes from; ``note`` is added to the error message.
+    """
+
+    lo: float
+    hi: float
+    source: str
+    lo_open: bool = False  # the value must be greater than lo (lo itself is not allowed)
+    hi_open: bool = False  # the value must be less than hi
+    note: str = ""
+
+    def contains(self, value: float) -> bool:
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below  # False for NaN
+
+    def describe(self) -> str:
+        lo = f"greater than {_num(self.lo)}" if self.lo_open else _num(self.lo)
+        hi = f"less than {_num(self.hi)}" if self.hi_open else _num(self.hi)
+        return f"{lo} … {hi}"
+
+    def message(self, value: float) -> str:
+        """``allowed: lo … hi`` and which end the value breaks (nothing more for NaN)."""
+        if self.lo_open and not value > self.lo:
+            hint = f"must be greater than {_num(self.lo)}"
+        elif not self.lo_open and value < self.lo:
+            hint = f"must be at least {_num(self.lo)}"
+        elif self.hi_open and not value < self.hi:
+            hint = f"must be less than {_num(self.hi)}"
+        elif not self.hi_open and value > self.hi:
+            hint = f"must be at most {_num(self.hi)}"
+        else:
+            hint = "must be a finite number"
+        note = f" ({self.note})" if self.note else ""
+        return f"allowed: {self.describe()}; {hint}{note}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+_ONE_SECOND_US = 1e6
+_BANDWIDTH = Range(0, 1e5, "NVLink 5 moves 900 GB/s per GPU and direction, an 8×800 Gb/s node 100 GB/s per GPU: "
+                   "100 TB/s is 100× the fastest link", lo_open=True)
+_LATENCY = Range(0, _ONE_SECOND_US, "a round trip across continents is ~100 ms (1e5 µs): one second is 10× that")
+
+#: Every numeric field of a Config (dotted path as in the file) and its allowed values. ``check``
+#: enforces them, the tests read them; each is generous — several times the largest real model or
+#: cluster — and only there to turn a typo (layers = 1000000000) into an error instead of a
+#: prediction that never returns. ``schema_version`` is exact (SCHEMA_VERSION), not a range.
+FIELD_RANGES: dict[str, Range] = {
+    # ---- model: the largest published models are Llama 3 405B (126 layers, hidden 16384, 128
+    # heads, FFN 53248), PaLM 540B (118 layers, hidden 18432, FFN 73728), Megatron 1T (hidden 25600)
+    "model.layers": Range(1, 4096, "DeepNet trained 1000 layers (Wang et al. 2022); LLMs stay under 200"),
+    "model.hidden": Range(1, 131072, "5× the widest published dense model (Megatron-LM 1T, 25600)"),
+    "model.heads": Range(1, 4096, "32× Llama 3 405B's 128 query heads"),
+    "model.kv_heads": Range(1, 4096, "as model.heads (kv_heads divides heads)"),
+    "model.ffn_hidden": Range(1, 1048576, "14× PaLM 540B's FFN (73728)"),
+    "model.vocab": Range(1, 4194304, "16× the largest vocabularies in use (Gemma 256k, mT5 250k)"),
+    "model.seq_len": Range(1, 16777216, "1.6× the longest context released (Llama 4 Scout, 10M tokens)"),
+    "model.dropout": Range(0, 1, "a probability; 1 would drop everything", hi_open=True),
+    # ---- cluster: the largest training clusters announced hold ~200k GPUs (xAI Colossus)
+    "cluster.gpus": Range(1, 1048576, "5× the largest announced cluster (~200k GPUs)"),
+    "cluster.gpus_per_node": Range(1, 1024, "NVL72 racks hold 72 GPUs in one NVLink domain, NVL576 576"),
+    "cluster.intra_node_bandwidth_gb_per_s": _BANDWIDTH,
+    "cluster.inter_node_bandwidth_gb_per_s": _BANDWIDTH,
+    "cluster.intra_node_latency_us": _LATENCY,
+    "cluster.inter_node_latency_us": _LATENCY,
+    "cluster.cpu_cores": Range(0, 65536, "the largest single hosts have under 1000 cores", note="0 = one core per rank"),
+    # ---- cluster.gpu: B200 2250 dense bf16 TFLOP/s and 8 TB/s HBM, B300 / MI355X 288 GB; the
+    # wafer-scale Cerebras WSE-3 125 PFLOP/s and 21 PB/s of on-chip SRAM bandwidth
+    "cluster.gpu.memory_gib": Range(0, 65536, "64 TiB: past any accelerator (288 GB) and any host's RAM for CPU "
+                                    "ranks", lo_open=True),
+    "cluster.gpu.peak_bf16_tflops": Range(0, 1e6, "1 EFLOP/s per device: 8× a Cerebras WSE-3", lo_open=True),
+    "cluster.gpu.peak_fp32_tflops": Range(0, 1e6, "as peak_bf16_tflops", lo_open=True),
+    "cluster.gpu.hbm_bandwidth_gb_per_s": Range(0, 1e8, "100 PB/s: 5× a WSE-3's on-chip SRAM", lo_open=True),
+    "cluster.gpu.runtime_context_gib": Range(0, 1024, "CUDA / ROCm contexts take 0.3–1 GiB"),
+    "cluster.gpu.intra_node_bandwidth_gb_per_s": _BANDWIDTH,
+    "cluster.gpu.inter_node_bandwidth_gb_per_s": _BANDWIDTH,
+    # ---- parallel: degrees are bounded by the cluster (dp, replicate) or by the model (tp divides
+    # heads, pp·virtual_stages ≤ layers), so their bounds are those fields' bounds
+    "parallel.dp": Range(1, 1048576, "as cluster.gpus"),
+    "parallel.tp": Range(1, 4096, "as model.heads (tp divides heads)"),
+    "parallel.pp": Range(1, 4096, "as model.layers (a stage needs a layer)"),
+    "parallel.zero": Range(0, max(names.ZERO_STAGES), "the ZeRO stages",
+                           note="0 (DDP), 1, 2, 3 (FSDP full shard)"),
+    "parallel.replicate": Range(1, 1048576, "as cluster.gpus (replicate divides dp)"),
+    "parallel.virtual_stages": Range(1, 2048, "pp ≥ 2 whenever virtual_stages > 1, and pp·virtual_stages ≤ "
+                                     "model.layers ≤ 4096"),
+    "parallel.microbatches": Range(1, 65536, "gradient accumulation: DeepSeek-V3's 15360-sequence batch on one "
+                                   "replica, ×4"),
+    # ---- training
+    "training.micro_batch_size": Range(1, 65536, "the largest batches trained (LAMB's 64k sequences) on one rank"),
+    "training.lora_rank": Range(1, 131072, "as model.hidden (a rank beyond the adapted dimension is refused too)"),
+    "training.lora_alpha": Range(0, 1e6, "alphas in use are 8–512; rsLoRA-style scales stay far below", lo_open=True,
+                                 note="the adapter scale is alpha / rank"),
+    # ---- conventions
+    "conventions.collective_buffer_mib": Range(0, 65536, "NCCL keeps NCCL_BUFFSIZE (4 MiB) per channel and peer: "
+                                               "tens to hundreds of MiB per communicator"),
+    "conventions.allocator_slack_fraction": Range(0, 1, "a fraction of live tensors", hi_open=True),
+    "conventions.ddp_bucket_mb": Range(0, 4194304, "one bucket for every fp32 gradient of a 1T model is 4e6 MB",
+                                       lo_open=True),
+    "conventions.compute_efficiency": Range(0, 1, "achieved / peak FLOP/s", lo_open=True),
+}
+
+
+def _check_ranges(p: list[Problem], sections: dict[str, Any]) -> set[str]:
+    """Every field of FIELD_RANGES inside its range (and of its type); returns the fields at fault."""
+    bad: set[str] = set()
+    for path, rng in FIELD_RANGES.items():
+        *parents, key = path.split(".")
+        obj = sections[parents[0]]
+        for name in parents[1:]:
+            obj = getattr(obj, name)
+        value = getattr(obj, key)
+        integer = _field_types(type(obj))[key] is int
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            p.append(Problem(path, value, f"must be {'an integer' if integer else 'a number'}; allowed: {rng.describe()}"))
+            bad.add(path)
+        elif not rng.contains(value):
+            p.append(Problem(path, value, rng.message(value)))
+            bad.add(path)
+    return bad
+
+
 # --------------------------------------------------------------------------- rules
 
 
@@ -364,13 +498,6 @@ def _choice(problems: list[Problem], path: str, value: Any, allowed: tuple[str, 
         problems.append(Problem(path, value, f"allowed: {' | '.join(sorted(allowed) if isinstance(allowed, frozenset) else allowed)}"))
 
 
-def _at_least(problems: list[Problem], path: str, value: Any, minimum: float) -> bool:
-    if value < minimum:
-        problems.append(Problem(path, value, f"must be at least {minimum}"))
-        return False
-    return True
-
-
 def check(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -378,13 +505,18 @@ def check(
     training: TrainingSpec,
     conventions: Conventions,
 ) -> list[Problem]:
-    """Every rule a Config must satisfy. Returns all problems found (empty when valid)."""
+    """Every rule a Config must satisfy. Returns all problems found (empty when valid).
+
+    Every numeric field first meets its range in ``FIELD_RANGES``; the rules between fields
+    (divisibility, degrees multiplying to the GPU count, ...) run on the fields that did.
+    """
     p: list[Problem] = []
+    out_of_range = _check_ranges(p, {"model": model, "cluster": cluster, "parallel": parallel, "training": training,
+                                     "conventions": conventions})
 
     # ---- model
-    ok_model = True
-    for key in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
-        ok_model &= _at_least(p, f"model.{key}", getattr(model, key), 1)
+    ok_model = not any(f"model.{k}" in out_of_range for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden",
+                                                      "vocab", "seq_len"))
     if ok_model:
         if model.hidden % model.heads:
             p.append(Problem("model.hidden", model.hidden, f"must be a multiple of model.heads ({model.heads})"))
@@ -400,19 +532,9 @@ def check(
     _choice(p, "model.norm", model.norm, names.NORM_KINDS)
     _choice(p, "model.attention", model.attention, names.ATTENTION_KINDS)
     _choice(p, "model.position", model.position, names.POSITION_KINDS)
-    if not 0.0 <= model.dropout < 1.0:
-        p.append(Problem("model.dropout", model.dropout, "must be in [0, 1)"))
 
     # ---- cluster
-    gpu = cluster.gpu
-    for key in ("memory_gib", "peak_bf16_tflops", "peak_fp32_tflops", "hbm_bandwidth_gb_per_s",
-                "intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s"):
-        if getattr(gpu, key) <= 0:
-            p.append(Problem(f"cluster.gpu.{key}", getattr(gpu, key), "must be greater than 0"))
-    if gpu.runtime_context_gib < 0:
-        p.append(Problem("cluster.gpu.runtime_context_gib", gpu.runtime_context_gib, "must be at least 0"))
-    ok_cluster = _at_least(p, "cluster.gpus", cluster.gpus, 1)
-    ok_cluster &= _at_least(p, "cluster.gpus_per_node", cluster.gpus_per_node, 1)
+    ok_cluster = "cluster.gpus" not in out_of_range and "cluster.gpus_per_node" not in out_of_range
     if ok_cluster and cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
         p.append(
             Problem(
@@ -421,22 +543,11 @@ def check(
                 f"must be a multiple of cluster.gpus_per_node ({cluster.gpus_per_node}) when it spans nodes",
             )
         )
-    for key in ("intra_node_bandwidth_gb_per_s", "inter_node_bandwidth_gb_per_s"):
-        if getattr(cluster, key) <= 0:
-            p.append(Problem(f"cluster.{key}", getattr(cluster, key), "must be greater than 0"))
-    for key in ("intra_node_latency_us", "inter_node_latency_us"):
-        if getattr(cluster, key) < 0:
-            p.append(Problem(f"cluster.{key}", getattr(cluster, key), "must be at least 0"))
-    if cluster.cpu_cores < 0:
-        p.append(Problem("cluster.cpu_cores", cluster.cpu_cores, "must be at least 0 (0 = one core per rank)"))
 
     # ---- parallel
     par = parallel
-    ok_par = True
-    for key in ("dp", "tp", "pp", "virtual_stages", "microbatches", "replicate"):
-        ok_par &= _at_least(p, f"parallel.{key}", getattr(par, key), 1)
-    if par.zero not in names.ZERO_STAGES:
-        p.append(Problem("parallel.zero", par.zero, "allowed: 0 (DDP), 1, 2, 3 (FSDP full shard)"))
+    ok_par = not any(f"parallel.{k}" in out_of_range for k in ("dp", "tp", "pp", "virtual_stages", "microbatches",
+                                                       "replicate", "zero"))
     _choice(p, "parallel.schedule", par.schedule, names.SCHEDULES)
     if ok_par and ok_cluster and par.world_size != cluster.gpus:
         p.append(
@@ -485,7 +596,6 @@ def check(
 
     # ---- training
     t = training
-    _at_least(p, "training.micro_batch_size", t.micro_batch_size, 1)
     _choice(p, "training.precision", t.precision, names.PRECISIONS)
     _choice(p, "training.optimizer", t.optimizer, names.OPTIMIZERS)
     _choice(p, "training.recompute", t.recompute, names.RECOMPUTE_KINDS)
@@ -502,14 +612,6 @@ def check(
         p.append(Problem("conventions.state_accounting", c.state_accounting,
                          "allowed: pytorch (what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep) | "
                          "zero-paper (the ZeRO paper's 2 + 2 + 12 bytes per parameter split)"))
-    if not 0.0 <= c.allocator_slack_fraction < 1.0:
-        p.append(Problem("conventions.allocator_slack_fraction", c.allocator_slack_fraction, "must be in [0, 1)"))
-    if c.ddp_bucket_mb <= 0:
-        p.append(Problem("conventions.ddp_bucket_mb", c.ddp_bucket_mb, "must be greater than 0"))
-    if c.collective_buffer_mib < 0:
-        p.append(Problem("conventions.collective_buffer_mib", c.collective_buffer_mib, "must be at least 0"))
-    if not 0.0 < c.compute_efficiency <= 1.0:
-        p.append(Problem("conventions.compute_efficiency", c.compute_efficiency, "must be in (0, 1]"))
     return p
 
 
@@ -518,12 +620,9 @@ def _check_lora(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: Traini
     _choice(p, "training.finetune", t.finetune, names.FINETUNE_KINDS)
     _choice(p, "training.lora_targets", t.lora_targets, names.LORA_TARGETS)
     _choice(p, "training.lora_base_dtype", t.lora_base_dtype, names.LORA_BASE_DTYPES)
-    _at_least(p, "training.lora_rank", t.lora_rank, 1)
-    if not t.lora_alpha > 0:
-        p.append(Problem("training.lora_alpha", t.lora_alpha, "must be greater than 0 (the adapter scale is alpha / rank)"))
     if t.finetune != "lora":
         return
-    if t.lora_rank >= 1 and t.lora_rank > min(model.hidden, model.ffn_hidden):
+    if isinstance(t.lora_rank, int) and t.lora_rank > min(model.hidden, model.ffn_hidden):
         p.append(Problem("training.lora_rank", t.lora_rank,
                          f"must not exceed the smallest adapted dimension, min(model.hidden, model.ffn_hidden) = "
                          f"{min(model.hidden, model.ffn_hidden)}: a low-rank adapter that is not low rank"))

@@ -5,9 +5,9 @@ THE ADAPTER RULE (what ``peft.LoraConfig(r, lora_alpha, target_modules)`` create
 backend's model; ``sum(p.numel())`` of the trainable parameters must match):
 
 * every adapted Linear ``d_in → d_out`` gets ``lora_A``: an ``r × d_in`` weight and ``lora_B``:
-  a ``d_out × r`` weight, no biases: **r·(d_in + d_out)** parameters. (Issue 10 wrote
-  2·r·(d_in + d_out): that is the *bytes* of the two tensors in a 16-bit dtype, or A and B
-  counted as if both were ``r × (d_in + d_out)``; peft creates r·(d_in + d_out) elements.)
+  a ``d_out × r`` weight, no biases: **r·(d_in + d_out)** parameters. (2·r·(d_in + d_out),
+  sometimes quoted, is the *bytes* of the two tensors in a 16-bit dtype, or A and B counted as if
+  both were ``r × (d_in + d_out)``; peft creates r·(d_in + d_out) elements.)
 * ``training.lora_targets`` (names.LORA_TARGET_MODULES): attention = wq, wk, wv, wo;
   mlp = w1, w3 (SwiGLU only), w2; all = both. Embeddings, norms and the head stay frozen and
   get no adapter. The output is ``W x + (alpha / r) · B A x``.

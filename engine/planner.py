@@ -41,6 +41,16 @@ Speed (branch and bound; the answer is the same as fully evaluating every layout
    by the ZeRO stages) — a tighter bound; if it is still below, the full engine runs
    (``memory_per_rank``; if it fits, ``step_time``). The search stops when the smallest bound
    left exceeds the K-th best step. The final ranking uses only full engine numbers.
+
+Every fitting layout (``all_fitting=True``, for a throughput-against-memory scatter): after the
+top K, every layout that passes the memory lower bound is fully evaluated (``memory_per_rank``,
+then ``step_time`` if it fits), best bound first, and those that fit are returned as
+``PlanResult.fitting`` (``FitPoint``: the layout, tokens/s, peak memory per GPU, whether it is
+on the Pareto front of tokens/s against peak memory). That costs a millisecond or two per
+layout, so the sweep stops after ``fitting_limit`` layouts or ``fitting_seconds`` seconds,
+whichever comes first, and says so (``fitting_stopped``); the top K are always among the points.
+``progress(evaluated, total)`` is called as it goes and ``cancelled()`` is polled (both in the
+search and in the sweep): when it returns True, ``PlanCancelled`` is raised.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ import dataclasses
 import heapq
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -57,7 +68,7 @@ import numpy as np
 
 from engine import names
 from engine.comm import collective_seconds, group_span
-from engine.config import Config, ConfigError, ModelSpec
+from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
 from engine.durations import flops_per_token, stage_durations
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
@@ -72,6 +83,8 @@ MAX_SEQUENCES_PER_GPU = 8
 _SAFETY = 1.0 - 1e-9  # bounds are compared with this margin against float rounding
 _RECOMPUTE = names.RECOMPUTE_KINDS
 _SCHEDULE_INDEX = {s: i for i, s in enumerate(names.SCHEDULES)}
+FITTING_LIMIT = 10_000  # layouts the all-fitting sweep evaluates at most
+FITTING_SECONDS = 30.0  # ... and seconds it spends at most
 
 
 class PlanError(ValueError):
@@ -81,6 +94,10 @@ class PlanError(ValueError):
         super().__init__(f"{argument}: {message}")
         self.argument = argument
         self.message = message
+
+
+class PlanCancelled(Exception):
+    """``plan(..., cancelled=...)`` was told to stop; nothing is returned."""
 
 
 # --------------------------------------------------------------------------- results
@@ -107,11 +124,7 @@ class PlanEntry:
 
     @property
     def layout(self) -> dict[str, Any]:
-        par, tr = self.config.parallel, self.config.training
-        return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
-                "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
-                "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
-                "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+        return _layout_of(self.config)
 
     def label(self) -> str:
         return layout_label(self.config)
@@ -122,6 +135,32 @@ class PlanEntry:
                 "breakdown": self.breakdown, "peak_bytes": self.peak_bytes, "peak_rank": self.peak_rank,
                 "capacity_bytes": self.capacity_bytes, "headroom_bytes": self.headroom_bytes,
                 "why": list(self.why), "config": self.config.to_dict()}
+
+
+@dataclass(frozen=True)
+class FitPoint:
+    """One fitting layout of the all-fitting sweep: the engine's full numbers, lighter than a PlanEntry."""
+
+    config: Config
+    seconds: float
+    tokens_per_s: float
+    mfu: float
+    peak_bytes: int  # the rank that needs the most memory
+    peak_rank: int
+    position: int = 0  # its place in the top K, 0 when it is not in it
+    pareto: bool = False  # no other fitting layout is as fast with less memory, or faster with as little
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        return _layout_of(self.config)
+
+    def label(self) -> str:
+        return layout_label(self.config)
+
+    def to_json(self) -> dict:
+        return {"label": self.label(), "layout": self.layout, "seconds": self.seconds,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "peak_bytes": self.peak_bytes,
+                "peak_rank": self.peak_rank, "position": self.position, "pareto": self.pareto}
 
 
 @dataclass(frozen=True)
@@ -156,17 +195,75 @@ class PlanResult:
     elapsed_s: float
     exhaustive: bool = False  # True: every layout was fully evaluated (no pruning)
     notes: tuple[str, ...] = field(default=())
+    # the all-fitting sweep (all_fitting=True); empty otherwise
+    all_fitting: bool = False
+    fitting: tuple[FitPoint, ...] = ()  # fastest first; the top K are among them
+    fitting_candidates: int = 0  # layouts that pass the memory lower bound (what the sweep would evaluate)
+    fitting_evaluated: int = 0  # ... of which the sweep fully evaluated this many
+    fitting_stopped: str = ""  # why the sweep stopped early ('' = it evaluated every candidate)
+    base: Config | None = None  # the config every layout is made from (layout_config(base, layout))
 
     @property
     def best(self) -> PlanEntry | None:
         return self.entries[0] if self.entries else None
 
     def to_json(self) -> dict:
-        return {"model": self.model, "gpus": self.gpus, "gpu": self.gpu, "gpus_per_node": self.gpus_per_node,
-                "global_batch": self.global_batch, "tokens_per_step": self.tokens_per_step,
-                "capacity_bytes": self.capacity_bytes, "elapsed_s": self.elapsed_s,
-                "exhaustive": self.exhaustive, "counts": self.counts.to_json(), "notes": list(self.notes),
-                "entries": [e.to_json() for e in self.entries]}
+        out = {"model": self.model, "gpus": self.gpus, "gpu": self.gpu, "gpus_per_node": self.gpus_per_node,
+               "global_batch": self.global_batch, "tokens_per_step": self.tokens_per_step,
+               "capacity_bytes": self.capacity_bytes, "elapsed_s": self.elapsed_s,
+               "exhaustive": self.exhaustive, "counts": self.counts.to_json(), "notes": list(self.notes),
+               "entries": [e.to_json() for e in self.entries]}
+        if self.all_fitting:
+            out["fitting"] = {"candidates": self.fitting_candidates, "evaluated": self.fitting_evaluated,
+                              "stopped": self.fitting_stopped, "points": [p.to_json() for p in self.fitting]}
+            out["base_config"] = self.base.to_dict() if self.base is not None else None
+        return out
+
+
+def _layout_of(cfg: Config) -> dict[str, Any]:
+    par, tr = cfg.parallel, cfg.training
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
+            "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
+            "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
+            "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "sequence_parallel", "schedule", "virtual_stages", "microbatches",
+               "micro_batch_size", "recompute")
+
+
+def layout_config(base: Config, layout: dict[str, Any]) -> Config:
+    """The Config of a planner layout (``PlanEntry.layout`` / ``FitPoint.layout`` / their JSON) on ``base``
+    (``PlanResult.base``): the same Config the planner evaluated. Raises ConfigError if it is not valid."""
+    missing = [k for k in LAYOUT_KEYS if k not in layout]
+    if missing:
+        raise PlanError("layout", f"missing {', '.join(missing)}; a layout has {', '.join(LAYOUT_KEYS)}")
+    return base.replace(
+        parallel={"dp": layout["dp"], "tp": layout["tp"], "pp": layout["pp"], "zero": layout["zero"],
+                  "sequence_parallel": layout["sequence_parallel"], "schedule": layout["schedule"] or "1F1B",
+                  "virtual_stages": layout["virtual_stages"], "microbatches": layout["microbatches"]},
+        training={"micro_batch_size": layout["micro_batch_size"], "recompute": layout["recompute"]})
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
+    """For (tokens_per_s, peak_bytes) pairs: True where no other point is at least as fast with at most as
+    much memory and strictly better in one (higher tokens/s is better, lower peak memory is better)."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][1], -points[i][0]))
+    out = [False] * len(points)
+    best_speed = -math.inf  # the fastest point seen with strictly less (or equal, earlier) memory
+    k = 0
+    while k < len(order):
+        j = k  # a run of equal peak memory: only its fastest can be on the front
+        while j < len(order) and points[order[j]][1] == points[order[k]][1]:
+            j += 1
+        top = points[order[k]][0]
+        if top > best_speed:
+            for t in range(k, j):
+                if points[order[t]][0] == top:
+                    out[order[t]] = True
+            best_speed = top
+        k = j
+    return out
 
 
 def layout_label(cfg: Config) -> str:
@@ -223,6 +320,22 @@ def _base_config(model: ModelSpec | str, gpus: int, gpu: str, gpus_per_node: int
         arg = next((a for f, a in field_to_arg.items() if prob.field.startswith(f)), prob.field)
         raise PlanError(arg, "; ".join(str(p) for p in exc.problems)) from None
     return base
+
+
+def _config_base(cfg: Config) -> Config:
+    """The starting point for planning a Config's job: its model, cluster (links included), training
+    and conventions; the parallel layout back to its defaults with dp = gpus."""
+    if not isinstance(cfg, Config):
+        raise PlanError("config", f"must be an engine Config, got {type(cfg).__name__}")
+    if cfg.training.finetune != "full":
+        raise PlanError("training", "the planner searches full fine-tuning layouts only; its pruning bounds "
+                                    "do not hold for LoRA (predict a LoRA config with shardscope predict)")
+    parallel = dataclasses.asdict(ParallelSpec())
+    parallel["dp"] = cfg.cluster.gpus
+    try:
+        return cfg.replace(parallel=parallel, training={"micro_batch_size": 1, "recompute": "none"})
+    except ConfigError as exc:
+        raise PlanError("config", "; ".join(str(p) for p in exc.problems)) from None
 
 
 def _divisors(n: int) -> list[int]:
@@ -568,17 +681,52 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
          top: int = 10, global_batch: int | None = None, zero: tuple[int, ...] = (0, 1, 2, 3),
          schedules: tuple[str, ...] = names.SCHEDULES, recompute: tuple[str, ...] = names.RECOMPUTE_KINDS,
          max_virtual_stages: int = 8, micro_batch_sizes: tuple[int, ...] | None = None,
-         training: dict | None = None, conventions: dict | None = None, exhaustive: bool = False) -> PlanResult:
+         training: dict | None = None, conventions: dict | None = None, exhaustive: bool = False,
+         all_fitting: bool = False, fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
+         progress: Callable[[int, int], None] | None = None,
+         cancelled: Callable[[], bool] | None = None) -> PlanResult:
     """The ``top`` fastest layouts of ``model`` on ``gpus`` GPUs that are valid and fit.
 
     ``model`` is a preset name or a ModelSpec; ``gpu`` a GPU preset; ``global_batch`` the
     sequences per step every layout trains (default: ``default_global_batch``). ``training``
     and ``conventions`` are Config tables applied to every layout (precision, optimizer, …).
     ``exhaustive=True`` fully evaluates every layout (no pruning; for checking and benchmarks).
+    ``all_fitting=True`` also fully evaluates every layout that passes the memory lower bound
+    (at most ``fitting_limit`` layouts / ``fitting_seconds`` s, best bound first) and returns
+    the fitting ones as ``PlanResult.fitting``, with ``progress(evaluated, total)`` as it goes;
+    ``cancelled()`` returning True stops the search with ``PlanCancelled``.
     Raises PlanError naming the argument at fault.
     """
     t0 = time.perf_counter()
     base = _base_config(model, gpus, gpu, gpus_per_node, training, conventions)
+    return _plan(t0, base, top=top, global_batch=global_batch, zero=zero, schedules=schedules, recompute=recompute,
+                 max_virtual_stages=max_virtual_stages, micro_batch_sizes=micro_batch_sizes, exhaustive=exhaustive,
+                 all_fitting=all_fitting, fitting_limit=fitting_limit, fitting_seconds=fitting_seconds,
+                 progress=progress, cancelled=cancelled)
+
+
+def plan_config(cfg: Config, **options: Any) -> PlanResult:
+    """``plan`` for the job of a Config: its model (preset or custom), its cluster as it is (GPU kind,
+    count, GPUs per node and links), its training table (precision, optimizer, …) and conventions.
+    The parallel layout, micro-batch size and recompute are what is searched, so the Config's own
+    are ignored. ``options``: ``plan``'s keyword arguments (``top``, ``global_batch``, ``all_fitting``, …)."""
+    t0 = time.perf_counter()
+    allowed = {"top", "global_batch", "zero", "schedules", "recompute", "max_virtual_stages", "micro_batch_sizes",
+               "exhaustive", "all_fitting", "fitting_limit", "fitting_seconds", "progress", "cancelled"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise PlanError(unknown[0], f"unknown option; allowed: {', '.join(sorted(allowed))}")
+    return _plan(t0, _config_base(cfg), **options)
+
+
+def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = None,
+          zero: tuple[int, ...] = (0, 1, 2, 3), schedules: tuple[str, ...] = names.SCHEDULES,
+          recompute: tuple[str, ...] = names.RECOMPUTE_KINDS, max_virtual_stages: int = 8,
+          micro_batch_sizes: tuple[int, ...] | None = None, exhaustive: bool = False, all_fitting: bool = False,
+          fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
+          progress: Callable[[int, int], None] | None = None,
+          cancelled: Callable[[], bool] | None = None) -> PlanResult:
+    gpus, gpus_per_node = base.cluster.gpus, base.cluster.gpus_per_node
     if not isinstance(top, int) or top < 1:
         raise PlanError("top", f"must be a whole number ≥ 1, got {top!r}")
     G = default_global_batch(gpus, base.model.seq_len) if global_batch is None else global_batch
@@ -595,6 +743,11 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
         raise PlanError("recompute", f"allowed: {' | '.join(names.RECOMPUTE_KINDS)}; got {list(recompute)}")
     if max_virtual_stages < 1:
         raise PlanError("max_virtual_stages", f"must be ≥ 1, got {max_virtual_stages}")
+    if all_fitting:
+        if not isinstance(fitting_limit, int) or isinstance(fitting_limit, bool) or fitting_limit < 1:
+            raise PlanError("fitting_limit", f"must be a whole number ≥ 1, got {fitting_limit!r}")
+        if not isinstance(fitting_seconds, int | float) or not fitting_seconds > 0:
+            raise PlanError("fitting_seconds", f"must be a number of seconds > 0, got {fitting_seconds!r}")
 
     pl = _Planner(base, G, tuple(zero), tuple(schedules), tuple(recompute), max_virtual_stages,
                   None if micro_batch_sizes is None else tuple(micro_batch_sizes))
@@ -612,11 +765,14 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
     simulated = evaluated = no_fit = invalid = timed = 0
     heap: list[tuple[float, int, Config]] = []  # (tighter bound, i, cfg)
     ptr = 0
+    seen: dict[int, tuple] | None = {} if all_fitting else None  # i -> (cfg, memory, step or None)
 
     def kth() -> float:
         return best[top - 1][0] if len(best) >= top else math.inf
 
     while True:
+        if cancelled is not None and cancelled():
+            raise PlanCancelled("cancelled while searching the top layouts")
         next0 = bound0[idx[ptr]] if ptr < len(idx) else math.inf
         next1 = heap[0][0] if heap else math.inf
         if not exhaustive and min(next0, next1) > kth():
@@ -645,9 +801,13 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
         mem = memory_per_rank(cfg)
         if not mem.fits:
             no_fit += 1
+            if seen is not None:
+                seen[i] = (cfg, mem, None)
             continue
         timed += 1
         st = step_time(cfg)
+        if seen is not None:
+            seen[i] = (cfg, mem, st)
         entry = (st.seconds, _key(g, i), i, cfg, st, mem)
         if len(best) < top or (entry[0], entry[1]) < (best[-1][0], best[-1][1]):
             best.append(entry)
@@ -657,6 +817,9 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
     counts.update(pruned_by_time_bound=pruned, pipelines_simulated=simulated, fully_evaluated=evaluated,
                   did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=timed)
     entries = _explain(best, capacity)
+    sweep: dict[str, Any] = {}
+    if all_fitting:
+        sweep = _sweep_fitting(pl, g, idx, best, seen, fitting_limit, float(fitting_seconds), progress, cancelled)
     notes = (
         f"every layout trains the same global batch: {G} sequences × {base.model.seq_len} tokens "
         f"= {G * base.model.seq_len:,} tokens per step (--global-batch changes it)",
@@ -665,10 +828,65 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
         "time = engine.step (makespan with TP collectives inside F/B + exposed DP communication + optimizer); "
         "fit = engine.memory on every rank against cluster.gpu.memory_gib",
     )
+    if all_fitting:
+        notes += (sweep.pop("note"),)
     return PlanResult(model=base.model.preset or "custom", gpus=gpus, gpu=base.cluster.gpu.name,
                       gpus_per_node=gpus_per_node, global_batch=G, tokens_per_step=G * base.model.seq_len,
                       capacity_bytes=capacity, entries=entries, counts=PlanCounts(**counts),
-                      elapsed_s=time.perf_counter() - t0, exhaustive=exhaustive, notes=notes)
+                      elapsed_s=time.perf_counter() - t0, exhaustive=exhaustive, notes=notes,
+                      all_fitting=all_fitting, base=base, **sweep)
+
+
+def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: dict[int, tuple],
+                   limit: int, seconds: float, progress: Callable[[int, int], None] | None,
+                   cancelled: Callable[[], bool] | None) -> dict[str, Any]:
+    """Fully evaluate the layouts that pass the memory bound, best bound first, within the limits;
+    reuse what the search already evaluated; the top K are always among the fitting points."""
+    t0 = time.perf_counter()
+    total = min(len(idx), limit)
+    found: dict[int, tuple] = {}  # i -> (seconds, key, cfg, step, memory)
+    evaluated = 0
+    stopped = ""
+    if progress is not None:
+        progress(0, total)
+    for k, i in enumerate(idx.tolist()):
+        if cancelled is not None and cancelled():
+            raise PlanCancelled("cancelled while evaluating every fitting layout")
+        if k >= limit:
+            stopped = f"stopped after {limit:,} layouts (the limit)"
+            break
+        if time.perf_counter() - t0 > seconds:
+            stopped = f"stopped after {seconds:g} s (the time limit)"
+            break
+        hit = seen.get(i)
+        if hit is None:
+            try:
+                cfg = pl.config(g, i)
+            except ConfigError:
+                continue
+            mem = memory_per_rank(cfg)
+            st = step_time(cfg) if mem.fits else None
+        else:
+            cfg, mem, st = hit
+        evaluated += 1
+        if st is not None:
+            found[i] = (st.seconds, _key(g, i), cfg, st, mem)
+        if progress is not None:
+            progress(evaluated, total)
+    for seconds_, key, i, cfg, st, mem in best:  # the top K, even where the sweep stopped before them
+        found.setdefault(i, (seconds_, key, cfg, st, mem))
+    position = {e[2]: pos for pos, e in enumerate(best, start=1)}
+    rows = sorted(found.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+    front = pareto_front([(r[3].tokens_per_s, r[4].peak.total) for _, r in rows])
+    points = tuple(FitPoint(config=cfg, seconds=sec, tokens_per_s=st.tokens_per_s, mfu=st.mfu,
+                            peak_bytes=mem.peak.total, peak_rank=mem.peak.rank, position=position.get(i, 0),
+                            pareto=on)
+                   for (i, (sec, _key_, cfg, st, mem)), on in zip(rows, front))
+    note = (f"every fitting layout: {evaluated:,} of {len(idx):,} layouts that pass the memory bound fully "
+            f"evaluated, best bound first; {len(points):,} fit (the top {len(best)} always among them)"
+            + (f"; {stopped}" if stopped else "") + f" ({time.perf_counter() - t0:.1f} s)")
+    return {"fitting": points, "fitting_candidates": len(idx), "fitting_evaluated": evaluated,
+            "fitting_stopped": stopped, "note": note}
 
 
 # --------------------------------------------------------------------------- why
@@ -758,21 +976,90 @@ def render_table(result: PlanResult) -> str:
 
 
 def plan_cli(args) -> int:
-    """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2."""
+    """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2.
+
+    ``--config CFG`` plans that config's job instead of ``--model``/``--gpus``/``--gpu``/``--gpus-per-node``. ``--all-fitting`` adds every fitting layout
+    (``fitting`` and ``base_config`` in the JSON). ``--progress`` writes JSON lines instead:
+    ``{"event": "progress", "phase": "top" | "fitting", "evaluated": k, "total": n}`` as the search
+    goes (at most ten a second), then ``{"event": "result", "result": {...}}`` (or
+    ``{"event": "error", "argument": ..., "message": ...}``).
+    """
     import json
     import sys
+    from pathlib import Path
 
-    kwargs = {}
+    def usage(message: str) -> int:
+        print(f"shardscope plan: {message}", file=sys.stderr)
+        return 2
+
+    base = None
+    config = getattr(args, "config", None)
+    if config is not None:
+        given = [flag for flag, name in (("--model", "model"), ("--gpus", "gpus"), ("--gpu", "gpu"),
+                                         ("--gpus-per-node", "gpus_per_node")) if getattr(args, name, None) is not None]
+        if given:
+            return usage(f"--config takes the model and the cluster from the config; leave out {', '.join(given)}")
+        if not Path(config).is_file():
+            return usage(f"--config: config file not found: {config}")
+        try:
+            base = Config.load(config)
+        except (ConfigError, OSError, ValueError) as exc:
+            return usage(f"--config {config}: {exc}")
+    else:
+        missing = [flag for flag, name in (("--model", "model"), ("--gpus", "gpus")) if getattr(args, name, None) is None]
+        if missing:
+            return usage(f"needs {' and '.join(missing)} (or --config CFG)")
+        args.gpu = "h100-sxm" if getattr(args, "gpu", None) is None else args.gpu
+        args.gpus_per_node = 8 if getattr(args, "gpus_per_node", None) is None else args.gpus_per_node
+    all_fitting = bool(getattr(args, "all_fitting", False))
+    limits = [getattr(args, name, None) for name in ("fitting_limit", "fitting_seconds")]
+    if any(v is not None for v in limits) and not all_fitting:
+        return usage("--fitting-limit and --fitting-seconds limit --all-fitting; add --all-fitting")
+    stream = bool(getattr(args, "progress", False))
+    if stream and not args.json:
+        return usage("--progress writes JSON lines; add --json")
+
+    kwargs: dict[str, Any] = {}
     for name in ("global_batch", "max_virtual_stages"):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
+    if all_fitting:
+        kwargs["all_fitting"] = True
+        for name in ("fitting_limit", "fitting_seconds"):
+            value = getattr(args, name, None)
+            if value is not None:
+                kwargs[name] = value
+    last = [0.0]
+
+    def emit(event: dict) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    if stream:
+        def progress(evaluated: int, total: int) -> None:
+            now = time.perf_counter()
+            if evaluated in (0, total) or now - last[0] >= 0.1:
+                last[0] = now
+                emit({"event": "progress", "phase": "fitting", "evaluated": evaluated, "total": total})
+
+        kwargs["progress"] = progress
+        emit({"event": "progress", "phase": "top", "evaluated": 0, "total": 0})
     try:
-        result = plan(args.model, args.gpus, args.gpu, args.gpus_per_node, top=args.top, **kwargs)
+        if base is not None:
+            result = plan_config(base, top=args.top, **kwargs)
+        else:
+            result = plan(args.model, args.gpus, args.gpu, args.gpus_per_node, top=args.top, **kwargs)
     except PlanError as exc:
-        print(f"shardscope plan: --{exc.argument.replace('_', '-')}: {exc.message}", file=sys.stderr)
+        flag = "--config" if exc.argument in ("config", "training") and base is not None else \
+            f"--{exc.argument.replace('_', '-')}"
+        if stream:
+            emit({"event": "error", "argument": exc.argument, "message": f"{flag}: {exc.message}"})
+        print(f"shardscope plan: {flag}: {exc.message}", file=sys.stderr)
         return 2
-    if args.json:
+    if stream:
+        emit({"event": "result", "result": result.to_json()})
+    elif args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
         print(render_table(result))

@@ -255,6 +255,14 @@ def cmd_gui(args: argparse.Namespace) -> int:
         raise CliError("no display to open the window on (DISPLAY and WAYLAND_DISPLAY are unset): run it in a "
                        "desktop session or under xvfb-run, or use the command line (shardscope --help) or "
                        "shardscope gui --screenshot OUT.png")
+    if not getattr(args, "screenshot", None):
+        import os
+
+        from gui.platform_check import xcb_problem
+
+        problem = xcb_problem(dict(os.environ))
+        if problem:  # Qt would abort with "no Qt platform plugin could be initialized"
+            raise CliError(problem)
     from gui.app import run_app
 
     return run_app(config_path=getattr(args, "config", None), screenshot=getattr(args, "screenshot", None))
@@ -331,18 +339,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the measurement and the comparison as JSON")
     p.set_defaults(func=cmd_measure)
 
-    p = sub.add_parser("plan", help="rank every valid layout of a model on N GPUs by predicted throughput")
-    p.add_argument("--model", required=True, help="a model preset")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpu", default="h100-sxm", help="a GPU preset")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p = sub.add_parser("plan", help="rank every valid layout of a model on N GPUs by predicted throughput",
+                       description="Rank every valid layout of a model on N GPUs by predicted throughput. "
+                                   "Give --model and --gpus (and --gpu, --gpus-per-node), or --config CFG.")
+    p.add_argument("--model", help="a model preset (required without --config)")
+    p.add_argument("--gpus", type=int, help="the GPU count (required without --config)")
+    p.add_argument("--gpu", help="a GPU preset (default h100-sxm)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    p.add_argument("--config", metavar="CFG",
+                   help="plan this config's job instead: its model (preset or custom), its cluster as it is "
+                        "(GPU kind, count, GPUs per node, links), its precision, optimizer and conventions; "
+                        "its own layout, micro-batch size and recompute are what is searched")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
                    help="sequences per step, the same for every layout (default: about 4 Mi tokens, "
                         "a multiple of --gpus, at most 8 per GPU)")
     p.add_argument("--max-virtual-stages", type=int, default=8, metavar="V",
                    help="largest virtual stages per rank tried for the interleaved schedules (default 8)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the result as one JSON document")
+    p.add_argument("--all-fitting", action="store_true",
+                   help="also fully evaluate every layout that passes the memory lower bound, best bound first, "
+                        "and list those that fit with the Pareto front of tokens/s against peak memory per GPU "
+                        "(JSON: \"fitting\" and \"base_config\"; the table shows the count)")
+    p.add_argument("--fitting-limit", type=int, metavar="N",
+                   help="--all-fitting evaluates at most N layouts (default 10000)")
+    p.add_argument("--fitting-seconds", type=float, metavar="S",
+                   help="--all-fitting stops after S seconds (default 30)")
+    p.add_argument("--progress", action="store_true",
+                   help="with --json: JSON lines, {\"event\": \"progress\", \"phase\", \"evaluated\", \"total\"} "
+                        "as the search goes, then {\"event\": \"result\", \"result\": {...}} "
+                        "(or {\"event\": \"error\", ...})")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="measure this machine: collectives' latency and bandwidth and the "

@@ -22,6 +22,7 @@ from gui.state import State
 from gui.widgets.controls import ControlsPanel
 from gui.widgets.memory_chart import MemoryChart
 from gui.widgets.metrics import MetricsPanel
+from gui.widgets.planner_panel import PlannerPanel
 from gui.widgets.run_panel import RunPanel
 from gui.widgets.scaling import ScalingView
 from gui.widgets.timeline import TimelineView
@@ -62,6 +63,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.run_panel, "Run && compare")
         self.tabs.addTab(self.metrics.explainer, "Strategies explained")
         self.tabs.addTab(self.scaling, "DataParallel vs DDP")
+        self.planner = PlannerPanel(state)
+        self.tabs.addTab(self.planner, "Planner")
         self._dp_mode = state.config.parallel.dp_mode
         middle = QSplitter(Qt.Orientation.Vertical)
         middle.setObjectName("middleSplitter")

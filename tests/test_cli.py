@@ -72,3 +72,21 @@ def test_no_display_is_a_clear_message_not_a_qt_abort():
     out = subprocess.run([sys.executable, "-m", "gui.cli"], capture_output=True, text=True, cwd=ROOT,
                          timeout=60, env=env)
     assert out.returncode == 2 and "no display" in out.stderr and "xvfb-run" in out.stderr
+
+
+def test_missing_qt_system_libraries_are_named_with_the_install_command():
+    """On an X display without the libraries Qt's xcb plugin needs, the first command says what to install
+    (instead of Qt's abort). The project's machines lack libxcb-icccm4 and libxcb-keysyms1."""
+    import os
+
+    from gui.platform_check import install_command, missing_libraries
+
+    missing = missing_libraries()
+    if not missing:
+        pytest.skip("every library of Qt's xcb plugin is installed here")
+    env = {k: v for k, v in os.environ.items() if k not in ("WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    env["DISPLAY"] = ":97"  # a display Qt would try; nothing listens there, and nothing needs to
+    out = subprocess.run([sys.executable, "-m", "gui.cli"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60, env=env)
+    assert out.returncode == 2, out.stderr
+    assert install_command(missing) in out.stderr and "Traceback" not in out.stderr

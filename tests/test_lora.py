@@ -28,7 +28,7 @@ def tiny(**training):
 def test_adapter_count_is_r_times_din_plus_dout_per_linear():
     """peft's lora_A is r × d_in and lora_B is d_out × r: r·(d_in + d_out) elements per adapted Linear.
 
-    Issue 10 wrote 2·r·(d_in + d_out): that is the bytes of both tensors in a 16-bit dtype, not their
+    2·r·(d_in + d_out), sometimes quoted, is the bytes of both tensors in a 16-bit dtype, not their
     element count (tests/test_lora_backend.py counts what peft really creates on our model).
     """
     model = default_config().model

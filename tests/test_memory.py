@@ -3,15 +3,15 @@
 import pytest
 
 from engine import MEMORY_CATEGORIES, Config, ConfigError
+from engine.family import largest_fitting_model
 from engine.memory import (
     activation_bytes_per_layer,
     activation_terms_per_layer,
-    largest_fitting_model,
     memory_per_rank,
 )
 from engine.params import param_counts
 
-# Issue 3's hand-worked checks are the published accountings (ZeRO paper, Korthikanti Table 2):
+# The hand-worked checks below are the published accountings (ZeRO paper, Korthikanti Table 2):
 # pinned to "zero-paper". What torch keeps ("pytorch", the default) is tests/test_memory_pytorch.py.
 NO_OVERHEAD = {"runtime_context": False, "collective_buffers": False, "state_accounting": "zero-paper"}
 

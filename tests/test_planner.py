@@ -232,3 +232,187 @@ def test_shared_in_flight_counts_match_a_fresh_replay():
     warm = bounds()
     for a, b in zip(cold, warm):
         np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- every fitting layout
+
+
+def test_all_fitting_is_every_layout_that_fits(small_case):
+    """Uncapped, the sweep returns exactly the layouts the engine says fit, with the engine's numbers."""
+    from engine.planner import layout_config
+
+    kw, rows = small_case
+    result = plan(**kw, top=5, all_fitting=True)
+    fits = {r["cfg"]: r for r in rows if r["fits"]}
+    assert result.fitting_stopped == "" and result.fitting_evaluated == result.fitting_candidates
+    assert result.fitting_candidates == len(rows) - result.counts.memory_bound_rejected
+    assert len(result.fitting) == len(fits) and {p.config for p in result.fitting} == set(fits)
+    for p in result.fitting:
+        r = fits[p.config]
+        assert p.seconds == r["seconds"] and p.peak_bytes == r["peak"] <= result.capacity_bytes
+        assert p.config.global_batch_size == result.global_batch
+        assert layout_config(result.base, p.layout) == p.config  # what the GUI rebuilds from the JSON
+    secs = [p.seconds for p in result.fitting]
+    assert secs == sorted(secs)
+    # the top K are among them, with their positions, and the top K is the default path's
+    assert [p.config for p in result.fitting if p.position] == [e.config for e in result.entries]
+    assert [p.position for p in result.fitting if p.position] == [1, 2, 3, 4, 5]
+    assert [e.config for e in result.entries] == [e.config for e in plan(**kw, top=5).entries]
+
+
+def _assert_pareto(points):
+    speed = np.array([p.tokens_per_s for p in points])
+    peak = np.array([p.peak_bytes for p in points])
+    front = np.array([p.pareto for p in points])
+    assert front.any()
+    # dominated[i]: some point at least as fast with at most as much memory, strictly better in one
+    ge = (speed[None, :] >= speed[:, None]) & (peak[None, :] <= peak[:, None])
+    strict = (speed[None, :] > speed[:, None]) | (peak[None, :] < peak[:, None])
+    dominated = (ge & strict).any(axis=1)
+    np.testing.assert_array_equal(front, ~dominated)  # the front is every non-dominated point, and only those
+
+
+def test_pareto_front_is_the_non_dominated_points(small_case):
+    kw, _ = small_case
+    result = plan(**kw, top=3, all_fitting=True)
+    _assert_pareto(result.fitting)
+    fastest = [p for p in result.fitting if p.tokens_per_s == result.fitting[0].tokens_per_s]
+    assert min(fastest, key=lambda p: p.peak_bytes).pareto  # the fastest with the least memory is on it
+
+
+def test_pareto_front_handles_ties():
+    from engine.planner import pareto_front
+
+    pts = [(10.0, 5), (10.0, 5), (9.0, 5), (8.0, 3), (12.0, 9), (12.0, 10), (7.0, 3)]
+    assert pareto_front(pts) == [True, True, False, True, True, False, False]
+    assert pareto_front([]) == []
+
+
+def test_all_fitting_progress_cancel_and_limits():
+    from engine.planner import PlanCancelled
+
+    kw = dict(model="tiny", gpus=8, gpu="h100-sxm", gpus_per_node=8, global_batch=16, top=4)
+    seen = []
+    result = plan(**kw, all_fitting=True, fitting_limit=60, progress=lambda k, n: seen.append((k, n)))
+    assert seen[0] == (0, 60) and seen[-1] == (60, 60)
+    assert [k for k, _ in seen] == sorted(k for k, _ in seen)
+    assert result.fitting_evaluated == 60 and "60 layouts" in result.fitting_stopped
+    assert result.fitting_candidates > 60
+    assert {e.config for e in result.entries} <= {p.config for p in result.fitting}  # the top K even so
+    assert "stopped after 60 layouts" in result.notes[-1]
+    timed = plan(**kw, all_fitting=True, fitting_seconds=1e-9)
+    assert "time limit" in timed.fitting_stopped and len(timed.fitting) == len(timed.entries)
+
+    calls = []
+
+    def cancel_after(n):
+        return lambda: calls.append(1) or len(calls) > n
+
+    with pytest.raises(PlanCancelled):
+        plan(**kw, all_fitting=True, cancelled=cancel_after(200))  # in the sweep (the search takes fewer)
+    calls.clear()
+    with pytest.raises(PlanCancelled):
+        plan(**kw, cancelled=cancel_after(3))  # in the top-K search
+    with pytest.raises(PlanError) as info:
+        plan(**kw, all_fitting=True, fitting_limit=0)
+    assert info.value.argument == "fitting_limit"
+
+
+def test_default_path_has_no_fitting_section():
+    result = plan("tiny", 8, top=3)
+    assert result.fitting == () and not result.all_fitting
+    assert "fitting" not in result.to_json() and "base_config" not in result.to_json()
+
+
+def test_plan_config_plans_the_configs_own_job():
+    from engine.planner import plan_config
+
+    cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
+                            "parallel": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 4},
+                            "training": {"micro_batch_size": 2, "recompute": "full"}})
+    got = plan_config(cfg, top=3, global_batch=16)
+    want = plan("tiny", 8, "h100-sxm", 8, top=3, global_batch=16)
+    assert [e.config for e in got.entries] == [e.config for e in want.entries]
+    # the cluster travels as it is: slower links change the answer's numbers
+    slow = plan_config(cfg.replace(cluster={"intra_node_bandwidth_gb_per_s": 1.0}), top=1, global_batch=16)
+    assert slow.entries[0].config.cluster.intra_node_bandwidth_gb_per_s == 1.0
+    assert slow.entries[0].seconds > got.entries[0].seconds
+    with pytest.raises(PlanError) as info:
+        plan_config(cfg.replace(training={"finetune": "lora"}))
+    assert info.value.argument == "training"
+    with pytest.raises(PlanError) as info:
+        plan_config(cfg, topp=3)
+    assert info.value.argument == "topp"
+
+
+def test_cli_all_fitting_streams_progress_then_the_result(tmp_path):
+    cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
+                            "parallel": {"dp": 8}})
+    path = cfg.save(tmp_path / "job.toml")
+    out = shardscope("--config", str(path), "--global-batch", "16", "--top", "3", "--json", "--all-fitting",
+                     "--progress", "--fitting-limit", "300")
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert all(e["event"] == "progress" for e in events[:-1]) and events[-1]["event"] == "result"
+    assert events[0]["phase"] == "top"
+    fitting = [e for e in events if e.get("phase") == "fitting"]
+    assert fitting[0]["evaluated"] == 0 and fitting[-1]["evaluated"] == fitting[-1]["total"] == 300
+    data = events[-1]["result"]
+    assert data["fitting"]["evaluated"] == 300 and data["fitting"]["stopped"]
+    points = data["fitting"]["points"]
+    assert len(points) >= 300 - data["counts"]["did_not_fit"] and any(p["pareto"] for p in points)
+    base = Config.from_dict(data["base_config"])
+    from engine.planner import layout_config
+
+    first = data["entries"][0]
+    assert points[0]["label"] == first["label"] and points[0]["position"] == 1
+    assert layout_config(base, points[0]["layout"]).to_dict() == first["config"]
+    assert [p["position"] for p in points if p["position"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--config", "x.toml", "--model", "tiny"), "leave out --model"),
+    (("--gpus", "8"), "needs --model"),
+    (("--model", "tiny", "--gpus", "8", "--fitting-limit", "5"), "add --all-fitting"),
+    (("--model", "tiny", "--gpus", "8", "--progress"), "add --json"),
+])
+def test_cli_plan_option_errors_are_clean(args, words):
+    out = shardscope(*args)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------- what the planner panel draws (no Qt)
+
+
+def test_plan_outcome_rows_points_and_configs():
+    """gui.planning turns a plan's JSON into the panel's rows and points, and each back into its Config."""
+    from gui.planning import LineReader, PlanOutcome, PlanRequest, fmt_seconds, progress_text
+
+    cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
+                            "parallel": {"dp": 8}})
+    from engine.planner import plan_config
+
+    result = plan_config(cfg, top=4, global_batch=16, all_fitting=True, fitting_limit=200)
+    line = (json.dumps({"event": "progress", "phase": "fitting", "evaluated": 3, "total": 9}) + "\n"
+            + "not json\n" + json.dumps({"event": "result", "result": result.to_json()}))
+    reader = LineReader()
+    data = line.encode()
+    events = reader.feed(data[:40]) + reader.feed(data[40:]) + reader.feed(b"", final=True)
+    assert [e["event"] for e in events] == ["progress", "result"] and reader.text == ["not json"]
+    assert progress_text(events[0]) == (3, 9, "evaluating every layout that may fit: 3 of 9")
+    out = PlanOutcome(events[1]["result"])
+    rows = out.rows()
+    assert len(rows) == 4 and rows[0][1] == result.entries[0].label() and rows[0][-1] == "fastest"
+    assert rows[1][-1].startswith("+")
+    for i, e in enumerate(result.entries):
+        assert out.entry_config(i) == e.config and out.row_of(e.config) == i
+    for j, p in enumerate(result.fitting):
+        assert out.point_config(j) == p.config
+        assert out.point_of(p.config) in {k for k, q in enumerate(result.fitting) if q.config == p.config}
+    assert p.label() in out.point_tip(j) and "tokens/s" in out.point_tip(j)
+    assert out.front() == sorted((j for j, p in enumerate(result.fitting) if p.pareto),
+                                 key=lambda j: (result.fitting[j].peak_bytes, result.fitting[j].tokens_per_s))
+    assert "stopped after 200 layouts" in out.summary() and "the top 4 are exact" in out.summary()
+    cmd = PlanRequest(cfg, global_batch=16, top=4).command("job.toml")
+    assert cmd[1:4] == ["-m", "gui.cli", "plan"] and "--all-fitting" in cmd and "--progress" in cmd
+    assert [fmt_seconds(x) for x in (2.5, 0.0123, 4.56e-4)] == ["2.5 s", "12.3 ms", "456 µs"]

@@ -4,7 +4,7 @@
 the world is listed; each category of each rank expands into named terms
 (``RankMemory.explain(category)``), each with its bytes, the formula that produced it and, in
 fields, its category, whether PyTorch's tracker can see it, its stage and microbatches in
-flight. The conventions are stated in ``MemoryReport.conventions`` and documented in the
+flight. (The largest model of a shape family that fits: ``engine.family``.) The conventions are stated in ``MemoryReport.conventions`` and documented in the
 module that applies them, one idea per module:
 
   report       Term, one rank's body, RankMemory, MemoryReport
@@ -15,11 +15,9 @@ module that applies them, one idea per module:
   overhead     runtime context, collective-library buffers, allocator slack
   conventions  the conventions in words
   per_rank     memory_per_rank: the body of each rank, assembled
-  capacity     largest_fitting_model
 """
 
 from engine.memory.activations import activation_bytes_per_layer, activation_terms_per_layer
-from engine.memory.capacity import largest_fitting_model
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.per_rank import memory_per_rank
@@ -36,7 +34,6 @@ __all__ = [
     "activation_bytes_per_layer",
     "activation_terms_per_layer",
     "conventions_of",
-    "largest_fitting_model",
     "memory_per_rank",
     "microbatches_in_flight",
 ]

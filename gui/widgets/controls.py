@@ -294,14 +294,17 @@ class ControlsPanel(QWidget):
             self.state.edit(path, value)
 
     def _size_moved(self, index_value: int) -> None:
-        shape = self._family[self.size.slider.value()]
-        self._show_size(shape)
-        self._edit("model.size", shape.as_model_fields())
+        member = self._family[self.size.slider.value()]
+        self._show_size(member)
+        self._edit("model.size", member.shape())
 
-    def _show_size(self, shape) -> None:
-        self.size.label.setText(f"≈{format_params(shape.approx_params)}")
+    def _show_size(self, member) -> None:
+        """The member's exact parameter count (engine.params) beside the slider, its shape below."""
+        self.size.label.setText(format_params(member.params))
+        self.size.label.setToolTip(f"{member.params:,} parameters")
+        s = member.spec
         self.size_label.setText(
-            f"{shape.layers} layers × {shape.hidden} hidden, {shape.heads} heads ({shape.kv_heads} KV), FFN {shape.ffn_hidden}"
+            f"{s.layers} layers × {s.hidden} hidden, {s.heads} heads ({s.kv_heads} KV), FFN {s.ffn_hidden}"
         )
 
     # ------------------------------------------------------------------ mirror

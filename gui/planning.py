@@ -1,0 +1,222 @@
+"""What the planner panel shows, without Qt: the command it runs, the lines it reads, the table
+rows and scatter points it draws, and the Config a clicked layout becomes.
+
+The planner runs as a child process, ``python -m gui.cli plan --config JOB.toml --global-batch G
+--top K --json --all-fitting --progress``: JSON lines on stdout, ``{"event": "progress", ...}`` as it
+goes, then ``{"event": "result", "result": {...}}`` (``engine.planner.PlanResult.to_json``) or
+``{"event": "error", ...}``. The window's process never runs the search itself (it holds the GIL
+for seconds), so a plan never stutters a slider.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine import Config
+from engine.planner import FITTING_LIMIT, FITTING_SECONDS, default_global_batch, layout_config
+
+GIB = 2**30
+DEFAULT_TOP = 10
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak GiB", "vs #1 (select a row: why)"]
+
+
+def fmt_seconds(seconds: float) -> str:
+    """'1.23 s', '12.3 ms', '456 µs': three significant digits in a unit that fits."""
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
+
+
+def default_batch(cfg: Config) -> int:
+    """The planner's default global batch for this config's GPU count and sequence length."""
+    return default_global_batch(cfg.cluster.gpus, cfg.model.seq_len)
+
+
+def job_text(cfg: Config) -> str:
+    """'tiny on 8 × h100-sxm (8 per node)' — what a plan of this config is for."""
+    c = cfg.cluster
+    return f"{cfg.model.preset or 'custom model'} on {c.gpus} × {c.gpu.name} ({c.gpus_per_node} per node)"
+
+
+def job_key(cfg: Config) -> tuple:
+    """What a plan depends on (everything but the layout the planner searches)."""
+    d = cfg.to_dict()
+    train = {k: v for k, v in d["training"].items() if k not in ("micro_batch_size", "recompute")}
+    return (json.dumps(d["model"], sort_keys=True), json.dumps(d["cluster"], sort_keys=True),
+            json.dumps(train, sort_keys=True), json.dumps(d["conventions"], sort_keys=True))
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One plan of a Config's job: the global batch every layout trains, the top K, the sweep's limits."""
+
+    config: Config
+    global_batch: int
+    top: int = DEFAULT_TOP
+    fitting_seconds: float = FITTING_SECONDS
+    fitting_limit: int = FITTING_LIMIT
+
+    def command(self, config_path: str | Path) -> list[str]:
+        return [sys.executable, "-m", "gui.cli", "plan", "--config", str(config_path),
+                "--global-batch", str(self.global_batch), "--top", str(self.top), "--json", "--all-fitting",
+                "--fitting-seconds", f"{self.fitting_seconds:g}", "--fitting-limit", str(self.fitting_limit),
+                "--progress"]
+
+
+class LineReader:
+    """Bytes from a child's stdout in, JSON objects (one a line) out; other lines are kept as text."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.text: list[str] = []
+
+    def feed(self, data: bytes, final: bool = False) -> list[dict]:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        if final and self._buffer:
+            lines.append(self._buffer)
+            self._buffer = b""
+        out = []
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                self.text.append(line)
+                continue
+            if isinstance(event, dict):
+                out.append(event)
+        return out
+
+
+def progress_text(event: dict) -> tuple[int, int, str]:
+    """(value, maximum, words) for a progress event; maximum 0 = busy (no count yet)."""
+    if event.get("phase") == "fitting":
+        k, n = int(event.get("evaluated", 0)), int(event.get("total", 0))
+        return k, n, f"evaluating every layout that may fit: {k:,} of {n:,}"
+    return 0, 0, "searching the fastest layouts (branch and bound)…"
+
+
+class PlanOutcome:
+    """A finished plan as the panel draws it: table rows (the top K), scatter points (every fitting
+    layout the sweep evaluated), and the Config each one is."""
+
+    def __init__(self, result: dict[str, Any]):
+        self.result = result
+        self.entries: list[dict] = list(result.get("entries") or [])
+        fitting = result.get("fitting") or {}
+        self.points: list[dict] = list(fitting.get("points") or [])
+        self.candidates = int(fitting.get("candidates", 0))
+        self.evaluated = int(fitting.get("evaluated", 0))
+        self.stopped = str(fitting.get("stopped", ""))
+        base = result.get("base_config")
+        self.base: Config | None = Config.from_dict(base) if base is not None else None
+
+    # ------------------------------------------------------------------ table
+
+    def rows(self) -> list[list[str]]:
+        out = []
+        for e in self.entries:
+            out.append([str(e["position"]), e["label"], f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
+                        f"{100 * e['mfu']:.1f}%", f"{e['peak_bytes'] / GIB:.2f}", self.versus_first(len(out))])
+        return out
+
+    def versus_first(self, row: int) -> str:
+        """The short verdict of a row: 'fastest', or how much slower than #1 and what differs from it."""
+        e, first = self.entries[row], self.entries[0]
+        if row == 0:
+            return "fastest"
+        slower = 100 * (e["seconds"] / first["seconds"] - 1)
+        names = {"zero": "ZeRO", "sequence_parallel": "SP", "virtual_stages": "v", "microbatches": "m",
+                 "micro_batch_size": "b"}
+        diff = [f"{names.get(k, k)} {_short(first['layout'][k])}→{_short(e['layout'][k])}"
+                for k in first["layout"] if first["layout"][k] != e["layout"][k]]
+        return f"+{slower:.1f}%" + (f": {', '.join(diff)}" if diff else "")
+
+    def why(self, row: int) -> list[str]:
+        return list(self.entries[row].get("why") or [])
+
+    def entry_config(self, row: int) -> Config:
+        return Config.from_dict(self.entries[row]["config"])
+
+    # ------------------------------------------------------------------ scatter
+
+    def xy(self) -> tuple[list[float], list[float]]:
+        """Peak memory per GPU (GiB) and tokens/s of every point."""
+        return [p["peak_bytes"] / GIB for p in self.points], [p["tokens_per_s"] for p in self.points]
+
+    def front(self) -> list[int]:
+        """The Pareto front's points, by peak memory (a line through them rises left to right)."""
+        idx = [j for j, p in enumerate(self.points) if p.get("pareto")]
+        return sorted(idx, key=lambda j: (self.points[j]["peak_bytes"], self.points[j]["tokens_per_s"]))
+
+    def point_config(self, j: int) -> Config:
+        if self.base is None:
+            raise ValueError("the plan has no base_config: run it with --all-fitting")
+        return layout_config(self.base, self.points[j]["layout"])
+
+    def point_tip(self, j: int) -> str:
+        p = self.points[j]
+        extra = []
+        if p.get("position"):
+            extra.append(f"#{p['position']} of the top {len(self.entries)}")
+        if p.get("pareto"):
+            extra.append("on the Pareto front")
+        return (f"{p['label']}\n{p['tokens_per_s']:,.0f} tokens/s · step {fmt_seconds(p['seconds'])} · "
+                f"MFU {100 * p['mfu']:.1f}%\npeak {p['peak_bytes'] / GIB:.2f} GiB per GPU (rank {p['peak_rank']})"
+                + (f"\n{', '.join(extra)}" if extra else "") + "\nclick: make it the window's config")
+
+    def point_of(self, cfg: Config) -> int | None:
+        """The point whose layout is ``cfg``'s (the layout the window shows), if any."""
+        for j, p in enumerate(self.points):
+            if _same_layout(p["layout"], cfg):
+                return j
+        return None
+
+    def row_of(self, cfg: Config) -> int | None:
+        for i, e in enumerate(self.entries):
+            if _same_layout(e["layout"], cfg):
+                return i
+        return None
+
+    # ------------------------------------------------------------------ words
+
+    def summary(self) -> str:
+        r = self.result
+        head = (f"{r['model']} on {r['gpus']} × {r['gpu']}, global batch {r['global_batch']} "
+                f"({r['tokens_per_step']:,} tokens per step), {r['elapsed_s']:.1f} s: ")
+        if not self.entries:
+            return head + "no layout fits — try more GPUs, a GPU with more memory or a smaller global batch."
+        c = r["counts"]
+        text = (head + f"top {len(self.entries)} of {c['enumerated']:,} valid layouts; scatter: {len(self.points):,} "
+                f"fitting layouts ({self.evaluated:,} of the {self.candidates:,} that pass the memory bound fully "
+                "evaluated")
+        if self.stopped:
+            text += f", best bound first — {self.stopped}; the top {len(self.entries)} are exact"
+        return text + "). Click a row or a point to make it the window's config."
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _same_layout(layout: dict, cfg: Config) -> bool:
+    par, tr = cfg.parallel, cfg.training
+    return (layout["dp"], layout["tp"], layout["pp"], layout["zero"], layout["sequence_parallel"],
+            layout["schedule"] or "1F1B", layout["virtual_stages"], layout["microbatches"],
+            layout["micro_batch_size"], layout["recompute"]) == (
+        par.dp, par.tp, par.pp, par.zero, par.sequence_parallel, par.schedule if par.pp > 1 else "1F1B",
+        par.virtual_stages, par.microbatches, tr.micro_batch_size, tr.recompute)
