@@ -27,7 +27,6 @@ from gui.widgets.run_panel import RunPanel
 from gui.widgets.scaling import ScalingView
 from gui.widgets.timeline import TimelineView
 
-
 SCREEN_FRACTION = 0.9  # a first open fills this much of the screen's available area, centred
 MIN_ON_SCREEN_PX = (200, 100)  # a saved geometry must show at least this much on some screen
 

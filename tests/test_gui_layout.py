@@ -23,14 +23,13 @@ from PySide6.QtWidgets import (  # noqa: E402
     QAbstractButton,
     QApplication,
     QComboBox,
-    QHeaderView,
     QLabel,
     QLineEdit,
     QStyle,
     QStyleOptionComboBox,
     QTabBar,
-    QTabWidget,
     QTableView,
+    QTabWidget,
     QWidget,
 )
 
