@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QRect, QSize, Qt
+from PySide6.QtCore import QEvent, QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
@@ -198,8 +198,9 @@ class MetricsTable(QWidget):
 
     A rich-text QLabel cost ~6 ms per slider move (HTML parsed and laid out again, and its
     geometry update re-laid out the window); new numbers here only repaint this widget. It says
-    how tall its rows are for a width (``heightForWidth``), so the scroll area holding it scrolls
-    instead of cutting the last rows off; it asks for a new layout only when that height changes.
+    how tall its rows are for a width (``heightForWidth``); the panel sizes it to that inside a
+    scroll area (``MetricsPanel.fit_table``), so rows that do not fit scroll instead of being cut
+    off, and no layout outside the scroll area ever hears of it.
     """
 
     def __init__(self, parent=None):
@@ -212,16 +213,15 @@ class MetricsTable(QWidget):
         self.setSizePolicy(policy)
         self.bold = QFont(self.font())
         self.bold.setBold(True)
-        self._laid_out: tuple[int, int] = (-1, 0)  # (width, height) of the last layout
         self._layout_cache: tuple[int, list, list, int] | None = None  # (width, rows, layout, height)
 
-    def set_rows(self, rows: list[tuple[str, str]]) -> None:
-        if rows != self.rows:
-            self.rows = list(rows)
-            before = self._laid_out[1]
-            if self._row_heights(self.width())[1] != before:
-                self.updateGeometry()  # a wrapped line more or fewer: the scroll area must know
-            self.update()
+    def set_rows(self, rows: list[tuple[str, str]]) -> bool:
+        """New rows; True when they changed (the holder then fits the height again)."""
+        if rows == self.rows:
+            return False
+        self.rows = list(rows)
+        self.update()
+        return True
 
     def _row_heights(self, width: int) -> tuple[list[tuple[int, int, int]], int]:
         """(key width, value width, height) per row and the total height, for ``width``."""
@@ -229,7 +229,6 @@ class MetricsTable(QWidget):
             return [], 0
         cached = self._layout_cache
         if cached is not None and cached[0] == width and cached[1] is self.rows:
-            self._laid_out = (width, cached[3])
             return cached[2], cached[3]
         fm, bfm = self.fontMetrics(), QFontMetrics(self.bold)
         key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
@@ -240,7 +239,6 @@ class MetricsTable(QWidget):
             h = max(fm.height(), bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height())
             out.append((key_w, value_w, h))
             y += h + 3
-        self._laid_out = (width, y)
         self._layout_cache = (width, self.rows, out, y)
         return out, y
 
@@ -291,9 +289,10 @@ class MetricsPanel(QWidget):
         self.table = MetricsTable()
         self.scroll = QScrollArea()  # rows that do not fit scroll, never get cut off
         self.scroll.setWidget(self.table)
-        self.scroll.setWidgetResizable(True)
+        self.scroll.setWidgetResizable(False)  # sized by fit_table: a new height moves no layout
         self.scroll.setFrameShape(QFrame.Shape.NoFrame)
         self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.viewport().installEventFilter(self)
         lay.addWidget(self.scroll, 1)
         # the explainer is a separate view; the window places it (a tab)
         self.explainer = QTextBrowser()
@@ -313,6 +312,20 @@ class MetricsPanel(QWidget):
     def table_holder(self) -> QWidget:
         return self
 
+    def fit_table(self) -> None:
+        """The table as wide as the view and as tall as its rows (at least the view's height)."""
+        view = self.scroll.viewport()
+        width = max(self.table.minimumWidth(), view.width())
+        height = max(view.height(), self.table.heightForWidth(width))
+        if self.table.width() != width or self.table.height() != height:
+            self.table.resize(width, height)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.scroll.viewport() and event.type() == QEvent.Type.Resize:
+            self.fit_table()
+        return super().eventFilter(obj, event)
+
     def on_prediction(self, pred) -> None:
         self.rows = metric_rows(pred)
-        self.table.set_rows(self.rows)
+        if self.table.set_rows(self.rows):
+            self.fit_table()
