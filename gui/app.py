@@ -22,13 +22,23 @@ def _qt():
     return QtCore, QtGui, QtWidgets
 
 
-def make_window(state=None, config=None):
+def make_window(state=None, config=None, settings=None):
+    """The main window over ``state`` (or a new State of ``config``). ``settings`` (a QSettings)
+    is where it restores and saves its geometry; None (the default) keeps none."""
     from gui.main_window import MainWindow
     from gui.state import State
 
     if state is None:
         state = State(config)
-    return MainWindow(state)
+    return MainWindow(state, settings=settings)
+
+
+def user_settings():
+    """The user's own settings store: organisation and application "ShardScope"."""
+    _qt()
+    from PySide6.QtCore import QSettings
+
+    return QSettings("ShardScope", "ShardScope")
 
 
 def _application():
@@ -37,17 +47,19 @@ def _application():
     if app is None:
         app = QtWidgets.QApplication(sys.argv[:1])
         app.setApplicationName("ShardScope")
+        app.setOrganizationName("ShardScope")
     style = ASSETS_DIR / "style.qss"
     if style.exists():
         app.setStyleSheet(style.read_text(encoding="utf-8"))
     return app
 
 
-def run_app(config_path: str | None = None, screenshot: str | None = None) -> int:
-    """Open the window on ``config_path`` (or the embedded default).
+def run_app(config_path: str | None = None, screenshot: str | None = None, settings=None) -> int:
+    """Open the window on ``config_path`` (or the embedded default), sized to the screen on a first
+    open and as it was left afterwards (``settings``, default the user's: see ``user_settings``).
 
     With ``screenshot`` set: render offscreen at 1600×1000, write the PNG and return 0 without
-    entering the event loop.
+    entering the event loop (no settings read or written).
     """
     from engine import Config, default_config
 
@@ -55,7 +67,10 @@ def run_app(config_path: str | None = None, screenshot: str | None = None) -> in
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
     app = _application()
     cfg = Config.load(config_path) if config_path else default_config()
-    window = make_window(config=cfg)
+    if screenshot:
+        window = make_window(config=cfg)
+    else:
+        window = make_window(config=cfg, settings=settings if settings is not None else user_settings())
     if config_path:
         window.current_path = Path(config_path)
     if screenshot:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtCore import QRect, QSettings, Qt
+from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
@@ -28,11 +28,18 @@ from gui.widgets.run_panel import RunPanel
 from gui.widgets.scaling import ScalingView
 from gui.widgets.timeline import TimelineView
 
+SCREEN_FRACTION = 0.9  # a first open fills this much of the screen's available area, centred
+MIN_ON_SCREEN_PX = (200, 100)  # a saved geometry must show at least this much on some screen
+
 
 class MainWindow(QMainWindow):
-    def __init__(self, state: State, parent: QWidget | None = None):
+    """``settings``: where the window keeps its geometry and splitter positions between opens
+    (restored here, saved on close); None keeps nothing (tests, benchmarks, screenshots)."""
+
+    def __init__(self, state: State, parent: QWidget | None = None, settings: QSettings | None = None):
         super().__init__(parent)
         self.state = state
+        self.settings = settings
         self.current_path: Path | None = None
         self.setWindowTitle("ShardScope")
         self.controls = ControlsPanel(state)
@@ -48,6 +55,7 @@ class MainWindow(QMainWindow):
         self.scaling = ScalingView(state)
 
         top = QSplitter(Qt.Orientation.Horizontal)
+        top.setObjectName("chartsSplitter")
         top.addWidget(self.memory)
         top.addWidget(self.metrics.table_holder())
         top.setSizes([760, 360])
@@ -59,11 +67,13 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.planner, "Planner")
         self._dp_mode = state.config.parallel.dp_mode
         middle = QSplitter(Qt.Orientation.Vertical)
+        middle.setObjectName("middleSplitter")
         middle.addWidget(top)
         middle.addWidget(self.timeline)
         middle.addWidget(self.tabs)
         middle.setSizes([350, 310, 300])
         outer = QSplitter(Qt.Orientation.Horizontal)
+        outer.setObjectName("outerSplitter")
         outer.addWidget(scroll)
         outer.addWidget(middle)
         outer.setSizes([360, 1240])
@@ -76,6 +86,61 @@ class MainWindow(QMainWindow):
         self.statusBar().setSizeGripEnabled(False)
         state.configChanged.connect(self._config_changed)
         self._title()
+        self.restore_geometry()
+
+    # ------------------------------------------------------------------ geometry
+
+    def default_geometry(self) -> QRect:
+        """The first open: most of the available area of the screen, centred on it."""
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        avail = screen.availableGeometry()
+        w = min(avail.width(), max(int(avail.width() * SCREEN_FRACTION), 1280))
+        h = min(avail.height(), max(int(avail.height() * SCREEN_FRACTION), 800))
+        rect = QRect(0, 0, w, h)
+        rect.moveCenter(avail.center())
+        return rect
+
+    def _splitters(self) -> list[QSplitter]:
+        return [s for s in self.findChildren(QSplitter) if s.objectName()]
+
+    @staticmethod
+    def _on_a_screen(rect: QRect) -> bool:
+        for screen in QGuiApplication.screens():
+            seen = screen.availableGeometry().intersected(rect)
+            if seen.width() >= MIN_ON_SCREEN_PX[0] and seen.height() >= MIN_ON_SCREEN_PX[1]:
+                return True
+        return False
+
+    def restore_geometry(self) -> bool:
+        """The saved geometry and splitter positions, or the screen-sized default when there are
+        none or the saved window would be off every screen now attached. True when restored."""
+        s = self.settings
+        rect = s.value("window/rect") if s is not None else None
+        geometry = s.value("window/geometry") if s is not None else None
+        if isinstance(rect, QRect) and geometry and self._on_a_screen(rect) and self.restoreGeometry(geometry):
+            for splitter in self._splitters():
+                state = s.value(f"splitters/{splitter.objectName()}")
+                if state:
+                    splitter.restoreState(state)
+            return True
+        default = self.default_geometry()
+        self.resize(default.size())
+        self.move(default.topLeft())
+        return False
+
+    def save_geometry(self) -> None:
+        s = self.settings
+        if s is None:
+            return
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/rect", self.normalGeometry() if self.isMaximized() else self.geometry())
+        for splitter in self._splitters():
+            s.setValue(f"splitters/{splitter.objectName()}", splitter.saveState())
+        s.sync()
+
+    def closeEvent(self, event) -> None:
+        self.save_geometry()
+        super().closeEvent(event)
 
     # ------------------------------------------------------------------ menus
 

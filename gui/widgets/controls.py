@@ -148,6 +148,7 @@ class ControlsPanel(QWidget):
         self.size_label = QLabel()
         self.size_label.setObjectName("hint")
         self.size_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.size_label.setWordWrap(True)  # a large model's shape takes two lines in a narrow column
         self._row(grid, "Size", "model.size", self.size, hint=LayoutBarrier(self.size_label))
         self.seq_len = StepSlider(powers_of_two(16, 131072))
         self.seq_len.valueChosen.connect(lambda v: self._edit("model.seq_len", v))

@@ -38,6 +38,7 @@ BASELINE_COLORS = {  # each category's colour, halfway to white: the same hue, l
     c: "#" + "".join(f"{round(int(v[i:i + 2], 16) * 0.55 + 255 * 0.45):02X}" for i in (1, 3, 5))
     for c, v in CATEGORY_COLORS.items()}
 FULL_FT_COLOR = "#555"  # the dotted line: what the fullest rank would hold under full fine-tuning (LoRA)
+TOP_MARGIN_PX = 8  # above the plot: half a tick label hangs over the top of the axis
 MAX_OVER_LABELS = 16  # "over by …" labels are drawn when there are at most this many bars
 
 
@@ -133,7 +134,6 @@ class MemoryChart(QWidget):
         self.capacity_in_view = True
         self.full_finetune_peak: int | None = None  # LoRA: the fullest rank under full fine-tuning
         self.dataparallel = False  # legacy nn.DataParallel: rank r is GPU r, GPU 0 is the heavy one
-        self._full_text = ""
         # the pinned baseline: per rank and category (bytes), arranged once when it is pinned
         self.baseline = None
         self.baseline_text = ""  # the baseline's config in words
@@ -149,6 +149,7 @@ class MemoryChart(QWidget):
         self.header = QLabel("Memory per rank")
         self.header.setObjectName("chartTitle")
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.header.setWordWrap(True)  # a narrow chart gets the verdict on a second line, not cut off
         head.addWidget(LayoutBarrier(self.header), 1)
         lay.addLayout(head)
         legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
@@ -165,6 +166,7 @@ class MemoryChart(QWidget):
         pi = self.plot.getPlotItem()
         pi.getAxis("left").enableAutoSIPrefix(False)
         pi.getViewBox().setMouseEnabled(x=False, y=False)
+        pi.layout.setContentsMargins(1, TOP_MARGIN_PX, 1, 1)  # the top tick's label is not cut in half
         lay.addWidget(self.plot, 1)
         self.note = QLabel()
         self.note.setObjectName("note")
@@ -257,7 +259,8 @@ class MemoryChart(QWidget):
         self.frames = pg.BarGraphItem(x=[], height=[], width=0.1, brush=None, pen=pg.mkPen(OVER_COLOR, width=3))
         self.capacity_line = pg.InfiniteLine(
             pos=0, angle=0, pen=pg.mkPen("#222", width=1.5, style=Qt.PenStyle.DashLine), label="",
-            labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)]})
+            labelOpts={"position": 0.02, "color": "#222", "anchors": [(0, 1), (0, 1)],
+                                     "fill": (255, 255, 255, 210)})  # readable over a bar that crosses it
         self.off_scale = pg.TextItem("", color="#222", anchor=(0, 0))
         self.full_line = pg.InfiniteLine(pos=0, angle=0,
                                          pen=pg.mkPen(FULL_FT_COLOR, width=1.5, style=Qt.PenStyle.DotLine))
@@ -268,6 +271,30 @@ class MemoryChart(QWidget):
         for item in (self.stacks, self.measured_stacks, self.baseline_stacks, self.frames, self.capacity_line,
                      self.full_line, self.full_label, self.off_scale, *self.over_labels):
             pi.addItem(item)
+        # sizes in pixels of the text drawn above bars and lines (TextItems ignore the view's scale)
+        probe = pg.TextItem("over by\n888.88 GiB")
+        self._over_size = (probe.boundingRect().width(), probe.boundingRect().height())
+        probe.setText("capacity 88.88 GiB")
+        self._line_label_h = probe.boundingRect().height()
+        self._fitted: dict[int, tuple[str, float]] = {}  # id(item) -> (text, wrap width) last set
+        self._view_px: tuple[float, float] = (0.0, 0.0)
+        pi.getViewBox().sigResized.connect(self._view_resized)
+
+    def _fit_text(self, item, text: str, room_px: float) -> None:
+        """Set ``item``'s text, wrapped to ``room_px`` when wider (only when text or room changed)."""
+        room_px = max(60.0, float(int(room_px)))
+        if self._fitted.get(id(item)) == (text, room_px):
+            return
+        self._fitted[id(item)] = (text, room_px)
+        item.setTextWidth(-1)
+        item.setText(text)
+        if item.boundingRect().width() > room_px:
+            item.setTextWidth(room_px)
+
+    def _view_resized(self, vb) -> None:
+        """A taller or narrower plot moves where the labels fit: lay the chart out again."""
+        if self.groups and (vb.width(), vb.height()) != self._view_px:
+            self.redraw()
 
     def redraw(self) -> None:
         pi = self.plot.getPlotItem()
@@ -307,6 +334,31 @@ class MemoryChart(QWidget):
         full_in_view = full is not None and full <= 3 * top  # LoRA beside full fine-tuning, when the scale allows
         if full_in_view:
             top = max(top, full * 1.08)
+        over = [i for i, g in enumerate(self.groups) if not g.fits]
+        vb = pi.getViewBox()
+        view_w, view_h = max(1.0, vb.width()), max(1.0, vb.height())
+        self._view_px = (vb.width(), vb.height())
+        slot_px = view_w / (n + 0.2)  # the x range is -0.6 .. n - 0.4
+        show_over = n <= MAX_OVER_LABELS and slot_px >= self._over_size[0] + 4
+        # texts first: how tall they are decides how much room the view leaves above the bars
+        above: list[tuple[float, float]] = []  # (value, pixels of text drawn above it)
+        if over and show_over:
+            above.append((float(totals[over].max()), self._over_size[1]))
+        if self.capacity_in_view:
+            above.append((cap, self._line_label_h))
+        else:
+            self._fit_text(self.off_scale, f"▲ {self.state.config.cluster.gpu.name} capacity "
+                           f"{fmt_bytes(self.capacity_bytes)} is above this scale (the fullest rank uses "
+                           f"{peak / cap * 100:.1f}% of it)", view_w * (n - 0.4 + 0.55) / (n + 0.2) - 6)
+            above.append((peak, self.off_scale.boundingRect().height()))
+        if full_in_view:
+            fits_full = self.full_finetune_peak <= self.capacity_bytes
+            self._fit_text(self.full_label, f"without LoRA (full fine-tune): {fmt_bytes(self.full_finetune_peak)} "
+                           f"on the fullest rank — {'fits' if fits_full else 'does NOT fit'}",
+                           view_w * (n - 0.45 + 0.6) / (n + 0.2) - 6)
+            above.append((full, self.full_label.boundingRect().height()))
+        for value, text_px in above:  # every label inside the plot, whatever its height in pixels
+            top = max(top, value / max(0.4, 1.0 - (text_px + 4) / view_h))
         # The view always spans y = 0..1 and the left axis is scaled by `top`: a new peak then
         # changes the axis only, not the view (a view change costs pyqtgraph a second paint).
         if top != self.y_scale:
@@ -323,14 +375,13 @@ class MemoryChart(QWidget):
         if self.baseline_stacks.isVisible() != has_base:
             self.baseline_stacks.setVisible(has_base)
         self.stacks.setVisible(True)
-        over = [i for i, g in enumerate(self.groups) if not g.fits]
         frames = (tuple(xp[over]), tuple(totals[over]), width)
         if frames != self._frames:  # BarGraphItem re-records its picture on every setOpts
             self._frames = frames
             self.frames.setOpts(x=xp[over], y0=np.zeros(len(over)), height=totals[over], width=width * 1.08)
         self.frames.setVisible(bool(over))
         for k, label in enumerate(self.over_labels):
-            if k < len(over) and n <= MAX_OVER_LABELS:
+            if k < len(over) and show_over:
                 i = over[k]
                 label.setText(f"over by\n{fmt_bytes(self.groups[i].total - self.capacity_bytes)}")
                 label.setPos(xp[i], totals[i])
@@ -349,12 +400,6 @@ class MemoryChart(QWidget):
         self.capacity_line.setVisible(self.capacity_in_view)
         if full_in_view:
             self.full_line.setValue(full / top)
-            fits_full = self.full_finetune_peak <= self.capacity_bytes
-            text = (f"without LoRA (full fine-tune): {fmt_bytes(self.full_finetune_peak)} on the fullest rank"
-                    f" — {'fits' if fits_full else 'does NOT fit'}")
-            if text != self._full_text:
-                self._full_text = text
-                self.full_label.setText(text)
             self.full_label.setPos(n - 0.45, full / top)
         if self.full_line.isVisible() != full_in_view:
             self.full_line.setVisible(full_in_view)
@@ -364,8 +409,6 @@ class MemoryChart(QWidget):
             pi.setYRange(0, 1.0, padding=0)
             pi.setXRange(-0.6, n - 0.4, padding=0)
         if not self.capacity_in_view:
-            self.off_scale.setText(f"▲ {self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)} is "
-                                   f"above this scale (the fullest rank uses {peak / (cap * top) * 100:.1f}% of it)")
             self.off_scale.setPos(-0.55, 1.0)
         self.off_scale.setVisible(not self.capacity_in_view)
         step = max(1, n // 12)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QRect, QSize, Qt
+from PySide6.QtCore import QEvent, QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
-from PySide6.QtWidgets import QLabel, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from gui.session import describe_config
 from gui.widgets.memory_chart import fmt_bytes
@@ -276,7 +276,10 @@ class MetricsTable(QWidget):
     """Name/value rows painted directly, values bold and wrapped.
 
     A rich-text QLabel cost ~6 ms per slider move (HTML parsed and laid out again, and its
-    geometry update re-laid out the window); new numbers here only repaint this widget.
+    geometry update re-laid out the window); new numbers here only repaint this widget. It says
+    how tall its rows are for a width (``heightForWidth``); the panel sizes it to that inside a
+    scroll area (``MetricsPanel.fit_table``), so rows that do not fit scroll instead of being cut
+    off, and no layout outside the scroll area ever hears of it.
     """
 
     def __init__(self, parent=None):
@@ -284,14 +287,48 @@ class MetricsTable(QWidget):
         self.setObjectName("metrics")
         self.rows: list[tuple[str, str]] = []
         self.setMinimumWidth(250)
-        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Expanding)
+        policy = QSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
+        policy.setHeightForWidth(True)
+        self.setSizePolicy(policy)
         self.bold = QFont(self.font())
         self.bold.setBold(True)
+        self._layout_cache: tuple[int, list, list, int] | None = None  # (width, rows, layout, height)
 
-    def set_rows(self, rows: list[tuple[str, str]]) -> None:
-        if rows != self.rows:
-            self.rows = list(rows)
-            self.update()
+    def set_rows(self, rows: list[tuple[str, str]]) -> bool:
+        """New rows; True when they changed (the holder then fits the height again)."""
+        if rows == self.rows:
+            return False
+        self.rows = list(rows)
+        self.update()
+        return True
+
+    def _row_heights(self, width: int) -> tuple[list[tuple[int, int, int]], int]:
+        """(key width, value width, height) per row and the total height, for ``width``."""
+        if not self.rows:
+            return [], 0
+        cached = self._layout_cache
+        if cached is not None and cached[0] == width and cached[1] is self.rows:
+            return cached[2], cached[3]
+        fm, bfm = self.fontMetrics(), QFontMetrics(self.bold)
+        key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
+        value_w = max(40, width - key_w - 4)
+        wrap = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop | Qt.TextFlag.TextWordWrap
+        out, y = [], 2
+        for _, v in self.rows:
+            h = max(fm.height(), bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height())
+            out.append((key_w, value_w, h))
+            y += h + 3
+        self._layout_cache = (width, self.rows, out, y)
+        return out, y
+
+    def hasHeightForWidth(self) -> bool:
+        return True
+
+    def heightForWidth(self, width: int) -> int:
+        return self._row_heights(width)[1]
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(250, 0)
 
     def text(self) -> str:
         return "\n".join(f"{k}: {v}" for k, v in self.rows)
@@ -303,15 +340,12 @@ class MetricsTable(QWidget):
         if not self.rows:
             return
         p = QPainter(self)
-        fm, bfm = self.fontMetrics(), QFontMetrics(self.bold)
-        key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
-        value_w = max(40, self.width() - key_w - 4)
         top = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop
         wrap = top | Qt.TextFlag.TextWordWrap
         key_color, value_color = QColor("#555"), self.palette().windowText().color()
         y = 2
-        for k, v in self.rows:
-            h = bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height()
+        layout, _ = self._row_heights(self.width())
+        for (k, v), (key_w, value_w, h) in zip(self.rows, layout):
             p.setFont(self.font())
             p.setPen(key_color)
             p.drawText(QRect(0, y, key_w, h), top, k)
@@ -332,7 +366,13 @@ class MetricsPanel(QWidget):
         title.setObjectName("chartTitle")
         lay.addWidget(title)
         self.table = MetricsTable()
-        lay.addWidget(self.table, 1)
+        self.scroll = QScrollArea()  # rows that do not fit scroll, never get cut off
+        self.scroll.setWidget(self.table)
+        self.scroll.setWidgetResizable(False)  # sized by fit_table: a new height moves no layout
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.viewport().installEventFilter(self)
+        lay.addWidget(self.scroll, 1)
         # the explainer is a separate view; the window places it (a tab)
         self.explainer = QTextBrowser()
         self.explainer.setObjectName("explainer")
@@ -355,13 +395,27 @@ class MetricsPanel(QWidget):
     def table_holder(self) -> QWidget:
         return self
 
+    def fit_table(self) -> None:
+        """The table as wide as the view and as tall as its rows (at least the view's height)."""
+        view = self.scroll.viewport()
+        width = max(self.table.minimumWidth(), view.width())
+        height = max(view.height(), self.table.heightForWidth(width))
+        if self.table.width() != width or self.table.height() != height:
+            self.table.resize(width, height)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.scroll.viewport() and event.type() == QEvent.Type.Resize:
+            self.fit_table()
+        return super().eventFilter(obj, event)
+
     def on_prediction(self, pred) -> None:
         self._last = pred
         self.rows = metric_rows(pred)
         diff = self.state.difference if self.baseline_rows else None
         if diff is not None and diff.current is pred:
             self.rows = rows_with_baseline(self.rows, self.baseline_rows, diff, self.baseline_text)
-        self.table.set_rows(self.rows)
+        if self.table.set_rows(self.rows):
+            self.fit_table()
 
     def on_baseline(self, pred) -> None:
         if pred is None:

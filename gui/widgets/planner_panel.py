@@ -109,6 +109,7 @@ class PlannerPanel(QWidget):
         ll.setContentsMargins(0, 0, 0, 0)
         self.table = QTableWidget(0, len(TABLE_HEADERS))
         self.table.setHorizontalHeaderLabels(TABLE_HEADERS)
+        self.table.resizeColumnsToContents()  # before the first plan: every title readable
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 4)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)

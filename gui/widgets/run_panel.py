@@ -12,13 +12,12 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
     QComboBox,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QLineEdit,
     QListWidget,
@@ -81,6 +80,7 @@ class RunPanel(QWidget):
         bar.addWidget(self.calibrate_box)
         lay.addLayout(bar)
         lay.addLayout(self._target_row())
+        lay.addWidget(self.target_note)  # its own line: the target's fields need the row's width
         self.status = QLabel("Runs this configuration as real multi-process training.")
         self.status.setWordWrap(True)
         lay.addWidget(self.status)
@@ -95,6 +95,7 @@ class RunPanel(QWidget):
         lay.addLayout(offer)
 
         split = QSplitter()
+        split.setObjectName("runSplitter")
         left = QWidget()
         ll = QVBoxLayout(left)
         ll.setContentsMargins(0, 0, 0, 0)
@@ -117,11 +118,18 @@ class RunPanel(QWidget):
         rl.addWidget(self.table_title)
         self.table = QTableWidget(0, len(HEADERS))
         self.table.setHorizontalHeaderLabels(HEADERS)
+        # the note column is often wider than the view: its title starts at its left edge, in sight
+        self.table.horizontalHeaderItem(len(HEADERS) - 1).setTextAlignment(
+            Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 4)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setWordWrap(False)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        # columns as wide as their contents; the note column takes the rest of the width, or
+        # its full text when that is wider (the table then scrolls instead of eliding it)
+        self.table.resizeColumnsToContents()
+        self._note_width = self.table.horizontalHeader().sectionSize(len(HEADERS) - 1)
+        self.table.viewport().installEventFilter(self)
         rl.addWidget(self.table, 1)
         self.notes_label = QLabel()
         self.notes_label.setObjectName("hint")
@@ -132,7 +140,7 @@ class RunPanel(QWidget):
         split.addWidget(left)
         split.addWidget(self.log)
         split.addWidget(right)
-        split.setSizes([190, 260, 640])
+        split.setSizes([160, 220, 710])  # the comparison table gets the room
         split.setStretchFactor(2, 1)
         lay.addWidget(split, 1)
 
@@ -190,7 +198,7 @@ class RunPanel(QWidget):
         for w in (self.target_box, self.partition, self.nodes, self.gpus_per_node, self.time_limit, self.account,
                   self.hosts, self.dry_run_button):
             row.addWidget(w)
-        row.addWidget(self.target_note, 1)
+        row.addStretch(1)
         self.slurm_fields = (self.partition, self.time_limit, self.account)
         self.target_box.currentIndexChanged.connect(self._target_changed)
         for edit in (self.partition, self.time_limit, self.account, self.hosts):
@@ -198,6 +206,10 @@ class RunPanel(QWidget):
         self.dry_run_button.clicked.connect(self.dry_run)
         for w, chars in ((self.partition, 12), (self.time_limit, 16), (self.account, 12), (self.hosts, 26)):
             w.setMaximumWidth(w.fontMetrics().horizontalAdvance("m" * chars))
+            # never narrower than the placeholder that says what goes in it
+            w.setMinimumWidth(min(w.maximumWidth(), w.fontMetrics().horizontalAdvance(w.placeholderText()) + 16))
+        for spin in (self.nodes, self.gpus_per_node):
+            spin.setMinimumWidth(spin.sizeHint().width())  # "from config" stays readable
         self._target_changed()
         return row
 
@@ -281,6 +293,8 @@ class RunPanel(QWidget):
         note = f"⚠ {problem}" if problem else TARGET_NOTES.get(target.kind, "")
         if note != self.target_note.text():
             self.target_note.setText(note)
+        if self.target_note.isHidden() == bool(note):
+            self.target_note.setVisible(bool(note))
 
     # ------------------------------------------------------------------ launching
 
@@ -371,6 +385,7 @@ class RunPanel(QWidget):
     def _clear_table(self) -> None:
         self.rows, self.notes, self.comparison = [], [], None
         self.table.setRowCount(0)
+        self._fit_columns()
         self.notes_label.hide()
 
     def show_comparison(self, record) -> None:
@@ -407,15 +422,31 @@ class RunPanel(QWidget):
                 if j == 5 and text:
                     item.setToolTip(text)
                 self.table.setItem(i, j, item)
-        self.table.resizeColumnsToContents()
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(5, QHeaderView.ResizeMode.Stretch)
+        self._fit_columns()
         self.table.setUpdatesEnabled(True)
         if self.notes:
             self.notes_label.setText("\n".join(f"• {n}" for n in self.notes))
             self.notes_label.show()
         else:
             self.notes_label.hide()
+
+    def _fit_columns(self) -> None:
+        self.table.resizeColumnsToContents()
+        self._note_width = self.table.horizontalHeader().sectionSize(len(HEADERS) - 1)
+        self._stretch_note_column()
+
+    def _stretch_note_column(self) -> None:
+        header = self.table.horizontalHeader()
+        last = len(HEADERS) - 1
+        room = self.table.viewport().width() - sum(header.sectionSize(i) for i in range(last))
+        width = max(self._note_width, room)
+        if header.sectionSize(last) != width:
+            header.resizeSection(last, width)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.table.viewport() and event.type() == QEvent.Type.Resize:
+            self._stretch_note_column()
+        return super().eventFilter(obj, event)
 
     def _list_runs(self) -> None:
         self.runs.blockSignals(True)

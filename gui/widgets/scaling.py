@@ -63,6 +63,7 @@ class ScalingView(QWidget):
         self.plot.hideButtons()
         pi = self.plot.getPlotItem()
         pi.getViewBox().setMouseEnabled(x=False, y=False)
+        pi.layout.setContentsMargins(1, 8, 1, 1)  # the top tick's label is not cut in half
         pi.setLabel("bottom", "GPUs (one node)")
         pi.setLabel("left", "tokens/s")
         pi.getAxis("left").enableAutoSIPrefix(True)

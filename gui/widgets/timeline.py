@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QBrush, QColor, QFont, QPen
+from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine.schedules import ACTION_KINDS
@@ -245,6 +245,7 @@ class TimelineView(QWidget):
         self.header = QLabel("Pipeline")
         self.header.setObjectName("chartTitle")
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.header.setWordWrap(True)
         head = QHBoxLayout()
         head.addWidget(LayoutBarrier(self.header), 1)
         lay.addLayout(head)
@@ -259,6 +260,10 @@ class TimelineView(QWidget):
         pi.getViewBox().setMouseEnabled(x=True, y=True)
         self.boxes = BoxesItem()
         self.plot.addItem(self.boxes)
+        self._tick_rows = 0
+        self._tick_px = QFontMetrics(self.plot.font()).height()
+        pi.getViewBox().sigResized.connect(self._fit_ticks)
+        pi.getViewBox().sigYRangeChanged.connect(self._fit_ticks)
         self.note = QLabel()
         self.note.setObjectName("note")
         self.note.setWordWrap(True)
@@ -267,6 +272,7 @@ class TimelineView(QWidget):
         self.hover = QLabel(" ")
         self.hover.setObjectName("hover")
         self.hover.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.hover.setWordWrap(True)  # predicted and measured side by side take two lines when narrow
         self._lanes: tuple = ((0.1, 0.9), None)
         lay.addWidget(self.plot, 1)
         lay.addWidget(LayoutBarrier(self.hover))
@@ -355,15 +361,7 @@ class TimelineView(QWidget):
                                  colors, np.concatenate(ci), np.concatenate(labels), background=bg)
         else:
             self.boxes.set_boxes([], [], [], [], colors, [], [])
-        ticks = []
-        step = max(1, rows // 16)
-        for r in range(0, rows, step):
-            ticks.append((r + (pred_lane[0] + pred_lane[1]) / 2, f"rank {r}" + (" predicted" if has_measured else "")))
-            if has_measured:
-                ticks.append((r + (meas_lane[0] + meas_lane[1]) / 2, "measured"))
-        if ticks != self._ticks:  # re-setting ticks makes the axis lay itself out again
-            self._ticks = ticks
-            self.plot.getPlotItem().getAxis("left").setTicks([ticks, []])
+        self._tick_rows = rows
         vb = self.plot.getPlotItem().getViewBox()
         if scale != self.scale_s:
             self.scale_s = scale
@@ -372,7 +370,34 @@ class TimelineView(QWidget):
             self._rows = rows
             vb.setLimits(xMin=-0.05, xMax=1.05, yMin=-0.5, yMax=rows + 0.5, minXRange=1e-4, maxXRange=1.1)
             vb.setRange(xRange=(0, 1), yRange=(0, rows), padding=0.01)
+        self._fit_ticks()
         self._update_header(has_measured)
+
+    def _fit_ticks(self, *_args) -> None:
+        """Row labels on the left axis, as many as fit the plot's height without overlapping:
+        every ``step``-th rank, and the "measured" lane's own label when the lanes are tall enough."""
+        rows = self._tick_rows
+        if rows <= 0:
+            return
+        pred_lane, meas_lane = self._lanes
+        vb = self.plot.getPlotItem().getViewBox()
+        y0, y1 = vb.viewRange()[1]
+        row_px = vb.height() / max(1e-9, abs(y1 - y0))
+        label_px = self._tick_px + 2
+        step = max(1, rows // 16)
+        while step < rows and step * row_px < label_px:
+            step *= 2
+        both = meas_lane is not None and (meas_lane[0] + meas_lane[1] - pred_lane[0] - pred_lane[1]) / 2 * row_px \
+            >= label_px
+        ticks = []
+        for r in range(0, rows, step):
+            ticks.append((r + (pred_lane[0] + pred_lane[1]) / 2,
+                          f"rank {r}" + (" predicted" if both else "")))
+            if both:
+                ticks.append((r + (meas_lane[0] + meas_lane[1]) / 2, "measured"))
+        if ticks != self._ticks:  # re-setting ticks makes the axis lay itself out again
+            self._ticks = ticks
+            self.plot.getPlotItem().getAxis("left").setTicks([ticks, []])
 
     # ------------------------------------------------------------------ hover
 
