@@ -7,7 +7,8 @@ import pytest
 pytest.importorskip("PySide6")
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QPoint, QPointF  # noqa: E402
+from PySide6.QtCore import QEvent, QPoint, QPointF, Qt  # noqa: E402
+from PySide6.QtGui import QMouseEvent  # noqa: E402
 from PySide6.QtTest import QTest  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
@@ -39,7 +40,11 @@ def hover_over(view, lane_y: float, row: int, t0: float, t1: float) -> str:
     scene = vb.mapViewToScene(QPointF(x, row + lane_y))
     pos = view.plot.mapFromScene(scene)
     QTest.qWait(50)  # pyqtgraph's scene drops mouse moves closer than its rate limit
-    QTest.mouseMove(view.plot.viewport(), QPoint(int(pos.x()), int(pos.y())))
+    port = view.plot.viewport()
+    local = QPointF(QPoint(int(pos.x()), int(pos.y())))
+    QApplication.sendEvent(port, QMouseEvent(QEvent.Type.MouseMove, local, QPointF(port.mapToGlobal(local)),
+                                             Qt.MouseButton.NoButton, Qt.MouseButton.NoButton,
+                                             Qt.KeyboardModifier.NoModifier))
     QApplication.processEvents()
     return view.hover.text()
 
