@@ -534,10 +534,14 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     elif autocast:
         # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
         # (the backend's context spans forward and backward); the matmuls save these casts.
-        cast = sum(a * c for a, c in rp.block_tensors if c > 1) * rp.layers
+        # torchao's Float8Linear passes its weight uncast (it casts to float8 itself and saves the
+        # high-precision weight by reference): only the head's weight is cast and cached then
+        float8 = tr.float8 != "none"
+        cast = 0 if float8 else sum(a * c for a, c in rp.block_tensors if c > 1) * rp.layers
         cast += sum(st.head for st in rp.stages)
         T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
-              f"{act} B × {cast:,} matmul weights (blocks and head)", kind="autocast_weight_casts")
+              f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
+              kind="autocast_weight_casts")
     if any(ckpt_of[st.stage] for st in rp.stages):
         T.add("temporaries", f"one block recomputed during backward ({tr.recompute} recompute)", per_layer,
               f"{layer_formula} = {per_layer:,} B ({dims})", kind="recomputed_block")
