@@ -73,6 +73,7 @@ from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
 from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token, stage_durations
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
+from engine.memory.activations import TABLE_RECOMPUTE
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.params import params_per_rank
 from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
@@ -397,11 +398,12 @@ class _Planner:
 
     def _act_per_layer_b1(self, tp: int, sp: bool, rc: str) -> int:
         """Saved bytes of one block for one sequence (b = 1) — b times this is ≤ the engine's b-value."""
-        key = (tp, sp, rc)
+        table = rc if rc in TABLE_RECOMPUTE else "none"  # full, selective-layer: the plain blocks' table
+        key = (tp, sp, table)
         out = self._act1.get(key)
         if out is None:
             cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // tp, "tp": tp, "sequence_parallel": sp},
-                                    training={"micro_batch_size": 1, "recompute": "none" if rc == "full" else rc})
+                                    training={"micro_batch_size": 1, "recompute": table})
             out = self._act1[key] = activation_bytes_per_layer(cfg)
         return out
 
@@ -654,6 +656,12 @@ class _Planner:
                       "microbatches": int(c["m"][i])},
             training={"micro_batch_size": int(c["b"][i]), "recompute": _RECOMPUTE[int(c["rc"][i])]})
 
+    def makespan_key(self, g: _Grid, i: int) -> tuple:
+        """``makespan``'s cache key of candidate ``i``, from the grid's columns (no Config built)."""
+        c = g.cols
+        tp, pp, v, sc = self.structs[int(c["struct"][i])]
+        return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])])
+
     def makespan(self, cfg: Config) -> float:
         """The simulated pipeline makespan (as engine.step computes it), cached per pipeline shape."""
         par, tr = cfg.parallel, cfg.training
@@ -802,21 +810,32 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
         if next0 <= next1:
             i = int(idx[ptr])
             ptr += 1
+            # a pipeline shape already simulated (another ZeRO stage) needs no Config until evaluated
+            mk = None if exhaustive else pl._makespans.get(pl.makespan_key(g, i))
+            cfg = None
+            if mk is None:
+                try:
+                    cfg = pl.config(g, i)
+                except ConfigError:
+                    invalid += 1
+                    continue
+            if exhaustive:
+                heapq.heappush(heap, (float(bound0[i]), i, cfg))
+                continue
+            if mk is None:
+                before = len(pl._makespans)
+                mk = pl.makespan(cfg)
+                simulated += len(pl._makespans) - before
+            bound1 = (mk + g.rest_lb[i]) * _SAFETY
+            heapq.heappush(heap, (max(bound1, float(bound0[i])), i, cfg))
+            continue
+        _, i, cfg = heapq.heappop(heap)
+        if cfg is None:
             try:
                 cfg = pl.config(g, i)
             except ConfigError:
                 invalid += 1
                 continue
-            if exhaustive:
-                heapq.heappush(heap, (float(bound0[i]), i, cfg))
-                continue
-            before = len(pl._makespans)
-            mk = pl.makespan(cfg)
-            simulated += len(pl._makespans) - before
-            bound1 = (mk + g.rest_lb[i]) * _SAFETY
-            heapq.heappush(heap, (max(bound1, float(bound0[i])), i, cfg))
-            continue
-        _, i, cfg = heapq.heappop(heap)
         evaluated += 1
         mem = memory_per_rank(cfg)
         if not mem.fits:
