@@ -547,7 +547,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               f"{layer_formula} = {per_layer:,} B ({dims})", kind="recomputed_block")
     elif sh.recompute == "selective-op":
         # the tensors autograd saves while one block's forward is replayed: what "none" keeps and the
-        # policy does not (its stash is reused, not reallocated)
+        # policy does not. Rows that are the stash's own tensors (flash's lse, the gate output, V) are
+        # counted again here although the replay reuses them: an upper estimate by those few tensors
         plain = dataclasses.replace(sh, recompute="none")
         redo = sum(row.coefficient(plain) * _NUMEL[row.numel][0](plain) for row in SAVED_TENSORS
                    if row.applies(plain) and not row.applies(sh))
