@@ -15,7 +15,10 @@ FLOP conventions (per token, per transformer block, forward, before dividing by 
 * backward for inputs (I) = forward of the matmuls + 2× the attention core; backward for
   weights (W) = forward of the matmuls; full backward B = I + W (≈ 2× forward).
 * recompute: ``full`` adds the blocks' forward to B (and to I), ``selective`` adds the
-  attention core's forward.
+  attention core's forward, ``selective-op`` (torchtitan's per-op policy) the forward of the
+  matmuls its counter does not save (every second one: wk, wo, w3 of a SwiGLU block; the saved
+  attention op and elementwise ops add no counted FLOPs), ``selective-layer`` the whole forward
+  of the blocks it checkpoints (``checkpointed_blocks``: every N-th block of each rank).
 
 LoRA (``training.finetune = "lora"``, engine.lora): every adapted Linear adds its adapter's
 matmuls, ``2·r·(d_in + d_out)`` FLOPs per token (x·Aᵀ, then ·Bᵀ) in the forward, as much again
@@ -36,7 +39,7 @@ import numpy as np
 
 from engine.config import Config
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
-from engine.lora import adapter_block_tensors
+from engine.lora import adapter_block_tensors, target_modules
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,11 +184,99 @@ def model_flops_per_token(cfg: Config) -> float:
     return n * (fl.block + a) + fl.head + n * (fl.matmuls + 2 * fl.attention_core + a) + fl.head + n * a
 
 
-def recompute_flops_per_token(cfg: Config) -> float:
-    """Forward FLOPs per token per block that recompute repeats in the backward (adapters included)."""
+def linear_flops_per_token(cfg: Config) -> dict[str, float]:
+    """Forward FLOPs per token of each Linear of one block (before tp), by the backend's names."""
+    m = cfg.model
+    h, kv, f = m.hidden, m.kv_dim, m.ffn_hidden
+    out = {"wq": 2.0 * h * h, "wk": 2.0 * h * kv, "wv": 2.0 * h * kv, "wo": 2.0 * h * h, "w1": 2.0 * h * f}
+    if m.mlp == "swiglu":
+        out["w3"] = 2.0 * h * f
+    out["w2"] = 2.0 * f * h
+    return out
+
+
+#: each Linear's (input, output) widths as (hidden | kv | ffn) names, for its LoRA adapter's matmuls
+_LINEAR_DIMS = {"wq": ("h", "h"), "wk": ("h", "kv"), "wv": ("h", "kv"), "wo": ("h", "h"), "w1": ("h", "f"),
+                "w3": ("h", "f"), "w2": ("f", "h")}
+
+
+def per_op_recompute_flops_per_token(cfg: Config) -> float:
+    """Forward FLOPs per token per block that torchtitan's per-op selective checkpointing repeats:
+    the matmuls its counter does not save (``engine.memory.activations.sac_saved_matmuls``; LoRA
+    adapters' A and B matmuls included, 2·r·d each, before tp). SDPA / eager attention's bmms are
+    saved, elementwise ops are not counted (the FLOP convention)."""
+    from engine.memory.activations import sac_saved_matmuls  # engine.memory imports this module
+
+    m, tr = cfg.model, cfg.training
+    mods = tuple(target_modules(m, tr.lora_targets)) if tr.finetune == "lora" else ()
+    saved = sac_saved_matmuls(m.mlp == "swiglu", m.bias, mods)
+    width = {"h": m.hidden, "kv": m.kv_dim, "f": m.ffn_hidden}
+    total = 0.0
+    for name, fl in linear_flops_per_token(cfg).items():
+        total += 0.0 if name in saved else fl
+        if name in mods:
+            d_in, d_out = _LINEAR_DIMS[name]
+            total += 0.0 if f"{name}.A" in saved else 2.0 * tr.lora_rank * width[d_in]
+            total += 0.0 if f"{name}.B" in saved else 2.0 * tr.lora_rank * width[d_out]
+    return total
+
+
+def checkpointed_per_stage(stage_layers: Sequence[int], every: int) -> list[int]:
+    """Blocks torchtitan's layer-selective AC checkpoints in each of one rank's stages (in stage order).
+
+    Its counter is process-wide and 1-based, incremented per block as AC is applied to the rank's
+    model parts in order: block k is checkpointed when k % every == 0 (every 2nd: the 2nd, 4th, ...).
+    """
+    out, pos = [], 0
+    for n in stage_layers:
+        out.append((pos + n) // every - pos // every)
+        pos += n
+    return out
+
+
+def checkpointed_blocks(cfg: Config) -> list[int]:
+    """Fully recomputed blocks per stage (one entry per stage; one stage when pp = 1): every block
+    under "full", torchtitan's every ``recompute_every``-th block of each rank under
+    "selective-layer", none otherwise."""
+    par, tr = cfg.parallel, cfg.training
+    num_stages = 1 if par.pp == 1 else par.num_stages
+    layers = [len(r) for r in split_layers(cfg.model.layers, num_stages)]
+    if tr.recompute == "full":
+        return layers
+    if tr.recompute != "selective-layer":
+        return [0] * num_stages
+    owners = stage_placement(cfg)
+    out = [0] * num_stages
+    for rank in sorted(set(owners)):
+        mine = [s for s in range(num_stages) if owners[s] == rank]
+        for s, n in zip(mine, checkpointed_per_stage([layers[s] for s in mine], tr.recompute_every)):
+            out[s] = n
+    return out
+
+
+def block_recompute_flops_per_token(cfg: Config) -> tuple[float, float]:
+    """(FLOPs per token repeated by each fully recomputed block, by every block besides) — the
+    blocks' forward with adapters; the per-op policy's unsaved matmuls, or selective's attention core."""
     fl = flops_per_token(cfg)
-    return {"full": fl.block + adapter_flops_per_token(cfg), "selective": fl.attention_core}.get(
-        cfg.training.recompute, 0.0)
+    every = {"selective": fl.attention_core}.get(cfg.training.recompute, 0.0)
+    if cfg.training.recompute == "selective-op":
+        every = per_op_recompute_flops_per_token(cfg)
+    return fl.block + adapter_flops_per_token(cfg), every
+
+
+def recompute_flops_per_token(cfg: Config) -> float:
+    """Forward FLOPs per token per block that recompute repeats in the backward (adapters included),
+    averaged over the blocks (selective-layer recomputes some blocks only): times model.layers it is
+    the step's recompute."""
+    tr = cfg.training
+    if tr.recompute == "none":
+        return 0.0
+    whole, every = block_recompute_flops_per_token(cfg)
+    if tr.recompute == "full":
+        return whole
+    if tr.recompute == "selective-layer":
+        return whole * sum(checkpointed_blocks(cfg)) / cfg.model.layers
+    return every
 
 
 def activation_bytes_per_microbatch(cfg: Config) -> int:
@@ -229,16 +320,20 @@ def stage_durations(
     layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)], dtype=np.float64)
     head = np.zeros(num_stages)
     head[-1] = fl.head
-    recompute = recompute_flops_per_token(cfg)
+    # per block (full: every block is recomputed whole) and the checkpointed blocks of selective-layer
+    whole, every = block_recompute_flops_per_token(cfg)
+    recompute = whole if tr.recompute == "full" else every
+    ckpt = np.array(checkpointed_blocks(cfg), dtype=np.float64) * whole if tr.recompute == "selective-layer" \
+        else np.zeros(num_stages)
 
     if tr.finetune == "lora":  # frozen base: input gradients as before, weight gradients of the adapters only
         a = adapter_flops_per_token(cfg)
         f = tokens * (layers * (fl.block + a) + head) / rate
-        i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + a + recompute) + head) / rate
+        i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + a + recompute) + ckpt + head) / rate
         w = tokens * (layers * a) / rate
     else:
         f = tokens * (layers * fl.block + head) / rate
-        i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + recompute) + head) / rate
+        i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + recompute) + ckpt + head) / rate
         w = tokens * (layers * fl.matmuls + head) / rate
     b = i + w
 

@@ -21,7 +21,8 @@ What is enumerated (duplicates that the engine cannot tell apart are left out, a
     micro_batch_size  every divisor b of global_batch / dp; microbatches = global_batch / (dp · b)
     zero  0–3 when dp > 1 (with dp = 1 all stages are the same layout: only 0)
     sequence_parallel  off, and on when tp > 1 and tp divides seq_len
-    recompute  none, selective, full
+    recompute  none, selective, full, selective-op, selective-layer (every training.recompute_every-th block
+               of the base config)
 Schedule rules (1F1B needs m ≥ pp, …) come from ``engine.schedules.schedule_problems``, and
 every layout that is fully evaluated is built as a ``Config`` (which validates it).
 
@@ -69,9 +70,10 @@ import numpy as np
 from engine import names
 from engine.comm import collective_seconds, group_span
 from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
-from engine.durations import flops_per_token, stage_durations
+from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token, stage_durations
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
+from engine.memory.activations import TABLE_RECOMPUTE
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.params import params_per_rank
 from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
@@ -83,7 +85,7 @@ MAX_SEQUENCES_PER_GPU = 8
 _SAFETY = 1.0 - 1e-9  # bounds are compared with this margin against float rounding
 _RECOMPUTE = names.RECOMPUTE_KINDS
 #: the recompute kinds searched unless told otherwise
-SEARCHED_RECOMPUTE = ("none", "selective", "full")
+SEARCHED_RECOMPUTE = ("none", "selective", "full", "selective-op", "selective-layer")
 _SCHEDULE_INDEX = {s: i for i, s in enumerate(names.SCHEDULES)}
 FITTING_LIMIT = 10_000  # layouts the all-fitting sweep evaluates at most
 FITTING_SECONDS = 30.0  # ... and seconds it spends at most
@@ -396,11 +398,12 @@ class _Planner:
 
     def _act_per_layer_b1(self, tp: int, sp: bool, rc: str) -> int:
         """Saved bytes of one block for one sequence (b = 1) — b times this is ≤ the engine's b-value."""
-        key = (tp, sp, rc)
+        table = rc if rc in TABLE_RECOMPUTE else "none"  # full, selective-layer: the plain blocks' table
+        key = (tp, sp, table)
         out = self._act1.get(key)
         if out is None:
             cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // tp, "tp": tp, "sequence_parallel": sp},
-                                    training={"micro_batch_size": 1, "recompute": "none" if rc == "full" else rc})
+                                    training={"micro_batch_size": 1, "recompute": table})
             out = self._act1[key] = activation_bytes_per_layer(cfg)
         return out
 
@@ -500,10 +503,14 @@ class _Planner:
         rate = peak_rate * tp
         rc_flops = np.zeros(len(_RECOMPUTE))  # recomputed forward flops per token and layer, by recompute kind
         rc_flops[_RECOMPUTE.index("full")], rc_flops[_RECOMPUTE.index("selective")] = fl.block, fl.attention_core
+        rc_flops[_RECOMPUTE.index("selective-op")] = per_op_recompute_flops_per_token(self.base)
         rc_extra = rc_flops[gr]
+        # selective-layer: the checkpointed blocks of each stage recompute their whole forward
+        sl = gr == _RECOMPUTE.index("selective-layer")
+        ck_extra = np.where(sl, 1.0, 0.0)[:, None] * (sh["ckpt"][None, :] * fl.block)
         f = tokens[:, None] * (L[None, :] * fl.block + head[None, :]) / rate
         i_ = tokens[:, None] * (L[None, :] * (fl.matmuls + 2 * fl.attention_core + rc_extra[:, None])
-                                + head[None, :]) / rate
+                                + ck_extra + head[None, :]) / rate
         w_ = tokens[:, None] * (L[None, :] * fl.matmuls + head[None, :]) / rate
         one_tp = np.zeros(n)
         if tp > 1:
@@ -552,7 +559,10 @@ class _Planner:
             states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dp,
                                        w_b * p_ + (g_b + o_b) * p_ / dp, (w_b + g_b + o_b) * p_ / dp])
             fixed = states_by_zero[gz] + overhead
-            fixed = fixed + np.where(full, bf * per_layer1, 0.0)  # the recomputed block (temporaries)
+            units = tuple(len(layers_of[s]) for s in stages)
+            ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
+            # the recomputed block (temporaries): full, and selective-layer where the rank checkpoints one
+            fixed = fixed + np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
             if n_stages - 1 in stages:  # logits at the loss
                 fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
             if dp > 1:
@@ -566,12 +576,14 @@ class _Planner:
                 fixed = fixed + ends * gm * bf * act_b * sbh1
             # replay torch's order only where it matters: the m values whose fixed part fits
             need = np.unique(gm[fixed * _SAFETY <= capacity])
-            lut = np.zeros((3, per_dp + 1))  # (layer-weighted, first-stage, last-stage) in-flight counts per m
-            units = tuple(len(layers_of[s]) for s in stages)
+            # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts per m: one
+            # state of torch's order (the layer-weighted peak), so ≤ the engine's peak for any per-stage bytes
+            lut = np.zeros((4, per_dp + 1))
             for m_val in need.tolist():
-                lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages)
-            lsum, first, last = lut[:, gm]
-            act = bf * (lsum * stored1 + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
+                lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages, ckpt_units)
+            lsum, first, last, lck = lut[:, gm]
+            layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
+            act = bf * (layers_act + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
             mem = np.maximum(mem, fixed + act)
         return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr,
                 "mem": mem, "mk": mk, "rest": rest.max(axis=1), "rest_rank": rest}
@@ -597,8 +609,15 @@ class _Planner:
         member = np.zeros((pp, n_stages))
         member[owners, np.arange(n_stages)] = 1.0
         first_stage = np.array([min(r.stage_indices) for r in rows])
+        # selective-layer's checkpointed blocks per stage: every N-th of each rank's blocks (engine.durations)
+        ckpt = np.zeros(n_stages)
+        for r in rows:
+            mine = sorted(r.stage_indices)
+            for s_, c_ in zip(mine, checkpointed_per_stage([len(layers_of[x]) for x in mine],
+                                                           self.base.training.recompute_every)):
+                ckpt[s_] = c_
         out = {"psi": psi, "layers_of": layers_of, "L": np.array([len(x) for x in layers_of], dtype=np.float64),
-               "head": head, "member": member,
+               "head": head, "member": member, "ckpt": ckpt,
                "fwd_prefix_mask": (np.arange(n_stages)[None, :] < first_stage[:, None]).astype(np.float64),
                "ends": [(ri, rows[ri].stage_indices,
                          rows[ri].largest_unit_numels(2))
@@ -637,6 +656,12 @@ class _Planner:
                       "microbatches": int(c["m"][i])},
             training={"micro_batch_size": int(c["b"][i]), "recompute": _RECOMPUTE[int(c["rc"][i])]})
 
+    def makespan_key(self, g: _Grid, i: int) -> tuple:
+        """``makespan``'s cache key of candidate ``i``, from the grid's columns (no Config built)."""
+        c = g.cols
+        tp, pp, v, sc = self.structs[int(c["struct"][i])]
+        return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])])
+
     def makespan(self, cfg: Config) -> float:
         """The simulated pipeline makespan (as engine.step computes it), cached per pipeline shape."""
         par, tr = cfg.parallel, cfg.training
@@ -656,9 +681,10 @@ class _Planner:
 
 @lru_cache(maxsize=8192)
 def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages: tuple[int, ...],
-                    units: tuple[int, ...], n_stages: int) -> tuple[int, int, int]:
+                    units: tuple[int, ...], n_stages: int, ckpt: tuple[int, ...] = ()) -> tuple[int, int, int, int]:
     """At the rank's activation peak (``engine.schedules.microbatches_in_flight``): in-flight microbatches weighted by
-    each local stage's layer count, and those on the first and on the last stage.
+    each local stage's layer count, those on the first and on the last stage, and the microbatches weighted by each
+    local stage's checkpointed blocks ``ckpt`` (selective-layer; 0 without).
 
     Pure in its arguments, so shared by every layout group (tp, b, ZeRO, SP, recompute) with this
     pipeline shape, within one plan and across plans: replaying torch's order is the costly part.
@@ -667,7 +693,7 @@ def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages
     lsum = sum(c * u for c, u in zip(counts, units))
     first = sum(c for c, s in zip(counts, stages) if s == 0)
     last = sum(c for c, s in zip(counts, stages) if s == n_stages - 1)
-    return lsum, first, last
+    return lsum, first, last, sum(c * k for c, k in zip(counts, ckpt))
 
 
 def _key(g: _Grid, i: int) -> tuple:
@@ -784,21 +810,32 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
         if next0 <= next1:
             i = int(idx[ptr])
             ptr += 1
+            # a pipeline shape already simulated (another ZeRO stage) needs no Config until evaluated
+            mk = None if exhaustive else pl._makespans.get(pl.makespan_key(g, i))
+            cfg = None
+            if mk is None:
+                try:
+                    cfg = pl.config(g, i)
+                except ConfigError:
+                    invalid += 1
+                    continue
+            if exhaustive:
+                heapq.heappush(heap, (float(bound0[i]), i, cfg))
+                continue
+            if mk is None:
+                before = len(pl._makespans)
+                mk = pl.makespan(cfg)
+                simulated += len(pl._makespans) - before
+            bound1 = (mk + g.rest_lb[i]) * _SAFETY
+            heapq.heappush(heap, (max(bound1, float(bound0[i])), i, cfg))
+            continue
+        _, i, cfg = heapq.heappop(heap)
+        if cfg is None:
             try:
                 cfg = pl.config(g, i)
             except ConfigError:
                 invalid += 1
                 continue
-            if exhaustive:
-                heapq.heappush(heap, (float(bound0[i]), i, cfg))
-                continue
-            before = len(pl._makespans)
-            mk = pl.makespan(cfg)
-            simulated += len(pl._makespans) - before
-            bound1 = (mk + g.rest_lb[i]) * _SAFETY
-            heapq.heappush(heap, (max(bound1, float(bound0[i])), i, cfg))
-            continue
-        _, i, cfg = heapq.heappop(heap)
         evaluated += 1
         mem = memory_per_rank(cfg)
         if not mem.fits:

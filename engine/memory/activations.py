@@ -42,11 +42,13 @@ receive buffer (counted in comm_buffers). Checked against PyTorch's MemTracker o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
 from engine import lora
 from engine.config import Config
+from engine.durations import checkpointed_per_stage
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS
 
@@ -67,7 +69,9 @@ class _Shape:
     dropout: bool
     flash: bool
     swiglu: bool
-    recompute: str = "none"  # the policy the table is evaluated under ("full" is applied per block)
+    recompute: str = "none"  # the policy the table is evaluated under ("full", "selective-layer": per block)
+    bias: bool = False  # Linears with a bias (aten.addmm: saved by the per-op policy, not counted as an mm)
+    compile: bool = False  # torch.compile per block: what inductor's min-cut partitioner saves
     # "pytorch" accounting only (all False / equal to ``act`` under "zero-paper"):
     torch_ops: bool = False  # count what torch's kernels save beyond the paper's terms
     resid: int = 0  # bytes of the residual stream (the norm inputs)
@@ -95,6 +99,11 @@ class _Shape:
     def selective(self) -> bool:
         return self.recompute == "selective"
 
+    @property
+    def sac(self) -> frozenset[str]:
+        """The matmul outputs (Linear names; "wq.A", "wq.B" for LoRA adapters) the per-op policy saves."""
+        return sac_saved_matmuls(self.swiglu, self.bias, self.lora_mods if self.lora else ())
+
 
 # numel rule name -> (elements for one microbatch, the basis symbol in the formula s·b·(...))
 _NUMEL = {
@@ -104,6 +113,8 @@ _NUMEL = {
     "linear_input": (lambda sh: sh.s * sh.b * sh.h if sh.torch_ops else sh.s * sh.b * sh.h // sh.rep,
                      lambda sh: "h" if sh.torch_ops else ("h/t" if sh.sp else "h")),
     "sbh_t": (lambda sh: sh.s * sh.b * sh.h // sh.t, lambda sh: "h/t"),
+    # a row-parallel Linear's local output: the full s·b·h partial sum before its all-reduce / reduce-scatter
+    "sbh": (lambda sh: sh.s * sh.b * sh.h, lambda sh: "h"),
     "sbkv_t": (lambda sh: sh.s * sh.b * sh.kv // sh.t, lambda sh: "kv/t"),
     "sbf_t": (lambda sh: sh.s * sh.b * sh.f // sh.t, lambda sh: "f/t"),
     "as2b_t": (lambda sh: sh.a * sh.s * sh.s * sh.b // sh.t, lambda sh: "as/t"),
@@ -117,7 +128,7 @@ _BASIS_ORDER = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t", "1", "1/t", "d/2b", "s
 #: element-bytes rule name -> bytes
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
-_FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora")
+_FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile")
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,10 @@ class SavedTensor:
     recompute policies that recompute it instead of keeping it. ``for_weight_grad_of``: Linears
     whose weight gradient is the only reason it is kept (under LoRA it stays only if one of them
     has an adapter), unless ``kernel_keeps`` names a flag under which the kernel saves it anyway.
-    ``count`` = "adapters" multiplies by the number of adapted Linears.
+    ``count`` = "adapters" multiplies by the number of adapted Linears. ``only_under``: the
+    recompute policies it exists under alone (the outputs torchtitan's per-op policy stashes);
+    ``sac_mm``: the matmul whose output it is, kept only if the policy's counter saves that matmul
+    (``sac_saved_matmuls``).
     """
 
     label: str
@@ -142,6 +156,8 @@ class SavedTensor:
     recomputed_by: frozenset[str] = frozenset()
     for_weight_grad_of: tuple[str, ...] = ()
     kernel_keeps: str = ""
+    only_under: frozenset[str] = frozenset()
+    sac_mm: str = ""
 
     def applies(self, sh: _Shape) -> bool:
         for flag in self.only:
@@ -149,6 +165,10 @@ class SavedTensor:
                 return False
         if sh.recompute in self.recomputed_by:
             return False
+        if self.only_under and sh.recompute not in self.only_under:
+            return False
+        if self.sac_mm:
+            return self.sac_mm in sh.sac
         if self.for_weight_grad_of and sh.lora and not (self.kernel_keeps and getattr(sh, self.kernel_keeps)):
             return any(x in sh.lora_mods for x in self.for_weight_grad_of)
         return True
@@ -161,29 +181,91 @@ class SavedTensor:
         return self.label.format(n=len(sh.lora_mods), r=sh.lora_r)
 
 
-_ATTENTION_CORE = frozenset({"selective"})
+#: torchtitan's per-op selective checkpointing: every tensor autograd saves inside the block is
+#: recomputed in the backward from the block's checkpointed input and the policy's stash
+_SAC = "selective-op"
+_PER_OP = frozenset({_SAC})
+_ATTENTION_CORE = frozenset({"selective", _SAC})
+
+#: The Linears of one block in the order the backend's forward calls them (backend/model.py:
+#: Attention.forward q, k, v, o; FeedForward.forward w1, w3 inside w2's argument, then w2).
+BLOCK_MATMUL_ORDER: dict[bool, tuple[str, ...]] = {
+    True: ("wq", "wk", "wv", "wo", "w1", "w3", "w2"),  # SwiGLU
+    False: ("wq", "wk", "wv", "wo", "w1", "w2"),  # GeLU
+}
+
+
+@lru_cache(maxsize=64)
+def sac_saved_matmuls(swiglu: bool, bias: bool, lora_mods: tuple[str, ...] = ()) -> frozenset[str]:
+    """The matmuls whose outputs torchtitan's ``SelectiveAC`` policy saves, replaying its counter.
+
+    Every ``aten.mm`` of a block's forward increments ``forward_mm_count``; the policy returns
+    MUST_SAVE when the count is odd and PREFER_RECOMPUTE when it is even (1st, 3rd, ... saved).
+    A Linear with a bias is one ``aten.addmm``: in the save list (``compute_intensive_ops``) but
+    not an mm op of the counter, so always saved and not counted. peft's LoRA Linear runs the
+    base layer, then ``lora_A``, then ``lora_B`` (two bias-free mms, named "<linear>.A", ".B").
+    """
+    saved: set[str] = set()
+    count = 0
+    for name in BLOCK_MATMUL_ORDER[swiglu]:
+        calls = [(name, bias)]
+        if name in lora_mods:
+            calls += [(f"{name}.A", False), (f"{name}.B", False)]
+        for op, addmm in calls:
+            if addmm:
+                saved.add(op)
+                continue
+            count += 1
+            if count % 2:
+                saved.add(op)
+    return frozenset(saved)
+
+
+#: each Linear's output numel rule: column-parallel ones /t, row-parallel ones the full partial sum
+_MM_OUTPUT = {"wq": "sbh_t", "wk": "sbkv_t", "wv": "sbkv_t", "wo": "sbh", "w1": "sbf_t", "w3": "sbf_t", "w2": "sbh"}
+_MM_PART = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention", "w1": "mlp", "w3": "mlp",
+            "w2": "mlp"}
+
+
+def _stashed_matmul(name: str) -> tuple[SavedTensor, ...]:
+    """What the per-op policy keeps of one Linear (and of its LoRA adapter): the mm outputs it saves."""
+    part, under = _MM_PART[name], _PER_OP
+    return (
+        SavedTensor(f"{name} output (mm saved by the per-op policy)", "act", _MM_OUTPUT[name], part,
+                    only_under=under, sac_mm=name),
+        SavedTensor(f"LoRA: {name}'s A output (mm saved by the per-op policy)", "act", "sbr", "lora",
+                    only=("lora",), only_under=under, sac_mm=f"{name}.A"),
+        SavedTensor(f"LoRA: {name}'s B output (mm saved by the per-op policy)", "act", _MM_OUTPUT[name], "lora",
+                    only=("lora",), only_under=under, sac_mm=f"{name}.B"),
+    )
 
 
 def _norm(n: int) -> tuple[SavedTensor, ...]:
     part = f"norm{n}"
     return (
-        SavedTensor(f"norm{n} input", "res", "sbh_rep", part),
-        # x̂ is kept for the weight's gradient: none when the norm is frozen (LoRA)
+        # norm1's input is the block input: the checkpoint keeps it under the per-op policy
+        SavedTensor(f"norm{n} input", "res", "sbh_rep", part, recomputed_by=_PER_OP if n == 2 else frozenset()),
+        # x̂ is kept for the weight's gradient: none when the norm is frozen (LoRA), none under
+        # torch.compile (the fused norm keeps its input and rstd)
         SavedTensor(f"norm{n} x̂ = x·rstd (torch's composite RMSNorm)", "res", "sbh_rep", part,
-                    only=("composite_norm", "!lora")),
-        SavedTensor(f"norm{n} rstd (fp32)", "fp32", "sb_rep", part, only=("torch_ops",)),
+                    only=("composite_norm", "!lora", "!compile"), recomputed_by=_PER_OP),
+        SavedTensor(f"norm{n} rstd (fp32)", "fp32", "sb_rep", part, only=("torch_ops",), recomputed_by=_PER_OP),
     )
 
 
 #: The saved tensors of one transformer block, in the order its ops run.
 SAVED_TENSORS: tuple[SavedTensor, ...] = (
     *_norm(1),
-    SavedTensor("QKV input (norm1 output)", "act", "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv")),
-    SavedTensor("Q", "act", "sbh_t", "attention"),
+    SavedTensor("QKV input (norm1 output)", "act", "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"),
+                recomputed_by=_PER_OP),
+    *_stashed_matmul("wq"), *_stashed_matmul("wk"), *_stashed_matmul("wv"),
+    SavedTensor("Q", "act", "sbh_t", "attention", recomputed_by=_PER_OP),
+    # inductor recomputes the tables (arange, cos, sin) in the backward instead of saving them
     SavedTensor("rope cos and sin for Q and K (saved by their multiplies)", "act", "s_half_d", "attention", count=4,
-                only=("rope", "torch_ops")),
-    SavedTensor("K, V (kv heads)", "act", "sbkv_t", "attention", count=2, only=("flash",)),
-    SavedTensor("K, V (repeated to all heads)", "act", "sbh_t", "attention", count=2, only=("!flash",)),
+                only=("rope", "torch_ops", "!compile"), recomputed_by=_PER_OP),
+    SavedTensor("K, V (kv heads)", "act", "sbkv_t", "attention", count=2, only=("flash",), recomputed_by=_PER_OP),
+    SavedTensor("K, V (repeated to all heads)", "act", "sbh_t", "attention", count=2, only=("!flash",),
+                recomputed_by=_PER_OP),
     SavedTensor("softmax log-sum-exp (fp32)", "fp32", "asb_t", "attention", only=("flash",),
                 recomputed_by=_ATTENTION_CORE),
     SavedTensor("causal mask (bool, saved by masked_fill)", "bool", "ss", "attention", only=("!flash", "torch_ops"),
@@ -193,25 +275,50 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
                 recomputed_by=_ATTENTION_CORE),
     SavedTensor("attention-dropout output", "act", "as2b_t", "attention", only=("!flash", "dropout"),
                 recomputed_by=_ATTENTION_CORE),
+    # the per-op policy saves the attention op's outputs: SDPA's output and log-sum-exp, eager's two bmms
+    SavedTensor("SDPA output (saved by the per-op policy)", "act", "sbh_t", "attention", only=("flash",),
+                only_under=_PER_OP),
+    SavedTensor("SDPA log-sum-exp (fp32, saved by the per-op policy)", "fp32", "asb_t", "attention", only=("flash",),
+                only_under=_PER_OP),
+    SavedTensor("QKᵀ scores (bmm saved by the per-op policy)", "act", "as2b_t", "attention", only=("!flash",),
+                only_under=_PER_OP),
+    SavedTensor("attention output (the AV bmm, saved by the per-op policy)", "act", "sbh_t", "attention",
+                only=("!flash",), only_under=_PER_OP),
     # the flash kernel saves its output (the o-proj input) itself
     SavedTensor("o-proj input (attention output)", "act", "sbh_t", "attention", for_weight_grad_of=("wo",),
-                kernel_keeps="flash"),
-    SavedTensor("attention residual-dropout mask", "bool", "sbh_rep", "attention", only=("dropout",)),
+                kernel_keeps="flash", recomputed_by=_PER_OP),
+    *_stashed_matmul("wo"),
+    SavedTensor("o-proj reduce-scatter output (sequence parallel; saved by the per-op policy)", "act", "sbh_rep",
+                "attention", only=("sp",), only_under=_PER_OP),
+    SavedTensor("attention residual-dropout mask", "bool", "sbh_rep", "attention", only=("dropout",),
+                recomputed_by=_PER_OP),
     *_norm(2),
-    SavedTensor("MLP input (norm2 output)", "act", "linear_input", "mlp", for_weight_grad_of=("w1", "w3")),
-    SavedTensor("gate output (SiLU input)", "act", "sbf_t", "mlp", only=("swiglu",)),
-    SavedTensor("SiLU output", "act", "sbf_t", "mlp", only=("swiglu",)),
-    SavedTensor("up output", "act", "sbf_t", "mlp", only=("swiglu",)),
-    SavedTensor("down input", "act", "sbf_t", "mlp", only=("swiglu",), for_weight_grad_of=("w2",)),
-    SavedTensor("GeLU input", "act", "sbf_t", "mlp", only=("!swiglu",)),
-    SavedTensor("fc2 input (GeLU output)", "act", "sbf_t", "mlp", only=("!swiglu",), for_weight_grad_of=("w2",)),
+    SavedTensor("MLP input (norm2 output)", "act", "linear_input", "mlp", for_weight_grad_of=("w1", "w3"),
+                recomputed_by=_PER_OP),
+    *_stashed_matmul("w1"), *_stashed_matmul("w3"),
+    SavedTensor("gate output (SiLU input)", "act", "sbf_t", "mlp", only=("swiglu",), recomputed_by=_PER_OP),
+    # inductor fuses silu into the product and recomputes it from the gate output (measured)
+    SavedTensor("SiLU output", "act", "sbf_t", "mlp", only=("swiglu", "!compile"), recomputed_by=_PER_OP),
+    SavedTensor("up output", "act", "sbf_t", "mlp", only=("swiglu",), recomputed_by=_PER_OP),
+    SavedTensor("down input", "act", "sbf_t", "mlp", only=("swiglu",), for_weight_grad_of=("w2",),
+                recomputed_by=_PER_OP),
+    SavedTensor("GeLU input", "act", "sbf_t", "mlp", only=("!swiglu",), recomputed_by=_PER_OP),
+    SavedTensor("fc2 input (GeLU output)", "act", "sbf_t", "mlp", only=("!swiglu",), for_weight_grad_of=("w2",),
+                recomputed_by=_PER_OP),
+    *_stashed_matmul("w2"),
+    SavedTensor("MLP reduce-scatter output (sequence parallel; saved by the per-op policy)", "act", "sbh_rep",
+                "mlp", only=("sp",), only_under=_PER_OP),
     SavedTensor("LoRA: A's output, saved by B for its gradient ({n} adapted Linears, rank r = {r})", "act", "sbr",
-                "lora", count="adapters", only=("lora",)),
-    SavedTensor("MLP residual-dropout mask", "bool", "sbh_rep", "mlp", only=("dropout",)),
+                "lora", count="adapters", only=("lora",), recomputed_by=_PER_OP),
+    SavedTensor("MLP residual-dropout mask", "bool", "sbh_rep", "mlp", only=("dropout",), recomputed_by=_PER_OP),
 )
+
+#: the recompute kinds the per-layer table is evaluated under; "full" and "selective-layer" act per block
+TABLE_RECOMPUTE = ("none", "selective", "selective-op")
 
 for _row in SAVED_TENSORS:
     assert _row.elem in _ELEM and _row.numel in _NUMEL and _row.recomputed_by <= set(RECOMPUTE_KINDS), _row
+    assert _row.only_under <= set(RECOMPUTE_KINDS), _row
     assert all(f.lstrip("!") in _FLAGS for f in _row.only), _row
 
 
@@ -242,7 +349,8 @@ def shape_of(cfg: Config) -> _Shape:
     base = dict(s=model.seq_len, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
                 f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
                 flash=model.attention == "flash", swiglu=model.mlp == "swiglu",
-                recompute="selective" if tr.recompute == "selective" else "none")
+                recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none", bias=model.bias,
+                compile=tr.compile)
     if tr.finetune == "lora":
         base.update(lora_r=tr.lora_rank, lora_mods=tuple(lora.target_modules(model, tr.lora_targets)))
     if cfg.conventions.state_accounting != "pytorch":
@@ -271,6 +379,21 @@ def activation_bytes_per_layer(cfg: Config) -> int:
 
 
 # --------------------------------------------------------------------------- per stage
+
+
+def _checkpointed_of_stages(cfg: Config, rp) -> dict[int, int]:
+    """Blocks recomputed whole in each of the rank's stages: all under "full"; under
+    "selective-layer" torchtitan's every ``recompute_every``-th block, counted over the rank's stages
+    in stage order (``engine.durations.checkpointed_per_stage``); none otherwise."""
+    tr = cfg.training
+    stages = sorted(rp.stages, key=lambda st: st.stage)
+    if tr.recompute == "full":
+        return {st.stage: st.layers for st in stages}
+    if tr.recompute != "selective-layer":
+        return {st.stage: 0 for st in stages}
+    counts = checkpointed_per_stage([st.layers for st in stages], tr.recompute_every)
+    return {st.stage: c for st, c in zip(stages, counts)}
+
 
 
 def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) -> tuple[str, int, str, str]:
@@ -308,7 +431,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     layer_terms, layer_formula = layer_activation_terms(sh)
     per_layer = sum(x for _, x, _ in layer_terms)
     if res > act:
-        n_fp32 = 4 if sh.composite_norm and not lora_on else 2  # the two norm inputs (and x̂ of composite RMSNorm)
+        # the kept tensors of the residual stream's dtype: the norm inputs (and x̂ of composite RMSNorm)
+        n_fp32 = sum(row.count for row in SAVED_TENSORS if row.elem == "res" and row.applies(sh))
         per_layer += n_fp32 * (res - act) * sbh_rep
         # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
         # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
@@ -316,6 +440,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
             n_casts = (max(0, sum(x in sh.lora_mods for x in ("wq", "wk", "wv")) - 1)
                        + max(0, sum(x in sh.lora_mods for x in ("w1", "w3")) - 1))
+        if sh.recompute == "selective-op" or sh.compile:
+            # the per-op policy recomputes the casts (aten._to_copy is not in its save list); under
+            # torch.compile AOTAutograd's CSE merges the identical casts of one norm output
+            n_casts = 0
         per_layer += n_casts * act * s * b * h
         layer_formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
                           f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
@@ -323,10 +451,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     # replicated (ColwiseParallel → Replicate), so the loss sees all V on every TP rank.
     v_loss = ceil_div(model.vocab, t) if (sp or not torch_acc) else model.vocab
     v_sym = "⌈V/t⌉" if v_loss != model.vocab else "V"
-    if tr.recompute == "full":
-        stored, stored_formula = res * sbh_rep, f"{res}·s·b·{hs} (checkpointed block input)"
-    else:
-        stored, stored_formula = per_layer, layer_formula
+    # blocks recomputed whole (full: all; selective-layer: torchtitan's every N-th block of the rank)
+    ckpt_of = _checkpointed_of_stages(cfg, rp)
+    kept, kept_formula = res * sbh_rep, f"{res}·s·b·{hs} (checkpointed block input)"
     n_stages = par.num_stages
     holds_last = any(st.stage == n_stages - 1 for st in rp.stages)
     extras: list[list[tuple[str, int, str, str]]] = []
@@ -335,7 +462,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         if st.stage == 0:
             if not lora_on:  # a frozen embedding saves nothing
                 ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b", "token_ids"))
-            elif tr.recompute != "full":
+            elif ckpt_of[st.stage] == 0 and sh.recompute != "selective-op":
+                # (the per-op policy's stash and the checkpointed input are kept whatever needs grad)
                 ex.append(_lora_first_block_saving(sh, layer_terms, res, sbh_rep))
             if model.dropout > 0 and not lora_on:
                 ex.append(("embedding-dropout mask", sbh_rep, "s·b·" + hs, "embedding_dropout_mask"))
@@ -364,14 +492,30 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             ex.append(("stage output kept by the pipeline stage for its backward", res * sbh_rep,
                        f"{res}·s·b·{hs}", "stage_output"))
         extras.append(ex)
-    unit_bytes = [st.layers * stored + sum(x for _, x, _, _ in ex) for st, ex in zip(rp.stages, extras)]
+    unit_bytes = [ckpt_of[st.stage] * kept + (st.layers - ckpt_of[st.stage]) * per_layer
+                  + sum(x for _, x, _, _ in ex) for st, ex in zip(rp.stages, extras)]
     counts = in_flight(unit_bytes)
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
     for st, ex, n in zip(rp.stages, extras, counts):
-        T.add("activations", f"stage {st.stage}: {n} microbatch{'es' if n != 1 else ''} in flight × {st.layers} layers",
-              n * st.layers * stored,
-              f"{n} × {st.layers} × {stored_formula} = {n} × {st.layers} × {stored:,} B ({dims})",
-              stage=st.stage, in_flight=n, kind="layers")
+        c = ckpt_of[st.stage]
+        mb = f"{n} microbatch{'es' if n != 1 else ''} in flight"
+        if c and c == st.layers:
+            T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * kept,
+                  f"{n} × {st.layers} × {kept_formula} = {n} × {st.layers} × {kept:,} B ({dims})",
+                  stage=st.stage, in_flight=n, kind="layers")
+        elif c == 0:
+            T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * per_layer,
+                  f"{n} × {st.layers} × {layer_formula} = {n} × {st.layers} × {per_layer:,} B ({dims})",
+                  stage=st.stage, in_flight=n, kind="layers")
+        else:  # selective-layer: c checkpointed blocks keep their input, the others everything
+            T.add("activations", f"stage {st.stage}: {mb} × {c} checkpointed layers (every "
+                  f"{tr.recompute_every}th block of the rank)", n * c * kept,
+                  f"{n} × {c} × {kept_formula} = {n} × {c} × {kept:,} B ({dims})",
+                  stage=st.stage, in_flight=n, kind="layers")
+            T.add("activations", f"stage {st.stage}: {mb} × {st.layers - c} plain layers",
+                  n * (st.layers - c) * per_layer,
+                  f"{n} × {st.layers - c} × {layer_formula} = {n} × {st.layers - c} × {per_layer:,} B ({dims})",
+                  stage=st.stage, in_flight=n, kind="layers")
         for label, x, fx, kind in ex:
             T.add("activations", f"stage {st.stage}: {label}", n * x, f"{n} × {fx} = {n} × {x:,} B",
                   stage=st.stage, in_flight=n, kind=kind)
@@ -390,13 +534,27 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     elif autocast:
         # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
         # (the backend's context spans forward and backward); the matmuls save these casts.
-        cast = sum(a * c for a, c in rp.block_tensors if c > 1) * rp.layers
+        # torchao's Float8Linear passes its weight uncast (it casts to float8 itself and saves the
+        # high-precision weight by reference): only the head's weight is cast and cached then
+        float8 = tr.float8 != "none"
+        cast = 0 if float8 else sum(a * c for a, c in rp.block_tensors if c > 1) * rp.layers
         cast += sum(st.head for st in rp.stages)
         T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
-              f"{act} B × {cast:,} matmul weights (blocks and head)", kind="autocast_weight_casts")
-    if tr.recompute == "full":
-        T.add("temporaries", "one block recomputed during backward (full recompute)", per_layer,
+              f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
+              kind="autocast_weight_casts")
+    if any(ckpt_of[st.stage] for st in rp.stages):
+        T.add("temporaries", f"one block recomputed during backward ({tr.recompute} recompute)", per_layer,
               f"{layer_formula} = {per_layer:,} B ({dims})", kind="recomputed_block")
+    elif sh.recompute == "selective-op":
+        # the tensors autograd saves while one block's forward is replayed: what "none" keeps and the
+        # policy does not. Rows that are the stash's own tensors (flash's lse, the gate output, V) are
+        # counted again here although the replay reuses them: an upper estimate by those few tensors
+        plain = dataclasses.replace(sh, recompute="none")
+        redo = sum(row.coefficient(plain) * _NUMEL[row.numel][0](plain) for row in SAVED_TENSORS
+                   if row.applies(plain) and not row.applies(sh))
+        T.add("temporaries", "one block's recomputed tensors during its backward (per-op selective recompute)",
+              redo, f"the rows of the table that recompute = 'none' keeps and the per-op policy does not = "
+              f"{redo:,} B ({dims})", kind="recomputed_block")
     if holds_last:
         if torch_acc:
             lx = 2 * 4 * s * b * v_loss

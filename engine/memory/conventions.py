@@ -16,6 +16,24 @@ from engine.names import OPTIMIZER_STATES
 from engine.wrapping import wrapping_plan
 
 
+#: what each training.recompute keeps of a block, in words ({n}: training.recompute_every)
+_RECOMPUTE_RULE = {
+    "none": "none: every block keeps what its ops save for backward",
+    "selective": "selective (Korthikanti et al.): the attention core (softmax, its dropout; flash's lse) is "
+                 "recomputed",
+    "full": "full: each block keeps its input only and is recomputed whole in the backward (one block's saved "
+            "tensors as temporaries)",
+    "selective-op": "selective-op (torchtitan's SelectiveAC): each block keeps its input and the outputs of the "
+                    "ops in the policy's save list — every other aten.mm by its counter (odd ones saved: wq, wv, "
+                    "w1, w2 of a SwiGLU block; a Linear with a bias is an addmm, always saved), the attention "
+                    "op's outputs (SDPA output and log-sum-exp; eager: both bmms), sequence parallel's "
+                    "reduce-scatter outputs; the rest is recomputed (its tensors counted once as temporaries)",
+    "selective-layer": "selective-layer (torchtitan's selective_ac_option = N = {n}): every N-th block of each rank "
+                       "(its process-wide 1-based counter, k % N == 0) is fully checkpointed, the others keep "
+                       "everything",
+}
+
+
 def conventions_of(cfg: Config) -> dict[str, str]:
     """The conventions this report used, in words (shown next to the numbers)."""
     tr, par, conv = cfg.training, cfg.parallel, cfg.conventions
@@ -49,6 +67,16 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                        f"eager, dropout on); attention = {cfg.model.attention}, dropout "
                        f"{'on' if cfg.model.dropout > 0 else 'off (no masks)'}, recompute = {tr.recompute}, "
                        f"{4 if tr.precision == 'fp32' else 2}-byte activations",
+        "recompute": _RECOMPUTE_RULE[tr.recompute].format(n=tr.recompute_every),
+        "compile": ("torch.compile per block: inductor's min-cut partitioner recomputes fused elementwise chains "
+                    "from their inputs (SwiGLU keeps gate, up and their product, not the SiLU output; a composite "
+                    "RMSNorm keeps its input and rstd, not x̂; rope's cos/sin tables are recomputed; autocast's "
+                    "repeated input casts are merged by CSE), everything else as eager — the partitioner's usual "
+                    "choice, measured on one block on CPU" if tr.compile else "eager (no torch.compile)"),
+        "float8": (f"torchao float8 training ({tr.float8} scaling): matmul_with_hp_or_float8_args saves the "
+                   "high-precision input and weight, so the saved activations are as bf16; the float8 casts are "
+                   "transient; Float8Linear's weight is not cast by autocast (no cached 16-bit copy of the blocks' "
+                   "weights); the amax scalars it saves are not counted" if tr.float8 != "none" else "none"),
         "pipeline_in_flight": f"{par.schedule}: {IN_FLIGHT_RULE[par.schedule]}" if par.pp > 1 else "no pipeline",
         "dualpipe_parameters": "not doubled: torch's DualPipeV holds 2p distinct stages in a V",
         "tied_embeddings": "one matrix with a single stage; with more stages the last stage keeps its own copy",
