@@ -15,7 +15,6 @@ from engine.memory.in_flight import IN_FLIGHT_RULE
 from engine.names import OPTIMIZER_STATES
 from engine.wrapping import wrapping_plan
 
-
 #: what each training.recompute keeps of a block, in words ({n}: training.recompute_every)
 _RECOMPUTE_RULE = {
     "none": "none: every block keeps what its ops save for backward",
