@@ -114,11 +114,14 @@ def main() -> None:
             f"One `conventions.compute_efficiency` = {eff:g} for every row (chosen once from torchtitan's stated 33–39 % "
             "MFU for 1-D 8B FSDP; see the script's docstring); nothing is tuned per row.",
             "",
-            "Not modelled yet, and why rows are off: Tables 1 and 3 use torchtitan's per-op selective activation "
-            "checkpointing (`recompute = \"selective-op\"`), which `engine/memory/activations.py` and "
-            "`engine/durations.py` do not account yet (their activations are counted as without recompute: the "
-            "memory over-prediction); torch.compile's gain is the `fused-elementwise` convention of `engine/step.py` "
-            "only; Table 5's activations under full AC with float8 and the allocator reserve are the rest of its gap.",
+            "What is modelled and what is not: Tables 1 and 3 use torchtitan's per-op selective activation "
+            "checkpointing (`recompute = \"selective-op\"`: its save list replayed over the block's matmuls, "
+            "`engine/memory/activations.py`); torch.compile's saved tensors follow the partitioner convention of "
+            "`engine/memory/activations.py` and its speed only the `fused-elementwise` convention of "
+            "`engine/step.py` (the rest of compile's gain is not modelled: the compile rows' TPS miss by about "
+            "−8 %); Table 5 misses by −20 … −34 % in memory and +34 … +55 % in TPS: the caching allocator's "
+            "reserve, the activations of full AC under float8 and the pipeline's real idle time are not "
+            "modelled yet.",
             "",
             "Published memory is the max over GPUs of the *reserved* memory the training loop logs; the prediction "
             "is *allocated* bytes at the worst rank's peak — the caching allocator's reserve is not modelled yet, "
