@@ -54,12 +54,14 @@ def _application():
     return app
 
 
-def run_app(config_path: str | None = None, screenshot: str | None = None, settings=None) -> int:
+def run_app(config_path: str | None = None, screenshot: str | None = None, settings=None,
+            plan: bool = False) -> int:
     """Open the window on ``config_path`` (or the embedded default), sized to the screen on a first
     open and as it was left afterwards (``settings``, default the user's: see ``user_settings``).
 
     With ``screenshot`` set: render offscreen at 1600×1000, write the PNG and return 0 without
-    entering the event loop (no settings read or written).
+    entering the event loop (no settings read or written); ``plan`` runs the Planner tab's plan
+    first and shows it.
     """
     from engine import Config, default_config
 
@@ -74,7 +76,7 @@ def run_app(config_path: str | None = None, screenshot: str | None = None, setti
     if config_path:
         window.current_path = Path(config_path)
     if screenshot:
-        return window.screenshot(screenshot)
+        return window.screenshot(screenshot, plan=plan)
     window.show()
     window.state.schedule_recompute()
     return app.exec()

@@ -265,7 +265,8 @@ def cmd_gui(args: argparse.Namespace) -> int:
             raise CliError(problem)
     from gui.app import run_app
 
-    return run_app(config_path=getattr(args, "config", None), screenshot=getattr(args, "screenshot", None))
+    return run_app(config_path=getattr(args, "config", None), screenshot=getattr(args, "screenshot", None),
+                   plan=bool(getattr(args, "plan", False)))
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -290,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gui", help="open the window (optionally on a config; --screenshot renders offscreen)")
     p.add_argument("--config", help="a config file (TOML or JSON)")
     p.add_argument("--screenshot", metavar="OUT.png", help="render the window offscreen to this PNG and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="with --screenshot: run the Planner tab's plan for the config first and show it")
     p.set_defaults(func=cmd_gui)
 
     p = sub.add_parser("validate", help="check config files; every problem names its field")

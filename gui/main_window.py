@@ -248,12 +248,28 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ screenshot
 
-    def screenshot(self, path: str | Path, width: int = 1600, height: int = 1000) -> int:
+    def screenshot(self, path: str | Path, width: int = 1600, height: int = 1000, plan: bool = False,
+                   plan_timeout_s: float = 600.0) -> int:
+        """Render the window to ``path``; with ``plan``, first run the planner tab's plan for the
+        config and show its result (the README's picture)."""
+        import time
+
         self.resize(width, height)
         self.show()
         self.state.recompute_now()
         app = QApplication.instance()
         for _ in range(3):
             app.processEvents()
+        if plan:
+            self.tabs.setCurrentWidget(self.planner)
+            self.planner.start()
+            end = time.monotonic() + plan_timeout_s
+            while self.planner.running and time.monotonic() < end:
+                app.processEvents()
+                time.sleep(0.02)
+            if self.planner.outcome is not None and self.planner.table.rowCount():
+                self.planner.table.selectRow(0)
+            for _ in range(3):
+                app.processEvents()
         ok = self.grab().save(str(path), "PNG")
         return 0 if ok else 1

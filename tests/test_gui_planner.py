@@ -149,3 +149,11 @@ def test_a_config_the_planner_refuses_says_why(window, qtbot):
     qtbot.waitUntil(lambda: not panel.running, timeout=60000)
     assert "LoRA" in panel.status.text() and panel.status.property("alarm") is True
     assert panel.outcome is None
+
+
+def test_screenshot_with_plan_shows_the_planner_result(window, tmp_path):
+    out = tmp_path / "shot.png"
+    assert window.screenshot(out, width=1280, height=800, plan=True) == 0
+    assert window.tabs.currentWidget() is window.planner
+    assert window.planner.outcome is not None and window.planner.table.rowCount() > 0
+    assert out.stat().st_size > 10_000
