@@ -50,9 +50,10 @@ def measure(window, samples: int, cpu_ms: list[float] | None = None) -> tuple[li
     state = window.state
     slider = window.controls.size.slider
     base = slider.value()
+    step = 1 if base < slider.maximum() else -1  # a preset at the family's last step moves down
     total_ms, engine_ms = [], []
     for i in range(samples + 2):  # the first two warm caches up and are dropped
-        target = base + (1 if i % 2 == 0 else 0)
+        target = base + (step if i % 2 == 0 else 0)
         count = state.recompute_count
         c0 = time.process_time()
         t0 = time.perf_counter()

@@ -32,6 +32,7 @@ from); a value outside it is a problem that names the field and the range.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tomllib
@@ -733,7 +734,10 @@ def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> No
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
+@functools.lru_cache(maxsize=None)
 def _field_types(cls: type) -> dict[str, type]:
+    """Each dataclass field's type (Optional unwrapped); cached: the classes never change, and
+    ``typing.get_type_hints`` is slow enough to dominate a slider move when asked per field."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):

@@ -152,22 +152,25 @@ def _line(base: ModelSpec, step: int, ffn_multiple: int, n: int, layers: int) ->
 # --------------------------------------------------------------------------- the size slider
 
 
-def walk(base: ModelSpec, current: ModelSpec | None = None, *, tp: int | None = None,
+def walk(base: ModelSpec, current: ModelSpec | None = None, *, tp: int | None = None, min_layers: int = 1,
          down: int = 9 * STEPS_PER_DOUBLING, up: int = 6 * STEPS_PER_DOUBLING) -> tuple[list[Member], int]:
     """The size slider's members: nearest to 2^(k/3) × the base's size, k = −down … up.
+
+    ``min_layers`` (a layout's pp · virtual_stages): no member has fewer layers, so a step of the
+    slider never lands on a model the layout cannot place.
 
     Sorted, strictly increasing, de-duplicated; the base is one exactly. ``current`` (the model
     as it is now; the base when None) is in the list too — inserted by size when it is not a
     member — and its index is returned. Cached: the GUI asks on every redraw.
     """
-    members, index = _walk(base, current, tp, down, up)
+    members, index = _walk(base, current, tp, max(1, min_layers), down, up)
     return list(members), index
 
 
 @lru_cache(maxsize=64)
-def _walk(base: ModelSpec, current: ModelSpec | None, tp: int | None, down: int, up: int
+def _walk(base: ModelSpec, current: ModelSpec | None, tp: int | None, min_layers: int, down: int, up: int
           ) -> tuple[tuple[Member, ...], int]:
-    fam = Family(base, tp)
+    fam = Family(base, tp, min_layers=min_layers)
     p0 = param_counts(base).total
     ratio = 2 ** (1 / STEPS_PER_DOUBLING)
     pool = list(fam.members(max_params=p0 * ratio ** (up + 1)))

@@ -18,20 +18,22 @@ def _spec(model: dict[str, Any]) -> ModelSpec:
     return ModelSpec(**{k: v for k, v in model.items() if k in names})
 
 
-def family_for(model: dict[str, Any], preset: dict[str, Any] | None) -> tuple[list[Member], int]:
+def family_for(model: dict[str, Any], preset: dict[str, Any] | None, min_layers: int = 1
+               ) -> tuple[list[Member], int]:
     """The members the slider walks for a config's model table, and the index of the model as it is.
 
     The walk is along the preset's family; a shape outside it (a custom file) is inserted where
     its size puts it, so the slider always shows the config as it is. A model table that cannot
-    be counted (a broken edit) shows the walk at the preset's own size.
+    be counted (a broken edit) shows the walk at the preset's own size. ``min_layers`` (the
+    layout's pipeline stages): no member has fewer layers than the layout needs.
     """
     # the preset's shape with the model's other fields (seq_len, vocab, ...): the slider changes
     # only the shape, so each member's count is exactly that of the config it would produce
     shape = {k: preset[k] for k in SHAPE_FIELDS} if preset is not None else {}
     try:
-        return walk(_spec({**model, **shape}), _spec(model))
+        return walk(_spec({**model, **shape}), _spec(model), min_layers=min_layers)
     except (ArithmeticError, KeyError, TypeError, ValueError):
-        return walk(_spec(preset if preset is not None else model))
+        return walk(_spec(preset if preset is not None else model), min_layers=min_layers)
 
 
 def format_params(n: float) -> str:

@@ -317,7 +317,9 @@ class ControlsPanel(QWidget):
             presets = model_presets()
             preset = model.get("preset")
             self._set_combo(self.preset, preset if preset in presets else None)
-            self._family, index = family_for(model, presets.get(preset))
+            stages = par.get("pp", 1) * par.get("virtual_stages", 1)
+            stages = stages if isinstance(stages, int) and stages > 0 else 1
+            self._family, index = family_for(model, presets.get(preset), min_layers=stages)
             self.size.values = list(range(len(self._family)))
             self.size.slider.blockSignals(True)
             self.size.slider.setRange(0, len(self._family) - 1)
