@@ -734,7 +734,7 @@ def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> No
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_types(cls: type) -> dict[str, type]:
     """Each dataclass field's type (Optional unwrapped); cached: the classes never change, and
     ``typing.get_type_hints`` is slow enough to dominate a slider move when asked per field."""
