@@ -10,9 +10,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from engine import default_config  # noqa: E402
 from engine.names import MEMORY_CATEGORIES  # noqa: E402
-from gui.app import make_window  # noqa: E402
 from gui.comparison import fmt_bytes  # noqa: E402
 from gui.widgets.metrics import format_change  # noqa: E402
 from gui.widgets.timeline import _fmt_seconds  # noqa: E402
@@ -21,20 +19,6 @@ from tests.test_gui_window import drag_slider, image  # noqa: E402
 pytestmark = pytest.mark.gui
 
 K = len(MEMORY_CATEGORIES)
-
-
-@pytest.fixture
-def window(qtbot, tmp_path):
-    from gui.state import State
-
-    w = make_window(State(default_config(), runs_dir=tmp_path / "runs"))
-    qtbot.addWidget(w)
-    w.resize(1500, 950)
-    w.show()
-    qtbot.waitExposed(w)
-    w.state.recompute_now()
-    QApplication.processEvents()
-    return w
 
 
 def test_pin_drag_compare_and_clear(window, qtbot):

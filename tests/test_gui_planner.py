@@ -16,7 +16,6 @@ from engine import Config, default_config  # noqa: E402
 from engine.memory import memory_per_rank  # noqa: E402
 from engine.planner import default_global_batch, layout_label  # noqa: E402
 from engine.step import step_time  # noqa: E402
-from gui.app import make_window  # noqa: E402
 
 pytestmark = pytest.mark.gui
 
@@ -25,15 +24,9 @@ EIGHT_H100 = {"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus"
 
 
 @pytest.fixture
-def window(qtbot, tmp_path):
-    from gui.state import State
-
-    w = make_window(State(default_config(), runs_dir=tmp_path / "runs"))
-    qtbot.addWidget(w)
-    w.resize(1500, 950)
-    w.show()
-    qtbot.waitExposed(w)
-    w.state.recompute_now()
+def window(window, qtbot):
+    """The shared window (tests/conftest.py) on its Planner tab; a running plan is cancelled after."""
+    w = window
     w.tabs.setCurrentWidget(w.planner)
     QApplication.processEvents()
     yield w

@@ -12,25 +12,9 @@ from PySide6.QtGui import QMouseEvent  # noqa: E402
 from PySide6.QtTest import QTest  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from engine import default_config  # noqa: E402
-from gui.app import make_window  # noqa: E402
 from gui.widgets.timeline import actions_from_measurement  # noqa: E402
 
 pytestmark = pytest.mark.gui
-
-
-@pytest.fixture
-def window(qtbot, tmp_path):
-    from gui.state import State
-
-    w = make_window(State(default_config(), runs_dir=tmp_path / "runs"))
-    qtbot.addWidget(w)
-    w.resize(1500, 950)
-    w.show()
-    qtbot.waitExposed(w)
-    w.state.recompute_now()
-    QApplication.processEvents()
-    return w
 
 
 def hover_over(view, lane_y: float, row: int, t0: float, t1: float) -> str:

@@ -11,24 +11,9 @@ from PySide6.QtCore import QEvent, QPoint, QPointF, Qt  # noqa: E402
 from PySide6.QtGui import QImage, QMouseEvent  # noqa: E402
 from PySide6.QtWidgets import QApplication, QSlider, QStyle, QStyleOptionSlider  # noqa: E402
 
-from engine import default_config  # noqa: E402
-from gui.app import make_window, run_app  # noqa: E402
+from gui.app import run_app  # noqa: E402
 
 pytestmark = pytest.mark.gui
-
-
-@pytest.fixture
-def window(qtbot, tmp_path):
-    from gui.state import State
-
-    w = make_window(State(default_config(), runs_dir=tmp_path / "runs"))
-    qtbot.addWidget(w)
-    w.resize(1500, 950)
-    w.show()
-    qtbot.waitExposed(w)
-    w.state.recompute_now()
-    QApplication.processEvents()
-    return w
 
 
 def image(widget) -> QImage:
