@@ -11,8 +11,10 @@ like a communication error at all. The first death is the cause. The evidence:
 The order of blame:
 1. a rank that died by a signal the launcher did not send (anything but SIGTERM, which torchrun
    sends to the survivors; the OOM killer sends SIGKILL) and reported nothing itself, unless a
-   rank reported its own (non-communication) exception in an earlier second — the earliest such
-   death wins over the exceptions that follow it on other ranks;
+   rank reported its own (non-communication) exception more than ``AGENT_LAG_S`` before the agent
+   saw the death (the agent notices a death up to its monitor interval late and logs whole
+   seconds, while the victims' errors follow the death at once) — the earliest such death wins
+   over the exceptions that follow it on other ranks;
 2. a rank that reported its own exception (communication errors are a victim's words), earliest first;
 3. any rank that reported a failure;
 4. torchrun's own root cause.
@@ -27,6 +29,8 @@ import time
 #: one entry of torchrun's failure summary: its time, rank and exit code
 _SUMMARY_ENTRY = re.compile(r"time\s*:\s*(\S+)\s*\n(?:.*\n)*?\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)")
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+#: how much earlier than torchrun's logged time of a death an exception must be to have come first
+AGENT_LAG_S = 3.0
 #: a rank reporting one of these is usually a victim of another rank's death, not the cause
 SECONDARY = re.compile(r"Connection (reset|closed|refused)|Broken pipe|ProcessGroup|timed out|timeout|"
                        r"Socket|peer", re.I)
@@ -70,9 +74,9 @@ def blame(rank_events: dict[int, list[dict]], agent_log: str) -> tuple[int | Non
                     key=lambda x: (x[0] is None, x[0] or 0.0))
     if deaths:
         seen, r, code = deaths[0]
-        # an exception reported in an earlier second than the agent saw the death came first; without
-        # the agent's time the order is unknown and the rank's own exception keeps the blame
-        earlier = [p for p in primary if seen is None or int(p[0]) < seen]
+        # an exception reported well before the agent saw the death came first; without the agent's
+        # time the order is unknown and the rank's own exception keeps the blame
+        earlier = [p for p in primary if seen is None or p[0] < seen - AGENT_LAG_S]
         if not earlier:
             after = sorted({fr for _, fr, _ in failed})
             words = f"was killed by {signal_name(code)}, a signal the launcher did not send"

@@ -51,9 +51,15 @@ def test_a_sigkilled_rank_wins_over_the_pipeline_error_that_follows_it():
     assert "out-of-memory killer" in why and "ranks 1, 3 followed it" in why
 
 
-def test_an_exception_in_an_earlier_second_keeps_the_blame():
-    events = {3: failed(SEEN - 2.0, "ValueError: bad batch")}
+def test_an_exception_well_before_the_death_keeps_the_blame():
+    events = {3: failed(SEEN - 5.0, "ValueError: bad batch")}
     assert blame(events, SUMMARY) == (3, "failed: ValueError: bad batch")
+
+
+def test_the_agent_seeing_a_death_late_does_not_shift_the_blame():
+    # the victim's pipeline error is logged in the second before torchrun's summary time of the death
+    events = {1: failed(SEEN - 0.6, "RuntimeError: Failed to run stage backward")}
+    assert blame(events, SUMMARY)[0] == 0
 
 
 def test_sigterm_is_the_launchers_own_and_never_blamed():
