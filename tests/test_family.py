@@ -142,24 +142,13 @@ def test_largest_fitting_model_is_none_when_the_smallest_member_does_not_fit():
 
 
 @pytest.mark.gui
-def test_dragging_the_size_slider_shows_the_exact_count(qtbot, tmp_path):
+def test_dragging_the_size_slider_shows_the_exact_count(qtbot, window):
     pytest.importorskip("PySide6")
     pytest.importorskip("pytestqt")
-    from PySide6.QtWidgets import QApplication
-
-    from engine import default_config
-    from gui.app import make_window
     from gui.family import format_params
-    from gui.state import State
     from tests.test_gui_window import drag_slider
 
-    w = make_window(State(default_config(), runs_dir=tmp_path / "runs"))
-    qtbot.addWidget(w)
-    w.resize(1500, 950)
-    w.show()
-    qtbot.waitExposed(w)
-    w.state.recompute_now()
-    QApplication.processEvents()
+    w = window
     label = w.controls.size.label
     assert label.text() == format_params(param_counts(w.state.config.model).total) == "1.61M"
     before = w.state.config.model
