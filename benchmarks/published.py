@@ -119,9 +119,10 @@ def main() -> None:
             "`engine/memory/activations.py`); torch.compile's saved tensors follow the partitioner convention of "
             "`engine/memory/activations.py` and its speed only the `fused-elementwise` convention of "
             "`engine/step.py` (the rest of compile's gain is not modelled: the compile rows' TPS miss by about "
-            "−8 %); Table 5 misses by −20 … −34 % in memory and +34 … +55 % in TPS: the caching allocator's "
-            "reserve, the activations of full AC under float8 and the pipeline's real idle time are not "
-            "modelled yet.",
+            "−8 %); Table 5 runs torchtitan's default of that commit, microbatches = the PP degree (8 of 4 "
+            "samples: see the configs); its 1F1B row's memory misses by about −23 %, unexplained: the same "
+            "model puts Interleaved 1F1B within 1 %, and 1F1B's stage 0 holds all 8 microbatches as "
+            "interleaved's does, so the ~10 GiB torchtitan measured between the two is not in the model.",
             "",
             "Published memory is the max over GPUs of the *reserved* memory the training loop logs; the prediction "
             "is *allocated* bytes at the worst rank's peak — the caching allocator's reserve is not modelled yet, "
