@@ -13,8 +13,8 @@ several nodes with more than one rank per node runs hierarchically: an intra-nod
 reduce-scatter, the inter-node collective on S/n_local, an intra-node all-gather. A group
 with one rank per node runs a flat ring over the network.
 
-Rank placement: TP innermost, then DP, then PP (engine.layout), so TP groups are the
-consecutive ranks and the most likely to fit in a node; PP groups are strided furthest.
+Rank placement: TP innermost, then CP, then DP, then PP (engine.layout), so TP groups are the
+consecutive ranks and the most likely to fit in a node, CP groups next; PP groups are strided furthest.
 
 Local CPU ranks (GPU kind "cpu") that outnumber ``cluster.cpu_cores`` share the cores: every
 hop of a ring waits for a descheduled peer and every copy runs on a shared core, so α is
@@ -42,12 +42,15 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.durations import adapter_elements_per_block
-from engine.layout import placement_style, rank_of, stage_to_pp_rank
+from engine.layout import placement_style, rank_coords, rank_of, stage_to_pp_rank
 from engine.params import params_per_rank
 from engine.wrapping import forwards_before_first_backward, wrapping_plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
-DIMENSIONS = ("dp", "tp", "pp")
+DIMENSIONS = ("dp", "cp", "tp", "pp")
+#: process groups a span is asked for: the dimensions, and "dp_cp" (dp and cp flattened: the
+#: gradient reduction and the ZeRO / FSDP shard group, torchtitan's dp_shard_cp)
+GROUPS = (*DIMENSIONS, "dp_cp")
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -129,50 +132,51 @@ class GroupSpan:
 
 
 def group_ranks(cfg: Config, dim: str, rank: int = 0) -> list[int]:
-    """The global ranks of the ``dim`` group that contains ``rank``."""
+    """The global ranks of the ``dim`` group that contains ``rank`` ("dp_cp": the flattened
+    dp·cp group that reduces gradients and, under ZeRO / FSDP, shards the model states)."""
+    if dim not in GROUPS:
+        raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(GROUPS)}")
     par = cfg.parallel
-    pp_i, rest = divmod(rank, par.dp * par.tp)
-    dp_i, tp_i = divmod(rest, par.tp)
+    return list(_ranks_of_group(par.dp, par.cp, par.tp, par.pp, dim, rank))
+
+
+def _ranks_of_group(dp: int, cp: int, tp: int, pp: int, dim: str, rank: int) -> tuple[int, ...]:
+    c = rank_coords(rank, dp, tp, pp, 1, cp)
     if dim == "tp":
-        return [rank_of(pp_i, dp_i, t, par.dp, par.tp) for t in range(par.tp)]
+        return tuple(rank_of(c.pp, c.dp, t, dp, tp, c.cp, cp) for t in range(tp))
+    if dim == "cp":
+        return tuple(rank_of(c.pp, c.dp, c.tp, dp, tp, k, cp) for k in range(cp))
     if dim == "dp":
-        return [rank_of(pp_i, d, tp_i, par.dp, par.tp) for d in range(par.dp)]
-    if dim == "pp":
-        return [rank_of(p, dp_i, tp_i, par.dp, par.tp) for p in range(par.pp)]
-    raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(DIMENSIONS)}")
+        return tuple(rank_of(c.pp, d, c.tp, dp, tp, c.cp, cp) for d in range(dp))
+    if dim == "dp_cp":
+        return tuple(rank_of(c.pp, d, c.tp, dp, tp, k, cp) for d in range(dp) for k in range(cp))
+    return tuple(rank_of(p, c.dp, c.tp, dp, tp, c.cp, cp) for p in range(pp))
 
 
 def group_span(cfg: Config, dim: str) -> GroupSpan:
     """The widest-spread group of ``dim`` (all groups of a dimension have the same shape
     when gpus_per_node divides the group stride; otherwise the worst one is reported)."""
     par = cfg.parallel
-    if dim not in DIMENSIONS:
-        raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(DIMENSIONS)}")
-    return _group_span(par.dp, par.tp, par.pp, cfg.cluster.gpus_per_node, dim)
+    if dim not in GROUPS:
+        raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(GROUPS)}")
+    return _group_span(par.dp, par.tp, par.pp, cfg.cluster.gpus_per_node, dim, par.cp)
 
 
 @lru_cache(maxsize=4096)
-def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str) -> GroupSpan:
+def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str, cp: int = 1) -> GroupSpan:
     """Cached by mesh shape: the scan is O(world), and step_time asks five times per config."""
-    size = {"dp": dp, "tp": tp, "pp": pp}[dim]
-    worst = GroupSpan(dim, size, 1, size)
+    size = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "dp_cp": dp * cp}[dim]
+    worst = GroupSpan("dp" if dim == "dp_cp" else dim, size, 1, size)
     seen: set[int] = set()
-    for r in range(dp * tp * pp):
+    for r in range(dp * cp * tp * pp):
         if r in seen:
             continue
-        pp_i, rest = divmod(r, dp * tp)
-        dp_i, tp_i = divmod(rest, tp)
-        if dim == "tp":
-            ranks = [rank_of(pp_i, dp_i, t, dp, tp) for t in range(tp)]
-        elif dim == "dp":
-            ranks = [rank_of(pp_i, d, tp_i, dp, tp) for d in range(dp)]
-        else:
-            ranks = [rank_of(p, dp_i, tp_i, dp, tp) for p in range(pp)]
+        ranks = _ranks_of_group(dp, cp, tp, pp, dim, r)
         seen.update(ranks)
         per_node: dict[int, int] = {}
         for x in ranks:
             per_node[x // gpn] = per_node.get(x // gpn, 0) + 1
-        span = GroupSpan(dim, size, len(per_node), max(per_node.values()))
+        span = GroupSpan(worst.dim, size, len(per_node), max(per_node.values()))
         if (span.nodes, -span.local) > (worst.nodes, -worst.local):
             worst = span
     return worst
@@ -237,7 +241,7 @@ class CommItem:
 @dataclass(frozen=True)
 class RankComm:
     pp_rank: int
-    rank: int  # global rank of (pp_rank, dp 0, tp 0)
+    rank: int  # global rank of (pp_rank, dp 0, cp 0, tp 0)
     items: tuple[CommItem, ...] = field(default=())
 
     def seconds(self, dim: str | None = None) -> float:
@@ -300,7 +304,7 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
                     one = collective_seconds(cfg, "p2p", pp_msg, pspan, links)
                     items.append(CommItem("pp", f"pipeline {'activation' if phase == 'forward' else 'gradient'} send",
                                           "p2p", boundaries * m, pp_msg, 2, pspan.link, boundaries * m * one, False, phase))
-        out.append(RankComm(pp_rank=pp_rank, rank=rank_of(pp_rank, 0, 0, par.dp, par.tp), items=tuple(items)))
+        out.append(RankComm(pp_rank=pp_rank, rank=rank_of(pp_rank, 0, 0, par.dp, par.tp, 0, par.cp), items=tuple(items)))
     return CommReport(per_pp_rank=tuple(out), spans=spans)
 
 

@@ -363,9 +363,9 @@ def _p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
         a, b = owners[s], owners[s + 1]
         if a == b:
             continue  # same rank (the turn of a V): no transfer
-        # the (dp=0, tp=0) member of each pipeline rank; rank = pp_index * dp * tp + ...
-        node_a = a * par.dp * par.tp // cl.gpus_per_node
-        node_b = b * par.dp * par.tp // cl.gpus_per_node
+        # the (dp=0, cp=0, tp=0) member of each pipeline rank; rank = pp_index * dp * cp * tp + ...
+        node_a = a * par.dp * par.cp * par.tp // cl.gpus_per_node
+        node_b = b * par.dp * par.cp * par.tp // cl.gpus_per_node
         if node_a == node_b:
             out[s] = cl.intra_node_latency_us * 1e-6 + nbytes / cl.intra_node_bytes_per_s
         else:
