@@ -272,9 +272,10 @@ class CommReport:
 
 
 def activation_message_bytes(cfg: Config) -> int:
-    """One microbatch's hidden states b·s·h in the compute dtype (what TP collectives and PP sends move)."""
+    """One microbatch's hidden states b·s·h on one rank in the compute dtype (what TP collectives and PP
+    sends move); s is the rank's tokens, seq_len / cp under context parallelism."""
     m, t = cfg.model, cfg.training
-    return t.micro_batch_size * m.seq_len * m.hidden * t.param_bytes
+    return t.micro_batch_size * cfg.local_seq_len * m.hidden * t.param_bytes
 
 
 def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport:
@@ -293,6 +294,7 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
         items: list[CommItem] = []
         items += _dp_items(cfg, rp, spans, links)
         items += _tp_items(cfg, rp, act, spans["tp"], links)
+        items += _cp_items(cfg, rp, spans["cp"], links)
         # pipeline sends: one activation forward and one gradient backward per microbatch per boundary
         pp_msg = act / par.tp if par.sequence_parallel else act
         fwd = sum(1 for s in rp.stage_indices if s < n_stages - 1 and owners[s + 1] != pp_rank)
@@ -306,6 +308,63 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
                                           "p2p", boundaries * m, pp_msg, 2, pspan.link, boundaries * m * one, False, phase))
         out.append(RankComm(pp_rank=pp_rank, rank=rank_of(pp_rank, 0, 0, par.dp, par.tp, 0, par.cp), items=tuple(items)))
     return CommReport(per_pp_rank=tuple(out), spans=spans)
+
+
+def cp_recomputes_attention(cfg: Config) -> bool:
+    """The backward re-runs the attention forward (and so its K, V exchange): full recompute and
+    selective (attention-core) recompute; torchtitan's per-op policy saves the attention outputs."""
+    return cfg.training.recompute in ("full", "selective")
+
+
+def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
+    """The context-parallel K, V exchange of one layer for one microbatch on one rank, as torch's
+    ring attention (``torch.distributed.tensor.experimental._context_parallel._attention``) issues
+    it: (collective, phase, calls, bytes of one call, what).
+
+    "allgather" (``_AllGatherRotater``): one all-gather of every rank's K, V (the gathered buffer
+    2·S·b·kv/t, S the whole sequence) in the forward, and again in the backward. "alltoall"
+    (``_AllToAllRotater``): cp − 1 rotations of the rank's chunk 2·s·b·kv/t (s = S/cp) to the next
+    rank, forward and backward. Either way the backward's dK, dV travel the ring (its rotater is
+    always all-to-all) in fp32 (``convert_to_f32``): cp rotations. A backward that recomputes the
+    attention forward exchanges the forward's K, V again. Eager attention (all-gather only) runs the
+    gather through autograd: its backward reduce-scatters the K, V gradients instead.
+    """
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    if par.cp == 1:
+        return []
+    act = 4 if tr.precision == "fp32" else 2
+    s, b, kv = cfg.local_seq_len, tr.micro_batch_size, m.kv_dim // par.tp
+    chunk = 2.0 * s * b * kv * act
+    again = 1 if cp_recomputes_attention(cfg) else 0
+    out: list[tuple[str, str, int, float, str]] = []
+    if par.cp_rotate == "allgather":
+        gathered = chunk * par.cp
+        out.append(("all_gather", "forward", 1, gathered, "K, V all-gather"))
+        out.append(("all_gather", "backward", 1 + again, gathered,
+                    "K, V all-gather" + (" (and the recomputed forward's)" if again else "")))
+    else:
+        out.append(("p2p", "forward", par.cp - 1, chunk, "K, V ring rotation"))
+        out.append(("p2p", "backward", (par.cp - 1) * (1 + again), chunk,
+                    "K, V ring rotation" + (" (and the recomputed forward's)" if again else "")))
+    if m.attention == "flash":
+        out.append(("p2p", "backward", par.cp, 2.0 * s * b * kv * 4, "dK, dV ring rotation (fp32)"))
+    else:
+        out.append(("reduce_scatter", "backward", 1, chunk * par.cp, "K, V gradient reduce-scatter"))
+    return out
+
+
+def _cp_items(cfg: Config, rp, span: GroupSpan, links: MeasuredLinks | None) -> list[CommItem]:
+    """The K, V exchange of every layer of the rank's stages and every microbatch (engine.step hides
+    each behind the blockwise attention it overlaps)."""
+    par = cfg.parallel
+    items = []
+    hides = cfg.cluster.gpu.name != "cpu"
+    for coll, phase, calls, size, what in cp_layer_exchanges(cfg):
+        n = calls * rp.layers * par.microbatches
+        one = collective_seconds(cfg, coll, size, span, links)
+        items.append(CommItem("cp", f"CP {what} ({phase}; {calls} per layer, {par.cp_rotate})", coll, n, size,
+                              par.cp, span.link, n * one, hides, phase))
+    return items
 
 
 def trainable_local(cfg: Config, rp) -> int:
@@ -344,7 +403,7 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     LoRA: gradients (and ZeRO-1's broadcast) cover the adapters only; FSDP gathers base + adapters.
     """
     par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
-    if par.dp == 1:
+    if par.dp_cp == 1:
         return []
     local_params = rp.total
     grads = local_params * tr.grad_bytes
@@ -362,8 +421,9 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
             weights = adapters * w_a  # ZeRO-1 broadcasts the updated adapter shards
         grad_units = max(1, rp.layers)  # only the blocks hold adapters (and reduce-scatter)
     shard = par.shard_degree
-    span = spans["dp"]
-    # the shard group is the first dp/replicate ranks of the dp group (replicas outermost)
+    # gradients are reduced over dp·cp (context-parallel ranks hold the same parameters)
+    span = spans["dp"] if par.cp == 1 else group_span(cfg, "dp_cp")
+    # the shard group is the first (dp/replicate)·cp ranks of the dp·cp group (replicas outermost)
     shard_span = _sub_span(span, shard)
     hides = cfg.cluster.gpu.name != "cpu"
     items = []
@@ -494,7 +554,7 @@ def tp_edge_collectives(cfg: Config, first: bool, last: bool) -> list[tuple[str,
     if par.tp == 1:
         return []
     act = float(activation_message_bytes(cfg))
-    rows = tr.micro_batch_size * m.seq_len
+    rows = tr.micro_batch_size * cfg.local_seq_len
     out: list[tuple[str, str, int, float]] = []
     if first:
         out.append(("reduce_scatter" if par.sequence_parallel else "all_reduce", "forward", 1, act))

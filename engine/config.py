@@ -297,6 +297,12 @@ class Config:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.model.seq_len
 
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of one sequence on one rank: model.seq_len / parallel.cp (context parallelism splits
+        the sequence; every op outside attention sees only these)."""
+        return self.model.seq_len // self.parallel.cp
+
     # ----------------------------------------------------------------- changing
 
     def replace(self, **sections: dict[str, Any]) -> Config:
@@ -683,6 +689,11 @@ def _check_context_parallel(p: list[Problem], model: ModelSpec, par: ParallelSpe
                          f"needs model.seq_len ({model.seq_len}) divisible by 2·cp = {2 * par.cp} (torch's head-tail "
                          "load balancing gives each rank chunks i and 2·cp−1−i of 2·cp); allowed: 1"
                          + (f", {', '.join(map(str, ok[:12]))}" if ok else "")))
+    if model.attention == "eager" and par.cp_rotate == "alltoall":
+        p.append(Problem("parallel.cp_rotate", par.cp_rotate,
+                         "the ring (alltoall) runs inside torch's fused SDPA kernels, blockwise; eager attention "
+                         "materialises its scores against every key: needs model.attention = 'flash'; allowed with "
+                         "eager attention: allgather"))
     if par.zero == 1:
         p.append(Problem("parallel.cp", par.cp,
                          "context parallelism reduces gradients over dp·cp as torchtitan does, with FSDP's "

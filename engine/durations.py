@@ -283,7 +283,7 @@ def activation_bytes_per_microbatch(cfg: Config) -> int:
     """Bytes of the hidden state one stage sends the next (and its gradient back), per microbatch."""
     t = cfg.training
     act_bytes = 4 if t.precision == "fp32" else 2
-    n = t.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * act_bytes
+    n = t.micro_batch_size * cfg.local_seq_len * cfg.model.hidden * act_bytes
     if cfg.parallel.sequence_parallel:
         n //= cfg.parallel.tp
     return n
@@ -315,7 +315,7 @@ def stage_durations(
     par, tr, cl = cfg.parallel, cfg.training, cfg.cluster
     num_stages = 1 if par.pp == 1 else par.num_stages
     fl = flops_per_token(cfg)
-    tokens = tr.micro_batch_size * cfg.model.seq_len
+    tokens = tr.micro_batch_size * cfg.local_seq_len  # this rank's tokens (seq_len / cp)
     rate = cl.gpu.peak_flops(tr.precision) * cfg.conventions.compute_efficiency * par.tp
     layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)], dtype=np.float64)
     head = np.zeros(num_stages)

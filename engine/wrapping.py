@@ -161,9 +161,9 @@ def wrapping_plan(cfg: Config) -> WrappingPlan:
         dp_wrap = "dataparallel"
     elif par.zero in (2, 3):
         dp_wrap = "fully_shard"
-    elif par.dp > 1 and par.tp > 1:
+    elif par.dp_cp > 1 and par.tp > 1:
         dp_wrap = "replicate"
-    elif par.dp > 1:
+    elif par.dp_cp > 1:  # the gradients are reduced over dp·cp (context-parallel ranks too)
         dp_wrap = "ddp"
     else:
         dp_wrap = "none"
@@ -180,7 +180,7 @@ def wrapping_plan(cfg: Config) -> WrappingPlan:
     reduce = tr.grad_dtype if mixed == "fsdp2-policy" else "fp32"
     return WrappingPlan(
         data_parallel=dp_wrap,
-        zero_redundancy_optimizer=par.zero == 1 and par.dp > 1 and dp_wrap != "dataparallel",
+        zero_redundancy_optimizer=par.zero == 1 and par.dp_cp > 1 and dp_wrap != "dataparallel",
         reshard_after_forward=reshard,
         root_reshard_after_forward=reshard,
         hsdp=sharded and par.replicate > 1,
