@@ -415,16 +415,14 @@ class _Planner:
         return self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * pp * cp), "tp": tp, "pp": pp,
                                            "cp": cp, "schedule": "GPipe", "microbatches": 1})
 
-    def _cp_per_layer(self, rep: Config, b: int, rc: str) -> tuple[float, float]:
+    def _cp_per_layer(self, rep: Config, b: int) -> tuple[float, float]:
         """engine.step's exposed context-parallel exchange of one layer (forward, backward) for micro-batch
-        size ``b`` under recompute ``rc``: exact, as the stage durations of the engine add it."""
+        size ``b``: exact, as the stage durations of the engine add it."""
         par = rep.parallel
-        again = rc in ("full", "selective")
-        key = (par.dp, par.tp, par.pp, par.cp, b, again)
+        key = (par.dp, par.tp, par.pp, par.cp, b)
         out = self._cp_layer.get(key)
         if out is None:
-            out = self._cp_layer[key] = cp_seconds_per_layer(
-                rep.replace(training={"micro_batch_size": b, "recompute": rc}))
+            out = self._cp_layer[key] = cp_seconds_per_layer(rep.replace(training={"micro_batch_size": b}))
         return out
 
     def _collective(self, rep: Config, dim: str, kind: str, size: float) -> float:
@@ -572,11 +570,12 @@ class _Planner:
         if cp > 1:  # the exposed K, V exchange, exactly as engine.step adds it
             cp_f, cp_b = np.zeros(n), np.zeros(n)
             for b in bs:
-                for r in np.unique(gr).tolist():
-                    sel = (gb == b) & (gr == r)
-                    cp_f[sel], cp_b[sel] = self._cp_per_layer(rep, b, _RECOMPUTE[r])
+                cp_f[gb == b], cp_b[gb == b] = self._cp_per_layer(rep, b)
+            # the blocks that recompute their forward repeat its exchange in the backward
+            redo = np.where(np.isin(gr, [_RECOMPUTE.index("full"), _RECOMPUTE.index("selective")])[:, None],
+                            L[None, :], 0.0) + np.where(sl, 1.0, 0.0)[:, None] * sh["ckpt"][None, :]
             f = f + L[None, :] * cp_f[:, None]
-            i_ = i_ + L[None, :] * cp_b[:, None]
+            i_ = i_ + L[None, :] * cp_b[:, None] + redo * cp_f[:, None]
         b_ = i_ + w_
         chain_back = i_ if split else b_
         busy = gm[:, None] * ((f + b_) @ member.T)  # [n, pp]

@@ -313,3 +313,20 @@ def test_cp_shortens_the_step_of_a_long_sequence_at_a_fixed_batch():
     assert one.tokens_per_s == pytest.approx(one.seconds and 65536 / one.seconds)
     assert four.seconds < one.seconds / 3  # 4× the GPUs on the same sequence: nearly 4× faster
     assert four.breakdown["cp_comm"] > 0 and one.breakdown["cp_comm"] == 0
+
+
+@pytest.mark.parametrize(("recompute", "blocks"), [("none", 0), ("selective-op", 0), ("selective", 2), ("full", 2),
+                                                   ("selective-layer", 1)])
+def test_a_recomputed_forward_exchanges_kv_again(recompute, blocks):
+    from engine.comm import communication
+    from engine.step import cp_seconds_per_layer, cp_stage_seconds
+
+    cfg = Config.from_dict({"model": {**SMALL, "seq_len": 256}, "cluster": {"gpu": "cpu"},
+                            "parallel": {"dp": 1, "cp": 2, "microbatches": 3},
+                            "training": {"recompute": recompute, "recompute_every": 2}})
+    items = [i for i in communication(cfg).per_pp_rank[0].items if i.dim == "cp"]
+    again = [i for i in items if "recomputed forward" in i.what]
+    assert sum(i.calls for i in again) == blocks * 3  # one all-gather per recomputed block and microbatch
+    f, b = cp_seconds_per_layer(cfg)
+    fs, bs = cp_stage_seconds(cfg, 1)
+    assert fs[0] == pytest.approx(2 * f) and bs[0] == pytest.approx(2 * b + blocks * f)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # every layout of this grid is evaluated in a few seconds: a long sequence on 8 GPUs that mostly
 # does not fit without context parallelism
 CASE = dict(model="llama2-7b", gpus=8, gpu="a100-40g", gpus_per_node=4, global_batch=4, max_virtual_stages=2,
-            seq_len=32768, schedules=("1F1B", "Interleaved1F1B"), recompute=("none", "full"))
+            seq_len=32768, schedules=("1F1B", "Interleaved1F1B"), recompute=("none", "full", "selective-layer"))
 
 
 @pytest.fixture(scope="module")
