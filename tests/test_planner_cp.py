@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import names
 from engine.memory import memory_per_rank
 from engine.planner import (
     LONG_SEQUENCE_TOKENS,
-    SEARCHED_RECOMPUTE,
     PlanError,
     _base_config,
     _key,

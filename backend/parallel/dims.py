@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from backend.support import CP_NOT_YET
 from engine.config import ParallelSpec
 from engine.layout import RankCoords, rank_coords
-from backend.support import CP_NOT_YET
 
 
 @dataclass
