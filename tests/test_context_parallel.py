@@ -64,6 +64,12 @@ def test_cp_rotate_names_its_allowed_values():
     assert found["parallel.cp_rotate"] == "allowed: allgather | alltoall"
 
 
+def test_the_ring_needs_flash_attention():
+    found = problems({"cp": 2, "cp_rotate": "alltoall"}, model={"attention": "eager"})
+    assert "allowed with eager attention: allgather" in found["parallel.cp_rotate"]
+    assert cfg_of({"cp": 2, "cp_rotate": "allgather"}, model={"attention": "eager"}).parallel.cp == 2
+
+
 def test_cp_refuses_zero_one_and_dataparallel():
     found = problems({"cp": 2, "zero": 1})
     assert "needs parallel.zero = 0, 2 or 3" in found["parallel.cp"]
