@@ -55,7 +55,7 @@ class SimulatedRun:
 def default_ranks(cfg: Config) -> list[int]:
     """One rank per pipeline rank (its first DP replica and TP shard): each distinct stage set."""
     par = cfg.parallel
-    return [rank_of(p, 0, 0, par.dp, par.tp) for p in range(par.pp)]
+    return [rank_of(p, 0, 0, par.dp, par.tp, 0, par.cp) for p in range(par.pp)]
 
 
 def _default_run_dir() -> Path:

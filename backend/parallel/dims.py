@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from backend.support import CP_NOT_YET
 from engine.config import ParallelSpec
 from engine.layout import RankCoords, rank_coords
 
 
 @dataclass
 class ParallelDims:
-    """Degrees and mesh. Rank order as engine.layout: TP innermost, then DP, then PP.
+    """Degrees and mesh. Rank order as engine.layout (torchtitan's [pp, dp_replicate, dp_shard,
+    cp, tp]): TP innermost, then CP, then DP, then PP. Context parallelism (cp > 1) is predicted
+    by the engine and not yet run here: refused with a clear error.
 
     The mesh dims are ("pp", "dp", "tp"); with HSDP (replicate > 1) the dp dim is split into
     ("dp_replicate", "dp_shard") so FSDP gets a 2-D mesh.
@@ -25,14 +28,16 @@ class ParallelDims:
     mesh: DeviceMesh | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        if self.spec.cp > 1:
+            raise NotImplementedError(CP_NOT_YET.format(cp=self.spec.cp))
         world = dist.get_world_size()
         if self.spec.world_size != world:
-            raise ValueError(f"dp·tp·pp = {self.spec.world_size} but the world has {world} ranks")
+            raise ValueError(f"dp·cp·tp·pp = {self.spec.world_size} but the world has {world} ranks")
 
     @property
     def coords(self) -> RankCoords:
         s = self.spec
-        return rank_coords(dist.get_rank(), s.dp, s.tp, s.pp, self.gpus_per_node)
+        return rank_coords(dist.get_rank(), s.dp, s.tp, s.pp, self.gpus_per_node, s.cp)
 
     def build_mesh(self) -> DeviceMesh:
         s = self.spec

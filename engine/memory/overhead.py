@@ -30,8 +30,10 @@ def communicators(cfg: Config) -> list[str]:
         out.append("dp-replicate")
         if par.shard_degree > 1:
             out.append("dp-shard")
-    elif par.dp > 1:
-        out.append("dp")
+    elif par.dp_cp > 1:
+        out.append("dp" if par.cp == 1 else "dp_shard_cp")
+    if par.cp > 1:
+        out.append("cp")
     if par.tp > 1:
         out.append("tp")
     if par.pp > 1:

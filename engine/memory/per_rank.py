@@ -7,7 +7,7 @@ buffers (``buffers``), then the device overhead (``overhead``, last: its allocat
 fraction of the rest). Ranks that hold the same thing (DP replicas, TP shards with equal vocab
 chunks) share one computed body; under torch's ZeroRedundancyOptimizer DP ranks hold different
 optimizer shares, so each dp-rank gets its own. Rank order is ``engine.layout.rank_coords``':
-TP innermost, then DP, then PP.
+TP innermost, then CP, then DP, then PP.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.config import Config
+from engine.layout import rank_coords
 from engine.memory.activations import stage_activation_terms
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
@@ -74,8 +75,6 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
                 if body is None:
                     body = seen[key] = rank_body(cfg, rp, dp_rank, plan)
                 bodies[pp_rank, tp_rank, dp_rank] = body
-    dp, tp = par.dp, par.tp
-    per_rank = [RankMemory(rank, rank % tp, (rank // tp) % dp,
-                           bodies[rank // (dp * tp), rank % tp, (rank // tp) % dp if per_dp else 0], capacity)
-                for rank in range(par.world_size)]
+    coords = [rank_coords(rank, par.dp, par.tp, par.pp, 1, par.cp) for rank in range(par.world_size)]
+    per_rank = [RankMemory(c.rank, c.tp, c.dp, bodies[c.pp, c.tp, c.dp if per_dp else 0], capacity) for c in coords]
     return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))
