@@ -232,6 +232,12 @@ def test_zero_bytes_count_nothing_and_bad_input_is_named():
         a.malloc(-1)
     with pytest.raises(TypeError, match="nbytes"):
         a.malloc(1.5)
+    with pytest.raises(TypeError, match="nbytes"):
+        a.malloc(True)
+    import numpy as np
+
+    a.malloc(np.int64(600))  # engine arrays hand out numpy integers
+    assert a.allocated == 1024
     with pytest.raises(KeyError, match="handle"):
         a.free(h)
     with pytest.raises(ValueError, match="capacity"):

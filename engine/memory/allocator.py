@@ -73,6 +73,7 @@ blocks (see ``benchmarks/bench_allocator.py``).
 
 from __future__ import annotations
 
+import operator
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -323,10 +324,13 @@ class CachingAllocator:
     # -- the public calls -----------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """``DeviceCachingAllocator::malloc``: a handle to a block of at least ``nbytes`` on ``stream``."""
-        if nbytes.__class__ is not int:
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-                raise TypeError(f"nbytes: expected an int number of bytes, got {nbytes!r}")
-            nbytes = int(nbytes)
+        if nbytes.__class__ is not int:  # numpy integers too; never a float or a bool
+            try:
+                if isinstance(nbytes, bool):
+                    raise TypeError
+                nbytes = operator.index(nbytes)
+            except TypeError:
+                raise TypeError(f"nbytes: expected an integer number of bytes, got {nbytes!r}") from None
         if nbytes <= 0:
             if nbytes < 0:
                 raise ValueError(f"nbytes: expected bytes >= 0, got {nbytes}")
