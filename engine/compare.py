@@ -83,10 +83,40 @@ class RankComparison:
     stage: int
     categories: dict[str, Cell]  # MEMORY_CATEGORIES
     peak: Cell  # total bytes at the peak (sum of categories on both sides)
+    #: the measured max_memory_reserved (CUDA runs; a simulation's modelled caching allocator) and,
+    #: where the prediction has one, its predicted ``reserved``; None when the measurement has none
+    reserved: dict | None = None
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "stage": self.stage,
-                "categories": {c: v.to_json() for c, v in self.categories.items()}, "peak": self.peak.to_json()}
+        out = {"rank": self.rank, "stage": self.stage,
+               "categories": {c: v.to_json() for c, v in self.categories.items()}, "peak": self.peak.to_json()}
+        if self.reserved is not None:
+            out["reserved"] = dict(self.reserved)
+        return out
+
+
+def measured_reserved(rank_record: dict | None) -> tuple[float, str] | None:
+    """A rank record's max reserved bytes and where they come from: ``torch.cuda.max_memory_reserved``
+    of a CUDA run, or the modelled caching allocator's replay of a simulated rank."""
+    if not rank_record:
+        return None
+    if rank_record.get("max_memory_reserved") is not None:
+        return float(rank_record["max_memory_reserved"]), "torch.cuda.max_memory_reserved"
+    alloc = rank_record.get("allocator")
+    if isinstance(alloc, dict) and alloc.get("max_reserved") is not None:
+        return float(alloc["max_reserved"]), "modelled caching allocator (simulated rank)"
+    return None
+
+
+def _reserved_json(prow: dict, rank_record: dict | None) -> dict | None:
+    found = measured_reserved(rank_record)
+    if found is None:
+        return None
+    out: dict = {"measured": found[0], "source": found[1]}
+    if prow.get("reserved") is not None:
+        p = float(prow["reserved"])
+        out.update(predicted=p, error=p - found[0], relative=_rel(p, found[0]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -258,7 +288,8 @@ def compare(pred, measurement) -> Comparison:
             peak_notes.append("includes predicted bytes the measurement cannot see; see relative_tracked")
         rows.append(RankComparison(rank, int(mrow.get("stage", prow.get("stage", 0))), cells,
                                    Cell(p_peak, m_peak, tuple(peak_notes),
-                                        float(sum(cells[c].untracked for c in MEMORY_CATEGORIES)))))
+                                        float(sum(cells[c].untracked for c in MEMORY_CATEGORIES))),
+                                   _reserved_json(prow, detail.get(rank))))
     if missing:
         notes.append(f"measured ranks {missing} have no predicted row (different world size?)")
     if len(pred_rows) > len(mj["memory"]["per_rank"]):
