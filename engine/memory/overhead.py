@@ -60,8 +60,9 @@ def runtime_context_bytes(cfg: Config) -> int:
     return int(round(gpu.runtime_context_gib * GIB))
 
 
-def overhead(cfg: Config, T: Terms) -> None:
-    """The overhead terms; call last (the slack is a fraction of everything else)."""
+def overhead(cfg: Config, T: Terms, live: int | None = None) -> None:
+    """The overhead terms; call last (the slack is a fraction of ``live``: the tracked bytes at the
+    rank's peak, every other term's when not given)."""
     conv, gpu = cfg.conventions, cfg.cluster.gpu
     ctx = runtime_context_bytes(cfg)
     if ctx:
@@ -75,7 +76,8 @@ def overhead(cfg: Config, T: Terms) -> None:
                   f"{len(comms)} communicators × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)",
                   tracked=False, kind="collective_buffers")
     if conv.allocator_slack_fraction > 0:
-        live = sum(x.bytes for c in MEMORY_CATEGORIES for x in T[c] if c != "overhead")
+        if live is None:
+            live = sum(x.bytes for c in MEMORY_CATEGORIES for x in T[c] if c != "overhead")
         slack = int(live * conv.allocator_slack_fraction)
         T.add("overhead", "allocator slack (reserved, not allocated)", slack,
               f"{conv.allocator_slack_fraction:g} × live tensors {gib(live)} (conventions.allocator_slack_fraction)",
@@ -84,3 +86,15 @@ def overhead(cfg: Config, T: Terms) -> None:
         why = ("CPU ranks over gloo: no runtime context, no per-communicator device buffers"
                if collective_library(cfg) == "gloo" else "all overhead conventions off")
         T.add("overhead", f"no overhead counted ({why})", 0, "0", kind="none")
+
+
+def reserved_bytes(cfg: Config, timeline, allocated: int, snapshot: dict) -> int:
+    """What the caching allocator reserves at most on this rank (``torch.cuda.max_memory_reserved()``).
+
+    ``allocated``: the tracked bytes at the peak; ``snapshot``: the terms alive then (its
+    ``allocator_slack`` term, ``conventions.allocator_slack_fraction`` × allocated, is a floor on the
+    reserve, never added to it). Local CPU ranks (``cluster.gpu = "cpu"``) have no caching
+    allocator: reserved = allocated (+ the slack when the convention sets one).
+    """
+    slack = sum(t.bytes for t in snapshot["overhead"] if t.kind == "allocator_slack")
+    return allocated + slack
