@@ -81,7 +81,10 @@ LIFETIMES: dict[str, str] = {
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
 
-#: lifetimes whose buffers FSDP2 allocates on its all-gather stream
+#: the stream FSDP2's all-gathers allocate on (the default stream is 0)
+ALL_GATHER_STREAM = 1
+
+#: the term kinds whose buffers FSDP2 allocates on its all-gather stream
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
                                      "unsharded_params"})
 
@@ -263,7 +266,7 @@ class RankTimeline:
                 if life != "step":
                     varying.setdefault(c, []).append((i, life))
                 if nbytes > 0:
-                    rows.append((life, nbytes, "all_gather" if kind in ALL_GATHER_STREAM_KINDS else ""))
+                    rows.append((life, nbytes, ALL_GATHER_STREAM if kind in ALL_GATHER_STREAM_KINDS else 0))
         self.varying = varying
         self._rows = tuple(rows)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,

@@ -15,7 +15,11 @@ counts neither, whatever the conventions say, and its total compares with a gloo
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from engine.config import Config
+from engine.memory.allocator import AllocatorOutOfMemory, replay
+from engine.memory.lifetimes import allocation_events
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
 
@@ -91,10 +95,31 @@ def overhead(cfg: Config, T: Terms, live: int | None = None) -> None:
 def reserved_bytes(cfg: Config, timeline, allocated: int, snapshot: dict) -> int:
     """What the caching allocator reserves at most on this rank (``torch.cuda.max_memory_reserved()``).
 
-    ``allocated``: the tracked bytes at the peak; ``snapshot``: the terms alive then (its
-    ``allocator_slack`` term, ``conventions.allocator_slack_fraction`` × allocated, is a floor on the
-    reserve, never added to it). Local CPU ranks (``cluster.gpu = "cpu"``) have no caching
-    allocator: reserved = allocated (+ the slack when the convention sets one).
+    On a GPU the step's allocation events (``timeline.events()``, engine.memory.lifetimes) are replayed
+    through the caching allocator (``engine.memory.allocator.replay``, with
+    ``conventions.expandable_segments``; its capacity is the card's memory less the runtime context
+    and the collective-library buffers, which are cudaMalloc'd outside it); where even the allocator's
+    retries run out of memory, the reserve it would need without a capacity. Local CPU ranks
+    (``cluster.gpu = "cpu"``, gloo) have no caching allocator: reserved = allocated.
+    ``conventions.allocator_slack_fraction`` (the snapshot's ``allocator_slack`` term, that fraction
+    of ``allocated``) is a floor on the reserve, never added to the replay's:
+    reserved = max(replayed, allocated + slack).
     """
     slack = sum(t.bytes for t in snapshot["overhead"] if t.kind == "allocator_slack")
-    return allocated + slack
+    if collective_library(cfg) == "gloo":
+        return allocated + slack
+    untracked = sum(t.bytes for t in snapshot["overhead"] if not t.tracked and t.kind != "allocator_slack")
+    capacity = max(0, cfg.cluster.gpu.memory_bytes - untracked)
+    replayed = replayed_reserve(timeline._event_signature(), cfg.conventions.expandable_segments, capacity)
+    return max(replayed, allocated + slack)
+
+
+@lru_cache(maxsize=1024)
+def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int) -> int:
+    """``max_reserved`` of one rank's step replayed through the caching allocator (cached on the
+    rank's event signature: identical ranks and repeated slider positions replay once)."""
+    events = allocation_events(event_signature)
+    try:
+        return replay(events, expandable_segments=expandable_segments, capacity=capacity).max_reserved
+    except AllocatorOutOfMemory:
+        return replay(events, expandable_segments=expandable_segments, capacity=None).max_reserved
