@@ -83,10 +83,21 @@ class RankComparison:
     stage: int
     categories: dict[str, Cell]  # MEMORY_CATEGORIES
     peak: Cell  # total bytes at the peak (sum of categories on both sides)
+    # tracked bytes at the peak: predicted ``allocated`` vs the measured categories (MemTracker's
+    # tensors), or torch.cuda.max_memory_allocated() on a CUDA run
+    allocated: Cell | None = None
+    # the caching allocator's reserve: predicted ``reserved`` vs torch.cuda.max_memory_reserved()
+    # (CUDA runs only: a CPU run has no caching allocator, so None)
+    reserved: Cell | None = None
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "stage": self.stage,
-                "categories": {c: v.to_json() for c, v in self.categories.items()}, "peak": self.peak.to_json()}
+        out = {"rank": self.rank, "stage": self.stage,
+               "categories": {c: v.to_json() for c, v in self.categories.items()}, "peak": self.peak.to_json()}
+        if self.allocated is not None:
+            out["allocated"] = self.allocated.to_json()
+        if self.reserved is not None:
+            out["reserved"] = self.reserved.to_json()
+        return out
 
 
 @dataclass(frozen=True)
@@ -126,10 +137,13 @@ class Comparison:
     # ----------------------------------------------------------------- summaries
 
     def max_relative(self, category: str, tracked: bool = True) -> float | None:
-        """Largest |relative error| of one category (or "peak") over the ranks; None if undefined."""
+        """Largest |relative error| of one category (or "peak", "allocated", "reserved") over the ranks;
+        None if undefined."""
         vals = []
         for r in self.memory:
-            cell = r.peak if category == "peak" else r.categories[category]
+            cell = getattr(r, category) if category in ("peak", "allocated", "reserved") else r.categories[category]
+            if cell is None:
+                continue
             rel = cell.relative_tracked if tracked else cell.relative
             if rel is None:
                 if cell.predicted != cell.measured:
@@ -146,6 +160,8 @@ class Comparison:
         out: dict[str, Any] = {c: self.max_relative(c) for c in MEMORY_CATEGORIES}
         out["peak"] = self.max_relative("peak")
         out["peak_untracked_included"] = self.max_relative("peak", tracked=False)
+        out["allocated"] = self.max_relative("allocated")
+        out["reserved"] = self.max_relative("reserved") if any(r.reserved for r in self.memory) else None
         out["step"] = self.step.relative
         out["bubble_error"] = None if self.bubble is None else self.bubble.error
         out["makespan"] = None if self.makespan is None else self.makespan.relative
@@ -166,7 +182,11 @@ class Comparison:
                 "relative_tracked": "(predicted − bytes the measurement cannot see) / measured − 1",
                 "bubble": "share of total: idle / (ranks · makespan), both sides",
                 "peak": "sum of the categories at the peak (measured: MemTracker's peak snapshot "
-                        "with exact params/grads/optimizer)"},
+                        "with exact params/grads/optimizer)",
+                "allocated": "tracked bytes at the peak (measured: torch.cuda.max_memory_allocated() on CUDA, "
+                             "MemTracker's tensors on CPU)",
+                "reserved": "the caching allocator's most reserved bytes (measured: "
+                            "torch.cuda.max_memory_reserved(); CUDA runs only)"},
         }
 
 
@@ -220,6 +240,27 @@ def _memory_notes(category: str, pred: float, meas: float, measured_detail: dict
     return notes
 
 
+def _allocator_cells(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> tuple[Cell | None, Cell | None]:
+    """Allocated and reserved of one rank: predicted (``allocated``, ``reserved`` of the prediction's
+    row) against torch.cuda.max_memory_allocated() / max_memory_reserved() on a CUDA run; on a CPU run
+    allocated against the measured tensors (the sum of the measured categories) and no reserved (no
+    caching allocator). None where the prediction has no such number (an older prediction dict)."""
+    if "allocated" not in prow:
+        return None, None
+    p_alloc, p_res = float(prow["allocated"]), float(prow.get("reserved", prow["allocated"]))
+    if "max_memory_allocated" in rank_detail:
+        allocated = Cell(p_alloc, float(rank_detail["max_memory_allocated"]),
+                         ("measured: torch.cuda.max_memory_allocated()",))
+        reserved = (Cell(p_res, float(rank_detail["max_memory_reserved"]),
+                         ("measured: torch.cuda.max_memory_reserved(); predicted: the step's allocations replayed "
+                          "through the caching-allocator model",))
+                    if "max_memory_reserved" in rank_detail else None)
+        return allocated, reserved
+    m_alloc = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
+    return Cell(p_alloc, m_alloc, ("tensors at the peak: predicted tracked bytes vs MemTracker's peak (it counts "
+                                   "tensors only); a CPU run has no caching allocator, so reserved = allocated",)), None
+
+
 def _device_of(meas: dict) -> str | None:
     ranks = meas.get("ranks") or []
     if not ranks:
@@ -256,9 +297,11 @@ def compare(pred, measurement) -> Comparison:
         peak_notes = []
         if any(cells[c].untracked for c in MEMORY_CATEGORIES):
             peak_notes.append("includes predicted bytes the measurement cannot see; see relative_tracked")
+        allocated, reserved = _allocator_cells(prow, detail.get(rank) or {}, cells)
         rows.append(RankComparison(rank, int(mrow.get("stage", prow.get("stage", 0))), cells,
                                    Cell(p_peak, m_peak, tuple(peak_notes),
-                                        float(sum(cells[c].untracked for c in MEMORY_CATEGORIES)))))
+                                        float(sum(cells[c].untracked for c in MEMORY_CATEGORIES))),
+                                   allocated, reserved))
     if missing:
         notes.append(f"measured ranks {missing} have no predicted row (different world size?)")
     if len(pred_rows) > len(mj["memory"]["per_rank"]):
@@ -394,7 +437,8 @@ def render_comparison(cmp: Comparison) -> str:
         label = (f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1))
                  else ",".join(map(str, ranks)))
         r = g[0]
-        for c, cell in list(r.categories.items()) + [("peak", r.peak)]:
+        extra = [(name, cell) for name, cell in (("allocated", r.allocated), ("reserved", r.reserved)) if cell]
+        for c, cell in list(r.categories.items()) + [("peak", r.peak)] + extra:
             marks = ""
             for n in cell.notes:
                 if n not in all_notes:
