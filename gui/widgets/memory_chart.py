@@ -489,11 +489,11 @@ class MemoryChart(QWidget):
         else:
             self.measured_stacks.setVisible(False)
         self.capacity_line.setValue(cap)
+        self.capacity_line.setVisible(self.capacity_in_view)
         cap_text = f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}"
-        if cap_text != self._cap_text:
+        if cap_text != self._cap_text and self.capacity_in_view:  # a hidden label ignores a new text
             self._cap_text = cap_text
             self.capacity_line.label.setFormat(cap_text)
-        self.capacity_line.setVisible(self.capacity_in_view)
         if full_in_view:
             self.full_line.setValue(full / top)
             self.full_label.setPos(n - 0.45, full / top)
