@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF, Qt
+from PySide6.QtCore import QLineF, QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QPen, QTransform
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
@@ -119,15 +119,16 @@ RESERVED_SEGMENT = len(SEGMENTS) - 2
 def segment_bytes(groups: list[RankGroup]) -> np.ndarray:
     """groups × SEGMENTS, in bytes: what each bar is made of, bottom to top (they sum to max(total,
     reserved + untracked overhead))."""
-    out = np.zeros((len(groups), len(SEGMENTS)))
     k = len(SEGMENTS) - 2
-    for i, g in enumerate(groups):
-        row = out[i]
-        row[:k] = [g.values[c] for c in SEGMENTS[:k]]
-        tensors = float(row[:k].sum())
-        tracked_overhead = max(0.0, g.allocated - tensors)  # none in today's model
-        row[k] = max(0.0, g.reserved - tensors - tracked_overhead)
-        row[k + 1] = tracked_overhead + g.untracked
+    out = np.zeros((len(groups), len(SEGMENTS)))
+    if not groups:
+        return out
+    out[:, :k] = [[g.values[c] for c in SEGMENTS[:k]] for g in groups]
+    allocated, reserved, untracked = np.array([(g.allocated, g.reserved, g.untracked) for g in groups], float).T
+    tensors = out[:, :k].sum(axis=1)
+    tracked_overhead = np.maximum(0.0, allocated - tensors)  # none in today's model
+    out[:, k] = np.maximum(0.0, reserved - tensors - tracked_overhead)
+    out[:, k + 1] = tracked_overhead + untracked
     return out
 
 
@@ -138,6 +139,7 @@ class ReservedCapsItem(pg.GraphicsObject):
     def __init__(self):
         super().__init__()
         self._rects: list[QRectF] = []
+        self._key: tuple = ()
         self._bounds = QRectF()
         self._fill = QBrush(QColor(RESERVED_FILL))
         self._hatch = QBrush(QColor(RESERVED_LINE), Qt.BrushStyle.BDiagPattern)
@@ -145,10 +147,12 @@ class ReservedCapsItem(pg.GraphicsObject):
         self._pen.setCosmetic(True)
 
     def set_caps(self, x0, x1, y0, y1) -> None:
-        rects = [QRectF(a, c, b - a, d - c) for a, b, c, d in zip(x0, x1, y0, y1) if d > c]
-        if rects == self._rects:
+        key = (tuple(x0), tuple(x1), tuple(y0), tuple(y1))
+        if key == self._key:
             return
+        self._key = key
         self.prepareGeometryChange()
+        rects = [QRectF(a, c, b - a, d - c) for a, b, c, d in zip(x0, x1, y0, y1) if d > c]
         self._rects = rects
         self._bounds = QRectF()
         for r in rects:
@@ -164,15 +168,16 @@ class ReservedCapsItem(pg.GraphicsObject):
         t = p.transform()
         p.save()
         p.resetTransform()
+        lines = []
         for r in self._rects:
             d = t.mapRect(r).normalized()
-            p.setPen(Qt.PenStyle.NoPen)
             p.fillRect(d, self._fill)
             p.fillRect(d, self._hatch)
-            p.setPen(self._pen)  # the reserved level, and the cap's sides
-            p.drawLine(d.topLeft(), d.topRight())
-            p.drawLine(d.topLeft(), d.bottomLeft())
-            p.drawLine(d.topRight(), d.bottomRight())
+            # the reserved level, and the cap's sides
+            lines += [QLineF(d.topLeft(), d.topRight()), QLineF(d.topLeft(), d.bottomLeft()),
+                      QLineF(d.topRight(), d.bottomRight())]
+        p.setPen(self._pen)
+        p.drawLines(lines)
         p.restore()
 
 
