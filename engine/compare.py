@@ -240,10 +240,15 @@ def _memory_notes(category: str, pred: float, meas: float, measured_detail: dict
     return notes
 
 
+#: MemTracker's names of what the backend counts in comm_buffers
+_TRACKER_COMM = ("All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad")
+
+
 def _allocator_cells(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> tuple[Cell | None, Cell | None]:
     """Allocated and reserved of one rank: predicted (``allocated``, ``reserved`` of the prediction's
     row) against torch.cuda.max_memory_allocated() / max_memory_reserved() on a CUDA run; on a CPU run
-    allocated against the measured tensors (the sum of the measured categories) and no reserved (no
+    allocated against MemTracker's peak total plus the buffers the backend adds that it never sees (the
+    sum of the measured categories where the tracker's total is not recorded), and no reserved (no
     caching allocator). None where the prediction has no such number (an older prediction dict)."""
     if "allocated" not in prow:
         return None, None
@@ -256,9 +261,23 @@ def _allocator_cells(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> t
                           "through the caching-allocator model",))
                     if "max_memory_reserved" in rank_detail else None)
         return allocated, reserved
-    m_alloc = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
-    return Cell(p_alloc, m_alloc, ("tensors at the peak: predicted tracked bytes vs MemTracker's peak (it counts "
-                                   "tensors only); a CPU run has no caching allocator, so reserved = allocated",)), None
+    mem = rank_detail.get("memory") or {}
+    raw = mem.get("tracker_peak") or {}
+    notes = ["tensors at the peak: predicted tracked bytes vs MemTracker's peak (it counts tensors only); a CPU "
+             "run has no caching allocator, so reserved = allocated"]
+    if "Total" in raw and "categories" in mem:
+        # the tracker's own total at its peak, plus what the backend adds that the tracker never sees
+        # (the pipeline's p2p receive buffers, DDP's buckets: measured comm_buffers beyond the tracker's)
+        added = mem["categories"].get("comm_buffers", 0) - sum(raw.get(k, 0) for k in _TRACKER_COMM)
+        m_alloc = float(raw["Total"] + max(0, added))
+        lost = m_alloc - float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
+        if lost > 0.01 * m_alloc:
+            notes.append("the measured categories sum to less than the tracker's peak: the exact params / grads "
+                         "replace what the tracker tagged Parameter / Gradient, which under pipelining (plain "
+                         "MemTracker) includes FSDP2's unsharded parameters and gradients")
+    else:
+        m_alloc = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
+    return Cell(p_alloc, m_alloc, tuple(notes)), None
 
 
 def _device_of(meas: dict) -> str | None:
