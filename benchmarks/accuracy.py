@@ -16,8 +16,8 @@ Columns: states = params, grads, optimizer exact on every rank; worst category =
 |relative error| of any category on any rank (bytes the tracker cannot see excluded; a
 category measured 0 but predicted > 0 shows "∞"); act = activations; peak = the sum of
 categories at the peak, worst rank; tracked peak = the predicted tracked bytes at the rank's peak
-moment (``RankMemory.allocated``) against MemTracker's own peak total plus the buffers it never sees
-(p2p receive buffers, DDP buckets), worst rank; bubble = predicted − measured share of total (points);
+moment (``RankMemory.allocated``) against the larger of the measured categories' sum and MemTracker's
+own peak total plus the buffers it never sees (p2p receive buffers, DDP buckets), worst rank; bubble = predicted − measured share of total (points);
 step = (predicted − measured) / measured.
 """
 
@@ -261,7 +261,22 @@ same buffer) from activations.
     (⌈log₂ n⌉ point-to-point rounds at the measured p2p α and B).
   - *Noise.* The machine is shared with other sessions (load average 5–7 on 2 cores during
     this run); the same layout measured 93 ms here and 162 ms in the previous run (PP 1F1B),
-    183 vs 374 ms (DDP dp4). Self-calibrated pipeline rows (−48 … +26 %) show that part.
+    183 vs 374 ms (DDP dp4). Self-calibrated pipeline rows (−48 … +26 %) show that part. The
+    table above was measured at load average 10–14 (its step columns are noisier still); the step
+    figures quoted in these notes are those of the previous table.
+
+- **peak at one moment, tracked peak** (the two last rows): each rank's peak is now the moment of
+  its step with the most live tracked bytes (`engine/memory/lifetimes.py`), not every term at its
+  largest. The "peak" column misses by 18.6 % (3-D ZeRO-2 interleaved) and 22.3 % (ZeRO-2 ZBV) on
+  the *measured* side: under pipelining the backend runs plain MemTracker, which tags FSDP2's
+  unsharded parameters and gradients as Parameter / Gradient, and the exact sharded sizes then
+  replace them, so the measured categories lose those copies (their sum is below what the tracker
+  itself saw). The "tracked peak" column compares with the larger of that sum and the tracker's
+  own total (+ the p2p buffers it never sees): 0.4 % and 2.2 %. With the old sum of every term at
+  its largest these two rows read 0.4 % and 2.2 % as well (the tiny model's peak moments hold
+  nearly every term); the timeline moves the larger layouts of the golden corpus (up to −15 % of a
+  rank's total, where DDP's synchronised-backward temporary, the last stage's loss or its kept
+  outputs are not alive at the peak).
 
 - **temporaries** (the "worst category" column): measured temporaries are whatever MemTracker
   tags Temp at the single peak moment — small, short-lived tensors (autograd's intermediate

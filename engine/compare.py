@@ -247,9 +247,8 @@ _TRACKER_COMM = ("All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded G
 def _allocator_cells(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> tuple[Cell | None, Cell | None]:
     """Allocated and reserved of one rank: predicted (``allocated``, ``reserved`` of the prediction's
     row) against torch.cuda.max_memory_allocated() / max_memory_reserved() on a CUDA run; on a CPU run
-    allocated against MemTracker's peak total plus the buffers the backend adds that it never sees (the
-    sum of the measured categories where the tracker's total is not recorded), and no reserved (no
-    caching allocator). None where the prediction has no such number (an older prediction dict)."""
+    allocated against the larger of the measured categories' sum and MemTracker's own peak total plus
+    the buffers the backend adds that it never sees, and no reserved (no caching allocator). None where the prediction has no such number (an older prediction dict)."""
     if "allocated" not in prow:
         return None, None
     p_alloc, p_res = float(prow["allocated"]), float(prow.get("reserved", prow["allocated"]))
@@ -268,13 +267,17 @@ def _allocator_cells(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> t
     if "Total" in raw and "categories" in mem:
         # the tracker's own total at its peak, plus what the backend adds that the tracker never sees
         # (the pipeline's p2p receive buffers, DDP's buckets: measured comm_buffers beyond the tracker's)
+        # The larger of the two: the categories count the states whole (exact sizes), which the tracker's
+        # total may miss (ZeroRedundancyOptimizer's states, sharded gradients not yet allocated), and the
+        # tracker's total keeps what the categories drop when the exact sizes replace its Parameter /
+        # Gradient (under pipelining plain MemTracker tags FSDP2's unsharded copies so).
         added = mem["categories"].get("comm_buffers", 0) - sum(raw.get(k, 0) for k in _TRACKER_COMM)
-        m_alloc = float(raw["Total"] + max(0, added))
-        lost = m_alloc - float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
-        if lost > 0.01 * m_alloc:
-            notes.append("the measured categories sum to less than the tracker's peak: the exact params / grads "
-                         "replace what the tracker tagged Parameter / Gradient, which under pipelining (plain "
-                         "MemTracker) includes FSDP2's unsharded parameters and gradients")
+        summed = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
+        m_alloc = max(summed, float(raw["Total"] + max(0, added)))
+        if m_alloc > 1.01 * summed:
+            notes.append("the measured categories sum to less than the tracker's own peak total (+ the buffers it "
+                         "never sees): the exact params / grads replace what the tracker tagged Parameter / "
+                         "Gradient, which under pipelining (plain MemTracker) includes FSDP2's unsharded copies")
     else:
         m_alloc = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
     return Cell(p_alloc, m_alloc, tuple(notes)), None
