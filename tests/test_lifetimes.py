@@ -254,7 +254,8 @@ def test_compare_names_allocated_and_reserved():
     cmp = compare(pred, meas)
     for rc, r in zip(cmp.memory, pred.memory.per_rank):
         assert rc.allocated.predicted == rc.allocated.measured == r.allocated
-        assert rc.reserved.predicted == r.reserved and rc.reserved.error == -2**20
+        assert rc.reserved["predicted"] == rc.reserved_cell.predicted == r.reserved
+        assert rc.reserved["error"] == rc.reserved_cell.error == -2**20
     assert cmp.summary()["reserved"] == pytest.approx(max(2**20 / (r.reserved + 2**20) for r in pred.memory.per_rank))
     assert "reserved" in cmp.to_json()["memory"]["per_rank"][0]
 

@@ -386,7 +386,7 @@ def allocation_events(event_signature: tuple) -> tuple:
             if unit > 0:
                 ev.append(("alloc", ("mb", stage, mb), unit))
             if stage == last_stage:
-                for j, nbytes, stream in outputs:
+                for j, nbytes, _ in outputs:
                     ev.append(("alloc", ("out", j, mb), nbytes))
         for j, _, _ in transient:
             ev.append(("free", ("t", j, i)))
