@@ -349,3 +349,82 @@ def test_replay_agrees_with_the_allocator(ops, expandable):
             events.append(("free", k))
             a.free(handles.pop(k))
     assert replay(events, expandable_segments=expandable) == a.stats()
+
+
+class _NaiveAllocator:
+    """The default (non-expandable) policy written plainly, with linear scans, as the source reads:
+    round_size, get_pool, get_allocation_size, best fit by (size, address) on the same stream and
+    pool, should_split, merge on free, release of unsplit cached segments at capacity."""
+
+    def __init__(self, capacity=None):
+        self.capacity, self.segments, self.next_addr = capacity, [], 1 << 30
+        self.allocated = self.reserved = 0
+
+    def malloc(self, nbytes, stream):
+        size = round_size(nbytes)
+        small = size <= kSmallSize
+        for attempt in range(2):
+            free = [(b[1], b[0], seg) for seg in self.segments if seg["key"] == (stream, small)
+                    for b in seg["blocks"] if not b[2] and b[1] >= size]
+            if free:
+                _, addr, seg = min(free, key=lambda t: (t[0], t[1]))
+                break
+            alloc = get_allocation_size(size)
+            if self.capacity is None or self.reserved + alloc <= self.capacity:
+                seg = {"key": (stream, small), "blocks": [[self.next_addr, alloc, False]]}
+                addr = self.next_addr
+                self.next_addr += alloc + kLargeBuffer
+                self.segments.append(seg)
+                self.reserved += alloc
+                break
+            if attempt == 0:  # release_cached_blocks
+                keep = [s for s in self.segments if len(s["blocks"]) > 1 or s["blocks"][0][2]]
+                self.reserved -= sum(s["blocks"][0][1] for s in self.segments if s not in keep)
+                self.segments = keep
+        else:
+            raise AllocatorOutOfMemory("naive", requested=nbytes, allocation=0, allocated=0, reserved=0,
+                                       capacity=0, stream=stream, stats=None)
+        i = next(i for i, b in enumerate(seg["blocks"]) if b[0] == addr)
+        b = seg["blocks"][i]
+        rem = b[1] - size
+        if (rem >= kMinBlockSize) if small else (rem > kSmallSize):
+            seg["blocks"][i:i + 1] = [[addr, size, True], [addr + size, rem, False]]
+        else:
+            b[2] = True
+        self.allocated += seg["blocks"][i][1]
+        return addr
+
+    def free(self, addr):
+        seg = next(s for s in self.segments if any(b[0] == addr and b[2] for b in s["blocks"]))
+        bl = seg["blocks"]
+        i = next(i for i, b in enumerate(bl) if b[0] == addr)
+        bl[i][2] = False
+        self.allocated -= bl[i][1]
+        if i + 1 < len(bl) and not bl[i + 1][2]:
+            bl[i][1] += bl.pop(i + 1)[1]
+        if i > 0 and not bl[i - 1][2]:
+            bl[i - 1][1] += bl.pop(i)[1]
+
+
+@PROPS
+@given(OPS, st.one_of(st.none(), st.integers(min_value=4, max_value=200)))
+def test_the_model_agrees_with_a_plain_reading_of_the_source(ops, capacity_mib):
+    capacity = None if capacity_mib is None else capacity_mib * MIB
+    model, naive = CachingAllocator(capacity=capacity), _NaiveAllocator(capacity)
+    live = []
+    for op in ops:
+        if op[0] == "alloc" and op[1] > 0:
+            try:
+                want = naive.malloc(op[1], op[2])
+            except AllocatorOutOfMemory:
+                with pytest.raises(AllocatorOutOfMemory):
+                    model.malloc(op[1], op[2])
+                continue
+            live.append((model.malloc(op[1], op[2]), want))
+            assert model._live[live[-1][0]].addr == want  # the same block, at the same address
+        elif op[0] == "free" and live:
+            h, addr = live.pop(op[1] % len(live))
+            model.free(h)
+            naive.free(addr)
+        assert (model.allocated, model.reserved, model.segments) == (
+            naive.allocated, naive.reserved, len(naive.segments))

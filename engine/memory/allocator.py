@@ -55,7 +55,11 @@ its option is set): ``roundup_power2_divisions`` (the default, off, is modelled:
 rounding); ``garbage_collection_threshold`` and ``set_per_process_memory_fraction``;
 ``record_stream`` (cross-stream uses and their deferred frees via CUDA events); CUDA-graph
 private pools; the free-memory callbacks; turning expandable segments on or off mid-run (one
-mode per allocator). Segment addresses are assigned in increasing order (cudaMalloc's real
+mode per allocator). Version notes: newer sources name the oversize rounding limit
+``max_non_split_rounding_size`` (default ``kLargeBuffer``, the value used here), and the generic
+``c10/core/CachingDeviceAllocator.h`` orders free blocks by size before stream, which only
+changes which stream's block a lower bound lands on; this model keeps the CUDA file's order
+(stream, then size, then address). Segment addresses are assigned in increasing order (cudaMalloc's real
 addresses only break best-fit ties, between blocks of equal size). ``capacity`` is what the
 allocator may reserve: the card's memory less whatever the CUDA context and libraries hold.
 

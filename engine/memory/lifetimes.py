@@ -244,29 +244,33 @@ class RankTimeline:
         rules = LIFETIMES
         varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
         rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
+        add_row = rows.append
+        gather = ALL_GATHER_STREAM_KINDS
         for c in MEMORY_CATEGORIES:
+            var = []
             acts = c == "activations"
-            for i, t in enumerate(terms[c]):
-                if not t.tracked:
+            for i, (_, nbytes, _, _, tracked, stage, n, kind) in enumerate(terms[c]):
+                if not tracked:
                     continue
-                kind, nbytes = t.kind, t.bytes
-                if acts and t.in_flight is not None and t.stage is not None and kind != "pipeline_outputs":
-                    if t.in_flight:
-                        unit[column[t.stage if pp > 1 else 0]] += nbytes // t.in_flight
-                    varying.setdefault(c, []).append((i, "microbatch"))
+                if acts and n is not None and stage is not None and kind != "pipeline_outputs":
+                    if n:
+                        unit[column[stage if pp > 1 else 0]] += nbytes // n
+                    var.append((i, "microbatch"))
                     continue
                 life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
-                if life == "to_step_end":
-                    nbytes = nbytes // t.in_flight if t.in_flight else 0
-                    out += nbytes
-                elif life == "step":
+                if life == "step":
                     step += nbytes
                 else:
-                    trans[life] += nbytes
-                if life != "step":
-                    varying.setdefault(c, []).append((i, life))
+                    if life == "to_step_end":
+                        nbytes = nbytes // n if n else 0
+                        out += nbytes
+                    else:
+                        trans[life] += nbytes
+                    var.append((i, life))
                 if nbytes > 0:
-                    rows.append((life, nbytes, ALL_GATHER_STREAM if kind in ALL_GATHER_STREAM_KINDS else 0))
+                    add_row((life, nbytes, ALL_GATHER_STREAM if kind in gather else 0))
+            if var:
+                varying[c] = var
         self.varying = varying
         self._rows = tuple(rows)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
@@ -382,7 +386,7 @@ def allocation_events(event_signature: tuple) -> tuple:
             if unit > 0:
                 ev.append(("alloc", ("mb", stage, mb), unit))
             if stage == last_stage:
-                for j, nbytes, stream in outputs:
+                for j, nbytes, _ in outputs:
                     ev.append(("alloc", ("out", j, mb), nbytes))
         for j, _, _ in transient:
             ev.append(("free", ("t", j, i)))
