@@ -104,7 +104,7 @@ def why_reserved_not_measured(measurement: dict, simulated: bool) -> str:
     if any("max_memory_allocated" in r for r in ranks):
         return f"reserved: {NOT_MEASURED} (the run did not report torch.cuda.max_memory_reserved())"
     if simulated:
-        return f"reserved: {NOT_MEASURED} (the simulated run reports no max_memory_reserved)"
+        return f"reserved: {NOT_MEASURED} (the simulated run did not replay its allocations through the allocator model)"
     return f"reserved: {NOT_MEASURED} (CPU ranks have no caching allocator)"
 
 
@@ -140,8 +140,8 @@ def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = F
         if rc.allocated is not None:
             cuda = any("max_memory_allocated" in r for r in measurement.get("ranks") or [])
             cells.append((ALLOCATED if cuda else ALLOCATED_TENSORS, rc.allocated))
-        if rc.reserved is not None:
-            cells.append((RESERVED, rc.reserved))
+        if rc.reserved_cell is not None:  # torch.cuda.max_memory_reserved, or a simulation's modelled allocator
+            cells.append((RESERVED, rc.reserved_cell))
         for name, cell in cells:
             notes = list(cell.notes)
             if cell.untracked:
@@ -153,7 +153,11 @@ def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = F
                 notes.extend(blind)
             rows.append(Row(str(rc.rank), name, cell.predicted, cell.measured, _pct(cell.relative),
                             "; ".join(notes), BYTES))
-        if rc.reserved is None and rc.rank in predicted_reserved:
+        if rc.reserved_cell is None and rc.reserved is not None:  # measured, but the prediction has none
+            rows.append(Row(str(rc.rank), RESERVED, None, float(rc.reserved["measured"]), None,
+                            "; ".join([f"measured: {rc.reserved['source']}; the prediction has no reserved",
+                                       *blind]), BYTES))
+        elif rc.reserved is None and rc.rank in predicted_reserved:
             rows.append(Row(str(rc.rank), RESERVED, predicted_reserved[rc.rank], NOT_MEASURED, None,
                             "; ".join([unmeasured_reserve, *blind]), BYTES))
     if cmp.makespan is not None:

@@ -213,3 +213,23 @@ def test_comparison_on_a_cuda_run_compares_reserved_with_max_memory_reserved(tmp
         assert row.error == pytest.approx((1 / 1.25 - 1) * 100, abs=0.01)
         assert "max_memory_reserved" in row.note
     assert any(row.quantity == "allocated (max_memory_allocated)" for row in rows)
+
+
+def test_comparison_on_a_simulated_run_compares_reserved_with_the_modelled_allocator(tmp_path):
+    cfg = default_config()
+    from test_gui_run import stand_in_measurement
+
+    pred = predict(cfg)
+    measurement = stand_in_measurement(cfg)
+    for r in measurement["ranks"]:
+        r["allocator"] = {"max_reserved": int(pred.memory.per_rank[r["rank"]].reserved * 1.5)}
+    rows, _, _ = comparison_rows(pred, measurement, simulated=True)
+    reserved = [row for row in rows if row.quantity == RESERVED]
+    assert len(reserved) == len(measurement["ranks"])
+    for row in reserved:
+        rm = pred.memory.per_rank[int(row.rank)]
+        assert row.measured == int(rm.reserved * 1.5) and "modelled caching allocator" in row.note
+    del measurement["ranks"][0]["allocator"]
+    rows, _, _ = comparison_rows(pred, measurement, simulated=True)
+    row = next(r for r in rows if r.quantity == RESERVED and r.rank == "0")
+    assert row.measured == "not measured" and "simulated run" in row.note
