@@ -109,17 +109,22 @@ def reserved_bytes(cfg: Config, timeline, allocated: int, snapshot: dict) -> int
     if collective_library(cfg) == "gloo":
         return allocated + slack
     untracked = sum(t.bytes for t in snapshot["overhead"] if not t.tracked and t.kind != "allocator_slack")
-    capacity = max(0, cfg.cluster.gpu.memory_bytes - untracked)
+    # what the allocator may reserve; None (unbounded: the reserve it would need) where the runtime
+    # context and collective buffers alone fill the card
+    capacity = cfg.cluster.gpu.memory_bytes - untracked
+    capacity = capacity if capacity > 0 else None
     replayed = replayed_reserve(timeline._event_signature(), cfg.conventions.expandable_segments, capacity)
     return max(replayed, allocated + slack)
 
 
 @lru_cache(maxsize=1024)
-def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int) -> int:
+def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int | None) -> int:
     """``max_reserved`` of one rank's step replayed through the caching allocator (cached on the
     rank's event signature: identical ranks and repeated slider positions replay once)."""
     events = allocation_events(event_signature)
     try:
         return replay(events, expandable_segments=expandable_segments, capacity=capacity).max_reserved
     except AllocatorOutOfMemory:
+        if capacity is None:
+            raise
         return replay(events, expandable_segments=expandable_segments, capacity=None).max_reserved
