@@ -250,8 +250,8 @@ ROW_CHANGES = {
     "Peak memory": ("peak.total", fmt_bytes),
 }
 #: rows shown with the baseline's value only when it differs (no single number to take a change of)
-ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Allocated", "Reserved", "Outside the allocator", "Memory headroom", "GPU 0 vs others", "Trainable (LoRA)",
-                         "Full fine-tune would need")
+ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Allocated", "Reserved", "Outside the allocator", "Memory headroom",
+                         "GPU 0 vs others", "Trainable (LoRA)", "Full fine-tune would need")
 
 
 def format_change(change) -> str:
