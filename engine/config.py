@@ -253,7 +253,12 @@ class Conventions:
     runtime_context: bool = True  # count the GPU kind's runtime context in `overhead`
     collective_buffers: bool = True  # count collective-library buffers per communicator
     collective_buffer_mib: float = 64.0  # per communicator a rank belongs to (NCCL-like)
-    allocator_slack_fraction: float = 0.0  # reserve on top of live tensors, as a fraction
+    # a floor on the caching allocator's reserve, as a fraction of the tracked bytes at the peak
+    # (reserved = max(the replayed allocator's reserve, allocated × (1 + it)); never added to the replay)
+    allocator_slack_fraction: float = 0.0
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch's default is off): the replayed
+    # caching allocator grows one segment per stream instead of caching fixed-size segments
+    expandable_segments: bool = False
     ddp_bucket_mb: float = 25.0  # DDP's bucket_cap_mb
     ddp_gradient_as_bucket_view: bool = False  # DDP gradients alias the buckets (no separate bucket copy)
     fsdp_prefetch: bool = True  # FSDP holds the next unit unsharded while computing this one

@@ -81,7 +81,10 @@ def test_compare_json_reads_a_ranks_reserved_bytes():
     ranks[0] = {"rank": 0, "stages": [0], "max_memory_allocated": 1, "max_memory_reserved": 77 * MIB}
     meas = {"memory": {"per_rank": rows}, "step": {"seconds": 1.0}, "ranks": ranks}
     out = compare(pj, meas).to_json()["memory"]["per_rank"]
-    assert out[0]["reserved"] == {"measured": 77 * MIB, "source": "torch.cuda.max_memory_reserved"}
+    # the prediction carries its own reserve (the replayed timeline): measured and predicted side by side
+    assert {k: out[0]["reserved"][k] for k in ("measured", "source")} == {
+        "measured": 77 * MIB, "source": "torch.cuda.max_memory_reserved"}
+    assert out[0]["reserved"]["predicted"] == pj["memory"]["per_rank"][0]["reserved"]
     assert out[1]["reserved"]["measured"] == 123 * MIB and "allocator" in out[1]["reserved"]["source"]
     pj["memory"]["per_rank"][1]["reserved"] = 100 * MIB  # a prediction that carries reserved bytes
     got = compare(pj, meas).to_json()["memory"]["per_rank"][1]["reserved"]

@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QSplitter,
     QTableWidget,
@@ -88,6 +89,8 @@ class RunPanel(QWidget):
         self.runnable_note = QLabel()
         self.runnable_note.setObjectName("note")
         self.runnable_note.setWordWrap(True)
+        # as tall as its wrapped text needs: a short tab shrinks the comparison table below, not this
+        self.runnable_note.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
         self.back_button = QPushButton("Back to your config")
         self.back_button.hide()
         offer.addWidget(self.runnable_note, 1)
