@@ -9,16 +9,9 @@ from __future__ import annotations
 
 from engine.config import Config
 
-#: The refusal of context parallelism until the backend runs it (``{cp}``: the degree asked for).
-CP_NOT_YET = ("parallel.cp = {cp}: context parallelism is not yet run by the backend (the engine predicts "
-              "it: shardscope predict / plan); set parallel.cp = 1 to run")
-
-
 def composition_problems(cfg: Config) -> list[str]:
     """Each combination of ``cfg`` that torch's APIs cannot compose, in words, with what runs instead."""
     par, out = cfg.parallel, []
-    if par.cp > 1:
-        out.append(CP_NOT_YET.format(cp=par.cp))
     if par.zero == 1 and par.tp > 1:
         out.append("ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
                    "parameters; use parallel.zero = 2 (fully_shard) with TP")

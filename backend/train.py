@@ -109,6 +109,8 @@ class Trainer:
         self.dims.build_mesh()
         self.coords = self.dims.coords
         self.pipelined = self.plan.pipelined
+        #: context parallelism (None when cp = 1): each microbatch's sequences are sharded by it
+        self.cp = self.dims.context_parallel(cfg.model, self.device)
 
         torch.manual_seed(SEED)  # every rank builds the same full model, then keeps its part
         with torch.device(self.device):  # nn.DataParallel: cuda:0, its source device
@@ -171,13 +173,20 @@ class Trainer:
         for i in range(self.gpus):
             torch.cuda.synchronize(i)
 
+    def _sequence_shards(self, x: torch.Tensor, y: torch.Tensor):
+        """A context yielding (x, y) as this rank holds them: its sequence shard under context
+        parallelism (the mean loss of equal shards, averaged over dp·cp, is the full sequence's)."""
+        if self.cp is None:
+            return contextlib.nullcontext((x, y))
+        return self.cp.microbatch(x, y)
+
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int]:
         """Forward and backward of one optimizer step's local batch: (loss sum, loss count)."""
         x, y = batch
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            args = (x,) if self.has_first else ()
-            with self._loss_ctx():
+            with self._sequence_shards(x, y) as (x, y), self._loss_ctx():
+                args = (x,) if self.has_first else ()
                 if self.has_last:
                     self.schedule.step(*args, target=y, losses=losses)
                 else:
@@ -196,8 +205,9 @@ class Trainer:
                 sync = model.no_sync()
             elif isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(last)
-            with sync, self._loss_ctx():
-                loss = loss_fn(model(x[i * mbs:(i + 1) * mbs]), y[i * mbs:(i + 1) * mbs]) / m
+            with sync, self._sequence_shards(x[i * mbs:(i + 1) * mbs], y[i * mbs:(i + 1) * mbs]) as (xi, yi), \
+                    self._loss_ctx():
+                loss = loss_fn(model(xi), yi) / m
                 loss.backward()
             total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         return total, 1
@@ -253,7 +263,7 @@ class Trainer:
         memory = self.measure_memory(n + 1)
         self.out.measurement({
             "rank": self.rank,
-            "coords": {"pp": self.coords.pp, "dp": self.coords.dp, "tp": self.coords.tp},
+            "coords": {"pp": self.coords.pp, "dp": self.coords.dp, "tp": self.coords.tp, "cp": self.coords.cp},
             "stages": self.stages,
             "memory": memory,
             "step_seconds": step_seconds,
@@ -293,7 +303,7 @@ class Trainer:
             "exact": exact,
             "params_local_count": measure.param_count_local(self.params),
             "tracker_peak": raw,
-            "notes": measure.memory_notes(self.cfg),
+            "notes": measure.memory_notes(self.cfg) + ([self.cp.note(self.device.type)] if self.cp else []),
         }
 
     def measure_dataparallel(self, step: int) -> list[dict[str, int]]:
