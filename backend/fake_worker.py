@@ -102,6 +102,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.dims.build_mesh()
             self.coords = self.dims.coords
             check_supported(cfg)
+            self.cp = self.dims.context_parallel(cfg.model, self.device)
             why = fake_refusal(cfg) if fake_tensors else None
             if why:
                 raise NotImplementedError(why)
@@ -160,7 +161,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
 
             from backend.train import loss_fn
 
-            mbs, seq, hidden = tr.micro_batch_size, cfg.model.seq_len, cfg.model.hidden
+            mbs, seq, hidden = tr.micro_batch_size, cfg.local_seq_len, cfg.model.hidden  # the rank's tokens (cp)
             sp_seq = seq // par.tp if par.sequence_parallel else seq
             # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype;
             # autocast (and fp32) leave it in fp32

@@ -88,6 +88,7 @@ class Trainer:
 
     legacy = False  # nn.DataParallel (set in __init__; class defaults keep subclasses such as the fake trainer)
     gpus = 1  # GPUs this process drives
+    cp = None  # backend.parallel.context_parallel.ContextParallel when parallel.cp > 1
 
     @property
     def microbatch_rows(self) -> int:
