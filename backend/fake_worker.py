@@ -402,7 +402,7 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
     coords = trainer.coords
     rec = {
         "rank": rank,
-        "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp},
+        "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp, "cp": coords.cp},
         "stages": trainer.stages,
         "memory": memory,
         "step_seconds": [],
