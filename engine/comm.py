@@ -42,7 +42,7 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.durations import adapter_elements_per_block
-from engine.layout import placement_style, rank_coords, rank_of, stage_to_pp_rank
+from engine.layout import placement_style, rank_coords, rank_of, split_layers, stage_to_pp_rank
 from engine.params import params_per_rank
 from engine.wrapping import forwards_before_first_backward, wrapping_plan
 
@@ -310,10 +310,18 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
     return CommReport(per_pp_rank=tuple(out), spans=spans)
 
 
-def cp_recomputes_attention(cfg: Config) -> bool:
-    """The backward re-runs the attention forward (and so its K, V exchange): full recompute and
-    selective (attention-core) recompute; torchtitan's per-op policy saves the attention outputs."""
-    return cfg.training.recompute in ("full", "selective")
+def cp_recomputed_blocks(cfg: Config) -> list[int]:
+    """Blocks per stage whose backward re-runs the attention forward, and so its K, V exchange
+    (one entry per stage; one stage when pp = 1): every block under full and selective (attention
+    core) recompute, torchtitan's every N-th block under selective-layer, none otherwise
+    (torchtitan's per-op policy saves the attention outputs)."""
+    from engine.durations import checkpointed_blocks
+
+    tr, par = cfg.training, cfg.parallel
+    if tr.recompute in ("full", "selective"):
+        return [len(r) for r in split_layers(cfg.model.layers, 1 if par.pp == 1 else par.num_stages,
+                                             par.pipeline_split)]
+    return checkpointed_blocks(cfg)
 
 
 def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
@@ -325,9 +333,10 @@ def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
     2·S·b·kv/t, S the whole sequence) in the forward, and again in the backward. "alltoall"
     (``_AllToAllRotater``): cp − 1 rotations of the rank's chunk 2·s·b·kv/t (s = S/cp) to the next
     rank, forward and backward. Either way the backward's dK, dV travel the ring (its rotater is
-    always all-to-all) in fp32 (``convert_to_f32``): cp rotations. A backward that recomputes the
-    attention forward exchanges the forward's K, V again. Eager attention (all-gather only) runs the
-    gather through autograd: its backward reduce-scatters the K, V gradients instead.
+    always all-to-all) in fp32 (``convert_to_f32``): cp rotations. Eager attention (all-gather
+    only) runs the gather through autograd: its backward reduce-scatters the K, V gradients
+    instead. A block whose backward recomputes its forward (``cp_recomputed_blocks``) repeats the
+    forward's exchange in its backward.
     """
     par, tr, m = cfg.parallel, cfg.training, cfg.model
     if par.cp == 1:
@@ -335,17 +344,14 @@ def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
     act = 4 if tr.precision == "fp32" else 2
     s, b, kv = cfg.local_seq_len, tr.micro_batch_size, m.kv_dim // par.tp
     chunk = 2.0 * s * b * kv * act
-    again = 1 if cp_recomputes_attention(cfg) else 0
     out: list[tuple[str, str, int, float, str]] = []
     if par.cp_rotate == "allgather":
         gathered = chunk * par.cp
         out.append(("all_gather", "forward", 1, gathered, "K, V all-gather"))
-        out.append(("all_gather", "backward", 1 + again, gathered,
-                    "K, V all-gather" + (" (and the recomputed forward's)" if again else "")))
+        out.append(("all_gather", "backward", 1, gathered, "K, V all-gather"))
     else:
         out.append(("p2p", "forward", par.cp - 1, chunk, "K, V ring rotation"))
-        out.append(("p2p", "backward", (par.cp - 1) * (1 + again), chunk,
-                    "K, V ring rotation" + (" (and the recomputed forward's)" if again else "")))
+        out.append(("p2p", "backward", par.cp - 1, chunk, "K, V ring rotation"))
     if m.attention == "flash":
         out.append(("p2p", "backward", par.cp, 2.0 * s * b * kv * 4, "dK, dV ring rotation (fp32)"))
     else:
@@ -354,16 +360,23 @@ def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
 
 
 def _cp_items(cfg: Config, rp, span: GroupSpan, links: MeasuredLinks | None) -> list[CommItem]:
-    """The K, V exchange of every layer of the rank's stages and every microbatch (engine.step hides
-    each behind the blockwise attention it overlaps)."""
+    """The K, V exchange of every layer of the rank's stages and every microbatch, and the
+    recomputed forwards' (engine.step hides each behind the blockwise attention it overlaps)."""
     par = cfg.parallel
     items = []
     hides = cfg.cluster.gpu.name != "cpu"
+    again = cp_recomputed_blocks(cfg)
+    redo = sum(again[st.stage] for st in rp.stages)
     for coll, phase, calls, size, what in cp_layer_exchanges(cfg):
-        n = calls * rp.layers * par.microbatches
         one = collective_seconds(cfg, coll, size, span, links)
+        n = calls * rp.layers * par.microbatches
         items.append(CommItem("cp", f"CP {what} ({phase}; {calls} per layer, {par.cp_rotate})", coll, n, size,
                               par.cp, span.link, n * one, hides, phase))
+        if phase == "forward" and redo:
+            n = calls * redo * par.microbatches
+            items.append(CommItem("cp", f"CP {what} of the recomputed forward (backward; {calls} per recomputed "
+                                        f"block, {redo} block(s), {par.cp_rotate})", coll, n, size, par.cp,
+                                  span.link, n * one, hides, "backward"))
     return items
 
 

@@ -20,6 +20,11 @@ FLOP conventions (per token, per transformer block, forward, before dividing by 
   attention op and elementwise ops add no counted FLOPs), ``selective-layer`` the whole forward
   of the blocks it checkpoints (``checkpointed_blocks``: every N-th block of each rank).
 
+Context parallelism (``parallel.cp``): a rank computes its seq_len / cp tokens (``Config.local_seq_len``)
+of every microbatch; the attention core per token stays ``4·s·h`` over the whole sequence s (each
+query still meets every key; torch's head-tail load balancing gives every cp rank the same causal
+share), so a rank's attention is 1/cp of the sequence's. The K, V exchange is engine.step's.
+
 LoRA (``training.finetune = "lora"``, engine.lora): every adapted Linear adds its adapter's
 matmuls, ``2·r·(d_in + d_out)`` FLOPs per token (x·Aᵀ, then ·Bᵀ) in the forward, as much again
 for the adapter's input gradient (in I) and for its weight gradients (in W). The frozen base still

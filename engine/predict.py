@@ -135,7 +135,7 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
                  f"MFU {st.mfu * 100:.1f} %, HFU {st.hfu * 100:.1f} %")
     lines.append("  breakdown: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in st.breakdown.items()))
     comm = pred.comm.per_pp_rank[st.critical_pp_rank]
-    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "tp", "pp") if comm.bytes_sent(d)}
+    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "cp", "tp", "pp") if comm.bytes_sent(d)}
     if per_dim:
         lines.append("  communication sent per step by rank "
                      f"{comm.rank}: " + ", ".join(f"{d} {b / 2**30:.3f} GiB" for d, b in per_dim.items()))

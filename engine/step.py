@@ -64,6 +64,7 @@ from engine.comm import (
     collective_seconds,
     communication,
     cp_layer_exchanges,
+    cp_recomputed_blocks,
     cpu_oversubscription,
     group_span,
     tp_block_collectives,
@@ -191,13 +192,14 @@ def attention_core_seconds(cfg: Config) -> tuple[float, float]:
 
 def cp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tuple[float, float]:
     """The context-parallel K, V exchange of one layer for one microbatch as it lies on the critical
-    path: (forward, backward) seconds, overlapped as torch overlaps it.
+    path: (forward, backward) seconds, overlapped as torch overlaps it (a backward that recomputes
+    the forward adds the forward's again: :func:`cp_stage_seconds`).
 
     Each exchange is issued before the blockwise attention step it feeds the next: "allgather"'s one
     gather hides behind the first step (the rank's own chunk, 1/cp of its attention), each of
     "alltoall"'s cp − 1 rotations behind one step; the dK, dV rotations of the backward hide behind
-    the next step, and the last is waited for after the loop (exposed). A recomputed forward in the
-    backward exposes what the forward does again. On CPU ranks nothing hides (shared cores)."""
+    the next step, and the last is waited for after the loop (exposed); eager attention's gradient
+    reduce-scatter follows its backward (exposed). On CPU ranks nothing hides (shared cores)."""
     par = cfg.parallel
     if par.cp == 1:
         return 0.0, 0.0
@@ -207,32 +209,25 @@ def cp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
     out = {"forward": 0.0, "backward": 0.0}
     for coll, phase, calls, size, what in cp_layer_exchanges(cfg):
         one = collective_seconds(cfg, coll, size, span, links)
-        if not hides:
+        if not hides or coll == "reduce_scatter":
             out[phase] += calls * one
-            continue
-        if what.startswith("dK"):  # cp rotations, each behind the next step but the last
+        elif what.startswith("dK"):  # cp rotations, each behind the next step but the last
             out[phase] += (calls - 1) * max(0.0, one - attn_b / par.cp) + one
-            continue
-        if coll == "reduce_scatter":  # eager's gradient reduce-scatter after the attention backward
-            out[phase] += calls * one
-            continue
-        window = (attn_f if phase == "forward" else attn_b) / par.cp
-        if phase == "backward" and calls > (1 if coll == "all_gather" else par.cp - 1):
-            # the recomputed forward's exchange hides behind the recomputed forward's steps
-            first = 1 if coll == "all_gather" else par.cp - 1
-            out[phase] += (first * max(0.0, one - window)
-                           + (calls - first) * max(0.0, one - attn_f / par.cp))
         else:
+            window = (attn_f if phase == "forward" else attn_b) / par.cp
             out[phase] += calls * max(0.0, one - window)
     return out["forward"], out["backward"]
 
 
 def cp_stage_seconds(cfg: Config, num_stages: int,
                      links: MeasuredLinks | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The exposed context-parallel exchange per stage for one microbatch: (forward, backward)."""
+    """The exposed context-parallel exchange per stage for one microbatch: (forward, backward); the
+    backward of a block that recomputes its forward (engine.comm.cp_recomputed_blocks) repeats the
+    forward's, hidden behind the recomputed attention as in the forward."""
     fwd_l, bwd_l = cp_seconds_per_layer(cfg, links)
     layers = _stage_layers(cfg, num_stages)
-    return layers * fwd_l, layers * bwd_l
+    again = np.array(cp_recomputed_blocks(cfg), dtype=np.float64) if cfg.parallel.cp > 1 else 0.0
+    return layers * fwd_l, layers * bwd_l + again * fwd_l
 
 
 def with_mesh_communication(cfg: Config, d: StageDurations, links: MeasuredLinks | None = None) -> StageDurations:

@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a multiple of --gpus, at most 8 per GPU)")
     p.add_argument("--max-virtual-stages", type=int, default=8, metavar="V",
                    help="largest virtual stages per rank tried for the interleaved schedules (default 8)")
+    p.add_argument("--seq-len", type=int, metavar="TOKENS",
+                   help="train at this sequence length (default: the model's); from 16384 tokens the planner "
+                        "searches context parallelism (cp) too")
     p.add_argument("--json", action="store_true", help="the result as one JSON document")
     p.add_argument("--all-fitting", action="store_true",
                    help="also fully evaluate every layout that passes the memory lower bound, best bound first, "

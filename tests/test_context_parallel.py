@@ -64,6 +64,12 @@ def test_cp_rotate_names_its_allowed_values():
     assert found["parallel.cp_rotate"] == "allowed: allgather | alltoall"
 
 
+def test_the_ring_needs_flash_attention():
+    found = problems({"cp": 2, "cp_rotate": "alltoall"}, model={"attention": "eager"})
+    assert "allowed with eager attention: allgather" in found["parallel.cp_rotate"]
+    assert cfg_of({"cp": 2, "cp_rotate": "allgather"}, model={"attention": "eager"}).parallel.cp == 2
+
+
 def test_cp_refuses_zero_one_and_dataparallel():
     found = problems({"cp": 2, "zero": 1})
     assert "needs parallel.zero = 0, 2 or 3" in found["parallel.cp"]
@@ -119,11 +125,12 @@ def test_world_size_is_the_product_of_the_degrees(dp, cp, tp, pp):
 # --------------------------------------------------------------------------- backend
 
 
-def test_backend_refuses_cp_until_it_runs_it():
+def test_backend_runs_cp_with_torchs_apis():
     from backend.support import composition_problems
 
+    # the backend runs cp (tests/test_backend_cp.py): nothing about it is refused whatever the machine
     cfg = cfg_of({"cp": 2, "zero": 3})
-    assert any("parallel.cp = 2" in p and "not yet" in p for p in composition_problems(cfg))
+    assert not any("parallel.cp" in p for p in composition_problems(cfg))
     assert not any("parallel.cp" in p for p in composition_problems(cfg_of({"zero": 3})))
 
 
@@ -310,6 +317,23 @@ def test_cp_shortens_the_step_of_a_long_sequence_at_a_fixed_batch():
         return predict(cfg).step
 
     one, four = step(1), step(4)
-    assert one.tokens_per_s == pytest.approx(one.seconds and 65536 / one.seconds)
+    assert one.tokens_per_s == pytest.approx(65536 / one.seconds)  # one sequence per step
     assert four.seconds < one.seconds / 3  # 4× the GPUs on the same sequence: nearly 4× faster
     assert four.breakdown["cp_comm"] > 0 and one.breakdown["cp_comm"] == 0
+
+
+@pytest.mark.parametrize(("recompute", "blocks"), [("none", 0), ("selective-op", 0), ("selective", 2), ("full", 2),
+                                                   ("selective-layer", 1)])
+def test_a_recomputed_forward_exchanges_kv_again(recompute, blocks):
+    from engine.comm import communication
+    from engine.step import cp_seconds_per_layer, cp_stage_seconds
+
+    cfg = Config.from_dict({"model": {**SMALL, "seq_len": 256}, "cluster": {"gpu": "cpu"},
+                            "parallel": {"dp": 1, "cp": 2, "microbatches": 3},
+                            "training": {"recompute": recompute, "recompute_every": 2}})
+    items = [i for i in communication(cfg).per_pp_rank[0].items if i.dim == "cp"]
+    again = [i for i in items if "recomputed forward" in i.what]
+    assert sum(i.calls for i in again) == blocks * 3  # one all-gather per recomputed block and microbatch
+    f, b = cp_seconds_per_layer(cfg)
+    fs, bs = cp_stage_seconds(cfg, 1)
+    assert fs[0] == pytest.approx(2 * f) and bs[0] == pytest.approx(2 * b + blocks * f)

@@ -19,6 +19,10 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
     up output), down saves its input: 4 tensors of 2sbf instead of GeLU's 2.
   * TP: the parts inside the column/row pair are /t; the rest (norms, their outputs, the
     residual masks) are replicated unless sequence parallel, which makes them /t too.
+  * context parallelism (cp): s is the rank's seq_len / cp tokens in every row; eager attention's
+    scores (a·s·S) and the K, V it multiplies (gathered: S·b·h) span the whole sequence S. What
+    the ring attention holds beyond the table while one layer runs is ``context_parallel_workspace``
+    (a temporary: gathered K, V or ring chunks, fp32 merger and gradient accumulators).
   * recompute: a row names the policies that recompute it instead of keeping it
     (``recomputed_by``); selective recomputes the attention core (softmax, its dropout; flash's
     lse). Full recompute keeps only each block's input (``memory_per_rank``); the table itself
