@@ -100,10 +100,7 @@ def tokens_label(n: int) -> str:
 #: the sequence-length slider: powers of two from 16 to the field's bound (model.seq_len's range)
 SEQ_LEN_VALUES = powers_of_two(16, int(FIELD_RANGES["model.seq_len"].hi))
 
-CP_ROTATE_LABELS = {
-    "allgather": "all-gather K/V (one collective per layer)",
-    "alltoall": "ring (all-to-all, cp − 1 rotations)",
-}
+CP_ROTATE_LABELS = {"allgather": "all-gather K/V", "alltoall": "ring (all-to-all)"}
 
 
 ZERO_LABELS = {
@@ -210,7 +207,8 @@ class ControlsPanel(QWidget):
         self.cp.setToolTip("Each sequence split over cp GPUs (head-tail: chunks i and 2·cp−1−i of 2·cp); "
                            "attention exchanges K and V between them. Needs seq_len divisible by 2·cp.")
         self.cp_rotate = self._choice(names.CP_ROTATE_METHODS, CP_ROTATE_LABELS, "parallel.cp_rotate")
-        self.cp_rotate.setToolTip("How K and V move between the cp ranks (torch's set_rotate_method)")
+        self.cp_rotate.setToolTip("How K and V move between the cp ranks (torch's set_rotate_method): all-gather "
+                                  "them once per layer, or pass chunks round a ring in cp − 1 all-to-all steps")
         self._row(grid, "CP exchange", "parallel.cp_rotate", self.cp_rotate)
         self.zero = QComboBox()
         for stage in names.ZERO_STAGES:
