@@ -35,7 +35,7 @@ from backend.parallel.float8 import precompute_scales
 from backend.parallel.lora import lora_refusal
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
-from backend.support import composition_problems
+from backend.support import composition_problems, cp_rotate_refusal
 from engine.config import Config
 from engine.wrapping import wrapping_plan
 
@@ -60,6 +60,9 @@ def check_supported(cfg: Config) -> None:
     par = cfg.parallel
     for problem in composition_problems(cfg):
         raise NotImplementedError(problem)
+    why = cp_rotate_refusal(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    if why:
+        raise NotImplementedError(why)
     if par.dp_mode == "dataparallel":
         why = dataparallel_refusal(cfg, torch.cuda.device_count())
         if why:

@@ -150,8 +150,9 @@ class ContextParallel:
                 "or model.attention = 'eager'")
         if self.method == "allgather" and rotate != "allgather":
             raise NotImplementedError(
-                f"parallel.cp_rotate = {rotate!r} on {device.type}: torch's ring (alltoall) runs in its "
-                "context_parallel on CUDA SDPA kernels only; allowed here: 'allgather'")
+                f"parallel.cp_rotate = {rotate!r} on {device.type} with {attention} attention: torch's ring "
+                "(alltoall) runs inside its context_parallel on the CUDA SDPA kernels (flash attention on CUDA) "
+                "only; allowed here: 'allgather'")
         self.positions = head_tail_positions(seq_len, self.cp, self.cp_rank).to(device)
         #: every key's position in the order the all-gather concatenates the ranks' tokens
         self.key_positions = torch.cat([head_tail_positions(seq_len, self.cp, r)
