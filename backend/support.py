@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from engine.config import Config
 
+
 def cp_rotate_refusal(cfg: Config, device_type: str) -> str | None:
     """Why ``parallel.cp_rotate`` cannot run on ``device_type`` ("cpu", "cuda"), or None.
 
