@@ -129,6 +129,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.dims.build_mesh()
             self.coords = self.dims.coords
             check_supported(cfg)
+            self.cp = self.dims.context_parallel(cfg.model, self.device)
             why = fake_refusal(cfg) if fake_tensors else None
             if why:
                 raise NotImplementedError(why)
@@ -193,7 +194,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
 
             from backend.train import loss_fn
 
-            mbs, seq, hidden = tr.micro_batch_size, cfg.model.seq_len, cfg.model.hidden
+            mbs, seq, hidden = tr.micro_batch_size, cfg.local_seq_len, cfg.model.hidden  # the rank's tokens (cp)
             sp_seq = seq // par.tp if par.sequence_parallel else seq
             # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype;
             # autocast (and fp32) leave it in fp32
@@ -610,7 +611,7 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments
     coords = trainer.coords
     rec = {
         "rank": rank,
-        "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp},
+        "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp, "cp": coords.cp},
         "stages": trainer.stages,
         "memory": memory,
         "step_seconds": [],

@@ -26,12 +26,19 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden, eps=1e-5, bias=True)
 
 
-def rope(x: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Rotary position embedding on (batch, seq, heads, head_dim); no parameters, no buffers."""
+def rope(x: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding on (batch, seq, heads, head_dim); no parameters, no buffers.
+
+    ``positions``: each token's position (context parallelism holds two separate chunks of the
+    sequence); default ``start``, ``start`` + 1, ….
+    """
     seq, dim = x.shape[1], x.shape[-1]
     half = dim // 2
     inv = 1.0 / (10000.0 ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))
-    pos = torch.arange(start, start + seq, device=x.device, dtype=torch.float32)
+    if positions is None:
+        pos = torch.arange(start, start + seq, device=x.device, dtype=torch.float32)
+    else:
+        pos = positions.to(device=x.device, dtype=torch.float32)
     angles = torch.outer(pos, inv)  # (seq, half)
     cos = angles.cos()[None, :, None, :].to(x.dtype)
     sin = angles.sin()[None, :, None, :].to(x.dtype)
@@ -47,14 +54,21 @@ class AttentionCore(nn.Module):
         self.kind = kind
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q, k, v: (batch, heads, seq, head_dim), k/v already repeated for GQA
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                masked: torch.Tensor | None = None) -> torch.Tensor:
+        # q, k, v: (batch, heads, seq, head_dim), k/v already repeated for GQA.
+        # masked: (q seq, k seq) bool, True where a score is masked out (eager attention under context
+        # parallelism: local queries against the gathered keys); None: causal over one sequence.
         p = self.dropout if self.training else 0.0
         if self.kind == "flash":
+            if masked is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=~masked, dropout_p=p)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        seq = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        if masked is None:
+            seq = q.shape[-2]
+            masked = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        mask = masked
         scores = scores.masked_fill(mask, float("-inf"))
         probs = F.dropout(scores.softmax(dim=-1), p=p)
         return probs @ v
@@ -71,21 +85,28 @@ class Attention(nn.Module):
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
         self.core = AttentionCore(spec.attention, spec.dropout)
+        #: backend.parallel.context_parallel.ContextParallel when the sequence is sharded (apply_cp)
+        self.context_parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
+        cp = self.context_parallel
         # -1 heads: under TP each rank holds heads/tp query heads and kv_heads/tp kv heads.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.rope:
-            q, k = rope(q), rope(k)
+            positions = cp.positions if cp is not None else None
+            q, k = rope(q, positions=positions), rope(k, positions=positions)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        out = self.core(q, k, v).transpose(1, 2).reshape(b, s, -1)
-        return self.wo(out)
+        if cp is not None:  # K, V exchanged over the cp group before the repeat for GQA
+            out = cp.attend(q, k, v, self.n_rep, self.core)
+        else:
+            if self.n_rep > 1:
+                k = k.repeat_interleave(self.n_rep, dim=1)
+                v = v.repeat_interleave(self.n_rep, dim=1)
+            out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -130,6 +151,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(spec) for i in range(spec.layers)})
         self.norm: nn.Module | None = _norm(spec)
         self.output: nn.Module | None = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        #: the positions of the tokens this rank holds under context parallelism (None: 0, 1, …)
+        self.positions: torch.Tensor | None = None
         self.reset_parameters()
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -155,7 +178,8 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
-                positions = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+                positions = (torch.arange(tokens.shape[1], device=tokens.device) if self.positions is None
+                             else self.positions.to(tokens.device))[None, :]
                 h = h + self.pos_embeddings(positions)
         for layer in self.layers.values():
             h = layer(h)

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 from engine.config import Config
 
-#: The refusal of context parallelism until the backend runs it (``{cp}``: the degree asked for).
-CP_NOT_YET = ("parallel.cp = {cp}: context parallelism is not yet run by the backend (the engine predicts "
-              "it: shardscope predict / plan); set parallel.cp = 1 to run")
+
+def cp_rotate_refusal(cfg: Config, device_type: str) -> str | None:
+    """Why ``parallel.cp_rotate`` cannot run on ``device_type`` ("cpu", "cuda"), or None.
+
+    The ring (``"alltoall"``) is torch's ``context_parallel``, whose sharding strategies exist for
+    the CUDA SDPA kernels only; elsewhere the backend runs the all-gather K/V variant."""
+    par, model = cfg.parallel, cfg.model
+    if par.cp == 1 or par.cp_rotate == "allgather" or (device_type == "cuda" and model.attention == "flash"):
+        return None
+    return (f"parallel.cp_rotate = {par.cp_rotate!r} on {device_type} with {model.attention} attention: torch's ring "
+            "(alltoall) runs inside its context_parallel on the CUDA SDPA kernels (flash attention on CUDA) only; "
+            "allowed here: 'allgather' (the all-gather K/V variant the backend runs on CPU and for eager attention)")
 
 
 def composition_problems(cfg: Config) -> list[str]:
     """Each combination of ``cfg`` that torch's APIs cannot compose, in words, with what runs instead."""
     par, out = cfg.parallel, []
-    if par.cp > 1:
-        out.append(CP_NOT_YET.format(cp=par.cp))
     if par.zero == 1 and par.tp > 1:
         out.append("ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
                    "parameters; use parallel.zero = 2 (fully_shard) with TP")

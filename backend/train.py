@@ -35,7 +35,7 @@ from backend.parallel.float8 import precompute_scales
 from backend.parallel.lora import lora_refusal
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
-from backend.support import composition_problems
+from backend.support import composition_problems, cp_rotate_refusal
 from engine.config import Config
 from engine.wrapping import wrapping_plan
 
@@ -60,6 +60,9 @@ def check_supported(cfg: Config) -> None:
     par = cfg.parallel
     for problem in composition_problems(cfg):
         raise NotImplementedError(problem)
+    why = cp_rotate_refusal(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    if why:
+        raise NotImplementedError(why)
     if par.dp_mode == "dataparallel":
         why = dataparallel_refusal(cfg, torch.cuda.device_count())
         if why:
@@ -88,6 +91,7 @@ class Trainer:
 
     legacy = False  # nn.DataParallel (set in __init__; class defaults keep subclasses such as the fake trainer)
     gpus = 1  # GPUs this process drives
+    cp = None  # backend.parallel.context_parallel.ContextParallel when parallel.cp > 1
 
     @property
     def microbatch_rows(self) -> int:
@@ -109,6 +113,8 @@ class Trainer:
         self.dims.build_mesh()
         self.coords = self.dims.coords
         self.pipelined = self.plan.pipelined
+        #: context parallelism (None when cp = 1): each microbatch's sequences are sharded by it
+        self.cp = self.dims.context_parallel(cfg.model, self.device)
 
         torch.manual_seed(SEED)  # every rank builds the same full model, then keeps its part
         with torch.device(self.device):  # nn.DataParallel: cuda:0, its source device
@@ -171,13 +177,20 @@ class Trainer:
         for i in range(self.gpus):
             torch.cuda.synchronize(i)
 
+    def _sequence_shards(self, x: torch.Tensor, y: torch.Tensor):
+        """A context yielding (x, y) as this rank holds them: its sequence shard under context
+        parallelism (the mean loss of equal shards, averaged over dp·cp, is the full sequence's)."""
+        if self.cp is None:
+            return contextlib.nullcontext((x, y))
+        return self.cp.microbatch(x, y)
+
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int]:
         """Forward and backward of one optimizer step's local batch: (loss sum, loss count)."""
         x, y = batch
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            args = (x,) if self.has_first else ()
-            with self._loss_ctx():
+            with self._sequence_shards(x, y) as (x, y), self._loss_ctx():
+                args = (x,) if self.has_first else ()
                 if self.has_last:
                     self.schedule.step(*args, target=y, losses=losses)
                 else:
@@ -196,8 +209,9 @@ class Trainer:
                 sync = model.no_sync()
             elif isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(last)
-            with sync, self._loss_ctx():
-                loss = loss_fn(model(x[i * mbs:(i + 1) * mbs]), y[i * mbs:(i + 1) * mbs]) / m
+            with sync, self._sequence_shards(x[i * mbs:(i + 1) * mbs], y[i * mbs:(i + 1) * mbs]) as (xi, yi), \
+                    self._loss_ctx():
+                loss = loss_fn(model(xi), yi) / m
                 loss.backward()
             total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         return total, 1
@@ -253,7 +267,7 @@ class Trainer:
         memory = self.measure_memory(n + 1)
         self.out.measurement({
             "rank": self.rank,
-            "coords": {"pp": self.coords.pp, "dp": self.coords.dp, "tp": self.coords.tp},
+            "coords": {"pp": self.coords.pp, "dp": self.coords.dp, "tp": self.coords.tp, "cp": self.coords.cp},
             "stages": self.stages,
             "memory": memory,
             "step_seconds": step_seconds,
@@ -293,7 +307,7 @@ class Trainer:
             "exact": exact,
             "params_local_count": measure.param_count_local(self.params),
             "tracker_peak": raw,
-            "notes": measure.memory_notes(self.cfg),
+            "notes": measure.memory_notes(self.cfg) + ([self.cp.note(self.device.type)] if self.cp else []),
         }
 
     def measure_dataparallel(self, step: int) -> list[dict[str, int]]:

@@ -42,9 +42,10 @@ from engine.predict import predict  # noqa: E402
 REFERENCE = "2-D dp2×pp2 1F1B (reference)"
 
 
-def _layout(par: dict, gpus: int = 4, training: dict | None = None) -> Config:
+def _layout(par: dict, gpus: int = 4, training: dict | None = None, model: dict | None = None) -> Config:
     base = default_config().to_dict()
     base["cluster"]["gpus"] = gpus
+    base["model"].update(model or {})
     p = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "sequence_parallel": False, "schedule": "1F1B",
          "virtual_stages": 1, "microbatches": 4}
     p.update(par)
@@ -97,6 +98,14 @@ LAYOUTS: dict[str, Config] = {
         {"dp": 2, "tp": 2, "pp": 2, "zero": 2, "schedule": "Interleaved1F1B", "virtual_stages": 2}, gpus=8),
     "ZeRO-2 dp2×pp2 ZBVZeroBubble": _layout({"dp": 2, "pp": 2, "zero": 2, "schedule": "ZBVZeroBubble",
                                              "virtual_stages": 2}),
+    # context parallelism on CPU: the all-gather K/V variant of torch's allgather rotate method (head-tail
+    # sequence shards; eager attention saves the gathered K, V, flash only the rank's own)
+    "CP cp2": _layout({"cp": 2, "microbatches": 2}, gpus=2),
+    "CP cp4": _layout({"cp": 4, "microbatches": 2}),
+    "CP cp2 + FSDP dp2": _layout({"cp": 2, "dp": 2, "zero": 3, "microbatches": 2}),
+    "CP cp2 + TP2": _layout({"cp": 2, "tp": 2, "microbatches": 2}),
+    "CP cp2 flash attention": _layout({"cp": 2, "microbatches": 2}, gpus=2, model={"attention": "flash"}),
+    "CP cp2 × pp2 1F1B": _layout({"cp": 2, "pp": 2}),
 }
 
 

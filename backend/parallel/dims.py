@@ -4,32 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from backend.support import CP_NOT_YET
-from engine.config import ParallelSpec
+from backend.parallel.context_parallel import ContextParallel
+from engine.config import ModelSpec, ParallelSpec
 from engine.layout import RankCoords, rank_coords
 
 
 @dataclass
 class ParallelDims:
     """Degrees and mesh. Rank order as engine.layout (torchtitan's [pp, dp_replicate, dp_shard,
-    cp, tp]): TP innermost, then CP, then DP, then PP. Context parallelism (cp > 1) is predicted
-    by the engine and not yet run here: refused with a clear error.
+    cp, tp]): TP innermost, then CP, then DP, then PP.
 
     The mesh dims are ("pp", "dp", "tp"); with HSDP (replicate > 1) the dp dim is split into
-    ("dp_replicate", "dp_shard") so FSDP gets a 2-D mesh.
+    ("dp_replicate", "dp_shard") so FSDP gets a 2-D mesh. Context parallelism (cp > 1) adds a
+    "cp" dim before "tp", and, as torchtitan, the cp ranks join the data-parallel group: "dp_cp"
+    (("dp", "cp") flattened: DDP, replicate, FSDP) or, under HSDP, "dp_shard_cp" (("dp_shard", "cp")
+    flattened, FSDP's shard dim beside "dp_replicate").
     """
 
     spec: ParallelSpec
     device_type: str
     gpus_per_node: int = 8
     mesh: DeviceMesh | None = field(default=None, init=False)
+    _context_parallel: ContextParallel | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.spec.cp > 1:
-            raise NotImplementedError(CP_NOT_YET.format(cp=self.spec.cp))
         world = dist.get_world_size()
         if self.spec.world_size != world:
             raise ValueError(f"dp·cp·tp·pp = {self.spec.world_size} but the world has {world} ranks")
@@ -41,24 +43,43 @@ class ParallelDims:
 
     def build_mesh(self) -> DeviceMesh:
         s = self.spec
+        cp = ("cp",) if s.cp > 1 else ()
         if s.replicate > 1:
-            shape = (s.pp, s.replicate, s.dp // s.replicate, s.tp)
-            names = ("pp", "dp_replicate", "dp_shard", "tp")
+            shape = (s.pp, s.replicate, s.dp // s.replicate, *(s.cp,) * len(cp), s.tp)
+            names = ("pp", "dp_replicate", "dp_shard", *cp, "tp")
         else:
-            shape = (s.pp, s.dp, s.tp)
-            names = ("pp", "dp", "tp")
+            shape = (s.pp, s.dp, *(s.cp,) * len(cp), s.tp)
+            names = ("pp", "dp", *cp, "tp")
         self.mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        if s.cp > 1:  # the cp ranks reduce gradients with their data-parallel peers
+            if s.replicate > 1:
+                self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            else:
+                self.mesh["dp", "cp"]._flatten("dp_cp")
         return self.mesh
 
     def __getitem__(self, name: str) -> DeviceMesh:
-        """The sub-mesh "pp", "tp", or "dp" (1-D, or the 2-D (replicate, shard) mesh under HSDP)."""
+        """The sub-mesh "pp", "tp", "cp" or "dp": the mesh data parallelism reduces over (1-D, or the 2-D
+        (replicate, shard) mesh under HSDP), which includes the cp ranks (dp_cp / dp_shard_cp)."""
         assert self.mesh is not None, "build_mesh() first"
+        cp = self.spec.cp > 1
         if name == "dp" and self.spec.replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
+            return self.mesh["dp_replicate", "dp_shard_cp" if cp else "dp_shard"]
+        if name == "dp" and cp:
+            return self.mesh["dp_cp"]
         return self.mesh[name]
 
+    def context_parallel(self, model: ModelSpec, device: torch.device) -> ContextParallel | None:
+        """This rank's context parallelism over the "cp" mesh (one object for every stage), None when cp = 1."""
+        if self.spec.cp == 1:
+            return None
+        if self._context_parallel is None:
+            self._context_parallel = ContextParallel(self["cp"], model.seq_len, device, model.attention,
+                                                     self.spec.cp_rotate, model.dropout)
+        return self._context_parallel
+
     def dp_group(self) -> dist.ProcessGroup:
-        """The flat data-parallel process group (DDP, ZeRO-1)."""
+        """The flat data-parallel process group (DDP, ZeRO-1): dp·cp ranks."""
         if self.spec.replicate > 1:
             return self[("dp")]._flatten("dp_flat").get_group()
         return self["dp"].get_group()

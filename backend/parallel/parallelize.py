@@ -2,7 +2,8 @@
 
 The one place the backend composes strategies (torchtitan's ``parallelize_llama`` shape), in
 their order: LoRA adapters where configured (before data parallelism, which must see the frozen
-base), float8 Linears (torchao, as torchtitan converts at model build), tensor parallelism,
+base), float8 Linears (torchao, as torchtitan converts at model build), tensor parallelism, context
+parallelism (attention over the sequence shard: backend.parallel.context_parallel),
 activation recompute, ``torch.compile`` per block, then the data-parallel wrapper the plan names —
 ``fully_shard`` with the plan's reshard policy, FSDP2's ``replicate``, DistributedDataParallel,
 legacy ``nn.DataParallel``, or none — with the plan's MixedPrecisionPolicy where an FSDP2 wrapper
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from backend.parallel.compile import apply_compile
+from backend.parallel.context_parallel import apply_cp
 from backend.parallel.data_parallel import (
     apply_dataparallel,
     apply_ddp,
@@ -55,6 +57,8 @@ def parallelize(model: nn.Module, cfg: Config, plan: WrappingPlan, dims: Paralle
     apply_float8(model, tr.float8, tr.float8_all_gather)
     if plan.tensor_parallel:
         apply_tp(model, dims["tp"], plan.sequence_parallel)
+    if cfg.parallel.cp > 1:  # attention over the sharded sequence; the dp wrappers below reduce over dp·cp
+        apply_cp(model, dims.context_parallel(cfg.model, device))
     apply_recompute(model, tr.recompute, tr.recompute_every)
     if tr.compile:
         apply_compile(model)

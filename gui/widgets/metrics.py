@@ -51,6 +51,14 @@ EXPLAINER: dict[str, tuple[str, str]] = {
            "The parts TP leaves replicated (norms, dropout, residuals) are split along the sequence instead, so "
            "their activations shrink by tp too. The all-reduces become reduce-scatter + all-gather of the same "
            "volume: more memory saved at no extra traffic. Turn it on whenever tp > 1."),
+    "cp": ("Context parallel (CP)",
+           "Splits every sequence over cp GPUs, so each holds seq_len / cp tokens of every activation — the lever "
+           "for long context (32K to 256K tokens and beyond), where activations, not weights, fill memory. Torch's "
+           "head-tail layout gives GPU i chunks i and 2·cp−1−i of 2·cp, balancing the causal work. Attention still "
+           "needs every key: K and V are all-gathered once per layer ('allgather') or passed round a ring of cp − 1 "
+           "steps ('alltoall'), overlapped with the blockwise attention; the backward sends dK and dV back. The cp "
+           "GPUs also join the FSDP shard group (torchtitan's dp_shard_cp), so weights shard over dp·cp. Compose it "
+           "with TP inside a node and FSDP across nodes."),
     "pp": ("Pipeline parallel (PP)",
            "Cuts the layers into stages on different ranks and streams microbatches through them, sending only "
            "activations between neighbours: the cheapest traffic of all, so it is what crosses slow inter-node "
@@ -101,6 +109,8 @@ def active_strategies(cfg) -> list[str]:
         keys.append("dataparallel")
     elif par.dp > 1 or par.zero:
         keys.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[par.zero])
+    if par.cp > 1:
+        keys.append("cp")
     if par.tp > 1:
         keys.append("tp")
     if par.sequence_parallel:
@@ -167,8 +177,9 @@ def metric_rows(pred) -> list[tuple[str, str]]:
     cfg = pred.config
     rows = [
         ("Global batch", f"{cfg.global_batch_size:,} sequences · {cfg.tokens_per_step:,} tokens"),
-        ("Layout", f"{cfg.parallel.world_size} ranks = dp {cfg.parallel.dp} × tp {cfg.parallel.tp} × pp {cfg.parallel.pp}"
-                   f" on {cfg.cluster.nodes} node(s)"),
+        ("Layout", f"{cfg.parallel.world_size} ranks = dp {cfg.parallel.dp} × "
+                   + (f"cp {cfg.parallel.cp} × " if cfg.parallel.cp > 1 else "")
+                   + f"tp {cfg.parallel.tp} × pp {cfg.parallel.pp} on {cfg.cluster.nodes} node(s)"),
     ]
     step = pred.step  # engine.step.StepTime
     if step is not None:
