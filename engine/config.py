@@ -15,7 +15,8 @@ File format (the product's public contract; keys may be added, never renamed)::
                  mixture of experts (experts = 0: a dense model): experts, experts_per_token,
                  expert_ffn_hidden (0 = ffn_hidden), shared_experts, dense_layers,
                  router_score ("softmax" | "sigmoid"), router_bias, router_balance_bias,
-                 norm_topk_prob, routed_scaling_factor, router_aux_loss
+                 norm_topk_prob, routed_scaling_factor, router_aux_loss, router_groups,
+                 router_topk_groups
                  multi-head latent attention (attention = "mla"): kv_lora_rank,
                  q_lora_rank (0 = no query compression), qk_rope_head_dim, qk_nope_head_dim,
                  v_head_dim
@@ -129,6 +130,8 @@ class ModelSpec:
     norm_topk_prob: bool = True  # the top-k scores are renormalised to sum to 1
     routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this (DeepSeek-V3: 2.5)
     router_aux_loss: float = 0.0  # coefficient of the load-balancing loss (Switch); 0 = none
+    router_groups: int = 1  # group-limited routing: experts in this many groups (DeepSeek-V3: 8); 1 = none
+    router_topk_groups: int = 1  # a token's experts come from its best this many groups (DeepSeek-V3: 4)
     # ---- multi-head latent attention (attention = "mla", DeepSeek-V2/V3)
     kv_lora_rank: int = 0  # the compressed KV latent
     q_lora_rank: int = 0  # the compressed query latent; 0 = queries projected directly
@@ -527,6 +530,8 @@ FIELD_RANGES: dict[str, Range] = {
     "model.shared_experts": Range(0, 4096, "DeepSeek-V3 has 1, DeepSeekMoE 16B 2, Qwen2-MoE 4 (as widths)"),
     "model.dense_layers": Range(0, 4096, "as model.layers (DeepSeek-V3 leads with 3 dense blocks)"),
     "model.routed_scaling_factor": Range(0, 1e6, "DeepSeek-V3 scales routed outputs by 2.5", lo_open=True),
+    "model.router_groups": Range(1, 1048576, "as model.experts (DeepSeek-V3: 8 groups of 32)", note="1 = no groups"),
+    "model.router_topk_groups": Range(1, 1048576, "as model.router_groups (DeepSeek-V3: 4)"),
     "model.router_aux_loss": Range(0, 1e3, "load-balancing coefficients in use are 1e-4 (DeepSeek-V3) to 0.02"),
     # ---- model, multi-head latent attention: DeepSeek-V3 kv 512, q 1536, rope 64, nope 128, v 128
     "model.kv_lora_rank": Range(0, 131072, "as model.hidden (DeepSeek-V3: 512)"),
@@ -775,6 +780,19 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
         p.append(Problem("model.dense_layers", model.dense_layers,
                          f"leaves no block with experts: must be less than model.layers ({model.layers}); "
                          f"allowed: 0 … {model.layers - 1}"))
+    g = model.router_groups
+    if g > 1 and "model.router_groups" not in bad and "model.router_topk_groups" not in bad:
+        if e % g:
+            p.append(Problem("model.router_groups", g, f"must divide model.experts ({e}); allowed: "
+                             f"{', '.join(map(str, _divisors(e)[:24]))}"))
+        elif model.router_topk_groups > g:
+            p.append(Problem("model.router_topk_groups", model.router_topk_groups,
+                             f"must not exceed model.router_groups; allowed: 1 … {g}"))
+        elif k > model.router_topk_groups * (e // g):
+            p.append(Problem("model.experts_per_token", k,
+                             f"the best router_topk_groups ({model.router_topk_groups}) groups of {e // g} experts "
+                             f"hold only {model.router_topk_groups * (e // g)}: allowed: 1 … "
+                             f"{model.router_topk_groups * (e // g)}"))
     if e % par.ep:
         p.append(Problem("parallel.ep", par.ep, f"must divide model.experts ({e}); allowed: "
                          f"{', '.join(map(str, _divisors(e)[:24]))}"))
@@ -1102,7 +1120,7 @@ _WRITTEN_WHEN_SET: dict[type, tuple[str, ...]] = {
     ModelSpec: ("head_size", "qk_norm", "attention_sinks", "sliding_window", "full_attention_every", "experts",
                 "experts_per_token", "expert_ffn_hidden", "shared_experts", "dense_layers", "router_score",
                 "router_bias", "router_balance_bias", "norm_topk_prob", "routed_scaling_factor",
-                "router_aux_loss", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                "router_aux_loss", "router_groups", "router_topk_groups", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim"),
     ParallelSpec: ("ep",),
     Conventions: ("moe_imbalance", "moe_capacity_factor"),

@@ -20,6 +20,17 @@ A decoder-only transformer with ``L`` identical blocks, hidden ``h``, ``a`` head
 
 GPT-2 small (gpt2-124m preset) gives 124,439,808; llama2-7b 6,738,415,616.
 
+Beyond the plain block (each 0 / off by default):
+
+* ``head_size``: q is ``h → a·d`` and o ``a·d → h`` with that ``d`` (need not be ``h / a``);
+  ``qk_norm`` adds a norm of ``d`` over q and one over k; ``attention_sinks`` one logit per head.
+* ``attention = "mla"``: ``attention_tensors`` below (DeepSeek-V2/V3's projections and latent norms).
+* Mixture of experts (``experts = E > 0``): the first ``dense_layers`` blocks keep the dense MLP;
+  every later block replaces it with a router ``h → E`` (bias ``E`` iff ``router_bias``), ``E``
+  routed experts of FFN ``expert_ffn_hidden`` (an MLP as above each, biases iff ``model.bias``)
+  and ``shared_experts`` always-on ones of the same width (one MLP of ``S·f_e``). Active
+  parameters count ``experts_per_token`` of the ``E`` experts.
+
 PLACEMENT RULE (pipeline and tensor parallel):
 
 * Stage ``k`` holds the blocks ``engine.layout.split_layers(L, pp·v, parallel.pipeline_split)[k]``
@@ -52,21 +63,33 @@ from engine.layout import placement_style, split_layers, stages_of_pp_rank
 
 @dataclass(frozen=True)
 class LayerParams:
-    """Parameters of one transformer block (all blocks are identical)."""
+    """Parameters of one transformer block of one kind (dense, or with experts)."""
 
-    attention: int  # q, k, v, o weights
-    mlp: int  # gate/up/down weights
-    norms: int  # norm1 + norm2
-    biases: int  # every Linear's bias (0 unless model.bias)
+    attention: int  # q, k, v, o weights (MLA: its projections and latent norms); attention sinks
+    mlp: int  # the dense MLP's weights; in a block with experts, the shared experts' weights
+    norms: int  # norm1 + norm2, and the q/k norms
+    biases: int  # the bias of every Linear above (0 unless model.bias)
+    router: int = 0  # the router's weight and bias
+    experts: int = 0  # every routed expert's weights and biases
+    active_experts: int = 0  # of those, the ones a token passes through (top-k experts)
 
     @property
     def total(self) -> int:
-        return self.attention + self.mlp + self.norms + self.biases
+        return self.attention + self.mlp + self.norms + self.biases + self.router + self.experts
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: everything but the experts it is not routed to."""
+        return self.total - self.experts + self.active_experts
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Exact parameter counts of a ModelSpec, by part."""
+    """Exact parameter counts of a ModelSpec, by part.
+
+    ``layer`` is the repeating block: the block with experts for a mixture of experts, whose
+    first ``dense_layers`` blocks are ``dense_layer`` instead.
+    """
 
     embedding: int
     position: int
@@ -74,6 +97,8 @@ class ParamCounts:
     layers: int
     final_norm: int
     head: int  # 0 when tied
+    dense_layer: LayerParams | None = None
+    dense_layers: int = 0
 
     @property
     def per_layer(self) -> int:
@@ -81,31 +106,145 @@ class ParamCounts:
 
     @property
     def blocks(self) -> int:
-        return self.layers * self.layer.total
+        dense = self.dense_layers * self.dense_layer.total if self.dense_layer else 0
+        return (self.layers - self.dense_layers) * self.layer.total + dense
+
+    @property
+    def experts(self) -> int:
+        """Routed expert parameters of the whole model."""
+        return (self.layers - self.dense_layers) * self.layer.experts
 
     @property
     def total(self) -> int:
         return self.embedding + self.position + self.blocks + self.final_norm + self.head
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through: the total less the routed experts it skips
+        (embedding and head included, as Mixtral's 12.9B and DeepSeek-V3's 37B count them)."""
+        dense = self.dense_layers * self.dense_layer.total if self.dense_layer else 0
+        return (self.embedding + self.position + self.final_norm + self.head + dense
+                + (self.layers - self.dense_layers) * self.layer.active)
+
+    @property
+    def active_without_embedding(self) -> int:
+        """``active`` less the input embedding (a row lookup, not a matmul; the head stays, and a
+        tied head counts its matrix): the convention of gpt-oss's 3.6B / 5.1B and of DeepSeek-V3's
+        36.6B ("37B") active parameters."""
+        tied_head = self.embedding if self.head == 0 else 0
+        return self.active - self.embedding - self.position + tied_head
 
 
 def _norm_params(model: ModelSpec) -> int:
     return 2 * model.hidden if model.norm == "layernorm" else model.hidden
 
 
+def _norm_tensors(model: ModelSpec, width: int) -> tuple[tuple[int, int], ...]:
+    return ((width, 1), (width, 1)) if model.norm == "layernorm" else ((width, 1),)
+
+
+def attention_tensors(model: ModelSpec, tp: int = 1) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(weights, biases) of one block's attention on one TP rank, as (dim0, rest) shapes.
+
+    Plain / grouped-query: q ``h → a·d``, k and v ``h → a_kv·d`` (column-parallel), o ``a·d → h``
+    (row-parallel), biases on each iff ``model.bias``; attention sinks add one logit per head.
+    MLA (DeepSeek-V2/V3): q ``h → r_q`` (q_a_proj), its norm ``r_q``, ``r_q → a·(d_nope + d_rope)``
+    (q_b_proj; or q ``h → a·(d_nope + d_rope)`` without a query latent), kv ``h → r_kv + d_rope``
+    (kv_a_proj_with_mqa), its norm ``r_kv``, ``r_kv → a·(d_nope + d_v)`` (kv_b_proj), o
+    ``a·d_v → h``. The latent projections and norms are replicated over TP; the head-wise ones split.
+    """
+    h, a = model.hidden, model.heads
+    if model.attention == "mla":
+        qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+        a_local = a // tp
+        w: list[tuple[int, int]] = []
+        if model.q_lora_rank:
+            w += [(model.q_lora_rank, h)] + list(_norm_tensors(model, model.q_lora_rank))
+            w += [(a_local * qk, model.q_lora_rank)]
+        else:
+            w += [(a_local * qk, h)]
+        w += [(model.kv_lora_rank + model.qk_rope_head_dim, h)] + list(_norm_tensors(model, model.kv_lora_rank))
+        w += [(a_local * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)]
+        w += [(h, a_local * model.v_head_dim)]
+        b: list[tuple[int, int]] = []
+        if model.bias:  # on every Linear, as plain attention's bias flag means
+            if model.q_lora_rank:
+                b += [(model.q_lora_rank, 1), (a_local * qk, 1)]
+            else:
+                b += [(a_local * qk, 1)]
+            b += [(model.kv_lora_rank + model.qk_rope_head_dim, 1), (a_local * (model.qk_nope_head_dim + model.v_head_dim), 1),
+                  (h, 1)]
+    else:
+        q_local, kv_local = a * model.head_dim // tp, model.kv_dim // tp
+        w = [(q_local, h), (kv_local, h), (kv_local, h), (h, q_local)]  # q, k, v (col); o (row)
+        b = [(q_local, 1), (kv_local, 1), (kv_local, 1), (h, 1)] if model.bias else []
+    if model.attention_sinks:
+        w += [(a // tp, 1)]
+    return tuple(w), tuple(b)
+
+
+def mlp_tensors(model: ModelSpec, width: int, tp: int = 1) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(weights, biases) of one MLP of FFN ``width`` on one TP rank: swiglu gate, up ``h → f``
+    (column-parallel) and down ``f → h`` (row-parallel); gelu up and down."""
+    h, f_local = model.hidden, width // tp
+    ups = 2 if model.mlp == "swiglu" else 1
+    w = [(f_local, h)] * ups + [(h, f_local)]
+    b = [(f_local, 1)] * ups + [(h, 1)] if model.bias else []
+    return tuple(w), tuple(b)
+
+
+def router_tensors(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """The router of a block with experts: ``h → E`` (+ a bias of E with ``router_bias``), replicated over TP.
+    DeepSeek-V3's balancing bias (``router_balance_bias``) is a buffer, not a parameter."""
+    return ((model.experts, model.hidden),) + (((model.experts, 1),) if model.router_bias else ())
+
+
+def expert_tensors(model: ModelSpec, experts: int, tp: int = 1) -> tuple[tuple[int, int], ...]:
+    """``experts`` routed experts as grouped weights (torchtitan's GroupedExperts: w1, w3 ``(E, f, h)``,
+    w2 ``(E, h, f)``; gelu w1, w2; with ``model.bias`` a bias ``(E, f)`` per up projection and
+    ``(E, h)`` for down), each as (dim0, rest) with the expert dimension first. ``tp`` splits f
+    (experts sharded by TP when expert parallelism is off)."""
+    h, f = model.hidden, model.expert_hidden // tp
+    ups = 2 if model.mlp == "swiglu" else 1
+    out = [(experts, f * h)] * ups + [(experts, h * f)]
+    if model.bias:
+        out += [(experts, f)] * ups + [(experts, h)]
+    return tuple(out)
+
+
+def _numel(tensors) -> int:
+    return sum(a * b for a, b in tensors)
+
+
+def _block_params(model: ModelSpec, with_experts: bool) -> LayerParams:
+    att_w, att_b = attention_tensors(model)
+    if with_experts:
+        shared = model.shared_experts * model.expert_hidden
+        mlp_w, mlp_b = mlp_tensors(model, shared) if shared else ((), ())
+        router = _numel(router_tensors(model))
+        per_expert = _numel(expert_tensors(model, 1))
+        experts, active = model.experts * per_expert, model.experts_per_token * per_expert
+    else:
+        mlp_w, mlp_b = mlp_tensors(model, model.ffn_hidden)
+        router = experts = active = 0
+    qk_norms = 2 * model.head_dim if model.qk_norm else 0
+    return LayerParams(attention=_numel(att_w), mlp=_numel(mlp_w), norms=2 * _norm_params(model) + qk_norms,
+                       biases=_numel(att_b) + _numel(mlp_b), router=router, experts=experts,
+                       active_experts=active)
+
+
 def param_counts(model: ModelSpec) -> ParamCounts:
     """Exact parameter counts by part (see the rule at the top of this module)."""
-    h, f, q_dim, kv = model.hidden, model.ffn_hidden, model.heads * model.head_dim, model.kv_dim
-    attention = h * q_dim + 2 * h * kv + q_dim * h
-    n_up = 2 if model.mlp == "swiglu" else 1
-    mlp = n_up * h * f + f * h
-    biases = (q_dim + 2 * kv + h + n_up * f + h) if model.bias else 0
+    moe = model.experts > 0
     return ParamCounts(
-        embedding=model.vocab * h,
-        position=model.seq_len * h if model.position == "learned" else 0,
-        layer=LayerParams(attention=attention, mlp=mlp, norms=2 * _norm_params(model), biases=biases),
+        embedding=model.vocab * model.hidden,
+        position=model.seq_len * model.hidden if model.position == "learned" else 0,
+        layer=_block_params(model, with_experts=moe),
         layers=model.layers,
         final_norm=_norm_params(model),
-        head=0 if model.tied_embeddings else model.vocab * h,
+        head=0 if model.tied_embeddings else model.vocab * model.hidden,
+        dense_layer=_block_params(model, with_experts=False) if moe and model.dense_layers else None,
+        dense_layers=model.dense_layers if moe else 0,
     )
 
 

@@ -14,6 +14,7 @@ from engine.config import Config
 from engine.durations import StageDurations
 from engine.memory import MemoryReport, memory_per_rank
 from engine.names import MEMORY_CATEGORIES
+from engine.params import param_counts
 from engine.step import StepTime, step_time
 from engine.timeline import Timeline
 from engine.wrapping import wrapping_plan
@@ -40,6 +41,9 @@ class Prediction:
         conv["bubble"] = (f"{c.bubble}: idle / (makespan × ranks)" if c.bubble == "share-of-total"
                           else f"{c.bubble}: idle / busy (Narayanan 2021)")
         conv["compute_efficiency"] = f"{c.compute_efficiency:g} of peak FLOP/s for analytic durations"
+        conv["active_params"] = ("per token: every parameter but the routed experts a token is not sent to, "
+                                 "embedding and head included (Mixtral, Qwen3); active_params_without_embedding "
+                                 "leaves out the input embedding lookup (gpt-oss, DeepSeek-V3)")
         conv["step_time"] = ("pipeline makespan (TP collectives inside F/B) + exposed DP communication "
                              "+ memory-bound optimizer step")
         return conv
@@ -49,7 +53,11 @@ class Prediction:
         if explain:
             for row, rank in zip(mem["per_rank"], self.memory.per_rank):
                 row["explain"] = {c: [t.to_json() for t in rank.explain(c)] for c in MEMORY_CATEGORIES}
+        counts = param_counts(self.config.model)
         return {
+            "model": {"params": counts.total, "active_params": counts.active,
+                      "active_params_without_embedding": counts.active_without_embedding,
+                      "expert_params": counts.experts},
             "memory": mem,
             "pipeline": self.pipeline.to_json(self.config.conventions.bubble),
             "communication": self.comm.to_json(),
