@@ -10,7 +10,7 @@ File format (the product's public contract; keys may be added, never renamed)::
     schema_version = 1
     [model]      preset, hf_config, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len,
                  tied_embeddings, mlp, norm, attention ("eager" | "flash" | "mla"), position,
-                 bias, dropout, head_size (0 = hidden / heads), qk_norm, attention_sinks,
+                 bias, dropout, head_size (0 = hidden / heads), qkv_bias, qk_norm, attention_sinks,
                  sliding_window (0 = none), full_attention_every (0 = every layer slides)
                  mixture of experts (experts = 0: a dense model): experts, experts_per_token,
                  expert_ffn_hidden (0 = ffn_hidden), shared_experts, dense_layers,
@@ -114,6 +114,7 @@ class ModelSpec:
     preset: str | None = None
     # ---- attention details of recent models (each 0 / False: the plain decoder above)
     head_size: int = 0  # per-head width of q, k, v; 0 = hidden / heads (Qwen3 and gpt-oss set it)
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2); model.bias puts one on every Linear
     qk_norm: bool = False  # RMSNorm over each head of q and of k (Qwen3): head_dim weights each
     attention_sinks: bool = False  # one learned sink logit per query head (gpt-oss)
     sliding_window: int = 0  # tokens a sliding-window layer attends to; 0 = full attention everywhere
@@ -392,8 +393,10 @@ class Config:
     # ----------------------------------------------------------------- files
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Config:
-        return _parse(raw)
+    def from_dict(cls, raw: dict[str, Any], base_dir: str | Path | None = None) -> Config:
+        """Parse and validate ``raw``; relative paths in it (model.hf_config) are taken from
+        ``base_dir`` (the working directory when None)."""
+        return _parse(raw, Path(base_dir) if base_dir is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         return _unparse(self)
@@ -407,26 +410,26 @@ class Config:
         except OSError as exc:
             raise ConfigError([Problem("file", str(path), f"cannot be read: {exc.strerror or exc}")]) from None
         if path.suffix.lower() == ".json":
-            return cls.loads_json(text)
-        return cls.loads_toml(text)
+            return cls.loads_json(text, base_dir=path.parent)
+        return cls.loads_toml(text, base_dir=path.parent)
 
     @classmethod
-    def loads_toml(cls, text: str) -> Config:
+    def loads_toml(cls, text: str, base_dir: str | Path | None = None) -> Config:
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([Problem("file", None, f"is not valid TOML: {exc}")]) from None
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, base_dir)
 
     @classmethod
-    def loads_json(cls, text: str) -> Config:
+    def loads_json(cls, text: str, base_dir: str | Path | None = None) -> Config:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError([Problem("file", None, f"is not valid JSON: {exc}")]) from None
         if not isinstance(raw, dict):
             raise ConfigError([Problem("file", None, "must hold a JSON object at the top level")])
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, base_dir)
 
     def dumps_toml(self) -> str:
         import tomli_w
@@ -760,7 +763,7 @@ def check(
 def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conventions, bad: set[str]) -> None:
     """Mixture of experts and expert parallelism (torchtitan's ParallelDims: ep divides dp_shard·cp·tp)."""
     _choice(p, "model.router_score", model.router_score, names.ROUTER_SCORES)
-    for key in ("qk_norm", "attention_sinks", "router_bias", "router_balance_bias", "norm_topk_prob"):
+    for key in ("qkv_bias", "qk_norm", "attention_sinks", "router_bias", "router_balance_bias", "norm_topk_prob"):
         if not isinstance(getattr(model, key), bool):
             p.append(Problem(f"model.{key}", getattr(model, key), "allowed: true | false"))
     fields = ("experts", "experts_per_token", "expert_ffn_hidden", "shared_experts", "dense_layers", "layers",
@@ -972,7 +975,7 @@ def _read_fields(p: list[Problem], section: str, table: dict, cls: type, skip: s
     return out
 
 
-def _parse(raw: dict[str, Any]) -> Config:
+def _parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     p: list[Problem] = []
     if not isinstance(raw, dict):
         raise ConfigError([Problem("file", None, "must hold a table at the top level")])
@@ -983,7 +986,7 @@ def _parse(raw: dict[str, Any]) -> Config:
     if version != SCHEMA_VERSION or isinstance(version, bool):
         p.append(Problem("schema_version", version, f"allowed: {SCHEMA_VERSION}"))
 
-    model = _parse_model(p, _table(p, raw, "model"))
+    model = _parse_model(p, _table(p, raw, "model"), base_dir)
     cluster_raw = _table(p, raw, "cluster")
     parallel_raw = _table(p, raw, "parallel")
     par = _parse_parallel(p, parallel_raw)
@@ -1012,7 +1015,7 @@ def _parse(raw: dict[str, Any]) -> Config:
     return Config(model=model, cluster=cluster, parallel=parallel, training=training, conventions=conventions)
 
 
-def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
+def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) -> ModelSpec | None:
     presets = model_presets()
     base: dict[str, Any] = {}
     preset = table.get("preset")
@@ -1021,9 +1024,20 @@ def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
             p.append(Problem("model.preset", preset, f"unknown preset; allowed: {', '.join(presets)}"))
         else:
             base = dict(presets[preset])
-    fields = _read_fields(p, "model", table, ModelSpec, {"preset"})
+    hf_path = table.get("hf_config")
+    if hf_path is not None:
+        if preset is not None:
+            p.append(Problem("model.hf_config", hf_path, "names the architecture as model.preset does: give one "
+                             "of them, not both"))
+        hf = _read_hf(p, hf_path, base_dir)
+        if hf is None:
+            return None
+        base, hf_path = hf
+    fields = _read_fields(p, "model", table, ModelSpec, {"preset", "hf_config"})
     merged = {**base, **fields}
-    if base:
+    if hf_path is not None:
+        merged["hf_config"] = hf_path
+    if base and preset is not None and hf_path is None:
         merged["preset"] = preset
     required = [f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING]
     missing = [k for k in required if k not in merged]
@@ -1031,6 +1045,26 @@ def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
         p.append(Problem("model", None, f"missing {', '.join(missing)} (give them, or name a preset: {', '.join(presets)})"))
         return None
     return ModelSpec(**merged)
+
+
+def _read_hf(p: list[Problem], value: Any, base_dir: Path | None) -> tuple[dict[str, Any], str] | None:
+    """The fields of the Hugging Face config.json ``value`` names (relative to ``base_dir``, the
+    config file's folder, else the working directory) and its resolved path."""
+    from engine.hf_config import HFConfigError, read_hf_config
+
+    if not isinstance(value, str) or not value:
+        p.append(Problem("model.hf_config", value, "must be the path of a Hugging Face config.json (a string)"))
+        return None
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = (base_dir or Path.cwd()) / path
+    try:
+        fields = read_hf_config(path)
+    except HFConfigError as err:
+        for message in err.messages:
+            p.append(Problem("model.hf_config", value, message))
+        return None
+    return fields, str(path.resolve())
 
 
 def _parse_parallel(p: list[Problem], table: dict) -> dict[str, Any]:
@@ -1117,7 +1151,7 @@ def _asdict_without_none(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]
 #: Fields a file names only when they differ from their defaults (the mixture-of-experts, MLA and
 #: recent attention fields): a dense model's file reads as it did before they existed.
 _WRITTEN_WHEN_SET: dict[type, tuple[str, ...]] = {
-    ModelSpec: ("head_size", "qk_norm", "attention_sinks", "sliding_window", "full_attention_every", "experts",
+    ModelSpec: ("head_size", "qkv_bias", "qk_norm", "attention_sinks", "sliding_window", "full_attention_every", "experts",
                 "experts_per_token", "expert_ffn_hidden", "shared_experts", "dense_layers", "router_score",
                 "router_bias", "router_balance_bias", "norm_topk_prob", "routed_scaling_factor",
                 "router_aux_loss", "router_groups", "router_topk_groups", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",

@@ -22,6 +22,7 @@ GPT-2 small (gpt2-124m preset) gives 124,439,808; llama2-7b 6,738,415,616.
 
 Beyond the plain block (each 0 / off by default):
 
+* ``qkv_bias``: biases on q, k and v only (``a·d``, ``a_kv·d``, ``a_kv·d``; Qwen2).
 * ``head_size``: q is ``h → a·d`` and o ``a·d → h`` with that ``d`` (need not be ``h / a``);
   ``qk_norm`` adds a norm of ``d`` over q and one over k; ``attention_sinks`` one logit per head.
 * ``attention = "mla"``: ``attention_tensors`` below (DeepSeek-V2/V3's projections and latent norms).
@@ -177,7 +178,8 @@ def attention_tensors(model: ModelSpec, tp: int = 1) -> tuple[tuple[tuple[int, i
     else:
         q_local, kv_local = a * model.head_dim // tp, model.kv_dim // tp
         w = [(q_local, h), (kv_local, h), (kv_local, h), (h, q_local)]  # q, k, v (col); o (row)
-        b = [(q_local, 1), (kv_local, 1), (kv_local, 1), (h, 1)] if model.bias else []
+        b = ([(q_local, 1), (kv_local, 1), (kv_local, 1), (h, 1)] if model.bias
+             else [(q_local, 1), (kv_local, 1), (kv_local, 1)] if model.qkv_bias else [])
     if model.attention_sinks:
         w += [(a // tp, 1)]
     return tuple(w), tuple(b)
