@@ -369,6 +369,9 @@ def refuse_unsupported(spec: ModelSpec) -> None:
     if spec.attention == "mla":
         raise NotImplementedError("model.attention = 'mla': the backend does not build multi-head latent attention; "
                                   "allowed for a run: eager | flash")
+    if spec.experts and spec.router_groups > 1:
+        raise NotImplementedError(f"model.router_groups = {spec.router_groups}: the backend's router does not "
+                                  "limit routing to expert groups; allowed for a run: 1")
     for key, what in _UNBUILT.items():
         if getattr(spec, key):
             raise NotImplementedError(f"model.{key} = {getattr(spec, key)!r}: the backend does not build {what}; "
