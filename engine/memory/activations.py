@@ -48,7 +48,7 @@ from functools import lru_cache
 
 from engine import lora
 from engine.config import Config
-from engine.durations import checkpointed_per_stage
+from engine.durations import checkpointed_per_stage, routed_factor
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS
 
@@ -379,16 +379,6 @@ def activation_bytes_per_layer(cfg: Config) -> int:
 
 
 # --------------------------------------------------------------------------- mixture of experts
-
-
-def routed_factor(cfg: Config) -> float:
-    """Routed token copies on the busiest rank over the balanced mean n·k: the capacity factor when
-    set (its buffers hold that many, dropping the rest), else the measured or assumed imbalance
-    under expert parallelism (1: balanced), else 1 (every expert is local: n·k in all)."""
-    conv, par = cfg.conventions, cfg.parallel
-    if conv.moe_capacity_factor > 0:
-        return conv.moe_capacity_factor
-    return conv.moe_imbalance if par.ep > 1 else 1.0
 
 
 def moe_tokens(cfg: Config) -> tuple[int, int]:
