@@ -53,7 +53,7 @@ PLACEMENT RULE (pipeline and tensor parallel):
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 from engine.config import Config, ModelSpec
@@ -452,9 +452,10 @@ def params_per_rank(cfg: Config) -> tuple[tuple[RankParams, ...], ...]:
 
 @lru_cache(maxsize=128)
 def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str, pipeline_split: str, ep: int,
-                         expert_degree: int) -> tuple[tuple[RankParams, ...], ...]:
+                         expert_degree: int, tp_ranks: int = 0) -> tuple[tuple[RankParams, ...], ...]:
     """As ``_params_per_rank`` for a mixture of experts: stages hold dense and MoE blocks by layer
-    index (the first ``dense_layers`` are dense), the routed experts counted apart."""
+    index (the first ``dense_layers`` are dense), the routed experts counted apart. ``tp_ranks``
+    > 0 lists only the first that many TP ranks (the planner's bounds need tp-rank 0 alone)."""
     n_stages = pp * v
     split = split_layers(model.layers, n_stages, pipeline_split)
     owners = stages_of_pp_rank(n_stages, pp, style)
@@ -469,18 +470,24 @@ def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
     norm = _norm_tensors(model, h)
     norm_numel = _norm_params(model)
     head_is_copy = model.tied_embeddings and n_stages > 1
+    w_dense, w_moe = _weight_numel(dense), _weight_numel(moe) + _weight_numel(experts_unit)
+    n_moe_of = [sum(1 for i in split[s] if model.is_moe_layer(i)) for s in range(n_stages)]
     out = []
     for pp_rank, stages in enumerate(owners):
         row = []
-        for tp_rank in range(tp):
+        built: dict[int, RankParams] = {}  # TP ranks with the same vocabulary chunk hold the same
+        for tp_rank in range(tp_ranks or tp):
             rows = vocab_rows[tp_rank]
+            if rows in built:
+                row.append(replace(built[rows], tp_rank=tp_rank))
+                continue
             per_stage: list[StageParams] = []
             groups: list[tuple[Tensors, int]] = []
             weights = 0
             for s in stages:
                 first, last = s == 0, s == n_stages - 1
-                layers = list(split[s])
-                n_moe = sum(1 for i in layers if model.is_moe_layer(i))
+                layers = split[s]
+                n_moe = n_moe_of[s]
                 n_dense = len(layers) - n_moe
                 emb = rows * h if first else 0
                 pos = model.seq_len * h if first and model.position == "learned" else 0
@@ -489,23 +496,21 @@ def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
                                              blocks=n_dense * _numel(dense) + n_moe * moe_rest,
                                              final_norm=norm_numel if last else 0, head=head,
                                              experts=n_moe * expert_numel, moe_layers=n_moe))
-                weights += n_dense * _weight_numel(dense) + n_moe * (_weight_numel(moe) + _weight_numel(experts_unit))
+                weights += n_dense * w_dense + n_moe * w_moe
                 if first:
                     _append_units(groups, ((rows, h),) + (((model.seq_len, h),) if pos else ()), 1)
-                for i in layers:  # dense blocks lead, so this is a few groups, not one per layer
-                    if model.is_moe_layer(i):
-                        _append_units(groups, moe, 1)
-                        if ep > 1:
-                            _append_units(groups, experts_unit, 1)
-                    else:
-                        _append_units(groups, dense, 1)
+                _append_units(groups, dense, n_dense)  # the dense blocks lead
+                _append_units(groups, moe, n_moe)
+                if ep > 1:  # each MoE block's experts are a unit of their own, after it
+                    _append_units(groups, experts_unit, n_moe)
                 if last:
                     _append_units(groups, norm + (((rows, h),) if head else ()), 1)
             n_moe_rank = sum(st.moe_layers for st in per_stage)
-            row.append(RankParams(pp_rank=pp_rank, tp_rank=tp_rank, stages=tuple(per_stage), block_tensors=dense,
-                                  unit_groups=_merge_alternating(groups),
-                                  expert_units=((experts_unit, n_moe_rank),) if ep > 1 and n_moe_rank else (),
-                                  matmul_weights=weights))
+            built[rows] = RankParams(pp_rank=pp_rank, tp_rank=tp_rank, stages=tuple(per_stage), block_tensors=dense,
+                                     unit_groups=_merge_alternating(groups),
+                                     expert_units=((experts_unit, n_moe_rank),) if ep > 1 and n_moe_rank else (),
+                                     matmul_weights=weights)
+            row.append(built[rows])
         out.append(tuple(row))
     return tuple(out)
 
