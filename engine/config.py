@@ -662,6 +662,7 @@ def check(
     _choice(p, "model.position", model.position, names.POSITION_KINDS)
     _check_moe(p, model, parallel, conventions, out_of_range)
     _check_mla(p, model, out_of_range)
+    _check_moe_combinations(p, model, parallel, training)
 
     # ---- cluster
     ok_cluster = "cluster.gpus" not in out_of_range and "cluster.gpus_per_node" not in out_of_range
@@ -818,6 +819,25 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
     if "conventions.moe_imbalance" not in bad and conv.moe_imbalance > e:
         p.append(Problem("conventions.moe_imbalance", conv.moe_imbalance,
                          f"the busiest expert gets at most every token: allowed: 1 … model.experts ({e})"))
+
+
+def _check_moe_combinations(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:
+    """What experts and MLA do not compose with here (each a clear refusal, not a silent guess)."""
+    if model.experts > 0 or model.attention == "mla":
+        what = "model.experts > 0" if model.experts > 0 else "attention = 'mla'"
+        if t.finetune == "lora":
+            p.append(Problem("training.finetune", t.finetune, f"LoRA adapters are placed on the plain attention "
+                             f"and MLP Linears; with {what} allowed: full"))
+        if par.dp_mode == "dataparallel":
+            p.append(Problem("parallel.dp_mode", par.dp_mode, f"legacy nn.DataParallel is modelled for dense "
+                             f"decoders; with {what} allowed: ddp"))
+    if model.experts > 0 and t.float8 not in ("none",) and isinstance(t.float8, str) and t.float8 in names.FLOAT8_KINDS:
+        p.append(Problem("training.float8", t.float8, "float8 training of grouped expert GEMMs is not modelled; with "
+                         "model.experts > 0 allowed: none"))
+    if isinstance(par.ep, int) and par.ep > 1 and par.zero == 1:
+        p.append(Problem("parallel.zero", par.zero, "ZeroRedundancyOptimizer partitions one data-parallel group, "
+                         "but expert weights differ between EP ranks: with parallel.ep > 1 allowed: 0 (experts "
+                         "all-reduced over efsdp), 2, 3 (experts FSDP-sharded over efsdp, as torchtitan)"))
 
 
 def _check_mla(p: list[Problem], model: ModelSpec, bad: set[str]) -> None:

@@ -11,6 +11,9 @@ step), so dp · microbatches · micro_batch_size = global_batch and tokens per s
 ranking by tokens/s is ranking by step time. Default global batch: ``default_global_batch``
 (about 4 Mi tokens, a multiple of the GPU count, at most 8 sequences per GPU).
 
+A mixture of experts (``model.experts`` > 0) is planned by ``engine.planner_moe``, which adds
+expert parallelism (ep) to the layouts and bounds MoE blocks by their own rows.
+
 What is enumerated (duplicates that the engine cannot tell apart are left out, and said so):
     tp   divides gpus, heads, kv_heads and ffn_hidden     pp   divides gpus / tp, pp ≤ layers
     dp   = gpus / (tp · pp), must divide the global batch
@@ -226,10 +229,13 @@ class PlanResult:
 
 def _layout_of(cfg: Config) -> dict[str, Any]:
     par, tr = cfg.parallel, cfg.training
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
-            "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
-            "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
-            "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+    out = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
+           "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
+           "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
+           "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+    if par.ep > 1:  # expert parallelism (a layout without "ep" has ep = 1)
+        out["ep"] = par.ep
+    return out
 
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "sequence_parallel", "schedule", "virtual_stages", "microbatches",
@@ -245,7 +251,8 @@ def layout_config(base: Config, layout: dict[str, Any]) -> Config:
     return base.replace(
         parallel={"dp": layout["dp"], "tp": layout["tp"], "pp": layout["pp"], "zero": layout["zero"],
                   "sequence_parallel": layout["sequence_parallel"], "schedule": layout["schedule"] or "1F1B",
-                  "virtual_stages": layout["virtual_stages"], "microbatches": layout["microbatches"]},
+                  "virtual_stages": layout["virtual_stages"], "microbatches": layout["microbatches"],
+                  "ep": layout.get("ep", 1)},
         training={"micro_batch_size": layout["micro_batch_size"], "recompute": layout["recompute"]})
 
 
@@ -273,7 +280,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
 def layout_label(cfg: Config) -> str:
     """A compact name of a layout: ``dp16 tp8 pp8 ZeRO-1 +SP Interleaved1F1B v2 m64 b1 recompute=selective``."""
     par, tr = cfg.parallel, cfg.training
-    parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}", f"ZeRO-{par.zero}"]
+    parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"] + ([f"ep{par.ep}"] if par.ep > 1 else []) + [f"ZeRO-{par.zero}"]
     if par.sequence_parallel:
         parts.append("+SP")
     if par.pp > 1:
@@ -777,6 +784,15 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
         if not isinstance(fitting_seconds, int | float) or not fitting_seconds > 0:
             raise PlanError("fitting_seconds", f"must be a number of seconds > 0, got {fitting_seconds!r}")
 
+    if base.model.experts > 0:  # expert parallelism: its own grid and bounds (engine.planner_moe)
+        if all_fitting:
+            raise PlanError("all_fitting", "the every-fitting-layout sweep covers dense models; for a mixture of "
+                            "experts leave it off")
+        from engine.planner_moe import plan_moe
+
+        return plan_moe(t0, base, top=top, G=G, zero=tuple(zero), recompute=tuple(recompute),
+                        micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
+                        exhaustive=exhaustive, cancelled=cancelled)
     pl = _Planner(base, G, tuple(zero), tuple(schedules), tuple(recompute), max_virtual_stages,
                   None if micro_batch_sizes is None else tuple(micro_batch_sizes))
     g = pl.grid()
@@ -943,7 +959,7 @@ def _diff(a: Config, b: Config) -> str:
 
 def _fields(cfg: Config) -> dict[str, Any]:
     par, tr = cfg.parallel, cfg.training
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "ZeRO": par.zero, "SP": "on" if par.sequence_parallel else "off",
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "ep": par.ep, "ZeRO": par.zero, "SP": "on" if par.sequence_parallel else "off",
             "schedule": par.schedule if par.pp > 1 else "-", "v": par.virtual_stages, "m": par.microbatches,
             "b": tr.micro_batch_size, "recompute": tr.recompute}
 

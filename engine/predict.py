@@ -78,19 +78,6 @@ def predicted_step(cfg: Config, durations: StageDurations | None = None,
     return step_time(cfg, durations, links)
 
 
-class NotModelledError(ValueError):
-    """A valid config whose architecture the engine's memory and step models do not cover yet."""
-
-
-def _refuse_unmodelled(cfg: Config) -> None:
-    m = cfg.model
-    if m.experts > 0 or m.attention == "mla":
-        field, value = ("model.experts", m.experts) if m.experts > 0 else ("model.attention", m.attention)
-        raise NotModelledError(f"{field} = {value!r}: mixtures of experts and multi-head latent attention are "
-                               "not yet modelled by the memory and step models (engine.params counts their "
-                               "parameters); allowed for predict: model.experts = 0 with attention eager | flash")
-
-
 def predict(cfg: Config, durations: StageDurations | None = None,
             links: MeasuredLinks | None = None) -> Prediction:
     """Memory per rank, pipeline timeline, communication and step time for ``cfg``; the only
@@ -99,7 +86,6 @@ def predict(cfg: Config, durations: StageDurations | None = None,
     ``durations`` (measured per-stage seconds) replaces the analytic F/B/W times and ``links``
     (measured α and B per collective) the cluster's intra-node links: the calibration hooks.
     """
-    _refuse_unmodelled(cfg)
     if wrapping_plan(cfg).legacy:  # legacy nn.DataParallel: its own memory and step model
         from engine import legacy_dp
 

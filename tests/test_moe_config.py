@@ -117,8 +117,3 @@ def test_head_size_frees_hidden_from_heads():
     assert "model.head_size" in p["model.hidden"]
 
 
-def test_predict_refuses_what_it_does_not_model_yet():
-    from engine.predict import NotModelledError, predict
-
-    with pytest.raises(NotModelledError, match="model.experts = 8"):
-        predict(make())
