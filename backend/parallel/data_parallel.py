@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from backend.model import moe_modules
@@ -49,7 +50,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
     A block with experts first gets ``fully_shard`` on its routed experts over ``expert_mesh``
     (efsdp; the dp mesh without expert parallelism), with FSDP2's gradient divide factor set to
     ``expert_divide_factor`` (the dense data-parallel degree: torchtitan's
-    ``fsdp_gradient_divide_factor``), then on the block as usual (the dense parts over dp).
+    ``fsdp_gradient_divide_factor``), then on the block as usual (the dense parts over dp). The
+    experts' shards split the expert dimension when there are at least as many local experts as
+    efsdp ranks, else dim 1 (f of w1 / w3, h of w2), as torchtitan places them.
 
     The flags are engine.wrapping's plan (blocks and root alike): ZeRO-2 keeps them gathered;
     ZeRO-3 follows ``parallel.fsdp_reshard_after_forward`` ("default" reshards except under PP,
@@ -57,8 +60,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
     """
     for block in model.layers.values():
         for moe in moe_modules(block):
-            experts = fully_shard(moe.experts, mesh=expert_mesh or dp_mesh, reshard_after_forward=reshard_after_forward,
-                                  mp_policy=mp_policy)
+            mesh = expert_mesh or dp_mesh
+            # torchtitan's placement: split the expert dimension when every rank gets an expert, else dim 1
+            dim = 0 if moe.experts.num_experts >= mesh.size() else 1
+            experts = fully_shard(moe.experts, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                                  mp_policy=mp_policy, shard_placement_fn=lambda _p, d=dim: Shard(d))
             experts.set_gradient_divide_factor(float(expert_divide_factor))
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=root_reshard_after_forward, mp_policy=mp_policy)
