@@ -251,6 +251,7 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(spec, width) if width else None
         self.dispatch = LocalDispatch()
         self.sequence = None
+        self.count_tokens = True  # off outside a pipeline stage's microbatch forwards (backend.parallel.pipeline)
         self.reset_counts()
 
     def reset_counts(self) -> None:
@@ -258,7 +259,7 @@ class MoE(nn.Module):
         self.received_counts: torch.Tensor | None = None
 
     def _record(self, routed: torch.Tensor, received: torch.Tensor) -> None:
-        if torch._C._current_graph_task_id() != -1:  # a recompute inside the backward
+        if not self.count_tokens or torch._C._current_graph_task_id() != -1:  # off, or a recompute in the backward
             return
         routed, received = routed.detach().to("cpu", torch.int64), received.detach().to("cpu", torch.int64)
         self.routed_counts = routed if self.routed_counts is None else self.routed_counts + routed
