@@ -307,6 +307,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         batch = self.batch(step)
+        for moe in self.moes:
+            moe.reset_counts()
         tracker = measure.tracker_for(mods, self.optimizer)
         _skip_grad_hooks_on_frozen(tracker, self.params)
         with measured_eagerly(self.cfg.training.compile), tracker:
@@ -328,13 +330,16 @@ class Trainer:
             cats["comm_buffers"] += grads  # DDP's reducer buckets hold a flat copy of every gradient
         if self.schedule is not None:
             cats["comm_buffers"] += measure.p2p_buffer_bytes(self.schedule)  # untracked p2p receive buffers
-        return {
+        out = {
             "categories": cats,
             "exact": exact,
             "params_local_count": measure.param_count_local(self.params),
             "tracker_peak": raw,
             "notes": measure.memory_notes(self.cfg),
         }
+        if self.cfg.model.experts:  # the routing of the measured step, which its activations follow
+            out["expert_tokens"] = self.expert_tokens(step)
+        return out
 
     def measure_dataparallel(self, step: int) -> list[dict[str, int]]:
         """One extra, untimed nn.DataParallel step measured by each GPU's CUDA allocator (no MemTracker:

@@ -40,8 +40,9 @@ from engine.predict import predict  # noqa: E402
 REFERENCE = "2-D dp2×pp2 1F1B (reference)"
 
 
-def _layout(par: dict, gpus: int = 4, training: dict | None = None) -> Config:
+def _layout(par: dict, gpus: int = 4, training: dict | None = None, model: dict | None = None) -> Config:
     base = default_config().to_dict()
+    base["model"].update(model or {})
     base["cluster"]["gpus"] = gpus
     p = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "sequence_parallel": False, "schedule": "1F1B",
          "virtual_stages": 1, "microbatches": 4}
@@ -52,6 +53,7 @@ def _layout(par: dict, gpus: int = 4, training: dict | None = None) -> Config:
 
 
 BF16 = {"precision": "bf16-mixed", "grad_dtype": "bf16"}
+MOE = {"experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 128, "shared_experts": 1, "dense_layers": 1}
 
 LAYOUTS: dict[str, Config] = {
     REFERENCE: _layout({"dp": 2, "pp": 2}),
@@ -89,6 +91,13 @@ LAYOUTS: dict[str, Config] = {
     "float8 rowwise bf16 DDP dp4": _layout({"dp": 4, "microbatches": 2}, training={**BF16, "float8": "rowwise"}),
     "compile dp2": _layout({"dp": 2, "microbatches": 2}, gpus=2, training={"compile": True}),
     "torchtitan split pp4 1F1B": _layout({"pp": 4, "schedule": "1F1B", "pipeline_split": "torchtitan"}),
+    # mixture of experts: the tiny preset with 8 experts of top-2 (one shared, one leading dense block),
+    # expert parallelism over all_to_all_single on gloo
+    "MoE ep2 (dp2 DDP)": _layout({"dp": 2, "ep": 2, "microbatches": 2}, gpus=2, model=MOE),
+    "MoE ep4 (dp4 DDP)": _layout({"dp": 4, "ep": 4, "microbatches": 2}, model=MOE),
+    "MoE ep2 + FSDP (ZeRO-3 dp4, efsdp 2)": _layout({"dp": 4, "ep": 2, "zero": 3, "microbatches": 2}, model=MOE),
+    "MoE ep2 + TP2": _layout({"tp": 2, "ep": 2, "microbatches": 2}, gpus=2, model=MOE),
+    "MoE ep2 + PP2 (dp2×pp2 1F1B)": _layout({"dp": 2, "pp": 2, "ep": 2}, model=MOE),
 }
 
 
@@ -171,6 +180,16 @@ def evaluate(dirs: dict[str, Path], links_dir: Path | None = None) -> list[dict]
             row["step_links"] = compare(links.predict(cfg), meas).step.relative
         if ref_cal is not None:
             row["step_calibrated"] = compare(ref_cal.predict(cfg), meas).step.relative
+        if cfg.model.experts:
+            from backend.records import expert_imbalance
+
+            imb = expert_imbalance(meas)
+            row["moe_imbalance"] = imb
+            if imb is not None:  # the engine told the measured step's load (conventions.moe_imbalance)
+                told = Config.from_dict({**cfg.to_dict(), "conventions": {
+                    **cfg.to_dict()["conventions"], "moe_imbalance": max(1.0, imb)}})
+                s2 = compare(predict(told), meas).summary()
+                row["activations_at_imbalance"], row["peak_at_imbalance"] = s2["activations"], s2["peak"]
         if cfg.parallel.pp > 1:
             own = calibrate(cfg, meas, source=str(d), links=links)
             row["step_self"] = compare(own.predict(cfg), meas).step.relative
@@ -198,12 +217,29 @@ def table(rows: list[dict]) -> list[tuple[str, ...]]:
     return out
 
 
-def render(rows: list[dict]) -> str:
-    body = table(rows)
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(HEAD)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(HEAD, widths))]
+MOE_HEAD = ("layout", "measured imbalance", "act (balanced)", "peak (balanced)", "act (imbalance told)",
+            "peak (imbalance told)")
+
+
+def moe_table(rows: list[dict]) -> list[tuple[str, ...]]:
+    """MoE rows: the routing imbalance the measured step had (busiest expert / mean), and the
+    activation and peak errors when the engine is told it (``conventions.moe_imbalance``)."""
+    return [(r["layout"], "—" if r["moe_imbalance"] is None else f"{r['moe_imbalance']:.2f}",
+             _abs_pct(r["activations"]), _abs_pct(r["peak"]), _abs_pct(r.get("activations_at_imbalance")),
+             _abs_pct(r.get("peak_at_imbalance"))) for r in rows if "moe_imbalance" in r]
+
+
+def _columns(head, body) -> str:
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths)) for b in body]
     return "\n".join(lines)
+
+
+def render(rows: list[dict]) -> str:
+    out = _columns(HEAD, table(rows))
+    moe = moe_table(rows)
+    return out + ("\n\n" + _columns(MOE_HEAD, moe) if moe else "")
 
 
 NOTES = """
@@ -283,6 +319,10 @@ def markdown(rows: list[dict], steps: int) -> str:
     body = table(rows)
     out = ["| " + " | ".join(HEAD) + " |", "|" + "|".join("---" for _ in HEAD) + "|"]
     out += ["| " + " | ".join(b) + " |" for b in body]
+    moe = moe_table(rows)
+    if moe:
+        out += ["", "| " + " | ".join(MOE_HEAD) + " |", "|" + "|".join("---" for _ in MOE_HEAD) + "|"]
+        out += ["| " + " | ".join(b) + " |" for b in moe]
     return "\n".join(out) + (
         "\n\nTiny preset (8 layers, hidden 128, AdamW; fp32 unless the layout says bf16 = bf16-mixed with bf16 "
         f"gradients), local CPU ranks over gloo, {steps} steps "

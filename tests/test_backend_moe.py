@@ -139,7 +139,8 @@ def reference_losses(cfg: Config, steps: int) -> list[float]:
 
 LAYOUTS = {
     "ep2": {"dp": 2, "ep": 2},
-    "ep4 + FSDP": {"dp": 4, "ep": 4, "zero": 3},
+    "ep4": {"dp": 4, "ep": 4},
+    "ep2 + FSDP (efsdp 2)": {"dp": 4, "ep": 2, "zero": 3},
     "ep2 + TP2": {"tp": 2, "ep": 2},
     "ep2 + PP2": {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4},
 }

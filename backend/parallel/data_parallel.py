@@ -48,9 +48,10 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
     """fully_shard each transformer block, then the root (embeddings, final norm, head).
 
     A block with experts first gets ``fully_shard`` on its routed experts over ``expert_mesh``
-    (efsdp; the dp mesh without expert parallelism), with FSDP2's gradient divide factor set to
+    (efsdp; the dp mesh without expert parallelism), their gradients divided by
     ``expert_divide_factor`` (the dense data-parallel degree: torchtitan's
-    ``fsdp_gradient_divide_factor``), then on the block as usual (the dense parts over dp). The
+    ``fsdp_gradient_divide_factor``) instead of the expert mesh's size, then on the block as usual
+    (the dense parts over dp). The
     experts' shards split the expert dimension when there are at least as many local experts as
     efsdp ranks, else dim 1 (f of w1 / w3, h of w2), as torchtitan places them.
 
@@ -62,10 +63,12 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
         for moe in moe_modules(block):
             mesh = expert_mesh or dp_mesh
             # torchtitan's placement: split the expert dimension when every rank gets an expert, else dim 1
-            dim = 0 if moe.experts.num_experts >= mesh.size() else 1
-            experts = fully_shard(moe.experts, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                                  mp_policy=mp_policy, shard_placement_fn=lambda _p, d=dim: Shard(d))
-            experts.set_gradient_divide_factor(float(expert_divide_factor))
+            dim = 0 if moe.experts.num_experts >= mesh.shape[-1] else 1  # the shard dim (HSDP: the last)
+            fully_shard(moe.experts, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=mp_policy, shard_placement_fn=lambda _p, d=dim: Shard(d))
+            # FSDP2 averages over the expert mesh; the mean over replicas divides by dp instead.
+            # (set_gradient_divide_factor would do it with ReduceOp.PREMUL_SUM, which gloo lacks.)
+            moe.experts.grad_scale = mesh.size() / expert_divide_factor
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=root_reshard_after_forward, mp_policy=mp_policy)
     return model
