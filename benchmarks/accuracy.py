@@ -309,6 +309,20 @@ same buffer) from activations.
 - **activations, bf16 ZeRO-3** (9.0 %, within the goal): the model under-predicts by ~0.66 MiB
   per rank under FSDP2's MixedPrecisionPolicy; which tensors those are is not yet identified
   (the fp32 ZeRO-3 row is within 3.5 %).
+- **activations, mixture of experts** (goal 5 %; balanced prediction 10–26 %, peak 4.8–11.6 %; states
+  exact on every rank): the error follows the routing, not the formulas. At the tiny preset's
+  initialisation (gate std 0.02 over a residual stream with a common direction) every block sends
+  nearly all its tokens to the same two experts (the busiest expert gets 4.00× the mean, top-2
+  of 8's maximum), so under expert parallelism the ranks receive very different numbers of
+  tokens (ep2 dp2: 4787 vs 2381 routed copies for a mean of 3584) and their activations differ by
+  ±14 % around the balanced prediction; the rank that receives more is under-predicted, the other
+  over-predicted. Interpolating the two ep2 ranks at the balanced load (≈1.55 kB per received
+  copy) puts the engine ~4 % under the measurement there. Telling the engine the measured
+  imbalance (the second MoE table) makes it worse (83–101 %): ``conventions.moe_imbalance`` is one
+  number applied to every rank as its busiest-expert load, while the measured load differs rank by
+  rank (the busiest expert's 4× is one expert of the rank's E/ep). A per-rank received-token load
+  (each rank's record has ``expert_tokens``: routed and received per block) would let the
+  prediction follow each rank.
 - Not checked here: GPU kernels. On CUDA, `rms_norm` may run fused (no saved x̂; the engine
   assumes so for any GPU other than "cpu") and autocast runs softmax in fp32 — unverified on
   this CPU-only machine.

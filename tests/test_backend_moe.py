@@ -107,6 +107,17 @@ def test_layouts_the_backend_does_not_run_are_refused_with_the_field():
     assert refusal(default_config()) is None
 
 
+def test_records_read_the_token_counts_and_the_imbalance():
+    from backend.records import expert_imbalance, expert_token_totals
+
+    rank = {"rank": 0, "expert_tokens": [{"k": 1, "blocks": {}, "total": {"1": [2, 2, 2, 2]}},
+                                         {"k": 2, "blocks": {}, "total": {"1": [8, 0, 0, 0]}}],
+            "memory": {"expert_tokens": {"k": 3, "blocks": {}, "total": {"1": [1, 1, 1, 1], "2": [6, 2, 0, 0]}}}}
+    assert expert_token_totals({"ranks": [rank]}) == [{"1": [2, 2, 2, 2]}, {"1": [8, 0, 0, 0]}]
+    assert expert_imbalance({"ranks": [rank]}) == 3.0  # block 2 of the measured step: 6 over a mean of 2
+    assert expert_token_totals({"ranks": [{"rank": 0}]}) == [] and expert_imbalance({"ranks": []}) is None
+
+
 # --------------------------------------------------------------------------- runs
 
 
@@ -130,7 +141,7 @@ def reference_losses(cfg: Config, steps: int) -> list[float]:
             for i in range(m):
                 loss = loss_fn(model(x[i * mbs:(i + 1) * mbs]), y[i * mbs:(i + 1) * mbs]) / m
                 (loss / par.dp).backward()
-                total += float(loss) / par.dp
+                total += float(loss.detach()) / par.dp
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(total)
