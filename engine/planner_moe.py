@@ -146,11 +146,32 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 # the local shard, and (ZeRO-2/3) FSDP's gradient reduce-scatters, counted exposed
                 opt = (psi / (dp if z >= 1 else 1)) * opt_bytes / hbm
                 rs = 0.0
+                e_units = sum(c for _, c in rp.expert_units)
+                dense_psi = psi - (rp.experts if e_units else 0)
+                units = max(1, rp.unit_count - e_units)
+                dp_span = group_span(dp_probe(tp, pp), "dp")
+                n_e = dp * tp // ep
+                e_local = max(1, min(n_e, gpn // ep))
+                e_span = GroupSpan("dp", n_e, math.ceil(n_e / e_local), e_local)
+                gb, pb = base.training.grad_bytes, base.training.param_bytes
+
+                def coll(kind, size, span):
+                    return collective_seconds(base, kind, size, span) if span.size > 1 else 0.0
+
                 if z in (2, 3) and dp > 1:
-                    units = max(1, rp.unit_count)
-                    rs = units * collective_seconds(dp_probe(tp, pp), "reduce_scatter",
-                                                    psi * base.training.grad_bytes / units,
-                                                    group_span(dp_probe(tp, pp), "dp"))
+                    # exposed: every reduce-scatter, and at least one all-gather call (dense and experts)
+                    rs = units * coll("reduce_scatter", dense_psi * gb / units, dp_span)
+                    rs += coll("all_gather", dense_psi * pb / units, dp_span)
+                    if e_units:
+                        rs += e_units * coll("reduce_scatter", rp.experts * gb / e_units, e_span)
+                        rs += coll("all_gather", rp.experts * pb / e_units, e_span)
+                elif z == 0 and dp > 1:
+                    # DDP: at least one bucket's all-reduce is exposed; the experts' one all-reduce whole
+                    grads = dense_psi * gb
+                    buckets = max(1, math.ceil(grads / (base.conventions.ddp_bucket_mb * 1e6)))
+                    rs = coll("all_reduce", grads / buckets, dp_span)
+                    if e_units:
+                        rs += coll("all_reduce", rp.experts * gb, GroupSpan("dp", n_e, e_span.nodes, e_span.local))
                 out.append((x + fixed, per_mb, opt + rs))
             states_cache[key] = (np.array([o[0] for o in out], dtype=np.float64),
                                  np.array([o[1] for o in out], dtype=np.float64), max(o[2] for o in out))
@@ -264,7 +285,8 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                             fixed, per_mb, rest = st
                             mem_lb = float(np.max(fixed + (per_mb if mb > 1 else 0.0) + ab)) + overhead
                             layout = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": z, "b": b, "m": mb, "rc": rc}
-                            cands.append((step_lb + rest if step_lb else 0.0, mem_lb, layout))
+                            # (1 − 1e-9): the bounds are sums in another order than the engine's; float rounding
+                            cands.append(((step_lb + rest) * (1 - 1e-9) if step_lb else 0.0, mem_lb, layout))
     return cands, counts
 
 
@@ -289,7 +311,7 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
         if not exhaustive and mem_lb > capacity:
             counts["memory_bound_rejected"] += 1
             continue
-        cands.append((step_lb * (1 - 1e-9), serial, layout))
+        cands.append((step_lb, serial, layout))
     heapq.heapify(cands)
     best: list[tuple[float, tuple, int, Config, Any, Any]] = []
     evaluated = no_fit = invalid = 0
