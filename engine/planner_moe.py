@@ -58,7 +58,6 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
     """Every layout of the grid with its (step lower bound, memory lower bound), and the counts."""
     m, cl = base.model, base.cluster
     gpus, gpn = cl.gpus, cl.gpus_per_node
-    capacity = cl.gpu.memory_bytes
     rcs = tuple(r for r in recompute if r in MOE_RECOMPUTE) or ("none",)
     g_tp = math.gcd(m.heads, m.kv_heads, m.ffn_hidden)
     k_states = OPTIMIZER_STATES[base.training.optimizer]

@@ -108,3 +108,13 @@ def test_every_moe_preset_predicts(name):
     pred = predict(c)
     assert pred.step.seconds > 0 and all(r.total > 0 for r in pred.memory.per_rank)
     assert pred.to_json()["model"]["params"] == param_counts(c.model).total
+
+
+def test_the_load_convention_is_stated_beside_the_numbers():
+    from engine.memory import conventions_of
+
+    conv = conventions_of(cfg({"ep": 2, "dp": 4}, conventions={"moe_imbalance": 1.5}))
+    assert "imbalance 1.5" in conv["moe_load"] and "efsdp = 2" in conv["moe_experts"]
+    assert "capacity factor 1.25" in conventions_of(cfg({"dp": 4}, conventions={"moe_capacity_factor": 1.25}))["moe_load"]
+    dense = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 4}})
+    assert "moe_load" not in conventions_of(dense)
