@@ -25,6 +25,8 @@ Expert parallelism (``parallel.ep`` > 1): each MoE block all-to-alls its tokens 
 ranks and back, forward and backward (:func:`ep_layer_collectives`), over ep consecutive ranks
 (``ep_span``); a group across nodes sends each peer's share over its own link
 (:func:`all_to_all_seconds`). They are items of dimension "ep", on the critical path like TP's.
+The experts' own gradients and FSDP gathers run over efsdp = dp_shard·cp·tp / ep
+(:func:`_expert_dp_items`), the rest of the model's over dp.
 
 Measured links (:class:`MeasuredLinks`, from ``shardscope calibrate --links``) replace the
 cluster's intra-node α and B per collective and group size when given.
@@ -294,7 +296,11 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
     for pp_rank in range(par.pp):
         rp = held[pp_rank][0]  # tp-rank 0 holds the largest vocabulary chunk
         items: list[CommItem] = []
-        items += _dp_items(cfg, rp, spans, links)
+        if par.ep > 1 and rp.expert_units:  # the experts reduce over efsdp, the rest over dp
+            items += _dp_items(cfg, without_experts(rp), spans, links)
+            items += _expert_dp_items(cfg, rp, links)
+        else:
+            items += _dp_items(cfg, rp, spans, links)
         items += _tp_items(cfg, rp, act, spans["tp"], links)
         if par.ep > 1:
             items += _ep_items(cfg, rp, links)
@@ -375,6 +381,64 @@ def _ep_items(cfg: Config, rp, links: MeasuredLinks | None) -> list[CommItem]:
             one = all_to_all_seconds(cfg, size, span, links)
             items.append(CommItem("ep", f"EP all-to-all: {what} per MoE block ({phase}; {calls} per block)",
                                   "all_to_all", n_calls, size, span.size, span.link, n_calls * one, False, phase))
+    return items
+
+
+def without_experts(rp):
+    """A (pp-rank, tp-rank)'s parameters less its routed experts' own units (expert parallelism)."""
+    from dataclasses import replace
+
+    experts = {u for u, _ in rp.expert_units}
+    return replace(rp, unit_groups=tuple(g for g in rp.unit_groups if g[0] not in experts),
+                   stages=tuple(replace(st, experts=0) for st in rp.stages), expert_units=())
+
+
+def efsdp_span(cfg: Config) -> GroupSpan:
+    """How one group of the experts' data parallelism lies on the nodes: efsdp ranks (times the HSDP
+    replicas for DDP's all-reduce) strided by ep, the sparse mesh (dp_replicate, efsdp, ep) having
+    ep innermost."""
+    par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
+    n = par.expert_shard_degree
+    local = max(1, min(n, gpn // par.ep))
+    return GroupSpan("dp", n, math.ceil(n / local), local)
+
+
+def _expert_dp_items(cfg: Config, rp, links: MeasuredLinks | None) -> list[CommItem]:
+    """The routed experts' data-parallel traffic under expert parallelism, over efsdp (torchtitan's
+    sparse mesh): FSDP (ZeRO-2/3) gathers each expert unit as the dense units are gathered and
+    reduce-scatters its gradients once per step (exposed); DDP all-reduces them (overlapped with the
+    backward), over efsdp × the HSDP replicas."""
+    par, tr = cfg.parallel, cfg.training
+    units = sum(c for _, c in rp.expert_units)
+    elements = rp.experts
+    span = efsdp_span(cfg)
+    plan = wrapping_plan(cfg)
+    hides = cfg.cluster.gpu.name != "cpu"
+    m = par.microbatches
+    items = []
+
+    def add(what, coll, calls, size, sp, overlappable, phase):
+        if sp.size > 1 and calls:
+            one = collective_seconds(cfg, coll, size, sp, links)
+            items.append(CommItem("dp", what, coll, calls, size, sp.size, sp.link, calls * one, overlappable and hides,
+                                  phase))
+
+    if par.zero in (2, 3) and plan.sharded:
+        if plan.reshard_after_forward and par.pp == 1:
+            calls = 2 * m * units
+        elif par.pp == 1:
+            calls = m * units
+        else:
+            calls = units * (2 if plan.reshard_after_forward else 1)
+        add(f"FSDP all-gather of the experts over efsdp ({units} unit(s))", "all_gather", calls,
+            elements * tr.param_bytes / units, span, True, "forward")
+        add(f"FSDP gradient reduce-scatter of the experts over efsdp ({units} unit(s))", "reduce_scatter", units,
+            elements * tr.grad_bytes / units, span, False, "backward")
+    else:
+        group = par.expert_shard_degree * par.replicate
+        whole = GroupSpan("dp", group, max(1, math.ceil(group / span.local)), min(group, span.local))
+        add("DDP all-reduce of the experts' gradients over efsdp", "all_reduce", 1, elements * tr.grad_bytes, whole,
+            True, "backward")
     return items
 
 

@@ -948,7 +948,8 @@ def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: di
 
 
 _NICE = {"compute": "compute", "tp_comm": "TP communication", "pipeline_bubble": "pipeline bubble",
-         "dp_comm_exposed": "exposed DP communication", "optimizer": "optimizer step"}
+         "dp_comm_exposed": "exposed DP communication", "optimizer": "optimizer step",
+         "ep_comm": "EP all-to-all"}  # ep_comm: in the breakdown only when ep > 1
 
 
 def _diff(a: Config, b: Config) -> str:
@@ -977,17 +978,18 @@ def _explain(best: list, capacity: int) -> tuple[PlanEntry, ...]:
         why.append(f"memory: peak {peak.total / GIB:.1f} GiB on rank {peak.rank} of {capacity / GIB:.1f} GiB — "
                    f"headroom {head / GIB:.1f} GiB ({100 * head / capacity:.0f}%)"
                    + ("; tight" if head < 0.05 * capacity else ""))
-        shares = ", ".join(f"{_NICE[k]} {100 * bd[k] / seconds:.0f}%" for k in ("compute", "tp_comm", "pipeline_bubble",
-                                                                          "dp_comm_exposed") if bd[k] > 0)
+        shares = ", ".join(f"{_NICE[k]} {100 * bd[k] / seconds:.0f}%" for k in ("compute", "tp_comm", "ep_comm",
+                                                                          "pipeline_bubble", "dp_comm_exposed")
+                           if bd.get(k, 0.0) > 0)
         why.append(f"step {seconds:.3f} s = {shares}; MFU {100 * st.mfu:.1f}%")
         if pos == 1:
-            lost = sorted(((bd[k], k) for k in _NICE if k != "compute"), reverse=True)
+            lost = sorted(((bd.get(k, 0.0), k) for k in _NICE if k != "compute"), reverse=True)
             if lost[0][0] > 0:
                 why.append(f"fastest; its largest loss is {_NICE[lost[0][1]]} ({lost[0][0]:.3f} s)")
             else:
                 why.append("fastest; nothing but compute on the critical path")
         else:
-            deltas = sorted(((bd[k] - top_st.breakdown[k], k) for k in _NICE), reverse=True)
+            deltas = sorted(((bd.get(k, 0.0) - top_st.breakdown.get(k, 0.0), k) for k in _NICE), reverse=True)
             worse = [f"+{d:.3f} s {_NICE[k]}" for d, k in deltas if d > 1e-4 * seconds][:2]
             better = [f"{-d:.3f} s {_NICE[k]}" for d, k in deltas[::-1] if d < -1e-4 * seconds][:1]
             text = f"{100 * (seconds / top_s - 1):.1f}% slower than #1"

@@ -58,7 +58,6 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
     """Every layout of the grid with its (step lower bound, memory lower bound), and the counts."""
     m, cl = base.model, base.cluster
     gpus, gpn = cl.gpus, cl.gpus_per_node
-    capacity = cl.gpu.memory_bytes
     rcs = tuple(r for r in recompute if r in MOE_RECOMPUTE) or ("none",)
     g_tp = math.gcd(m.heads, m.kv_heads, m.ffn_hidden)
     k_states = OPTIMIZER_STATES[base.training.optimizer]
@@ -115,8 +114,12 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
             held = _moe_params_per_rank(m, tp, pp, 1, placement_style("1F1B"), base.parallel.pipeline_split, ep,
                                         dp * tp // ep, 1)
             out = []
+            same: dict[tuple, tuple[int, int, float]] = {}  # pp ranks holding the same units (the middle ones)
             for row in held:
                 rp = row[0]
+                if rp.unit_groups in same:
+                    out.append(same[rp.unit_groups])
+                    continue
                 psi = rp.total
                 if not torch_acc:
                     out.append((0, 0, 0))
@@ -146,12 +149,34 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 # the local shard, and (ZeRO-2/3) FSDP's gradient reduce-scatters, counted exposed
                 opt = (psi / (dp if z >= 1 else 1)) * opt_bytes / hbm
                 rs = 0.0
+                e_units = sum(c for _, c in rp.expert_units)
+                dense_psi = psi - (rp.experts if e_units else 0)
+                units = max(1, rp.unit_count - e_units)
+                dp_span = group_span(dp_probe(tp, pp), "dp")
+                n_e = dp * tp // ep
+                e_local = max(1, min(n_e, gpn // ep))
+                e_span = GroupSpan("dp", n_e, math.ceil(n_e / e_local), e_local)
+                gb, pb = base.training.grad_bytes, base.training.param_bytes
+
+                def coll(kind, size, span):
+                    return collective_seconds(base, kind, size, span) if span.size > 1 else 0.0
+
                 if z in (2, 3) and dp > 1:
-                    units = max(1, rp.unit_count)
-                    rs = units * collective_seconds(dp_probe(tp, pp), "reduce_scatter",
-                                                    psi * base.training.grad_bytes / units,
-                                                    group_span(dp_probe(tp, pp), "dp"))
+                    # exposed: every reduce-scatter, and at least one all-gather call (dense and experts)
+                    rs = units * coll("reduce_scatter", dense_psi * gb / units, dp_span)
+                    rs += coll("all_gather", dense_psi * pb / units, dp_span)
+                    if e_units:
+                        rs += e_units * coll("reduce_scatter", rp.experts * gb / e_units, e_span)
+                        rs += coll("all_gather", rp.experts * pb / e_units, e_span)
+                elif z == 0 and dp > 1:
+                    # DDP: at least one bucket's all-reduce is exposed; the experts' one all-reduce whole
+                    grads = dense_psi * gb
+                    buckets = max(1, math.ceil(grads / (base.conventions.ddp_bucket_mb * 1e6)))
+                    rs = coll("all_reduce", grads / buckets, dp_span)
+                    if e_units:
+                        rs += coll("all_reduce", rp.experts * gb, GroupSpan("dp", n_e, e_span.nodes, e_span.local))
                 out.append((x + fixed, per_mb, opt + rs))
+                same[rp.unit_groups] = out[-1]
             states_cache[key] = (np.array([o[0] for o in out], dtype=np.float64),
                                  np.array([o[1] for o in out], dtype=np.float64), max(o[2] for o in out))
         return states_cache[key]
@@ -189,6 +214,10 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
     fm_cache: dict[float, Any] = {}
 
     cands: list[tuple[float, float, dict[str, Any]]] = []
+    stage_index: dict[int, np.ndarray] = {}
+    p2p_of: dict[int, np.ndarray] = {}
+    last_of: dict[int, np.ndarray] = {}
+    head_of: dict[int, np.ndarray] = {}
     counts = {"enumerated": 0, "skipped_global_batch": 0, "memory_bound_rejected": 0}
     for tp in [t for t in _divisors(gpus) if t <= gpn and g_tp % t == 0]:
         if tp > 1 and s_len % tp:
@@ -199,6 +228,12 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 counts["skipped_global_batch"] += 1
                 continue
             dn, mn = stage_block_counts(base, pp)
+            if pp not in stage_index:
+                stage_index[pp] = np.arange(pp, dtype=np.float64)
+                p2p_of[pp] = ((stage_index[pp] > 0).astype(np.float64) + (stage_index[pp] < pp - 1)) if pp > 1 \
+                    else np.zeros(1)
+                last_of[pp] = (stage_index[pp] == pp - 1).astype(np.float64)
+                head_of[pp] = last_of[pp] * fd.head
             for ep in _divisors(math.gcd(m.experts, dp * tp)):
                 if ep == 1 and m.expert_hidden % tp:
                     continue
@@ -221,41 +256,29 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                         tf, tb, ef, eb = cm
                         rate = rate1 * tp
                         # per stage: compute (F, B = I + W with recompute) and the critical-path collectives
-                        stage_f, stage_b, acts = [], [], []
-                        for s in range(pp):
-                            blk = dn[s] * fd.block + mn[s] * fm.block
-                            mm = dn[s] * fd.matmuls + mn[s] * fm.matmuls
-                            core = dn[s] * fd.attention_core + mn[s] * fm.attention_core
-                            rec = blk if rc == "full" else core if rc == "selective" else 0.0
-                            head = fd.head if s == pp - 1 else 0.0
-                            f = tokens * (blk + head) / rate + (dn[s] + mn[s]) * tf + mn[s] * ef
-                            bwd = tokens * (2 * mm + 2 * core + rec + 2 * head) / rate + (dn[s] + mn[s]) * tb \
-                                + mn[s] * eb
-                            stage_f.append(f)
-                            stage_b.append(bwd)
-                            in_flight = min(mb, pp - s)
-                            a = (dn[s] + mn[s]) * kept if rc == "full" else dn[s] * d_b + mn[s] * m_b
-                            acts.append(in_flight * a)
-                        chain = 0.0
-                        step_lb = 0.0
-                        for s in range(pp):
-                            step_lb = max(step_lb, chain + mb * (stage_f[s] + stage_b[s]))
-                            chain += stage_f[s] + stage_b[s]
+                        # per stage, as arrays: compute (F, B = I + W with recompute) and the critical-path
+                        # collectives; the stage chain before each rank; the saved tensors in flight (1F1B)
+                        blk, nb = dn * fd.block + mn * fm.block, dn + mn
+                        mm = dn * fd.matmuls + mn * fm.matmuls
+                        core = dn * fd.attention_core + mn * fm.attention_core
+                        rec = blk if rc == "full" else core if rc == "selective" else 0.0
+                        stage_f = tokens * (blk + head_of[pp]) / rate + nb * tf + mn * ef
+                        stage_b = tokens * (2 * mm + 2 * core + rec + 2 * head_of[pp]) / rate + nb * tb + mn * eb
+                        work = stage_f + stage_b
+                        step_lb = float(np.max(np.cumsum(work) - work + mb * work))
                         if base.training.compile:  # compile's fused-elementwise saving is not in this bound
                             step_lb = 0.0
+                        in_flight = np.minimum(mb, pp - stage_index[pp])
+                        acts = in_flight * (nb * kept if rc == "full" else dn * d_b + mn * m_b)
                         # buffers every layout of this shape keeps: the pipeline's receive buffers and, on the
                         # last stage, every microbatch's logits; EP's all-to-all buffers of one layer
                         sbh = act * tokens * m.hidden // tp
-                        bufs = []
-                        for s in range(pp):
-                            x = (mb * sbh * ((s > 0) + (s < pp - 1)) if pp > 1 else 0)
-                            if s == pp - 1 and torch_acc and pp > 1:  # the logits, vocabulary-parallel under SP
-                                x += mb * act * tokens * -(-m.vocab // tp)
-                            if ep > 1 and mn[s]:
-                                n_tok = tokens // tp
-                                x += act * n_tok * m.experts_per_token * m.hidden * 2
-                            bufs.append(x)
-                        ab = np.asarray(acts, dtype=np.float64) + np.asarray(bufs, dtype=np.float64)
+                        bufs = mb * sbh * p2p_of[pp]
+                        if torch_acc and pp > 1:  # the logits, vocabulary-parallel under SP
+                            bufs = bufs + last_of[pp] * (mb * act * tokens * -(-m.vocab // tp))
+                        if ep > 1:
+                            bufs = bufs + (mn > 0) * (act * (tokens // tp) * m.experts_per_token * m.hidden * 2)
+                        ab = acts + bufs
                         for z in zs:
                             st = states(tp, pp, ep, z)
                             if st is None:
@@ -264,7 +287,8 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                             fixed, per_mb, rest = st
                             mem_lb = float(np.max(fixed + (per_mb if mb > 1 else 0.0) + ab)) + overhead
                             layout = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": z, "b": b, "m": mb, "rc": rc}
-                            cands.append((step_lb + rest if step_lb else 0.0, mem_lb, layout))
+                            # (1 − 1e-9): the bounds are sums in another order than the engine's; float rounding
+                            cands.append(((step_lb + rest) * (1 - 1e-9) if step_lb else 0.0, mem_lb, layout))
     return cands, counts
 
 
@@ -289,7 +313,7 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
         if not exhaustive and mem_lb > capacity:
             counts["memory_bound_rejected"] += 1
             continue
-        cands.append((step_lb * (1 - 1e-9), serial, layout))
+        cands.append((step_lb, serial, layout))
     heapq.heapify(cands)
     best: list[tuple[float, tuple, int, Config, Any, Any]] = []
     evaluated = no_fit = invalid = 0

@@ -127,6 +127,14 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     lines = [f"memory per rank ({unit}), capacity {_gib(mem.capacity_bytes)} {unit}"
              f" ({pred.config.cluster.gpu.name}):"]
+    m = pred.config.model
+    if m.experts > 0:
+        c = param_counts(m)
+        par = pred.config.parallel
+        lines.insert(0, f"model: {c.total / 1e9:.1f}B parameters, {c.active / 1e9:.1f}B active per token "
+                        f"({c.active_without_embedding / 1e9:.1f}B without the embedding); {m.experts} experts, "
+                        f"top-{m.experts_per_token}, {m.moe_layers} MoE blocks; ep {par.ep}: "
+                        f"{m.experts // par.ep} expert(s) per rank per block")
     lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for row, group in zip(rows, mem.distinct()):
         lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
@@ -143,7 +151,7 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
                  f"MFU {st.mfu * 100:.1f} %, HFU {st.hfu * 100:.1f} %")
     lines.append("  breakdown: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in st.breakdown.items()))
     comm = pred.comm.per_pp_rank[st.critical_pp_rank]
-    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "tp", "pp") if comm.bytes_sent(d)}
+    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "tp", "pp", "ep") if comm.bytes_sent(d)}
     if per_dim:
         lines.append("  communication sent per step by rank "
                      f"{comm.rank}: " + ", ".join(f"{d} {b / 2**30:.3f} GiB" for d, b in per_dim.items()))

@@ -52,7 +52,9 @@ def test_fsdp_shards_experts_over_efsdp_and_the_rest_over_dp_shard():
     dense_units = [(u, n) for u, n in rp.unit_groups if u not in {e for e, _ in rp.expert_units}]
     expected = sum(sharded_numel(u, 4) * n for u, n in dense_units) + 6 * sharded_numel(rp.expert_units[0][0], 2)
     (param_term,) = terms(c, "params", "parameters")
-    assert param_term.bytes == 4 * expected
+    (expert_term,) = terms(c, "params", "expert_parameters")  # the experts as their own part
+    assert param_term.bytes + expert_term.bytes == 4 * expected
+    assert expert_term.bytes == 4 * 6 * sharded_numel(rp.expert_units[0][0], 2)
     assert "efsdp = 2" in param_term.formula
 
 
@@ -108,3 +110,23 @@ def test_every_moe_preset_predicts(name):
     pred = predict(c)
     assert pred.step.seconds > 0 and all(r.total > 0 for r in pred.memory.per_rank)
     assert pred.to_json()["model"]["params"] == param_counts(c.model).total
+
+
+def test_the_load_convention_is_stated_beside_the_numbers():
+    from engine.memory import conventions_of
+
+    conv = conventions_of(cfg({"ep": 2, "dp": 4}, conventions={"moe_imbalance": 1.5}))
+    assert "imbalance 1.5" in conv["moe_load"] and "efsdp = 2" in conv["moe_experts"]
+    assert "capacity factor 1.25" in conventions_of(cfg({"dp": 4}, conventions={"moe_capacity_factor": 1.25}))["moe_load"]
+    dense = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 4}})
+    assert "moe_load" not in conventions_of(dense)
+
+
+def test_expert_parameters_are_their_own_part_with_and_without_ep():
+    for par in ({"ep": 2, "dp": 4}, {"tp": 2, "dp": 2}, {"dp": 4, "zero": 3}):
+        c = cfg(par)
+        rank = memory_per_rank(c).per_rank[0]
+        (e,) = [t for t in rank.explain("params") if t.kind == "expert_parameters"]
+        assert 0 < e.bytes < rank.params
+    dense = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 4}})
+    assert not [t for t in memory_per_rank(dense).per_rank[0].explain("params") if t.kind == "expert_parameters"]

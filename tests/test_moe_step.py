@@ -93,3 +93,30 @@ def test_mfu_counts_active_flops_of_deepseek():
     expected = 6 * param_counts(c.model).active_without_embedding + 3 * 61 * core
     assert per_token == pytest.approx(expected, rel=1e-4)
     assert predict(c).step.model_flops == c.tokens_per_step * per_token
+
+
+def test_experts_reduce_over_efsdp_and_the_rest_over_dp():
+    c = Config.from_dict({"model": {"preset": "mixtral-8x7b", "seq_len": 4096},
+                          "cluster": {"gpu": "h100-sxm", "gpus": 16},
+                          "parallel": {"dp": 16, "ep": 8, "zero": 3, "microbatches": 4},
+                          "training": {"precision": "bf16-mixed"}})
+    items = [i for i in predict(c).comm.per_pp_rank[0].items if i.dim == "dp"]
+    experts = [i for i in items if "experts" in i.what]
+    dense = [i for i in items if "experts" not in i.what]
+    assert {i.group_size for i in experts} == {2} and {i.group_size for i in dense} == {16}
+    # efsdp = 16 / 8: the two members sit 8 ranks apart, on the two nodes
+    assert {i.link for i in experts} == {"inter-node"}
+    rs = next(i for i in experts if i.collective == "reduce_scatter")
+    per_expert = 3 * 4096 * 14336
+    assert rs.calls == 32 and rs.size_bytes == per_expert * 2  # one expert per rank per block, bf16 gradients
+
+
+def test_the_size_slider_keeps_a_moe_preset():
+    from engine.config import ModelSpec
+    from engine.family import walk
+    from engine.presets import model_presets
+
+    for name in ("deepseek-v3", "gpt-oss-20b", "mixtral-8x7b"):
+        base = ModelSpec(**model_presets()[name], preset=name)
+        members, index = walk(base)
+        assert members[index].spec == base

@@ -29,6 +29,14 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
     gradient; a frozen composite RMSNorm keeps no x̂.
 Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byte.
 
+Mixture of experts (``moe_layer_terms``): a block with experts keeps the attention half's rows and
+replaces the MLP's by the router's input and scores, the top-k choice, the dispatched tokens and
+each expert's internals for them (n·k routed copies × ``engine.durations.routed_factor``), the
+expert outputs the combine keeps and the shared experts as one dense MLP; under per-op selective
+recompute they are all kept (an upper estimate). Stated simplifications: MLA is evaluated as flash
+attention with K and V at heads × (d_nope + d_rope) (its latents not counted apart), and Q and the
+o-proj input at h where head_size makes the query width differ from h.
+
 Under ``conventions.state_accounting = "pytorch"`` the rows marked ``torch_ops`` follow torch's
 kernels too: rstd of each norm, rope's cos/sin tables, the causal mask, SP's gathered Linear
 inputs (torch's SequenceParallel + PrepareModuleInput all-gather the norm output into a

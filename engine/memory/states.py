@@ -39,7 +39,14 @@ from engine import lora
 from engine.config import Config
 from engine.memory.report import Terms, ceil_div
 from engine.names import OPTIMIZER_STATES
-from engine.params import RankParams, Tensors, rank_tensor_groups, sharded_numel, zero_redundancy_partition
+from engine.params import (
+    RankParams,
+    Tensors,
+    expert_tensors,
+    rank_tensor_groups,
+    sharded_numel,
+    zero_redundancy_partition,
+)
 from engine.wrapping import WrappingPlan
 
 
@@ -52,6 +59,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         # torch has no ZeRO-1 for DTensor (TP) parameters (ZeroRedundancyOptimizer refuses them; the
         # backend raises): the states follow Megatron's distributed optimizer, an even flat split.
         T.add("params", f"parameters ({where}), fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="parameters")
+        split_expert_params(T, rp.experts, 4)
         T.add("grads", "gradients, fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="gradients")
         opt_numel = ceil_div(psi, d)
         rule = f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉ (flat split: torch has no ZeRO-1 for TP parameters)"
@@ -64,6 +72,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
                if shard > 1 or e_deg not in (None, 1) else f"Ψ = {psi:,} (FSDP2 replicate: not sharded)")
         T.add("params", f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)", 4 * psi_d,
               f"4 B × {how}", kind="parameters")
+        split_expert_params(T, expert_elements(cfg, rp, shard, e_deg), 4)
         T.add("grads", "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}",
               kind="gradients")
         opt_numel, rule = psi_d, how
@@ -71,6 +80,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("params", f"parameters ({where}), fp32 (autocast casts on the fly; no separate master)"
               if tr.precision != "fp32" else f"parameters ({where})", 4 * psi, f"4 B × Ψ = 4 × {psi:,}",
               kind="parameters")
+        split_expert_params(T, rp.experts, 4)
         grads = psi
         gterm = f"4 B × Ψ = 4 × {psi:,}"
         if par.tp > 1 and any(st.stage == 0 for st in rp.stages):
@@ -107,10 +117,12 @@ def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: 
         psi_d = rp.sharded_numel(d, e_deg)
         T.add("params", f"parameters ({where}), sharded ZeRO-3", w * psi_d,
               f"{w} B × Ψ_d = {w} × {psi_d:,} (Ψ = {psi:,} over d = {d}, dim 0 padded per tensor)", kind="parameters")
+        split_expert_params(T, expert_elements(cfg, rp, d, e_deg), w)
         T.add("grads", "gradients, sharded ZeRO-3", g * psi_d, f"{g} B × Ψ_d = {g} × {psi_d:,}", kind="gradients")
         opt_numel, opt_rule = psi_d, "Ψ_d"
     else:
         T.add("params", f"parameters ({where})", w * psi, f"{w} B × Ψ = {w} × {psi:,}", kind="parameters")
+        split_expert_params(T, rp.experts, w)
         flat, flat_rule = _flat_share(rp, d, e_deg)
         if z == 2:
             T.add("grads", "gradients, sharded ZeRO-2", g * flat, f"{g} B × {flat_rule}", kind="gradients")
@@ -127,6 +139,30 @@ def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: 
               kind="optimizer_states")
     if not T["optimizer"]:
         T.add("optimizer", "no optimizer state (plain sgd, fp32)", 0, "0", kind="none")
+
+
+def expert_elements(cfg: Config, rp: RankParams, shard: int, e_deg: int | None) -> int:
+    """Elements of the routed experts this rank keeps when its parameters shard over ``shard`` ranks
+    (``e_deg``: the experts' own degree under expert parallelism), padded as FSDP2 pads."""
+    if not rp.experts:
+        return 0
+    if rp.expert_units:
+        return sum(sharded_numel(u, e_deg or shard) * n for u, n in rp.expert_units)
+    moe_layers = sum(st.moe_layers for st in rp.stages)  # without EP: inside the blocks, split by TP
+    return moe_layers * sharded_numel(expert_tensors(cfg.model, cfg.model.experts, cfg.parallel.tp), shard)
+
+
+def split_expert_params(T: Terms, numel: int, nbytes: int) -> None:
+    """Show the routed experts as their own part of this rank's parameters: the last params term
+    becomes the rest and the experts (same total)."""
+    if numel <= 0:
+        return
+    last = T["params"].pop()
+    e = nbytes * numel
+    T.add("params", f"{last.label}, without the routed experts", last.bytes - e,
+          f"{last.formula} − {nbytes} B × {numel:,} expert elements", tracked=last.tracked, kind=last.kind)
+    T.add("params", "routed experts' parameters (their part of the above)", e, f"{nbytes} B × {numel:,}",
+          tracked=last.tracked, kind="expert_parameters")
 
 
 def expert_degree(cfg: Config) -> int | None:
