@@ -93,6 +93,8 @@ class Trainer:
 
     legacy = False  # nn.DataParallel (set in __init__; class defaults keep subclasses such as the fake trainer)
     gpus = 1  # GPUs this process drives
+    moes: tuple = ()  # the MoE blocks this rank holds (set in __init__)
+    sync_experts = None  # what reduces the routed experts' gradients when no FSDP2 wrapper does
 
     @property
     def microbatch_rows(self) -> int:

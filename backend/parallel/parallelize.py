@@ -99,10 +99,12 @@ def expert_grad_sync(modules: list[nn.Module], cfg: Config, plan: WrappingPlan,
     a sum over their efsdp replicas and a division by dp. None when nothing is needed."""
     params = [p for m in modules for p in expert_params(m)]
     par = cfg.parallel
-    if not params or plan.data_parallel == "fully_shard" or par.dp == 1:
-        return None
-    group = dims.expert_dp_group() if par.ep > 1 else dims.dp_group()
+    # ranks holding the same experts: efsdp (with the HSDP replicas) under expert parallelism, else dp;
+    # with tp > 1 and dp = 1 they may be TP ranks that routed different slices of the same batch
     replicas = par.dp * par.tp // par.ep if par.ep > 1 else par.dp
+    if not params or plan.data_parallel == "fully_shard" or (replicas == 1 and par.dp == 1):
+        return None
+    group = (dims.expert_dp_group() if par.ep > 1 else dims.dp_group()) if replicas > 1 else None
     return lambda: sync_expert_grads(params, group, replicas, par.dp)
 
 
