@@ -21,6 +21,13 @@ hop of a ring waits for a descheduled peer and every copy runs on a shared core,
 multiplied and B divided by the oversubscription ``world / cores`` (the ``local-cpu`` preset's
 α and B are per core, measured with ``shardscope calibrate --links``).
 
+Expert parallelism (``parallel.ep`` > 1): each MoE block all-to-alls its tokens to the experts'
+ranks and back, forward and backward (:func:`ep_layer_collectives`), over ep consecutive ranks
+(``ep_span``); a group across nodes sends each peer's share over its own link
+(:func:`all_to_all_seconds`). They are items of dimension "ep", on the critical path like TP's.
+The experts' own gradients and FSDP gathers run over efsdp = dp_shard·cp·tp / ep
+(:func:`_expert_dp_items`), the rest of the model's over dp.
+
 Measured links (:class:`MeasuredLinks`, from ``shardscope calibrate --links``) replace the
 cluster's intra-node α and B per collective and group size when given.
 
@@ -283,6 +290,8 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
     (intra-node α and B from ``links`` where given)."""
     par = cfg.parallel
     spans = {d: group_span(cfg, d) for d in DIMENSIONS}
+    if par.ep > 1:
+        spans["ep"] = ep_span(cfg)
     held = params_per_rank(cfg)
     n_stages = par.num_stages
     owners = stage_to_pp_rank(n_stages, par.pp, placement_style(par.schedule))
@@ -292,9 +301,15 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
     for pp_rank in range(par.pp):
         rp = held[pp_rank][0]  # tp-rank 0 holds the largest vocabulary chunk
         items: list[CommItem] = []
-        items += _dp_items(cfg, rp, spans, links)
+        if par.ep > 1 and rp.expert_units:  # the experts reduce over efsdp, the rest over dp
+            items += _dp_items(cfg, without_experts(rp), spans, links)
+            items += _expert_dp_items(cfg, rp, links)
+        else:
+            items += _dp_items(cfg, rp, spans, links)
         items += _tp_items(cfg, rp, act, spans["tp"], links)
         items += _cp_items(cfg, rp, spans["cp"], links)
+        if par.ep > 1:
+            items += _ep_items(cfg, rp, links)
         # pipeline sends: one activation forward and one gradient backward per microbatch per boundary
         pp_msg = act / par.tp if par.sequence_parallel else act
         fwd = sum(1 for s in rp.stage_indices if s < n_stages - 1 and owners[s + 1] != pp_rank)
@@ -377,6 +392,129 @@ def _cp_items(cfg: Config, rp, span: GroupSpan, links: MeasuredLinks | None) -> 
             items.append(CommItem("cp", f"CP {what} of the recomputed forward (backward; {calls} per recomputed "
                                         f"block, {redo} block(s), {par.cp_rotate})", coll, n, size, par.cp,
                                   span.link, n * one, hides, "backward"))
+    return items
+
+
+def ep_span(cfg: Config) -> GroupSpan:
+    """How one EP group lies on the nodes: ep consecutive ranks of a stage's dp_shard·tp block
+    (torchtitan's sparse mesh puts ep innermost, over TP's ranks first)."""
+    par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
+    n = par.ep
+    local = min(n, gpn)
+    return GroupSpan("ep", n, math.ceil(n / local), local)
+
+
+def all_to_all_seconds(cfg: Config, size_bytes: float, span: GroupSpan, links: MeasuredLinks | None = None) -> float:
+    """One all-to-all in which each rank sends ``size_bytes`` split evenly over the group: the
+    share for peers on its node at the intra-node bus bandwidth, the share for other nodes at the
+    inter-node one, concurrently, plus (n − 1)·α of the slower link."""
+    n = span.size
+    if n <= 1:
+        return 0.0
+    if not span.crosses_nodes:
+        return collective_seconds(cfg, "all_to_all", size_bytes, span, links)
+    cl = cfg.cluster
+    over = cpu_oversubscription(cfg)
+    intra = size_bytes * (span.local - 1) / n / (cl.intra_node_bytes_per_s / over)
+    inter = size_bytes * (n - span.local) / n / (cl.inter_node_bytes_per_s / over)
+    return max(intra, inter) + (n - 1) * cl.inter_node_latency_us * 1e-6 * over
+
+
+def ep_layer_collectives(cfg: Config) -> list[tuple[str, str, int, float]]:
+    """Expert parallelism's all-to-alls of one MoE block for one microbatch: (what, phase, calls,
+    bytes one rank sends per call). Forward: dispatch the n·k token copies to their experts'
+    ranks, combine the outputs back; backward: the same two for the gradients (and the forward's
+    again under full recompute). The busiest rank receives the routed factor's share more; the
+    time is paced by it (the sizes here are the balanced sends × that factor)."""
+    from engine.durations import routed_factor
+    from engine.memory.activations import moe_tokens
+
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    if par.ep == 1 or m.experts == 0:
+        return []
+    n, _ = moe_tokens(cfg)
+    size = n * m.experts_per_token * m.hidden * tr.param_bytes * routed_factor(cfg)
+    again = 2 if tr.recompute == "full" else 0
+    return [("dispatch and combine", "forward", 2, size), ("dispatch and combine gradients", "backward", 2 + again, size)]
+
+
+def ep_seconds_per_moe_layer(cfg: Config, links: MeasuredLinks | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE block's all-to-alls for one microbatch."""
+    span = ep_span(cfg)
+    out = {"forward": 0.0, "backward": 0.0}
+    for _, phase, calls, size in ep_layer_collectives(cfg):
+        out[phase] += calls * all_to_all_seconds(cfg, size, span, links)
+    return out["forward"], out["backward"]
+
+
+def _ep_items(cfg: Config, rp, links: MeasuredLinks | None) -> list[CommItem]:
+    span = ep_span(cfg)
+    moe_layers = sum(st.moe_layers for st in rp.stages)
+    items = []
+    for what, phase, calls, size in ep_layer_collectives(cfg):
+        n_calls = calls * moe_layers * cfg.parallel.microbatches
+        if n_calls:
+            one = all_to_all_seconds(cfg, size, span, links)
+            items.append(CommItem("ep", f"EP all-to-all: {what} per MoE block ({phase}; {calls} per block)",
+                                  "all_to_all", n_calls, size, span.size, span.link, n_calls * one, False, phase))
+    return items
+
+
+def without_experts(rp):
+    """A (pp-rank, tp-rank)'s parameters less its routed experts' own units (expert parallelism)."""
+    from dataclasses import replace
+
+    experts = {u for u, _ in rp.expert_units}
+    return replace(rp, unit_groups=tuple(g for g in rp.unit_groups if g[0] not in experts),
+                   stages=tuple(replace(st, experts=0) for st in rp.stages), expert_units=())
+
+
+def efsdp_span(cfg: Config) -> GroupSpan:
+    """How one group of the experts' data parallelism lies on the nodes: efsdp ranks (times the HSDP
+    replicas for DDP's all-reduce) strided by ep, the sparse mesh (dp_replicate, efsdp, ep) having
+    ep innermost."""
+    par, gpn = cfg.parallel, cfg.cluster.gpus_per_node
+    n = par.expert_shard_degree
+    local = max(1, min(n, gpn // par.ep))
+    return GroupSpan("dp", n, math.ceil(n / local), local)
+
+
+def _expert_dp_items(cfg: Config, rp, links: MeasuredLinks | None) -> list[CommItem]:
+    """The routed experts' data-parallel traffic under expert parallelism, over efsdp (torchtitan's
+    sparse mesh): FSDP (ZeRO-2/3) gathers each expert unit as the dense units are gathered and
+    reduce-scatters its gradients once per step (exposed); DDP all-reduces them (overlapped with the
+    backward), over efsdp × the HSDP replicas."""
+    par, tr = cfg.parallel, cfg.training
+    units = sum(c for _, c in rp.expert_units)
+    elements = rp.experts
+    span = efsdp_span(cfg)
+    plan = wrapping_plan(cfg)
+    hides = cfg.cluster.gpu.name != "cpu"
+    m = par.microbatches
+    items = []
+
+    def add(what, coll, calls, size, sp, overlappable, phase):
+        if sp.size > 1 and calls:
+            one = collective_seconds(cfg, coll, size, sp, links)
+            items.append(CommItem("dp", what, coll, calls, size, sp.size, sp.link, calls * one, overlappable and hides,
+                                  phase))
+
+    if par.zero in (2, 3) and plan.sharded:
+        if plan.reshard_after_forward and par.pp == 1:
+            calls = 2 * m * units
+        elif par.pp == 1:
+            calls = m * units
+        else:
+            calls = units * (2 if plan.reshard_after_forward else 1)
+        add(f"FSDP all-gather of the experts over efsdp ({units} unit(s))", "all_gather", calls,
+            elements * tr.param_bytes / units, span, True, "forward")
+        add(f"FSDP gradient reduce-scatter of the experts over efsdp ({units} unit(s))", "reduce_scatter", units,
+            elements * tr.grad_bytes / units, span, False, "backward")
+    else:
+        group = par.expert_shard_degree * par.replicate
+        whole = GroupSpan("dp", group, max(1, math.ceil(group / span.local)), min(group, span.local))
+        add("DDP all-reduce of the experts' gradients over efsdp", "all_reduce", 1, elements * tr.grad_bytes, whole,
+            True, "backward")
     return items
 
 

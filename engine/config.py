@@ -8,8 +8,18 @@ standard library's ``tomllib`` / ``json``; loading never executes anything.
 File format (the product's public contract; keys may be added, never renamed)::
 
     schema_version = 1
-    [model]      preset, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len,
-                 tied_embeddings, mlp, norm, attention, position, bias, dropout
+    [model]      preset, hf_config, layers, hidden, heads, kv_heads, ffn_hidden, vocab, seq_len,
+                 tied_embeddings, mlp, norm, attention ("eager" | "flash" | "mla"), position,
+                 bias, dropout, head_size (0 = hidden / heads), qkv_bias, qk_norm, attention_sinks,
+                 sliding_window (0 = none), full_attention_every (0 = every layer slides)
+                 mixture of experts (experts = 0: a dense model): experts, experts_per_token,
+                 expert_ffn_hidden (0 = ffn_hidden), shared_experts, dense_layers,
+                 router_score ("softmax" | "sigmoid"), router_bias, router_balance_bias,
+                 norm_topk_prob, routed_scaling_factor, router_aux_loss, router_groups,
+                 router_topk_groups
+                 multi-head latent attention (attention = "mla"): kv_lora_rank,
+                 q_lora_rank (0 = no query compression), qk_rope_head_dim, qk_nope_head_dim,
+                 v_head_dim
     [cluster]    preset, gpu (a preset name or a table), gpus, gpus_per_node,
                  intra_node_bandwidth_gb_per_s, intra_node_latency_us,
                  inter_node_bandwidth_gb_per_s, inter_node_latency_us, cpu_cores
@@ -18,13 +28,19 @@ File format (the product's public contract; keys may be added, never renamed)::
                  sequence_parallel, schedule, virtual_stages, microbatches,
                  dp_mode ("ddp" | "dataparallel": legacy single-process nn.DataParallel),
                  async_tp, fsdp_reshard_after_forward ("default" | "always" | "never"),
-                 pipeline_split ("even" | "torchtitan")
+                 pipeline_split ("even" | "torchtitan"),
+                 ep (expert parallel: the experts of each MoE layer split over ep ranks)
     [training]   micro_batch_size, precision, grad_dtype, optimizer, recompute ("none" |
                  "selective" | "full" | "selective-op" | "selective-layer"), recompute_every,
                  float8 ("none" | "tensorwise" | "rowwise"), float8_all_gather, compile,
                  finetune ("full" | "lora"), lora_rank, lora_alpha,
                  lora_targets ("attention" | "mlp" | "all"), lora_base_dtype ("fp32" | "bf16" | "nf4")
-    [conventions] the switchable conventions (overhead lines, bucket size, bubble, ...)
+    [conventions] the switchable conventions (overhead lines, bucket size, bubble,
+                 moe_imbalance, moe_capacity_factor, ...)
+
+``model.hf_config`` names a Hugging Face ``config.json`` (relative to the config file, or
+absolute; engine.hf_config reads it): its architecture fills the model fields, and any field
+given beside it in [model] overrides it.
 
 Every numeric field has a documented range (``FIELD_RANGES``: the bound and where it comes
 from); a value outside it is a problem that names the field and the range.
@@ -97,10 +113,59 @@ class ModelSpec:
     bias: bool = False
     dropout: float = 0.0
     preset: str | None = None
+    # ---- attention details of recent models (each 0 / False: the plain decoder above)
+    head_size: int = 0  # per-head width of q, k, v; 0 = hidden / heads (Qwen3 and gpt-oss set it)
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2); model.bias puts one on every Linear
+    qk_norm: bool = False  # RMSNorm over each head of q and of k (Qwen3): head_dim weights each
+    attention_sinks: bool = False  # one learned sink logit per query head (gpt-oss)
+    sliding_window: int = 0  # tokens a sliding-window layer attends to; 0 = full attention everywhere
+    full_attention_every: int = 0  # with sliding_window: every N-th block attends fully; 0 = all slide
+    # ---- mixture of experts (experts = 0: dense, every block has the MLP above)
+    experts: int = 0  # routed experts per MoE block
+    experts_per_token: int = 1  # top-k routed experts per token
+    expert_ffn_hidden: int = 0  # each expert's FFN width; 0 = ffn_hidden
+    shared_experts: int = 0  # always-on experts per MoE block, each of expert_ffn_hidden
+    dense_layers: int = 0  # leading blocks with the dense MLP (ffn_hidden) instead of experts
+    router_score: str = "softmax"  # names.ROUTER_SCORES: how router logits become scores
+    router_bias: bool = False  # the router Linear has a bias (gpt-oss)
+    router_balance_bias: bool = False  # aux-loss-free balancing bias per expert, a buffer (DeepSeek-V3)
+    norm_topk_prob: bool = True  # the top-k scores are renormalised to sum to 1
+    routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this (DeepSeek-V3: 2.5)
+    router_aux_loss: float = 0.0  # coefficient of the load-balancing loss (Switch); 0 = none
+    router_groups: int = 1  # group-limited routing: experts in this many groups (DeepSeek-V3: 8); 1 = none
+    router_topk_groups: int = 1  # a token's experts come from its best this many groups (DeepSeek-V3: 4)
+    # ---- multi-head latent attention (attention = "mla", DeepSeek-V2/V3)
+    kv_lora_rank: int = 0  # the compressed KV latent
+    q_lora_rank: int = 0  # the compressed query latent; 0 = queries projected directly
+    qk_rope_head_dim: int = 0  # rotary part of each q/k head (the rotary key is shared by all heads)
+    qk_nope_head_dim: int = 0  # non-rotary part of each q/k head
+    v_head_dim: int = 0  # each value head
+    hf_config: str | None = None  # the Hugging Face config.json the fields came from (resolved path)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def moe(self) -> bool:
+        """True for a mixture of experts (some blocks route tokens to experts)."""
+        return self.experts > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with experts (after the ``dense_layers`` leading dense blocks); 0 when dense."""
+        return max(0, self.layers - self.dense_layers) if self.experts > 0 else 0
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's FFN width (``expert_ffn_hidden``, or ``ffn_hidden`` when 0)."""
+        return self.expert_ffn_hidden or self.ffn_hidden
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has experts."""
+        return self.experts > 0 and index >= self.dense_layers
 
     @property
     def kv_dim(self) -> int:
@@ -186,6 +251,14 @@ class ParallelSpec:
     async_tp: bool = False
     fsdp_reshard_after_forward: str = "default"  # names.RESHARD_POLICIES (ZeRO-3 only)
     pipeline_split: str = "even"  # names.PIPELINE_SPLITS
+    # expert parallel (torchtitan's expert_parallel_degree): each MoE layer's experts split over ep
+    # ranks of the dense region dp_shard·cp·tp, which the sparse region lays out as efsdp·ep
+    ep: int = 1
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """efsdp: the FSDP degree of expert weights, dp_shard·cp·tp / ep (torchtitan's ParallelDims)."""
+        return self.dp // self.replicate * self.cp * self.tp // self.ep  # shard_degree already holds cp
 
     @property
     def world_size(self) -> int:
@@ -269,6 +342,12 @@ class Conventions:
     # keep — the product promises predicted-vs-measured agreement with PyTorch, and the backend
     # runs exactly those APIs. "zero-paper": the ZeRO paper's 2 + 2 + 12 split.
     state_accounting: str = "pytorch"
+    # Mixture of experts: tokens routed to the busiest expert (and so to its rank) over the mean
+    # tokens·top_k / experts. 1 = balanced (the default); a measured run's ratio goes here.
+    moe_imbalance: float = 1.0
+    # GShard/Switch capacity: each expert takes at most capacity_factor × the mean and drops the
+    # rest; its buffers are sized by the capacity. 0 = dropless (torchtitan, DeepSeek-V3).
+    moe_capacity_factor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -339,8 +418,10 @@ class Config:
     # ----------------------------------------------------------------- files
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Config:
-        return _parse(raw)
+    def from_dict(cls, raw: dict[str, Any], base_dir: str | Path | None = None) -> Config:
+        """Parse and validate ``raw``; relative paths in it (model.hf_config) are taken from
+        ``base_dir`` (the working directory when None)."""
+        return _parse(raw, Path(base_dir) if base_dir is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         return _unparse(self)
@@ -354,26 +435,26 @@ class Config:
         except OSError as exc:
             raise ConfigError([Problem("file", str(path), f"cannot be read: {exc.strerror or exc}")]) from None
         if path.suffix.lower() == ".json":
-            return cls.loads_json(text)
-        return cls.loads_toml(text)
+            return cls.loads_json(text, base_dir=path.parent)
+        return cls.loads_toml(text, base_dir=path.parent)
 
     @classmethod
-    def loads_toml(cls, text: str) -> Config:
+    def loads_toml(cls, text: str, base_dir: str | Path | None = None) -> Config:
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([Problem("file", None, f"is not valid TOML: {exc}")]) from None
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, base_dir)
 
     @classmethod
-    def loads_json(cls, text: str) -> Config:
+    def loads_json(cls, text: str, base_dir: str | Path | None = None) -> Config:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError([Problem("file", None, f"is not valid JSON: {exc}")]) from None
         if not isinstance(raw, dict):
             raise ConfigError([Problem("file", None, "must hold a JSON object at the top level")])
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, base_dir)
 
     def dumps_toml(self) -> str:
         import tomli_w
@@ -463,6 +544,29 @@ FIELD_RANGES: dict[str, Range] = {
     "model.vocab": Range(1, 4194304, "16× the largest vocabularies in use (Gemma 256k, mT5 250k)"),
     "model.seq_len": Range(1, 16777216, "1.6× the longest context released (Llama 4 Scout, 10M tokens)"),
     "model.dropout": Range(0, 1, "a probability; 1 would drop everything", hi_open=True),
+    "model.head_size": Range(0, 65536, "heads are 64–256 wide (Gemma 256, MLA 192); 256× that",
+                             note="0 = hidden / heads"),
+    "model.sliding_window": Range(0, 16777216, "as model.seq_len (Mistral 4096, gpt-oss 128)",
+                                  note="0 = no sliding window"),
+    "model.full_attention_every": Range(0, 4096, "as model.layers (gpt-oss 2, Gemma 3 6)",
+                                        note="0 = every block slides"),
+    # ---- model, mixture of experts: DeepSeek-V3 has 256 routed experts of top-8, 58 MoE blocks
+    "model.experts": Range(0, 1048576, "PEER (He 2024) routes over ~1M single-neuron experts; LLMs use 8–384",
+                           note="0 = dense"),
+    "model.experts_per_token": Range(1, 4096, "top-k: 1 (Switch) to 8 (DeepSeek-V3, Qwen3); at most model.experts"),
+    "model.expert_ffn_hidden": Range(0, 1048576, "as model.ffn_hidden", note="0 = model.ffn_hidden"),
+    "model.shared_experts": Range(0, 4096, "DeepSeek-V3 has 1, DeepSeekMoE 16B 2, Qwen2-MoE 4 (as widths)"),
+    "model.dense_layers": Range(0, 4096, "as model.layers (DeepSeek-V3 leads with 3 dense blocks)"),
+    "model.routed_scaling_factor": Range(0, 1e6, "DeepSeek-V3 scales routed outputs by 2.5", lo_open=True),
+    "model.router_groups": Range(1, 1048576, "as model.experts (DeepSeek-V3: 8 groups of 32)", note="1 = no groups"),
+    "model.router_topk_groups": Range(1, 1048576, "as model.router_groups (DeepSeek-V3: 4)"),
+    "model.router_aux_loss": Range(0, 1e3, "load-balancing coefficients in use are 1e-4 (DeepSeek-V3) to 0.02"),
+    # ---- model, multi-head latent attention: DeepSeek-V3 kv 512, q 1536, rope 64, nope 128, v 128
+    "model.kv_lora_rank": Range(0, 131072, "as model.hidden (DeepSeek-V3: 512)"),
+    "model.q_lora_rank": Range(0, 131072, "as model.hidden (DeepSeek-V3: 1536)", note="0 = no query compression"),
+    "model.qk_rope_head_dim": Range(0, 65536, "as model.head_size (DeepSeek-V3: 64)"),
+    "model.qk_nope_head_dim": Range(0, 65536, "as model.head_size (DeepSeek-V3: 128)"),
+    "model.v_head_dim": Range(0, 65536, "as model.head_size (DeepSeek-V3: 128)"),
     # ---- cluster: the largest training clusters announced hold ~200k GPUs (xAI Colossus)
     "cluster.gpus": Range(1, 1048576, "5× the largest announced cluster (~200k GPUs)"),
     "cluster.gpus_per_node": Range(1, 1024, "NVL72 racks hold 72 GPUs in one NVLink domain, NVL576 576"),
@@ -494,6 +598,7 @@ FIELD_RANGES: dict[str, Range] = {
     "parallel.replicate": Range(1, 1048576, "as cluster.gpus (replicate divides dp)"),
     "parallel.virtual_stages": Range(1, 2048, "pp ≥ 2 whenever virtual_stages > 1, and pp·virtual_stages ≤ "
                                      "model.layers ≤ 4096"),
+    "parallel.ep": Range(1, 1048576, "as model.experts (ep divides the experts of each MoE block)"),
     "parallel.microbatches": Range(1, 65536, "gradient accumulation: DeepSeek-V3's 15360-sequence batch on one "
                                    "replica, ×4"),
     # ---- training
@@ -509,6 +614,9 @@ FIELD_RANGES: dict[str, Range] = {
     "conventions.ddp_bucket_mb": Range(0, 4194304, "one bucket for every fp32 gradient of a 1T model is 4e6 MB",
                                        lo_open=True),
     "conventions.compute_efficiency": Range(0, 1, "achieved / peak FLOP/s", lo_open=True),
+    "conventions.moe_imbalance": Range(1, 1048576, "the busiest expert's tokens over the mean; at most model.experts "
+                                       "(every token to one expert)", note="1 = balanced"),
+    "conventions.moe_capacity_factor": Range(0, 1048576, "GShard and Switch use 1.0–2.0", note="0 = dropless"),
 }
 
 
@@ -563,8 +671,9 @@ def check(
     ok_model = not any(f"model.{k}" in out_of_range for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden",
                                                       "vocab", "seq_len"))
     if ok_model:
-        if model.hidden % model.heads:
-            p.append(Problem("model.hidden", model.hidden, f"must be a multiple of model.heads ({model.heads})"))
+        if model.hidden % model.heads and not model.head_size and model.attention != "mla":
+            p.append(Problem("model.hidden", model.hidden, f"must be a multiple of model.heads ({model.heads}) "
+                             "unless model.head_size gives the head width"))
         if model.heads % model.kv_heads:
             p.append(
                 Problem(
@@ -577,6 +686,9 @@ def check(
     _choice(p, "model.norm", model.norm, names.NORM_KINDS)
     _choice(p, "model.attention", model.attention, names.ATTENTION_KINDS)
     _choice(p, "model.position", model.position, names.POSITION_KINDS)
+    _check_moe(p, model, parallel, conventions, out_of_range)
+    _check_mla(p, model, out_of_range)
+    _check_moe_combinations(p, model, parallel, training)
 
     # ---- cluster
     ok_cluster = "cluster.gpus" not in out_of_range and "cluster.gpus_per_node" not in out_of_range
@@ -704,6 +816,106 @@ def _check_context_parallel(p: list[Problem], model: ModelSpec, par: ParallelSpe
                          "context parallelism reduces gradients over dp·cp as torchtitan does, with FSDP's "
                          "dp_shard_cp mesh or DDP; ZeRO-1 (ZeroRedundancyOptimizer) is not composed with it: "
                          "needs parallel.zero = 0, 2 or 3; allowed with zero = 1: 1"))
+
+
+def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conventions, bad: set[str]) -> None:
+    """Mixture of experts and expert parallelism (torchtitan's ParallelDims: ep divides dp_shard·cp·tp)."""
+    _choice(p, "model.router_score", model.router_score, names.ROUTER_SCORES)
+    for key in ("qkv_bias", "qk_norm", "attention_sinks", "router_bias", "router_balance_bias", "norm_topk_prob"):
+        if not isinstance(getattr(model, key), bool):
+            p.append(Problem(f"model.{key}", getattr(model, key), "allowed: true | false"))
+    fields = ("experts", "experts_per_token", "expert_ffn_hidden", "shared_experts", "dense_layers", "layers",
+              "ffn_hidden")
+    if any(f"model.{k}" in bad for k in fields) or "parallel.ep" in bad or "parallel.tp" in bad:
+        return
+    e, k = model.experts, model.experts_per_token
+    if e == 0:
+        if par.ep > 1:
+            p.append(Problem("parallel.ep", par.ep, "expert parallelism needs experts: model.experts > 0; "
+                             "allowed with a dense model: 1"))
+        return
+    if k > e:
+        p.append(Problem("model.experts_per_token", k, f"top-k must not exceed model.experts ({e}); "
+                         f"allowed: 1 … {e}"))
+    if model.dense_layers >= model.layers:
+        p.append(Problem("model.dense_layers", model.dense_layers,
+                         f"leaves no block with experts: must be less than model.layers ({model.layers}); "
+                         f"allowed: 0 … {model.layers - 1}"))
+    g = model.router_groups
+    if g > 1 and "model.router_groups" not in bad and "model.router_topk_groups" not in bad:
+        if e % g:
+            p.append(Problem("model.router_groups", g, f"must divide model.experts ({e}); allowed: "
+                             f"{', '.join(map(str, _divisors(e)[:24]))}"))
+        elif model.router_topk_groups > g:
+            p.append(Problem("model.router_topk_groups", model.router_topk_groups,
+                             f"must not exceed model.router_groups; allowed: 1 … {g}"))
+        elif k > model.router_topk_groups * (e // g):
+            p.append(Problem("model.experts_per_token", k,
+                             f"the best router_topk_groups ({model.router_topk_groups}) groups of {e // g} experts "
+                             f"hold only {model.router_topk_groups * (e // g)}: allowed: 1 … "
+                             f"{model.router_topk_groups * (e // g)}"))
+    if e % par.ep:
+        p.append(Problem("parallel.ep", par.ep, f"must divide model.experts ({e}); allowed: "
+                         f"{', '.join(map(str, _divisors(e)[:24]))}"))
+    if "parallel.dp" not in bad and "parallel.replicate" not in bad and par.replicate >= 1 \
+            and par.dp % par.replicate == 0:
+        cp = getattr(par, "cp", 1)
+        dense = par.shard_degree * cp * par.tp
+        if dense % par.ep:
+            p.append(Problem("parallel.ep", par.ep,
+                             f"must divide the dense region dp_shard·cp·tp = {par.shard_degree}·{cp}·{par.tp} = {dense} "
+                             f"(the ranks its efsdp·ep sparse region covers); allowed: "
+                             f"{', '.join(str(d) for d in _divisors(math.gcd(dense, e)))}"))
+    if par.ep > 1 and par.tp > 1 and "model.seq_len" not in bad and model.seq_len % par.tp:
+        p.append(Problem("parallel.ep", par.ep, f"with parallel.tp > 1 each TP rank dispatches its slice of the "
+                         f"sequence: needs model.seq_len ({model.seq_len}) to be a multiple of parallel.tp ({par.tp})"))
+    if par.ep == 1 and par.tp > 1 and model.expert_hidden % par.tp:
+        p.append(Problem("parallel.tp", par.tp, f"without expert parallelism the experts are split by TP: must "
+                         f"divide model.expert_ffn_hidden ({model.expert_hidden}); allowed: "
+                         f"{', '.join(map(str, _divisors(math.gcd(model.expert_hidden, model.heads))))}"))
+    if "conventions.moe_imbalance" not in bad and conv.moe_imbalance > e:
+        p.append(Problem("conventions.moe_imbalance", conv.moe_imbalance,
+                         f"the busiest expert gets at most every token: allowed: 1 … model.experts ({e})"))
+
+
+def _check_moe_combinations(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:
+    """What experts and MLA do not compose with here (each a clear refusal, not a silent guess)."""
+    if model.experts > 0 or model.attention == "mla":
+        what = "model.experts > 0" if model.experts > 0 else "attention = 'mla'"
+        if t.finetune == "lora":
+            p.append(Problem("training.finetune", t.finetune, f"LoRA adapters are placed on the plain attention "
+                             f"and MLP Linears; with {what} allowed: full"))
+        if par.dp_mode == "dataparallel":
+            p.append(Problem("parallel.dp_mode", par.dp_mode, f"legacy nn.DataParallel is modelled for dense "
+                             f"decoders; with {what} allowed: ddp"))
+    if model.experts > 0 and t.float8 not in ("none",) and isinstance(t.float8, str) and t.float8 in names.FLOAT8_KINDS:
+        p.append(Problem("training.float8", t.float8, "float8 training of grouped expert GEMMs is not modelled; with "
+                         "model.experts > 0 allowed: none"))
+    if isinstance(par.ep, int) and par.ep > 1 and par.zero == 1:
+        p.append(Problem("parallel.zero", par.zero, "ZeroRedundancyOptimizer partitions one data-parallel group, "
+                         "but expert weights differ between EP ranks: with parallel.ep > 1 allowed: 0 (experts "
+                         "all-reduced over efsdp), 2, 3 (experts FSDP-sharded over efsdp, as torchtitan)"))
+
+
+def _check_mla(p: list[Problem], model: ModelSpec, bad: set[str]) -> None:
+    """Multi-head latent attention: its ranks and head widths, and none of the plain-attention ones."""
+    if model.attention != "mla":
+        return
+    for key in ("kv_lora_rank", "v_head_dim"):
+        if f"model.{key}" not in bad and getattr(model, key) < 1:
+            p.append(Problem(f"model.{key}", getattr(model, key), "attention = 'mla' needs it: allowed: at least 1"))
+    if "model.qk_rope_head_dim" not in bad and "model.qk_nope_head_dim" not in bad:
+        if model.qk_rope_head_dim + model.qk_nope_head_dim < 1:
+            p.append(Problem("model.qk_nope_head_dim", model.qk_nope_head_dim,
+                             "attention = 'mla' needs query/key heads: qk_nope_head_dim + qk_rope_head_dim ≥ 1"))
+        if model.qk_rope_head_dim % 2:
+            p.append(Problem("model.qk_rope_head_dim", model.qk_rope_head_dim, "rotary halves pair up: must be even"))
+    if model.head_size:
+        p.append(Problem("model.head_size", model.head_size, "attention = 'mla' sets its head widths with "
+                         "qk_nope_head_dim, qk_rope_head_dim and v_head_dim; allowed: 0"))
+    if "model.kv_heads" not in bad and "model.heads" not in bad and model.kv_heads != model.heads:
+        p.append(Problem("model.kv_heads", model.kv_heads, f"attention = 'mla' expands the latent to every head: "
+                         f"allowed: model.heads ({model.heads})"))
 
 
 def _check_torchtitan_knobs(p: list[Problem], par: ParallelSpec, t: TrainingSpec) -> None:
@@ -840,7 +1052,7 @@ def _read_fields(p: list[Problem], section: str, table: dict, cls: type, skip: s
     return out
 
 
-def _parse(raw: dict[str, Any]) -> Config:
+def _parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     p: list[Problem] = []
     if not isinstance(raw, dict):
         raise ConfigError([Problem("file", None, "must hold a table at the top level")])
@@ -851,7 +1063,7 @@ def _parse(raw: dict[str, Any]) -> Config:
     if version != SCHEMA_VERSION or isinstance(version, bool):
         p.append(Problem("schema_version", version, f"allowed: {SCHEMA_VERSION}"))
 
-    model = _parse_model(p, _table(p, raw, "model"))
+    model = _parse_model(p, _table(p, raw, "model"), base_dir)
     cluster_raw = _table(p, raw, "cluster")
     parallel_raw = _table(p, raw, "parallel")
     par = _parse_parallel(p, parallel_raw)
@@ -880,7 +1092,7 @@ def _parse(raw: dict[str, Any]) -> Config:
     return Config(model=model, cluster=cluster, parallel=parallel, training=training, conventions=conventions)
 
 
-def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
+def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) -> ModelSpec | None:
     presets = model_presets()
     base: dict[str, Any] = {}
     preset = table.get("preset")
@@ -889,9 +1101,20 @@ def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
             p.append(Problem("model.preset", preset, f"unknown preset; allowed: {', '.join(presets)}"))
         else:
             base = dict(presets[preset])
-    fields = _read_fields(p, "model", table, ModelSpec, {"preset"})
+    hf_path = table.get("hf_config")
+    if hf_path is not None:
+        if preset is not None:
+            p.append(Problem("model.hf_config", hf_path, "names the architecture as model.preset does: give one "
+                             "of them, not both"))
+        hf = _read_hf(p, hf_path, base_dir)
+        if hf is None:
+            return None
+        base, hf_path = hf
+    fields = _read_fields(p, "model", table, ModelSpec, {"preset", "hf_config"})
     merged = {**base, **fields}
-    if base:
+    if hf_path is not None:
+        merged["hf_config"] = hf_path
+    if base and preset is not None and hf_path is None:
         merged["preset"] = preset
     required = [f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING]
     missing = [k for k in required if k not in merged]
@@ -899,6 +1122,26 @@ def _parse_model(p: list[Problem], table: dict) -> ModelSpec | None:
         p.append(Problem("model", None, f"missing {', '.join(missing)} (give them, or name a preset: {', '.join(presets)})"))
         return None
     return ModelSpec(**merged)
+
+
+def _read_hf(p: list[Problem], value: Any, base_dir: Path | None) -> tuple[dict[str, Any], str] | None:
+    """The fields of the Hugging Face config.json ``value`` names (relative to ``base_dir``, the
+    config file's folder, else the working directory) and its resolved path."""
+    from engine.hf_config import HFConfigError, read_hf_config
+
+    if not isinstance(value, str) or not value:
+        p.append(Problem("model.hf_config", value, "must be the path of a Hugging Face config.json (a string)"))
+        return None
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = (base_dir or Path.cwd()) / path
+    try:
+        fields = read_hf_config(path)
+    except HFConfigError as err:
+        for message in err.messages:
+            p.append(Problem("model.hf_config", value, message))
+        return None
+    return fields, str(path.resolve())
 
 
 def _parse_parallel(p: list[Problem], table: dict) -> dict[str, Any]:
@@ -983,8 +1226,30 @@ def _asdict_without_none(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]
             if getattr(obj, f.name) is not None and f.name not in drop}
 
 
+#: Fields a file names only when they differ from their defaults (the mixture-of-experts, MLA and
+#: recent attention fields): a dense model's file reads as it did before they existed.
+_WRITTEN_WHEN_SET: dict[type, tuple[str, ...]] = {
+    ModelSpec: ("head_size", "qkv_bias", "qk_norm", "attention_sinks", "sliding_window", "full_attention_every", "experts",
+                "experts_per_token", "expert_ffn_hidden", "shared_experts", "dense_layers", "router_score",
+                "router_bias", "router_balance_bias", "norm_topk_prob", "routed_scaling_factor",
+                "router_aux_loss", "router_groups", "router_topk_groups", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                "v_head_dim"),
+    ParallelSpec: ("ep",),
+    Conventions: ("moe_imbalance", "moe_capacity_factor"),
+}
+
+
+def _drop_defaults(obj: Any, out: dict[str, Any]) -> dict[str, Any]:
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    for key in _WRITTEN_WHEN_SET.get(type(obj), ()):
+        if key in out and out[key] == defaults[key]:
+            del out[key]
+    return out
+
+
 def _unparse(cfg: Config) -> dict[str, Any]:
-    model = _asdict_without_none(cfg.model, drop=("preset",))
+    # hf_config is provenance only: every field it gave is written out, so the file stands alone
+    model = _drop_defaults(cfg.model, _asdict_without_none(cfg.model, drop=("preset", "hf_config")))
     if cfg.model.preset is not None:
         model = {"preset": cfg.model.preset, **model}
     cl = cfg.cluster
@@ -1003,9 +1268,9 @@ def _unparse(cfg: Config) -> dict[str, Any]:
         "schema_version": cfg.schema_version,
         "model": model,
         "cluster": cluster,
-        "parallel": _asdict_without_none(cfg.parallel),
+        "parallel": _drop_defaults(cfg.parallel, _asdict_without_none(cfg.parallel)),
         "training": _asdict_without_none(cfg.training),
-        "conventions": _asdict_without_none(cfg.conventions),
+        "conventions": _drop_defaults(cfg.conventions, _asdict_without_none(cfg.conventions)),
     }
 
 

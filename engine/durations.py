@@ -12,6 +12,11 @@ FLOP conventions (per token, per transformer block, forward, before dividing by 
   (SwiGLU) or 2 (GELU), attention core ``4·s·h`` (QKᵀ and AV, full square: the Megatron /
   Narayanan MFU convention, also for causal masks); the head ``2·h·vocab`` on the last stage;
   embedding lookup, norms and biases are not counted.
+* mixtures of experts, MLA, head_size, sliding windows (:func:`block_flops`): 2 × the weights a
+  token multiplies (the router, its top-k experts, the shared experts; MLA's projections), the
+  attention core ``2·s'·a·(d_qk + d_v)`` over the window; dense and MoE blocks counted per stage
+  by layer. The stage durations charge the busiest EP rank's experts (× the routed factor of
+  ``conventions.moe_imbalance`` / ``moe_capacity_factor``); MFU counts the balanced active FLOPs.
 * backward for inputs (I) = forward of the matmuls + 2× the attention core; backward for
   weights (W) = forward of the matmuls; full backward B = I + W (≈ 2× forward).
 * recompute: ``full`` adds the blocks' forward to B (and to I), ``selective`` adds the
@@ -162,6 +167,63 @@ def flops_per_token(cfg: Config) -> FlopsPerToken:
     return FlopsPerToken(proj, core, mlp, head)
 
 
+def plain_blocks(cfg: Config) -> bool:
+    """True for the plain decoder the per-token FLOPs above describe exactly (q width h, no experts,
+    no MLA, no sliding window); the others use :func:`block_flops`."""
+    m = cfg.model
+    return m.experts == 0 and m.attention != "mla" and not m.head_size and not m.sliding_window
+
+
+def routed_factor(cfg: Config) -> float:
+    """Routed token copies on the busiest rank over the balanced mean n·k: the capacity factor when
+    set (its buffers hold that many, dropping the rest), else the measured or assumed imbalance
+    under expert parallelism (1: balanced), else 1 (every expert is local: n·k in all)."""
+    conv, par = cfg.conventions, cfg.parallel
+    if conv.moe_capacity_factor > 0:
+        return conv.moe_capacity_factor
+    return conv.moe_imbalance if par.ep > 1 else 1.0
+
+
+def block_flops(cfg: Config, with_experts: bool, routed: float = 1.0) -> FlopsPerToken:
+    """Forward FLOPs per token of one block of any kind (before tp): 2 × every weight a token
+    multiplies — the attention projections as engine.params lays them out (MLA's latents, head_size),
+    the dense MLP, or the router, ``experts_per_token`` routed experts (× ``routed``: the busiest
+    rank's share under imbalance) and the shared experts (grouped GEMMs: the active FLOPs, at the
+    same efficiency) — and the attention core ``2·s'·a·(d_qk + d_v)``, where s' averages the full
+    context and the sliding window over the blocks."""
+    from engine.params import attention_tensors, mlp_tensors
+
+    m = cfg.model
+    h = m.hidden
+    weights, _ = attention_tensors(m)
+    proj = 2.0 * sum(a * b for a, b in weights if b > 1)  # norms and sinks (one column) are no matmul
+    d_qk = m.head_dim
+    d_v = m.v_head_dim if m.attention == "mla" else m.head_dim
+    s = float(m.seq_len)
+    if m.sliding_window:
+        full = (m.layers // m.full_attention_every) if m.full_attention_every else 0
+        s = (full * s + (m.layers - full) * min(s, m.sliding_window)) / m.layers
+    core = 2.0 * s * m.heads * (d_qk + d_v)
+    if with_experts:
+        per_expert = 2.0 * (3 if m.mlp == "swiglu" else 2) * h * m.expert_hidden
+        mlp = 2.0 * m.experts * h + routed * m.experts_per_token * per_expert
+        if m.shared_experts:
+            w, _ = mlp_tensors(m, m.shared_experts * m.expert_hidden)
+            mlp += 2.0 * sum(a * b for a, b in w)
+    else:
+        w, _ = mlp_tensors(m, m.ffn_hidden)
+        mlp = 2.0 * sum(a * b for a, b in w)
+    return FlopsPerToken(proj, core, mlp, 2.0 * h * m.vocab)
+
+
+def stage_block_counts(cfg: Config, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dense blocks, blocks with experts) of each stage (the first ``dense_layers`` are dense)."""
+    m = cfg.model
+    split = split_layers(m.layers, num_stages, cfg.parallel.pipeline_split)
+    moe = np.array([sum(1 for i in r if m.is_moe_layer(i)) for r in split], dtype=np.float64)
+    return np.array([len(r) for r in split], dtype=np.float64) - moe, moe
+
+
 def adapter_elements_per_block(cfg: Config) -> int:
     """LoRA adapter elements one TP rank holds per block (0 under full fine-tuning)."""
     tr = cfg.training
@@ -183,6 +245,10 @@ def model_flops_per_token(cfg: Config) -> float:
     the input gradients of every layer and of the head, the adapters' weight gradients only."""
     fl = flops_per_token(cfg)
     n = cfg.model.layers
+    if not plain_blocks(cfg) and cfg.training.finetune != "lora":  # MFU counts the active FLOPs: the top-k experts, balanced
+        dense, moe = block_flops(cfg, False), block_flops(cfg, True)
+        n_moe = cfg.model.moe_layers
+        return 3 * ((n - n_moe) * dense.block + n_moe * moe.block + dense.head)
     if cfg.training.finetune != "lora":
         return 3 * (n * fl.block + fl.head)
     a = adapter_flops_per_token(cfg)
@@ -331,7 +397,25 @@ def stage_durations(
     ckpt = np.array(checkpointed_blocks(cfg), dtype=np.float64) * whole if tr.recompute == "selective-layer" \
         else np.zeros(num_stages)
 
-    if tr.finetune == "lora":  # frozen base: input gradients as before, weight gradients of the adapters only
+    if not plain_blocks(cfg) and tr.finetune != "lora":  # blocks differ: dense and MoE blocks by layer, the busiest EP rank's experts
+        dn, mn = stage_block_counts(cfg, num_stages)
+        fd, fm = block_flops(cfg, False), block_flops(cfg, True, routed_factor(cfg))
+        blk = dn * fd.block + mn * fm.block
+        mm = dn * fd.matmuls + mn * fm.matmuls
+        core = dn * fd.attention_core + mn * fm.attention_core
+        if tr.recompute == "full":
+            rec = blk
+        elif tr.recompute == "selective":
+            rec = core
+        elif tr.recompute == "selective-layer":
+            rec = np.array(checkpointed_blocks(cfg), dtype=np.float64) * blk / np.maximum(dn + mn, 1)
+        else:
+            rec = (dn + mn) * every
+        head_mm = head
+        f = tokens * (blk + head_mm) / rate
+        i = tokens * (mm + 2 * core + rec + head_mm) / rate
+        w = tokens * (mm + head_mm) / rate
+    elif tr.finetune == "lora":  # frozen base: input gradients as before, weight gradients of the adapters only
         a = adapter_flops_per_token(cfg)
         f = tokens * (layers * (fl.block + a) + head) / rate
         i = tokens * (layers * (fl.matmuls + 2 * fl.attention_core + a + recompute) + ckpt + head) / rate

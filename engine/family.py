@@ -187,7 +187,8 @@ def _walk(base: ModelSpec, current: ModelSpec | None, tp: int | None, min_layers
     for i, m in enumerate(out):
         if m.shape() == shape:
             return tuple(out), i
-    mine = Member(current, param_counts(current).total)
+    mine_spec = current if current is not None else base  # a base outside its own family (MLA, head_size)
+    mine = Member(mine_spec, param_counts(mine_spec).total)
     out = sorted([*out, mine], key=lambda m: (m.params, m.spec.layers))
     return tuple(out), out.index(mine)
 

@@ -53,7 +53,12 @@ FSDP_STRATEGIES: dict[str, tuple[int, bool]] = {
 
 MLP_KINDS = ("gelu", "swiglu")
 NORM_KINDS = ("layernorm", "rmsnorm")
-ATTENTION_KINDS = ("eager", "flash")
+#: Attention (model.attention): the eager kernel, a fused (flash) kernel, or DeepSeek's multi-head latent
+#: attention (low-rank KV and query latents, a shared rotary key; run with the fused kernel).
+ATTENTION_KINDS = ("eager", "flash", "mla")
+#: How a MoE router turns logits into scores (model.router_score): softmax (Mixtral, Qwen3, gpt-oss) or
+#: sigmoid (DeepSeek-V3).
+ROUTER_SCORES = ("softmax", "sigmoid")
 POSITION_KINDS = ("rope", "learned")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 GRAD_DTYPES = ("bf16", "fp16", "fp32")

@@ -20,6 +20,18 @@ A decoder-only transformer with ``L`` identical blocks, hidden ``h``, ``a`` head
 
 GPT-2 small (gpt2-124m preset) gives 124,439,808; llama2-7b 6,738,415,616.
 
+Beyond the plain block (each 0 / off by default):
+
+* ``qkv_bias``: biases on q, k and v only (``a·d``, ``a_kv·d``, ``a_kv·d``; Qwen2).
+* ``head_size``: q is ``h → a·d`` and o ``a·d → h`` with that ``d`` (need not be ``h / a``);
+  ``qk_norm`` adds a norm of ``d`` over q and one over k; ``attention_sinks`` one logit per head.
+* ``attention = "mla"``: ``attention_tensors`` below (DeepSeek-V2/V3's projections and latent norms).
+* Mixture of experts (``experts = E > 0``): the first ``dense_layers`` blocks keep the dense MLP;
+  every later block replaces it with a router ``h → E`` (bias ``E`` iff ``router_bias``), ``E``
+  routed experts of FFN ``expert_ffn_hidden`` (an MLP as above each, biases iff ``model.bias``)
+  and ``shared_experts`` always-on ones of the same width (one MLP of ``S·f_e``). Active
+  parameters count ``experts_per_token`` of the ``E`` experts.
+
 PLACEMENT RULE (pipeline and tensor parallel):
 
 * Stage ``k`` holds the blocks ``engine.layout.split_layers(L, pp·v, parallel.pipeline_split)[k]``
@@ -41,7 +53,7 @@ PLACEMENT RULE (pipeline and tensor parallel):
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 from engine.config import Config, ModelSpec
@@ -52,21 +64,33 @@ from engine.layout import placement_style, split_layers, stages_of_pp_rank
 
 @dataclass(frozen=True)
 class LayerParams:
-    """Parameters of one transformer block (all blocks are identical)."""
+    """Parameters of one transformer block of one kind (dense, or with experts)."""
 
-    attention: int  # q, k, v, o weights
-    mlp: int  # gate/up/down weights
-    norms: int  # norm1 + norm2
-    biases: int  # every Linear's bias (0 unless model.bias)
+    attention: int  # q, k, v, o weights (MLA: its projections and latent norms); attention sinks
+    mlp: int  # the dense MLP's weights; in a block with experts, the shared experts' weights
+    norms: int  # norm1 + norm2, and the q/k norms
+    biases: int  # the bias of every Linear above (0 unless model.bias)
+    router: int = 0  # the router's weight and bias
+    experts: int = 0  # every routed expert's weights and biases
+    active_experts: int = 0  # of those, the ones a token passes through (top-k experts)
 
     @property
     def total(self) -> int:
-        return self.attention + self.mlp + self.norms + self.biases
+        return self.attention + self.mlp + self.norms + self.biases + self.router + self.experts
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: everything but the experts it is not routed to."""
+        return self.total - self.experts + self.active_experts
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Exact parameter counts of a ModelSpec, by part."""
+    """Exact parameter counts of a ModelSpec, by part.
+
+    ``layer`` is the repeating block: the block with experts for a mixture of experts, whose
+    first ``dense_layers`` blocks are ``dense_layer`` instead.
+    """
 
     embedding: int
     position: int
@@ -74,6 +98,8 @@ class ParamCounts:
     layers: int
     final_norm: int
     head: int  # 0 when tied
+    dense_layer: LayerParams | None = None
+    dense_layers: int = 0
 
     @property
     def per_layer(self) -> int:
@@ -81,31 +107,146 @@ class ParamCounts:
 
     @property
     def blocks(self) -> int:
-        return self.layers * self.layer.total
+        dense = self.dense_layers * self.dense_layer.total if self.dense_layer else 0
+        return (self.layers - self.dense_layers) * self.layer.total + dense
+
+    @property
+    def experts(self) -> int:
+        """Routed expert parameters of the whole model."""
+        return (self.layers - self.dense_layers) * self.layer.experts
 
     @property
     def total(self) -> int:
         return self.embedding + self.position + self.blocks + self.final_norm + self.head
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through: the total less the routed experts it skips
+        (embedding and head included, as Mixtral's 12.9B and DeepSeek-V3's 37B count them)."""
+        dense = self.dense_layers * self.dense_layer.total if self.dense_layer else 0
+        return (self.embedding + self.position + self.final_norm + self.head + dense
+                + (self.layers - self.dense_layers) * self.layer.active)
+
+    @property
+    def active_without_embedding(self) -> int:
+        """``active`` less the input embedding (a row lookup, not a matmul; the head stays, and a
+        tied head counts its matrix): the convention of gpt-oss's 3.6B / 5.1B and of DeepSeek-V3's
+        36.6B ("37B") active parameters."""
+        tied_head = self.embedding if self.head == 0 else 0
+        return self.active - self.embedding - self.position + tied_head
 
 
 def _norm_params(model: ModelSpec) -> int:
     return 2 * model.hidden if model.norm == "layernorm" else model.hidden
 
 
+def _norm_tensors(model: ModelSpec, width: int) -> tuple[tuple[int, int], ...]:
+    return ((width, 1), (width, 1)) if model.norm == "layernorm" else ((width, 1),)
+
+
+def attention_tensors(model: ModelSpec, tp: int = 1) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(weights, biases) of one block's attention on one TP rank, as (dim0, rest) shapes.
+
+    Plain / grouped-query: q ``h → a·d``, k and v ``h → a_kv·d`` (column-parallel), o ``a·d → h``
+    (row-parallel), biases on each iff ``model.bias``; attention sinks add one logit per head.
+    MLA (DeepSeek-V2/V3): q ``h → r_q`` (q_a_proj), its norm ``r_q``, ``r_q → a·(d_nope + d_rope)``
+    (q_b_proj; or q ``h → a·(d_nope + d_rope)`` without a query latent), kv ``h → r_kv + d_rope``
+    (kv_a_proj_with_mqa), its norm ``r_kv``, ``r_kv → a·(d_nope + d_v)`` (kv_b_proj), o
+    ``a·d_v → h``. The latent projections and norms are replicated over TP; the head-wise ones split.
+    """
+    h, a = model.hidden, model.heads
+    if model.attention == "mla":
+        qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+        a_local = a // tp
+        w: list[tuple[int, int]] = []
+        if model.q_lora_rank:
+            w += [(model.q_lora_rank, h)] + list(_norm_tensors(model, model.q_lora_rank))
+            w += [(a_local * qk, model.q_lora_rank)]
+        else:
+            w += [(a_local * qk, h)]
+        w += [(model.kv_lora_rank + model.qk_rope_head_dim, h)] + list(_norm_tensors(model, model.kv_lora_rank))
+        w += [(a_local * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)]
+        w += [(h, a_local * model.v_head_dim)]
+        b: list[tuple[int, int]] = []
+        if model.bias:  # on every Linear, as plain attention's bias flag means
+            if model.q_lora_rank:
+                b += [(model.q_lora_rank, 1), (a_local * qk, 1)]
+            else:
+                b += [(a_local * qk, 1)]
+            b += [(model.kv_lora_rank + model.qk_rope_head_dim, 1), (a_local * (model.qk_nope_head_dim + model.v_head_dim), 1),
+                  (h, 1)]
+    else:
+        q_local, kv_local = a * model.head_dim // tp, model.kv_dim // tp
+        w = [(q_local, h), (kv_local, h), (kv_local, h), (h, q_local)]  # q, k, v (col); o (row)
+        b = ([(q_local, 1), (kv_local, 1), (kv_local, 1), (h, 1)] if model.bias
+             else [(q_local, 1), (kv_local, 1), (kv_local, 1)] if model.qkv_bias else [])
+    if model.attention_sinks:
+        w += [(a // tp, 1)]
+    return tuple(w), tuple(b)
+
+
+def mlp_tensors(model: ModelSpec, width: int, tp: int = 1) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(weights, biases) of one MLP of FFN ``width`` on one TP rank: swiglu gate, up ``h → f``
+    (column-parallel) and down ``f → h`` (row-parallel); gelu up and down."""
+    h, f_local = model.hidden, width // tp
+    ups = 2 if model.mlp == "swiglu" else 1
+    w = [(f_local, h)] * ups + [(h, f_local)]
+    b = [(f_local, 1)] * ups + [(h, 1)] if model.bias else []
+    return tuple(w), tuple(b)
+
+
+def router_tensors(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """The router of a block with experts: ``h → E`` (+ a bias of E with ``router_bias``), replicated over TP.
+    DeepSeek-V3's balancing bias (``router_balance_bias``) is a buffer, not a parameter."""
+    return ((model.experts, model.hidden),) + (((model.experts, 1),) if model.router_bias else ())
+
+
+def expert_tensors(model: ModelSpec, experts: int, tp: int = 1) -> tuple[tuple[int, int], ...]:
+    """``experts`` routed experts as grouped weights (torchtitan's GroupedExperts: w1, w3 ``(E, f, h)``,
+    w2 ``(E, h, f)``; gelu w1, w2; with ``model.bias`` a bias ``(E, f)`` per up projection and
+    ``(E, h)`` for down), each as (dim0, rest) with the expert dimension first. ``tp`` splits f
+    (experts sharded by TP when expert parallelism is off)."""
+    h, f = model.hidden, model.expert_hidden // tp
+    ups = 2 if model.mlp == "swiglu" else 1
+    out = [(experts, f * h)] * ups + [(experts, h * f)]
+    if model.bias:
+        out += [(experts, f)] * ups + [(experts, h)]
+    return tuple(out)
+
+
+def _numel(tensors) -> int:
+    return sum(a * b for a, b in tensors)
+
+
+def _block_params(model: ModelSpec, with_experts: bool) -> LayerParams:
+    att_w, att_b = attention_tensors(model)
+    if with_experts:
+        shared = model.shared_experts * model.expert_hidden
+        mlp_w, mlp_b = mlp_tensors(model, shared) if shared else ((), ())
+        router = _numel(router_tensors(model))
+        per_expert = _numel(expert_tensors(model, 1))
+        experts, active = model.experts * per_expert, model.experts_per_token * per_expert
+    else:
+        mlp_w, mlp_b = mlp_tensors(model, model.ffn_hidden)
+        router = experts = active = 0
+    qk_norms = 2 * model.head_dim if model.qk_norm else 0
+    return LayerParams(attention=_numel(att_w), mlp=_numel(mlp_w), norms=2 * _norm_params(model) + qk_norms,
+                       biases=_numel(att_b) + _numel(mlp_b), router=router, experts=experts,
+                       active_experts=active)
+
+
 def param_counts(model: ModelSpec) -> ParamCounts:
     """Exact parameter counts by part (see the rule at the top of this module)."""
-    h, f, q_dim, kv = model.hidden, model.ffn_hidden, model.heads * model.head_dim, model.kv_dim
-    attention = h * q_dim + 2 * h * kv + q_dim * h
-    n_up = 2 if model.mlp == "swiglu" else 1
-    mlp = n_up * h * f + f * h
-    biases = (q_dim + 2 * kv + h + n_up * f + h) if model.bias else 0
+    moe = model.experts > 0
     return ParamCounts(
-        embedding=model.vocab * h,
-        position=model.seq_len * h if model.position == "learned" else 0,
-        layer=LayerParams(attention=attention, mlp=mlp, norms=2 * _norm_params(model), biases=biases),
+        embedding=model.vocab * model.hidden,
+        position=model.seq_len * model.hidden if model.position == "learned" else 0,
+        layer=_block_params(model, with_experts=moe),
         layers=model.layers,
         final_norm=_norm_params(model),
-        head=0 if model.tied_embeddings else model.vocab * h,
+        head=0 if model.tied_embeddings else model.vocab * model.hidden,
+        dense_layer=_block_params(model, with_experts=False) if moe and model.dense_layers else None,
+        dense_layers=model.dense_layers if moe else 0,
     )
 
 
@@ -122,21 +263,54 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
 
 
 @lru_cache(maxsize=256)
-def layer_tensors(model: ModelSpec, tp: int) -> tuple[tuple[int, int], ...]:
-    """(dim0, rest) of every parameter of one block on one TP rank."""
-    h, f, d = model.hidden, model.ffn_hidden, model.head_dim
-    q_local, kv_local, f_local = model.heads * d // tp, model.kv_dim // tp, f // tp
-    norm = ((h, 1), (h, 1)) if model.norm == "layernorm" else ((h, 1),)
-    out: list[tuple[int, int]] = list(norm)
-    out += [(q_local, h), (kv_local, h), (kv_local, h), (h, q_local)]  # q, k, v (col); o (row)
-    if model.bias:
-        out += [(q_local, 1), (kv_local, 1), (kv_local, 1), (h, 1)]
+def layer_tensors(model: ModelSpec, tp: int, with_experts: bool = False, ep: int = 1,
+                  expert_degree: int = 1) -> tuple[tuple[int, int], ...]:
+    """(dim0, rest) of every parameter of one block's FSDP unit on one TP rank.
+
+    A dense block: norm1, q, k, v, o (+ biases), norm2, the MLP (+ biases). A block with experts:
+    norm1, attention, norm2, the router, the shared experts (TP-split like the dense MLP) and —
+    without expert parallelism — the routed experts, split by TP along f. With ``ep`` > 1 the
+    routed experts are a unit of their own (``local_expert_tensors``), as torchtitan wraps them.
+    """
+    h = model.hidden
+    norm = _norm_tensors(model, h)
+    att_w, att_b = attention_tensors(model, tp)
+    out: list[tuple[int, int]] = list(norm) + list(att_w) + list(att_b)
+    if model.qk_norm:
+        out += [(model.head_dim, 1), (model.head_dim, 1)]
     out += list(norm)
-    ups = 2 if model.mlp == "swiglu" else 1
-    out += [(f_local, h)] * ups + [(h, f_local)]
-    if model.bias:
-        out += [(f_local, 1)] * ups + [(h, 1)]
+    if not with_experts:
+        mlp_w, mlp_b = mlp_tensors(model, model.ffn_hidden, tp)
+        return tuple(out + list(mlp_w) + list(mlp_b))
+    out += list(router_tensors(model))
+    if model.shared_experts:
+        mlp_w, mlp_b = mlp_tensors(model, model.shared_experts * model.expert_hidden, tp)
+        out += list(mlp_w) + list(mlp_b)
+    if ep == 1:
+        out += list(expert_tensors(model, model.experts, tp))
     return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def local_expert_tensors(model: ModelSpec, ep: int, expert_degree: int) -> tuple[tuple[int, int], ...]:
+    """The routed experts one EP rank holds (E / ep of them, whole), as FSDP2 shards them over
+    ``expert_degree`` (efsdp) ranks: torchtitan's shard placement splits the expert dimension
+    (dim 0) when there are at least efsdp local experts, else dim 1 (f of w1 / w3, h of w2)."""
+    e_local = model.experts // ep
+    grouped = expert_tensors(model, e_local)
+    if e_local >= expert_degree:
+        return grouped
+    h, f = model.hidden, model.expert_hidden
+    ups = 2 if model.mlp == "swiglu" else 1
+    out = [(f, e_local * h)] * ups + [(h, e_local * f)]
+    if model.bias:
+        out += [(f, e_local)] * ups + [(h, e_local)]
+    return tuple(out)
+
+
+def _weight_numel(tensors) -> int:
+    """Elements of the matrices among ``tensors`` (the Linears' and experts' weights, not norms or biases)."""
+    return sum(a * b for a, b in tensors if a > 1 and b > 1)
 
 
 def sharded_numel(tensors: tuple[tuple[int, int], ...], degree: int) -> int:
@@ -157,13 +331,19 @@ class StageParams:
     layers: int  # blocks on this stage
     embedding: int  # local token-embedding rows × h (stage 0 only)
     position: int  # learned position embedding (stage 0 only)
-    blocks: int  # layers × local params of one block
+    blocks: int  # layers × local params of one block (without the routed experts)
     final_norm: int  # last stage only
     head: int  # last stage only (a copy of the embedding when tied across ranks)
+    experts: int = 0  # the routed experts' weights this rank holds for the stage's MoE blocks
+    moe_layers: int = 0  # of the stage's blocks, those with experts
 
     @property
     def total(self) -> int:
-        return self.embedding + self.position + self.blocks + self.final_norm + self.head
+        return self.embedding + self.position + self.blocks + self.final_norm + self.head + self.experts
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
 
 
 Tensors = tuple[tuple[int, int], ...]  # (dim0, rest) of each tensor of one FSDP unit
@@ -182,8 +362,12 @@ class RankParams:
     pp_rank: int
     tp_rank: int
     stages: tuple[StageParams, ...]
-    block_tensors: Tensors  # one block's local (dim0, rest) shapes
+    block_tensors: Tensors  # one (dense) block's local (dim0, rest) shapes
     unit_groups: tuple[tuple[Tensors, int], ...]  # (one unit's tensors, how many in a row), stage order
+    # the routed experts' own FSDP units under expert parallelism (one per MoE block; also in
+    # unit_groups), sharded over efsdp instead of dp_shard; empty without experts or with ep = 1
+    expert_units: tuple[tuple[Tensors, int], ...] = ()
+    matmul_weights: int = -1  # elements of the blocks' weight matrices (-1: block_tensors × layers)
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
@@ -212,9 +396,26 @@ class RankParams:
         """How many parameter tensors this rank holds."""
         return sum(len(u) * count for u, count in self.unit_groups)
 
-    def sharded_numel(self, degree: int) -> int:
-        """Elements per rank when every tensor's dim 0 is split over ``degree`` ranks, padded (FSDP2)."""
-        return sum(sharded_numel(u, degree) * count for u, count in self.unit_groups)
+    def sharded_numel(self, degree: int, expert_degree: int | None = None) -> int:
+        """Elements per rank when every tensor's dim 0 is split over ``degree`` ranks, padded (FSDP2);
+        the expert units (expert parallelism) over ``expert_degree`` (efsdp) when given."""
+        if expert_degree is None or not self.expert_units:
+            return sum(sharded_numel(u, degree) * count for u, count in self.unit_groups)
+        experts = {u for u, _ in self.expert_units}
+        return sum(sharded_numel(u, expert_degree if u in experts else degree) * count
+                   for u, count in self.unit_groups)
+
+    @property
+    def experts(self) -> int:
+        """Routed-expert elements this rank holds (its part of each MoE block's experts)."""
+        return sum(st.experts for st in self.stages)
+
+    @property
+    def block_weight_numel(self) -> int:
+        """Elements of the weight matrices of this rank's blocks (what autocast casts and caches)."""
+        if self.matmul_weights >= 0:
+            return self.matmul_weights
+        return sum(a * c for a, c in self.block_tensors if c > 1) * self.layers
 
     def largest_unit_numels(self, n: int) -> list[int]:
         """The element counts of the ``n`` largest units, largest first (fewer when it holds fewer)."""
@@ -237,9 +438,94 @@ def largest_numels(groups, n: int) -> list[int]:
 
 
 def params_per_rank(cfg: Config) -> tuple[tuple[RankParams, ...], ...]:
-    """What each pipeline rank and each TP shard holds: ``result[pp_rank][tp_rank]``."""
-    return _params_per_rank(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages,
-                            placement_style(cfg.parallel.schedule), cfg.parallel.pipeline_split)
+    """What each pipeline rank and each TP shard holds: ``result[pp_rank][tp_rank]``.
+
+    Under expert parallelism every rank of one (pp-rank, tp-rank) holds a different E / ep of
+    the experts, but as many of them: the counts are the same on every EP rank."""
+    par = cfg.parallel
+    if cfg.model.experts > 0:
+        return _moe_params_per_rank(cfg.model, par.tp, par.pp, par.virtual_stages, placement_style(par.schedule),
+                                    par.pipeline_split, par.ep, par.expert_shard_degree)
+    return _params_per_rank(cfg.model, par.tp, par.pp, par.virtual_stages,
+                            placement_style(par.schedule), par.pipeline_split)
+
+
+@lru_cache(maxsize=128)
+def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str, pipeline_split: str, ep: int,
+                         expert_degree: int, tp_ranks: int = 0) -> tuple[tuple[RankParams, ...], ...]:
+    """As ``_params_per_rank`` for a mixture of experts: stages hold dense and MoE blocks by layer
+    index (the first ``dense_layers`` are dense), the routed experts counted apart. ``tp_ranks``
+    > 0 lists only the first that many TP ranks (the planner's bounds need tp-rank 0 alone)."""
+    n_stages = pp * v
+    split = split_layers(model.layers, n_stages, pipeline_split)
+    owners = stages_of_pp_rank(n_stages, pp, style)
+    dense = layer_tensors(model, tp)
+    moe = layer_tensors(model, tp, True, ep, expert_degree)
+    experts_unit = local_expert_tensors(model, ep, expert_degree) if ep > 1 else ()
+    routed_tp = expert_tensors(model, model.experts, tp) if ep == 1 else ()
+    expert_numel = _numel(experts_unit) if ep > 1 else _numel(routed_tp)
+    moe_rest = _numel(moe) - (expert_numel if ep == 1 else 0)
+    h = model.hidden
+    vocab_rows = chunk_sizes(model.vocab, tp)
+    norm = _norm_tensors(model, h)
+    norm_numel = _norm_params(model)
+    head_is_copy = model.tied_embeddings and n_stages > 1
+    w_dense, w_moe = _weight_numel(dense), _weight_numel(moe) + _weight_numel(experts_unit)
+    n_moe_of = [sum(1 for i in split[s] if model.is_moe_layer(i)) for s in range(n_stages)]
+    out = []
+    for pp_rank, stages in enumerate(owners):
+        row = []
+        built: dict[int, RankParams] = {}  # TP ranks with the same vocabulary chunk hold the same
+        for tp_rank in range(tp_ranks or tp):
+            rows = vocab_rows[tp_rank]
+            if rows in built:
+                row.append(replace(built[rows], tp_rank=tp_rank))
+                continue
+            per_stage: list[StageParams] = []
+            groups: list[tuple[Tensors, int]] = []
+            weights = 0
+            for s in stages:
+                first, last = s == 0, s == n_stages - 1
+                layers = split[s]
+                n_moe = n_moe_of[s]
+                n_dense = len(layers) - n_moe
+                emb = rows * h if first else 0
+                pos = model.seq_len * h if first and model.position == "learned" else 0
+                head = rows * h if last and (not model.tied_embeddings or head_is_copy) else 0
+                per_stage.append(StageParams(stage=s, layers=len(layers), embedding=emb, position=pos,
+                                             blocks=n_dense * _numel(dense) + n_moe * moe_rest,
+                                             final_norm=norm_numel if last else 0, head=head,
+                                             experts=n_moe * expert_numel, moe_layers=n_moe))
+                weights += n_dense * w_dense + n_moe * w_moe
+                if first:
+                    _append_units(groups, ((rows, h),) + (((model.seq_len, h),) if pos else ()), 1)
+                _append_units(groups, dense, n_dense)  # the dense blocks lead
+                _append_units(groups, moe, n_moe)
+                if ep > 1:  # each MoE block's experts are a unit of their own, after it
+                    _append_units(groups, experts_unit, n_moe)
+                if last:
+                    _append_units(groups, norm + (((rows, h),) if head else ()), 1)
+            n_moe_rank = sum(st.moe_layers for st in per_stage)
+            built[rows] = RankParams(pp_rank=pp_rank, tp_rank=tp_rank, stages=tuple(per_stage), block_tensors=dense,
+                                     unit_groups=_merge_alternating(groups),
+                                     expert_units=((experts_unit, n_moe_rank),) if ep > 1 and n_moe_rank else (),
+                                     matmul_weights=weights)
+            row.append(built[rows])
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def _merge_alternating(groups: list[tuple[Tensors, int]]) -> tuple[tuple[Tensors, int], ...]:
+    """Groups as given: a MoE block and its expert unit alternate (one group each per block);
+    what the engine asks of the groups (sums, largest units, counts) does not depend on order."""
+    merged: dict[Tensors, int] = {}
+    order: list[Tensors] = []
+    for u, c in groups:
+        if u not in merged:
+            order.append(u)
+            merged[u] = 0
+        merged[u] += c
+    return tuple((u, merged[u]) for u in order)
 
 
 @lru_cache(maxsize=128)

@@ -11,6 +11,9 @@ step), so dp · microbatches · micro_batch_size = global_batch and tokens per s
 ranking by tokens/s is ranking by step time. Default global batch: ``default_global_batch``
 (about 4 Mi tokens, a multiple of the GPU count, at most 8 sequences per GPU).
 
+A mixture of experts (``model.experts`` > 0) is planned by ``engine.planner_moe``, which adds
+expert parallelism (ep) to the layouts and bounds MoE blocks by their own rows.
+
 What is enumerated (duplicates that the engine cannot tell apart are left out, and said so):
     tp   divides gpus, heads, kv_heads and ffn_hidden     pp   divides gpus / tp, pp ≤ layers
     cp   context parallelism for long sequences (``default_cp_degrees``: from LONG_SEQUENCE_TOKENS
@@ -231,10 +234,13 @@ class PlanResult:
 
 def _layout_of(cfg: Config) -> dict[str, Any]:
     par, tr = cfg.parallel, cfg.training
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "zero": par.zero,
-            "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
-            "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
-            "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+    out = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "zero": par.zero,
+           "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
+           "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
+           "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+    if par.ep > 1:  # expert parallelism (a layout without "ep" has ep = 1)
+        out["ep"] = par.ep
+    return out
 
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "sequence_parallel", "schedule", "virtual_stages", "microbatches",
@@ -252,7 +258,8 @@ def layout_config(base: Config, layout: dict[str, Any]) -> Config:
         parallel={"dp": layout["dp"], "tp": layout["tp"], "pp": layout["pp"], "cp": layout.get("cp", 1),
                   "zero": layout["zero"],
                   "sequence_parallel": layout["sequence_parallel"], "schedule": layout["schedule"] or "1F1B",
-                  "virtual_stages": layout["virtual_stages"], "microbatches": layout["microbatches"]},
+                  "virtual_stages": layout["virtual_stages"], "microbatches": layout["microbatches"],
+                  "ep": layout.get("ep", 1)},
         training={"micro_batch_size": layout["micro_batch_size"], "recompute": layout["recompute"]})
 
 
@@ -280,7 +287,8 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
 def layout_label(cfg: Config) -> str:
     """A compact name of a layout: ``dp16 tp8 pp8 ZeRO-1 +SP Interleaved1F1B v2 m64 b1 recompute=selective``."""
     par, tr = cfg.parallel, cfg.training
-    parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"] + ([f"cp{par.cp}"] if par.cp > 1 else []) + [f"ZeRO-{par.zero}"]
+    parts = ([f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"] + ([f"cp{par.cp}"] if par.cp > 1 else [])
+             + ([f"ep{par.ep}"] if par.ep > 1 else []) + [f"ZeRO-{par.zero}"])
     if par.sequence_parallel:
         parts.append("+SP")
     if par.pp > 1:
@@ -852,6 +860,15 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
         if not isinstance(fitting_seconds, int | float) or not fitting_seconds > 0:
             raise PlanError("fitting_seconds", f"must be a number of seconds > 0, got {fitting_seconds!r}")
 
+    if base.model.experts > 0:  # expert parallelism: its own grid and bounds (engine.planner_moe)
+        if all_fitting:
+            raise PlanError("all_fitting", "the every-fitting-layout sweep covers dense models; for a mixture of "
+                            "experts leave it off")
+        from engine.planner_moe import plan_moe
+
+        return plan_moe(t0, base, top=top, G=G, zero=tuple(zero), recompute=tuple(recompute),
+                        micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
+                        exhaustive=exhaustive, cancelled=cancelled)
     pl = _Planner(base, G, tuple(zero), tuple(schedules), tuple(recompute), max_virtual_stages,
                   None if micro_batch_sizes is None else tuple(micro_batch_sizes), tuple(sorted(set(cps))))
     g = pl.grid()
@@ -1014,7 +1031,8 @@ def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: di
 
 _NICE = {"compute": "compute", "tp_comm": "TP communication", "cp_comm": "exposed CP communication",
          "pipeline_bubble": "pipeline bubble",
-         "dp_comm_exposed": "exposed DP communication", "optimizer": "optimizer step"}
+         "dp_comm_exposed": "exposed DP communication", "optimizer": "optimizer step",
+         "ep_comm": "EP all-to-all"}  # ep_comm: in the breakdown only when ep > 1
 
 
 def _diff(a: Config, b: Config) -> str:
@@ -1025,7 +1043,7 @@ def _diff(a: Config, b: Config) -> str:
 
 def _fields(cfg: Config) -> dict[str, Any]:
     par, tr = cfg.parallel, cfg.training
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ZeRO": par.zero,
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "ZeRO": par.zero,
             "SP": "on" if par.sequence_parallel else "off",
             "schedule": par.schedule if par.pp > 1 else "-", "v": par.virtual_stages, "m": par.microbatches,
             "b": tr.micro_batch_size, "recompute": tr.recompute}
@@ -1045,17 +1063,18 @@ def _explain(best: list, capacity: int) -> tuple[PlanEntry, ...]:
                    f"headroom {head / GIB:.1f} GiB ({100 * head / capacity:.0f}%)"
                    + ("; tight" if head < 0.05 * capacity else ""))
         shares = ", ".join(f"{_NICE[k]} {100 * bd[k] / seconds:.0f}%" for k in ("compute", "tp_comm", "cp_comm",
-                                                                          "pipeline_bubble", "dp_comm_exposed")
-                           if bd[k] > 0)
+                                                                          "ep_comm", "pipeline_bubble",
+                                                                          "dp_comm_exposed")
+                           if bd.get(k, 0.0) > 0)
         why.append(f"step {seconds:.3f} s = {shares}; MFU {100 * st.mfu:.1f}%")
         if pos == 1:
-            lost = sorted(((bd[k], k) for k in _NICE if k != "compute"), reverse=True)
+            lost = sorted(((bd.get(k, 0.0), k) for k in _NICE if k != "compute"), reverse=True)
             if lost[0][0] > 0:
                 why.append(f"fastest; its largest loss is {_NICE[lost[0][1]]} ({lost[0][0]:.3f} s)")
             else:
                 why.append("fastest; nothing but compute on the critical path")
         else:
-            deltas = sorted(((bd[k] - top_st.breakdown[k], k) for k in _NICE), reverse=True)
+            deltas = sorted(((bd.get(k, 0.0) - top_st.breakdown.get(k, 0.0), k) for k in _NICE), reverse=True)
             worse = [f"+{d:.3f} s {_NICE[k]}" for d, k in deltas if d > 1e-4 * seconds][:2]
             better = [f"{-d:.3f} s {_NICE[k]}" for d, k in deltas[::-1] if d < -1e-4 * seconds][:1]
             text = f"{100 * (seconds / top_s - 1):.1f}% slower than #1"

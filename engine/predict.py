@@ -14,6 +14,7 @@ from engine.config import Config
 from engine.durations import StageDurations
 from engine.memory import MemoryReport, memory_per_rank
 from engine.names import MEMORY_CATEGORIES
+from engine.params import param_counts
 from engine.step import StepTime, step_time
 from engine.timeline import Timeline
 from engine.wrapping import wrapping_plan
@@ -40,6 +41,9 @@ class Prediction:
         conv["bubble"] = (f"{c.bubble}: idle / (makespan × ranks)" if c.bubble == "share-of-total"
                           else f"{c.bubble}: idle / busy (Narayanan 2021)")
         conv["compute_efficiency"] = f"{c.compute_efficiency:g} of peak FLOP/s for analytic durations"
+        conv["active_params"] = ("per token: every parameter but the routed experts a token is not sent to, "
+                                 "embedding and head included (Mixtral, Qwen3); active_params_without_embedding "
+                                 "leaves out the input embedding lookup (gpt-oss, DeepSeek-V3)")
         conv["step_time"] = ("pipeline makespan (TP collectives inside F/B) + exposed DP communication "
                              "+ memory-bound optimizer step")
         return conv
@@ -49,7 +53,11 @@ class Prediction:
         if explain:
             for row, rank in zip(mem["per_rank"], self.memory.per_rank):
                 row["explain"] = {c: [t.to_json() for t in rank.explain(c)] for c in MEMORY_CATEGORIES}
+        counts = param_counts(self.config.model)
         return {
+            "model": {"params": counts.total, "active_params": counts.active,
+                      "active_params_without_embedding": counts.active_without_embedding,
+                      "expert_params": counts.experts},
             "memory": mem,
             "pipeline": self.pipeline.to_json(self.config.conventions.bubble),
             "communication": self.comm.to_json(),
@@ -125,6 +133,14 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
                  + ("reserved = allocated (CPU ranks: no caching allocator)" if cpu else
                     "reserved = the caching allocator's segments (max_memory_reserved); fits: reserved + "
                     "runtime context + collective buffers ≤ capacity"))
+    m = pred.config.model
+    if m.experts > 0:
+        c = param_counts(m)
+        par = pred.config.parallel
+        lines.insert(0, f"model: {c.total / 1e9:.1f}B parameters, {c.active / 1e9:.1f}B active per token "
+                        f"({c.active_without_embedding / 1e9:.1f}B without the embedding); {m.experts} experts, "
+                        f"top-{m.experts_per_token}, {m.moe_layers} MoE blocks; ep {par.ep}: "
+                        f"{m.experts // par.ep} expert(s) per rank per block")
     lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for row, group in zip(rows, mem.distinct()):
         lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
@@ -143,7 +159,7 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
                  f"MFU {st.mfu * 100:.1f} %, HFU {st.hfu * 100:.1f} %")
     lines.append("  breakdown: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in st.breakdown.items()))
     comm = pred.comm.per_pp_rank[st.critical_pp_rank]
-    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "cp", "tp", "pp") if comm.bytes_sent(d)}
+    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "cp", "tp", "pp", "ep") if comm.bytes_sent(d)}
     if per_dim:
         lines.append("  communication sent per step by rank "
                      f"{comm.rank}: " + ", ".join(f"{d} {b / 2**30:.3f} GiB" for d, b in per_dim.items()))

@@ -6,10 +6,10 @@ The step is composed as::
          + exposed data-parallel communication (what the backward / forward cannot hide)
          + optimizer step (memory-bound: bytes touched per local parameter / HBM bandwidth)
 
-for the pipeline rank whose step ends last. TP collectives run inside each F/B (Megatron
-TP does not overlap them), so they lengthen the stage durations the timeline simulates; so does
-what the context-parallel K, V exchange cannot hide behind the blockwise attention
-(:func:`cp_seconds_per_layer`).
+for the pipeline rank whose step ends last. TP collectives (and EP's all-to-alls, breakdown
+``ep_comm`` when ep > 1) run inside each F/B (Megatron TP does not overlap them), so they lengthen
+the stage durations the timeline simulates; so does what the context-parallel K, V exchange cannot
+hide behind the blockwise attention (:func:`cp_seconds_per_layer`).
 DP overlap: gradient all-reduces hide behind the backward of the last microbatch except the
 last bucket; FSDP all-gathers hide behind the compute of the previous unit except the first;
 FSDP reduce-scatters are counted exposed. On CPU ranks (GPU kind "cpu") nothing hides:
@@ -66,6 +66,7 @@ from engine.comm import (
     cp_layer_exchanges,
     cp_recomputed_blocks,
     cpu_oversubscription,
+    ep_seconds_per_moe_layer,
     group_span,
     tp_block_collectives,
     tp_edge_collectives,
@@ -76,6 +77,7 @@ from engine.durations import (
     StageDurations,
     flops_per_token,
     model_flops_per_token,
+    plain_blocks,
     recompute_flops_per_token,
     stage_durations,
 )
@@ -242,6 +244,29 @@ def with_mesh_communication(cfg: Config, d: StageDurations, links: MeasuredLinks
                              d.backward_input_s + bwd, d.backward_weight_s, d.p2p_s, source=d.source)
 
 
+def ep_stage_seconds(cfg: Config, num_stages: int,
+                     links: MeasuredLinks | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """EP all-to-alls per stage for one microbatch (forward, backward): each stage's MoE blocks ×
+    engine.comm.ep_seconds_per_moe_layer; zeros without expert parallelism."""
+    zeros = np.zeros(num_stages)
+    if cfg.parallel.ep == 1:
+        return zeros, zeros.copy()
+    from engine.durations import stage_block_counts
+
+    fwd_l, bwd_l = ep_seconds_per_moe_layer(cfg, links)
+    _, moe = stage_block_counts(cfg, num_stages)
+    return moe * fwd_l, moe * bwd_l
+
+
+def with_ep_communication(cfg: Config, d: StageDurations, links: MeasuredLinks | None = None) -> StageDurations:
+    """Stage durations with the EP all-to-alls added to F, B and I (they wait on the experts' tokens)."""
+    if cfg.parallel.ep == 1:
+        return d
+    fwd, bwd = ep_stage_seconds(cfg, d.num_stages, links)
+    return StageDurations.of(d.num_stages, d.forward_s + fwd, d.backward_s + bwd,
+                             d.backward_input_s + bwd, d.backward_weight_s, d.p2p_s, source=d.source)
+
+
 def optimizer_seconds(cfg: Config, local_params: int) -> float:
     """Optimizer step over the local shard: memory-bound, bytes read + written per parameter / HBM.
 
@@ -356,12 +381,13 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
     intra-node collectives from ``links`` where given)."""
     par, tr, model = cfg.parallel, cfg.training, cfg.model
     base = durations if durations is not None else analytic_durations(cfg)
-    d = with_mesh_communication(cfg, base, links)
+    d = with_ep_communication(cfg, with_mesh_communication(cfg, base, links), links)
     timeline = pipeline_prediction(cfg, d)
     comm = communication(cfg, links)
     held = params_per_rank(cfg)
     tp_f, tp_b = tp_stage_seconds(cfg, d.num_stages, links)
     cp_f, cp_b = cp_stage_seconds(cfg, d.num_stages, links)
+    ep_f, ep_b = ep_stage_seconds(cfg, d.num_stages, links)
     stages_of = [list(rp[0].stage_indices) for rp in held] if par.pp > 1 else [[0]]
 
     best = None
@@ -388,21 +414,24 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
         busy = float(timeline.busy_s[pp_rank])
         tp_here = float(sum(tp_f[s] + tp_b[s] for s in stages)) * par.microbatches
         cp_here = float(sum(cp_f[s] + cp_b[s] for s in stages)) * par.microbatches
+        ep_here = float(sum(ep_f[s] + ep_b[s] for s in stages)) * par.microbatches
         total = timeline.makespan_s + exposed + opt
-        entry = (total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total)
+        entry = (total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here)
         if best is None or total > best[0]:
             best = entry
-    total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total = best
+    total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here = best
     breakdown = {
-        "compute": busy - tp_here - cp_here,
+        "compute": busy - tp_here - cp_here - ep_here,
         "tp_comm": tp_here,
         "cp_comm": cp_here,
         "pipeline_bubble": timeline.makespan_s - busy,
         "dp_comm_exposed": exposed,
         "optimizer": opt,
     }
+    if par.ep > 1:
+        breakdown["ep_comm"] = ep_here
     tokens = cfg.tokens_per_step
-    if tr.finetune == "lora":
+    if tr.finetune == "lora" or not plain_blocks(cfg):
         model_flops = tokens * model_flops_per_token(cfg)
     else:
         fl = flops_per_token(cfg)

@@ -32,6 +32,7 @@ COMPANIONS: dict[tuple[str, float], dict[str, object]] = {
     ("cluster.gpus", 1048576): {"parallel.dp": 1048576},
     ("cluster.gpus_per_node", 1024): {"cluster.gpus": 1024, "parallel.dp": 1024},
     ("cluster.gpus_per_node", 1): {"cluster.gpus": 1, "parallel.dp": 1},
+    ("parallel.ep", 1048576): {"model.experts": 1048576, "parallel.dp": 1048576, "cluster.gpus": 1048576},
 }
 
 

@@ -16,7 +16,10 @@ from engine.memory import memory_per_rank
 from engine.params import param_counts
 from engine.presets import model_presets
 
-PRESETS = {name: ModelSpec(**fields, preset=name) for name, fields in model_presets().items()}
+# The shape family walks dense decoders (head_dim = hidden / heads); the mixture-of-experts presets
+# are not members of one.
+PRESETS = {name: ModelSpec(**fields, preset=name) for name, fields in model_presets().items()
+           if not fields.get("experts") and not fields.get("head_size") and fields.get("attention") != "mla"}
 STEP = 2 ** (1 / 3)
 
 

@@ -23,6 +23,11 @@ class ParallelDims:
     "cp" dim before "tp", and, as torchtitan, the cp ranks join the data-parallel group: "dp_cp"
     (("dp", "cp") flattened: DDP, replicate, FSDP) or, under HSDP, "dp_shard_cp" (("dp_shard", "cp")
     flattened, FSDP's shard dim beside "dp_replicate").
+
+    Expert parallelism (ep > 1) adds torchtitan 0.3.0's sparse mesh over the same ranks,
+    ("pp", "dp_replicate", "efsdp", "ep"): each stage's dense region dp_shard·cp·tp is unflattened as
+    efsdp·ep, ep innermost, so an ep group is ep consecutive ranks (TP ranks first) and efsdp
+    joins the ranks that hold the same experts.
     """
 
     spec: ParallelSpec
@@ -30,6 +35,7 @@ class ParallelDims:
     gpus_per_node: int = 8
     mesh: DeviceMesh | None = field(default=None, init=False)
     _context_parallel: ContextParallel | None = field(default=None, init=False)
+    sparse: DeviceMesh | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         world = dist.get_world_size()
@@ -56,7 +62,23 @@ class ParallelDims:
                 self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             else:
                 self.mesh["dp", "cp"]._flatten("dp_cp")
+        if s.ep > 1:
+            self.sparse = DeviceMesh(self.device_type, torch.arange(s.world_size).view(
+                s.pp, s.replicate, s.expert_shard_degree, s.ep), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
         return self.mesh
+
+    def expert_mesh(self, name: str) -> DeviceMesh:
+        """The sparse sub-mesh "ep", or "efsdp" (2-D (dp_replicate, efsdp) under HSDP)."""
+        assert self.sparse is not None, "build_mesh() with ep > 1 first"
+        if name == "efsdp" and self.spec.replicate > 1:
+            return self.sparse["dp_replicate", "efsdp"]
+        return self.sparse[name]
+
+    def expert_dp_group(self) -> dist.ProcessGroup:
+        """The flat group of the ranks that hold the same experts (efsdp, with the replicas under HSDP)."""
+        if self.spec.replicate > 1:
+            return self.expert_mesh("efsdp")._flatten("efsdp_flat").get_group()
+        return self.sparse["efsdp"].get_group()
 
     def __getitem__(self, name: str) -> DeviceMesh:
         """The sub-mesh "pp", "tp", "cp" or "dp": the mesh data parallelism reduces over (1-D, or the 2-D

@@ -33,6 +33,14 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
     gradient; a frozen composite RMSNorm keeps no x̂.
 Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byte.
 
+Mixture of experts (``moe_layer_terms``): a block with experts keeps the attention half's rows and
+replaces the MLP's by the router's input and scores, the top-k choice, the dispatched tokens and
+each expert's internals for them (n·k routed copies × ``engine.durations.routed_factor``), the
+expert outputs the combine keeps and the shared experts as one dense MLP; under per-op selective
+recompute they are all kept (an upper estimate). Stated simplifications: MLA is evaluated as flash
+attention with K and V at heads × (d_nope + d_rope) (its latents not counted apart), and Q and the
+o-proj input at h where head_size makes the query width differ from h.
+
 Under ``conventions.state_accounting = "pytorch"`` the rows marked ``torch_ops`` follow torch's
 kernels too: rstd of each norm, rope's cos/sin tables, the causal mask, SP's gathered Linear
 inputs (torch's SequenceParallel + PrepareModuleInput all-gather the norm output into a
@@ -52,7 +60,7 @@ from functools import lru_cache
 
 from engine import lora
 from engine.config import Config
-from engine.durations import checkpointed_per_stage
+from engine.durations import checkpointed_per_stage, routed_factor
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS
 
@@ -366,7 +374,7 @@ def shape_of(cfg: Config) -> _Shape:
     act = 4 if tr.precision == "fp32" else 2
     base = dict(s=cfg.local_seq_len, kv_len=model.seq_len if par.cp > 1 else 0, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
                 f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
-                flash=model.attention == "flash", swiglu=model.mlp == "swiglu",
+                flash=model.attention in ("flash", "mla"), swiglu=model.mlp == "swiglu",
                 recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none", bias=model.bias,
                 compile=tr.compile)
     if tr.finetune == "lora":
@@ -437,6 +445,59 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
                f"+ {4 + e}·s·b·(h + 2kv)/t (fp32 dQ, dK, dV and one block's) + 2 × 4·2·s·b·kv/t (dK, dV ring) = "
                f"{bwd:,} B) with S = {S}, s = S/{cp} = {s}, b = {b}, h = {h}, kv = {kv}, a = {a}, t = {t}")
     return max(fwd, bwd), formula
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+def moe_tokens(cfg: Config) -> tuple[int, int]:
+    """(tokens entering one MoE block on this rank per microbatch, routed copies it computes).
+
+    With expert parallelism and TP, each TP rank dispatches its 1/t slice of the sequence
+    (torchtitan); otherwise the block sees the s·b tokens (s·b/t of the router input under SP).
+    The routed copies are n·k times ``routed_factor``."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    n = m.seq_len * tr.micro_batch_size
+    if par.ep > 1:
+        n //= par.tp
+    return n, int(-(-n * m.experts_per_token * routed_factor(cfg) // 1))
+
+
+def moe_layer_terms(cfg: Config) -> tuple[list[tuple[str, int, str]], str]:
+    """What one block's experts save for backward per microbatch on one rank, in place of the dense
+    MLP's rows: router input and scores, the top-k choice, the dispatched tokens (the grouped GEMMs'
+    input, after the all-to-all), each expert's SwiGLU / GeLU internals for its tokens, the expert
+    outputs the weighted combine keeps, and the shared experts as a dense MLP of S·f_e."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    act = 4 if tr.precision == "fp32" else 2
+    h, k, e = m.hidden, m.experts_per_token, m.experts
+    n, n_r = moe_tokens(cfg)
+    rep = par.tp if par.sequence_parallel and par.ep == 1 else 1
+    f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
+    inner = 4 if m.mlp == "swiglu" else 2
+    phi = routed_factor(cfg)
+    out = [
+        ("MoE: router input (norm2 output)", act * n * h // rep, "mlp"),
+        (f"MoE: router scores ({m.router_score}, fp32)", 4 * n * e // rep, "mlp"),
+        ("MoE: top-k expert indices (int64) and weights (fp32)", 12 * n * k // rep, "mlp"),
+        (f"MoE: dispatched tokens, the grouped GEMMs' input (n·k·{phi:g} = {n_r:,} routed copies)", act * n_r * h,
+         "experts"),
+        (f"MoE: experts' {'gate, SiLU, up outputs and down input' if inner == 4 else 'GeLU input and output'} "
+         f"for their tokens", inner * act * n_r * f_loc, "experts"),
+        ("MoE: expert outputs kept by the weighted combine", act * n * k * h, "experts"),
+    ]
+    if m.shared_experts:
+        f_s = m.shared_experts * m.expert_hidden // par.tp
+        n_s = m.seq_len * tr.micro_batch_size
+        out.append((f"MoE: shared experts ({m.shared_experts} × f_e as one MLP) internals", inner * act * n_s * f_s,
+                    "mlp"))
+    if m.dropout > 0:
+        out.append(("MLP residual-dropout mask", n * h // rep, "mlp"))
+    tp_note = "/t" if par.ep > 1 and par.tp > 1 else ""
+    formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: {act}·n·h + 4·n·E + 12·n·k "
+               f"+ {act}·n_r·h + {inner * act}·n_r·f_e{'/t' if par.ep == 1 and par.tp > 1 else ''} + {act}·n·k·h"
+               + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else ""))
+    return out, formula
 
 
 # --------------------------------------------------------------------------- per stage
@@ -553,8 +614,26 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             ex.append(("stage output kept by the pipeline stage for its backward", res * sbh_rep,
                        f"{res}·s·b·{hs}", "stage_output"))
         extras.append(ex)
-    unit_bytes = [ckpt_of[st.stage] * kept + (st.layers - ckpt_of[st.stage]) * per_layer
-                  + sum(x for _, x, _, _ in ex) for st, ex in zip(rp.stages, extras)]
+    moe = model.experts > 0
+    if moe:  # a block with experts: the dense MLP's rows give way to the experts'
+        moe_rows, moe_formula = moe_layer_terms(cfg)
+        per_moe = per_layer - sum(x for _, x, part in layer_terms if part == "mlp") + sum(x for _, x, _ in moe_rows)
+        moe_formula = f"{layer_formula} with the MLP's rows replaced by the {moe_formula}"
+
+    def plain_split(st, c: int) -> tuple[int, int]:
+        """(dense, MoE) blocks among a stage's blocks not checkpointed whole (the checkpointed
+        ones counted among the MoE blocks first: an upper estimate under selective-layer)."""
+        if not moe:
+            return st.layers - c, 0
+        moe_plain = max(0, st.moe_layers - c)
+        return st.layers - c - moe_plain, moe_plain
+
+    unit_bytes = []
+    for st, ex in zip(rp.stages, extras):
+        c = ckpt_of[st.stage]
+        d_plain, m_plain = plain_split(st, c)
+        unit_bytes.append(c * kept + d_plain * per_layer + (m_plain * per_moe if moe else 0)
+                          + sum(x for _, x, _, _ in ex))
     counts = in_flight(unit_bytes)
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
     if par.cp > 1:
@@ -562,7 +641,21 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     for st, ex, n in zip(rp.stages, extras, counts):
         c = ckpt_of[st.stage]
         mb = f"{n} microbatch{'es' if n != 1 else ''} in flight"
-        if c and c == st.layers:
+        if moe:
+            d_plain, m_plain = plain_split(st, c)
+            if c:
+                T.add("activations", f"stage {st.stage}: {mb} × {c} checkpointed layers", n * c * kept,
+                      f"{n} × {c} × {kept_formula} = {n} × {c} × {kept:,} B ({dims})",
+                      stage=st.stage, in_flight=n, kind="layers")
+            if d_plain:
+                T.add("activations", f"stage {st.stage}: {mb} × {d_plain} dense layers", n * d_plain * per_layer,
+                      f"{n} × {d_plain} × {layer_formula} = {n} × {d_plain} × {per_layer:,} B ({dims})",
+                      stage=st.stage, in_flight=n, kind="layers")
+            if m_plain:
+                T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * per_moe,
+                      f"{n} × {m_plain} × ({moe_formula}) = {n} × {m_plain} × {per_moe:,} B ({dims})",
+                      stage=st.stage, in_flight=n, kind="moe_layers")
+        elif c and c == st.layers:
             T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * kept,
                   f"{n} × {st.layers} × {kept_formula} = {n} × {st.layers} × {kept:,} B ({dims})",
                   stage=st.stage, in_flight=n, kind="layers")
@@ -600,14 +693,16 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # torchao's Float8Linear passes its weight uncast (it casts to float8 itself and saves the
         # high-precision weight by reference): only the head's weight is cast and cached then
         float8 = tr.float8 != "none"
-        cast = 0 if float8 else sum(a * c for a, c in rp.block_tensors if c > 1) * rp.layers
+        cast = 0 if float8 else rp.block_weight_numel
         cast += sum(st.head for st in rp.stages)
         T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
               f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
               kind="autocast_weight_casts")
     if any(ckpt_of[st.stage] for st in rp.stages):
-        T.add("temporaries", f"one block recomputed during backward ({tr.recompute} recompute)", per_layer,
-              f"{layer_formula} = {per_layer:,} B ({dims})", kind="recomputed_block")
+        big = max(per_layer, per_moe) if moe and any(st.moe_layers for st in rp.stages) else per_layer
+        T.add("temporaries", f"one block recomputed during backward ({tr.recompute} recompute)", big,
+              f"{moe_formula if moe and big != per_layer else layer_formula} = {big:,} B ({dims})",
+              kind="recomputed_block")
     elif sh.recompute == "selective-op":
         # the tensors autograd saves while one block's forward is replayed: what "none" keeps and the
         # policy does not. Rows that are the stash's own tensors (flash's lse, the gate output, V) are

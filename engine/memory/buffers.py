@@ -18,6 +18,7 @@ Conventions:
 * "zero-paper": one unit's reduce-scatter input; under ZeRO-3 one unit's all-gather input and
   the unsharded parameters of the current (+ prefetched) unit as temporaries.
 * Pipeline: torch allocates one receive buffer per microbatch for activations and for gradients.
+* Expert parallelism: one MoE layer's all-to-all send and receive buffers (``moe_dispatch_buffers``).
 """
 
 from __future__ import annotations
@@ -192,6 +193,24 @@ def pipeline_buffers(cfg: Config, rp: RankParams, T: Terms, res: int, sbh_rep: i
                   f"m × {res}·s·b·{hs} = {m} × {stage_io:,}", stage=st.stage, kind="p2p_gradient_receive")
 
 
+def moe_dispatch_buffers(cfg: Config, T: Terms) -> None:
+    """Expert parallelism's all-to-all buffers of the MoE layer in flight: the send buffer (this
+    rank's n·k token copies, permuted by expert) and the receive buffer (the routed copies it
+    computes, n_r = n·k × the routed factor), for dispatch and, in the backward, for combine's
+    gradients; one layer's at a time (the dispatched tokens the experts keep are activations)."""
+    from engine.memory.activations import moe_tokens
+
+    m, tr = cfg.model, cfg.training
+    act = 4 if tr.precision == "fp32" else 2
+    n, n_r = moe_tokens(cfg)
+    send = act * n * m.experts_per_token * m.hidden
+    recv = act * n_r * m.hidden
+    T.add("comm_buffers", "MoE all-to-all: one layer's dispatch send and combine receive buffers (n·k token copies)",
+          send, f"{act} B × n·k·h = {act} × {n:,}·{m.experts_per_token}·{m.hidden}", kind="moe_all_to_all")
+    T.add("comm_buffers", "MoE all-to-all: one layer's dispatch receive and combine send buffers (routed copies)",
+          recv, f"{act} B × n_r·h = {act} × {n_r:,}·{m.hidden}", kind="moe_all_to_all")
+
+
 def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, psi: int, psi_train: int,
                  train_units: tuple[tuple[int, int], ...], res: int, sbh_rep: int, hs: str) -> None:
     """Every communication buffer of this rank (and the temporaries that go with them)."""
@@ -206,6 +225,8 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
         zero_paper_buffers(cfg, rp, T, train_units)
     if par.pp > 1:
         pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
+    if par.ep > 1 and any(st.moe_layers for st in rp.stages):
+        moe_dispatch_buffers(cfg, T)
     if not T["comm_buffers"]:
         T.add("comm_buffers", "no collective buffers (nothing to reduce)", 0, "0", kind="none")
     if not T["temporaries"]:

@@ -56,7 +56,7 @@ def conventions_of(cfg: Config) -> dict[str, str]:
         acc = ("zero-paper: ZeRO paper split (16-bit working copy in params, fp32 master in optimizer, grads in "
                "grad_dtype, ZeRO-1/2 as an even flat split); torch (FSDP2, autocast) keeps the fp32 "
                "parameter as master — same total in most cases, a different split")
-    return {
+    out = {
         "bytes_per_parameter": bpp,
         "sharding_degree": f"ZeRO-{par.zero} divides by parallel.shard_degree = {par.shard_degree} "
                            "(dp, or dp/replicate under HSDP), never by the world size",
@@ -105,5 +105,17 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                                    "≤ capacity"),
         "capacity": f"cluster.gpu.memory_gib = {cfg.cluster.gpu.memory_gib:g} GiB",
     }
+    if cfg.model.experts > 0:
+        m = cfg.model
+        load = (f"capacity factor {conv.moe_capacity_factor:g}: each expert's buffers hold that × the mean, the "
+                "rest dropped" if conv.moe_capacity_factor > 0 else
+                f"imbalance {conv.moe_imbalance:g}: the busiest EP rank routes that × the balanced n·k"
+                + (" (1 = balanced, the default)" if conv.moe_imbalance == 1 else "")
+                if par.ep > 1 else "every expert local (ep = 1): n·k routed copies in all")
+        out["moe_load"] = f"{load} (conventions.moe_imbalance, conventions.moe_capacity_factor)"
+        out["moe_experts"] = (f"E / ep = {m.experts // par.ep} whole experts per rank per MoE block, FSDP-sharded over "
+                              f"efsdp = {par.expert_shard_degree} (torchtitan's sparse mesh)" if par.ep > 1 else
+                              f"all {m.experts} experts on every rank, split by TP along f")
+    return out
 
 

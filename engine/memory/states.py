@@ -25,6 +25,10 @@ PyTorch, so its default split is the one PyTorch has. Which wrapper holds the mo
     DP × TP         FSDP2's replicate: whole fp32 params / grads.
     TP alone        the vocab-parallel token embedding's gradient is full V × h on every rank.
 
+Expert parallelism (``parallel.ep`` > 1): the routed experts' own FSDP units shard over
+efsdp = dp_shard·cp·tp / ep instead of d (``expert_degree``), as torchtitan's sparse mesh does;
+without EP they shard as every other parameter.
+
 LoRA (``lora_states``, engine.lora): a frozen base with no gradient and no optimizer state,
 sharded like any parameter under ZeRO-3 / FSDP2 (fully_shard shards frozen parameters too),
 and trainable adapters (fp32 under "pytorch").
@@ -36,7 +40,14 @@ from engine import lora
 from engine.config import Config
 from engine.memory.report import Terms, ceil_div
 from engine.names import OPTIMIZER_STATES
-from engine.params import RankParams, Tensors, rank_tensor_groups, sharded_numel, zero_redundancy_partition
+from engine.params import (
+    RankParams,
+    Tensors,
+    expert_tensors,
+    rank_tensor_groups,
+    sharded_numel,
+    zero_redundancy_partition,
+)
 from engine.wrapping import WrappingPlan
 
 
@@ -49,16 +60,20 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         # torch has no ZeRO-1 for DTensor (TP) parameters (ZeroRedundancyOptimizer refuses them; the
         # backend raises): the states follow Megatron's distributed optimizer, an even flat split.
         T.add("params", f"parameters ({where}), fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="parameters")
+        split_expert_params(T, rp.experts, 4)
         T.add("grads", "gradients, fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="gradients")
         opt_numel = ceil_div(psi, d)
         rule = f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉ (flat split: torch has no ZeRO-1 for TP parameters)"
     elif plan.fsdp2:
         shard = d if par.zero in (2, 3) else 1  # FSDP2's replicate (DP × TP) keeps whole fp32 params
-        psi_d = rp.sharded_numel(shard)
-        how = (f"Ψ_d = {psi_d:,} (Ψ = {psi:,} over d = {shard}, dim 0 padded per tensor)" if shard > 1
-               else f"Ψ = {psi:,} (FSDP2 replicate: not sharded)")
+        e_deg = expert_degree(cfg)
+        psi_d = rp.sharded_numel(shard, e_deg)
+        how = (f"Ψ_d = {psi_d:,} (Ψ = {psi:,} over d = {shard}, dim 0 padded per tensor"
+               + (f"; the experts over efsdp = {e_deg}" if e_deg is not None else "") + ")"
+               if shard > 1 or e_deg not in (None, 1) else f"Ψ = {psi:,} (FSDP2 replicate: not sharded)")
         T.add("params", f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)", 4 * psi_d,
               f"4 B × {how}", kind="parameters")
+        split_expert_params(T, expert_elements(cfg, rp, shard, e_deg), 4)
         T.add("grads", "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}",
               kind="gradients")
         opt_numel, rule = psi_d, how
@@ -66,6 +81,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("params", f"parameters ({where}), fp32 (autocast casts on the fly; no separate master)"
               if tr.precision != "fp32" else f"parameters ({where})", 4 * psi, f"4 B × Ψ = 4 × {psi:,}",
               kind="parameters")
+        split_expert_params(T, rp.experts, 4)
         grads = psi
         gterm = f"4 B × Ψ = 4 × {psi:,}"
         if par.tp > 1 and any(st.stage == 0 for st in rp.stages):
@@ -97,22 +113,24 @@ def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: 
     w, g = tr.param_bytes, tr.grad_bytes
     k = OPTIMIZER_STATES[tr.optimizer]
     psi = rp.total
+    e_deg = expert_degree(cfg)
     if z == 3:
-        psi_d = rp.sharded_numel(d)
+        psi_d = rp.sharded_numel(d, e_deg)
         T.add("params", f"parameters ({where}), sharded ZeRO-3", w * psi_d,
               f"{w} B × Ψ_d = {w} × {psi_d:,} (Ψ = {psi:,} over d = {d}, dim 0 padded per tensor)", kind="parameters")
+        split_expert_params(T, expert_elements(cfg, rp, d, e_deg), w)
         T.add("grads", "gradients, sharded ZeRO-3", g * psi_d, f"{g} B × Ψ_d = {g} × {psi_d:,}", kind="gradients")
         opt_numel, opt_rule = psi_d, "Ψ_d"
     else:
         T.add("params", f"parameters ({where})", w * psi, f"{w} B × Ψ = {w} × {psi:,}", kind="parameters")
+        split_expert_params(T, rp.experts, w)
+        flat, flat_rule = _flat_share(rp, d, e_deg)
         if z == 2:
-            gd = ceil_div(psi, d)
-            T.add("grads", "gradients, sharded ZeRO-2", g * gd, f"{g} B × ⌈Ψ/d⌉ = {g} × ⌈{psi:,}/{d}⌉",
-                  kind="gradients")
+            T.add("grads", "gradients, sharded ZeRO-2", g * flat, f"{g} B × {flat_rule}", kind="gradients")
         else:
             T.add("grads", "gradients", g * psi, f"{g} B × Ψ = {g} × {psi:,}", kind="gradients")
         if z >= 1:
-            opt_numel, opt_rule = ceil_div(psi, d), f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉"
+            opt_numel, opt_rule = flat, flat_rule
         else:
             opt_numel, opt_rule = psi, f"Ψ = {psi:,}"
     if tr.master_weights:
@@ -122,6 +140,50 @@ def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: 
               kind="optimizer_states")
     if not T["optimizer"]:
         T.add("optimizer", "no optimizer state (plain sgd, fp32)", 0, "0", kind="none")
+
+
+def expert_elements(cfg: Config, rp: RankParams, shard: int, e_deg: int | None) -> int:
+    """Elements of the routed experts this rank keeps when its parameters shard over ``shard`` ranks
+    (``e_deg``: the experts' own degree under expert parallelism), padded as FSDP2 pads."""
+    if not rp.experts:
+        return 0
+    if rp.expert_units:
+        return sum(sharded_numel(u, e_deg or shard) * n for u, n in rp.expert_units)
+    moe_layers = sum(st.moe_layers for st in rp.stages)  # without EP: inside the blocks, split by TP
+    return moe_layers * sharded_numel(expert_tensors(cfg.model, cfg.model.experts, cfg.parallel.tp), shard)
+
+
+def split_expert_params(T: Terms, numel: int, nbytes: int) -> None:
+    """Show the routed experts as their own part of this rank's parameters: the last params term
+    becomes the rest and the experts (same total)."""
+    if numel <= 0:
+        return
+    last = T["params"].pop()
+    e = nbytes * numel
+    T.add("params", f"{last.label}, without the routed experts", last.bytes - e,
+          f"{last.formula} − {nbytes} B × {numel:,} expert elements", tracked=last.tracked, kind=last.kind)
+    T.add("params", "routed experts' parameters (their part of the above)", e, f"{nbytes} B × {numel:,}",
+          tracked=last.tracked, kind="expert_parameters")
+
+
+def expert_degree(cfg: Config) -> int | None:
+    """The FSDP degree of the routed experts under expert parallelism (efsdp = dp_shard·cp·tp / ep,
+    torchtitan's sparse region), when sharded strategies shard them; None without EP (the experts
+    shard as every other parameter then)."""
+    par = cfg.parallel
+    if par.ep > 1 and par.zero in (2, 3):
+        return par.expert_shard_degree
+    return None
+
+
+def _flat_share(rp: RankParams, d: int, e_deg: int | None) -> tuple[int, str]:
+    """A flat ZeRO-1/2 split: ⌈Ψ/d⌉, or the dense part over d and the experts over efsdp."""
+    psi = rp.total
+    if e_deg is None or not rp.expert_units:
+        return ceil_div(psi, d), f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉"
+    e = rp.experts
+    n = ceil_div(psi - e, d) + ceil_div(e, e_deg)
+    return n, f"⌈(Ψ − Ψ_e)/d⌉ + ⌈Ψ_e/efsdp⌉ = ⌈{psi - e:,}/{d}⌉ + ⌈{e:,}/{e_deg}⌉"
 
 
 #: state_accounting -> the function that writes the model states of full fine-tuning

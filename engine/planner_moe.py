@@ -1,0 +1,360 @@
+"""The planner for a mixture of experts: layouts with expert parallelism, ranked by throughput.
+
+``engine.planner.plan`` hands a model with experts to :func:`plan_moe`. What it enumerates
+(every layout trains the same global batch, as the dense planner's):
+
+    tp   divides gpus and heads, kv_heads, ffn_hidden (and expert_ffn_hidden without EP); tp ≤ GPUs per node
+    pp   divides gpus / tp, pp ≤ layers;  dp = gpus / (tp · pp), dividing the global batch
+    ep   divides the experts and the dense region dp·tp (torchtitan's sparse mesh efsdp · ep)
+    zero 0, 2, 3 (and 1 without EP: ZeroRedundancyOptimizer cannot partition experts that differ by EP rank)
+    sequence parallel on whenever tp > 1 (it only saves memory and moves the same bytes)
+    schedule 1F1B when pp > 1 (plain accumulation when pp = 1)
+    micro-batch size  divisors b ≤ 8 of global_batch / dp with microbatches ≥ pp
+    recompute none, selective, full
+
+Branch and bound, with bounds that hold for the engine's own numbers (tests check it):
+
+* memory lower bound per rank: its model states as engine.memory counts them (the experts'
+  FSDP shards over efsdp), the saved tensors of its blocks (dense and MoE rows) × 1F1B's
+  min(m, p − r) microbatches in flight (full recompute: each block's input), the runtime context;
+* step lower bound: each pipeline rank's busy time (F + B with the TP and EP collectives, × m)
+  plus the forward and backward chain of the stages before it.
+
+Best bound first, a layout that may fit is fully evaluated (``memory_per_rank``, then
+``step_time``); the search stops when the next bound exceeds the K-th best step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from engine import names
+from engine.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
+from engine.config import Config, ConfigError
+from engine.durations import block_flops, stage_block_counts
+from engine.layout import placement_style
+from engine.memory import memory_per_rank
+from engine.memory.activations import layer_activation_terms, moe_layer_terms, shape_of
+from engine.memory.overhead import runtime_context_bytes
+from engine.names import OPTIMIZER_STATES
+from engine.params import _moe_params_per_rank
+from engine.step import step_time, tp_seconds_per_layer
+
+MOE_RECOMPUTE = ("none", "selective", "full")
+MAX_MICRO_BATCH = 8
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple[str, ...],
+                   micro_batch_sizes: tuple[int, ...] | None) -> tuple[list[tuple[float, float, dict]], dict]:
+    """Every layout of the grid with its (step lower bound, memory lower bound), and the counts."""
+    m, cl = base.model, base.cluster
+    gpus, gpn = cl.gpus, cl.gpus_per_node
+    rcs = tuple(r for r in recompute if r in MOE_RECOMPUTE) or ("none",)
+    g_tp = math.gcd(m.heads, m.kv_heads, m.ffn_hidden)
+    k_states = OPTIMIZER_STATES[base.training.optimizer]
+    torch_acc = base.conventions.state_accounting == "pytorch"
+    act = 4 if base.training.precision == "fp32" else 2
+    overhead = runtime_context_bytes(base)
+    fd = block_flops(base, False)
+    rate1 = cl.gpu.peak_flops(base.training.precision) * base.conventions.compute_efficiency
+    s_len = m.seq_len
+
+    probes: dict[tuple, Config | None] = {}
+
+    def probe(tp: int, pp: int, ep: int, b: int, rc: str, mb: int = 1) -> Config | None:
+        key = (tp, pp, ep, b, rc, mb)
+        if key not in probes:
+            try:
+                probes[key] = base.replace(parallel={"dp": gpus // (tp * pp), "tp": tp, "pp": pp, "ep": ep,
+                                                     "sequence_parallel": tp > 1, "microbatches": mb,
+                                                     "schedule": "1F1B", "zero": 0},
+                                           training={"micro_batch_size": b, "recompute": rc})
+            except ConfigError:
+                probes[key] = None
+        return probes[key]
+
+    per_layer_cache: dict[tuple, tuple[int, int, int]] = {}
+
+    def per_layer(tp: int, ep: int, b: int, rc: str) -> tuple[int, int, int] | None:
+        """(dense block, MoE block, checkpointed block input) bytes per microbatch, lower bounds
+        (they depend on ep only through whether it is > 1)."""
+        key = (tp, ep > 1, b, rc)
+        if key not in per_layer_cache:
+            cfg = probe(tp, 1, ep, b, rc)
+            if cfg is None:
+                return None
+            terms, _ = layer_activation_terms(shape_of(cfg))
+            dense = sum(x for _, x, _ in terms)
+            rows, _ = moe_layer_terms(cfg)
+            moe = dense - sum(x for _, x, part in terms if part == "mlp") + sum(x for _, x, _ in rows)
+            kept = act * s_len * b * m.hidden // tp  # sequence parallel whenever tp > 1
+            per_layer_cache[key] = (dense, moe, kept)
+        return per_layer_cache[key]
+
+    states_cache: dict[tuple, tuple[np.ndarray, np.ndarray, float]] = {}
+    tr = base.training
+    master = 4 if tr.master_weights else 0
+    opt_bytes = tr.grad_bytes + 2 * (master or tr.param_bytes) + 8 * k_states + (tr.param_bytes if master else 0)
+    hbm = cl.gpu.hbm_bandwidth_gb_per_s * 1e9
+
+    def states(tp: int, pp: int, ep: int, z: int) -> list[int] | None:
+        """Model-state bytes of each pp rank's tp-rank 0 (the largest vocabulary chunk)."""
+        key = (tp, pp, ep, z)
+        if key not in states_cache:
+            dp = gpus // (tp * pp)
+            held = _moe_params_per_rank(m, tp, pp, 1, placement_style("1F1B"), base.parallel.pipeline_split, ep,
+                                        dp * tp // ep, 1)
+            out = []
+            same: dict[tuple, tuple[int, int, float]] = {}  # pp ranks holding the same units (the middle ones)
+            for row in held:
+                rp = row[0]
+                if rp.unit_groups in same:
+                    out.append(same[rp.unit_groups])
+                    continue
+                psi = rp.total
+                if not torch_acc:
+                    out.append((0, 0, 0))
+                    continue
+                if z in (2, 3):
+                    e_deg = dp * tp // ep if ep > 1 else None
+                    x = (8 + 4 * k_states) * rp.sharded_numel(dp, e_deg)
+                elif z == 1:
+                    x = 8 * psi + 4 * k_states * -(-psi // dp)
+                else:
+                    x = (8 + 4 * k_states) * psi
+                # the smallest buffers FSDP2 / DDP keep besides (every category counts at the peak):
+                # ZeRO-2 (and replicate) hold every unit gathered, ZeRO-3 one unit; DDP its buckets
+                if dp == 1:
+                    fixed = 0
+                elif z == 2 or (z == 0 and tp > 1):
+                    fixed = act * psi
+                elif z == 3:
+                    fixed = act * rp.largest_unit_numels(1)[0]
+                elif base.conventions.ddp_gradient_as_bucket_view:
+                    fixed = 0
+                else:
+                    fixed = 4 * psi
+                # unsharded gradients accumulated over microbatches (FSDP2, m > 1): at least 2 B each
+                per_mb = 2 * psi if z in (2, 3) and dp > 1 else 0
+                # time every layout of this shape spends besides the pipeline: the optimizer step over
+                # the local shard, and (ZeRO-2/3) FSDP's gradient reduce-scatters, counted exposed
+                opt = (psi / (dp if z >= 1 else 1)) * opt_bytes / hbm
+                rs = 0.0
+                e_units = sum(c for _, c in rp.expert_units)
+                dense_psi = psi - (rp.experts if e_units else 0)
+                units = max(1, rp.unit_count - e_units)
+                dp_span = group_span(dp_probe(tp, pp), "dp")
+                n_e = dp * tp // ep
+                e_local = max(1, min(n_e, gpn // ep))
+                e_span = GroupSpan("dp", n_e, math.ceil(n_e / e_local), e_local)
+                gb, pb = base.training.grad_bytes, base.training.param_bytes
+
+                def coll(kind, size, span):
+                    return collective_seconds(base, kind, size, span) if span.size > 1 else 0.0
+
+                if z in (2, 3) and dp > 1:
+                    # exposed: every reduce-scatter, and at least one all-gather call (dense and experts)
+                    rs = units * coll("reduce_scatter", dense_psi * gb / units, dp_span)
+                    rs += coll("all_gather", dense_psi * pb / units, dp_span)
+                    if e_units:
+                        rs += e_units * coll("reduce_scatter", rp.experts * gb / e_units, e_span)
+                        rs += coll("all_gather", rp.experts * pb / e_units, e_span)
+                elif z == 0 and dp > 1:
+                    # DDP: at least one bucket's all-reduce is exposed; the experts' one all-reduce whole
+                    grads = dense_psi * gb
+                    buckets = max(1, math.ceil(grads / (base.conventions.ddp_bucket_mb * 1e6)))
+                    rs = coll("all_reduce", grads / buckets, dp_span)
+                    if e_units:
+                        rs += coll("all_reduce", rp.experts * gb, GroupSpan("dp", n_e, e_span.nodes, e_span.local))
+                out.append((x + fixed, per_mb, opt + rs))
+                same[rp.unit_groups] = out[-1]
+            states_cache[key] = (np.array([o[0] for o in out], dtype=np.float64),
+                                 np.array([o[1] for o in out], dtype=np.float64), max(o[2] for o in out))
+        return states_cache[key]
+
+    dp_probes: dict[tuple[int, int], Config] = {}
+
+    def dp_probe(tp: int, pp: int) -> Config:
+        if (tp, pp) not in dp_probes:
+            dp_probes[tp, pp] = probe(tp, pp, 1, 1, "none", pp) or base
+        return dp_probes[tp, pp]
+
+    tp_cache: dict[tuple, tuple[float, float]] = {}
+    ep_cache: dict[tuple, tuple[float, float]] = {}
+    phi_ep = base.conventions.moe_capacity_factor or base.conventions.moe_imbalance
+
+    def comm(tp: int, pp: int, ep: int, b: int, rc: str) -> tuple[float, float, float, float] | None:
+        """(TP forward, TP backward per block, EP forward, EP backward per MoE block) seconds per
+        microbatch: a TP group (tp ≤ GPUs per node) lies in one node whatever pp, and an EP group is
+        ep consecutive ranks (engine.comm.ep_span)."""
+        if (tp, b, rc) not in tp_cache:
+            cfg = probe(tp, 1, 1, b, rc)
+            if cfg is None:
+                return None
+            tp_cache[tp, b, rc] = tp_seconds_per_layer(cfg)
+        if ep > 1 and (tp, ep, b, rc) not in ep_cache:
+            local = min(ep, gpn)
+            span = GroupSpan("ep", ep, math.ceil(ep / local), local)
+            size = b * s_len // tp * m.experts_per_token * m.hidden * base.training.param_bytes * phi_ep
+            one = all_to_all_seconds(base, size, span)
+            ep_cache[tp, ep, b, rc] = (2 * one, (2 + (2 if rc == "full" else 0)) * one)
+        tf, tb = tp_cache[tp, b, rc]
+        ef, eb = ep_cache[tp, ep, b, rc] if ep > 1 else (0.0, 0.0)
+        return tf, tb, ef, eb
+
+    fm_cache: dict[float, Any] = {}
+
+    cands: list[tuple[float, float, dict[str, Any]]] = []
+    stage_index: dict[int, np.ndarray] = {}
+    p2p_of: dict[int, np.ndarray] = {}
+    last_of: dict[int, np.ndarray] = {}
+    head_of: dict[int, np.ndarray] = {}
+    counts = {"enumerated": 0, "skipped_global_batch": 0, "memory_bound_rejected": 0}
+    for tp in [t for t in _divisors(gpus) if t <= gpn and g_tp % t == 0]:
+        if tp > 1 and s_len % tp:
+            continue
+        for pp in [p for p in _divisors(gpus // tp) if p <= m.layers]:
+            dp = gpus // (tp * pp)
+            if G % dp:
+                counts["skipped_global_batch"] += 1
+                continue
+            dn, mn = stage_block_counts(base, pp)
+            if pp not in stage_index:
+                stage_index[pp] = np.arange(pp, dtype=np.float64)
+                p2p_of[pp] = ((stage_index[pp] > 0).astype(np.float64) + (stage_index[pp] < pp - 1)) if pp > 1 \
+                    else np.zeros(1)
+                last_of[pp] = (stage_index[pp] == pp - 1).astype(np.float64)
+                head_of[pp] = last_of[pp] * fd.head
+            for ep in _divisors(math.gcd(m.experts, dp * tp)):
+                if ep == 1 and m.expert_hidden % tp:
+                    continue
+                phi = phi_ep if ep > 1 else (base.conventions.moe_capacity_factor or 1.0)
+                if phi not in fm_cache:
+                    fm_cache[phi] = block_flops(base, True, phi)
+                fm = fm_cache[phi]
+                zs = [z for z in zero if not (z == 1 and ep > 1) and (dp > 1 or z == 0)]
+                bs = [b for b in (micro_batch_sizes or _divisors(G // dp)) if (G // dp) % b == 0
+                      and b <= MAX_MICRO_BATCH and (pp == 1 or G // (dp * b) >= pp)]
+                for b in bs:
+                    mb = G // (dp * b)
+                    tokens = b * s_len
+                    for rc in rcs:
+                        pl = per_layer(tp, ep, b, rc)
+                        cm = comm(tp, pp, ep, b, rc)
+                        if pl is None or cm is None:
+                            continue
+                        d_b, m_b, kept = pl
+                        tf, tb, ef, eb = cm
+                        rate = rate1 * tp
+                        # per stage: compute (F, B = I + W with recompute) and the critical-path collectives
+                        # per stage, as arrays: compute (F, B = I + W with recompute) and the critical-path
+                        # collectives; the stage chain before each rank; the saved tensors in flight (1F1B)
+                        blk, nb = dn * fd.block + mn * fm.block, dn + mn
+                        mm = dn * fd.matmuls + mn * fm.matmuls
+                        core = dn * fd.attention_core + mn * fm.attention_core
+                        rec = blk if rc == "full" else core if rc == "selective" else 0.0
+                        stage_f = tokens * (blk + head_of[pp]) / rate + nb * tf + mn * ef
+                        stage_b = tokens * (2 * mm + 2 * core + rec + 2 * head_of[pp]) / rate + nb * tb + mn * eb
+                        work = stage_f + stage_b
+                        step_lb = float(np.max(np.cumsum(work) - work + mb * work))
+                        if base.training.compile:  # compile's fused-elementwise saving is not in this bound
+                            step_lb = 0.0
+                        in_flight = np.minimum(mb, pp - stage_index[pp])
+                        acts = in_flight * (nb * kept if rc == "full" else dn * d_b + mn * m_b)
+                        # buffers every layout of this shape keeps: the pipeline's receive buffers and, on the
+                        # last stage, every microbatch's logits; EP's all-to-all buffers of one layer
+                        sbh = act * tokens * m.hidden // tp
+                        bufs = mb * sbh * p2p_of[pp]
+                        if torch_acc and pp > 1:  # the logits, vocabulary-parallel under SP
+                            bufs = bufs + last_of[pp] * (mb * act * tokens * -(-m.vocab // tp))
+                        if ep > 1:
+                            bufs = bufs + (mn > 0) * (act * (tokens // tp) * m.experts_per_token * m.hidden * 2)
+                        ab = acts + bufs
+                        for z in zs:
+                            st = states(tp, pp, ep, z)
+                            if st is None:
+                                continue
+                            counts["enumerated"] += 1
+                            fixed, per_mb, rest = st
+                            mem_lb = float(np.max(fixed + (per_mb if mb > 1 else 0.0) + ab)) + overhead
+                            layout = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": z, "b": b, "m": mb, "rc": rc}
+                            # (1 − 1e-9): the bounds are sums in another order than the engine's; float rounding
+                            cands.append(((step_lb + rest) * (1 - 1e-9) if step_lb else 0.0, mem_lb, layout))
+    return cands, counts
+
+
+def moe_layout_config(base: Config, lay: dict[str, Any]) -> Config:
+    """The Config of one candidate layout of :func:`moe_candidates`."""
+    return base.replace(parallel={"dp": lay["dp"], "tp": lay["tp"], "pp": lay["pp"], "ep": lay["ep"],
+                                  "zero": lay["zero"], "sequence_parallel": lay["tp"] > 1, "schedule": "1F1B",
+                                  "virtual_stages": 1, "microbatches": lay["m"]},
+                        training={"micro_batch_size": lay["b"], "recompute": lay["rc"]})
+
+
+def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...], recompute: tuple[str, ...],
+             micro_batch_sizes: tuple[int, ...] | None, exhaustive: bool = False, cancelled=None):
+    """The ``top`` fastest layouts (with ep) of ``base``'s MoE model on its cluster; a PlanResult."""
+    from engine.planner import PlanCancelled, PlanCounts, PlanResult, _explain
+
+    m, cl = base.model, base.cluster
+    capacity = cl.gpu.memory_bytes
+    all_cands, counts = moe_candidates(base, G, zero, recompute, micro_batch_sizes)
+    cands = []
+    for serial, (step_lb, mem_lb, layout) in enumerate(all_cands):
+        if not exhaustive and mem_lb > capacity:
+            counts["memory_bound_rejected"] += 1
+            continue
+        cands.append((step_lb, serial, layout))
+    heapq.heapify(cands)
+    best: list[tuple[float, tuple, int, Config, Any, Any]] = []
+    evaluated = no_fit = invalid = 0
+    while cands:
+        if cancelled is not None and cancelled():
+            raise PlanCancelled("cancelled while searching the top layouts")
+        bound, i, lay = heapq.heappop(cands)
+        if not exhaustive and len(best) >= top and bound > best[top - 1][0]:
+            heapq.heappush(cands, (bound, i, lay))
+            break
+        try:
+            cfg = moe_layout_config(base, lay)
+        except ConfigError:
+            invalid += 1
+            continue
+        evaluated += 1
+        mem = memory_per_rank(cfg)
+        if not mem.fits:
+            no_fit += 1
+            continue
+        st = step_time(cfg)
+        key = (lay["tp"], lay["pp"], lay["ep"], lay["zero"], lay["b"], names.RECOMPUTE_KINDS.index(lay["rc"]))
+        entry = (st.seconds, key, i, cfg, st, mem)
+        if len(best) < top or (entry[0], entry[1]) < (best[-1][0], best[-1][1]):
+            best.append(entry)
+            best.sort(key=lambda e: (e[0], e[1]))
+            del best[top:]
+    counts.update(pruned_by_time_bound=len(cands), pipelines_simulated=0, fully_evaluated=evaluated,
+                  did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=evaluated - no_fit)
+    notes = (
+        f"every layout trains the same global batch: {G} sequences × {m.seq_len} tokens = {G * m.seq_len:,} tokens "
+        "per step "
+        "(--global-batch changes it)",
+        "mixture of experts: ep searched over the divisors of the experts and of dp·tp (torchtitan's sparse mesh); "
+        "1F1B when pp > 1, sequence parallel whenever tp > 1, tp within a node, recompute none | selective | full, "
+        f"micro-batch sizes ≤ {MAX_MICRO_BATCH}; ZeRO-1 only without EP",
+        "time = engine.step (makespan with TP collectives and EP all-to-alls inside F/B + exposed DP communication "
+        "+ optimizer); fit = engine.memory on every rank against cluster.gpu.memory_gib",
+    )
+    return PlanResult(model=m.preset or "custom", gpus=cl.gpus, gpu=cl.gpu.name, gpus_per_node=cl.gpus_per_node,
+                      global_batch=G,
+                      tokens_per_step=G * m.seq_len, capacity_bytes=capacity, entries=_explain(best, capacity),
+                      counts=PlanCounts(**counts), elapsed_s=time.perf_counter() - t0, exhaustive=exhaustive,
+                      notes=notes, base=base)

@@ -1,0 +1,132 @@
+"""Memory per rank of a mixture of experts: experts per EP rank, their FSDP shards over efsdp, the
+routed tokens' activations under the load convention, the all-to-all buffers. Hand-worked numbers
+on a small MoE (the tiny preset with 4 experts of top-2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Config
+from engine.memory import memory_per_rank
+from engine.params import param_counts, params_per_rank, sharded_numel
+
+TINY_MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96, "dense_layers": 2}
+
+
+def cfg(parallel=None, model=None, conventions=None, gpus=4, training=None) -> Config:
+    raw = {"model": {**TINY_MOE, **(model or {})}, "cluster": {"gpu": "cpu", "gpus": gpus},
+           "parallel": parallel or {}, "training": training or {}}
+    if conventions:
+        raw["conventions"] = conventions
+    return Config.from_dict(raw)
+
+
+def terms(c: Config, category: str, kind: str):
+    return [t for t in memory_per_rank(c).per_rank[0].explain(category) if t.kind == kind]
+
+
+def test_experts_per_ep_rank_by_hand():
+    c = cfg({"ep": 2, "dp": 4})
+    (row,) = params_per_rank(c)
+    rp = row[0]
+    per_expert = 3 * 128 * 96
+    assert rp.experts == 6 * 2 * per_expert  # 6 MoE blocks × E/ep = 2 experts
+    assert rp.expert_units == ((((2, 96 * 128), (2, 96 * 128), (2, 128 * 96)), 6),)
+    # every element of the model is on some rank: dense parts everywhere, experts split over ep
+    assert rp.total - rp.experts + rp.experts * 2 == param_counts(c.model).total
+    assert sum(sum(a * b for a, b in u) * n for u, n in rp.unit_groups) == rp.total
+
+
+def test_without_ep_tp_splits_the_experts():
+    c = cfg({"tp": 2, "dp": 2})
+    row = params_per_rank(c)[0]
+    assert [rp.experts for rp in row] == [6 * 4 * 3 * 128 * 48] * 2
+    replicated = 8 * 2 * 128 + 6 * 4 * 128 + 128  # norms of 8 blocks, 6 routers, the final norm: on both TP ranks
+    assert sum(rp.total for rp in row) - replicated == param_counts(c.model).total
+
+
+def test_fsdp_shards_experts_over_efsdp_and_the_rest_over_dp_shard():
+    c = cfg({"ep": 2, "dp": 4, "zero": 3})
+    assert c.parallel.expert_shard_degree == 2
+    rp = params_per_rank(c)[0][0]
+    dense_units = [(u, n) for u, n in rp.unit_groups if u not in {e for e, _ in rp.expert_units}]
+    expected = sum(sharded_numel(u, 4) * n for u, n in dense_units) + 6 * sharded_numel(rp.expert_units[0][0], 2)
+    (param_term,) = terms(c, "params", "parameters")
+    (expert_term,) = terms(c, "params", "expert_parameters")  # the experts as their own part
+    assert param_term.bytes + expert_term.bytes == 4 * expected
+    assert expert_term.bytes == 4 * 6 * sharded_numel(rp.expert_units[0][0], 2)
+    assert "efsdp = 2" in param_term.formula
+
+
+def test_routed_activations_scale_with_the_imbalance_convention():
+    base = cfg({"ep": 2, "dp": 4})
+    skewed = cfg({"ep": 2, "dp": 4}, conventions={"moe_imbalance": 1.5})
+    n = 64  # s·b tokens, tp 1
+    routed = n * 2  # n·k balanced
+    act = 2  # bf16-mixed by default
+    per_copy = act * 128 + 4 * act * 96  # dispatched token + SwiGLU internals
+    (a,) = terms(base, "activations", "moe_layers")
+    (b,) = terms(skewed, "activations", "moe_layers")
+    assert b.bytes - a.bytes == 6 * (int(routed * 1.5) - routed) * per_copy  # 6 MoE blocks, 1 microbatch
+    capped = cfg({"ep": 2, "dp": 4}, conventions={"moe_imbalance": 1.5, "moe_capacity_factor": 1.25})
+    (c,) = terms(capped, "activations", "moe_layers")
+    assert c.bytes - a.bytes == 6 * (int(routed * 1.25) - routed) * per_copy
+
+
+def test_moe_block_rows_by_hand():
+    c = cfg({"ep": 2, "dp": 4})
+    (dense,) = terms(c, "activations", "layers")
+    (moe,) = terms(c, "activations", "moe_layers")
+    assert "2 dense layers" in dense.label and "6 MoE layers" in moe.label
+    act, n, h, e, k, f = 2, 64, 128, 4, 2, 96
+    moe_rows = act * n * h + 4 * n * e + 12 * n * k + act * n * k * h + 4 * act * n * k * f + act * n * k * h
+    mlp_rows_dense = act * n * h + 4 * act * n * 352  # MLP input + SwiGLU internals of the dense FFN
+    per_dense = dense.bytes // 2
+    assert moe.bytes // 6 == per_dense - mlp_rows_dense + moe_rows
+
+
+def test_all_to_all_buffers_only_under_ep():
+    with_ep = terms(cfg({"ep": 2, "dp": 4}), "comm_buffers", "moe_all_to_all")
+    assert [t.bytes for t in with_ep] == [2 * 64 * 2 * 128, 2 * 128 * 128]
+    assert not terms(cfg({"dp": 4}), "comm_buffers", "moe_all_to_all")
+
+
+def test_mixtral_fsdp_params_are_an_eighth(tmp_path):
+    c = Config.from_dict({"model": {"preset": "mixtral-8x7b"}, "cluster": {"gpu": "h100-sxm", "gpus": 8},
+                          "parallel": {"ep": 8, "zero": 3}, "training": {"precision": "bf16-mixed"}})
+    rank = memory_per_rank(c).per_rank[0]
+    total = param_counts(c.model).total
+    assert abs(rank.params - 4 * total / 8) / (4 * total / 8) < 1e-3
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "gpt-oss-20b",
+                                  "gpt-oss-120b"])
+def test_every_moe_preset_predicts(name):
+    from engine.predict import predict
+
+    c = Config.from_dict({"model": {"preset": name, "seq_len": 4096}, "cluster": {"gpu": "h100-sxm", "gpus": 64},
+                          "parallel": {"ep": 8, "zero": 3, "pp": 2, "microbatches": 4},
+                          "training": {"precision": "bf16-mixed"}})
+    pred = predict(c)
+    assert pred.step.seconds > 0 and all(r.total > 0 for r in pred.memory.per_rank)
+    assert pred.to_json()["model"]["params"] == param_counts(c.model).total
+
+
+def test_the_load_convention_is_stated_beside_the_numbers():
+    from engine.memory import conventions_of
+
+    conv = conventions_of(cfg({"ep": 2, "dp": 4}, conventions={"moe_imbalance": 1.5}))
+    assert "imbalance 1.5" in conv["moe_load"] and "efsdp = 2" in conv["moe_experts"]
+    assert "capacity factor 1.25" in conventions_of(cfg({"dp": 4}, conventions={"moe_capacity_factor": 1.25}))["moe_load"]
+    dense = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 4}})
+    assert "moe_load" not in conventions_of(dense)
+
+
+def test_expert_parameters_are_their_own_part_with_and_without_ep():
+    for par in ({"ep": 2, "dp": 4}, {"tp": 2, "dp": 2}, {"dp": 4, "zero": 3}):
+        c = cfg(par)
+        rank = memory_per_rank(c).per_rank[0]
+        (e,) = [t for t in rank.explain("params") if t.kind == "expert_parameters"]
+        assert 0 < e.bytes < rank.params
+    dense = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 4}})
+    assert not [t for t in memory_per_rank(dense).per_rank[0].explain("params") if t.kind == "expert_parameters"]
