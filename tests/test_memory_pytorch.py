@@ -111,6 +111,31 @@ def test_tp_embedding_gradient_is_full_size():
         4 * params_per_rank(cfg(None, None, dp=2, tp=2))[0][0].total
 
 
+def test_fsdp2_tp_embedding_gradient_is_full_size_until_its_post_backward():
+    # tiny: V = 512, h = 128, so V·h = 65,536 elements; TP 2 holds 32,768 of them per rank.
+    # The lookup's gradient comes back replicated (V × h on every TP rank); FSDP2 redistributes it
+    # to the row shard only when its post-backward reduces it.
+    fp32_reduce = {"precision": "bf16-mixed", "grad_dtype": "fp32", "optimizer": "adamw"}
+
+    def term(r, words):
+        return [t for t in r.catalogue("comm_buffers") if words in t.label]
+
+    # one microbatch, no pipeline: a bf16 transient of 2 B × 65,536 on every rank (each holds the embedding)
+    one = memory_per_rank(cfg(None, fp32_reduce, dp=2, tp=2, zero=3))
+    for r in one.per_rank:
+        (t,) = term(r, "token-embedding gradient at full V × h in bf16")
+        assert (t.bytes, t.kind) == (131_072, "reduce_scatter_input")
+    # pipelined: the fp32 accumulation holds the replicated gradient, 4 B × (65,536 − 32,768) beyond
+    # the row shard, on stage 0 only (the embeddings' stage)
+    piped = memory_per_rank(cfg(None, fp32_reduce, dp=2, tp=2, pp=2, zero=3, microbatches=4, schedule="1F1B"))
+    for r in piped.per_rank:
+        extra = term(r, "token-embedding gradient accumulated at full V × h, in fp32")
+        assert [(t.bytes, t.kind) for t in extra] == ([(131_072, "fsdp_unsharded_grads")] if r.pp_rank == 0 else [])
+    # no TP: the gradient is the shard's own size, no extra term
+    assert not any(term(r, "token-embedding gradient") for r in
+                   memory_per_rank(cfg(None, fp32_reduce, dp=2, zero=3)).per_rank)
+
+
 @pytest.mark.parametrize("training, measured", [
     ({"precision": "fp32", "grad_dtype": "fp32"}, 13_675_016),  # MemTracker "Activation" at the peak, torch 2.13 CPU, one rank, one microbatch
     (MIXED, 11_971_080),  # the same under bf16 autocast

@@ -112,6 +112,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         T.add("comm_buffers", "all-gather output of one unit (largest)" + f8, two[0], f"{two[0]:,} B",
               kind="all_gather_output")
     gacc = plan.grad_accumulation_bytes
+    emb_full, emb_extra = replicated_embedding_gradient(cfg, rp)
     if plan.unsharded_after_first_backward or m > 1:
         why = ("every microbatch's backward until the schedule's REDUCE_GRAD (set_requires_gradient_sync(False))"
                if plan.unsharded_after_first_backward else "accumulated unsharded over microbatches without sync")
@@ -120,19 +121,53 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
               + (" — adapters only under LoRA" if lora_on else ""),
               gacc * psi_train, f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}",
               kind="fsdp_unsharded_grads")
+        if emb_extra:
+            T.add("comm_buffers", f"token-embedding gradient accumulated at full V × h, in {plan.grad_accumulation_dtype} "
+                  "(TP: the vocab-parallel embedding's gradient comes back replicated; FSDP2 keeps it so until "
+                  "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
+                  f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads")
         if plan.grad_accumulation_dtype != plan.compute_dtype:
             # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
             # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
+            # (the embeddings' unit: its token embedding at full V × h under TP)
             big = max(n for n, _ in train_units)
             pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+            what = f"largest FSDP unit's trainable elements ({big:,})"
+            if emb_full > big:
+                big, what = emb_full, f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
             T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
                   f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
-                  f"{pgrad} B × largest FSDP unit's trainable elements ({big:,})", kind="fsdp_fresh_grad")
+                  f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
     else:
         big = max(n for n, _ in train_units)
         T.add("comm_buffers", f"reduce-scatter input (one unit's unsharded gradients, in {plan.reduce_dtype}"
               + (", adapters only)" if lora_on else ")"), gacc * big,
               f"{gacc} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
+        if emb_full:
+            pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+            T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "
+                  "embeddings' post-backward redistributes it to the row shard (TP: it comes back replicated)",
+                  pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="reduce_scatter_input")
+
+
+def replicated_embedding_gradient(cfg: Config, rp: RankParams) -> tuple[int, int]:
+    """(elements of the full token-embedding gradient, elements beyond the local row shard) on a rank
+    whose stage holds the untied token embedding under TP with FSDP2; (0, 0) elsewhere.
+
+    Under TP the embedding's weight is a row-sharded DTensor, but the gradient of its lookup comes
+    back replicated (every TP rank holds V × h). FSDP2 reads it through
+    ``FSDPParam._get_grad_inner_tensor``, which redistributes it to the parameter's placement only
+    when the post-backward reduces it, and ``to_accumulated_grad_if_needed`` casts the replicated
+    gradient as it is: the accumulation holds V × h in the reduce dtype until then.
+    """
+    model = cfg.model
+    if cfg.parallel.tp == 1 or model.tied_embeddings or cfg.training.finetune == "lora":
+        return 0, 0
+    local = sum(st.embedding for st in rp.stages)
+    if not local:
+        return 0, 0
+    full = model.vocab * model.hidden
+    return full, full - local
 
 
 def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc: bool) -> None:
