@@ -210,8 +210,9 @@ def _short(value: Any) -> str:
 
 def _same_layout(layout: dict, cfg: Config) -> bool:
     par, tr = cfg.parallel, cfg.training
-    return (layout["dp"], layout["tp"], layout["pp"], layout["zero"], layout["sequence_parallel"],
-            layout["schedule"] or "1F1B", layout["virtual_stages"], layout["microbatches"],
-            layout["micro_batch_size"], layout["recompute"]) == (
-        par.dp, par.tp, par.pp, par.zero, par.sequence_parallel, par.schedule if par.pp > 1 else "1F1B",
-        par.virtual_stages, par.microbatches, tr.micro_batch_size, tr.recompute)
+    return (layout["dp"], layout["tp"], layout["pp"], layout.get("cp", 1), layout.get("ep", 1), layout["zero"],
+            layout["sequence_parallel"], layout["schedule"] or "1F1B", layout["virtual_stages"],
+            layout["microbatches"], layout["micro_batch_size"], layout["recompute"]) == (
+        par.dp, par.tp, par.pp, par.cp, par.ep, par.zero, par.sequence_parallel,
+        par.schedule if par.pp > 1 else "1F1B", par.virtual_stages, par.microbatches, tr.micro_batch_size,
+        tr.recompute)
