@@ -61,6 +61,7 @@ import numpy as np
 from engine.comm import (
     CommReport,
     MeasuredLinks,
+    activation_message_bytes,
     collective_seconds,
     communication,
     cp_layer_exchanges,
@@ -69,6 +70,8 @@ from engine.comm import (
     group_span,
     tp_block_collectives,
     tp_edge_collectives,
+    tp_recomputed_blocks,
+    tp_recomputed_collectives,
     trainable_local,
 )
 from engine.config import Config
@@ -124,6 +127,16 @@ def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
     return out["forward"], out["backward"]
 
 
+def tp_recomputed_seconds(cfg: Config, links: MeasuredLinks | None = None) -> float:
+    """The TP collectives one recomputed block repeats in its backward for one microbatch, in seconds
+    (engine.comm.tp_recomputed_collectives)."""
+    if cfg.parallel.tp == 1:
+        return 0.0
+    span = group_span(cfg, "tp")
+    act = activation_message_bytes(cfg)
+    return sum(calls * collective_seconds(cfg, coll, act, span, links) for coll, calls in tp_recomputed_collectives(cfg))
+
+
 def _stage_layers(cfg: Config, num_stages: int) -> np.ndarray:
     return np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)],
                     dtype=np.float64)
@@ -152,6 +165,8 @@ def tp_stage_seconds(cfg: Config, num_stages: int,
     fwd_l, bwd_l = tp_seconds_per_layer(cfg, links)
     layers = _stage_layers(cfg, num_stages)
     fwd, bwd = layers * fwd_l, layers * bwd_l
+    if cfg.training.recompute == "selective-layer" and cfg.parallel.tp > 1:
+        bwd = bwd + np.array(tp_recomputed_blocks(cfg), dtype=np.float64) * tp_recomputed_seconds(cfg, links)
     if cfg.parallel.async_tp:
         mm_f, mm_b = linear_matmul_seconds(cfg, num_stages)
         fwd, bwd = np.maximum(0.0, fwd - mm_f), np.maximum(0.0, bwd - mm_b)
@@ -269,7 +284,7 @@ COMPILE_CONVENTION = "fused-elementwise"
 FLOAT8_CAST_BYTES = {False: 5, True: 3}
 
 
-def _linears(cfg: Config) -> list[tuple[int, int]]:
+def block_linears(cfg: Config) -> list[tuple[int, int]]:
     """(d_in, d_out) of each block Linear on one TP rank (q, k, v, o, gate, up, down)."""
     m, tp = cfg.model, cfg.parallel.tp
     q, kv, f, h = m.heads * m.head_dim // tp, m.kv_dim // tp, m.ffn_hidden // tp, m.hidden
@@ -284,7 +299,7 @@ def float8_cast_bytes(cfg: Config) -> tuple[float, float]:
         return 0.0, 0.0
     tokens = tr.micro_batch_size * cfg.local_seq_len
     per = FLOAT8_CAST_BYTES[bool(tr.compile)]
-    lin = _linears(cfg)
+    lin = block_linears(cfg)
     inputs = tokens * sum(i for i, _ in lin)
     grads_out = tokens * sum(o for _, o in lin)
     weights = sum(i * o for i, o in lin) / (par.shard_degree if tr.float8_all_gather else 1)
