@@ -1248,6 +1248,8 @@ def render_table(result: PlanResult) -> str:
 def plan_cli(args) -> int:
     """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2.
 
+    ``--float8 none,tensorwise,rowwise`` and ``--compile on,off`` choose the float8 kinds and torch.compile
+    settings searched (default: every float8 kind the GPU and precision allow, compile on and off).
     ``--config CFG`` plans that config's job instead of ``--model``/``--gpus``/``--gpu``/``--gpus-per-node``. ``--all-fitting`` adds every fitting layout
     (``fitting`` and ``base_config`` in the JSON). ``--progress`` writes JSON lines instead:
     ``{"event": "progress", "phase": "top" | "fitting", "evaluated": k, "total": n}`` as the search
@@ -1290,6 +1292,19 @@ def plan_cli(args) -> int:
         return usage("--progress writes JSON lines; add --json")
 
     kwargs: dict[str, Any] = {}
+    float8 = getattr(args, "float8", None)
+    if float8 is not None:
+        kinds = tuple(k.strip() for k in str(float8).split(",") if k.strip())
+        bad = [k for k in kinds if k not in names.FLOAT8_KINDS]
+        if bad or not kinds:
+            return usage(f"--float8: allowed: a comma-separated list of {', '.join(names.FLOAT8_KINDS)}; got {float8!r}")
+        kwargs["float8"] = kinds
+    compile_ = getattr(args, "compile", None)
+    if compile_ is not None:
+        words = [w.strip() for w in str(compile_).split(",") if w.strip()]
+        if not words or any(w not in ("on", "off") for w in words):
+            return usage(f"--compile: allowed: a comma-separated list of on, off; got {compile_!r}")
+        kwargs["compile"] = tuple(w == "on" for w in words)
     for name in ("global_batch", "max_virtual_stages", "seq_len"):
         value = getattr(args, name, None)
         if value is not None:
