@@ -2,7 +2,7 @@
 
 ``plan(model, gpus, gpu, gpus_per_node, top=K)`` enumerates dp × tp × pp, ZeRO stage,
 sequence parallel, pipeline schedule, virtual stages, micro-batch size (and with it the
-microbatch count) and recompute, keeps the layouts that validation accepts and that fit on
+microbatch count), recompute, float8 and torch.compile, keeps the layouts that validation accepts and that fit on
 every rank, and returns the K with the highest predicted tokens/s — each with the engine's
 full numbers (``memory_per_rank`` + ``step_time``) and why it wins or loses.
 
@@ -25,6 +25,9 @@ What is enumerated (duplicates that the engine cannot tell apart are left out, a
     sequence_parallel  off, and on when tp > 1 and tp divides seq_len / cp
     recompute  none, selective, full, selective-op, selective-layer (every training.recompute_every-th block
                of the base config)
+    float8  none, tensorwise, rowwise where the GPU has float8 tensor cores (peak_fp8_tflops > 0) and
+            precision is bf16-mixed (``default_float8_kinds``); none otherwise; float8 all-gather stays off
+    compile  off and on (``SEARCHED_COMPILE``); async TP stays off
 Schedule rules (1F1B needs m ≥ pp, …) come from ``engine.schedules.schedule_problems``, and
 every layout that is fully evaluated is built as a ``Config`` (which validates it).
 
@@ -33,12 +36,15 @@ Speed (branch and bound; the answer is the same as fully evaluating every layout
    memory** (model states, activations in flight from torch's schedule order, p2p and bucket
    buffers, logits, overhead — the terms of ``engine.memory`` minus a few small ones and
    rounding) drops layouts that cannot fit; and a **lower bound on step time**: the exact
-   per-stage F/B durations (compute + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
+   per-stage F/B durations (compute at float8's rate with its casts and compile's fused elementwise time, as
+   ``engine.step.with_float8_and_compile``, + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
    rank's busy time plus the forward chain before its first stage, the one-microbatch critical
    path, the exact exposed DP communication and optimizer step. What does not depend on the
    layout group is computed once: in-flight counts per (schedule, pp rank, pp, v, m) — the
    costly replay of torch's order, kept across plans (``_in_flight_sums``) — and parameters,
-   placement and DP collectives per (tp, pp, v, placement style).
+   placement and DP collectives per (tp, pp, v, placement style). The memory bound is computed on the
+   (b, ZeRO, SP, recompute) axes once per compile setting (float8 moves none of its terms) before the
+   float8 × compile expansion, and outside an exhaustive search the layouts it rejects leave the grid there.
 2. Best first by that bound: a candidate whose bound is below the K-th best step found so
    far gets its pipeline simulated (the exact makespan, cached per pipeline shape and shared
    by the ZeRO stages) — a tighter bound; if it is still below, the full engine runs
@@ -81,8 +87,8 @@ from engine.params import params_per_rank
 from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
 from engine.step import (
     FLOAT8_CAST_BYTES,
-    block_linears,
     analytic_durations,
+    block_linears,
     cp_seconds_per_layer,
     optimizer_seconds,
     step_time,
