@@ -680,7 +680,8 @@ class _Planner:
                                 + ck_extra + head[None, :]) / rate
         w_ = tokens[:, None] * (L[None, :] * fl.matmuls + head[None, :]) / rate
         if len(F8) > 1 or len(CMP) > 1 or F8[0] or CMP[0]:
-            f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, tokens, gs, gr, gf, gc, fl, act_b, rate)
+            f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, act_b,
+                                                 rate)
         one_tp = np.zeros(n)
         if tp > 1:
             for b in bs:
@@ -789,13 +790,12 @@ class _Planner:
                     lut[int(s), r, int(c)] = self._act_per_layer_b1(tp, s, _RECOMPUTE[r], cp, bool(c))
         return lut[gs.astype(np.int64), gr, gc.astype(np.int64)]
 
-    def _float8_and_compile(self, f, i_, w_, tp, L, tokens, gs, gr, gf, gc, fl, act_b, rate):
+    def _float8_and_compile(self, f, i_, w_, tp, L, ckpt, tokens, gs, gr, gf, gc, fl, act_b, rate):
         """engine.step.with_float8_and_compile over the grid: float8's matmul rate and casts, compile's fused
         elementwise chains, on the per-stage compute durations (before the mesh's collectives), clamped at 0."""
         base = self.base
         m, gpu = base.model, base.cluster.gpu
         hbm = gpu.hbm_bandwidth_gb_per_s * 1e9
-        full = (gr == _RECOMPUTE.index("full"))[:, None]
         on8 = gf > 0
         if on8.any():
             lin = block_linears(base.replace(parallel={"dp": base.cluster.gpus // tp, "tp": tp}))
@@ -805,13 +805,16 @@ class _Planner:
             cast_f = per * (tokens * s_in + wts)
             cast_b = per * (again * tokens * s_out + (again - 1) * tokens * s_in + wts)
             cast_f, cast_b = np.where(on8, cast_f, 0.0)[:, None], np.where(on8, cast_b, 0.0)[:, None]
-            cast_b = cast_b + np.where(full, cast_f, 0.0)
             peak8 = gpu.peak_fp8_tflops * 1e12 * base.conventions.compute_efficiency * tp
-            saved = np.where(on8, 1.0, 0.0)[:, None] * (tokens[:, None] * (L[None, :] * fl.matmuls)) * (
-                1 / rate - 1 / peak8)
-            f = f + L[None, :] * cast_f / hbm - saved
-            i_ = i_ + L[None, :] * cast_b / hbm - saved * np.where(full, 2.0, 1.0)
-            w_ = w_ - saved
+            per_block = (np.where(on8, 1.0, 0.0) * tokens * fl.matmuls * (1 / rate - 1 / peak8))[:, None]
+            # engine.step.recomputed_linear_blocks: the blocks' worth of matmuls the backward runs again
+            redo = np.zeros((len(gr), len(L)))
+            redo[gr == _RECOMPUTE.index("full")] = L
+            redo[gr == _RECOMPUTE.index("selective-layer")] = ckpt
+            redo[gr == _RECOMPUTE.index("selective-op")] = L * (per_op_recompute_flops_per_token(base) / fl.matmuls)
+            f = f + L[None, :] * (cast_f / hbm - per_block)
+            i_ = i_ + L[None, :] * cast_b / hbm + redo * (cast_f / hbm - per_block) - L[None, :] * per_block
+            w_ = w_ - L[None, :] * per_block
         if gc.any():
             ffn = m.ffn_hidden / tp if m.mlp == "swiglu" else 0.0
             rope = (m.heads * m.head_dim + m.kv_dim) / tp if m.position == "rope" else 0.0

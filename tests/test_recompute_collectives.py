@@ -149,3 +149,37 @@ def test_ddp_backward_temporary_follows_whether_every_block_recomputes():
         assert recomputes_every_block(c, rp) is expected, (kind, every)
         assert ddp_temporary(c, 0) == (4 * psi0 if expected else 0), (kind, every)  # fp32 buckets: 4 B × Ψ
         assert ddp_temporary(c, 1) > 0  # the last stage peaks in its backward whatever it recomputes
+
+
+# --------------------------------------------------------------------------- float8 on the recomputed forward
+
+
+def test_selective_layer_every_block_times_as_full_under_float8_and_tp():
+    """Checkpointing every block is full recompute: the recomputed forward's matmuls at float8's rate with
+    their casts, and its TP collectives, match full's stage by stage."""
+    from engine.step import analytic_durations, linear_matmul_seconds, recomputed_linear_blocks
+
+    def both(**kw):
+        full = cfg("full", **kw).replace(training={"float8": "rowwise", "compile": True})
+        layer = cfg("selective-layer", every=1, **kw).replace(training={"float8": "rowwise", "compile": True})
+        return full, layer
+
+    for kw in (dict(sp=True), dict(sp=False, pp=2, layers=6)):
+        full, layer = both(**kw)
+        n = full.parallel.num_stages
+        assert list(recomputed_linear_blocks(layer, n)) == list(recomputed_linear_blocks(full, n))
+        a, b = analytic_durations(full), analytic_durations(layer)
+        for x, y in ((a.forward_s, b.forward_s), (a.backward_input_s, b.backward_input_s),
+                     (a.backward_weight_s, b.backward_weight_s)):
+            assert list(x) == pytest.approx(list(y), rel=1e-12)
+        for x, y in zip(tp_stage_seconds(full, n), tp_stage_seconds(layer, n)):
+            assert list(x) == pytest.approx(list(y), rel=1e-12)
+        assert linear_matmul_seconds(full, n)[1] == pytest.approx(linear_matmul_seconds(layer, n)[1], rel=1e-12)
+    # every 2nd block: half of full's recomputed matmuls; selective-op: the policy's unsaved share per block
+    half = cfg("selective-layer", every=2).replace(training={"float8": "tensorwise"})
+    assert list(recomputed_linear_blocks(half, 1)) == [2.0]
+    op = cfg("selective-op").replace(training={"float8": "tensorwise"})
+    # SwiGLU without bias: wk, wo, w3 unsaved, of q k v o w1 w3 w2 (FLOPs ∝ h·q, h·kv, h·kv, q·h, h·f, h·f, f·h)
+    h, kv, f = 64, 32, 176
+    share = (h * kv + h * h + h * f) / (h * h + 2 * h * kv + h * h + 3 * h * f)
+    assert recomputed_linear_blocks(op, 1)[0] == pytest.approx(4 * share, rel=1e-12)
