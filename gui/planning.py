@@ -212,6 +212,7 @@ def _same_layout(layout: dict, cfg: Config) -> bool:
     par, tr = cfg.parallel, cfg.training
     return (layout["dp"], layout["tp"], layout["pp"], layout["zero"], layout["sequence_parallel"],
             layout["schedule"] or "1F1B", layout["virtual_stages"], layout["microbatches"],
-            layout["micro_batch_size"], layout["recompute"]) == (
+            layout["micro_batch_size"], layout["recompute"], layout.get("float8", "none"),
+            layout.get("compile", False)) == (
         par.dp, par.tp, par.pp, par.zero, par.sequence_parallel, par.schedule if par.pp > 1 else "1F1B",
-        par.virtual_stages, par.microbatches, tr.micro_batch_size, tr.recompute)
+        par.virtual_stages, par.microbatches, tr.micro_batch_size, tr.recompute, tr.float8, tr.compile)
