@@ -1243,10 +1243,10 @@ def render_table(result: PlanResult) -> str:
     if not result.entries:
         lines.append("no layout fits: try more GPUs, a GPU with more memory, or a smaller --global-batch")
         return "\n".join(lines)
-    hdr = f"{'#':>2}  {'layout':<66} {'tokens/s':>11} {'step s':>8} {'MFU':>6} {'peak GiB':>9} {'free GiB':>9}"
+    hdr = f"{'#':>2}  {'layout':<84} {'tokens/s':>11} {'step s':>8} {'MFU':>6} {'peak GiB':>9} {'free GiB':>9}"
     lines += ["", hdr, "-" * len(hdr)]
     for e in result.entries:
-        lines.append(f"{e.position:>2}  {e.label():<66} {e.tokens_per_s:>11,.0f} {e.seconds:>8.3f} "
+        lines.append(f"{e.position:>2}  {e.label():<84} {e.tokens_per_s:>11,.0f} {e.seconds:>8.3f} "
                      f"{100 * e.mfu:>5.1f}% {e.peak_bytes / GIB:>9.1f} {e.headroom_bytes / GIB:>9.1f}")
         for w in e.why:
             lines.append(f"      {w}")
