@@ -311,7 +311,7 @@ def checkpointed_blocks(cfg: Config) -> list[int]:
     "selective-layer", none otherwise."""
     par, tr = cfg.parallel, cfg.training
     num_stages = 1 if par.pp == 1 else par.num_stages
-    layers = [len(r) for r in split_layers(cfg.model.layers, num_stages)]
+    layers = [len(r) for r in split_layers(cfg.model.layers, num_stages, par.pipeline_split)]
     if tr.recompute == "full":
         return layers
     if tr.recompute != "selective-layer":

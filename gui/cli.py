@@ -366,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, metavar="TOKENS",
                    help="train at this sequence length (default: the model's); from 16384 tokens the planner "
                         "searches context parallelism (cp) too")
+    p.add_argument("--float8", metavar="KINDS",
+                   help="comma-separated torchao float8 kinds to search, from none,tensorwise,rowwise (default: all "
+                        "three where the GPU has float8 tensor cores and precision is bf16-mixed, else none)")
+    p.add_argument("--compile", metavar="SETTINGS",
+                   help="comma-separated torch.compile settings to search, from on,off (default: on,off)")
     p.add_argument("--json", action="store_true", help="the result as one JSON document")
     p.add_argument("--all-fitting", action="store_true",
                    help="also fully evaluate every layout that passes the memory lower bound, best bound first, "

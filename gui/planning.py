@@ -212,7 +212,8 @@ def _same_layout(layout: dict, cfg: Config) -> bool:
     par, tr = cfg.parallel, cfg.training
     return (layout["dp"], layout["tp"], layout["pp"], layout.get("cp", 1), layout.get("ep", 1), layout["zero"],
             layout["sequence_parallel"], layout["schedule"] or "1F1B", layout["virtual_stages"],
-            layout["microbatches"], layout["micro_batch_size"], layout["recompute"]) == (
+            layout["microbatches"], layout["micro_batch_size"], layout["recompute"], layout.get("float8", "none"),
+            layout.get("compile", False)) == (
         par.dp, par.tp, par.pp, par.cp, par.ep, par.zero, par.sequence_parallel,
         par.schedule if par.pp > 1 else "1F1B", par.virtual_stages, par.microbatches, tr.micro_batch_size,
-        tr.recompute)
+        tr.recompute, tr.float8, tr.compile)

@@ -12,7 +12,16 @@ import pytest
 from engine import Config
 from engine.comm import GroupSpan, group_ranks, group_span
 from engine.memory import memory_per_rank
-from engine.planner import SEARCHED_RECOMPUTE, PlanError, _Planner, default_global_batch, plan, render_table
+from engine.planner import (
+    SEARCHED_COMPILE,
+    SEARCHED_RECOMPUTE,
+    PlanError,
+    _Planner,
+    default_float8_kinds,
+    default_global_batch,
+    plan,
+    render_table,
+)
 from engine.step import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +44,7 @@ def _brute_force(kw):
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
     pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE,
-                  kw["max_virtual_stages"], None)
+                  kw["max_virtual_stages"], None, float8=default_float8_kinds(base), compile=SEARCHED_COMPILE)
     g = pl.grid()
     rows = []
     for i in range(len(g.mem_lb)):

@@ -170,6 +170,22 @@ def replicated_embedding_gradient(cfg: Config, rp: RankParams) -> tuple[int, int
     return full, full - local
 
 
+def recomputes_every_block(cfg: Config, rp: RankParams) -> bool:
+    """Whether every block of the rank's stages recomputes its whole forward in the backward: full
+    recompute, or selective-layer where torchtitan's every-N-th counter checkpoints all of them
+    (``engine.durations.checkpointed_blocks``; recompute_every = 1, or stages of one block each
+    landing on the counter)."""
+    from engine.durations import checkpointed_blocks  # engine.durations imports engine.memory
+
+    tr = cfg.training
+    if tr.recompute == "full":
+        return True
+    if tr.recompute != "selective-layer":
+        return False
+    ckpt = checkpointed_blocks(cfg)
+    return all(ckpt[st.stage if len(ckpt) > 1 else 0] == st.layers for st in rp.stages)
+
+
 def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc: bool) -> None:
     """DDP's gradient buckets, and the gradient-sized temporary of its synchronised backward."""
     par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
@@ -184,9 +200,11 @@ def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc
               f"{gb} B × {'Ψ_lora (frozen parameters have no bucket)' if lora_on else 'Ψ'}: the Reducer's flat "
               "buckets cover every gradient; bucket_cap_mb sets their count", kind="ddp_buckets")
     # it is part of the peak where the rank's peak falls in a backward: no pipeline, the last stage
-    # (one microbatch in flight), full recompute; stages holding several microbatches peak at the
+    # (one microbatch in flight), every block of the rank recomputing its forward (full, or
+    # selective-layer checkpointing each of them); stages holding several microbatches' saved
+    # activations (none, selective, selective-op, selective-layer with plain blocks) peak at the
     # end of their warm-up forwards, before it exists (measured)
-    in_backward = (par.pp == 1 or tr.recompute == "full"
+    in_backward = (par.pp == 1 or recomputes_every_block(cfg, rp)
                    or any(st.stage == par.num_stages - 1 for st in rp.stages))
     # not seen with LoRA's frozen base (measured: DDP + peft, torch 2.13)
     if torch_acc and in_backward and not lora_on:
