@@ -424,4 +424,7 @@ def test_plan_outcome_rows_points_and_configs():
     assert "stopped after 200 layouts" in out.summary() and "the top 4 are exact" in out.summary()
     cmd = PlanRequest(cfg, global_batch=16, top=4).command("job.toml")
     assert cmd[1:4] == ["-m", "gui.cli", "plan"] and "--all-fitting" in cmd and "--progress" in cmd
+    assert "--float8" not in cmd and "--compile" not in cmd  # searched by default
+    own = PlanRequest(cfg, global_batch=16, top=4, search_float8_compile=False).command("job.toml")
+    assert own[own.index("--float8") + 1] == "none" and own[own.index("--compile") + 1] == "off"
     assert [fmt_seconds(x) for x in (2.5, 0.0123, 4.56e-4)] == ["2.5 s", "12.3 ms", "456 µs"]

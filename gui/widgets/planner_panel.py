@@ -20,6 +20,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QApplication,
+    QCheckBox,
     QHBoxLayout,
     QLabel,
     QProgressBar,
@@ -80,6 +81,11 @@ class PlannerPanel(QWidget):
         self.top.setRange(1, 100)
         self.top.setValue(DEFAULT_TOP)
         self.top.setToolTip("How many of the fastest layouts the table lists")
+        self.knobs = QCheckBox("float8 + compile")
+        self.knobs.setChecked(True)
+        self.knobs.setToolTip("Also search torchao float8 (where the GPU has float8 tensor cores) and "
+                              "torch.compile (shardscope plan --float8 / --compile); unchecked, every layout "
+                              "keeps this config's own float8 and compile settings")
         self.plan_button = QPushButton("▶ Plan")
         self.plan_button.setToolTip("Rank every valid layout of this model on these GPUs by predicted "
                                     "throughput (shardscope plan, in a child process)")
@@ -93,6 +99,7 @@ class PlannerPanel(QWidget):
         bar.addWidget(self.batch)
         bar.addWidget(QLabel("top"))
         bar.addWidget(self.top)
+        bar.addWidget(self.knobs)
         bar.addWidget(self.plan_button)
         bar.addWidget(self.cancel_button)
         bar.addWidget(self.progress, 1)
@@ -210,7 +217,8 @@ class PlannerPanel(QWidget):
             return
         cfg = self.state.config
         self.request = PlanRequest(cfg, global_batch=self.batch.value(), top=self.top.value(),
-                                   fitting_seconds=self.fitting_seconds)
+                                   fitting_seconds=self.fitting_seconds,
+                                   search_float8_compile=self.knobs.isChecked())
         self._tmp = Path(tempfile.mkdtemp(prefix="shardscope-plan-"))
         path = cfg.save(self._tmp / "job.toml")
         cmd = self.request.command(path)
