@@ -26,17 +26,20 @@ def family_for(model: dict[str, Any], preset: dict[str, Any] | None, min_layers:
     its size puts it, so the slider always shows the config as it is. A model table that cannot
     be counted (a broken edit) shows the walk at the preset's own size. ``min_layers`` (the
     layout's pipeline stages): no member has fewer layers than the layout needs. ``ep`` (the
-    layout's expert-parallel degree): a mixture of experts' members keep experts a multiple of it.
+    layout's expert-parallel degree): a mixture of experts' members keep experts a multiple of it
+    (an ep that does not divide the experts is a problem of the config: the walk then ignores it).
     A mixture of experts walks its experts and depth (``engine.family.ExpertFamily``).
     """
     # the preset's shape with the model's other fields (seq_len, vocab, ...): the slider changes
     # only the shape, so each member's count is exactly that of the config it would produce
     moe = bool(model.get("experts")) and preset is not None and bool(preset.get("experts"))
     shape = {k: preset[k] for k in (MOE_SHAPE_FIELDS if moe else SHAPE_FIELDS)} if preset is not None else {}
-    try:
-        return walk(_spec({**model, **shape}), _spec(model), min_layers=min_layers, ep=ep)
-    except (ArithmeticError, KeyError, TypeError, ValueError):
-        return walk(_spec(preset if preset is not None else model), min_layers=min_layers, ep=ep)
+    for e in dict.fromkeys((ep, None)):  # an ep the experts refuse (a problem shown at ep) walks without it
+        try:
+            return walk(_spec({**model, **shape}), _spec(model), min_layers=min_layers, ep=e)
+        except (ArithmeticError, KeyError, TypeError, ValueError):
+            pass
+    return walk(_spec(preset if preset is not None else model), min_layers=min_layers)
 
 
 def format_params(n: float) -> str:

@@ -38,6 +38,17 @@ def test_the_offered_ep_degrees_are_exactly_the_ones_the_validation_accepts(para
     assert allowed_ep(0, par) == [1]
 
 
+def test_the_size_slider_survives_an_ep_the_experts_refuse():
+    from engine.presets import model_presets
+    from gui.family import family_for
+
+    preset = model_presets()["qwen3-30b-a3b"]
+    members, index = family_for({"preset": "qwen3-30b-a3b", **preset}, preset, ep=3)
+    assert members[index].params == param_counts(moe_config().model).total
+    members, _ = family_for({"preset": "qwen3-30b-a3b", **preset}, preset, ep=16)
+    assert all(m.spec.experts % 16 == 0 for m in members)
+
+
 def _rank(steps, measured=None) -> dict:
     rank = {"rank": 0, "expert_tokens": steps}
     if measured is not None:
@@ -200,3 +211,49 @@ def test_the_load_view_draws_the_tokens_per_expert_of_a_run(window, qtbot, tmp_p
     window.state.open_run(tmp_path / "dense-run")
     qtbot.waitUntil(lambda: view.load is None, timeout=2000)
     assert "recorded no tokens per expert" in view.header.text() and view.plot.isHidden()
+
+
+@pytest.mark.gui
+@pytest.mark.parametrize("size", [(1280, 800), (1600, 1000), (1920, 1080)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_nothing_is_clipped_with_the_moe_controls_band_and_load_view(moe_window, qtbot, size, tmp_path):
+    from tests.test_gui_layout import at_size, clipped, clipped_in_every_tab, report
+
+    w = moe_window
+    at_size(w, *size)
+    w.state.edit("parallel.ep", 4)
+    qtbot.waitUntil(lambda: w.state.config.parallel.ep == 4, timeout=2000)
+    w.state.recompute_now()
+    problems = [f"[moe ep4] {p}" for p in clipped_in_every_tab(w)]
+    w.state.edit("parallel.ep", 3)  # not a divisor of 128: the problem shows under the ep box
+    qtbot.waitUntil(lambda: w.controls.errors["parallel.ep"].isVisible(), timeout=2000)
+    assert "parallel.ep" in w.controls.problem_text("parallel.ep")
+    problems += [f"[ep refused] {p}" for p in clipped(w)]
+    w.state.edit("parallel.ep", 4)
+    cfg = Config.from_dict({"model": {"preset": "tiny", "experts": 8, "experts_per_token": 2},
+                            "cluster": {"preset": "local-cpu", "gpus": 4}, "parallel": {"dp": 4, "ep": 2}})
+    measured = {"k": 3, "blocks": {}, "total": {str(b): [100, 90, 80, 70, 60, 50, 40, 30] for b in range(8)}}
+    _write_moe_run(tmp_path / "run", cfg, {"memory": {"categories": {}, "expert_tokens": measured}})
+    w.state.open_run(tmp_path / "run")
+    qtbot.waitUntil(lambda: w.load_balance.load is not None, timeout=2000)
+    w.tabs.setCurrentWidget(w.load_balance)
+    QApplication_process()
+    problems += [f"[load view] {p}" for p in clipped(w)]
+    w.grab().save(f"/tmp/layout-moe-{size[0]}x{size[1]}.png", "PNG")
+    assert not problems, report(problems)
+
+
+def QApplication_process() -> None:
+    from PySide6.QtWidgets import QApplication
+
+    QApplication.processEvents()
+
+
+@pytest.mark.parametrize("parallel", [{"ep": 4}, {"ep": 8, "zero": 3}, {"ep": 1}])
+def test_the_runnable_version_of_a_mixture_of_experts_stays_one(parallel):
+    from gui.runnable import RUNNABLE_EXPERTS, runnable_version
+
+    r = runnable_version(moe_config(**parallel))
+    small = r.config
+    assert small is not None and small.model.experts == RUNNABLE_EXPERTS and small.model.experts_per_token == 2
+    assert small.parallel.ep == min(parallel["ep"], RUNNABLE_EXPERTS)
+    assert any(f"{RUNNABLE_EXPERTS} routed experts" in c and "instead of 128 (top-8" in c for c in r.changes)
