@@ -135,6 +135,6 @@ def _small_moe(cfg: Config, model: dict, par: dict) -> str:
     dense = (par["dp"] // replicate) * par.get("cp", 1) * par["tp"]
     ep = math.gcd(cfg.parallel.ep, RUNNABLE_EXPERTS, dense)
     par["ep"] = ep
-    return (f"{RUNNABLE_EXPERTS} routed experts (top-{model['experts_per_token']}"
-            f"{', ep ' + str(ep) if ep > 1 else ''}) instead of {m.experts} (top-{m.experts_per_token}"
-            f"{', ep ' + str(cfg.parallel.ep) if cfg.parallel.ep > 1 else ''})")
+    text = f"{RUNNABLE_EXPERTS} routed experts, top-{model['experts_per_token']} instead of {m.experts}, " \
+        f"top-{m.experts_per_token}"
+    return text + (f" (ep {ep} instead of {cfg.parallel.ep})" if ep != cfg.parallel.ep else "")
