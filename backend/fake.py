@@ -10,6 +10,7 @@ MemTracker measurement) on a fake process group with fake tensors: see backend.f
     res = simulate(cfg, out_dir="runs/x")        # SimulatedRun; raises SimulationError on failure
     res.measurement.memory.per_rank[0].activations
     res.warnings, res.not_covered                # tracker cross-check, what a simulation leaves out
+    res.records[0]["allocator"]["max_reserved"]  # the modelled caching allocator's max_memory_reserved
 
 ``measure_cli`` is ``shardscope measure CONFIG --fake``.
 """
@@ -55,7 +56,7 @@ class SimulatedRun:
 def default_ranks(cfg: Config) -> list[int]:
     """One rank per pipeline rank (its first DP replica and TP shard): each distinct stage set."""
     par = cfg.parallel
-    return [rank_of(p, 0, 0, par.dp, par.tp) for p in range(par.pp)]
+    return [rank_of(p, 0, 0, par.dp, par.tp, 0, par.cp) for p in range(par.pp)]
 
 
 def _default_run_dir() -> Path:
@@ -73,14 +74,21 @@ def _kill_group(pgid: int) -> None:
         time.sleep(0.2)
 
 
+def expandable_segments_of(cfg: Config) -> bool:
+    """The allocator convention of ``cfg`` (``conventions.expandable_segments`` where the config
+    has that field), else False: torch's default."""
+    return bool(getattr(getattr(cfg, "conventions", None), "expandable_segments", False))
+
+
 def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks: list[int] | None = None,
              timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None, real_tensors: bool = False,
-             jobs: int | None = None) -> SimulatedRun:
+             jobs: int | None = None, expandable_segments: bool | None = None) -> SimulatedRun:
     """Simulate ``ranks`` of ``cfg`` (default :func:`default_ranks`), each in a child process.
 
     ``real_tensors`` runs the same path with real tensors (the reference the fake ones are
     checked against; only for small configs). ``jobs``: how many ranks run at once (default:
-    the CPU count). Raises ValueError for a rank outside the world, SimulationError when a rank
+    the CPU count). ``expandable_segments``: the caching-allocator convention each rank's
+    allocations are replayed with (None: :func:`expandable_segments_of` the config). Raises ValueError for a rank outside the world, SimulationError when a rank
     fails or times out (every child is killed).
     """
     if not isinstance(cfg, Config):
@@ -90,6 +98,8 @@ def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks:
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise ValueError(f"rank {bad[0]} is outside the world of {world} ranks (0..{world - 1})")
+    if expandable_segments is None:
+        expandable_segments = expandable_segments_of(cfg)
     run = RunDir(out_dir if out_dir is not None else _default_run_dir())
     run.clear()
     cfg.save(run.config)
@@ -110,6 +120,8 @@ def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks:
                 cmd = [python, "-m", "backend.fake_worker", "--run-dir", str(run.path.resolve()), "--rank", str(r)]
                 if real_tensors:
                     cmd.append("--real-tensors")
+                if expandable_segments:
+                    cmd.append("--expandable-segments")
                 log = open(run.rank_log(r), "ab")  # noqa: SIM115 - closed when the child ends
                 running[r] = (subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log,
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -185,6 +197,14 @@ def render(cfg: Config, res: SimulatedRun) -> str:
         for row in (x for x in rows if x["rank"] == r):
             lines.append(f"  {row['category']:<13}{row['predicted'] / scale:>11.3f}{row['measured'] / scale:>11.3f}"
                          f"{row['difference'] / scale:>+12.3f}")
+        alloc = rec.get("allocator")
+        if alloc:
+            mode = "expandable segments" if alloc["expandable_segments"] else "default segments"
+            lines.append(f"  caching allocator (modelled, {mode}): allocated {alloc['max_allocated'] / scale:.3f}, "
+                         f"reserved {alloc['max_reserved'] / scale:.3f} {unit} at most; "
+                         f"{alloc['segments']} segments at the end")
+            if alloc.get("oom"):
+                lines.append(f"  out of memory: {alloc['oom']}")
     if res.warnings:
         lines.append("")
         lines.append("tracker cross-check (params / grads / optimizer are reported from exact local bytes):")
@@ -195,8 +215,17 @@ def render(cfg: Config, res: SimulatedRun) -> str:
     return "\n".join(lines)
 
 
+def reserved_rows(res: SimulatedRun) -> list[dict]:
+    """Per simulated rank: the modelled caching allocator's max allocated and max reserved bytes."""
+    return [{"rank": rec["rank"], "max_allocated": rec["allocator"]["max_allocated"],
+             "max_reserved": rec["allocator"]["max_reserved"],
+             "expandable_segments": rec["allocator"]["expandable_segments"], "oom": rec["allocator"]["oom"]}
+            for rec in res.records if rec.get("allocator")]
+
+
 def measure_cli(config_path: str | Path, ranks: list[int] | None = None, out_dir: str | Path | None = None,
-                json_out: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, stream=None) -> int:
+                json_out: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, stream=None,
+                expandable_segments: bool | None = None) -> int:
     """``shardscope measure CONFIG --fake``: 0 done, 1 the simulation failed.
 
     Raises ConfigError / ValueError for the caller to report as a user mistake.
@@ -204,7 +233,7 @@ def measure_cli(config_path: str | Path, ranks: list[int] | None = None, out_dir
     stream = stream or sys.stdout
     cfg = Config.load(config_path)
     try:
-        res = simulate(cfg, out_dir, ranks=ranks, timeout_s=timeout_s)
+        res = simulate(cfg, out_dir, ranks=ranks, timeout_s=timeout_s, expandable_segments=expandable_segments)
     except SimulationError as exc:
         print(f"shardscope: simulation failed: {exc}", file=sys.stderr)
         return 1
@@ -212,6 +241,7 @@ def measure_cli(config_path: str | Path, ranks: list[int] | None = None, out_dir
         doc = json.loads(Path(res.path, "measurement.json").read_text(encoding="utf-8"))
         doc["run_dir"] = str(res.path)
         doc["comparison"] = comparison(cfg, res.measurement)
+        doc["reserved"] = reserved_rows(res)
         stream.write(json.dumps(doc, indent=1) + "\n")
     else:
         stream.write(render(cfg, res) + "\n")

@@ -13,11 +13,22 @@ flat buckets at construction. Then optimizer state is created (one step on zero 
 real run's training steps leave it) and one step runs under the tracker: backend.train.Trainer's own
 ``forward_backward`` / ``measure_memory``.
 
-Pipeline parallelism: the stage modules this rank holds are cut by backend.parallel.apply_pp,
-but no schedule runs (a fake process group cannot carry the schedule's shape exchange). Each
-local stage runs forward on the number of microbatches the engine says it holds at its peak
-(``engine.memory``, replaying torch's schedule orders), keeps them alive, then runs their
-backwards — FSDP is driven as torch's PipelineStage drives it. See ``NOT_COVERED_PP``.
+Pipeline parallelism: the stage modules this rank holds are cut by backend.parallel.apply_pp and
+run the schedule's real compute order for this pp rank (``engine.schedules``' action list, the
+order torch executes): each F, B, I and W in turn, as torch's PipelineStage runs them —
+``forward_one_chunk`` keeps (outputs, inputs) until the microbatch's backward, the last stage
+keeps every microbatch's output until the next step (``return_outputs``) and concatenates them at
+the end of the step, B is ``stage_backward``, I ``stage_backward_input`` (its state kept until
+W), W ``stage_backward_weight``; FSDP / DDP are driven as ``backward_maybe_with_nosync`` and
+``perform_reduce_grad`` drive them. No send or receive runs (a fake process group cannot carry
+the schedule's shape exchange): a received activation or gradient is a fresh tensor of its shape.
+See ``NOT_COVERED_PP``.
+
+Every allocation and free the tracker sees during the measured step (and the storages alive when
+it starts) is replayed through ``engine.memory.allocator.CachingAllocator`` with the bytes a CUDA
+tensor of that storage takes, giving the rank's modelled ``max_memory_reserved`` (record field
+``allocator``). FSDP2's all-gather buffers and reduce-scatter inputs are allocated on their own
+streams (the tracker tags them), everything else on the default stream.
 
 Writes ``ranks/rank{R}.measurement.json`` in the run directory in the same shape as a real
 rank (backend.train), plus ``simulated``, ``cross_check`` and ``not_covered``.
@@ -33,12 +44,14 @@ import time
 import traceback
 
 NOT_COVERED_PP = [
-    "pipeline: no schedule runs; each local stage holds the engine's in-flight microbatch count "
-    "(forwards kept alive, then their backwards) instead of torch's interleaved order",
-    "pipeline: p2p send/receive buffers (one per microbatch in torch) are not allocated",
+    "pipeline: no send or receive runs; a received activation or gradient is a fresh tensor allocated when "
+    "its action runs and freed after it (torch keeps one p2p buffer per microbatch, allocated in the first step)",
 ]
 NOT_COVERED = [
-    "runtime context, allocator caching/fragmentation and collective-library buffers (no device, no NCCL)",
+    "runtime context and collective-library buffers (no device, no NCCL)",
+    "allocator: reserved bytes are the modelled caching allocator's replay of this one measured step from an "
+    "empty cache (the storages alive at its start allocated first, in the tracker's order); a real run's "
+    "earlier steps leave the cache warm",
     "kernels' workspaces and the fused/foreach optimizer paths a GPU would take (CPU default: for-loop AdamW)",
 ]
 NOT_COVERED_CPU_KERNELS = [
@@ -61,14 +74,27 @@ def fake_refusal(cfg) -> str | None:
     return None
 
 
-def _in_flight_counts(cfg, rank: int, stages: list[int]) -> list[int]:
-    """Microbatches each local stage holds at the rank's peak, from the engine's memory model
-    (its activation terms carry their stage and microbatches in flight)."""
-    from engine.memory import memory_per_rank
+def _stage_actions(cfg, pp_rank: int) -> tuple:
+    """This pp rank's compute actions (kind, stage, microbatch) in the order torch executes them."""
+    from engine.schedules import pipeline_actions
 
-    row = memory_per_rank(cfg).per_rank[rank]
-    found = {t.stage: t.in_flight for t in row.explain("activations") if t.kind == "layers"}
-    return [found.get(s, cfg.parallel.microbatches) for s in stages]
+    par = cfg.parallel
+    return pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages).per_rank[pp_rank]
+
+
+def schedule_in_flight(actions, stages: list[int]) -> list[int]:
+    """Per local stage, the most microbatches alive at once in ``actions``: from F until its B, or
+    until its W where the backward is split (the autograd graph is kept from I until W)."""
+    alive = dict.fromkeys(stages, 0)
+    most = dict.fromkeys(stages, 0)
+    split = {(a[1], a[2]) for a in actions if a[0] == "I"}
+    for kind, s, mb in actions:
+        if kind == "F":
+            alive[s] += 1
+            most[s] = max(most[s], alive[s])
+        elif kind == "W" or (kind == "B" and (s, mb) not in split):
+            alive[s] -= 1
+    return [most[s] for s in stages]
 
 
 def _build(cfg, rank: int, fake_tensors: bool = True):
@@ -77,6 +103,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -102,6 +129,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.dims.build_mesh()
             self.coords = self.dims.coords
             check_supported(cfg)
+            self.cp = self.dims.context_parallel(cfg.model, self.device)
             why = fake_refusal(cfg) if fake_tensors else None
             if why:
                 raise NotImplementedError(why)
@@ -143,7 +171,9 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.has_last = par.num_stages - 1 in self.stages
             self.data = _ZeroData(cfg.model.seq_len)
             self.local_batch = par.microbatches * tr.micro_batch_size
-            self.in_flight = _in_flight_counts(cfg, self.rank, self.stages) if self.pipelined else []
+            self.actions = _stage_actions(cfg, self.coords.pp) if self.pipelined else ()
+            self.in_flight = schedule_in_flight(self.actions, self.stages) if self.pipelined else []
+            self.output_chunks: list = []  # the last stage's outputs, kept until the next step
 
         def step_input(self, step: int):
             """What Trainer.forward_backward takes (the batch, or the step in older versions)."""
@@ -155,51 +185,112 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             return self._stage_forward_backward()
 
         def _stage_forward_backward(self) -> tuple[float, int]:
-            """Each local stage: ``n`` forwards kept alive, then their backwards (see module doc)."""
-            from torch.distributed.fsdp import FSDPModule
+            """This pp rank's actions in the schedule's order, as torch's PipelineStage runs them."""
+            from torch.distributed.pipelining._backward import (
+                stage_backward,
+                stage_backward_input,
+                stage_backward_weight,
+            )
 
             from backend.train import loss_fn
 
-            mbs, seq, hidden = tr.micro_batch_size, cfg.model.seq_len, cfg.model.hidden
+            mbs, seq, hidden = tr.micro_batch_size, cfg.local_seq_len, cfg.model.hidden  # the rank's tokens (cp)
             sp_seq = seq // par.tp if par.sequence_parallel else seq
             # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype;
             # autocast (and fp32) leave it in fp32
             act_dtype = compute_dtype(self.plan) if self.plan.mixed_precision == "fsdp2-policy" else torch.float32
-            for (s, mod), n in zip(self.modules, self.in_flight):
-                outputs = []
-                with self._loss_ctx():
-                    for _ in range(n):
-                        if s == 0:
+            first, last = 0, par.num_stages - 1
+            mods = dict(self.modules)
+            # the backward that completes each stage-microbatch: its W where split, else its B
+            split = {(a[1], a[2]) for a in self.actions if a[0] == "I"}
+            finishing = {s: sum(1 for k, st, mb in self.actions if st == s
+                                and (k == "W" or (k == "B" and (st, mb) not in split))) for s in self.stages}
+            fwd_cache: dict = {}  # (stage, mb) -> (output tuple, input tensors), F until B / I
+            backward_state: dict = {}  # (stage, mb) -> what I leaves for W
+            losses: dict = {}
+            self.output_chunks = []  # torch clears the last step's outputs when a step starts
+
+            def backward(mod, kind: str, last_backward: bool, **kw):
+                """PipelineStage.backward_maybe_with_nosync."""
+                def run():
+                    if kind == "full":
+                        return stage_backward(kw["stage_output"], kw["output_grads"], kw["input_values"]), None
+                    if kind == "input":
+                        return stage_backward_input(kw["stage_output"], kw["output_grads"], kw["input_values"],
+                                                    mod.parameters())
+                    return stage_backward_weight(mod.parameters(), kw["param_groups"]), None
+
+                if isinstance(mod, DistributedDataParallel):
+                    if last_backward:
+                        mod.reducer.prepare_for_backward(
+                            list(torch.nn.parallel.distributed._find_tensors(kw["stage_output"])))
+                        return run()
+                    with mod.no_sync():
+                        return run()
+                if isinstance(mod, FSDPModule):
+                    mod.set_is_last_backward(False)
+                    mod.set_reshard_after_backward(False)
+                    mod.set_requires_gradient_sync(False)
+                return run()
+
+            with self._loss_ctx():
+                for kind, s, mb in self.actions:
+                    mod = mods[s]
+                    if kind == "F":  # forward_one_chunk
+                        if s == first:
                             x = torch.zeros(mbs, seq, dtype=torch.long)
-                        else:
+                        else:  # the received activation
                             x = torch.zeros(mbs, sp_seq, hidden, dtype=act_dtype, requires_grad=True)
-                        out = mod(x)
-                        if s == par.num_stages - 1:
-                            out = loss_fn(out, torch.zeros(mbs, seq, dtype=torch.long)) / par.microbatches
-                        outputs.append(out)
-                    for i, out in enumerate(outputs):
-                        if isinstance(mod, FSDPModule):  # as PipelineStage.backward_maybe_with_nosync
-                            mod.set_is_last_backward(False)
-                            mod.set_reshard_after_backward(False)
-                            mod.set_requires_gradient_sync(False)
-                        if out.dim() == 0:
-                            out.backward()
+                        if isinstance(mod, DistributedDataParallel):
+                            with mod.no_sync():
+                                out = mod(x)
                         else:
-                            out.backward(torch.ones_like(out))
-                        outputs[i] = None
-                if isinstance(mod, FSDPModule):  # as PipelineStage.perform_reduce_grad
-                    from torch.distributed.fsdp import fully_shard
-
-                    mod.set_is_last_backward(True)
-                    mod.set_reshard_after_backward(True)
-                    mod.set_requires_gradient_sync(True)
-                    state = fully_shard.state(mod)
-                    for st in state._state_ctx.all_states:
-                        for group in st._fsdp_param_groups:
-                            group.post_backward()
-                    state._root_post_backward_final_callback()
+                            out = mod(x)
+                        if s == last:
+                            self.output_chunks.append(out)
+                            losses[mb] = loss_fn(out, torch.zeros(mbs, seq, dtype=torch.long))
+                        fwd_cache[(s, mb)] = (out if isinstance(out, tuple) else (out,), [x])
+                        del x, out
+                        continue
+                    if kind in ("B", "I"):  # backward_one_chunk (full_backward = kind == "B")
+                        outputs, inputs = fwd_cache.pop((s, mb))
+                        if s == last:
+                            stage_output, output_grads = losses.pop(mb), None
+                        else:  # the received gradients
+                            stage_output, output_grads = outputs, tuple(torch.ones_like(o) for o in outputs)
+                        if kind == "B":
+                            finishing[s] -= 1
+                            backward(mod, "full", finishing[s] == 0, stage_output=stage_output,
+                                     output_grads=output_grads, input_values=inputs)
+                        else:
+                            param_groups = None
+                            if s != first:
+                                if isinstance(stage_output, torch.Tensor):
+                                    stage_output = (stage_output,)
+                                _, param_groups = backward(mod, "input", False, stage_output=stage_output,
+                                                           output_grads=output_grads, input_values=inputs)
+                            backward_state[(s, mb)] = (inputs, param_groups, stage_output, output_grads)
+                        if s == last and s != first:
+                            for t in outputs:
+                                if not t._is_view():
+                                    t.detach_()
+                        del outputs, inputs, stage_output, output_grads
+                    else:  # "W": backward_weight_one_chunk
+                        inputs, param_groups, stage_output, output_grads = backward_state.pop((s, mb))
+                        finishing[s] -= 1
+                        if s != first:
+                            backward(mod, "weight", finishing[s] == 0, stage_output=stage_output,
+                                     param_groups=param_groups)
+                        else:
+                            backward(mod, "full", finishing[s] == 0, stage_output=stage_output,
+                                     output_grads=output_grads, input_values=inputs)
+                        del inputs, param_groups, stage_output, output_grads
+                    if finishing[s] == 0:
+                        _perform_reduce_grad(mod)
+                if self.has_last:  # the schedule's return value: the last stage's outputs merged
+                    merged = torch.cat(self.output_chunks)
+                    del merged
             return 0.0, 1
-
     class _ZeroData:
         """Token ids of the right shape (fake tensors carry no values)."""
 
@@ -211,6 +302,23 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             return z, z
 
     return FakeTrainer()
+
+
+def _perform_reduce_grad(mod) -> None:
+    """PipelineStage.perform_reduce_grad after a stage's last backward: FSDP's post-backward
+    (reduce-scatter) run by hand. (Its grad scaling divides in place: no memory.)"""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(mod, FSDPModule):
+        return
+    mod.set_is_last_backward(True)
+    mod.set_reshard_after_backward(True)
+    mod.set_requires_gradient_sync(True)
+    state = fully_shard.state(mod)
+    for st in state._state_ctx.all_states:
+        for group in st._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 class _FusedRMSNorm:
@@ -379,8 +487,106 @@ def _dtensor_propagation_in_own_fake_mode():
         sp.detect_fake_mode = old
 
 
-def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
-    """Simulate ``rank`` of ``cfg``; the rank record (backend.train's shape plus the fake extras)."""
+#: tracker tags of storages torch allocates on a side stream: FSDP2's all-gather buffers are made
+#: on its all-gather copy-in stream, its reduce-scatter inputs on its reduce-scatter stream
+STREAM_OF_TAG = {"All Gather": 1, "Reduce Scatter": 2}
+
+
+class AllocationRecorder:
+    """While active, every storage allocation, resize and free a MemTracker (or FSDPMemTracker)
+    records, as ``engine.memory.allocator.replay`` events: ``["alloc", key, nbytes, stream]`` /
+    ``["free", key]``. ``nbytes`` is the storage's size in bytes, what a CUDA tensor of that shape
+    and dtype asks the caching allocator for (the allocator rounds it). Storages alive when a
+    tracker starts are allocations at its start, in the order it registers them. A resize
+    (FSDP2 frees and re-allocates unsharded parameters by resizing their storage) is a free and
+    an allocation. The stream of an allocation is set by the tag it carries or later receives
+    (:data:`STREAM_OF_TAG`), else 0: the tracker tags FSDP2's buffers after allocating them."""
+
+    def __init__(self):
+        self.events: list[list] = []
+        self._live: dict[int, tuple[int, int]] = {}  # id(winfo) -> (key, index of its alloc event)
+        self._next_key = 0
+        self._orig = None
+
+    def __enter__(self) -> AllocationRecorder:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self._orig = orig = MemTracker._update_snap
+        recorder = self
+
+        def _update_snap(tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            orig(tracker, u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+            recorder._record(u_type.name, winfo, old_mem_consumed)
+
+        MemTracker._update_snap = _update_snap
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        MemTracker._update_snap = self._orig
+
+    def _alloc(self, winfo) -> None:
+        nbytes = int(winfo.size) * int(winfo.element_size)
+        if nbytes <= 0:
+            return
+        key = self._next_key
+        self._next_key += 1
+        self._live[id(winfo)] = (key, len(self.events))
+        self.events.append(["alloc", key, nbytes, STREAM_OF_TAG.get(_tag(winfo.reftype), 0)])
+
+    def _free(self, winfo) -> None:
+        entry = self._live.pop(id(winfo), None)
+        if entry is not None:
+            self.events.append(["free", entry[0]])
+
+    def _record(self, kind: str, winfo, old_mem_consumed) -> None:
+        if kind == "ADD":
+            self._alloc(winfo)
+        elif kind == "DEL":
+            self._free(winfo)
+        elif kind == "SIZE":
+            self._free(winfo)
+            self._alloc(winfo)
+        elif kind == "REF":
+            stream = STREAM_OF_TAG.get(_tag(winfo.reftype))
+            entry = self._live.get(id(winfo))
+            if stream is not None and entry is not None:
+                self.events[entry[1]][3] = stream
+
+
+def _tag(reftype) -> str:
+    return getattr(reftype, "value", str(reftype))
+
+
+def allocator_capacity(cfg) -> int | None:
+    """The bytes the caching allocator may reserve: the accelerator's memory (None on a CPU kind)."""
+    gpu = cfg.cluster.gpu
+    return gpu.memory_bytes if gpu.name != "cpu" and gpu.memory_bytes > 0 else None
+
+
+def replay_allocations(events, *, expandable_segments: bool = False, capacity: int | None = None) -> dict:
+    """The recorded events through the modelled caching allocator: its stats, as the record's
+    ``allocator`` field (``oom``: torch's out-of-memory message when a request does not fit in
+    ``capacity``; the stats are then those at that moment)."""
+    from engine.memory.allocator import AllocatorOutOfMemory, replay
+
+    oom = None
+    try:
+        stats = replay(events, expandable_segments=expandable_segments, capacity=capacity)
+    except AllocatorOutOfMemory as exc:
+        stats, oom = exc.stats, str(exc)
+    return {"max_allocated": stats.max_allocated, "max_reserved": stats.max_reserved,
+            "reserved_end": stats.reserved_end, "segments": stats.segments,
+            "expandable_segments": bool(expandable_segments), "capacity": capacity, "oom": oom,
+            "events": len(events), "streams": sorted({e[3] for e in events if e[0] == "alloc"})}
+
+
+def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments: bool = False) -> dict:
+    """Simulate ``rank`` of ``cfg``; the rank record (backend.train's shape plus the fake extras).
+
+    ``expandable_segments``: the caching allocator's convention the replay follows
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)."""
     import torch.distributed as dist
 
     from backend import measure
@@ -392,7 +598,11 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
     with own, trainer.fake_mode, _fake_scalars_read_as_zero():
         _create_optimizer_state(trainer)
         t_warm = time.perf_counter() - t0
-        memory = trainer.measure_memory(2)
+        with AllocationRecorder() as recorder:
+            memory = trainer.measure_memory(2)
+        trainer.output_chunks = []
+    allocator = replay_allocations(recorder.events, expandable_segments=expandable_segments,
+                                   capacity=allocator_capacity(cfg))
     seconds = time.perf_counter() - t0
     check = cross_check(memory["tracker_peak"], memory["exact"])
     not_covered = list(NOT_COVERED) + NOT_COVERED_CPU_KERNELS
@@ -401,7 +611,7 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
     coords = trainer.coords
     rec = {
         "rank": rank,
-        "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp},
+        "coords": {"pp": coords.pp, "dp": coords.dp, "tp": coords.tp, "cp": coords.cp},
         "stages": trainer.stages,
         "memory": memory,
         "step_seconds": [],
@@ -411,6 +621,7 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True) -> dict:
         "simulated": True,
         "fake_tensors": fake_tensors,
         "in_flight": trainer.in_flight,
+        "allocator": allocator,
         "cross_check": check,
         "not_covered": not_covered,
         "seconds": {"build": t_build, "optimizer_state": t_warm - t_build, "measured_step": seconds - t_warm,
@@ -458,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--real-tensors", action="store_true",
                     help="allocate real tensors (on the fake process group): the reference for the fake ones")
+    ap.add_argument("--expandable-segments", action="store_true",
+                    help="replay the allocations through the caching allocator with expandable_segments:True")
     args = ap.parse_args(argv)
 
     from backend.records import RankWriter, RunDir
@@ -468,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     out.event("rank_started", pid=os.getpid())
     try:
         cfg = Config.load(run.config)
-        rec = simulate_rank(cfg, args.rank, fake_tensors=not args.real_tensors)
+        rec = simulate_rank(cfg, args.rank, fake_tensors=not args.real_tensors,
+                            expandable_segments=args.expandable_segments)
         out.measurement(rec)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the record
         traceback.print_exc()

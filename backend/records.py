@@ -253,6 +253,26 @@ def assemble(rank_records: list[dict]) -> Measurement:
                        ranks=detail)
 
 
+def expert_token_totals(meas: Measurement | dict) -> list[dict[str, list[int]]]:
+    """Per timed step, the tokens each expert of each MoE block received from every rank
+    (``{block: [count per expert]}``, blocks as strings), as the ranks recorded them; [] for a
+    dense run."""
+    ranks = meas.ranks if isinstance(meas, Measurement) else meas.get("ranks", [])
+    first = next((r for r in ranks if r.get("expert_tokens")), None)
+    return [s["total"] for s in first["expert_tokens"]] if first else []
+
+
+def expert_imbalance(meas: Measurement | dict) -> float | None:
+    """The measured step's load imbalance: the busiest expert's tokens over the mean, the largest
+    over the MoE blocks (``conventions.moe_imbalance``'s definition); None for a dense run."""
+    ranks = meas.ranks if isinstance(meas, Measurement) else meas.get("ranks", [])
+    totals = next((r["memory"]["expert_tokens"]["total"] for r in ranks
+                   if r.get("memory", {}).get("expert_tokens")), None)
+    if not totals:
+        return None
+    return max(max(c) * len(c) / sum(c) for c in totals.values() if sum(c))
+
+
 def iter_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
     """Complete JSON lines appended to ``path`` since byte ``offset``; returns (objects, new offset)."""
     try:

@@ -10,6 +10,19 @@ from __future__ import annotations
 from engine.config import Config
 
 
+def cp_rotate_refusal(cfg: Config, device_type: str) -> str | None:
+    """Why ``parallel.cp_rotate`` cannot run on ``device_type`` ("cpu", "cuda"), or None.
+
+    The ring (``"alltoall"``) is torch's ``context_parallel``, whose sharding strategies exist for
+    the CUDA SDPA kernels only; elsewhere the backend runs the all-gather K/V variant."""
+    par, model = cfg.parallel, cfg.model
+    if par.cp == 1 or par.cp_rotate == "allgather" or (device_type == "cuda" and model.attention == "flash"):
+        return None
+    return (f"parallel.cp_rotate = {par.cp_rotate!r} on {device_type} with {model.attention} attention: torch's ring "
+            "(alltoall) runs inside its context_parallel on the CUDA SDPA kernels (flash attention on CUDA) only; "
+            "allowed here: 'allgather' (the all-gather K/V variant the backend runs on CPU and for eager attention)")
+
+
 def composition_problems(cfg: Config) -> list[str]:
     """Each combination of ``cfg`` that torch's APIs cannot compose, in words, with what runs instead."""
     par, out = cfg.parallel, []

@@ -27,15 +27,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from backend import measure
 from backend.faults import maybe_fault
-from backend.model import SyntheticData, Transformer
+from backend.model import SyntheticData, Transformer, moe_modules
 from backend.parallel import ParallelDims, apply_pp, autocast_context, build_optimizer, build_schedule, parallelize
+from backend.parallel.expert_parallel import refusal as moe_refusal
+from backend.parallel.parallelize import expert_grad_sync
 from backend.parallel.compile import measured_eagerly
 from backend.parallel.data_parallel import dataparallel_refusal, dataparallel_rows
 from backend.parallel.float8 import precompute_scales
 from backend.parallel.lora import lora_refusal
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
-from backend.support import composition_problems
+from backend.support import composition_problems, cp_rotate_refusal
 from engine.config import Config
 from engine.wrapping import wrapping_plan
 
@@ -60,10 +62,16 @@ def check_supported(cfg: Config) -> None:
     par = cfg.parallel
     for problem in composition_problems(cfg):
         raise NotImplementedError(problem)
+    why = cp_rotate_refusal(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    if why:
+        raise NotImplementedError(why)
     if par.dp_mode == "dataparallel":
         why = dataparallel_refusal(cfg, torch.cuda.device_count())
         if why:
             raise NotImplementedError(why)
+    why = moe_refusal(cfg)
+    if why:
+        raise NotImplementedError(why)
     if cfg.training.finetune == "lora":
         why = lora_refusal(cfg.training, torch.cuda.is_available())
         if why:
@@ -88,6 +96,9 @@ class Trainer:
 
     legacy = False  # nn.DataParallel (set in __init__; class defaults keep subclasses such as the fake trainer)
     gpus = 1  # GPUs this process drives
+    cp = None  # backend.parallel.context_parallel.ContextParallel when parallel.cp > 1
+    moes: tuple = ()  # the MoE blocks this rank holds (set in __init__)
+    sync_experts = None  # what reduces the routed experts' gradients when no FSDP2 wrapper does
 
     @property
     def microbatch_rows(self) -> int:
@@ -109,6 +120,8 @@ class Trainer:
         self.dims.build_mesh()
         self.coords = self.dims.coords
         self.pipelined = self.plan.pipelined
+        #: context parallelism (None when cp = 1): each microbatch's sequences are sharded by it
+        self.cp = self.dims.context_parallel(cfg.model, self.device)
 
         torch.manual_seed(SEED)  # every rank builds the same full model, then keeps its part
         with torch.device(self.device):  # nn.DataParallel: cuda:0, its source device
@@ -117,6 +130,8 @@ class Trainer:
         self.modules = [(s, parallelize(m, cfg, self.plan, self.dims, self.device)) for s, m in parts]
         self.stages = [s for s, _ in self.modules]
         self.params = measure.unique_params(m for _, m in self.modules)
+        self.moes = [moe for _, m in self.modules for moe in moe_modules(m)]
+        self.sync_experts = expert_grad_sync([m for _, m in self.modules], cfg, self.plan, self.dims)
 
         cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
         self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
@@ -171,13 +186,20 @@ class Trainer:
         for i in range(self.gpus):
             torch.cuda.synchronize(i)
 
+    def _sequence_shards(self, x: torch.Tensor, y: torch.Tensor):
+        """A context yielding (x, y) as this rank holds them: its sequence shard under context
+        parallelism (the mean loss of equal shards, averaged over dp·cp, is the full sequence's)."""
+        if self.cp is None:
+            return contextlib.nullcontext((x, y))
+        return self.cp.microbatch(x, y)
+
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, int]:
         """Forward and backward of one optimizer step's local batch: (loss sum, loss count)."""
         x, y = batch
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            args = (x,) if self.has_first else ()
-            with self._loss_ctx():
+            with self._sequence_shards(x, y) as (x, y), self._loss_ctx():
+                args = (x,) if self.has_first else ()
                 if self.has_last:
                     self.schedule.step(*args, target=y, losses=losses)
                 else:
@@ -196,13 +218,16 @@ class Trainer:
                 sync = model.no_sync()
             elif isinstance(model, FSDPModule):
                 model.set_requires_gradient_sync(last)
-            with sync, self._loss_ctx():
-                loss = loss_fn(model(x[i * mbs:(i + 1) * mbs]), y[i * mbs:(i + 1) * mbs]) / m
+            with sync, self._sequence_shards(x[i * mbs:(i + 1) * mbs], y[i * mbs:(i + 1) * mbs]) as (xi, yi), \
+                    self._loss_ctx():
+                loss = loss_fn(model(xi), yi) / m
                 loss.backward()
             total += float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
         return total, 1
 
     def optimizer_step(self) -> None:
+        if self.sync_experts is not None:
+            self.sync_experts()
         self.optimizer.step()
         self.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -219,10 +244,13 @@ class Trainer:
         step_seconds: list[float] = []
         losses: list[float] = []
         actions: list = []
+        expert_tokens: list[dict] = []
         self.out.event("rank_ready", stages=self.stages, pid=os.getpid())
         for k in range(1, n + 1):
             maybe_fault(self.rank, k)
             batch = self.batch(k)  # data is made before the clock starts
+            for moe in self.moes:
+                moe.reset_counts()
             dist.barrier()
             self.timer.actions.clear()
             self.timer.on = k == n
@@ -245,23 +273,49 @@ class Trainer:
             loss = float(stats[0] / max(stats[1], 1.0))
             step_seconds.append(seconds)
             losses.append(loss)
+            if self.moes or self.cfg.model.experts:
+                expert_tokens.append(self.expert_tokens(k))
             if self.rank == 0:
                 self.out.event("step", k=k, n=n, loss=loss, seconds=float(slow[0]))
         if self.legacy:
             self._write_dataparallel_rows(n + 1, step_seconds, losses)
             return
         memory = self.measure_memory(n + 1)
+        extra = {"expert_tokens": expert_tokens} if expert_tokens else {}
         self.out.measurement({
             "rank": self.rank,
-            "coords": {"pp": self.coords.pp, "dp": self.coords.dp, "tp": self.coords.tp},
+            "coords": {"pp": self.coords.pp, "dp": self.coords.dp, "tp": self.coords.tp, "cp": self.coords.cp},
             "stages": self.stages,
             "memory": memory,
             "step_seconds": step_seconds,
             "losses": losses,
             "actions": actions,
             "peak_rss_bytes": measure.peak_rss_bytes(),
+            **extra,
             **self._cuda_stats(),
         })
+
+    def expert_tokens(self, k: int) -> dict:
+        """Step ``k``'s routed-token counts (outside the timed region): per MoE block this rank holds,
+        ``routed`` (tokens it sent to each of the E experts, microbatches summed), ``received`` (tokens
+        each of its local experts got from the expert-parallel group) and the first local expert's
+        index; and ``total``, per block of the whole model, the tokens each expert received from
+        every rank (a sum over all ranks: every rank of a stage routes different tokens)."""
+        m = self.cfg.model
+        blocks = list(range(m.dense_layers, m.layers))
+        total = torch.zeros(len(blocks), m.experts, dtype=torch.int64)
+        local = {}
+        for moe in self.moes:
+            routed = moe.routed_counts if moe.routed_counts is not None else torch.zeros(m.experts, dtype=torch.int64)
+            received = moe.received_counts if moe.received_counts is not None else torch.zeros(
+                moe.experts.num_experts, dtype=torch.int64)
+            total[blocks.index(moe.index)] += routed
+            first = (m.experts // self.cfg.parallel.ep) * (self.dims.expert_mesh("ep").get_local_rank()
+                                                            if self.cfg.parallel.ep > 1 else 0)
+            local[str(moe.index)] = {"routed": routed.tolist(), "received": received.tolist(), "first_expert": first}
+        total = total.to(self.device)
+        dist.all_reduce(total)
+        return {"k": k, "blocks": local, "total": {str(b): row for b, row in zip(blocks, total.cpu().tolist())}}
 
     def measure_memory(self, step: int) -> dict:
         """One extra, untimed step under PyTorch's MemTracker, plus exact local byte counts."""
@@ -269,11 +323,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         batch = self.batch(step)
+        for moe in self.moes:
+            moe.reset_counts()
         tracker = measure.tracker_for(mods, self.optimizer)
         _skip_grad_hooks_on_frozen(tracker, self.params)
         with measured_eagerly(self.cfg.training.compile), tracker:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
+            if self.sync_experts is not None:
+                self.sync_experts()
             self.optimizer.step()
             self.after_optimizer_step()
         exact = {
@@ -288,13 +346,16 @@ class Trainer:
             cats["comm_buffers"] += grads  # DDP's reducer buckets hold a flat copy of every gradient
         if self.schedule is not None:
             cats["comm_buffers"] += measure.p2p_buffer_bytes(self.schedule)  # untracked p2p receive buffers
-        return {
+        out = {
             "categories": cats,
             "exact": exact,
             "params_local_count": measure.param_count_local(self.params),
             "tracker_peak": raw,
-            "notes": measure.memory_notes(self.cfg),
+            "notes": measure.memory_notes(self.cfg) + ([self.cp.note(self.device.type)] if self.cp else []),
         }
+        if self.cfg.model.experts:  # the routing of the measured step, which its activations follow
+            out["expert_tokens"] = self.expert_tokens(step)
+        return out
 
     def measure_dataparallel(self, step: int) -> list[dict[str, int]]:
         """One extra, untimed nn.DataParallel step measured by each GPU's CUDA allocator (no MemTracker:

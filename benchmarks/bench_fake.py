@@ -64,6 +64,10 @@ def main() -> int:
             print(f"  cross-check: {w}")
         print("  tracker peak (GiB): " + ", ".join(
             f"{k} {v / 2**30:.3f}" for k, v in rec["memory"]["tracker_peak"].items() if v and k != "Total"))
+        alloc = rec["allocator"]
+        print(f"  caching allocator (modelled, {alloc['events']:,} events): max allocated "
+              f"{alloc['max_allocated'] / 2**30:.3f} GiB, max reserved {alloc['max_reserved'] / 2**30:.3f} GiB"
+              + (f"; {alloc['oom']}" if alloc["oom"] else ""))
     return 0
 
 

@@ -13,8 +13,8 @@ several nodes with more than one rank per node runs hierarchically: an intra-nod
 reduce-scatter, the inter-node collective on S/n_local, an intra-node all-gather. A group
 with one rank per node runs a flat ring over the network.
 
-Rank placement: TP innermost, then DP, then PP (engine.layout), so TP groups are the
-consecutive ranks and the most likely to fit in a node; PP groups are strided furthest.
+Rank placement: TP innermost, then CP, then DP, then PP (engine.layout), so TP groups are the
+consecutive ranks and the most likely to fit in a node, CP groups next; PP groups are strided furthest.
 
 Local CPU ranks (GPU kind "cpu") that outnumber ``cluster.cpu_cores`` share the cores: every
 hop of a ring waits for a descheduled peer and every copy runs on a shared core, so α is
@@ -49,12 +49,15 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.durations import adapter_elements_per_block
-from engine.layout import placement_style, rank_of, stage_to_pp_rank
+from engine.layout import placement_style, rank_coords, rank_of, split_layers, stage_to_pp_rank
 from engine.params import params_per_rank
 from engine.wrapping import forwards_before_first_backward, wrapping_plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
-DIMENSIONS = ("dp", "tp", "pp")
+DIMENSIONS = ("dp", "cp", "tp", "pp")
+#: process groups a span is asked for: the dimensions, and "dp_cp" (dp and cp flattened: the
+#: gradient reduction and the ZeRO / FSDP shard group, torchtitan's dp_shard_cp)
+GROUPS = (*DIMENSIONS, "dp_cp")
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -136,50 +139,51 @@ class GroupSpan:
 
 
 def group_ranks(cfg: Config, dim: str, rank: int = 0) -> list[int]:
-    """The global ranks of the ``dim`` group that contains ``rank``."""
+    """The global ranks of the ``dim`` group that contains ``rank`` ("dp_cp": the flattened
+    dp·cp group that reduces gradients and, under ZeRO / FSDP, shards the model states)."""
+    if dim not in GROUPS:
+        raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(GROUPS)}")
     par = cfg.parallel
-    pp_i, rest = divmod(rank, par.dp * par.tp)
-    dp_i, tp_i = divmod(rest, par.tp)
+    return list(_ranks_of_group(par.dp, par.cp, par.tp, par.pp, dim, rank))
+
+
+def _ranks_of_group(dp: int, cp: int, tp: int, pp: int, dim: str, rank: int) -> tuple[int, ...]:
+    c = rank_coords(rank, dp, tp, pp, 1, cp)
     if dim == "tp":
-        return [rank_of(pp_i, dp_i, t, par.dp, par.tp) for t in range(par.tp)]
+        return tuple(rank_of(c.pp, c.dp, t, dp, tp, c.cp, cp) for t in range(tp))
+    if dim == "cp":
+        return tuple(rank_of(c.pp, c.dp, c.tp, dp, tp, k, cp) for k in range(cp))
     if dim == "dp":
-        return [rank_of(pp_i, d, tp_i, par.dp, par.tp) for d in range(par.dp)]
-    if dim == "pp":
-        return [rank_of(p, dp_i, tp_i, par.dp, par.tp) for p in range(par.pp)]
-    raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(DIMENSIONS)}")
+        return tuple(rank_of(c.pp, d, c.tp, dp, tp, c.cp, cp) for d in range(dp))
+    if dim == "dp_cp":
+        return tuple(rank_of(c.pp, d, c.tp, dp, tp, k, cp) for d in range(dp) for k in range(cp))
+    return tuple(rank_of(p, c.dp, c.tp, dp, tp, c.cp, cp) for p in range(pp))
 
 
 def group_span(cfg: Config, dim: str) -> GroupSpan:
     """The widest-spread group of ``dim`` (all groups of a dimension have the same shape
     when gpus_per_node divides the group stride; otherwise the worst one is reported)."""
     par = cfg.parallel
-    if dim not in DIMENSIONS:
-        raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(DIMENSIONS)}")
-    return _group_span(par.dp, par.tp, par.pp, cfg.cluster.gpus_per_node, dim)
+    if dim not in GROUPS:
+        raise ValueError(f"unknown dimension {dim!r}; allowed: {', '.join(GROUPS)}")
+    return _group_span(par.dp, par.tp, par.pp, cfg.cluster.gpus_per_node, dim, par.cp)
 
 
 @lru_cache(maxsize=4096)
-def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str) -> GroupSpan:
+def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str, cp: int = 1) -> GroupSpan:
     """Cached by mesh shape: the scan is O(world), and step_time asks five times per config."""
-    size = {"dp": dp, "tp": tp, "pp": pp}[dim]
-    worst = GroupSpan(dim, size, 1, size)
+    size = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "dp_cp": dp * cp}[dim]
+    worst = GroupSpan("dp" if dim == "dp_cp" else dim, size, 1, size)
     seen: set[int] = set()
-    for r in range(dp * tp * pp):
+    for r in range(dp * cp * tp * pp):
         if r in seen:
             continue
-        pp_i, rest = divmod(r, dp * tp)
-        dp_i, tp_i = divmod(rest, tp)
-        if dim == "tp":
-            ranks = [rank_of(pp_i, dp_i, t, dp, tp) for t in range(tp)]
-        elif dim == "dp":
-            ranks = [rank_of(pp_i, d, tp_i, dp, tp) for d in range(dp)]
-        else:
-            ranks = [rank_of(p, dp_i, tp_i, dp, tp) for p in range(pp)]
+        ranks = _ranks_of_group(dp, cp, tp, pp, dim, r)
         seen.update(ranks)
         per_node: dict[int, int] = {}
         for x in ranks:
             per_node[x // gpn] = per_node.get(x // gpn, 0) + 1
-        span = GroupSpan(dim, size, len(per_node), max(per_node.values()))
+        span = GroupSpan(worst.dim, size, len(per_node), max(per_node.values()))
         if (span.nodes, -span.local) > (worst.nodes, -worst.local):
             worst = span
     return worst
@@ -244,7 +248,7 @@ class CommItem:
 @dataclass(frozen=True)
 class RankComm:
     pp_rank: int
-    rank: int  # global rank of (pp_rank, dp 0, tp 0)
+    rank: int  # global rank of (pp_rank, dp 0, cp 0, tp 0)
     items: tuple[CommItem, ...] = field(default=())
 
     def seconds(self, dim: str | None = None) -> float:
@@ -275,9 +279,10 @@ class CommReport:
 
 
 def activation_message_bytes(cfg: Config) -> int:
-    """One microbatch's hidden states b·s·h in the compute dtype (what TP collectives and PP sends move)."""
+    """One microbatch's hidden states b·s·h on one rank in the compute dtype (what TP collectives and PP
+    sends move); s is the rank's tokens, seq_len / cp under context parallelism."""
     m, t = cfg.model, cfg.training
-    return t.micro_batch_size * m.seq_len * m.hidden * t.param_bytes
+    return t.micro_batch_size * cfg.local_seq_len * m.hidden * t.param_bytes
 
 
 def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport:
@@ -302,6 +307,7 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
         else:
             items += _dp_items(cfg, rp, spans, links)
         items += _tp_items(cfg, rp, act, spans["tp"], links)
+        items += _cp_items(cfg, rp, spans["cp"], links)
         if par.ep > 1:
             items += _ep_items(cfg, rp, links)
         # pipeline sends: one activation forward and one gradient backward per microbatch per boundary
@@ -315,8 +321,78 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
                     one = collective_seconds(cfg, "p2p", pp_msg, pspan, links)
                     items.append(CommItem("pp", f"pipeline {'activation' if phase == 'forward' else 'gradient'} send",
                                           "p2p", boundaries * m, pp_msg, 2, pspan.link, boundaries * m * one, False, phase))
-        out.append(RankComm(pp_rank=pp_rank, rank=rank_of(pp_rank, 0, 0, par.dp, par.tp), items=tuple(items)))
+        out.append(RankComm(pp_rank=pp_rank, rank=rank_of(pp_rank, 0, 0, par.dp, par.tp, 0, par.cp), items=tuple(items)))
     return CommReport(per_pp_rank=tuple(out), spans=spans)
+
+
+def cp_recomputed_blocks(cfg: Config) -> list[int]:
+    """Blocks per stage whose backward re-runs the attention forward, and so its K, V exchange
+    (one entry per stage; one stage when pp = 1): every block under full and selective (attention
+    core) recompute, torchtitan's every N-th block under selective-layer, none otherwise
+    (torchtitan's per-op policy saves the attention outputs)."""
+    from engine.durations import checkpointed_blocks
+
+    tr, par = cfg.training, cfg.parallel
+    if tr.recompute in ("full", "selective"):
+        return [len(r) for r in split_layers(cfg.model.layers, 1 if par.pp == 1 else par.num_stages,
+                                             par.pipeline_split)]
+    return checkpointed_blocks(cfg)
+
+
+def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
+    """The context-parallel K, V exchange of one layer for one microbatch on one rank, as torch's
+    ring attention (``torch.distributed.tensor.experimental._context_parallel._attention``) issues
+    it: (collective, phase, calls, bytes of one call, what).
+
+    "allgather" (``_AllGatherRotater``): one all-gather of every rank's K, V (the gathered buffer
+    2·S·b·kv/t, S the whole sequence) in the forward, and again in the backward. "alltoall"
+    (``_AllToAllRotater``): cp − 1 rotations of the rank's chunk 2·s·b·kv/t (s = S/cp) to the next
+    rank, forward and backward. Either way the backward's dK, dV travel the ring (its rotater is
+    always all-to-all) in fp32 (``convert_to_f32``): cp rotations. Eager attention (all-gather
+    only) runs the gather through autograd: its backward reduce-scatters the K, V gradients
+    instead. A block whose backward recomputes its forward (``cp_recomputed_blocks``) repeats the
+    forward's exchange in its backward.
+    """
+    par, tr, m = cfg.parallel, cfg.training, cfg.model
+    if par.cp == 1:
+        return []
+    act = 4 if tr.precision == "fp32" else 2
+    s, b, kv = cfg.local_seq_len, tr.micro_batch_size, m.kv_dim // par.tp
+    chunk = 2.0 * s * b * kv * act
+    out: list[tuple[str, str, int, float, str]] = []
+    if par.cp_rotate == "allgather":
+        gathered = chunk * par.cp
+        out.append(("all_gather", "forward", 1, gathered, "K, V all-gather"))
+        out.append(("all_gather", "backward", 1, gathered, "K, V all-gather"))
+    else:
+        out.append(("p2p", "forward", par.cp - 1, chunk, "K, V ring rotation"))
+        out.append(("p2p", "backward", par.cp - 1, chunk, "K, V ring rotation"))
+    if m.attention == "flash":
+        out.append(("p2p", "backward", par.cp, 2.0 * s * b * kv * 4, "dK, dV ring rotation (fp32)"))
+    else:
+        out.append(("reduce_scatter", "backward", 1, chunk * par.cp, "K, V gradient reduce-scatter"))
+    return out
+
+
+def _cp_items(cfg: Config, rp, span: GroupSpan, links: MeasuredLinks | None) -> list[CommItem]:
+    """The K, V exchange of every layer of the rank's stages and every microbatch, and the
+    recomputed forwards' (engine.step hides each behind the blockwise attention it overlaps)."""
+    par = cfg.parallel
+    items = []
+    hides = cfg.cluster.gpu.name != "cpu"
+    again = cp_recomputed_blocks(cfg)
+    redo = sum(again[st.stage] for st in rp.stages)
+    for coll, phase, calls, size, what in cp_layer_exchanges(cfg):
+        one = collective_seconds(cfg, coll, size, span, links)
+        n = calls * rp.layers * par.microbatches
+        items.append(CommItem("cp", f"CP {what} ({phase}; {calls} per layer, {par.cp_rotate})", coll, n, size,
+                              par.cp, span.link, n * one, hides, phase))
+        if phase == "forward" and redo:
+            n = calls * redo * par.microbatches
+            items.append(CommItem("cp", f"CP {what} of the recomputed forward (backward; {calls} per recomputed "
+                                        f"block, {redo} block(s), {par.cp_rotate})", coll, n, size, par.cp,
+                                  span.link, n * one, hides, "backward"))
+    return items
 
 
 def ep_span(cfg: Config) -> GroupSpan:
@@ -478,7 +554,7 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
     LoRA: gradients (and ZeRO-1's broadcast) cover the adapters only; FSDP gathers base + adapters.
     """
     par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
-    if par.dp == 1:
+    if par.dp_cp == 1:
         return []
     local_params = rp.total
     grads = local_params * tr.grad_bytes
@@ -496,8 +572,9 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
             weights = adapters * w_a  # ZeRO-1 broadcasts the updated adapter shards
         grad_units = max(1, rp.layers)  # only the blocks hold adapters (and reduce-scatter)
     shard = par.shard_degree
-    span = spans["dp"]
-    # the shard group is the first dp/replicate ranks of the dp group (replicas outermost)
+    # gradients are reduced over dp·cp (context-parallel ranks hold the same parameters)
+    span = spans["dp"] if par.cp == 1 else group_span(cfg, "dp_cp")
+    # the shard group is the first (dp/replicate)·cp ranks of the dp·cp group (replicas outermost)
     shard_span = _sub_span(span, shard)
     hides = cfg.cluster.gpu.name != "cpu"
     items = []
@@ -628,7 +705,7 @@ def tp_edge_collectives(cfg: Config, first: bool, last: bool) -> list[tuple[str,
     if par.tp == 1:
         return []
     act = float(activation_message_bytes(cfg))
-    rows = tr.micro_batch_size * m.seq_len
+    rows = tr.micro_batch_size * cfg.local_seq_len
     out: list[tuple[str, str, int, float]] = []
     if first:
         out.append(("reduce_scatter" if par.sequence_parallel else "all_reduce", "forward", 1, act))

@@ -83,10 +83,53 @@ class RankComparison:
     stage: int
     categories: dict[str, Cell]  # MEMORY_CATEGORIES
     peak: Cell  # total bytes at the peak (sum of categories on both sides)
+    #: the measured max_memory_reserved (CUDA runs; a simulation's modelled caching allocator) and,
+    #: where the prediction has one, its predicted ``reserved``; None when the measurement has none
+    reserved: dict | None = None
+    # tracked bytes at the peak: predicted ``allocated`` vs MemTracker's tensors (CPU run) or
+    # torch.cuda.max_memory_allocated() (CUDA run); None for a prediction without ``allocated``
+    allocated: Cell | None = None
+
+    @property
+    def reserved_cell(self) -> Cell | None:
+        """``reserved`` as a Cell where both sides have it."""
+        r = self.reserved
+        if not r or r.get("predicted") is None:
+            return None
+        return Cell(float(r["predicted"]), float(r["measured"]), (f"measured: {r['source']}",))
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "stage": self.stage,
-                "categories": {c: v.to_json() for c, v in self.categories.items()}, "peak": self.peak.to_json()}
+        out = {"rank": self.rank, "stage": self.stage,
+               "categories": {c: v.to_json() for c, v in self.categories.items()}, "peak": self.peak.to_json()}
+        if self.reserved is not None:
+            out["reserved"] = dict(self.reserved)
+        if self.allocated is not None:
+            out["allocated"] = self.allocated.to_json()
+        return out
+
+
+def measured_reserved(rank_record: dict | None) -> tuple[float, str] | None:
+    """A rank record's max reserved bytes and where they come from: ``torch.cuda.max_memory_reserved``
+    of a CUDA run, or the modelled caching allocator's replay of a simulated rank."""
+    if not rank_record:
+        return None
+    if rank_record.get("max_memory_reserved") is not None:
+        return float(rank_record["max_memory_reserved"]), "torch.cuda.max_memory_reserved"
+    alloc = rank_record.get("allocator")
+    if isinstance(alloc, dict) and alloc.get("max_reserved") is not None:
+        return float(alloc["max_reserved"]), "modelled caching allocator (simulated rank)"
+    return None
+
+
+def _reserved_json(prow: dict, rank_record: dict | None) -> dict | None:
+    found = measured_reserved(rank_record)
+    if found is None:
+        return None
+    out: dict = {"measured": found[0], "source": found[1]}
+    if prow.get("reserved") is not None:
+        p = float(prow["reserved"])
+        out.update(predicted=p, error=p - found[0], relative=_rel(p, found[0]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -126,10 +169,14 @@ class Comparison:
     # ----------------------------------------------------------------- summaries
 
     def max_relative(self, category: str, tracked: bool = True) -> float | None:
-        """Largest |relative error| of one category (or "peak") over the ranks; None if undefined."""
+        """Largest |relative error| of one category (or "peak", "allocated", "reserved") over the ranks;
+        None if undefined."""
         vals = []
         for r in self.memory:
-            cell = r.peak if category == "peak" else r.categories[category]
+            cell = (r.reserved_cell if category == "reserved" else getattr(r, category)
+                    if category in ("peak", "allocated") else r.categories[category])
+            if cell is None:
+                continue
             rel = cell.relative_tracked if tracked else cell.relative
             if rel is None:
                 if cell.predicted != cell.measured:
@@ -146,6 +193,8 @@ class Comparison:
         out: dict[str, Any] = {c: self.max_relative(c) for c in MEMORY_CATEGORIES}
         out["peak"] = self.max_relative("peak")
         out["peak_untracked_included"] = self.max_relative("peak", tracked=False)
+        out["allocated"] = self.max_relative("allocated")
+        out["reserved"] = self.max_relative("reserved") if any(r.reserved_cell for r in self.memory) else None
         out["step"] = self.step.relative
         out["bubble_error"] = None if self.bubble is None else self.bubble.error
         out["makespan"] = None if self.makespan is None else self.makespan.relative
@@ -166,7 +215,11 @@ class Comparison:
                 "relative_tracked": "(predicted − bytes the measurement cannot see) / measured − 1",
                 "bubble": "share of total: idle / (ranks · makespan), both sides",
                 "peak": "sum of the categories at the peak (measured: MemTracker's peak snapshot "
-                        "with exact params/grads/optimizer)"},
+                        "with exact params/grads/optimizer)",
+                "allocated": "tracked bytes at the peak (measured: torch.cuda.max_memory_allocated() on CUDA, "
+                             "MemTracker's tensors on CPU)",
+                "reserved": "the caching allocator's most reserved bytes (measured: "
+                            "torch.cuda.max_memory_reserved(); CUDA runs only)"},
         }
 
 
@@ -220,6 +273,44 @@ def _memory_notes(category: str, pred: float, meas: float, measured_detail: dict
     return notes
 
 
+#: MemTracker's names of what the backend counts in comm_buffers
+_TRACKER_COMM = ("All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad")
+
+
+def _allocated_cell(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> Cell | None:
+    """Allocated bytes of one rank: the prediction's ``allocated`` against
+    torch.cuda.max_memory_allocated() on a CUDA run; on a CPU run against the larger of the measured
+    categories' sum and MemTracker's own peak total plus the buffers the backend adds that it never
+    sees. None where the prediction has no such number (an older prediction dict). (Reserved:
+    ``_reserved_json``.)"""
+    if "allocated" not in prow:
+        return None
+    p_alloc = float(prow["allocated"])
+    if "max_memory_allocated" in rank_detail:
+        return Cell(p_alloc, float(rank_detail["max_memory_allocated"]), ("measured: torch.cuda.max_memory_allocated()",))
+    mem = rank_detail.get("memory") or {}
+    raw = mem.get("tracker_peak") or {}
+    notes = ["tensors at the peak: predicted tracked bytes vs MemTracker's peak (it counts tensors only); a CPU "
+             "run has no caching allocator, so reserved = allocated"]
+    if "Total" in raw and "categories" in mem:
+        # the tracker's own total at its peak, plus what the backend adds that the tracker never sees
+        # (the pipeline's p2p receive buffers, DDP's buckets: measured comm_buffers beyond the tracker's)
+        # The larger of the two: the categories count the states whole (exact sizes), which the tracker's
+        # total may miss (ZeroRedundancyOptimizer's states, sharded gradients not yet allocated), and the
+        # tracker's total keeps what the categories drop when the exact sizes replace its Parameter /
+        # Gradient (under pipelining plain MemTracker tags FSDP2's unsharded copies so).
+        added = mem["categories"].get("comm_buffers", 0) - sum(raw.get(k, 0) for k in _TRACKER_COMM)
+        summed = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
+        m_alloc = max(summed, float(raw["Total"] + max(0, added)))
+        if m_alloc > 1.01 * summed:
+            notes.append("the measured categories sum to less than the tracker's own peak total (+ the buffers it "
+                         "never sees): the exact params / grads replace what the tracker tagged Parameter / "
+                         "Gradient, which under pipelining (plain MemTracker) includes FSDP2's unsharded copies")
+    else:
+        m_alloc = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
+    return Cell(p_alloc, m_alloc, tuple(notes))
+
+
 def _device_of(meas: dict) -> str | None:
     ranks = meas.get("ranks") or []
     if not ranks:
@@ -256,9 +347,11 @@ def compare(pred, measurement) -> Comparison:
         peak_notes = []
         if any(cells[c].untracked for c in MEMORY_CATEGORIES):
             peak_notes.append("includes predicted bytes the measurement cannot see; see relative_tracked")
+        allocated = _allocated_cell(prow, detail.get(rank) or {}, cells)
         rows.append(RankComparison(rank, int(mrow.get("stage", prow.get("stage", 0))), cells,
                                    Cell(p_peak, m_peak, tuple(peak_notes),
-                                        float(sum(cells[c].untracked for c in MEMORY_CATEGORIES)))))
+                                        float(sum(cells[c].untracked for c in MEMORY_CATEGORIES))),
+                                   _reserved_json(prow, detail.get(rank)), allocated))
     if missing:
         notes.append(f"measured ranks {missing} have no predicted row (different world size?)")
     if len(pred_rows) > len(mj["memory"]["per_rank"]):
@@ -394,7 +487,8 @@ def render_comparison(cmp: Comparison) -> str:
         label = (f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1))
                  else ",".join(map(str, ranks)))
         r = g[0]
-        for c, cell in list(r.categories.items()) + [("peak", r.peak)]:
+        extra = [(name, cell) for name, cell in (("allocated", r.allocated), ("reserved", r.reserved_cell)) if cell]
+        for c, cell in list(r.categories.items()) + [("peak", r.peak)] + extra:
             marks = ""
             for n in cell.notes:
                 if n not in all_notes:

@@ -23,7 +23,8 @@ File format (the product's public contract; keys may be added, never renamed)::
     [cluster]    preset, gpu (a preset name or a table), gpus, gpus_per_node,
                  intra_node_bandwidth_gb_per_s, intra_node_latency_us,
                  inter_node_bandwidth_gb_per_s, inter_node_latency_us, cpu_cores
-    [parallel]   dp, tp, pp, zero (or fsdp = "FULL_SHARD" | ...), replicate,
+    [parallel]   dp, tp, pp, cp, cp_rotate ("allgather" | "alltoall"), zero (or fsdp =
+                 "FULL_SHARD" | ...), replicate,
                  sequence_parallel, schedule, virtual_stages, microbatches,
                  dp_mode ("ddp" | "dataparallel": legacy single-process nn.DataParallel),
                  async_tp, fsdp_reshard_after_forward ("default" | "always" | "never"),
@@ -225,11 +226,17 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """Parallel layout. Rank order is TP innermost, then DP, then PP outermost."""
+    """Parallel layout. Rank order is torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp]: TP
+    innermost, then CP, then DP, then PP outermost (engine.layout)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    # context parallelism: the sequence split over cp ranks (torch's context_parallel, ring attention
+    # with head-tail load balancing: each rank holds chunks i and 2·cp−1−i of 2·cp); cp joins the
+    # FSDP shard group and the gradient reduction (dp·cp ranks hold the same parameters)
+    cp: int = 1
+    cp_rotate: str = "allgather"  # names.CP_ROTATE_METHODS: torch's set_rotate_method
     zero: int = 0
     replicate: int = 1  # HSDP: data-parallel replicas; ZeRO shards over dp // replicate
     sequence_parallel: bool = False
@@ -245,22 +252,29 @@ class ParallelSpec:
     fsdp_reshard_after_forward: str = "default"  # names.RESHARD_POLICIES (ZeRO-3 only)
     pipeline_split: str = "even"  # names.PIPELINE_SPLITS
     # expert parallel (torchtitan's expert_parallel_degree): each MoE layer's experts split over ep
-    # ranks of the dense region dp_shard·tp, which the sparse region lays out as efsdp·ep
+    # ranks of the dense region dp_shard·cp·tp, which the sparse region lays out as efsdp·ep
     ep: int = 1
 
     @property
     def expert_shard_degree(self) -> int:
         """efsdp: the FSDP degree of expert weights, dp_shard·cp·tp / ep (torchtitan's ParallelDims)."""
-        return self.shard_degree * getattr(self, "cp", 1) * self.tp // self.ep
+        return self.dp // self.replicate * self.cp * self.tp // self.ep  # shard_degree already holds cp
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: dp·cp (the CP
+        ranks of a sequence see different tokens of it, so their gradients are summed too)."""
+        return self.dp * self.cp
 
     @property
     def shard_degree(self) -> int:
-        """The degree ZeRO/FSDP divides by (dp for plain sharding, dp/replicate for HSDP)."""
-        return self.dp // self.replicate
+        """The degree ZeRO/FSDP divides by: (dp/replicate)·cp — torchtitan's dp_shard_cp mesh
+        (dp·cp for plain sharding; HSDP replicates over ``replicate``)."""
+        return self.dp // self.replicate * self.cp
 
     @property
     def num_stages(self) -> int:
@@ -312,7 +326,12 @@ class Conventions:
     runtime_context: bool = True  # count the GPU kind's runtime context in `overhead`
     collective_buffers: bool = True  # count collective-library buffers per communicator
     collective_buffer_mib: float = 64.0  # per communicator a rank belongs to (NCCL-like)
-    allocator_slack_fraction: float = 0.0  # reserve on top of live tensors, as a fraction
+    # a floor on the caching allocator's reserve, as a fraction of the tracked bytes at the peak
+    # (reserved = max(the replayed allocator's reserve, allocated × (1 + it)); never added to the replay)
+    allocator_slack_fraction: float = 0.0
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch's default is off): the replayed
+    # caching allocator grows one segment per stream instead of caching fixed-size segments
+    expandable_segments: bool = False
     ddp_bucket_mb: float = 25.0  # DDP's bucket_cap_mb
     ddp_gradient_as_bucket_view: bool = False  # DDP gradients alias the buckets (no separate bucket copy)
     fsdp_prefetch: bool = True  # FSDP holds the next unit unsharded while computing this one
@@ -361,6 +380,12 @@ class Config:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.model.seq_len
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of one sequence on one rank: model.seq_len / parallel.cp (context parallelism splits
+        the sequence; every op outside attention sees only these)."""
+        return self.model.seq_len // self.parallel.cp
 
     # ----------------------------------------------------------------- changing
 
@@ -567,6 +592,7 @@ FIELD_RANGES: dict[str, Range] = {
     "parallel.dp": Range(1, 1048576, "as cluster.gpus"),
     "parallel.tp": Range(1, 4096, "as model.heads (tp divides heads)"),
     "parallel.pp": Range(1, 4096, "as model.layers (a stage needs a layer)"),
+    "parallel.cp": Range(1, 1048576, "as cluster.gpus (dp·cp·tp·pp = gpus; model.seq_len is divisible by 2·cp)"),
     "parallel.zero": Range(0, max(names.ZERO_STAGES), "the ZeRO stages",
                            note="0 (DDP), 1, 2, 3 (FSDP full shard)"),
     "parallel.replicate": Range(1, 1048576, "as cluster.gpus (replicate divides dp)"),
@@ -677,17 +703,18 @@ def check(
 
     # ---- parallel
     par = parallel
-    ok_par = not any(f"parallel.{k}" in out_of_range for k in ("dp", "tp", "pp", "virtual_stages", "microbatches",
-                                                       "replicate", "zero"))
+    ok_par = not any(f"parallel.{k}" in out_of_range for k in ("dp", "tp", "pp", "cp", "virtual_stages",
+                                                               "microbatches", "replicate", "zero"))
     _choice(p, "parallel.schedule", par.schedule, names.SCHEDULES)
+    _choice(p, "parallel.cp_rotate", par.cp_rotate, names.CP_ROTATE_METHODS)
     if ok_par and ok_cluster and par.world_size != cluster.gpus:
-        p.append(
-            Problem(
-                "parallel.dp",
-                par.dp,
-                f"dp·tp·pp = {par.dp}·{par.tp}·{par.pp} = {par.world_size} must equal cluster.gpus ({cluster.gpus})",
-            )
-        )
+        if par.cp == 1:
+            what = f"dp·tp·pp = {par.dp}·{par.tp}·{par.pp}"
+        else:
+            what = f"dp·cp·tp·pp = {par.dp}·{par.cp}·{par.tp}·{par.pp}"
+        p.append(Problem("parallel.dp", par.dp, f"{what} = {par.world_size} must equal cluster.gpus ({cluster.gpus})"))
+    if ok_par and ok_model:
+        _check_context_parallel(p, model, par)
     if ok_par and ok_model:
         bad = [f"model.{k} ({getattr(model, k)})" for k in ("heads", "kv_heads", "ffn_hidden")
                if getattr(model, k) % par.tp]
@@ -699,10 +726,16 @@ def check(
             )
         if par.sequence_parallel and par.tp == 1:
             p.append(Problem("parallel.sequence_parallel", True, "needs parallel.tp > 1"))
-        elif par.sequence_parallel and model.seq_len % par.tp:
+        elif par.sequence_parallel and par.cp == 1 and model.seq_len % par.tp:
             p.append(
                 Problem("parallel.sequence_parallel", True,
                         f"needs model.seq_len ({model.seq_len}) to be a multiple of parallel.tp ({par.tp})")
+            )
+        elif par.sequence_parallel and par.cp > 1 and model.seq_len % (par.cp * par.tp):
+            p.append(
+                Problem("parallel.sequence_parallel", True,
+                        f"shards each context-parallel rank's {model.seq_len}/{par.cp} tokens over tp: needs "
+                        f"model.seq_len ({model.seq_len}) to be a multiple of cp·tp ({par.cp}·{par.tp})")
             )
         if par.dp % par.replicate:
             p.append(Problem("parallel.replicate", par.replicate,
@@ -721,12 +754,14 @@ def check(
                                  f"{exc}: needs model.layers ≥ 2·(pp·virtual_stages) − 2 or so; allowed: even"))
     _choice(p, "parallel.dp_mode", par.dp_mode, names.DP_MODES)
     if par.dp_mode == "dataparallel":
-        bad = [f"{k} = {getattr(par, k)}" for k, ok in (("tp", 1), ("pp", 1), ("zero", 0), ("replicate", 1))
+        bad = [f"{k} = {getattr(par, k)}" for k, ok in (("tp", 1), ("pp", 1), ("cp", 1), ("zero", 0),
+                                                         ("replicate", 1))
                if getattr(par, k) != ok]
         if bad:
             p.append(Problem("parallel.dp_mode", par.dp_mode,
                              "legacy nn.DataParallel replicates one process's model over the GPUs of one node; it "
-                             "needs parallel.tp = 1, parallel.pp = 1, parallel.zero = 0, parallel.replicate = 1 "
+                             "needs parallel.tp = 1, parallel.pp = 1, parallel.cp = 1, parallel.zero = 0, "
+                             "parallel.replicate = 1 "
                              f"(got {', '.join('parallel.' + b for b in bad)}); use dp_mode = \"ddp\" for these layouts"))
         if ok_cluster and cluster.gpus > cluster.gpus_per_node:
             p.append(Problem("parallel.dp_mode", par.dp_mode,
@@ -759,6 +794,28 @@ def check(
                          "allowed: pytorch (what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep) | "
                          "zero-paper (the ZeRO paper's 2 + 2 + 12 bytes per parameter split)"))
     return p
+
+
+def _check_context_parallel(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> None:
+    """Context parallelism: torch's head-tail load balancing cuts the sequence into 2·cp chunks."""
+    if par.cp == 1:
+        return
+    if model.seq_len % (2 * par.cp):
+        ok = [c for c in _divisors(model.seq_len // 2) if c > 1] if model.seq_len % 2 == 0 else []
+        p.append(Problem("parallel.cp", par.cp,
+                         f"needs model.seq_len ({model.seq_len}) divisible by 2·cp = {2 * par.cp} (torch's head-tail "
+                         "load balancing gives each rank chunks i and 2·cp−1−i of 2·cp); allowed: 1"
+                         + (f", {', '.join(map(str, ok[:12]))}" if ok else "")))
+    if model.attention == "eager" and par.cp_rotate == "alltoall":
+        p.append(Problem("parallel.cp_rotate", par.cp_rotate,
+                         "the ring (alltoall) runs inside torch's fused SDPA kernels, blockwise; eager attention "
+                         "materialises its scores against every key: needs model.attention = 'flash'; allowed with "
+                         "eager attention: allgather"))
+    if par.zero == 1:
+        p.append(Problem("parallel.cp", par.cp,
+                         "context parallelism reduces gradients over dp·cp as torchtitan does, with FSDP's "
+                         "dp_shard_cp mesh or DDP; ZeRO-1 (ZeroRedundancyOptimizer) is not composed with it: "
+                         "needs parallel.zero = 0, 2 or 3; allowed with zero = 1: 1"))
 
 
 def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conventions, bad: set[str]) -> None:
@@ -1011,7 +1068,7 @@ def _parse(raw: dict[str, Any], base_dir: Path | None = None) -> Config:
     parallel_raw = _table(p, raw, "parallel")
     par = _parse_parallel(p, parallel_raw)
     cluster = _parse_cluster(p, cluster_raw, par)
-    inner = par.get("tp", 1) * par.get("pp", 1)
+    inner = par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1)
     if cluster is not None and "dp" not in par and inner > 0 and cluster.gpus % inner == 0:
         par["dp"] = max(1, cluster.gpus // inner)
     parallel = ParallelSpec(**par)
@@ -1151,10 +1208,11 @@ def _parse_cluster(p: list[Problem], table: dict, par: dict[str, Any]) -> Cluste
         return None
     merged = {**base, **fields}
     if "gpus" not in fields:
+        inner = par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1)
         if "dp" in par:
-            merged["gpus"] = par["dp"] * par.get("tp", 1) * par.get("pp", 1)
+            merged["gpus"] = par["dp"] * inner
         elif "gpus" not in merged:
-            merged["gpus"] = par.get("tp", 1) * par.get("pp", 1)
+            merged["gpus"] = inner
     merged.setdefault("gpus_per_node", min(merged["gpus"], 8) if merged["gpus"] > 0 else 1)
     merged.setdefault("intra_node_bandwidth_gb_per_s", gpu.intra_node_bandwidth_gb_per_s)
     merged.setdefault("inter_node_bandwidth_gb_per_s", gpu.inter_node_bandwidth_gb_per_s)

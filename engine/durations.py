@@ -25,6 +25,11 @@ FLOP conventions (per token, per transformer block, forward, before dividing by 
   attention op and elementwise ops add no counted FLOPs), ``selective-layer`` the whole forward
   of the blocks it checkpoints (``checkpointed_blocks``: every N-th block of each rank).
 
+Context parallelism (``parallel.cp``): a rank computes its seq_len / cp tokens (``Config.local_seq_len``)
+of every microbatch; the attention core per token stays ``4·s·h`` over the whole sequence s (each
+query still meets every key; torch's head-tail load balancing gives every cp rank the same causal
+share), so a rank's attention is 1/cp of the sequence's. The K, V exchange is engine.step's.
+
 LoRA (``training.finetune = "lora"``, engine.lora): every adapted Linear adds its adapter's
 matmuls, ``2·r·(d_in + d_out)`` FLOPs per token (x·Aᵀ, then ·Bᵀ) in the forward, as much again
 for the adapter's input gradient (in I) and for its weight gradients (in W). The frozen base still
@@ -349,7 +354,7 @@ def activation_bytes_per_microbatch(cfg: Config) -> int:
     """Bytes of the hidden state one stage sends the next (and its gradient back), per microbatch."""
     t = cfg.training
     act_bytes = 4 if t.precision == "fp32" else 2
-    n = t.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * act_bytes
+    n = t.micro_batch_size * cfg.local_seq_len * cfg.model.hidden * act_bytes
     if cfg.parallel.sequence_parallel:
         n //= cfg.parallel.tp
     return n
@@ -381,7 +386,7 @@ def stage_durations(
     par, tr, cl = cfg.parallel, cfg.training, cfg.cluster
     num_stages = 1 if par.pp == 1 else par.num_stages
     fl = flops_per_token(cfg)
-    tokens = tr.micro_batch_size * cfg.model.seq_len
+    tokens = tr.micro_batch_size * cfg.local_seq_len  # this rank's tokens (seq_len / cp)
     rate = cl.gpu.peak_flops(tr.precision) * cfg.conventions.compute_efficiency * par.tp
     layers = np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)], dtype=np.float64)
     head = np.zeros(num_stages)
@@ -447,9 +452,9 @@ def _p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
         a, b = owners[s], owners[s + 1]
         if a == b:
             continue  # same rank (the turn of a V): no transfer
-        # the (dp=0, tp=0) member of each pipeline rank; rank = pp_index * dp * tp + ...
-        node_a = a * par.dp * par.tp // cl.gpus_per_node
-        node_b = b * par.dp * par.tp // cl.gpus_per_node
+        # the (dp=0, cp=0, tp=0) member of each pipeline rank; rank = pp_index * dp * cp * tp + ...
+        node_a = a * par.dp * par.cp * par.tp // cl.gpus_per_node
+        node_b = b * par.dp * par.cp * par.tp // cl.gpus_per_node
         if node_a == node_b:
             out[s] = cl.intra_node_latency_us * 1e-6 + nbytes / cl.intra_node_bytes_per_s
         else:

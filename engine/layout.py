@@ -3,9 +3,12 @@
 Shared by the memory model, the pipeline model and the backend so that they all cut
 the model and place the stages the same way.
 
-Rank order (torchtitan / Megatron convention): TP innermost, then DP, then PP outermost::
+Rank order (torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp]): TP innermost, then CP
+(context parallel), then DP (replicas outermost within it), then PP outermost::
 
-    rank = pp_index * (dp * tp) + dp_index * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
+
+With cp = 1 this is Megatron's TP-DP-PP order.
 """
 
 from __future__ import annotations
@@ -22,19 +25,23 @@ class RankCoords:
     dp: int
     tp: int
     node: int
+    cp: int = 0
 
 
-def rank_coords(rank: int, dp: int, tp: int, pp: int, gpus_per_node: int) -> RankCoords:
-    """Coordinates of a global rank on the (pp, dp, tp) mesh, and the node that hosts it."""
-    world = dp * tp * pp
+def rank_coords(rank: int, dp: int, tp: int, pp: int, gpus_per_node: int, cp: int = 1) -> RankCoords:
+    """Coordinates of a global rank on the (pp, dp, cp, tp) mesh, and the node that hosts it."""
+    world = dp * cp * tp * pp
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside 0..{world - 1}")
-    return RankCoords(rank=rank, pp=rank // (dp * tp), dp=(rank // tp) % dp, tp=rank % tp,
-                      node=rank // gpus_per_node)
+    rest, tp_i = divmod(rank, tp)
+    rest, cp_i = divmod(rest, cp)
+    pp_i, dp_i = divmod(rest, dp)
+    return RankCoords(rank=rank, pp=pp_i, dp=dp_i, tp=tp_i, node=rank // gpus_per_node, cp=cp_i)
 
 
-def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int) -> int:
-    return pp_index * dp * tp + dp_index * tp + tp_index
+def rank_of(pp_index: int, dp_index: int, tp_index: int, dp: int, tp: int, cp_index: int = 0, cp: int = 1) -> int:
+    """The global rank at these mesh coordinates (the inverse of ``rank_coords``)."""
+    return ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 
 def placement_style(schedule: str) -> str:

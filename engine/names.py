@@ -78,6 +78,12 @@ RESHARD_POLICIES = ("default", "always", "never")
 #: weights 1: the embeddings count as one block on the first stage, norm + head as one on the last.
 PIPELINE_SPLITS = ("even", "torchtitan")
 BUBBLE_CONVENTIONS = ("share-of-total", "relative-to-ideal")
+#: How context parallelism moves K and V between the cp ranks (parallel.cp_rotate), as torch's
+#: ``torch.distributed.tensor.experimental._attention.set_rotate_method`` names them: "allgather" =
+#: one all-gather of every rank's K, V per attention call (the full-sequence K, V alive while it
+#: runs); "alltoall" = the ring: cp−1 rotations of one chunk, each overlapped with the blockwise
+#: attention on the chunk in hand (two chunks in flight).
+CP_ROTATE_METHODS = ("allgather", "alltoall")
 #: How data-parallel replicas are driven (parallel.dp_mode): "ddp" = one process per GPU
 #: (DistributedDataParallel, or ZeRO / FSDP by parallel.zero); "dataparallel" = the legacy
 #: single-process torch.nn.DataParallel (GPU 0 scatters, gathers and steps: engine.legacy_dp).

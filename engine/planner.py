@@ -16,14 +16,16 @@ expert parallelism (ep) to the layouts and bounds MoE blocks by their own rows.
 
 What is enumerated (duplicates that the engine cannot tell apart are left out, and said so):
     tp   divides gpus, heads, kv_heads and ffn_hidden     pp   divides gpus / tp, pp ≤ layers
-    dp   = gpus / (tp · pp), must divide the global batch
+    cp   context parallelism for long sequences (``default_cp_degrees``: from LONG_SEQUENCE_TOKENS
+         tokens every power of two dividing gpus / (tp · pp) with seq_len divisible by 2·cp; 1 below)
+    dp   = gpus / (tp · pp · cp), must divide the global batch
     schedule  pp = 1: none (gradient accumulation; the schedule name does not matter);
               pp > 1: GPipe, 1F1B (v = 1), ZBVZeroBubble, DualPipeV (v = 2),
               Interleaved1F1B, LoopedBFS, InterleavedZeroBubble (v = 2 … max_virtual_stages,
               pp · v ≤ layers; v = 1 is the plain GPipe / 1F1B already listed)
     micro_batch_size  every divisor b of global_batch / dp; microbatches = global_batch / (dp · b)
-    zero  0–3 when dp > 1 (with dp = 1 all stages are the same layout: only 0)
-    sequence_parallel  off, and on when tp > 1 and tp divides seq_len
+    zero  0–3 when dp · cp > 1 (with dp · cp = 1 all stages are the same layout: only 0); not 1 with cp > 1
+    sequence_parallel  off, and on when tp > 1 and tp divides seq_len / cp
     recompute  none, selective, full, selective-op, selective-layer (every training.recompute_every-th block
                of the base config)
 Schedule rules (1F1B needs m ≥ pp, …) come from ``engine.schedules.schedule_problems``, and
@@ -34,7 +36,7 @@ Speed (branch and bound; the answer is the same as fully evaluating every layout
    memory** (model states, activations in flight from torch's schedule order, p2p and bucket
    buffers, logits, overhead — the terms of ``engine.memory`` minus a few small ones and
    rounding) drops layouts that cannot fit; and a **lower bound on step time**: the exact
-   per-stage F/B durations (compute + TP collectives, as ``engine.step``), each pipeline
+   per-stage F/B durations (compute + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
    rank's busy time plus the forward chain before its first stage, the one-microbatch critical
    path, the exact exposed DP communication and optimizer step. What does not depend on the
    layout group is computed once: in-flight counts per (schedule, pp rank, pp, v, m) — the
@@ -80,10 +82,13 @@ from engine.memory.activations import TABLE_RECOMPUTE
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.params import params_per_rank
 from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
-from engine.step import optimizer_seconds, step_time, with_tp_communication
+from engine.step import cp_seconds_per_layer, optimizer_seconds, step_time, with_mesh_communication
 from engine.timeline import simulate
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20
+#: sequences from this many tokens are long: the planner searches context parallelism for them
+#: (``default_cp_degrees``); shorter ones keep cp = 1 unless ``plan(cp=...)`` asks
+LONG_SEQUENCE_TOKENS = 16384
 MAX_SEQUENCES_PER_GPU = 8
 _SAFETY = 1.0 - 1e-9  # bounds are compared with this margin against float rounding
 _RECOMPUTE = names.RECOMPUTE_KINDS
@@ -229,7 +234,7 @@ class PlanResult:
 
 def _layout_of(cfg: Config) -> dict[str, Any]:
     par, tr = cfg.parallel, cfg.training
-    out = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "zero": par.zero,
+    out = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "zero": par.zero,
            "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
            "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
            "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
@@ -244,12 +249,14 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "sequence_parallel", "schedule", "virtu
 
 def layout_config(base: Config, layout: dict[str, Any]) -> Config:
     """The Config of a planner layout (``PlanEntry.layout`` / ``FitPoint.layout`` / their JSON) on ``base``
-    (``PlanResult.base``): the same Config the planner evaluated. Raises ConfigError if it is not valid."""
+    (``PlanResult.base``): the same Config the planner evaluated (``cp`` is optional: 1 when left out).
+    Raises ConfigError if it is not valid."""
     missing = [k for k in LAYOUT_KEYS if k not in layout]
     if missing:
         raise PlanError("layout", f"missing {', '.join(missing)}; a layout has {', '.join(LAYOUT_KEYS)}")
     return base.replace(
-        parallel={"dp": layout["dp"], "tp": layout["tp"], "pp": layout["pp"], "zero": layout["zero"],
+        parallel={"dp": layout["dp"], "tp": layout["tp"], "pp": layout["pp"], "cp": layout.get("cp", 1),
+                  "zero": layout["zero"],
                   "sequence_parallel": layout["sequence_parallel"], "schedule": layout["schedule"] or "1F1B",
                   "virtual_stages": layout["virtual_stages"], "microbatches": layout["microbatches"],
                   "ep": layout.get("ep", 1)},
@@ -280,7 +287,8 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
 def layout_label(cfg: Config) -> str:
     """A compact name of a layout: ``dp16 tp8 pp8 ZeRO-1 +SP Interleaved1F1B v2 m64 b1 recompute=selective``."""
     par, tr = cfg.parallel, cfg.training
-    parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"] + ([f"ep{par.ep}"] if par.ep > 1 else []) + [f"ZeRO-{par.zero}"]
+    parts = ([f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"] + ([f"cp{par.cp}"] if par.cp > 1 else [])
+             + ([f"ep{par.ep}"] if par.ep > 1 else []) + [f"ZeRO-{par.zero}"])
     if par.sequence_parallel:
         parts.append("+SP")
     if par.pp > 1:
@@ -292,6 +300,19 @@ def layout_label(cfg: Config) -> str:
 # --------------------------------------------------------------------------- inputs
 
 
+def default_cp_degrees(gpus: int, seq_len: int) -> tuple[int, ...]:
+    """The context-parallel degrees searched by default: 1 below ``LONG_SEQUENCE_TOKENS``; from there
+    every power of two up to ``gpus`` whose head-tail split works (seq_len divisible by 2·cp)."""
+    if seq_len < LONG_SEQUENCE_TOKENS:
+        return (1,)
+    out, cp = [], 1
+    while cp <= gpus:
+        if cp == 1 or seq_len % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return tuple(out)
+
+
 def default_global_batch(gpus: int, seq_len: int) -> int:
     """About 4 Mi tokens per step, as a multiple of ``gpus``, 1 … 8 sequences per GPU."""
     per_gpu = round(DEFAULT_TOKENS_PER_STEP / seq_len / gpus)
@@ -299,10 +320,13 @@ def default_global_batch(gpus: int, seq_len: int) -> int:
 
 
 def _base_config(model: ModelSpec | str, gpus: int, gpu: str, gpus_per_node: int,
-                 training: dict | None, conventions: dict | None) -> Config:
-    """The validated starting point (dp = gpus); errors name the planner argument at fault."""
+                 training: dict | None, conventions: dict | None, seq_len: int | None = None) -> Config:
+    """The validated starting point (dp = gpus; the model's sequence length ``seq_len`` when given);
+    errors name the planner argument at fault."""
     from engine.presets import gpu_presets, model_presets
 
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        raise PlanError("seq_len", f"must be a whole number of tokens ≥ 1, got {seq_len!r}")
     if isinstance(model, str) and model not in model_presets():
         raise PlanError("model", f"unknown preset {model!r}; allowed: {', '.join(model_presets())}")
     if isinstance(gpu, str) and gpu not in gpu_presets():
@@ -316,15 +340,16 @@ def _base_config(model: ModelSpec | str, gpus: int, gpu: str, gpus_per_node: int
     if (training or {}).get("finetune", "full") != "full":
         raise PlanError("training", "the planner searches full fine-tuning layouts only; its pruning bounds "
                                     "do not hold for LoRA (predict a LoRA config with shardscope predict)")
-    raw = {"model": {"preset": model} if isinstance(model, str) else {"preset": "tiny"},
+    raw = {"model": ({"preset": model} if isinstance(model, str) else {"preset": "tiny"})
+           | ({"seq_len": seq_len} if seq_len is not None and isinstance(model, str) else {}),
            "cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
            "parallel": {"dp": gpus}, "training": dict(training or {}), "conventions": dict(conventions or {})}
     try:
         base = Config.from_dict(raw)
         if isinstance(model, ModelSpec):
-            base = dataclasses.replace(base, model=model)
+            base = dataclasses.replace(base, model=model if seq_len is None else dataclasses.replace(model, seq_len=seq_len))
     except ConfigError as exc:
-        field_to_arg = {"model": "model", "cluster.gpu": "gpu", "cluster.gpus": "gpus",
+        field_to_arg = {"model.seq_len": "seq_len", "model": "model", "cluster.gpu": "gpu", "cluster.gpus": "gpus",
                         "cluster.gpus_per_node": "gpus_per_node", "training": "training",
                         "conventions": "conventions"}
         prob = exc.problems[0]
@@ -356,7 +381,7 @@ def _divisors(n: int) -> list[int]:
 # --------------------------------------------------------------------------- the grid
 
 
-_COLS = ("tp", "pp", "v", "sched", "m", "b", "zero", "sp", "rc", "struct")
+_COLS = ("tp", "pp", "cp", "v", "sched", "m", "b", "zero", "sp", "rc", "struct")
 
 
 @dataclass
@@ -373,43 +398,57 @@ class _Grid:
 
 class _Planner:
     def __init__(self, base: Config, global_batch: int, zero: tuple[int, ...], schedules: tuple[str, ...],
-                 recompute: tuple[str, ...], max_virtual_stages: int, micro_batch_sizes: tuple[int, ...] | None):
+                 recompute: tuple[str, ...], max_virtual_stages: int, micro_batch_sizes: tuple[int, ...] | None,
+                 cp: tuple[int, ...] = (1,)):
         self.base = base
+        self.cps = cp
         self.G = global_batch
         self.zero = zero
         self.schedules = schedules
         self.recompute = recompute
         self.max_v = max_virtual_stages
         self.mbs = micro_batch_sizes
-        self.structs: list[tuple[int, int, int, str]] = []  # (tp, pp, v, schedule)
+        self.structs: list[tuple[int, int, int, str, int]] = []  # (tp, pp, v, schedule, cp)
         self._coll: dict[tuple, float] = {}
         self._act1: dict[tuple, int] = {}
         self._plans: dict[tuple, Any] = {}
         self._makespans: dict[tuple, float] = {}
         self._shapes: dict[tuple, dict[str, Any]] = {}
+        self._cp_layer: dict[tuple, tuple[float, float]] = {}
 
     # ----------------------------------------------------------------- helpers
 
-    def _rep(self, tp: int, pp: int) -> Config:
+    def _rep(self, tp: int, pp: int, cp: int = 1) -> Config:
         """A valid config with this mesh (GPipe has no microbatch rule) for group spans."""
-        return self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * pp), "tp": tp, "pp": pp,
-                                           "schedule": "GPipe", "microbatches": 1})
+        return self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * pp * cp), "tp": tp, "pp": pp,
+                                           "cp": cp, "schedule": "GPipe", "microbatches": 1})
+
+    def _cp_per_layer(self, rep: Config, b: int) -> tuple[float, float]:
+        """engine.step's exposed context-parallel exchange of one layer (forward, backward) for micro-batch
+        size ``b``: exact, as the stage durations of the engine add it."""
+        par = rep.parallel
+        key = (par.dp, par.tp, par.pp, par.cp, b)
+        out = self._cp_layer.get(key)
+        if out is None:
+            out = self._cp_layer[key] = cp_seconds_per_layer(rep.replace(training={"micro_batch_size": b}))
+        return out
 
     def _collective(self, rep: Config, dim: str, kind: str, size: float) -> float:
         par = rep.parallel
-        key = (par.dp, par.tp, par.pp, dim, kind, size)
+        key = (par.dp, par.tp, par.pp, par.cp, dim, kind, size)
         out = self._coll.get(key)
         if out is None:
             out = self._coll[key] = collective_seconds(self.base, kind, size, group_span(rep, dim))
         return out
 
-    def _act_per_layer_b1(self, tp: int, sp: bool, rc: str) -> int:
+    def _act_per_layer_b1(self, tp: int, sp: bool, rc: str, cp: int = 1) -> int:
         """Saved bytes of one block for one sequence (b = 1) — b times this is ≤ the engine's b-value."""
         table = rc if rc in TABLE_RECOMPUTE else "none"  # full, selective-layer: the plain blocks' table
-        key = (tp, sp, table)
+        key = (tp, sp, table, cp)
         out = self._act1.get(key)
         if out is None:
-            cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // tp, "tp": tp, "sequence_parallel": sp},
+            cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * cp), "tp": tp, "cp": cp,
+                                              "sequence_parallel": sp},
                                     training={"micro_batch_size": 1, "recompute": table})
             out = self._act1[key] = activation_bytes_per_layer(cfg)
         return out
@@ -433,49 +472,52 @@ class _Planner:
         cols: dict[str, list[np.ndarray]] = {c: [] for c in _COLS}
         mem_parts, rest_parts, mk_parts, rest_rank = [], [], [], []
         skipped = 0
-        for tp in tps:
-            for pp in _divisors(gpus // tp):
-                if pp > model.layers:
+        meshes = [(tp, pp, cp) for tp in tps for pp in _divisors(gpus // tp) for cp in self.cps
+                  if cp == 1 or ((gpus // (tp * pp)) % cp == 0 and s_len % (2 * cp) == 0)]
+        for tp, pp, cp in meshes:
+            if pp > model.layers:
+                continue
+            dp = gpus // (tp * pp * cp)
+            if self.G % dp:
+                skipped += 1
+                continue
+            per_dp = self.G // dp
+            rep = self._rep(tp, pp, cp)
+            bs = [b for b in _divisors(per_dp) if self.mbs is None or b in self.mbs]
+            if pp == 1:
+                shapes = [(1, "1F1B")]
+            else:
+                shapes = []
+                for sc in self.schedules:
+                    if sc in names.SINGLE_STAGE_SCHEDULES:
+                        shapes.append((1, sc))
+                    elif sc in names.V_SCHEDULES:
+                        if 2 * pp <= model.layers:
+                            shapes.append((2, sc))
+                    else:
+                        shapes += [(v, sc) for v in range(2, self.max_v + 1) if pp * v <= model.layers]
+            # ZeRO stages differ only with a gradient group (dp·cp > 1); cp refuses ZeRO-1
+            zeros = [z for z in self.zero if (dp * cp > 1 or z == 0) and not (cp > 1 and z == 1)] or [0]
+            sps = [False] + ([True] if tp > 1 and (s_len // cp) % tp == 0 else [])
+            for v, sc in shapes:
+                ok_b = [b for b in bs if pp == 1 or not schedule_problems(sc, pp, per_dp // b, v)]
+                if not ok_b or not zeros:
                     continue
-                dp = gpus // (tp * pp)
-                if self.G % dp:
-                    skipped += 1
-                    continue
-                per_dp = self.G // dp
-                rep = self._rep(tp, pp)
-                bs = [b for b in _divisors(per_dp) if self.mbs is None or b in self.mbs]
-                if pp == 1:
-                    shapes = [(1, "1F1B")]
-                else:
-                    shapes = []
-                    for sc in self.schedules:
-                        if sc in names.SINGLE_STAGE_SCHEDULES:
-                            shapes.append((1, sc))
-                        elif sc in names.V_SCHEDULES:
-                            if 2 * pp <= model.layers:
-                                shapes.append((2, sc))
-                        else:
-                            shapes += [(v, sc) for v in range(2, self.max_v + 1) if pp * v <= model.layers]
-                zeros = [z for z in self.zero if dp > 1 or z == 0] or [0]
-                sps = [False] + ([True] if tp > 1 and s_len % tp == 0 else [])
-                for v, sc in shapes:
-                    ok_b = [b for b in bs if pp == 1 or not schedule_problems(sc, pp, per_dp // b, v)]
-                    if not ok_b or not zeros:
-                        continue
-                    si = len(self.structs)
-                    self.structs.append((tp, pp, v, sc))
-                    part = self._struct_bounds(
-                        tp, pp, dp, v, sc, ok_b, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
-                        opt_per_param, ctx, buf, peak_rate)
-                    n = len(part["b"])
-                    for c in ("m", "b", "zero", "sp", "rc"):
-                        cols[c].append(part[c])
-                    for c, val in (("tp", tp), ("pp", pp), ("v", v), ("sched", _SCHEDULE_INDEX[sc]), ("struct", si)):
-                        cols[c].append(np.full(n, val, dtype=np.int64))
-                    mem_parts.append(part["mem"])
-                    rest_parts.append(part["rest"])
-                    mk_parts.append(part["mk"])
-                    rest_rank.append(part["rest_rank"])
+                si = len(self.structs)
+                self.structs.append((tp, pp, v, sc, cp))
+                part = self._struct_bounds(
+                    tp, pp, dp, v, sc, ok_b, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
+                    opt_per_param, ctx, buf, peak_rate, cp)
+                n = len(part["b"])
+                for c in ("m", "b", "zero", "sp", "rc"):
+                    cols[c].append(part[c])
+                for c, val in (("tp", tp), ("pp", pp), ("cp", cp), ("v", v), ("sched", _SCHEDULE_INDEX[sc]),
+                               ("struct", si)):
+                    cols[c].append(np.full(n, val, dtype=np.int64))
+                mem_parts.append(part["mem"])
+                rest_parts.append(part["rest"])
+                mk_parts.append(part["mk"])
+                rest_rank.append(part["rest_rank"])
         if not mem_parts:
             empty = np.zeros(0)
             return _Grid({c: np.zeros(0, dtype=np.int64) for c in _COLS}, empty, empty, empty, [], skipped)
@@ -484,11 +526,13 @@ class _Planner:
                      rest_rank, skipped)
 
     def _struct_bounds(self, tp, pp, dp, v, sc, bs, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
-                       opt_per_param, ctx, buf, peak_rate) -> dict[str, np.ndarray]:
-        """Bounds for every (b, zero, sp, recompute) of one (tp, pp, v, schedule)."""
+                       opt_per_param, ctx, buf, peak_rate, cp=1) -> dict[str, np.ndarray]:
+        """Bounds for every (b, zero, sp, recompute) of one (tp, pp, v, schedule, cp)."""
         model, conv = self.base.model, self.base.conventions
         n_stages = pp * v
-        sh = self._shape(tp, pp, v, sc, per_dp // bs[0], dp, rep, fl)
+        sh = self._shape(tp, pp, v, sc, per_dp // bs[0], dp, rep, fl, cp)
+        s_len = s_len // cp  # every rank holds seq_len / cp tokens of each sequence (the attention core: all)
+        dpc = dp * cp  # the gradient group and the ZeRO / FSDP shard group
         psi, layers_of, L, head, member, fwd_prefix_mask = (
             sh["psi"], sh["layers_of"], sh["L"], sh["head"], sh["member"], sh["fwd_prefix_mask"])
         split = sc in names.SPLIT_BACKWARD_SCHEDULES
@@ -531,6 +575,15 @@ class _Planner:
         bwd_tp = 2 * one_tp * np.where(gr == _RECOMPUTE.index("full"), 2.0, 1.0)
         f = f + L[None, :] * fwd_tp[:, None]
         i_ = i_ + L[None, :] * bwd_tp[:, None]
+        if cp > 1:  # the exposed K, V exchange, exactly as engine.step adds it
+            cp_f, cp_b = np.zeros(n), np.zeros(n)
+            for b in bs:
+                cp_f[gb == b], cp_b[gb == b] = self._cp_per_layer(rep, b)
+            # the blocks that recompute their forward repeat its exchange in the backward
+            redo = np.where(np.isin(gr, [_RECOMPUTE.index("full"), _RECOMPUTE.index("selective")])[:, None],
+                            L[None, :], 0.0) + np.where(sl, 1.0, 0.0)[:, None] * sh["ckpt"][None, :]
+            f = f + L[None, :] * cp_f[:, None]
+            i_ = i_ + L[None, :] * cp_b[:, None] + redo * cp_f[:, None]
         b_ = i_ + w_
         chain_back = i_ if split else b_
         busy = gm[:, None] * ((f + b_) @ member.T)  # [n, pp]
@@ -541,8 +594,8 @@ class _Planner:
         back_one = b_ @ member.T  # [n, pp]
         fwd_one = f @ member.T
         zc = gz[:, None]
-        opt = opt_per_param * psi[None, :] / np.where(zc >= 1, dp, 1)
-        if dp > 1:
+        opt = opt_per_param * psi[None, :] / np.where(zc >= 1, dpc, 1)
+        if dpc > 1:
             nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
             window = (fwd_one + back_one) * gm[:, None]
             calls = np.where(zc == 3, 2 * gm[:, None], 1)
@@ -554,17 +607,17 @@ class _Planner:
 
         # ---------------- memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak)
         full = gr == _RECOMPUTE.index("full")
-        per_layer1 = self._per_layer_vec(tp, gs, gr)
+        per_layer1 = self._per_layer_vec(tp, gs, gr, cp)
         sbh1 = np.floor(s_len * h / rep_div)  # one sequence's hidden state, /t under SP (≤ the engine's floor)
         stored1 = np.where(full, act_b * sbh1, per_layer1)
-        n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (dp > 1) + (tp > 1) + (pp > 1)
+        n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (dpc > 1) + (cp > 1) + (tp > 1) + (pp > 1)
         overhead = ctx + n_comms * buf
         capacity = self.base.cluster.gpu.memory_bytes
         mem = np.zeros(n)
         for ri, stages, sizes in sh["ends"]:
             p_ = psi[ri]
-            states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dp,
-                                       w_b * p_ + (g_b + o_b) * p_ / dp, (w_b + g_b + o_b) * p_ / dp])
+            states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
+                                       w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
             fixed = states_by_zero[gz] + overhead
             units = tuple(len(layers_of[s]) for s in stages)
             ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
@@ -572,7 +625,7 @@ class _Planner:
             fixed = fixed + np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
             if n_stages - 1 in stages:  # logits at the loss
                 fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
-            if dp > 1:
+            if dpc > 1:
                 if not getattr(conv, "ddp_gradient_as_bucket_view", False):
                     fixed = fixed + np.where(gz <= 1, g_b * p_, 0.0)
                 fixed = fixed + np.where(gz >= 2, g_b * sizes[0], 0.0)
@@ -595,17 +648,18 @@ class _Planner:
         return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr,
                 "mem": mem, "mk": mk, "rest": rest.max(axis=1), "rest_rank": rest}
 
-    def _shape(self, tp: int, pp: int, v: int, sc: str, m: int, dp: int, rep: Config, fl) -> dict[str, Any]:
-        """What the bounds need from one (tp, pp, v, placement style), shared by the schedules with it:
+    def _shape(self, tp: int, pp: int, v: int, sc: str, m: int, dp: int, rep: Config, fl,
+               cp: int = 1) -> dict[str, Any]:
+        """What the bounds need from one (tp, pp, v, placement style, cp), shared by the schedules with it:
         parameters per pp rank, the stage placement and the DP collectives of each rank's gradients."""
         style = placement_style(sc)
-        key = (tp, pp, v, style)
+        key = (tp, pp, v, style, cp)
         out = self._shapes.get(key)
         if out is not None:
             return out
         model, conv = self.base.model, self.base.conventions
         n_stages = pp * v
-        held = params_per_rank(self.base.replace(parallel={"dp": dp, "tp": tp, "pp": pp, "schedule": sc,
+        held = params_per_rank(self.base.replace(parallel={"dp": dp, "tp": tp, "pp": pp, "cp": cp, "schedule": sc,
                                                           "virtual_stages": v, "microbatches": m}))
         rows = [row[0] for row in held]  # tp-rank 0 of each pp rank: the largest vocabulary chunk
         psi = np.array([r.total for r in rows], dtype=np.float64)  # [pp]
@@ -629,36 +683,39 @@ class _Planner:
                "ends": [(ri, rows[ri].stage_indices,
                          rows[ri].largest_unit_numels(2))
                         for ri in sorted({0, pp - 1})]}
-        if dp > 1:
+        if dp * cp > 1:
             g_bytes, w_b = self.base.training.grad_bytes, self.base.training.param_bytes
+            grad_group = "dp" if cp == 1 else "dp_cp"  # gradients reduce over dp·cp (engine.comm)
 
             def per_rank(fn) -> np.ndarray:
                 return np.array([fn(int(t)) for t in psi])
 
             out["nb"] = per_rank(lambda t: max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6))))
             out["one_bucket"] = per_rank(lambda t: self._collective(
-                rep, "dp", "all_reduce", t * g_bytes / max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6)))))
-            out["ar"] = per_rank(lambda t: self._collective(rep, "dp", "all_reduce", t * g_bytes))
-            out["ag"] = per_rank(lambda t: self._collective(rep, "dp", "all_gather", t * w_b))
-            out["rs"] = per_rank(lambda t: self._collective(rep, "dp", "reduce_scatter", t * g_bytes))
+                rep, grad_group, "all_reduce",
+                t * g_bytes / max(1, math.ceil(t * g_bytes / (conv.ddp_bucket_mb * 1e6)))))
+            out["ar"] = per_rank(lambda t: self._collective(rep, grad_group, "all_reduce", t * g_bytes))
+            out["ag"] = per_rank(lambda t: self._collective(rep, grad_group, "all_gather", t * w_b))
+            out["rs"] = per_rank(lambda t: self._collective(rep, grad_group, "reduce_scatter", t * g_bytes))
             out["n_units"] = np.array([max(1, r.unit_count) for r in rows], dtype=np.float64)
         self._shapes[key] = out
         return out
 
-    def _per_layer_vec(self, tp, gs, gr) -> np.ndarray:
+    def _per_layer_vec(self, tp, gs, gr, cp=1) -> np.ndarray:
         lut = np.zeros((2, len(_RECOMPUTE)))
         for s in np.unique(gs).tolist():
             for r in np.unique(gr).tolist():
-                lut[int(s), r] = self._act_per_layer_b1(tp, s, _RECOMPUTE[r])
+                lut[int(s), r] = self._act_per_layer_b1(tp, s, _RECOMPUTE[r], cp)
         return lut[gs.astype(np.int64), gr]
 
     # ----------------------------------------------------------------- exact pieces
 
     def config(self, g: _Grid, i: int) -> Config:
         c = g.cols
-        tp, pp, v, sc = self.structs[int(c["struct"][i])]
+        tp, pp, v, sc, cp = self.structs[int(c["struct"][i])]
         return self.base.replace(
-            parallel={"dp": self.base.cluster.gpus // (tp * pp), "tp": tp, "pp": pp, "zero": int(c["zero"][i]),
+            parallel={"dp": self.base.cluster.gpus // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp,
+                      "zero": int(c["zero"][i]),
                       "sequence_parallel": bool(c["sp"][i]), "schedule": sc, "virtual_stages": v,
                       "microbatches": int(c["m"][i])},
             training={"micro_batch_size": int(c["b"][i]), "recompute": _RECOMPUTE[int(c["rc"][i])]})
@@ -666,14 +723,14 @@ class _Planner:
     def makespan_key(self, g: _Grid, i: int) -> tuple:
         """``makespan``'s cache key of candidate ``i``, from the grid's columns (no Config built)."""
         c = g.cols
-        tp, pp, v, sc = self.structs[int(c["struct"][i])]
-        return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])])
+        tp, pp, v, sc, cp = self.structs[int(c["struct"][i])]
+        return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])], cp)
 
     def makespan(self, cfg: Config) -> float:
         """The simulated pipeline makespan (as engine.step computes it), cached per pipeline shape."""
         par, tr = cfg.parallel, cfg.training
         key = (par.tp, par.pp, par.virtual_stages, par.schedule, par.microbatches, tr.micro_batch_size,
-               par.sequence_parallel, tr.recompute)
+               par.sequence_parallel, tr.recompute, par.cp)
         out = self._makespans.get(key)
         if out is None:
             pkey = (par.schedule, par.pp, par.microbatches, par.virtual_stages)
@@ -681,7 +738,7 @@ class _Planner:
             if plan is None:
                 plan = self._plans[pkey] = (single_rank_plan(par.schedule, par.microbatches) if par.pp == 1 else
                                             pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages))
-            d = with_tp_communication(cfg, stage_durations(cfg))
+            d = with_mesh_communication(cfg, stage_durations(cfg))
             out = self._makespans[key] = simulate(plan, d).makespan_s
         return out
 
@@ -706,7 +763,7 @@ def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages
 def _key(g: _Grid, i: int) -> tuple:
     """Deterministic tie-break between layouts with equal step time."""
     c = g.cols
-    return tuple(int(c[k][i]) for k in ("tp", "pp", "v", "sched", "m", "b", "zero", "sp", "rc"))
+    return tuple(int(c[k][i]) for k in ("tp", "pp", "v", "sched", "m", "b", "zero", "sp", "rc", "cp"))
 
 
 # --------------------------------------------------------------------------- public entry
@@ -719,7 +776,8 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
          training: dict | None = None, conventions: dict | None = None, exhaustive: bool = False,
          all_fitting: bool = False, fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
          progress: Callable[[int, int], None] | None = None,
-         cancelled: Callable[[], bool] | None = None) -> PlanResult:
+         cancelled: Callable[[], bool] | None = None, seq_len: int | None = None,
+         cp: tuple[int, ...] | None = None) -> PlanResult:
     """The ``top`` fastest layouts of ``model`` on ``gpus`` GPUs that are valid and fit.
 
     ``model`` is a preset name or a ModelSpec; ``gpu`` a GPU preset; ``global_batch`` the
@@ -729,29 +787,42 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
     ``all_fitting=True`` also fully evaluates every layout that passes the memory lower bound
     (at most ``fitting_limit`` layouts / ``fitting_seconds`` s, best bound first) and returns
     the fitting ones as ``PlanResult.fitting``, with ``progress(evaluated, total)`` as it goes;
-    ``cancelled()`` returning True stops the search with ``PlanCancelled``.
+    ``cancelled()`` returning True stops the search with ``PlanCancelled``. ``seq_len`` trains the
+    model at that sequence length; ``cp`` the context-parallel degrees searched (default
+    ``default_cp_degrees``: from ``LONG_SEQUENCE_TOKENS`` tokens every power of two that splits).
     Raises PlanError naming the argument at fault.
     """
     t0 = time.perf_counter()
-    base = _base_config(model, gpus, gpu, gpus_per_node, training, conventions)
+    base = _base_config(model, gpus, gpu, gpus_per_node, training, conventions, seq_len)
     return _plan(t0, base, top=top, global_batch=global_batch, zero=zero, schedules=schedules, recompute=recompute,
                  max_virtual_stages=max_virtual_stages, micro_batch_sizes=micro_batch_sizes, exhaustive=exhaustive,
                  all_fitting=all_fitting, fitting_limit=fitting_limit, fitting_seconds=fitting_seconds,
-                 progress=progress, cancelled=cancelled)
+                 progress=progress, cancelled=cancelled, cp=cp)
 
 
 def plan_config(cfg: Config, **options: Any) -> PlanResult:
     """``plan`` for the job of a Config: its model (preset or custom), its cluster as it is (GPU kind,
     count, GPUs per node and links), its training table (precision, optimizer, …) and conventions.
     The parallel layout, micro-batch size and recompute are what is searched, so the Config's own
-    are ignored. ``options``: ``plan``'s keyword arguments (``top``, ``global_batch``, ``all_fitting``, …)."""
+    are ignored. ``options``: ``plan``'s keyword arguments (``top``, ``global_batch``, ``all_fitting``,
+    ``seq_len``, ``cp``, …)."""
     t0 = time.perf_counter()
     allowed = {"top", "global_batch", "zero", "schedules", "recompute", "max_virtual_stages", "micro_batch_sizes",
-               "exhaustive", "all_fitting", "fitting_limit", "fitting_seconds", "progress", "cancelled"}
+               "exhaustive", "all_fitting", "fitting_limit", "fitting_seconds", "progress", "cancelled", "seq_len",
+               "cp"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise PlanError(unknown[0], f"unknown option; allowed: {', '.join(sorted(allowed))}")
-    return _plan(t0, _config_base(cfg), **options)
+    base = _config_base(cfg)
+    seq_len = options.pop("seq_len", None)
+    if seq_len is not None:
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise PlanError("seq_len", f"must be a whole number of tokens ≥ 1, got {seq_len!r}")
+        try:
+            base = base.replace(model={"seq_len": seq_len})
+        except ConfigError as exc:
+            raise PlanError("seq_len", "; ".join(str(p) for p in exc.problems)) from None
+    return _plan(t0, base, **options)
 
 
 def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = None,
@@ -760,8 +831,13 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
           micro_batch_sizes: tuple[int, ...] | None = None, exhaustive: bool = False, all_fitting: bool = False,
           fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
           progress: Callable[[int, int], None] | None = None,
-          cancelled: Callable[[], bool] | None = None) -> PlanResult:
+          cancelled: Callable[[], bool] | None = None, cp: tuple[int, ...] | None = None) -> PlanResult:
     gpus, gpus_per_node = base.cluster.gpus, base.cluster.gpus_per_node
+    cps = default_cp_degrees(gpus, base.model.seq_len) if cp is None else tuple(cp)
+    if not cps or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in cps):
+        raise PlanError("cp", f"context-parallel degrees must be whole numbers ≥ 1, got {list(cp or ())}")
+    if 1 not in cps:
+        cps = (1, *cps)  # cp = 1 is always a candidate: the baseline every cp is ranked against
     if not isinstance(top, int) or top < 1:
         raise PlanError("top", f"must be a whole number ≥ 1, got {top!r}")
     G = default_global_batch(gpus, base.model.seq_len) if global_batch is None else global_batch
@@ -794,7 +870,7 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
                         micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
                         exhaustive=exhaustive, cancelled=cancelled)
     pl = _Planner(base, G, tuple(zero), tuple(schedules), tuple(recompute), max_virtual_stages,
-                  None if micro_batch_sizes is None else tuple(micro_batch_sizes))
+                  None if micro_batch_sizes is None else tuple(micro_batch_sizes), tuple(sorted(set(cps))))
     g = pl.grid()
     n = len(g.mem_lb)
     capacity = base.cluster.gpu.memory_bytes
@@ -878,10 +954,16 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
     notes = (
         f"every layout trains the same global batch: {G} sequences × {base.model.seq_len} tokens "
         f"= {G * base.model.seq_len:,} tokens per step (--global-batch changes it)",
-        "pp = 1 has no schedule (gradient accumulation); with dp = 1 ZeRO stages are identical, only ZeRO-0 is listed; "
+        "pp = 1 has no schedule (gradient accumulation); with dp·cp = 1 ZeRO stages are identical, only ZeRO-0 is "
+        "listed; "
         "interleaved schedules start at v = 2 (v = 1 is plain GPipe / 1F1B)",
-        "time = engine.step (makespan with TP collectives inside F/B + exposed DP communication + optimizer); "
-        "fit = engine.memory on every rank against cluster.gpu.memory_gib",
+        "time = engine.step (makespan with TP collectives and the exposed CP K, V exchange inside F/B + exposed DP "
+        "communication + optimizer); fit = engine.memory on every rank against cluster.gpu.memory_gib",
+        (f"context parallelism searched: cp ∈ {{{', '.join(map(str, sorted(set(cps))))}}} "
+         f"({base.parallel.cp_rotate}; cp joins the FSDP shard group, ZeRO-1 is not combined with it)"
+         if len(set(cps)) > 1 else
+         f"context parallelism not searched (cp = 1): sequences of {base.model.seq_len} tokens are below "
+         f"{LONG_SEQUENCE_TOKENS} (--seq-len; plan(cp=...) searches it anyway)"),
     )
     if all_fitting:
         notes += (sweep.pop("note"),)
@@ -947,7 +1029,8 @@ def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: di
 # --------------------------------------------------------------------------- why
 
 
-_NICE = {"compute": "compute", "tp_comm": "TP communication", "pipeline_bubble": "pipeline bubble",
+_NICE = {"compute": "compute", "tp_comm": "TP communication", "cp_comm": "exposed CP communication",
+         "pipeline_bubble": "pipeline bubble",
          "dp_comm_exposed": "exposed DP communication", "optimizer": "optimizer step",
          "ep_comm": "EP all-to-all"}  # ep_comm: in the breakdown only when ep > 1
 
@@ -960,7 +1043,8 @@ def _diff(a: Config, b: Config) -> str:
 
 def _fields(cfg: Config) -> dict[str, Any]:
     par, tr = cfg.parallel, cfg.training
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "ep": par.ep, "ZeRO": par.zero, "SP": "on" if par.sequence_parallel else "off",
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "ZeRO": par.zero,
+            "SP": "on" if par.sequence_parallel else "off",
             "schedule": par.schedule if par.pp > 1 else "-", "v": par.virtual_stages, "m": par.microbatches,
             "b": tr.micro_batch_size, "recompute": tr.recompute}
 
@@ -978,8 +1062,9 @@ def _explain(best: list, capacity: int) -> tuple[PlanEntry, ...]:
         why.append(f"memory: peak {peak.total / GIB:.1f} GiB on rank {peak.rank} of {capacity / GIB:.1f} GiB — "
                    f"headroom {head / GIB:.1f} GiB ({100 * head / capacity:.0f}%)"
                    + ("; tight" if head < 0.05 * capacity else ""))
-        shares = ", ".join(f"{_NICE[k]} {100 * bd[k] / seconds:.0f}%" for k in ("compute", "tp_comm", "ep_comm",
-                                                                          "pipeline_bubble", "dp_comm_exposed")
+        shares = ", ".join(f"{_NICE[k]} {100 * bd[k] / seconds:.0f}%" for k in ("compute", "tp_comm", "cp_comm",
+                                                                          "ep_comm", "pipeline_bubble",
+                                                                          "dp_comm_exposed")
                            if bd.get(k, 0.0) > 0)
         why.append(f"step {seconds:.3f} s = {shares}; MFU {100 * st.mfu:.1f}%")
         if pos == 1:
@@ -1077,7 +1162,7 @@ def plan_cli(args) -> int:
         return usage("--progress writes JSON lines; add --json")
 
     kwargs: dict[str, Any] = {}
-    for name in ("global_batch", "max_virtual_stages"):
+    for name in ("global_batch", "max_virtual_stages", "seq_len"):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value

@@ -118,15 +118,21 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
     def _gib(n: float) -> str:
         return f"{n / scale:.2f}"
 
-    head = ["ranks", "stages"] + cats + ["total", "fits"]
+    head = ["ranks", "stages"] + cats + ["total", "allocated", "reserved", "fits"]
     rows = []
     for group in mem.distinct():
         r = group[0]
         rows.append([_ranks_label([g.rank for g in group]), ",".join(map(str, r.stages))]
-                    + [_gib(getattr(r, c)) for c in cats] + [_gib(r.total), "yes" if r.fits else "NO"])
+                    + [_gib(getattr(r, c)) for c in cats]
+                    + [_gib(r.total), _gib(r.allocated), _gib(r.reserved), "yes" if r.fits else "NO"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    cpu = pred.config.cluster.gpu.name == "cpu"
     lines = [f"memory per rank ({unit}), capacity {_gib(mem.capacity_bytes)} {unit}"
              f" ({pred.config.cluster.gpu.name}):"]
+    lines.append("  categories at each rank's peak moment; allocated = its tensors (max_memory_allocated), "
+                 + ("reserved = allocated (CPU ranks: no caching allocator)" if cpu else
+                    "reserved = the caching allocator's segments (max_memory_reserved); fits: reserved + "
+                    "runtime context + collective buffers ≤ capacity"))
     m = pred.config.model
     if m.experts > 0:
         c = param_counts(m)
@@ -139,6 +145,8 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
     for row, group in zip(rows, mem.distinct()):
         lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
         if explain:
+            if group[0].peak_moment:
+                lines.append(f"      peak at {group[0].peak_moment}")
             for c in cats:
                 for t in group[0].explain(c):
                     lines.append(f"      {c:<12} {t.bytes / scale:10.4f} {unit}  {t.label}: {t.formula}")
@@ -151,7 +159,7 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
                  f"MFU {st.mfu * 100:.1f} %, HFU {st.hfu * 100:.1f} %")
     lines.append("  breakdown: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in st.breakdown.items()))
     comm = pred.comm.per_pp_rank[st.critical_pp_rank]
-    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "tp", "pp", "ep") if comm.bytes_sent(d)}
+    per_dim = {d: comm.bytes_sent(d) for d in ("dp", "cp", "tp", "pp", "ep") if comm.bytes_sent(d)}
     if per_dim:
         lines.append("  communication sent per step by rank "
                      f"{comm.rank}: " + ", ".join(f"{d} {b / 2**30:.3f} GiB" for d, b in per_dim.items()))

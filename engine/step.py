@@ -7,8 +7,9 @@ The step is composed as::
          + optimizer step (memory-bound: bytes touched per local parameter / HBM bandwidth)
 
 for the pipeline rank whose step ends last. TP collectives (and EP's all-to-alls, breakdown
-``ep_comm`` when ep > 1) run inside each F/B (Megatron
-TP does not overlap them), so they lengthen the stage durations the timeline simulates.
+``ep_comm`` when ep > 1) run inside each F/B (Megatron TP does not overlap them), so they lengthen
+the stage durations the timeline simulates; so does what the context-parallel K, V exchange cannot
+hide behind the blockwise attention (:func:`cp_seconds_per_layer`).
 DP overlap: gradient all-reduces hide behind the backward of the last microbatch except the
 last bucket; FSDP all-gathers hide behind the compute of the previous unit except the first;
 FSDP reduce-scatters are counted exposed. On CPU ranks (GPU kind "cpu") nothing hides:
@@ -62,6 +63,8 @@ from engine.comm import (
     MeasuredLinks,
     collective_seconds,
     communication,
+    cp_layer_exchanges,
+    cp_recomputed_blocks,
     cpu_oversubscription,
     ep_seconds_per_moe_layer,
     group_span,
@@ -84,7 +87,7 @@ from engine.params import params_per_rank
 from engine.timeline import Timeline, pipeline_prediction
 from engine.wrapping import wrapping_plan
 
-BREAKDOWN_KEYS = ("compute", "tp_comm", "pipeline_bubble", "dp_comm_exposed", "optimizer")
+BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_comm", "pipeline_bubble", "dp_comm_exposed", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
     if par.tp == 1:
         return 0.0, 0.0
     span = group_span(cfg, "tp")
-    act = tr.micro_batch_size * m.seq_len * m.hidden * tr.param_bytes
+    act = tr.micro_batch_size * cfg.local_seq_len * m.hidden * tr.param_bytes
     out = {"forward": 0.0, "backward": 0.0}
     for coll, phase, calls in tp_block_collectives(cfg):
         out[phase] += calls * collective_seconds(cfg, coll, act, span, links)
@@ -133,7 +136,7 @@ def linear_matmul_seconds(cfg: Config, num_stages: int) -> tuple[np.ndarray, np.
     (float8 or the compute dtype): (forward, backward = I + W, with full recompute's forward)."""
     par, tr = cfg.parallel, cfg.training
     fl = flops_per_token(cfg)
-    tokens = tr.micro_batch_size * cfg.model.seq_len
+    tokens = tr.micro_batch_size * cfg.local_seq_len
     gpu = cfg.cluster.gpu
     peak = gpu.peak_fp8_tflops * 1e12 if tr.float8 != "none" else gpu.peak_flops(tr.precision)
     rate = peak * cfg.conventions.compute_efficiency * par.tp
@@ -174,6 +177,71 @@ def with_tp_communication(cfg: Config, d: StageDurations, links: MeasuredLinks |
     return StageDurations.of(d.num_stages, d.forward_s + fwd, d.backward_s + bwd,
                              d.backward_input_s + bwd, d.backward_weight_s, d.p2p_s,
                              source=d.source)
+
+
+def attention_core_seconds(cfg: Config) -> tuple[float, float]:
+    """One layer's attention core (QKᵀ and AV) on one rank for one microbatch: (forward, backward)
+    seconds at the analytic rate — the compute torch's ring attention overlaps its K, V exchange
+    with. Under context parallelism each rank computes its s = S/cp queries against all S keys
+    (the FLOP convention's full square); the head-tail load balancing gives every rank the same
+    causal work, so no rank straggles and each of the cp blockwise steps is 1/cp of it."""
+    fl = flops_per_token(cfg)
+    tr = cfg.training
+    rate = cfg.cluster.gpu.peak_flops(tr.precision) * cfg.conventions.compute_efficiency * cfg.parallel.tp
+    fwd = tr.micro_batch_size * cfg.local_seq_len * fl.attention_core / rate * cpu_oversubscription(cfg)
+    return fwd, 2.0 * fwd
+
+
+def cp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tuple[float, float]:
+    """The context-parallel K, V exchange of one layer for one microbatch as it lies on the critical
+    path: (forward, backward) seconds, overlapped as torch overlaps it (a backward that recomputes
+    the forward adds the forward's again: :func:`cp_stage_seconds`).
+
+    Each exchange is issued before the blockwise attention step it feeds the next: "allgather"'s one
+    gather hides behind the first step (the rank's own chunk, 1/cp of its attention), each of
+    "alltoall"'s cp − 1 rotations behind one step; the dK, dV rotations of the backward hide behind
+    the next step, and the last is waited for after the loop (exposed); eager attention's gradient
+    reduce-scatter follows its backward (exposed). On CPU ranks nothing hides (shared cores)."""
+    par = cfg.parallel
+    if par.cp == 1:
+        return 0.0, 0.0
+    span = group_span(cfg, "cp")
+    hides = cfg.cluster.gpu.name != "cpu"
+    attn_f, attn_b = attention_core_seconds(cfg)
+    out = {"forward": 0.0, "backward": 0.0}
+    for coll, phase, calls, size, what in cp_layer_exchanges(cfg):
+        one = collective_seconds(cfg, coll, size, span, links)
+        if not hides or coll == "reduce_scatter":
+            out[phase] += calls * one
+        elif what.startswith("dK"):  # cp rotations, each behind the next step but the last
+            out[phase] += (calls - 1) * max(0.0, one - attn_b / par.cp) + one
+        else:
+            window = (attn_f if phase == "forward" else attn_b) / par.cp
+            out[phase] += calls * max(0.0, one - window)
+    return out["forward"], out["backward"]
+
+
+def cp_stage_seconds(cfg: Config, num_stages: int,
+                     links: MeasuredLinks | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The exposed context-parallel exchange per stage for one microbatch: (forward, backward); the
+    backward of a block that recomputes its forward (engine.comm.cp_recomputed_blocks) repeats the
+    forward's, hidden behind the recomputed attention as in the forward."""
+    fwd_l, bwd_l = cp_seconds_per_layer(cfg, links)
+    layers = _stage_layers(cfg, num_stages)
+    again = np.array(cp_recomputed_blocks(cfg), dtype=np.float64) if cfg.parallel.cp > 1 else 0.0
+    return layers * fwd_l, layers * bwd_l + again * fwd_l
+
+
+def with_mesh_communication(cfg: Config, d: StageDurations, links: MeasuredLinks | None = None) -> StageDurations:
+    """Stage durations with what the mesh's collectives put on the critical path of each F and B:
+    the TP collectives (:func:`with_tp_communication`) and the exposed context-parallel K, V
+    exchange (:func:`cp_stage_seconds`), added to F, B and I (not W)."""
+    d = with_tp_communication(cfg, d, links)
+    if cfg.parallel.cp == 1:
+        return d
+    fwd, bwd = cp_stage_seconds(cfg, d.num_stages, links)
+    return StageDurations.of(d.num_stages, d.forward_s + fwd, d.backward_s + bwd,
+                             d.backward_input_s + bwd, d.backward_weight_s, d.p2p_s, source=d.source)
 
 
 def ep_stage_seconds(cfg: Config, num_stages: int,
@@ -239,7 +307,7 @@ def float8_cast_bytes(cfg: Config) -> tuple[float, float]:
     tr, par = cfg.training, cfg.parallel
     if tr.float8 == "none":
         return 0.0, 0.0
-    tokens = tr.micro_batch_size * cfg.model.seq_len
+    tokens = tr.micro_batch_size * cfg.local_seq_len
     per = FLOAT8_CAST_BYTES[bool(tr.compile)]
     lin = _linears(cfg)
     inputs = tokens * sum(i for i, _ in lin)
@@ -259,7 +327,7 @@ def compile_saved_bytes(cfg: Config) -> tuple[float, float]:
     tr, m, par = cfg.training, cfg.model, cfg.parallel
     if not tr.compile:
         return 0.0, 0.0
-    tokens = tr.micro_batch_size * m.seq_len
+    tokens = tr.micro_batch_size * cfg.local_seq_len
     act = 4 if tr.precision == "fp32" else 2
     f = m.ffn_hidden / par.tp if m.mlp == "swiglu" else 0.0
     rope = (m.heads * m.head_dim + m.kv_dim) / par.tp if m.position == "rope" else 0.0
@@ -280,7 +348,7 @@ def with_float8_and_compile(cfg: Config, d: StageDurations) -> StageDurations:
     f, i, w = d.forward_s.copy(), d.backward_input_s.copy(), d.backward_weight_s.copy()
     if tr.float8 != "none":
         fl = flops_per_token(cfg)
-        tokens = tr.micro_batch_size * cfg.model.seq_len
+        tokens = tr.micro_batch_size * cfg.local_seq_len
         eff, tp = cfg.conventions.compute_efficiency, cfg.parallel.tp
         saved = layers * tokens * fl.matmuls / (eff * tp) * (
             1 / cfg.cluster.gpu.peak_flops(tr.precision) - 1 / (cfg.cluster.gpu.peak_fp8_tflops * 1e12))
@@ -313,11 +381,12 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
     intra-node collectives from ``links`` where given)."""
     par, tr, model = cfg.parallel, cfg.training, cfg.model
     base = durations if durations is not None else analytic_durations(cfg)
-    d = with_ep_communication(cfg, with_tp_communication(cfg, base, links), links)
+    d = with_ep_communication(cfg, with_mesh_communication(cfg, base, links), links)
     timeline = pipeline_prediction(cfg, d)
     comm = communication(cfg, links)
     held = params_per_rank(cfg)
     tp_f, tp_b = tp_stage_seconds(cfg, d.num_stages, links)
+    cp_f, cp_b = cp_stage_seconds(cfg, d.num_stages, links)
     ep_f, ep_b = ep_stage_seconds(cfg, d.num_stages, links)
     stages_of = [list(rp[0].stage_indices) for rp in held] if par.pp > 1 else [[0]]
 
@@ -344,15 +413,17 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
         opt = optimizer_seconds(cfg, trainable_local(cfg, held[pp_rank][0]))
         busy = float(timeline.busy_s[pp_rank])
         tp_here = float(sum(tp_f[s] + tp_b[s] for s in stages)) * par.microbatches
+        cp_here = float(sum(cp_f[s] + cp_b[s] for s in stages)) * par.microbatches
         ep_here = float(sum(ep_f[s] + ep_b[s] for s in stages)) * par.microbatches
         total = timeline.makespan_s + exposed + opt
-        entry = (total, pp_rank, busy, tp_here, exposed, opt, dp_total, ep_here)
+        entry = (total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here)
         if best is None or total > best[0]:
             best = entry
-    total, pp_rank, busy, tp_here, exposed, opt, dp_total, ep_here = best
+    total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here = best
     breakdown = {
-        "compute": busy - tp_here - ep_here,
+        "compute": busy - tp_here - cp_here - ep_here,
         "tp_comm": tp_here,
+        "cp_comm": cp_here,
         "pipeline_bubble": timeline.makespan_s - busy,
         "dp_comm_exposed": exposed,
         "optimizer": opt,

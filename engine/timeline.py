@@ -356,4 +356,4 @@ def pipeline_prediction(cfg: Config, durations: StageDurations | None = None) ->
     if durations is None:
         durations = stage_durations(cfg)
     par = cfg.parallel
-    return simulate(plan, durations, [r * par.dp * par.tp for r in range(plan.pp)])
+    return simulate(plan, durations, [r * par.dp * par.cp * par.tp for r in range(plan.pp)])

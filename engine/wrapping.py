@@ -27,10 +27,12 @@ The rules (torch 2.13's APIs decide them):
   shard to float8 before gathering it (tensorwise scaling: one fp32 scale per weight), so it
   gathers and holds those weights in 1 byte (``all_gather_dtype`` "fp8"); norms, biases,
   embeddings and the head (torchtitan leaves "output" in high precision) stay in the compute dtype.
-* dp > 1 with TP parameters (DTensors), ZeRO-0 or -1: FSDP2's ``replicate`` — DDP semantics
+* dp·cp > 1 (the gradient group: context-parallel ranks reduce their gradients too) with TP
+  parameters (DTensors), ZeRO-0 or -1: FSDP2's ``replicate`` — DDP semantics
   for DTensors, which ``DistributedDataParallel`` cannot take. ZeRO-1 with TP is refused by the
   backend (``ZeroRedundancyOptimizer`` takes no DTensors).
-* dp > 1 otherwise: ``DistributedDataParallel``; ZeRO-1 adds ``ZeroRedundancyOptimizer``.
+* dp·cp > 1 otherwise: ``DistributedDataParallel``; ZeRO-1 adds ``ZeroRedundancyOptimizer``.
+  ZeRO-2 / -3 shard over (dp / replicate)·cp (torchtitan's dp_shard_cp mesh).
 * Mixed precision is FSDP2's ``MixedPrecisionPolicy`` (param dtype = the 16-bit compute dtype,
   reduce dtype = ``training.grad_dtype``) wherever an FSDP2 wrapper holds the model, and
   ``torch.autocast`` everywhere else. Never both.
@@ -161,9 +163,9 @@ def wrapping_plan(cfg: Config) -> WrappingPlan:
         dp_wrap = "dataparallel"
     elif par.zero in (2, 3):
         dp_wrap = "fully_shard"
-    elif par.dp > 1 and par.tp > 1:
+    elif par.dp_cp > 1 and par.tp > 1:
         dp_wrap = "replicate"
-    elif par.dp > 1:
+    elif par.dp_cp > 1:  # the gradients are reduced over dp·cp (context-parallel ranks too)
         dp_wrap = "ddp"
     else:
         dp_wrap = "none"
@@ -180,7 +182,7 @@ def wrapping_plan(cfg: Config) -> WrappingPlan:
     reduce = tr.grad_dtype if mixed == "fsdp2-policy" else "fp32"
     return WrappingPlan(
         data_parallel=dp_wrap,
-        zero_redundancy_optimizer=par.zero == 1 and par.dp > 1 and dp_wrap != "dataparallel",
+        zero_redundancy_optimizer=par.zero == 1 and par.dp_cp > 1 and dp_wrap != "dataparallel",
         reshard_after_forward=reshard,
         root_reshard_after_forward=reshard,
         hsdp=sharded and par.replicate > 1,

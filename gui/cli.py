@@ -204,7 +204,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from backend.fake import measure_cli
 
     ranks = None if args.rank is None else [args.rank]
-    return measure_cli(args.config, ranks=ranks, out_dir=args.out, json_out=args.json, timeout_s=args.timeout)
+    return measure_cli(args.config, ranks=ranks, out_dir=args.out, json_out=args.json, timeout_s=args.timeout,
+                       expandable_segments=True if args.expandable_segments else None)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -340,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>-fake)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the simulation is stopped")
     p.add_argument("--json", action="store_true", help="the measurement and the comparison as JSON")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="replay each rank's allocations through the caching allocator with "
+                        "expandable_segments:True (default: the config's convention, else torch's default False)")
     p.set_defaults(func=cmd_measure)
 
     p = sub.add_parser("plan", help="rank every valid layout of a model on N GPUs by predicted throughput",
@@ -359,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a multiple of --gpus, at most 8 per GPU)")
     p.add_argument("--max-virtual-stages", type=int, default=8, metavar="V",
                    help="largest virtual stages per rank tried for the interleaved schedules (default 8)")
+    p.add_argument("--seq-len", type=int, metavar="TOKENS",
+                   help="train at this sequence length (default: the model's); from 16384 tokens the planner "
+                        "searches context parallelism (cp) too")
     p.add_argument("--json", action="store_true", help="the result as one JSON document")
     p.add_argument("--all-fitting", action="store_true",
                    help="also fully evaluate every layout that passes the memory lower bound, best bound first, "

@@ -73,6 +73,55 @@ def _pct(rel: float | None) -> float | None:
     return None if rel is None else rel * 100
 
 
+ALLOCATED = "allocated (max_memory_allocated)"  # a CUDA run: what torch.cuda reports
+ALLOCATED_TENSORS = "allocated (tensors at the peak)"  # a CPU or simulated run: MemTracker's peak
+RESERVED = "reserved (max_memory_reserved)"
+NOT_MEASURED = "not measured"
+#: measured categories that do not come from the tracker (the tensors counted themselves, and the
+#: overhead no tracker sees): a measurement's ``memory.notes`` (what the tracker could not see) do
+#: not concern them
+EXACT_CATEGORIES = ("params", "grads", "optimizer", "overhead")  # (overhead: no tensors at all)
+
+
+def _predicted_reserved(engine_prediction) -> dict[int, float]:
+    """rank -> predicted reserved bytes, from a Prediction or its JSON dict ({} when it has none)."""
+    memory = engine_prediction.get("memory") if isinstance(engine_prediction, dict) else \
+        getattr(engine_prediction, "memory", None)
+    if memory is None:
+        return {}
+    rows = memory.get("per_rank", []) if isinstance(memory, dict) else memory.per_rank
+    out = {}
+    for r in rows:
+        rank, reserved = (r.get("rank"), r.get("reserved")) if isinstance(r, dict) else (r.rank, r.reserved)
+        if reserved is not None:
+            out[int(rank)] = float(reserved)
+    return out
+
+
+def why_reserved_not_measured(measurement: dict, simulated: bool) -> str:
+    """Why a run's measurement has no max_memory_reserved, in words."""
+    ranks = measurement.get("ranks") or []
+    if any("max_memory_allocated" in r for r in ranks):
+        return f"reserved: {NOT_MEASURED} (the run did not report torch.cuda.max_memory_reserved())"
+    if simulated:
+        return f"reserved: {NOT_MEASURED} (the simulated run did not replay its allocations through the allocator model)"
+    return f"reserved: {NOT_MEASURED} (CPU ranks have no caching allocator)"
+
+
+def measured_memory_notes(measurement: dict) -> dict[int, list[str]]:
+    """rank -> what that rank's memory measurement could not see (its record's ``memory.notes``)."""
+    out: dict[int, list[str]] = {}
+    for r in measurement.get("ranks") or []:
+        notes = ((r.get("memory") or {}).get("notes") or []) if isinstance(r, dict) else []
+        if "rank" in r and notes:
+            out[int(r["rank"])] = [str(n) for n in notes]
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = False,
                     calibrated_from: str | None = None) -> tuple[list[Row], list[str], Comparison]:
     """(rows, notes for the whole comparison, the Comparison itself).
@@ -82,16 +131,35 @@ def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = F
     """
     cmp = compare(engine_prediction, measurement)
     rows: list[Row] = []
+    predicted_reserved = _predicted_reserved(engine_prediction)
+    unmeasured_reserve = why_reserved_not_measured(measurement, simulated)
+    tracker_notes = measured_memory_notes(measurement)
     for rc in cmp.memory:
-        for name, cell in (*rc.categories.items(), ("total", rc.peak)):
+        blind = tracker_notes.get(rc.rank, [])  # what this rank's tracker could not see
+        cells = [*rc.categories.items(), ("total", rc.peak)]
+        if rc.allocated is not None:
+            cuda = any("max_memory_allocated" in r for r in measurement.get("ranks") or [])
+            cells.append((ALLOCATED if cuda else ALLOCATED_TENSORS, rc.allocated))
+        if rc.reserved_cell is not None:  # torch.cuda.max_memory_reserved, or a simulation's modelled allocator
+            cells.append((RESERVED, rc.reserved_cell))
+        for name, cell in cells:
             notes = list(cell.notes)
             if cell.untracked:
                 tracked = cell.relative_tracked
                 notes.insert(0, f"{fmt_bytes(cell.untracked)} of the prediction is invisible to the tracker; "
                                 f"counting only what it sees: "
                                 + ("n/a" if tracked is None else f"{tracked * 100:+.1f} %"))
+            if name not in EXACT_CATEGORIES:
+                notes.extend(blind)
             rows.append(Row(str(rc.rank), name, cell.predicted, cell.measured, _pct(cell.relative),
                             "; ".join(notes), BYTES))
+        if rc.reserved_cell is None and rc.reserved is not None:  # measured, but the prediction has none
+            rows.append(Row(str(rc.rank), RESERVED, None, float(rc.reserved["measured"]), None,
+                            "; ".join([f"measured: {rc.reserved['source']}; the prediction has no reserved",
+                                       *blind]), BYTES))
+        elif rc.reserved is None and rc.rank in predicted_reserved:
+            rows.append(Row(str(rc.rank), RESERVED, predicted_reserved[rc.rank], NOT_MEASURED, None,
+                            "; ".join([unmeasured_reserve, *blind]), BYTES))
     if cmp.makespan is not None:
         rows.append(Row("all", "pipeline makespan", cmp.makespan.predicted, cmp.makespan.measured,
                         _pct(cmp.makespan.relative), "; ".join(cmp.makespan.notes), SECONDS))
@@ -122,6 +190,12 @@ def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = F
         rows.append(Row("all", "step time", cmp.step.predicted, cmp.step.measured, _pct(cmp.step.relative),
                         "; ".join(step_notes), SECONDS))
     notes = list(cmp.notes)
+    by_note: dict[str, list[int]] = {}
+    for rank, lines in sorted(tracker_notes.items()):
+        for line in lines:
+            by_note.setdefault(line, []).append(rank)
+    for line, ranks in by_note.items():
+        notes.append(f"measured memory ({_ranks_text(ranks)}): {line}")
     if simulated:
         ranks = ", ".join(rc.rank.__str__() for rc in cmp.memory)
         notes.insert(0, f"simulated (fake process group + fake tensors): ranks {ranks} through the real backend "

@@ -15,7 +15,7 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from backend.support import composition_problems
+from backend.support import composition_problems, cp_rotate_refusal
 from engine import Config, ConfigError
 
 LOCAL_MAX_RANKS = 8  # child processes this machine is asked to run at once
@@ -68,7 +68,7 @@ class Runnable:
             return ("Too large to run here (" + "; ".join(self.reasons) + ") and no runnable version keeps this "
                     "layout: " + "; ".join(self.problems))
         par = self.config.parallel
-        layout = (f"dp {par.dp} × tp {par.tp} × pp {par.pp}, ZeRO {par.zero}, {par.schedule} v{par.virtual_stages} "
+        layout = (f"dp {par.dp} × " + (f"cp {par.cp} × " if par.cp > 1 else "") + f"tp {par.tp} × pp {par.pp}, ZeRO {par.zero}, {par.schedule} v{par.virtual_stages} "
                   f"m{par.microbatches}, recompute {self.config.training.recompute}, {self.config.training.precision}")
         return ("Too large to run here (" + "; ".join(self.reasons) + "). Run executes the runnable version — "
                 f"the same layout ({layout}) with " + ", ".join(self.changes) + " — and compares it with the "
@@ -80,6 +80,8 @@ def runnable_version(cfg: Config) -> Runnable:
     reasons = too_large_reasons(cfg)
     if not reasons:
         problems = composition_problems(cfg)
+        why = cp_rotate_refusal(cfg, LOCAL_GPU)
+        problems += [why] if why else []
         return Runnable(cfg, None, problems=problems) if problems else Runnable(cfg, cfg)
     d = copy.deepcopy(cfg.to_dict())
     par = d["parallel"]
@@ -89,10 +91,15 @@ def runnable_version(cfg: Config) -> Runnable:
 
         d["model"] = {"preset": RUNNABLE_MODEL, **model_presets()[RUNNABLE_MODEL]}
         changes.append(f"the {RUNNABLE_MODEL} model instead of {cfg.model.preset or 'the custom model'}")
-    tp_pp = par["tp"] * par["pp"]
+    cp = par.get("cp", 1)
+    tp_pp = par["tp"] * par["pp"] * cp  # the ranks one data-parallel replica needs
     if tp_pp > LOCAL_MAX_RANKS:
         return Runnable(cfg, None, reasons, problems=[
-            f"tp × pp = {tp_pp} ranks already exceeds the {LOCAL_MAX_RANKS} local ones"])
+            f"tp × pp{' × cp' if cp > 1 else ''} = {tp_pp} ranks already exceeds the {LOCAL_MAX_RANKS} local ones"])
+    if cp > 1 and par.get("cp_rotate") == "alltoall":
+        par["cp_rotate"] = "allgather"
+        changes.append("the all-gather K/V exchange instead of the ring (torch's ring runs inside CUDA SDPA "
+                       "kernels only)")
     world = par["dp"] * tp_pp
     if world > LOCAL_MAX_RANKS:
         dp = max(1, LOCAL_MAX_RANKS // tp_pp)

@@ -63,8 +63,8 @@ FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
     ("training.", None),
 )
 
-#: fields whose change makes dp follow the GPU count (dp = gpus / (tp·pp))
-LAYOUT_FIELDS = ("parallel.tp", "parallel.pp", "cluster.gpus")
+#: fields whose change makes dp follow the GPU count (dp = gpus / (cp·tp·pp))
+LAYOUT_FIELDS = ("parallel.tp", "parallel.cp", "parallel.pp", "cluster.gpus")
 
 
 def control_for_field(name: str) -> str:
@@ -526,8 +526,8 @@ class Session:
     def edit(self, path: str, value: Any) -> bool:
         """Change one field of the desired config (``"parallel.tp"``, 2). True when valid.
 
-        The data-parallel degree follows the GPU count: changing tp, pp or the GPU count
-        sets dp = gpus / (tp·pp) when that divides; changing dp sets the GPU count.
+        The data-parallel degree follows the GPU count: changing tp, cp, pp or the GPU count
+        sets dp = gpus / (cp·tp·pp) when that divides; changing dp sets the GPU count.
         """
         desired = copy.deepcopy(self.desired)
         section, _, key = path.partition(".")
@@ -545,11 +545,11 @@ class Session:
             desired[section][key] = value
         par, cl = desired["parallel"], desired["cluster"]
         if path in LAYOUT_FIELDS:
-            tp_pp = par["tp"] * par["pp"]
+            tp_pp = par["tp"] * par["pp"] * par.get("cp", 1)
             if cl["gpus"] % tp_pp == 0:
                 par["dp"] = cl["gpus"] // tp_pp
         elif path == "parallel.dp":
-            cl["gpus"] = par["dp"] * par["tp"] * par["pp"]
+            cl["gpus"] = par["dp"] * par["tp"] * par["pp"] * par.get("cp", 1)
         self.touched = path
         return self.set_desired(desired)
 
@@ -637,7 +637,8 @@ class Session:
         for p in problems:
             control = control_for_field(p.field)
             if (p.field == "parallel.dp" and self.touched in LAYOUT_FIELDS
-                    and isinstance(cl.get("gpus"), int) and cl["gpus"] % (par["tp"] * par["pp"])):
+                    and isinstance(cl.get("gpus"), int)
+                    and cl["gpus"] % (par["tp"] * par["pp"] * par.get("cp", 1))):
                 control = self.touched
             out.setdefault(control, []).append(p)
         return out

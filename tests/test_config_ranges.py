@@ -24,6 +24,7 @@ COMPANIONS: dict[tuple[str, float], dict[str, object]] = {
                             "parallel.schedule": "GPipe"},
     ("parallel.virtual_stages", 2048): {"model.layers": 4096, "parallel.pp": 2, "parallel.dp": 4,
                                         "parallel.schedule": "Interleaved1F1B", "parallel.microbatches": 2},
+    ("parallel.cp", 1048576): {"parallel.dp": 1, "cluster.gpus": 1048576, "model.seq_len": 2097152},
     ("parallel.dp", 1): {"cluster.gpus": 1},
     ("parallel.dp", 1048576): {"cluster.gpus": 1048576},
     ("parallel.replicate", 1048576): {"parallel.dp": 1048576, "cluster.gpus": 1048576, "parallel.zero": 3},

@@ -605,3 +605,32 @@ def test_screenshot_keeps_its_fixed_size(tmp_path, qtbot):
     assert run_app(screenshot=str(out)) == 0
     image = QImage(str(out))
     assert (image.width(), image.height()) == (1600, 1000)
+
+
+def show_readme_plan(window) -> None:
+    """The README screenshot's state: its job (Llama-3 8B on 16 H100s) in the window and the planner's
+    result for it on the Planner tab (planned in this process: the top 10 and a sweep of fitting layouts)."""
+    from pathlib import Path
+
+    from engine import Config
+    from engine.planner import plan_config
+    from gui.planning import PlanOutcome
+
+    cfg = Config.load(Path(__file__).resolve().parents[1] / "assets" / "examples" / "llama3-8b-16gpu.toml")
+    window.state.set_config(cfg)
+    window.state.recompute_now()
+    result = plan_config(cfg, top=10, global_batch=128, all_fitting=True, fitting_limit=200)
+    window.tabs.setCurrentWidget(window.planner)
+    QApplication.processEvents()
+    window.planner.show_result(PlanOutcome(result.to_json()))
+    window.planner.table.selectRow(0)
+    QApplication.processEvents()
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_nothing_is_clipped_in_the_planner_result_of_the_readme_screenshot(window, size):
+    at_size(window, *size)
+    show_readme_plan(window)
+    problems = [f"[plan] {p}" for p in clipped(window)]
+    window.grab().save(f"/tmp/layout-{size[0]}x{size[1]}-plan.png", "PNG")
+    assert not problems, report(problems)

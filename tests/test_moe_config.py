@@ -117,3 +117,8 @@ def test_head_size_frees_hidden_from_heads():
     assert "model.head_size" in p["model.hidden"]
 
 
+def test_context_parallel_ranks_join_the_dense_region_once():
+    cfg = make(model={**MOE, "seq_len": 4096}, parallel={"dp": 4, "cp": 2, "ep": 8, "zero": 3})
+    assert cfg.parallel.expert_shard_degree == 1  # dp_shard·cp·tp / ep = 4·2·1 / 8
+    cfg = make(model={**MOE, "seq_len": 4096}, parallel={"dp": 4, "cp": 2, "ep": 4, "zero": 3})
+    assert cfg.parallel.expert_shard_degree == 2

@@ -14,34 +14,61 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
+
+from backend.model import moe_modules
+from backend.parallel.expert_parallel import expert_param_names, expert_params
 
 
 def apply_ddp(model: nn.Module, dp_group, bucket_cap_mb: float, device: torch.device) -> nn.Module:
     """Wrap in DistributedDataParallel over the data-parallel group (gradients all-reduced)."""
     device_ids = [device.index] if device.type == "cuda" else None
+    names = expert_param_names(model)
+    if names:  # routed experts: their replicas are the efsdp ranks, not dp (sync_expert_grads)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     return DistributedDataParallel(model, process_group=dp_group, bucket_cap_mb=bucket_cap_mb,
                                    device_ids=device_ids, broadcast_buffers=False)
 
 
 def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> nn.Module:
-    """DDP semantics for DTensor (TP) parameters: FSDP2-based ``replicate`` on the dp mesh."""
+    """DDP semantics for DTensor (TP) parameters: FSDP2-based ``replicate`` on the dp mesh (routed
+    experts left out: their replicas are the efsdp ranks, not dp)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
+    ignored = set(expert_params(model)) or None  # experts: summed over efsdp only (sync_expert_grads)
     for block in model.layers.values():
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-    return replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
+    return replicate(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
-               reshard_after_forward: bool, root_reshard_after_forward: bool) -> nn.Module:
+               reshard_after_forward: bool, root_reshard_after_forward: bool,
+               expert_mesh: DeviceMesh | None = None, expert_divide_factor: int = 1) -> nn.Module:
     """fully_shard each transformer block, then the root (embeddings, final norm, head).
+
+    A block with experts first gets ``fully_shard`` on its routed experts over ``expert_mesh``
+    (efsdp; the dp mesh without expert parallelism), their gradients divided by
+    ``expert_divide_factor`` (the dense data-parallel degree: torchtitan's
+    ``fsdp_gradient_divide_factor``) instead of the expert mesh's size, then on the block as usual
+    (the dense parts over dp). The
+    experts' shards split the expert dimension when there are at least as many local experts as
+    efsdp ranks, else dim 1 (f of w1 / w3, h of w2), as torchtitan places them.
 
     The flags are engine.wrapping's plan (blocks and root alike): ZeRO-2 keeps them gathered;
     ZeRO-3 follows ``parallel.fsdp_reshard_after_forward`` ("default" reshards except under PP,
     where per-microbatch all-gathers would not overlap; "always"; "never").
     """
     for block in model.layers.values():
+        for moe in moe_modules(block):
+            mesh = expert_mesh or dp_mesh
+            # torchtitan's placement: split the expert dimension when every rank gets an expert, else dim 1
+            dim = 0 if moe.experts.num_experts >= mesh.shape[-1] else 1  # the shard dim (HSDP: the last)
+            fully_shard(moe.experts, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=mp_policy, shard_placement_fn=lambda _p, d=dim: Shard(d))
+            # FSDP2 averages over the expert mesh; the mean over replicas divides by dp instead.
+            # (set_gradient_divide_factor would do it with ReduceOp.PREMUL_SUM, which gloo lacks.)
+            moe.experts.grad_scale = mesh.size() / expert_divide_factor
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=root_reshard_after_forward, mp_policy=mp_policy)
     return model

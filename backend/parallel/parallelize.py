@@ -1,8 +1,10 @@
 """``parallelize``: one pipeline stage (or the whole model) wrapped as the config's wrapping plan says.
 
 The one place the backend composes strategies (torchtitan's ``parallelize_llama`` shape), in
-their order: LoRA adapters where configured (before data parallelism, which must see the frozen
-base), float8 Linears (torchao, as torchtitan converts at model build), tensor parallelism,
+their order: expert parallelism of a mixture of experts (this rank's experts kept, the all-to-all
+dispatch installed), LoRA adapters where configured (before data parallelism, which must see the frozen
+base), float8 Linears (torchao, as torchtitan converts at model build), tensor parallelism, context
+parallelism (attention over the sequence shard: backend.parallel.context_parallel),
 activation recompute, ``torch.compile`` per block, then the data-parallel wrapper the plan names —
 ``fully_shard`` with the plan's reshard policy, FSDP2's ``replicate``, DistributedDataParallel,
 legacy ``nn.DataParallel``, or none — with the plan's MixedPrecisionPolicy where an FSDP2 wrapper
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from backend.parallel.compile import apply_compile
+from backend.parallel.context_parallel import apply_cp
 from backend.parallel.data_parallel import (
     apply_dataparallel,
     apply_ddp,
@@ -30,6 +33,8 @@ from backend.parallel.data_parallel import (
     make_zero1_optimizer,
 )
 from backend.parallel.dims import ParallelDims
+from backend.model import moe_modules
+from backend.parallel.expert_parallel import apply_expert_parallel, expert_params, sync_expert_grads
 from backend.parallel.float8 import apply_float8
 from backend.parallel.lora import apply_lora, trainable
 from backend.parallel.precision import fsdp_mp_policy
@@ -50,17 +55,26 @@ def parallelize(model: nn.Module, cfg: Config, plan: WrappingPlan, dims: Paralle
     already materialised (the default: no context).
     """
     tr = cfg.training
+    if moe_modules(model):
+        par = cfg.parallel
+        apply_expert_parallel(model, par.ep, dims.expert_mesh("ep").get_local_rank() if par.ep > 1 else 0,
+                              dims.expert_mesh("ep").get_group() if par.ep > 1 else None,
+                              dims["tp"].get_group() if par.tp > 1 else None)
     if tr.finetune == "lora":
         model = apply_lora(model, cfg.model, tr)
     apply_float8(model, tr.float8, tr.float8_all_gather)
     if plan.tensor_parallel:
         apply_tp(model, dims["tp"], plan.sequence_parallel)
+    if cfg.parallel.cp > 1:  # attention over the sharded sequence; the dp wrappers below reduce over dp·cp
+        apply_cp(model, dims.context_parallel(cfg.model, device))
     apply_recompute(model, tr.recompute, tr.recompute_every)
     if tr.compile:
         apply_compile(model)
     if plan.data_parallel == "fully_shard":
         model = apply_fsdp(model, dims["dp"], fsdp_mp_policy(plan), plan.reshard_after_forward,
-                           plan.root_reshard_after_forward)
+                           plan.root_reshard_after_forward,
+                           expert_mesh=dims.expert_mesh("efsdp") if cfg.parallel.ep > 1 else None,
+                           expert_divide_factor=cfg.parallel.dp)
     with (materialize or _already_real)(model):
         if plan.data_parallel == "replicate":
             model = apply_replicate(model, dims["dp"], fsdp_mp_policy(plan))
@@ -80,6 +94,22 @@ def build_optimizer(params: list[nn.Parameter], plan: WrappingPlan, dims: Parall
     if plan.zero_redundancy_optimizer:
         return make_zero1_optimizer(stepped, optimizer_cls, dims.dp_group(), **kwargs)
     return optimizer_cls(stepped, **kwargs)
+
+
+def expert_grad_sync(modules: list[nn.Module], cfg: Config, plan: WrappingPlan,
+                     dims: ParallelDims) -> Callable[[], None] | None:
+    """What must run between the backward and the optimizer step for the routed experts' gradients
+    when no FSDP2 ``fully_shard`` reduces them (DDP, ``replicate`` and no wrapper leave them out):
+    a sum over their efsdp replicas and a division by dp. None when nothing is needed."""
+    params = [p for m in modules for p in expert_params(m)]
+    par = cfg.parallel
+    # ranks holding the same experts: efsdp (with the HSDP replicas) under expert parallelism, else dp;
+    # with tp > 1 and dp = 1 they may be TP ranks that routed different slices of the same batch
+    replicas = par.dp * par.tp // par.ep if par.ep > 1 else par.dp
+    if not params or plan.data_parallel == "fully_shard" or (replicas == 1 and par.dp == 1):
+        return None
+    group = (dims.expert_dp_group() if par.ep > 1 else dims.dp_group()) if replicas > 1 else None
+    return lambda: sync_expert_grads(params, group, replicas, par.dp)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from backend.model import Transformer, cut_stage
+from backend.model import Transformer, cut_stage, moe_modules
 from engine.config import ParallelSpec
 from engine.layout import placement_style, stages_of_pp_rank
 
@@ -76,6 +76,28 @@ class ActionTimer:
             self.actions.append((kind, stage, int(mb), t0, time.perf_counter_ns()))
 
 
+def count_tokens_in_microbatches(stage: PipelineStage) -> None:
+    """MoE blocks of ``stage`` count routed tokens only inside its microbatch forwards, not in the
+    forward the stage runs once on placeholder inputs to infer its output shapes."""
+    moes = moe_modules(stage.submod)
+    if not moes:
+        return
+    fwd = stage.forward_one_chunk
+
+    def forward_one_chunk(*args, **kwargs):
+        for moe in moes:
+            moe.count_tokens = True
+        try:
+            return fwd(*args, **kwargs)
+        finally:
+            for moe in moes:
+                moe.count_tokens = False
+
+    for moe in moes:
+        moe.count_tokens = False
+    stage.forward_one_chunk = forward_one_chunk
+
+
 def build_schedule(stage_modules: list[tuple[int, nn.Module]], par: ParallelSpec, pp_group,
                    device: torch.device, loss_fn: Callable, timer: ActionTimer):
     """PipelineStage per held stage and the schedule named by ``par.schedule``."""
@@ -83,6 +105,7 @@ def build_schedule(stage_modules: list[tuple[int, nn.Module]], par: ParallelSpec
     for s, mod in stage_modules:
         stage = PipelineStage(mod, s, par.num_stages, device, group=pp_group)
         timer.wrap(stage)
+        count_tokens_in_microbatches(stage)
         stages.append(stage)
     cls = get_schedule_class(par.schedule)
     if issubclass(cls, PipelineScheduleSingle):

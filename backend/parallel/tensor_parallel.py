@@ -1,6 +1,8 @@
 """Tensor parallelism with parallelize_module (Megatron-style plan, torchtitan's names).
 
-Attention: wq/wk/wv column-parallel, wo row-parallel; MLP: w1/w3 column, w2 row. With
+Attention: wq/wk/wv column-parallel, wo row-parallel; MLP: w1/w3 column, w2 row. A block with
+experts splits its shared experts as an MLP; its router and routed experts stay whole on every TP
+rank (backend.parallel.expert_parallel splits the block's tokens over TP instead). With
 sequence parallelism the norms run SequenceParallel on sequence shards, the blocks gather the
 sequence at their input, and the head's output stays vocab-sharded for loss_parallel.
 """
@@ -8,6 +10,8 @@ sequence at their input, and the head's output stays vocab-sharded for loss_para
 from __future__ import annotations
 
 from torch import nn
+
+from backend.model import MoE
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -46,11 +50,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=act),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=act),
         }
-        if hasattr(block.feed_forward, "w3"):
-            plan["feed_forward.w3"] = ColwiseParallel()
+        ffn = "feed_forward"
+        if isinstance(block.feed_forward, MoE):  # experts unsplit by TP (etp = 1); shared experts TP'd
+            ffn = "feed_forward.shared_experts" if block.feed_forward.shared_experts is not None else None
+        if ffn is not None:
+            plan[f"{ffn}.w1"] = ColwiseParallel()
+            plan[f"{ffn}.w2"] = RowwiseParallel(output_layouts=act)
+            if hasattr(block.get_submodule(ffn), "w3"):
+                plan[f"{ffn}.w3"] = ColwiseParallel()
         if sp:
             plan.update({
                 "attention_norm": SequenceParallel(),

@@ -19,6 +19,10 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
     up output), down saves its input: 4 tensors of 2sbf instead of GeLU's 2.
   * TP: the parts inside the column/row pair are /t; the rest (norms, their outputs, the
     residual masks) are replicated unless sequence parallel, which makes them /t too.
+  * context parallelism (cp): s is the rank's seq_len / cp tokens in every row; eager attention's
+    scores (a·s·S) and the K, V it multiplies (gathered: S·b·h) span the whole sequence S. What
+    the ring attention holds beyond the table while one layer runs is ``context_parallel_workspace``
+    (a temporary: gathered K, V or ring chunks, fp32 merger and gradient accumulators).
   * recompute: a row names the policies that recompute it instead of keeping it
     (``recomputed_by``); selective recomputes the attention core (softmax, its dropout; flash's
     lse). Full recompute keeps only each block's input (``memory_per_rank``); the table itself
@@ -89,6 +93,18 @@ class _Shape:
     # LoRA (engine.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names
     lora_r: int = 0
     lora_mods: tuple[str, ...] = ()
+    # context parallelism: ``s`` is the rank's tokens (seq_len / cp); eager attention's scores and the
+    # K, V it multiplies span every key of the sequence (``kv_len`` = seq_len; 0: s, no cp)
+    kv_len: int = 0
+
+    @property
+    def keys(self) -> int:
+        """Keys each query attends over: the whole sequence (s without context parallelism)."""
+        return self.kv_len or self.s
+
+    @property
+    def cp(self) -> bool:
+        return self.kv_len > self.s
 
     @property
     def lora(self) -> bool:
@@ -125,14 +141,16 @@ _NUMEL = {
     "sbh": (lambda sh: sh.s * sh.b * sh.h, lambda sh: "h"),
     "sbkv_t": (lambda sh: sh.s * sh.b * sh.kv // sh.t, lambda sh: "kv/t"),
     "sbf_t": (lambda sh: sh.s * sh.b * sh.f // sh.t, lambda sh: "f/t"),
-    "as2b_t": (lambda sh: sh.a * sh.s * sh.s * sh.b // sh.t, lambda sh: "as/t"),
+    "as2b_t": (lambda sh: sh.a * sh.s * sh.keys * sh.b // sh.t, lambda sh: "aS/t" if sh.cp else "as/t"),
+    # eager attention's K, V repeated to all heads: under context parallelism gathered to every key
+    "keys_bh_t": (lambda sh: sh.keys * sh.b * sh.h // sh.t, lambda sh: "(S/s)h/t" if sh.cp else "h/t"),
     "asb_t": (lambda sh: sh.a * sh.s * sh.b // sh.t, lambda sh: "a/t"),
-    "ss": (lambda sh: sh.s * sh.s, lambda sh: "s/b"),
+    "ss": (lambda sh: sh.s * sh.keys, lambda sh: "S/b" if sh.cp else "s/b"),
     "s_half_d": (lambda sh: sh.s * (sh.head_dim // 2), lambda sh: "d/2b"),
     "sbr": (lambda sh: sh.s * sh.b * sh.lora_r, lambda sh: "r"),
 }
 #: order of the bases in the formula string
-_BASIS_ORDER = ("h", "h/t", "kv/t", "f/t", "as/t", "a/t", "1", "1/t", "d/2b", "s/b", "r")
+_BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "1", "1/t", "d/2b", "s/b", "S/b", "r")
 #: element-bytes rule name -> bytes
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
@@ -272,7 +290,7 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
     SavedTensor("rope cos and sin for Q and K (saved by their multiplies)", "act", "s_half_d", "attention", count=4,
                 only=("rope", "torch_ops", "!compile"), recomputed_by=_PER_OP),
     SavedTensor("K, V (kv heads)", "act", "sbkv_t", "attention", count=2, only=("flash",), recomputed_by=_PER_OP),
-    SavedTensor("K, V (repeated to all heads)", "act", "sbh_t", "attention", count=2, only=("!flash",),
+    SavedTensor("K, V (repeated to all heads)", "act", "keys_bh_t", "attention", count=2, only=("!flash",),
                 recomputed_by=_PER_OP),
     SavedTensor("softmax log-sum-exp (fp32)", "fp32", "asb_t", "attention", only=("flash",),
                 recomputed_by=_ATTENTION_CORE),
@@ -354,7 +372,7 @@ def layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int, str], ...]
 def shape_of(cfg: Config) -> _Shape:
     model, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
-    base = dict(s=model.seq_len, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
+    base = dict(s=cfg.local_seq_len, kv_len=model.seq_len if par.cp > 1 else 0, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
                 f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
                 flash=model.attention in ("flash", "mla"), swiglu=model.mlp == "swiglu",
                 recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none", bias=model.bias,
@@ -384,6 +402,49 @@ def activation_terms_per_layer(cfg: Config) -> tuple[list[Term], str]:
 def activation_bytes_per_layer(cfg: Config) -> int:
     """Bytes one block saves for backward for one microbatch on one rank (no full recompute)."""
     return sum(x for _, x, _ in layer_activation_terms(shape_of(cfg))[0])
+
+
+# --------------------------------------------------------------------------- context parallel
+
+
+def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, str]:
+    """The attention tensors of one layer that context parallelism does not shard, at their peak:
+    (bytes, formula). Torch's ring attention (``_templated_ring_attention`` and its backward) saves
+    only the rank's own Q, K, V, output and log-sum-exp (the table's rows at s = S/cp); while a
+    layer's attention runs it also holds:
+
+    * forward, "allgather": the all-gathered K, V of every rank (2·S·b·kv/t, the whole sequence)
+      beside the copy of its own chunk it sends; "alltoall" (the ring): three chunks — the one in
+      hand, its copy being sent and the one arriving (3 · 2·s·b·kv/t);
+    * the merger of the blockwise results in fp32 (``convert_to_f32``): the running output and
+      log-sum-exp, and one block's output and log-sum-exp;
+    * backward: the K, V again (re-gathered, or rotated), fp32 accumulators of dQ, dK, dV, one
+      block's gradients, and the dK, dV ring (always all-to-all, fp32: the one sent and the one
+      arriving).
+    The layer's peak is the larger of its forward and backward. The head-tail layout (chunks i and
+    2·cp−1−i of 2·cp on rank i) balances the causal work and changes no size. Eager attention (all-
+    gather only) keeps the gathered K, V as its saved rows; here only their gathered form before
+    the repeat to all heads (forward) and its gradient before the reduce-scatter (backward).
+    """
+    s, S, b, h, kv, t, a, e = sh.s, sh.keys, sh.b, sh.h, sh.kv, sh.t, sh.a, sh.act
+    gathered = 2 * S * b * kv // t * e
+    if not sh.flash:
+        fwd, bwd = gathered, 2 * S * b * h // t * e
+        return max(fwd, bwd), (f"max(forward 2·S·b·kv/t·{e} = {fwd:,} B (gathered K, V), backward 2·S·b·h/t·{e} = "
+                               f"{bwd:,} B (their gradient at all heads)) with S = {S}, s = S/{cp}")
+    chunk = 2 * s * b * kv // t * e
+    if rotate == "allgather":
+        kv_bytes, kv_f = gathered + chunk, f"2·S·b·kv/t·{e} + 2·s·b·kv/t·{e} (gathered K, V + the sent copy)"
+    else:
+        kv_bytes, kv_f = 3 * chunk, f"3 × 2·s·b·kv/t·{e} (ring: chunk in hand, sent, arriving)"
+    merger = s * b * h // t * (4 + e) + 8 * (a // t) * s * b
+    fwd = kv_bytes + merger
+    grads = s * b * (h + 2 * kv) // t
+    bwd = kv_bytes + 4 * grads + e * grads + 2 * 4 * 2 * s * b * kv // t
+    formula = (f"max(forward {kv_f} + s·b·h/t·{4 + e} + 8·s·b·a/t (fp32 merger) = {fwd:,} B, backward the same K, V "
+               f"+ {4 + e}·s·b·(h + 2kv)/t (fp32 dQ, dK, dV and one block's) + 2 × 4·2·s·b·kv/t (dK, dV ring) = "
+               f"{bwd:,} B) with S = {S}, s = S/{cp} = {s}, b = {b}, h = {h}, kv = {kv}, a = {a}, t = {t}")
+    return max(fwd, bwd), formula
 
 
 # --------------------------------------------------------------------------- mixture of experts
@@ -481,7 +542,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     """
     model, par, tr = cfg.model, cfg.parallel, cfg.training
     t, p, m = par.tp, par.pp, par.microbatches
-    s, b, h = model.seq_len, tr.micro_batch_size, model.hidden
+    s, b, h = cfg.local_seq_len, tr.micro_batch_size, model.hidden  # the rank's tokens (seq_len / cp)
     lora_on = tr.finetune == "lora"
     sh = shape_of(cfg)
     act, sp = sh.act, sh.sp
@@ -575,6 +636,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                           + sum(x for _, x, _, _ in ex))
     counts = in_flight(unit_bytes)
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
+    if par.cp > 1:
+        dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
     for st, ex, n in zip(rp.stages, extras, counts):
         c = ckpt_of[st.stage]
         mb = f"{n} microbatch{'es' if n != 1 else ''} in flight"
@@ -650,6 +713,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         T.add("temporaries", "one block's recomputed tensors during its backward (per-op selective recompute)",
               redo, f"the rows of the table that recompute = 'none' keeps and the per-op policy does not = "
               f"{redo:,} B ({dims})", kind="recomputed_block")
+    if par.cp > 1:
+        ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
+        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
+              "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         if torch_acc:
             lx = 2 * 4 * s * b * v_loss

@@ -217,9 +217,9 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
     par = cfg.parallel
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     z = par.zero
-    if torch_acc and plan.fsdp2 and par.dp > 1:
+    if torch_acc and plan.fsdp2 and par.dp_cp > 1:
         fsdp2_buffers(cfg, plan, rp, T, psi, psi_train, train_units)
-    elif z in (0, 1) and par.dp > 1:
+    elif z in (0, 1) and par.dp_cp > 1:
         ddp_buffers(cfg, rp, T, psi_train, torch_acc)
     elif z in (2, 3) and par.shard_degree > 1:
         zero_paper_buffers(cfg, rp, T, train_units)

@@ -89,7 +89,20 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                                     f"= {cfg.cluster.gpu.runtime_context_gib:g} GiB",
         "overhead.collective_buffers": f"{'on' if conv.collective_buffers else 'off'}: "
                                        f"{conv.collective_buffer_mib:g} MiB per communicator",
-        "overhead.allocator_slack": f"{conv.allocator_slack_fraction:g} × live tensors",
+        "overhead.allocator_slack": f"{conv.allocator_slack_fraction:g} × the tracked bytes at the peak: a floor "
+                                    "on the reserve (reserved = max(replayed, allocated + slack)), never added to "
+                                    "the replay's",
+        "peak": "the moment of the rank's step with the most live tracked bytes (every term laid on the schedule's "
+                "actions: states all step, a stage-microbatch's activations from its F to its B or W, FSDP2's "
+                "unsharded gradients from the first backward, the loss in the last stage's backward); the "
+                "categories are the terms alive then, the untracked overhead on top",
+        "overhead.reserved": ("CPU ranks: no caching allocator, reserved = allocated" if cfg.cluster.gpu.name == "cpu"
+                              else "the step's allocations (one block per term, per stage-microbatch for "
+                                   "activations; FSDP2's gathers on their own stream) replayed through torch's "
+                                   "caching allocator (engine.memory.allocator), expandable_segments = "
+                                   f"{conv.expandable_segments} (conventions.expandable_segments); no runtime context "
+                                   "or collective-library buffers (outside the allocator); fits: reserved + those "
+                                   "≤ capacity"),
         "capacity": f"cluster.gpu.memory_gib = {cfg.cluster.gpu.memory_gib:g} GiB",
     }
     if cfg.model.experts > 0:

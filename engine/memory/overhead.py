@@ -15,7 +15,11 @@ counts neither, whatever the conventions say, and its total compares with a gloo
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from engine.config import Config
+from engine.memory.allocator import AllocatorOutOfMemory, replay
+from engine.memory.lifetimes import allocation_events
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
 
@@ -30,8 +34,10 @@ def communicators(cfg: Config) -> list[str]:
         out.append("dp-replicate")
         if par.shard_degree > 1:
             out.append("dp-shard")
-    elif par.dp > 1:
-        out.append("dp")
+    elif par.dp_cp > 1:
+        out.append("dp" if par.cp == 1 else "dp_shard_cp")
+    if par.cp > 1:
+        out.append("cp")
     if par.tp > 1:
         out.append("tp")
     if par.pp > 1:
@@ -60,8 +66,9 @@ def runtime_context_bytes(cfg: Config) -> int:
     return int(round(gpu.runtime_context_gib * GIB))
 
 
-def overhead(cfg: Config, T: Terms) -> None:
-    """The overhead terms; call last (the slack is a fraction of everything else)."""
+def overhead(cfg: Config, T: Terms, live: int | None = None) -> None:
+    """The overhead terms; call last (the slack is a fraction of ``live``: the tracked bytes at the
+    rank's peak, every other term's when not given)."""
     conv, gpu = cfg.conventions, cfg.cluster.gpu
     ctx = runtime_context_bytes(cfg)
     if ctx:
@@ -75,7 +82,8 @@ def overhead(cfg: Config, T: Terms) -> None:
                   f"{len(comms)} communicators × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)",
                   tracked=False, kind="collective_buffers")
     if conv.allocator_slack_fraction > 0:
-        live = sum(x.bytes for c in MEMORY_CATEGORIES for x in T[c] if c != "overhead")
+        if live is None:
+            live = sum(x.bytes for c in MEMORY_CATEGORIES for x in T[c] if c != "overhead")
         slack = int(live * conv.allocator_slack_fraction)
         T.add("overhead", "allocator slack (reserved, not allocated)", slack,
               f"{conv.allocator_slack_fraction:g} × live tensors {gib(live)} (conventions.allocator_slack_fraction)",
@@ -84,3 +92,41 @@ def overhead(cfg: Config, T: Terms) -> None:
         why = ("CPU ranks over gloo: no runtime context, no per-communicator device buffers"
                if collective_library(cfg) == "gloo" else "all overhead conventions off")
         T.add("overhead", f"no overhead counted ({why})", 0, "0", kind="none")
+
+
+def reserved_bytes(cfg: Config, timeline, allocated: int, snapshot: dict) -> int:
+    """What the caching allocator reserves at most on this rank (``torch.cuda.max_memory_reserved()``).
+
+    On a GPU the step's allocation events (``timeline.events()``, engine.memory.lifetimes) are replayed
+    through the caching allocator (``engine.memory.allocator.replay``, with
+    ``conventions.expandable_segments``; its capacity is the card's memory less the runtime context
+    and the collective-library buffers, which are cudaMalloc'd outside it); where even the allocator's
+    retries run out of memory, the reserve it would need without a capacity. Local CPU ranks
+    (``cluster.gpu = "cpu"``, gloo) have no caching allocator: reserved = allocated.
+    ``conventions.allocator_slack_fraction`` (the snapshot's ``allocator_slack`` term, that fraction
+    of ``allocated``) is a floor on the reserve, never added to the replay's:
+    reserved = max(replayed, allocated + slack).
+    """
+    slack = sum(t.bytes for t in snapshot["overhead"] if t.kind == "allocator_slack")
+    if collective_library(cfg) == "gloo":
+        return allocated + slack
+    untracked = sum(t.bytes for t in snapshot["overhead"] if not t.tracked and t.kind != "allocator_slack")
+    # what the allocator may reserve; None (unbounded: the reserve it would need) where the runtime
+    # context and collective buffers alone fill the card
+    capacity = cfg.cluster.gpu.memory_bytes - untracked
+    capacity = capacity if capacity > 0 else None
+    replayed = replayed_reserve(timeline._event_signature(), cfg.conventions.expandable_segments, capacity)
+    return max(replayed, allocated + slack)
+
+
+@lru_cache(maxsize=1024)
+def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int | None) -> int:
+    """``max_reserved`` of one rank's step replayed through the caching allocator (cached on the
+    rank's event signature: identical ranks and repeated slider positions replay once)."""
+    events = allocation_events(event_signature)
+    try:
+        return replay(events, expandable_segments=expandable_segments, capacity=capacity).max_reserved
+    except AllocatorOutOfMemory:
+        if capacity is None:
+            raise
+        return replay(events, expandable_segments=expandable_segments, capacity=None).max_reserved

@@ -3,11 +3,13 @@
 It answers "does it fit, and on which GPU does it not?". One rank's body is assembled from the
 modules of this package in order: model states (``states``, by accounting), activations
 (``activations``) at the microbatches in flight of its stages (``in_flight``), communication
-buffers (``buffers``), then the device overhead (``overhead``, last: its allocator slack is a
-fraction of the rest). Ranks that hold the same thing (DP replicas, TP shards with equal vocab
+buffers (``buffers``); then the terms are laid on the rank's step (``lifetimes``): its peak is the
+moment with the most live tracked bytes and its categories the snapshot of the terms alive then;
+then the device overhead (``overhead``: its allocator slack is a fraction of the peak's bytes) and
+the caching allocator's reserve (``overhead.reserved_bytes``: the step's allocation events replayed). Ranks that hold the same thing (DP replicas, TP shards with equal vocab
 chunks) share one computed body; under torch's ZeroRedundancyOptimizer DP ranks hold different
 optimizer shares, so each dp-rank gets its own. Rank order is ``engine.layout.rank_coords``':
-TP innermost, then DP, then PP.
+TP innermost, then CP, then DP, then PP.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.config import Config
+from engine.layout import rank_coords
 from engine.memory.activations import stage_activation_terms
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
-from engine.memory.overhead import overhead
+from engine.memory.lifetimes import RankTimeline, fsdp_params_lifetime
+from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups
 from engine.params import RankParams, params_per_rank, unit_numel
-from engine.wrapping import WrappingPlan, wrapping_plan
+from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
 
 
 def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan | None = None) -> _Body:
@@ -52,8 +56,18 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     stream = stage_activation_terms(cfg, rp, T, torch_acc=torch_acc, autocast=torch_acc and plan.autocast,
                                     psi_train=psi_train, in_flight=in_flight)
     comm_buffers(cfg, plan, rp, T, psi=psi, psi_train=psi_train, train_units=train_units, **stream)
-    overhead(cfg, T)
-    return _Body(T, rp.stage_indices, rp.pp_rank)
+    after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
+    timeline = dict(schedule=par.schedule, pp_rank=rp.pp_rank, pp=par.pp, virtual_stages=par.virtual_stages,
+                    microbatches=par.microbatches, stages=rp.stage_indices,
+                    fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward))
+    tl = RankTimeline(T, **timeline)
+    # laid before the overhead (not tensors: the peak does not depend on it); its slack is a fraction
+    # of the peak's tracked bytes
+    allocated = tl.peak.bytes
+    overhead(cfg, T, allocated)
+    snapshot = tl.snapshot()
+    return _Body(snapshot, rp.stage_indices, rp.pp_rank, catalogue=T, allocated=allocated,
+                 reserved=reserved_bytes(cfg, tl, allocated, snapshot), timeline=tl)
 
 
 def memory_per_rank(cfg: Config) -> MemoryReport:
@@ -74,8 +88,6 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
                 if body is None:
                     body = seen[key] = rank_body(cfg, rp, dp_rank, plan)
                 bodies[pp_rank, tp_rank, dp_rank] = body
-    dp, tp = par.dp, par.tp
-    per_rank = [RankMemory(rank, rank % tp, (rank // tp) % dp,
-                           bodies[rank // (dp * tp), rank % tp, (rank // tp) % dp if per_dp else 0], capacity)
-                for rank in range(par.world_size)]
+    coords = [rank_coords(rank, par.dp, par.tp, par.pp, 1, par.cp) for rank in range(par.world_size)]
+    per_rank = [RankMemory(c.rank, c.tp, c.dp, bodies[c.pp, c.tp, c.dp if per_dp else 0], capacity) for c in coords]
     return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))

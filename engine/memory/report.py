@@ -59,25 +59,57 @@ class Terms(dict):
 
 
 class _Body:
-    """The categories of one distinct rank (shared by identical ranks)."""
+    """The categories of one distinct rank (shared by identical ranks).
 
-    __slots__ = ("terms", "values", "total", "stages", "pp_rank")
+    ``terms``: the snapshot at the rank's peak (what ``explain`` shows; categories and total are its
+    sums); ``catalogue``: every term the modules produced, alive at the peak or not (the snapshot
+    when not given); ``allocated``: the tracked bytes at the peak (the snapshot's tracked terms, summed when not given);
+    ``reserved``: what the caching allocator holds at most (``allocated`` when not given);
+    ``timeline``: the ``engine.memory.lifetimes.RankTimeline`` the snapshot was taken from (None
+    for a body assembled directly from terms).
+    """
 
-    def __init__(self, terms: dict[str, list[Term]], stages: tuple[int, ...], pp_rank: int):
+    __slots__ = ("terms", "catalogue", "values", "total", "stages", "pp_rank", "allocated", "reserved",
+                 "untracked", "timeline")
+
+    def __init__(self, terms: dict[str, list[Term]], stages: tuple[int, ...], pp_rank: int, *,
+                 catalogue: dict[str, list[Term]] | None = None, allocated: int | None = None,
+                 reserved: int | None = None, timeline=None):
         for c in MEMORY_CATEGORIES:
             for t in terms[c]:
                 if t.category != c:
                     raise ValueError(f"term {t.label!r} has category {t.category!r} but sits in {c!r}; "
                                      f"allowed categories: {', '.join(MEMORY_CATEGORIES)}")
         self.terms = terms
+        self.catalogue = catalogue if catalogue is not None else terms
         self.values = {c: sum(t.bytes for t in terms[c]) for c in MEMORY_CATEGORIES}
         self.total = sum(self.values.values())
         self.stages = stages
         self.pp_rank = pp_rank
+        if allocated is None:
+            allocated = sum(t.bytes for c in MEMORY_CATEGORIES for t in terms[c] if t.tracked)
+        self.allocated = allocated
+        self.reserved = self.allocated if reserved is None else reserved
+        # not tensors and not the caching allocator's: runtime context, collective-library buffers
+        # (the allocator slack is part of ``reserved``)
+        self.untracked = sum(t.bytes for t in terms["overhead"] if not t.tracked and t.kind != "allocator_slack")
+        self.timeline = timeline
+
+    @property
+    def peak_moment(self) -> str:
+        return self.timeline.peak_moment() if self.timeline is not None else ""
 
 
 class RankMemory:
-    """Memory of one rank: one attribute per category (bytes), ``total``, ``fits``, ``explain``."""
+    """Memory of one rank: one attribute per category (bytes), ``total``, ``allocated``, ``reserved``,
+    ``fits``, ``explain``.
+
+    The categories are the snapshot at the rank's peak (``engine.memory.lifetimes``): ``total`` is
+    their sum, ``allocated`` its tracked part (what ``torch.cuda.max_memory_allocated()`` reports),
+    ``reserved`` what ``torch.cuda.max_memory_reserved()`` would (the caching allocator's segments;
+    no runtime context, no collective-library buffers). ``fits``: reserved + those untracked
+    overhead terms ≤ capacity.
+    """
 
     __slots__ = ("rank", "tp_rank", "dp_rank", "_body", "_capacity")
 
@@ -110,8 +142,28 @@ class RankMemory:
         return self._body.total
 
     @property
+    def allocated(self) -> int:
+        """Tracked bytes at the peak: the tensors (categories less the untracked overhead terms)."""
+        return self._body.allocated
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the caching allocator reserves at most (``torch.cuda.max_memory_reserved()``)."""
+        return self._body.reserved
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device must hold: reserved + the untracked overhead (runtime context, collective buffers)."""
+        return self._body.reserved + self._body.untracked
+
+    @property
+    def peak_moment(self) -> str:
+        """The action at which the rank peaks, in words ("" without a timeline)."""
+        return self._body.peak_moment
+
+    @property
     def fits(self) -> bool:
-        return self._body.total <= self._capacity
+        return self.device_bytes <= self._capacity
 
     @property
     def model_states(self) -> int:
@@ -120,21 +172,30 @@ class RankMemory:
         return v["params"] + v["grads"] + v["optimizer"]
 
     def explain(self, category: str) -> list[Term]:
-        """The terms that make up ``category`` (their bytes sum to it)."""
+        """The terms that make up ``category`` at the peak (their bytes sum to it)."""
         if category not in self._body.terms:
             raise KeyError(f"unknown memory category {category!r}; allowed: {', '.join(MEMORY_CATEGORIES)}")
         return list(self._body.terms[category])
+
+    def catalogue(self, category: str) -> list[Term]:
+        """Every term of ``category`` the model produced, each at its largest, alive at the peak or not."""
+        if category not in self._body.catalogue:
+            raise KeyError(f"unknown memory category {category!r}; allowed: {', '.join(MEMORY_CATEGORIES)}")
+        return list(self._body.catalogue[category])
 
     def to_dict(self) -> dict:
         v = self._body.values
         out = {"rank": self.rank, "stage": self._body.stages[0], "stages": list(self._body.stages)}
         out.update((c, v[c]) for c in MEMORY_CATEGORIES)
         out["total"] = self._body.total
+        out["allocated"] = self._body.allocated
+        out["reserved"] = self._body.reserved
         out["fits"] = self.fits
         return out
 
     def __repr__(self) -> str:
-        return f"RankMemory(rank={self.rank}, stages={self.stages}, total={self.total / GIB:.2f} GiB)"
+        return (f"RankMemory(rank={self.rank}, stages={self.stages}, total={self.total / GIB:.2f} GiB, "
+                f"reserved={self.reserved / GIB:.2f} GiB)")
 
 
 def _category_property(name: str) -> property:

@@ -3,8 +3,9 @@
 ``conventions.state_accounting = "zero-paper"`` (``zero_paper_states``) is the ZeRO paper's split
 (Rajbhandari et al. 2020). ``w`` = compute-copy bytes (2 under bf16/fp16-mixed, 4 under fp32);
 ``g`` = ``training.grad_dtype`` bytes; optimizer = fp32 master copy (4, mixed precision only) +
-4 per state (adamw 2, sgd-momentum 1, sgd 0). ZeRO shards over ``parallel.shard_degree`` d (dp,
-or dp/replicate under HSDP) — never the world:
+4 per state (adamw 2, sgd-momentum 1, sgd 0). ZeRO shards over ``parallel.shard_degree`` d (dp·cp,
+or dp/replicate·cp under HSDP: context-parallel ranks join the shard group, torchtitan's
+dp_shard_cp mesh) — never the world:
     ZeRO-0  w·Ψ + g·Ψ + o·Ψ           ZeRO-2  w·Ψ + g·⌈Ψ/d⌉ + o·⌈Ψ/d⌉
     ZeRO-1  w·Ψ + g·Ψ + o·⌈Ψ/d⌉       ZeRO-3  (w + g + o)·Ψ_d, Ψ_d = Σ ⌈dim0/d⌉·rest per tensor
 (ZeRO-1/2 shard one flat buffer like DeepSpeed; ZeRO-3 pads every tensor's dim 0 like FSDP2.)
@@ -55,7 +56,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
     par, tr, model = cfg.parallel, cfg.training, cfg.model
     z, d, k = par.zero, par.shard_degree, OPTIMIZER_STATES[tr.optimizer]
     psi = rp.total
-    if z == 1 and par.tp > 1 and par.dp > 1:
+    if z == 1 and par.tp > 1 and par.dp_cp > 1:
         # torch has no ZeRO-1 for DTensor (TP) parameters (ZeroRedundancyOptimizer refuses them; the
         # backend raises): the states follow Megatron's distributed optimizer, an even flat split.
         T.add("params", f"parameters ({where}), fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="parameters")
@@ -253,7 +254,7 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
         opt_numel = sizes[dp_rank]
         rule = (f"{opt_numel:,} adapter elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
                 f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
-    elif z >= 1 and par.dp > 1 and not (fsdp2 and shard > 1):
+    elif z >= 1 and par.dp_cp > 1 and not (fsdp2 and shard > 1):
         opt_numel, rule = ceil_div(psi_lora, d), f"⌈Ψ_lora/d⌉ = ⌈{psi_lora:,}/{d}⌉"
     else:
         opt_numel, rule = lora_d, how

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine import names
+from engine.config import FIELD_RANGES
 from engine.params import param_counts
 from engine.presets import gpu_presets, model_presets
 from gui.family import family_for, format_params
@@ -53,9 +54,10 @@ class StepSlider(QWidget):
 
     valueChosen = Signal(int)
 
-    def __init__(self, values: list[int], parent=None):
+    def __init__(self, values: list[int], parent=None, fmt=None):
         super().__init__(parent)
         self.values = list(values)
+        self.fmt = fmt or (lambda v: f"{v:,}")
         self.slider = QSlider(Qt.Orientation.Horizontal)
         self.slider.setRange(0, len(self.values) - 1)
         self.slider.setPageStep(1)
@@ -72,7 +74,7 @@ class StepSlider(QWidget):
 
     def _moved(self, index: int) -> None:
         v = self.values[index]
-        self.label.setText(f"{v:,}")
+        self.label.setText(self.fmt(v))
         self.valueChosen.emit(v)
 
     def value(self) -> int:
@@ -87,7 +89,20 @@ class StepSlider(QWidget):
         self.slider.blockSignals(True)
         self.slider.setValue(self.values.index(v))
         self.slider.blockSignals(False)
-        self.label.setText(f"{v:,}")
+        self.label.setText(self.fmt(v))
+
+
+def tokens_label(n: int) -> str:
+    """A sequence length as the field says it: 131,072 up to a million tokens, then 1M, 2M, … (2²⁰ each)."""
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    return f"{n:,}"
+
+
+#: the sequence-length slider: powers of two from 16 to the field's bound (model.seq_len's range)
+SEQ_LEN_VALUES = powers_of_two(16, int(FIELD_RANGES["model.seq_len"].hi))
+
+CP_ROTATE_LABELS = {"allgather": "all-gather K/V", "alltoall": "ring (all-to-all)"}
 
 
 ZERO_LABELS = {
@@ -152,7 +167,7 @@ class ControlsPanel(QWidget):
         self.size_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.size_label.setWordWrap(True)  # a large model's shape takes two lines in a narrow column
         self._row(grid, "Size", "model.size", self.size, hint=LayoutBarrier(self.size_label))
-        self.seq_len = StepSlider(powers_of_two(16, 131072))
+        self.seq_len = StepSlider(SEQ_LEN_VALUES, fmt=tokens_label)
         self.seq_len.valueChosen.connect(lambda v: self._edit("model.seq_len", v))
         self._row(grid, "Sequence length", "model.seq_len", self.seq_len)
 
@@ -189,10 +204,17 @@ class ControlsPanel(QWidget):
         offer.addWidget(self.dataparallel_fix)
         self.dataparallel_offer.hide()
         self._row(grid, "DP mode", "parallel.dp_mode", self.dp_mode, hint=self.dataparallel_offer)
-        for key, label in (("dp", "Data parallel (dp)"), ("tp", "Tensor parallel (tp)"), ("pp", "Pipeline parallel (pp)")):
+        for key, label in (("dp", "Data parallel (dp)"), ("cp", "Context parallel (cp)"), ("tp", "Tensor parallel (tp)"),
+                           ("pp", "Pipeline parallel (pp)")):
             spin = self._spin(1, 16384, f"parallel.{key}")
             setattr(self, key, spin)
             self._row(grid, label, f"parallel.{key}", spin)
+        self.cp.setToolTip("Each sequence split over cp GPUs (head-tail: chunks i and 2·cp−1−i of 2·cp); "
+                           "attention exchanges K and V between them. Needs seq_len divisible by 2·cp.")
+        self.cp_rotate = self._choice(names.CP_ROTATE_METHODS, CP_ROTATE_LABELS, "parallel.cp_rotate")
+        self.cp_rotate.setToolTip("How K and V move between the cp ranks (torch's set_rotate_method): all-gather "
+                                  "them once per layer, or pass chunks round a ring in cp − 1 all-to-all steps")
+        self._row(grid, "CP exchange", "parallel.cp_rotate", self.cp_rotate)
         self.zero = QComboBox()
         for stage in names.ZERO_STAGES:
             self.zero.addItem(ZERO_LABELS.get(stage, f"ZeRO-{stage}"), stage)
@@ -342,6 +364,8 @@ class ControlsPanel(QWidget):
             self._set_spin(self.gpus_per_node, cl["gpus_per_node"])
             for key in ("dp", "tp", "pp", "virtual_stages"):
                 self._set_spin(getattr(self, key), par[key])
+            self._set_spin(self.cp, par.get("cp", 1))
+            self._set_data(self.cp_rotate, par.get("cp_rotate", "allgather"))
             i = self.zero.findData(par.get("zero", 0))
             self.zero.blockSignals(True)
             self.zero.setCurrentIndex(max(0, i))

@@ -1,7 +1,11 @@
 """The memory chart: per rank (or per group of identical ranks) a stacked bar by category.
 
-The GPU's capacity is a dashed line; a rank over it gets a red frame and an "over by …"
-label. Hovering a segment shows how the engine arrived at it (its ``explain()`` terms).
+Each bar is what the device holds, bottom to top: the allocated tensors by category (what
+``torch.cuda.max_memory_allocated()`` reports), a hatched cap up to what the caching allocator
+reserves (``max_memory_reserved()``: allocated plus its cached free blocks), and the untracked
+overhead above it (the CUDA context and the collective library's buffers, outside the
+allocator). The GPU's capacity is a dashed line; a rank whose reserved + overhead is over it
+gets a red frame and an "over by …" label. Hovering a segment shows how the engine arrived at it (its ``explain()`` terms).
 After a run, measured memory stands as an outlined bar beside each predicted one. A pinned
 baseline stands as a thinner, lighter stack on the left of each group (the baseline's fullest
 rank among the group's ranks), and the header says how the peak moved from the baseline's.
@@ -13,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QTransform
+from PySide6.QtCore import QLineF, QRectF, Qt
+from PySide6.QtGui import QBrush, QColor, QPen, QTransform
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
@@ -37,6 +41,8 @@ CATEGORY_COLORS = {
     "overhead": "#9D755D",
 }
 OVER_COLOR = "#D62728"
+RESERVED_FILL = "#DCDCDC"  # the cap from allocated up to reserved: a light grey, hatched darker
+RESERVED_LINE = "#4D4D4D"
 BASELINE_COLORS = {  # each category's colour, halfway to white: the same hue, lighter, never white itself
     c: "#" + "".join(f"{round(int(v[i:i + 2], 16) * 0.55 + 255 * 0.45):02X}" for i in (1, 3, 5))
     for c, v in CATEGORY_COLORS.items()}
@@ -73,6 +79,14 @@ class RankGroup:
     fits: bool
     sample: object  # one RankMemory of the group, for explain()
     measured: dict[str, float] = field(default_factory=dict)
+    allocated: int = 0  # tracked bytes at the peak (torch.cuda.max_memory_allocated())
+    reserved: int = 0  # the caching allocator's reserve (torch.cuda.max_memory_reserved())
+    device_bytes: int = 0  # reserved + the untracked overhead (CUDA context, collective buffers)
+
+    @property
+    def untracked(self) -> int:
+        """The overhead outside the caching allocator: CUDA context and collective-library buffers."""
+        return max(0, self.device_bytes - self.reserved)
 
     @property
     def label(self) -> str:
@@ -80,17 +94,94 @@ class RankGroup:
 
 
 def group_ranks(report) -> list[RankGroup]:
+    """Ranks with identical categories, allocated, reserved and device bytes, in rank order."""
     groups: dict[tuple, RankGroup] = {}
     for rm in report.per_rank:
         values = {c: int(getattr(rm, c)) for c in MEMORY_CATEGORIES}
-        key = tuple(values.values())
+        total = int(getattr(rm, "total", sum(values.values())))
+        allocated = int(getattr(rm, "allocated", total))
+        reserved = int(getattr(rm, "reserved", allocated))
+        device = int(getattr(rm, "device_bytes", reserved))
+        key = (*values.values(), allocated, reserved, device)
         if key in groups:
             groups[key].ranks.append(int(rm.rank))
         else:
-            total = int(getattr(rm, "total", sum(values.values())))
-            fits = bool(getattr(rm, "fits", total <= report.capacity_bytes))
-            groups[key] = RankGroup([int(rm.rank)], values, total, fits, rm)
+            fits = bool(getattr(rm, "fits", device <= report.capacity_bytes))
+            groups[key] = RankGroup([int(rm.rank)], values, total, fits, rm, allocated=allocated, reserved=reserved,
+                                    device_bytes=device)
     return sorted(groups.values(), key=lambda g: g.ranks[0])
+
+
+#: the segments of a bar, bottom to top: the categories but overhead (the tensors), the reserved cap
+#: (reserved − allocated: the caching allocator's blocks beyond the live tensors), then overhead (the
+#: CUDA context and collective buffers outside the allocator, and any overhead the tracker sees)
+SEGMENTS = (*(c for c in MEMORY_CATEGORIES if c != "overhead"), "reserved", "overhead")
+RESERVED_SEGMENT = len(SEGMENTS) - 2
+
+
+def segment_bytes(groups: list[RankGroup]) -> np.ndarray:
+    """groups × SEGMENTS, in bytes: what each bar is made of, bottom to top (they sum to max(total,
+    reserved + untracked overhead))."""
+    k = len(SEGMENTS) - 2
+    out = np.zeros((len(groups), len(SEGMENTS)))
+    if not groups:
+        return out
+    out[:, :k] = [[g.values[c] for c in SEGMENTS[:k]] for g in groups]
+    allocated, reserved, untracked = np.array([(g.allocated, g.reserved, g.untracked) for g in groups], float).T
+    tensors = out[:, :k].sum(axis=1)
+    tracked_overhead = np.maximum(0.0, allocated - tensors)  # none in today's model
+    out[:, k] = np.maximum(0.0, reserved - tensors - tracked_overhead)
+    out[:, k + 1] = tracked_overhead + untracked
+    return out
+
+
+class ReservedCapsItem(pg.GraphicsObject):
+    """The reserved caps: light boxes from allocated up to reserved, hatched and outlined (in pixels,
+    so the hatching looks the same at every scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self._rects: list[QRectF] = []
+        self._key: tuple = ()
+        self._bounds = QRectF()
+        self._fill = QBrush(QColor(RESERVED_FILL))
+        self._hatch = QBrush(QColor(RESERVED_LINE), Qt.BrushStyle.BDiagPattern)
+        self._pen = QPen(QColor(RESERVED_LINE), 1.2)
+        self._pen.setCosmetic(True)
+
+    def set_caps(self, x0, x1, y0, y1) -> None:
+        key = (tuple(x0), tuple(x1), tuple(y0), tuple(y1))
+        if key == self._key:
+            return
+        self._key = key
+        self.prepareGeometryChange()
+        rects = [QRectF(a, c, b - a, d - c) for a, b, c, d in zip(x0, x1, y0, y1) if d > c]
+        self._rects = rects
+        self._bounds = QRectF()
+        for r in rects:
+            self._bounds = self._bounds.united(r)
+        self.update()
+
+    def boundingRect(self) -> QRectF:
+        return self._bounds
+
+    def paint(self, p, *args) -> None:
+        if not self._rects:
+            return
+        t = p.transform()
+        p.save()
+        p.resetTransform()
+        lines = []
+        for r in self._rects:
+            d = t.mapRect(r).normalized()
+            p.fillRect(d, self._fill)
+            p.fillRect(d, self._hatch)
+            # the reserved level, and the cap's sides
+            lines += [QLineF(d.topLeft(), d.topRight()), QLineF(d.topLeft(), d.bottomLeft()),
+                      QLineF(d.topRight(), d.bottomRight())]
+        p.setPen(self._pen)
+        p.drawLines(lines)
+        p.restore()
 
 
 def explain_text(rank_memory, category: str) -> str:
@@ -157,6 +248,8 @@ class MemoryChart(QWidget):
         lay.addLayout(head)
         legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
                                      for c in MEMORY_CATEGORIES)
+        legend += (f'&nbsp;&nbsp;<span style="color:{RESERVED_LINE}">▨</span> reserved, not allocated '
+                   "(caching allocator) · overhead on top: CUDA context, collective buffers")
         self._legend_html = legend
         self.legend = QLabel()
         self.legend.setWordWrap(True)  # a long run name wraps instead of widening the chart
@@ -257,6 +350,7 @@ class MemoryChart(QWidget):
     def _build_items(self, pi) -> None:
         """Persistent items: re-adding pyqtgraph items on every slider move costs milliseconds."""
         self.stacks = BoxesItem()  # predicted segments, one drawRects per category colour
+        self.reserved_caps = ReservedCapsItem()  # allocated up to reserved, per bar
         self.measured_stacks = BoxesItem(alpha=70, outline=True)
         # the baseline's segments, in bytes and scaled into the view by the item's transform: a move
         # that only rescales the chart then sets a transform, not the boxes again
@@ -274,8 +368,8 @@ class MemoryChart(QWidget):
         self.full_line.setVisible(False)
         self.full_label.setVisible(False)
         self.over_labels = [pg.TextItem("", color=OVER_COLOR, anchor=(0.5, 1.0)) for _ in range(MAX_OVER_LABELS)]
-        for item in (self.stacks, self.measured_stacks, self.baseline_stacks, self.frames, self.capacity_line,
-                     self.full_line, self.full_label, self.off_scale, *self.over_labels):
+        for item in (self.stacks, self.reserved_caps, self.measured_stacks, self.baseline_stacks, self.frames,
+                     self.capacity_line, self.full_line, self.full_label, self.off_scale, *self.over_labels):
             pi.addItem(item)
         # sizes in pixels of the text drawn above bars and lines (TextItems ignore the view's scale)
         probe = pg.TextItem("over by\n888.88 GiB")
@@ -312,8 +406,8 @@ class MemoryChart(QWidget):
         pi = self.plot.getPlotItem()
         if not self.groups:
             self.header.setText("Memory per rank")
-            for item in (self.stacks, self.measured_stacks, self.baseline_stacks, self.frames, self.capacity_line,
-                         self.full_line, self.full_label, self.off_scale, *self.over_labels):
+            for item in (self.stacks, self.reserved_caps, self.measured_stacks, self.baseline_stacks, self.frames,
+                         self.capacity_line, self.full_line, self.full_label, self.off_scale, *self.over_labels):
                 item.setVisible(False)
             return
         n = len(self.groups)
@@ -322,7 +416,8 @@ class MemoryChart(QWidget):
         self.baseline_groups = self._baseline_of_groups() if self._base_values is not None else []
         has_base = any(b is not None for b in self.baseline_groups)
         base_peak = max((float(b[1].sum()) for b in self.baseline_groups if b is not None), default=0.0)
-        peak_bytes = max(max(g.total for g in self.groups), self._measured_max() * GIB, base_peak)
+        segments = segment_bytes(self.groups)
+        peak_bytes = max(float(segments.sum(axis=1).max()), self._measured_max() * GIB, base_peak)
         unit = (GIB, "GiB") if peak_bytes >= 0.5 * GIB else (2.0**20, "MiB")
         if unit != (self.unit, self.unit_name):
             self.unit, self.unit_name = unit
@@ -335,7 +430,7 @@ class MemoryChart(QWidget):
             width = 0.32 if has_measured else 0.45
             xp = x - 0.02 if has_measured else x + 0.1
             xm = x + 0.3
-        values = np.array([[g.values[c] for c in MEMORY_CATEGORIES] for g in self.groups], float) / self.unit
+        values = segments / self.unit
         top_of = np.cumsum(values, axis=1)
         totals = top_of[:, -1]
         cap = self.capacity_bytes / self.unit
@@ -378,10 +473,16 @@ class MemoryChart(QWidget):
             pi.getAxis("left").setScale(top)
         values, top_of, totals, cap = values / top, top_of / top, totals / top, cap / top
         bottom_of = top_of - values
-        cat = np.tile(np.arange(len(MEMORY_CATEGORIES)), n)
-        xs = np.repeat(xp, len(MEMORY_CATEGORIES))
+        drawn = [j for j in range(len(SEGMENTS)) if j != RESERVED_SEGMENT]  # one box per category and bar
+        k = len(drawn)
+        cat = np.tile([MEMORY_CATEGORIES.index(SEGMENTS[j]) for j in drawn], n)
+        xs = np.repeat(xp, k)
         colors = [CATEGORY_COLORS.get(c, "#888") for c in MEMORY_CATEGORIES]
-        self.stacks.set_boxes(xs - width / 2, xs + width / 2, bottom_of.ravel(), top_of.ravel(), colors, cat)
+        self.stacks.set_boxes(xs - width / 2, xs + width / 2, bottom_of[:, drawn].ravel(), top_of[:, drawn].ravel(),
+                              colors, cat)
+        self.reserved_caps.set_caps(xp - width / 2, xp + width / 2, bottom_of[:, RESERVED_SEGMENT],
+                                    top_of[:, RESERVED_SEGMENT])
+        self.reserved_caps.setVisible(True)
         if has_base:
             self._draw_baseline(x, top)
         if self.baseline_stacks.isVisible() != has_base:
@@ -396,7 +497,7 @@ class MemoryChart(QWidget):
         for k, label in enumerate(self.over_labels):
             if k < len(over) and show_over:
                 i = over[k]
-                label.setText(f"over by\n{fmt_bytes(self.groups[i].total - self.capacity_bytes)}")
+                label.setText(f"over by\n{fmt_bytes(self.groups[i].device_bytes - self.capacity_bytes)}")
                 label.setPos(xp[i], totals[i])
                 label.setVisible(True)
             elif label.isVisible():
@@ -406,11 +507,11 @@ class MemoryChart(QWidget):
         else:
             self.measured_stacks.setVisible(False)
         self.capacity_line.setValue(cap)
+        self.capacity_line.setVisible(self.capacity_in_view)
         cap_text = f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}"
-        if cap_text != self._cap_text:
+        if cap_text != self._cap_text and self.capacity_in_view:  # a hidden label ignores a new text
             self._cap_text = cap_text
             self.capacity_line.label.setFormat(cap_text)
-        self.capacity_line.setVisible(self.capacity_in_view)
         if full_in_view:
             self.full_line.setValue(full / top)
             self.full_label.setPos(n - 0.45, full / top)
@@ -430,16 +531,17 @@ class MemoryChart(QWidget):
         if ticks != self._ticks:
             self._ticks = ticks
             pi.getAxis("bottom").setTicks([ticks, []])
-        worst = max(self.groups, key=lambda g: g.total)
+        worst = max(self.groups, key=lambda g: (g.device_bytes, g.total))
         verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
-                   else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.total)} on the fullest")
+                   else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.device_bytes)} on the fullest")
         # short: the header shares its row with the metrics panel; the chart itself carries the words
         extra = (" · LoRA" if self.full_finetune_peak is not None else "") + \
             (" · nn.DataParallel" if self.dataparallel else "")
         # the header, not a text item in the plot: a QGraphicsTextItem re-laid out per move costs ~0.4 ms
         diff = self._peak_difference()
-        self.header.setText(f"Memory per rank · peak {fmt_bytes(worst.total)} of {fmt_bytes(self.capacity_bytes)}"
-                            f"{f' ({diff})' if diff else ''} · {verdict}{extra}")
+        self.header.setText(f"Memory per rank · fullest {fmt_bytes(worst.allocated)} allocated, "
+                            f"{fmt_bytes(worst.reserved)} reserved, {fmt_bytes(worst.device_bytes)} on the device "
+                            f"of {fmt_bytes(self.capacity_bytes)}{f' ({diff})' if diff else ''} · {verdict}{extra}")
         if self.header.property("alarm") != bool(over):
             self.header.setProperty("alarm", bool(over))
             self.header.style().unpolish(self.header)
@@ -538,16 +640,17 @@ class MemoryChart(QWidget):
     # ------------------------------------------------------------------ hover
 
     def segment_at(self, x: float, y: float) -> tuple[RankGroup, str] | None:
-        """The (group, category) under a point in chart coordinates (y in the chart's unit)."""
+        """The (group, segment) under a point in chart coordinates (y in the chart's unit): a category,
+        or "reserved" for the cap from allocated up to reserved."""
         i = int(round(x))
         if not 0 <= i < len(self.groups):
             return None
         g = self.groups[i]
         acc = 0.0
-        for c in MEMORY_CATEGORIES:
-            h = g.values[c] / self.unit
+        for name, b in zip(SEGMENTS, segment_bytes([g])[0]):
+            h = b / self.unit
             if acc <= y < acc + h:
-                return g, c
+                return g, name
             acc += h
         return None
 
@@ -580,12 +683,28 @@ class MemoryChart(QWidget):
         if hit is None:
             return ""
         g, c = hit
-        head = f"{g.label} · {c}: {fmt_bytes(g.values[c])} predicted"
-        m = self.measured_for_group(g)
-        if m is not None:
-            head += f", {fmt_bytes(m.get(c, 0))} measured"
-        body = explain_text(g.sample, c)
-        return head + ("\n" + body if body else "")
+        if c == "reserved":
+            head = (f"{g.label} · reserved, not allocated: {fmt_bytes(g.reserved - g.allocated)} predicted — "
+                    "blocks the caching allocator holds beyond the live tensors (segment rounding, splitting, "
+                    "freed blocks kept for reuse)")
+            body = ""
+        else:
+            head = f"{g.label} · {c}: {fmt_bytes(g.values[c])} predicted"
+            m = self.measured_for_group(g)
+            if m is not None:
+                head += f", {fmt_bytes(m.get(c, 0))} measured"
+            body = explain_text(g.sample, c)
+        return head + ("\n" + body if body else "") + "\n" + self.device_text(g)
+
+    def device_text(self, g: RankGroup) -> str:
+        """Allocated, reserved, overhead and capacity of one bar, in GiB, as a GPU user reads them."""
+        def gib(n: float) -> str:
+            return f"{n / GIB:.2f} GiB"
+        verdict = "fits" if g.fits else f"does NOT fit (over by {gib(g.device_bytes - self.capacity_bytes)})"
+        return (f"allocated {gib(g.allocated)} (live tensors at the peak: max_memory_allocated)\n"
+                f"reserved {gib(g.reserved)} (what the caching allocator holds: max_memory_reserved)\n"
+                f"overhead {gib(g.untracked)} (CUDA context, collective buffers: outside the allocator)\n"
+                f"reserved + overhead {gib(g.device_bytes)} of capacity {gib(self.capacity_bytes)}: {verdict}")
 
     def _hover(self, pos) -> None:
         vb = self.plot.getPlotItem().getViewBox()

@@ -51,6 +51,14 @@ EXPLAINER: dict[str, tuple[str, str]] = {
            "The parts TP leaves replicated (norms, dropout, residuals) are split along the sequence instead, so "
            "their activations shrink by tp too. The all-reduces become reduce-scatter + all-gather of the same "
            "volume: more memory saved at no extra traffic. Turn it on whenever tp > 1."),
+    "cp": ("Context parallel (CP)",
+           "Splits every sequence over cp GPUs, so each holds seq_len / cp tokens of every activation — the lever "
+           "for long context (32K to 256K tokens and beyond), where activations, not weights, fill memory. Torch's "
+           "head-tail layout gives GPU i chunks i and 2·cp−1−i of 2·cp, balancing the causal work. Attention still "
+           "needs every key: K and V are all-gathered once per layer ('allgather') or passed round a ring of cp − 1 "
+           "steps ('alltoall'), overlapped with the blockwise attention; the backward sends dK and dV back. The cp "
+           "GPUs also join the FSDP shard group (torchtitan's dp_shard_cp), so weights shard over dp·cp. Compose it "
+           "with TP inside a node and FSDP across nodes."),
     "pp": ("Pipeline parallel (PP)",
            "Cuts the layers into stages on different ranks and streams microbatches through them, sending only "
            "activations between neighbours: the cheapest traffic of all, so it is what crosses slow inter-node "
@@ -101,6 +109,8 @@ def active_strategies(cfg) -> list[str]:
         keys.append("dataparallel")
     elif par.dp > 1 or par.zero:
         keys.append({0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[par.zero])
+    if par.cp > 1:
+        keys.append("cp")
     if par.tp > 1:
         keys.append("tp")
     if par.sequence_parallel:
@@ -116,11 +126,28 @@ def active_strategies(cfg) -> list[str]:
     return keys
 
 
+#: what the memory chart's bars are made of, for a GPU user (shown under the strategies in use)
+MEMORY_WORDS = (
+    "<p><b>Allocated and reserved.</b> <i>Allocated</i>: live tensors at the peak, what "
+    "<code>torch.cuda.max_memory_allocated()</code> reports (the coloured categories). <i>Reserved</i>: what the "
+    "caching allocator holds, <code>torch.cuda.max_memory_reserved()</code>: the allocated blocks plus the free "
+    "ones it keeps for reuse (sizes rounded up, segments split, freed blocks cached), the hatched cap. Above it, "
+    "outside the allocator, the CUDA context and the collective library's (NCCL's) buffers, which only nvidia-smi "
+    "shows. A rank fits when reserved + that overhead is within the card's capacity. "
+    "<code>PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True</code> "
+    "(conventions.expandable_segments) keeps reserved closer to allocated.</p>")
+CPU_MEMORY_WORDS = (
+    "<p><b>Allocated and reserved.</b> CPU ranks have no caching allocator and no CUDA context: what they "
+    "reserve is what they allocate, the live tensors at the peak. On a GPU the same step also reserves the "
+    "allocator's cached free blocks (<code>max_memory_reserved</code>) and the CUDA context and NCCL buffers.</p>")
+
+
 def explainer_html(cfg) -> str:
     active = active_strategies(cfg)
     parts = ["<p><b>In this configuration:</b> "
              + (", ".join(EXPLAINER[k][0] for k in active if k in EXPLAINER) or "a single GPU, no parallelism")
              + ".</p>"]
+    parts.append(CPU_MEMORY_WORDS if cfg.cluster.gpu.name == "cpu" else MEMORY_WORDS)
     for key in [*active, *(k for k in EXPLAINER if k not in active)]:
         if key not in EXPLAINER:
             continue
@@ -150,8 +177,9 @@ def metric_rows(pred) -> list[tuple[str, str]]:
     cfg = pred.config
     rows = [
         ("Global batch", f"{cfg.global_batch_size:,} sequences · {cfg.tokens_per_step:,} tokens"),
-        ("Layout", f"{cfg.parallel.world_size} ranks = dp {cfg.parallel.dp} × tp {cfg.parallel.tp} × pp {cfg.parallel.pp}"
-                   f" on {cfg.cluster.nodes} node(s)"),
+        ("Layout", f"{cfg.parallel.world_size} ranks = dp {cfg.parallel.dp} × "
+                   + (f"cp {cfg.parallel.cp} × " if cfg.parallel.cp > 1 else "")
+                   + f"tp {cfg.parallel.tp} × pp {cfg.parallel.pp} on {cfg.cluster.nodes} node(s)"),
     ]
     step = pred.step  # engine.step.StepTime
     if step is not None:
@@ -177,9 +205,8 @@ def metric_rows(pred) -> list[tuple[str, str]]:
     mem = pred.memory
     if mem is not None and mem.per_rank:
         peak = max(mem.per_rank, key=lambda r: r.total)
-        head = mem.capacity_bytes - peak.total
         rows.append(("Peak memory", f"{fmt_bytes(peak.total)} on rank {peak.rank}"))
-        rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))))
+        rows.extend(device_rows(mem, cfg))
         if cfg.parallel.dp_mode == "dataparallel" and len(mem.per_rank) > 1:
             g0, gi = mem.per_rank[0].total, mem.per_rank[-1].total
             rows.append(("GPU 0 vs others", f"{fmt_bytes(g0)} vs {fmt_bytes(gi)} (+{fmt_bytes(g0 - gi)}: module, "
@@ -199,6 +226,30 @@ def metric_rows(pred) -> list[tuple[str, str]]:
     return rows
 
 
+def device_rows(mem, cfg) -> list[tuple[str, str]]:
+    """The fullest rank (by what the device must hold) as a GPU user reads it: allocated, reserved,
+    the overhead outside the allocator, and the headroom that is left of the card."""
+    worst = max(mem.per_rank, key=lambda r: (getattr(r, "device_bytes", r.total), -r.rank))
+    allocated = getattr(worst, "allocated", worst.total)
+    reserved = getattr(worst, "reserved", allocated)
+    device = getattr(worst, "device_bytes", reserved)
+    cpu = cfg.cluster.gpu.name == "cpu"
+    rows = [("Allocated", f"{fmt_bytes(allocated)} on rank {worst.rank}: live tensors at the peak "
+                          "(max_memory_allocated)")]
+    if cpu:
+        rows.append(("Reserved", f"{fmt_bytes(reserved)}: CPU ranks have no caching allocator, so reserved = "
+                                 "allocated"))
+    else:
+        rows.append(("Reserved", f"{fmt_bytes(reserved)} on rank {worst.rank}: what the caching allocator holds "
+                                 f"(max_memory_reserved), {fmt_bytes(reserved - allocated)} above allocated"))
+        rows.append(("Outside the allocator", f"{fmt_bytes(device - reserved)}: CUDA context and collective "
+                                              f"buffers; {fmt_bytes(device)} on the device"))
+    head = mem.capacity_bytes - device
+    rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))
+                 + f" of {fmt_bytes(mem.capacity_bytes)}"))
+    return rows
+
+
 #: metric row -> (the PredictionDiff number its change is told by, how to write the baseline's value);
 #: "peak.total" is diff.peak["total"]
 ROW_CHANGES = {
@@ -210,8 +261,8 @@ ROW_CHANGES = {
     "Peak memory": ("peak.total", fmt_bytes),
 }
 #: rows shown with the baseline's value only when it differs (no single number to take a change of)
-ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Memory headroom", "GPU 0 vs others", "Trainable (LoRA)",
-                         "Full fine-tune would need")
+ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Allocated", "Reserved", "Outside the allocator", "Memory headroom",
+                         "GPU 0 vs others", "Trainable (LoRA)", "Full fine-tune would need")
 
 
 def format_change(change) -> str:

@@ -15,13 +15,12 @@ import tempfile
 from pathlib import Path
 
 import pyqtgraph as pg
-from PySide6.QtCore import QProcess, Qt
+from PySide6.QtCore import QEvent, QProcess, Qt
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QApplication,
     QHBoxLayout,
-    QHeaderView,
     QLabel,
     QProgressBar,
     QPushButton,
@@ -110,6 +109,12 @@ class PlannerPanel(QWidget):
         self.table = QTableWidget(0, len(TABLE_HEADERS))
         self.table.setHorizontalHeaderLabels(TABLE_HEADERS)
         self.table.resizeColumnsToContents()  # before the first plan: every title readable
+        # the verdict column is often wider than the table's room: its title starts at its left edge, in
+        # sight, and the column is as wide as its longest reason (the table scrolls instead of eliding it)
+        self.table.horizontalHeaderItem(len(TABLE_HEADERS) - 1).setTextAlignment(
+            Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
+        self._verdict_width = self.table.horizontalHeader().sectionSize(len(TABLE_HEADERS) - 1)
+        self.table.viewport().installEventFilter(self)
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 4)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -139,8 +144,11 @@ class PlannerPanel(QWidget):
         pi.addItem(self.scatter)
         self.selected = pg.ScatterPlotItem(size=15, pen=pg.mkPen("k", width=2), brush=None, symbol="o")
         pi.addItem(self.selected)
+        # the label hangs down from near the top, left of the line (the points are left of capacity): inside
+        # the plot however short the plot is
         self.capacity_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#B00020", width=1, style=Qt.PenStyle.DashLine),
-                                             label="capacity", labelOpts={"position": 0.92, "color": "#B00020"})
+                                             label="capacity", labelOpts={"position": 0.97, "color": "#B00020",
+                                                                          "anchors": [(1, 0), (1, 0)]})
         self.capacity_line.hide()
         pi.addItem(self.capacity_line, ignoreBounds=True)  # shown when the points reach it, never zoomed out to
         right = QWidget()
@@ -316,7 +324,8 @@ class PlannerPanel(QWidget):
                 item.setToolTip(f"{row[1]}\n{why}\nclick: make it the window's config")
                 self.table.setItem(i, j, item)
         self.table.resizeColumnsToContents()
-        self.table.horizontalHeader().setSectionResizeMode(len(TABLE_HEADERS) - 1, QHeaderView.ResizeMode.Stretch)
+        self._verdict_width = self.table.horizontalHeader().sectionSize(len(TABLE_HEADERS) - 1)
+        self._stretch_verdict_column()
         self.table.setUpdatesEnabled(True)
         self._fit_table()
 
@@ -336,6 +345,20 @@ class PlannerPanel(QWidget):
         self._say(outcome.summary())
         self.why.setText("")
         self._mark_current()
+
+    def _stretch_verdict_column(self) -> None:
+        """The verdict column takes the rest of the table's width, or its full contents when wider."""
+        header = self.table.horizontalHeader()
+        last = len(TABLE_HEADERS) - 1
+        room = self.table.viewport().width() - sum(header.sectionSize(i) for i in range(last))
+        width = max(self._verdict_width, room)
+        if header.sectionSize(last) != width:
+            header.resizeSection(last, width)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.table.viewport() and event.type() == QEvent.Type.Resize:
+            self._stretch_verdict_column()
+        return super().eventFilter(obj, event)
 
     def _fit_table(self) -> None:
         """Give the table the width its columns need (the verdict column at least 220 px), the scatter the rest,

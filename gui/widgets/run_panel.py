@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QSplitter,
     QTableWidget,
@@ -45,6 +46,32 @@ TARGET_NOTES = {
 }
 HEADERS = ["rank", "quantity", "predicted", "measured", "error %", "why it differs / note"]
 
+
+
+class WrappedLabel(QLabel):
+    """A word-wrapped label whose minimum height follows its text at its current width.
+
+    A wrapped QLabel in a row layout is given the height of its size hint (computed for another
+    width), so on a short tab the splitter below could squeeze it under its text; this one asks
+    for ``heightForWidth(width())`` whenever its width or text changes."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None):
+        super().__init__(text, parent)
+        self.setWordWrap(True)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
+
+    def _fit(self) -> None:
+        need = self.heightForWidth(self.width()) if self.width() > 0 else -1
+        if need > 0 and need != self.minimumHeight():
+            self.setMinimumHeight(need)
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self._fit()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit()
 
 class RunPanel(QWidget):
     def __init__(self, state, parent=None):
@@ -85,9 +112,8 @@ class RunPanel(QWidget):
         self.status.setWordWrap(True)
         lay.addWidget(self.status)
         offer = QHBoxLayout()
-        self.runnable_note = QLabel()
+        self.runnable_note = WrappedLabel()
         self.runnable_note.setObjectName("note")
-        self.runnable_note.setWordWrap(True)
         self.back_button = QPushButton("Back to your config")
         self.back_button.hide()
         offer.addWidget(self.runnable_note, 1)

@@ -1,0 +1,401 @@
+"""When each term of a rank is alive during one training step, the rank's peak, and its allocation events.
+
+The other modules of this package say *how many bytes* each term is (``Term.bytes``) and, for
+activations, at how many microbatches in flight (``Term.in_flight``). This one says *when* each
+is alive, so that a rank's peak is what is alive at one moment, not the sum of every term at its
+own largest. The bytes of every term stay as those modules give them; a term that scales with the
+microbatches in flight is split into its bytes per microbatch (``bytes // in_flight``).
+
+The moments of a step are the compute actions of the rank, in the order torch executes them
+(``engine.schedules``' action lists: ``pipeline_actions`` under pipelining, F then B per microbatch
+without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
+
+  step                 alive all step: parameters, gradients, optimizer states (the states are
+                       counted at their full size throughout, as the backend measures them: exact
+                       sizes beside the tracker's peak), DDP buckets (the Reducer allocates them at
+                       construction), the p2p receive buffers (allocated once per microbatch at the
+                       first step), autocast's cached weight casts, FSDP2's unsharded parameters
+                       where every unit stays gathered between forward and backward
+  microbatch           a stage-microbatch's saved activations: from its F until its full backward B,
+                       or until its W where the backward is split (I then W)
+  to_step_end          the last stage's kept outputs (logits): from the microbatch's F to the step's end
+  every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
+                       the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
+  backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
+  backward_input       transient during B and I: the block recomputed in its backward
+  loss                 transient during the last stage's B or I: the fp32 logits and their gradient
+  synchronised_backward transient during the rank's last B or I (DDP's synchronised backward)
+  after_first_backward from the rank's first B or I to the step's end: FSDP2's unsharded gradients
+                       (accumulated without sync until REDUCE_GRAD), and under pipelining its
+                       unsharded parameters (``set_reshard_after_backward(False)``)
+
+A moment's live bytes are the step terms, the stage-microbatches alive then (at an F: after it
+allocates; at a B, I or W: before it frees), the kept outputs so far, and the transients of that
+action. **The peak is the first moment with the most live tracked bytes**, and the rank's categories
+are the snapshot at that moment: the terms alive then, per-microbatch terms at the microbatches
+alive then (their label and formula say so), the others whole; a term not alive then is not in the
+snapshot. So the total stays the sum of the categories, and each category the sum of its terms.
+Untracked overhead terms (runtime context, collective-library buffers, allocator slack) are not
+tensors: they are added on top, as before.
+
+``allocation_events`` turns the same timeline into the caching allocator's input
+(``engine.memory.allocator.replay``): ("alloc", key, nbytes[, stream]) and ("free", key), one block
+per term (per stage-microbatch for activations), FSDP2's gathered buffers on the all-gather stream.
+Both are cached on a hashable signature of the rank (schedule, rank, the bytes of each lifetime):
+identical ranks and repeated slider positions cost a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.memory.report import Term
+from engine.names import MEMORY_CATEGORIES
+from engine.schedules import ACTION_KINDS, pipeline_actions, single_rank_plan
+
+_F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
+
+#: the transient lifetimes, in the order of their columns in the moment matrix
+TRANSIENT = ("every_action", "backward", "backward_input", "loss", "synchronised_backward", "after_first_backward")
+
+#: every lifetime (see the module docstring)
+LIFETIME_NAMES = ("step", "microbatch", "to_step_end") + TRANSIENT
+
+#: term kind -> lifetime; activation terms of a stage with microbatches in flight are "microbatch"
+#: whatever their kind (``lifetime_of``). Kinds not listed are alive all step (the safe side: a
+#: term never drops out of a peak for want of a rule).
+LIFETIMES: dict[str, str] = {
+    "parameters": "step", "gradients": "step", "optimizer_states": "step", "master_weights": "step",
+    "frozen_base": "step", "adapters": "step", "ddp_buckets": "step", "p2p_activation_receive": "step",
+    "p2p_gradient_receive": "step", "autocast_weight_casts": "step", "none": "step",
+    "pipeline_outputs": "to_step_end",
+    "all_gather_output": "every_action", "all_gather_input": "every_action", "unsharded_params": "every_action",
+    "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward",
+    "recomputed_block": "backward_input",
+    "loss": "loss",
+    "ddp_backward_temporary": "synchronised_backward",
+    "fsdp_unsharded_grads": "after_first_backward",
+    # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
+}
+
+#: the stream FSDP2's all-gathers allocate on (the default stream is 0)
+ALL_GATHER_STREAM = 1
+
+#: the term kinds whose buffers FSDP2 allocates on its all-gather stream
+ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
+                                     "unsharded_params"})
+
+
+def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, after_backward: bool) -> str:
+    """The lifetime of FSDP2's unsharded-parameters term, as ``engine.memory.buffers`` chose it:
+    current (+ prefetched) unit → every action; every unit kept from the first backward on under
+    pipelining (resharded after each forward before it) → after the first backward; every unit
+    gathered between forward and backward (ZeRO-2, replicate, ZeRO-3 not resharding after forward)
+    → all step."""
+    if sharded and reshard_after_forward:
+        return "after_first_backward" if after_backward else "every_action"
+    return "step"
+
+
+def lifetime_of(term: Term, fsdp_params: str = "step") -> str:
+    """The lifetime of one term (``fsdp_params``: that of FSDP2's unsharded parameters)."""
+    if term.category == "activations" and term.stage is not None and term.in_flight is not None \
+            and term.kind != "pipeline_outputs":
+        return "microbatch"
+    if term.kind == "fsdp_unsharded_params":
+        return fsdp_params
+    return LIFETIMES.get(term.kind, "step")
+
+
+# --------------------------------------------------------------------------- the moments of a step
+
+
+class Moments(NamedTuple):
+    """The moments of one rank's step (one per compute action), as arrays.
+
+    ``kind``, ``stage``, ``microbatch``: the action; ``counts[i, j]``: stage-microbatches of local
+    stage j alive at moment i; ``outputs[i]``: the last stage's forwards done by moment i;
+    ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i.
+    """
+
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    counts: np.ndarray
+    outputs: np.ndarray
+    masks: np.ndarray
+
+    @property
+    def matrix(self) -> np.ndarray:
+        return np.column_stack([self.counts, self.outputs, self.masks])
+
+
+@lru_cache(maxsize=512)
+def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatches: int) -> Moments:
+    """The moments of ``pp_rank``'s step (read-only arrays, cached): see :class:`Moments`."""
+    m = microbatches
+    if pp == 1:
+        plan, stages = single_rank_plan(schedule, m), [0]
+    else:
+        plan = pipeline_actions(schedule, pp, m, virtual_stages)
+        stages = plan.stages_of_rank(pp_rank)
+    a = plan.arrays
+    lo, hi = int(a.offsets[pp_rank if pp > 1 else 0]), int(a.offsets[(pp_rank if pp > 1 else 0) + 1])
+    kind, stage, mb = a.kind[lo:hi], a.stage[lo:hi], a.microbatch[lo:hi]
+    n, v = hi - lo, len(stages)
+    column = np.full(max(stages) + 1, -1, dtype=np.int64)
+    column[stages] = np.arange(v)
+    col = column[stage]
+    is_f = kind == _F
+    frees = (kind == _B) | (kind == _W)
+    delta = np.zeros((n, v), dtype=np.int64)
+    delta[np.arange(n), col] = np.where(is_f, 1, np.where(frees, -1, 0))
+    # alive after each action; a B or W frees only after it has run, so its moment still holds it
+    counts = np.cumsum(delta, axis=0)
+    counts[np.arange(n), col] += frees
+    last_stage = plan.num_stages - 1
+    outputs = np.cumsum(is_f & (stage == last_stage))
+    is_bwd_input = (kind == _B) | (kind == _I)
+    backward = is_bwd_input | (kind == _W)
+    bwd_idx = np.flatnonzero(is_bwd_input)
+    first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
+    sync = np.zeros(n, dtype=bool)
+    if len(bwd_idx):
+        sync[bwd_idx[-1]] = True
+    masks = np.column_stack([
+        np.ones(n, dtype=bool),
+        backward,
+        is_bwd_input,
+        is_bwd_input & (stage == last_stage),
+        sync,
+        np.arange(n) >= first_bwd,
+    ]).astype(np.int64)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks)
+    for x in out:
+        x.setflags(write=False)
+    return out
+
+
+# --------------------------------------------------------------------------- one rank's timeline
+
+
+class Signature(NamedTuple):
+    """What a rank's timeline depends on, hashable: the schedule and rank, the local stages, and
+    the bytes of each lifetime (per microbatch for the stages and the kept outputs)."""
+
+    schedule: str
+    pp_rank: int
+    pp: int
+    virtual_stages: int
+    microbatches: int
+    stages: tuple[int, ...]
+    step_bytes: int
+    unit_bytes: tuple[int, ...]  # per local stage, one microbatch
+    output_bytes: int  # the last stage's kept output, one microbatch
+    transient_bytes: tuple[int, ...]  # per TRANSIENT lifetime
+
+
+class Peak(NamedTuple):
+    """The peak moment of a rank's step: its index, live tracked bytes, and what is alive then."""
+
+    moment: int
+    bytes: int
+    counts: tuple[int, ...]  # stage-microbatches alive per local stage
+    outputs: int  # kept outputs of the last stage
+    alive: tuple[bool, ...]  # per TRANSIENT lifetime
+    kind: str  # the action at the peak (F, B, I, W)
+    stage: int
+    microbatch: int
+
+
+@lru_cache(maxsize=4096)
+def peak_of(sig: Signature) -> Peak:
+    """The first moment with the most live tracked bytes (cached on the signature)."""
+    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    w = np.array(sig.unit_bytes + (sig.output_bytes,) + sig.transient_bytes, dtype=np.int64)
+    live = mo.matrix @ w
+    i = int(np.argmax(live))
+    return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
+                tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
+                int(mo.microbatch[i]))
+
+
+class RankTimeline:
+    """One rank's terms with their lifetimes over its step: the peak and its snapshot, the events.
+
+    ``terms``: every term the modules produced, by category (the catalogue); ``stages``: the
+    rank's global stage indices in local order; ``fsdp_params``: the lifetime of FSDP2's unsharded
+    parameters (``fsdp_params_lifetime``).
+    """
+
+    __slots__ = ("terms", "signature", "varying", "_column", "_rows")
+
+    def __init__(self, terms: dict[str, list[Term]], *, schedule: str, pp_rank: int, pp: int, virtual_stages: int,
+                 microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step"):
+        self.terms = terms
+        local = tuple(sorted(stages)) if pp > 1 else (0,)
+        column = self._column = {s: j for j, s in enumerate(local)}
+        unit = [0] * len(local)
+        trans = dict.fromkeys(TRANSIENT, 0)
+        step = out = 0
+        rules = LIFETIMES
+        varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
+        rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
+        add_row = rows.append
+        gather = ALL_GATHER_STREAM_KINDS
+        for c in MEMORY_CATEGORIES:
+            var = []
+            acts = c == "activations"
+            for i, (_, nbytes, _, _, tracked, stage, n, kind) in enumerate(terms[c]):
+                if not tracked:
+                    continue
+                if acts and n is not None and stage is not None and kind != "pipeline_outputs":
+                    if n:
+                        unit[column[stage if pp > 1 else 0]] += nbytes // n
+                    var.append((i, "microbatch"))
+                    continue
+                life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
+                if life == "step":
+                    step += nbytes
+                else:
+                    if life == "to_step_end":
+                        nbytes = nbytes // n if n else 0
+                        out += nbytes
+                    else:
+                        trans[life] += nbytes
+                    var.append((i, life))
+                if nbytes > 0:
+                    add_row((life, nbytes, ALL_GATHER_STREAM if kind in gather else 0))
+            if var:
+                varying[c] = var
+        self.varying = varying
+        self._rows = tuple(rows)
+        self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
+                                   microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
+                                   tuple(trans[k] for k in TRANSIENT))
+
+    @property
+    def peak(self) -> Peak:
+        return peak_of(self.signature)
+
+    def lifetime(self, category: str, index: int) -> str:
+        """The lifetime of ``terms[category][index]`` ("untracked" for the overhead terms that are not tensors)."""
+        t = self.terms[category][index]
+        if not t.tracked:
+            return "untracked"
+        return dict(self.varying.get(category, ())).get(index, "step")
+
+    def snapshot(self) -> dict[str, list[Term]]:
+        """The terms alive at the peak, by category (per-microbatch terms at the count alive then;
+        the terms alive all step and the untracked overhead terms always)."""
+        pk = self.peak
+        alive = dict(zip(TRANSIENT, pk.alive))
+        pp = self.signature.pp
+        out: dict[str, list[Term]] = {}
+        for c in MEMORY_CATEGORIES:
+            terms = self.terms[c]
+            var = self.varying.get(c)
+            if not var:
+                out[c] = terms
+                continue
+            drop: dict[int, Term | None] = {}
+            for i, life in var:
+                t = terms[i]
+                if life == "microbatch" or life == "to_step_end":
+                    k = pk.counts[self._column[t.stage if pp > 1 else 0]] if life == "microbatch" else pk.outputs
+                    n = t.in_flight or 0
+                    if k != n:
+                        drop[i] = _rescaled(t, k, n) if k and n else None
+                elif not alive[life]:
+                    drop[i] = None
+            row = [drop.get(i, t) for i, t in enumerate(terms)] if drop else terms
+            if drop:
+                row = [t for t in row if t is not None]
+            if not row:
+                row = [Term(f"nothing of this category alive at the peak ({self.peak_moment()})", 0, "0", c,
+                            kind="none")]
+            out[c] = row
+        return out
+
+    def peak_moment(self) -> str:
+        """The peak moment in words: "stage 3 B of microbatch 2 (action 17 of 40)"."""
+        pk, sig = self.peak, self.signature
+        n = len(moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches).kind)
+        return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} (action {pk.moment + 1} of {n})"
+
+    def events(self) -> tuple:
+        """The step's allocation events for ``engine.memory.allocator.replay``."""
+        return allocation_events(self._event_signature())
+
+    def _event_signature(self) -> tuple:
+        """Hashable: the timeline's signature plus the (lifetime, bytes, stream) of every tracked block
+        not per stage-microbatch (one microbatch's for the kept outputs): identical ranks share one replay."""
+        return self.signature, self._rows
+
+
+def _rescaled(t: Term, k: int, n: int) -> Term:
+    """A per-microbatch term at k of its n microbatches (its bytes are n × the bytes of one)."""
+    one = t.bytes // n
+    was = f"{n} microbatch{'es' if n != 1 else ''} in flight"
+    now = f"{k} microbatch{'es' if k != 1 else ''} alive at the peak (of {n} in flight at most)"
+    label = t.label.replace(was, now) if was in t.label else f"{t.label} — {k} of {n} microbatches alive at the peak"
+    return t._replace(label=label, bytes=k * one, formula=f"{k} × {one:,} B (of {t.formula})", in_flight=k)
+
+
+@lru_cache(maxsize=1024)
+def allocation_events(event_signature: tuple) -> tuple:
+    """The allocation events of one step (see the module docstring), from a rank's event signature.
+
+    Step terms are allocated first (they persist); then, per action: an F allocates the transients
+    of its moment, its stage-microbatch's activations (one block) and, on the last stage, the kept
+    output, then frees the transients; a B, I or W allocates its transients (the lifetime from the
+    first backward on at the first one, never freed before the step's end), then frees them, and a
+    B or W its stage-microbatch. The step ends freeing what is left but the step terms.
+    """
+    sig, rows = event_signature
+    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    ev: list[tuple] = []
+    for j, (life, nbytes, stream) in enumerate(rows):
+        if life == "step":
+            ev.append(("alloc", ("step", j), nbytes) + ((stream,) if stream else ()))
+    per_life: dict[str, list[tuple[int, int, str]]] = {}
+    for j, (life, nbytes, stream) in enumerate(rows):
+        per_life.setdefault(life, []).append((j, nbytes, stream))
+    outputs = per_life.get("to_step_end", [])
+    late = per_life.get("after_first_backward", [])
+    late_done = False
+    local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
+    kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
+    last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
+    for i, (kind, stage, mb, mask) in enumerate(zip(kinds, stages, mbs, masks)):
+        transient = []
+        for c, life in enumerate(TRANSIENT[:-1]):
+            if mask[c]:
+                transient.extend(per_life.get(life, ()))
+        if mask[-1] and not late_done:
+            for j, nbytes, stream in late:
+                ev.append(("alloc", ("late", j), nbytes) + ((stream,) if stream else ()))
+            late_done = True
+        for j, nbytes, stream in transient:
+            ev.append(("alloc", ("t", j, i), nbytes) + ((stream,) if stream else ()))
+        unit = sig.unit_bytes[local[stage if sig.pp > 1 else 0]]
+        if kind == _F:
+            if unit > 0:
+                ev.append(("alloc", ("mb", stage, mb), unit))
+            if stage == last_stage:
+                for j, nbytes, _ in outputs:
+                    ev.append(("alloc", ("out", j, mb), nbytes))
+        for j, _, _ in transient:
+            ev.append(("free", ("t", j, i)))
+        if (kind == _B or kind == _W) and unit > 0:
+            ev.append(("free", ("mb", stage, mb)))
+    for j, _, _ in late if late_done else ():
+        ev.append(("free", ("late", j)))
+    if outputs:
+        for mb in sorted({mb for kind, stage, mb in zip(kinds, stages, mbs) if kind == _F and stage == last_stage}):
+            for j, _, _ in outputs:
+                ev.append(("free", ("out", j, mb)))
+    return tuple(ev)

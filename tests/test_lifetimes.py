@@ -1,0 +1,269 @@
+"""engine.memory.lifetimes: each rank's peak is one moment of its step, its categories the terms alive
+then; the step's allocation events replayed through the caching allocator give ``reserved``."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import Config, ConfigError, default_config
+from engine.compare import compare
+from engine.memory import memory_per_rank
+from engine.memory.allocator import replay, round_size
+from engine.memory.lifetimes import LIFETIMES, TRANSIENT, allocation_events, moments
+from engine.names import MEMORY_CATEGORIES
+from engine.predict import predict
+from engine.schedules import microbatches_in_flight, schedule_problems
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(parallel: dict, gpus: int | None = None, training: dict | None = None, conventions: dict | None = None,
+         preset: str = "tiny", cluster: str = "dgx-h100") -> Config:
+    d = {"model": {"preset": preset}, "cluster": {"preset": cluster}, "parallel": parallel,
+         "training": training or {}, "conventions": conventions or {}}
+    if gpus:
+        d["cluster"]["gpus"] = gpus
+    return Config.from_dict(d)
+
+
+LAYOUTS = [
+    {"dp": 2, "pp": 2, "microbatches": 4},
+    {"dp": 2, "zero": 3},
+    {"dp": 4, "zero": 2, "microbatches": 4},
+    {"dp": 2, "tp": 2, "pp": 2, "zero": 2, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 4},
+    {"dp": 2, "pp": 2, "zero": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 4},
+    {"dp": 2, "pp": 4, "zero": 3, "schedule": "InterleavedZeroBubble", "virtual_stages": 2, "microbatches": 8},
+    {"pp": 4, "schedule": "DualPipeV", "virtual_stages": 2, "microbatches": 8},
+    {"pp": 2, "schedule": "GPipe", "microbatches": 4},
+]
+
+
+def _world(par: dict) -> int:
+    return par.get("dp", 1) * par.get("tp", 1) * par.get("pp", 1)
+
+
+@pytest.mark.parametrize("par", LAYOUTS)
+def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
+    rep = memory_per_rank(_cfg(par, gpus=_world(par), training={"precision": "bf16-mixed"}))
+    for r in rep.per_rank:
+        body = r._body
+        tl = body.timeline
+        snap_tracked = sum(t.bytes for c in MEMORY_CATEGORIES for t in r.explain(c) if t.tracked)
+        assert r.allocated == tl.peak.bytes == snap_tracked
+        assert r.total == sum(getattr(r, c) for c in MEMORY_CATEGORIES)
+        for c in MEMORY_CATEGORIES:
+            assert getattr(r, c) == sum(t.bytes for t in r.explain(c))
+        # every term at its largest at once is an upper bound of one moment
+        assert r.total <= sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c))
+        # the model states are alive all step, whole
+        for c in ("params", "grads", "optimizer"):
+            assert r.explain(c) == r.catalogue(c)
+        assert r.peak_moment.startswith("stage ")
+
+
+def test_without_a_pipeline_the_peak_is_the_last_backward_and_holds_every_term():
+    """pp = 1: one microbatch at a time; at the start of the synchronised backward every term is alive."""
+    for par in ({"dp": 2}, {"dp": 2, "zero": 3, "microbatches": 2}, {"tp": 2}):
+        rep = memory_per_rank(_cfg(par, gpus=_world(par)))
+        for r in rep.per_rank:
+            assert r.total == sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c))
+            assert " B of microbatch " in r.peak_moment
+
+
+#: term kind -> the transient lifetime it has
+_TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "ddp_backward_temporary": "synchronised_backward",
+                   "loss": "loss", "recomputed_block": "backward_input"}
+
+
+@pytest.mark.parametrize("par,some_below", [
+    ({"dp": 2, "pp": 4, "schedule": "InterleavedZeroBubble", "virtual_stages": 2, "microbatches": 4}, True),
+    ({"dp": 2, "pp": 4, "schedule": "GPipe", "microbatches": 4}, True),
+    ({"dp": 2, "pp": 4, "zero": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 8}, True),
+    # the steady state's forwards hold the warm-up's microbatches again, now with the unsharded
+    # gradients: every rank's peak holds every term
+    ({"dp": 2, "pp": 4, "zero": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 8}, False),
+])
+def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
+    """DDP's synchronised-backward temporary, FSDP2's unsharded gradients (from the first backward),
+    the loss (the last stage's backward): each is in the snapshot iff alive at the peak; where one is
+    not, the peak is below the sum of every term at its largest (what the model used to report)."""
+    c = _cfg(par, gpus=8, preset="llama3-8b", training={"precision": "bf16-mixed"})
+    below = 0
+    for r in memory_per_rank(c).per_rank:
+        alive = dict(zip(TRANSIENT, r._body.timeline.peak.alive))
+        for cat in MEMORY_CATEGORIES:
+            shown = {t.kind for t in r.explain(cat)}
+            for t in r.catalogue(cat):
+                if t.kind in _TRANSIENT_KIND and t.bytes:
+                    assert (t.kind in shown) == alive[_TRANSIENT_KIND[t.kind]], (r.rank, t.kind)
+        below += r.total < sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
+    assert bool(below) == some_below
+
+
+def test_per_microbatch_terms_are_rescaled_to_the_microbatches_alive_at_the_peak():
+    c = _cfg({"pp": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 4}, gpus=2)
+    for r in memory_per_rank(c).per_rank:
+        pk = r._body.timeline.peak
+        col = {s: j for j, s in enumerate(sorted(r.stages))}
+        full = {(t.label, t.stage): t for t in r.catalogue("activations")}
+        for t in r.explain("activations"):
+            if t.kind == "layers":
+                assert t.in_flight == pk.counts[col[t.stage]]
+                if "alive at the peak" in t.label:
+                    orig = next(o for o in full.values() if o.stage == t.stage and o.kind == t.kind
+                                and o.bytes // o.in_flight * t.in_flight == t.bytes)
+                    assert orig.in_flight > t.in_flight
+
+
+@pytest.mark.parametrize("sc,v", [("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2),
+                                  ("ZBVZeroBubble", 2), ("DualPipeV", 2), ("GPipe", 1), ("LoopedBFS", 2)])
+def test_the_moments_reach_the_in_flight_peak_of_the_schedule(sc, v):
+    """The most stage-microbatches alive at any moment (weighted) is the in-flight rule's peak."""
+    p, m = 4, 8
+    if schedule_problems(sc, p, m, v):
+        pytest.skip("combination torch refuses")
+    for rank in range(p):
+        mo = moments(sc, rank, p, v, m)
+        for weights in ((1,) * v, tuple(range(1, v + 1)), tuple(range(v, 0, -1))):
+            best = microbatches_in_flight(sc, rank, p, v, m, weights)
+            got = max(sum(n * w for n, w in zip(row, weights)) for row in mo.counts.tolist())
+            assert got == sum(n * w for n, w in zip(best, weights))
+        assert mo.counts.min() >= 0 and mo.counts[-1].sum() <= v  # the last backward frees its own
+
+
+def test_every_tracked_term_kind_has_a_lifetime():
+    kinds = set()
+    for par in LAYOUTS + [{"dp": 2, "zero": 1}, {"dp": 2}]:
+        for training in ({}, {"precision": "bf16-mixed", "recompute": "full"}, {"finetune": "lora"},
+                         {"recompute": "selective-op"}):
+            try:
+                c = _cfg(par, gpus=_world(par), training=training)
+            except ConfigError:
+                continue
+            for r in memory_per_rank(c).per_rank:
+                for cat in MEMORY_CATEGORIES:
+                    for t in r.catalogue(cat):
+                        per_mb = cat == "activations" and t.stage is not None and t.in_flight is not None
+                        if t.tracked and not per_mb:
+                            kinds.add(t.kind)
+    unknown = kinds - set(LIFETIMES) - {"fsdp_unsharded_params"}
+    assert not unknown, f"kinds without a lifetime rule: {unknown}"
+
+
+# --------------------------------------------------------------------------- reserved
+
+
+def test_the_events_replay_to_the_peak_allocated():
+    """The allocator's most allocated bytes are the timeline's peak, rounded up block by block."""
+    for par in LAYOUTS:
+        rep = memory_per_rank(_cfg(par, gpus=_world(par)))
+        for group in rep.distinct():
+            r = group[0]
+            ev = r._body.timeline.events()
+            stats = replay(ev)
+            live, most, top = {}, 0, 0
+            for e in ev:
+                if e[0] == "alloc":
+                    live[e[1]] = e[2]
+                else:
+                    del live[e[1]]
+                exact = sum(live.values())
+                if exact > top:
+                    top, most = exact, sum(round_size(x) for x in live.values())
+            assert top == r.allocated
+            # the allocator counts whole blocks: a large-pool block is not split for a remainder ≤ 1 MiB
+            assert r.allocated <= stats.max_allocated <= most + (2**20 + 512) * len(ev)
+            assert r.reserved >= stats.max_allocated
+            assert r.reserved == stats.max_reserved or r.reserved == r.allocated + sum(
+                t.bytes for t in r.explain("overhead") if t.kind == "allocator_slack")
+
+
+def test_all_gathers_are_on_their_own_stream():
+    r = memory_per_rank(_cfg({"dp": 2, "zero": 3}, gpus=2)).per_rank[0]
+    streams = {e[3] for e in r._body.timeline.events() if e[0] == "alloc" and len(e) > 3}
+    assert streams == {1}
+
+
+def test_cpu_ranks_reserve_what_they_allocate():
+    c = default_config()
+    assert c.cluster.gpu.name == "cpu"
+    for r in memory_per_rank(c).per_rank:
+        assert r.reserved == r.allocated == r.total  # no overhead counted on CPU ranks
+        assert r.device_bytes == r.reserved
+
+
+def test_fits_compares_reserved_and_untracked_overhead_with_the_card():
+    c = _cfg({"dp": 8, "zero": 3}, preset="llama3-8b", training={"precision": "bf16-mixed"})
+    r = memory_per_rank(c).per_rank[0]
+    untracked = sum(t.bytes for t in r.explain("overhead") if not t.tracked)
+    assert untracked > 0 and r.reserved >= r.allocated
+    assert r.device_bytes == r.reserved + untracked
+    assert r.fits == (r.device_bytes <= c.cluster.gpu.memory_bytes)
+
+
+def test_allocator_slack_is_a_floor_on_the_reserve_not_added_to_it():
+    base = _cfg({"dp": 2, "pp": 2, "microbatches": 4}, gpus=4)
+    slack = _cfg({"dp": 2, "pp": 2, "microbatches": 4}, gpus=4, conventions={"allocator_slack_fraction": 0.5})
+    for a, b in zip(memory_per_rank(base).per_rank, memory_per_rank(slack).per_rank):
+        assert a.allocated == b.allocated
+        term = next(t for t in b.explain("overhead") if t.kind == "allocator_slack")
+        assert term.bytes == int(b.allocated * 0.5) and not term.tracked
+        assert b.reserved == max(a.reserved, b.allocated + term.bytes)
+        assert b.device_bytes == b.reserved + (a.device_bytes - a.reserved)  # the slack is not counted twice
+
+
+def test_expandable_segments_is_a_convention_and_is_validated():
+    c = _cfg({"dp": 2, "pp": 2, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 4}, gpus=4,
+             preset="llama3-8b", training={"precision": "bf16-mixed"})
+    assert c.conventions.expandable_segments is False
+    on = c.replace(conventions={"expandable_segments": True})
+    for a, b in zip(memory_per_rank(c).per_rank, memory_per_rank(on).per_rank):
+        assert a.allocated == b.allocated and b.reserved >= b.allocated
+    assert any(a.reserved != b.reserved for a, b in zip(memory_per_rank(c).per_rank, memory_per_rank(on).per_rank))
+    with pytest.raises(ConfigError, match="conventions.expandable_segments"):
+        Config.from_dict({**c.to_dict(), "conventions": {"expandable_segments": "yes"}})
+    assert "expandable_segments" in predict(on).conventions["overhead.reserved"]
+
+
+def test_predict_json_has_allocated_and_reserved_on_every_rank(tmp_path):
+    c = _cfg({"dp": 2, "pp": 2, "microbatches": 4}, gpus=4)
+    path = tmp_path / "job.toml"
+    c.save(path)
+    out = subprocess.run([sys.executable, "-m", "gui.cli", "predict", str(path), "--json"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)["memory"]["per_rank"]
+    assert len(rows) == 4
+    pred = predict(c)
+    for row, r in zip(rows, pred.memory.per_rank):
+        assert row["reserved"] == r.reserved >= row["allocated"] == r.allocated
+    text = subprocess.run([sys.executable, "-m", "gui.cli", "predict", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout
+    assert "allocated" in text and "reserved" in text
+
+
+def test_compare_names_allocated_and_reserved():
+    c = _cfg({"dp": 2}, gpus=2)
+    pred = predict(c)
+    rows = [r.to_dict() for r in pred.memory.per_rank]
+    meas = {"memory": {"per_rank": rows}, "step": {"seconds": 1.0}, "pipeline": {"per_rank": []},
+            "ranks": [{"rank": r["rank"], "max_memory_allocated": r["allocated"],
+                       "max_memory_reserved": r["reserved"] + 2**20} for r in rows]}
+    cmp = compare(pred, meas)
+    for rc, r in zip(cmp.memory, pred.memory.per_rank):
+        assert rc.allocated.predicted == rc.allocated.measured == r.allocated
+        assert rc.reserved["predicted"] == rc.reserved_cell.predicted == r.reserved
+        assert rc.reserved["error"] == rc.reserved_cell.error == -2**20
+    assert cmp.summary()["reserved"] == pytest.approx(max(2**20 / (r.reserved + 2**20) for r in pred.memory.per_rank))
+    assert "reserved" in cmp.to_json()["memory"]["per_rank"][0]
+
+
+def test_repeated_events_are_cached():
+    c = _cfg({"tp": 8, "pp": 8, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 32},
+             preset="llama3-405b", cluster="h100-pod-64", training={"precision": "bf16-mixed", "recompute": "full"})
+    a = memory_per_rank(c)
+    sig = a.per_rank[0]._body.timeline._event_signature()
+    assert allocation_events(sig) is allocation_events(sig)
+    assert [r.reserved for r in memory_per_rank(c).per_rank] == [r.reserved for r in a.per_rank]
