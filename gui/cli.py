@@ -38,7 +38,12 @@ def _load(path: str):
 def _summary(cfg) -> str:
     m, c, par, t = cfg.model, cfg.cluster, cfg.parallel, cfg.training
     name = m.preset or "custom model"
-    layout = f"dp={par.dp} tp={par.tp} pp={par.pp} zero={par.zero}"
+    layout = f"dp={par.dp} tp={par.tp} pp={par.pp}"
+    if par.cp > 1:
+        layout += f" cp={par.cp} ({par.cp_rotate})"
+    if par.ep > 1:
+        layout += f" ep={par.ep}"
+    layout += f" zero={par.zero}"
     if par.replicate > 1:
         layout += f" replicate={par.replicate}"
     if par.sequence_parallel:
@@ -46,7 +51,8 @@ def _summary(cfg) -> str:
     if par.pp > 1:
         layout += f" {par.schedule} v={par.virtual_stages} m={par.microbatches}"
     return (f"{name} ({m.layers} layers, hidden {m.hidden}) on {c.gpus} × {c.gpu.name} "
-            f"({c.nodes} node(s)); {layout}; {t.precision}, {t.optimizer}, recompute {t.recompute}")
+            f"({c.nodes} node(s)); {layout}; {t.precision}, {t.optimizer}, recompute {t.recompute}"
+            + (f", float8 {t.float8}" if t.float8 != "none" else "") + (", compile" if t.compile else ""))
 
 
 # --------------------------------------------------------------------------- commands
