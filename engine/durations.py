@@ -179,7 +179,11 @@ def ep_rank_loads(cfg: Config) -> tuple[float, ...]:
     """Under ``conventions.moe_expert_load``: each EP rank's share of the routed copies, the sum of
     its experts' fractions (rank r owns experts r·E/ep … (r+1)·E/ep − 1, as the backend and
     torchtitan lay them out); () without a measured load."""
-    load, ep = cfg.conventions.moe_expert_load, cfg.parallel.ep
+    return load_shares(cfg.conventions.moe_expert_load, cfg.parallel.ep)
+
+
+def load_shares(load: Sequence[float], ep: int) -> tuple[float, ...]:
+    """Each of ``ep`` ranks' share of a per-expert load (contiguous experts per rank); () for no load."""
     if not load:
         return ()
     local = len(load) // ep

@@ -109,3 +109,22 @@ def test_a_dense_model_refuses_a_load():
     with pytest.raises(ConfigError, match="conventions.moe_expert_load"):
         Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 1},
                           "conventions": {"moe_expert_load": [1.0]}})
+
+
+def test_the_planner_bounds_hold_under_a_skewed_load():
+    from dataclasses import replace
+
+    from engine.planner import _base_config
+    from engine.planner_moe import moe_candidates, moe_layout_config
+    from engine.step import step_time
+    from tests.test_moe_planner import SMALL
+
+    base = _base_config(SMALL, 16, "h100-sxm", 8, None, None)
+    load = [2.0 / 96] * 32 + [1.0 / 96] * 32  # the first half of the experts gets twice the tokens
+    base = replace(base, conventions=replace(base.conventions, moe_expert_load=tuple(load)))
+    cands, _ = moe_candidates(base, 32, (0, 2, 3), ("none", "full"), None)
+    assert {c[2]["ep"] for c in cands} >= {2, 4, 8}
+    for step_lb, mem_lb, lay in cands[::7]:
+        cfg = moe_layout_config(base, lay)
+        assert mem_lb <= memory_per_rank(cfg).peak.total, lay
+        assert step_lb <= step_time(cfg).seconds, lay
