@@ -399,9 +399,12 @@ same buffer) from activations.
   copy) puts the engine ~4 % under the measurement there. Telling the engine the measured
   imbalance (the second MoE table) makes it worse (83–101 %): ``conventions.moe_imbalance`` is one
   number applied to every rank as its busiest-expert load, while the measured load differs rank by
-  rank (the busiest expert's 4× is one expert of the rank's E/ep). A per-rank received-token load
-  (each rank's record has ``expert_tokens``: routed and received per block) would let the
-  prediction follow each rank.
+  rank (the busiest expert's 4× is one expert of the rank's E/ep). Telling it each EP group's
+  measured per-expert load (``conventions.moe_expert_load``, from the measured step's routed
+  counts summed over the rank's MoE blocks; the last three MoE columns) lets each rank follow its
+  own experts' tokens: activations 5.6–10.5 %, tracked peak 3.1–6.5 %, every rank now under-
+  predicted by 1–10 % (the ~4 % formula gap at the balanced load above, plus the per-microbatch
+  spread the step's summed counts do not show).
 - Not checked here: GPU kernels. On CUDA, `rms_norm` may run fused (no saved x̂; the engine
   assumes so for any GPU other than "cpu") and autocast runs softmax in fp32 — unverified on
   this CPU-only machine.
