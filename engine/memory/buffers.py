@@ -246,16 +246,17 @@ def pipeline_buffers(cfg: Config, rp: RankParams, T: Terms, res: int, sbh_rep: i
                   f"m × {res}·s·b·{hs} = {m} × {stage_io:,}", stage=st.stage, kind="p2p_gradient_receive")
 
 
-def moe_dispatch_buffers(cfg: Config, T: Terms) -> None:
+def moe_dispatch_buffers(cfg: Config, T: Terms, ep_rank: int | None = None) -> None:
     """Expert parallelism's all-to-all buffers of the MoE layer in flight: the send buffer (this
     rank's n·k token copies, permuted by expert) and the receive buffer (the routed copies it
     computes, n_r = n·k × the routed factor), for dispatch and, in the backward, for combine's
-    gradients; one layer's at a time (the dispatched tokens the experts keep are activations)."""
+    gradients; one layer's at a time (the dispatched tokens the experts keep are activations).
+    Under a measured expert load the receive buffer holds ``ep_rank``'s routed copies."""
     from engine.memory.activations import moe_tokens
 
     m, tr = cfg.model, cfg.training
     act = 4 if tr.precision == "fp32" else 2
-    n, n_r = moe_tokens(cfg)
+    n, n_r = moe_tokens(cfg, ep_rank)
     send = act * n * m.experts_per_token * m.hidden
     recv = act * n_r * m.hidden
     T.add("comm_buffers", "MoE all-to-all: one layer's dispatch send and combine receive buffers (n·k token copies)",
@@ -265,8 +266,10 @@ def moe_dispatch_buffers(cfg: Config, T: Terms) -> None:
 
 
 def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, psi: int, psi_train: int,
-                 train_units: tuple[tuple[int, int], ...], res: int, sbh_rep: int, hs: str) -> None:
-    """Every communication buffer of this rank (and the temporaries that go with them)."""
+                 train_units: tuple[tuple[int, int], ...], res: int, sbh_rep: int, hs: str,
+                 ep_rank: int | None = None) -> None:
+    """Every communication buffer of this rank (and the temporaries that go with them); ``ep_rank``
+    sizes the MoE receive buffers under a measured expert load."""
     par = cfg.parallel
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     z = par.zero
@@ -279,7 +282,7 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
     if par.pp > 1:
         pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
     if par.ep > 1 and any(st.moe_layers for st in rp.stages):
-        moe_dispatch_buffers(cfg, T)
+        moe_dispatch_buffers(cfg, T, ep_rank)
     if not T["comm_buffers"]:
         T.add("comm_buffers", "no collective buffers (nothing to reduce)", 0, "0", kind="none")
     if not T["temporaries"]:
