@@ -99,11 +99,14 @@ class PlannerPanel(QWidget):
         bar.addWidget(self.batch)
         bar.addWidget(QLabel("top"))
         bar.addWidget(self.top)
-        bar.addWidget(self.knobs)
         bar.addWidget(self.plan_button)
         bar.addWidget(self.cancel_button)
         bar.addWidget(self.progress, 1)
         lay.addLayout(bar)
+        options = QHBoxLayout()  # its own row: the bar above already fills a 1280-px window
+        options.addWidget(self.knobs)
+        options.addStretch(1)
+        lay.addLayout(options)
         self.status = QLabel("Which layout should this job use? Plan ranks every valid one by predicted "
                              "tokens/s and shows every one that fits against its memory.")
         self.status.setWordWrap(True)
