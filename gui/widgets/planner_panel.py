@@ -20,7 +20,6 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QApplication,
-    QCheckBox,
     QHBoxLayout,
     QLabel,
     QProgressBar,
@@ -66,6 +65,8 @@ class PlannerPanel(QWidget):
         self._result_seen = False
         self._batch_for: tuple | None = None
         self.fitting_seconds = FITTING_SECONDS  # how long the scatter's sweep may run
+        # search torchao float8 and torch.compile as the planner does by default; False keeps the config's own
+        self.search_float8_compile = True
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -81,11 +82,6 @@ class PlannerPanel(QWidget):
         self.top.setRange(1, 100)
         self.top.setValue(DEFAULT_TOP)
         self.top.setToolTip("How many of the fastest layouts the table lists")
-        self.knobs = QCheckBox("float8 + compile")
-        self.knobs.setChecked(True)
-        self.knobs.setToolTip("Also search torchao float8 (where the GPU has float8 tensor cores) and "
-                              "torch.compile (shardscope plan --float8 / --compile); unchecked, every layout "
-                              "keeps this config's own float8 and compile settings")
         self.plan_button = QPushButton("▶ Plan")
         self.plan_button.setToolTip("Rank every valid layout of this model on these GPUs by predicted "
                                     "throughput (shardscope plan, in a child process)")
@@ -103,10 +99,6 @@ class PlannerPanel(QWidget):
         bar.addWidget(self.cancel_button)
         bar.addWidget(self.progress, 1)
         lay.addLayout(bar)
-        options = QHBoxLayout()  # its own row: the bar above already fills a 1280-px window
-        options.addWidget(self.knobs)
-        options.addStretch(1)
-        lay.addLayout(options)
         self.status = QLabel("Which layout should this job use? Plan ranks every valid one by predicted "
                              "tokens/s and shows every one that fits against its memory.")
         self.status.setWordWrap(True)
@@ -221,7 +213,7 @@ class PlannerPanel(QWidget):
         cfg = self.state.config
         self.request = PlanRequest(cfg, global_batch=self.batch.value(), top=self.top.value(),
                                    fitting_seconds=self.fitting_seconds,
-                                   search_float8_compile=self.knobs.isChecked())
+                                   search_float8_compile=self.search_float8_compile)
         self._tmp = Path(tempfile.mkdtemp(prefix="shardscope-plan-"))
         path = cfg.save(self._tmp / "job.toml")
         cmd = self.request.command(path)
