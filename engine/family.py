@@ -128,9 +128,11 @@ class Family:
             raise ValueError(f"width {n} with {layers} layers leaves the configurable ranges")
         return Member(spec, self.params(n, layers))
 
+    first_n = 1  # the smallest width index (an ExpertFamily starts where top-k experts exist)
+
     def members(self, max_params: float = math.inf) -> Iterator[Member]:
         """Every member in order, parameter counts strictly increasing, up to ``max_params``."""
-        n = 1
+        n = self.first_n
         while self.exists(n):
             for layers in range(self.first_layers(n), self.aspect_layers(n) + 1):
                 if self.params(n, layers) > max_params:
@@ -193,15 +195,7 @@ class ExpertFamily:
         return n >= self.first_n and self.spec(n, self.aspect_layers(n)) is not None
 
     member = Family.member
-
-    def members(self, max_params: float = math.inf) -> Iterator[Member]:
-        n = self.first_n
-        while self.exists(n):
-            for layers in range(self.first_layers(n), self.aspect_layers(n) + 1):
-                if self.params(n, layers) > max_params:
-                    return
-                yield self.member(n, layers)
-            n += 1
+    members = Family.members
 
 
 def family_of(base: ModelSpec, tp: int | None = None, min_layers: int = 1, ep: int | None = None
