@@ -1,4 +1,4 @@
-"""Integration: SIGKILL each rank of DDP, TP and PP layouts mid-run (what the OOM killer does) — the
+"""Integration: SIGKILL a rank of DDP, TP and PP layouts mid-run (what the OOM killer does) — the
 failed record blames the killed rank and says the others' errors followed it."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ LAYOUTS = {
     "TP tp2": BASE.replace(cluster={"gpus": 2}, parallel={"dp": 1, "tp": 2, "pp": 1, "microbatches": 1}),
     "PP pp2 1F1B": BASE.replace(cluster={"gpus": 2}, parallel={"dp": 1, "pp": 2, "microbatches": 4}),
 }
-CASES = [(name, r) for name in LAYOUTS for r in range(2)] + [("default dp2×pp2", 0)]
+# each layout once, rank 0 and rank 1 both killed somewhere (every launch costs CI ~10 s)
+CASES = [("DDP dp2", 1), ("TP tp2", 0), ("PP pp2 1F1B", 1), ("default dp2×pp2", 0)]
 
 
 def _events(path):

@@ -28,12 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Small cases whose every layout can be evaluated in a second or two. The rtx4090 and a100-40g
 # cases leave most layouts not fitting, so the memory bound is exercised; gpus_per_node = 4
-# puts groups across nodes.
+# puts groups across nodes. Between them every searched knob is brute-forced: the rtx4090 (fp8
+# tensor cores) every float8 kind, eager only; the a100-40g (no fp8) compile on and off. Both
+# knobs together on the rtx4090 would make 33,000 layouts (~4 min of CI for the same branches).
 SMALL = {
     "llama2-7b/8×rtx4090": dict(model="llama2-7b", gpus=8, gpu="rtx4090", gpus_per_node=8, global_batch=16,
-                                max_virtual_stages=4),
+                                max_virtual_stages=2, float8=("none", "tensorwise", "rowwise"), compile=(False,)),
     "llama2-7b/8×a100-40g/2 nodes": dict(model="llama2-7b", gpus=8, gpu="a100-40g", gpus_per_node=4,
-                                         global_batch=8, max_virtual_stages=3),
+                                         global_batch=8, max_virtual_stages=3, float8=("none",),
+                                         compile=(False, True)),
 }
 
 
@@ -44,7 +47,7 @@ def _brute_force(kw):
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
     pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE,
-                  kw["max_virtual_stages"], None, float8=default_float8_kinds(base), compile=SEARCHED_COMPILE)
+                  kw["max_virtual_stages"], None, float8=kw["float8"], compile=kw["compile"])
     g = pl.grid()
     rows = []
     for i in range(len(g.mem_lb)):
@@ -55,6 +58,19 @@ def _brute_force(kw):
                          mem_lb=g.mem_lb[i], bound0=g.makespan_lb[i] + g.rest_lb[i],
                          bound1=pl.makespan(cfg) + g.rest_lb[i]))
     return rows
+
+
+def test_the_small_cases_brute_force_every_searched_knob():
+    """Each case searches float8 only where the GPU has it, and together they cover every float8 kind
+    and every compile setting the planner searches by default."""
+    from engine.planner import _base_config
+
+    for kw in SMALL.values():
+        base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
+        assert set(kw["float8"]) <= set(default_float8_kinds(base))
+    assert set().union(*(kw["float8"] for kw in SMALL.values())) == set(default_float8_kinds(
+        _base_config("llama2-7b", 8, "rtx4090", 8, None, None)))
+    assert set().union(*(kw["compile"] for kw in SMALL.values())) == set(SEARCHED_COMPILE)
 
 
 @pytest.fixture(scope="module", params=list(SMALL))
@@ -251,7 +267,8 @@ def test_all_fitting_is_every_layout_that_fits(small_case):
     from engine.planner import layout_config
 
     kw, rows = small_case
-    result = plan(**kw, top=5, all_fitting=True)
+    # uncapped in time too: on a loaded CI machine the 30-s default can stop the sweep early
+    result = plan(**kw, top=5, all_fitting=True, fitting_seconds=float("inf"))
     fits = {r["cfg"]: r for r in rows if r["fits"]}
     assert result.fitting_stopped == "" and result.fitting_evaluated == result.fitting_candidates
     assert result.fitting_candidates == len(rows) - result.counts.memory_bound_rejected
