@@ -89,3 +89,13 @@ def test_three_d_pp_dp_tp_on_eight_ranks(tmp_path):
     assert params[0:2] == params[2:4]  # dp replicas hold the same
     for prow in meas.pipeline.per_rank:
         assert [a[0] for a in prow.actions].count("F") == 2
+
+
+def test_ddp_stages_run_two_backwards_in_a_row(tmp_path):
+    """DDP under GPipe (and 1F1B with microbatches = pp): the stage's backwards follow each other with no
+    forward between them. The shape-inference forward used to arm DDP's reducer, so the first step
+    recorded every parameter twice and the second step's forward failed torch's bucket-rebuild assertion."""
+    _, meas, _ = run_ok(tmp_path, steps=2, cluster={"gpus": 4},
+                        parallel={"dp": 2, "tp": 1, "pp": 2, "zero": 0, "schedule": "GPipe", "microbatches": 2})
+    assert col(meas, "grads") == col(meas, "params")  # fp32 DDP: a full gradient beside each parameter
+    assert meas.step.losses[1] < meas.step.losses[0]

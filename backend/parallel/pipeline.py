@@ -98,6 +98,32 @@ def count_tokens_in_microbatches(stage: PipelineStage) -> None:
     stage.forward_one_chunk = forward_one_chunk
 
 
+def infer_shapes_without_ddp_sync(stage: PipelineStage) -> None:
+    """Run a DDP-wrapped stage's shape-inference forward under ``no_sync()``, as its microbatch forwards run.
+
+    Before its first step the stage runs one forward with grad enabled to infer its shapes
+    (``_prepare_forward_infra``), on ``self.submod`` directly; outside ``no_sync`` DDP's forward arms the
+    reducer (``_post_forward`` → ``prepare_for_backward``). The first backward then reduces the
+    gradients although it runs under ``no_sync`` and records every parameter for the bucket rebuild,
+    and the last backward (armed again by the stage) records them a second time: where the stage runs
+    two backwards with no forward between them (GPipe, 1F1B with microbatches = pp), the next forward
+    fails torch's assertion "rebuilt parameter indices size is not same as original model parameters
+    size". Under ``no_sync`` the inference forward leaves the reducer to the last backward, as the
+    stage intends (``backward_maybe_with_nosync``).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(stage.submod, DistributedDataParallel):
+        return
+    infer, ddp = stage._prepare_forward_infra, stage.submod
+
+    def _prepare_forward_infra(*args, **kwargs):
+        with ddp.no_sync():
+            return infer(*args, **kwargs)
+
+    stage._prepare_forward_infra = _prepare_forward_infra
+
+
 def build_schedule(stage_modules: list[tuple[int, nn.Module]], par: ParallelSpec, pp_group,
                    device: torch.device, loss_fn: Callable, timer: ActionTimer):
     """PipelineStage per held stage and the schedule named by ``par.schedule``."""
@@ -106,6 +132,7 @@ def build_schedule(stage_modules: list[tuple[int, nn.Module]], par: ParallelSpec
         stage = PipelineStage(mod, s, par.num_stages, device, group=pp_group)
         timer.wrap(stage)
         count_tokens_in_microbatches(stage)
+        infer_shapes_without_ddp_sync(stage)
         stages.append(stage)
     cls = get_schedule_class(par.schedule)
     if issubclass(cls, PipelineScheduleSingle):
