@@ -465,11 +465,26 @@ def moe_tokens(cfg: Config, ep_rank: int | None = None) -> tuple[int, int]:
 
 def moe_layer_terms(cfg: Config, ep_rank: int | None = None) -> tuple[list[tuple[str, int, str]], str]:
     """What one block's experts save for backward per microbatch on one rank, in place of the dense
-    MLP's rows: router input and scores, the top-k choice, the dispatched tokens (the grouped GEMMs'
-    input, after the all-to-all), each expert's SwiGLU / GeLU internals for its tokens, the expert
-    outputs the weighted combine keeps, and the shared experts as a dense MLP of S·f_e. Under
-    ``conventions.moe_expert_load`` the routed copies are those of ``ep_rank``'s experts (None: the
-    busiest rank's)."""
+    MLP's rows — every tensor autograd keeps of ``backend.model.MoE`` (a saved-tensor census of one
+    block, ``tests/test_moe_saved_tensors.py``, holds these rows to it byte for byte):
+
+    * router: its input (the norm output; under TP with ep its 1/t sequence slice, the shared
+      experts then keep the whole norm output), the fp32 probabilities (softmax / sigmoid output),
+      the top-k indices (int64, saved by the gather), with ``norm_topk_prob`` (k > 1) the
+      unnormalised top-k weights and their sum (the division's inputs);
+    * sort and dispatch: the token index of each sorted (token, choice) pair (int64, saved by the
+      gather ``x[token]`` and by the combine's ``index_add_``) and the sort order (int64, saved by
+      the gather of the gate weights), the gathered weights (fp32);
+    * experts: the dispatched tokens (the grouped GEMMs' input, after the all-to-all) and each
+      expert's SwiGLU / GeLU internals for its n_r routed copies;
+    * expert parallelism only: the permutation index (int64, n_r) and the expert outputs in expert
+      order, which the un-permute's ``index_copy`` keeps (its source, saved whole for its shape);
+    * combine: the expert outputs in fp32 (the weighting multiply's input; ``.float()`` of 16-bit
+      outputs is a copy) and the weighted outputs (``index_add_`` keeps its source);
+    * the shared experts as a dense MLP of S·f_e.
+
+    Under ``conventions.moe_expert_load`` the routed copies are those of ``ep_rank``'s experts (None:
+    the busiest rank's)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     h, k, e = m.hidden, m.experts_per_token, m.experts
@@ -478,27 +493,46 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None) -> tuple[list[tuple
     f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
     inner = 4 if m.mlp == "swiglu" else 2
     phi = routed_factor(cfg, ep_rank)
+    # norm_topk_prob's division keeps the unnormalised top-k weights and their sum
+    topk_norm = 4 * n * k + 4 * n if m.norm_topk_prob and k > 1 else 0
     out = [
         ("MoE: router input (norm2 output)", act * n * h // rep, "mlp"),
         (f"MoE: router scores ({m.router_score}, fp32)", 4 * n * e // rep, "mlp"),
-        ("MoE: top-k expert indices (int64) and weights (fp32)", 12 * n * k // rep, "mlp"),
+        ("MoE: top-k expert indices (int64)" + (", the unnormalised weights and their sum (fp32)" if topk_norm else ""),
+         (8 * n * k + topk_norm) // rep, "mlp"),
+        ("MoE: token index and sort order of the (token, choice) pairs (int64), the gathered gate weights (fp32)",
+         20 * n * k // rep, "experts"),
         (f"MoE: dispatched tokens, the grouped GEMMs' input (n·k·{phi:g} = {n_r:,} routed copies)", act * n_r * h,
          "experts"),
         (f"MoE: experts' {'gate, SiLU, up outputs and down input' if inner == 4 else 'GeLU input and output'} "
          f"for their tokens", inner * act * n_r * f_loc, "experts"),
-        ("MoE: expert outputs kept by the weighted combine", act * n * k * h, "experts"),
     ]
+    if par.ep > 1:
+        out.append(("MoE: permutation index (int64) and the expert outputs in expert order (the un-permute's "
+                    "index_copy source)", (8 + act * h) * n_r, "experts"))
+    out += [
+        ("MoE: expert outputs in fp32, kept by the combine's weighting multiply", 4 * n * k * h, "experts"),
+        ("MoE: weighted expert outputs, kept by the combine's index_add_ (its source)", act * n * k * h, "experts"),
+    ]
+    shared_in = 0
     if m.shared_experts:
         f_s = m.shared_experts * m.expert_hidden // par.tp
         n_s = m.seq_len * tr.micro_batch_size
         out.append((f"MoE: shared experts ({m.shared_experts} × f_e as one MLP) internals", inner * act * n_s * f_s,
                     "mlp"))
+        if par.ep > 1 and par.tp > 1:  # the router saw the rank's slice; the shared experts read it whole
+            shared_in = act * (n_s - n) * h
+            out.append(("MoE: shared experts' input, the whole norm output (beyond the router's 1/t slice)",
+                        shared_in, "mlp"))
     if m.dropout > 0:
         out.append(("MLP residual-dropout mask", n * h // rep, "mlp"))
     tp_note = "/t" if par.ep > 1 and par.tp > 1 else ""
-    formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: {act}·n·h + 4·n·E + 12·n·k "
-               f"+ {act}·n_r·h + {inner * act}·n_r·f_e{'/t' if par.ep == 1 and par.tp > 1 else ''} + {act}·n·k·h"
-               + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else ""))
+    formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: {act}·n·h + 4·n·E + 8·n·k"
+               + (" + 4·n·k + 4·n" if topk_norm else "") + " + 20·n·k"
+               + f" + {act}·n_r·h + {inner * act}·n_r·f_e{'/t' if par.ep == 1 and par.tp > 1 else ''}"
+               + (f" + (8 + {act}·h)·n_r" if par.ep > 1 else "") + f" + (4 + {act})·n·k·h"
+               + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else "")
+               + (f" + {act}·(s·b − n)·h" if shared_in else ""))
     return out, formula
 
 
