@@ -298,9 +298,12 @@ class Trainer:
     def expert_tokens(self, k: int) -> dict:
         """Step ``k``'s routed-token counts (outside the timed region): per MoE block this rank holds,
         ``routed`` (tokens it sent to each of the E experts, microbatches summed), ``received`` (tokens
-        each of its local experts got from the expert-parallel group) and the first local expert's
-        index; and ``total``, per block of the whole model, the tokens each expert received from
-        every rank (a sum over all ranks: every rank of a stage routes different tokens)."""
+        each of its local experts got from the expert-parallel group), the same per microbatch in the
+        order of the block's forwards (``routed_microbatches``, ``received_microbatches``: the
+        activations alive at a moment follow the microbatches in flight then, not the step's sum) and
+        the first local expert's index; and ``total``, per block of the whole model, the tokens each
+        expert received from every rank (a sum over all ranks: every rank of a stage routes different
+        tokens)."""
         m = self.cfg.model
         blocks = list(range(m.dense_layers, m.layers))
         total = torch.zeros(len(blocks), m.experts, dtype=torch.int64)
@@ -312,7 +315,9 @@ class Trainer:
             total[blocks.index(moe.index)] += routed
             first = (m.experts // self.cfg.parallel.ep) * (self.dims.expert_mesh("ep").get_local_rank()
                                                             if self.cfg.parallel.ep > 1 else 0)
-            local[str(moe.index)] = {"routed": routed.tolist(), "received": received.tolist(), "first_expert": first}
+            local[str(moe.index)] = {"routed": routed.tolist(), "received": received.tolist(), "first_expert": first,
+                                     "routed_microbatches": [c.tolist() for c in moe.routed_per_forward],
+                                     "received_microbatches": [c.tolist() for c in moe.received_per_forward]}
         total = total.to(self.device)
         dist.all_reduce(total)
         return {"k": k, "blocks": local, "total": {str(b): row for b, row in zip(blocks, total.cpu().tolist())}}
