@@ -210,6 +210,7 @@ def evaluate(dirs: dict[str, Path], links_dir: Path | None = None) -> list[dict]
                 row["activations_at_imbalance"], row["peak_at_imbalance"] = s2["activations"], s2["peak"]
             if imb is not None:
                 row.update(_with_measured_load(cfg, meas))
+                row.update(_with_measured_load(cfg, meas, per_microbatch=True))
         if cfg.parallel.pp > 1:
             own = calibrate(cfg, meas, source=str(d), links=links)
             row["step_self"] = compare(own.predict(cfg), meas).step.relative
@@ -217,31 +218,56 @@ def evaluate(dirs: dict[str, Path], links_dir: Path | None = None) -> list[dict]
     return rows
 
 
-def measured_expert_load(meas: dict, rank: int, ep: int) -> list[float]:
+def measured_expert_load(meas: dict, rank: int, ep: int, per_microbatch: bool = False) -> list:
     """The per-expert load (``conventions.moe_expert_load``) that ``rank`` saw in the measured step:
     the tokens its expert-parallel group (ep consecutive ranks, the same stage) routed to each expert,
-    summed over the MoE blocks this rank holds, as fractions. Each block receives the same number of
-    routed copies, so the sum over blocks is what the rank's activations follow."""
-    by_rank = {r["rank"]: r["memory"]["expert_tokens"]["blocks"] for r in meas["ranks"]}
+    as fractions. Summed over the MoE blocks this rank holds and the microbatches (one list), or with
+    ``per_microbatch`` per microbatch and per MoE block (the blocks of other stages from the step's
+    totals over every rank): the activations alive at the peak follow the routing of the microbatches
+    in flight then, block by block."""
+    by_rank = {r["rank"]: r["memory"]["expert_tokens"] for r in meas["ranks"]}
     group = [q for q in by_rank if q // ep == rank // ep]
-    counts = [0] * len(next(iter(by_rank[rank].values()))["routed"])
-    for q in group:
-        for block in by_rank[rank]:
-            for e, c in enumerate(by_rank[q][block]["routed"]):
-                counts[e] += c
-    total = sum(counts)
-    return [c / total for c in counts]
+    mine = by_rank[rank]["blocks"]
+    experts = len(next(iter(mine.values()))["routed"])
+
+    def fractions(counts):
+        total = sum(counts)
+        out = [c / total for c in counts]
+        out[-1] = 1.0 - math.fsum(out[:-1])  # exactly 1 after rounding
+        return out
+
+    if not per_microbatch:
+        counts = [0] * experts
+        for q in group:
+            for block in mine:
+                for e, c in enumerate(by_rank[q]["blocks"][block]["routed"]):
+                    counts[e] += c
+        return fractions(counts)
+    totals = by_rank[rank]["total"]
+    m = len(next(iter(mine.values()))["routed_microbatches"])
+    table = []
+    for mb in range(m):
+        blocks = []
+        for block in sorted(totals, key=int):
+            if block in mine:
+                counts = [sum(by_rank[q]["blocks"][block]["routed_microbatches"][mb][e] for q in group)
+                          for e in range(experts)]
+            else:
+                counts = totals[block]
+            blocks.append(fractions(counts))
+        table.append(blocks)
+    return table
 
 
-def _with_measured_load(cfg: Config, meas: dict) -> dict:
-    """Each rank predicted with the per-expert load its own EP group measured: the activation and
-    tracked-peak errors per rank, and the largest of each."""
-    preds: dict[tuple, object] = {}
+def _with_measured_load(cfg: Config, meas: dict, per_microbatch: bool = False) -> dict:
+    """Each rank predicted with the per-expert load its own EP group measured (summed over the step,
+    or per microbatch and block): the activation and tracked-peak errors per rank, and the largest of
+    each."""
+    preds: dict[str, object] = {}
     acts, peaks = [], []
     for r in sorted(meas["ranks"], key=lambda r: r["rank"]):
-        load = measured_expert_load(meas, r["rank"], cfg.parallel.ep)
-        load[-1] = 1.0 - math.fsum(load[:-1])  # exactly 1 after rounding
-        key = tuple(load)
+        load = measured_expert_load(meas, r["rank"], cfg.parallel.ep, per_microbatch)
+        key = json.dumps(load)
         if key not in preds:
             told = Config.from_dict({**cfg.to_dict(), "conventions": {
                 **cfg.to_dict()["conventions"], "moe_expert_load": load}})
@@ -249,9 +275,10 @@ def _with_measured_load(cfg: Config, meas: dict) -> dict:
         rc = next(x for x in preds[key].memory if x.rank == r["rank"])
         acts.append(rc.categories["activations"].relative_tracked)
         peaks.append(rc.allocated.relative_tracked if rc.allocated is not None else None)
-    return {"activations_at_load": max(abs(a) for a in acts),
-            "tracked_peak_at_load": max((abs(p) for p in peaks if p is not None), default=None),
-            "activations_per_rank_at_load": acts, "tracked_peak_per_rank_at_load": peaks}
+    tag = "_at_microbatch_load" if per_microbatch else "_at_load"
+    return {"activations" + tag: max(abs(a) for a in acts),
+            "tracked_peak" + tag: max((abs(p) for p in peaks if p is not None), default=None),
+            "activations_per_rank" + tag: acts, "tracked_peak_per_rank" + tag: peaks}
 
 
 HEAD = ("layout", "states exact", "worst category", "act", "peak", "tracked peak", "bubble", "step analytic",
@@ -276,20 +303,24 @@ def table(rows: list[dict]) -> list[tuple[str, ...]]:
 
 
 MOE_HEAD = ("layout", "measured imbalance", "act (balanced)", "peak (balanced)", "act (imbalance told)",
-            "peak (imbalance told)", "act (per-expert load told)", "tracked peak (load told)",
-            "act per rank (load told)")
+            "peak (imbalance told)", "act (step's load told)", "tracked peak (step's load told)",
+            "act (per-microbatch load told)", "tracked peak (per-microbatch load told)",
+            "act per rank (per-microbatch load told)", "tracked peak per rank (per-microbatch load told)")
 
 
 def moe_table(rows: list[dict]) -> list[tuple[str, ...]]:
     """MoE rows: the routing imbalance the measured step had (busiest expert / mean), the activation
-    and peak errors when the engine is told it (``conventions.moe_imbalance``), and when it is told
-    each EP group's measured per-expert load (``conventions.moe_expert_load``), with the per-rank
-    activation errors."""
+    and peak errors when the engine is told it (``conventions.moe_imbalance``), when it is told each
+    EP group's measured per-expert load summed over the step (``conventions.moe_expert_load``), and
+    per microbatch and block, with the per-rank errors of the last."""
     return [(r["layout"], "—" if r["moe_imbalance"] is None else f"{r['moe_imbalance']:.2f}",
              _abs_pct(r["activations"]), _abs_pct(r["peak"]), _abs_pct(r.get("activations_at_imbalance")),
              _abs_pct(r.get("peak_at_imbalance")), _abs_pct(r.get("activations_at_load")),
-             _abs_pct(r.get("tracked_peak_at_load")),
-             " / ".join(_pct(x) for x in r.get("activations_per_rank_at_load", [])) or "—")
+             _abs_pct(r.get("tracked_peak_at_load")), _abs_pct(r.get("activations_at_microbatch_load")),
+             _abs_pct(r.get("tracked_peak_at_microbatch_load")),
+             " / ".join(_pct(x) for x in r.get("activations_per_rank_at_microbatch_load", [])) or "—",
+             " / ".join(_pct(x) for x in r.get("tracked_peak_per_rank_at_microbatch_load", []) if x is not None)
+             or "—")
             for r in rows if "moe_imbalance" in r]
 
 

@@ -60,7 +60,8 @@ from functools import lru_cache
 
 from engine import lora
 from engine.config import Config
-from engine.durations import checkpointed_per_stage, routed_factor
+from engine.durations import (checkpointed_per_stage, routed_factor, routed_factor_of,
+                              varying_expert_load)
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS
 
@@ -450,20 +451,23 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
 # --------------------------------------------------------------------------- mixture of experts
 
 
-def moe_tokens(cfg: Config, ep_rank: int | None = None) -> tuple[int, int]:
+def moe_tokens(cfg: Config, ep_rank: int | None = None, phi: float | None = None) -> tuple[int, int]:
     """(tokens entering one MoE block on this rank per microbatch, routed copies it computes).
 
     With expert parallelism and TP, each TP rank dispatches its 1/t slice of the sequence
     (torchtitan); otherwise the block sees the s·b tokens (s·b/t of the router input under SP).
-    The routed copies are n·k times ``routed_factor`` (of ``ep_rank`` under a measured load)."""
+    The routed copies are n·k times ``phi`` (default ``routed_factor``, of ``ep_rank`` under a
+    measured load)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     n = m.seq_len * tr.micro_batch_size
     if par.ep > 1:
         n //= par.tp
-    return n, int(-(-n * m.experts_per_token * routed_factor(cfg, ep_rank) // 1))
+    phi = routed_factor(cfg, ep_rank) if phi is None else phi
+    return n, int(-(-n * m.experts_per_token * phi // 1))
 
 
-def moe_layer_terms(cfg: Config, ep_rank: int | None = None) -> tuple[list[tuple[str, int, str]], str]:
+def moe_layer_terms(cfg: Config, ep_rank: int | None = None,
+                    phi: float | None = None) -> tuple[list[tuple[str, int, str]], str]:
     """What one block's experts save for backward per microbatch on one rank, in place of the dense
     MLP's rows — every tensor autograd keeps of ``backend.model.MoE`` (a saved-tensor census of one
     block, ``tests/test_moe_saved_tensors.py``, holds these rows to it byte for byte):
@@ -484,15 +488,15 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None) -> tuple[list[tuple
     * the shared experts as a dense MLP of S·f_e.
 
     Under ``conventions.moe_expert_load`` the routed copies are those of ``ep_rank``'s experts (None:
-    the busiest rank's)."""
+    the busiest rank's); ``phi`` gives their factor over n·k instead (one block and microbatch's)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     h, k, e = m.hidden, m.experts_per_token, m.experts
-    n, n_r = moe_tokens(cfg, ep_rank)
+    phi = routed_factor(cfg, ep_rank) if phi is None else phi
+    n, n_r = moe_tokens(cfg, ep_rank, phi)
     rep = par.tp if par.sequence_parallel and par.ep == 1 else 1
     f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
     inner = 4 if m.mlp == "swiglu" else 2
-    phi = routed_factor(cfg, ep_rank)
     # norm_topk_prob's division keeps the unnormalised top-k weights and their sum
     topk_norm = 4 * n * k + 4 * n if m.norm_topk_prob and k > 1 else 0
     out = [
@@ -569,11 +573,45 @@ def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) ->
             "adapter)", -total, f"−{total:,} B", "lora_first_block")
 
 
+def moe_stage_block_bytes(cfg: Config, rp, per_moe_of, ep_rank: int,
+                          microbatches: dict[int, tuple[int, ...]] | None = None) -> dict[int, tuple[int, str]]:
+    """Under a measured expert load given per block or microbatch: per stage of ``rp``, one MoE
+    block's bytes averaged over the stage's MoE blocks and over ``microbatches[stage]`` (those in
+    flight at the rank's peak; all of them when not given), and the words saying so.
+    ``per_moe_of(phi)`` is one MoE block's bytes at routed factor ``phi``."""
+    from engine.layout import split_layers
+
+    m, par = cfg.model, cfg.parallel
+    split = split_layers(m.layers, par.num_stages, par.pipeline_split)
+    out = {}
+    for st in rp.stages:
+        blocks = [i - m.dense_layers for i in split[st.stage] if m.is_moe_layer(i)]
+        if not blocks:
+            continue
+        mbs = (microbatches or {}).get(st.stage) or tuple(range(par.microbatches))
+        cache: dict[float, int] = {}
+        total = 0
+        for mb in mbs:
+            for b in blocks:
+                phi = routed_factor_of(cfg, ep_rank, mb, b)
+                if phi not in cache:
+                    cache[phi] = per_moe_of(phi)
+                total += cache[phi]
+        which = (f"microbatch{'es' if len(mbs) > 1 else ''} {', '.join(map(str, mbs))}"
+                 if microbatches and st.stage in microbatches else "every microbatch")
+        out[st.stage] = (-(-total // (len(mbs) * len(blocks))),
+                         f"the measured load of each of its {len(blocks)} MoE blocks at {which}, averaged")
+    return out
+
+
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
-                           in_flight, ep_rank: int | None = None) -> dict:
+                           in_flight, ep_rank: int | None = None,
+                           moe_microbatches: dict[int, tuple[int, ...]] | None = None) -> dict:
     """Activations of every local stage (each multiplied by its microbatches in flight) and the loss
     and recompute temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts;
-    ``ep_rank`` picks the routed copies under a measured expert load.
+    ``ep_rank`` picks the routed copies under a measured expert load; where that load is given per
+    block or microbatch, a stage's MoE blocks follow their own loads at ``moe_microbatches[stage]``
+    (the microbatches in flight at the peak; every microbatch when not given).
 
     Returns what the buffers need: the residual stream's element bytes and numel.
     """
@@ -654,8 +692,14 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     moe = model.experts > 0
     if moe:  # a block with experts: the dense MLP's rows give way to the experts'
         moe_rows, moe_formula = moe_layer_terms(cfg, ep_rank)
-        per_moe = per_layer - sum(x for _, x, part in layer_terms if part == "mlp") + sum(x for _, x, _ in moe_rows)
+        attn_half = per_layer - sum(x for _, x, part in layer_terms if part == "mlp")
+        per_moe = attn_half + sum(x for _, x, _ in moe_rows)
         moe_formula = f"{layer_formula} with the MLP's rows replaced by the {moe_formula}"
+        per_moe_of_stage: dict[int, tuple[int, str]] = {}
+        if ep_rank is not None and par.ep > 1 and varying_expert_load(cfg):
+            per_moe_of_stage = moe_stage_block_bytes(
+                cfg, rp, lambda phi: attn_half + sum(x for _, x, _ in moe_layer_terms(cfg, ep_rank, phi)[0]),
+                ep_rank, moe_microbatches)
 
     def plain_split(st, c: int) -> tuple[int, int]:
         """(dense, MoE) blocks among a stage's blocks not checkpointed whole (the checkpointed
@@ -669,8 +713,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     for st, ex in zip(rp.stages, extras):
         c = ckpt_of[st.stage]
         d_plain, m_plain = plain_split(st, c)
-        unit_bytes.append(c * kept + d_plain * per_layer + (m_plain * per_moe if moe else 0)
-                          + sum(x for _, x, _, _ in ex))
+        moe_bytes = per_moe_of_stage.get(st.stage, (per_moe, ""))[0] if moe else 0
+        unit_bytes.append(c * kept + d_plain * per_layer + m_plain * moe_bytes + sum(x for _, x, _, _ in ex))
     counts = in_flight(unit_bytes)
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
     if par.cp > 1:
@@ -689,8 +733,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                       f"{n} × {d_plain} × {layer_formula} = {n} × {d_plain} × {per_layer:,} B ({dims})",
                       stage=st.stage, in_flight=n, kind="layers")
             if m_plain:
-                T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * per_moe,
-                      f"{n} × {m_plain} × ({moe_formula}) = {n} × {m_plain} × {per_moe:,} B ({dims})",
+                one, how = per_moe_of_stage.get(st.stage, (per_moe, ""))
+                how = f"; n_r from {how}" if how else ""
+                T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * one,
+                      f"{n} × {m_plain} × ({moe_formula}{how}) = {n} × {m_plain} × {one:,} B ({dims})",
                       stage=st.stage, in_flight=n, kind="moe_layers")
         elif c and c == st.layers:
             T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * kept,
