@@ -29,6 +29,7 @@ from backend import measure
 from backend.faults import maybe_fault
 from backend.model import SyntheticData, Transformer, moe_modules
 from backend.parallel import ParallelDims, apply_pp, autocast_context, build_optimizer, build_schedule, parallelize
+from backend.parallel.expert_parallel import expert_params
 from backend.parallel.expert_parallel import refusal as moe_refusal
 from backend.parallel.parallelize import expert_grad_sync
 from backend.parallel.compile import measured_eagerly
@@ -335,6 +336,8 @@ class Trainer:
         with measured_eagerly(self.cfg.training.compile), tracker:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
+            experts = {id(p) for m in mods for p in expert_params(m)}
+            ddp_grads = measure.grad_bytes([p for p in self.params if id(p) not in experts])
             if self.sync_experts is not None:
                 self.sync_experts()
             self.optimizer.step()
@@ -348,7 +351,9 @@ class Trainer:
         raw = measure.tracker_peak(tracker, self.device)
         cats = measure.categories_from(raw, exact)
         if any(isinstance(m, DistributedDataParallel) for m in mods):
-            cats["comm_buffers"] += grads  # DDP's reducer buckets hold a flat copy of every gradient
+            # DDP's reducer buckets hold a flat copy of every gradient it reduces (not the routed
+            # experts', which it leaves to sync_expert_grads)
+            cats["comm_buffers"] += ddp_grads
         if self.schedule is not None:
             cats["comm_buffers"] += measure.p2p_buffer_bytes(self.schedule)  # untracked p2p receive buffers
         out = {

@@ -142,7 +142,7 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 elif base.conventions.ddp_gradient_as_bucket_view:
                     fixed = 0
                 else:
-                    fixed = 4 * psi
+                    fixed = 4 * (psi - rp.experts)  # DDP's buckets leave the routed experts out
                 # unsharded gradients accumulated over microbatches (FSDP2, m > 1): at least 2 B each
                 per_mb = 2 * psi if z in (2, 3) and dp > 1 else 0
                 # time every layout of this shape spends besides the pipeline: the optimizer step over

@@ -810,4 +810,76 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
             T.add("temporaries", "logits at the loss (compute dtype + fp32 copy)", lx,
                   f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
+    if moe and torch_acc and tr.recompute == "none":
+        loss_bytes = 2 * 4 * s * b * v_loss if holds_last else 0
+        moe_backward_terms(cfg, rp, T, extras, ep_rank, autocast, loss_bytes, per_layer)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
+
+
+def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, autocast: bool, loss_bytes: int,
+                       per_layer: int) -> None:
+    """The moment inside a backward where a stage with experts peaks: the routed experts' backward of
+    its last MoE block (measured with MemTracker on CPU: ``benchmarks/accuracy.md``'s MoE note).
+
+    Each expert's weights are a slice ``w[i]`` of a 3-D parameter, so autograd's select_backward
+    gives every expert a full-size (E_loc, f, h) gradient, summed in the parameter's input buffer:
+    at the peak the n_w buffers (w1, w3, w2) and two fresh full-size gradients are alive, with the
+    block's output and input gradients (2·s·b·h) and, without ep, the routed outputs' gradient
+    (n_r·h; under ep it is the all-to-all receive buffer, in comm_buffers). By then the backward
+    has freed the loss's logits and gradient, the last stage's final-norm, head-input and log-
+    probability tensors, the blocks after the stage's last MoE block, and of that block the shared
+    experts' tensors and the combine's (fp32 and weighted outputs, gathered weights, sort order, the
+    un-permute's index_copy source). The backward's peak is the larger of this moment and the
+    start of the backward (the loss): the terms are laid only where this one is larger, as
+    transients of every backward (B, I) of the rank."""
+    from engine.layout import split_layers
+
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    act = 4 if tr.precision == "fp32" else 2
+    wb = 4 if tr.precision == "fp32" or autocast else 2  # the experts' compute weights (FSDP2: param_dtype)
+    h, k = m.hidden, m.experts_per_token
+    n, n_r = moe_tokens(cfg, ep_rank)
+    n_s = m.seq_len * tr.micro_batch_size
+    e_loc = m.experts // par.ep if par.ep > 1 else m.experts
+    f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
+    n_w = 3 if m.mlp == "swiglu" else 2
+    split = split_layers(m.layers, par.num_stages, par.pipeline_split)
+    best = None
+    for st, ex in zip(rp.stages, extras):
+        layers = split[st.stage]
+        moe_idx = [i for i in layers if m.is_moe_layer(i)]
+        if not moe_idx:
+            continue
+        w_grads = (n_w + 2) * e_loc * f_loc * h * wb
+        grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
+        routed_grad = act * n_r * h if par.ep == 1 else 0
+        temp = w_grads + grads + routed_grad
+        after = sum(1 for i in layers if i > moe_idx[-1]) * per_layer
+        shared = 0
+        if m.shared_experts:
+            f_s = m.shared_experts * m.expert_hidden // par.tp
+            shared = (4 if m.mlp == "swiglu" else 2) * act * n_s * f_s
+            if par.ep > 1 and par.tp > 1:
+                shared += act * (n_s - n) * h
+        combine = 4 * n * k * h + 12 * n * k + act * n * k * h + (act * n_r * h if par.ep > 1 else 0)
+        head = sum(x for _, x, _, kind in ex if kind in ("final_norm", "head_input", "log_probabilities"))
+        freed = after + shared + combine + head
+        loss = loss_bytes if st.stage == par.num_stages - 1 and len(rp.stages) == 1 else 0
+        gain = temp - freed - loss
+        if gain > 0 and (best is None or gain > best[0]):
+            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head, loss)
+    if best is None:
+        return
+    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head, loss = best
+    T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block: the experts' full-size weight gradients "
+          "(select_backward of each expert's slice, summed in autograd's input buffers) and the activation gradients",
+          temp, f"({n_w} + 2) × E_loc·f·h·{wb} = ({n_w} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
+          f"= {grads:,} B (block output, input)" + (f" + n_r·h·{act} = {routed_grad:,} B (routed outputs)"
+                                                   if routed_grad else ""), kind="moe_backward")
+    T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (the head's and loss's "
+          "tensors, later blocks, the block's shared experts and combine)", -freed,
+          f"−({head:,} B head side + {after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
+          f"(4 + {act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")", kind="moe_backward_freed")
+    if loss:
+        T.add("temporaries", "MoE backward: the loss's logits and gradient are freed by then", -loss,
+              f"−{loss:,} B", kind="moe_backward_loss_freed")
