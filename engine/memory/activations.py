@@ -829,9 +829,12 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
     has freed the loss's logits and gradient, the last stage's final-norm, head-input and log-
     probability tensors, the blocks after the stage's last MoE block, and of that block the shared
     experts' tensors and the combine's (fp32 and weighted outputs, gathered weights, sort order, the
-    un-permute's index_copy source). The backward's peak is the larger of this moment and the
-    start of the backward (the loss): the terms are laid only where this one is larger, as
-    transients of every backward (B, I) of the rank."""
+    un-permute's index_copy source). Where the gradients outweigh what is freed, this moment is the
+    backward's peak — measured so on every MoE row of the accuracy matrix, the last stage's included,
+    although the loss's logits and gradient would make its start larger on paper (they are not all
+    alive beside every activation there; the tiny preset's ep4 rows, where the freed tensors
+    outweigh the gradients, peak elsewhere): the terms are laid as transients of every backward (B,
+    I) of the rank, the loss's temporaries taken off."""
     from engine.layout import split_layers
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
@@ -865,7 +868,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
         head = sum(x for _, x, _, kind in ex if kind in ("final_norm", "head_input", "log_probabilities"))
         freed = after + shared + combine + head
         loss = loss_bytes if st.stage == par.num_stages - 1 and len(rp.stages) == 1 else 0
-        gain = temp - freed - loss
+        gain = temp - freed
         if gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head, loss)
     if best is None:
