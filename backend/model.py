@@ -316,11 +316,15 @@ class MoE(nn.Module):
         xs = self.sequence.split(x) if self.sequence is not None else x
         x_TD = xs.reshape(-1, d)
         scores, ids, probs = self.router(x_TD, self.sequence.reduce_grad if self.sequence is not None else None)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        # a planned dispatch (backend.parallel.expert_parallel.PlannedDispatch: fake tensors carry no
+        # values to count) gives the counts as constants and each local expert's as a list
+        planned = getattr(self.dispatch, "planned", False)
+        counts = self.dispatch.counts(ids) if planned else torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         routed, local_counts, meta = self.dispatch.dispatch(x_TD, ids, counts)
-        out = self.experts(routed, local_counts.tolist())
+        out = self.experts(routed, local_counts if planned else local_counts.tolist())
         y_TD = self.dispatch.combine(out, meta, scores, x_TD)
-        self._record(counts, local_counts)
+        if not planned:
+            self._record(counts, local_counts)
         if self.aux_coeff and self.training:
             # Switch's balancing loss: E · Σ_e (share of routed tokens to e) · (mean probability of e)
             share = counts.float() / max(1, ids.numel())

@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from backend.model import Transformer, moe_modules  # noqa: E402
-from backend.parallel.expert_parallel import AllToAllDispatch  # noqa: E402
+from backend.parallel.expert_parallel import (AllToAllDispatch, PlannedDispatch, planned_load,  # noqa: E402
+                                              split_copies)
 
 MOE = {"experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 128, "shared_experts": 1, "dense_layers": 1}
 
@@ -47,15 +48,21 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("planned", [False, True])
 @pytest.mark.parametrize("model", [{}, {"shared_experts": 0, "mlp": "gelu"}, {"norm_topk_prob": False}])
 @pytest.mark.parametrize("ep", [1, 2])
-def test_moe_rows_are_the_tensors_autograd_saves(model, ep, one_rank_group):
+def test_moe_rows_are_the_tensors_autograd_saves(model, ep, planned, one_rank_group):
+    """Also through the planned dispatch the fake worker uses (a balanced load, the same tensors)."""
     spec = {**MOE, **model}
     par = {"dp": 2 if ep > 1 else 1, "ep": ep, "tp": 1, "pp": 1, "zero": 0, "microbatches": 2}
     cfg = default_config().replace(model=spec, cluster={"gpus": par["dp"]}, parallel=par)
     torch.manual_seed(0)
     moe = moe_modules(Transformer(cfg.model))[0]
-    if ep > 1:
+    if planned:  # every copy local on the one rank: the ep-2 prediction's balanced n_r = n·k
+        n = cfg.training.micro_batch_size * cfg.model.seq_len
+        send = split_copies(n * cfg.model.experts_per_token, planned_load(cfg))
+        moe.dispatch = PlannedDispatch(send, 1, one_rank_group if ep > 1 else None)
+    elif ep > 1:
         moe.dispatch = AllToAllDispatch(one_rank_group, 1)
     tr = cfg.training
     x = torch.randn(tr.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
