@@ -419,23 +419,43 @@ same buffer) from activations.
 - **activations, bf16 ZeRO-3** (9.0 %, within the goal): the model under-predicts by ~0.66 MiB
   per rank under FSDP2's MixedPrecisionPolicy; which tensors those are is not yet identified
   (the fp32 ZeRO-3 row is within 3.5 %).
-- **activations, mixture of experts** (goal 5 %; balanced prediction 10–26 %, peak 4.8–11.6 %; states
-  exact on every rank): the error follows the routing, not the formulas. At the tiny preset's
-  initialisation (gate std 0.02 over a residual stream with a common direction) every block sends
-  nearly all its tokens to the same two experts (the busiest expert gets 4.00× the mean, top-2
-  of 8's maximum), so under expert parallelism the ranks receive very different numbers of
-  tokens (ep2 dp2: 4787 vs 2381 routed copies for a mean of 3584) and their activations differ by
-  ±14 % around the balanced prediction; the rank that receives more is under-predicted, the other
-  over-predicted. Interpolating the two ep2 ranks at the balanced load (≈1.55 kB per received
-  copy) puts the engine ~4 % under the measurement there. Telling the engine the measured
-  imbalance (the second MoE table) makes it worse (83–101 %): ``conventions.moe_imbalance`` is one
-  number applied to every rank as its busiest-expert load, while the measured load differs rank by
-  rank (the busiest expert's 4× is one expert of the rank's E/ep). Telling it each EP group's
-  measured per-expert load (``conventions.moe_expert_load``, from the measured step's routed
-  counts summed over the rank's MoE blocks; the last three MoE columns) lets each rank follow its
-  own experts' tokens: activations 5.6–10.5 %, tracked peak 3.1–6.5 %, every rank now under-
-  predicted by 1–10 % (the ~4 % formula gap at the balanced load above, plus the per-microbatch
-  spread the step's summed counts do not show).
+- **activations, mixture of experts** (goal 5 %: met with each rank's measured load told —
+  activations 1.7–3.0 %, tracked peak 0.2–1.8 % on every rank of the five MoE rows, the last
+  columns of the second table; states exact on every rank). Measured 2026-12-01 with
+  `.venv/bin/python benchmarks/accuracy.py --only "MoE ep2 (dp2 DDP)" "MoE ep4 (dp4 DDP)" "MoE ep2 + FSDP (ZeRO-3 dp4, efsdp 2)" "MoE ep2 + TP2" "MoE ep2 + PP2 (dp2×pp2 1F1B)" --markdown /tmp/moe.md`
+  (the MoE rows of both tables are that run's; the other rows are the previous full run's). What
+  stood between the engine and the runs:
+  - *tensors the rows missed* (~0.52 kB per received routed copy, ~0.53 kB per sent one): a
+    saved-tensor census of the backend's MoE block (`tests/test_moe_saved_tensors.py`, which now
+    holds `moe_layer_terms` to it byte for byte, with and without the all-to-all) found the
+    combine's `index_add_` keeping its source (the weighted outputs, act·n·k·h) and its multiply
+    the fp32 expert outputs (4·n·k·h; a copy under 16 bits), under ep the un-permute's `index_copy`
+    keeping its source (the expert outputs in expert order, act·n_r·h) and the permutation index
+    (8·n_r), the int64 token index and sort order of the (token, choice) pairs and the gathered
+    gate weights (20·n·k), and `norm_topk_prob`'s division keeping its inputs (4·n·k + 4·n);
+  - *the peak moment*: MemTracker (run in process, the saved tensors still alive checked at its
+    peak) puts a MoE rank's peak inside the backward of its stage's last MoE block, in the routed
+    experts' loop. Each expert's weights are a slice `w[i]` of a 3-D parameter (torchtitan's
+    for-loop path), so select_backward hands every expert a full-size (E_loc, f, h) gradient,
+    summed in autograd's input buffer: five are alive there (w1, w3, w2's buffers and two fresh
+    ones; four for GeLU), with the block's output and input gradients; by then the backward has
+    freed the head's and the loss's tensors and the block's shared experts' and combine's
+    (1.0–1.3 MB on these rows). Modelled as transients of every backward (the `moe_backward`
+    terms) where the gradients outweigh what is freed — so not on the ep4 rows (2 local experts),
+    whose peak falls elsewhere;
+  - *DDP and the experts*: DDP leaves the routed experts out of its buckets (their replicas are
+    the efsdp ranks, reduced by `sync_expert_grads`); both sides counted the buckets (and the
+    engine its gradient-sized backward temporary) over every gradient, now over DDP's own (the
+    engine, the planner's bound and the backend's measured buckets);
+  - *the routing*: at the tiny preset's initialisation every block sends nearly all its tokens to
+    two experts (the busiest gets 4.00× the mean), so EP ranks receive very different numbers of
+    tokens, block by block and microbatch by microbatch. ``conventions.moe_imbalance`` (one number
+    for every rank) makes it worse (100–133 %); ``conventions.moe_expert_load`` takes each EP
+    group's measured load — one list for the step (0.9–3.0 %), or one per microbatch and MoE block
+    from the records' per-microbatch counts (`routed_microbatches`), which the engine lays at the
+    microbatches in flight at the rank's peak moment (1.7–3.0 %, tracked peak 0.2–1.8 %). The
+    balanced prediction (the first table, 7–20 %) is what the engine says without a measured load:
+    the load is an input the user gives, never fitted per row.
 - Not checked here: GPU kernels. On CUDA, `rms_norm` may run fused (no saved x̂; the engine
   assumes so for any GPU other than "cpu") and autocast runs softmax in fp32 — unverified on
   this CPU-only machine.
