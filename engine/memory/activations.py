@@ -812,12 +812,12 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                   f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
     if moe and torch_acc and tr.recompute == "none":
         loss_bytes = 2 * 4 * s * b * v_loss if holds_last else 0
-        moe_backward_terms(cfg, rp, T, extras, ep_rank, autocast, loss_bytes, per_layer)
+        moe_backward_terms(cfg, rp, T, extras, ep_rank, autocast, loss_bytes, per_layer, moe_microbatches)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
 def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, autocast: bool, loss_bytes: int,
-                       per_layer: int) -> None:
+                       per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:
     """The moment inside a backward where a stage with experts peaks: the routed experts' backward of
     its last MoE block (measured with MemTracker on CPU: ``benchmarks/accuracy.md``'s MoE note).
 
@@ -834,7 +834,9 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
     although the loss's logits and gradient would make its start larger on paper (they are not all
     alive beside every activation there; the tiny preset's ep4 rows, where the freed tensors
     outweigh the gradients, peak elsewhere): the terms are laid as transients of every backward (B,
-    I) of the rank, the loss's temporaries taken off."""
+    I) of the rank, the loss's temporaries taken off. Under a measured load given per block or
+    microbatch, the block's routed copies are its own, averaged over ``microbatches[stage]`` (those in
+    flight at the peak; every microbatch when not given)."""
     from engine.layout import split_layers
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
@@ -853,6 +855,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
         moe_idx = [i for i in layers if m.is_moe_layer(i)]
         if not moe_idx:
             continue
+        if ep_rank is not None and par.ep > 1 and varying_expert_load(cfg):
+            mbs = (microbatches or {}).get(st.stage) or tuple(range(par.microbatches))
+            phi = sum(routed_factor_of(cfg, ep_rank, mb, moe_idx[-1] - m.dense_layers) for mb in mbs) / len(mbs)
+            n_r = moe_tokens(cfg, ep_rank, phi)[1]
         w_grads = (n_w + 2) * e_loc * f_loc * h * wb
         grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
         routed_grad = act * n_r * h if par.ep == 1 else 0
