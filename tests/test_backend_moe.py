@@ -240,13 +240,16 @@ def test_fake_measure_runs_a_mixture_of_experts(tmp_path):
     from engine.compare import compare
     from engine.predict import predict
 
-    cfg = moe_config({"dp": 2, "ep": 2})
+    # the accuracy matrix's MoE model: the tiny preset with 8 experts of top-2, one shared, one dense block
+    tiny_moe = {"experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 128, "shared_experts": 1, "dense_layers": 1}
+    cfg = default_config().replace(model=tiny_moe, cluster={"gpus": 2},
+                                   parallel={"dp": 2, "ep": 2, "tp": 1, "pp": 1, "zero": 0, "microbatches": 2})
     run = simulate(cfg, tmp_path / "fake", [0], 240, None, False, 1)
     rec = run.records[0]
     assert any("mixture of experts: routing" in x for x in rec["not_covered"])
-    assert rec["memory"]["expert_tokens"]["planned_load"] == [0.25] * 4
+    assert rec["memory"]["expert_tokens"]["planned_load"] == [0.125] * 8
     rc = next(r for r in compare(predict(cfg), json.loads((run.path / "measurement.json").read_text())).memory
               if r.rank == 0)
     for cat in ("params", "grads", "optimizer"):
         assert rc.categories[cat].error == 0
-    assert abs(rc.categories["activations"].relative_tracked) < 0.05
+    assert abs(rc.categories["activations"].relative_tracked) < 0.03  # −1.0 % when measured
