@@ -60,6 +60,12 @@ NOT_COVERED_CPU_KERNELS = [
     "log-sum-exp; not CUDA's RNG state)",
 ]
 
+NOT_COVERED_MOE = (
+    "mixture of experts: routing cannot depend on data that fake tensors do not carry — every rank routes each "
+    "microbatch's n·k token copies by a fixed load (conventions.moe_expert_load, its mean over blocks and "
+    "microbatches where given per block or microbatch; else balanced), the same on every rank of the "
+    "expert-parallel group; the router still runs (its tensors are real-sized), its choices are not used")
+
 #: relative disagreement beyond which a tracker category is reported as wrong
 TOLERANCE = 0.01
 
@@ -108,8 +114,10 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from backend import measure
-    from backend.model import Transformer
+    from backend.model import Transformer, moe_modules
     from backend.parallel import ParallelDims, apply_pp, build_optimizer, parallelize
+    from backend.parallel.expert_parallel import plan_dispatch
+    from backend.parallel.parallelize import expert_grad_sync
     from backend.parallel.pipeline import ActionTimer
     from backend.parallel.precision import compute_dtype
     from backend.train import SEED, Trainer, _optimizer_cls_and_kwargs, check_supported
@@ -162,6 +170,12 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
                 self.modules.append((s, m))
             self.stages = [s for s, _ in self.modules]
             self.params = measure.unique_params(m for _, m in self.modules)
+            self.moes = [moe for _, m in self.modules for moe in moe_modules(m)]
+            if self.moes:  # fake tensors cannot be counted: route by a load given up front
+                group = self.dims.expert_mesh("ep").get_group() if par.ep > 1 else None
+                for _, m in self.modules:
+                    self.moe_load = plan_dispatch(m, cfg, group)
+            self.sync_experts = expert_grad_sync([m for _, m in self.modules], cfg, self.plan, self.dims)
             cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
             with self.fake_mode:
                 self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
@@ -174,6 +188,25 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             self.actions = _stage_actions(cfg, self.coords.pp) if self.pipelined else ()
             self.in_flight = schedule_in_flight(self.actions, self.stages) if self.pipelined else []
             self.output_chunks: list = []  # the last stage's outputs, kept until the next step
+
+        def expert_tokens(self, k: int) -> dict:
+            """The planned routing (Trainer.expert_tokens' shape): every rank of a stage routes each
+            microbatch's n·k copies by the planned load (``backend.parallel.expert_parallel.planned_load``)."""
+            mbs, ep = par.microbatches, par.ep
+            blocks = {}
+            send = self.moes[0].dispatch.send if self.moes else []
+            local = len(send) // ep if send else 0
+            ep_rank = self.dims.expert_mesh("ep").get_local_rank() if ep > 1 else 0
+            got = [ep * c for c in send[ep_rank * local:(ep_rank + 1) * local]] if ep > 1 else list(send)
+            for moe in self.moes:
+                blocks[str(moe.index)] = {"routed": [c * mbs for c in send], "received": [c * mbs for c in got],
+                                          "first_expert": ep_rank * local if ep > 1 else 0,
+                                          "routed_microbatches": [list(send)] * mbs,
+                                          "received_microbatches": [list(got)] * mbs}
+            routers = par.world_size // par.pp  # the ranks routing each block's tokens
+            total = {str(b): [c * mbs * routers for c in send]
+                     for b in range(cfg.model.dense_layers, cfg.model.layers)}
+            return {"k": k, "planned_load": list(self.moe_load), "blocks": blocks, "total": total}
 
         def step_input(self, step: int):
             """What Trainer.forward_backward takes (the batch, or the step in older versions)."""
@@ -606,6 +639,8 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments
     seconds = time.perf_counter() - t0
     check = cross_check(memory["tracker_peak"], memory["exact"])
     not_covered = list(NOT_COVERED) + NOT_COVERED_CPU_KERNELS
+    if trainer.moes:
+        not_covered.append(NOT_COVERED_MOE)
     if trainer.pipelined:
         not_covered = NOT_COVERED_PP + not_covered
     coords = trainer.coords

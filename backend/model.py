@@ -278,7 +278,8 @@ class MoE(nn.Module):
     so each routes and dispatches its own slice, and gathers the outputs back. ``routed_counts``
     (tokens this rank sent to each of the E experts) and ``received_counts`` (tokens each local
     expert received, from every rank of the expert-parallel group) accumulate over the forwards
-    of a step (not over a recompute in the backward) until ``reset_counts``.
+    of a step (not over a recompute in the backward) until ``reset_counts``; ``routed_per_forward``
+    and ``received_per_forward`` keep each forward's own counts (one per microbatch, in order).
     """
 
     def __init__(self, spec: ModelSpec, index: int):
@@ -298,6 +299,8 @@ class MoE(nn.Module):
     def reset_counts(self) -> None:
         self.routed_counts: torch.Tensor | None = None
         self.received_counts: torch.Tensor | None = None
+        self.routed_per_forward: list[torch.Tensor] = []
+        self.received_per_forward: list[torch.Tensor] = []
 
     def _record(self, routed: torch.Tensor, received: torch.Tensor) -> None:
         if not self.count_tokens or torch._C._current_graph_task_id() != -1:  # off, or a recompute in the backward
@@ -305,17 +308,23 @@ class MoE(nn.Module):
         routed, received = routed.detach().to("cpu", torch.int64), received.detach().to("cpu", torch.int64)
         self.routed_counts = routed if self.routed_counts is None else self.routed_counts + routed
         self.received_counts = received if self.received_counts is None else self.received_counts + received
+        self.routed_per_forward.append(routed)
+        self.received_per_forward.append(received)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, _, d = x.shape
         xs = self.sequence.split(x) if self.sequence is not None else x
         x_TD = xs.reshape(-1, d)
         scores, ids, probs = self.router(x_TD, self.sequence.reduce_grad if self.sequence is not None else None)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        # a planned dispatch (backend.parallel.expert_parallel.PlannedDispatch: fake tensors carry no
+        # values to count) gives the counts as constants and each local expert's as a list
+        planned = getattr(self.dispatch, "planned", False)
+        counts = self.dispatch.counts(ids) if planned else torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         routed, local_counts, meta = self.dispatch.dispatch(x_TD, ids, counts)
-        out = self.experts(routed, local_counts.tolist())
+        out = self.experts(routed, local_counts if planned else local_counts.tolist())
         y_TD = self.dispatch.combine(out, meta, scores, x_TD)
-        self._record(counts, local_counts)
+        if not planned:
+            self._record(counts, local_counts)
         if self.aux_coeff and self.training:
             # Switch's balancing loss: E · Σ_e (share of routed tokens to e) · (mean probability of e)
             share = counts.float() / max(1, ids.numel())

@@ -29,6 +29,7 @@ from backend import measure
 from backend.faults import maybe_fault
 from backend.model import SyntheticData, Transformer, moe_modules
 from backend.parallel import ParallelDims, apply_pp, autocast_context, build_optimizer, build_schedule, parallelize
+from backend.parallel.expert_parallel import expert_params
 from backend.parallel.expert_parallel import refusal as moe_refusal
 from backend.parallel.parallelize import expert_grad_sync
 from backend.parallel.compile import measured_eagerly
@@ -298,9 +299,12 @@ class Trainer:
     def expert_tokens(self, k: int) -> dict:
         """Step ``k``'s routed-token counts (outside the timed region): per MoE block this rank holds,
         ``routed`` (tokens it sent to each of the E experts, microbatches summed), ``received`` (tokens
-        each of its local experts got from the expert-parallel group) and the first local expert's
-        index; and ``total``, per block of the whole model, the tokens each expert received from
-        every rank (a sum over all ranks: every rank of a stage routes different tokens)."""
+        each of its local experts got from the expert-parallel group), the same per microbatch in the
+        order of the block's forwards (``routed_microbatches``, ``received_microbatches``: the
+        activations alive at a moment follow the microbatches in flight then, not the step's sum) and
+        the first local expert's index; and ``total``, per block of the whole model, the tokens each
+        expert received from every rank (a sum over all ranks: every rank of a stage routes different
+        tokens)."""
         m = self.cfg.model
         blocks = list(range(m.dense_layers, m.layers))
         total = torch.zeros(len(blocks), m.experts, dtype=torch.int64)
@@ -312,7 +316,9 @@ class Trainer:
             total[blocks.index(moe.index)] += routed
             first = (m.experts // self.cfg.parallel.ep) * (self.dims.expert_mesh("ep").get_local_rank()
                                                             if self.cfg.parallel.ep > 1 else 0)
-            local[str(moe.index)] = {"routed": routed.tolist(), "received": received.tolist(), "first_expert": first}
+            local[str(moe.index)] = {"routed": routed.tolist(), "received": received.tolist(), "first_expert": first,
+                                     "routed_microbatches": [c.tolist() for c in moe.routed_per_forward],
+                                     "received_microbatches": [c.tolist() for c in moe.received_per_forward]}
         total = total.to(self.device)
         dist.all_reduce(total)
         return {"k": k, "blocks": local, "total": {str(b): row for b, row in zip(blocks, total.cpu().tolist())}}
@@ -330,6 +336,8 @@ class Trainer:
         with measured_eagerly(self.cfg.training.compile), tracker:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
+            experts = {id(p) for m in mods for p in expert_params(m)}
+            ddp_grads = measure.grad_bytes([p for p in self.params if id(p) not in experts])
             if self.sync_experts is not None:
                 self.sync_experts()
             self.optimizer.step()
@@ -343,7 +351,9 @@ class Trainer:
         raw = measure.tracker_peak(tracker, self.device)
         cats = measure.categories_from(raw, exact)
         if any(isinstance(m, DistributedDataParallel) for m in mods):
-            cats["comm_buffers"] += grads  # DDP's reducer buckets hold a flat copy of every gradient
+            # DDP's reducer buckets hold a flat copy of every gradient it reduces (not the routed
+            # experts', which it leaves to sync_expert_grads)
+            cats["comm_buffers"] += ddp_grads
         if self.schedule is not None:
             cats["comm_buffers"] += measure.p2p_buffer_bytes(self.schedule)  # untracked p2p receive buffers
         out = {

@@ -351,12 +351,20 @@ class Conventions:
     # A measured load: the fraction of the routed token copies each expert receives (one list for
     # every MoE block, model.experts long, summing to 1; a run's records give it). Each EP rank then
     # computes n·k·ep × the sum of its experts' fractions (experts laid out contiguously over the
-    # ep ranks). Empty = moe_imbalance (balanced by default).
-    moe_expert_load: tuple[float, ...] = ()
+    # ep ranks). Empty = moe_imbalance (balanced by default). Or one such list per MoE block (in
+    # block order), or per microbatch one list per MoE block (microbatches in order): a run's
+    # routing differs block by block and microbatch by microbatch, and the activations alive at the
+    # peak follow the microbatches in flight then.
+    moe_expert_load: tuple = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.moe_expert_load, list):
-            object.__setattr__(self, "moe_expert_load", tuple(self.moe_expert_load))
+            object.__setattr__(self, "moe_expert_load", _deep_tuple(self.moe_expert_load))
+
+
+def _deep_tuple(x):
+    """Lists (nested) as tuples, so a Conventions stays hashable and frozen."""
+    return tuple(_deep_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 @dataclass(frozen=True)
@@ -842,7 +850,7 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
         if par.ep > 1:
             p.append(Problem("parallel.ep", par.ep, "expert parallelism needs experts: model.experts > 0; "
                              "allowed with a dense model: 1"))
-        _check_expert_load(p, conv, e)
+        _check_expert_load(p, conv, e, model.layers - model.dense_layers if e else 0, par.microbatches)
         return
     if k > e:
         p.append(Problem("model.experts_per_token", k, f"top-k must not exceed model.experts ({e}); "
@@ -886,34 +894,68 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
     if "conventions.moe_imbalance" not in bad and conv.moe_imbalance > e:
         p.append(Problem("conventions.moe_imbalance", conv.moe_imbalance,
                          f"the busiest expert gets at most every token: allowed: 1 … model.experts ({e})"))
-    _check_expert_load(p, conv, e)
+    _check_expert_load(p, conv, e, model.layers - model.dense_layers if e else 0, par.microbatches)
 
 
-def _check_expert_load(p: list[Problem], conv: Conventions, experts: int) -> None:
-    """``conventions.moe_expert_load``: empty, or one non-negative fraction per expert summing to 1,
+def _check_expert_load(p: list[Problem], conv: Conventions, experts: int, moe_blocks: int = 0,
+                       microbatches: int = 1) -> None:
+    """``conventions.moe_expert_load``: empty, or one non-negative fraction per expert summing to 1
+    (every block and microbatch), or one such list per MoE block, or per microbatch one per MoE block;
     and not beside another load convention."""
     load, key = conv.moe_expert_load, "conventions.moe_expert_load"
     if not load:
         return
-    if not isinstance(load, tuple) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                              for x in load):
-        p.append(Problem(key, load, "must be a list of numbers (the fraction of routed tokens each expert gets)"))
+    forms = (f"allowed: a list of model.experts ({experts}) fractions, a list of one such list per MoE block "
+             f"({moe_blocks}), a list of one such list of lists per microbatch ({microbatches}), or [] (balanced)")
+
+    def depth(x) -> int:
+        return 1 + depth(x[0]) if isinstance(x, tuple) and x else (1 if isinstance(x, tuple) else 0)
+
+    d = depth(load)
+    if not isinstance(load, tuple) or d not in (1, 2, 3):
+        p.append(Problem(key, load, "must be a list of numbers (the fraction of routed tokens each expert gets); "
+                         + forms))
         return
     if experts == 0:
-        p.append(Problem(key, list(load), "a dense model (model.experts = 0) has no expert load; allowed: []"))
+        p.append(Problem(key, _deep_list(load), "a dense model (model.experts = 0) has no expert load; allowed: []"))
         return
-    if len(load) != experts:
-        p.append(Problem(key, list(load), f"needs one fraction per expert: allowed: a list of model.experts "
-                         f"({experts}) numbers, or [] (balanced)"))
-    if any(not math.isfinite(x) or x < 0 for x in load):
-        p.append(Problem(key, list(load), "fractions must be finite and ≥ 0"))
-    elif abs(sum(load) - 1.0) > 1e-6:
-        p.append(Problem(key, list(load), f"fractions must sum to 1 (within 1e-6); they sum to {sum(load):.9g}"))
+    if d == 3 and len(load) != microbatches:
+        p.append(Problem(key, _deep_list(load), f"per microbatch: needs one entry per microbatch "
+                         f"(parallel.microbatches = {microbatches}), got {len(load)}; " + forms))
+        return
+    blocks = [b for mb in load for b in mb] if d == 3 else list(load) if d == 2 else [load]
+    if d >= 2 and any(not isinstance(b, tuple) or len(b) == 0 or isinstance(b[0], tuple) for b in blocks):
+        p.append(Problem(key, _deep_list(load), "must be nested evenly; " + forms))
+        return
+    if d >= 2 and len(blocks) != moe_blocks * (microbatches if d == 3 else 1):
+        p.append(Problem(key, _deep_list(load), f"needs one list per MoE block (model.layers − model.dense_layers "
+                         f"= {moe_blocks}){' in every microbatch' if d == 3 else ''}; " + forms))
+        return
+    for lst in blocks:
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lst):
+            p.append(Problem(key, _deep_list(load), "must be a list of numbers (the fraction of routed tokens each "
+                             "expert gets)"))
+            return
+        if len(lst) != experts:
+            p.append(Problem(key, _deep_list(load), f"needs one fraction per expert: allowed: a list of model.experts "
+                             f"({experts}) numbers, or [] (balanced)"))
+            return
+        if any(not math.isfinite(x) or x < 0 for x in lst):
+            p.append(Problem(key, _deep_list(load), "fractions must be finite and ≥ 0"))
+            return
+        if abs(sum(lst) - 1.0) > 1e-6:
+            p.append(Problem(key, _deep_list(load), f"fractions must sum to 1 (within 1e-6); they sum to "
+                             f"{sum(lst):.9g}"))
+            return
     if conv.moe_imbalance != 1.0:
-        p.append(Problem(key, list(load), "gives the load itself: with it allowed: conventions.moe_imbalance = 1"))
+        p.append(Problem(key, _deep_list(load), "gives the load itself: with it allowed: conventions.moe_imbalance = 1"))
     if conv.moe_capacity_factor > 0:
-        p.append(Problem(key, list(load), "a measured dropless load: with it allowed: "
+        p.append(Problem(key, _deep_list(load), "a measured dropless load: with it allowed: "
                          "conventions.moe_capacity_factor = 0"))
+
+
+def _deep_list(x):
+    return [_deep_list(v) for v in x] if isinstance(x, tuple) else x
 
 
 def _check_moe_combinations(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:
@@ -1055,6 +1097,19 @@ def _field_types(cls: type) -> dict[str, type]:
     return out
 
 
+def _nested_numbers(value: Any, depth: int) -> bool:
+    """Lists of numbers nested at most ``depth`` deep, every leaf a number at the same depth."""
+    if not isinstance(value, (list, tuple)) or depth == 0:
+        return False
+    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+        return True
+    return all(_nested_numbers(x, depth - 1) for x in value)
+
+
+def _deep_float(value: Any) -> Any:
+    return tuple(_deep_float(x) for x in value) if isinstance(value, (list, tuple)) else float(value)
+
+
 def _coerce(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, Any]:
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return True, float(value)
@@ -1065,6 +1120,8 @@ def _coerce(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, 
     if kind is tuple and isinstance(value, (list, tuple)) and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
         return True, tuple(float(x) for x in value)
+    if kind is tuple and path.endswith("moe_expert_load") and _nested_numbers(value, 3):
+        return True, _deep_float(value)  # per block, or per microbatch and block
     p.append(Problem(path, value, f"must be {_KIND_NAMES.get(kind, kind.__name__)}"))
     return False, None
 

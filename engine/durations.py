@@ -175,11 +175,43 @@ def plain_blocks(cfg: Config) -> bool:
     return m.experts == 0 and m.attention != "mla" and not m.head_size and not m.sliding_window
 
 
+def expert_load_table(cfg: Config) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """``conventions.moe_expert_load`` in its fullest form: per microbatch, per MoE block (in block
+    order), each expert's fraction — a single list repeated over blocks and microbatches, a per-block
+    one over microbatches; () without a measured load."""
+    load = cfg.conventions.moe_expert_load
+    if not load:
+        return ()
+    if not isinstance(load[0], tuple):
+        blocks = (load,) * (cfg.model.layers - cfg.model.dense_layers)
+        return (blocks,) * cfg.parallel.microbatches
+    if not isinstance(load[0][0], tuple):
+        return (load,) * cfg.parallel.microbatches
+    return load
+
+
+def varying_expert_load(cfg: Config) -> bool:
+    """Whether ``conventions.moe_expert_load`` differs by block or microbatch (given nested)."""
+    load = cfg.conventions.moe_expert_load
+    return bool(load) and isinstance(load[0], tuple)
+
+
+def mean_expert_load(cfg: Config) -> tuple[float, ...]:
+    """Each expert's fraction averaged over the MoE blocks and microbatches (the load itself when
+    given as one list); () without a measured load."""
+    load = cfg.conventions.moe_expert_load
+    if not load or not isinstance(load[0], tuple):
+        return load
+    lists = [b for mb in expert_load_table(cfg) for b in mb]
+    return tuple(math.fsum(x[e] for x in lists) / len(lists) for e in range(len(lists[0])))
+
+
 def ep_rank_loads(cfg: Config) -> tuple[float, ...]:
     """Under ``conventions.moe_expert_load``: each EP rank's share of the routed copies, the sum of
     its experts' fractions (rank r owns experts r·E/ep … (r+1)·E/ep − 1, as the backend and
-    torchtitan lay them out); () without a measured load."""
-    return load_shares(cfg.conventions.moe_expert_load, cfg.parallel.ep)
+    torchtitan lay them out), of the load averaged over blocks and microbatches where it is given
+    per block or microbatch; () without a measured load."""
+    return load_shares(mean_expert_load(cfg), cfg.parallel.ep)
 
 
 def load_shares(load: Sequence[float], ep: int) -> tuple[float, ...]:
@@ -205,6 +237,13 @@ def routed_factor(cfg: Config, ep_rank: int | None = None) -> float:
     if loads:
         return par.ep * (max(loads) if ep_rank is None else loads[ep_rank])
     return conv.moe_imbalance
+
+
+def routed_factor_of(cfg: Config, ep_rank: int, microbatch: int, block: int) -> float:
+    """As :func:`routed_factor` under a measured load, for one microbatch and MoE block (its index
+    among the MoE blocks): ep × the fractions of ``ep_rank``'s experts there."""
+    lst = expert_load_table(cfg)[microbatch][block]
+    return cfg.parallel.ep * load_shares(lst, cfg.parallel.ep)[ep_rank] if cfg.parallel.ep > 1 else 1.0
 
 
 def block_flops(cfg: Config, with_experts: bool, routed: float = 1.0) -> FlopsPerToken:

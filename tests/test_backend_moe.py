@@ -154,6 +154,8 @@ LAYOUTS = {
     "ep2 + FSDP (efsdp 2)": {"dp": 4, "ep": 2, "zero": 3},
     "ep2 + TP2": {"tp": 2, "ep": 2},
     "ep2 + PP2": {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4},
+    # HSDP: experts replicated over dp_replicate and (efsdp = dp_shard·tp/ep = 1) not sharded
+    "ep2 + HSDP (replicate 2 × shard 2)": {"dp": 4, "replicate": 2, "zero": 3, "ep": 2},
 }
 STEPS = 3
 
@@ -195,6 +197,12 @@ def test_expert_parallel_run(tmp_path, name):
             for block, counts in s["blocks"].items():
                 assert len(counts["routed"]) == m.experts and len(counts["received"]) == m.experts // par.ep
                 assert sum(counts["routed"]) == local_tokens * m.experts_per_token
+                # per microbatch, in order: each forward's own counts, summing to the step's
+                per_mb = counts["routed_microbatches"]
+                assert len(per_mb) == par.microbatches == len(counts["received_microbatches"])
+                assert [sum(c) for c in per_mb] == [local_tokens // par.microbatches * m.experts_per_token] * len(per_mb)
+                assert [sum(x) for x in zip(*per_mb)] == counts["routed"]
+                assert [sum(x) for x in zip(*counts["received_microbatches"])] == counts["received"]
                 first = counts["first_expert"]
                 totals.setdefault((s["k"], block), {})[first] = counts["received"]
     world_tokens = par.dp * par.microbatches * cfg.training.micro_batch_size * m.seq_len
@@ -208,3 +216,40 @@ def test_expert_parallel_run(tmp_path, name):
             got = [c for first in sorted(owners) for c in owners[first]]
             step = next(s for s in meas.ranks[0]["expert_tokens"] if s["k"] == k)
             assert got == step["total"][block]
+
+
+# --------------------------------------------------------------------------- planned routing (fake tensors)
+
+
+def test_planned_routing_splits_the_copies_by_the_load():
+    from backend.parallel.expert_parallel import planned_load, split_copies
+
+    assert split_copies(10, (0.25,) * 4) == [3, 3, 2, 2]  # the first of equal remainders first
+    assert split_copies(256, (0.5, 0.25, 0.125, 0.125)) == [128, 64, 32, 32]
+    assert sum(split_copies(7, (0.1, 0.2, 0.3, 0.4))) == 7
+    assert planned_load(moe_config({"dp": 2, "ep": 2})) == (0.25,) * 4
+    told = moe_config({"dp": 2, "ep": 2}, conventions={"moe_expert_load": [0.4, 0.3, 0.2, 0.1]})
+    assert planned_load(told) == (0.4, 0.3, 0.2, 0.1)
+
+
+@pytest.mark.integration
+def test_fake_measure_runs_a_mixture_of_experts(tmp_path):
+    """``shardscope measure --fake`` on an ep-2 layout: fake tensors route by the planned (balanced)
+    load, say so, and land near the engine's balanced prediction."""
+    from backend.fake import simulate
+    from engine.compare import compare
+    from engine.predict import predict
+
+    # the accuracy matrix's MoE model: the tiny preset with 8 experts of top-2, one shared, one dense block
+    tiny_moe = {"experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 128, "shared_experts": 1, "dense_layers": 1}
+    cfg = default_config().replace(model=tiny_moe, cluster={"gpus": 2},
+                                   parallel={"dp": 2, "ep": 2, "tp": 1, "pp": 1, "zero": 0, "microbatches": 2})
+    run = simulate(cfg, tmp_path / "fake", [0], 240, None, False, 1)
+    rec = run.records[0]
+    assert any("mixture of experts: routing" in x for x in rec["not_covered"])
+    assert rec["memory"]["expert_tokens"]["planned_load"] == [0.125] * 8
+    rc = next(r for r in compare(predict(cfg), json.loads((run.path / "measurement.json").read_text())).memory
+              if r.rank == 0)
+    for cat in ("params", "grads", "optimizer"):
+        assert rc.categories[cat].error == 0
+    assert abs(rc.categories["activations"].relative_tracked) < 0.03  # −1.0 % when measured

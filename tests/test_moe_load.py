@@ -37,7 +37,8 @@ def test_each_ep_rank_routes_the_copies_of_its_experts_by_hand():
     base = memory_per_rank(cfg())
     mem = memory_per_rank(c)
     n, k, h, f, act = 64, 2, 128, 96, 2  # s·b tokens, top-k, hidden, expert ffn, bf16
-    per_copy = act * h + 4 * act * f  # the dispatched token and its SwiGLU internals
+    # the dispatched token, its SwiGLU internals, its permutation index and the expert output index_copy keeps
+    per_copy = act * h + 4 * act * f + 8 + act * h
     # the ep group's 2·n·k = 256 routed copies: rank 0 gets 0.7 of them (180 after rounding up
     # 179.2), rank 1 0.3 (77 from 76.8); balanced is n·k = 128 each
     routed = {0: 180, 1: 77}
@@ -128,3 +129,50 @@ def test_the_planner_bounds_hold_under_a_skewed_load():
         cfg = moe_layout_config(base, lay)
         assert mem_lb <= memory_per_rank(cfg).peak.total, lay
         assert step_lb <= step_time(cfg).seconds, lay
+
+
+# --------------------------------------------------------------------------- per block, per microbatch
+
+SKEW, FLAT = [0.4, 0.3, 0.2, 0.1], [0.25] * 4  # ep-rank 0 gets 0.7 of the copies, or half
+
+
+def test_a_per_block_load_averages_the_blocks_of_a_stage():
+    """6 MoE blocks: three at the skewed load, three balanced — the mean of the two whole-model loads."""
+    blocks = cfg(conventions={"moe_expert_load": [SKEW] * 3 + [FLAT] * 3})
+    skew, flat = cfg(conventions={"moe_expert_load": SKEW}), cfg()
+    for rank in (0, 1):
+        (b,) = term(memory_per_rank(blocks), rank, "activations", "moe_layers")
+        (s,) = term(memory_per_rank(skew), rank, "activations", "moe_layers")
+        (f,) = term(memory_per_rank(flat), rank, "activations", "moe_layers")
+        assert abs(b.bytes - (s.bytes + f.bytes) / 2) <= 6  # one rounding per block
+        assert "6 MoE blocks" in b.formula
+
+
+def test_a_per_microbatch_load_follows_the_microbatch_alive_at_the_peak():
+    """No pipeline, two microbatches: the peak is in the last microbatch's backward, so its load is
+    the one the activations follow; the other microbatch's does not matter."""
+    par = {"ep": 2, "dp": 4, "microbatches": 2}
+    last_skewed = cfg(par, conventions={"moe_expert_load": [[FLAT] * 6, [SKEW] * 6]})
+    first_skewed = cfg(par, conventions={"moe_expert_load": [[SKEW] * 6, [FLAT] * 6]})
+    skew, flat = cfg(par, conventions={"moe_expert_load": SKEW}), cfg(par)
+    for rank in (0, 1):
+        act = lambda c: memory_per_rank(c).per_rank[rank].activations  # noqa: E731
+        assert act(last_skewed) == act(skew)
+        assert act(first_skewed) == act(flat)
+
+
+@pytest.mark.parametrize("load, message", [
+    ([[0.25] * 4] * 5, "one list per MoE block"),
+    ([[[0.25] * 4] * 6] * 3, "one entry per microbatch"),
+    ([[0.25] * 4] * 5 + [[0.5, 0.5, 0.5, 0.5]], "sum to 1"),
+    ([[0.25] * 4, 0.25], "list of numbers"),
+])
+def test_a_bad_nested_load_is_refused_naming_the_field(load, message):
+    with pytest.raises(ConfigError) as err:
+        cfg({"ep": 2, "dp": 4, "microbatches": 1}, conventions={"moe_expert_load": load})
+    assert "conventions.moe_expert_load" in str(err.value) and message in str(err.value)
+
+
+def test_a_nested_load_round_trips(tmp_path):
+    c = cfg({"ep": 2, "dp": 4, "microbatches": 2}, conventions={"moe_expert_load": [[SKEW] * 6, [FLAT] * 6]})
+    assert Config.load(c.save(tmp_path / "job.toml")) == c

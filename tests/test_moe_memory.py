@@ -64,7 +64,8 @@ def test_routed_activations_scale_with_the_imbalance_convention():
     n = 64  # s·b tokens, tp 1
     routed = n * 2  # n·k balanced
     act = 2  # bf16-mixed by default
-    per_copy = act * 128 + 4 * act * 96  # dispatched token + SwiGLU internals
+    # dispatched token + SwiGLU internals + (EP) its permutation index and expert output kept by index_copy
+    per_copy = act * 128 + 4 * act * 96 + 8 + act * 128
     (a,) = terms(base, "activations", "moe_layers")
     (b,) = terms(skewed, "activations", "moe_layers")
     assert b.bytes - a.bytes == 6 * (int(routed * 1.5) - routed) * per_copy  # 6 MoE blocks, 1 microbatch
@@ -79,7 +80,12 @@ def test_moe_block_rows_by_hand():
     (moe,) = terms(c, "activations", "moe_layers")
     assert "2 dense layers" in dense.label and "6 MoE layers" in moe.label
     act, n, h, e, k, f = 2, 64, 128, 4, 2, 96
-    moe_rows = act * n * h + 4 * n * e + 12 * n * k + act * n * k * h + 4 * act * n * k * f + act * n * k * h
+    n_r = n * k  # balanced
+    moe_rows = (act * n * h + 4 * n * e + 12 * n * k + 4 * n  # router input, probabilities, top-k, weights' sum
+                + 20 * n * k  # token index, sort order (int64), gathered gate weights (fp32)
+                + act * n_r * h + 4 * act * n_r * f  # dispatched tokens, SwiGLU internals
+                + (8 + act * h) * n_r  # EP: permutation index, expert outputs kept by index_copy
+                + 4 * n * k * h + act * n * k * h)  # combine: fp32 outputs, weighted outputs
     mlp_rows_dense = act * n * h + 4 * act * n * 352  # MLP input + SwiGLU internals of the dense FFN
     per_dense = dense.bytes // 2
     assert moe.bytes // 6 == per_dense - mlp_rows_dense + moe_rows

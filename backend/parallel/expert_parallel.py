@@ -99,6 +99,78 @@ class AllToAllDispatch:
         return scatter_combine(back, order, token, scores_TK, x_TD)
 
 
+def planned_load(cfg) -> tuple[float, ...]:
+    """The per-expert load a planned dispatch routes by: ``conventions.moe_expert_load`` (its mean
+    over blocks and microbatches where given per block or microbatch), else balanced."""
+    from engine.durations import mean_expert_load
+
+    return tuple(mean_expert_load(cfg)) or (1.0 / cfg.model.experts,) * cfg.model.experts
+
+
+def split_copies(copies: int, load: tuple[float, ...]) -> list[int]:
+    """``copies`` routed copies over the experts in proportion to ``load`` (largest remainders, so
+    they sum to ``copies``)."""
+    raw = [copies * x for x in load]
+    out = [int(x) for x in raw]
+    for e in sorted(range(len(raw)), key=lambda e: out[e] - raw[e])[:copies - sum(out)]:
+        out[e] += 1
+    return out
+
+
+class PlannedDispatch:
+    """Dispatch by a routing plan fixed up front instead of the router's choices: fake tensors
+    (``backend.fake_worker``) carry shapes and no values, so what the real dispatch reads from the
+    data — the tokens per expert, which size each expert's slice and the all-to-all splits — is
+    taken from a load given in advance (:func:`planned_load`: the configured
+    ``conventions.moe_expert_load``, else balanced), the same on every rank of the expert-parallel
+    group. Every tensor the real dispatch and combine make is made with the same shape and dtype
+    (the sort, the gathers, the all-to-alls, the permutation index, the un-permute and the
+    weighted scatter-add), so the memory they hold is the real path's at that load."""
+
+    planned = True
+
+    def __init__(self, send: list[int], ep: int = 1, group=None):
+        """``send``: the tokens each rank sends to each expert per microbatch; ``group``: the expert-
+        parallel group of ``ep`` ranks the tokens are exchanged over (None: every expert local)."""
+        self.send, self.ep, self.group = list(send), ep, group
+        self.local = len(send) // ep  # every rank of the group sends the same counts
+
+    def counts(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(self.send, dtype=torch.int64, device=ids.device)
+
+    def dispatch(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor):
+        order = torch.argsort(ids_TK.reshape(-1), stable=True)
+        token = order // ids_TK.shape[1]
+        if self.group is None:
+            return x_TD[token], list(self.send), (order, token)
+        rank = dist.get_rank(self.group)
+        mine = self.send[rank * self.local:(rank + 1) * self.local]
+        in_splits = [sum(self.send[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
+        out_splits = [sum(mine)] * self.ep
+        recv = all_to_all(x_TD[token], out_splits, in_splits, self.group)
+        permuted = torch.arange(recv.shape[0], device=recv.device)  # a permutation of the real one's size
+        meta = (order, token, permuted, recv.shape, in_splits, out_splits)
+        return recv[permuted], [self.ep * c for c in mine], meta
+
+    def combine(self, out_RD: torch.Tensor, meta, scores_TK: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            order, token = meta
+            return scatter_combine(out_RD, order, token, scores_TK, x_TD)
+        return AllToAllDispatch.combine(self, out_RD, meta, scores_TK, x_TD)
+
+
+def plan_dispatch(model: nn.Module, cfg, ep_group=None) -> tuple[float, ...]:
+    """Give every MoE block of ``model`` a :class:`PlannedDispatch` at :func:`planned_load` (each
+    rank routes its n·k copies of a microbatch by it); returns the load."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    n = m.seq_len * tr.micro_batch_size // (par.tp if par.ep > 1 else 1)
+    load = planned_load(cfg)
+    send = split_copies(n * m.experts_per_token, load)
+    for moe in moe_modules(model):
+        moe.dispatch = PlannedDispatch(send, par.ep, ep_group)
+    return load
+
+
 class _SplitSequence(torch.autograd.Function):
     """Forward: this TP rank's slice of the sequence (dim 1) of a replicated tensor.
     Backward: all-gather the slices' gradients (each rank computed only its own)."""
@@ -229,5 +301,5 @@ def refusal(cfg) -> str | None:
     return None
 
 
-__all__ = ["AllToAllDispatch", "MoE", "SequenceShard", "all_to_all", "apply_expert_parallel", "expert_params",
-           "refusal", "sync_expert_grads"]
+__all__ = ["AllToAllDispatch", "MoE", "PlannedDispatch", "SequenceShard", "all_to_all", "apply_expert_parallel",
+           "expert_params", "plan_dispatch", "planned_load", "refusal", "split_copies", "sync_expert_grads"]

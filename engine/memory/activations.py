@@ -60,7 +60,8 @@ from functools import lru_cache
 
 from engine import lora
 from engine.config import Config
-from engine.durations import checkpointed_per_stage, routed_factor
+from engine.durations import (checkpointed_per_stage, routed_factor, routed_factor_of,
+                              varying_expert_load)
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS
 
@@ -450,55 +451,92 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
 # --------------------------------------------------------------------------- mixture of experts
 
 
-def moe_tokens(cfg: Config, ep_rank: int | None = None) -> tuple[int, int]:
+def moe_tokens(cfg: Config, ep_rank: int | None = None, phi: float | None = None) -> tuple[int, int]:
     """(tokens entering one MoE block on this rank per microbatch, routed copies it computes).
 
     With expert parallelism and TP, each TP rank dispatches its 1/t slice of the sequence
     (torchtitan); otherwise the block sees the s·b tokens (s·b/t of the router input under SP).
-    The routed copies are n·k times ``routed_factor`` (of ``ep_rank`` under a measured load)."""
+    The routed copies are n·k times ``phi`` (default ``routed_factor``, of ``ep_rank`` under a
+    measured load)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     n = m.seq_len * tr.micro_batch_size
     if par.ep > 1:
         n //= par.tp
-    return n, int(-(-n * m.experts_per_token * routed_factor(cfg, ep_rank) // 1))
+    phi = routed_factor(cfg, ep_rank) if phi is None else phi
+    return n, int(-(-n * m.experts_per_token * phi // 1))
 
 
-def moe_layer_terms(cfg: Config, ep_rank: int | None = None) -> tuple[list[tuple[str, int, str]], str]:
+def moe_layer_terms(cfg: Config, ep_rank: int | None = None,
+                    phi: float | None = None) -> tuple[list[tuple[str, int, str]], str]:
     """What one block's experts save for backward per microbatch on one rank, in place of the dense
-    MLP's rows: router input and scores, the top-k choice, the dispatched tokens (the grouped GEMMs'
-    input, after the all-to-all), each expert's SwiGLU / GeLU internals for its tokens, the expert
-    outputs the weighted combine keeps, and the shared experts as a dense MLP of S·f_e. Under
-    ``conventions.moe_expert_load`` the routed copies are those of ``ep_rank``'s experts (None: the
-    busiest rank's)."""
+    MLP's rows — every tensor autograd keeps of ``backend.model.MoE`` (a saved-tensor census of one
+    block, ``tests/test_moe_saved_tensors.py``, holds these rows to it byte for byte):
+
+    * router: its input (the norm output; under TP with ep its 1/t sequence slice, the shared
+      experts then keep the whole norm output), the fp32 probabilities (softmax / sigmoid output),
+      the top-k indices (int64, saved by the gather), with ``norm_topk_prob`` (k > 1) the
+      unnormalised top-k weights and their sum (the division's inputs);
+    * sort and dispatch: the token index of each sorted (token, choice) pair (int64, saved by the
+      gather ``x[token]`` and by the combine's ``index_add_``) and the sort order (int64, saved by
+      the gather of the gate weights), the gathered weights (fp32);
+    * experts: the dispatched tokens (the grouped GEMMs' input, after the all-to-all) and each
+      expert's SwiGLU / GeLU internals for its n_r routed copies;
+    * expert parallelism only: the permutation index (int64, n_r) and the expert outputs in expert
+      order, which the un-permute's ``index_copy`` keeps (its source, saved whole for its shape);
+    * combine: the expert outputs in fp32 (the weighting multiply's input; ``.float()`` of 16-bit
+      outputs is a copy) and the weighted outputs (``index_add_`` keeps its source);
+    * the shared experts as a dense MLP of S·f_e.
+
+    Under ``conventions.moe_expert_load`` the routed copies are those of ``ep_rank``'s experts (None:
+    the busiest rank's); ``phi`` gives their factor over n·k instead (one block and microbatch's)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     h, k, e = m.hidden, m.experts_per_token, m.experts
-    n, n_r = moe_tokens(cfg, ep_rank)
+    phi = routed_factor(cfg, ep_rank) if phi is None else phi
+    n, n_r = moe_tokens(cfg, ep_rank, phi)
     rep = par.tp if par.sequence_parallel and par.ep == 1 else 1
     f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
     inner = 4 if m.mlp == "swiglu" else 2
-    phi = routed_factor(cfg, ep_rank)
+    # norm_topk_prob's division keeps the unnormalised top-k weights and their sum
+    topk_norm = 4 * n * k + 4 * n if m.norm_topk_prob and k > 1 else 0
     out = [
         ("MoE: router input (norm2 output)", act * n * h // rep, "mlp"),
         (f"MoE: router scores ({m.router_score}, fp32)", 4 * n * e // rep, "mlp"),
-        ("MoE: top-k expert indices (int64) and weights (fp32)", 12 * n * k // rep, "mlp"),
+        ("MoE: top-k expert indices (int64)" + (", the unnormalised weights and their sum (fp32)" if topk_norm else ""),
+         (8 * n * k + topk_norm) // rep, "mlp"),
+        ("MoE: token index and sort order of the (token, choice) pairs (int64), the gathered gate weights (fp32)",
+         20 * n * k // rep, "experts"),
         (f"MoE: dispatched tokens, the grouped GEMMs' input (n·k·{phi:g} = {n_r:,} routed copies)", act * n_r * h,
          "experts"),
         (f"MoE: experts' {'gate, SiLU, up outputs and down input' if inner == 4 else 'GeLU input and output'} "
          f"for their tokens", inner * act * n_r * f_loc, "experts"),
-        ("MoE: expert outputs kept by the weighted combine", act * n * k * h, "experts"),
     ]
+    if par.ep > 1:
+        out.append(("MoE: permutation index (int64) and the expert outputs in expert order (the un-permute's "
+                    "index_copy source)", (8 + act * h) * n_r, "experts"))
+    out += [
+        ("MoE: expert outputs in fp32, kept by the combine's weighting multiply", 4 * n * k * h, "experts"),
+        ("MoE: weighted expert outputs, kept by the combine's index_add_ (its source)", act * n * k * h, "experts"),
+    ]
+    shared_in = 0
     if m.shared_experts:
         f_s = m.shared_experts * m.expert_hidden // par.tp
         n_s = m.seq_len * tr.micro_batch_size
         out.append((f"MoE: shared experts ({m.shared_experts} × f_e as one MLP) internals", inner * act * n_s * f_s,
                     "mlp"))
+        if par.ep > 1 and par.tp > 1:  # the router saw the rank's slice; the shared experts read it whole
+            shared_in = act * (n_s - n) * h
+            out.append(("MoE: shared experts' input, the whole norm output (beyond the router's 1/t slice)",
+                        shared_in, "mlp"))
     if m.dropout > 0:
         out.append(("MLP residual-dropout mask", n * h // rep, "mlp"))
     tp_note = "/t" if par.ep > 1 and par.tp > 1 else ""
-    formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: {act}·n·h + 4·n·E + 12·n·k "
-               f"+ {act}·n_r·h + {inner * act}·n_r·f_e{'/t' if par.ep == 1 and par.tp > 1 else ''} + {act}·n·k·h"
-               + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else ""))
+    formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: {act}·n·h + 4·n·E + 8·n·k"
+               + (" + 4·n·k + 4·n" if topk_norm else "") + " + 20·n·k"
+               + f" + {act}·n_r·h + {inner * act}·n_r·f_e{'/t' if par.ep == 1 and par.tp > 1 else ''}"
+               + (f" + (8 + {act}·h)·n_r" if par.ep > 1 else "") + f" + (4 + {act})·n·k·h"
+               + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else "")
+               + (f" + {act}·(s·b − n)·h" if shared_in else ""))
     return out, formula
 
 
@@ -535,11 +573,45 @@ def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) ->
             "adapter)", -total, f"−{total:,} B", "lora_first_block")
 
 
+def moe_stage_block_bytes(cfg: Config, rp, per_moe_of, ep_rank: int,
+                          microbatches: dict[int, tuple[int, ...]] | None = None) -> dict[int, tuple[int, str]]:
+    """Under a measured expert load given per block or microbatch: per stage of ``rp``, one MoE
+    block's bytes averaged over the stage's MoE blocks and over ``microbatches[stage]`` (those in
+    flight at the rank's peak; all of them when not given), and the words saying so.
+    ``per_moe_of(phi)`` is one MoE block's bytes at routed factor ``phi``."""
+    from engine.layout import split_layers
+
+    m, par = cfg.model, cfg.parallel
+    split = split_layers(m.layers, par.num_stages, par.pipeline_split)
+    out = {}
+    for st in rp.stages:
+        blocks = [i - m.dense_layers for i in split[st.stage] if m.is_moe_layer(i)]
+        if not blocks:
+            continue
+        mbs = (microbatches or {}).get(st.stage) or tuple(range(par.microbatches))
+        cache: dict[float, int] = {}
+        total = 0
+        for mb in mbs:
+            for b in blocks:
+                phi = routed_factor_of(cfg, ep_rank, mb, b)
+                if phi not in cache:
+                    cache[phi] = per_moe_of(phi)
+                total += cache[phi]
+        which = (f"microbatch{'es' if len(mbs) > 1 else ''} {', '.join(map(str, mbs))}"
+                 if microbatches and st.stage in microbatches else "every microbatch")
+        out[st.stage] = (-(-total // (len(mbs) * len(blocks))),
+                         f"the measured load of each of its {len(blocks)} MoE blocks at {which}, averaged")
+    return out
+
+
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
-                           in_flight, ep_rank: int | None = None) -> dict:
+                           in_flight, ep_rank: int | None = None,
+                           moe_microbatches: dict[int, tuple[int, ...]] | None = None) -> dict:
     """Activations of every local stage (each multiplied by its microbatches in flight) and the loss
     and recompute temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts;
-    ``ep_rank`` picks the routed copies under a measured expert load.
+    ``ep_rank`` picks the routed copies under a measured expert load; where that load is given per
+    block or microbatch, a stage's MoE blocks follow their own loads at ``moe_microbatches[stage]``
+    (the microbatches in flight at the peak; every microbatch when not given).
 
     Returns what the buffers need: the residual stream's element bytes and numel.
     """
@@ -620,8 +692,14 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     moe = model.experts > 0
     if moe:  # a block with experts: the dense MLP's rows give way to the experts'
         moe_rows, moe_formula = moe_layer_terms(cfg, ep_rank)
-        per_moe = per_layer - sum(x for _, x, part in layer_terms if part == "mlp") + sum(x for _, x, _ in moe_rows)
+        attn_half = per_layer - sum(x for _, x, part in layer_terms if part == "mlp")
+        per_moe = attn_half + sum(x for _, x, _ in moe_rows)
         moe_formula = f"{layer_formula} with the MLP's rows replaced by the {moe_formula}"
+        per_moe_of_stage: dict[int, tuple[int, str]] = {}
+        if ep_rank is not None and par.ep > 1 and varying_expert_load(cfg):
+            per_moe_of_stage = moe_stage_block_bytes(
+                cfg, rp, lambda phi: attn_half + sum(x for _, x, _ in moe_layer_terms(cfg, ep_rank, phi)[0]),
+                ep_rank, moe_microbatches)
 
     def plain_split(st, c: int) -> tuple[int, int]:
         """(dense, MoE) blocks among a stage's blocks not checkpointed whole (the checkpointed
@@ -635,8 +713,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     for st, ex in zip(rp.stages, extras):
         c = ckpt_of[st.stage]
         d_plain, m_plain = plain_split(st, c)
-        unit_bytes.append(c * kept + d_plain * per_layer + (m_plain * per_moe if moe else 0)
-                          + sum(x for _, x, _, _ in ex))
+        moe_bytes = per_moe_of_stage.get(st.stage, (per_moe, ""))[0] if moe else 0
+        unit_bytes.append(c * kept + d_plain * per_layer + m_plain * moe_bytes + sum(x for _, x, _, _ in ex))
     counts = in_flight(unit_bytes)
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
     if par.cp > 1:
@@ -655,8 +733,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                       f"{n} × {d_plain} × {layer_formula} = {n} × {d_plain} × {per_layer:,} B ({dims})",
                       stage=st.stage, in_flight=n, kind="layers")
             if m_plain:
-                T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * per_moe,
-                      f"{n} × {m_plain} × ({moe_formula}) = {n} × {m_plain} × {per_moe:,} B ({dims})",
+                one, how = per_moe_of_stage.get(st.stage, (per_moe, ""))
+                how = f"; n_r from {how}" if how else ""
+                T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * one,
+                      f"{n} × {m_plain} × ({moe_formula}{how}) = {n} × {m_plain} × {one:,} B ({dims})",
                       stage=st.stage, in_flight=n, kind="moe_layers")
         elif c and c == st.layers:
             T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * kept,
@@ -730,4 +810,85 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
             T.add("temporaries", "logits at the loss (compute dtype + fp32 copy)", lx,
                   f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
+    if moe and torch_acc and tr.recompute == "none":
+        loss_bytes = 2 * 4 * s * b * v_loss if holds_last else 0
+        moe_backward_terms(cfg, rp, T, extras, ep_rank, autocast, loss_bytes, per_layer, moe_microbatches)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
+
+
+def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, autocast: bool, loss_bytes: int,
+                       per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:
+    """The moment inside a backward where a stage with experts peaks: the routed experts' backward of
+    its last MoE block (measured with MemTracker on CPU: ``benchmarks/accuracy.md``'s MoE note).
+
+    Each expert's weights are a slice ``w[i]`` of a 3-D parameter, so autograd's select_backward
+    gives every expert a full-size (E_loc, f, h) gradient, summed in the parameter's input buffer:
+    at the peak the n_w buffers (w1, w3, w2) and two fresh full-size gradients are alive, with the
+    block's output and input gradients (2·s·b·h) and, without ep, the routed outputs' gradient
+    (n_r·h; under ep it is the all-to-all receive buffer, in comm_buffers). By then the backward
+    has freed the loss's logits and gradient, the last stage's final-norm, head-input and log-
+    probability tensors, the blocks after the stage's last MoE block, and of that block the shared
+    experts' tensors and the combine's (fp32 and weighted outputs, gathered weights, sort order, the
+    un-permute's index_copy source). Where the gradients outweigh what is freed, this moment is the
+    backward's peak — measured so on every MoE row of the accuracy matrix, the last stage's included,
+    although the loss's logits and gradient would make its start larger on paper (they are not all
+    alive beside every activation there; the tiny preset's ep4 rows, where the freed tensors
+    outweigh the gradients, peak elsewhere): the terms are laid as transients of every backward (B,
+    I) of the rank, the loss's temporaries taken off. Under a measured load given per block or
+    microbatch, the block's routed copies are its own, averaged over ``microbatches[stage]`` (those in
+    flight at the peak; every microbatch when not given)."""
+    from engine.layout import split_layers
+
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    act = 4 if tr.precision == "fp32" else 2
+    wb = 4 if tr.precision == "fp32" or autocast else 2  # the experts' compute weights (FSDP2: param_dtype)
+    h, k = m.hidden, m.experts_per_token
+    n, n_r = moe_tokens(cfg, ep_rank)
+    n_s = m.seq_len * tr.micro_batch_size
+    e_loc = m.experts // par.ep if par.ep > 1 else m.experts
+    f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
+    n_w = 3 if m.mlp == "swiglu" else 2
+    split = split_layers(m.layers, par.num_stages, par.pipeline_split)
+    best = None
+    for st, ex in zip(rp.stages, extras):
+        layers = split[st.stage]
+        moe_idx = [i for i in layers if m.is_moe_layer(i)]
+        if not moe_idx:
+            continue
+        if ep_rank is not None and par.ep > 1 and varying_expert_load(cfg):
+            mbs = (microbatches or {}).get(st.stage) or tuple(range(par.microbatches))
+            phi = sum(routed_factor_of(cfg, ep_rank, mb, moe_idx[-1] - m.dense_layers) for mb in mbs) / len(mbs)
+            n_r = moe_tokens(cfg, ep_rank, phi)[1]
+        w_grads = (n_w + 2) * e_loc * f_loc * h * wb
+        grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
+        routed_grad = act * n_r * h if par.ep == 1 else 0
+        temp = w_grads + grads + routed_grad
+        after = sum(1 for i in layers if i > moe_idx[-1]) * per_layer
+        shared = 0
+        if m.shared_experts:
+            f_s = m.shared_experts * m.expert_hidden // par.tp
+            shared = (4 if m.mlp == "swiglu" else 2) * act * n_s * f_s
+            if par.ep > 1 and par.tp > 1:
+                shared += act * (n_s - n) * h
+        combine = 4 * n * k * h + 12 * n * k + act * n * k * h + (act * n_r * h if par.ep > 1 else 0)
+        head = sum(x for _, x, _, kind in ex if kind in ("final_norm", "head_input", "log_probabilities"))
+        freed = after + shared + combine + head
+        loss = loss_bytes if st.stage == par.num_stages - 1 and len(rp.stages) == 1 else 0
+        gain = temp - freed
+        if gain > 0 and (best is None or gain > best[0]):
+            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head, loss)
+    if best is None:
+        return
+    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head, loss = best
+    T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block: the experts' full-size weight gradients "
+          "(select_backward of each expert's slice, summed in autograd's input buffers) and the activation gradients",
+          temp, f"({n_w} + 2) × E_loc·f·h·{wb} = ({n_w} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
+          f"= {grads:,} B (block output, input)" + (f" + n_r·h·{act} = {routed_grad:,} B (routed outputs)"
+                                                   if routed_grad else ""), kind="moe_backward")
+    T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (the head's and loss's "
+          "tensors, later blocks, the block's shared experts and combine)", -freed,
+          f"−({head:,} B head side + {after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
+          f"(4 + {act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")", kind="moe_backward_freed")
+    if loss:
+        T.add("temporaries", "MoE backward: the loss's logits and gradient are freed by then", -loss,
+              f"−{loss:,} B", kind="moe_backward_loss_freed")

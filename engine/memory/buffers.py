@@ -276,7 +276,8 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
     if torch_acc and plan.fsdp2 and par.dp_cp > 1:
         fsdp2_buffers(cfg, plan, rp, T, psi, psi_train, train_units)
     elif z in (0, 1) and par.dp_cp > 1:
-        ddp_buffers(cfg, rp, T, psi_train, torch_acc)
+        # DDP leaves the routed experts out (their replicas are the efsdp ranks; sync_expert_grads)
+        ddp_buffers(cfg, rp, T, psi_train - (rp.experts if cfg.model.experts else 0), torch_acc)
     elif z in (2, 3) and par.shard_degree > 1:
         zero_paper_buffers(cfg, rp, T, train_units)
     if par.pp > 1:

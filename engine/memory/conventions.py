@@ -113,12 +113,18 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                 + (" (1 = balanced, the default)" if conv.moe_imbalance == 1 else "")
                 if par.ep > 1 else "every expert local (ep = 1): n·k routed copies in all")
         if conv.moe_expert_load and par.ep > 1:
-            from engine.durations import ep_rank_loads
+            from engine.durations import ep_rank_loads, varying_expert_load
 
             shares = ", ".join(f"{x:.3f}" for x in ep_rank_loads(cfg))
             load = (f"measured per-expert load: EP rank r routes n·k·ep × the fractions of its experts "
                     f"(experts contiguous over the ep ranks; shares {shares}); the all-to-all and grouped GEMMs "
-                    f"are timed at the busiest rank's")
+                    f"are timed at the busiest rank's"
+                    + ("; given per MoE block: each stage's MoE blocks follow their own loads (averaged over the "
+                       "stage's blocks; the shares above are the mean over blocks and microbatches)"
+                       if varying_expert_load(cfg) else "")
+                    + ("; given per microbatch: the microbatches in flight at the rank's peak moment (found at "
+                       "the mean load)" if varying_expert_load(cfg) and isinstance(conv.moe_expert_load[0][0], tuple)
+                       else ""))
         elif conv.moe_expert_load:
             load = "measured per-expert load, every expert local (ep = 1): n·k routed copies in all"
         out["moe_load"] = (f"{load} (conventions.moe_imbalance, conventions.moe_capacity_factor, "

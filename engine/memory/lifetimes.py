@@ -22,7 +22,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
                        the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
-  backward_input       transient during B and I: the block recomputed in its backward
+  backward_input       transient during B and I: the block recomputed in its backward; a MoE stage's
+                       routed-experts backward (its weight gradients; what the backward freed by then)
   loss                 transient during the last stage's B or I: the fp32 logits and their gradient
   synchronised_backward transient during the rank's last B or I (DDP's synchronised backward)
   after_first_backward from the rank's first B or I to the step's end: FSDP2's unsharded gradients
@@ -75,6 +76,7 @@ LIFETIMES: dict[str, str] = {
     "all_gather_output": "every_action", "all_gather_input": "every_action", "unsharded_params": "every_action",
     "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward",
     "recomputed_block": "backward_input",
+    "moe_backward": "backward_input", "moe_backward_freed": "backward_input", "moe_backward_loss_freed": "backward_input",
     "loss": "loss",
     "ddp_backward_temporary": "synchronised_backward",
     "fsdp_unsharded_grads": "after_first_backward",

@@ -23,11 +23,12 @@ from engine.memory.activations import stage_activation_terms
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
-from engine.memory.lifetimes import RankTimeline, fsdp_params_lifetime
+from engine.memory.lifetimes import RankTimeline, fsdp_params_lifetime, moments
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups
 from engine.params import RankParams, params_per_rank, unit_numel
+from engine.schedules import ACTION_KINDS
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
 
 
@@ -40,6 +41,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     plan = plan or wrapping_plan(cfg)
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     T = Terms()
+    rp0 = rp
     where = f"stage{'s' if len(rp.stages) > 1 else ''} {', '.join(map(str, rp.stage_indices))}"
     psi = psi_train = rp.total  # psi_train: elements that get a gradient (DDP buckets, unsharded gradients)
     train_units = tuple((unit_numel(u), count) for u, count in rp.unit_groups)  # (elements, units)
@@ -65,6 +67,21 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                     microbatches=par.microbatches, stages=rp.stage_indices,
                     fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward))
     tl = RankTimeline(T, **timeline)
+    if ep_rank is not None and _load_per_microbatch(cfg):
+        # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
+        # flight at the peak (the moment found at the load averaged over microbatches), laid again
+        alive = microbatches_alive_at(tl)
+        T = Terms()
+        if tr.finetune == "lora":
+            lora_states(cfg, plan, rp0, dp_rank, T, where)
+        else:
+            ACCOUNTINGS[cfg.conventions.state_accounting](cfg, plan, rp0, dp_rank, T, where)
+        stream = stage_activation_terms(cfg, rp, T, torch_acc=torch_acc, autocast=torch_acc and plan.autocast,
+                                        psi_train=psi_train, in_flight=in_flight, ep_rank=ep_rank,
+                                        moe_microbatches=alive)
+        comm_buffers(cfg, plan, rp, T, psi=psi, psi_train=psi_train, train_units=train_units, ep_rank=ep_rank,
+                     **stream)
+        tl = RankTimeline(T, **timeline)
     # laid before the overhead (not tensors: the peak does not depend on it); its slack is a fraction
     # of the peak's tracked bytes
     allocated = tl.peak.bytes
@@ -72,6 +89,34 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     snapshot = tl.snapshot()
     return _Body(snapshot, rp.stage_indices, rp.pp_rank, catalogue=T, allocated=allocated,
                  reserved=reserved_bytes(cfg, tl, allocated, snapshot), timeline=tl)
+
+
+def _load_per_microbatch(cfg: Config) -> bool:
+    """Whether ``conventions.moe_expert_load`` is given per microbatch (lists of lists of lists)."""
+    load = cfg.conventions.moe_expert_load
+    return cfg.parallel.ep > 1 and bool(load) and isinstance(load[0], tuple) and isinstance(load[0][0], tuple)
+
+
+def microbatches_alive_at(tl: RankTimeline) -> dict[int, tuple[int, ...]]:
+    """Per global stage of the rank, the microbatches whose activations are alive at its peak moment
+    (forward done, full backward or W not yet done; the peak action's own microbatch counts)."""
+    sig, pk = tl.signature, tl.peak
+    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    stages = sig.stages if sig.pp > 1 else (sig.stages[0],)
+    out: dict[int, tuple[int, ...]] = {}
+    for st in stages:
+        local = st if sig.pp > 1 else 0
+        alive = set()
+        for i in range(pk.moment + 1):
+            if int(mo.stage[i]) != local:
+                continue
+            kind, mb = ACTION_KINDS[int(mo.kind[i])], int(mo.microbatch[i])
+            if kind == "F":
+                alive.add(mb)
+            elif kind in ("B", "W") and i < pk.moment:
+                alive.discard(mb)
+        out[st] = tuple(sorted(alive))
+    return out
 
 
 def memory_per_rank(cfg: Config) -> MemoryReport:
