@@ -26,7 +26,8 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
   * recompute: a row names the policies that recompute it instead of keeping it
     (``recomputed_by``); selective recomputes the attention core (softmax, its dropout; flash's
     lse). Full recompute keeps only each block's input (``memory_per_rank``); the table itself
-    ignores it.
+    ignores it. The block being recomputed in its backward is counted as activations too (one
+    block's tensors, alive during that backward), as PyTorch's MemTracker counts it.
   * LoRA (frozen base): a frozen Linear keeps no input for its weight gradient, so the QKV, o-proj,
     MLP and down inputs stay only where an adapter's A reads them (``for_weight_grad_of``; flash
     keeps its output anyway, ``kernel_keeps``); each adapter adds A's output (s·b·r) for B's
@@ -537,8 +538,8 @@ def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) ->
 
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
                            in_flight, ep_rank: int | None = None) -> dict:
-    """Activations of every local stage (each multiplied by its microbatches in flight) and the loss
-    and recompute temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts;
+    """Activations of every local stage (each multiplied by its microbatches in flight), the block a
+    recomputing backward rebuilds (activations) and the loss temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts;
     ``ep_rank`` picks the routed copies under a measured expert load.
 
     Returns what the buffers need: the residual stream's element bytes and numel.
@@ -701,9 +702,13 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
               f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
               kind="autocast_weight_casts")
+    # The tensors a checkpointed block's backward recomputes are activations, as PyTorch's MemTracker
+    # files them ("tensors produced during the forward pass and recomputation in activation
+    # checkpointing", _MemRefType.ACT): one block's at a time, alive during that block's backward
+    # (``engine.memory.lifetimes``: kind "recomputed_block", no stage or microbatches in flight)
     if any(ckpt_of[st.stage] for st in rp.stages):
         big = max(per_layer, per_moe) if moe and any(st.moe_layers for st in rp.stages) else per_layer
-        T.add("temporaries", f"one block recomputed during backward ({tr.recompute} recompute)", big,
+        T.add("activations", f"one block recomputed during backward ({tr.recompute} recompute)", big,
               f"{moe_formula if moe and big != per_layer else layer_formula} = {big:,} B ({dims})",
               kind="recomputed_block")
     elif sh.recompute == "selective-op":
@@ -713,7 +718,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         plain = dataclasses.replace(sh, recompute="none")
         redo = sum(row.coefficient(plain) * _NUMEL[row.numel][0](plain) for row in SAVED_TENSORS
                    if row.applies(plain) and not row.applies(sh))
-        T.add("temporaries", "one block's recomputed tensors during its backward (per-op selective recompute)",
+        T.add("activations", "one block's recomputed tensors during its backward (per-op selective recompute)",
               redo, f"the rows of the table that recompute = 'none' keeps and the per-op policy does not = "
               f"{redo:,} B ({dims})", kind="recomputed_block")
     if par.cp > 1:

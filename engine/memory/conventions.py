@@ -21,12 +21,12 @@ _RECOMPUTE_RULE = {
     "selective": "selective (Korthikanti et al.): the attention core (softmax, its dropout; flash's lse) is "
                  "recomputed",
     "full": "full: each block keeps its input only and is recomputed whole in the backward (one block's saved "
-            "tensors as temporaries)",
+            "tensors as activations while its backward runs, as PyTorch's MemTracker counts them)",
     "selective-op": "selective-op (torchtitan's SelectiveAC): each block keeps its input and the outputs of the "
                     "ops in the policy's save list — every other aten.mm by its counter (odd ones saved: wq, wv, "
                     "w1, w2 of a SwiGLU block; a Linear with a bias is an addmm, always saved), the attention "
                     "op's outputs (SDPA output and log-sum-exp; eager: both bmms), sequence parallel's "
-                    "reduce-scatter outputs; the rest is recomputed (its tensors counted once as temporaries)",
+                    "reduce-scatter outputs; the rest is recomputed (one block's recomputed tensors counted once, as activations)",
     "selective-layer": "selective-layer (torchtitan's selective_ac_option = N = {n}): every N-th block of each rank "
                        "(its process-wide 1-based counter, k % N == 0) is fully checkpointed, the others keep "
                        "everything",
