@@ -327,7 +327,9 @@ class Trainer:
             moe.reset_counts()
         tracker = measure.tracker_for(mods, self.optimizer)
         _skip_grad_hooks_on_frozen(tracker, self.params)
-        with measured_eagerly(self.cfg.training.compile), tracker:
+        compiled = self.cfg.training.compile
+        eager_saved = measure.SavedTensorPeak(self.params) if compiled else contextlib.nullcontext()
+        with measured_eagerly(compiled), tracker, eager_saved:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
             if self.sync_experts is not None:
@@ -355,7 +357,20 @@ class Trainer:
         }
         if self.cfg.model.experts:  # the routing of the measured step, which its activations follow
             out["expert_tokens"] = self.expert_tokens(step)
+        if compiled:
+            out["saved_for_backward"] = {"eager": eager_saved.peak, "compiled": self.compiled_saved_peak(batch)}
         return out
+
+    def compiled_saved_peak(self, batch) -> int:
+        """The saved-for-backward bytes at their peak over one more untimed forward and backward of the
+        same batch with the blocks compiled (``measure.SavedTensorPeak``: what MemTracker cannot see
+        inside a compiled block); the gradients it makes are dropped, no optimizer step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        with measure.SavedTensorPeak(self.params) as saved:
+            self.forward_backward(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        return saved.peak
 
     def measure_dataparallel(self, step: int) -> list[dict[str, int]]:
         """One extra, untimed nn.DataParallel step measured by each GPU's CUDA allocator (no MemTracker:
