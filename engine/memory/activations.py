@@ -85,6 +85,11 @@ class _Shape:
     recompute: str = "none"  # the policy the table is evaluated under ("full", "selective-layer": per block)
     bias: bool = False  # Linears with a bias (aten.addmm: saved by the per-op policy, not counted as an mm)
     compile: bool = False  # torch.compile per block: what inductor's min-cut partitioner saves
+    # torchao's Float8Linear saves its input as it arrives (matmul_with_hp_or_float8_args saves input_hp):
+    # it casts it to the autocast dtype only under CUDA's autocast (torch.is_autocast_enabled() and
+    # get_autocast_gpu_dtype() in Float8Linear.forward), so under CPU autocast the norm output stays at
+    # the residual stream's dtype, one tensor shared by the Linears that read it
+    float8_uncast: bool = False
     # "pytorch" accounting only (all False / equal to ``act`` under "zero-paper"):
     torch_ops: bool = False  # count what torch's kernels save beyond the paper's terms
     resid: int = 0  # bytes of the residual stream (the norm inputs)
@@ -155,7 +160,8 @@ _BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "1
 #: element-bytes rule name -> bytes
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
-_FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile")
+_FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile",
+          "float8_uncast")
 
 
 @dataclass(frozen=True)
@@ -284,6 +290,9 @@ def _norm(n: int) -> tuple[SavedTensor, ...]:
 SAVED_TENSORS: tuple[SavedTensor, ...] = (
     *_norm(1),
     SavedTensor("QKV input (norm1 output)", "act", "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"),
+                only=("!float8_uncast",), recomputed_by=_PER_OP),
+    SavedTensor("QKV input (norm1 output, uncast: torchao's Float8Linear saves it as it arrives)", "res",
+                "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"), only=("float8_uncast",),
                 recomputed_by=_PER_OP),
     *_stashed_matmul("wq"), *_stashed_matmul("wk"), *_stashed_matmul("wv"),
     SavedTensor("Q", "act", "sbh_t", "attention", recomputed_by=_PER_OP),
@@ -321,6 +330,9 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
                 recomputed_by=_PER_OP),
     *_norm(2),
     SavedTensor("MLP input (norm2 output)", "act", "linear_input", "mlp", for_weight_grad_of=("w1", "w3"),
+                only=("!float8_uncast",), recomputed_by=_PER_OP),
+    SavedTensor("MLP input (norm2 output, uncast: torchao's Float8Linear saves it as it arrives)", "res",
+                "linear_input", "mlp", for_weight_grad_of=("w1", "w3"), only=("float8_uncast",),
                 recomputed_by=_PER_OP),
     *_stashed_matmul("w1"), *_stashed_matmul("w3"),
     SavedTensor("gate output (SiLU input)", "act", "sbf_t", "mlp", only=("swiglu",), recomputed_by=_PER_OP),
@@ -385,8 +397,9 @@ def shape_of(cfg: Config) -> _Shape:
     # The per-layer terms stay at 16 bits here even under autocast (so ``activation_bytes_per_layer``
     # does not depend on the DP wrapper, and the planner's per-layer bound stays a bound);
     # ``stage_activation_terms`` adds autocast's fp32 residual stream as its own term.
-    return _Shape(**base, torch_ops=True, resid=act,
-                  composite_norm=model.norm == "rmsnorm" and cfg.cluster.gpu.name == "cpu",
+    cpu = cfg.cluster.gpu.name == "cpu"
+    return _Shape(**base, torch_ops=True, resid=act, float8_uncast=tr.float8 != "none" and cpu,
+                  composite_norm=model.norm == "rmsnorm" and cpu,
                   rope=model.position == "rope", head_dim=model.head_dim)
 
 
@@ -558,17 +571,19 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     per_layer = sum(x for _, x, _ in layer_terms)
     if res > act:
         # the kept tensors of the residual stream's dtype: the norm inputs (and x̂ of composite RMSNorm)
-        n_fp32 = sum(row.count for row in SAVED_TENSORS if row.elem == "res" and row.applies(sh))
-        per_layer += n_fp32 * (res - act) * sbh_rep
+        fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(sh)]
+        n_fp32 = sum(row.count for row in fp32_rows)
+        per_layer += sum(row.count * (res - act) * _NUMEL[row.numel][0](sh) for row in fp32_rows)
         # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
         # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
         n_casts = 2 + (1 if model.mlp == "swiglu" else 0)
         if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
             n_casts = (max(0, sum(x in sh.lora_mods for x in ("wq", "wk", "wv")) - 1)
                        + max(0, sum(x in sh.lora_mods for x in ("w1", "w3")) - 1))
-        if sh.recompute == "selective-op" or sh.compile:
+        if sh.recompute == "selective-op" or sh.compile or sh.float8_uncast:
             # the per-op policy recomputes the casts (aten._to_copy is not in its save list); under
-            # torch.compile AOTAutograd's CSE merges the identical casts of one norm output
+            # torch.compile AOTAutograd's CSE merges the identical casts of one norm output; torchao's
+            # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
             n_casts = 0
         per_layer += n_casts * act * s * b * h
         layer_formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
