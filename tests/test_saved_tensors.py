@@ -86,3 +86,68 @@ def test_the_engine_predicts_what_the_compiled_blocks_save():
     assert saved - loss_inputs == _predicted_activations(cfg)
     eager, _ = _saved_by_the_model(_cfg(precision="fp32"))
     assert saved < eager
+
+
+# --------------------------------------------------------------------------- a recomputed block's backward
+
+
+def _block_backward_growth(kind: str) -> int:
+    """MemTracker on the 2-block tiny model (fp32, one microbatch, this process): how much the tracker's
+    activations grow from the last block's pre-backward moment to its backward's peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from backend.model import Transformer
+    from backend.parallel.recompute import apply_recompute
+    from backend.train import loss_fn
+
+    cfg = _two_blocks(kind)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    apply_recompute(model, kind, 2)
+    x = torch.randint(0, cfg.model.vocab, (cfg.training.micro_batch_size, cfg.model.seq_len))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        loss_fn(model(x), x).backward()
+    stats = next(s for m, s in tracker.memory_tracking.items() if s.mod_fqn.endswith("layers.1"))
+
+    def act(state: str) -> int:
+        (snap,) = (v for k, v in stats.snapshots.items() if getattr(k, "value", k) == state)
+        return sum(b for k, b in snap[-1][torch.device("cpu")].items() if getattr(k, "value", k) == "Activation")
+
+    return act("Peak-Backward") - act("Pre-Backward")
+
+
+def _two_blocks(recompute: str) -> Config:
+    return _cfg(precision="fp32", recompute=recompute).replace(model={"layers": 2})
+
+
+def _row_bytes(cfg: Config, label: str) -> int:
+    from engine.memory.activations import layer_activation_terms, shape_of
+
+    return next(x for lab, x, _ in layer_activation_terms(shape_of(cfg))[0] if lab == label)
+
+
+def _recomputed_term(cfg: Config) -> int:
+    (rank,) = predict(cfg).memory.per_rank
+    return next(t.bytes for t in rank.explain("activations") if t.kind == "recomputed_block")
+
+
+def test_per_op_recompute_holds_the_none_set_instead_of_its_stash():
+    """The replay of a per-op checkpointed block re-saves what no recompute keeps and consumes the
+    block's stash; at the backward's peak its first op (w2's) has freed the down input already, which
+    the engine's per-action timeline does not resolve."""
+    cfg = _two_blocks("selective-op")
+    down = _row_bytes(_two_blocks("none"), "down input")
+    assert _block_backward_growth("selective-op") == _recomputed_term(cfg) - down
+
+
+def test_full_recompute_counts_the_kept_block_input_twice():
+    """Measured: a fully checkpointed block's backward adds its saved tensors less the block input (the
+    checkpoint's kept input, which norm1's replay saves again as the same tensor) and less the down
+    input freed by the peak; the engine's recomputed block is the whole block (an over-count by the
+    block input, kept: fixing it moves the recorded golden totals of every full-recompute entry)."""
+    cfg = _two_blocks("full")
+    down = _row_bytes(_two_blocks("none"), "down input")
+    kept = _row_bytes(_two_blocks("none"), "norm1 input")
+    assert _block_backward_growth("full") == _recomputed_term(cfg) - kept - down

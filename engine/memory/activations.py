@@ -568,26 +568,32 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     sbh_rep = s * b * h // sh.rep
     hs = "h/t" if sp else "h"
     layer_terms, layer_formula = layer_activation_terms(sh)
-    per_layer = sum(x for _, x, _ in layer_terms)
-    if res > act:
+
+    def block_bytes(shape: _Shape, terms, formula: str) -> tuple[int, str]:
+        """One block's saved bytes for one microbatch under ``shape``, with autocast's fp32 norms and casts."""
+        total = sum(x for _, x, _ in terms)
+        if res <= act:
+            return total, formula
         # the kept tensors of the residual stream's dtype: the norm inputs (and x̂ of composite RMSNorm)
-        fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(sh)]
+        fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(shape)]
         n_fp32 = sum(row.count for row in fp32_rows)
-        per_layer += sum(row.count * (res - act) * _NUMEL[row.numel][0](sh) for row in fp32_rows)
+        total += sum(row.count * (res - act) * _NUMEL[row.numel][0](shape) for row in fp32_rows)
         # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
         # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
         n_casts = 2 + (1 if model.mlp == "swiglu" else 0)
         if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
-            n_casts = (max(0, sum(x in sh.lora_mods for x in ("wq", "wk", "wv")) - 1)
-                       + max(0, sum(x in sh.lora_mods for x in ("w1", "w3")) - 1))
-        if sh.recompute == "selective-op" or sh.compile or sh.float8_uncast:
+            n_casts = (max(0, sum(x in shape.lora_mods for x in ("wq", "wk", "wv")) - 1)
+                       + max(0, sum(x in shape.lora_mods for x in ("w1", "w3")) - 1))
+        if shape.recompute == "selective-op" or shape.compile or shape.float8_uncast:
             # the per-op policy recomputes the casts (aten._to_copy is not in its save list); under
             # torch.compile AOTAutograd's CSE merges the identical casts of one norm output; torchao's
             # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
             n_casts = 0
-        per_layer += n_casts * act * s * b * h
-        layer_formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
-                          f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+        total += n_casts * act * s * b * h
+        return total, (formula + f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
+                       f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+
+    per_layer, layer_formula = block_bytes(sh, layer_terms, layer_formula)
     # torch's loss: loss_parallel (SP) keeps the vocabulary sharded; otherwise the head's output is
     # replicated (ColwiseParallel → Replicate), so the loss sees all V on every TP rank.
     v_loss = ceil_div(model.vocab, t) if (sp or not torch_acc) else model.vocab
@@ -727,15 +733,22 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               f"{moe_formula if moe and big != per_layer else layer_formula} = {big:,} B ({dims})",
               kind="recomputed_block")
     elif sh.recompute == "selective-op":
-        # the tensors autograd saves while one block's forward is replayed: what "none" keeps and the
-        # policy does not. Rows that are the stash's own tensors (flash's lse, the gate output, V) are
-        # counted again here although the replay reuses them: an upper estimate by those few tensors
+        # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
+        # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE
+        # output to its op once during the replay (torch.utils.checkpoint's _CachedTorchDispatchMode
+        # pops it from the storage), so a stashed output that no backward node saves (the scores
+        # the softmax reads, wq's output rope reads) is freed, and one that is saved (the gate output,
+        # a V that is a view of wv's output) is the same tensor, not a copy. The block then holds the
+        # "none" set instead of its stash: the term is their difference (measured with MemTracker on
+        # the tiny model: a block's backward peak adds the "none" set less its stash, less the down
+        # input its first backward op frees)
         plain = dataclasses.replace(sh, recompute="none")
-        redo = sum(row.coefficient(plain) * _NUMEL[row.numel][0](plain) for row in SAVED_TENSORS
-                   if row.applies(plain) and not row.applies(sh))
+        plain_terms, _ = layer_activation_terms(plain)
+        plain_bytes, _ = block_bytes(plain, plain_terms, "")
+        redo = max(0, plain_bytes - per_layer)
         T.add("activations", "one block's recomputed tensors during its backward (per-op selective recompute)",
-              redo, f"the rows of the table that recompute = 'none' keeps and the per-op policy does not = "
-              f"{redo:,} B ({dims})", kind="recomputed_block")
+              redo, f"what one block keeps under recompute = 'none' − its per-op stash = {plain_bytes:,} − "
+              f"{per_layer:,} = {redo:,} B ({dims})", kind="recomputed_block")
     if par.cp > 1:
         ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
         T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
