@@ -73,8 +73,9 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                     "repeated input casts are merged by CSE), everything else as eager — the partitioner's usual "
                     "choice, measured on one block on CPU" if tr.compile else "eager (no torch.compile)"),
         "float8": (f"torchao float8 training ({tr.float8} scaling): matmul_with_hp_or_float8_args saves the "
-                   "high-precision input and weight, so the saved activations are as bf16; the float8 casts are "
-                   "transient; Float8Linear's weight is not cast by autocast (no cached 16-bit copy of the blocks' "
+                   "high-precision input and weight, so the saved activations are as bf16 (on a CPU rank the QKV and "
+                   "MLP inputs stay fp32 under autocast: Float8Linear casts its input only under CUDA's autocast); "
+                   "the float8 casts are transient; Float8Linear's weight is not cast by autocast (no cached 16-bit copy of the blocks' "
                    "weights); the amax scalars it saves are not counted" if tr.float8 != "none" else "none"),
         "pipeline_in_flight": f"{par.schedule}: {IN_FLIGHT_RULE[par.schedule]}" if par.pp > 1 else "no pipeline",
         "dualpipe_parameters": "not doubled: torch's DualPipeV holds 2p distinct stages in a V",
