@@ -552,8 +552,8 @@ def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) ->
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
                            in_flight, ep_rank: int | None = None) -> dict:
     """Activations of every local stage (each multiplied by its microbatches in flight), the block a
-    recomputing backward rebuilds (activations) and the loss temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts;
-    ``ep_rank`` picks the routed copies under a measured expert load.
+    recomputing backward rebuilds (activations) and the loss temporaries. ``in_flight(unit_bytes)``
+    gives the per-local-stage counts; ``ep_rank`` picks the routed copies under a measured expert load.
 
     Returns what the buffers need: the residual stream's element bytes and numel.
     """
@@ -736,7 +736,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
         # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE
         # output to its op once during the replay (torch.utils.checkpoint's _CachedTorchDispatchMode
-        # pops it from the storage), so a stashed output that no backward node saves (the scores
+        # replaces it by _CONSUMED in its storage), so a stashed output that no backward node saves (the scores
         # the softmax reads, wq's output rope reads) is freed, and one that is saved (the gate output,
         # a V that is a view of wv's output) is the same tensor, not a copy. The block then holds the
         # "none" set instead of its stash: the term is their difference (measured with MemTracker on
