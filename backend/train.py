@@ -95,6 +95,9 @@ class Trainer:
     """Everything one rank holds: stage modules, optimizer, schedule (PP), data."""
 
     legacy = False  # nn.DataParallel (set in __init__; class defaults keep subclasses such as the fake trainer)
+    #: under training.compile, count what the compiled blocks save over one more compiled step
+    #: (``compiled_saved_peak``); off where no kernel runs (the fake trainer's fake tensors)
+    counts_compiled_saved = True
     gpus = 1  # GPUs this process drives
     cp = None  # backend.parallel.context_parallel.ContextParallel when parallel.cp > 1
     moes: tuple = ()  # the MoE blocks this rank holds (set in __init__)
@@ -327,9 +330,9 @@ class Trainer:
             moe.reset_counts()
         tracker = measure.tracker_for(mods, self.optimizer)
         _skip_grad_hooks_on_frozen(tracker, self.params)
-        compiled = self.cfg.training.compile
+        compiled = self.cfg.training.compile and self.counts_compiled_saved
         eager_saved = measure.SavedTensorPeak(self.params) if compiled else contextlib.nullcontext()
-        with measured_eagerly(compiled), tracker, eager_saved:
+        with measured_eagerly(self.cfg.training.compile), tracker, eager_saved:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
             if self.sync_experts is not None:
