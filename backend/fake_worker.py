@@ -129,6 +129,8 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
     class FakeTrainer(Trainer):
         """Trainer's state, composed as Trainer.__init__ does, on meta then fake tensors."""
 
+        counts_compiled_saved = False  # inductor compiles nothing for fake tensors here
+
         def __init__(self):  # noqa: D401 - deliberately not Trainer.__init__ (no real process group)
             self.cfg, self.out = cfg, None
             self.device = torch.device("cpu")

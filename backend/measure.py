@@ -196,3 +196,82 @@ def memory_notes(cfg) -> list[str]:
     from backend.parallel.compile import COMPILED_MEMORY_NOTE
 
     return [COMPILED_MEMORY_NOTE] if cfg.training.compile else []
+
+
+class SavedTensorPeak:
+    """The bytes of the tensors autograd saves for backward that are alive at once, at their peak.
+
+    ``torch.autograd.graph.saved_tensors_hooks`` see every tensor an op saves — inside a compiled
+    region too: AOTAutograd's compiled function saves its tensors through ``ctx.save_for_backward``,
+    where a TorchDispatchMode such as MemTracker cannot run (``backend.parallel.compile``). Each
+    storage counts once, from the first time a tensor on it is saved until autograd drops the last
+    saved handle to it (a node frees its saved tensors after its backward); parameters, and views of
+    them, are not activations and are left out. A region checkpointed with its own hooks
+    (``torch.utils.checkpoint``) saves through those instead, so this does not see it.
+
+    Use as a context manager around forward and backward; ``peak`` is the largest live sum.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self._params = {ptr for ptr in map(_storage_ptr, params) if ptr}
+        self._live: dict[int, list[int]] = {}  # storage data_ptr -> [saved handles alive, bytes]
+        self.live = 0
+        self.peak = 0
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor):
+        t = _local(t)
+        if isinstance(t, nn.Parameter) or t.device.type == "meta":
+            return t
+        ptr = _storage_ptr(t)
+        if not ptr or ptr in self._params:
+            return t
+        storage = t.untyped_storage()
+        entry = self._live.get(ptr)
+        if entry is None:
+            entry = self._live[ptr] = [0, storage.nbytes()]
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return _SavedHandle(self, ptr, t)
+
+    @staticmethod
+    def _unpack(h):
+        return h.tensor if isinstance(h, _SavedHandle) else h
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._live[ptr]
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of a tensor's storage; 0 where it has none to read (a tensor subclass such as torchao's
+    float8 weight wrapper, FSDP2's freed unsharded storage)."""
+    try:
+        return _local(t).untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+class _SavedHandle:
+    """What autograd keeps for one saved tensor: the tensor, and a release of its storage on deletion."""
+
+    __slots__ = ("owner", "ptr", "tensor")
+
+    def __init__(self, owner: SavedTensorPeak, ptr: int, tensor: torch.Tensor):
+        self.owner, self.ptr, self.tensor = owner, ptr, tensor
+
+    def __del__(self):
+        self.owner._release(self.ptr)

@@ -29,13 +29,13 @@ from backend import measure
 from backend.faults import maybe_fault
 from backend.model import SyntheticData, Transformer, moe_modules
 from backend.parallel import ParallelDims, apply_pp, autocast_context, build_optimizer, build_schedule, parallelize
-from backend.parallel.expert_parallel import expert_params
-from backend.parallel.expert_parallel import refusal as moe_refusal
-from backend.parallel.parallelize import expert_grad_sync
 from backend.parallel.compile import measured_eagerly
 from backend.parallel.data_parallel import dataparallel_refusal, dataparallel_rows
+from backend.parallel.expert_parallel import expert_params
+from backend.parallel.expert_parallel import refusal as moe_refusal
 from backend.parallel.float8 import precompute_scales
 from backend.parallel.lora import lora_refusal
+from backend.parallel.parallelize import expert_grad_sync
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
 from backend.support import composition_problems, cp_rotate_refusal
@@ -96,6 +96,9 @@ class Trainer:
     """Everything one rank holds: stage modules, optimizer, schedule (PP), data."""
 
     legacy = False  # nn.DataParallel (set in __init__; class defaults keep subclasses such as the fake trainer)
+    #: under training.compile, count what the compiled blocks save over one more compiled step
+    #: (``compiled_saved_peak``); off where no kernel runs (the fake trainer's fake tensors)
+    counts_compiled_saved = True
     gpus = 1  # GPUs this process drives
     cp = None  # backend.parallel.context_parallel.ContextParallel when parallel.cp > 1
     moes: tuple = ()  # the MoE blocks this rank holds (set in __init__)
@@ -333,7 +336,9 @@ class Trainer:
             moe.reset_counts()
         tracker = measure.tracker_for(mods, self.optimizer)
         _skip_grad_hooks_on_frozen(tracker, self.params)
-        with measured_eagerly(self.cfg.training.compile), tracker:
+        compiled = self.cfg.training.compile and self.counts_compiled_saved
+        eager_saved = measure.SavedTensorPeak(self.params) if compiled else contextlib.nullcontext()
+        with measured_eagerly(self.cfg.training.compile), tracker, eager_saved:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
             experts = {id(p) for m in mods for p in expert_params(m)}
@@ -365,7 +370,20 @@ class Trainer:
         }
         if self.cfg.model.experts:  # the routing of the measured step, which its activations follow
             out["expert_tokens"] = self.expert_tokens(step)
+        if compiled:
+            out["saved_for_backward"] = {"eager": eager_saved.peak, "compiled": self.compiled_saved_peak(batch)}
         return out
+
+    def compiled_saved_peak(self, batch) -> int:
+        """The saved-for-backward bytes at their peak over one more untimed forward and backward of the
+        same batch with the blocks compiled (``measure.SavedTensorPeak``: what MemTracker cannot see
+        inside a compiled block); the gradients it makes are dropped, no optimizer step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        with measure.SavedTensorPeak(self.params) as saved:
+            self.forward_backward(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        return saved.peak
 
     def measure_dataparallel(self, step: int) -> list[dict[str, int]]:
         """One extra, untimed nn.DataParallel step measured by each GPU's CUDA allocator (no MemTracker:

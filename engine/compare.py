@@ -277,7 +277,31 @@ def _memory_notes(category: str, pred: float, meas: float, measured_detail: dict
 _TRACKER_COMM = ("All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad")
 
 
-def _allocated_cell(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> Cell | None:
+def _compiled_saved_delta(rank_detail: dict | None) -> tuple[float, str] | None:
+    """Under training.compile: (compiled − eager saved-for-backward bytes at their peak, the note saying
+    so), from the backend's ``memory.saved_for_backward``; None without it. MemTracker cannot run inside
+    a compiled block, so the measured step ran the blocks eagerly; the blocks' saved tensors were
+    counted by saved_tensors_hooks over that eager step and over one compiled step."""
+    saved = ((rank_detail or {}).get("memory") or {}).get("saved_for_backward")
+    if not saved or "compiled" not in saved or "eager" not in saved:
+        return None
+    eager, compiled = float(saved["eager"]), float(saved["compiled"])
+    return compiled - eager, (
+        "training.compile: measured = MemTracker's activations of the eager step with the blocks' saved tensors "
+        f"as the compiled blocks save them (saved_tensors_hooks at their peak: {compiled:,.0f} B compiled vs "
+        f"{eager:,.0f} B eager); the tracker cannot see inside a compiled block")
+
+
+#: how a compiled run's measurement notes begin (backend.parallel.compile.COMPILED_MEMORY_NOTE)
+COMPILED_NOTE_MARK = "training.compile:"
+
+#: the note on a compiled run's activations without a saved-tensor count (an older measurement)
+COMPILED_UNMEASURED = ("training.compile: the measured step ran the blocks eagerly and this measurement has no "
+                       "count of what the compiled blocks save (memory.saved_for_backward): the activations "
+                       "measured are the eager blocks', not the compiled ones predicted")
+
+
+def _allocated_cell(prow: dict, rank_detail: dict, cells: dict[str, Cell], compiled_delta: float = 0.0) -> Cell | None:
     """Allocated bytes of one rank: the prediction's ``allocated`` against
     torch.cuda.max_memory_allocated() on a CUDA run; on a CPU run against the larger of the measured
     categories' sum and MemTracker's own peak total plus the buffers the backend adds that it never
@@ -301,7 +325,7 @@ def _allocated_cell(prow: dict, rank_detail: dict, cells: dict[str, Cell]) -> Ce
         # Gradient (under pipelining plain MemTracker tags FSDP2's unsharded copies so).
         added = mem["categories"].get("comm_buffers", 0) - sum(raw.get(k, 0) for k in _TRACKER_COMM)
         summed = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
-        m_alloc = max(summed, float(raw["Total"] + max(0, added)))
+        m_alloc = max(summed, float(raw["Total"] + compiled_delta + max(0, added)))
         if m_alloc > 1.01 * summed:
             notes.append("the measured categories sum to less than the tracker's own peak total (+ the buffers it "
                          "never sees): the exact params / grads replace what the tracker tagged Parameter / "
@@ -337,17 +361,23 @@ def compare(pred, measurement) -> Comparison:
             missing.append(rank)
             continue
         cells: dict[str, Cell] = {}
+        compiled = _compiled_saved_delta(detail.get(rank))
         for c in MEMORY_CATEGORIES:
             p, m = float(prow.get(c, 0)), float(mrow.get(c, 0))
             untracked, why = _untracked(prow.get("explain"), c)
             extra = _memory_notes(c, p, m, detail.get(rank), device)
+            if c == "activations" and compiled is not None:
+                m, extra = m + compiled[0], extra + [compiled[1]]
+            elif c == "activations" and COMPILED_NOTE_MARK in " ".join(
+                    ((detail.get(rank) or {}).get("memory") or {}).get("notes") or ()):
+                extra.append(COMPILED_UNMEASURED)
             cells[c] = Cell(p, m, tuple(why) + tuple(extra), untracked)
         p_peak = float(sum(cells[c].predicted for c in MEMORY_CATEGORIES))
         m_peak = float(sum(cells[c].measured for c in MEMORY_CATEGORIES))
         peak_notes = []
         if any(cells[c].untracked for c in MEMORY_CATEGORIES):
             peak_notes.append("includes predicted bytes the measurement cannot see; see relative_tracked")
-        allocated = _allocated_cell(prow, detail.get(rank) or {}, cells)
+        allocated = _allocated_cell(prow, detail.get(rank) or {}, cells, compiled[0] if compiled else 0.0)
         rows.append(RankComparison(rank, int(mrow.get("stage", prow.get("stage", 0))), cells,
                                    Cell(p_peak, m_peak, tuple(peak_notes),
                                         float(sum(cells[c].untracked for c in MEMORY_CATEGORIES))),

@@ -630,7 +630,8 @@ class _Planner:
                 fixed = states_by_zero[gz] + overhead
                 units = tuple(len(layers_of[s]) for s in stages)
                 ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
-                # the recomputed block (temporaries): full, and selective-layer where the rank checkpoints one
+                # the recomputed block (activations, alive in its backward): full, and selective-layer where the
+                # rank checkpoints one
                 fixed = fixed + np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
                 if n_stages - 1 in stages:  # logits at the loss
                     fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))

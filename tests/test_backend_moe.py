@@ -19,7 +19,7 @@ from engine.params import param_counts
 
 torch = pytest.importorskip("torch")
 
-from backend.model import MoE, Router, SyntheticData, Transformer, count_parameters, moe_modules  # noqa: E402
+from backend.model import Router, SyntheticData, Transformer, count_parameters, moe_modules  # noqa: E402
 from backend.parallel.expert_parallel import refusal  # noqa: E402
 
 #: 3 blocks (one leading dense), 4 experts of top-2 with one shared expert
@@ -208,7 +208,7 @@ def test_expert_parallel_run(tmp_path, name):
     world_tokens = par.dp * par.microbatches * cfg.training.micro_batch_size * m.seq_len
     for rank in meas.ranks:
         for s in rank["expert_tokens"]:
-            for block, total in s["total"].items():
+            for total in s["total"].values():
                 assert sum(total) == world_tokens * m.experts_per_token
     # with efsdp = 1 (one expert-parallel group per stage) each owner received exactly the total
     if par.dp * par.tp == par.ep:

@@ -202,6 +202,9 @@ def test_compile_matches_eager_and_says_what_it_did_not_measure(tmp_path):
     for r in range(2):
         rec = json.loads((path / "ranks" / f"rank{r}.measurement.json").read_text())
         assert any(n.startswith("training.compile") and "not measured" in n for n in rec["memory"]["notes"])
+        # what the compiled blocks save, counted apart (saved_tensors_hooks): less than the eager blocks
+        saved = rec["memory"]["saved_for_backward"]
+        assert 0 < saved["compiled"] < saved["eager"]
     eager_rec = json.loads((tmp_path / "eager" / "ranks" / "rank0.measurement.json").read_text())
     assert eager_rec["memory"]["notes"] == []
 

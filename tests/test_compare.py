@@ -147,3 +147,33 @@ def test_a_real_two_rank_pipeline_run_end_to_end(tmp_path):
     analytic_err = abs(cmp.step.relative)
     cal_err = abs(calibrated["step"]["seconds"] - cmp.step.measured) / cmp.step.measured
     assert cal_err < analytic_err
+
+
+def _compiled_meas(saved):
+    """A one-rank CPU measurement of a compiled run: MemTracker's eager step, with or without the
+    backend's count of the compiled blocks' saved tensors."""
+    from backend.parallel.compile import COMPILED_MEMORY_NOTE
+
+    mem = {"tracker_peak": {"Activation": 1000, "Temp": 10, "Total": 1510}, "notes": [COMPILED_MEMORY_NOTE],
+           "categories": {**dict.fromkeys(MEMORY_CATEGORIES, 0), "params": 500, "activations": 1000, "temporaries": 10}}
+    if saved is not None:
+        mem["saved_for_backward"] = saved
+    return _meas([_row(0, params=500, activations=1000, temporaries=10)], ranks=[{"rank": 0, "memory": mem}])
+
+
+def test_compiled_activations_take_the_compiled_blocks_saved_tensors():
+    pred = _pred([{**_row(0, params=500, activations=800, temporaries=10), "allocated": 1310}])
+    cmp = compare(pred, _compiled_meas({"eager": 900, "compiled": 700}))
+    act = cmp.memory[0].categories["activations"]
+    # the eager step's 1000 B with the blocks' 900 B saved eagerly replaced by the 700 B they save compiled
+    assert act.measured == 800 and act.relative == 0.0
+    assert any("saved_tensors_hooks" in n and "700 B compiled" in n for n in act.notes)
+    assert cmp.memory[0].allocated.measured == 1310  # the tracker's total moves by the same 200 B
+    assert cmp.memory[0].peak.measured == 1310
+
+
+def test_compiled_activations_without_a_count_say_they_are_the_eager_blocks():
+    pred = _pred([_row(0, params=500, activations=800, temporaries=10)])
+    act = compare(pred, _compiled_meas(None)).memory[0].categories["activations"]
+    assert act.measured == 1000  # what the tracker saw, not a number it did not measure
+    assert any("eager blocks'" in n and "saved_for_backward" in n for n in act.notes)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from engine import Config
-from engine.predict import predict
 from engine.config import ConfigError
 from engine.durations import ep_rank_loads, routed_factor
 from engine.memory import memory_per_rank
 from engine.memory.conventions import conventions_of
+from engine.predict import predict
 
 TINY_MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96, "dense_layers": 2}
 LOAD = [0.4, 0.3, 0.2, 0.1]
@@ -156,7 +156,7 @@ def test_a_per_microbatch_load_follows_the_microbatch_alive_at_the_peak():
     first_skewed = cfg(par, conventions={"moe_expert_load": [[SKEW] * 6, [FLAT] * 6]})
     skew, flat = cfg(par, conventions={"moe_expert_load": SKEW}), cfg(par)
     for rank in (0, 1):
-        act = lambda c: memory_per_rank(c).per_rank[rank].activations  # noqa: E731
+        act = lambda c, rank=rank: memory_per_rank(c).per_rank[rank].activations  # noqa: E731
         assert act(last_skewed) == act(skew)
         assert act(first_skewed) == act(flat)
 

@@ -16,8 +16,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from backend.model import Transformer, moe_modules  # noqa: E402
-from backend.parallel.expert_parallel import (AllToAllDispatch, PlannedDispatch, planned_load,  # noqa: E402
-                                              split_copies)
+from backend.parallel.expert_parallel import AllToAllDispatch, PlannedDispatch, planned_load, split_copies  # noqa: E402
 
 MOE = {"experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 128, "shared_experts": 1, "dense_layers": 1}
 

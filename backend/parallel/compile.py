@@ -11,7 +11,11 @@ under a non-infra TorchDispatchMode such as the tracker ("non-infra torch dispat
 this is not supported today in torch.compile"; with ``fullgraph=True`` the call fails). So the
 one measured step runs the blocks eagerly (``measured_eagerly``: ``torch.compiler.set_stance(
 "force_eager")``) while every timed step runs compiled, and the rank's measurement says so in
-``memory.notes`` (``COMPILED_MEMORY_NOTE``).
+``memory.notes`` (``COMPILED_MEMORY_NOTE``). What the compiled blocks save for backward is measured
+apart: one more forward and backward, compiled, under ``saved_tensors_hooks``
+(``backend.measure.SavedTensorPeak``, which AOTAutograd's saved tensors go through), beside the
+same count over the eager step; ``memory.saved_for_backward`` = {"eager", "compiled"} bytes at their
+peak, from which ``engine.compare`` takes the compiled blocks' activations.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from torch import nn
 
 COMPILED_MEMORY_NOTE = (
     "training.compile: torch.compile does not run under PyTorch's MemTracker (a TorchDispatchMode), so the "
-    "measured step ran the transformer blocks eagerly: activations and temporaries are the eager blocks' — "
-    "what inductor's compiled blocks save for backward and allocate inside their kernels was not measured "
+    "measured step ran the transformer blocks eagerly: its activations and temporaries are the eager blocks'; "
+    "what the compiled blocks save for backward is counted apart by saved_tensors_hooks over one compiled "
+    "step (memory.saved_for_backward), what inductor allocates inside its kernels is not measured "
     "(params, grads and optimizer state are exact either way); step times are the compiled blocks'")
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from backend.model import moe_modules
 from backend.parallel.compile import apply_compile
 from backend.parallel.context_parallel import apply_cp
 from backend.parallel.data_parallel import (
@@ -33,7 +34,6 @@ from backend.parallel.data_parallel import (
     make_zero1_optimizer,
 )
 from backend.parallel.dims import ParallelDims
-from backend.model import moe_modules
 from backend.parallel.expert_parallel import apply_expert_parallel, expert_params, sync_expert_grads
 from backend.parallel.float8 import apply_float8
 from backend.parallel.lora import apply_lora, trainable

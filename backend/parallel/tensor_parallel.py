@@ -10,8 +10,6 @@ sequence at their input, and the head's output stays vocab-sharded for loss_para
 from __future__ import annotations
 
 from torch import nn
-
-from backend.model import MoE
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -21,6 +19,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from backend.model import MoE
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:

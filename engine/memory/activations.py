@@ -26,7 +26,8 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
   * recompute: a row names the policies that recompute it instead of keeping it
     (``recomputed_by``); selective recomputes the attention core (softmax, its dropout; flash's
     lse). Full recompute keeps only each block's input (``memory_per_rank``); the table itself
-    ignores it.
+    ignores it. The block being recomputed in its backward is counted as activations too (one
+    block's tensors, alive during that backward), as PyTorch's MemTracker counts it.
   * LoRA (frozen base): a frozen Linear keeps no input for its weight gradient, so the QKV, o-proj,
     MLP and down inputs stay only where an adapter's A reads them (``for_weight_grad_of``; flash
     keeps its output anyway, ``kernel_keeps``); each adapter adds A's output (s·b·r) for B's
@@ -60,8 +61,7 @@ from functools import lru_cache
 
 from engine import lora
 from engine.config import Config
-from engine.durations import (checkpointed_per_stage, routed_factor, routed_factor_of,
-                              varying_expert_load)
+from engine.durations import checkpointed_per_stage, routed_factor, routed_factor_of, varying_expert_load
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS
 
@@ -85,6 +85,11 @@ class _Shape:
     recompute: str = "none"  # the policy the table is evaluated under ("full", "selective-layer": per block)
     bias: bool = False  # Linears with a bias (aten.addmm: saved by the per-op policy, not counted as an mm)
     compile: bool = False  # torch.compile per block: what inductor's min-cut partitioner saves
+    # torchao's Float8Linear saves its input as it arrives (matmul_with_hp_or_float8_args saves input_hp):
+    # it casts it to the autocast dtype only under CUDA's autocast (torch.is_autocast_enabled() and
+    # get_autocast_gpu_dtype() in Float8Linear.forward), so under CPU autocast the norm output stays at
+    # the residual stream's dtype, one tensor shared by the Linears that read it
+    float8_uncast: bool = False
     # "pytorch" accounting only (all False / equal to ``act`` under "zero-paper"):
     torch_ops: bool = False  # count what torch's kernels save beyond the paper's terms
     resid: int = 0  # bytes of the residual stream (the norm inputs)
@@ -155,7 +160,8 @@ _BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "1
 #: element-bytes rule name -> bytes
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
-_FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile")
+_FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile",
+          "float8_uncast")
 
 
 @dataclass(frozen=True)
@@ -284,6 +290,9 @@ def _norm(n: int) -> tuple[SavedTensor, ...]:
 SAVED_TENSORS: tuple[SavedTensor, ...] = (
     *_norm(1),
     SavedTensor("QKV input (norm1 output)", "act", "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"),
+                only=("!float8_uncast",), recomputed_by=_PER_OP),
+    SavedTensor("QKV input (norm1 output, uncast: torchao's Float8Linear saves it as it arrives)", "res",
+                "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"), only=("float8_uncast",),
                 recomputed_by=_PER_OP),
     *_stashed_matmul("wq"), *_stashed_matmul("wk"), *_stashed_matmul("wv"),
     SavedTensor("Q", "act", "sbh_t", "attention", recomputed_by=_PER_OP),
@@ -321,6 +330,9 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
                 recomputed_by=_PER_OP),
     *_norm(2),
     SavedTensor("MLP input (norm2 output)", "act", "linear_input", "mlp", for_weight_grad_of=("w1", "w3"),
+                only=("!float8_uncast",), recomputed_by=_PER_OP),
+    SavedTensor("MLP input (norm2 output, uncast: torchao's Float8Linear saves it as it arrives)", "res",
+                "linear_input", "mlp", for_weight_grad_of=("w1", "w3"), only=("float8_uncast",),
                 recomputed_by=_PER_OP),
     *_stashed_matmul("w1"), *_stashed_matmul("w3"),
     SavedTensor("gate output (SiLU input)", "act", "sbf_t", "mlp", only=("swiglu",), recomputed_by=_PER_OP),
@@ -385,8 +397,9 @@ def shape_of(cfg: Config) -> _Shape:
     # The per-layer terms stay at 16 bits here even under autocast (so ``activation_bytes_per_layer``
     # does not depend on the DP wrapper, and the planner's per-layer bound stays a bound);
     # ``stage_activation_terms`` adds autocast's fp32 residual stream as its own term.
-    return _Shape(**base, torch_ops=True, resid=act,
-                  composite_norm=model.norm == "rmsnorm" and cfg.cluster.gpu.name == "cpu",
+    cpu = cfg.cluster.gpu.name == "cpu"
+    return _Shape(**base, torch_ops=True, resid=act, float8_uncast=tr.float8 != "none" and cpu,
+                  composite_norm=model.norm == "rmsnorm" and cpu,
                   rope=model.position == "rope", head_dim=model.head_dim)
 
 
@@ -607,11 +620,11 @@ def moe_stage_block_bytes(cfg: Config, rp, per_moe_of, ep_rank: int,
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
                            in_flight, ep_rank: int | None = None,
                            moe_microbatches: dict[int, tuple[int, ...]] | None = None) -> dict:
-    """Activations of every local stage (each multiplied by its microbatches in flight) and the loss
-    and recompute temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts;
-    ``ep_rank`` picks the routed copies under a measured expert load; where that load is given per
-    block or microbatch, a stage's MoE blocks follow their own loads at ``moe_microbatches[stage]``
-    (the microbatches in flight at the peak; every microbatch when not given).
+    """Activations of every local stage (each multiplied by its microbatches in flight), the block a
+    recomputing backward rebuilds (activations) and the loss temporaries. ``in_flight(unit_bytes)``
+    gives the per-local-stage counts; ``ep_rank`` picks the routed copies under a measured expert load;
+    where that load is given per block or microbatch, a stage's MoE blocks follow their own loads at
+    ``moe_microbatches[stage]`` (the microbatches in flight at the peak; every microbatch when not given).
 
     Returns what the buffers need: the residual stream's element bytes and numel.
     """
@@ -626,24 +639,32 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     sbh_rep = s * b * h // sh.rep
     hs = "h/t" if sp else "h"
     layer_terms, layer_formula = layer_activation_terms(sh)
-    per_layer = sum(x for _, x, _ in layer_terms)
-    if res > act:
+
+    def block_bytes(shape: _Shape, terms, formula: str) -> tuple[int, str]:
+        """One block's saved bytes for one microbatch under ``shape``, with autocast's fp32 norms and casts."""
+        total = sum(x for _, x, _ in terms)
+        if res <= act:
+            return total, formula
         # the kept tensors of the residual stream's dtype: the norm inputs (and x̂ of composite RMSNorm)
-        n_fp32 = sum(row.count for row in SAVED_TENSORS if row.elem == "res" and row.applies(sh))
-        per_layer += n_fp32 * (res - act) * sbh_rep
+        fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(shape)]
+        n_fp32 = sum(row.count for row in fp32_rows)
+        total += sum(row.count * (res - act) * _NUMEL[row.numel][0](shape) for row in fp32_rows)
         # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
         # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
         n_casts = 2 + (1 if model.mlp == "swiglu" else 0)
         if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
-            n_casts = (max(0, sum(x in sh.lora_mods for x in ("wq", "wk", "wv")) - 1)
-                       + max(0, sum(x in sh.lora_mods for x in ("w1", "w3")) - 1))
-        if sh.recompute == "selective-op" or sh.compile:
+            n_casts = (max(0, sum(x in shape.lora_mods for x in ("wq", "wk", "wv")) - 1)
+                       + max(0, sum(x in shape.lora_mods for x in ("w1", "w3")) - 1))
+        if shape.recompute == "selective-op" or shape.compile or shape.float8_uncast:
             # the per-op policy recomputes the casts (aten._to_copy is not in its save list); under
-            # torch.compile AOTAutograd's CSE merges the identical casts of one norm output
+            # torch.compile AOTAutograd's CSE merges the identical casts of one norm output; torchao's
+            # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
             n_casts = 0
-        per_layer += n_casts * act * s * b * h
-        layer_formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
-                          f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+        total += n_casts * act * s * b * h
+        return total, (formula + f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
+                       f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+
+    per_layer, layer_formula = block_bytes(sh, layer_terms, layer_formula)
     # torch's loss: loss_parallel (SP) keeps the vocabulary sharded; otherwise the head's output is
     # replicated (ColwiseParallel → Replicate), so the loss sees all V on every TP rank.
     v_loss = ceil_div(model.vocab, t) if (sp or not torch_acc) else model.vocab
@@ -781,21 +802,32 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
               f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
               kind="autocast_weight_casts")
+    # The tensors a checkpointed block's backward recomputes are activations, as PyTorch's MemTracker
+    # files them ("tensors produced during the forward pass and recomputation in activation
+    # checkpointing", _MemRefType.ACT): one block's at a time, alive during that block's backward
+    # (``engine.memory.lifetimes``: kind "recomputed_block", no stage or microbatches in flight)
     if any(ckpt_of[st.stage] for st in rp.stages):
         big = max(per_layer, per_moe) if moe and any(st.moe_layers for st in rp.stages) else per_layer
-        T.add("temporaries", f"one block recomputed during backward ({tr.recompute} recompute)", big,
+        T.add("activations", f"one block recomputed during backward ({tr.recompute} recompute)", big,
               f"{moe_formula if moe and big != per_layer else layer_formula} = {big:,} B ({dims})",
               kind="recomputed_block")
     elif sh.recompute == "selective-op":
-        # the tensors autograd saves while one block's forward is replayed: what "none" keeps and the
-        # policy does not. Rows that are the stash's own tensors (flash's lse, the gate output, V) are
-        # counted again here although the replay reuses them: an upper estimate by those few tensors
+        # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
+        # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE
+        # output to its op once during the replay (torch.utils.checkpoint's _CachedTorchDispatchMode
+        # replaces it by _CONSUMED in its storage), so a stashed output that no backward node saves (the scores
+        # the softmax reads, wq's output rope reads) is freed, and one that is saved (the gate output,
+        # a V that is a view of wv's output) is the same tensor, not a copy. The block then holds the
+        # "none" set instead of its stash: the term is their difference (measured with MemTracker on
+        # the tiny model: a block's backward peak adds the "none" set less its stash, less the down
+        # input its first backward op frees)
         plain = dataclasses.replace(sh, recompute="none")
-        redo = sum(row.coefficient(plain) * _NUMEL[row.numel][0](plain) for row in SAVED_TENSORS
-                   if row.applies(plain) and not row.applies(sh))
-        T.add("temporaries", "one block's recomputed tensors during its backward (per-op selective recompute)",
-              redo, f"the rows of the table that recompute = 'none' keeps and the per-op policy does not = "
-              f"{redo:,} B ({dims})", kind="recomputed_block")
+        plain_terms, _ = layer_activation_terms(plain)
+        plain_bytes, _ = block_bytes(plain, plain_terms, "")
+        redo = max(0, plain_bytes - per_layer)
+        T.add("activations", "one block's recomputed tensors during its backward (per-op selective recompute)",
+              redo, f"what one block keeps under recompute = 'none' − its per-op stash = {plain_bytes:,} − "
+              f"{per_layer:,} = {redo:,} B ({dims})", kind="recomputed_block")
     if par.cp > 1:
         ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
         T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "

@@ -202,9 +202,12 @@ def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc
     # it is part of the peak where the rank's peak falls in a backward: no pipeline, the last stage
     # (one microbatch in flight), every block of the rank recomputing its forward (full, or
     # selective-layer checkpointing each of them); stages holding several microbatches' saved
-    # activations (none, selective, selective-op, selective-layer with plain blocks) peak at the
+    # activations (none, selective, selective-layer with plain blocks) peak at the
     # end of their warm-up forwards, before it exists (measured)
-    in_backward = (par.pp == 1 or recomputes_every_block(cfg, rp)
+    # (per-op selective recompute keeps a stash per microbatch that is small beside a gradient-sized
+    # buffer: its stages peak in the synchronised backward, measured; where the forwards' stash is
+    # larger the timeline's peak stays there, the temporary being alive in the rank's last backward only)
+    in_backward = (par.pp == 1 or recomputes_every_block(cfg, rp) or cfg.training.recompute == "selective-op"
                    or any(st.stage == par.num_stages - 1 for st in rp.stages))
     # not seen with LoRA's frozen base (measured: DDP + peft, torch 2.13)
     if torch_acc and in_backward and not lora_on:

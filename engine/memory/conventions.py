@@ -21,12 +21,12 @@ _RECOMPUTE_RULE = {
     "selective": "selective (Korthikanti et al.): the attention core (softmax, its dropout; flash's lse) is "
                  "recomputed",
     "full": "full: each block keeps its input only and is recomputed whole in the backward (one block's saved "
-            "tensors as temporaries)",
+            "tensors as activations while its backward runs, as PyTorch's MemTracker counts them)",
     "selective-op": "selective-op (torchtitan's SelectiveAC): each block keeps its input and the outputs of the "
                     "ops in the policy's save list — every other aten.mm by its counter (odd ones saved: wq, wv, "
                     "w1, w2 of a SwiGLU block; a Linear with a bias is an addmm, always saved), the attention "
                     "op's outputs (SDPA output and log-sum-exp; eager: both bmms), sequence parallel's "
-                    "reduce-scatter outputs; the rest is recomputed (its tensors counted once as temporaries)",
+                    "reduce-scatter outputs; the rest is recomputed (one block's recomputed tensors counted once, as activations)",
     "selective-layer": "selective-layer (torchtitan's selective_ac_option = N = {n}): every N-th block of each rank "
                        "(its process-wide 1-based counter, k % N == 0) is fully checkpointed, the others keep "
                        "everything",
@@ -73,8 +73,9 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                     "repeated input casts are merged by CSE), everything else as eager — the partitioner's usual "
                     "choice, measured on one block on CPU" if tr.compile else "eager (no torch.compile)"),
         "float8": (f"torchao float8 training ({tr.float8} scaling): matmul_with_hp_or_float8_args saves the "
-                   "high-precision input and weight, so the saved activations are as bf16; the float8 casts are "
-                   "transient; Float8Linear's weight is not cast by autocast (no cached 16-bit copy of the blocks' "
+                   "high-precision input and weight, so the saved activations are as bf16 (on a CPU rank the QKV and "
+                   "MLP inputs stay fp32 under autocast: Float8Linear casts its input only under CUDA's autocast); "
+                   "the float8 casts are transient; Float8Linear's weight is not cast by autocast (no cached 16-bit copy of the blocks' "
                    "weights); the amax scalars it saves are not counted" if tr.float8 != "none" else "none"),
         "pipeline_in_flight": f"{par.schedule}: {IN_FLIGHT_RULE[par.schedule]}" if par.pp > 1 else "no pipeline",
         "dualpipe_parameters": "not doubled: torch's DualPipeV holds 2p distinct stages in a V",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from PySide6.QtWidgets import QComboBox, QLabel, QSpinBox
+from PySide6.QtWidgets import QComboBox, QLabel
 
 from engine.config import FIELD_RANGES
 
