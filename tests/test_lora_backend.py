@@ -1,6 +1,6 @@
 """LoRA through peft on the backend's model, and the two runs the issue asks for (DDP and FSDP, 2 ranks,
 tiny preset, fp32 + AdamW): loss falls, params / grads / optimizer match the prediction to the byte.
-Legacy nn.DataParallel is refused on a machine without two CUDA GPUs, with a reason that says why."""
+(Legacy nn.DataParallel's refusal without two CUDA GPUs is tests/test_legacy_dp_backend.py's.)"""
 
 from __future__ import annotations
 
@@ -43,21 +43,6 @@ def test_nf4_and_tp_are_refused_with_reasons():
     why = lora_refusal(tr, cuda=False)
     assert "CUDA" in why and "predicts" in why and "lora_base_dtype = 'fp32'" in why
     assert lora_refusal(default_config().training, cuda=False) is None
-
-
-@pytest.mark.integration
-def test_legacy_dataparallel_is_refused_here(tmp_path):
-    from backend.launch import launch
-
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has two CUDA GPUs")
-    cfg = default_config().replace(cluster={"gpus": 2},
-                                   parallel={"dp": 2, "pp": 1, "microbatches": 1, "dp_mode": "dataparallel"})
-    run = launch(cfg, tmp_path / "run", steps=1, timeout_s=120)
-    res = run.wait()
-    assert res["event"] == "failed"
-    reason = res["reason"]
-    assert "nn.DataParallel" in reason and "CUDA GPU" in reason and "dp_mode = 'ddp'" in reason, reason
 
 
 def _lora_run(tmp_path, zero: int):
