@@ -23,11 +23,20 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
   backward_input       transient during B and I: the block recomputed in its backward
-  loss                 transient during the last stage's B or I: the fp32 logits and their gradient
+  loss                 transient at the loss moment that opens each B or I of the last stage: the fp32
+                       logits and their gradient (see below)
   synchronised_backward transient during the rank's last B or I (DDP's synchronised backward)
   after_first_backward from the rank's first B or I to the step's end: FSDP2's unsharded gradients
                        (accumulated without sync until REDUCE_GRAD), and under pipelining its
-                       unsharded parameters (``set_reshard_after_backward(False)``)
+                       unsharded parameters (``set_reshard_after_backward(False)``); FSDP2's sharded
+                       gradients (each unit's post-backward makes its own; ``zero_grad(set_to_none)``
+                       drops them after the optimizer step)
+
+Before every B or I of the last stage there is a *loss moment*: the loss's backward runs first, with
+the stage-microbatches and kept outputs of that action but none of its other transients (no unit
+gathered for backward yet, no fresh gradient, no recomputed block), so of the transients only
+``loss`` is alive then, with ``after_first_backward`` if an earlier backward ran. The action's own
+moment no longer holds the loss.
 
 A moment's live bytes are the step terms, the stage-microbatches alive then (at an F: after it
 allocates; at a B, I or W: before it frees), the kept outputs so far, and the transients of that
@@ -77,7 +86,7 @@ LIFETIMES: dict[str, str] = {
     "recomputed_block": "backward_input",
     "loss": "loss",
     "ddp_backward_temporary": "synchronised_backward",
-    "fsdp_unsharded_grads": "after_first_backward",
+    "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "after_first_backward",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
 
@@ -118,7 +127,8 @@ class Moments(NamedTuple):
 
     ``kind``, ``stage``, ``microbatch``: the action; ``counts[i, j]``: stage-microbatches of local
     stage j alive at moment i; ``outputs[i]``: the last stage's forwards done by moment i;
-    ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i.
+    ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i; ``loss[i]``: moment i is
+    the loss moment that opens a last-stage B or I (the next moment is that action's own).
     """
 
     kind: np.ndarray
@@ -127,6 +137,7 @@ class Moments(NamedTuple):
     counts: np.ndarray
     outputs: np.ndarray
     masks: np.ndarray
+    loss: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
@@ -169,11 +180,28 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         np.ones(n, dtype=bool),
         backward,
         is_bwd_input,
-        is_bwd_input & (stage == last_stage),
+        np.zeros(n, dtype=bool),
         sync,
         np.arange(n) >= first_bwd,
     ]).astype(np.int64)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks)
+    # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist
+    # before any unit of the stage is gathered for backward (FSDP2's pre-backward hook fires when the
+    # logits' gradient reaches the root), before any gradient (each unit makes its gradient in its
+    # post-backward) and before the recomputation of a block. So a loss moment precedes the action's
+    # own moment, with the same microbatches and kept outputs, of the transients the loss alone (and
+    # what lives from the first backward on, if an earlier backward ran).
+    loss_at = np.flatnonzero(is_bwd_input & (stage == last_stage))
+    is_loss = np.zeros(n, dtype=bool)
+    if len(loss_at):
+        lm = np.zeros((len(loss_at), masks.shape[1]), dtype=np.int64)
+        lm[:, TRANSIENT.index("loss")] = 1
+        lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
+        kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
+        counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
+        outputs = np.insert(outputs, loss_at, outputs[loss_at])
+        masks = np.insert(masks, loss_at, lm, axis=0)
+        is_loss = np.insert(is_loss, loss_at, True)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, is_loss)
     for x in out:
         x.setflags(write=False)
     return out
@@ -321,10 +349,14 @@ class RankTimeline:
         return out
 
     def peak_moment(self) -> str:
-        """The peak moment in words: "stage 3 B of microbatch 2 (action 17 of 40)"."""
+        """The peak moment in words: "stage 3 B of microbatch 2 (action 17 of 40)", or "stage 7 B of
+        microbatch 0, at its start: the loss (action 9 of 64)" at a loss moment."""
         pk, sig = self.peak, self.signature
-        n = len(moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches).kind)
-        return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} (action {pk.moment + 1} of {n})"
+        mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+        n = int(len(mo.kind) - mo.loss.sum())
+        action = int(pk.moment - mo.loss[:pk.moment].sum()) + 1  # the loss moments are not actions
+        at = ", at its start: the loss" if mo.loss[pk.moment] else ""
+        return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}{at} (action {action} of {n})"
 
     def events(self) -> tuple:
         """The step's allocation events for ``engine.memory.allocator.replay``."""
@@ -369,8 +401,9 @@ def allocation_events(event_signature: tuple) -> tuple:
     late_done = False
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
+    is_loss = mo.loss.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
-    for i, (kind, stage, mb, mask) in enumerate(zip(kinds, stages, mbs, masks)):
+    for i, (kind, stage, mb, mask, at_loss) in enumerate(zip(kinds, stages, mbs, masks, is_loss)):
         transient = []
         for c, life in enumerate(TRANSIENT[:-1]):
             if mask[c]:
@@ -390,7 +423,7 @@ def allocation_events(event_signature: tuple) -> tuple:
                     ev.append(("alloc", ("out", j, mb), nbytes))
         for j, _, _ in transient:
             ev.append(("free", ("t", j, i)))
-        if (kind == _B or kind == _W) and unit > 0:
+        if (kind == _B or kind == _W) and unit > 0 and not at_loss:
             ev.append(("free", ("mb", stage, mb)))
     for j, _, _ in late if late_done else ():
         ev.append(("free", ("late", j)))

@@ -75,7 +75,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
               f"4 B × {how}", kind="parameters")
         split_expert_params(T, expert_elements(cfg, rp, shard, e_deg), 4)
         T.add("grads", "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}",
-              kind="gradients")
+              kind="fsdp_sharded_grads")
         opt_numel, rule = psi_d, how
     else:
         T.add("params", f"parameters ({where}), fp32 (autocast casts on the fly; no separate master)"
