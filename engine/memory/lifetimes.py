@@ -122,13 +122,18 @@ def lifetime_of(term: Term, fsdp_params: str = "step") -> str:
 # --------------------------------------------------------------------------- the moments of a step
 
 
+#: the phases of a moment (``Moments.phase``)
+ACTION, LOSS, END = 0, 1, 2
+
+
 class Moments(NamedTuple):
     """The moments of one rank's step (one per compute action), as arrays.
 
     ``kind``, ``stage``, ``microbatch``: the action; ``counts[i, j]``: stage-microbatches of local
     stage j alive at moment i; ``outputs[i]``: the last stage's forwards done by moment i;
-    ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i; ``loss[i]``: moment i is
-    the loss moment that opens a last-stage B or I (the next moment is that action's own).
+    ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i; ``phase[i]``: ``ACTION``
+    for an action's own moment, ``LOSS`` for the loss moment that opens a last-stage B or I (the next
+    moment is that action's own), ``END`` for the step's last moment, the end of the backward.
     """
 
     kind: np.ndarray
@@ -137,7 +142,7 @@ class Moments(NamedTuple):
     counts: np.ndarray
     outputs: np.ndarray
     masks: np.ndarray
-    loss: np.ndarray
+    phase: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
@@ -182,7 +187,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         is_bwd_input,
         np.zeros(n, dtype=bool),
         sync,
-        np.arange(n) >= first_bwd,
+        np.arange(n) > first_bwd,
     ]).astype(np.int64)
     # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist
     # before any unit of the stage is gathered for backward (FSDP2's pre-backward hook fires when the
@@ -190,6 +195,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     # post-backward) and before the recomputation of a block. So a loss moment precedes the action's
     # own moment, with the same microbatches and kept outputs, of the transients the loss alone (and
     # what lives from the first backward on, if an earlier backward ran).
+    col_of_last, frees_last = (int(col[-1]), bool(frees[-1])) if n else (0, False)
     loss_at = np.flatnonzero(is_bwd_input & (stage == last_stage))
     is_loss = np.zeros(n, dtype=bool)
     if len(loss_at):
@@ -201,7 +207,23 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
         is_loss = np.insert(is_loss, loss_at, True)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, is_loss)
+    phase = is_loss.astype(np.int64)
+    if len(bwd_idx):
+        # the end of the backward: every gradient complete, every stage-microbatch freed, the kept
+        # outputs, and the transients of the last unit's post-backward (the root unit gathered, its
+        # gradient being reduced); no loss, no recomputed block
+        em = np.zeros((1, masks.shape[1]), dtype=np.int64)
+        for life in ("every_action", "backward", "after_first_backward"):
+            em[0, TRANSIENT.index(life)] = 1
+        last = len(kind) - 1
+        end_counts = counts[last:].copy()
+        end_counts[0, col_of_last] -= int(frees_last)
+        kind, stage, mb = (np.append(x, x[last]) for x in (kind, stage, mb))
+        counts = np.append(counts, end_counts, axis=0)
+        outputs = np.append(outputs, outputs[last])
+        masks = np.append(masks, em, axis=0)
+        phase = np.append(phase, END)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase)
     for x in out:
         x.setflags(write=False)
     return out
@@ -353,9 +375,13 @@ class RankTimeline:
         microbatch 0, at its start: the loss (action 9 of 64)" at a loss moment."""
         pk, sig = self.peak, self.signature
         mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
-        n = int(len(mo.kind) - mo.loss.sum())
-        action = int(pk.moment - mo.loss[:pk.moment].sum()) + 1  # the loss moments are not actions
-        at = ", at its start: the loss" if mo.loss[pk.moment] else ""
+        extra = mo.phase != ACTION
+        n = int(len(mo.kind) - extra.sum())
+        action = int(pk.moment - extra[:pk.moment].sum()) + 1  # the loss and end moments are not actions
+        if mo.phase[pk.moment] == END:
+            return f"the end of the backward, after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} " \
+                   f"(action {action - 1} of {n})"
+        at = ", at its start: the loss" if mo.phase[pk.moment] == LOSS else ""
         return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}{at} (action {action} of {n})"
 
     def events(self) -> tuple:
@@ -401,9 +427,9 @@ def allocation_events(event_signature: tuple) -> tuple:
     late_done = False
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
-    is_loss = mo.loss.tolist()
+    phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
-    for i, (kind, stage, mb, mask, at_loss) in enumerate(zip(kinds, stages, mbs, masks, is_loss)):
+    for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         transient = []
         for c, life in enumerate(TRANSIENT[:-1]):
             if mask[c]:
@@ -415,7 +441,7 @@ def allocation_events(event_signature: tuple) -> tuple:
         for j, nbytes, stream in transient:
             ev.append(("alloc", ("t", j, i), nbytes) + ((stream,) if stream else ()))
         unit = sig.unit_bytes[local[stage if sig.pp > 1 else 0]]
-        if kind == _F:
+        if kind == _F and phase == ACTION:
             if unit > 0:
                 ev.append(("alloc", ("mb", stage, mb), unit))
             if stage == last_stage:
@@ -423,7 +449,7 @@ def allocation_events(event_signature: tuple) -> tuple:
                     ev.append(("alloc", ("out", j, mb), nbytes))
         for j, _, _ in transient:
             ev.append(("free", ("t", j, i)))
-        if (kind == _B or kind == _W) and unit > 0 and not at_loss:
+        if (kind == _B or kind == _W) and unit > 0 and phase == ACTION:
             ev.append(("free", ("mb", stage, mb)))
     for j, _, _ in late if late_done else ():
         ev.append(("free", ("late", j)))
