@@ -60,10 +60,18 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
         assert r.total <= sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c))
         # the model states are alive all step, whole, but FSDP2's sharded gradients: each unit's
         # post-backward makes its own, so they are whole from the end of the first backward on and
-        # absent before
-        after_first = dict(zip(TRANSIENT, tl.peak.alive))["after_first_backward"]
+        # absent before; under pipelining only REDUCE_GRAD makes them, at the end of the backward
+        alive = dict(zip(TRANSIENT, tl.peak.alive))
         for c in ("params", "grads", "optimizer"):
-            want = [t for t in r.catalogue(c) if t.kind != "fsdp_sharded_grads" or after_first]
+            want = []
+            for i, t in enumerate(r.catalogue(c)):
+                life = tl.lifetime(c, i)
+                if t.kind == "fsdp_sharded_grads":
+                    assert life == ("end_of_backward" if par.get("pp", 1) > 1 else "after_first_backward")
+                else:
+                    assert life == "step"
+                if life == "step" or alive[life]:
+                    want.append(t)
             got = [t for t in r.explain(c) if t.bytes or t.kind != "none"]
             assert got == want
         assert r.peak_moment.startswith("stage ")
@@ -123,8 +131,9 @@ _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "ddp_backward
     ({"dp": 2, "pp": 4, "schedule": "GPipe", "microbatches": 4}, True),
     ({"dp": 2, "pp": 4, "zero": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 8}, True),
     # the steady state's forwards hold the warm-up's microbatches again, now with the unsharded
-    # gradients: every rank's peak holds every term but the loss, which is alive only at the loss
-    # moments, where no backward transient is (None: exactly the ranks with a loss are below)
+    # gradients: every rank's peak holds every term but those alive only apart from the steady state
+    # (None): the loss (its own moments), FSDP2's sharded gradients (made at REDUCE_GRAD, the end of
+    # the backward) and its all-gather output (units never resharded: the first forwards only)
     ({"dp": 2, "pp": 4, "zero": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 8}, None),
 ])
 def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
@@ -137,13 +146,20 @@ def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_pe
         alive = dict(zip(TRANSIENT, r._body.timeline.peak.alive))
         for cat in MEMORY_CATEGORIES:
             shown = {t.kind for t in r.explain(cat)}
-            for t in r.catalogue(cat):
+            for i, t in enumerate(r.catalogue(cat)):
                 if t.kind in _TRANSIENT_KIND and t.bytes:
-                    assert (t.kind in shown) == alive[_TRANSIENT_KIND[t.kind]], (r.rank, t.kind)
+                    life = _TRANSIENT_KIND[t.kind]
+                    if t.kind == "fsdp_sharded_grads" and par["pp"] > 1:
+                        life = "end_of_backward"  # under pipelining, REDUCE_GRAD makes them
+                    assert r._body.timeline.lifetime(cat, i) == life
+                    assert (t.kind in shown) == alive[life], (r.rank, t.kind)
         is_below = r.total < sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
         if some_below is None:
-            has_loss = any(t.kind == "loss" and t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
-            assert is_below == has_loss, r.rank
+            tl = r._body.timeline
+            apart = sum(t.bytes for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))
+                        if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards"))
+            every = sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
+            assert every - apart <= r.total < every, r.rank  # the loss moment can be above the rest
         below += is_below
     assert bool(below) == (some_below is not False)
 
@@ -312,3 +328,26 @@ def test_repeated_events_are_cached():
     sig = a.per_rank[0]._body.timeline._event_signature()
     assert allocation_events(sig) is allocation_events(sig)
     assert [r.reserved for r in memory_per_rank(c).per_rank] == [r.reserved for r in a.per_rank]
+
+
+def test_under_pipelining_fsdp2_makes_sharded_gradients_at_reduce_grad_and_gathers_each_unit_once():
+    """perform_reduce_grad runs each unit's post-backward after the last backward (its reduce-scatter
+    makes the sharded gradients); with units never resharded the all-gather output exists only in each
+    stage's first forward (Llama 3.1 405B, FSDP 8 × TP 8 × PP 8, 1F1B, m 32)."""
+    c = Config.load(ROOT / "assets/examples/fake/llama3-405b-3d-1f1b.toml")
+    for r in memory_per_rank(c).per_rank[:1]:
+        tl = r._body.timeline
+        lives = {t.kind: tl.lifetime(cat, i) for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))}
+        assert lives["fsdp_sharded_grads"] == "end_of_backward"
+        assert lives["all_gather_output"] == "first_forwards"
+        assert " B of microbatch " in r.peak_moment and "end of the backward" not in r.peak_moment
+        assert not {"fsdp_sharded_grads", "all_gather_output"} & {t.kind for cat in MEMORY_CATEGORIES
+                                                                  for t in r.explain(cat)}
+    for sc, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):
+        for rank in range(4):
+            mo = moments(sc, rank, 4, v, 8)
+            first = mo.masks[:, TRANSIENT.index("first_forwards")].astype(bool)
+            assert sorted(mo.stage[first].tolist()) == sorted(set(mo.stage.tolist()))
+            assert (mo.kind[first] == 0).all()  # F
+            end = mo.masks[:, TRANSIENT.index("end_of_backward")].astype(bool)
+            assert end.tolist() == [False] * (len(end) - 1) + [True] and mo.counts[-1].sum() == 0

@@ -26,7 +26,13 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   loss                 transient at the loss moment that opens each B or I of the last stage: the fp32
                        logits and their gradient (see below)
   synchronised_backward transient during the rank's last B or I (DDP's synchronised backward)
-  after_first_backward from the rank's first B or I to the step's end: FSDP2's unsharded gradients
+  first_forwards       transient during the first F of each local stage: under pipelining with units
+                       never resharded (``set_reshard_after_backward(False)`` and no resharding after
+                       forward) FSDP2 all-gathers each unit once, at its stage's first forward
+  end_of_backward      at the end-of-backward moment only: under pipelining, FSDP2's sharded gradients
+                       (the schedule's REDUCE_GRAD, ``perform_reduce_grad``, runs each unit's
+                       post-backward after the last backward: its reduce-scatter makes them)
+  after_first_backward from the end of the rank's first B or I to the step's end (made during it): FSDP2's unsharded gradients
                        (accumulated without sync until REDUCE_GRAD), and under pipelining its
                        unsharded parameters (``set_reshard_after_backward(False)``); FSDP2's sharded
                        gradients (each unit's post-backward makes its own; ``zero_grad(set_to_none)``
@@ -36,7 +42,10 @@ Before every B or I of the last stage there is a *loss moment*: the loss's backw
 the stage-microbatches and kept outputs of that action but none of its other transients (no unit
 gathered for backward yet, no fresh gradient, no recomputed block), so of the transients only
 ``loss`` is alive then, with ``after_first_backward`` if an earlier backward ran. The action's own
-moment no longer holds the loss.
+moment no longer holds the loss. After the rank's last action comes the *end-of-backward moment*:
+every stage-microbatch freed, the kept outputs, the step terms, ``after_first_backward`` and
+``end_of_backward``, and the transients of the last unit's post-backward (``every_action``,
+``backward``: the root unit gathered, its gradient being reduced); no loss, no recomputed block.
 
 A moment's live bytes are the step terms, the stage-microbatches alive then (at an F: after it
 allocates; at a B, I or W: before it frees), the kept outputs so far, and the transients of that
@@ -68,7 +77,8 @@ from engine.schedules import ACTION_KINDS, pipeline_actions, single_rank_plan
 _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
-TRANSIENT = ("every_action", "backward", "backward_input", "loss", "synchronised_backward", "after_first_backward")
+TRANSIENT = ("every_action", "backward", "backward_input", "loss", "synchronised_backward", "first_forwards",
+             "end_of_backward", "after_first_backward")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end") + TRANSIENT
@@ -109,14 +119,30 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
     return "step"
 
 
-def lifetime_of(term: Term, fsdp_params: str = "step") -> str:
-    """The lifetime of one term (``fsdp_params``: that of FSDP2's unsharded parameters)."""
+def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str] | None = None) -> str:
+    """The lifetime of one term (``fsdp_params``: that of FSDP2's unsharded parameters; ``overrides``:
+    kind -> lifetime where the wrapping plan changes a kind's rule, ``lifetime_overrides``)."""
     if term.category == "activations" and term.stage is not None and term.in_flight is not None \
             and term.kind != "pipeline_outputs":
         return "microbatch"
     if term.kind == "fsdp_unsharded_params":
         return fsdp_params
+    if overrides and term.kind in overrides:
+        return overrides[term.kind]
     return LIFETIMES.get(term.kind, "step")
+
+
+def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None) -> dict[str, str]:
+    """The kinds whose lifetime the wrapping plan changes: under pipelining FSDP2 makes its sharded
+    gradients only at REDUCE_GRAD (end of the backward), and with units never resharded (no resharding
+    after forward, none after backward under pipelining) its all-gather output exists only in each
+    stage's first forward."""
+    out: dict[str, str] = {}
+    if pipelined_fsdp2:
+        out["fsdp_sharded_grads"] = "end_of_backward"
+        if sharded and reshard_after_forward is False:
+            out["all_gather_output"] = "first_forwards"
+    return out
 
 
 # --------------------------------------------------------------------------- the moments of a step
@@ -181,12 +207,17 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     sync = np.zeros(n, dtype=bool)
     if len(bwd_idx):
         sync[bwd_idx[-1]] = True
+    first_f = np.zeros(n, dtype=bool)
+    f_idx = np.flatnonzero(is_f)
+    first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
     masks = np.column_stack([
         np.ones(n, dtype=bool),
         backward,
         is_bwd_input,
         np.zeros(n, dtype=bool),
         sync,
+        first_f,
+        np.zeros(n, dtype=bool),
         np.arange(n) > first_bwd,
     ]).astype(np.int64)
     # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist
@@ -213,7 +244,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         # outputs, and the transients of the last unit's post-backward (the root unit gathered, its
         # gradient being reduced); no loss, no recomputed block
         em = np.zeros((1, masks.shape[1]), dtype=np.int64)
-        for life in ("every_action", "backward", "after_first_backward"):
+        for life in ("every_action", "backward", "end_of_backward", "after_first_backward"):
             em[0, TRANSIENT.index(life)] = 1
         last = len(kind) - 1
         end_counts = counts[last:].copy()
@@ -278,20 +309,22 @@ class RankTimeline:
 
     ``terms``: every term the modules produced, by category (the catalogue); ``stages``: the
     rank's global stage indices in local order; ``fsdp_params``: the lifetime of FSDP2's unsharded
-    parameters (``fsdp_params_lifetime``).
+    parameters (``fsdp_params_lifetime``); ``overrides``: kind -> lifetime where the wrapping plan
+    changes a kind's rule (``lifetime_overrides``).
     """
 
     __slots__ = ("terms", "signature", "varying", "_column", "_rows")
 
     def __init__(self, terms: dict[str, list[Term]], *, schedule: str, pp_rank: int, pp: int, virtual_stages: int,
-                 microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step"):
+                 microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step",
+                 overrides: dict[str, str] | None = None):
         self.terms = terms
         local = tuple(sorted(stages)) if pp > 1 else (0,)
         column = self._column = {s: j for j, s in enumerate(local)}
         unit = [0] * len(local)
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = 0
-        rules = LIFETIMES
+        rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
         varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
         rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
         add_row = rows.append

@@ -22,7 +22,7 @@ from engine.memory.activations import stage_activation_terms
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
-from engine.memory.lifetimes import RankTimeline, fsdp_params_lifetime
+from engine.memory.lifetimes import RankTimeline, fsdp_params_lifetime, lifetime_overrides
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups
@@ -59,7 +59,9 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
     timeline = dict(schedule=par.schedule, pp_rank=rp.pp_rank, pp=par.pp, virtual_stages=par.virtual_stages,
                     microbatches=par.microbatches, stages=rp.stage_indices,
-                    fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward))
+                    fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward),
+                    overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
+                                                 plan.reshard_after_forward))
     tl = RankTimeline(T, **timeline)
     # laid before the overhead (not tensors: the peak does not depend on it); its slack is a fraction
     # of the peak's tracked bytes
