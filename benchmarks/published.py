@@ -123,8 +123,8 @@ def main() -> None:
             "`engine/memory/activations.py` and its speed only the `fused-elementwise` convention of "
             "`engine/step.py` (the rest of compile's gain is not modelled: the compile rows' TPS miss by about "
             "−8 %); Table 5 runs torchtitan's default of that commit, microbatches = the PP degree (8 of 4 "
-            "samples: see the configs); its 1F1B row's memory misses by about −23 %, unexplained: the same "
-            "model puts Interleaved 1F1B within 1 %, and 1F1B's stage 0 holds all 8 microbatches as "
+            "samples: see the configs); its 1F1B row's memory misses by about −12 %, unexplained: the same "
+            "model puts Interleaved 1F1B at about +3 %, and 1F1B's stage 0 holds all 8 microbatches as "
             "interleaved's does, so the ~10 GiB torchtitan measured between the two is not in the model.",
             "",
             "Published memory is the max over GPUs of the *reserved* memory the training loop logs; the prediction "

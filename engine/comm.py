@@ -325,18 +325,34 @@ def communication(cfg: Config, links: MeasuredLinks | None = None) -> CommReport
     return CommReport(per_pp_rank=tuple(out), spans=spans)
 
 
+def recomputed_blocks(cfg: Config, every_block: tuple[str, ...]) -> list[int]:
+    """Blocks per stage whose backward re-runs their forward, or the part of it a collective sits in
+    (one entry per stage; one stage when pp = 1): every block when ``training.recompute`` is one of
+    ``every_block``, torchtitan's every N-th block of each rank under selective-layer
+    (``engine.durations.checkpointed_blocks``), none otherwise."""
+    from engine.durations import checkpointed_blocks
+
+    tr, par = cfg.training, cfg.parallel
+    if tr.recompute in every_block:
+        return [len(r) for r in split_layers(cfg.model.layers, 1 if par.pp == 1 else par.num_stages,
+                                             par.pipeline_split)]
+    return checkpointed_blocks(cfg)
+
+
 def cp_recomputed_blocks(cfg: Config) -> list[int]:
     """Blocks per stage whose backward re-runs the attention forward, and so its K, V exchange
     (one entry per stage; one stage when pp = 1): every block under full and selective (attention
     core) recompute, torchtitan's every N-th block under selective-layer, none otherwise
     (torchtitan's per-op policy saves the attention outputs)."""
-    from engine.durations import checkpointed_blocks
+    return recomputed_blocks(cfg, ("full", "selective"))
 
-    tr, par = cfg.training, cfg.parallel
-    if tr.recompute in ("full", "selective"):
-        return [len(r) for r in split_layers(cfg.model.layers, 1 if par.pp == 1 else par.num_stages,
-                                             par.pipeline_split)]
-    return checkpointed_blocks(cfg)
+
+def tp_recomputed_blocks(cfg: Config) -> list[int]:
+    """Blocks per stage whose backward repeats TP collectives of their forward
+    (:func:`tp_recomputed_collectives`): every block under full and selective-op, the checkpointed
+    blocks under selective-layer, none otherwise (selective recomputes only the attention core,
+    which lies between the collectives)."""
+    return recomputed_blocks(cfg, ("full", "selective-op"))
 
 
 def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
@@ -666,6 +682,28 @@ def _sub_span(span: GroupSpan, size: int) -> GroupSpan:
     return GroupSpan(span.dim, size, nodes, local)
 
 
+def tp_recomputed_collectives(cfg: Config) -> list[tuple[str, int]]:
+    """TP collectives the backward of one recomputed block (:func:`tp_recomputed_blocks`) repeats
+    for one microbatch: (collective, calls).
+
+    full and selective-layer re-run the block's whole forward: its forward's collectives. The per-op
+    policy (selective-op) re-runs every op whose output it does not save: under sequence
+    parallelism the reduce-scatters of the o-proj and down-proj outputs are in its save list
+    (``_c10d_functional.reduce_scatter_tensor``; engine.memory.activations keeps their outputs) and
+    are not repeated, while the two all-gathers that give attention and MLP their inputs (norm
+    outputs the policy recomputes) are; without sequence parallelism neither all-reduce is saved,
+    so both are repeated. selective and none repeat none.
+    """
+    par, tr = cfg.parallel, cfg.training
+    if par.tp == 1 or tr.recompute not in ("full", "selective-layer", "selective-op"):
+        return []
+    if par.sequence_parallel:
+        if tr.recompute == "selective-op":
+            return [("all_gather", 2)]
+        return [("all_gather", 2), ("reduce_scatter", 2)]
+    return [("all_reduce", 2)]
+
+
 def tp_block_collectives(cfg: Config) -> list[tuple[str, str, int]]:
     """TP collectives of one block for one microbatch: (collective, phase, calls), as torch's
     DTensor plan (backend.parallel.tensor_parallel) issues them.
@@ -674,19 +712,20 @@ def tp_block_collectives(cfg: Config) -> list[tuple[str, str, int]]:
     in the backward every column-parallel module (wq, wk, wv, w1 and w3 for SwiGLU) turns its
     own replicated input back from a partial gradient: one all-reduce each, not Megatron's one
     per sub-layer. With sequence parallelism each sub-layer gathers its input once
-    (PrepareModuleInput) and reduce-scatters its output, forward and backward. Full recompute
-    repeats the forward's collectives in the backward.
+    (PrepareModuleInput) and reduce-scatters its output, forward and backward. Where every block
+    recomputes (full, selective-op) its backward also repeats :func:`tp_recomputed_collectives`;
+    selective-layer's repeats are per stage (:func:`tp_recomputed_blocks`) and not in this list.
     """
     par, tr, m = cfg.parallel, cfg.training, cfg.model
     if par.tp == 1:
         return []
-    again = tr.recompute == "full"
+    again = dict(tp_recomputed_collectives(cfg)) if tr.recompute in ("full", "selective-op") else {}
     if par.sequence_parallel:
         return [("all_gather", "forward", 2), ("reduce_scatter", "forward", 2),
-                ("all_gather", "backward", 2 + (2 if again else 0)),
-                ("reduce_scatter", "backward", 2 + (2 if again else 0))]
+                ("all_gather", "backward", 2 + again.get("all_gather", 0)),
+                ("reduce_scatter", "backward", 2 + again.get("reduce_scatter", 0))]
     column_modules = 3 + (2 if m.mlp == "swiglu" else 1)
-    return [("all_reduce", "forward", 2), ("all_reduce", "backward", column_modules + (2 if again else 0))]
+    return [("all_reduce", "forward", 2), ("all_reduce", "backward", column_modules + again.get("all_reduce", 0))]
 
 
 def tp_edge_collectives(cfg: Config, first: bool, last: bool) -> list[tuple[str, str, int, float]]:
@@ -722,7 +761,8 @@ def tp_edge_collectives(cfg: Config, first: bool, last: bool) -> list[tuple[str,
 def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks | None) -> list[CommItem]:
     par, tr = cfg.parallel, cfg.training
     m, layers = par.microbatches, rp.layers
-    again = " + recomputed forward" if tr.recompute == "full" else ""
+    again = {"full": " + recomputed forward", "selective-op": " + the per-op policy's recomputed ops"}.get(
+        tr.recompute, "")
     items = []
     for coll, phase, per_block in tp_block_collectives(cfg):
         calls = per_block * layers * m
@@ -732,6 +772,16 @@ def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks |
         items.append(CommItem("tp", f"{label} per block ({phase}{again if phase == 'backward' else ''}; "
                                     f"{per_block} per block{'; async TP' if par.async_tp else ''})", coll, calls,
                               act, par.tp, span.link, calls * one, bool(par.async_tp), phase))
+    if tr.recompute == "selective-layer":  # the checkpointed blocks repeat their forward's in the backward
+        per_stage = tp_recomputed_blocks(cfg)
+        redo = sum(per_stage[st.stage] for st in rp.stages)
+        for coll, per_block in tp_recomputed_collectives(cfg) if redo else ():
+            calls = per_block * redo * m
+            one = collective_seconds(cfg, coll, act, span, links)
+            label = "TP+SP " + coll.replace("_", "-") if par.sequence_parallel else "TP " + coll.replace("_", "-")
+            items.append(CommItem("tp", f"{label} of the recomputed forward (backward; {per_block} per checkpointed "
+                                        f"block, {redo} block(s){'; async TP' if par.async_tp else ''})", coll,
+                                  calls, act, par.tp, span.link, calls * one, bool(par.async_tp), "backward"))
     stages = rp.stage_indices
     n_stages = par.num_stages
     for coll, phase, calls, size in tp_edge_collectives(cfg, 0 in stages, n_stages - 1 in stages):

@@ -36,7 +36,7 @@ File format (the product's public contract; keys may be added, never renamed)::
                  finetune ("full" | "lora"), lora_rank, lora_alpha,
                  lora_targets ("attention" | "mlp" | "all"), lora_base_dtype ("fp32" | "bf16" | "nf4")
     [conventions] the switchable conventions (overhead lines, bucket size, bubble,
-                 moe_imbalance, moe_capacity_factor, ...)
+                 moe_imbalance, moe_capacity_factor, moe_expert_load (a list of floats), ...)
 
 ``model.hf_config`` names a Hugging Face ``config.json`` (relative to the config file, or
 absolute; engine.hf_config reads it): its architecture fills the model fields, and any field
@@ -348,6 +348,15 @@ class Conventions:
     # GShard/Switch capacity: each expert takes at most capacity_factor × the mean and drops the
     # rest; its buffers are sized by the capacity. 0 = dropless (torchtitan, DeepSeek-V3).
     moe_capacity_factor: float = 0.0
+    # A measured load: the fraction of the routed token copies each expert receives (one list for
+    # every MoE block, model.experts long, summing to 1; a run's records give it). Each EP rank then
+    # computes n·k·ep × the sum of its experts' fractions (experts laid out contiguously over the
+    # ep ranks). Empty = moe_imbalance (balanced by default).
+    moe_expert_load: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe_expert_load, list):
+            object.__setattr__(self, "moe_expert_load", tuple(self.moe_expert_load))
 
 
 @dataclass(frozen=True)
@@ -833,6 +842,7 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
         if par.ep > 1:
             p.append(Problem("parallel.ep", par.ep, "expert parallelism needs experts: model.experts > 0; "
                              "allowed with a dense model: 1"))
+        _check_expert_load(p, conv, e)
         return
     if k > e:
         p.append(Problem("model.experts_per_token", k, f"top-k must not exceed model.experts ({e}); "
@@ -876,6 +886,34 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
     if "conventions.moe_imbalance" not in bad and conv.moe_imbalance > e:
         p.append(Problem("conventions.moe_imbalance", conv.moe_imbalance,
                          f"the busiest expert gets at most every token: allowed: 1 … model.experts ({e})"))
+    _check_expert_load(p, conv, e)
+
+
+def _check_expert_load(p: list[Problem], conv: Conventions, experts: int) -> None:
+    """``conventions.moe_expert_load``: empty, or one non-negative fraction per expert summing to 1,
+    and not beside another load convention."""
+    load, key = conv.moe_expert_load, "conventions.moe_expert_load"
+    if not load:
+        return
+    if not isinstance(load, tuple) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                              for x in load):
+        p.append(Problem(key, load, "must be a list of numbers (the fraction of routed tokens each expert gets)"))
+        return
+    if experts == 0:
+        p.append(Problem(key, list(load), "a dense model (model.experts = 0) has no expert load; allowed: []"))
+        return
+    if len(load) != experts:
+        p.append(Problem(key, list(load), f"needs one fraction per expert: allowed: a list of model.experts "
+                         f"({experts}) numbers, or [] (balanced)"))
+    if any(not math.isfinite(x) or x < 0 for x in load):
+        p.append(Problem(key, list(load), "fractions must be finite and ≥ 0"))
+    elif abs(sum(load) - 1.0) > 1e-6:
+        p.append(Problem(key, list(load), f"fractions must sum to 1 (within 1e-6); they sum to {sum(load):.9g}"))
+    if conv.moe_imbalance != 1.0:
+        p.append(Problem(key, list(load), "gives the load itself: with it allowed: conventions.moe_imbalance = 1"))
+    if conv.moe_capacity_factor > 0:
+        p.append(Problem(key, list(load), "a measured dropless load: with it allowed: "
+                         "conventions.moe_capacity_factor = 0"))
 
 
 def _check_moe_combinations(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:
@@ -1000,7 +1038,8 @@ def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> No
 
 # --------------------------------------------------------------------------- parsing
 
-_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               tuple: "a list of numbers"}
 
 
 @functools.cache
@@ -1012,7 +1051,7 @@ def _field_types(cls: type) -> dict[str, type]:
     for f in dataclasses.fields(cls):
         h = hints[f.name]
         args = [a for a in typing.get_args(h) if a is not type(None)]
-        out[f.name] = args[0] if args else h
+        out[f.name] = tuple if typing.get_origin(h) is tuple else (args[0] if args else h)
     return out
 
 
@@ -1023,6 +1062,9 @@ def _coerce(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, 
         return True, value
     if kind in (bool, str) and isinstance(value, kind):
         return True, value
+    if kind is tuple and isinstance(value, (list, tuple)) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+        return True, tuple(float(x) for x in value)
     p.append(Problem(path, value, f"must be {_KIND_NAMES.get(kind, kind.__name__)}"))
     return False, None
 
@@ -1235,7 +1277,7 @@ _WRITTEN_WHEN_SET: dict[type, tuple[str, ...]] = {
                 "router_aux_loss", "router_groups", "router_topk_groups", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim"),
     ParallelSpec: ("ep",),
-    Conventions: ("moe_imbalance", "moe_capacity_factor"),
+    Conventions: ("moe_imbalance", "moe_capacity_factor", "moe_expert_load"),
 }
 
 

@@ -42,6 +42,7 @@ adapter (its input comes from the frozen embedding and needs none); I is not red
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -174,14 +175,36 @@ def plain_blocks(cfg: Config) -> bool:
     return m.experts == 0 and m.attention != "mla" and not m.head_size and not m.sliding_window
 
 
-def routed_factor(cfg: Config) -> float:
-    """Routed token copies on the busiest rank over the balanced mean n·k: the capacity factor when
-    set (its buffers hold that many, dropping the rest), else the measured or assumed imbalance
-    under expert parallelism (1: balanced), else 1 (every expert is local: n·k in all)."""
+def ep_rank_loads(cfg: Config) -> tuple[float, ...]:
+    """Under ``conventions.moe_expert_load``: each EP rank's share of the routed copies, the sum of
+    its experts' fractions (rank r owns experts r·E/ep … (r+1)·E/ep − 1, as the backend and
+    torchtitan lay them out); () without a measured load."""
+    return load_shares(cfg.conventions.moe_expert_load, cfg.parallel.ep)
+
+
+def load_shares(load: Sequence[float], ep: int) -> tuple[float, ...]:
+    """Each of ``ep`` ranks' share of a per-expert load (contiguous experts per rank); () for no load."""
+    if not load:
+        return ()
+    local = len(load) // ep
+    return tuple(math.fsum(load[r * local:(r + 1) * local]) for r in range(ep))
+
+
+def routed_factor(cfg: Config, ep_rank: int | None = None) -> float:
+    """Routed token copies on an EP rank over the balanced mean n·k: the capacity factor when set
+    (its buffers hold that many, dropping the rest); under a measured per-expert load, ep × the
+    load of ``ep_rank``'s experts (None: the busiest rank's, which the all-to-all and the grouped
+    GEMMs wait for); else the assumed imbalance under expert parallelism (1: balanced), else 1
+    (every expert is local: n·k in all)."""
     conv, par = cfg.conventions, cfg.parallel
     if conv.moe_capacity_factor > 0:
         return conv.moe_capacity_factor
-    return conv.moe_imbalance if par.ep > 1 else 1.0
+    if par.ep == 1:
+        return 1.0
+    loads = ep_rank_loads(cfg)
+    if loads:
+        return par.ep * (max(loads) if ep_rank is None else loads[ep_rank])
+    return conv.moe_imbalance
 
 
 def block_flops(cfg: Config, with_experts: bool, routed: float = 1.0) -> FlopsPerToken:
@@ -311,7 +334,7 @@ def checkpointed_blocks(cfg: Config) -> list[int]:
     "selective-layer", none otherwise."""
     par, tr = cfg.parallel, cfg.training
     num_stages = 1 if par.pp == 1 else par.num_stages
-    layers = [len(r) for r in split_layers(cfg.model.layers, num_stages)]
+    layers = [len(r) for r in split_layers(cfg.model.layers, num_stages, par.pipeline_split)]
     if tr.recompute == "full":
         return layers
     if tr.recompute != "selective-layer":

@@ -18,6 +18,12 @@ A family keeps what makes a model what it is and grows it the way real families 
   deeper than its width's aspect;
 * the family ends where a member would leave ``engine.config.FIELD_RANGES``.
 
+A mixture of experts (``experts > 0``) grows along its experts and depth instead, the way MoE
+families scale (Switch and GShard add experts at a fixed width; DeepSeek-V2-Lite -> V2 -> V3 go
+64 -> 160 -> 256 experts and 27 -> 60 -> 61 blocks): see ``ExpertFamily``. Width (hidden, heads,
+head dims, MLA ranks, ffn and expert widths), top-k, shared experts, leading dense blocks and
+router groups stay the base's, so every tp the base allows stays allowed.
+
 The base model is the aspect member of its own width, exactly. Parameter counts are
 ``engine.params.param_counts(spec).total`` (exact). ``walk`` is the size slider's: the members
 nearest to 2^(k/3) × the base's size. ``largest_fitting_model`` searches the same family for
@@ -41,6 +47,15 @@ STEPS_PER_DOUBLING = 3
 USUAL_TP = 8
 
 SHAPE_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden")
+#: A mixture of experts' family also changes its routed expert count.
+MOE_SHAPE_FIELDS = (*SHAPE_FIELDS, "experts")
+#: Without a given ep, expert counts stay valid for ep = 1, 2, 4, 8 (as far as the base itself is).
+USUAL_EP = 8
+
+
+def shape_of(spec: ModelSpec) -> dict[str, int]:
+    """The fields the size slider writes: the shape, and the expert count of a mixture of experts."""
+    return {k: getattr(spec, k) for k in (MOE_SHAPE_FIELDS if spec.experts > 0 else SHAPE_FIELDS)}
 
 
 @dataclass(frozen=True)
@@ -51,8 +66,8 @@ class Member:
     params: int
 
     def shape(self) -> dict[str, int]:
-        """The shape fields of the model table (what the size slider writes)."""
-        return {k: getattr(self.spec, k) for k in SHAPE_FIELDS}
+        """The shape fields of the model table (what the size slider writes; ``shape_of``)."""
+        return shape_of(self.spec)
 
 
 def step_of(base: ModelSpec, tp: int | None = None) -> int:
@@ -113,15 +128,101 @@ class Family:
             raise ValueError(f"width {n} with {layers} layers leaves the configurable ranges")
         return Member(spec, self.params(n, layers))
 
+    first_n = 1  # the smallest width index (an ExpertFamily starts where top-k experts exist)
+
     def members(self, max_params: float = math.inf) -> Iterator[Member]:
         """Every member in order, parameter counts strictly increasing, up to ``max_params``."""
-        n = 1
+        n = self.first_n
         while self.exists(n):
             for layers in range(self.first_layers(n), self.aspect_layers(n) + 1):
                 if self.params(n, layers) > max_params:
                     return
                 yield self.member(n, layers)
             n += 1
+
+
+def expert_step_of(base: ModelSpec, ep: int | None = None) -> int:
+    """Routed experts per step of an ExpertFamily: lcm(router_groups, ep), ep being the given
+    expert-parallel degree or else the largest of 1, 2, 4, 8 dividing the base's experts."""
+    return math.lcm(base.router_groups, ep if ep is not None else math.gcd(base.experts, USUAL_EP))
+
+
+class ExpertFamily:
+    """The family of a mixture of experts: members indexed by ``n`` (experts = n · step) and layers.
+
+    The same rule as ``Family`` with the expert count in the role of the width: n's *aspect member*
+    has ``round(layers · n / n_base)`` blocks (the base's blocks per expert step); between the aspect
+    members of n − 1 and n the family continues at n with fewer blocks. Everything else is the base's
+    (width, top-k, shared experts, the ``dense_layers`` leading dense blocks, router groups). So
+    ``step`` (``expert_step_of``) divides every member's experts (ep and the router groups stay
+    valid), every member has at least ``dense_layers`` + 1 blocks and ``min_layers``, and the
+    smallest n is the first whose experts can give every token its top-k (within its best groups).
+    """
+
+    def __init__(self, base: ModelSpec, tp: int | None = None, min_layers: int = 1, ep: int | None = None):
+        if base.experts <= 0:
+            raise ValueError("an ExpertFamily needs a mixture of experts (model.experts > 0)")
+        self.base = base
+        self.tp = tp
+        self.step = expert_step_of(base, ep)
+        if base.experts % self.step:
+            raise ValueError(f"expert step {self.step} (router_groups, ep) must divide experts ({base.experts})")
+        self.min_layers = max(1, min_layers, base.dense_layers + 1)
+        self.base_width = base.experts // self.step
+        k, g = base.experts_per_token, base.router_groups
+        # the fewest experts that route top-k: at least k, and k within the best topk_groups groups
+        need = k if g <= 1 else max(k, -(-k * g // max(1, base.router_topk_groups)))
+        self.first_n = max(1, -(-need // self.step))
+
+    def aspect_layers(self, n: int) -> int:
+        return max(self.min_layers, round(self.base.layers * n / self.base_width))
+
+    def spec(self, n: int, layers: int) -> ModelSpec | None:
+        return _expert_spec(self.base, self.step, n, layers)
+
+    def params(self, n: int, layers: int) -> int:
+        fixed, per_layer = _expert_line(self.base, self.step, n)
+        return fixed + layers * per_layer
+
+    def first_layers(self, n: int) -> int:
+        if n <= self.first_n:
+            return self.min_layers
+        below = self.params(n - 1, self.aspect_layers(n - 1))
+        fixed, per_layer = _expert_line(self.base, self.step, n)
+        return max(self.min_layers, (below - fixed) // per_layer + 1)
+
+    def exists(self, n: int) -> bool:
+        return n >= self.first_n and self.spec(n, self.aspect_layers(n)) is not None
+
+    member = Family.member
+    members = Family.members
+
+
+def family_of(base: ModelSpec, tp: int | None = None, min_layers: int = 1, ep: int | None = None
+              ) -> Family | ExpertFamily:
+    """The family the size slider and ``largest_fitting_model`` walk: an ExpertFamily for a
+    mixture of experts, else the shape Family (``ep`` only matters to the former)."""
+    if base.experts > 0:
+        return ExpertFamily(base, tp, min_layers=min_layers, ep=ep)
+    return Family(base, tp, min_layers=min_layers)
+
+
+@lru_cache(maxsize=4096)
+def _expert_spec(base: ModelSpec, step: int, n: int, layers: int) -> ModelSpec | None:
+    experts = n * step
+    if not (FIELD_RANGES["model.layers"].contains(layers) and FIELD_RANGES["model.experts"].contains(experts)):
+        return None
+    if base.experts == experts and base.layers == layers:
+        return base
+    return replace(base, experts=experts, layers=layers, preset=None)
+
+
+@lru_cache(maxsize=1024)
+def _expert_line(base: ModelSpec, step: int, n: int) -> tuple[int, int]:
+    """(parameters outside the MoE blocks' line, parameters per block) with n · step experts: the
+    leading dense blocks are fixed, so the count is affine in the layer count."""
+    counts = param_counts(replace(base, experts=n * step, preset=None))
+    return counts.total - counts.layers * counts.per_layer, counts.per_layer
 
 
 def _shape(base: ModelSpec, step: int, ffn_multiple: int, n: int, layers: int) -> dict[str, int]:
@@ -153,24 +254,42 @@ def _line(base: ModelSpec, step: int, ffn_multiple: int, n: int, layers: int) ->
 
 
 def walk(base: ModelSpec, current: ModelSpec | None = None, *, tp: int | None = None, min_layers: int = 1,
-         down: int = 9 * STEPS_PER_DOUBLING, up: int = 6 * STEPS_PER_DOUBLING) -> tuple[list[Member], int]:
+         ep: int | None = None, down: int = 9 * STEPS_PER_DOUBLING, up: int = 6 * STEPS_PER_DOUBLING
+         ) -> tuple[list[Member], int]:
     """The size slider's members: nearest to 2^(k/3) × the base's size, k = −down … up.
 
     ``min_layers`` (a layout's pp · virtual_stages): no member has fewer layers, so a step of the
-    slider never lands on a model the layout cannot place.
+    slider never lands on a model the layout cannot place. ``ep`` (a mixture of experts: the
+    layout's expert-parallel degree): every member's experts are a multiple of it.
 
     Sorted, strictly increasing, de-duplicated; the base is one exactly. ``current`` (the model
     as it is now; the base when None) is in the list too — inserted by size when it is not a
     member — and its index is returned. Cached: the GUI asks on every redraw.
     """
-    members, index = _walk(base, current, tp, max(1, min_layers), down, up)
+    members, index = _walk(base, current, tp, max(1, min_layers), ep if base.experts > 0 else None, down, up)
     return list(members), index
 
 
 @lru_cache(maxsize=64)
-def _walk(base: ModelSpec, current: ModelSpec | None, tp: int | None, min_layers: int, down: int, up: int
-          ) -> tuple[tuple[Member, ...], int]:
-    fam = Family(base, tp, min_layers=min_layers)
+def _walk(base: ModelSpec, current: ModelSpec | None, tp: int | None, min_layers: int, ep: int | None,
+          down: int, up: int) -> tuple[tuple[Member, ...], int]:
+    out = _picked(base, tp, min_layers, ep, down, up)
+    mine_spec = current if current is not None else base  # a base outside its own family (MLA, head_size)
+    shape = shape_of(mine_spec)
+    for i, m in enumerate(out):
+        if m.shape() == shape:
+            return out, i
+    mine = Member(mine_spec, param_counts(mine_spec).total)
+    inserted = sorted([*out, mine], key=lambda m: (m.params, m.spec.layers))
+    return tuple(inserted), inserted.index(mine)
+
+
+@lru_cache(maxsize=32)
+def _picked(base: ModelSpec, tp: int | None, min_layers: int, ep: int | None, down: int, up: int
+            ) -> tuple[Member, ...]:
+    """The family's members nearest to 2^(k/3) × the base's size (independent of the model as it is
+    now, so a slider move that lands on a member reuses them)."""
+    fam = family_of(base, tp, min_layers=min_layers, ep=ep)
     p0 = param_counts(base).total
     ratio = 2 ** (1 / STEPS_PER_DOUBLING)
     pool = list(fam.members(max_params=p0 * ratio ** (up + 1)))
@@ -182,15 +301,7 @@ def _walk(base: ModelSpec, current: ModelSpec | None, tp: int | None, min_layers
         near = [j for j in (i - 1, i) if 0 <= j < len(pool)]
         j = min(near, key=lambda j: abs(math.log(sizes[j]) - target))
         picked[sizes[j]] = pool[j]
-    out = sorted(picked.values(), key=lambda m: m.params)
-    shape = {k: getattr(current if current is not None else base, k) for k in SHAPE_FIELDS}
-    for i, m in enumerate(out):
-        if m.shape() == shape:
-            return tuple(out), i
-    mine_spec = current if current is not None else base  # a base outside its own family (MLA, head_size)
-    mine = Member(mine_spec, param_counts(mine_spec).total)
-    out = sorted([*out, mine], key=lambda m: (m.params, m.spec.layers))
-    return tuple(out), out.index(mine)
+    return tuple(sorted(picked.values(), key=lambda m: m.params))
 
 
 # --------------------------------------------------------------------------- capacity
@@ -199,13 +310,13 @@ def _walk(base: ModelSpec, current: ModelSpec | None, tp: int | None, min_layers
 def largest_fitting_model(cfg: Config) -> tuple[ModelSpec, int] | None:
     """The largest member of ``cfg.model``'s family that fits every rank of this layout.
 
-    The family (see the module docstring) keeps tp dividing heads, kv_heads and ffn_hidden and
-    never has fewer layers than pp · virtual_stages. Returns (spec, exact parameters) of a member
+    The family (see the module docstring) keeps tp dividing heads, kv_heads and ffn_hidden (ep
+    dividing the experts of a mixture of experts) and never has fewer layers than pp · virtual_stages. Returns (spec, exact parameters) of a member
     that fits while the next member does not, or None when even the smallest does not fit.
     """
     from engine.memory import memory_per_rank
 
-    fam = Family(cfg.model, tp=cfg.parallel.tp, min_layers=cfg.parallel.num_stages)
+    fam = family_of(cfg.model, tp=cfg.parallel.tp, min_layers=cfg.parallel.num_stages, ep=cfg.parallel.ep)
 
     def fits(n: int, layers: int) -> bool:
         spec = fam.spec(n, layers)

@@ -2,7 +2,7 @@
 
 ``plan(model, gpus, gpu, gpus_per_node, top=K)`` enumerates dp × tp × pp, ZeRO stage,
 sequence parallel, pipeline schedule, virtual stages, micro-batch size (and with it the
-microbatch count) and recompute, keeps the layouts that validation accepts and that fit on
+microbatch count), recompute, float8 and torch.compile, keeps the layouts that validation accepts and that fit on
 every rank, and returns the K with the highest predicted tokens/s — each with the engine's
 full numbers (``memory_per_rank`` + ``step_time``) and why it wins or loses.
 
@@ -28,6 +28,9 @@ What is enumerated (duplicates that the engine cannot tell apart are left out, a
     sequence_parallel  off, and on when tp > 1 and tp divides seq_len / cp
     recompute  none, selective, full, selective-op, selective-layer (every training.recompute_every-th block
                of the base config)
+    float8  none, tensorwise, rowwise where the GPU has float8 tensor cores (peak_fp8_tflops > 0) and
+            precision is bf16-mixed (``default_float8_kinds``); none otherwise; float8 all-gather stays off
+    compile  off and on (``SEARCHED_COMPILE``); async TP stays off
 Schedule rules (1F1B needs m ≥ pp, …) come from ``engine.schedules.schedule_problems``, and
 every layout that is fully evaluated is built as a ``Config`` (which validates it).
 
@@ -36,12 +39,15 @@ Speed (branch and bound; the answer is the same as fully evaluating every layout
    memory** (model states, activations in flight from torch's schedule order, p2p and bucket
    buffers, logits, overhead — the terms of ``engine.memory`` minus a few small ones and
    rounding) drops layouts that cannot fit; and a **lower bound on step time**: the exact
-   per-stage F/B durations (compute + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
+   per-stage F/B durations (compute at float8's rate with its casts and compile's fused elementwise time, as
+   ``engine.step.with_float8_and_compile``, + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
    rank's busy time plus the forward chain before its first stage, the one-microbatch critical
    path, the exact exposed DP communication and optimizer step. What does not depend on the
    layout group is computed once: in-flight counts per (schedule, pp rank, pp, v, m) — the
    costly replay of torch's order, kept across plans (``_in_flight_sums``) — and parameters,
-   placement and DP collectives per (tp, pp, v, placement style).
+   placement and DP collectives per (tp, pp, v, placement style). The memory bound is computed on the
+   (b, ZeRO, SP, recompute) axes once per compile setting (float8 moves none of its terms) before the
+   float8 × compile expansion, and outside an exhaustive search the layouts it rejects leave the grid there.
 2. Best first by that bound: a candidate whose bound is below the K-th best step found so
    far gets its pipeline simulated (the exact makespan, cached per pipeline shape and shared
    by the ZeRO stages) — a tighter bound; if it is still below, the full engine runs
@@ -75,14 +81,22 @@ import numpy as np
 from engine import names
 from engine.comm import collective_seconds, group_span
 from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
-from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token, stage_durations
+from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
 from engine.memory.activations import TABLE_RECOMPUTE
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.params import params_per_rank
 from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
-from engine.step import cp_seconds_per_layer, optimizer_seconds, step_time, with_mesh_communication
+from engine.step import (
+    FLOAT8_CAST_BYTES,
+    analytic_durations,
+    block_linears,
+    cp_seconds_per_layer,
+    optimizer_seconds,
+    step_time,
+    with_mesh_communication,
+)
 from engine.timeline import simulate
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20
@@ -94,6 +108,8 @@ _SAFETY = 1.0 - 1e-9  # bounds are compared with this margin against float round
 _RECOMPUTE = names.RECOMPUTE_KINDS
 #: the recompute kinds searched unless told otherwise
 SEARCHED_RECOMPUTE = ("none", "selective", "full", "selective-op", "selective-layer")
+#: the torch.compile settings searched unless told otherwise (float8: ``default_float8_kinds``)
+SEARCHED_COMPILE = (False, True)
 _SCHEDULE_INDEX = {s: i for i, s in enumerate(names.SCHEDULES)}
 FITTING_LIMIT = 10_000  # layouts the all-fitting sweep evaluates at most
 FITTING_SECONDS = 30.0  # ... and seconds it spends at most
@@ -237,7 +253,8 @@ def _layout_of(cfg: Config) -> dict[str, Any]:
     out = {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "zero": par.zero,
            "sequence_parallel": par.sequence_parallel, "schedule": par.schedule if par.pp > 1 else None,
            "virtual_stages": par.virtual_stages, "microbatches": par.microbatches,
-           "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute}
+           "micro_batch_size": tr.micro_batch_size, "recompute": tr.recompute, "float8": tr.float8,
+           "compile": tr.compile}
     if par.ep > 1:  # expert parallelism (a layout without "ep" has ep = 1)
         out["ep"] = par.ep
     return out
@@ -249,7 +266,8 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "zero", "sequence_parallel", "schedule", "virtu
 
 def layout_config(base: Config, layout: dict[str, Any]) -> Config:
     """The Config of a planner layout (``PlanEntry.layout`` / ``FitPoint.layout`` / their JSON) on ``base``
-    (``PlanResult.base``): the same Config the planner evaluated (``cp`` is optional: 1 when left out).
+    (``PlanResult.base``): the same Config the planner evaluated (``cp``, ``float8`` and ``compile`` are
+    optional: 1, "none" and false when left out).
     Raises ConfigError if it is not valid."""
     missing = [k for k in LAYOUT_KEYS if k not in layout]
     if missing:
@@ -260,7 +278,8 @@ def layout_config(base: Config, layout: dict[str, Any]) -> Config:
                   "sequence_parallel": layout["sequence_parallel"], "schedule": layout["schedule"] or "1F1B",
                   "virtual_stages": layout["virtual_stages"], "microbatches": layout["microbatches"],
                   "ep": layout.get("ep", 1)},
-        training={"micro_batch_size": layout["micro_batch_size"], "recompute": layout["recompute"]})
+        training={"micro_batch_size": layout["micro_batch_size"], "recompute": layout["recompute"],
+                  "float8": layout.get("float8", "none"), "compile": layout.get("compile", False)})
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
@@ -285,7 +304,8 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
 
 
 def layout_label(cfg: Config) -> str:
-    """A compact name of a layout: ``dp16 tp8 pp8 ZeRO-1 +SP Interleaved1F1B v2 m64 b1 recompute=selective``."""
+    """A compact name of a layout: ``dp16 tp8 pp8 ZeRO-1 +SP Interleaved1F1B v2 m64 b1 recompute=selective``,
+    then ``float8=rowwise`` and ``compile`` where they are on."""
     par, tr = cfg.parallel, cfg.training
     parts = ([f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"] + ([f"cp{par.cp}"] if par.cp > 1 else [])
              + ([f"ep{par.ep}"] if par.ep > 1 else []) + [f"ZeRO-{par.zero}"])
@@ -294,10 +314,42 @@ def layout_label(cfg: Config) -> str:
     if par.pp > 1:
         parts.append(par.schedule + (f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""))
     parts += [f"m{par.microbatches}", f"b{tr.micro_batch_size}", f"recompute={tr.recompute}"]
+    if tr.float8 != "none":
+        parts.append(f"float8={tr.float8}")
+    if tr.compile:
+        parts.append("compile")
     return " ".join(parts)
 
 
 # --------------------------------------------------------------------------- inputs
+
+
+def _no_float8_reason(base: Config) -> str:
+    """Why float8 cannot be searched on ``base`` ('' when it can)."""
+    if not base.cluster.gpu.peak_fp8_tflops > 0:
+        return f"{base.cluster.gpu.name} has no float8 tensor cores (peak_fp8_tflops = 0)"
+    if base.training.precision != "bf16-mixed":
+        return f"float8 training needs precision bf16-mixed (got {base.training.precision})"
+    return ""
+
+
+def default_float8_kinds(base: Config) -> tuple[str, ...]:
+    """The float8 kinds searched by default: every one of ``names.FLOAT8_KINDS`` where the GPU has float8
+    tensor cores and the precision is bf16-mixed (what validation accepts), else only "none"."""
+    return names.FLOAT8_KINDS if not _no_float8_reason(base) else ("none",)
+
+
+def _float8_kinds(base: Config, float8: tuple[str, ...] | None) -> tuple[str, ...]:
+    if float8 is None:
+        return default_float8_kinds(base)
+    kinds = tuple(dict.fromkeys(float8)) if isinstance(float8, (tuple, list)) else ()
+    bad = [k for k in kinds if k not in names.FLOAT8_KINDS]
+    if bad or not kinds:
+        raise PlanError("float8", f"allowed: {' | '.join(names.FLOAT8_KINDS)}; got {float8!r}")
+    reason = _no_float8_reason(base)
+    if reason and any(k != "none" for k in kinds):
+        raise PlanError("float8", f"cannot search {', '.join(k for k in kinds if k != 'none')}: {reason}; allowed: none")
+    return kinds
 
 
 def default_cp_degrees(gpus: int, seq_len: int) -> tuple[int, ...]:
@@ -369,7 +421,8 @@ def _config_base(cfg: Config) -> Config:
     parallel = dataclasses.asdict(ParallelSpec())
     parallel["dp"] = cfg.cluster.gpus
     try:
-        return cfg.replace(parallel=parallel, training={"micro_batch_size": 1, "recompute": "none"})
+        return cfg.replace(parallel=parallel, training={"micro_batch_size": 1, "recompute": "none", "float8": "none",
+                                                        "float8_all_gather": False, "compile": False})
     except ConfigError as exc:
         raise PlanError("config", "; ".join(str(p) for p in exc.problems)) from None
 
@@ -381,7 +434,8 @@ def _divisors(n: int) -> list[int]:
 # --------------------------------------------------------------------------- the grid
 
 
-_COLS = ("tp", "pp", "cp", "v", "sched", "m", "b", "zero", "sp", "rc", "struct")
+_COLS = ("tp", "pp", "cp", "v", "sched", "m", "b", "zero", "sp", "rc", "f8", "cmp", "struct")
+_FLOAT8 = names.FLOAT8_KINDS
 
 
 @dataclass
@@ -394,13 +448,18 @@ class _Grid:
     makespan_lb: np.ndarray
     rest_by_rank: list[np.ndarray]  # per candidate group: [candidates, pp] exposed DP + optimizer
     skipped_global_batch: int
+    memory_prefiltered: int = 0  # valid layouts left out of the columns: the memory lower bound exceeds capacity
 
 
 class _Planner:
     def __init__(self, base: Config, global_batch: int, zero: tuple[int, ...], schedules: tuple[str, ...],
                  recompute: tuple[str, ...], max_virtual_stages: int, micro_batch_sizes: tuple[int, ...] | None,
-                 cp: tuple[int, ...] = (1,)):
+                 cp: tuple[int, ...] = (1,), float8: tuple[str, ...] = ("none",),
+                 compile: tuple[bool, ...] = (False,)):
         self.base = base
+        self.float8 = float8
+        self.compile = compile
+        self.prefilter = False  # True: leave layouts whose memory bound exceeds capacity out of the grid
         self.cps = cp
         self.G = global_batch
         self.zero = zero
@@ -441,15 +500,15 @@ class _Planner:
             out = self._coll[key] = collective_seconds(self.base, kind, size, group_span(rep, dim))
         return out
 
-    def _act_per_layer_b1(self, tp: int, sp: bool, rc: str, cp: int = 1) -> int:
+    def _act_per_layer_b1(self, tp: int, sp: bool, rc: str, cp: int = 1, compiled: bool = False) -> int:
         """Saved bytes of one block for one sequence (b = 1) — b times this is ≤ the engine's b-value."""
         table = rc if rc in TABLE_RECOMPUTE else "none"  # full, selective-layer: the plain blocks' table
-        key = (tp, sp, table, cp)
+        key = (tp, sp, table, cp, compiled)
         out = self._act1.get(key)
         if out is None:
             cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * cp), "tp": tp, "cp": cp,
                                               "sequence_parallel": sp},
-                                    training={"micro_batch_size": 1, "recompute": table})
+                                    training={"micro_batch_size": 1, "recompute": table, "compile": compiled})
             out = self._act1[key] = activation_bytes_per_layer(cfg)
         return out
 
@@ -471,7 +530,7 @@ class _Planner:
                and model.ffn_hidden % t == 0]
         cols: dict[str, list[np.ndarray]] = {c: [] for c in _COLS}
         mem_parts, rest_parts, mk_parts, rest_rank = [], [], [], []
-        skipped = 0
+        skipped = prefiltered = 0
         meshes = [(tp, pp, cp) for tp in tps for pp in _divisors(gpus // tp) for cp in self.cps
                   if cp == 1 or ((gpus // (tp * pp)) % cp == 0 and s_len % (2 * cp) == 0)]
         for tp, pp, cp in meshes:
@@ -509,7 +568,8 @@ class _Planner:
                     tp, pp, dp, v, sc, ok_b, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
                     opt_per_param, ctx, buf, peak_rate, cp)
                 n = len(part["b"])
-                for c in ("m", "b", "zero", "sp", "rc"):
+                prefiltered += part["rejected"]
+                for c in ("m", "b", "zero", "sp", "rc", "f8", "cmp"):
                     cols[c].append(part[c])
                 for c, val in (("tp", tp), ("pp", pp), ("cp", cp), ("v", v), ("sched", _SCHEDULE_INDEX[sc]),
                                ("struct", si)):
@@ -520,14 +580,15 @@ class _Planner:
                 rest_rank.append(part["rest_rank"])
         if not mem_parts:
             empty = np.zeros(0)
-            return _Grid({c: np.zeros(0, dtype=np.int64) for c in _COLS}, empty, empty, empty, [], skipped)
+            return _Grid({c: np.zeros(0, dtype=np.int64) for c in _COLS}, empty, empty, empty, [], skipped,
+                         prefiltered)
         out = {c: np.concatenate(v) for c, v in cols.items()}
         return _Grid(out, np.concatenate(mem_parts), np.concatenate(rest_parts), np.concatenate(mk_parts),
-                     rest_rank, skipped)
+                     rest_rank, skipped, prefiltered)
 
     def _struct_bounds(self, tp, pp, dp, v, sc, bs, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
                        opt_per_param, ctx, buf, peak_rate, cp=1) -> dict[str, np.ndarray]:
-        """Bounds for every (b, zero, sp, recompute) of one (tp, pp, v, schedule, cp)."""
+        """Bounds for every (b, zero, sp, recompute, float8, compile) of one (tp, pp, v, schedule, cp)."""
         model, conv = self.base.model, self.base.conventions
         n_stages = pp * v
         sh = self._shape(tp, pp, v, sc, per_dp // bs[0], dp, rep, fl, cp)
@@ -538,16 +599,79 @@ class _Planner:
         split = sc in names.SPLIT_BACKWARD_SCHEDULES
         vocab_t = -(-model.vocab // tp)
 
-        # grid axes: b (with m), zero, sp, recompute
+        # grid axes: b (with m), zero, sp, recompute, float8, compile
         B = np.array(bs, dtype=np.int64)
         Z = np.array(zeros, dtype=np.int64)
         SP = np.array(sps, dtype=bool)
         RC = np.array([_RECOMPUTE.index(r) for r in self.recompute], dtype=np.int64)
+        F8 = np.array([_FLOAT8.index(k) for k in self.float8], dtype=np.int64)
+        CMP = np.array(self.compile, dtype=bool)
         gb, gz, gs, gr = (a.ravel() for a in np.meshgrid(B, Z, SP, RC, indexing="ij"))
         gm = per_dp // gb
-        n = len(gb)
         bf = gb.astype(np.float64)
         rep_div = np.where(gs, tp, 1)
+
+        def memory_bound(compiled: bool) -> np.ndarray:
+            # ---------------- memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak), per compile
+            # setting on the (b, zero, sp, recompute) axes: float8 moves none of its terms
+            full = gr == _RECOMPUTE.index("full")
+            sl = gr == _RECOMPUTE.index("selective-layer")
+            per_layer1 = self._per_layer_vec(tp, gs, gr, cp, np.full(len(gs), compiled))
+            sbh1 = np.floor(s_len * h / rep_div)  # one sequence's hidden state, /t under SP (≤ the engine's floor)
+            stored1 = np.where(full, act_b * sbh1, per_layer1)
+            n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (dpc > 1) + (cp > 1) + (tp > 1) + (pp > 1)
+            overhead = ctx + n_comms * buf
+            capacity = self.base.cluster.gpu.memory_bytes
+            mem = np.zeros(len(gb))
+            for ri, stages, sizes in sh["ends"]:
+                p_ = psi[ri]
+                states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
+                                           w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
+                fixed = states_by_zero[gz] + overhead
+                units = tuple(len(layers_of[s]) for s in stages)
+                ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
+                # the recomputed block (temporaries): full, and selective-layer where the rank checkpoints one
+                fixed = fixed + np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
+                if n_stages - 1 in stages:  # logits at the loss
+                    fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
+                if dpc > 1:
+                    if not getattr(conv, "ddp_gradient_as_bucket_view", False):
+                        fixed = fixed + np.where(gz <= 1, g_b * p_, 0.0)
+                    fixed = fixed + np.where(gz >= 2, g_b * sizes[0], 0.0)
+                    gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
+                    fixed = fixed + np.where(gz == 3, w_b * gathered, 0.0)
+                if pp > 1:
+                    ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
+                    fixed = fixed + ends * gm * bf * act_b * sbh1
+                # replay torch's order only where it matters: the m values whose fixed part fits
+                need = np.unique(gm[fixed * _SAFETY <= capacity])
+                # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts per m: one
+                # state of torch's order (the layer-weighted peak), so ≤ the engine's peak for any per-stage bytes
+                lut = np.zeros((4, per_dp + 1))
+                for m_val in need.tolist():
+                    lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages, ckpt_units)
+                lsum, first, last, lck = lut[:, gm]
+                layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
+                act = bf * (layers_act + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
+                mem = np.maximum(mem, fixed + act)
+            return mem
+
+        mem_by_compile = np.stack([memory_bound(bool(c)) for c in CMP])  # [compile, base rows]
+        # expand to (b, zero, sp, recompute) × float8 × compile; outside an exhaustive search only the rows
+        # that may fit go on (the rest are counted as rejected by the memory bound)
+        n0, k8, kc = len(gb), len(F8), len(CMP)
+        base_i = np.repeat(np.arange(n0), k8 * kc)
+        gf = np.tile(np.repeat(F8, kc), n0)
+        ci = np.tile(np.arange(kc), n0 * k8)
+        mem = mem_by_compile[ci, base_i]
+        rejected = 0
+        if self.prefilter:
+            keep = mem * _SAFETY <= self.base.cluster.gpu.memory_bytes
+            rejected = int(len(keep) - keep.sum())
+            base_i, gf, ci, mem = base_i[keep], gf[keep], ci[keep], mem[keep]
+        gc = CMP[ci]
+        gb, gz, gs, gr, gm, bf, rep_div = (a[base_i] for a in (gb, gz, gs, gr, gm, bf, rep_div))
+        n = len(gb)
 
         # ---------------- per-stage durations (exactly engine.durations + engine.step's TP terms)
         tokens = bf * s_len
@@ -563,6 +687,9 @@ class _Planner:
         i_ = tokens[:, None] * (L[None, :] * (fl.matmuls + 2 * fl.attention_core + rc_extra[:, None])
                                 + ck_extra + head[None, :]) / rate
         w_ = tokens[:, None] * (L[None, :] * fl.matmuls + head[None, :]) / rate
+        if len(F8) > 1 or len(CMP) > 1 or F8[0] or CMP[0]:
+            f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, act_b,
+                                                 rate)
         one_tp = np.zeros(n)
         if tp > 1:
             for b in bs:
@@ -605,48 +732,9 @@ class _Planner:
             exposed = 0.0
         rest = exposed + opt
 
-        # ---------------- memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak)
-        full = gr == _RECOMPUTE.index("full")
-        per_layer1 = self._per_layer_vec(tp, gs, gr, cp)
-        sbh1 = np.floor(s_len * h / rep_div)  # one sequence's hidden state, /t under SP (≤ the engine's floor)
-        stored1 = np.where(full, act_b * sbh1, per_layer1)
-        n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (dpc > 1) + (cp > 1) + (tp > 1) + (pp > 1)
-        overhead = ctx + n_comms * buf
-        capacity = self.base.cluster.gpu.memory_bytes
-        mem = np.zeros(n)
-        for ri, stages, sizes in sh["ends"]:
-            p_ = psi[ri]
-            states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
-                                       w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
-            fixed = states_by_zero[gz] + overhead
-            units = tuple(len(layers_of[s]) for s in stages)
-            ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
-            # the recomputed block (temporaries): full, and selective-layer where the rank checkpoints one
-            fixed = fixed + np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
-            if n_stages - 1 in stages:  # logits at the loss
-                fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
-            if dpc > 1:
-                if not getattr(conv, "ddp_gradient_as_bucket_view", False):
-                    fixed = fixed + np.where(gz <= 1, g_b * p_, 0.0)
-                fixed = fixed + np.where(gz >= 2, g_b * sizes[0], 0.0)
-                gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
-                fixed = fixed + np.where(gz == 3, w_b * gathered, 0.0)
-            if pp > 1:
-                ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
-                fixed = fixed + ends * gm * bf * act_b * sbh1
-            # replay torch's order only where it matters: the m values whose fixed part fits
-            need = np.unique(gm[fixed * _SAFETY <= capacity])
-            # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts per m: one
-            # state of torch's order (the layer-weighted peak), so ≤ the engine's peak for any per-stage bytes
-            lut = np.zeros((4, per_dp + 1))
-            for m_val in need.tolist():
-                lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages, ckpt_units)
-            lsum, first, last, lck = lut[:, gm]
-            layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
-            act = bf * (layers_act + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
-            mem = np.maximum(mem, fixed + act)
-        return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr,
-                "mem": mem, "mk": mk, "rest": rest.max(axis=1), "rest_rank": rest}
+        return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr, "f8": gf,
+                "cmp": gc.astype(np.int64), "mem": mem, "rejected": rejected, "mk": mk, "rest": rest.max(axis=1),
+                "rest_rank": rest}
 
     def _shape(self, tp: int, pp: int, v: int, sc: str, m: int, dp: int, rep: Config, fl,
                cp: int = 1) -> dict[str, Any]:
@@ -701,12 +789,48 @@ class _Planner:
         self._shapes[key] = out
         return out
 
-    def _per_layer_vec(self, tp, gs, gr, cp=1) -> np.ndarray:
-        lut = np.zeros((2, len(_RECOMPUTE)))
+    def _per_layer_vec(self, tp, gs, gr, cp=1, gc=None) -> np.ndarray:
+        gc = np.zeros(len(gs), dtype=bool) if gc is None else gc
+        lut = np.zeros((2, len(_RECOMPUTE), 2))
         for s in np.unique(gs).tolist():
             for r in np.unique(gr).tolist():
-                lut[int(s), r] = self._act_per_layer_b1(tp, s, _RECOMPUTE[r], cp)
-        return lut[gs.astype(np.int64), gr]
+                for c in np.unique(gc).tolist():
+                    lut[int(s), r, int(c)] = self._act_per_layer_b1(tp, s, _RECOMPUTE[r], cp, bool(c))
+        return lut[gs.astype(np.int64), gr, gc.astype(np.int64)]
+
+    def _float8_and_compile(self, f, i_, w_, tp, L, ckpt, tokens, gs, gr, gf, gc, fl, act_b, rate):
+        """engine.step.with_float8_and_compile over the grid: float8's matmul rate and casts, compile's fused
+        elementwise chains, on the per-stage compute durations (before the mesh's collectives), clamped at 0."""
+        base = self.base
+        m, gpu = base.model, base.cluster.gpu
+        hbm = gpu.hbm_bandwidth_gb_per_s * 1e9
+        on8 = gf > 0
+        if on8.any():
+            lin = block_linears(base.replace(parallel={"dp": base.cluster.gpus // tp, "tp": tp}))
+            s_in, s_out, wts = sum(a for a, _ in lin), sum(o for _, o in lin), sum(a * o for a, o in lin)
+            per = np.where(gc, FLOAT8_CAST_BYTES[True], FLOAT8_CAST_BYTES[False])
+            again = np.where(gf == _FLOAT8.index("rowwise"), 2, 1)
+            cast_f = per * (tokens * s_in + wts)
+            cast_b = per * (again * tokens * s_out + (again - 1) * tokens * s_in + wts)
+            cast_f, cast_b = np.where(on8, cast_f, 0.0)[:, None], np.where(on8, cast_b, 0.0)[:, None]
+            peak8 = gpu.peak_fp8_tflops * 1e12 * base.conventions.compute_efficiency * tp
+            per_block = (np.where(on8, 1.0, 0.0) * tokens * fl.matmuls * (1 / rate - 1 / peak8))[:, None]
+            # engine.step.recomputed_linear_blocks: the blocks' worth of matmuls the backward runs again
+            redo = np.zeros((len(gr), len(L)))
+            redo[gr == _RECOMPUTE.index("full")] = L
+            redo[gr == _RECOMPUTE.index("selective-layer")] = ckpt
+            redo[gr == _RECOMPUTE.index("selective-op")] = L * (per_op_recompute_flops_per_token(base) / fl.matmuls)
+            f = f + L[None, :] * (cast_f / hbm - per_block)
+            i_ = i_ + L[None, :] * cast_b / hbm + redo * (cast_f / hbm - per_block) - L[None, :] * per_block
+            w_ = w_ - L[None, :] * per_block
+        if gc.any():
+            ffn = m.ffn_hidden / tp if m.mlp == "swiglu" else 0.0
+            rope = (m.heads * m.head_dim + m.kv_dim) / tp if m.position == "rope" else 0.0
+            residual_norm = 2 * m.hidden / np.where(gs, tp, 1)
+            save_f = np.where(gc, 2 * act_b * tokens * (ffn + residual_norm + rope), 0.0)[:, None]
+            f = f - L[None, :] * save_f / hbm
+            i_ = i_ - L[None, :] * (2 * save_f) / hbm
+        return np.maximum(f, 0.0), np.maximum(i_, 0.0), np.maximum(w_, 0.0)
 
     # ----------------------------------------------------------------- exact pieces
 
@@ -718,19 +842,21 @@ class _Planner:
                       "zero": int(c["zero"][i]),
                       "sequence_parallel": bool(c["sp"][i]), "schedule": sc, "virtual_stages": v,
                       "microbatches": int(c["m"][i])},
-            training={"micro_batch_size": int(c["b"][i]), "recompute": _RECOMPUTE[int(c["rc"][i])]})
+            training={"micro_batch_size": int(c["b"][i]), "recompute": _RECOMPUTE[int(c["rc"][i])],
+                      "float8": _FLOAT8[int(c["f8"][i])], "compile": bool(c["cmp"][i])})
 
     def makespan_key(self, g: _Grid, i: int) -> tuple:
         """``makespan``'s cache key of candidate ``i``, from the grid's columns (no Config built)."""
         c = g.cols
         tp, pp, v, sc, cp = self.structs[int(c["struct"][i])]
-        return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])], cp)
+        return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])], cp,
+                _FLOAT8[int(c["f8"][i])], bool(c["cmp"][i]))
 
     def makespan(self, cfg: Config) -> float:
         """The simulated pipeline makespan (as engine.step computes it), cached per pipeline shape."""
         par, tr = cfg.parallel, cfg.training
         key = (par.tp, par.pp, par.virtual_stages, par.schedule, par.microbatches, tr.micro_batch_size,
-               par.sequence_parallel, tr.recompute, par.cp)
+               par.sequence_parallel, tr.recompute, par.cp, tr.float8, tr.compile)
         out = self._makespans.get(key)
         if out is None:
             pkey = (par.schedule, par.pp, par.microbatches, par.virtual_stages)
@@ -738,7 +864,7 @@ class _Planner:
             if plan is None:
                 plan = self._plans[pkey] = (single_rank_plan(par.schedule, par.microbatches) if par.pp == 1 else
                                             pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages))
-            d = with_mesh_communication(cfg, stage_durations(cfg))
+            d = with_mesh_communication(cfg, analytic_durations(cfg))
             out = self._makespans[key] = simulate(plan, d).makespan_s
         return out
 
@@ -763,7 +889,7 @@ def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages
 def _key(g: _Grid, i: int) -> tuple:
     """Deterministic tie-break between layouts with equal step time."""
     c = g.cols
-    return tuple(int(c[k][i]) for k in ("tp", "pp", "v", "sched", "m", "b", "zero", "sp", "rc", "cp"))
+    return tuple(int(c[k][i]) for k in ("tp", "pp", "v", "sched", "m", "b", "zero", "sp", "rc", "cp", "f8", "cmp"))
 
 
 # --------------------------------------------------------------------------- public entry
@@ -777,7 +903,8 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
          all_fitting: bool = False, fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
          progress: Callable[[int, int], None] | None = None,
          cancelled: Callable[[], bool] | None = None, seq_len: int | None = None,
-         cp: tuple[int, ...] | None = None) -> PlanResult:
+         cp: tuple[int, ...] | None = None, float8: tuple[str, ...] | None = None,
+         compile: tuple[bool, ...] = SEARCHED_COMPILE) -> PlanResult:
     """The ``top`` fastest layouts of ``model`` on ``gpus`` GPUs that are valid and fit.
 
     ``model`` is a preset name or a ModelSpec; ``gpu`` a GPU preset; ``global_batch`` the
@@ -790,26 +917,28 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
     ``cancelled()`` returning True stops the search with ``PlanCancelled``. ``seq_len`` trains the
     model at that sequence length; ``cp`` the context-parallel degrees searched (default
     ``default_cp_degrees``: from ``LONG_SEQUENCE_TOKENS`` tokens every power of two that splits).
-    Raises PlanError naming the argument at fault.
+    ``float8`` the torchao float8 kinds searched (default ``default_float8_kinds``: all of them where the
+    GPU has float8 tensor cores and precision is bf16-mixed, else "none"), ``compile`` the torch.compile
+    settings searched (default both). Raises PlanError naming the argument at fault.
     """
     t0 = time.perf_counter()
     base = _base_config(model, gpus, gpu, gpus_per_node, training, conventions, seq_len)
     return _plan(t0, base, top=top, global_batch=global_batch, zero=zero, schedules=schedules, recompute=recompute,
                  max_virtual_stages=max_virtual_stages, micro_batch_sizes=micro_batch_sizes, exhaustive=exhaustive,
                  all_fitting=all_fitting, fitting_limit=fitting_limit, fitting_seconds=fitting_seconds,
-                 progress=progress, cancelled=cancelled, cp=cp)
+                 progress=progress, cancelled=cancelled, cp=cp, float8=float8, compile=compile)
 
 
 def plan_config(cfg: Config, **options: Any) -> PlanResult:
     """``plan`` for the job of a Config: its model (preset or custom), its cluster as it is (GPU kind,
     count, GPUs per node and links), its training table (precision, optimizer, …) and conventions.
-    The parallel layout, micro-batch size and recompute are what is searched, so the Config's own
-    are ignored. ``options``: ``plan``'s keyword arguments (``top``, ``global_batch``, ``all_fitting``,
+    The parallel layout, micro-batch size, recompute, float8 and compile are what is searched, so the
+    Config's own are ignored (and float8 all-gather and async TP are off). ``options``: ``plan``'s keyword arguments (``top``, ``global_batch``, ``all_fitting``,
     ``seq_len``, ``cp``, …)."""
     t0 = time.perf_counter()
     allowed = {"top", "global_batch", "zero", "schedules", "recompute", "max_virtual_stages", "micro_batch_sizes",
                "exhaustive", "all_fitting", "fitting_limit", "fitting_seconds", "progress", "cancelled", "seq_len",
-               "cp"}
+               "cp", "float8", "compile"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise PlanError(unknown[0], f"unknown option; allowed: {', '.join(sorted(allowed))}")
@@ -831,8 +960,14 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
           micro_batch_sizes: tuple[int, ...] | None = None, exhaustive: bool = False, all_fitting: bool = False,
           fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
           progress: Callable[[int, int], None] | None = None,
-          cancelled: Callable[[], bool] | None = None, cp: tuple[int, ...] | None = None) -> PlanResult:
+          cancelled: Callable[[], bool] | None = None, cp: tuple[int, ...] | None = None,
+          float8: tuple[str, ...] | None = None, compile: tuple[bool, ...] = SEARCHED_COMPILE) -> PlanResult:
     gpus, gpus_per_node = base.cluster.gpus, base.cluster.gpus_per_node
+    float8s = _float8_kinds(base, float8)
+    compiles = tuple(dict.fromkeys(compile)) if isinstance(compile, (tuple, list)) else compile
+    if not isinstance(compiles, tuple) or not compiles or any(not isinstance(c, bool) for c in compiles):
+        raise PlanError("compile", f"allowed: a non-empty list of true | false; got {compile!r}")
+    base = base.replace(training={"float8": "none", "float8_all_gather": False, "compile": False})
     cps = default_cp_degrees(gpus, base.model.seq_len) if cp is None else tuple(cp)
     if not cps or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in cps):
         raise PlanError("cp", f"context-parallel degrees must be whole numbers ≥ 1, got {list(cp or ())}")
@@ -870,13 +1005,15 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
                         micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
                         exhaustive=exhaustive, cancelled=cancelled)
     pl = _Planner(base, G, tuple(zero), tuple(schedules), tuple(recompute), max_virtual_stages,
-                  None if micro_batch_sizes is None else tuple(micro_batch_sizes), tuple(sorted(set(cps))))
+                  None if micro_batch_sizes is None else tuple(micro_batch_sizes), tuple(sorted(set(cps))),
+                  float8s, compiles)
+    pl.prefilter = not exhaustive
     g = pl.grid()
     n = len(g.mem_lb)
     capacity = base.cluster.gpu.memory_bytes
-    counts = {"enumerated": n, "skipped_global_batch": g.skipped_global_batch}
+    counts = {"enumerated": n + g.memory_prefiltered, "skipped_global_batch": g.skipped_global_batch}
     may_fit = np.ones(n, dtype=bool) if exhaustive else g.mem_lb * _SAFETY <= capacity
-    counts["memory_bound_rejected"] = int(n - may_fit.sum())
+    counts["memory_bound_rejected"] = int(n - may_fit.sum()) + g.memory_prefiltered
     bound0 = (g.makespan_lb + g.rest_lb) * _SAFETY
     idx = np.flatnonzero(may_fit)
     idx = idx[np.argsort(bound0[idx], kind="stable")]
@@ -886,6 +1023,10 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
     heap: list[tuple[float, int, Config]] = []  # (tighter bound, i, cfg)
     ptr = 0
     seen: dict[int, tuple] | None = {} if all_fitting else None  # i -> (cfg, memory, step or None)
+    no_fit_memory: dict[tuple, Any] = {}  # layout with float8 as on / off -> its memory report that does not fit
+
+    def mem_key(i: int) -> tuple:
+        return _key(g, i)[:-2] + (int(g.cols["f8"][i]) > 0, int(g.cols["cmp"][i]))
 
     def kth() -> float:
         return best[top - 1][0] if len(best) >= top else math.inf
@@ -902,6 +1043,13 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
         if next0 <= next1:
             i = int(idx[ptr])
             ptr += 1
+            known = None if exhaustive else no_fit_memory.get(mem_key(i))
+            if known is not None:  # the same layout with the other float8 scaling did not fit: neither does this
+                evaluated += 1
+                no_fit += 1
+                if seen is not None:
+                    seen[i] = (None, known, None)
+                continue
             # a pipeline shape already simulated (another ZeRO stage) needs no Config until evaluated
             mk = None if exhaustive else pl._makespans.get(pl.makespan_key(g, i))
             cfg = None
@@ -929,8 +1077,11 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
                 invalid += 1
                 continue
         evaluated += 1
-        mem = memory_per_rank(cfg)
+        # engine.memory reads float8 only as on / off: a layout that does not fit with one scaling does not
+        # fit with the other (the same bytes), so its report is not computed twice
+        mem = no_fit_memory.get(mem_key(i)) or memory_per_rank(cfg)
         if not mem.fits:
+            no_fit_memory[mem_key(i)] = mem
             no_fit += 1
             if seen is not None:
                 seen[i] = (cfg, mem, None)
@@ -964,6 +1115,10 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
          if len(set(cps)) > 1 else
          f"context parallelism not searched (cp = 1): sequences of {base.model.seq_len} tokens are below "
          f"{LONG_SEQUENCE_TOKENS} (--seq-len; plan(cp=...) searches it anyway)"),
+        (f"float8 searched: {', '.join(float8s)}" if len(float8s) > 1 or float8s[0] != "none" else
+         f"float8 not searched: {_no_float8_reason(base)}" if float8 is None else "float8 not searched (--float8 none)")
+        + "; torch.compile searched: " + ", ".join("on" if c else "off" for c in compiles)
+        + " (float8 all-gather and async TP are not searched: off)",
     )
     if all_fitting:
         notes += (sweep.pop("note"),)
@@ -1046,7 +1201,8 @@ def _fields(cfg: Config) -> dict[str, Any]:
     return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "ZeRO": par.zero,
             "SP": "on" if par.sequence_parallel else "off",
             "schedule": par.schedule if par.pp > 1 else "-", "v": par.virtual_stages, "m": par.microbatches,
-            "b": tr.micro_batch_size, "recompute": tr.recompute}
+            "b": tr.micro_batch_size, "recompute": tr.recompute, "float8": tr.float8,
+            "compile": "on" if tr.compile else "off"}
 
 
 def _explain(best: list, capacity: int) -> tuple[PlanEntry, ...]:
@@ -1106,10 +1262,10 @@ def render_table(result: PlanResult) -> str:
     if not result.entries:
         lines.append("no layout fits: try more GPUs, a GPU with more memory, or a smaller --global-batch")
         return "\n".join(lines)
-    hdr = f"{'#':>2}  {'layout':<66} {'tokens/s':>11} {'step s':>8} {'MFU':>6} {'peak GiB':>9} {'free GiB':>9}"
+    hdr = f"{'#':>2}  {'layout':<84} {'tokens/s':>11} {'step s':>8} {'MFU':>6} {'peak GiB':>9} {'free GiB':>9}"
     lines += ["", hdr, "-" * len(hdr)]
     for e in result.entries:
-        lines.append(f"{e.position:>2}  {e.label():<66} {e.tokens_per_s:>11,.0f} {e.seconds:>8.3f} "
+        lines.append(f"{e.position:>2}  {e.label():<84} {e.tokens_per_s:>11,.0f} {e.seconds:>8.3f} "
                      f"{100 * e.mfu:>5.1f}% {e.peak_bytes / GIB:>9.1f} {e.headroom_bytes / GIB:>9.1f}")
         for w in e.why:
             lines.append(f"      {w}")
@@ -1120,6 +1276,8 @@ def render_table(result: PlanResult) -> str:
 def plan_cli(args) -> int:
     """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2.
 
+    ``--float8 none,tensorwise,rowwise`` and ``--compile on,off`` choose the float8 kinds and torch.compile
+    settings searched (default: every float8 kind the GPU and precision allow, compile on and off).
     ``--config CFG`` plans that config's job instead of ``--model``/``--gpus``/``--gpu``/``--gpus-per-node``. ``--all-fitting`` adds every fitting layout
     (``fitting`` and ``base_config`` in the JSON). ``--progress`` writes JSON lines instead:
     ``{"event": "progress", "phase": "top" | "fitting", "evaluated": k, "total": n}`` as the search
@@ -1162,6 +1320,19 @@ def plan_cli(args) -> int:
         return usage("--progress writes JSON lines; add --json")
 
     kwargs: dict[str, Any] = {}
+    float8 = getattr(args, "float8", None)
+    if float8 is not None:
+        kinds = tuple(k.strip() for k in str(float8).split(",") if k.strip())
+        bad = [k for k in kinds if k not in names.FLOAT8_KINDS]
+        if bad or not kinds:
+            return usage(f"--float8: allowed: a comma-separated list of {', '.join(names.FLOAT8_KINDS)}; got {float8!r}")
+        kwargs["float8"] = kinds
+    compile_ = getattr(args, "compile", None)
+    if compile_ is not None:
+        words = [w.strip() for w in str(compile_).split(",") if w.strip()]
+        if not words or any(w not in ("on", "off") for w in words):
+            return usage(f"--compile: allowed: a comma-separated list of on, off; got {compile_!r}")
+        kwargs["compile"] = tuple(w == "on" for w in words)
     for name in ("global_batch", "max_virtual_stages", "seq_len"):
         value = getattr(args, name, None)
         if value is not None:

@@ -36,7 +36,7 @@ import numpy as np
 from engine import names
 from engine.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
 from engine.config import Config, ConfigError
-from engine.durations import block_flops, stage_block_counts
+from engine.durations import block_flops, load_shares, stage_block_counts
 from engine.layout import placement_style
 from engine.memory import memory_per_rank
 from engine.memory.activations import layer_activation_terms, moe_layer_terms, shape_of
@@ -238,6 +238,8 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 if ep == 1 and m.expert_hidden % tp:
                     continue
                 phi = phi_ep if ep > 1 else (base.conventions.moe_capacity_factor or 1.0)
+                if ep > 1 and base.conventions.moe_expert_load:  # the busiest of this ep's ranks
+                    phi = ep * max(load_shares(base.conventions.moe_expert_load, ep))
                 if phi not in fm_cache:
                     fm_cache[phi] = block_flops(base, True, phi)
                 fm = fm_cache[phi]

@@ -27,7 +27,7 @@ p2p and optimizer times are multiplied by ``engine.comm.cpu_oversubscription`` (
 collectives' α and B scaled by it in engine.comm). Given durations are used as given.
 
 float8 (``training.float8``, torchao's Float8Linear on the blocks' Linears; the head stays bf16):
-the Linear matmuls of F, I and W (and full recompute's forward) run at ``cluster.gpu.peak_fp8_tflops``
+the Linear matmuls of F, I and W (and the recomputed forward's: ``recomputed_linear_blocks``) run at ``cluster.gpu.peak_fp8_tflops``
 times the same ``conventions.compute_efficiency``; the casts are memory-bound time added to the
 stage (:func:`float8_cast_bytes_per_token`: each Linear casts its input and its weight in the
 forward and its output gradient in the backward — rowwise casts input and output gradient once
@@ -61,6 +61,7 @@ import numpy as np
 from engine.comm import (
     CommReport,
     MeasuredLinks,
+    activation_message_bytes,
     collective_seconds,
     communication,
     cp_layer_exchanges,
@@ -70,13 +71,17 @@ from engine.comm import (
     group_span,
     tp_block_collectives,
     tp_edge_collectives,
+    tp_recomputed_blocks,
+    tp_recomputed_collectives,
     trainable_local,
 )
 from engine.config import Config
 from engine.durations import (
     StageDurations,
+    checkpointed_blocks,
     flops_per_token,
     model_flops_per_token,
+    per_op_recompute_flops_per_token,
     plain_blocks,
     recompute_flops_per_token,
     stage_durations,
@@ -126,23 +131,50 @@ def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
     return out["forward"], out["backward"]
 
 
+def tp_recomputed_seconds(cfg: Config, links: MeasuredLinks | None = None) -> float:
+    """The TP collectives one recomputed block repeats in its backward for one microbatch, in seconds
+    (engine.comm.tp_recomputed_collectives)."""
+    if cfg.parallel.tp == 1:
+        return 0.0
+    span = group_span(cfg, "tp")
+    act = activation_message_bytes(cfg)
+    return sum(calls * collective_seconds(cfg, coll, act, span, links) for coll, calls in tp_recomputed_collectives(cfg))
+
+
 def _stage_layers(cfg: Config, num_stages: int) -> np.ndarray:
     return np.array([len(r) for r in split_layers(cfg.model.layers, num_stages, cfg.parallel.pipeline_split)],
                     dtype=np.float64)
 
 
+def recomputed_linear_blocks(cfg: Config, num_stages: int) -> np.ndarray:
+    """Per stage, the blocks' worth of Linear matmuls the backward runs again for one microbatch: every
+    block under full, the checkpointed ones under selective-layer (engine.durations.checkpointed_blocks),
+    under selective-op the share of a block's matmul FLOPs its policy does not save in every block
+    (engine.durations.per_op_recompute_flops_per_token), none under selective and none."""
+    tr = cfg.training
+    layers = _stage_layers(cfg, num_stages)
+    if tr.recompute == "full":
+        return layers
+    if tr.recompute == "selective-layer":
+        return np.array(checkpointed_blocks(cfg), dtype=np.float64)
+    if tr.recompute == "selective-op":
+        return layers * (per_op_recompute_flops_per_token(cfg) / flops_per_token(cfg).matmuls)
+    return np.zeros(num_stages)
+
+
 def linear_matmul_seconds(cfg: Config, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
     """Seconds of the blocks' Linear matmuls per stage for one microbatch, at the rate they run
-    (float8 or the compute dtype): (forward, backward = I + W, with full recompute's forward)."""
+    (float8 or the compute dtype): (forward, backward = I + W, with the recomputed forward's
+    matmuls, :func:`recomputed_linear_blocks`)."""
     par, tr = cfg.parallel, cfg.training
     fl = flops_per_token(cfg)
     tokens = tr.micro_batch_size * cfg.local_seq_len
     gpu = cfg.cluster.gpu
     peak = gpu.peak_fp8_tflops * 1e12 if tr.float8 != "none" else gpu.peak_flops(tr.precision)
     rate = peak * cfg.conventions.compute_efficiency * par.tp
-    fwd = _stage_layers(cfg, num_stages) * tokens * fl.matmuls / rate
-    again = 1.0 if tr.recompute == "full" else 0.0
-    return fwd, fwd * (2.0 + again)
+    one = tokens * fl.matmuls / rate
+    fwd = _stage_layers(cfg, num_stages) * one
+    return fwd, 2.0 * fwd + recomputed_linear_blocks(cfg, num_stages) * one
 
 
 def tp_stage_seconds(cfg: Config, num_stages: int,
@@ -154,6 +186,8 @@ def tp_stage_seconds(cfg: Config, num_stages: int,
     fwd_l, bwd_l = tp_seconds_per_layer(cfg, links)
     layers = _stage_layers(cfg, num_stages)
     fwd, bwd = layers * fwd_l, layers * bwd_l
+    if cfg.training.recompute == "selective-layer" and cfg.parallel.tp > 1:
+        bwd = bwd + np.array(tp_recomputed_blocks(cfg), dtype=np.float64) * tp_recomputed_seconds(cfg, links)
     if cfg.parallel.async_tp:
         mm_f, mm_b = linear_matmul_seconds(cfg, num_stages)
         fwd, bwd = np.maximum(0.0, fwd - mm_f), np.maximum(0.0, bwd - mm_b)
@@ -294,7 +328,7 @@ COMPILE_CONVENTION = "fused-elementwise"
 FLOAT8_CAST_BYTES = {False: 5, True: 3}
 
 
-def _linears(cfg: Config) -> list[tuple[int, int]]:
+def block_linears(cfg: Config) -> list[tuple[int, int]]:
     """(d_in, d_out) of each block Linear on one TP rank (q, k, v, o, gate, up, down)."""
     m, tp = cfg.model, cfg.parallel.tp
     q, kv, f, h = m.heads * m.head_dim // tp, m.kv_dim // tp, m.ffn_hidden // tp, m.hidden
@@ -303,21 +337,20 @@ def _linears(cfg: Config) -> list[tuple[int, int]]:
 
 
 def float8_cast_bytes(cfg: Config) -> tuple[float, float]:
-    """Bytes the float8 casts of one block move for one microbatch on one rank: (forward, backward)."""
+    """Bytes the float8 casts of one block move for one microbatch on one rank: (forward, backward
+    without recompute; a recomputed forward casts its forward's again, :func:`with_float8_and_compile`)."""
     tr, par = cfg.training, cfg.parallel
     if tr.float8 == "none":
         return 0.0, 0.0
     tokens = tr.micro_batch_size * cfg.local_seq_len
     per = FLOAT8_CAST_BYTES[bool(tr.compile)]
-    lin = _linears(cfg)
+    lin = block_linears(cfg)
     inputs = tokens * sum(i for i, _ in lin)
     grads_out = tokens * sum(o for _, o in lin)
     weights = sum(i * o for i, o in lin) / (par.shard_degree if tr.float8_all_gather else 1)
     again = 2 if tr.float8 == "rowwise" else 1  # rowwise: input and output gradient cast along the other axis too
     fwd = per * (inputs + weights)
     bwd = per * (again * grads_out + (again - 1) * inputs + weights)
-    if tr.recompute == "full":
-        bwd += fwd
     return fwd, bwd
 
 
@@ -350,13 +383,13 @@ def with_float8_and_compile(cfg: Config, d: StageDurations) -> StageDurations:
         fl = flops_per_token(cfg)
         tokens = tr.micro_batch_size * cfg.local_seq_len
         eff, tp = cfg.conventions.compute_efficiency, cfg.parallel.tp
-        saved = layers * tokens * fl.matmuls / (eff * tp) * (
+        per_block = tokens * fl.matmuls / (eff * tp) * (
             1 / cfg.cluster.gpu.peak_flops(tr.precision) - 1 / (cfg.cluster.gpu.peak_fp8_tflops * 1e12))
-        again = 1.0 if tr.recompute == "full" else 0.0
+        redo = recomputed_linear_blocks(cfg, n)  # the recomputed forward's matmuls run in float8 too, casts and all
         cast_f, cast_b = float8_cast_bytes(cfg)
-        f += layers * cast_f / hbm - saved
-        i += layers * cast_b / hbm - saved * (1 + again)
-        w -= saved
+        f += layers * (cast_f / hbm - per_block)
+        i += layers * cast_b / hbm + redo * (cast_f / hbm - per_block) - layers * per_block
+        w -= layers * per_block
     save_f, save_b = compile_saved_bytes(cfg)
     f -= layers * save_f / hbm
     i -= layers * save_b / hbm

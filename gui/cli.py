@@ -38,7 +38,12 @@ def _load(path: str):
 def _summary(cfg) -> str:
     m, c, par, t = cfg.model, cfg.cluster, cfg.parallel, cfg.training
     name = m.preset or "custom model"
-    layout = f"dp={par.dp} tp={par.tp} pp={par.pp} zero={par.zero}"
+    layout = f"dp={par.dp} tp={par.tp} pp={par.pp}"
+    if par.cp > 1:
+        layout += f" cp={par.cp} ({par.cp_rotate})"
+    if par.ep > 1:
+        layout += f" ep={par.ep}"
+    layout += f" zero={par.zero}"
     if par.replicate > 1:
         layout += f" replicate={par.replicate}"
     if par.sequence_parallel:
@@ -46,7 +51,8 @@ def _summary(cfg) -> str:
     if par.pp > 1:
         layout += f" {par.schedule} v={par.virtual_stages} m={par.microbatches}"
     return (f"{name} ({m.layers} layers, hidden {m.hidden}) on {c.gpus} × {c.gpu.name} "
-            f"({c.nodes} node(s)); {layout}; {t.precision}, {t.optimizer}, recompute {t.recompute}")
+            f"({c.nodes} node(s)); {layout}; {t.precision}, {t.optimizer}, recompute {t.recompute}"
+            + (f", float8 {t.float8}" if t.float8 != "none" else "") + (", compile" if t.compile else ""))
 
 
 # --------------------------------------------------------------------------- commands
@@ -366,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, metavar="TOKENS",
                    help="train at this sequence length (default: the model's); from 16384 tokens the planner "
                         "searches context parallelism (cp) too")
+    p.add_argument("--float8", metavar="KINDS",
+                   help="comma-separated torchao float8 kinds to search, from none,tensorwise,rowwise (default: all "
+                        "three where the GPU has float8 tensor cores and precision is bf16-mixed, else none)")
+    p.add_argument("--compile", metavar="SETTINGS",
+                   help="comma-separated torch.compile settings to search, from on,off (default: on,off)")
     p.add_argument("--json", action="store_true", help="the result as one JSON document")
     p.add_argument("--all-fitting", action="store_true",
                    help="also fully evaluate every layout that passes the memory lower bound, best bound first, "

@@ -21,6 +21,7 @@ from engine import ConfigError
 from gui.session import describe_config
 from gui.state import State
 from gui.widgets.controls import ControlsPanel
+from gui.widgets.load_balance import LoadBalanceView
 from gui.widgets.memory_chart import MemoryChart
 from gui.widgets.metrics import MetricsPanel
 from gui.widgets.planner_panel import PlannerPanel
@@ -61,6 +62,8 @@ class MainWindow(QMainWindow):
         top.setSizes([760, 360])
         self.tabs = QTabWidget()
         self.tabs.addTab(self.run_panel, "Run && compare")
+        self.load_balance = LoadBalanceView(state)  # a run's tokens per expert (mixtures of experts)
+        self.tabs.addTab(self.load_balance, "Expert load")
         self.tabs.addTab(self.metrics.explainer, "Strategies explained")
         self.tabs.addTab(self.scaling, "DataParallel vs DDP")
         self.planner = PlannerPanel(state)

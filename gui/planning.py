@@ -48,7 +48,7 @@ def job_text(cfg: Config) -> str:
 def job_key(cfg: Config) -> tuple:
     """What a plan depends on (everything but the layout the planner searches)."""
     d = cfg.to_dict()
-    train = {k: v for k, v in d["training"].items() if k not in ("micro_batch_size", "recompute")}
+    train = {k: v for k, v in d["training"].items() if k not in ("micro_batch_size", "recompute", "float8", "compile")}
     return (json.dumps(d["model"], sort_keys=True), json.dumps(d["cluster"], sort_keys=True),
             json.dumps(train, sort_keys=True), json.dumps(d["conventions"], sort_keys=True))
 
@@ -62,12 +62,16 @@ class PlanRequest:
     top: int = DEFAULT_TOP
     fitting_seconds: float = FITTING_SECONDS
     fitting_limit: int = FITTING_LIMIT
+    # search torchao float8 and torch.compile too (the planner's default); False keeps the config's own
+    search_float8_compile: bool = True
 
     def command(self, config_path: str | Path) -> list[str]:
+        knobs = [] if self.search_float8_compile else [
+            "--float8", self.config.training.float8, "--compile", "on" if self.config.training.compile else "off"]
         return [sys.executable, "-m", "gui.cli", "plan", "--config", str(config_path),
                 "--global-batch", str(self.global_batch), "--top", str(self.top), "--json", "--all-fitting",
                 "--fitting-seconds", f"{self.fitting_seconds:g}", "--fitting-limit", str(self.fitting_limit),
-                "--progress"]
+                *knobs, "--progress"]
 
 
 class LineReader:
@@ -210,8 +214,10 @@ def _short(value: Any) -> str:
 
 def _same_layout(layout: dict, cfg: Config) -> bool:
     par, tr = cfg.parallel, cfg.training
-    return (layout["dp"], layout["tp"], layout["pp"], layout["zero"], layout["sequence_parallel"],
-            layout["schedule"] or "1F1B", layout["virtual_stages"], layout["microbatches"],
-            layout["micro_batch_size"], layout["recompute"]) == (
-        par.dp, par.tp, par.pp, par.zero, par.sequence_parallel, par.schedule if par.pp > 1 else "1F1B",
-        par.virtual_stages, par.microbatches, tr.micro_batch_size, tr.recompute)
+    return (layout["dp"], layout["tp"], layout["pp"], layout.get("cp", 1), layout.get("ep", 1), layout["zero"],
+            layout["sequence_parallel"], layout["schedule"] or "1F1B", layout["virtual_stages"],
+            layout["microbatches"], layout["micro_batch_size"], layout["recompute"], layout.get("float8", "none"),
+            layout.get("compile", False)) == (
+        par.dp, par.tp, par.pp, par.cp, par.ep, par.zero, par.sequence_parallel,
+        par.schedule if par.pp > 1 else "1F1B", par.virtual_stages, par.microbatches, tr.micro_batch_size,
+        tr.recompute, tr.float8, tr.compile)

@@ -12,6 +12,7 @@ Pure: engine only, no Qt.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from backend.support import composition_problems, cp_rotate_refusal
@@ -108,6 +109,8 @@ def runnable_version(cfg: Config) -> Runnable:
     if par.get("replicate", 1) > 1 and par["dp"] % par["replicate"]:
         par["replicate"] = 1
         changes.append("no replica groups (HSDP needs dp to be a multiple of them)")
+    if cfg.model.experts > 0 and not d["model"].get("experts"):
+        changes.append(_small_moe(cfg, d["model"], par))
     d["cluster"] = {"gpu": LOCAL_GPU, "gpus": world, "gpus_per_node": world}
     if cfg.cluster.gpu.name != LOCAL_GPU:
         changes.append(f"{world} CPU ranks instead of {cfg.cluster.gpu.name}")
@@ -120,3 +123,25 @@ def runnable_version(cfg: Config) -> Runnable:
     if problems:
         return Runnable(cfg, None, reasons, changes, problems)
     return Runnable(cfg, small, reasons, changes)
+
+
+#: the runnable version of a mixture of experts: the runnable model with this many routed experts
+RUNNABLE_EXPERTS = 8
+
+
+def _small_moe(cfg: Config, model: dict, par: dict) -> str:
+    """Make the runnable model (``model``, a dense preset's table) a small mixture of experts like
+    ``cfg``'s: RUNNABLE_EXPERTS experts, top-k and shared experts at most 2 and 1, at most one
+    leading dense block, and ep the largest degree that divides the experts, cfg's ep and the small
+    layout's dp_shard·cp·tp. Returns the change in words."""
+    m = cfg.model
+    model.update(experts=RUNNABLE_EXPERTS, experts_per_token=min(m.experts_per_token, 2),
+                 shared_experts=min(m.shared_experts, 1), dense_layers=min(m.dense_layers, 1),
+                 expert_ffn_hidden=0, router_score=m.router_score)
+    replicate = par.get("replicate", 1) or 1
+    dense = (par["dp"] // replicate) * par.get("cp", 1) * par["tp"]
+    ep = math.gcd(cfg.parallel.ep, RUNNABLE_EXPERTS, dense)
+    par["ep"] = ep
+    text = f"{RUNNABLE_EXPERTS} routed experts, top-{model['experts_per_token']} instead of {m.experts}, " \
+        f"top-{m.experts_per_token}"
+    return text + (f" (ep {ep} instead of {cfg.parallel.ep})" if ep != cfg.parallel.ep else "")

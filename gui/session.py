@@ -49,6 +49,8 @@ from engine.timeline import pipeline_prediction
 FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
     ("model.preset", "model.preset"),
     ("model.seq_len", "model.seq_len"),
+    ("model.experts_per_token", "model.experts_per_token"),
+    ("model.experts", "model.experts"),
     ("model.", "model.size"),
     ("model", "model.size"),
     ("cluster.gpus_per_node", "cluster.gpus_per_node"),
@@ -531,6 +533,8 @@ class Session:
         section, _, key = path.partition(".")
         if path == "model.preset":
             desired["model"] = {"preset": value, **model_presets()[value]}
+            if not desired["model"].get("experts"):
+                desired["parallel"]["ep"] = 1  # a dense model has no experts to split
         elif path == "model.size":
             desired["model"].update(value)  # a dict of shape fields from the family
         elif path == "cluster.gpu":

@@ -50,7 +50,11 @@ def test_plan_shows_top_layouts_and_every_fitting_one_and_a_click_applies_it(win
     assert panel.batch.value() == default_global_batch(8, 64)  # the planner's default for this job
     panel.batch.setValue(16)
     panel.fitting_seconds = 900  # a loaded machine must not cut the sweep short: only its count decides
+    # the config's own float8/compile only: searching them (the default) multiplies this job's fitting
+    # layouts past the sweep's limit, and this test wants every fitting one evaluated
+    panel.search_float8_compile = False
     qtbot.mouseClick(panel.plan_button, Qt.MouseButton.LeftButton)
+    assert panel.request.command("job.toml")[-5:] == ["--float8", "none", "--compile", "off", "--progress"]
     assert panel.running and not panel.plan_button.isEnabled() and panel.cancel_button.isEnabled()
     qtbot.waitUntil(lambda: not panel.running, timeout=180000)
     out = panel.outcome

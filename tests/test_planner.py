@@ -12,7 +12,16 @@ import pytest
 from engine import Config
 from engine.comm import GroupSpan, group_ranks, group_span
 from engine.memory import memory_per_rank
-from engine.planner import SEARCHED_RECOMPUTE, PlanError, _Planner, default_global_batch, plan, render_table
+from engine.planner import (
+    SEARCHED_COMPILE,
+    SEARCHED_RECOMPUTE,
+    PlanError,
+    _Planner,
+    default_float8_kinds,
+    default_global_batch,
+    plan,
+    render_table,
+)
 from engine.step import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +44,7 @@ def _brute_force(kw):
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
     pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE,
-                  kw["max_virtual_stages"], None)
+                  kw["max_virtual_stages"], None, float8=default_float8_kinds(base), compile=SEARCHED_COMPILE)
     g = pl.grid()
     rows = []
     for i in range(len(g.mem_lb)):
@@ -415,4 +424,7 @@ def test_plan_outcome_rows_points_and_configs():
     assert "stopped after 200 layouts" in out.summary() and "the top 4 are exact" in out.summary()
     cmd = PlanRequest(cfg, global_batch=16, top=4).command("job.toml")
     assert cmd[1:4] == ["-m", "gui.cli", "plan"] and "--all-fitting" in cmd and "--progress" in cmd
+    assert "--float8" not in cmd and "--compile" not in cmd  # searched by default
+    own = PlanRequest(cfg, global_batch=16, top=4, search_float8_compile=False).command("job.toml")
+    assert own[own.index("--float8") + 1] == "none" and own[own.index("--compile") + 1] == "off"
     assert [fmt_seconds(x) for x in (2.5, 0.0123, 4.56e-4)] == ["2.5 s", "12.3 ms", "456 µs"]

@@ -12,11 +12,13 @@ import pytest
 from engine.memory import memory_per_rank
 from engine.planner import (
     LONG_SEQUENCE_TOKENS,
+    SEARCHED_COMPILE,
     PlanError,
     _base_config,
     _key,
     _Planner,
     default_cp_degrees,
+    default_float8_kinds,
     layout_config,
     plan,
 )
@@ -36,7 +38,7 @@ def brute_force():
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None, kw["seq_len"])
     cps = default_cp_degrees(kw["gpus"], kw["seq_len"])
     pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), kw["schedules"], kw["recompute"],
-                  kw["max_virtual_stages"], None, cps)
+                  kw["max_virtual_stages"], None, cps, float8=default_float8_kinds(base), compile=SEARCHED_COMPILE)
     g = pl.grid()
     rows = []
     for i in range(len(g.mem_lb)):

@@ -450,32 +450,34 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
 # --------------------------------------------------------------------------- mixture of experts
 
 
-def moe_tokens(cfg: Config) -> tuple[int, int]:
+def moe_tokens(cfg: Config, ep_rank: int | None = None) -> tuple[int, int]:
     """(tokens entering one MoE block on this rank per microbatch, routed copies it computes).
 
     With expert parallelism and TP, each TP rank dispatches its 1/t slice of the sequence
     (torchtitan); otherwise the block sees the s·b tokens (s·b/t of the router input under SP).
-    The routed copies are n·k times ``routed_factor``."""
+    The routed copies are n·k times ``routed_factor`` (of ``ep_rank`` under a measured load)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     n = m.seq_len * tr.micro_batch_size
     if par.ep > 1:
         n //= par.tp
-    return n, int(-(-n * m.experts_per_token * routed_factor(cfg) // 1))
+    return n, int(-(-n * m.experts_per_token * routed_factor(cfg, ep_rank) // 1))
 
 
-def moe_layer_terms(cfg: Config) -> tuple[list[tuple[str, int, str]], str]:
+def moe_layer_terms(cfg: Config, ep_rank: int | None = None) -> tuple[list[tuple[str, int, str]], str]:
     """What one block's experts save for backward per microbatch on one rank, in place of the dense
     MLP's rows: router input and scores, the top-k choice, the dispatched tokens (the grouped GEMMs'
     input, after the all-to-all), each expert's SwiGLU / GeLU internals for its tokens, the expert
-    outputs the weighted combine keeps, and the shared experts as a dense MLP of S·f_e."""
+    outputs the weighted combine keeps, and the shared experts as a dense MLP of S·f_e. Under
+    ``conventions.moe_expert_load`` the routed copies are those of ``ep_rank``'s experts (None: the
+    busiest rank's)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     h, k, e = m.hidden, m.experts_per_token, m.experts
-    n, n_r = moe_tokens(cfg)
+    n, n_r = moe_tokens(cfg, ep_rank)
     rep = par.tp if par.sequence_parallel and par.ep == 1 else 1
     f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
     inner = 4 if m.mlp == "swiglu" else 2
-    phi = routed_factor(cfg)
+    phi = routed_factor(cfg, ep_rank)
     out = [
         ("MoE: router input (norm2 output)", act * n * h // rep, "mlp"),
         (f"MoE: router scores ({m.router_score}, fp32)", 4 * n * e // rep, "mlp"),
@@ -534,9 +536,10 @@ def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) ->
 
 
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
-                           in_flight) -> dict:
+                           in_flight, ep_rank: int | None = None) -> dict:
     """Activations of every local stage (each multiplied by its microbatches in flight) and the loss
-    and recompute temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts.
+    and recompute temporaries. ``in_flight(unit_bytes)`` gives the per-local-stage counts;
+    ``ep_rank`` picks the routed copies under a measured expert load.
 
     Returns what the buffers need: the residual stream's element bytes and numel.
     """
@@ -616,7 +619,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         extras.append(ex)
     moe = model.experts > 0
     if moe:  # a block with experts: the dense MLP's rows give way to the experts'
-        moe_rows, moe_formula = moe_layer_terms(cfg)
+        moe_rows, moe_formula = moe_layer_terms(cfg, ep_rank)
         per_moe = per_layer - sum(x for _, x, part in layer_terms if part == "mlp") + sum(x for _, x, _ in moe_rows)
         moe_formula = f"{layer_formula} with the MLP's rows replaced by the {moe_formula}"
 

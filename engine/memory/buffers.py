@@ -170,6 +170,22 @@ def replicated_embedding_gradient(cfg: Config, rp: RankParams) -> tuple[int, int
     return full, full - local
 
 
+def recomputes_every_block(cfg: Config, rp: RankParams) -> bool:
+    """Whether every block of the rank's stages recomputes its whole forward in the backward: full
+    recompute, or selective-layer where torchtitan's every-N-th counter checkpoints all of them
+    (``engine.durations.checkpointed_blocks``; recompute_every = 1, or stages of one block each
+    landing on the counter)."""
+    from engine.durations import checkpointed_blocks  # engine.durations imports engine.memory
+
+    tr = cfg.training
+    if tr.recompute == "full":
+        return True
+    if tr.recompute != "selective-layer":
+        return False
+    ckpt = checkpointed_blocks(cfg)
+    return all(ckpt[st.stage if len(ckpt) > 1 else 0] == st.layers for st in rp.stages)
+
+
 def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc: bool) -> None:
     """DDP's gradient buckets, and the gradient-sized temporary of its synchronised backward."""
     par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
@@ -184,9 +200,11 @@ def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc
               f"{gb} B × {'Ψ_lora (frozen parameters have no bucket)' if lora_on else 'Ψ'}: the Reducer's flat "
               "buckets cover every gradient; bucket_cap_mb sets their count", kind="ddp_buckets")
     # it is part of the peak where the rank's peak falls in a backward: no pipeline, the last stage
-    # (one microbatch in flight), full recompute; stages holding several microbatches peak at the
+    # (one microbatch in flight), every block of the rank recomputing its forward (full, or
+    # selective-layer checkpointing each of them); stages holding several microbatches' saved
+    # activations (none, selective, selective-op, selective-layer with plain blocks) peak at the
     # end of their warm-up forwards, before it exists (measured)
-    in_backward = (par.pp == 1 or tr.recompute == "full"
+    in_backward = (par.pp == 1 or recomputes_every_block(cfg, rp)
                    or any(st.stage == par.num_stages - 1 for st in rp.stages))
     # not seen with LoRA's frozen base (measured: DDP + peft, torch 2.13)
     if torch_acc and in_backward and not lora_on:
@@ -228,16 +246,17 @@ def pipeline_buffers(cfg: Config, rp: RankParams, T: Terms, res: int, sbh_rep: i
                   f"m × {res}·s·b·{hs} = {m} × {stage_io:,}", stage=st.stage, kind="p2p_gradient_receive")
 
 
-def moe_dispatch_buffers(cfg: Config, T: Terms) -> None:
+def moe_dispatch_buffers(cfg: Config, T: Terms, ep_rank: int | None = None) -> None:
     """Expert parallelism's all-to-all buffers of the MoE layer in flight: the send buffer (this
     rank's n·k token copies, permuted by expert) and the receive buffer (the routed copies it
     computes, n_r = n·k × the routed factor), for dispatch and, in the backward, for combine's
-    gradients; one layer's at a time (the dispatched tokens the experts keep are activations)."""
+    gradients; one layer's at a time (the dispatched tokens the experts keep are activations).
+    Under a measured expert load the receive buffer holds ``ep_rank``'s routed copies."""
     from engine.memory.activations import moe_tokens
 
     m, tr = cfg.model, cfg.training
     act = 4 if tr.precision == "fp32" else 2
-    n, n_r = moe_tokens(cfg)
+    n, n_r = moe_tokens(cfg, ep_rank)
     send = act * n * m.experts_per_token * m.hidden
     recv = act * n_r * m.hidden
     T.add("comm_buffers", "MoE all-to-all: one layer's dispatch send and combine receive buffers (n·k token copies)",
@@ -247,8 +266,10 @@ def moe_dispatch_buffers(cfg: Config, T: Terms) -> None:
 
 
 def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, psi: int, psi_train: int,
-                 train_units: tuple[tuple[int, int], ...], res: int, sbh_rep: int, hs: str) -> None:
-    """Every communication buffer of this rank (and the temporaries that go with them)."""
+                 train_units: tuple[tuple[int, int], ...], res: int, sbh_rep: int, hs: str,
+                 ep_rank: int | None = None) -> None:
+    """Every communication buffer of this rank (and the temporaries that go with them); ``ep_rank``
+    sizes the MoE receive buffers under a measured expert load."""
     par = cfg.parallel
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     z = par.zero
@@ -261,7 +282,7 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
     if par.pp > 1:
         pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
     if par.ep > 1 and any(st.moe_layers for st in rp.stages):
-        moe_dispatch_buffers(cfg, T)
+        moe_dispatch_buffers(cfg, T, ep_rank)
     if not T["comm_buffers"]:
         T.add("comm_buffers", "no collective buffers (nothing to reduce)", 0, "0", kind="none")
     if not T["temporaries"]:

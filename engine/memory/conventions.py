@@ -112,7 +112,17 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                 f"imbalance {conv.moe_imbalance:g}: the busiest EP rank routes that × the balanced n·k"
                 + (" (1 = balanced, the default)" if conv.moe_imbalance == 1 else "")
                 if par.ep > 1 else "every expert local (ep = 1): n·k routed copies in all")
-        out["moe_load"] = f"{load} (conventions.moe_imbalance, conventions.moe_capacity_factor)"
+        if conv.moe_expert_load and par.ep > 1:
+            from engine.durations import ep_rank_loads
+
+            shares = ", ".join(f"{x:.3f}" for x in ep_rank_loads(cfg))
+            load = (f"measured per-expert load: EP rank r routes n·k·ep × the fractions of its experts "
+                    f"(experts contiguous over the ep ranks; shares {shares}); the all-to-all and grouped GEMMs "
+                    f"are timed at the busiest rank's")
+        elif conv.moe_expert_load:
+            load = "measured per-expert load, every expert local (ep = 1): n·k routed copies in all"
+        out["moe_load"] = (f"{load} (conventions.moe_imbalance, conventions.moe_capacity_factor, "
+                           f"conventions.moe_expert_load)")
         out["moe_experts"] = (f"E / ep = {m.experts // par.ep} whole experts per rank per MoE block, FSDP-sharded over "
                               f"efsdp = {par.expert_shard_degree} (torchtitan's sparse mesh)" if par.ep > 1 else
                               f"all {m.experts} experts on every rank, split by TP along f")

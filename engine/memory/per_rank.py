@@ -8,7 +8,8 @@ moment with the most live tracked bytes and its categories the snapshot of the t
 then the device overhead (``overhead``: its allocator slack is a fraction of the peak's bytes) and
 the caching allocator's reserve (``overhead.reserved_bytes``: the step's allocation events replayed). Ranks that hold the same thing (DP replicas, TP shards with equal vocab
 chunks) share one computed body; under torch's ZeroRedundancyOptimizer DP ranks hold different
-optimizer shares, so each dp-rank gets its own. Rank order is ``engine.layout.rank_coords``':
+optimizer shares, so each dp-rank gets its own; under a measured expert load
+(``conventions.moe_expert_load``) EP ranks route different token counts, so each ep-rank does. Rank order is ``engine.layout.rank_coords``':
 TP innermost, then CP, then DP, then PP.
 """
 
@@ -30,9 +31,11 @@ from engine.params import RankParams, params_per_rank, unit_numel
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
 
 
-def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan | None = None) -> _Body:
-    """The categories and terms of one rank holding ``rp`` (its dp-rank matters under ZeRO-1 only);
-    ``plan`` is ``wrapping_plan(cfg)``, computed when not given."""
+def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan | None = None,
+              ep_rank: int | None = None) -> _Body:
+    """The categories and terms of one rank holding ``rp`` (its dp-rank matters under ZeRO-1 only,
+    its ep-rank under a measured expert load only); ``plan`` is ``wrapping_plan(cfg)``, computed
+    when not given."""
     par, tr = cfg.parallel, cfg.training
     plan = plan or wrapping_plan(cfg)
     torch_acc = cfg.conventions.state_accounting == "pytorch"
@@ -54,8 +57,9 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                       unit_bytes)
 
     stream = stage_activation_terms(cfg, rp, T, torch_acc=torch_acc, autocast=torch_acc and plan.autocast,
-                                    psi_train=psi_train, in_flight=in_flight)
-    comm_buffers(cfg, plan, rp, T, psi=psi, psi_train=psi_train, train_units=train_units, **stream)
+                                    psi_train=psi_train, in_flight=in_flight, ep_rank=ep_rank)
+    comm_buffers(cfg, plan, rp, T, psi=psi, psi_train=psi_train, train_units=train_units, ep_rank=ep_rank,
+                 **stream)
     after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
     timeline = dict(schedule=par.schedule, pp_rank=rp.pp_rank, pp=par.pp, virtual_stages=par.virtual_stages,
                     microbatches=par.microbatches, stages=rp.stage_indices,
@@ -80,6 +84,20 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     plan = wrapping_plan(cfg)
     # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per dp-rank then
     per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1 and par.tp == 1
+    coords = [rank_coords(rank, par.dp, par.tp, par.pp, 1, par.cp) for rank in range(par.world_size)]
+    if cfg.conventions.moe_expert_load and par.ep > 1:
+        # a measured expert load: EP ranks route different token counts, so each ep-rank gets its
+        # own body (the sparse mesh puts ep innermost over the dense region: ep-rank = rank mod ep)
+        seen_ep: dict[tuple[int, int, int, int], _Body] = {}
+        per_rank = []
+        for c in coords:
+            rp, dp_rank, ep_rank = grid[c.pp][c.tp], c.dp if per_dp else 0, c.rank % par.ep
+            key = (c.pp, rp.total, dp_rank, ep_rank)
+            body = seen_ep.get(key)
+            if body is None:
+                body = seen_ep[key] = rank_body(cfg, rp, dp_rank, plan, ep_rank)
+            per_rank.append(RankMemory(c.rank, c.tp, c.dp, body, capacity))
+        return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))
     bodies: dict[tuple[int, int, int], _Body] = {}
     for pp_rank, row in enumerate(grid):
         seen: dict[tuple[int, int], _Body] = {}
@@ -90,6 +108,5 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
                 if body is None:
                     body = seen[key] = rank_body(cfg, rp, dp_rank, plan)
                 bodies[pp_rank, tp_rank, dp_rank] = body
-    coords = [rank_coords(rank, par.dp, par.tp, par.pp, 1, par.cp) for rank in range(par.world_size)]
     per_rank = [RankMemory(c.rank, c.tp, c.dp, bodies[c.pp, c.tp, c.dp if per_dp else 0], capacity) for c in coords]
     return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))

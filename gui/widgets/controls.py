@@ -23,9 +23,11 @@ from PySide6.QtWidgets import (
 
 from engine import names
 from engine.config import FIELD_RANGES
+from engine.params import param_counts
 from engine.presets import gpu_presets, model_presets
 from gui.family import family_for, format_params
 from gui.widgets.barrier import LayoutBarrier
+from gui.widgets.moe_controls import ExpertControls
 
 
 def nice_values(lo: int, hi: int) -> list[int]:
@@ -168,6 +170,9 @@ class ControlsPanel(QWidget):
         self.seq_len = StepSlider(SEQ_LEN_VALUES, fmt=tokens_label)
         self.seq_len.valueChosen.connect(lambda v: self._edit("model.seq_len", v))
         self._row(grid, "Sequence length", "model.seq_len", self.seq_len)
+
+        # ---- mixture of experts (experts, top-k, ep: gui.widgets.moe_controls)
+        self.moe = ExpertControls(self, outer)
 
         # ---- cluster
         g, grid = self._group("Cluster", outer)
@@ -325,9 +330,11 @@ class ControlsPanel(QWidget):
         self.size.label.setText(format_params(member.params))
         self.size.label.setToolTip(f"{member.params:,} parameters")
         s = member.spec
-        self.size_label.setText(
-            f"{s.layers} layers × {s.hidden} hidden, {s.heads} heads ({s.kv_heads} KV), FFN {s.ffn_hidden}"
-        )
+        text = f"{s.layers} layers × {s.hidden} hidden, {s.heads} heads ({s.kv_heads} KV), FFN {s.ffn_hidden}"
+        if s.experts > 0:  # a mixture of experts: its experts, and what one token passes through
+            text = (f"{s.layers} layers × {s.hidden} hidden, {s.experts} experts (top-{s.experts_per_token}) "
+                    f"of FFN {s.expert_hidden} · {format_params(param_counts(s).active)} active")
+        self.size_label.setText(text)
 
     # ------------------------------------------------------------------ mirror
 
@@ -341,7 +348,9 @@ class ControlsPanel(QWidget):
             self._set_combo(self.preset, preset if preset in presets else None)
             stages = par.get("pp", 1) * par.get("virtual_stages", 1)
             stages = stages if isinstance(stages, int) and stages > 0 else 1
-            self._family, index = family_for(model, presets.get(preset), min_layers=stages)
+            ep = par.get("ep", 1)
+            self._family, index = family_for(model, presets.get(preset), min_layers=stages,
+                                             ep=ep if isinstance(ep, int) and ep > 0 else None)
             self.size.values = list(range(len(self._family)))
             self.size.slider.blockSignals(True)
             self.size.slider.setRange(0, len(self._family) - 1)
@@ -379,6 +388,7 @@ class ControlsPanel(QWidget):
             self._set_data(self.lora_base_dtype, tr.get("lora_base_dtype", "fp32"))
             self._show_lora(tr.get("finetune") == "lora")
             self._offer_dataparallel(par.get("dp_mode") == "dataparallel")
+            self.moe.sync(model, par)
         finally:
             self._syncing = False
 

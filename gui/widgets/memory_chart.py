@@ -25,6 +25,9 @@ from engine.names import MEMORY_CATEGORIES
 from gui.comparison import fmt_bytes
 from gui.session import describe_config
 from gui.widgets.barrier import LayoutBarrier
+from gui.widgets.expert_band import LEGEND_HTML as EXPERT_LEGEND
+from gui.widgets.expert_band import ExpertBandItem, expert_bytes
+from gui.widgets.expert_band import hover_text as expert_hover_text
 from gui.widgets.timeline import BoxesItem
 
 GIB = float(2**30)
@@ -277,6 +280,7 @@ class MemoryChart(QWidget):
     def on_prediction(self, pred) -> None:
         if pred.memory is None:
             self.report, self.groups = None, []
+            self.expert_band.clear()
             self.note.setText(pred.missing.get("memory", ""))
             self.note.show()
         else:
@@ -295,6 +299,8 @@ class MemoryChart(QWidget):
         """The legend names what the outlined bars are (set when a measurement comes or goes, not per redraw)."""
         outlined = self.measured_label or "measured"
         text = self._legend_html + f"&nbsp;&nbsp;· outlined bars: {outlined} · red frame: over capacity"
+        if getattr(self, "_experts_shown", False):
+            text = text.replace(self._legend_html, self._legend_html + EXPERT_LEGEND, 1)
         if self.baseline_text:
             text += f" · thin light bars: baseline ({self.baseline_text})"
         self.legend.setText(text)
@@ -373,6 +379,12 @@ class MemoryChart(QWidget):
         self._fitted: dict[int, tuple[str, float]] = {}  # id(item) -> (text, wrap width) last set
         self._view_px: tuple[float, float] = (0.0, 0.0)
         pi.getViewBox().sigResized.connect(self._view_resized)
+        # the routed experts' part of params, over the bottom of each params segment
+        self.expert_band = ExpertBandItem()
+        self.expert_bytes: list[int] = []  # per group: the routed experts' parameter bytes
+        self._experts_of: object = None  # the report expert_bytes was read from
+        self._experts_shown = False
+        pi.addItem(self.expert_band)
 
     def _fit_text(self, item, text: str, room_px: float) -> None:
         """Set ``item``'s text, wrapped to ``room_px`` when wider (only when text or room changed)."""
@@ -476,6 +488,7 @@ class MemoryChart(QWidget):
         if self.baseline_stacks.isVisible() != has_base:
             self.baseline_stacks.setVisible(has_base)
         self.stacks.setVisible(True)
+        self._draw_experts(xp, width, top)
         frames = (tuple(xp[over]), tuple(totals[over]), width)
         if frames != self._frames:  # BarGraphItem re-records its picture on every setOpts
             self._frames = frames
@@ -533,6 +546,21 @@ class MemoryChart(QWidget):
             self.header.setProperty("alarm", bool(over))
             self.header.style().unpolish(self.header)
             self.header.style().polish(self.header)
+
+    def _draw_experts(self, xp, width, top) -> None:
+        """The routed experts' bytes (read once per prediction) as a band at the bottom of each bar."""
+        if self._experts_of is not self.report:
+            self._experts_of = self.report
+            self.expert_bytes = [expert_bytes(g.sample) for g in self.groups]
+        shown = any(self.expert_bytes)
+        if shown:
+            h = [b / self.unit / top for b in self.expert_bytes]
+            self.expert_band.set_bands(xp - width / 2, xp + width / 2, h)
+        else:
+            self.expert_band.clear()
+        if shown != self._experts_shown:
+            self._experts_shown = shown
+            self._set_legend()
 
     def _draw_baseline(self, x, top) -> None:
         """The baseline's stacks (bytes) beside the groups, in the lighter colours, scaled into the view."""
@@ -648,6 +676,9 @@ class MemoryChart(QWidget):
         if base is not None:
             rank, c, nbytes = base
             return f"baseline · rank {rank} · {c}: {fmt_bytes(nbytes)}\n({self.baseline_text})"
+        expert = expert_hover_text(self, x, y)  # the routed experts' band inside params
+        if expert:
+            return expert
         hit = self.segment_at(x, y)
         if hit is None:
             return ""

@@ -65,6 +65,8 @@ class PlannerPanel(QWidget):
         self._result_seen = False
         self._batch_for: tuple | None = None
         self.fitting_seconds = FITTING_SECONDS  # how long the scatter's sweep may run
+        # search torchao float8 and torch.compile as the planner does by default; False keeps the config's own
+        self.search_float8_compile = True
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -210,7 +212,8 @@ class PlannerPanel(QWidget):
             return
         cfg = self.state.config
         self.request = PlanRequest(cfg, global_batch=self.batch.value(), top=self.top.value(),
-                                   fitting_seconds=self.fitting_seconds)
+                                   fitting_seconds=self.fitting_seconds,
+                                   search_float8_compile=self.search_float8_compile)
         self._tmp = Path(tempfile.mkdtemp(prefix="shardscope-plan-"))
         path = cfg.save(self._tmp / "job.toml")
         cmd = self.request.command(path)

@@ -75,8 +75,8 @@ def actions_from_timeline(tl) -> Actions:
                    start_s=np.asarray(tl.start_s, dtype=float), end_s=np.asarray(tl.end_s, dtype=float))
 
 
-def actions_from_measurement(measurement: dict, dp: int, tp: int) -> Actions:
-    """The measured pipeline of one replica (dp = tp = 0) as flat arrays, time from 0.
+def actions_from_measurement(measurement: dict, dp: int, tp: int, cp: int = 1) -> Actions:
+    """The measured pipeline of one replica (dp = cp = tp = 0) as flat arrays, time from 0.
 
     measurement.json: ``pipeline.per_rank = [{rank, actions: [[kind, stage, mb, start_s, end_s], ...]}]``.
     """
@@ -84,9 +84,9 @@ def actions_from_measurement(measurement: dict, dp: int, tp: int) -> Actions:
     rows, kinds, stages, mbs, starts, ends = [], [], [], [], [], []
     for entry in per_rank:
         rank = int(entry.get("rank", 0))
-        if (rank // tp) % dp != 0 or rank % tp != 0:
-            continue  # another replica of the same pipeline rank
-        pp_index = rank // (dp * tp)
+        if (rank // (tp * cp)) % dp != 0 or (rank // tp) % cp != 0 or rank % tp != 0:
+            continue  # another replica of the same pipeline rank (rank order [pp, dp, cp, tp])
+        pp_index = rank // (dp * cp * tp)
         for a in entry.get("actions", []):
             kind, stage, mb, s, e = a[:5]
             rows.append(pp_index)
@@ -322,7 +322,7 @@ class TimelineView(QWidget):
         if record.measurement is None:
             return
         par = record.config.parallel
-        self.measured = actions_from_measurement(record.measurement, par.dp, par.tp)
+        self.measured = actions_from_measurement(record.measurement, par.dp, par.tp, par.cp)
         self.measured_config = record.config
         self.redraw()
 
