@@ -245,7 +245,13 @@ def test_the_events_replay_to_the_peak_allocated():
 def test_all_gathers_are_on_their_own_stream():
     r = memory_per_rank(_cfg({"dp": 2, "zero": 3}, gpus=2)).per_rank[0]
     streams = {e[3] for e in r._body.timeline.events() if e[0] == "alloc" and len(e) > 3}
-    assert streams == {1}
+    # FSDP2's sharded gradients are views of the reduce-scatter output, which torch 2.13 allocates on the
+    # reduce-scatter stream (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce:
+    # "with device_handle.stream(reduce_scatter_stream): reduce_output = reduce_scatter_comm.allocate(...)",
+    # then "new_sharded_grad = torch.as_strided(reduce_output, ...)"): stream 2, every byte of them
+    assert streams == {1, 2}
+    on_rs = sum(e[2] for e in r._body.timeline.events() if e[0] == "alloc" and len(e) > 3 and e[3] == 2)
+    assert on_rs == sum(t.bytes for t in r.catalogue("grads") if t.kind == "fsdp_sharded_grads") > 0
 
 
 def test_cpu_ranks_reserve_what_they_allocate():
@@ -351,3 +357,23 @@ def test_under_pipelining_fsdp2_makes_sharded_gradients_at_reduce_grad_and_gathe
             assert (mo.kind[first] == 0).all()  # F
             end = mo.masks[:, TRANSIENT.index("end_of_backward")].astype(bool)
             assert end.tolist() == [False] * (len(end) - 1) + [True] and mo.counts[-1].sum() == 0
+
+
+def test_the_events_lay_each_block_as_the_training_loop_allocates_it():
+    """On a GPU rank the events go block by block: each forward allocates one block's saved tensors at
+    a time (with the transients its forward makes, freed as it goes), and the backward frees them last
+    block first; FSDP2's sharded gradients appear during the first backward, on the reduce-scatter stream."""
+    c = _cfg({"dp": 2, "zero": 3}, gpus=2, training={"precision": "bf16-mixed"})
+    r = memory_per_rank(c).per_rank[0]
+    ev = r._body.timeline.events()
+    blocks = c.model.layers
+    saved = [e for e in ev if e[1][0] == "mb" and isinstance(e[1][3], int)]
+    allocs = [e[1][3] for e in saved if e[0] == "alloc"]
+    frees = [e[1][3] for e in saved if e[0] == "free"]
+    assert allocs == list(range(blocks)) and frees == list(reversed(range(blocks)))
+    assert any(e[0] == "alloc" and e[1][0] == "fwd" for e in ev)  # the forward's own transients
+    first_free = next(k for k, e in enumerate(ev) if e[0] == "free" and e[1][0] == "mb")
+    grads = [k for k, e in enumerate(ev) if e[0] == "alloc" and len(e) > 3 and e[3] == 2]
+    assert grads and min(grads) > first_free  # made during the backward, once freed blocks cover them
+    # the replay still peaks at the moments' allocated bytes, and reserves at least that
+    assert r.reserved >= replay(ev).max_allocated >= r.allocated

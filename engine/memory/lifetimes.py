@@ -103,6 +103,14 @@ LIFETIMES: dict[str, str] = {
 #: the stream FSDP2's all-gathers allocate on (the default stream is 0)
 ALL_GATHER_STREAM = 1
 
+#: the stream FSDP2's reduce-scatter output, the sharded gradient, is allocated on (``foreach_reduce``
+#: allocates ``reduce_output`` under ``device_handle.stream(reduce_scatter_stream)`` and the sharded
+#: gradients are views of it)
+REDUCE_SCATTER_STREAM = 2
+
+#: the activation kinds that are a stage's blocks (laid block by block with a :class:`Grain`)
+BLOCK_KINDS = frozenset({"layers", "moe_layers"})
+
 #: the term kinds whose buffers FSDP2 allocates on its all-gather stream
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
                                      "unsharded_params"})
@@ -313,15 +321,17 @@ class RankTimeline:
     changes a kind's rule (``lifetime_overrides``).
     """
 
-    __slots__ = ("terms", "signature", "varying", "_column", "_rows")
+    __slots__ = ("terms", "signature", "varying", "_column", "_rows", "_grain", "_acts")
 
     def __init__(self, terms: dict[str, list[Term]], *, schedule: str, pp_rank: int, pp: int, virtual_stages: int,
                  microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step",
-                 overrides: dict[str, str] | None = None):
+                 overrides: dict[str, str] | None = None, grain: Grain | None = None):
         self.terms = terms
+        self._grain = grain
         local = tuple(sorted(stages)) if pp > 1 else (0,)
         column = self._column = {s: j for j, s in enumerate(local)}
         unit = [0] * len(local)
+        acts = [[0, 0] for _ in local]  # per local stage: the blocks' saved bytes, the log-probabilities
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
@@ -331,13 +341,18 @@ class RankTimeline:
         gather = ALL_GATHER_STREAM_KINDS
         for c in MEMORY_CATEGORIES:
             var = []
-            acts = c == "activations"
+            acts_c = c == "activations"
             for i, (_, nbytes, _, _, tracked, stage, n, kind) in enumerate(terms[c]):
                 if not tracked:
                     continue
-                if acts and n is not None and stage is not None and kind != "pipeline_outputs":
+                if acts_c and n is not None and stage is not None and kind != "pipeline_outputs":
                     if n:
-                        unit[column[stage if pp > 1 else 0]] += nbytes // n
+                        col = column[stage if pp > 1 else 0]
+                        unit[col] += nbytes // n
+                        if kind in BLOCK_KINDS:
+                            acts[col][0] += nbytes // n
+                        elif kind == "log_probabilities":
+                            acts[col][1] += nbytes // n
                     var.append((i, "microbatch"))
                     continue
                 life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
@@ -351,11 +366,13 @@ class RankTimeline:
                         trans[life] += nbytes
                     var.append((i, life))
                 if nbytes > 0:
-                    add_row((life, nbytes, ALL_GATHER_STREAM if kind in gather else 0))
+                    add_row((life, nbytes, ALL_GATHER_STREAM if kind in gather
+                             else REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
             if var:
                 varying[c] = var
         self.varying = varying
         self._rows = tuple(rows)
+        self._acts = tuple(tuple(x) for x in acts)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
                                    tuple(trans[k] for k in TRANSIENT))
@@ -423,8 +440,11 @@ class RankTimeline:
 
     def _event_signature(self) -> tuple:
         """Hashable: the timeline's signature plus the (lifetime, bytes, stream) of every tracked block
-        not per stage-microbatch (one microbatch's for the kept outputs): identical ranks share one replay."""
-        return self.signature, self._rows
+        not per stage-microbatch (one microbatch's for the kept outputs), and with a :class:`Grain` the
+        grain and the blocks' and log-probabilities' bytes per local stage: identical ranks share one replay."""
+        if self._grain is None:
+            return self.signature, self._rows
+        return self.signature, self._rows, self._grain, self._acts
 
 
 def _rescaled(t: Term, k: int, n: int) -> Term:
@@ -436,17 +456,73 @@ def _rescaled(t: Term, k: int, n: int) -> Term:
     return t._replace(label=label, bytes=k * one, formula=f"{k} × {one:,} B (of {t.formula})", in_flight=k)
 
 
+class Grain(NamedTuple):
+    """What the allocation events lay block by block (``allocation_events``), from the activation table
+    and the head: the sizes one block's forward saves (in order; the per-rank model gives them as one
+    piece) and the transient tensors it makes (in order; the per-rank model gives its two largest), the
+    blocks of each local stage, and the head's output (the logits) in the compute dtype before the loss
+    casts it to fp32 (0: the logits are fp32 already, no cast)."""
+
+    kept: tuple[int, ...]  # what one block saves, one microbatch, in forward order (proportions)
+    work: tuple[int, ...]  # tensors one block's forward makes, one microbatch, in order
+    blocks: tuple[int, ...]  # blocks per local stage
+    logits_bytes: int  # the last stage's logits in the compute dtype, one microbatch (0: no fp32 cast)
+
+
+def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
+    """``total`` bytes split in proportion to ``weights`` (the last piece takes the rounding): exact sum."""
+    w = sum(weights)
+    if total <= 0:
+        return [0] * len(weights)
+    if w <= 0 or len(weights) < 2:
+        return [total] + [0] * (len(weights) - 1)
+    out = [total * x // w for x in weights[:-1]]
+    out.append(total - sum(out))
+    return out
+
+
+def _forward_walk(kept: tuple[int, ...], work: tuple[int, ...]) -> list[tuple[bool, int]]:
+    """One block's forward as (saved, index): the tensors it makes in order, each either saved (the
+    ``index``-th kept tensor: matched to the next made tensor of its size) or a transient (``index``
+    into ``work``); kept tensors no made tensor matches come last."""
+    walk, k = [], 0
+    for i, x in enumerate(work):
+        if k < len(kept) and kept[k] == x:
+            walk.append((True, k))
+            k += 1
+        else:
+            walk.append((False, i))
+    walk.extend((True, j) for j in range(k, len(kept)))
+    return walk
+
+
 @lru_cache(maxsize=1024)
 def allocation_events(event_signature: tuple) -> tuple:
     """The allocation events of one step (see the module docstring), from a rank's event signature.
 
     Step terms are allocated first (they persist); then, per action: an F allocates the transients
-    of its moment, its stage-microbatch's activations (one block) and, on the last stage, the kept
-    output, then frees the transients; a B, I or W allocates its transients (the lifetime from the
-    first backward on at the first one, never freed before the step's end), then frees them, and a
-    B or W its stage-microbatch. The step ends freeing what is left but the step terms.
+    of its moment, its stage-microbatch's activations and, on the last stage, the kept output, then
+    frees the transients; a B, I or W allocates its transients (the lifetime from the first backward
+    on at the first one, never freed before the step's end), then frees them, and a B or W its
+    stage-microbatch. The step ends freeing what is left but the step terms.
+
+    With a :class:`Grain` (the signature's third field) the activations and the backward go block by
+    block, as the training loop allocates them: each block's forward makes its tensors in order,
+    the saved ones kept, each transient freed once the two tensors after it are made; the last stage's
+    forward makes the logits, their fp32 copy and the log-probabilities it saves, then frees the two
+    first; the loss moment allocates the fp32 logits' gradient and the log-softmax gradient, frees the
+    first and the saved log-probabilities, makes the logits' gradient in the compute dtype and frees the
+    second; a B walks its blocks last to first: the recomputed block, the unit's backward transients
+    (its fresh gradient, the reduce-scatter input), then frees them and the block's saved tensors, and
+    in the rank's first backward allocates its share of what lives from the first backward on once
+    the freed tensors cover it. The forward's transients and the logits' casts are not terms (a
+    moment does not hold them): they are laid only where the live bytes stay within the rank's peak,
+    so the events' most live bytes are the peak's.
     """
-    sig, rows = event_signature
+    sig, rows = event_signature[:2]
+    grain: Grain | None = event_signature[2] if len(event_signature) > 2 else None
+    if grain is not None:
+        return _fine_events(sig, rows, event_signature[3], grain)
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     ev: list[tuple] = []
     for j, (life, nbytes, stream) in enumerate(rows):
@@ -491,3 +567,169 @@ def allocation_events(event_signature: tuple) -> tuple:
             for j, _, _ in outputs:
                 ev.append(("free", ("out", j, mb)))
     return tuple(ev)
+
+
+def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tuple:
+    """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
+    saved bytes of its blocks and its log-probabilities, one microbatch each."""
+    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    peak = peak_of(sig).bytes
+    ev: list[tuple] = []
+    size: dict = {}
+    live = 0
+
+    def alloc(key, n: int, stream: int = 0) -> None:
+        nonlocal live
+        ev.append(("alloc", key, n, stream) if stream else ("alloc", key, n))
+        size[key] = n
+        live += n
+
+    def free(key) -> None:
+        nonlocal live
+        ev.append(("free", key))
+        live -= size.pop(key)
+
+    def transient(key, n: int, ahead: int = 0) -> bool:
+        """An event-only tensor (no term holds it): laid only where the live bytes stay within the peak,
+        with the ``ahead`` bytes that are allocated while it lives."""
+        if n > 0 and live + n + ahead <= peak:
+            alloc(key, n)
+            return True
+        return False
+
+    per_life: dict[str, list[tuple[int, int, int]]] = {}
+    for j, (life, nbytes, stream) in enumerate(rows):
+        if life == "step":
+            alloc(("step", j), nbytes, stream)
+        per_life.setdefault(life, []).append((j, nbytes, stream))
+    outputs = per_life.get("to_step_end", [])
+    late = per_life.get("after_first_backward", [])
+    late_done = False
+    local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
+    last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
+    walk = _forward_walk(grain.kept, grain.work)
+    held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, block by block
+    kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
+    phases = mo.phase.tolist()
+    first_backward = _first_backward(kinds, phases)
+    for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
+        j = local[stage if sig.pp > 1 else 0]
+        unit = sig.unit_bytes[j]
+        layer_b, logprob_b = acts[j]
+        blocks = grain.blocks[j] if layer_b > 0 else 0
+        if not blocks:
+            layer_b = 0  # no block to lay them on: they go with the rest
+        walk_b = kind == _B and phase == ACTION and (stage, mb) in held
+        whole, per_block = [], []
+        for c, life in enumerate(TRANSIENT[:-1]):
+            if mask[c]:
+                (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
+                    (life, r) for r in per_life.get(life, ()))
+        if mask[-1] and not late_done:
+            for j2, nbytes, stream in late:
+                alloc(("late", j2), nbytes, stream)
+            late_done = True
+        if phase == LOSS:
+            halves = []
+            for life, (j2, nbytes, stream) in whole:
+                if life == "loss":
+                    a, b = nbytes // 2, nbytes - nbytes // 2
+                    alloc(("loss", j2, i, 0), a, stream)
+                    alloc(("loss", j2, i, 1), b, stream)
+                    halves.append(j2)
+                else:
+                    alloc(("t", j2, i), nbytes, stream)
+            for j2 in halves:
+                free(("loss", j2, i, 0))
+            lg = transient(("logits_grad", i), grain.logits_bytes)
+            for j2 in halves:
+                free(("loss", j2, i, 1))
+            if lg:
+                free(("logits_grad", i))
+            for life, (j2, _, _) in whole:
+                if life != "loss":
+                    free(("t", j2, i))
+            continue
+        for life, (j2, nbytes, stream) in whole:
+            alloc(("t", j2, i), nbytes, stream)
+        if kind == _F and phase == ACTION and unit > 0:
+            keys = held[stage, mb] = []
+            for b in range(blocks):
+                share = layer_b // blocks + (layer_b % blocks if b == blocks - 1 else 0)
+                pieces = _pieces(share, grain.kept)
+                block_keys, window = [], []
+                for pos, (saved, idx) in enumerate(walk):
+                    if saved:
+                        if pieces[idx]:
+                            key = ("mb", stage, mb, b, idx)
+                            alloc(key, pieces[idx])
+                            block_keys.append(key)
+                    elif transient(("fwd", i, b, pos), grain.work[idx],
+                                   sum(pieces[k] for sv, k in walk[pos + 1:pos + 3] if sv)):
+                        window.append((pos, ("fwd", i, b, pos)))
+                    while window and window[0][0] <= pos - 2:
+                        free(window.pop(0)[1])
+                for _, key in window:
+                    free(key)
+                keys.append(block_keys)
+            rest = unit - layer_b - logprob_b
+            if rest > 0:
+                alloc(("mb", stage, mb, "rest"), rest)
+                keys.append([("mb", stage, mb, "rest")])
+            if logprob_b > 0:
+                lgt = transient(("logits", i), grain.logits_bytes, 2 * logprob_b)  # its fp32 copy, the log-probabilities
+                f32 = lgt and transient(("logits_fp32", i), logprob_b, logprob_b)
+                alloc(("mb", stage, mb, "logprob"), logprob_b)
+                keys.append([("mb", stage, mb, "logprob")])
+                if f32:
+                    free(("logits_fp32", i))
+                if lgt:
+                    free(("logits", i))
+            if stage == last_stage:
+                for j2, nbytes, _ in outputs:
+                    alloc(("out", j2, mb), nbytes)
+        if walk_b:
+            keys = held.pop((stage, mb))
+            tail = keys[blocks:]  # the rest and the log-probabilities, freed with the first (last) block
+            first = i == first_backward and not late_done
+            pending = [(("late", j2, q), piece, stream) for j2, nbytes, stream in late
+                       for q, piece in enumerate(_pieces(nbytes, (1,) * max(blocks, 1)))] if first else []
+            freed = made = 0
+            for b in reversed(range(blocks)):
+                tmp = []
+                for life, (j2, nbytes, stream) in per_block:
+                    parts = _pieces(nbytes, grain.work) if life == "backward_input" else [nbytes]
+                    for q, x in enumerate(parts):
+                        if x:
+                            alloc(("bw", j2, i, b, q), x, stream)
+                            tmp.append(("bw", j2, i, b, q))
+                for key in reversed(tmp):
+                    free(key)
+                for key in keys[b] + (sum(tail, []) if b == blocks - 1 else []):
+                    freed += size[key]
+                    free(key)
+                while pending and made + pending[0][1] <= freed:
+                    key, x, stream = pending.pop(0)
+                    if x:
+                        alloc(key, x, stream)
+                    made += x
+            for key, x, stream in pending:
+                if x:
+                    alloc(key, x, stream)
+            late_done = late_done or first
+        for life, (j2, _, _) in whole:
+            free(("t", j2, i))
+        if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in held:
+            for key in sum(held.pop((stage, mb)), []):
+                free(key)
+    for key in [k for k in size if k[0] in ("late", "out")]:
+        free(key)
+    return tuple(ev)
+
+
+def _first_backward(kinds: list, phases: list) -> int:
+    """The moment of the rank's first B or I (its own moment, not the loss moment before it)."""
+    for i, (k, ph) in enumerate(zip(kinds, phases)):
+        if (k == _B or k == _I) and ph == ACTION:
+            return i
+    return len(kinds)
