@@ -29,14 +29,16 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   first_forwards       transient during the first F of each local stage: under pipelining with units
                        never resharded (``set_reshard_after_backward(False)`` and no resharding after
                        forward) FSDP2 all-gathers each unit once, at its stage's first forward
-  end_of_backward      at the end-of-backward moment only: under pipelining, FSDP2's sharded gradients
-                       (the schedule's REDUCE_GRAD, ``perform_reduce_grad``, runs each unit's
-                       post-backward after the last backward: its reduce-scatter makes them)
+  end_of_backward      at the end-of-backward moment only: FSDP2's sharded gradients. Each unit's
+                       post-backward makes its own with its reduce-scatter, and only where gradient
+                       sync is on: under pipelining at the schedule's REDUCE_GRAD
+                       (``perform_reduce_grad``, after the last backward), without it in the last
+                       microbatch's backward (the training loop sets ``set_requires_gradient_sync``
+                       for the last microbatch only; with m = 1 that is the only backward);
+                       ``zero_grad(set_to_none)`` drops them after the optimizer step
   after_first_backward from the end of the rank's first B or I to the step's end (made during it): FSDP2's unsharded gradients
-                       (accumulated without sync until REDUCE_GRAD), and under pipelining its
-                       unsharded parameters (``set_reshard_after_backward(False)``); FSDP2's sharded
-                       gradients (each unit's post-backward makes its own; ``zero_grad(set_to_none)``
-                       drops them after the optimizer step)
+                       (accumulated without sync until the synchronised backward or REDUCE_GRAD), and
+                       under pipelining its unsharded parameters (``set_reshard_after_backward(False)``)
 
 Before every B or I of the last stage there is a *loss moment*: the loss's backward runs first, with
 the stage-microbatches and kept outputs of that action but none of its other transients (no unit
@@ -96,7 +98,7 @@ LIFETIMES: dict[str, str] = {
     "recomputed_block": "backward_input",
     "loss": "loss",
     "ddp_backward_temporary": "synchronised_backward",
-    "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "after_first_backward",
+    "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
 
@@ -141,15 +143,12 @@ def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str]
 
 
 def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None) -> dict[str, str]:
-    """The kinds whose lifetime the wrapping plan changes: under pipelining FSDP2 makes its sharded
-    gradients only at REDUCE_GRAD (end of the backward), and with units never resharded (no resharding
-    after forward, none after backward under pipelining) its all-gather output exists only in each
+    """The kinds whose lifetime the wrapping plan changes: under pipelining with units never resharded
+    (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
     stage's first forward."""
     out: dict[str, str] = {}
-    if pipelined_fsdp2:
-        out["fsdp_sharded_grads"] = "end_of_backward"
-        if sharded and reshard_after_forward is False:
-            out["all_gather_output"] = "first_forwards"
+    if pipelined_fsdp2 and sharded and reshard_after_forward is False:
+        out["all_gather_output"] = "first_forwards"
     return out
 
 
