@@ -607,6 +607,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tupl
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     walk = _forward_walk(grain.kept, grain.work)
+    plans: dict[int, tuple] = {}  # local stage -> (a block's forward, its last block's forward)
     held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, block by block
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     phases = mo.phase.tolist()
@@ -653,19 +654,22 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tupl
             alloc(("t", j2, i), nbytes, stream)
         if kind == _F and phase == ACTION and unit > 0:
             keys = held[stage, mb] = []
+            plan = plans.get(j)
+            if plan is None:
+                plan = plans[j] = (_block_plan(layer_b // blocks, walk, grain) if blocks else (),
+                                   _block_plan(layer_b // blocks + layer_b % blocks, walk, grain) if blocks else ())
             for b in range(blocks):
-                share = layer_b // blocks + (layer_b % blocks if b == blocks - 1 else 0)
-                pieces = _pieces(share, grain.kept)
                 block_keys, window = [], []
-                for pos, (saved, idx) in enumerate(walk):
+                for pos, (saved, n, ahead, idx) in enumerate(plan[b == blocks - 1]):
                     if saved:
-                        if pieces[idx]:
+                        if n:
                             key = ("mb", stage, mb, b, idx)
-                            alloc(key, pieces[idx])
+                            alloc(key, n)
                             block_keys.append(key)
-                    elif transient(("fwd", i, b, pos), grain.work[idx],
-                                   sum(pieces[k] for sv, k in walk[pos + 1:pos + 3] if sv)):
-                        window.append((pos, ("fwd", i, b, pos)))
+                    elif n > 0 and live + n + ahead <= peak:  # an event-only transient, within the peak
+                        key = ("fwd", i, b, pos)
+                        alloc(key, n)
+                        window.append((pos, key))
                     while window and window[0][0] <= pos - 2:
                         free(window.pop(0)[1])
                 for _, key in window:
@@ -724,6 +728,19 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tupl
     for key in [k for k in size if k[0] in ("late", "out")]:
         free(key)
     return tuple(ev)
+
+
+def _block_plan(share: int, walk: list, grain: Grain) -> tuple:
+    """One block's forward as (saved, bytes, ahead, index) steps: its ``share`` of saved bytes in
+    pieces, the transients with the saved bytes allocated while each lives (the two steps after it)."""
+    pieces = _pieces(share, grain.kept)
+    out = []
+    for pos, (saved, idx) in enumerate(walk):
+        if saved:
+            out.append((True, pieces[idx], 0, idx))
+        else:
+            out.append((False, grain.work[idx], sum(pieces[k] for sv, k in walk[pos + 1:pos + 3] if sv), idx))
+    return tuple(out)
 
 
 def _first_backward(kinds: list, phases: list) -> int:
