@@ -59,9 +59,11 @@ Untracked overhead terms (runtime context, collective-library buffers, allocator
 tensors: they are added on top, as before.
 
 ``allocation_events`` turns the same timeline into the caching allocator's input
-(``engine.memory.allocator.replay``): ("alloc", key, nbytes[, stream]) and ("free", key), one block
-per term (per stage-microbatch for activations), FSDP2's gathered buffers on the all-gather stream.
-Both are cached on a hashable signature of the rank (schedule, rank, the bytes of each lifetime):
+(``engine.memory.allocator.replay``): ("alloc", key, nbytes[, stream]) and ("free", key), FSDP2's
+gathered buffers on the all-gather stream and its sharded gradients on the reduce-scatter stream.
+Without a :class:`Grain` one block per term (per stage-microbatch for activations); with one (GPU
+ranks, ``per_rank.allocation_grain``) block by block, as the training loop allocates: see
+``allocation_events``. Both are cached on a hashable signature of the rank (schedule, rank, the bytes of each lifetime):
 identical ranks and repeated slider positions cost a dictionary lookup.
 """
 
