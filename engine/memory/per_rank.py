@@ -99,6 +99,10 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
     return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits)
 
 
+#: how many of the tensors a block's forward makes the events lay as its transients (the largest)
+TRANSIENTS = 2
+
+
 @lru_cache(maxsize=256)
 def _block_tensors(sh, recompute: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(saved, made) of one block's forward, one microbatch (``allocation_grain``): its saved bytes as
@@ -111,7 +115,7 @@ def _block_tensors(sh, recompute: str) -> tuple[tuple[int, ...], tuple[int, ...]
         kept = work[0]  # the block input
     else:  # selective-layer: the plain blocks keep everything, the checkpointed ones their input
         kept = sum(work)
-    return (kept,), tuple(sorted(work, reverse=True)[:2])
+    return (kept,), tuple(sorted(work, reverse=True)[:TRANSIENTS])
 
 
 def memory_per_rank(cfg: Config) -> MemoryReport:
