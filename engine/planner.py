@@ -502,15 +502,20 @@ class _Planner:
         return out
 
     def _act_per_layer_b1(self, tp: int, sp: bool, rc: str, cp: int = 1, compiled: bool = False) -> int:
-        """Saved bytes of one block for one sequence (b = 1) — b times this is ≤ the engine's b-value."""
+        """Saved bytes of one block per sequence — b times this is ≤ the engine's b-value. The table's
+        terms are linear in b, a few independent of it (rope's cos / sin: s·d/2 per layer), so this is the
+        increment from b = 1 to b = 2, not the b = 1 value (which b times would count those b times)."""
         table = rc if rc in TABLE_RECOMPUTE else "none"  # full, selective-layer: the plain blocks' table
         key = (tp, sp, table, cp, compiled)
         out = self._act1.get(key)
         if out is None:
-            cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * cp), "tp": tp, "cp": cp,
-                                              "sequence_parallel": sp},
-                                    training={"micro_batch_size": 1, "recompute": table, "compile": compiled})
-            out = self._act1[key] = activation_bytes_per_layer(cfg)
+            def at(b: int) -> int:
+                cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * cp), "tp": tp, "cp": cp,
+                                                  "sequence_parallel": sp},
+                                        training={"micro_batch_size": b, "recompute": table, "compile": compiled})
+                return activation_bytes_per_layer(cfg)
+            one = at(1)
+            out = self._act1[key] = min(one, at(2) - one)
         return out
 
     # ----------------------------------------------------------------- enumeration + bounds
