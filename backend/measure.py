@@ -181,13 +181,20 @@ def tracker_peak(tracker, device: torch.device) -> dict[str, int]:
 
 
 def categories_from(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict[str, int]:
-    """Our seven categories: params/grads/optimizer exact, the rest from the tracker's peak."""
+    """Our seven categories at the tracker's peak: params / grads / optimizer exact, the rest from the
+    tracker's peak — except FSDP2's sharded gradients where FSDPMemTracker tags them itself ("Sharded
+    Grad"): FSDP2 makes them in each unit's post-backward (under pipelining only at the schedule's
+    REDUCE_GRAD) and ``zero_grad(set_to_none=True)`` drops them after the step, so at a peak inside the
+    step fewer or none exist; grads are then what the tracker saw at its peak (never more than the exact
+    size, which stays in the record's ``exact``)."""
     cats = dict.fromkeys(MEMORY_CATEGORIES, 0)
     for name, v in tracker_raw.items():
         cat = TRACKER_TO_CATEGORY.get(name)
         if cat is not None:
             cats[cat] += v
     cats.update({k: exact[k] for k in ("params", "grads", "optimizer")})
+    if "Sharded Grad" in tracker_raw:
+        cats["grads"] = min(int(exact["grads"]), int(tracker_raw["Sharded Grad"]))
     return cats
 
 

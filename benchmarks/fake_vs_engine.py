@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/fake_vs_engine.py [CONFIG ...] [--out DIR] [--reuse]
         [--timeout S] [--expandable-segments]
 
-CONFIG defaults to every ``assets/examples/fake/*.toml``. For each config the script runs
+CONFIG defaults to every ``assets/examples/fake/*.toml`` (the full-size rows; ``fake/probes/`` holds
+smaller layouts for quick probes, run only when named). For each config the script runs
 ``python -m gui.cli measure CONFIG --fake --json --out DIR/<name>`` (one simulated rank per pipeline
 stage: dp = 0, tp = 0) and ``engine.predict``, then prints per simulated rank and per category the
 engine's bytes (the snapshot at its peak) beside the simulated ones (the tracker's snapshot at its

@@ -98,6 +98,7 @@ from engine.step import (
     with_mesh_communication,
 )
 from engine.timeline import simulate
+from engine.wrapping import reshard_after_forward
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20
 #: sequences from this many tokens are long: the planner searches context parallelism for them
@@ -501,15 +502,20 @@ class _Planner:
         return out
 
     def _act_per_layer_b1(self, tp: int, sp: bool, rc: str, cp: int = 1, compiled: bool = False) -> int:
-        """Saved bytes of one block for one sequence (b = 1) — b times this is ≤ the engine's b-value."""
+        """Saved bytes of one block per sequence — b times this is ≤ the engine's b-value. The table's
+        terms are linear in b, a few independent of it (rope's cos / sin: s·d/2 per layer), so this is the
+        increment from b = 1 to b = 2, not the b = 1 value (which b times would count those b times)."""
         table = rc if rc in TABLE_RECOMPUTE else "none"  # full, selective-layer: the plain blocks' table
         key = (tp, sp, table, cp, compiled)
         out = self._act1.get(key)
         if out is None:
-            cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * cp), "tp": tp, "cp": cp,
-                                              "sequence_parallel": sp},
-                                    training={"micro_batch_size": 1, "recompute": table, "compile": compiled})
-            out = self._act1[key] = activation_bytes_per_layer(cfg)
+            def at(b: int) -> int:
+                cfg = self.base.replace(parallel={"dp": self.base.cluster.gpus // (tp * cp), "tp": tp, "cp": cp,
+                                                  "sequence_parallel": sp},
+                                        training={"micro_batch_size": b, "recompute": table, "compile": compiled})
+                return activation_bytes_per_layer(cfg)
+            one = at(1)
+            out = self._act1[key] = min(one, at(2) - one)
         return out
 
     # ----------------------------------------------------------------- enumeration + bounds
@@ -623,24 +629,43 @@ class _Planner:
             overhead = ctx + n_comms * buf
             capacity = self.base.cluster.gpu.memory_bytes
             mem = np.zeros(len(gb))
+            # FSDP2 (fully_shard, or replicate for DP × TP) makes its sharded gradients in each unit's
+            # post-backward (under pipelining only at REDUCE_GRAD): the first backward's own moment and the
+            # loss moment before it have none, so the bound holds none (the "pytorch" accounting, where the
+            # bound's states per element, w_b + g_b + o_b, are the engine's 4 + 4 + optimizer bytes;
+            # "zero-paper" counts the gradients all step)
+            torch_acc = getattr(conv, "state_accounting", "pytorch") == "pytorch"
+            fsdp2_grads = np.where(gz >= 2, 1.0, 1.0 if (tp > 1 and dpc > 1) else 0.0) if torch_acc \
+                else np.zeros(len(gz))
+            # ZeRO-3's gathered units are alive at a backward's own moment when they are the current
+            # (+ prefetched) unit (not pipelined) or every unit all step (pipelined, not resharded after
+            # forward); resharded after forward under pipelining they are kept only from the first backward on
+            gathered_at_b = pp == 1 or not reshard_after_forward(3, self.base.parallel.fsdp_reshard_after_forward,
+                                                                 True)
             for ri, stages, sizes in sh["ends"]:
                 p_ = psi[ri]
                 states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
                                            w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
-                fixed = states_by_zero[gz] + overhead
+                # FSDP2's sharded gradient is in the parameter dtype, fp32 (``states.pytorch_states``)
+                sharded_grads = np.array([4 * p_, 4 * p_, 4 * p_ / dpc, 4 * p_ / dpc])
+                fixed = np.maximum(states_by_zero[gz] - fsdp2_grads * sharded_grads[gz], 0.0) + overhead
                 units = tuple(len(layers_of[s]) for s in stages)
                 ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
-                # the recomputed block (activations, alive in its backward): full, and selective-layer where the
-                # rank checkpoints one
-                fixed = fixed + np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
-                if n_stages - 1 in stages:  # logits at the loss
-                    fixed = fixed + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
+                # a peak holds either the loss (the moment that opens a last-stage backward) or a backward's
+                # own transients (the recomputed block — activations, alive in its backward —, a unit's
+                # gradient, the gathered unit), never both
+                backward = np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
+                loss = np.zeros(len(gb))
+                if n_stages - 1 in stages:  # fp32 logits and their gradient at the loss
+                    loss = loss + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
                 if dpc > 1:
                     if not getattr(conv, "ddp_gradient_as_bucket_view", False):
                         fixed = fixed + np.where(gz <= 1, g_b * p_, 0.0)
-                    fixed = fixed + np.where(gz >= 2, g_b * sizes[0], 0.0)
-                    gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
-                    fixed = fixed + np.where(gz == 3, w_b * gathered, 0.0)
+                    backward = backward + np.where(gz >= 2, g_b * sizes[0], 0.0)
+                    if gathered_at_b:
+                        gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
+                        backward = backward + np.where(gz == 3, w_b * gathered, 0.0)
+                fixed = fixed + np.maximum(backward, loss)
                 if pp > 1:
                     ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
                     fixed = fixed + ends * gm * bf * act_b * sbh1

@@ -124,11 +124,16 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 if not torch_acc:
                     out.append((0, 0, 0))
                     continue
+                # FSDP2 (fully_shard, or replicate for DP × TP) makes its fp32 sharded gradients in each
+                # unit's post-backward: the first backward's own moment has none (engine.memory.lifetimes),
+                # so the bound counts 4 B (parameter) + the optimizer's per element there
                 if z in (2, 3):
                     e_deg = dp * tp // ep if ep > 1 else None
-                    x = (8 + 4 * k_states) * rp.sharded_numel(dp, e_deg)
+                    x = (4 + 4 * k_states) * rp.sharded_numel(dp, e_deg)
                 elif z == 1:
                     x = 8 * psi + 4 * k_states * -(-psi // dp)
+                elif tp > 1 and dp > 1:
+                    x = (4 + 4 * k_states) * psi
                 else:
                     x = (8 + 4 * k_states) * psi
                 # the smallest buffers FSDP2 / DDP keep besides (every category counts at the peak):

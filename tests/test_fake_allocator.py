@@ -134,7 +134,9 @@ def test_split_backward_schedules_run_their_order(tmp_path, schedule, zero):
     rec = simulate(cfg, tmp_path / schedule, ranks=[0], jobs=1).records[0]
     plan = pipeline_actions(schedule, 2, 4, 2)
     assert rec["in_flight"] == schedule_in_flight(plan.per_rank[0], plan.stages_of_rank(0))
-    assert rec["memory"]["categories"]["activations"] > 0 and rec["memory"]["categories"]["grads"] > 0
+    # the exact gradient bytes (the grads category is what FSDPMemTracker saw at its peak: under
+    # pipelining FSDP2's sharded gradients exist only once REDUCE_GRAD has run)
+    assert rec["memory"]["categories"]["activations"] > 0 and rec["memory"]["exact"]["grads"] > 0
 
 
 @pytest.mark.integration

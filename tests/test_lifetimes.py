@@ -58,24 +58,76 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
             assert getattr(r, c) == sum(t.bytes for t in r.explain(c))
         # every term at its largest at once is an upper bound of one moment
         assert r.total <= sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c))
-        # the model states are alive all step, whole
+        # the model states are alive all step, whole, but FSDP2's sharded gradients: each unit's
+        # post-backward makes its own only with gradient sync on (torch 2.13,
+        # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, FSDPParamGroup.post_backward:
+        # "if not self.reduce_grads: ... return" before foreach_reduce), which the training loop turns on
+        # for the last microbatch only (backend/train.py: "model.set_requires_gradient_sync(last)") and
+        # pipelining only at REDUCE_GRAD: they are whole at the end of the backward, absent before
+        alive = dict(zip(TRANSIENT, tl.peak.alive))
         for c in ("params", "grads", "optimizer"):
-            assert r.explain(c) == r.catalogue(c)
+            want = []
+            for i, t in enumerate(r.catalogue(c)):
+                life = tl.lifetime(c, i)
+                if t.kind == "fsdp_sharded_grads":
+                    assert life == "end_of_backward"
+                else:
+                    assert life == "step"
+                if life == "step" or alive[life]:
+                    want.append(t)
+            got = [t for t in r.explain(c) if t.bytes or t.kind != "none"]
+            assert got == want
         assert r.peak_moment.startswith("stage ")
 
 
-def test_without_a_pipeline_the_peak_is_the_last_backward_and_holds_every_term():
-    """pp = 1: one microbatch at a time; at the start of the synchronised backward every term is alive."""
-    for par in ({"dp": 2}, {"dp": 2, "zero": 3, "microbatches": 2}, {"tp": 2}):
+def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_microbatch_and_the_end():
+    """pp = 1: one microbatch at a time, F, then B opened by its loss moment, then the end of the
+    backward. F: the unit transients and its activations; the loss moment: the loss and its
+    activations; B: every transient but the loss (the synchronised backward's at the last); the end:
+    no activation, the unit and gradient transients. From the end of the first backward on, the terms
+    of ``after_first_backward`` are alive (FSDP2's accumulated gradients); FSDP2's sharded gradients
+    (``end_of_backward``) only at the end, as gradient sync is on only for the last microbatch."""
+    for par in ({"dp": 2}, {"dp": 2, "zero": 3, "microbatches": 2}, {"tp": 2}, {"dp": 2, "zero": 3}):
+        m = par.get("microbatches", 1)
         rep = memory_per_rank(_cfg(par, gpus=_world(par)))
         for r in rep.per_rank:
-            assert r.total == sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c))
-            assert " B of microbatch " in r.peak_moment
+            tl = r._body.timeline
+            b: dict[str, int] = {}
+            for c in MEMORY_CATEGORIES:
+                for i, t in enumerate(r.catalogue(c)):
+                    if t.tracked:
+                        b[tl.lifetime(c, i)] = b.get(tl.lifetime(c, i), 0) + t.bytes
+            g = b.get
+            base, act, late = g("step", 0), g("microbatch", 0), g("after_first_backward", 0)
+            unit, bwd = g("every_action", 0), g("backward", 0) + g("backward_input", 0)
+            assert g("loss", 0) > 0
+            moments_bytes = []
+            for k in range(m):
+                before = late if k else 0
+                moments_bytes += [base + unit + act + before, base + g("loss", 0) + act + before,
+                                  base + unit + bwd + act + before + (g("synchronised_backward", 0) if k == m - 1 else 0)]
+            moments_bytes.append(base + unit + g("backward", 0) + late + g("end_of_backward", 0))
+            assert r.allocated == max(moments_bytes)
+            i = moments_bytes.index(max(moments_bytes))
+            what = ("the end of the backward" if i == 3 * m else ("F", "B", "B")[i % 3] + f" of microbatch {i // 3}")
+            assert what in r.peak_moment
+            assert ("at its start: the loss" in r.peak_moment) == (i < 3 * m and i % 3 == 1)
+    # a large vocabulary's loss beats them (Llama 3 8B FSDP 8, mbs 2, s 8192, full recompute): at
+    # the loss no sharded gradient exists yet
+    r = memory_per_rank(Config.load(ROOT / "assets/examples/fake/llama3-8b-fsdp8-full.toml")).per_rank[0]
+    assert "at its start: the loss" in r.peak_moment
+    assert "fsdp_sharded_grads" not in {t.kind for t in r.explain("grads")}
+    # without a large loss, the end of the backward: gradients complete, no activation (Llama 3 70B
+    # FSDP 8 × TP 8, s 8192: the root unit and the embedding's replicated gradient beside them)
+    r = memory_per_rank(Config.load(ROOT / "assets/examples/fake/llama3-70b-fsdp8-tp8.toml")).per_rank[0]
+    assert "the end of the backward" in r.peak_moment
+    assert r.activations == 0 and "fsdp_sharded_grads" in {t.kind for t in r.explain("grads")}
 
 
 #: term kind -> the transient lifetime it has
 _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "ddp_backward_temporary": "synchronised_backward",
-                   "loss": "loss", "recomputed_block": "backward_input"}
+                   "loss": "loss", "recomputed_block": "backward_input",
+                   "fsdp_sharded_grads": "end_of_backward"}
 
 
 @pytest.mark.parametrize("par,some_below", [
@@ -83,8 +135,10 @@ _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "ddp_backward
     ({"dp": 2, "pp": 4, "schedule": "GPipe", "microbatches": 4}, True),
     ({"dp": 2, "pp": 4, "zero": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 8}, True),
     # the steady state's forwards hold the warm-up's microbatches again, now with the unsharded
-    # gradients: every rank's peak holds every term
-    ({"dp": 2, "pp": 4, "zero": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 8}, False),
+    # gradients: every rank's peak holds every term but those alive only apart from the steady state
+    # (None): the loss (its own moments), FSDP2's sharded gradients (made at REDUCE_GRAD, the end of
+    # the backward) and its all-gather output (units never resharded: the first forwards only)
+    ({"dp": 2, "pp": 4, "zero": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 8}, None),
 ])
 def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
     """DDP's synchronised-backward temporary, FSDP2's unsharded gradients (from the first backward),
@@ -96,11 +150,20 @@ def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_pe
         alive = dict(zip(TRANSIENT, r._body.timeline.peak.alive))
         for cat in MEMORY_CATEGORIES:
             shown = {t.kind for t in r.explain(cat)}
-            for t in r.catalogue(cat):
+            for i, t in enumerate(r.catalogue(cat)):
                 if t.kind in _TRANSIENT_KIND and t.bytes:
-                    assert (t.kind in shown) == alive[_TRANSIENT_KIND[t.kind]], (r.rank, t.kind)
-        below += r.total < sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
-    assert bool(below) == some_below
+                    life = _TRANSIENT_KIND[t.kind]
+                    assert r._body.timeline.lifetime(cat, i) == life
+                    assert (t.kind in shown) == alive[life], (r.rank, t.kind)
+        is_below = r.total < sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
+        if some_below is None:
+            tl = r._body.timeline
+            apart = sum(t.bytes for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))
+                        if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards"))
+            every = sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
+            assert every - apart <= r.total < every, r.rank  # the loss moment can be above the rest
+        below += is_below
+    assert bool(below) == (some_below is not False)
 
 
 def test_per_microbatch_terms_are_rescaled_to_the_microbatches_alive_at_the_peak():
@@ -184,7 +247,13 @@ def test_the_events_replay_to_the_peak_allocated():
 def test_all_gathers_are_on_their_own_stream():
     r = memory_per_rank(_cfg({"dp": 2, "zero": 3}, gpus=2)).per_rank[0]
     streams = {e[3] for e in r._body.timeline.events() if e[0] == "alloc" and len(e) > 3}
-    assert streams == {1}
+    # FSDP2's sharded gradients are views of the reduce-scatter output, which torch 2.13 allocates on the
+    # reduce-scatter stream (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce:
+    # "with device_handle.stream(reduce_scatter_stream): reduce_output = reduce_scatter_comm.allocate(...)",
+    # then "new_sharded_grad = torch.as_strided(reduce_output, ...)"): stream 2, every byte of them
+    assert streams == {1, 2}
+    on_rs = sum(e[2] for e in r._body.timeline.events() if e[0] == "alloc" and len(e) > 3 and e[3] == 2)
+    assert on_rs == sum(t.bytes for t in r.catalogue("grads") if t.kind == "fsdp_sharded_grads") > 0
 
 
 def test_cpu_ranks_reserve_what_they_allocate():
@@ -267,3 +336,46 @@ def test_repeated_events_are_cached():
     sig = a.per_rank[0]._body.timeline._event_signature()
     assert allocation_events(sig) is allocation_events(sig)
     assert [r.reserved for r in memory_per_rank(c).per_rank] == [r.reserved for r in a.per_rank]
+
+
+def test_under_pipelining_fsdp2_makes_sharded_gradients_at_reduce_grad_and_gathers_each_unit_once():
+    """perform_reduce_grad runs each unit's post-backward after the last backward (its reduce-scatter
+    makes the sharded gradients); with units never resharded the all-gather output exists only in each
+    stage's first forward (Llama 3.1 405B, FSDP 8 × TP 8 × PP 8, 1F1B, m 32)."""
+    c = Config.load(ROOT / "assets/examples/fake/llama3-405b-3d-1f1b.toml")
+    for r in memory_per_rank(c).per_rank[:1]:
+        tl = r._body.timeline
+        lives = {t.kind: tl.lifetime(cat, i) for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))}
+        assert lives["fsdp_sharded_grads"] == "end_of_backward"
+        assert lives["all_gather_output"] == "first_forwards"
+        assert " B of microbatch " in r.peak_moment and "end of the backward" not in r.peak_moment
+        assert not {"fsdp_sharded_grads", "all_gather_output"} & {t.kind for cat in MEMORY_CATEGORIES
+                                                                  for t in r.explain(cat)}
+    for sc, v in (("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):
+        for rank in range(4):
+            mo = moments(sc, rank, 4, v, 8)
+            first = mo.masks[:, TRANSIENT.index("first_forwards")].astype(bool)
+            assert sorted(mo.stage[first].tolist()) == sorted(set(mo.stage.tolist()))
+            assert (mo.kind[first] == 0).all()  # F
+            end = mo.masks[:, TRANSIENT.index("end_of_backward")].astype(bool)
+            assert end.tolist() == [False] * (len(end) - 1) + [True] and mo.counts[-1].sum() == 0
+
+
+def test_the_events_lay_each_block_as_the_training_loop_allocates_it():
+    """On a GPU rank the events go block by block: each forward allocates one block's saved tensors at
+    a time (with the transients its forward makes, freed as it goes), and the backward frees them last
+    block first; FSDP2's sharded gradients appear during the first backward, on the reduce-scatter stream."""
+    c = _cfg({"dp": 2, "zero": 3}, gpus=2, training={"precision": "bf16-mixed"})
+    r = memory_per_rank(c).per_rank[0]
+    ev = r._body.timeline.events()
+    blocks = c.model.layers
+    saved = [e for e in ev if e[1][0] == "mb" and isinstance(e[1][3], int)]
+    allocs = [e[1][3] for e in saved if e[0] == "alloc"]
+    frees = [e[1][3] for e in saved if e[0] == "free"]
+    assert allocs == list(range(blocks)) and frees == list(reversed(range(blocks)))
+    assert any(e[0] == "alloc" and e[1][0] == "fwd" for e in ev)  # the forward's own transients
+    first_free = next(k for k, e in enumerate(ev) if e[0] == "free" and e[1][0] == "mb")
+    grads = [k for k, e in enumerate(ev) if e[0] == "alloc" and len(e) > 3 and e[3] == 2]
+    assert grads and min(grads) > first_free  # made during the backward, once freed blocks cover them
+    # the replay still peaks at the moments' allocated bytes, and reserves at least that
+    assert r.reserved >= replay(ev).max_allocated >= r.allocated

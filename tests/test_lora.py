@@ -58,7 +58,11 @@ def test_lora_under_fsdp_shards_base_and_adapters():
     cfg = tiny().replace(parallel={"zero": 3})
     for row in memory_per_rank(cfg).per_rank:
         assert row.params == 4 * BASE // 2 + 4 * 74_752 // 2 == 3_365_120
-        assert row.grads == 4 * 74_752 // 2
+        # the adapters' sharded gradients are FSDP2's, made only in each unit's post-backward (torch 2.13,
+        # torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce:
+        # "fsdp_param.sharded_param.grad = new_sharded_dtensor_grad"): none at a peak inside the backward
+        assert [t.bytes for t in row.catalogue("grads")] == [4 * 74_752 // 2]
+        assert row.grads == (4 * 74_752 // 2 if "the end of the backward" in row.peak_moment else 0)
         assert row.optimizer == 8 * 74_752 // 2
 
 

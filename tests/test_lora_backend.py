@@ -69,6 +69,9 @@ def test_lora_ddp_two_ranks_matches_prediction_to_the_byte(tmp_path):
 
 @pytest.mark.integration
 def test_lora_fsdp_two_ranks_matches_prediction_to_the_byte(tmp_path):
+    from test_backend_strategies import exact
+
     _, meas, _ = _lora_run(tmp_path, zero=3)
     lora = adapter_params(TINY, 4, "all")
-    assert [r.grads for r in meas.memory.per_rank] == [2 * lora] * 2  # sharded over 2
+    # sharded over 2 (the exact bytes: at the tracker's peak FSDP2's post-backward has not made them yet)
+    assert exact(meas, "grads") == [2 * lora] * 2

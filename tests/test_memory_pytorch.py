@@ -52,7 +52,13 @@ def test_fsdp2_zero3_keeps_the_fp32_shard_as_master():
     psi = param_counts(c.model).total
     assert psi % d == 0
     r = memory_per_rank(c).per_rank[0]
-    assert (r.params, r.grads, r.optimizer) == (4 * psi // d, 4 * psi // d, 8 * psi // d)
+    # the sharded gradient is in the parameter dtype, fp32; it is not alive at the peak (m = 1: the
+    # first backward's own moment, before any post-backward): FSDP2 makes a sharded gradient only in its
+    # post-backward (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce:
+    # "new_sharded_grad = torch.as_strided(reduce_output, ...)" ... "fsdp_param.sharded_param.grad =
+    # new_sharded_dtensor_grad"), and zero_grad(set_to_none=True) drops it after the step
+    assert (r.params, r.grads, r.optimizer) == (4 * psi // d, 0, 8 * psi // d)
+    assert [t.bytes for t in r.catalogue("grads")] == [4 * psi // d]
     rp = params_per_rank(c)[0][0]
     sizes = sorted((sum(a * b for a, b in u) for u in rp.units), reverse=True)
     # bf16 unsharded current + prefetched unit, the all-gather output, one unit's unsharded grads (m = 1)
@@ -67,7 +73,13 @@ def test_fsdp2_zero2_params_are_sharded_the_gathered_copy_is_a_buffer():
     c = cfg(EVEN, MIXED, dp=d, zero=2)
     psi = param_counts(c.model).total
     r = memory_per_rank(c).per_rank[0]
-    assert (r.params, r.grads, r.optimizer) == (psi, psi, 2 * psi)  # 4/d, 4/d, 8/d with d = 4
+    # 4/d, 4/d, 8/d with d = 4; the sharded gradient is not alive at the peak (the first backward's own
+    # moment, before any post-backward): FSDP2 makes a sharded gradient only in its post-backward (torch
+    # 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: "new_sharded_grad =
+    # torch.as_strided(reduce_output, ...)" ... "fsdp_param.sharded_param.grad = new_sharded_dtensor_grad"),
+    # and zero_grad(set_to_none=True) drops it after the step
+    assert (r.params, r.grads, r.optimizer) == (psi, 0, 2 * psi)
+    assert [t.bytes for t in r.catalogue("grads")] == [psi]
     assert r.comm_buffers >= 2 * psi  # all units stay gathered (bf16) between forward and backward
     z = memory_per_rank(cfg(EVEN, MIXED, accounting="zero-paper", dp=d, zero=2)).per_rank[0]
     assert (z.params, z.grads, z.optimizer) == (2 * psi, 2 * psi // d, 12 * psi // d)

@@ -76,7 +76,9 @@ def test_the_busiest_rank_times_the_all_to_all():
 def test_with_tp_and_pp_the_ep_rank_is_the_rank_mod_ep():
     c = cfg({"ep": 2, "tp": 2, "dp": 2}, conventions={"moe_expert_load": LOAD})
     mem = memory_per_rank(c)
-    acts = [r.activations for r in mem.per_rank]
+    # every activation term of the rank at its largest (the catalogue): on this tiny model the peak is
+    # the end of the backward, when no activation is alive
+    acts = [sum(t.bytes for t in r.catalogue("activations")) for r in mem.per_rank]
     assert acts[0] == acts[2] and acts[1] == acts[3] and acts[0] > acts[1]
     c = cfg({"ep": 2, "pp": 2, "dp": 2, "microbatches": 2}, conventions={"moe_expert_load": LOAD})
     acts = [r.activations for r in memory_per_rank(c).per_rank]

@@ -24,11 +24,31 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
   backward_input       transient during B and I: the block recomputed in its backward; a MoE stage's
                        routed-experts backward (its weight gradients; what the backward freed by then)
-  loss                 transient during the last stage's B or I: the fp32 logits and their gradient
+  loss                 transient at the loss moment that opens each B or I of the last stage: the fp32
+                       logits and their gradient (see below)
   synchronised_backward transient during the rank's last B or I (DDP's synchronised backward)
-  after_first_backward from the rank's first B or I to the step's end: FSDP2's unsharded gradients
-                       (accumulated without sync until REDUCE_GRAD), and under pipelining its
-                       unsharded parameters (``set_reshard_after_backward(False)``)
+  first_forwards       transient during the first F of each local stage: under pipelining with units
+                       never resharded (``set_reshard_after_backward(False)`` and no resharding after
+                       forward) FSDP2 all-gathers each unit once, at its stage's first forward
+  end_of_backward      at the end-of-backward moment only: FSDP2's sharded gradients. Each unit's
+                       post-backward makes its own with its reduce-scatter, and only where gradient
+                       sync is on: under pipelining at the schedule's REDUCE_GRAD
+                       (``perform_reduce_grad``, after the last backward), without it in the last
+                       microbatch's backward (the training loop sets ``set_requires_gradient_sync``
+                       for the last microbatch only; with m = 1 that is the only backward);
+                       ``zero_grad(set_to_none)`` drops them after the optimizer step
+  after_first_backward from the end of the rank's first B or I to the step's end (made during it): FSDP2's unsharded gradients
+                       (accumulated without sync until the synchronised backward or REDUCE_GRAD), and
+                       under pipelining its unsharded parameters (``set_reshard_after_backward(False)``)
+
+Before every B or I of the last stage there is a *loss moment*: the loss's backward runs first, with
+the stage-microbatches and kept outputs of that action but none of its other transients (no unit
+gathered for backward yet, no fresh gradient, no recomputed block), so of the transients only
+``loss`` is alive then, with ``after_first_backward`` if an earlier backward ran. The action's own
+moment no longer holds the loss. After the rank's last action comes the *end-of-backward moment*:
+every stage-microbatch freed, the kept outputs, the step terms, ``after_first_backward`` and
+``end_of_backward``, and the transients of the last unit's post-backward (``every_action``,
+``backward``: the root unit gathered, its gradient being reduced); no loss, no recomputed block.
 
 A moment's live bytes are the step terms, the stage-microbatches alive then (at an F: after it
 allocates; at a B, I or W: before it frees), the kept outputs so far, and the transients of that
@@ -40,9 +60,11 @@ Untracked overhead terms (runtime context, collective-library buffers, allocator
 tensors: they are added on top, as before.
 
 ``allocation_events`` turns the same timeline into the caching allocator's input
-(``engine.memory.allocator.replay``): ("alloc", key, nbytes[, stream]) and ("free", key), one block
-per term (per stage-microbatch for activations), FSDP2's gathered buffers on the all-gather stream.
-Both are cached on a hashable signature of the rank (schedule, rank, the bytes of each lifetime):
+(``engine.memory.allocator.replay``): ("alloc", key, nbytes[, stream]) and ("free", key), FSDP2's
+gathered buffers on the all-gather stream and its sharded gradients on the reduce-scatter stream.
+Without a :class:`Grain` one block per term (per stage-microbatch for activations); with one (GPU
+ranks, ``per_rank.allocation_grain``) block by block, as the training loop allocates: see
+``allocation_events``. Both are cached on a hashable signature of the rank (schedule, rank, the bytes of each lifetime):
 identical ranks and repeated slider positions cost a dictionary lookup.
 """
 
@@ -60,7 +82,8 @@ from engine.schedules import ACTION_KINDS, pipeline_actions, single_rank_plan
 _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
-TRANSIENT = ("every_action", "backward", "backward_input", "loss", "synchronised_backward", "after_first_backward")
+TRANSIENT = ("every_action", "backward", "backward_input", "loss", "synchronised_backward", "first_forwards",
+             "end_of_backward", "after_first_backward")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end") + TRANSIENT
@@ -79,12 +102,20 @@ LIFETIMES: dict[str, str] = {
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input", "moe_backward_loss_freed": "backward_input",
     "loss": "loss",
     "ddp_backward_temporary": "synchronised_backward",
-    "fsdp_unsharded_grads": "after_first_backward",
+    "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
 
 #: the stream FSDP2's all-gathers allocate on (the default stream is 0)
 ALL_GATHER_STREAM = 1
+
+#: the stream FSDP2's reduce-scatter output, the sharded gradient, is allocated on (``foreach_reduce``
+#: allocates ``reduce_output`` under ``device_handle.stream(reduce_scatter_stream)`` and the sharded
+#: gradients are views of it)
+REDUCE_SCATTER_STREAM = 2
+
+#: the activation kinds that are a stage's blocks (laid block by block with a :class:`Grain`)
+BLOCK_KINDS = frozenset({"layers", "moe_layers"})
 
 #: the term kinds whose buffers FSDP2 allocates on its all-gather stream
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
@@ -102,17 +133,34 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
     return "step"
 
 
-def lifetime_of(term: Term, fsdp_params: str = "step") -> str:
-    """The lifetime of one term (``fsdp_params``: that of FSDP2's unsharded parameters)."""
+def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str] | None = None) -> str:
+    """The lifetime of one term (``fsdp_params``: that of FSDP2's unsharded parameters; ``overrides``:
+    kind -> lifetime where the wrapping plan changes a kind's rule, ``lifetime_overrides``)."""
     if term.category == "activations" and term.stage is not None and term.in_flight is not None \
             and term.kind != "pipeline_outputs":
         return "microbatch"
     if term.kind == "fsdp_unsharded_params":
         return fsdp_params
+    if overrides and term.kind in overrides:
+        return overrides[term.kind]
     return LIFETIMES.get(term.kind, "step")
 
 
+def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None) -> dict[str, str]:
+    """The kinds whose lifetime the wrapping plan changes: under pipelining with units never resharded
+    (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
+    stage's first forward."""
+    out: dict[str, str] = {}
+    if pipelined_fsdp2 and sharded and reshard_after_forward is False:
+        out["all_gather_output"] = "first_forwards"
+    return out
+
+
 # --------------------------------------------------------------------------- the moments of a step
+
+
+#: the phases of a moment (``Moments.phase``)
+ACTION, LOSS, END = 0, 1, 2
 
 
 class Moments(NamedTuple):
@@ -120,7 +168,9 @@ class Moments(NamedTuple):
 
     ``kind``, ``stage``, ``microbatch``: the action; ``counts[i, j]``: stage-microbatches of local
     stage j alive at moment i; ``outputs[i]``: the last stage's forwards done by moment i;
-    ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i.
+    ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i; ``phase[i]``: ``ACTION``
+    for an action's own moment, ``LOSS`` for the loss moment that opens a last-stage B or I (the next
+    moment is that action's own), ``END`` for the step's last moment, the end of the backward.
     """
 
     kind: np.ndarray
@@ -129,6 +179,7 @@ class Moments(NamedTuple):
     counts: np.ndarray
     outputs: np.ndarray
     masks: np.ndarray
+    phase: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
@@ -167,15 +218,54 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     sync = np.zeros(n, dtype=bool)
     if len(bwd_idx):
         sync[bwd_idx[-1]] = True
+    first_f = np.zeros(n, dtype=bool)
+    f_idx = np.flatnonzero(is_f)
+    first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
     masks = np.column_stack([
         np.ones(n, dtype=bool),
         backward,
         is_bwd_input,
-        is_bwd_input & (stage == last_stage),
+        np.zeros(n, dtype=bool),
         sync,
-        np.arange(n) >= first_bwd,
+        first_f,
+        np.zeros(n, dtype=bool),
+        np.arange(n) > first_bwd,
     ]).astype(np.int64)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks)
+    # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist
+    # before any unit of the stage is gathered for backward (FSDP2's pre-backward hook fires when the
+    # logits' gradient reaches the root), before any gradient (each unit makes its gradient in its
+    # post-backward) and before the recomputation of a block. So a loss moment precedes the action's
+    # own moment, with the same microbatches and kept outputs, of the transients the loss alone (and
+    # what lives from the first backward on, if an earlier backward ran).
+    col_of_last, frees_last = (int(col[-1]), bool(frees[-1])) if n else (0, False)
+    loss_at = np.flatnonzero(is_bwd_input & (stage == last_stage))
+    is_loss = np.zeros(n, dtype=bool)
+    if len(loss_at):
+        lm = np.zeros((len(loss_at), masks.shape[1]), dtype=np.int64)
+        lm[:, TRANSIENT.index("loss")] = 1
+        lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
+        kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
+        counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
+        outputs = np.insert(outputs, loss_at, outputs[loss_at])
+        masks = np.insert(masks, loss_at, lm, axis=0)
+        is_loss = np.insert(is_loss, loss_at, True)
+    phase = is_loss.astype(np.int64)
+    if len(bwd_idx):
+        # the end of the backward: every gradient complete, every stage-microbatch freed, the kept
+        # outputs, and the transients of the last unit's post-backward (the root unit gathered, its
+        # gradient being reduced); no loss, no recomputed block
+        em = np.zeros((1, masks.shape[1]), dtype=np.int64)
+        for life in ("every_action", "backward", "end_of_backward", "after_first_backward"):
+            em[0, TRANSIENT.index(life)] = 1
+        last = len(kind) - 1
+        end_counts = counts[last:].copy()
+        end_counts[0, col_of_last] -= int(frees_last)
+        kind, stage, mb = (np.append(x, x[last]) for x in (kind, stage, mb))
+        counts = np.append(counts, end_counts, axis=0)
+        outputs = np.append(outputs, outputs[last])
+        masks = np.append(masks, em, axis=0)
+        phase = np.append(phase, END)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase)
     for x in out:
         x.setflags(write=False)
     return out
@@ -230,33 +320,42 @@ class RankTimeline:
 
     ``terms``: every term the modules produced, by category (the catalogue); ``stages``: the
     rank's global stage indices in local order; ``fsdp_params``: the lifetime of FSDP2's unsharded
-    parameters (``fsdp_params_lifetime``).
+    parameters (``fsdp_params_lifetime``); ``overrides``: kind -> lifetime where the wrapping plan
+    changes a kind's rule (``lifetime_overrides``).
     """
 
-    __slots__ = ("terms", "signature", "varying", "_column", "_rows")
+    __slots__ = ("terms", "signature", "varying", "_column", "_rows", "_grain", "_acts")
 
     def __init__(self, terms: dict[str, list[Term]], *, schedule: str, pp_rank: int, pp: int, virtual_stages: int,
-                 microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step"):
+                 microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step",
+                 overrides: dict[str, str] | None = None, grain: Grain | None = None):
         self.terms = terms
+        self._grain = grain
         local = tuple(sorted(stages)) if pp > 1 else (0,)
         column = self._column = {s: j for j, s in enumerate(local)}
         unit = [0] * len(local)
+        acts = [[0, 0] for _ in local]  # per local stage: the blocks' saved bytes, the log-probabilities
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = 0
-        rules = LIFETIMES
+        rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
         varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
         rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
         add_row = rows.append
         gather = ALL_GATHER_STREAM_KINDS
         for c in MEMORY_CATEGORIES:
             var = []
-            acts = c == "activations"
+            acts_c = c == "activations"
             for i, (_, nbytes, _, _, tracked, stage, n, kind) in enumerate(terms[c]):
                 if not tracked:
                     continue
-                if acts and n is not None and stage is not None and kind != "pipeline_outputs":
+                if acts_c and n is not None and stage is not None and kind != "pipeline_outputs":
                     if n:
-                        unit[column[stage if pp > 1 else 0]] += nbytes // n
+                        col = column[stage if pp > 1 else 0]
+                        unit[col] += nbytes // n
+                        if kind in BLOCK_KINDS:
+                            acts[col][0] += nbytes // n
+                        elif kind == "log_probabilities":
+                            acts[col][1] += nbytes // n
                     var.append((i, "microbatch"))
                     continue
                 life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
@@ -270,11 +369,13 @@ class RankTimeline:
                         trans[life] += nbytes
                     var.append((i, life))
                 if nbytes > 0:
-                    add_row((life, nbytes, ALL_GATHER_STREAM if kind in gather else 0))
+                    add_row((life, nbytes, ALL_GATHER_STREAM if kind in gather
+                             else REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
             if var:
                 varying[c] = var
         self.varying = varying
         self._rows = tuple(rows)
+        self._acts = tuple(tuple(x) for x in acts)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
                                    tuple(trans[k] for k in TRANSIENT))
@@ -323,10 +424,18 @@ class RankTimeline:
         return out
 
     def peak_moment(self) -> str:
-        """The peak moment in words: "stage 3 B of microbatch 2 (action 17 of 40)"."""
+        """The peak moment in words: "stage 3 B of microbatch 2 (action 17 of 40)", or "stage 7 B of
+        microbatch 0, at its start: the loss (action 9 of 64)" at a loss moment."""
         pk, sig = self.peak, self.signature
-        n = len(moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches).kind)
-        return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} (action {pk.moment + 1} of {n})"
+        mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+        extra = mo.phase != ACTION
+        n = int(len(mo.kind) - extra.sum())
+        action = int(pk.moment - extra[:pk.moment].sum()) + 1  # the loss and end moments are not actions
+        if mo.phase[pk.moment] == END:
+            return f"the end of the backward, after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} " \
+                   f"(action {action - 1} of {n})"
+        at = ", at its start: the loss" if mo.phase[pk.moment] == LOSS else ""
+        return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}{at} (action {action} of {n})"
 
     def events(self) -> tuple:
         """The step's allocation events for ``engine.memory.allocator.replay``."""
@@ -334,8 +443,11 @@ class RankTimeline:
 
     def _event_signature(self) -> tuple:
         """Hashable: the timeline's signature plus the (lifetime, bytes, stream) of every tracked block
-        not per stage-microbatch (one microbatch's for the kept outputs): identical ranks share one replay."""
-        return self.signature, self._rows
+        not per stage-microbatch (one microbatch's for the kept outputs), and with a :class:`Grain` the
+        grain and the blocks' and log-probabilities' bytes per local stage: identical ranks share one replay."""
+        if self._grain is None:
+            return self.signature, self._rows
+        return self.signature, self._rows, self._grain, self._acts
 
 
 def _rescaled(t: Term, k: int, n: int) -> Term:
@@ -347,17 +459,73 @@ def _rescaled(t: Term, k: int, n: int) -> Term:
     return t._replace(label=label, bytes=k * one, formula=f"{k} × {one:,} B (of {t.formula})", in_flight=k)
 
 
+class Grain(NamedTuple):
+    """What the allocation events lay block by block (``allocation_events``), from the activation table
+    and the head: the sizes one block's forward saves (in order; the per-rank model gives them as one
+    piece) and the transient tensors it makes (in order; the per-rank model gives its two largest), the
+    blocks of each local stage, and the head's output (the logits) in the compute dtype before the loss
+    casts it to fp32 (0: the logits are fp32 already, no cast)."""
+
+    kept: tuple[int, ...]  # what one block saves, one microbatch, in forward order (proportions)
+    work: tuple[int, ...]  # tensors one block's forward makes, one microbatch, in order
+    blocks: tuple[int, ...]  # blocks per local stage
+    logits_bytes: int  # the last stage's logits in the compute dtype, one microbatch (0: no fp32 cast)
+
+
+def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
+    """``total`` bytes split in proportion to ``weights`` (the last piece takes the rounding): exact sum."""
+    w = sum(weights)
+    if total <= 0:
+        return [0] * len(weights)
+    if w <= 0 or len(weights) < 2:
+        return [total] + [0] * (len(weights) - 1)
+    out = [total * x // w for x in weights[:-1]]
+    out.append(total - sum(out))
+    return out
+
+
+def _forward_walk(kept: tuple[int, ...], work: tuple[int, ...]) -> list[tuple[bool, int]]:
+    """One block's forward as (saved, index): the tensors it makes in order, each either saved (the
+    ``index``-th kept tensor: matched to the next made tensor of its size) or a transient (``index``
+    into ``work``); kept tensors no made tensor matches come last."""
+    walk, k = [], 0
+    for i, x in enumerate(work):
+        if k < len(kept) and kept[k] == x:
+            walk.append((True, k))
+            k += 1
+        else:
+            walk.append((False, i))
+    walk.extend((True, j) for j in range(k, len(kept)))
+    return walk
+
+
 @lru_cache(maxsize=1024)
 def allocation_events(event_signature: tuple) -> tuple:
     """The allocation events of one step (see the module docstring), from a rank's event signature.
 
     Step terms are allocated first (they persist); then, per action: an F allocates the transients
-    of its moment, its stage-microbatch's activations (one block) and, on the last stage, the kept
-    output, then frees the transients; a B, I or W allocates its transients (the lifetime from the
-    first backward on at the first one, never freed before the step's end), then frees them, and a
-    B or W its stage-microbatch. The step ends freeing what is left but the step terms.
+    of its moment, its stage-microbatch's activations and, on the last stage, the kept output, then
+    frees the transients; a B, I or W allocates its transients (the lifetime from the first backward
+    on at the first one, never freed before the step's end), then frees them, and a B or W its
+    stage-microbatch. The step ends freeing what is left but the step terms.
+
+    With a :class:`Grain` (the signature's third field) the activations and the backward go block by
+    block, as the training loop allocates them: each block's forward makes its tensors in order,
+    the saved ones kept, each transient freed once the two tensors after it are made; the last stage's
+    forward makes the logits, their fp32 copy and the log-probabilities it saves, then frees the two
+    first; the loss moment allocates the fp32 logits' gradient and the log-softmax gradient, frees the
+    first and the saved log-probabilities, makes the logits' gradient in the compute dtype and frees the
+    second; a B walks its blocks last to first: the recomputed block, the unit's backward transients
+    (its fresh gradient, the reduce-scatter input), then frees them and the block's saved tensors, and
+    in the rank's first backward allocates its share of what lives from the first backward on once
+    the freed tensors cover it. The forward's transients and the logits' casts are not terms (a
+    moment does not hold them): they are laid only where the live bytes stay within the rank's peak,
+    so the events' most live bytes are the peak's.
     """
-    sig, rows = event_signature
+    sig, rows = event_signature[:2]
+    grain: Grain | None = event_signature[2] if len(event_signature) > 2 else None
+    if grain is not None:
+        return _fine_events(sig, rows, event_signature[3], grain)
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     ev: list[tuple] = []
     for j, (life, nbytes, stream) in enumerate(rows):
@@ -371,8 +539,9 @@ def allocation_events(event_signature: tuple) -> tuple:
     late_done = False
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
+    phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
-    for i, (kind, stage, mb, mask) in enumerate(zip(kinds, stages, mbs, masks)):
+    for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         transient = []
         for c, life in enumerate(TRANSIENT[:-1]):
             if mask[c]:
@@ -384,7 +553,7 @@ def allocation_events(event_signature: tuple) -> tuple:
         for j, nbytes, stream in transient:
             ev.append(("alloc", ("t", j, i), nbytes) + ((stream,) if stream else ()))
         unit = sig.unit_bytes[local[stage if sig.pp > 1 else 0]]
-        if kind == _F:
+        if kind == _F and phase == ACTION:
             if unit > 0:
                 ev.append(("alloc", ("mb", stage, mb), unit))
             if stage == last_stage:
@@ -392,7 +561,7 @@ def allocation_events(event_signature: tuple) -> tuple:
                     ev.append(("alloc", ("out", j, mb), nbytes))
         for j, _, _ in transient:
             ev.append(("free", ("t", j, i)))
-        if (kind == _B or kind == _W) and unit > 0:
+        if (kind == _B or kind == _W) and unit > 0 and phase == ACTION:
             ev.append(("free", ("mb", stage, mb)))
     for j, _, _ in late if late_done else ():
         ev.append(("free", ("late", j)))
@@ -401,3 +570,186 @@ def allocation_events(event_signature: tuple) -> tuple:
             for j, _, _ in outputs:
                 ev.append(("free", ("out", j, mb)))
     return tuple(ev)
+
+
+def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tuple:
+    """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
+    saved bytes of its blocks and its log-probabilities, one microbatch each."""
+    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    peak = peak_of(sig).bytes
+    ev: list[tuple] = []
+    size: dict = {}
+    live = 0
+
+    def alloc(key, n: int, stream: int = 0) -> None:
+        nonlocal live
+        ev.append(("alloc", key, n, stream) if stream else ("alloc", key, n))
+        size[key] = n
+        live += n
+
+    def free(key) -> None:
+        nonlocal live
+        ev.append(("free", key))
+        live -= size.pop(key)
+
+    def transient(key, n: int, ahead: int = 0) -> bool:
+        """An event-only tensor (no term holds it): laid only where the live bytes stay within the peak,
+        with the ``ahead`` bytes that are allocated while it lives."""
+        if n > 0 and live + n + ahead <= peak:
+            alloc(key, n)
+            return True
+        return False
+
+    per_life: dict[str, list[tuple[int, int, int]]] = {}
+    for j, (life, nbytes, stream) in enumerate(rows):
+        if life == "step":
+            alloc(("step", j), nbytes, stream)
+        per_life.setdefault(life, []).append((j, nbytes, stream))
+    outputs = per_life.get("to_step_end", [])
+    late = per_life.get("after_first_backward", [])
+    late_done = False
+    local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
+    last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
+    walk = _forward_walk(grain.kept, grain.work)
+    plans: dict[int, tuple] = {}  # local stage -> (a block's forward, its last block's forward)
+    held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, block by block
+    kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
+    phases = mo.phase.tolist()
+    first_backward = _first_backward(kinds, phases)
+    for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
+        j = local[stage if sig.pp > 1 else 0]
+        unit = sig.unit_bytes[j]
+        layer_b, logprob_b = acts[j]
+        blocks = grain.blocks[j] if layer_b > 0 else 0
+        if not blocks:
+            layer_b = 0  # no block to lay them on: they go with the rest
+        walk_b = kind == _B and phase == ACTION and (stage, mb) in held
+        whole, per_block = [], []
+        for c, life in enumerate(TRANSIENT[:-1]):
+            if mask[c]:
+                (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
+                    (life, r) for r in per_life.get(life, ()))
+        if mask[-1] and not late_done:
+            for j2, nbytes, stream in late:
+                alloc(("late", j2), nbytes, stream)
+            late_done = True
+        if phase == LOSS:
+            halves = []
+            for _life, (j2, nbytes, stream) in whole:
+                if life == "loss":
+                    a, b = nbytes // 2, nbytes - nbytes // 2
+                    alloc(("loss", j2, i, 0), a, stream)
+                    alloc(("loss", j2, i, 1), b, stream)
+                    halves.append(j2)
+                else:
+                    alloc(("t", j2, i), nbytes, stream)
+            for j2 in halves:
+                free(("loss", j2, i, 0))
+            lg = transient(("logits_grad", i), grain.logits_bytes)
+            for j2 in halves:
+                free(("loss", j2, i, 1))
+            if lg:
+                free(("logits_grad", i))
+            for _life, (j2, _, _) in whole:
+                if life != "loss":
+                    free(("t", j2, i))
+            continue
+        for _life, (j2, nbytes, stream) in whole:
+            alloc(("t", j2, i), nbytes, stream)
+        if kind == _F and phase == ACTION and unit > 0:
+            keys = held[stage, mb] = []
+            plan = plans.get(j)
+            if plan is None:
+                plan = plans[j] = (_block_plan(layer_b // blocks, walk, grain) if blocks else (),
+                                   _block_plan(layer_b // blocks + layer_b % blocks, walk, grain) if blocks else ())
+            for b in range(blocks):
+                block_keys, window = [], []
+                for pos, (saved, n, ahead, idx) in enumerate(plan[b == blocks - 1]):
+                    if saved:
+                        if n:
+                            key = ("mb", stage, mb, b, idx)
+                            alloc(key, n)
+                            block_keys.append(key)
+                    elif n > 0 and live + n + ahead <= peak:  # an event-only transient, within the peak
+                        key = ("fwd", i, b, pos)
+                        alloc(key, n)
+                        window.append((pos, key))
+                    while window and window[0][0] <= pos - 2:
+                        free(window.pop(0)[1])
+                for _, key in window:
+                    free(key)
+                keys.append(block_keys)
+            rest = unit - layer_b - logprob_b
+            if rest > 0:
+                alloc(("mb", stage, mb, "rest"), rest)
+                keys.append([("mb", stage, mb, "rest")])
+            if logprob_b > 0:
+                lgt = transient(("logits", i), grain.logits_bytes, 2 * logprob_b)  # its fp32 copy, the log-probabilities
+                f32 = lgt and transient(("logits_fp32", i), logprob_b, logprob_b)
+                alloc(("mb", stage, mb, "logprob"), logprob_b)
+                keys.append([("mb", stage, mb, "logprob")])
+                if f32:
+                    free(("logits_fp32", i))
+                if lgt:
+                    free(("logits", i))
+            if stage == last_stage:
+                for j2, nbytes, _ in outputs:
+                    alloc(("out", j2, mb), nbytes)
+        if walk_b:
+            keys = held.pop((stage, mb))
+            tail = keys[blocks:]  # the rest and the log-probabilities, freed with the first (last) block
+            first = i == first_backward and not late_done
+            pending = [(("late", j2, q), piece, stream) for j2, nbytes, stream in late
+                       for q, piece in enumerate(_pieces(nbytes, (1,) * max(blocks, 1)))] if first else []
+            freed = made = 0
+            for b in reversed(range(blocks)):
+                tmp = []
+                for life, (j2, nbytes, stream) in per_block:
+                    parts = _pieces(nbytes, grain.work) if life == "backward_input" else [nbytes]
+                    for q, x in enumerate(parts):
+                        if x:
+                            alloc(("bw", j2, i, b, q), x, stream)
+                            tmp.append(("bw", j2, i, b, q))
+                for key in reversed(tmp):
+                    free(key)
+                for key in keys[b] + (sum(tail, []) if b == blocks - 1 else []):
+                    freed += size[key]
+                    free(key)
+                while pending and made + pending[0][1] <= freed:
+                    key, x, stream = pending.pop(0)
+                    if x:
+                        alloc(key, x, stream)
+                    made += x
+            for key, x, stream in pending:
+                if x:
+                    alloc(key, x, stream)
+            late_done = late_done or first
+        for _life, (j2, _, _) in whole:
+            free(("t", j2, i))
+        if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in held:
+            for key in sum(held.pop((stage, mb)), []):
+                free(key)
+    for key in [k for k in size if k[0] in ("late", "out")]:
+        free(key)
+    return tuple(ev)
+
+
+def _block_plan(share: int, walk: list, grain: Grain) -> tuple:
+    """One block's forward as (saved, bytes, ahead, index) steps: its ``share`` of saved bytes in
+    pieces, the transients with the saved bytes allocated while each lives (the two steps after it)."""
+    pieces = _pieces(share, grain.kept)
+    out = []
+    for pos, (saved, idx) in enumerate(walk):
+        if saved:
+            out.append((True, pieces[idx], 0, idx))
+        else:
+            out.append((False, grain.work[idx], sum(pieces[k] for sv, k in walk[pos + 1:pos + 3] if sv), idx))
+    return tuple(out)
+
+
+def _first_backward(kinds: list, phases: list) -> int:
+    """The moment of the rank's first B or I (its own moment, not the loss moment before it)."""
+    for i, (k, ph) in enumerate(zip(kinds, phases)):
+        if (k == _B or k == _I) and ph == ACTION:
+            return i
+    return len(kinds)

@@ -124,6 +124,14 @@ def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity
     """``max_reserved`` of one rank's step replayed through the caching allocator (cached on the
     rank's event signature: identical ranks and repeated slider positions replay once)."""
     events = allocation_events(event_signature)
+    if capacity is not None:
+        # where the live bytes alone pass the capacity the allocator's retries cannot help: it runs out
+        # of memory, and the reserve it would need is the unbounded replay's (one replay, not two)
+        unbounded = replay(events, expandable_segments=expandable_segments, capacity=None)
+        if unbounded.max_allocated > capacity:
+            return unbounded.max_reserved
+        if unbounded.max_reserved <= capacity:
+            return unbounded.max_reserved  # the capacity is never reached: nothing is released
     try:
         return replay(events, expandable_segments=expandable_segments, capacity=capacity).max_reserved
     except AllocatorOutOfMemory:

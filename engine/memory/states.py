@@ -75,7 +75,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
               f"4 B × {how}", kind="parameters")
         split_expert_params(T, expert_elements(cfg, rp, shard, e_deg), 4)
         T.add("grads", "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}",
-              kind="gradients")
+              kind="fsdp_sharded_grads")
         opt_numel, rule = psi_d, how
     else:
         T.add("params", f"parameters ({where}), fp32 (autocast casts on the fly; no separate master)"
@@ -247,8 +247,10 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
     g_numel, g_how = lora_d, how
     if not torch_acc and z == 2 and shard == 1:
         g_numel, g_how = ceil_div(psi_lora, d), f"⌈Ψ_lora/d⌉ = ⌈{psi_lora:,}/{d}⌉"
+    # under FSDP2 ("pytorch" accounting) the adapters' sharded gradients are what each unit's post-backward
+    # makes, as for full fine-tuning: alive at the end of the backward only (``lifetimes``)
     T.add("grads", "adapter gradients" + (" (fp32, the adapters' dtype)" if torch_acc else ""),
-          g_a * g_numel, f"{g_a} B × {g_how}", kind="gradients")
+          g_a * g_numel, f"{g_a} B × {g_how}", kind="fsdp_sharded_grads" if torch_acc and plan.fsdp2 else "gradients")
     if z == 1 and par.dp > 1 and torch_acc and par.tp == 1:
         sizes = zero_redundancy_partition([(a * b, count) for u, count in ad for a, b in u], par.dp)
         opt_numel = sizes[dp_rank]
