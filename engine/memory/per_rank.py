@@ -24,7 +24,7 @@ from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, s
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
-from engine.memory.lifetimes import Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, moments
+from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, moments
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups
@@ -102,7 +102,9 @@ def _load_per_microbatch(cfg: Config) -> bool:
 
 def microbatches_alive_at(tl: RankTimeline) -> dict[int, tuple[int, ...]]:
     """Per global stage of the rank, the microbatches whose activations are alive at its peak moment
-    (forward done, full backward or W not yet done; the peak action's own microbatch counts)."""
+    (forward done, full backward or W not yet done; the peak action's own microbatch counts). Only the
+    actions' own moments free: a loss moment opens its B (nothing freed yet), and at the end-of-backward
+    moment nothing is alive (the MoE blocks then follow every microbatch)."""
     sig, pk = tl.signature, tl.peak
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     stages = sig.stages if sig.pp > 1 else (sig.stages[0],)
@@ -111,7 +113,7 @@ def microbatches_alive_at(tl: RankTimeline) -> dict[int, tuple[int, ...]]:
         local = st if sig.pp > 1 else 0
         alive = set()
         for i in range(pk.moment + 1):
-            if int(mo.stage[i]) != local:
+            if int(mo.stage[i]) != local or (i < pk.moment and mo.phase[i] != ACTION):
                 continue
             kind, mb = ACTION_KINDS[int(mo.kind[i])], int(mo.microbatch[i])
             if kind == "F":
