@@ -21,12 +21,17 @@ def _cfg(**training) -> Config:
 
 
 def _saved_by_the_model(cfg: Config, compiled: bool = False) -> tuple[int, int]:
-    """(peak saved bytes of one forward + backward, bytes the loss saves of its own: labels and scalar)."""
+    """(peak saved bytes of one forward + backward, bytes the loss saves of its own: labels and scalar).
+
+    Under the config's wrapping plan: autocast, or FSDP2's MixedPrecisionPolicy (fully_shard on a
+    one-rank gloo group in this process, 16-bit parameters, no autocast)."""
     from backend.measure import SavedTensorPeak
     from backend.model import Transformer
     from backend.parallel.float8 import apply_float8
     from backend.train import loss_fn
+    from engine.wrapping import wrapping_plan
 
+    plan = wrapping_plan(cfg)
     torch.manual_seed(0)
     spec = cfg.model
     model = Transformer(spec)
@@ -39,12 +44,69 @@ def _saved_by_the_model(cfg: Config, compiled: bool = False) -> tuple[int, int]:
         apply_compile(model)
     x = torch.randint(0, spec.vocab, (cfg.training.micro_batch_size, spec.seq_len))
     y = torch.randint(0, spec.vocab, x.shape)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.training.precision == "bf16-mixed")
-    for _ in range(2 if compiled else 1):  # compiled: the second call runs the compiled graphs
-        with SavedTensorPeak(model.parameters()) as saved, autocast:
-            loss = loss_fn(model(x), y)
-            loss.backward()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.autocast)
+    with _one_rank_fsdp(model, plan) if plan.fsdp2 else _nothing():
+        for _ in range(2 if compiled else 1):  # compiled: the second call runs the compiled graphs
+            peak = _UnshardedParamsLeftOut(model) if plan.fsdp2 else SavedTensorPeak(model.parameters())
+            with peak as saved, autocast:
+                loss = loss_fn(model(x), y)
+                loss.backward()
     return saved.peak, y.numel() * 8 + 4
+
+
+def _UnshardedParamsLeftOut(model):
+    """``SavedTensorPeak`` that also leaves out FSDP2's unsharded parameters: fully_shard registers them
+    on their module only while it is gathered (a fresh storage each all-gather), and the matmuls save
+    views of them (``weight.t()``), which the sharded parameters' storages given up front do not name."""
+    from backend.measure import SavedTensorPeak, _storage_ptr
+
+    class Peak(SavedTensorPeak):
+        def __init__(self):
+            super().__init__(model.parameters())
+            self._sharded = set(self._params)
+
+        def _pack(self, t):
+            self._params = self._sharded | {ptr for ptr in map(_storage_ptr, model.parameters()) if ptr}
+            return super()._pack(t)
+
+    return Peak()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _one_rank_fsdp:
+    """``backend.parallel.data_parallel.apply_fsdp`` with the plan's policy on a one-rank gloo group,
+    destroyed on exit."""
+
+    def __init__(self, model, plan):
+        self.model, self.plan = model, plan
+
+    def __enter__(self):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from backend.parallel.data_parallel import apply_fsdp
+        from backend.parallel.precision import fsdp_mp_policy
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_fsdp(self.model, mesh, fsdp_mp_policy(self.plan), self.plan.reshard_after_forward,
+                       self.plan.root_reshard_after_forward)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return False
 
 
 def _predicted_activations(cfg: Config) -> int:
@@ -142,12 +204,20 @@ def test_per_op_recompute_holds_the_none_set_instead_of_its_stash():
     assert _block_backward_growth("selective-op") == _recomputed_term(cfg) - down
 
 
-def test_full_recompute_counts_the_kept_block_input_twice():
-    """Measured: a fully checkpointed block's backward adds its saved tensors less the block input (the
-    checkpoint's kept input, which norm1's replay saves again as the same tensor) and less the down
-    input freed by the peak; the engine's recomputed block is the whole block (an over-count by the
-    block input, kept: fixing it moves the recorded golden totals of every full-recompute entry)."""
-    cfg = _two_blocks("full")
+@pytest.mark.parametrize("kind", ["full", "selective-layer"])
+def test_a_checkpointed_block_counts_its_kept_input_once(kind):
+    """Measured: a fully checkpointed block's backward (every block under "full", the second under
+    "selective-layer" N = 2) adds its saved tensors less the block input and less the down input freed by
+    the peak. torch/utils/checkpoint.py keeps the input (``new_frame.save_inputs(*args)``), replays the
+    block on those same tensors (``args = frame.get_inputs()``; ``frame.recompute_fn(*args)``) and its
+    ``_recomputation_hook`` stores what each op saves as ``x.detach()``, a view of the same storage: norm1's
+    recomputed input is the kept block input. The engine's recomputed block leaves it out (counted once,
+    as the checkpointed block's kept input)."""
+    from engine.memory.activations import activation_bytes_per_layer
+
+    cfg = _two_blocks(kind)
     down = _row_bytes(_two_blocks("none"), "down input")
     kept = _row_bytes(_two_blocks("none"), "norm1 input")
-    assert _block_backward_growth("full") == _recomputed_term(cfg) - kept - down
+    whole = activation_bytes_per_layer(_two_blocks("none"))
+    assert _recomputed_term(cfg) == whole - kept
+    assert _block_backward_growth(kind) == _recomputed_term(cfg) - down

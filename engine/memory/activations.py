@@ -27,7 +27,8 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
     (``recomputed_by``); selective recomputes the attention core (softmax, its dropout; flash's
     lse). Full recompute keeps only each block's input (``memory_per_rank``); the table itself
     ignores it. The block being recomputed in its backward is counted as activations too (one
-    block's tensors, alive during that backward), as PyTorch's MemTracker counts it.
+    block's tensors, alive during that backward), as PyTorch's MemTracker counts it, less norm1's
+    input: the replay saves the checkpoint's kept input itself (``checkpoint_shared_bytes``).
   * LoRA (frozen base): a frozen Linear keeps no input for its weight gradient, so the QKV, o-proj,
     MLP and down inputs stay only where an adapter's A reads them (``for_weight_grad_of``; flash
     keeps its output anyway, ``kernel_keeps``); each adapter adds A's output (s·b·r) for B's
@@ -177,7 +178,8 @@ class SavedTensor:
     ``count`` = "adapters" multiplies by the number of adapted Linears. ``only_under``: the
     recompute policies it exists under alone (the outputs torchtitan's per-op policy stashes);
     ``sac_mm``: the matmul whose output it is, kept only if the policy's counter saves that matmul
-    (``sac_saved_matmuls``).
+    (``sac_saved_matmuls``). ``block_input``: the tensor is the block's input itself, which a checkpointed
+    block keeps anyway (``checkpoint_shared_bytes``).
     """
 
     label: str
@@ -191,6 +193,7 @@ class SavedTensor:
     kernel_keeps: str = ""
     only_under: frozenset[str] = frozenset()
     sac_mm: str = ""
+    block_input: bool = False
 
     def applies(self, sh: _Shape) -> bool:
         for flag in self.only:
@@ -275,9 +278,12 @@ def _stashed_matmul(name: str) -> tuple[SavedTensor, ...]:
 
 def _norm(n: int) -> tuple[SavedTensor, ...]:
     part = f"norm{n}"
+    kept_input = frozenset() if n == 1 else _PER_OP
     return (
-        # norm1's input is the block input: the checkpoint keeps it under the per-op policy
-        SavedTensor(f"norm{n} input", "res", "sbh_rep", part, recomputed_by=_PER_OP if n == 2 else frozenset()),
+        # norm1's input is the block input: the checkpoint keeps it under the per-op policy, and under a
+        # full checkpoint the replay of norm1 saves that same tensor (``block_input``)
+        SavedTensor(f"norm{n} input", "res", "sbh_rep", part, recomputed_by=kept_input,
+                    block_input=n == 1),
         # x̂ is kept for the weight's gradient: none when the norm is frozen (LoRA), none under
         # torch.compile (the fused norm keeps its input and rstd)
         SavedTensor(f"norm{n} x̂ = x·rstd (torch's composite RMSNorm)", "res", "sbh_rep", part,
@@ -359,6 +365,20 @@ for _row in SAVED_TENSORS:
     assert _row.elem in _ELEM and _row.numel in _NUMEL and _row.recomputed_by <= set(RECOMPUTE_KINDS), _row
     assert _row.only_under <= set(RECOMPUTE_KINDS), _row
     assert all(f.lstrip("!") in _FLAGS for f in _row.only), _row
+
+
+def checkpoint_shared_bytes(sh: _Shape, res: int) -> int:
+    """Bytes of a fully checkpointed block's recomputed tensors that are its kept input, counted once.
+
+    torch's non-reentrant checkpoint (torch/utils/checkpoint.py, which ``checkpoint_wrapper`` uses)
+    keeps the block's input: ``new_frame.save_inputs(*args)`` holds each tensor argument as a saved
+    tensor (``_make_saved_tensor(arg, is_output=False)``). The backward's replay runs on those same
+    tensors (``args = frame.get_inputs()``, then ``frame.recompute_fn(*args)``), and its
+    ``_recomputation_hook`` stores what each op saves as ``x.detach()`` — a view of the same storage.
+    So norm1's recomputed saved input is the kept block input, not a second copy. ``res``: bytes per
+    element of the residual stream (fp32 under autocast)."""
+    return sum(row.count * res * _NUMEL[row.numel][0](sh) for row in SAVED_TENSORS
+               if row.block_input and row.applies(sh))
 
 
 @lru_cache(maxsize=256)
@@ -806,11 +826,15 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     # files them ("tensors produced during the forward pass and recomputation in activation
     # checkpointing", _MemRefType.ACT): one block's at a time, alive during that block's backward
     # (``engine.memory.lifetimes``: kind "recomputed_block", no stage or microbatches in flight)
+    # less the block input, which the checkpoint keeps and the replay of norm1 saves as that same
+    # tensor (``checkpoint_shared_bytes``; counted once, in the checkpointed block's kept input)
     if any(ckpt_of[st.stage] for st in rp.stages):
         big = max(per_layer, per_moe) if moe and any(st.moe_layers for st in rp.stages) else per_layer
-        T.add("activations", f"one block recomputed during backward ({tr.recompute} recompute)", big,
-              f"{moe_formula if moe and big != per_layer else layer_formula} = {big:,} B ({dims})",
-              kind="recomputed_block")
+        shared = checkpoint_shared_bytes(sh, res)
+        redo = big - shared
+        T.add("activations", f"one block recomputed during backward ({tr.recompute} recompute), less its kept "
+              "input", redo, f"{moe_formula if moe and big != per_layer else layer_formula} − the kept block input"
+              f" = {big:,} − {shared:,} = {redo:,} B ({dims})", kind="recomputed_block")
     elif sh.recompute == "selective-op":
         # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
         # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE
