@@ -141,6 +141,38 @@ def test_the_engine_predicts_what_the_model_saves(training):
     assert saved - loss_inputs == _predicted_activations(cfg)
 
 
+@pytest.mark.parametrize("training", [
+    {"precision": "bf16-mixed", "grad_dtype": "bf16"},
+    {"precision": "fp16-mixed", "grad_dtype": "fp16"},
+    # float8 under FSDP2: the Linear inputs arrive in bf16, saved as they arrive, as without float8
+    {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "tensorwise"},
+], ids=["bf16", "fp16", "float8-tensorwise"])
+def test_the_engine_predicts_what_the_model_saves_under_fsdp2_16bit_parameters(training):
+    """FSDP2's MixedPrecisionPolicy runs the blocks on 16-bit parameters without autocast, so every
+    RMSNorm's input is 16-bit, and torch's composite RMSNorm (CPU) saves the fp32 upcast of its input and
+    the fp32 x̂ instead of 16-bit ones (aten's rms_norm: "upcast is needed for fp16 and bf16")."""
+    if training.get("float8"):
+        pytest.importorskip("torchao")
+    cfg = _cfg(**training).replace(parallel={"zero": 3})
+    saved, loss_inputs = _saved_by_the_model(cfg)
+    assert saved - loss_inputs == _predicted_activations(cfg)
+
+
+def test_the_composite_rmsnorm_of_a_16bit_input_saves_fp32_tensors():
+    """What torch's composite RMSNorm saves of a bf16 input (CPU): the fp32 upcast (pow, the mul by
+    rsqrt), rstd (rsqrt's output, saved by rsqrt and the mul), the fp32 x̂ the weight multiplies — no
+    bf16 tensor (the 16-bit input itself is not kept)."""
+    x = torch.randn(2, 64, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.ones(128, dtype=torch.bfloat16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.rms_norm(x, (128,), w, 1e-6)
+    acts = {t.untyped_storage().data_ptr(): t for t in saved if t.untyped_storage().data_ptr() !=
+            w.untyped_storage().data_ptr()}
+    assert sorted((t.dtype, t.numel()) for t in acts.values()) == sorted(
+        [(torch.float32, x.numel())] * 2 + [(torch.float32, x.numel() // 128)])
+
+
 @pytest.mark.integration
 def test_the_engine_predicts_what_the_compiled_blocks_save():
     cfg = _cfg(precision="fp32", compile=True)
