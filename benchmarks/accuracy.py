@@ -418,25 +418,30 @@ same buffer) from activations.
   the tracker sees 1–4.7 MiB of such Temp on the later ranks that the engine does not model.
   Activations on those ranks are within 4.4 %.
 - **activations of torchtitan's knobs** (goal 5 %; the six recompute, float8 and compile rows were
-  re-measured alone with `--only`, with their own reference run on a busier machine: their step
-  columns do not compare with the other rows'). What the model saves is checked tensor by tensor:
+  re-measured alone with `--only`, with their own reference run on a busier machine, and the full,
+  selective-layer and two ZeRO-3 rows once more after the two fixes below: their step columns do
+  not compare with the other rows'). What the model saves is checked tensor by tensor:
   `tests/test_saved_tensors.py` counts the backend's whole tiny model with `saved_tensors_hooks`
   (one microbatch, unique storages, no parameters) — fp32, bf16 autocast, float8 rowwise and
-  tensorwise under CPU autocast, compiled blocks — and the engine's activations equal it up to the
-  loss's own labels. What is left on these rows is *when* MemTracker's single peak falls: the engine
+  tensorwise under CPU autocast, compiled blocks, and FSDP2's bf16 / fp16 parameters (fully_shard
+  on one rank, float8 tensorwise too) — and the engine's activations equal it up to the loss's own
+  labels. What is left on these rows is *when* MemTracker's single peak falls: the engine
   lays terms on whole actions (F, B), the tracker peaks inside a backward, after its first ops freed
   what they saved — the down input of the block whose backward runs (w2's backward is its first op;
   one s·b·f tensor, 180,224 B on the fp32 tiny model: measured per module on the 2-block model, from
   the last block's pre-backward moment to its backward's peak) and, where the peak comes after the
   head's backward, the loss's log-probabilities, the head input and the final norm (~0.43 MB).
-  - *full recompute* (81.1 % → 14.0 %, stage 1 10.7 %; tracked peak 2.5 %): the block a backward
-    recomputes is now activations, as the tracker files it (`_MemRefType.ACT`: "tensors produced
-    during the forward pass and recomputation in activation checkpointing"). Left: (i) the engine
-    counts the block input twice — the checkpoint keeps it and norm1's replay saves that same tensor
-    (65,536 B per rank here; `test_full_recompute_counts_the_kept_block_input_twice`); not fixed, as
-    it moves the recorded golden totals of all 176 full-recompute entries; (ii) the down input freed
-    before the block's backward peak (180,224 B). Together 245,760 B: stage 0's gap is 242,688 B;
-    stage 1's 324,076 B has 78 kB more on the loss side.
+  - *full recompute* (81.1 % → 14.0 % → 10.2 %, stage 1 8.5 %; tracked peak 2.8 %): the block a
+    backward recomputes is activations, as the tracker files it (`_MemRefType.ACT`: "tensors produced
+    during the forward pass and recomputation in activation checkpointing"), less its input: the
+    checkpoint keeps it (torch/utils/checkpoint.py: `new_frame.save_inputs(*args)`), the replay runs
+    on those same tensors (`frame.get_inputs()`) and its `_recomputation_hook` stores what each op
+    saves as `x.detach()`, a view of the same storage, so norm1's recomputed input is the kept one
+    (was counted twice: 65,536 B per rank here; `test_a_checkpointed_block_counts_its_kept_input_once`
+    matches the 2-block model's backward; the golden corpus re-recorded, its 176 full-recompute
+    entries down). Measured after: stage 0 over by 177,152 B, stage 1 by 258,540 B (was 242,688 and
+    324,076). Left: the down input freed before the block's backward peak (180,224 B), and on stage 1
+    78 kB more on the loss side.
   - *selective-op* (60.7 % → 4.7 %, stage 1 5.1 %): two errors fixed. During its backward a block
     holds what no recompute keeps *instead of* its stash, not on top of it — torch's selective
     checkpoint hands each stashed output to its op once in the replay, so a stashed output that no
@@ -449,10 +454,12 @@ same buffer) from activations.
     stages that temporary and the timeline picks the moment — stage 0 was +85 % with the peak at the
     first backward holding two microbatches' stashes. Left: the down input (stage 1: 258,540 B =
     180,224 + 78 kB).
-  - *selective-layer N=2* (19.1 % → 8.7 %; stage 0 −0.0 %): the last stage peaks at the start of its
-    last block's backward (a checkpointed block, recomputed), after the loss, the head and the final
-    norm freed their saved tensors (459,264 B), and the kept input is counted twice (65,536 B):
-    524,800 B against the 520,684 B gap.
+  - *selective-layer N=2* (19.1 % → 8.7 % → 7.6 %; stage 0 −0.8 %): its checkpointed blocks count
+    their kept input once, as under full recompute (65,536 B less on each stage). The last stage peaks
+    at the start of its last block's backward (a checkpointed block, recomputed), after the loss, the
+    head and the final norm freed their saved tensors (459,264 B) against the 455,148 B gap measured
+    (was 520,684). Stage 0 is now 67,584 B under, the reference row's own stage-0 gap (it was 2,048
+    B over: the double count hid it).
   - *float8 rowwise, bf16 DDP* (8.2 % → 5.1 %): torchao's `Float8Linear.forward` casts its input to
     the autocast dtype only under CUDA's autocast (`torch.is_autocast_enabled()`,
     `get_autocast_gpu_dtype()`), and `matmul_with_hp_or_float8_args` saves the input as it arrives:
@@ -460,16 +467,21 @@ same buffer) from activations.
     casts. Modelled (CPU only; CUDA casts per Linear as without float8): 8,758,784 B predicted = what
     the model saves. Left: the tracker's peak falls in the last block's backward, with float8's
     backward casts as Temp (0.61 MB more than the bf16 row's) and the loss side freed.
-  - *float8 tensorwise, bf16 ZeRO-3* (9.0 %, as the bf16 ZeRO-3 row): float8 saves the same tensors
-    as bf16 under FSDP2 (the Linear inputs arrive in bf16); what both rows miss is found, not
-    applied. Under FSDP2's bf16 parameters (no autocast) torch's composite RMSNorm upcasts its input
-    and saves the fp32 upcast and the fp32 x̂ (`_fused_rms_norm` in torch/_decomp/decompositions.py:
-    "upcast is needed for fp16 and bf16"), which the engine counts at 2 bytes: 4·s·b·h more per norm,
-    131,072 B per block and 65,536 B for the final norm (one block measured: 959,488 B saved, 828,416
-    predicted). With them (1,114,112 B at one microbatch) and the loss side freed at the tracker's
-    peak (426,496 B) the prediction is 7,676,928 B against 7,680,008 measured (−0.04 %). It moves the
-    golden totals of every CPU entry with FSDP2's 16-bit policy and RMSNorm, which this change was
-    not to re-record: left for the corpus' owner.
+  - *float8 tensorwise, bf16 ZeRO-3* (9.0 % → 5.5 %, as the bf16 ZeRO-3 row, 9.0 % → 5.5 %): float8
+    saves the same tensors as bf16 under FSDP2 (the Linear inputs arrive in bf16). Under FSDP2's
+    16-bit parameters (no autocast) torch's composite RMSNorm upcasts its input and saves the fp32
+    upcast and the fp32 x̂ (as its decomposition `_fused_rms_norm` in torch/_decomp/decompositions.py:
+    "upcast is needed for fp16 and bf16"; the 16-bit input itself is not kept), which the engine
+    counted at 2 bytes: 4·s·b·h more per norm, 131,072 B per block and 65,536 B for the final norm,
+    1,114,112 B at one microbatch. Now rows of the saved-tensor table (`norm_upcast`): CPU only (the
+    engine takes the fused kernel, which saves input and rstd, on every other GPU kind), RMSNorm only
+    (LayerNorm's kernel saves its input as it arrives), where the input arrives in 16 bits (16-bit
+    compute without autocast: FSDP2's fully_shard or replicate), not compiled (inductor saves the
+    bf16 input and rstd, measured); the golden corpus re-recorded, its 8 such entries up. Measured
+    after: 8,103,424 B predicted, the model's saved tensors exactly, against 7,680,008 at the
+    tracker's peak: over by 423,416 B, the loss side freed by then (426,496 B; rank 3 of the bf16
+    row peaks elsewhere: 259,064 B). The bf16 row's peak goes 1.5 % → 4.5 % (that excess); float8's
+    4.3 % → 1.7 %.
   - *compile* (16.7 % → 3.0 %): MemTracker cannot run inside a compiled block, so its step runs the
     blocks eagerly; the backend now counts what the compiled blocks save with `saved_tensors_hooks`
     over one more compiled forward and backward, and over the eager tracker step (11,121,156 vs

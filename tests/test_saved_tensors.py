@@ -21,12 +21,17 @@ def _cfg(**training) -> Config:
 
 
 def _saved_by_the_model(cfg: Config, compiled: bool = False) -> tuple[int, int]:
-    """(peak saved bytes of one forward + backward, bytes the loss saves of its own: labels and scalar)."""
+    """(peak saved bytes of one forward + backward, bytes the loss saves of its own: labels and scalar).
+
+    Under the config's wrapping plan: autocast, or FSDP2's MixedPrecisionPolicy (fully_shard on a
+    one-rank gloo group in this process, 16-bit parameters, no autocast)."""
     from backend.measure import SavedTensorPeak
     from backend.model import Transformer
     from backend.parallel.float8 import apply_float8
     from backend.train import loss_fn
+    from engine.wrapping import wrapping_plan
 
+    plan = wrapping_plan(cfg)
     torch.manual_seed(0)
     spec = cfg.model
     model = Transformer(spec)
@@ -39,12 +44,69 @@ def _saved_by_the_model(cfg: Config, compiled: bool = False) -> tuple[int, int]:
         apply_compile(model)
     x = torch.randint(0, spec.vocab, (cfg.training.micro_batch_size, spec.seq_len))
     y = torch.randint(0, spec.vocab, x.shape)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.training.precision == "bf16-mixed")
-    for _ in range(2 if compiled else 1):  # compiled: the second call runs the compiled graphs
-        with SavedTensorPeak(model.parameters()) as saved, autocast:
-            loss = loss_fn(model(x), y)
-            loss.backward()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.autocast)
+    with _one_rank_fsdp(model, plan) if plan.fsdp2 else _nothing():
+        for _ in range(2 if compiled else 1):  # compiled: the second call runs the compiled graphs
+            peak = _UnshardedParamsLeftOut(model) if plan.fsdp2 else SavedTensorPeak(model.parameters())
+            with peak as saved, autocast:
+                loss = loss_fn(model(x), y)
+                loss.backward()
     return saved.peak, y.numel() * 8 + 4
+
+
+def _UnshardedParamsLeftOut(model):
+    """``SavedTensorPeak`` that also leaves out FSDP2's unsharded parameters: fully_shard registers them
+    on their module only while it is gathered (a fresh storage each all-gather), and the matmuls save
+    views of them (``weight.t()``), which the sharded parameters' storages given up front do not name."""
+    from backend.measure import SavedTensorPeak, _storage_ptr
+
+    class Peak(SavedTensorPeak):
+        def __init__(self):
+            super().__init__(model.parameters())
+            self._sharded = set(self._params)
+
+        def _pack(self, t):
+            self._params = self._sharded | {ptr for ptr in map(_storage_ptr, model.parameters()) if ptr}
+            return super()._pack(t)
+
+    return Peak()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _one_rank_fsdp:
+    """``backend.parallel.data_parallel.apply_fsdp`` with the plan's policy on a one-rank gloo group,
+    destroyed on exit."""
+
+    def __init__(self, model, plan):
+        self.model, self.plan = model, plan
+
+    def __enter__(self):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from backend.parallel.data_parallel import apply_fsdp
+        from backend.parallel.precision import fsdp_mp_policy
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            apply_fsdp(self.model, mesh, fsdp_mp_policy(self.plan), self.plan.reshard_after_forward,
+                       self.plan.root_reshard_after_forward)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        return False
 
 
 def _predicted_activations(cfg: Config) -> int:
@@ -77,6 +139,38 @@ def test_the_engine_predicts_what_the_model_saves(training):
     cfg = _cfg(**training)
     saved, loss_inputs = _saved_by_the_model(cfg)
     assert saved - loss_inputs == _predicted_activations(cfg)
+
+
+@pytest.mark.parametrize("training", [
+    {"precision": "bf16-mixed", "grad_dtype": "bf16"},
+    {"precision": "fp16-mixed", "grad_dtype": "fp16"},
+    # float8 under FSDP2: the Linear inputs arrive in bf16, saved as they arrive, as without float8
+    {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "tensorwise"},
+], ids=["bf16", "fp16", "float8-tensorwise"])
+def test_the_engine_predicts_what_the_model_saves_under_fsdp2_16bit_parameters(training):
+    """FSDP2's MixedPrecisionPolicy runs the blocks on 16-bit parameters without autocast, so every
+    RMSNorm's input is 16-bit, and torch's composite RMSNorm (CPU) saves the fp32 upcast of its input and
+    the fp32 x̂ instead of 16-bit ones (aten's rms_norm: "upcast is needed for fp16 and bf16")."""
+    if training.get("float8"):
+        pytest.importorskip("torchao")
+    cfg = _cfg(**training).replace(parallel={"zero": 3})
+    saved, loss_inputs = _saved_by_the_model(cfg)
+    assert saved - loss_inputs == _predicted_activations(cfg)
+
+
+def test_the_composite_rmsnorm_of_a_16bit_input_saves_fp32_tensors():
+    """What torch's composite RMSNorm saves of a bf16 input (CPU): the fp32 upcast (pow, the mul by
+    rsqrt), rstd (rsqrt's output, saved by rsqrt and the mul), the fp32 x̂ the weight multiplies — no
+    bf16 tensor (the 16-bit input itself is not kept)."""
+    x = torch.randn(2, 64, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.ones(128, dtype=torch.bfloat16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        torch.nn.functional.rms_norm(x, (128,), w, 1e-6)
+    acts = {t.untyped_storage().data_ptr(): t for t in saved if t.untyped_storage().data_ptr() !=
+            w.untyped_storage().data_ptr()}
+    assert sorted((t.dtype, t.numel()) for t in acts.values()) == sorted(
+        [(torch.float32, x.numel())] * 2 + [(torch.float32, x.numel() // 128)])
 
 
 @pytest.mark.integration
@@ -142,12 +236,20 @@ def test_per_op_recompute_holds_the_none_set_instead_of_its_stash():
     assert _block_backward_growth("selective-op") == _recomputed_term(cfg) - down
 
 
-def test_full_recompute_counts_the_kept_block_input_twice():
-    """Measured: a fully checkpointed block's backward adds its saved tensors less the block input (the
-    checkpoint's kept input, which norm1's replay saves again as the same tensor) and less the down
-    input freed by the peak; the engine's recomputed block is the whole block (an over-count by the
-    block input, kept: fixing it moves the recorded golden totals of every full-recompute entry)."""
-    cfg = _two_blocks("full")
+@pytest.mark.parametrize("kind", ["full", "selective-layer"])
+def test_a_checkpointed_block_counts_its_kept_input_once(kind):
+    """Measured: a fully checkpointed block's backward (every block under "full", the second under
+    "selective-layer" N = 2) adds its saved tensors less the block input and less the down input freed by
+    the peak. torch/utils/checkpoint.py keeps the input (``new_frame.save_inputs(*args)``), replays the
+    block on those same tensors (``args = frame.get_inputs()``; ``frame.recompute_fn(*args)``) and its
+    ``_recomputation_hook`` stores what each op saves as ``x.detach()``, a view of the same storage: norm1's
+    recomputed input is the kept block input. The engine's recomputed block leaves it out (counted once,
+    as the checkpointed block's kept input)."""
+    from engine.memory.activations import activation_bytes_per_layer
+
+    cfg = _two_blocks(kind)
     down = _row_bytes(_two_blocks("none"), "down input")
     kept = _row_bytes(_two_blocks("none"), "norm1 input")
-    assert _block_backward_growth("full") == _recomputed_term(cfg) - kept - down
+    whole = activation_bytes_per_layer(_two_blocks("none"))
+    assert _recomputed_term(cfg) == whole - kept
+    assert _block_backward_growth(kind) == _recomputed_term(cfg) - down

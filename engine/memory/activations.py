@@ -27,7 +27,8 @@ all five cases. Variants, each a condition on a row (``only``), never a branch:
     (``recomputed_by``); selective recomputes the attention core (softmax, its dropout; flash's
     lse). Full recompute keeps only each block's input (``memory_per_rank``); the table itself
     ignores it. The block being recomputed in its backward is counted as activations too (one
-    block's tensors, alive during that backward), as PyTorch's MemTracker counts it.
+    block's tensors, alive during that backward), as PyTorch's MemTracker counts it, less norm1's
+    input: the replay saves the checkpoint's kept input itself (``checkpoint_shared_bytes``).
   * LoRA (frozen base): a frozen Linear keeps no input for its weight gradient, so the QKV, o-proj,
     MLP and down inputs stay only where an adapter's A reads them (``for_weight_grad_of``; flash
     keeps its output anyway, ``kernel_keeps``); each adapter adds A's output (s·b·r) for B's
@@ -46,7 +47,8 @@ Under ``conventions.state_accounting = "pytorch"`` the rows marked ``torch_ops``
 kernels too: rstd of each norm, rope's cos/sin tables, the causal mask, SP's gathered Linear
 inputs (torch's SequenceParallel + PrepareModuleInput all-gather the norm output into a
 replicated DTensor, and the column-parallel Linears save that full s·b·h input), torch's
-composite RMSNorm on CPU (x̂ = x·rstd saved too). Beyond the block (``stage_activation_terms``):
+composite RMSNorm on CPU (x̂ = x·rstd saved too; of a 16-bit input, under FSDP2's MixedPrecisionPolicy
+without autocast, its fp32 upcast and an fp32 x̂ instead). Beyond the block (``stage_activation_terms``):
 the residual stream and the norms in fp32 under autocast, one 16-bit input cast per Linear,
 autocast's cached weight casts, a pipeline stage's kept output, and its input that is the p2p
 receive buffer (counted in comm_buffers). Checked against PyTorch's MemTracker on CPU
@@ -94,6 +96,10 @@ class _Shape:
     torch_ops: bool = False  # count what torch's kernels save beyond the paper's terms
     resid: int = 0  # bytes of the residual stream (the norm inputs)
     composite_norm: bool = False  # RMSNorm as torch's composite (CPU): also saves x̂ = x·rstd
+    # the composite RMSNorm's input arrives in 16 bits (FSDP2's MixedPrecisionPolicy, no autocast): it
+    # upcasts it and saves the fp32 upcast and the fp32 x̂ instead (set by ``stage_activation_terms``
+    # only, so ``activation_bytes_per_layer`` does not depend on the DP wrapper)
+    norm_upcast: bool = False
     rope: bool = False  # rope's cos/sin tables saved by its multiplies
     head_dim: int = 0
     # LoRA (engine.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names
@@ -161,7 +167,7 @@ _BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "1
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
 _FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile",
-          "float8_uncast")
+          "float8_uncast", "norm_upcast")
 
 
 @dataclass(frozen=True)
@@ -177,7 +183,8 @@ class SavedTensor:
     ``count`` = "adapters" multiplies by the number of adapted Linears. ``only_under``: the
     recompute policies it exists under alone (the outputs torchtitan's per-op policy stashes);
     ``sac_mm``: the matmul whose output it is, kept only if the policy's counter saves that matmul
-    (``sac_saved_matmuls``).
+    (``sac_saved_matmuls``). ``block_input``: the tensor is the block's input itself, which a checkpointed
+    block keeps anyway (``checkpoint_shared_bytes``).
     """
 
     label: str
@@ -191,6 +198,7 @@ class SavedTensor:
     kernel_keeps: str = ""
     only_under: frozenset[str] = frozenset()
     sac_mm: str = ""
+    block_input: bool = False
 
     def applies(self, sh: _Shape) -> bool:
         for flag in self.only:
@@ -275,13 +283,26 @@ def _stashed_matmul(name: str) -> tuple[SavedTensor, ...]:
 
 def _norm(n: int) -> tuple[SavedTensor, ...]:
     part = f"norm{n}"
+    kept_input = frozenset() if n == 1 else _PER_OP
     return (
-        # norm1's input is the block input: the checkpoint keeps it under the per-op policy
-        SavedTensor(f"norm{n} input", "res", "sbh_rep", part, recomputed_by=_PER_OP if n == 2 else frozenset()),
+        # norm1's input is the block input: the checkpoint keeps it under the per-op policy, and under a
+        # full checkpoint the replay of norm1 saves that same tensor (``block_input``)
+        SavedTensor(f"norm{n} input", "res", "sbh_rep", part, only=("!norm_upcast",), recomputed_by=kept_input,
+                    block_input=n == 1),
+        # torch's composite RMSNorm computes in fp32 from an upcast of a 16-bit input (as its decomposition,
+        # ``_fused_rms_norm`` in torch/_decomp/decompositions.py: "upcast is needed for fp16 and bf16",
+        # ``upcasted_input = input.to(computation_dtype)``): pow and the mul by rsqrt save that fp32
+        # upcast, not the 16-bit input (a new tensor: not what a checkpoint keeps; measured in
+        # tests/test_saved_tensors.py)
+        SavedTensor(f"norm{n} input upcast to fp32 (torch's composite RMSNorm of a 16-bit input)", "fp32", "sbh_rep",
+                    part, only=("norm_upcast",), recomputed_by=kept_input),
         # x̂ is kept for the weight's gradient: none when the norm is frozen (LoRA), none under
-        # torch.compile (the fused norm keeps its input and rstd)
+        # torch.compile (the fused norm keeps its input and rstd); of a 16-bit input it is the fp32
+        # ``upcasted_result`` the weight multiplies (cast back to 16 bits only after)
         SavedTensor(f"norm{n} x̂ = x·rstd (torch's composite RMSNorm)", "res", "sbh_rep", part,
-                    only=("composite_norm", "!lora", "!compile"), recomputed_by=_PER_OP),
+                    only=("composite_norm", "!lora", "!compile", "!norm_upcast"), recomputed_by=_PER_OP),
+        SavedTensor(f"norm{n} x̂ = x·rstd in fp32 (torch's composite RMSNorm of a 16-bit input)", "fp32", "sbh_rep",
+                    part, only=("norm_upcast", "!lora"), recomputed_by=_PER_OP),
         SavedTensor(f"norm{n} rstd (fp32)", "fp32", "sb_rep", part, only=("torch_ops",), recomputed_by=_PER_OP),
     )
 
@@ -359,6 +380,20 @@ for _row in SAVED_TENSORS:
     assert _row.elem in _ELEM and _row.numel in _NUMEL and _row.recomputed_by <= set(RECOMPUTE_KINDS), _row
     assert _row.only_under <= set(RECOMPUTE_KINDS), _row
     assert all(f.lstrip("!") in _FLAGS for f in _row.only), _row
+
+
+def checkpoint_shared_bytes(sh: _Shape, res: int) -> int:
+    """Bytes of a fully checkpointed block's recomputed tensors that are its kept input, counted once.
+
+    torch's non-reentrant checkpoint (torch/utils/checkpoint.py, which ``checkpoint_wrapper`` uses)
+    keeps the block's input: ``new_frame.save_inputs(*args)`` holds each tensor argument as a saved
+    tensor (``_make_saved_tensor(arg, is_output=False)``). The backward's replay runs on those same
+    tensors (``args = frame.get_inputs()``, then ``frame.recompute_fn(*args)``), and its
+    ``_recomputation_hook`` stores what each op saves as ``x.detach()`` — a view of the same storage.
+    So norm1's recomputed saved input is the kept block input, not a second copy. ``res``: bytes per
+    element of the residual stream (fp32 under autocast)."""
+    return sum(row.count * res * _NUMEL[row.numel][0](sh) for row in SAVED_TENSORS
+               if row.block_input and row.applies(sh))
 
 
 @lru_cache(maxsize=256)
@@ -633,6 +668,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     s, b, h = cfg.local_seq_len, tr.micro_batch_size, model.hidden  # the rank's tokens (seq_len / cp)
     lora_on = tr.finetune == "lora"
     sh = shape_of(cfg)
+    if sh.composite_norm and not sh.compile and not autocast and sh.act == 2:
+        # 16-bit compute without autocast is FSDP2's MixedPrecisionPolicy (engine.wrapping): the blocks
+        # run on 16-bit parameters, so the residual stream, and every norm's input, is 16-bit
+        sh = dataclasses.replace(sh, norm_upcast=True)
     act, sp = sh.act, sh.sp
     # residual stream: stage inputs/outputs, p2p buffers (autocast keeps it, and the norms, in fp32)
     res = 4 if autocast else act
@@ -689,7 +728,16 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             ex.append(("stage input is the p2p receive buffer (counted in comm_buffers)", -res * sbh_rep,
                        f"−{res}·s·b·{hs}", "stage_input_in_p2p_buffer"))
         if st.stage == n_stages - 1:
-            if torch_acc:
+            if torch_acc and sh.norm_upcast:
+                # the composite RMSNorm of a 16-bit input saves its fp32 upcast and fp32 x̂ (``_norm``)
+                ex.append(("final-norm input upcast to fp32 (composite RMSNorm of a 16-bit input)", 4 * sbh_rep,
+                           f"4·s·b·{hs}", "final_norm"))
+                xhat = 0 if lora_on else 4 * sbh_rep
+                ex.append(("final-norm rstd" + ("" if lora_on else " and x̂ in fp32 (composite RMSNorm)"),
+                           xhat + 4 * s * b // sh.rep, ("" if lora_on else f"4·s·b·{hs} + ") + "4·s·b", "final_norm"))
+                if not lora_on:
+                    ex.append(("head input", act * sbh_rep, f"{act}·s·b·{hs}", "head_input"))
+            elif torch_acc:
                 ex.append(("final-norm input", res * sbh_rep, f"{res}·s·b·{hs}", "final_norm"))
                 if sh.composite_norm and not lora_on:
                     ex.append(("final-norm x̂ and rstd (composite RMSNorm)", res * sbh_rep + 4 * s * b // sh.rep,
@@ -806,11 +854,15 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     # files them ("tensors produced during the forward pass and recomputation in activation
     # checkpointing", _MemRefType.ACT): one block's at a time, alive during that block's backward
     # (``engine.memory.lifetimes``: kind "recomputed_block", no stage or microbatches in flight)
+    # less the block input, which the checkpoint keeps and the replay of norm1 saves as that same
+    # tensor (``checkpoint_shared_bytes``; counted once, in the checkpointed block's kept input)
     if any(ckpt_of[st.stage] for st in rp.stages):
         big = max(per_layer, per_moe) if moe and any(st.moe_layers for st in rp.stages) else per_layer
-        T.add("activations", f"one block recomputed during backward ({tr.recompute} recompute)", big,
-              f"{moe_formula if moe and big != per_layer else layer_formula} = {big:,} B ({dims})",
-              kind="recomputed_block")
+        shared = checkpoint_shared_bytes(sh, res)
+        redo = big - shared
+        T.add("activations", f"one block recomputed during backward ({tr.recompute} recompute), less its kept "
+              "input", redo, f"{moe_formula if moe and big != per_layer else layer_formula} − the kept block input"
+              f" = {big:,} − {shared:,} = {redo:,} B ({dims})", kind="recomputed_block")
     elif sh.recompute == "selective-op":
         # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
         # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE
