@@ -635,7 +635,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tupl
             late_done = True
         if phase == LOSS:
             halves = []
-            for _life, (j2, nbytes, stream) in whole:
+            for life, (j2, nbytes, stream) in whole:
                 if life == "loss":
                     a, b = nbytes // 2, nbytes - nbytes // 2
                     alloc(("loss", j2, i, 0), a, stream)
@@ -650,7 +650,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tupl
                 free(("loss", j2, i, 1))
             if lg:
                 free(("logits_grad", i))
-            for _life, (j2, _, _) in whole:
+            for life, (j2, _, _) in whole:
                 if life != "loss":
                     free(("t", j2, i))
             continue
