@@ -339,12 +339,15 @@ class PlannerPanel(QWidget):
         front = outcome.front()
         self.front_line.setData([xs[j] for j in front], [ys[j] for j in front])
         capacity = outcome.result.get("capacity_bytes")
-        if capacity and xs:
+        self.plot.getPlotItem().autoRange()
+        # the line only where the points' range reaches it: beyond the view its label would hang over the
+        # plot's edge (the view is never zoomed out to the capacity)
+        (x0, x1), _ = self.plot.getPlotItem().getViewBox().viewRange()
+        if capacity and xs and x0 <= capacity / 2**30 <= x1:
             self.capacity_line.setValue(capacity / 2**30)
             self.capacity_line.show()
         else:
             self.capacity_line.hide()
-        self.plot.getPlotItem().autoRange()
         self._say(outcome.summary())
         self.why.setText("")
         self._mark_current()
