@@ -146,13 +146,20 @@ def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str]
     return LIFETIMES.get(term.kind, "step")
 
 
-def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None) -> dict[str, str]:
+def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None,
+                       local_stages: int = 1) -> dict[str, str]:
     """The kinds whose lifetime the wrapping plan changes: under pipelining with units never resharded
     (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
-    stage's first forward."""
+    stage's first forward. On a rank holding several stages torch reduces each stage's gradients right
+    after that stage's last backward (``_add_reduce_grad`` in torch/distributed/pipelining/schedules.py:
+    "schedule it just after the last 'backward'-like stage"), so FSDP2's sharded gradients of its first
+    finished stage exist inside the step's backward, not only at its end: they are laid from the first
+    backward on, an upper estimate for the stages that finish later."""
     out: dict[str, str] = {}
     if pipelined_fsdp2 and sharded and reshard_after_forward is False:
         out["all_gather_output"] = "first_forwards"
+    if pipelined_fsdp2 and local_stages > 1:
+        out["fsdp_sharded_grads"] = "after_first_backward"
     return out
 
 
