@@ -973,6 +973,5 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
           "tensors, later blocks, the block's shared experts and combine)", -freed,
           f"−({head:,} B head side + {after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
           f"(4 + {act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")", kind="moe_backward_freed")
-    if loss:
-        T.add("temporaries", "MoE backward: the loss's logits and gradient are freed by then", -loss,
-              f"−{loss:,} B", kind="moe_backward_loss_freed")
+    # (the loss's logits and gradient are not taken off: a B's own moment does not hold them, the loss
+    # moment that opens it does — engine.memory.lifetimes)
