@@ -491,11 +491,10 @@ same buffer) from activations.
     What inductor allocates inside its kernels (temporaries) is not measured. Left: the moment
     inside the backward.
 - **activations, mixture of experts** (goal 5 %: met with each rank's measured load told —
-  activations 0.8–2.6 %, tracked peak 0.3–2.2 % on every rank of the five MoE rows, the last
-  columns of the second table; states exact on every rank). Measured 2026-12-01 with
-  `.venv/bin/python benchmarks/accuracy.py --only "MoE ep2 (dp2 DDP)" "MoE ep4 (dp4 DDP)" "MoE ep2 + FSDP (ZeRO-3 dp4, efsdp 2)" "MoE ep2 + TP2" "MoE ep2 + PP2 (dp2×pp2 1F1B)" --markdown /tmp/moe.md`
-  (the MoE rows of both tables are that run's; the other rows are the previous full run's). What
-  stood between the engine and the runs:
+  activations 0.8–2.5 %, tracked peak 0.3–1.3 % on every rank of the five MoE rows, the last
+  columns of the second table; states exact on every rank). Measured 2026-12-01 in the full run of
+  the table (`.venv/bin/python benchmarks/accuracy.py`, 43 layouts, 900 s; one MoE row alone:
+  `--only "MoE ep2 + TP2"`). What stood between the engine and the runs:
   - *tensors the rows missed* (~0.52 kB per received routed copy, ~0.53 kB per sent one): a
     saved-tensor census of the backend's MoE block (`tests/test_moe_saved_tensors.py`, which now
     holds `moe_layer_terms` to it byte for byte, with and without the all-to-all) found the
@@ -524,7 +523,7 @@ same buffer) from activations.
     for every rank) makes it worse (100–133 %); ``conventions.moe_expert_load`` takes each EP
     group's measured load — one list for the step (0.9–3.0 %), or one per microbatch and MoE block
     from the records' per-microbatch counts (`routed_microbatches`), which the engine lays at the
-    microbatches in flight at the rank's peak moment (0.8–2.6 %, tracked peak 0.3–2.2 %). The
+    microbatches in flight at the rank's peak moment (0.8–2.5 %, tracked peak 0.3–1.3 %). The
     balanced prediction (the first table, 7–20 %) is what the engine says without a measured load:
     the load is an input the user gives, never fitted per row.
 - Not checked here: GPU kernels. On CUDA, `rms_norm` may run fused (no saved x̂; the engine
