@@ -9,11 +9,8 @@ they are not split here either.
 
 from __future__ import annotations
 
-import pyqtgraph as pg
-from PySide6.QtCore import QRectF, Qt
-from PySide6.QtGui import QBrush, QColor, QPen
-
 from gui.comparison import fmt_bytes
+from gui.widgets.hatched import HatchedBoxesItem
 
 EXPERT_FILL = "#1F3A5F"  # the params blue, darker
 EXPERT_HATCH = "#8FB3DA"
@@ -29,57 +26,20 @@ def expert_bytes(rank_memory) -> int:
     return int(sum(t.bytes for t in explain("params") if getattr(t, "kind", None) == EXPERT_KIND))
 
 
-class ExpertBandItem(pg.GraphicsObject):
-    """Boxes [x0, x1] × [0, y1] in view coordinates, filled and hatched in device pixels (the hatching
-    looks the same at every scale of the chart)."""
+class ExpertBandItem(HatchedBoxesItem):
+    """The bands [x0, x1] × [0, y1] in view coordinates."""
 
     def __init__(self):
-        super().__init__()
-        self._rects: list[QRectF] = []
-        self._key: tuple = ()
-        self._bounds = QRectF()
-        self._fill = QBrush(QColor(EXPERT_FILL))
-        self._hatch = QBrush(QColor(EXPERT_HATCH), Qt.BrushStyle.BDiagPattern)
-        self._pen = QPen(QColor(EXPERT_FILL), 1.0)
-        self._pen.setCosmetic(True)
-        self.paint_count = 0
+        super().__init__(EXPERT_FILL, EXPERT_HATCH, EXPERT_FILL, 1.0)
 
     def set_bands(self, x0, x1, y1) -> None:
-        key = (tuple(map(float, x0)), tuple(map(float, x1)), tuple(map(float, y1)))
-        if key == self._key:
-            return
-        self._key = key
-        self.prepareGeometryChange()
-        self._rects = [QRectF(a, 0.0, b - a, h) for a, b, h in zip(*key) if h > 0]
-        bounds = QRectF()
-        for r in self._rects:
-            bounds = bounds.united(r)
-        self._bounds = bounds
-        self.update()
+        self.set_boxes(x0, x1, [0.0] * len(y1), y1)
 
     def clear(self) -> None:
         self.set_bands((), (), ())
 
     def band_count(self) -> int:
-        return len(self._rects)
-
-    def boundingRect(self) -> QRectF:
-        return self._bounds
-
-    def paint(self, p, *args) -> None:
-        self.paint_count += 1
-        if not self._rects:
-            return
-        t = p.transform()
-        p.save()
-        p.resetTransform()
-        p.setPen(self._pen)
-        for r in self._rects:
-            d = t.mapRect(r).normalized()
-            p.fillRect(d, self._fill)
-            p.fillRect(d, self._hatch)
-            p.drawRect(d)
-        p.restore()
+        return self.box_count()
 
 
 def hover_text(chart, x: float, y: float) -> str:

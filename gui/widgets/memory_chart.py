@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QLineF, QRectF, Qt
-from PySide6.QtGui import QBrush, QColor, QPen, QTransform
+from PySide6.QtCore import QLineF, Qt
+from PySide6.QtGui import QTransform
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
@@ -28,6 +28,7 @@ from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.expert_band import LEGEND_HTML as EXPERT_LEGEND
 from gui.widgets.expert_band import ExpertBandItem, expert_bytes
 from gui.widgets.expert_band import hover_text as expert_hover_text
+from gui.widgets.hatched import HatchedBoxesItem
 from gui.widgets.timeline import BoxesItem
 
 GIB = float(2**30)
@@ -135,53 +136,19 @@ def segment_bytes(groups: list[RankGroup]) -> np.ndarray:
     return out
 
 
-class ReservedCapsItem(pg.GraphicsObject):
-    """The reserved caps: light boxes from allocated up to reserved, hatched and outlined (in pixels,
-    so the hatching looks the same at every scale)."""
+class ReservedCapsItem(HatchedBoxesItem):
+    """The reserved caps: light boxes from allocated up to reserved, hatched, outlined by the reserved
+    level and the cap's sides."""
 
     def __init__(self):
-        super().__init__()
-        self._rects: list[QRectF] = []
-        self._key: tuple = ()
-        self._bounds = QRectF()
-        self._fill = QBrush(QColor(RESERVED_FILL))
-        self._hatch = QBrush(QColor(RESERVED_LINE), Qt.BrushStyle.BDiagPattern)
-        self._pen = QPen(QColor(RESERVED_LINE), 1.2)
-        self._pen.setCosmetic(True)
+        super().__init__(RESERVED_FILL, RESERVED_LINE, RESERVED_LINE, 1.2)
 
     def set_caps(self, x0, x1, y0, y1) -> None:
-        key = (tuple(x0), tuple(x1), tuple(y0), tuple(y1))
-        if key == self._key:
-            return
-        self._key = key
-        self.prepareGeometryChange()
-        rects = [QRectF(a, c, b - a, d - c) for a, b, c, d in zip(x0, x1, y0, y1) if d > c]
-        self._rects = rects
-        self._bounds = QRectF()
-        for r in rects:
-            self._bounds = self._bounds.united(r)
-        self.update()
+        self.set_boxes(x0, x1, y0, y1)
 
-    def boundingRect(self) -> QRectF:
-        return self._bounds
-
-    def paint(self, p, *args) -> None:
-        if not self._rects:
-            return
-        t = p.transform()
-        p.save()
-        p.resetTransform()
-        lines = []
-        for r in self._rects:
-            d = t.mapRect(r).normalized()
-            p.fillRect(d, self._fill)
-            p.fillRect(d, self._hatch)
-            # the reserved level, and the cap's sides
-            lines += [QLineF(d.topLeft(), d.topRight()), QLineF(d.topLeft(), d.bottomLeft()),
-                      QLineF(d.topRight(), d.bottomRight())]
-        p.setPen(self._pen)
-        p.drawLines(lines)
-        p.restore()
+    def outline(self, p, d) -> None:
+        p.drawLines([QLineF(d.topLeft(), d.topRight()), QLineF(d.topLeft(), d.bottomLeft()),
+                     QLineF(d.topRight(), d.bottomRight())])
 
 
 def explain_text(rank_memory, category: str) -> str:
