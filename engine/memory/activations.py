@@ -895,13 +895,11 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             T.add("temporaries", "logits at the loss (compute dtype + fp32 copy)", lx,
                   f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
     if moe and torch_acc and tr.recompute == "none":
-        loss_bytes = 2 * 4 * s * b * v_loss if holds_last else 0
-        moe_backward_terms(cfg, rp, T, extras, ep_rank, autocast, loss_bytes, per_layer, moe_microbatches)
+        moe_backward_terms(cfg, rp, T, extras, ep_rank, autocast, per_layer, moe_microbatches)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
-def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, autocast: bool, loss_bytes: int,
-                       per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:
+def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, autocast: bool, per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:
     """The moment inside a backward where a stage with experts peaks: the routed experts' backward of
     its last MoE block (measured with MemTracker on CPU: ``benchmarks/accuracy.md``'s MoE note).
 
@@ -910,15 +908,13 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
     at the peak the n_w buffers (w1, w3, w2) and two fresh full-size gradients are alive, with the
     block's output and input gradients (2·s·b·h) and, without ep, the routed outputs' gradient
     (n_r·h; under ep it is the all-to-all receive buffer, in comm_buffers). By then the backward
-    has freed the loss's logits and gradient, the last stage's final-norm, head-input and log-
-    probability tensors, the blocks after the stage's last MoE block, and of that block the shared
+    has freed the last stage's final-norm, head-input and log-probability tensors, the blocks after the stage's last MoE block, and of that block the shared
     experts' tensors and the combine's (fp32 and weighted outputs, gathered weights, sort order, the
     un-permute's index_copy source). Where the gradients outweigh what is freed, this moment is the
-    backward's peak — measured so on every MoE row of the accuracy matrix, the last stage's included,
-    although the loss's logits and gradient would make its start larger on paper (they are not all
-    alive beside every activation there; the tiny preset's ep4 rows, where the freed tensors
-    outweigh the gradients, peak elsewhere): the terms are laid as transients of every backward (B,
-    I) of the rank, the loss's temporaries taken off. Under a measured load given per block or
+    backward's peak — measured so on every MoE row of the accuracy matrix, the last stage's included
+    (the tiny preset's ep4 rows, where the freed tensors outweigh the gradients, peak elsewhere): the
+    terms are laid as transients of every backward (B, I) of the rank. The loss's logits and gradient
+    are not among them: the loss moment that opens a B holds those (``engine.memory.lifetimes``). Under a measured load given per block or
     microbatch, the block's routed copies are its own, averaged over ``microbatches[stage]`` (those in
     flight at the peak; every microbatch when not given)."""
     from engine.layout import split_layers
@@ -957,13 +953,12 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
         combine = 4 * n * k * h + 12 * n * k + act * n * k * h + (act * n_r * h if par.ep > 1 else 0)
         head = sum(x for _, x, _, kind in ex if kind in ("final_norm", "head_input", "log_probabilities"))
         freed = after + shared + combine + head
-        loss = loss_bytes if st.stage == par.num_stages - 1 and len(rp.stages) == 1 else 0
         gain = temp - freed
         if gain > 0 and (best is None or gain > best[0]):
-            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head, loss)
+            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head)
     if best is None:
         return
-    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head, loss = best
+    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head = best
     T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block: the experts' full-size weight gradients "
           "(select_backward of each expert's slice, summed in autograd's input buffers) and the activation gradients",
           temp, f"({n_w} + 2) × E_loc·f·h·{wb} = ({n_w} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
@@ -973,5 +968,3 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
           "tensors, later blocks, the block's shared experts and combine)", -freed,
           f"−({head:,} B head side + {after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
           f"(4 + {act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")", kind="moe_backward_freed")
-    # (the loss's logits and gradient are not taken off: a B's own moment does not hold them, the loss
-    # moment that opens it does — engine.memory.lifetimes)

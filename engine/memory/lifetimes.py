@@ -99,7 +99,7 @@ LIFETIMES: dict[str, str] = {
     "all_gather_output": "every_action", "all_gather_input": "every_action", "unsharded_params": "every_action",
     "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward",
     "recomputed_block": "backward_input",
-    "moe_backward": "backward_input", "moe_backward_freed": "backward_input", "moe_backward_loss_freed": "backward_input",
+    "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "loss": "loss",
     "ddp_backward_temporary": "synchronised_backward",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
