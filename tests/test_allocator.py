@@ -434,3 +434,75 @@ def test_the_model_agrees_with_a_plain_reading_of_the_source(ops, capacity_mib):
             naive.free(addr)
         assert (model.allocated, model.reserved, model.segments) == (
             naive.allocated, naive.reserved, len(naive.segments))
+
+
+# -- repeated chunks ------------------------------------------------------------------------------
+
+def _expanded(events):
+    """``events`` with each ("repeat", chunk, n) written out n times, keys made unique per run."""
+    out = []
+    for i, ev in enumerate(events):
+        if ev[0] != "repeat":
+            out.append(ev)
+            continue
+        for r in range(ev[2]):
+            out.extend((e[0], ("run", i, r, e[1])) + e[2:] for e in ev[1])
+    return out
+
+
+def test_a_repeated_chunk_replays_as_written_out():
+    prefix = [("alloc", "w", 30 * MIB), ("alloc", "s", 700)]
+    chunk = (("alloc", "a", 5 * MIB), ("alloc", "b", 12 * MIB, 1), ("free", "a"), ("alloc", "c", 3 * MIB),
+             ("free", "b"), ("free", "c"))
+    for n in (1, 2, 50):
+        ev = prefix + [("repeat", chunk, n), ("free", "s"), ("alloc", "t", 9 * MIB)]
+        for es in (False, True):
+            assert replay(ev, expandable_segments=es) == replay(_expanded(ev), expandable_segments=es)
+
+
+def test_a_repeated_chunk_must_free_what_it_allocates():
+    with pytest.raises(ValueError, match="leaves a key it allocated live"):
+        replay([("repeat", (("alloc", "a", 1), ("alloc", "b", 1), ("free", "a")), 3)])
+    with pytest.raises(ValueError, match="expected \\('repeat', chunk, count\\)"):
+        replay([("repeat", ())])
+    with pytest.raises(ValueError, match="kind 'repeat'"):  # no repeat inside a repeat
+        replay([("repeat", (("repeat", (), 1),), 2)])
+    with pytest.raises(AllocatorOutOfMemory) as exc:
+        replay([("alloc", 0, MIB), ("repeat", (("alloc", 1, 50 * MIB), ("free", 1)), 2)], capacity=40 * MIB)
+    assert exc.value.event_index == 1
+
+
+CHUNK = st.lists(st.tuples(SIZES, st.integers(min_value=0, max_value=1), st.integers(min_value=0, max_value=3)),
+                 min_size=1, max_size=12)
+
+
+@PROPS
+@given(OPS, CHUNK, st.integers(min_value=1, max_value=6), st.booleans(),
+       st.one_of(st.none(), st.integers(min_value=60, max_value=400)))
+def test_prop_repeated_chunks_replay_as_written_out(ops, chunk, n, expandable, cap_mib):
+    """A chunk of allocations (each freed some steps later, all by the chunk's end) repeated n times
+    after an arbitrary prefix gives the stats of the chunk written out n times (or the same error)."""
+    prefix, live = [], []
+    for k, op in enumerate(ops):
+        if op[0] == "alloc":
+            prefix.append(("alloc", k, op[1], op[2]))
+            live.append(k)
+        elif op[0] == "free" and live:
+            prefix.append(("free", live.pop(op[1] % len(live))))
+    body, pending = [], []
+    for k, (size, stream, hold) in enumerate(chunk):
+        body.append(("alloc", ("c", k), size, stream))
+        pending.append((k + hold, ("c", k)))
+        for due, key in [p for p in pending if p[0] <= k]:
+            body.append(("free", key))
+            pending.remove((due, key))
+    body.extend(("free", key) for _, key in pending)
+    ev = prefix + [("repeat", tuple(body), n)] + [("alloc", "after", 3 * MIB)]
+    kw = dict(expandable_segments=expandable, capacity=None if cap_mib is None else cap_mib * MIB)
+    outcomes = []
+    for events in (ev, _expanded(ev)):
+        try:
+            outcomes.append(replay(events, **kw))
+        except AllocatorOutOfMemory as exc:
+            outcomes.append(("oom", exc.requested))
+    assert outcomes[0] == outcomes[1]

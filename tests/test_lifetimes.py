@@ -11,8 +11,8 @@ import pytest
 from engine import Config, ConfigError, default_config
 from engine.compare import compare
 from engine.memory import memory_per_rank
-from engine.memory.allocator import replay, round_size
-from engine.memory.lifetimes import LIFETIMES, TRANSIENT, allocation_events, moments
+from engine.memory.allocator import AllocatorOutOfMemory, replay, round_size
+from engine.memory.lifetimes import LIFETIMES, TRANSIENT, allocation_events, moments, replay_events
 from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict
 from engine.schedules import microbatches_in_flight, schedule_problems
@@ -342,6 +342,35 @@ def test_repeated_events_are_cached():
     sig = a.per_rank[0]._body.timeline._event_signature()
     assert allocation_events(sig) is allocation_events(sig)
     assert [r.reserved for r in memory_per_rank(c).per_rank] == [r.reserved for r in a.per_rank]
+
+
+@pytest.mark.parametrize("training", [{"recompute": "none"}, {"recompute": "full"}, {"recompute": "selective-op"},
+                                      {"recompute": "selective-layer", "compile": True}])
+def test_repeating_microbatches_replay_once_and_reserve_the_same(training):
+    """On a one-stage rank the microbatches between the first and the last lay the same events: the
+    replay runs them as one repeated chunk, until the allocator's state repeats, and reserves what the
+    events written out reserve (with and without expandable segments, and against a capacity that
+    makes the allocator release its cache)."""
+    for par in ({"dp": 8, "zero": 3, "microbatches": 16}, {"dp": 4, "tp": 2, "zero": 2, "microbatches": 8},
+                {"dp": 8, "microbatches": 6}):
+        for es in (False, True):
+            c = _cfg(par, gpus=8, preset="llama3-8b", training={"precision": "bf16-mixed", **training},
+                     conventions={"expandable_segments": es})
+            r = memory_per_rank(c).per_rank[0]
+            sig = r._body.timeline._event_signature()
+            flat, packed = allocation_events(sig), replay_events(sig)
+            repeats = [e for e in packed if e[0] == "repeat"]
+            assert len(repeats) == 1 and repeats[0][2] == par["microbatches"] - 3  # all but the first two and the last
+            assert len(packed) < len(flat)
+            for cap in (None, r.allocated + 2**30, r.reserved):
+                assert _replayed(packed, es, cap) == _replayed(flat, es, cap)
+
+
+def _replayed(events, expandable_segments, capacity):
+    try:
+        return replay(events, expandable_segments=expandable_segments, capacity=capacity)
+    except AllocatorOutOfMemory as exc:
+        return "out of memory", exc.requested, exc.allocated, exc.reserved
 
 
 def test_under_pipelining_fsdp2_makes_sharded_gradients_at_reduce_grad_and_gathers_each_unit_once():

@@ -283,6 +283,15 @@ class CachingAllocator:
     def live_handles(self) -> int:
         return len(self._live)
 
+    def state(self) -> tuple:
+        """What the allocator's next calls depend on, comparable: the counters, the segments' address
+        space, each pool's cached and unmapped blocks, and the live blocks (not which handle holds
+        which, nor the peaks). Equal states answer the same calls the same way."""
+        return (self._allocated, self._reserved, self._next_addr,
+                tuple((k, tuple(p.keys), tuple(p.unmapped)) for k, p in self._pools.items()),
+                tuple(sorted((b.addr, b.size) for b in self._live.values() if b is not None)),
+                sum(1 for b in self._live.values() if b is None))
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the block structure is consistent (O(blocks); for tests):
         each segment's blocks tile it, no two neighbouring cached blocks are left unmerged, the
@@ -668,7 +677,7 @@ class CachingAllocator:
             capacity=cap, stream=stream, stats=self.stats())
 
 
-_EVENT_KINDS = ("alloc", "free")
+_EVENT_KINDS = ("alloc", "free", "repeat")
 
 
 def replay(events: Iterable[tuple], *, expandable_segments: bool = False,
@@ -677,32 +686,58 @@ def replay(events: Iterable[tuple], *, expandable_segments: bool = False,
 
     ``events``: ``("alloc", key, nbytes)`` or ``("alloc", key, nbytes, stream)`` and
     ``("free", key)``, in order; a key names one live allocation (any hashable). Allocations
-    still live at the end stay allocated. Raises ``ValueError`` for a malformed event, a key
-    allocated twice or freed while not live; :class:`AllocatorOutOfMemory` (with
-    ``event_index``) when a request does not fit in ``capacity``."""
+    still live at the end stay allocated. ``("repeat", chunk, count)``: the events of ``chunk``
+    (allocs and frees that free every key they allocate) ``count`` times in a row; once a run of
+    the chunk leaves the allocator as it found it, the next runs would too (the allocator is
+    deterministic) and reach no new peak, so they are not run. Raises ``ValueError`` for a
+    malformed event, a key allocated twice or freed while not live, a chunk that leaves a key
+    live; :class:`AllocatorOutOfMemory` (with ``event_index``) when a request does not fit in
+    ``capacity``."""
     alloc = CachingAllocator(expandable_segments=expandable_segments, capacity=capacity,
                              max_split_size=max_split_size)
+    _replay_into(alloc, events, {}, None)
+    return alloc.stats()
+
+
+def _replay_into(alloc: CachingAllocator, events: Iterable[tuple], live: dict, at: int | None) -> None:
+    """Replay ``events`` into ``alloc``, ``live`` mapping keys to handles; ``at``: the index of the
+    repeat event whose chunk these are (None: the top level, where repeats may appear)."""
     malloc, free = alloc.malloc, alloc.free
-    live: dict = {}
     for i, ev in enumerate(events):
         kind = ev[0]
         if kind == "alloc":
             key = ev[1]
             if key in live:
-                raise ValueError(f"events[{i}]: key {key!r} allocated again while still live")
+                raise ValueError(f"{_where(i, at)}: key {key!r} allocated again while still live")
             try:
                 live[key] = malloc(ev[2]) if len(ev) == 3 else malloc(ev[2], ev[3])
             except AllocatorOutOfMemory as exc:
-                exc.event_index = i
+                exc.event_index = i if at is None else at
                 raise
             except (TypeError, ValueError, IndexError) as exc:
-                raise ValueError(f"events[{i}]: {ev!r}: {exc}") from None
+                raise ValueError(f"{_where(i, at)}: {ev!r}: {exc}") from None
         elif kind == "free":
             try:
                 h = live.pop(ev[1])
             except KeyError:
-                raise ValueError(f"events[{i}]: free of key {ev[1]!r}, which is not live") from None
+                raise ValueError(f"{_where(i, at)}: free of key {ev[1]!r}, which is not live") from None
             free(h)
+        elif kind == "repeat" and at is None:
+            try:
+                _, chunk, count = ev
+            except ValueError:
+                raise ValueError(f"{_where(i, at)}: expected ('repeat', chunk, count), got {len(ev)} fields") from None
+            for _ in range(count):
+                before = alloc.state()
+                _replay_into(alloc, chunk, live, i)
+                if any(e[0] == "alloc" and e[1] in live for e in chunk):
+                    raise ValueError(f"{_where(i, at)}: the repeated chunk leaves a key it allocated live")
+                if alloc.state() == before:
+                    break  # the next runs would leave it so too, and peak where this one did
         else:
-            raise ValueError(f"events[{i}]: kind {kind!r}; expected one of {_EVENT_KINDS}")
-    return alloc.stats()
+            allowed = _EVENT_KINDS if at is None else _EVENT_KINDS[:2]
+            raise ValueError(f"{_where(i, at)}: kind {kind!r}; expected one of {allowed}")
+
+
+def _where(i: int, at: int | None) -> str:
+    return f"events[{i}]" if at is None else f"events[{at}] (a repeated chunk's event {i})"

@@ -533,6 +533,23 @@ def allocation_events(event_signature: tuple) -> tuple:
     grain: Grain | None = event_signature[2] if len(event_signature) > 2 else None
     if grain is not None:
         return _fine_events(sig, rows, event_signature[3], grain)
+    return _coarse_events(sig, rows)
+
+
+@lru_cache(maxsize=1024)
+def replay_events(event_signature: tuple) -> tuple:
+    """``allocation_events`` as the allocator replays them: with a :class:`Grain` and one stage
+    (pp = 1), a run of microbatches that repeat one another is one ``("repeat", chunk, count)``
+    event (see ``_fine_events``; ``engine.memory.allocator.replay`` runs the chunk until the
+    allocator's state repeats, which is exact). Otherwise the events themselves."""
+    sig, rows = event_signature[:2]
+    if len(event_signature) > 2 and event_signature[2] is not None and sig.pp == 1:
+        return _fine_events(sig, rows, event_signature[3], event_signature[2], compress=True)
+    return allocation_events(event_signature)
+
+
+def _coarse_events(sig: Signature, rows: tuple) -> tuple:
+    """``allocation_events`` without a :class:`Grain`: one block per term."""
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     ev: list[tuple] = []
     for j, (life, nbytes, stream) in enumerate(rows):
@@ -579,9 +596,15 @@ def allocation_events(event_signature: tuple) -> tuple:
     return tuple(ev)
 
 
-def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tuple:
+def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compress: bool = False) -> tuple:
     """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
-    saved bytes of its blocks and its log-probabilities, one microbatch each."""
+    saved bytes of its blocks and its log-probabilities, one microbatch each.
+
+    ``compress`` (one stage only: each microbatch's F, loss and B form a period that frees all it
+    allocates): where a period starts in the same state as the period before it (the same live
+    tensors) and has the same moments (kinds, phases, transient masks), it lays the same events up
+    to their keys, and so do the next periods with those moments; they become one
+    ``("repeat", chunk, count)`` of the previous period's events (keys wrapped as ``("rep", key)``)."""
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     peak = peak_of(sig).bytes
     ev: list[tuple] = []
@@ -623,7 +646,30 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain) -> tupl
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
-    for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
+    n_moments = len(kinds)
+    starts = _period_starts(kinds, phases) if compress and sig.pp == 1 else []
+    period_at = {b: k for k, b in enumerate(starts)}
+    previous = None  # (period index, its first event, the generator's state at its start)
+    nxt = 0
+    while nxt < n_moments:
+        i = nxt
+        k = period_at.get(i)
+        if k is not None:
+            state = (live, frozenset(size), late_done, bool(held))
+            if (previous is not None and previous[2] == state and k + 1 < len(starts)
+                    and _same_period(kinds, phases, masks, starts, previous[0], k, first_backward)):
+                count = 1
+                while k + count + 1 < len(starts) and _same_period(kinds, phases, masks, starts, previous[0],
+                                                                    k + count, first_backward):
+                    count += 1
+                chunk = tuple((e[0], ("rep", e[1])) + e[2:] for e in ev[previous[1]:])
+                ev.append(("repeat", chunk, count))
+                nxt = starts[k + count]
+                previous = None  # the state is the same; the next period compares from scratch
+                continue
+            previous = (k, len(ev), state)
+        kind, stage, mb, mask, phase = kinds[i], stages[i], mbs[i], masks[i], phases[i]
+        nxt = i + 1
         j = local[stage if sig.pp > 1 else 0]
         unit = sig.unit_bytes[j]
         layer_b, logprob_b = acts[j]
@@ -752,6 +798,24 @@ def _block_plan(share: int, walk: list, grain: Grain) -> tuple:
         else:
             out.append((False, grain.work[idx], sum(pieces[k] for sv, k in walk[pos + 1:pos + 3] if sv), idx))
     return tuple(out)
+
+
+def _period_starts(kinds: list, phases: list) -> list[int]:
+    """The moments at which a one-stage rank's microbatch periods start (each F's own moment), and
+    the step's last moment (the end of the backward, or one past the last moment)."""
+    starts = [i for i, (k, ph) in enumerate(zip(kinds, phases)) if k == _F and ph == ACTION]
+    end = len(kinds) - 1 if kinds and phases[-1] == END else len(kinds)
+    return starts + [end] if starts else []
+
+
+def _same_period(kinds: list, phases: list, masks: list, starts: list, a: int, b: int, first_backward: int) -> bool:
+    """Whether periods a and b (indices into ``starts``) have the same moments, neither holding the
+    rank's first backward (where what lives from it on is allocated)."""
+    lo_a, hi_a, lo_b, hi_b = starts[a], starts[a + 1], starts[b], starts[b + 1]
+    if hi_a - lo_a != hi_b - lo_b or lo_a <= first_backward < hi_a or lo_b <= first_backward < hi_b:
+        return False
+    return (kinds[lo_a:hi_a] == kinds[lo_b:hi_b] and phases[lo_a:hi_a] == phases[lo_b:hi_b]
+            and masks[lo_a:hi_a] == masks[lo_b:hi_b])
 
 
 def _first_backward(kinds: list, phases: list) -> int:

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.memory.allocator import AllocatorOutOfMemory, replay
-from engine.memory.lifetimes import allocation_events
+from engine.memory.lifetimes import replay_events
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
 
@@ -123,7 +123,7 @@ def reserved_bytes(cfg: Config, timeline, allocated: int, snapshot: dict) -> int
 def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int | None) -> int:
     """``max_reserved`` of one rank's step replayed through the caching allocator (cached on the
     rank's event signature: identical ranks and repeated slider positions replay once)."""
-    events = allocation_events(event_signature)
+    events = replay_events(event_signature)
     if capacity is not None:
         # where the live bytes alone pass the capacity the allocator's retries cannot help: it runs out
         # of memory, and the reserve it would need is the unbounded replay's (one replay, not two)

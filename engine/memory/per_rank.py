@@ -91,7 +91,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     overhead(cfg, T, allocated)
     snapshot = tl.snapshot()
     return _Body(snapshot, rp.stage_indices, rp.pp_rank, catalogue=T, allocated=allocated,
-                 reserved=reserved_bytes(cfg, tl, allocated, snapshot), timeline=tl)
+                 reserved=lambda: reserved_bytes(cfg, tl, allocated, snapshot), timeline=tl)
 
 
 def _load_per_microbatch(cfg: Config) -> bool:

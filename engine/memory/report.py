@@ -11,6 +11,7 @@ DataParallel model). Labels and formulas are for people and are never parsed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,17 +65,19 @@ class _Body:
     ``terms``: the snapshot at the rank's peak (what ``explain`` shows; categories and total are its
     sums); ``catalogue``: every term the modules produced, alive at the peak or not (the snapshot
     when not given); ``allocated``: the tracked bytes at the peak (the snapshot's tracked terms, summed when not given);
-    ``reserved``: what the caching allocator holds at most (``allocated`` when not given);
+    ``reserved``: what the caching allocator holds at most (``allocated`` when not given; a callable
+    is called once, when first asked: the allocator replay behind it costs more than the rest of the
+    body, and a planner that rejects a layout on ``allocated`` alone never asks);
     ``timeline``: the ``engine.memory.lifetimes.RankTimeline`` the snapshot was taken from (None
     for a body assembled directly from terms).
     """
 
-    __slots__ = ("terms", "catalogue", "values", "total", "stages", "pp_rank", "allocated", "reserved",
+    __slots__ = ("terms", "catalogue", "values", "total", "stages", "pp_rank", "allocated", "_reserved",
                  "untracked", "timeline")
 
     def __init__(self, terms: dict[str, list[Term]], stages: tuple[int, ...], pp_rank: int, *,
                  catalogue: dict[str, list[Term]] | None = None, allocated: int | None = None,
-                 reserved: int | None = None, timeline=None):
+                 reserved: int | Callable[[], int] | None = None, timeline=None):
         for c in MEMORY_CATEGORIES:
             for t in terms[c]:
                 if t.category != c:
@@ -89,11 +92,17 @@ class _Body:
         if allocated is None:
             allocated = sum(t.bytes for c in MEMORY_CATEGORIES for t in terms[c] if t.tracked)
         self.allocated = allocated
-        self.reserved = self.allocated if reserved is None else reserved
+        self._reserved = self.allocated if reserved is None else reserved
         # not tensors and not the caching allocator's: runtime context, collective-library buffers
         # (the allocator slack is part of ``reserved``)
         self.untracked = sum(t.bytes for t in terms["overhead"] if not t.tracked and t.kind != "allocator_slack")
         self.timeline = timeline
+
+    @property
+    def reserved(self) -> int:
+        if callable(self._reserved):
+            self._reserved = self._reserved()
+        return self._reserved
 
     @property
     def peak_moment(self) -> str:
@@ -162,8 +171,15 @@ class RankMemory:
         return self._body.peak_moment
 
     @property
+    def fits_allocated(self) -> bool:
+        """Whether the tensors at the peak and the untracked overhead fit the card (no allocator
+        replay needed: reserved >= allocated, so ``fits`` implies this)."""
+        return self._body.allocated + self._body.untracked <= self._capacity
+
+    @property
     def fits(self) -> bool:
-        return self.device_bytes <= self._capacity
+        # a rank whose tensors alone pass the card does not fit, and its replay is not run to say so
+        return self.fits_allocated and self.device_bytes <= self._capacity
 
     @property
     def model_states(self) -> int:
@@ -219,6 +235,10 @@ class MemoryReport:
 
     @property
     def fits(self) -> bool:
+        # every rank's tensors first: a layout one rank of which does not fit on them is rejected
+        # before any allocator replay runs
+        if any(not r.fits_allocated for r in self.per_rank):
+            return False
         return all(r.fits for r in self.per_rank)
 
     def distinct(self) -> list[list[RankMemory]]:
