@@ -216,11 +216,17 @@ class SavedTensorPeak:
     them, are not activations and are left out. A region checkpointed with its own hooks
     (``torch.utils.checkpoint``) saves through those instead, so this does not see it.
 
+    ``modules``: their parameters as registered at each save are left out too. FSDP2 registers a
+    unit's unsharded parameters on its module only while it is gathered, each all-gather into a fresh
+    storage, and the matmuls save views of them (``weight.t()``), which the sharded parameters given
+    up front do not name.
+
     Use as a context manager around forward and backward; ``peak`` is the largest live sum.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor]):
-        self._params = {ptr for ptr in map(_storage_ptr, params) if ptr}
+    def __init__(self, params: Iterable[torch.Tensor], modules: Iterable[nn.Module] = ()):
+        self._params = self._given = {ptr for ptr in map(_storage_ptr, params) if ptr}
+        self._modules = list(modules)
         self._live: dict[int, list[int]] = {}  # storage data_ptr -> [saved handles alive, bytes]
         self.live = 0
         self.peak = 0
@@ -230,6 +236,9 @@ class SavedTensorPeak:
         t = _local(t)
         if isinstance(t, nn.Parameter) or t.device.type == "meta":
             return t
+        if self._modules:
+            self._params = self._given | {ptr for m in self._modules
+                                          for ptr in map(_storage_ptr, m.parameters()) if ptr}
         ptr = _storage_ptr(t)
         if not ptr or ptr in self._params:
             return t

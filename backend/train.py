@@ -337,7 +337,7 @@ class Trainer:
         tracker = measure.tracker_for(mods, self.optimizer)
         _skip_grad_hooks_on_frozen(tracker, self.params)
         compiled = self.cfg.training.compile and self.counts_compiled_saved
-        eager_saved = measure.SavedTensorPeak(self.params) if compiled else contextlib.nullcontext()
+        eager_saved = measure.SavedTensorPeak(self.params, mods) if compiled else contextlib.nullcontext()
         with measured_eagerly(self.cfg.training.compile), tracker, eager_saved:
             self.forward_backward(batch)
             grads = measure.grad_bytes(self.params)
@@ -380,7 +380,7 @@ class Trainer:
         inside a compiled block); the gradients it makes are dropped, no optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
-        with measure.SavedTensorPeak(self.params) as saved:
+        with measure.SavedTensorPeak(self.params, [m for _, m in self.modules]) as saved:
             self.forward_backward(batch)
         self.optimizer.zero_grad(set_to_none=True)
         return saved.peak

@@ -47,29 +47,11 @@ def _saved_by_the_model(cfg: Config, compiled: bool = False) -> tuple[int, int]:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.autocast)
     with _one_rank_fsdp(model, plan) if plan.fsdp2 else _nothing():
         for _ in range(2 if compiled else 1):  # compiled: the second call runs the compiled graphs
-            peak = _UnshardedParamsLeftOut(model) if plan.fsdp2 else SavedTensorPeak(model.parameters())
+            peak = SavedTensorPeak(model.parameters(), [model])
             with peak as saved, autocast:
                 loss = loss_fn(model(x), y)
                 loss.backward()
     return saved.peak, y.numel() * 8 + 4
-
-
-def _UnshardedParamsLeftOut(model):
-    """``SavedTensorPeak`` that also leaves out FSDP2's unsharded parameters: fully_shard registers them
-    on their module only while it is gathered (a fresh storage each all-gather), and the matmuls save
-    views of them (``weight.t()``), which the sharded parameters' storages given up front do not name."""
-    from backend.measure import SavedTensorPeak, _storage_ptr
-
-    class Peak(SavedTensorPeak):
-        def __init__(self):
-            super().__init__(model.parameters())
-            self._sharded = set(self._params)
-
-        def _pack(self, t):
-            self._params = self._sharded | {ptr for ptr in map(_storage_ptr, model.parameters()) if ptr}
-            return super()._pack(t)
-
-    return Peak()
 
 
 class _nothing:
