@@ -666,6 +666,13 @@ class _Planner:
                         gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
                         backward = backward + np.where(gz == 3, w_b * gathered, 0.0)
                 fixed = fixed + np.maximum(backward, loss)
+                head_up = np.zeros(len(gb))
+                if n_stages - 1 in stages:
+                    # an F's own moment comes before the final norm and the head make the loss side of its
+                    # microbatch, a B's after their backward freed it, and the in-flight activations below
+                    # count it: less one microbatch's loss side, at most fp32 norm input, x̂, rstd, head
+                    # input and log-probabilities over the whole vocabulary
+                    head_up = bf * (12 * np.ceil(s_len * h / rep_div) + 4 * s_len + 4 * s_len * model.vocab)
                 if pp > 1:
                     ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
                     fixed = fixed + ends * gm * bf * act_b * sbh1
@@ -679,7 +686,7 @@ class _Planner:
                 lsum, first, last, lck = lut[:, gm]
                 layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
                 act = bf * (layers_act + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
-                mem = np.maximum(mem, fixed + act)
+                mem = np.maximum(mem, fixed + act - head_up)
             return mem
 
         mem_by_compile = np.stack([memory_bound(bool(c)) for c in CMP])  # [compile, base rows]

@@ -83,8 +83,8 @@ def test_selective_op_eager_attention_keeps_both_bmms():
 def test_selective_op_recomputed_block_is_activations():
     c = cfg(training={"recompute": "selective-op"})
     r = memory_per_rank(c).per_rank[0]
-    assert not any(t.kind == "recomputed_block" for t in r.explain("temporaries"))
-    redo = [t for t in r.explain("activations") if t.kind == "recomputed_block"]
+    assert not any(t.kind == "recomputed_block" for t in r.catalogue("temporaries"))
+    redo = [t for t in r.catalogue("activations") if t.kind == "recomputed_block"]
     # during its backward the block holds what "none" keeps instead of its stash (the replay hands each
     # stashed output to its op once; the ones a backward node saves are the same tensors, not copies)
     none = S * B * (12 * H + 4 * KV + 4 * A + 8 * F)

@@ -206,7 +206,7 @@ def _row_bytes(cfg: Config, label: str) -> int:
 
 def _recomputed_term(cfg: Config) -> int:
     (rank,) = predict(cfg).memory.per_rank
-    return next(t.bytes for t in rank.explain("activations") if t.kind == "recomputed_block")
+    return next(t.bytes for t in rank.catalogue("activations") if t.kind == "recomputed_block")
 
 
 def test_per_op_recompute_holds_the_none_set_instead_of_its_stash():

@@ -895,11 +895,11 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             T.add("temporaries", "logits at the loss (compute dtype + fp32 copy)", lx,
                   f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
     if moe and torch_acc and tr.recompute == "none":
-        moe_backward_terms(cfg, rp, T, extras, ep_rank, autocast, per_layer, moe_microbatches)
+        moe_backward_terms(cfg, rp, T, ep_rank, autocast, per_layer, moe_microbatches)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
-def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, autocast: bool, per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:
+def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:
     """The moment inside a backward where a stage with experts peaks: the routed experts' backward of
     its last MoE block (measured with MemTracker on CPU: ``benchmarks/accuracy.md``'s MoE note).
 
@@ -908,8 +908,9 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
     at the peak the n_w buffers (w1, w3, w2) and two fresh full-size gradients are alive, with the
     block's output and input gradients (2·s·b·h) and, without ep, the routed outputs' gradient
     (n_r·h; under ep it is the all-to-all receive buffer, in comm_buffers). By then the backward
-    has freed the last stage's final-norm, head-input and log-probability tensors, the blocks after the stage's last MoE block, and of that block the shared
-    experts' tensors and the combine's (fp32 and weighted outputs, gathered weights, sort order, the
+    has freed the last stage's final-norm, head-input and log-probability tensors (before any
+    block's backward: ``engine.memory.lifetimes.HEAD_KINDS``, not this term's), the blocks after the
+    stage's last MoE block, and of that block the shared experts' tensors and the combine's (fp32 and weighted outputs, gathered weights, sort order, the
     un-permute's index_copy source). Where the gradients outweigh what is freed, this moment is the
     backward's peak — measured so on every MoE row of the accuracy matrix, the last stage's included
     (the tiny preset's ep4 rows, where the freed tensors outweigh the gradients, peak elsewhere): the
@@ -930,7 +931,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
     n_w = 3 if m.mlp == "swiglu" else 2
     split = split_layers(m.layers, par.num_stages, par.pipeline_split)
     best = None
-    for st, ex in zip(rp.stages, extras):
+    for st in rp.stages:
         layers = split[st.stage]
         moe_idx = [i for i in layers if m.is_moe_layer(i)]
         if not moe_idx:
@@ -951,20 +952,19 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, extras, ep_rank: int | None, a
             if par.ep > 1 and par.tp > 1:
                 shared += act * (n_s - n) * h
         combine = 4 * n * k * h + 12 * n * k + act * n * k * h + (act * n_r * h if par.ep > 1 else 0)
-        head = sum(x for _, x, _, kind in ex if kind in ("final_norm", "head_input", "log_probabilities"))
-        freed = after + shared + combine + head
+        freed = after + shared + combine
         gain = temp - freed
         if gain > 0 and (best is None or gain > best[0]):
-            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head)
+            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine)
     if best is None:
         return
-    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, head = best
+    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine = best
     T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block: the experts' full-size weight gradients "
           "(select_backward of each expert's slice, summed in autograd's input buffers) and the activation gradients",
           temp, f"({n_w} + 2) × E_loc·f·h·{wb} = ({n_w} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
           f"= {grads:,} B (block output, input)" + (f" + n_r·h·{act} = {routed_grad:,} B (routed outputs)"
                                                    if routed_grad else ""), kind="moe_backward")
-    T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (the head's and loss's "
-          "tensors, later blocks, the block's shared experts and combine)", -freed,
-          f"−({head:,} B head side + {after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
+    T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks, the "
+          "block's shared experts and combine)", -freed,
+          f"−({after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
           f"(4 + {act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")", kind="moe_backward_freed")

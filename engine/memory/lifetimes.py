@@ -17,7 +17,11 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        first step), autocast's cached weight casts, FSDP2's unsharded parameters
                        where every unit stays gathered between forward and backward
   microbatch           a stage-microbatch's saved activations: from its F until its full backward B,
-                       or until its W where the backward is split (I then W)
+                       or until its W where the backward is split (I then W). The last stage's loss
+                       side (``HEAD_KINDS``: what the final norm, the head and the loss save) is not
+                       alive at the F's own moment (the blocks' forward, before the head runs) nor at
+                       a B's own moment (the blocks' backward, after the head's backward freed it);
+                       the loss moment holds it, and a split backward keeps it until the W
   to_step_end          the last stage's kept outputs (logits): from the microbatch's F to the step's end
   every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
                        the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
@@ -117,6 +121,12 @@ REDUCE_SCATTER_STREAM = 2
 #: the activation kinds that are a stage's blocks (laid block by block with a :class:`Grain`)
 BLOCK_KINDS = frozenset({"layers", "moe_layers"})
 
+#: the last stage's loss side: what the final norm, the head and the loss save per microbatch. Their
+#: backward runs first in a B (after the loss's own, at the loss moment), and autograd frees what a
+#: node saved once it has run, so they are gone by the blocks' backward: the B's own moment. A split
+#: backward's I retains the graph for its W (``stage_backward_input``), so there they live until the W
+HEAD_KINDS = frozenset({"final_norm", "head_input", "log_probabilities"})
+
 #: the term kinds whose buffers FSDP2 allocates on its all-gather stream
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
                                      "unsharded_params"})
@@ -177,7 +187,11 @@ class Moments(NamedTuple):
     stage j alive at moment i; ``outputs[i]``: the last stage's forwards done by moment i;
     ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i; ``phase[i]``: ``ACTION``
     for an action's own moment, ``LOSS`` for the loss moment that opens a last-stage B or I (the next
-    moment is that action's own), ``END`` for the step's last moment, the end of the backward.
+    moment is that action's own), ``END`` for the step's last moment, the end of the backward;
+    ``head[i, j]``: stage-microbatches of local stage j whose loss side (``HEAD_KINDS``) is alive at
+    moment i — as ``counts``, but an F's own moment (its blocks' forward, their units gathered) comes
+    before the final norm and the head make them, and a full backward B's own moment (its blocks'
+    backward) after their backward freed them; an I keeps them for its W.
     """
 
     kind: np.ndarray
@@ -187,10 +201,11 @@ class Moments(NamedTuple):
     outputs: np.ndarray
     masks: np.ndarray
     phase: np.ndarray
+    head: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
-        return np.column_stack([self.counts, self.outputs, self.masks])
+        return np.column_stack([self.counts, self.head, self.outputs, self.masks])
 
 
 @lru_cache(maxsize=512)
@@ -216,6 +231,11 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     # alive after each action; a B or W frees only after it has run, so its moment still holds it
     counts = np.cumsum(delta, axis=0)
     counts[np.arange(n), col] += frees
+    # the loss side: freed by the time a full backward B reaches its blocks (its own moment no longer
+    # holds it; the loss moment does). A split backward keeps it: its I runs autograd with the graph
+    # retained for the W, so what the head saved lives until the W frees the microbatch
+    head = counts.copy()
+    head[np.arange(n), col] -= (kind == _B) | is_f  # an F's own moment is its blocks' forward: not made yet
     last_stage = plan.num_stages - 1
     outputs = np.cumsum(is_f & (stage == last_stage))
     is_bwd_input = (kind == _B) | (kind == _I)
@@ -252,6 +272,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         lm[:, TRANSIENT.index("loss")] = 1
         lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
+        head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -269,10 +290,11 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         end_counts[0, col_of_last] -= int(frees_last)
         kind, stage, mb = (np.append(x, x[last]) for x in (kind, stage, mb))
         counts = np.append(counts, end_counts, axis=0)
+        head = np.append(head, np.minimum(head[last:], end_counts), axis=0)  # the last W frees its own too
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head)
     for x in out:
         x.setflags(write=False)
     return out
@@ -295,6 +317,7 @@ class Signature(NamedTuple):
     unit_bytes: tuple[int, ...]  # per local stage, one microbatch
     output_bytes: int  # the last stage's kept output, one microbatch
     transient_bytes: tuple[int, ...]  # per TRANSIENT lifetime
+    head_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: its loss side (part of unit_bytes)
 
 
 class Peak(NamedTuple):
@@ -308,18 +331,21 @@ class Peak(NamedTuple):
     kind: str  # the action at the peak (F, B, I, W)
     stage: int
     microbatch: int
+    head: tuple[int, ...] = ()  # stage-microbatches whose loss side is alive, per local stage
 
 
 @lru_cache(maxsize=4096)
 def peak_of(sig: Signature) -> Peak:
     """The first moment with the most live tracked bytes (cached on the signature)."""
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
-    w = np.array(sig.unit_bytes + (sig.output_bytes,) + sig.transient_bytes, dtype=np.int64)
+    head = sig.head_bytes or (0,) * len(sig.unit_bytes)
+    body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
+    w = np.array(body + head + (sig.output_bytes,) + sig.transient_bytes, dtype=np.int64)
     live = mo.matrix @ w
     i = int(np.argmax(live))
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
-                int(mo.microbatch[i]))
+                int(mo.microbatch[i]), tuple(mo.head[i].tolist()))
 
 
 class RankTimeline:
@@ -341,7 +367,8 @@ class RankTimeline:
         local = tuple(sorted(stages)) if pp > 1 else (0,)
         column = self._column = {s: j for j, s in enumerate(local)}
         unit = [0] * len(local)
-        acts = [[0, 0] for _ in local]  # per local stage: the blocks' saved bytes, the log-probabilities
+        head = [0] * len(local)  # per local stage: the loss side, one microbatch (part of unit)
+        acts = [[0, 0, 0] for _ in local]  # per local stage: the blocks' saved bytes, the log-probabilities, the rest of the loss side
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
@@ -363,6 +390,10 @@ class RankTimeline:
                             acts[col][0] += nbytes // n
                         elif kind == "log_probabilities":
                             acts[col][1] += nbytes // n
+                        elif kind in HEAD_KINDS:
+                            acts[col][2] += nbytes // n
+                        if kind in HEAD_KINDS:
+                            head[col] += nbytes // n
                     var.append((i, "microbatch"))
                     continue
                 life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
@@ -385,7 +416,7 @@ class RankTimeline:
         self._acts = tuple(tuple(x) for x in acts)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
-                                   tuple(trans[k] for k in TRANSIENT))
+                                   tuple(trans[k] for k in TRANSIENT), tuple(head) if any(head) else ())
 
     @property
     def peak(self) -> Peak:
@@ -415,7 +446,9 @@ class RankTimeline:
             for i, life in var:
                 t = terms[i]
                 if life == "microbatch" or life == "to_step_end":
-                    k = pk.counts[self._column[t.stage if pp > 1 else 0]] if life == "microbatch" else pk.outputs
+                    col = self._column[t.stage if pp > 1 else 0] if life == "microbatch" else 0
+                    k = ((pk.head[col] if t.kind in HEAD_KINDS and pk.head else pk.counts[col])
+                         if life == "microbatch" else pk.outputs)
                     n = t.in_flight or 0
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
@@ -565,7 +598,12 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
+    heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
+        col = local[stage if sig.pp > 1 else 0]
+        hd = heads[col]
+        if kind == _B and phase == ACTION and hd > 0:
+            ev.append(("free", ("head", stage, mb)))  # the loss side, before the blocks' backward
         transient = []
         for c, life in enumerate(TRANSIENT[:-1]):
             if mask[c]:
@@ -576,7 +614,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             late_done = True
         for j, nbytes, stream in transient:
             ev.append(("alloc", ("t", j, i), nbytes) + ((stream,) if stream else ()))
-        unit = sig.unit_bytes[local[stage if sig.pp > 1 else 0]]
+        unit = sig.unit_bytes[col] - hd
         if kind == _F and phase == ACTION:
             if unit > 0:
                 ev.append(("alloc", ("mb", stage, mb), unit))
@@ -585,8 +623,12 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
                     ev.append(("alloc", ("out", j, mb), nbytes))
         for j, _, _ in transient:
             ev.append(("free", ("t", j, i)))
+        if kind == _F and phase == ACTION and hd > 0:  # the loss side, after the blocks' forward
+            ev.append(("alloc", ("head", stage, mb), hd))
         if (kind == _B or kind == _W) and unit > 0 and phase == ACTION:
             ev.append(("free", ("mb", stage, mb)))
+        if kind == _W and hd > 0 and phase == ACTION:
+            ev.append(("free", ("head", stage, mb)))
     for j, _, _ in late if late_done else ():
         ev.append(("free", ("late", j)))
     if outputs:
@@ -641,8 +683,9 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     walk = _forward_walk(grain.kept, grain.work)
-    plans: dict[int, tuple] = {}  # local stage -> (a block's forward, its last block's forward)
+    plans: dict[tuple, tuple] = {}  # (local stage, first block, last block) -> a block's forward
     held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, block by block
+    heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at its B or I)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
@@ -655,7 +698,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
         i = nxt
         k = period_at.get(i)
         if k is not None:
-            state = (live, frozenset(size), late_done, bool(held))
+            state = (live, frozenset(size), late_done, bool(held), bool(heads))
             if (previous is not None and previous[2] == state and k + 1 < len(starts)
                     and _same_period(kinds, phases, masks, starts, previous[0], k, first_backward)):
                 count = 1
@@ -672,7 +715,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
         nxt = i + 1
         j = local[stage if sig.pp > 1 else 0]
         unit = sig.unit_bytes[j]
-        layer_b, logprob_b = acts[j]
+        layer_b, logprob_b, head_b = acts[j]
         blocks = grain.blocks[j] if layer_b > 0 else 0
         if not blocks:
             layer_b = 0  # no block to lay them on: they go with the rest
@@ -707,17 +750,24 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                 if life != "loss":
                     free(("t", j2, i))
             continue
+        if kind == _B and phase == ACTION:
+            for key in heads.pop((stage, mb), ()):  # the loss side, before the blocks' backward
+                free(key)
         for _life, (j2, nbytes, stream) in whole:
             alloc(("t", j2, i), nbytes, stream)
         if kind == _F and phase == ACTION and unit > 0:
             keys = held[stage, mb] = []
-            plan = plans.get(j)
-            if plan is None:
-                plan = plans[j] = (_block_plan(layer_b // blocks, walk, grain) if blocks else (),
-                                   _block_plan(layer_b // blocks + layer_b % blocks, walk, grain) if blocks else ())
+            rest = unit - layer_b - logprob_b - head_b
+            # a negative rest (the stage input, which is the p2p receive buffer) comes off the first block
+            fold = min(rest, 0) if blocks else 0
             for b in range(blocks):
                 block_keys, window = [], []
-                for pos, (saved, n, ahead, idx) in enumerate(plan[b == blocks - 1]):
+                at = (j, b == 0, b == blocks - 1)
+                plan = plans.get(at)
+                if plan is None:
+                    share = layer_b // blocks + (layer_b % blocks if at[2] else 0) + (fold if at[1] else 0)
+                    plan = plans[at] = _block_plan(max(share, 0), walk, grain)
+                for pos, (saved, n, ahead, idx) in enumerate(plan):
                     if saved:
                         if n:
                             key = ("mb", stage, mb, b, idx)
@@ -732,15 +782,21 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                 for _, key in window:
                     free(key)
                 keys.append(block_keys)
-            rest = unit - layer_b - logprob_b
             if rest > 0:
                 alloc(("mb", stage, mb, "rest"), rest)
                 keys.append([("mb", stage, mb, "rest")])
+            if head_b or logprob_b:  # the loss side comes after the blocks' forward and its transients
+                for _life, (j2, _, _) in whole:
+                    free(("t", j2, i))
+                whole = []
+            if head_b > 0:  # the final norm's and the head's saved tensors
+                alloc(("mb", stage, mb, "head"), head_b)
+                heads.setdefault((stage, mb), []).append(("mb", stage, mb, "head"))
             if logprob_b > 0:
                 lgt = transient(("logits", i), grain.logits_bytes, 2 * logprob_b)  # its fp32 copy, the log-probabilities
                 f32 = lgt and transient(("logits_fp32", i), logprob_b, logprob_b)
                 alloc(("mb", stage, mb, "logprob"), logprob_b)
-                keys.append([("mb", stage, mb, "logprob")])
+                heads.setdefault((stage, mb), []).append(("mb", stage, mb, "logprob"))
                 if f32:
                     free(("logits_fp32", i))
                 if lgt:
@@ -750,7 +806,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                     alloc(("out", j2, mb), nbytes)
         if walk_b:
             keys = held.pop((stage, mb))
-            tail = keys[blocks:]  # the rest and the log-probabilities, freed with the first (last) block
+            tail = keys[blocks:]  # the rest, freed with the first (last) block
             first = i == first_backward and not late_done
             pending = [(("late", j2, q), piece, stream) for j2, nbytes, stream in late
                        for q, piece in enumerate(_pieces(nbytes, (1,) * max(blocks, 1)))] if first else []
@@ -780,7 +836,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
         for _life, (j2, _, _) in whole:
             free(("t", j2, i))
         if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in held:
-            for key in sum(held.pop((stage, mb)), []):
+            for key in sum(held.pop((stage, mb)), []) + heads.pop((stage, mb), []):
                 free(key)
     for key in [k for k in size if k[0] in ("late", "out")]:
         free(key)
