@@ -427,13 +427,19 @@ same buffer) from activations.
   (one microbatch, unique storages, no parameters) — fp32, bf16 autocast, float8 rowwise and
   tensorwise under CPU autocast, compiled blocks, and FSDP2's bf16 / fp16 parameters (fully_shard
   on one rank, float8 tensorwise too) — and the engine's activations equal it up to the loss's own
-  labels. What is left on these rows is *when* MemTracker's single peak falls: the engine
-  lays terms on whole actions (F, B), the tracker peaks inside a backward, after its first ops freed
-  what they saved — the down input of the block whose backward runs (w2's backward is its first op;
-  one s·b·f tensor, 180,224 B on the fp32 tiny model: measured per module on the 2-block model, from
-  the last block's pre-backward moment to its backward's peak) and, where the peak comes after the
-  head's backward, the loss's log-probabilities, the head input and the final norm (~0.43 MB).
-  - *full recompute* (81.1 % → 14.0 % → 10.2 %, stage 1 8.5 %; tracked peak 2.8 %): the block a
+  labels. What was left on these rows was *when* MemTracker's single peak falls. The engine's
+  moments now place the last stage's loss side (what the final norm, the head and the loss save:
+  ~0.43 MB here, `lifetimes.HEAD_KINDS`) where torch has it: not at an F's own moment (the blocks'
+  forward, their units gathered, runs before the head), not at a B's (the blocks' backward runs after
+  the head's backward freed it), at the loss moment, and until the W under a split backward (its I
+  retains the graph). Every row was re-predicted from the same runs (`--reuse`): the reference row
+  4.2 → 1.8 %, selective-layer 7.6 → 0.8, float8 rowwise 5.1 → 0.0, bf16 ZeRO-3 5.5 → 2.1, ZeRO-3 3.5 →
+  0.0, compile 3.0 → 1.2, CP + FSDP 3.1 → 0.1 %; the MoE ep4 row with its load 2.1 → 4.3 %. What is
+  left inside a block's backward: the tracker may peak after its first op freed what it saved — the
+  down input (w2's backward is the first op; one s·b·f tensor, 180,224 B on the fp32 tiny model:
+  measured per module on the 2-block model) — and with the backward's activation gradients and
+  float8's casts as Temp, which the engine does not lay.
+  - *full recompute* (81.1 % → 14.0 % → 10.2 %; stage 1 8.5 % → −6.6 %; tracked peak 3.0 %): the block a
     backward recomputes is activations, as the tracker files it (`_MemRefType.ACT`: "tensors produced
     during the forward pass and recomputation in activation checkpointing"), less its input: the
     checkpoint keeps it (torch/utils/checkpoint.py: `new_frame.save_inputs(*args)`), the replay runs
@@ -442,9 +448,10 @@ same buffer) from activations.
     (was counted twice: 65,536 B per rank here; `test_a_checkpointed_block_counts_its_kept_input_once`
     matches the 2-block model's backward; the golden corpus re-recorded, its 176 full-recompute
     entries down). Measured after: stage 0 over by 177,152 B, stage 1 by 258,540 B (was 242,688 and
-    324,076). Left: the down input freed before the block's backward peak (180,224 B), and on stage 1
-    78 kB more on the loss side.
-  - *selective-op* (60.7 % → 4.7 %, stage 1 5.1 %): two errors fixed. During its backward a block
+    324,076). Left: on stage 0 the down input freed before the block's backward peak (180,224 B of
+    the 177,152 B over); on stage 1, with the loss side now freed, 200,724 B under, which the
+    in-process probe of that stage (blocks 4–7, the head, outputs kept) does not reproduce.
+  - *selective-op* (60.7 % → 4.7 %, stage 1 5.1 % → −4.0 %): two errors fixed. During its backward a block
     holds what no recompute keeps *instead of* its stash, not on top of it — torch's selective
     checkpoint hands each stashed output to its op once in the replay, so a stashed output that no
     backward node saves (the QKᵀ scores, wq's output) is freed and one that is saved (the gate
@@ -454,22 +461,21 @@ same buffer) from activations.
     stages peak in the synchronised backward with DDP's gradient-sized temporary (stage 0's stash,
     3.0 MB per microbatch, is smaller than it, 3.2 MB): `engine/memory/buffers.py` now gives these
     stages that temporary and the timeline picks the moment — stage 0 was +85 % with the peak at the
-    first backward holding two microbatches' stashes. Left: the down input (stage 1: 258,540 B =
-    180,224 + 78 kB).
-  - *selective-layer N=2* (19.1 % → 8.7 % → 7.6 %; stage 0 −0.8 %): its checkpointed blocks count
+    first backward holding two microbatches' stashes. Left: the down input on stage 0.
+  - *selective-layer N=2* (19.1 % → 8.7 % → 7.6 % → 0.8 %; stage 0 −0.8 %): its checkpointed blocks count
     their kept input once, as under full recompute (65,536 B less on each stage). The last stage peaks
     at the start of its last block's backward (a checkpointed block, recomputed), after the loss, the
     head and the final norm freed their saved tensors (459,264 B) against the 455,148 B gap measured
-    (was 520,684). Stage 0 is now 67,584 B under, the reference row's own stage-0 gap (it was 2,048
-    B over: the double count hid it).
-  - *float8 rowwise, bf16 DDP* (8.2 % → 5.1 %): torchao's `Float8Linear.forward` casts its input to
+    (was 520,684): the B's own moment now leaves them out. Stage 0 is 67,584 B under, the reference
+    row's own stage-0 gap (it was 2,048 B over: the double count hid it).
+  - *float8 rowwise, bf16 DDP* (8.2 % → 5.1 % → 0.0 %): torchao's `Float8Linear.forward` casts its input to
     the autocast dtype only under CUDA's autocast (`torch.is_autocast_enabled()`,
     `get_autocast_gpu_dtype()`), and `matmul_with_hp_or_float8_args` saves the input as it arrives:
     under CPU autocast the QKV and MLP inputs are the fp32 norm outputs, one each, with no per-Linear
     casts. Modelled (CPU only; CUDA casts per Linear as without float8): 8,758,784 B predicted = what
-    the model saves. Left: the tracker's peak falls in the last block's backward, with float8's
-    backward casts as Temp (0.61 MB more than the bf16 row's) and the loss side freed.
-  - *float8 tensorwise, bf16 ZeRO-3* (9.0 % → 5.5 %, as the bf16 ZeRO-3 row, 9.0 % → 5.5 %): float8
+    the model saves. The tracker's peak falls in the last block's backward, the loss side freed (the
+    B's own moment now too), float8's backward casts as Temp (0.61 MB more than the bf16 row's).
+  - *float8 tensorwise, bf16 ZeRO-3* (9.0 % → 5.5 %; the bf16 ZeRO-3 row 9.0 % → 5.5 % → 2.1 %): float8
     saves the same tensors as bf16 under FSDP2 (the Linear inputs arrive in bf16). Under FSDP2's
     16-bit parameters (no autocast) torch's composite RMSNorm upcasts its input and saves the fp32
     upcast and the fp32 x̂ (as its decomposition `_fused_rms_norm` in torch/_decomp/decompositions.py:
@@ -482,8 +488,11 @@ same buffer) from activations.
     bf16 input and rstd, measured); the golden corpus re-recorded, its 8 such entries up. Measured
     after: 8,103,424 B predicted, the model's saved tensors exactly, against 7,680,008 at the
     tracker's peak: over by 423,416 B, the loss side freed by then (426,496 B; rank 3 of the bf16
-    row peaks elsewhere: 259,064 B). The bf16 row's peak goes 1.5 % → 4.5 % (that excess); float8's
-    4.3 % → 1.7 %.
+    row peaks elsewhere: 259,064 B). With the loss side off the F's and B's own moments the bf16 row
+    peaks at F, 3,080 B from the tracker. Float8's all-gathered units are half the size, so its
+    loss moment (loss side and fp32 logits) stays the engine's peak: still 5.5 %, while the tracker's
+    falls in a backward whose float8 casts and activation gradients (561,152 B of Temp there) the
+    engine does not lay.
   - *compile* (16.7 % → 3.0 %): MemTracker cannot run inside a compiled block, so its step runs the
     blocks eagerly; the backend now counts what the compiled blocks save with `saved_tensors_hooks`
     over one more compiled forward and backward, and over the eager tracker step (11,121,156 vs
@@ -495,7 +504,7 @@ same buffer) from activations.
     leaves out the parameters each module holds at the save (the gathered weights, whose views the
     matmuls save); given only the sharded parameters it counted them as activations (+52.2 %).
 - **activations, mixture of experts** (goal 5 %: met with each rank's measured load told —
-  activations 0.8–2.5 %, tracked peak 0.3–1.3 % on every rank of the five MoE rows, the last
+  activations 0.8–4.3 %, tracked peak 0.3–1.3 % on every rank of the five MoE rows, the last
   columns of the second table; states exact on every rank). Measured 2026-12-01 in the full run of
   the table (`.venv/bin/python benchmarks/accuracy.py`, 43 layouts, 900 s; one MoE row alone:
   `--only "MoE ep2 + TP2"`). What stood between the engine and the runs:
@@ -516,7 +525,8 @@ same buffer) from activations.
     freed the head's and the loss's tensors and the block's shared experts' and combine's
     (1.0–1.3 MB on these rows). Modelled as transients of every backward (the `moe_backward`
     terms) where the gradients outweigh what is freed — so not on the ep4 rows (2 local experts),
-    whose peak falls elsewhere;
+    whose peak fell elsewhere. With the loss side freed at every B's own moment the term no longer
+    takes it off itself, and on the ep4 rows the gradients now outweigh what is left: 2.1 → 4.3 %;
   - *DDP and the experts*: DDP leaves the routed experts out of its buckets (their replicas are
     the efsdp ranks, reduced by `sync_expert_grads`); both sides counted the buckets (and the
     engine its gradient-sized backward temporary) over every gradient, now over DDP's own (the
@@ -527,7 +537,7 @@ same buffer) from activations.
     for every rank) makes it worse (100–133 %); ``conventions.moe_expert_load`` takes each EP
     group's measured load — one list for the step (0.9–3.0 %), or one per microbatch and MoE block
     from the records' per-microbatch counts (`routed_microbatches`), which the engine lays at the
-    microbatches in flight at the rank's peak moment (0.8–2.5 %, tracked peak 0.3–1.3 %). The
+    microbatches in flight at the rank's peak moment (0.8–4.3 %, tracked peak 0.3–1.3 %). The
     balanced prediction (the first table, 7–20 %) is what the engine says without a measured load:
     the load is an input the user gives, never fitted per row.
 - Not checked here: GPU kernels. On CUDA, `rms_norm` may run fused (no saved x̂; the engine
