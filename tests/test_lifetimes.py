@@ -420,3 +420,36 @@ def test_the_events_lay_each_block_as_the_training_loop_allocates_it():
     assert grads and min(grads) > first_free  # made during the backward, once freed blocks cover them
     # the replay still peaks at the moments' allocated bytes, and reserves at least that
     assert r.reserved >= replay(ev).max_allocated >= r.allocated
+
+
+def test_the_loss_side_lives_from_after_the_blocks_forward_to_before_the_blocks_backward():
+    """What the final norm, the head and the loss save (``HEAD_KINDS``) is made after an F's blocks
+    (the F's own moment has the blocks' units gathered, not the loss side yet) and freed by the head's
+    backward, before a B's blocks: the loss moment holds it, the B's own moment does not. A split
+    backward's I retains the graph for its W (torch.distributed.pipelining's stage_backward_input), so
+    there it lives until the W, as the stage-microbatch does."""
+    for sc, v in (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2),
+                  ("InterleavedZeroBubble", 2), ("DualPipeV", 2)):
+        for rank in range(4):
+            mo = moments(sc, rank, 4, v, 8)
+            kinds = mo.kind.tolist()
+            for i, (k, ph) in enumerate(zip(kinds, mo.phase.tolist())):
+                head, counts = mo.head[i], mo.counts[i]
+                assert (head <= counts).all() and (head >= 0).all()
+                diff = counts - head
+                if ph == 1:  # the loss moment: every microbatch alive holds its loss side
+                    assert diff.sum() == 0
+                elif ph == 0 and k in (0, 1):  # an F or a B: its own microbatch's loss side is not alive
+                    assert diff.sum() == 1
+                else:  # an I, a W, the end: as the stage-microbatches
+                    assert diff.sum() == 0, (sc, rank, i)
+    # the last stage's B of a 1F1B rank: no log-probabilities, no head input in its snapshot
+    c = _cfg({"pp": 2, "microbatches": 4}, gpus=2)
+    r = memory_per_rank(c).per_rank[1]
+    tl = r._body.timeline
+    assert tl.peak.kind == "B"
+    kinds = {t.kind: t for t in r.explain("activations")}
+    if " at its start: the loss" in r.peak_moment:
+        assert "log_probabilities" in kinds
+    else:
+        assert not set(kinds) & HEAD_KINDS and "log_probabilities" in {t.kind for t in r.catalogue("activations")}
