@@ -42,7 +42,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        for the last microbatch only; with m = 1 that is the only backward);
                        ``zero_grad(set_to_none)`` drops them after the optimizer step
   after_first_backward from the end of the rank's first B or I to the step's end (made during it): FSDP2's unsharded gradients
-                       (accumulated without sync until the synchronised backward or REDUCE_GRAD), and
+                       (accumulated without sync until the synchronised backward or REDUCE_GRAD,
+                       whose post-backward drops each unit's: gone at the end-of-backward moment,
+                       ``END_FREED_KINDS``), and
                        under pipelining its unsharded parameters (``set_reshard_after_backward(False)``)
 
 Before every B or I of the last stage there is a *loss moment*: the loss's backward runs first, with
@@ -120,6 +122,13 @@ REDUCE_SCATTER_STREAM = 2
 
 #: the activation kinds that are a stage's blocks (laid block by block with a :class:`Grain`)
 BLOCK_KINDS = frozenset({"layers", "moe_layers"})
+
+#: what lives from the first backward on but is gone by the end of the backward: FSDP2's accumulated
+#: unsharded gradients. The reducing post-backward hands each unit's to its reduce-scatter and drops it
+#: (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, post_backward:
+#: "fsdp_param.unsharded_accumulated_grad = None"), so the end-of-backward moment, which holds the
+#: sharded gradients, no longer holds them
+END_FREED_KINDS = frozenset({"fsdp_unsharded_grads"})
 
 #: the last stage's loss side: what the final norm, the head and the loss save per microbatch. Their
 #: backward runs first in a B (after the loss's own, at the loss moment), and autograd frees what a
@@ -318,6 +327,7 @@ class Signature(NamedTuple):
     output_bytes: int  # the last stage's kept output, one microbatch
     transient_bytes: tuple[int, ...]  # per TRANSIENT lifetime
     head_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: its loss side (part of unit_bytes)
+    end_freed: int = 0  # bytes of after_first_backward that the end-of-backward moment no longer holds
 
 
 class Peak(NamedTuple):
@@ -342,6 +352,8 @@ def peak_of(sig: Signature) -> Peak:
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
     w = np.array(body + head + (sig.output_bytes,) + sig.transient_bytes, dtype=np.int64)
     live = mo.matrix @ w
+    if sig.end_freed:
+        live = live - np.where(mo.phase == END, sig.end_freed, 0)
     i = int(np.argmax(live))
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
@@ -370,7 +382,7 @@ class RankTimeline:
         head = [0] * len(local)  # per local stage: the loss side, one microbatch (part of unit)
         acts = [[0, 0, 0] for _ in local]  # per local stage: the blocks' saved bytes, the log-probabilities, the rest of the loss side
         trans = dict.fromkeys(TRANSIENT, 0)
-        step = out = 0
+        step = out = end_freed = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
         varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
         rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
@@ -406,8 +418,10 @@ class RankTimeline:
                     else:
                         trans[life] += nbytes
                     var.append((i, life))
+                freed_at_end = life == "after_first_backward" and kind in END_FREED_KINDS
+                end_freed += nbytes if freed_at_end else 0
                 if nbytes > 0:
-                    add_row((life, nbytes, ALL_GATHER_STREAM if kind in gather
+                    add_row(("accumulated" if freed_at_end else life, nbytes, ALL_GATHER_STREAM if kind in gather
                              else REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
             if var:
                 varying[c] = var
@@ -416,7 +430,8 @@ class RankTimeline:
         self._acts = tuple(tuple(x) for x in acts)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
-                                   tuple(trans[k] for k in TRANSIENT), tuple(head) if any(head) else ())
+                                   tuple(trans[k] for k in TRANSIENT), tuple(head) if any(head) else (),
+                                   end_freed)
 
     @property
     def peak(self) -> Peak:
@@ -435,6 +450,9 @@ class RankTimeline:
         pk = self.peak
         alive = dict(zip(TRANSIENT, pk.alive))
         pp = self.signature.pp
+        sig = self.signature
+        at_end = bool(sig.end_freed) and moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages,
+                                                 sig.microbatches).phase[pk.moment] == END
         out: dict[str, list[Term]] = {}
         for c in MEMORY_CATEGORIES:
             terms = self.terms[c]
@@ -452,7 +470,7 @@ class RankTimeline:
                     n = t.in_flight or 0
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
-                elif not alive[life]:
+                elif not alive[life] or (at_end and t.kind in END_FREED_KINDS):
                     drop[i] = None
             row = [drop.get(i, t) for i, t in enumerate(terms)] if drop else terms
             if drop:
@@ -592,7 +610,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     for j, (life, nbytes, stream) in enumerate(rows):
         per_life.setdefault(life, []).append((j, nbytes, stream))
     outputs = per_life.get("to_step_end", [])
-    late = per_life.get("after_first_backward", [])
+    accumulated = per_life.get("accumulated", [])
+    late = per_life.get("after_first_backward", []) + accumulated
     late_done = False
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
@@ -602,6 +621,9 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         col = local[stage if sig.pp > 1 else 0]
         hd = heads[col]
+        if phase == END and late_done:
+            for j, _, _ in accumulated:  # reduced and dropped by the end of the backward
+                ev.append(("free", ("late", j)))
         if kind == _B and phase == ACTION and hd > 0:
             ev.append(("free", ("head", stage, mb)))  # the loss side, before the blocks' backward
         transient = []
@@ -629,8 +651,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             ev.append(("free", ("mb", stage, mb)))
         if kind == _W and hd > 0 and phase == ACTION:
             ev.append(("free", ("head", stage, mb)))
+    gone = {j for j, _, _ in accumulated} if END in phases else set()
     for j, _, _ in late if late_done else ():
-        ev.append(("free", ("late", j)))
+        if j not in gone:
+            ev.append(("free", ("late", j)))
     if outputs:
         for mb in sorted({mb for kind, stage, mb in zip(kinds, stages, mbs) if kind == _F and stage == last_stage}):
             for j, _, _ in outputs:
@@ -678,7 +702,8 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             alloc(("step", j), nbytes, stream)
         per_life.setdefault(life, []).append((j, nbytes, stream))
     outputs = per_life.get("to_step_end", [])
-    late = per_life.get("after_first_backward", [])
+    accumulated = {j for j, _, _ in per_life.get("accumulated", [])}
+    late = per_life.get("after_first_backward", []) + per_life.get("accumulated", [])
     late_done = False
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
@@ -713,6 +738,9 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             previous = (k, len(ev), state)
         kind, stage, mb, mask, phase = kinds[i], stages[i], mbs[i], masks[i], phases[i]
         nxt = i + 1
+        if phase == END and accumulated:  # reduced and dropped by the end of the backward
+            for key in [k for k in size if k[0] == "late" and k[1] in accumulated]:
+                free(key)
         j = local[stage if sig.pp > 1 else 0]
         unit = sig.unit_bytes[j]
         layer_b, logprob_b, head_b = acts[j]
