@@ -5,6 +5,11 @@ import pytest
 
 # Qt tests run without a display.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# torch and numpy in the test process (and the processes it starts) compute on one thread, as the
+# ranks already do (backend.launch sets OMP_NUM_THREADS=1 for them): on a small shared machine a
+# second OpenMP thread brings nothing to the tiny model's kernels and, when the cores are busy, its
+# spin-waiting made in-process torch tests 2-4 times slower. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
