@@ -1,9 +1,15 @@
 import os
+import threading
 
 import pytest
 
 # Qt tests run without a display.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# torch and numpy in the test process (and the processes it starts) compute on one thread, as the
+# ranks already do (backend.launch sets OMP_NUM_THREADS=1 for them): on a small shared machine a
+# second OpenMP thread brings nothing to the tiny model's kernels and, when the cores are busy, its
+# spin-waiting made in-process torch tests 2-4 times slower. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
@@ -24,3 +30,36 @@ def window(qtbot, tmp_path):
     w.state.recompute_now()
     QApplication.processEvents()
     return w
+
+
+#: a small 3-D layout (tiny preset, FSDP 2 × TP 2 × PP 2, 1F1B, 4 microbatches) that more than one
+#: file simulates; ``small_3d_fake`` is its fake-tensor simulation
+SMALL_3D = {"cluster": {"gpus": 8},
+            "parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 3, "schedule": "1F1B", "microbatches": 4}}
+
+
+class _Once:
+    """A result computed on first request and kept (the request may come from a worker thread)."""
+
+    def __init__(self, make):
+        self._make, self._lock, self._result = make, threading.Lock(), None
+
+    def __call__(self):
+        with self._lock:
+            if self._result is None:
+                self._result = self._make()
+            return self._result
+
+
+@pytest.fixture(scope="session")
+def small_3d_fake(tmp_path_factory):
+    """``small_3d_fake()``: the fake-tensor simulation of ``SMALL_3D``'s ranks 0 and 4 (one per pipeline
+    stage, two at a time), run once for the session: tests/test_fake.py holds it to real tensors per
+    category (running it beside its real-tensor run), tests/test_fake_allocator.py to a real torchrun
+    run's activations. Read it, never write to it."""
+    pytest.importorskip("torch")
+    from backend.fake import simulate
+    from engine import default_config
+
+    out = tmp_path_factory.mktemp("small-3d") / "fake"
+    return _Once(lambda: simulate(default_config().replace(**SMALL_3D), out, ranks=[0, 4], jobs=2))

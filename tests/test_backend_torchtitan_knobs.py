@@ -167,13 +167,30 @@ def _run(tmp_path, name, cfg, steps=2, timeout_s=400):
     return run.measurement(), run.path
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(name, cfg)``: the finished run of ``cfg`` (2 steps), launched once for the module. A
+    layout two tests need (the eager fp32 DDP run is the recompute test's "none" and the compile
+    test's eager reference) runs once; a name stands for one config only."""
+    base = tmp_path_factory.mktemp("knobs")
+    done: dict[str, tuple] = {}
+
+    def get(name, cfg):
+        if name not in done:
+            done[name] = (cfg, *_run(base, name, cfg))
+        assert done[name][0] == cfg, f"run {name!r} was launched with another config"
+        return done[name][1:]
+
+    return get
+
+
 def _acts(meas):
     return [r.activations for r in meas.memory.per_rank]
 
 
 @pytest.mark.integration
-def test_recompute_kinds_match_none_exactly_and_measure_between_none_and_full(tmp_path):
-    meas = {k: _run(tmp_path, k, _tiny_cfg(recompute=k))[0]
+def test_recompute_kinds_match_none_exactly_and_measure_between_none_and_full(runs):
+    meas = {k: runs(k, _tiny_cfg(recompute=k))[0]
             for k in ("none", "full", "selective-op", "selective-layer")}
     for kind in ("selective-op", "selective-layer"):
         assert meas[kind].step.losses == meas["none"].step.losses, kind
@@ -195,9 +212,9 @@ def test_float8_trains_close_to_its_bf16_run(tmp_path):
 
 
 @pytest.mark.integration
-def test_compile_matches_eager_and_says_what_it_did_not_measure(tmp_path):
-    eager, _ = _run(tmp_path, "eager", _tiny_cfg())
-    comp, path = _run(tmp_path, "compiled", _tiny_cfg(compile=True))
+def test_compile_matches_eager_and_says_what_it_did_not_measure(runs):
+    eager, eager_path = runs("none", _tiny_cfg())  # the recompute test's "none": the same eager layout
+    comp, path = runs("compiled", _tiny_cfg(compile=True))
     assert comp.step.losses == pytest.approx(eager.step.losses, rel=1e-5)
     for r in range(2):
         rec = json.loads((path / "ranks" / f"rank{r}.measurement.json").read_text())
@@ -205,7 +222,7 @@ def test_compile_matches_eager_and_says_what_it_did_not_measure(tmp_path):
         # what the compiled blocks save, counted apart (saved_tensors_hooks): less than the eager blocks
         saved = rec["memory"]["saved_for_backward"]
         assert 0 < saved["compiled"] < saved["eager"]
-    eager_rec = json.loads((tmp_path / "eager" / "ranks" / "rank0.measurement.json").read_text())
+    eager_rec = json.loads((eager_path / "ranks" / "rank0.measurement.json").read_text())
     assert eager_rec["memory"]["notes"] == []
 
 

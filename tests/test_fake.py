@@ -17,6 +17,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import SMALL_3D
 
 from backend.fake import comparison, default_ranks, simulate
 from backend.records import Measurement
@@ -26,8 +27,7 @@ from gui.cli import main as cli_main
 
 #: categories that must match to the byte; activations / temporaries / total within 2 % or 256 KiB
 EXACT = ("params", "grads", "optimizer", "overhead")
-SMALL = {"cluster": {"gpus": 8},
-         "parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 3, "schedule": "1F1B", "microbatches": 4}}
+SMALL = SMALL_3D  # the fake-tensor run of these ranks is shared with tests/test_fake_allocator.py
 
 
 def test_default_ranks_one_per_pipeline_rank():
@@ -54,14 +54,15 @@ def test_launching_side_imports_no_torch():
 
 
 @pytest.mark.integration
-def test_fake_tensors_match_real_tensors_per_category(tmp_path):
+def test_fake_tensors_match_real_tensors_per_category(tmp_path, small_3d_fake):
     pytest.importorskip("torch")
     cfg = default_config().replace(**SMALL)
     ranks = default_ranks(cfg)
     with ThreadPoolExecutor(2) as pool:
-        fake_f = pool.submit(simulate, cfg, tmp_path / "fake", ranks, 240, None, False, 2)
+        fake_f = pool.submit(small_3d_fake)  # these ranks with fake tensors, two at a time (shared)
         real_f = pool.submit(simulate, cfg, tmp_path / "real", ranks, 240, None, True, 2)
         fake, real = fake_f.result(), real_f.result()
+    assert fake.ranks == ranks
 
     off = []
     for f, r in zip(fake.measurement.memory.per_rank, real.measurement.memory.per_rank):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import SMALL_3D
 
 from backend.fake_worker import AllocationRecorder, replay_allocations, schedule_in_flight
 from engine import default_config
@@ -151,7 +152,7 @@ def test_expandable_segments_reach_the_worker(tmp_path):
 
 
 @pytest.mark.integration
-def test_simulated_activations_match_a_real_run(tmp_path):
+def test_simulated_activations_match_a_real_run(tmp_path, small_3d_fake):
     """The schedule's real order makes the simulated stage memory the real one: fake tensors on one
     process against torchrun's ranks (gloo) of FSDP 2 × TP 2 × PP 2, 1F1B, 4 microbatches.
 
@@ -162,11 +163,12 @@ def test_simulated_activations_match_a_real_run(tmp_path):
     receive buffers a simulation does not allocate (see NOT_COVERED_PP)."""
     pytest.importorskip("torch")
     from backend import launch
-    from backend.fake import simulate
 
-    cfg = default_config().replace(cluster={"gpus": 8}, parallel={
-        "dp": 2, "tp": 2, "pp": 2, "zero": 3, "schedule": "1F1B", "microbatches": 4})
-    fake = simulate(cfg, tmp_path / "fake", ranks=[0, 4], jobs=2)
+    cfg = default_config().replace(**SMALL_3D)
+    par = cfg.parallel
+    assert (par.dp, par.tp, par.pp, par.zero, par.schedule, par.microbatches) == (2, 2, 2, 3, "1F1B", 4)
+    fake = small_3d_fake()  # ranks 0 and 4 with fake tensors, shared with tests/test_fake.py
+    assert fake.ranks == [0, 4]
     run = launch(cfg, tmp_path / "real", steps=2)
     run.wait()
     real = {r.rank: r for r in run.measurement().memory.per_rank}

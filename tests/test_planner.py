@@ -262,13 +262,20 @@ def test_shared_in_flight_counts_match_a_fresh_replay():
 # --------------------------------------------------------------------------- every fitting layout
 
 
-def test_all_fitting_is_every_layout_that_fits(small_case):
+@pytest.fixture(scope="module")
+def all_fitting(small_case):
+    """The uncapped sweep of every fitting layout of the case, top 5 (uncapped in time too: on a loaded
+    CI machine the 30-s default can stop the sweep early), planned once for the tests that read it."""
+    kw, _ = small_case
+    return plan(**kw, top=5, all_fitting=True, fitting_seconds=float("inf"))
+
+
+def test_all_fitting_is_every_layout_that_fits(small_case, all_fitting):
     """Uncapped, the sweep returns exactly the layouts the engine says fit, with the engine's numbers."""
     from engine.planner import layout_config
 
     kw, rows = small_case
-    # uncapped in time too: on a loaded CI machine the 30-s default can stop the sweep early
-    result = plan(**kw, top=5, all_fitting=True, fitting_seconds=float("inf"))
+    result = all_fitting
     fits = {r["cfg"]: r for r in rows if r["fits"]}
     assert result.fitting_stopped == "" and result.fitting_evaluated == result.fitting_candidates
     assert result.fitting_candidates == len(rows) - result.counts.memory_bound_rejected
@@ -298,9 +305,9 @@ def _assert_pareto(points):
     np.testing.assert_array_equal(front, ~dominated)  # the front is every non-dominated point, and only those
 
 
-def test_pareto_front_is_the_non_dominated_points(small_case):
-    kw, _ = small_case
-    result = plan(**kw, top=3, all_fitting=True)
+def test_pareto_front_is_the_non_dominated_points(all_fitting):
+    result = all_fitting  # every fitting layout of the case, each marked on the front or off it
+    assert result.fitting_stopped == ""
     _assert_pareto(result.fitting)
     fastest = [p for p in result.fitting if p.tokens_per_s == result.fitting[0].tokens_per_s]
     assert min(fastest, key=lambda p: p.peak_bytes).pareto  # the fastest with the least memory is on it
