@@ -165,6 +165,27 @@ def _allow_repeated_root_calls(tracker) -> None:
     current = mt.__dict__.pop("parents", {"Global"})
     mt.__class__ = _StepModTracker
     mt.parents = current
+    _overall_peak_only(tracker)
+
+
+def _overall_peak_only(tracker) -> None:
+    """Keep only the tracker's overall peak up to date on each op (what ``tracker_peak`` reads).
+
+    torch's ``_update_peak_stats`` also walks every tracked module on every op to keep its
+    per-module peaks, which nothing here reads (every module looks nested in one step, above),
+    and which costs most of a measured step on a small model; the overall peak is updated by the
+    same comparison as torch's own."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    def update_overall_peak(peak_state) -> None:
+        for dev, dev_snap in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                tracker._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    tracker._update_peak_stats = update_overall_peak
 
 
 def tracker_peak(tracker, device: torch.device) -> dict[str, int]:

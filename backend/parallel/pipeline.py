@@ -11,15 +11,17 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from backend.model import Transformer, cut_stage, moe_modules
 from engine.config import ParallelSpec
 from engine.layout import placement_style, stages_of_pp_rank
+
+if TYPE_CHECKING:  # imported where a schedule is built: torch's pipelining pulls in dynamo (≈ 0.6 s)
+    from torch.distributed.pipelining import PipelineStage
 
 
 def stage_ids_of(par: ParallelSpec, pp_rank: int) -> list[int]:
@@ -127,6 +129,9 @@ def infer_shapes_without_ddp_sync(stage: PipelineStage) -> None:
 def build_schedule(stage_modules: list[tuple[int, nn.Module]], par: ParallelSpec, pp_group,
                    device: torch.device, loss_fn: Callable, timer: ActionTimer):
     """PipelineStage per held stage and the schedule named by ``par.schedule``."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
     stages = []
     for s, mod in stage_modules:
         stage = PipelineStage(mod, s, par.num_stages, device, group=pp_group)

@@ -5,7 +5,7 @@
 Megatron's selective recompute) is recomputed.
 "selective-op": torchtitan's per-op selective checkpointing of every block
 (``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with its save list,
-``SAVE_OPS``): the outputs of the compute-intensive ops, attention and reduce-scatters are
+``save_ops()``): the outputs of the compute-intensive ops, attention and reduce-scatters are
 saved, every other matmul is recomputed (the first, third, ... mm of a block's forward are
 saved), everything else is recomputed. torchtitan counts the matmuls separately for the forward
 and the recompute pass; torch 2.13 calls the policy in the forward only (the recompute replays
@@ -18,19 +18,24 @@ k % recompute_every == 0 — with N = 2 the second, fourth, ... block.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
-from torch._functorch.partitioners import get_default_op_list
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 
-def _save_ops() -> frozenset:
+@functools.cache
+def save_ops() -> frozenset:
     """torchtitan's default save list, with the ops torch 2.13 registers: the partitioner's
     compute-intensive ops (mm, addmm, bmm, _scaled_mm, SDPA flash / efficient, ...), the SDPA
     variants (cuDNN, math, overrideable, and CPU's flash kernel), max (the amax of float8 scaling),
     linear (backends that keep it a leaf op), topk, flex attention, inductor's compiled code (a
     compiled region inside the checkpoint), and the reduce-scatter / all-to-all collectives."""
+    # imported here: the partitioner pulls in dynamo and inductor (≈ 0.9 s of every rank's start)
+    from torch._functorch.partitioners import get_default_op_list
+
     aten = torch.ops.aten
     ops = {op.default for op in get_default_op_list().compute_intensive_ops}
     ops.update({
@@ -51,23 +56,31 @@ def _save_ops() -> frozenset:
     return frozenset(ops)
 
 
-SAVE_OPS = _save_ops()
+
+
+def __getattr__(name: str):
+    if name == "SAVE_OPS":  # computed on first use: the partitioner's import is slow
+        return save_ops()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: the matmuls of which every second one is recomputed (aten.linear where a backend keeps it whole)
 MM_OPS = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
 
 
 def op_sac_policy():
-    """A fresh per-block policy: save SAVE_OPS' outputs except every second mm, recompute the rest.
+    """A fresh per-block policy: save ``save_ops()``' outputs except every second mm, recompute the rest.
 
     The mm count is kept per pass ("forward" and "recompute") as torchtitan's ``SelectiveAC``
     policy keeps it; torch 2.13 asks the policy in the forward only."""
     meta = {"forward": 0, "recompute": 0}
+    save = save_ops()
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         mode = "recompute" if ctx.is_recompute else "forward"
         if func in MM_OPS:
             meta[mode] += 1
-        if func in SAVE_OPS:
+        if func in save:
             if func in MM_OPS and meta[mode] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
