@@ -671,8 +671,10 @@ class _Planner:
                     # an F's own moment comes before the final norm and the head make the loss side of its
                     # microbatch, a B's after their backward freed it, and the in-flight activations below
                     # count it: less one microbatch's loss side, at most fp32 norm input, x̂, rstd, head
-                    # input and log-probabilities over the whole vocabulary
-                    head_up = bf * (12 * np.ceil(s_len * h / rep_div) + 4 * s_len + 4 * s_len * model.vocab)
+                    # input and log-probabilities over the loss's vocabulary (its shard under SP's
+                    # loss_parallel, the whole of it otherwise)
+                    v_up = np.where(gs, vocab_t, model.vocab)
+                    head_up = bf * (12 * np.ceil(s_len * h / rep_div) + 4 * s_len + 4 * s_len * v_up)
                 if pp > 1:
                     ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
                     fixed = fixed + ends * gm * bf * act_b * sbh1

@@ -342,6 +342,7 @@ class Peak(NamedTuple):
     stage: int
     microbatch: int
     head: tuple[int, ...] = ()  # stage-microbatches whose loss side is alive, per local stage
+    phase: int = 0  # ACTION, LOSS or END
 
 
 @lru_cache(maxsize=4096)
@@ -357,7 +358,7 @@ def peak_of(sig: Signature) -> Peak:
     i = int(np.argmax(live))
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
-                int(mo.microbatch[i]), tuple(mo.head[i].tolist()))
+                int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]))
 
 
 class RankTimeline:
@@ -379,8 +380,9 @@ class RankTimeline:
         local = tuple(sorted(stages)) if pp > 1 else (0,)
         column = self._column = {s: j for j, s in enumerate(local)}
         unit = [0] * len(local)
-        head = [0] * len(local)  # per local stage: the loss side, one microbatch (part of unit)
-        acts = [[0, 0, 0] for _ in local]  # per local stage: the blocks' saved bytes, the log-probabilities, the rest of the loss side
+        # per local stage, one microbatch: the blocks' saved bytes, the log-probabilities, the rest of the
+        # loss side (final norm, head input)
+        acts = [[0, 0, 0] for _ in local]
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = end_freed = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
@@ -404,8 +406,6 @@ class RankTimeline:
                             acts[col][1] += nbytes // n
                         elif kind in HEAD_KINDS:
                             acts[col][2] += nbytes // n
-                        if kind in HEAD_KINDS:
-                            head[col] += nbytes // n
                     var.append((i, "microbatch"))
                     continue
                 life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
@@ -428,9 +428,10 @@ class RankTimeline:
         self.varying = varying
         self._rows = tuple(rows)
         self._acts = tuple(tuple(x) for x in acts)
+        head = tuple(a[1] + a[2] for a in acts)  # the loss side (part of unit)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
-                                   tuple(trans[k] for k in TRANSIENT), tuple(head) if any(head) else (),
+                                   tuple(trans[k] for k in TRANSIENT), head if any(head) else (),
                                    end_freed)
 
     @property
@@ -450,9 +451,7 @@ class RankTimeline:
         pk = self.peak
         alive = dict(zip(TRANSIENT, pk.alive))
         pp = self.signature.pp
-        sig = self.signature
-        at_end = bool(sig.end_freed) and moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages,
-                                                 sig.microbatches).phase[pk.moment] == END
+        at_end = pk.phase == END
         out: dict[str, list[Term]] = {}
         for c in MEMORY_CATEGORIES:
             terms = self.terms[c]
@@ -470,7 +469,7 @@ class RankTimeline:
                     n = t.in_flight or 0
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
-                elif not alive[life] or (at_end and t.kind in END_FREED_KINDS):
+                elif not alive[life] or (at_end and life == "after_first_backward" and t.kind in END_FREED_KINDS):
                     drop[i] = None
             row = [drop.get(i, t) for i, t in enumerate(terms)] if drop else terms
             if drop:
@@ -664,7 +663,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
 
 def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compress: bool = False) -> tuple:
     """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
-    saved bytes of its blocks and its log-probabilities, one microbatch each.
+    saved bytes of its blocks, its log-probabilities and the rest of its loss side, one microbatch each.
 
     ``compress`` (one stage only: each microbatch's F, loss and B form a period that frees all it
     allocates): where a period starts in the same state as the period before it (the same live
@@ -710,7 +709,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     walk = _forward_walk(grain.kept, grain.work)
     plans: dict[tuple, tuple] = {}  # (local stage, first block, last block) -> a block's forward
     held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, block by block
-    heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at its B or I)
+    heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at its B or W)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
