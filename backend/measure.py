@@ -106,19 +106,101 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer):
-    """FSDPMemTracker for a single fully_shard'ed module, else the general MemTracker."""
+def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer, inputs: Iterable[torch.Tensor] = ()):
+    """FSDPMemTracker for a single fully_shard'ed module, else the general MemTracker; either one
+    leaving out what existed before it (:func:`_without_pre_existing`) except ``inputs`` (the batch)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
     if len(modules) == 1 and isinstance(modules[0], FSDPModule):
-        tracker = FSDPMemTracker(modules[0], optimizer)
+        tracker = _without_pre_existing(FSDPMemTracker, inputs)(modules[0], optimizer)
     else:
-        tracker = MemTracker()
+        tracker = _without_pre_existing(MemTracker, inputs)()
         tracker.track_external(*modules, optimizer)
     _allow_repeated_root_calls(tracker)
     return tracker
+
+
+def _storage_ptrs(tree) -> set[int]:
+    """The data pointers of the storages of the plain tensors in ``tree`` (tensor subclasses, meta
+    tensors and storages without data left out)."""
+    from torch.utils._pytree import tree_flatten
+
+    out = set()
+    for t in tree_flatten(tree)[0]:
+        if type(t) is torch.Tensor or type(t) is nn.Parameter:
+            try:
+                out.add(t.untyped_storage().data_ptr())
+            except RuntimeError:  # no data (e.g. a fake or functional tensor's storage)
+                pass
+    return out
+
+
+def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> type:
+    """``base`` (MemTracker or FSDPMemTracker) not counting memory that existed before it.
+
+    MemTracker files a storage the first time an op under it outputs a tensor on it — a fresh
+    allocation, or a view of / write into memory it has never seen. The second kind predates the
+    tracker: DDP's gradient buckets (the Reducer writes each gradient into its bucket with
+    ``mul.out``: first seen in the backward, as Temp), torch.distributed.pipelining's receive buffers
+    (allocated in the first step and reused: first seen as a view, or as ``recv_``'s output). The
+    backend counts those at their exact sizes as comm_buffers, alive all step (they are), so filing
+    them as well from the moment the tracker first sees them counts them twice from then on — a
+    gradient-sized "temporary" in DDP's synchronised backward, one activation per receive buffer —
+    and moves its peak to where they appear. A storage first seen among the op's own inputs is that
+    kind: it is left out (``pre_existing`` records it, by op, with its bytes). ``inputs`` (the batch,
+    made before the tracker) are counted as before."""
+    keep = _storage_ptrs(list(inputs))
+
+    class Tracker(base):
+        pre_existing: dict[str, int]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._op = (func, args, kwargs)
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._op = None
+
+        def _track(self, reftype, t: torch.Tensor) -> None:
+            op = getattr(self, "_op", None)
+            if op is not None and (type(t) is torch.Tensor or type(t) is nn.Parameter) and t.device.type != "meta":
+                st = t.untyped_storage()
+                try:
+                    ptr = st.data_ptr()
+                except RuntimeError:
+                    ptr = 0
+                if (ptr and ptr not in keep and self._WINFO.get(st) is None
+                        and ptr in _storage_ptrs((op[1], op[2]))):
+                    if ptr not in self._skipped:
+                        name = str(op[0])
+                        self._skipped[ptr] = (name, st.nbytes())
+                        self.pre_existing[name] = self.pre_existing.get(name, 0) + st.nbytes()
+                    return
+            super()._track(reftype, t)
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
+            # FSDPMemTracker files FSDP2's unsharded parameters itself (their storages predate it, resized
+            # by each all-gather, and an op may see them first): those are counted, not pre-existing
+            out = super()._update_and_maybe_create_winfos(t, reftype, update_existing=update_existing)
+            if self._skipped and isinstance(t, torch.Tensor):
+                for ptr in _storage_ptrs(t):
+                    if ptr in self._skipped:
+                        name, n = self._skipped.pop(ptr)
+                        self.pre_existing[name] -= n
+                        if not self.pre_existing[name]:
+                            del self.pre_existing[name]
+            return out
+
+    def __init__(self, *a, **k):
+        self.pre_existing = {}
+        self._skipped: dict[int, tuple[str, int]] = {}  # storage pointer -> (first op, bytes)
+        base.__init__(self, *a, **k)
+
+    Tracker.__init__ = __init__
+    Tracker.__name__ = Tracker.__qualname__ = base.__name__
+    return Tracker
 
 
 _STEP_PARENT = "<shardscope step>"

@@ -334,7 +334,7 @@ class Trainer:
         batch = self.batch(step)
         for moe in self.moes:
             moe.reset_counts()
-        tracker = measure.tracker_for(mods, self.optimizer)
+        tracker = measure.tracker_for(mods, self.optimizer, batch)
         _skip_grad_hooks_on_frozen(tracker, self.params)
         compiled = self.cfg.training.compile and self.counts_compiled_saved
         eager_saved = measure.SavedTensorPeak(self.params, mods) if compiled else contextlib.nullcontext()
@@ -366,6 +366,9 @@ class Trainer:
             "exact": exact,
             "params_local_count": measure.param_count_local(self.params),
             "tracker_peak": raw,
+            # what the tracker saw that predates it (DDP's buckets, the p2p receive buffers): not in
+            # tracker_peak; counted in comm_buffers at their exact sizes instead
+            "pre_existing": dict(tracker.pre_existing),
             "notes": measure.memory_notes(self.cfg) + ([self.cp.note(self.device.type)] if self.cp else []),
         }
         if self.cfg.model.experts:  # the routing of the measured step, which its activations follow

@@ -99,3 +99,11 @@ def test_ddp_stages_run_two_backwards_in_a_row(tmp_path):
                         parallel={"dp": 2, "tp": 1, "pp": 2, "zero": 0, "schedule": "GPipe", "microbatches": 2})
     assert col(meas, "grads") == col(meas, "params")  # fp32 DDP: a full gradient beside each parameter
     assert meas.step.losses[1] < meas.step.losses[0]
+    # what the tracker saw that predates it: DDP's bucket (the Reducer writes each gradient into it, first
+    # seen in the backward) and those of the stage's p2p receive buffers an op's output views; out of its
+    # categories, counted once, at their exact sizes, in comm_buffers
+    for r, row in zip(sorted(meas.ranks, key=lambda r: r["rank"]), meas.memory.per_rank):
+        pre = r["memory"]["pre_existing"]
+        assert max(pre.values()) == r["memory"]["exact"]["grads"]  # one bucket: every gradient, fp32
+        assert sum(pre.values()) <= row.comm_buffers
+        assert r["memory"]["tracker_peak"]["Temp"] < r["memory"]["exact"]["grads"]

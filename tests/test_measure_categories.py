@@ -1,4 +1,6 @@
-"""backend.measure.categories_from: what a CPU run reports per category at the tracker's peak."""
+"""backend.measure: what a CPU run reports per category at the tracker's peak, and what the tracker leaves out."""
+
+import pytest
 
 from backend.measure import categories_from
 
@@ -20,3 +22,29 @@ def test_fsdp2_sharded_gradients_are_what_fsdpmemtracker_saw_at_its_peak():
     # a peak after some units' post-backward: those gradients, never more than the exact size
     assert categories_from({**raw, "Sharded Grad": 400}, EXACT)["grads"] == 400
     assert categories_from({**raw, "Sharded Grad": 1200}, EXACT)["grads"] == 1000
+
+
+def test_the_tracker_leaves_out_what_existed_before_it():
+    """A storage MemTracker first sees as a view of, or a write into, one of an op's own inputs predates it
+    (DDP's bucket, a p2p receive buffer): left out of its snapshot and recorded in ``pre_existing``; what
+    an op allocates, and the batch given as an input, are counted as before."""
+    torch = pytest.importorskip("torch")
+    from backend.measure import tracker_for
+
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters())
+    bucket, recv = torch.zeros(1024), torch.zeros(256)  # 4,096 and 1,024 B, made before the tracker
+    batch = torch.ones(8, 16)
+    tracker = tracker_for([model], opt, (batch,))
+    with tracker:
+        torch.mul(torch.ones(1024), 0.5, out=bucket)  # the Reducer's mul_out into its bucket
+        v = recv.view(16, 16)  # a stage input's view of its receive buffer
+        w = batch.view(16, 8)
+        fresh = v * 2
+    assert tracker.pre_existing == {"aten.mul.out": 4096, "aten.view.default": 1024}
+    snap = {getattr(k, "value", k): n for dev in tracker.get_tracker_snapshot("current").values()
+            for k, n in dev.items()}
+    params = sum(p.numel() * 4 for p in model.parameters())
+    # the ones() input of mul_out (4,096 B, freed), the batch (512 B), fresh (1,024 B); not the bucket or buffer
+    assert snap["Total"] == params + 512 + 1024
+    del w, fresh
