@@ -57,7 +57,10 @@ def test_ddp_against_zero3_of_the_same_model_is_exact_where_the_sharding_is():
     base = ddp.memory.peak.grads
     assert diff.peak["grads"].baseline == base and diff.peak["grads"].current == 0
     assert sum(t.bytes for t in zero3.memory.peak.catalogue("grads")) * dp == base
-    assert diff.peak["activations"].delta == 0  # sharding the states leaves the activations alone
+    # sharding the states leaves the activations alone: the same terms on both sides (the snapshot at each
+    # side's own peak moment may differ: DDP's peaks in the first block's MLP backward, which frees the down input)
+    acts = [sorted((t.kind, t.bytes) for t in side.memory.peak.catalogue("activations")) for side in (ddp, zero3)]
+    assert acts[0] == acts[1]
     # the totals are the sums of the categories, on both sides
     for side in ("baseline", "current"):
         assert getattr(diff.peak["total"], side) == sum(getattr(diff.peak[c], side) for c in MEMORY_CATEGORIES)

@@ -95,7 +95,7 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
     """pp = 1: one microbatch at a time, F, then B opened by its loss moment, then the end of the
     backward. F: the unit transients and its activations but the loss side (the blocks' forward comes
     before the final norm and the head make it); the loss moment: the loss and its
-    activations; B: every transient but the loss (the synchronised backward's at the last), and its
+    activations; B: every transient but the loss (the first block's MLP backward too), and its
     activations but the loss side (what the final norm, the head and the loss saved: their backward
     ran first, so the blocks' backward, the action's own moment, comes after they were freed); the end:
     no activation, the unit and gradient transients. From the end of the first backward on, the terms
@@ -122,8 +122,7 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
             for k in range(m):
                 before = late if k else 0
                 moments_bytes += [base + unit + act - head + before, base + g("loss", 0) + act + before,
-                                  base + unit + bwd + act - head + before
-                                  + (g("synchronised_backward", 0) if k == m - 1 else 0)]
+                                  base + unit + bwd + g("full_backward", 0) + act - head + before]
             # by the end, the reducing post-backward has dropped FSDP2's accumulated unsharded gradients
             acc = sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c) if t.kind in END_FREED_KINDS)
             moments_bytes.append(base + unit + g("backward", 0) + late - acc + g("end_of_backward", 0))
@@ -145,8 +144,8 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
 
 
 #: term kind -> the transient lifetime it has
-_TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "ddp_backward_temporary": "synchronised_backward",
-                   "loss": "loss", "recomputed_block": "backward_input",
+_TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "mlp_backward": "full_backward",
+                   "loss": "loss", "recomputed_block": "backward_input", "held_input_gradient": "after_first_backward",
                    "fsdp_sharded_grads": "end_of_backward"}
 
 
@@ -162,7 +161,7 @@ _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "ddp_backward
     ({"dp": 2, "pp": 4, "zero": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 8}, None),
 ])
 def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
-    """DDP's synchronised-backward temporary, FSDP2's unsharded gradients (from the first backward),
+    """The first block's MLP backward (full backwards), FSDP2's unsharded gradients (from the first backward),
     the loss (the last stage's backward): each is in the snapshot iff alive at the peak; where one is
     not, the peak is below the sum of every term at its largest (what the model used to report)."""
     c = _cfg(par, gpus=8, preset="llama3-8b", training={"precision": "bf16-mixed"})
@@ -364,7 +363,7 @@ def test_repeated_events_are_cached():
 @pytest.mark.parametrize("training", [{"recompute": "none"}, {"recompute": "full"}, {"recompute": "selective-op"},
                                       {"recompute": "selective-layer", "compile": True}])
 def test_repeating_microbatches_replay_once_and_reserve_the_same(training):
-    """On a one-stage rank the microbatches between the first and the last lay the same events: the
+    """On a one-stage rank the microbatches after the second lay the same events: the
     replay runs them as one repeated chunk, until the allocator's state repeats, and reserves what the
     events written out reserve (with and without expandable segments, and against a capacity that
     makes the allocator release its cache)."""
@@ -377,7 +376,8 @@ def test_repeating_microbatches_replay_once_and_reserve_the_same(training):
             sig = r._body.timeline._event_signature()
             flat, packed = allocation_events(sig), replay_events(sig)
             repeats = [e for e in packed if e[0] == "repeat"]
-            assert len(repeats) == 1 and repeats[0][2] == par["microbatches"] - 3  # all but the first two and the last
+            # all but the first (no gradient yet) and the second (the first after it): the last is the same
+            assert len(repeats) == 1 and repeats[0][2] == par["microbatches"] - 2
             assert len(packed) < len(flat)
             for cap in (None, r.allocated + 2**30, r.reserved):
                 assert _replayed(packed, es, cap) == _replayed(flat, es, cap)

@@ -151,16 +151,17 @@ def test_a_per_block_load_averages_the_blocks_of_a_stage():
 
 
 def test_a_per_microbatch_load_follows_the_microbatch_alive_at_the_peak():
-    """No pipeline, two microbatches: the peak is in the last microbatch's backward, so its load is
-    the one the activations follow; the other microbatch's does not matter."""
+    """No pipeline, two microbatches: the peak is in the first microbatch's backward (the two
+    backwards hold as much, and the first such moment is the peak), so its load is the one the
+    activations follow; the other microbatch's does not matter."""
     par = {"ep": 2, "dp": 4, "microbatches": 2}
     last_skewed = cfg(par, conventions={"moe_expert_load": [[FLAT] * 6, [SKEW] * 6]})
     first_skewed = cfg(par, conventions={"moe_expert_load": [[SKEW] * 6, [FLAT] * 6]})
     skew, flat = cfg(par, conventions={"moe_expert_load": SKEW}), cfg(par)
     for rank in (0, 1):
         act = lambda c, rank=rank: memory_per_rank(c).per_rank[rank].activations  # noqa: E731
-        assert act(last_skewed) == act(skew)
-        assert act(first_skewed) == act(flat)
+        assert act(first_skewed) == act(skew)
+        assert act(last_skewed) == act(flat)
 
 
 @pytest.mark.parametrize("load, message", [

@@ -1,5 +1,5 @@
 """What the backward of a recomputed block repeats: TP (and SP) collectives per recompute kind, hand-worked
-from torch's DTensor plan and the policies' save lists, and the DDP backward temporary of buffers.py."""
+from torch's DTensor plan and the policies' save lists."""
 
 import pytest
 
@@ -12,9 +12,6 @@ from engine.comm import (
     tp_recomputed_blocks,
     tp_recomputed_collectives,
 )
-from engine.memory import memory_per_rank
-from engine.memory.buffers import recomputes_every_block
-from engine.params import params_per_rank
 from engine.step import tp_stage_seconds
 
 # SwiGLU, 4 layers: per block 2 forward collectives; without SP 5 backward all-reduces (wq wk wv w1 w3)
@@ -127,30 +124,6 @@ def test_stage_seconds_add_one_recomputed_forward_per_checkpointed_block(sp):
         assert b0[0] < bo[0] < bf[0]
     else:  # both all-reduces, as full
         assert bo[0] == pytest.approx(bf[0], rel=1e-12)
-
-
-# --------------------------------------------------------------------------- buffers.py's in-backward term
-
-
-def ddp_temporary(c: Config, pp_rank: int) -> int:
-    r = next(x for x in memory_per_rank(c).per_rank if x.pp_rank == pp_rank)
-    return sum(t.bytes for t in r.explain("temporaries") if t.kind == "ddp_backward_temporary")
-
-
-def test_ddp_backward_temporary_follows_whether_every_block_recomputes():
-    """DDP's gradient-sized temporary of the synchronised backward counts on a non-last pipeline stage only
-    when the rank's peak falls in a backward: every one of its blocks recomputes its forward, or per-op
-    selective recompute keeps only its small stash per microbatch (the timeline puts the peak there)."""
-    base = dict(tp=1, dp=2, pp=2, layers=4)
-    psi0 = params_per_rank(cfg("full", **base))[0][0].total
-    for kind, every, every_block, temporary in (
-            ("full", 2, True, True), ("selective-layer", 1, True, True), ("selective-layer", 2, False, False),
-            ("selective-op", 2, False, True), ("selective", 2, False, False), ("none", 2, False, False)):
-        c = cfg(kind, every=every, **base)
-        rp = params_per_rank(c)[0][0]
-        assert recomputes_every_block(c, rp) is every_block, (kind, every)
-        assert ddp_temporary(c, 0) == (4 * psi0 if temporary else 0), (kind, every)  # fp32 buckets: 4 B × Ψ
-        assert ddp_temporary(c, 1) > 0  # the last stage peaks in its backward whatever it recomputes
 
 
 # --------------------------------------------------------------------------- float8 on the recomputed forward

@@ -654,12 +654,14 @@ def moe_stage_block_bytes(cfg: Config, rp, per_moe_of, ep_rank: int,
 
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
                            in_flight, ep_rank: int | None = None,
-                           moe_microbatches: dict[int, tuple[int, ...]] | None = None) -> dict:
+                           moe_microbatches: dict[int, tuple[int, ...]] | None = None,
+                           plain_grads: bool = False) -> dict:
     """Activations of every local stage (each multiplied by its microbatches in flight), the block a
     recomputing backward rebuilds (activations) and the loss temporaries. ``in_flight(unit_bytes)``
     gives the per-local-stage counts; ``ep_rank`` picks the routed copies under a measured expert load;
     where that load is given per block or microbatch, a stage's MoE blocks follow their own loads at
     ``moe_microbatches[stage]`` (the microbatches in flight at the peak; every microbatch when not given).
+    ``plain_grads``: the gradients are plain tensors a fresh one is added to (not FSDP2's).
 
     Returns what the buffers need: the residual stream's element bytes and numel.
     """
@@ -896,7 +898,64 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                   f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
     if moe and torch_acc and tr.recompute == "none":
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, per_layer, moe_microbatches)
+    if torch_acc and not lora_on:
+        block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
+                             plain_grads=plain_grads, autocast=autocast)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
+
+
+def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
+                         holds_last: bool, plain_grads: bool, autocast: bool) -> None:
+    """What a full backward B holds inside the first block it runs (the stage's last), over the saved
+    tensors: the gradients its MLP's backward makes, the tensor it frees, the gradient coming in; and
+    the input gradient a later stage keeps for its send (measured op by op with MemTracker on the
+    tiny model, the pipeline's receive buffers and DDP's buckets left out:
+    ``backend.measure._without_pre_existing``).
+
+    The MLP's backward starts with w2's (the down projection): it makes the down input's gradient
+    (s·b·f) and w2's weight gradient, then autograd frees the down input w2 saved. Where the weight
+    already has a gradient (a later microbatch of plain, not FSDP2, gradients) the fresh one is a
+    temporary until ``AccumulateGrad`` adds it. Under SwiGLU the product's backward then makes the
+    gate activation's and the up projection's gradients (2·s·b·f) while the down input's is alive:
+    3·s·b·f of gradients with the down input freed, against s·b·f plus the weight gradient before.
+    The larger is the moment (the earlier one where they tie, as MemTracker keeps its first peak);
+    later ops of the block free more than they make. On the last stage the blocks' output gradient
+    (the final norm's input gradient) is alive too; on the others it is the receive buffer
+    (comm_buffers). A stage after the first keeps the input gradient its backward sent until the next
+    backward makes the next one. Only where the stage's last block is dense (a MoE block's backward
+    is ``moe_backward_terms``')."""
+    from engine.layout import split_layers
+
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    t = par.tp
+    s, b = cfg.local_seq_len, tr.micro_batch_size
+    split = split_layers(m.layers, par.num_stages, par.pipeline_split)
+    dense_last = [st for st in rp.stages if split[st.stage] and not m.is_moe_layer(split[st.stage][-1])]
+    if dense_last:
+        f_loc = m.ffn_hidden // t
+        sbf = act * s * b * f_loc
+        # the weight gradient's dtype is the parameter's (autocast's bf16 gradient is cast back to fp32)
+        wb = 4 if tr.precision == "fp32" or autocast else 2
+        w_extra = f_loc * m.hidden * wb if plain_grads and par.microbatches > 1 else 0
+        swiglu = m.mlp == "swiglu"
+        dims = f"s={s}, b={b}, f={m.ffn_hidden}, t={t}"
+        if swiglu and 2 * sbf > sbf + w_extra:
+            T.add("temporaries", "the first block's MLP backward: the down input's, the gate activation's and "
+                  "the up projection's gradients", 3 * sbf, f"3 × {act}·s·b·f/t = 3 × {sbf:,} B ({dims})",
+                  kind="mlp_backward")
+            T.add("activations", "the first block's MLP backward: its down input, freed by w2's backward", -sbf,
+                  f"−{act}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
+        else:
+            T.add("temporaries", "the first block's MLP backward: the down input's gradient"
+                  + (" and w2's fresh weight gradient (added to the one accumulated)" if w_extra else ""),
+                  sbf + w_extra, f"{act}·s·b·f/t" + (f" + f/t·h·{wb}" if w_extra else "")
+                  + f" = {sbf + w_extra:,} B ({dims})", kind="mlp_backward")
+    if holds_last:
+        T.add("temporaries", "the blocks' output gradient (the final norm's input gradient)", res * sbh_rep,
+              f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="blocks_output_gradient")
+    if par.pp > 1 and any(st.stage > 0 for st in rp.stages):
+        T.add("temporaries", "the input gradient of the last backward, kept for its send to the previous stage",
+              res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="held_input_gradient")
 
 
 def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:

@@ -4,8 +4,9 @@ reduce-scatter buffers, and the pipeline's p2p receive buffers.
 Conventions:
 * DDP: the Reducer's flat buckets cover every gradient (``conventions.ddp_bucket_mb`` sets
   their count), none under ``gradient_as_bucket_view``; they take the gradients' dtype (fp32
-  under autocast). A gradient-sized temporary appears early in the synchronised backward
-  (measured, torch 2.13) where the rank's peak falls in a backward.
+  under autocast). They are all the memory DDP adds: the Reducer writes each gradient into its
+  bucket (what looked like a gradient-sized temporary of the synchronised backward was the
+  bucket, first seen there by MemTracker).
 * FSDP2 (``engine.wrapping``: fully_shard, or replicate for DP × TP): one unit per block, one
   for the embeddings, one for final norm + head. The 16-bit gathered copy is comm_buffers
   (every unit under ZeRO-2, replicate, ZeRO-3 not resharded after forward, and under pipelining
@@ -170,25 +171,9 @@ def replicated_embedding_gradient(cfg: Config, rp: RankParams) -> tuple[int, int
     return full, full - local
 
 
-def recomputes_every_block(cfg: Config, rp: RankParams) -> bool:
-    """Whether every block of the rank's stages recomputes its whole forward in the backward: full
-    recompute, or selective-layer where torchtitan's every-N-th counter checkpoints all of them
-    (``engine.durations.checkpointed_blocks``; recompute_every = 1, or stages of one block each
-    landing on the counter)."""
-    from engine.durations import checkpointed_blocks  # engine.durations imports engine.memory
-
-    tr = cfg.training
-    if tr.recompute == "full":
-        return True
-    if tr.recompute != "selective-layer":
-        return False
-    ckpt = checkpointed_blocks(cfg)
-    return all(ckpt[st.stage if len(ckpt) > 1 else 0] == st.layers for st in rp.stages)
-
-
 def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc: bool) -> None:
-    """DDP's gradient buckets, and the gradient-sized temporary of its synchronised backward."""
-    par, tr, conv = cfg.parallel, cfg.training, cfg.conventions
+    """DDP's gradient buckets."""
+    tr, conv = cfg.training, cfg.conventions
     lora_on = tr.finetune == "lora"
     gb = 4 if torch_acc else tr.grad_bytes  # DDP's buckets take the gradients' dtype (fp32 under autocast)
     buckets = max(1, math.ceil(gb * psi_train / (conv.ddp_bucket_mb * MB)))
@@ -199,21 +184,9 @@ def ddp_buffers(cfg: Config, rp: RankParams, T: Terms, psi_train: int, torch_acc
         T.add("comm_buffers", f"DDP gradient buckets ({buckets} × ≤{conv.ddp_bucket_mb:g} MB)", gb * psi_train,
               f"{gb} B × {'Ψ_lora (frozen parameters have no bucket)' if lora_on else 'Ψ'}: the Reducer's flat "
               "buckets cover every gradient; bucket_cap_mb sets their count", kind="ddp_buckets")
-    # it is part of the peak where the rank's peak falls in a backward: no pipeline, the last stage
-    # (one microbatch in flight), every block of the rank recomputing its forward (full, or
-    # selective-layer checkpointing each of them); stages holding several microbatches' saved
-    # activations (none, selective, selective-layer with plain blocks) peak at the
-    # end of their warm-up forwards, before it exists (measured)
-    # (per-op selective recompute keeps a stash per microbatch that is small beside a gradient-sized
-    # buffer: its stages peak in the synchronised backward, measured; where the forwards' stash is
-    # larger the timeline's peak stays there, the temporary being alive in the rank's last backward only)
-    in_backward = (par.pp == 1 or recomputes_every_block(cfg, rp) or cfg.training.recompute == "selective-op"
-                   or any(st.stage == par.num_stages - 1 for st in rp.stages))
-    # not seen with LoRA's frozen base (measured: DDP + peft, torch 2.13)
-    if torch_acc and in_backward and not lora_on:
-        T.add("temporaries", "DDP: a gradient-sized temporary early in the synchronised backward (measured, torch 2.13)",
-              gb * psi_train, f"{gb} B × Ψ{'_lora' if lora_on else ''} = {gb} × {psi_train:,}",
-              kind="ddp_backward_temporary")
+    # (no gradient-sized temporary: the Reducer writes each gradient into its bucket, ``mul_out`` into
+    # the bucket's view. MemTracker files the bucket the first time it sees it, in the synchronised
+    # backward, as Temp, which looked like one: ``backend.measure._without_pre_existing``)
 
 
 def zero_paper_buffers(cfg: Config, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...]) -> None:

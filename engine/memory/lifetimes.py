@@ -30,7 +30,10 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        routed-experts backward (its weight gradients; what the backward freed by then)
   loss                 transient at the loss moment that opens each B or I of the last stage: the fp32
                        logits and their gradient (see below)
-  synchronised_backward transient during the rank's last B or I (DDP's synchronised backward)
+  full_backward        transient during a full backward B only: the first block's MLP backward
+                       (``engine.memory.activations.block_backward_terms``: the gradients it makes, and
+                       the down input w2's backward frees) and, on the last stage, the blocks' output
+                       gradient
   first_forwards       transient during the first F of each local stage: under pipelining with units
                        never resharded (``set_reshard_after_backward(False)`` and no resharding after
                        forward) FSDP2 all-gathers each unit once, at its stage's first forward
@@ -41,7 +44,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        microbatch's backward (the training loop sets ``set_requires_gradient_sync``
                        for the last microbatch only; with m = 1 that is the only backward);
                        ``zero_grad(set_to_none)`` drops them after the optimizer step
-  after_first_backward from the end of the rank's first B or I to the step's end (made during it): FSDP2's unsharded gradients
+  after_first_backward from the end of the rank's first B or I to the step's end (made during it): a later
+                       stage's input gradient, held for its send to the previous stage until the next
+                       backward makes the next (gone at the end of the backward), FSDP2's unsharded gradients
                        (accumulated without sync until the synchronised backward or REDUCE_GRAD,
                        whose post-backward drops each unit's: gone at the end-of-backward moment,
                        ``END_FREED_KINDS``), and
@@ -88,7 +93,7 @@ from engine.schedules import ACTION_KINDS, pipeline_actions, single_rank_plan
 _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
-TRANSIENT = ("every_action", "backward", "backward_input", "loss", "synchronised_backward", "first_forwards",
+TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "after_first_backward")
 
 #: every lifetime (see the module docstring)
@@ -107,7 +112,8 @@ LIFETIMES: dict[str, str] = {
     "recomputed_block": "backward_input",
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "loss": "loss",
-    "ddp_backward_temporary": "synchronised_backward",
+    "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
+    "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
@@ -127,8 +133,9 @@ BLOCK_KINDS = frozenset({"layers", "moe_layers"})
 #: unsharded gradients. The reducing post-backward hands each unit's to its reduce-scatter and drops it
 #: (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, post_backward:
 #: "fsdp_param.unsharded_accumulated_grad = None"), so the end-of-backward moment, which holds the
-#: sharded gradients, no longer holds them
-END_FREED_KINDS = frozenset({"fsdp_unsharded_grads"})
+#: sharded gradients, no longer holds them; and a later stage's input gradient, held for its send to
+#: the previous stage (measured: gone once the last backward's send completes)
+END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "held_input_gradient"})
 
 #: the last stage's loss side: what the final norm, the head and the loss save per microbatch. Their
 #: backward runs first in a B (after the loss's own, at the loss moment), and autograd frees what a
@@ -251,9 +258,6 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     backward = is_bwd_input | (kind == _W)
     bwd_idx = np.flatnonzero(is_bwd_input)
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
-    sync = np.zeros(n, dtype=bool)
-    if len(bwd_idx):
-        sync[bwd_idx[-1]] = True
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
     first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
@@ -262,7 +266,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         backward,
         is_bwd_input,
         np.zeros(n, dtype=bool),
-        sync,
+        kind == _B,
         first_f,
         np.zeros(n, dtype=bool),
         np.arange(n) > first_bwd,
@@ -388,6 +392,7 @@ class RankTimeline:
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
         varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
         rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
+        freed: dict[str, int] = {}  # per transient lifetime, the bytes its negative terms free (saved tensors)
         add_row = rows.append
         gather = ALL_GATHER_STREAM_KINDS
         for c in MEMORY_CATEGORIES:
@@ -423,10 +428,12 @@ class RankTimeline:
                 if nbytes > 0:
                     add_row(("accumulated" if freed_at_end else life, nbytes, ALL_GATHER_STREAM if kind in gather
                              else REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
+                elif nbytes < 0:
+                    freed[life] = freed.get(life, 0) - nbytes
             if var:
                 varying[c] = var
         self.varying = varying
-        self._rows = tuple(rows)
+        self._rows = _net_rows(rows, freed)
         self._acts = tuple(tuple(x) for x in acts)
         head = tuple(a[1] + a[2] for a in acts)  # the loss side (part of unit)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
@@ -505,6 +512,24 @@ class RankTimeline:
         if self._grain is None:
             return self.signature, self._rows
         return self.signature, self._rows, self._grain, self._acts
+
+
+def _net_rows(rows: list, freed: dict[str, int]) -> tuple:
+    """The event rows with what a lifetime's negative terms free (a saved tensor freed while its
+    transients are alive: the down input of the first block's MLP backward, the MoE backward's)
+    taken off that lifetime's own blocks, largest first: the events then allocate what the moment
+    holds net, and their replay peaks at the timeline's peak."""
+    if not freed:
+        return tuple(rows)
+    out = list(rows)
+    for life, n in freed.items():
+        for j in sorted((j for j, r in enumerate(out) if r[0] == life), key=lambda j: -out[j][1]):
+            take = min(n, out[j][1])
+            out[j] = (life, out[j][1] - take, out[j][2])
+            n -= take
+            if not n:
+                break
+    return tuple(r for r in out if r[1] > 0)
 
 
 def _rescaled(t: Term, k: int, n: int) -> Term:

@@ -60,7 +60,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                       unit_bytes)
 
     stream = stage_activation_terms(cfg, rp, T, torch_acc=torch_acc, autocast=torch_acc and plan.autocast,
-                                    psi_train=psi_train, in_flight=in_flight, ep_rank=ep_rank)
+                                    psi_train=psi_train, in_flight=in_flight, ep_rank=ep_rank, plain_grads=not plan.fsdp2)
     comm_buffers(cfg, plan, rp, T, psi=psi, psi_train=psi_train, train_units=train_units, ep_rank=ep_rank,
                  **stream)
     after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
@@ -80,7 +80,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
         else:
             ACCOUNTINGS[cfg.conventions.state_accounting](cfg, plan, rp0, dp_rank, T, where)
         stream = stage_activation_terms(cfg, rp, T, torch_acc=torch_acc, autocast=torch_acc and plan.autocast,
-                                        psi_train=psi_train, in_flight=in_flight, ep_rank=ep_rank,
+                                        psi_train=psi_train, in_flight=in_flight, ep_rank=ep_rank, plain_grads=not plan.fsdp2,
                                         moe_microbatches=alive)
         comm_buffers(cfg, plan, rp, T, psi=psi, psi_train=psi_train, train_units=train_units, ep_rank=ep_rank,
                      **stream)

@@ -1,0 +1,82 @@
+"""What a full backward holds inside its first block: the MLP's backward gradients, the down input it
+frees, the blocks' output gradient and a later stage's kept input gradient (engine/memory/activations.py,
+``block_backward_terms``), hand-worked from the per-op MemTracker trace of the tiny model."""
+
+from pathlib import Path
+
+from engine import Config
+from engine.memory import memory_per_rank
+from engine.memory.lifetimes import END_FREED_KINDS, LIFETIMES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the accuracy matrix's tiny model (benchmarks/accuracy.py): h 128, f 352, s 64
+TINY = {"preset": "tiny", "layers": 8, "hidden": 128, "heads": 8, "kv_heads": 4, "ffn_hidden": 352,
+        "vocab": 512, "seq_len": 64}
+
+
+def _cfg(parallel: dict, training: dict | None = None, model: dict | None = None) -> Config:
+    gpus = parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+    return Config.from_dict({
+        "model": {**TINY, **(model or {})},
+        "cluster": {"preset": "local-cpu", "gpus": gpus, "gpus_per_node": gpus},
+        "parallel": parallel,
+        "training": {"micro_batch_size": 2, "precision": "fp32", **(training or {})},
+    })
+
+
+def _terms(r, cat: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in r.catalogue(cat):
+        out[t.kind] = out.get(t.kind, 0) + t.bytes
+    return out
+
+
+def test_the_tiny_pipelines_backward_moment_as_measured_op_by_op():
+    """dp2 × pp2 1F1B, 4 microbatches, full recompute, fp32 DDP (the accuracy row). Measured on the last
+    stage at its peak (w2's backward in the last B's recomputed block): Temp = 491,520 B = the down
+    input's gradient (4·64·2·352 = 180,224) + w2's fresh weight gradient (352·128·4 = 180,224, added to
+    the one accumulated) + the blocks' output gradient (4·64·2·128 = 65,536) + the input gradient the
+    previous backward sent (65,536); on the first stage 360,448 B (no output gradient: its receive
+    buffer is comm_buffers; nothing sent). DDP's bucket is no temporary."""
+    c = _cfg({"dp": 2, "pp": 2, "microbatches": 4, "schedule": "1F1B"}, {"recompute": "full"})
+    ranks = memory_per_rank(c).per_rank
+    last = next(r for r in ranks if r.pp_rank == 1)
+    first = next(r for r in ranks if r.pp_rank == 0)
+    assert _terms(last, "temporaries") == {"mlp_backward": 2 * 180_224, "blocks_output_gradient": 65_536,
+                                           "held_input_gradient": 65_536, "loss": 2 * 4 * 64 * 2 * 512}
+    assert last.temporaries == 491_520  # the peak: the loss's own moment is not the B's
+    assert _terms(first, "temporaries") == {"mlp_backward": 360_448}
+    assert first.temporaries == 360_448
+    for r in ranks:
+        assert "ddp_backward_temporary" not in _terms(r, "temporaries")
+        assert "mlp_backward_freed" not in _terms(r, "activations")  # the two moments tie: the earlier holds
+
+
+def test_swiglu_frees_the_down_input_where_its_product_backward_is_the_larger_moment():
+    """Llama 3 8B shapes (s·b = 16,384 ≫ h = 4,096): the product's backward, 3·s·b·f of gradients with
+    the down input (s·b·f) freed, beats w2's (s·b·f and w2's weight gradient f·h). bf16 under FSDP2
+    (no fresh-gradient temporary: FSDP2's unit gradients are their own terms)."""
+    cfg = Config.load(ROOT / "assets/examples/fake/llama3-8b-fsdp8-full.toml")
+    r = memory_per_rank(cfg).per_rank[0]
+    s, b, f = cfg.local_seq_len, cfg.training.micro_batch_size, cfg.model.ffn_hidden
+    sbf = 2 * s * b * f
+    assert _terms(r, "temporaries")["mlp_backward"] == 3 * sbf
+    assert _terms(r, "activations")["mlp_backward_freed"] == -sbf
+
+
+def test_a_gelu_mlp_holds_w2s_backward_moment():
+    """Without a gate the activation's backward makes one s·b·f gradient as w2's input gradient dies:
+    w2's moment (its input gradient and fresh weight gradient) is the larger; nothing is freed then."""
+    c = _cfg({"dp": 2, "microbatches": 2}, model={"mlp": "gelu"})
+    r = memory_per_rank(c).per_rank[0]
+    assert _terms(r, "temporaries")["mlp_backward"] == 4 * 64 * 2 * 352 + 352 * 128 * 4
+    assert "mlp_backward_freed" not in _terms(r, "activations")
+    assert _terms(r, "temporaries")["blocks_output_gradient"] == 4 * 64 * 2 * 128
+
+
+def test_the_terms_live_in_full_backwards_and_the_kept_input_gradient_from_the_first_on():
+    assert LIFETIMES["mlp_backward"] == LIFETIMES["mlp_backward_freed"] == "full_backward"
+    assert LIFETIMES["blocks_output_gradient"] == "full_backward"
+    assert LIFETIMES["held_input_gradient"] == "after_first_backward"
+    assert "held_input_gradient" in END_FREED_KINDS
