@@ -80,3 +80,21 @@ def test_the_terms_live_in_full_backwards_and_the_kept_input_gradient_from_the_f
     assert LIFETIMES["blocks_output_gradient"] == "full_backward"
     assert LIFETIMES["held_input_gradient"] == "after_first_backward"
     assert "held_input_gradient" in END_FREED_KINDS
+
+
+def test_float8_eager_casts_of_w2s_input_are_the_backwards_moment():
+    """The accuracy row float8 tensorwise, bf16 ZeRO-3 dp4 (float8 all-gather), traced op by op: the
+    tracker peaks in w2's backward while torchao casts w2's saved bf16 input to float8 for the weight
+    gradient (``tensor.to(torch.float32) * scale``, then float8): Temp 561,164 B = the down input's
+    gradient (2·64·2·352 = 90,112) + the fp32 upcast and scaled copy and the float8 bytes
+    ((4 + 4 + 1)·45,056 = 405,504) + the output gradient's two float8 casts (2·64·2·128 = 32,768) +
+    the blocks' output gradient (2·64·2·128 = 32,768) + 12 B of scalars. Compiled, inductor fuses the
+    casts: the plain moments then."""
+    par = {"dp": 4, "zero": 3, "microbatches": 2}
+    fl8 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "tensorwise", "float8_all_gather": True}
+    r = memory_per_rank(_cfg(par, fl8)).per_rank[0]
+    assert _terms(r, "temporaries")["mlp_backward"] == 90_112 + 405_504 + 32_768
+    assert "B of microbatch" in r.peak_moment and "loss" not in r.peak_moment
+    assert r.temporaries == 561_152
+    compiled = memory_per_rank(_cfg(par, {**fl8, "compile": True})).per_rank[0]
+    assert _terms(compiled, "temporaries")["mlp_backward"] == 3 * 90_112  # SwiGLU's product backward

@@ -939,7 +939,23 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         w_extra = f_loc * m.hidden * wb if plain_grads and par.microbatches > 1 else 0
         swiglu = m.mlp == "swiglu"
         dims = f"s={s}, b={b}, f={m.ffn_hidden}, t={t}"
-        if swiglu and 2 * sbf > sbf + w_extra:
+        cast = 0
+        if tr.float8 != "none" and not tr.compile:
+            # torchao's eager cast of w2's saved input for its weight gradient
+            # (hp_tensor_and_scale_to_float8: ``tensor.to(torch.float32) * scale``, then to float8):
+            # the fp32 upcast (none where the input is fp32 already: CPU autocast), the scaled fp32
+            # copy and the float8 bytes, beside the down input's gradient and the output gradient's
+            # two float8 casts (one per gradient matmul); compiled, inductor fuses them. The input is
+            # fp32 under CPU autocast (torchao casts to the autocast dtype under CUDA's only)
+            sbf_e, x_b = s * b * f_loc, (4 if autocast and shape_of(cfg).float8_uncast else act)
+            sbf = x_b * sbf_e
+            cast = ((4 if x_b != 4 else 0) + 4 + 1) * sbf_e + 2 * s * b * m.hidden
+        if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
+            T.add("temporaries", "the first block's MLP backward under float8: the down input's gradient, and "
+                  "the down input cast to float8 for w2's weight gradient (fp32 upcast, scaled copy, float8) "
+                  "with the output gradient's two float8 casts", sbf + cast,
+                  f"{sbf:,} B + {cast:,} B ({dims}; torchao's eager casts)", kind="mlp_backward")
+        elif swiglu and 2 * sbf > sbf + w_extra:
             T.add("temporaries", "the first block's MLP backward: the down input's, the gate activation's and "
                   "the up projection's gradients", 3 * sbf, f"3 × {act}·s·b·f/t = 3 × {sbf:,} B ({dims})",
                   kind="mlp_backward")
