@@ -98,3 +98,26 @@ def test_float8_eager_casts_of_w2s_input_are_the_backwards_moment():
     assert r.temporaries == 561_152
     compiled = memory_per_rank(_cfg(par, {**fl8, "compile": True})).per_rank[0]
     assert _terms(compiled, "temporaries")["mlp_backward"] == 3 * 90_112  # SwiGLU's product backward
+
+
+def test_a_split_backward_keeps_each_weight_ops_output_gradient_from_i_to_w():
+    """InterleavedZeroBubble pp4 v2, fp32, one block per stage (the accuracy row), traced op by op:
+    on the last rank (stages 3 and 7) MemTracker's Temp rose by exactly 1,146,880 B per I of stage 7
+    before any W ran: per token 4 B × (wq 128 + wk, wv 2·64 + wo 128 + w1, w3 2·352 + w2 128 + the two
+    norms' 2·128) × s·b 128 = 753,664 B, the final norm's and the head's output gradients 4 × 128 ×
+    (128 + 512) = 327,680 B, and the stage input's gradient 65,536 B. The first stage runs no I."""
+    c = _cfg({"pp": 4, "schedule": "InterleavedZeroBubble", "virtual_stages": 2, "microbatches": 4})
+    ranks = memory_per_rank(c).per_rank
+    per_mb = {}
+    for r in ranks:
+        for t in r.catalogue("temporaries"):
+            if t.kind == "split_backward_grads":
+                per_mb[t.stage] = t.bytes // t.in_flight
+    assert per_mb[7] == 753_664 + 327_680 + 65_536
+    assert per_mb[5] == per_mb[3] == 753_664 + 65_536
+    assert 0 not in per_mb
+    # in the peak at the count alive then: the last rank peaks at its first W, stage 7's four Is done
+    last = ranks[3]
+    assert last.peak_moment.startswith("stage 7 W of microbatch 0")
+    kept = {t.stage: t.bytes for t in last.explain("temporaries") if t.kind == "split_backward_grads"}
+    assert kept == {7: 4 * 1_146_880}  # measured: 4 × 1,146,880 B of Temp after stage 7's fourth I

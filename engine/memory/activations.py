@@ -65,7 +65,7 @@ from engine import lora
 from engine.config import Config
 from engine.durations import checkpointed_per_stage, routed_factor, routed_factor_of, varying_expert_load
 from engine.memory.report import Term, Terms, ceil_div
-from engine.names import RECOMPUTE_KINDS
+from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -901,7 +901,52 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, autocast=autocast)
+        if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
+            split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
+
+
+def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str) -> None:
+    """What a split backward keeps of each stage-microbatch from its I to its W (lifetime
+    ``input_to_weight``): torch.distributed.pipelining's ``stage_backward_input`` hooks every node where
+    a weight's path meets the stage input's (a Linear's matmul, a norm's weight multiply) and keeps the
+    gradient flowing into it (``param_group["grads"]``) for ``stage_backward_weight``: each weight op's
+    output gradient, in its output's dtype. And it sets the stage input's ``.grad`` (the gradient it
+    sends). The first stage runs no I (its W runs the whole backward): nothing. Dense blocks only (a
+    MoE block's experts are not modelled here). Measured op by op on the tiny model's
+    InterleavedZeroBubble pp4 (fp32): one block keeps 753,664 B (4 B × s·b × (h + 2·kv + h + 2·f + h
+    + 2·h)), the last stage 327,680 B more (the final norm's and the head's output gradients)."""
+    from engine.layout import split_layers
+    from engine.memory.lifetimes import moments
+
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    t = par.tp
+    s, b, h = cfg.local_seq_len, tr.micro_batch_size, m.hidden
+    n_stages = par.num_stages
+    split = split_layers(m.layers, n_stages, par.pipeline_split)
+    head_dim = h // m.heads
+    kv = 2 * m.kv_heads * head_dim // t
+    mlp = (2 if m.mlp == "swiglu" else 1) * m.ffn_hidden // t
+    linear_out = h // t + kv + h + mlp + h  # wq, wk + wv, wo, w1 (+ w3), w2: the matmuls see every token
+    per_block = act * s * b * linear_out + 2 * res * sbh_rep  # and the two norms' weight multiplies
+    mo = moments(par.schedule, rp.pp_rank, par.pp, par.virtual_stages, par.microbatches)
+    local = sorted(st.stage for st in rp.stages)
+    for st in rp.stages:
+        if st.stage == 0:
+            continue
+        dense = sum(1 for i in split[st.stage] if not m.is_moe_layer(i))
+        one = dense * per_block + res * sbh_rep  # the blocks and the stage input's gradient
+        formula = (f"{dense} × ({act}·s·b·(h/t + 2·kv/t + h + {'2·' if m.mlp == 'swiglu' else ''}f/t + h) + "
+                   f"2·{res}·s·b·{hs}) + {res}·s·b·{hs} (input gradient)")
+        if st.stage == n_stages - 1:
+            extra = res * sbh_rep + act * s * b * ceil_div(m.vocab, t)
+            one += extra
+            formula += f" + {res}·s·b·{hs} + {act}·s·b·⌈V/t⌉ (final norm, head)"
+        n = int(mo.iw[:, local.index(st.stage)].max()) if par.pp > 1 else 0
+        if n and one:
+            T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
+                  f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
+                  f"{n} × ({formula}) = {n} × {one:,} B", stage=st.stage, in_flight=n, kind="split_backward_grads")
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,

@@ -23,6 +23,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        a B's own moment (the blocks' backward, after the head's backward freed it);
                        the loss moment holds it, and a split backward keeps it until the W
   to_step_end          the last stage's kept outputs (logits): from the microbatch's F to the step's end
+  input_to_weight      a split backward's retained gradients of a stage-microbatch (``INPUT_TO_WEIGHT_KINDS``):
+                       made by its I, freed after its W
   every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
                        the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
@@ -97,7 +99,7 @@ TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backwar
              "end_of_backward", "after_first_backward")
 
 #: every lifetime (see the module docstring)
-LIFETIME_NAMES = ("step", "microbatch", "to_step_end") + TRANSIENT
+LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRANSIENT
 
 #: term kind -> lifetime; activation terms of a stage with microbatches in flight are "microbatch"
 #: whatever their kind (``lifetime_of``). Kinds not listed are alive all step (the safe side: a
@@ -114,6 +116,7 @@ LIFETIMES: dict[str, str] = {
     "loss": "loss",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
+    "split_backward_grads": "input_to_weight",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
@@ -142,6 +145,12 @@ END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "held_input_gradient"})
 #: node saved once it has run, so they are gone by the blocks' backward: the B's own moment. A split
 #: backward's I retains the graph for its W (``stage_backward_input``), so there they live until the W
 HEAD_KINDS = frozenset({"final_norm", "head_input", "log_probabilities"})
+
+#: what a split backward keeps of a stage-microbatch from its I to its W, per stage (term ``stage`` and
+#: ``in_flight``): torch.distributed.pipelining's ``stage_backward_input`` hooks the nodes where each
+#: weight's path meets the input's and keeps the gradients flowing into them (``param_group["grads"]``)
+#: for ``stage_backward_weight``, and sets the stage input's ``.grad``
+INPUT_TO_WEIGHT_KINDS = frozenset({"split_backward_grads"})
 
 #: the term kinds whose buffers FSDP2 allocates on its all-gather stream
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
@@ -207,7 +216,9 @@ class Moments(NamedTuple):
     ``head[i, j]``: stage-microbatches of local stage j whose loss side (``HEAD_KINDS``) is alive at
     moment i — as ``counts``, but an F's own moment (its blocks' forward, their units gathered) comes
     before the final norm and the head make them, and a full backward B's own moment (its blocks'
-    backward) after their backward freed them; an I keeps them for its W.
+    backward) after their backward freed them; an I keeps them for its W. ``iw[i, j]``: stage-microbatches
+    of local stage j between their I and their W at moment i (made by the I, alive at the W's own
+    moment, freed after it): a split backward's retained gradients (``INPUT_TO_WEIGHT_KINDS``).
     """
 
     kind: np.ndarray
@@ -218,10 +229,11 @@ class Moments(NamedTuple):
     masks: np.ndarray
     phase: np.ndarray
     head: np.ndarray
+    iw: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
-        return np.column_stack([self.counts, self.head, self.outputs, self.masks])
+        return np.column_stack([self.counts, self.head, self.iw, self.outputs, self.masks])
 
 
 @lru_cache(maxsize=512)
@@ -252,6 +264,11 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     # retained for the W, so what the head saved lives until the W frees the microbatch
     head = counts.copy()
     head[np.arange(n), col] -= (kind == _B) | is_f  # an F's own moment is its blocks' forward: not made yet
+    # a split backward's retained gradients: made by each I (not yet at its own moment), freed after its W
+    d_iw = np.zeros((n, v), dtype=np.int64)
+    d_iw[np.arange(n), col] = np.where(kind == _I, 1, np.where(kind == _W, -1, 0))
+    iw = np.cumsum(d_iw, axis=0)
+    iw[np.arange(n), col] += (kind == _W).astype(np.int64) - (kind == _I)
     last_stage = plan.num_stages - 1
     outputs = np.cumsum(is_f & (stage == last_stage))
     is_bwd_input = (kind == _B) | (kind == _I)
@@ -286,6 +303,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
+        iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -304,10 +322,13 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         kind, stage, mb = (np.append(x, x[last]) for x in (kind, stage, mb))
         counts = np.append(counts, end_counts, axis=0)
         head = np.append(head, np.minimum(head[last:], end_counts), axis=0)  # the last W frees its own too
+        end_iw = iw[last:].copy()
+        end_iw[0, col_of_last] -= int(kind[last] == _W)
+        iw = np.append(iw, end_iw, axis=0)
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw)
     for x in out:
         x.setflags(write=False)
     return out
@@ -332,6 +353,7 @@ class Signature(NamedTuple):
     transient_bytes: tuple[int, ...]  # per TRANSIENT lifetime
     head_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: its loss side (part of unit_bytes)
     end_freed: int = 0  # bytes of after_first_backward that the end-of-backward moment no longer holds
+    iw_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: what a split backward keeps from I to W
 
 
 class Peak(NamedTuple):
@@ -347,6 +369,7 @@ class Peak(NamedTuple):
     microbatch: int
     head: tuple[int, ...] = ()  # stage-microbatches whose loss side is alive, per local stage
     phase: int = 0  # ACTION, LOSS or END
+    iw: tuple[int, ...] = ()  # stage-microbatches between their I and W, per local stage
 
 
 @lru_cache(maxsize=4096)
@@ -355,14 +378,15 @@ def peak_of(sig: Signature) -> Peak:
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     head = sig.head_bytes or (0,) * len(sig.unit_bytes)
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
-    w = np.array(body + head + (sig.output_bytes,) + sig.transient_bytes, dtype=np.int64)
+    iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
+    w = np.array(body + head + iwb + (sig.output_bytes,) + sig.transient_bytes, dtype=np.int64)
     live = mo.matrix @ w
     if sig.end_freed:
         live = live - np.where(mo.phase == END, sig.end_freed, 0)
     i = int(np.argmax(live))
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
-                int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]))
+                int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()))
 
 
 class RankTimeline:
@@ -387,6 +411,7 @@ class RankTimeline:
         # per local stage, one microbatch: the blocks' saved bytes, the log-probabilities, the rest of the
         # loss side (final norm, head input)
         acts = [[0, 0, 0] for _ in local]
+        iw = [0] * len(local)
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = end_freed = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
@@ -400,6 +425,11 @@ class RankTimeline:
             acts_c = c == "activations"
             for i, (_, nbytes, _, _, tracked, stage, n, kind) in enumerate(terms[c]):
                 if not tracked:
+                    continue
+                if kind in INPUT_TO_WEIGHT_KINDS and stage is not None:
+                    if n:
+                        iw[column[stage if pp > 1 else 0]] += nbytes // n
+                    var.append((i, "input_to_weight"))
                     continue
                 if acts_c and n is not None and stage is not None and kind != "pipeline_outputs":
                     if n:
@@ -439,7 +469,7 @@ class RankTimeline:
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
                                    tuple(trans[k] for k in TRANSIENT), head if any(head) else (),
-                                   end_freed)
+                                   end_freed, tuple(iw) if any(iw) else ())
 
     @property
     def peak(self) -> Peak:
@@ -469,7 +499,12 @@ class RankTimeline:
             drop: dict[int, Term | None] = {}
             for i, life in var:
                 t = terms[i]
-                if life == "microbatch" or life == "to_step_end":
+                if life == "input_to_weight":
+                    k = pk.iw[self._column[t.stage if pp > 1 else 0]] if pk.iw else 0
+                    n = t.in_flight or 0
+                    if k != n:
+                        drop[i] = _rescaled(t, k, n) if k and n else None
+                elif life == "microbatch" or life == "to_step_end":
                     col = self._column[t.stage if pp > 1 else 0] if life == "microbatch" else 0
                     k = ((pk.head[col] if t.kind in HEAD_KINDS and pk.head else pk.counts[col])
                          if life == "microbatch" else pk.outputs)
@@ -642,6 +677,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
+    iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         col = local[stage if sig.pp > 1 else 0]
         hd = heads[col]
@@ -669,6 +705,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
                     ev.append(("alloc", ("out", j, mb), nbytes))
         for j, _, _ in transient:
             ev.append(("free", ("t", j, i)))
+        if kind == _I and phase == ACTION and iwb[col] > 0:  # what the I keeps for its W
+            ev.append(("alloc", ("iw", stage, mb), iwb[col]))
+        if kind == _W and phase == ACTION and iwb[col] > 0:
+            ev.append(("free", ("iw", stage, mb)))
         if kind == _F and phase == ACTION and hd > 0:  # the loss side, after the blocks' forward
             ev.append(("alloc", ("head", stage, mb), hd))
         if (kind == _B or kind == _W) and unit > 0 and phase == ACTION:
@@ -697,6 +737,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     ``("repeat", chunk, count)`` of the previous period's events (keys wrapped as ``("rep", key)``)."""
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     peak = peak_of(sig).bytes
+    iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
     ev: list[tuple] = []
     size: dict = {}
     live = 0
@@ -887,6 +928,10 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             late_done = late_done or first
         for _life, (j2, _, _) in whole:
             free(("t", j2, i))
+        if kind == _I and phase == ACTION and iwb[j] > 0:  # what the I keeps for its W
+            alloc(("iw", stage, mb), iwb[j])
+        if kind == _W and phase == ACTION and ("iw", stage, mb) in size:
+            free(("iw", stage, mb))
         if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in held:
             for key in sum(held.pop((stage, mb)), []) + heads.pop((stage, mb), []):
                 free(key)
