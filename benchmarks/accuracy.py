@@ -404,13 +404,13 @@ temporary", which the engine no longer has either (it was the bucket).
 
 - **peak at one moment, tracked peak** (the two last rows): each rank's peak is now the moment of
   its step with the most live tracked bytes (`engine/memory/lifetimes.py`), not every term at its
-  largest. The "peak" column misses by 22.4 % (3-D ZeRO-2 interleaved) and 20.9 % (ZeRO-2 ZBV) on
+  largest. The "peak" column misses by 22.4 % (3-D ZeRO-2 interleaved) and 26.5 % (ZeRO-2 ZBV) on
   the *measured* side (10.2 and 12.3 % before the double count of the receive buffers went: it
   had filled the gap): under pipelining the backend runs plain MemTracker, which tags FSDP2's
   unsharded parameters and gradients as Parameter / Gradient, and the exact sharded sizes then
   replace them, so the measured categories lose those copies (their sum is below what the tracker
   itself saw). The "tracked peak" column compares with the larger of that sum and the tracker's
-  own total (+ the p2p buffers, which it leaves out): 3.5 % and 3.0 % (7.1 and 10.3 % before).
+  own total (+ the p2p buffers, which it leaves out): 3.5 % and 4.3 % (7.1 and 10.3 % before this session).
 
 - **temporaries** (the "worst category" column): measured temporaries are whatever MemTracker
   tags Temp at the single peak moment — small, short-lived tensors (autograd's intermediate
@@ -422,11 +422,18 @@ temporary", which the engine no longer has either (it was the bucket).
   makes two more s·b·f gradients with the down input freed; the larger moment is laid), the
   last stage's blocks' output gradient and a later stage's sent input gradient. "∞" rows are ranks
   where the model predicts 0 and the tracker saw some, or the reverse.
-- **peak, zero-bubble schedules** (InterleavedZeroBubble 12.8 %, ZBVZeroBubble 7.0 %,
-  DualPipeV 3.5 %; 1F1B 0.5 %; were 13.8, 9.3, 6.8 and 5.0 % before the receive buffers' double count went): the split backward (torch's `stage_backward_input` /
-  `stage_backward_weight`) keeps intermediate input-gradients alive until each W; at the peak
-  the tracker sees 1–4.7 MiB of such Temp on the later ranks that the engine does not model.
-  Activations on those ranks are within 4.4 %.
+- **peak, zero-bubble schedules** (tracked peak InterleavedZeroBubble 1.9 %, ZBVZeroBubble 2.5 %,
+  DualPipeV 3.5 %, ZeRO-2 ZBV 4.3 %; 1F1B 0.5 %. Were 13.8, 9.3, 6.8 and 5.0 % before this session):
+  the split backward keeps what each I makes for its W. torch's `stage_backward_input` hooks every
+  node where a weight's path meets the stage input's (a Linear's matmul, a norm's weight multiply),
+  keeps the gradient flowing into it (`param_group["grads"]`) for `stage_backward_weight`, and sets
+  the stage input's `.grad`; the first stage runs no I. Traced op by op on the IZB row: the last
+  rank's Temp rose by exactly 1,146,880 B per I of stage 7 before any W (one block's weight-op
+  output gradients 753,664 B, the final norm's and head's 327,680 B, the input gradient 65,536 B).
+  Modelled as the lifetime `input_to_weight` (made by an I, freed after its W; term
+  `split_backward_grads`). Not modelled: the later stages' input gradients outlive their W (the
+  Temp of the pp4 ranks' steady state grows by one per I), and under recompute the I's recomputed
+  tensors live until the W too (the graph is retained).
 - **activations of torchtitan's knobs** (goal 5 %; the six recompute, float8 and compile rows were
   re-measured alone with `--only`, with their own reference run on a busier machine, and the full,
   selective-layer and two ZeRO-3 rows once more after the two fixes below: their step columns do
