@@ -122,19 +122,32 @@ def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer, inpu
     return tracker
 
 
-def _storage_ptrs(tree) -> set[int]:
-    """The data pointers of the storages of the plain tensors in ``tree`` (tensor subclasses, meta
-    tensors and storages without data left out)."""
+def _storage_key(t) -> int | None:
+    """What identifies ``t``'s storage while it lives (its StorageImpl; a view shares its base's), for a
+    plain tensor or parameter, or a fake one (``measure --fake``); None for tensor subclasses (DTensor,
+    float8: the tracker files their inner tensors) and meta tensors."""
+    if type(t) in _PLAIN or (_FAKE is not None and type(t) is _FAKE):
+        if t.device.type == "meta":
+            return None
+        try:
+            return t.untyped_storage()._cdata
+        except RuntimeError:  # a storage without data (functional tensors)
+            return None
+    return None
+
+
+def _storage_keys(tree) -> set[int]:
+    """:func:`_storage_key` of every tensor in ``tree``."""
     from torch.utils._pytree import tree_flatten
 
-    out = set()
-    for t in tree_flatten(tree)[0]:
-        if type(t) is torch.Tensor or type(t) is nn.Parameter:
-            try:
-                out.add(t.untyped_storage().data_ptr())
-            except RuntimeError:  # no data (e.g. a fake or functional tensor's storage)
-                pass
-    return out
+    return {k for k in map(_storage_key, tree_flatten(tree)[0]) if k is not None}
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+try:
+    from torch._subclasses.fake_tensor import FakeTensor as _FAKE
+except ImportError:  # pragma: no cover - torch without fake tensors
+    _FAKE = None
 
 
 def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> type:
@@ -151,7 +164,7 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
     and moves its peak to where they appear. A storage first seen among the op's own inputs is that
     kind: it is left out (``pre_existing`` records it, by op, with its bytes). ``inputs`` (the batch,
     made before the tracker) are counted as before."""
-    keep = _storage_ptrs(list(inputs))
+    keep = _storage_keys(list(inputs))
 
     class Tracker(base):
         pre_existing: dict[str, int]
@@ -165,14 +178,11 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
 
         def _track(self, reftype, t: torch.Tensor) -> None:
             op = getattr(self, "_op", None)
-            if op is not None and (type(t) is torch.Tensor or type(t) is nn.Parameter) and t.device.type != "meta":
+            ptr = _storage_key(t) if op is not None else None
+            if ptr is not None:
                 st = t.untyped_storage()
-                try:
-                    ptr = st.data_ptr()
-                except RuntimeError:
-                    ptr = 0
                 if (ptr and ptr not in keep and self._WINFO.get(st) is None
-                        and ptr in _storage_ptrs((op[1], op[2]))):
+                        and ptr in _storage_keys((op[1], op[2]))):
                     if ptr not in self._skipped:
                         name = str(op[0])
                         self._skipped[ptr] = (name, st.nbytes())
@@ -185,7 +195,7 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
             # by each all-gather, and an op may see them first): those are counted, not pre-existing
             out = super()._update_and_maybe_create_winfos(t, reftype, update_existing=update_existing)
             if self._skipped and isinstance(t, torch.Tensor):
-                for ptr in _storage_ptrs(t):
+                for ptr in _storage_keys(t):
                     if ptr in self._skipped:
                         name, n = self._skipped.pop(ptr)
                         self.pre_existing[name] -= n
@@ -195,7 +205,7 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
 
     def __init__(self, *a, **k):
         self.pre_existing = {}
-        self._skipped: dict[int, tuple[str, int]] = {}  # storage pointer -> (first op, bytes)
+        self._skipped: dict[int, tuple[str, int]] = {}  # storage key -> (first op, bytes)
         base.__init__(self, *a, **k)
 
     Tracker.__init__ = __init__
