@@ -80,3 +80,48 @@ def small_3d_fake(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("small-3d") / "fake"
     return _Once(lambda: simulate(default_config().replace(**SMALL_3D), out, ranks=[0, 4], jobs=2))
+
+
+# --------------------------------------------------------------------------- running on two workers
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2): the unit tests and the
+# single-threaded phases of one launch (imports, the measured step) overlap another launch. Each
+# test is its own unit of work, except these files, each run whole on one worker, in order: their
+# tests share an expensive module- or session-scoped fixture (computed once per worker that runs
+# one of them, and again after a test of another file ran in between), or, for the cluster tests,
+# start a real Slurm and network namespaces on this machine, so run one after the other. (xdist's
+# own xdist_group marks do nothing under pytest >= 9.2: xdist 3.8 renames Item._nodeid, which
+# pytest no longer reads.)
+_FILE_GROUPS = {
+    "test_planner.py": "planner",  # small_case's brute force of every layout; all_fitting
+    "test_backend_torchtitan_knobs.py": "knobs",  # runs: launches shared by its tests
+    "test_fake.py": "small-3d-fake",  # the session's small_3d_fake, read by both files
+    "test_fake_allocator.py": "small-3d-fake",
+    "test_cluster_slurm.py": "cluster",
+    "test_cluster_hosts.py": "cluster",
+    "test_planner_cp.py": "planner-cp",  # brute_force
+    "test_planner_float8.py": "planner-float8",  # brute
+}
+#: the groups, longest first, start before everything else (so no long group starts last)
+_FIRST = ["planner", "knobs", "small-3d-fake", "cluster", "planner-cp", "planner-float8"]
+
+
+def _group(nodeid: str) -> str | None:
+    return _FILE_GROUPS.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None  # an explicit --dist chooses its own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's order is the order work is handed out
+        first = {g: i for i, g in enumerate(_FIRST)}
+        items.sort(key=lambda it: first.get(_group(it.nodeid), len(first)))
