@@ -167,7 +167,10 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
     keep = _storage_keys(list(inputs))
 
     class Tracker(base):
-        pre_existing: dict[str, int]
+        def __init__(self, *a, **k):
+            self.pre_existing: dict[str, int] = {}
+            self._skipped: dict[int, tuple[str, int]] = {}  # storage key -> (first op, bytes)
+            super().__init__(*a, **k)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self._op = (func, args, kwargs)
@@ -181,7 +184,7 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
             ptr = _storage_key(t) if op is not None else None
             if ptr is not None:
                 st = t.untyped_storage()
-                if (ptr and ptr not in keep and self._WINFO.get(st) is None
+                if (ptr not in keep and self._WINFO.get(st) is None
                         and ptr in _storage_keys((op[1], op[2]))):
                     if ptr not in self._skipped:
                         name = str(op[0])
@@ -203,12 +206,6 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
                             del self.pre_existing[name]
             return out
 
-    def __init__(self, *a, **k):
-        self.pre_existing = {}
-        self._skipped: dict[int, tuple[str, int]] = {}  # storage key -> (first op, bytes)
-        base.__init__(self, *a, **k)
-
-    Tracker.__init__ = __init__
     Tracker.__name__ = Tracker.__qualname__ = base.__name__
     return Tracker
 

@@ -900,7 +900,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, per_layer, moe_microbatches)
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
-                             plain_grads=plain_grads, autocast=autocast)
+                             plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
@@ -942,7 +942,7 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             extra = res * sbh_rep + act * s * b * ceil_div(m.vocab, t)
             one += extra
             formula += f" + {res}·s·b·{hs} + {act}·s·b·⌈V/t⌉ (final norm, head)"
-        n = int(mo.iw[:, local.index(st.stage)].max()) if par.pp > 1 else 0
+        n = int(mo.iw[:, local.index(st.stage)].max())
         if n and one:
             T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
                   f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
@@ -950,7 +950,7 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
-                         holds_last: bool, plain_grads: bool, autocast: bool) -> None:
+                         holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool) -> None:
     """What a full backward B holds inside the first block it runs (the stage's last), over the saved
     tensors: the gradients its MLP's backward makes, the tensor it frees, the gradient coming in; and
     the input gradient a later stage keeps for its send (measured op by op with MemTracker on the
@@ -968,19 +968,22 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     (the final norm's input gradient) is alive too; on the others it is the receive buffer
     (comm_buffers). A stage after the first keeps the input gradient its backward sent until the next
     backward makes the next one. Only where the stage's last block is dense (a MoE block's backward
-    is ``moe_backward_terms``')."""
+    is ``moe_backward_terms``'). ``fp32_linear_inputs``: torchao's float8 Linears receive fp32 inputs
+    (CPU autocast: torchao casts to the autocast dtype under CUDA's only), so the down input is fp32."""
     from engine.layout import split_layers
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t = par.tp
     s, b = cfg.local_seq_len, tr.micro_batch_size
     split = split_layers(m.layers, par.num_stages, par.pipeline_split)
-    dense_last = [st for st in rp.stages if split[st.stage] and not m.is_moe_layer(split[st.stage][-1])]
-    if dense_last:
+    if any(split[st.stage] and not m.is_moe_layer(split[st.stage][-1]) for st in rp.stages):
         f_loc = m.ffn_hidden // t
-        sbf = act * s * b * f_loc
-        # the weight gradient's dtype is the parameter's (autocast's bf16 gradient is cast back to fp32)
-        wb = 4 if tr.precision == "fp32" or autocast else 2
+        sbf_e = s * b * f_loc
+        x_b = 4 if fp32_linear_inputs else act  # the down input's (and its gradient's) element bytes
+        sbf = x_b * sbf_e
+        # the weight gradient's dtype is the parameter's: fp32 where the residual stream is (fp32, or
+        # autocast, whose bf16 gradient is cast back to the fp32 weight), 16-bit under FSDP2's bf16
+        wb = res
         w_extra = f_loc * m.hidden * wb if plain_grads and par.microbatches > 1 else 0
         swiglu = m.mlp == "swiglu"
         dims = f"s={s}, b={b}, f={m.ffn_hidden}, t={t}"
@@ -990,10 +993,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             # (hp_tensor_and_scale_to_float8: ``tensor.to(torch.float32) * scale``, then to float8):
             # the fp32 upcast (none where the input is fp32 already: CPU autocast), the scaled fp32
             # copy and the float8 bytes, beside the down input's gradient and the output gradient's
-            # two float8 casts (one per gradient matmul); compiled, inductor fuses them. The input is
-            # fp32 under CPU autocast (torchao casts to the autocast dtype under CUDA's only)
-            sbf_e, x_b = s * b * f_loc, (4 if autocast and shape_of(cfg).float8_uncast else act)
-            sbf = x_b * sbf_e
+            # two float8 casts (one per gradient matmul); compiled, inductor fuses them
             cast = ((4 if x_b != 4 else 0) + 4 + 1) * sbf_e + 2 * s * b * m.hidden
         if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             T.add("temporaries", "the first block's MLP backward under float8: the down input's gradient, and "
@@ -1002,14 +1002,14 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                   f"{sbf:,} B + {cast:,} B ({dims}; torchao's eager casts)", kind="mlp_backward")
         elif swiglu and 2 * sbf > sbf + w_extra:
             T.add("temporaries", "the first block's MLP backward: the down input's, the gate activation's and "
-                  "the up projection's gradients", 3 * sbf, f"3 × {act}·s·b·f/t = 3 × {sbf:,} B ({dims})",
+                  "the up projection's gradients", 3 * sbf, f"3 × {x_b}·s·b·f/t = 3 × {sbf:,} B ({dims})",
                   kind="mlp_backward")
             T.add("activations", "the first block's MLP backward: its down input, freed by w2's backward", -sbf,
-                  f"−{act}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
+                  f"−{x_b}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
         else:
             T.add("temporaries", "the first block's MLP backward: the down input's gradient"
                   + (" and w2's fresh weight gradient (added to the one accumulated)" if w_extra else ""),
-                  sbf + w_extra, f"{act}·s·b·f/t" + (f" + f/t·h·{wb}" if w_extra else "")
+                  sbf + w_extra, f"{x_b}·s·b·f/t" + (f" + f/t·h·{wb}" if w_extra else "")
                   + f" = {sbf + w_extra:,} B ({dims})", kind="mlp_backward")
     if holds_last:
         T.add("temporaries", "the blocks' output gradient (the final norm's input gradient)", res * sbh_rep,
