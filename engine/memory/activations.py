@@ -916,14 +916,12 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     MoE block's experts are not modelled here). Measured op by op on the tiny model's
     InterleavedZeroBubble pp4 (fp32): one block keeps 753,664 B (4 B × s·b × (h + 2·kv + h + 2·f + h
     + 2·h)), the last stage 327,680 B more (the final norm's and the head's output gradients)."""
-    from engine.layout import split_layers
     from engine.memory.lifetimes import moments
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t = par.tp
     s, b, h = cfg.local_seq_len, tr.micro_batch_size, m.hidden
     n_stages = par.num_stages
-    split = split_layers(m.layers, n_stages, par.pipeline_split)
     head_dim = h // m.heads
     kv = 2 * m.kv_heads * head_dim // t
     mlp = (2 if m.mlp == "swiglu" else 1) * m.ffn_hidden // t
@@ -934,7 +932,7 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     for st in rp.stages:
         if st.stage == 0:
             continue
-        dense = sum(1 for i in split[st.stage] if not m.is_moe_layer(i))
+        dense = st.layers - st.moe_layers
         one = dense * per_block + res * sbh_rep  # the blocks and the stage input's gradient
         formula = (f"{dense} × ({act}·s·b·(h/t + 2·kv/t + h + {'2·' if m.mlp == 'swiglu' else ''}f/t + h) + "
                    f"2·{res}·s·b·{hs}) + {res}·s·b·{hs} (input gradient)")
@@ -970,13 +968,11 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     backward makes the next one. Only where the stage's last block is dense (a MoE block's backward
     is ``moe_backward_terms``'). ``fp32_linear_inputs``: torchao's float8 Linears receive fp32 inputs
     (CPU autocast: torchao casts to the autocast dtype under CUDA's only), so the down input is fp32."""
-    from engine.layout import split_layers
-
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t = par.tp
     s, b = cfg.local_seq_len, tr.micro_batch_size
-    split = split_layers(m.layers, par.num_stages, par.pipeline_split)
-    if any(split[st.stage] and not m.is_moe_layer(split[st.stage][-1]) for st in rp.stages):
+    # MoE blocks follow the dense ones: a stage's last block is dense where it holds no MoE block
+    if any(st.layers and not st.moe_layers for st in rp.stages):
         f_loc = m.ffn_hidden // t
         sbf_e = s * b * f_loc
         x_b = 4 if fp32_linear_inputs else act  # the down input's (and its gradient's) element bytes
