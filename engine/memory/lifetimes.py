@@ -557,8 +557,12 @@ def _net_rows(rows: list, freed: dict[str, int]) -> tuple:
     if not freed:
         return tuple(rows)
     out = list(rows)
+    of_life: dict[str, list[int]] = {}
+    for j, r in enumerate(out):
+        if r[0] in freed:
+            of_life.setdefault(r[0], []).append(j)
     for life, n in freed.items():
-        for j in sorted((j for j, r in enumerate(out) if r[0] == life), key=lambda j: -out[j][1]):
+        for j in sorted(of_life.get(life, ()), key=lambda j: -out[j][1]):
             take = min(n, out[j][1])
             out[j] = (life, out[j][1] - take, out[j][2])
             n -= take
