@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -76,7 +77,10 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.field} = {self.value!r}: {self.message}"
+        shown = repr(self.value)
+        if len(shown) > 80:  # a 400-digit number or a pasted file: its ends say enough
+            shown = f"{shown[:40]}…{shown[-12:]} ({len(shown)} characters)"
+        return f"{self.field} = {shown}: {self.message}"
 
 
 class ConfigError(ValueError):
@@ -451,6 +455,11 @@ class Config:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError([Problem("file", str(path), f"cannot be read: {exc.strerror or exc}")]) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError([Problem("file", str(path), f"is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                                       f"offset {exc.start}): save it as UTF-8")]) from None
+        except ValueError as exc:  # a path with a NUL character
+            raise ConfigError([Problem("file", str(path), f"cannot be read: {exc}")]) from None
         if path.suffix.lower() == ".json":
             return cls.loads_json(text, base_dir=path.parent)
         return cls.loads_toml(text, base_dir=path.parent)
@@ -461,6 +470,8 @@ class Config:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([Problem("file", None, f"is not valid TOML: {exc}")]) from None
+        except RecursionError:
+            raise ConfigError([Problem("file", None, "is nested too deeply to be a config")]) from None
         return cls.from_dict(raw, base_dir)
 
     @classmethod
@@ -469,6 +480,8 @@ class Config:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError([Problem("file", None, f"is not valid JSON: {exc}")]) from None
+        except RecursionError:
+            raise ConfigError([Problem("file", None, "is nested too deeply to be a config")]) from None
         if not isinstance(raw, dict):
             raise ConfigError([Problem("file", None, "must hold a JSON object at the top level")])
         return cls.from_dict(raw, base_dir)
@@ -485,9 +498,16 @@ class Config:
         """Write as TOML or JSON by the file's suffix, atomically (write, then rename)."""
         path = Path(path)
         text = self.dumps_json() if path.suffix.lower() == ".json" else self.dumps_toml()
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        except BaseException:  # a full or read-only disk leaves nothing behind
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
 
@@ -877,11 +897,11 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
                          f"{', '.join(map(str, _divisors(e)[:24]))}"))
     if "parallel.dp" not in bad and "parallel.replicate" not in bad and par.replicate >= 1 \
             and par.dp % par.replicate == 0:
-        cp = getattr(par, "cp", 1)
-        dense = par.shard_degree * cp * par.tp
+        dp_shard = par.dp // par.replicate
+        dense = par.shard_degree * par.tp  # shard_degree = dp_shard·cp already
         if dense % par.ep:
             p.append(Problem("parallel.ep", par.ep,
-                             f"must divide the dense region dp_shard·cp·tp = {par.shard_degree}·{cp}·{par.tp} = {dense} "
+                             f"must divide the dense region dp_shard·cp·tp = {dp_shard}·{par.cp}·{par.tp} = {dense} "
                              f"(the ranks its efsdp·ep sparse region covers); allowed: "
                              f"{', '.join(str(d) for d in _divisors(math.gcd(dense, e)))}"))
     if par.ep > 1 and par.tp > 1 and "model.seq_len" not in bad and model.seq_len % par.tp:
@@ -1076,6 +1096,18 @@ def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> No
     if s == "DualPipeV" and m < par.num_stages:
         p.append(Problem("parallel.microbatches", m,
                          f"schedule DualPipeV needs microbatches ≥ number of stages (2·pp = {par.num_stages})"))
+    if par.num_stages * m > MAX_STAGE_MICROBATCHES:
+        p.append(Problem("parallel.microbatches", m,
+                         f"pp·virtual_stages·microbatches = {par.num_stages}·{m} = {par.num_stages * m:,} exceeds "
+                         f"{MAX_STAGE_MICROBATCHES:,}: the engine simulates every forward and backward of the step, "
+                         f"and answers within a second up to that; allowed with {par.num_stages} stage(s): "
+                         f"1 … {MAX_STAGE_MICROBATCHES // par.num_stages}"))
+
+
+#: the most forward passes (stages × microbatches) a step may hold: the timeline simulates each F, B
+#: (and W) action, ~0.6 µs apiece on a laptop core, so the step predicts in well under a second up to
+#: here (Llama 3 405B on 16,384 GPUs runs 16 stages × 16 microbatches; DeepSeek-V3's 2,048 GPUs 16 × 120)
+MAX_STAGE_MICROBATCHES = 131072
 
 
 # --------------------------------------------------------------------------- parsing
@@ -1111,6 +1143,17 @@ def _deep_float(value: Any) -> Any:
 
 
 def _coerce(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, Any]:
+    try:
+        return _coerce_number(p, path, value, kind)
+    except OverflowError:  # an integer of hundreds of digits given where a float goes
+        p.append(Problem(path, value, f"is too large for a number (at most about {_MAX_FLOAT:.3g})"))
+        return False, None
+
+
+_MAX_FLOAT = 1.7976931348623157e308
+
+
+def _coerce_number(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, Any]:
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return True, float(value)
     if kind is int and isinstance(value, int) and not isinstance(value, bool):
@@ -1230,6 +1273,9 @@ def _read_hf(p: list[Problem], value: Any, base_dir: Path | None) -> tuple[dict[
 
     if not isinstance(value, str) or not value:
         p.append(Problem("model.hf_config", value, "must be the path of a Hugging Face config.json (a string)"))
+        return None
+    if "\x00" in value:
+        p.append(Problem("model.hf_config", value, "a file path cannot hold a NUL character"))
         return None
     path = Path(value).expanduser()
     if not path.is_absolute():

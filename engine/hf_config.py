@@ -89,6 +89,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise HFConfigError([f"cannot be read: {exc.strerror or exc}"]) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HFConfigError([f"is not valid JSON: {exc}"]) from None
+    except (ValueError, RecursionError) as exc:  # a NUL in the path; a 100,000-deep nesting
+        raise HFConfigError([f"cannot be read: {exc}"]) from None
     if not isinstance(raw, dict):
         raise HFConfigError(["must hold a JSON object"])
     return hf_fields(raw)

@@ -106,9 +106,11 @@ kMinLargeAlloc = 10485760
 #: round up large allocations to 2 MiB
 kRoundLarge = 2097152
 
-_KEY_SHIFT = 64  # a free block's sort key: size << 64 | address (sizes first, then addresses)
+_KEY_SHIFT = 128  # a free block's sort key: size << 128 | address (sizes first, then addresses; addresses of
+# absurd configs pass 2**64: a predicted exabyte is refused by no range, and must not collide)
 _ADDR_MASK = (1 << _KEY_SHIFT) - 1
-_NO_CAPACITY_ADDRESS_SPACE = 1 << 50  # what an expandable segment reserves without a capacity
+_NO_CAPACITY_ADDRESS_SPACE = 1 << 100  # what an expandable segment reserves without a capacity (past any
+# prediction: a replay of an absurd config without a capacity must not run out of address space)
 _UNLIMITED = 1 << 200  # max_split_size's default: SIZE_MAX, i.e. no block is "oversize"
 
 
