@@ -169,23 +169,53 @@ def group_span(cfg: Config, dim: str) -> GroupSpan:
     return _group_span(par.dp, par.tp, par.pp, cfg.cluster.gpus_per_node, dim, par.cp)
 
 
+#: each dimension's groups as arithmetic progressions of ranks on the (pp, dp, cp, tp) mesh
+#: (engine.layout's rank order): member stride and block length (a block holds ``stride`` groups
+#: side by side), as functions of (dp, cp, tp, pp)
+_PROGRESSIONS = {
+    "tp": lambda dp, cp, tp, pp: (1, tp),
+    "cp": lambda dp, cp, tp, pp: (tp, tp * cp),
+    "dp": lambda dp, cp, tp, pp: (tp * cp, tp * cp * dp),
+    "dp_cp": lambda dp, cp, tp, pp: (tp, tp * cp * dp),
+    "pp": lambda dp, cp, tp, pp: (tp * cp * dp, tp * cp * dp * pp),
+}
+
+
+def _progression_span(first: int, stride: int, n: int, gpn: int) -> tuple[int, int]:
+    """(nodes touched, most members on one node) of the ranks ``first + j·stride``, j < n, on nodes of
+    ``gpn`` consecutive ranks (``first`` < gpn: only its offset inside a node matters)."""
+    if stride >= gpn:  # consecutive members a node or more apart: one member per node
+        return n, 1
+    last_node = (first + (n - 1) * stride) // gpn
+    # members one stride apart skip no node, so every node from 0 to last_node is touched; their
+    # counts repeat every stride / gcd(stride, gpn) nodes: the first period (and the ends) hold the most
+    scan = min(last_node, stride // math.gcd(stride, gpn) + 1)
+    most = 0
+    for k in range(scan + 1):
+        j_lo = max(0, -(-(k * gpn - first) // stride))
+        j_hi = min(n - 1, ((k + 1) * gpn - first - 1) // stride)
+        most = max(most, j_hi - j_lo + 1)
+    return last_node + 1, most
+
+
 @lru_cache(maxsize=4096)
 def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str, cp: int = 1) -> GroupSpan:
-    """Cached by mesh shape: the scan is O(world), and step_time asks five times per config."""
+    """The worst-spread group of ``dim`` (most nodes, then fewest ranks per node), in time independent
+    of the world size: a group is the progression ``start + j·stride`` and its spread depends only on
+    ``start mod gpn``; the starts are ``k·block + o`` (k < world / block, o < stride)."""
     size = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "dp_cp": dp * cp}[dim]
+    stride, block = _PROGRESSIONS[dim](dp, cp, tp, pp)
+    world = dp * cp * tp * pp
+    if stride >= gpn:
+        offsets: set[int] = {0}  # the spread does not depend on the start
+    else:
+        block_offsets = {(k * block) % gpn for k in range(min(world // block, gpn))}
+        offsets = {(b + o) % gpn for b in block_offsets for o in range(min(stride, gpn))}
     worst = GroupSpan("dp" if dim == "dp_cp" else dim, size, 1, size)
-    seen: set[int] = set()
-    for r in range(dp * cp * tp * pp):
-        if r in seen:
-            continue
-        ranks = _ranks_of_group(dp, cp, tp, pp, dim, r)
-        seen.update(ranks)
-        per_node: dict[int, int] = {}
-        for x in ranks:
-            per_node[x // gpn] = per_node.get(x // gpn, 0) + 1
-        span = GroupSpan(worst.dim, size, len(per_node), max(per_node.values()))
-        if (span.nodes, -span.local) > (worst.nodes, -worst.local):
-            worst = span
+    for first in sorted(offsets):
+        nodes, local = _progression_span(first, stride, size, gpn)
+        if (nodes, -local) > (worst.nodes, -worst.local):
+            worst = GroupSpan(worst.dim, size, nodes, local)
     return worst
 
 

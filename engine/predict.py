@@ -100,29 +100,21 @@ def _unit(largest: float) -> tuple[str, float]:
     return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
 
 
-def _ranks_label(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return str(ranks[0])
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"{ranks[0]}-{ranks[-1]}"
-    shown = ",".join(map(str, ranks[:4]))
-    return shown + (f",… ({len(ranks)})" if len(ranks) > 4 else "")
-
-
 def render_table(pred: Prediction, explain: bool = False) -> str:
     """A readable report: memory per distinct rank group (GiB), pipeline and step time."""
     mem = pred.memory
     cats = list(MEMORY_CATEGORIES)
-    unit, scale = _unit(max(r.total for r in mem.per_rank))
+    groups = mem.distinct_groups()
+    unit, scale = _unit(max(g.first.total for g in groups))
 
     def _gib(n: float) -> str:
         return f"{n / scale:.2f}"
 
     head = ["ranks", "stages"] + cats + ["total", "allocated", "reserved", "fits"]
     rows = []
-    for group in mem.distinct():
-        r = group[0]
-        rows.append([_ranks_label([g.rank for g in group]), ",".join(map(str, r.stages))]
+    for group in groups:
+        r = group.first
+        rows.append([group.label, ",".join(map(str, r.stages))]
                     + [_gib(getattr(r, c)) for c in cats]
                     + [_gib(r.total), _gib(r.allocated), _gib(r.reserved), "yes" if r.fits else "NO"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
@@ -142,13 +134,13 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
                         f"top-{m.experts_per_token}, {m.moe_layers} MoE blocks; ep {par.ep}: "
                         f"{m.experts // par.ep} expert(s) per rank per block")
     lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
-    for row, group in zip(rows, mem.distinct()):
+    for row, group in zip(rows, groups):
         lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(row, widths)))
         if explain:
-            if group[0].peak_moment:
-                lines.append(f"      peak at {group[0].peak_moment}")
+            if group.first.peak_moment:
+                lines.append(f"      peak at {group.first.peak_moment}")
             for c in cats:
-                for t in group[0].explain(c):
+                for t in group.first.explain(c):
                     lines.append(f"      {c:<12} {t.bytes / scale:10.4f} {unit}  {t.label}: {t.formula}")
     tl, st = pred.pipeline, pred.step
     conv = pred.config.conventions.bubble

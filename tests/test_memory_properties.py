@@ -142,3 +142,55 @@ def test_bigger_models_never_need_less(raw, knob):
         assert b.total >= a.total, (knob, a.rank)
         if knob in ("layers", "ffn_hidden", "vocab"):
             assert b.model_states >= a.model_states
+
+
+@st.composite
+def ep_or_zero1_configs(draw):
+    """raw_configs, some with ZeRO-1 over several dp-ranks (each dp-rank's own optimizer share) or a
+    measured expert load (each ep-rank its own activations), and with cp: the layouts whose ranks
+    differ in more than their pipeline stage and TP shard."""
+    raw = draw(raw_configs())
+    par = raw["parallel"]
+    if draw(st.booleans()):
+        par.update(zero=1, replicate=1, tp=1, sequence_parallel=False)
+        raw["conventions"]["state_accounting"] = "pytorch"
+    if draw(st.booleans()):
+        par["cp"] = 2
+        raw["model"]["seq_len"] = 4 * raw["model"]["seq_len"]
+    if draw(st.booleans()):
+        experts = draw(st.sampled_from([4, 8]))
+        raw["model"].update(experts=experts, experts_per_token=2, mlp="swiglu")
+        dense = par["dp"] // par.get("replicate", 1) * par.get("cp", 1) * par["tp"]
+        par["ep"] = draw(st.sampled_from([e for e in (1, 2, 4) if experts % e == 0 and dense % e == 0]))
+        if par["ep"] > 1 and draw(st.booleans()):
+            w = [draw(st.integers(min_value=1, max_value=9)) for _ in range(experts)]
+            raw["conventions"]["moe_expert_load"] = [x / sum(w) for x in w]
+    raw["cluster"]["gpus"] = par["dp"] * par["tp"] * par["pp"] * par.get("cp", 1)
+    return raw
+
+
+@SETTINGS
+@given(ep_or_zero1_configs())
+def test_the_groups_hold_every_rank_once_and_each_rank_reads_its_groups_body(raw):
+    """``memory_per_rank`` computes one body per group and makes ranks when asked: the groups' rank
+    sets (sizes, first and last ranks given without listing them) cover the world exactly once, and
+    each rank made from the lazy view holds its group's body."""
+    cfg = build(raw)
+    rep = memory_per_rank(cfg)
+    world = cfg.parallel.world_size
+    seen = {}
+    for g in rep.groups:
+        ranks = list(g.ranks)
+        assert ranks == sorted(ranks) and len(ranks) == len(g.ranks) and ranks[0] == g.first.rank
+        assert ranks[-1] == (g.ranks.last if hasattr(g.ranks, "last") else g.ranks[-1])
+        for r in ranks:
+            assert r not in seen
+            seen[r] = g
+    assert sorted(seen) == list(range(world)) and len(rep.per_rank) == world
+    for r in rep.per_rank:
+        g = seen[r.rank]
+        assert r._body is g.first._body
+        assert (r.rank % cfg.parallel.tp, r.rank // (cfg.parallel.cp * cfg.parallel.tp) % cfg.parallel.dp) == \
+            (r.tp_rank, r.dp_rank)
+    assert rep.peak.total == max(r.total for r in rep.per_rank)
+    assert rep.fits == all(r.fits for r in rep.per_rank)

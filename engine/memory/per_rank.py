@@ -15,19 +15,19 @@ TP innermost, then CP, then DP, then PP.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import lru_cache
 
 from engine.config import Config
-from engine.layout import rank_coords
 from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, shape_of, stage_activation_terms
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, moments
 from engine.memory.overhead import overhead, reserved_bytes
-from engine.memory.report import MemoryReport, RankMemory, Terms, _Body
-from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups
+from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body
+from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups, zero1_shares
 from engine.params import RankParams, params_per_rank, unit_numel
 from engine.schedules import ACTION_KINDS
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
@@ -165,36 +165,57 @@ def _block_tensors(sh, recompute: str) -> tuple[tuple[int, ...], tuple[int, ...]
 
 
 def memory_per_rank(cfg: Config) -> MemoryReport:
-    """Memory of every rank 0..world−1, by category, with the terms behind each number."""
+    """Memory of every rank 0..world−1, by category, with the terms behind each number.
+
+    Only the distinct bodies are computed, and ``per_rank`` makes each rank's RankMemory when asked
+    (``report.LazyRanks``): the cost does not grow with the world. A pipeline rank's ranks differ
+    by their TP shard (its vocabulary chunk), under torch's ZeroRedundancyOptimizer by their dp-rank's
+    optimizer share, and under a measured expert load by their ep-rank (``rank mod ep``)."""
     par = cfg.parallel
     capacity = cfg.cluster.gpu.memory_bytes
     grid = params_per_rank(cfg)
     plan = wrapping_plan(cfg)
-    # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per dp-rank then
+    # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per share then
     per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1 and par.tp == 1
-    coords = [rank_coords(rank, par.dp, par.tp, par.pp, 1, par.cp) for rank in range(par.world_size)]
-    if cfg.conventions.moe_expert_load and par.ep > 1:
-        # a measured expert load: EP ranks route different token counts, so each ep-rank gets its
-        # own body (the sparse mesh puts ep innermost over the dense region: ep-rank = rank mod ep)
-        seen_ep: dict[tuple[int, int, int, int], _Body] = {}
-        per_rank = []
-        for c in coords:
-            rp, dp_rank, ep_rank = grid[c.pp][c.tp], c.dp if per_dp else 0, c.rank % par.ep
-            key = (c.pp, rp.total, dp_rank, ep_rank)
-            body = seen_ep.get(key)
-            if body is None:
-                body = seen_ep[key] = rank_body(cfg, rp, dp_rank, plan, ep_rank)
-            per_rank.append(RankMemory(c.rank, c.tp, c.dp, body, capacity))
-        return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))
-    bodies: dict[tuple[int, int, int], _Body] = {}
-    for pp_rank, row in enumerate(grid):
-        seen: dict[tuple[int, int], _Body] = {}
-        for tp_rank, rp in enumerate(row):
-            for dp_rank in range(par.dp if per_dp else 1):
-                key = (rp.total, dp_rank)  # TP shards differ only by their vocabulary chunk
-                body = seen.get(key)
-                if body is None:
-                    body = seen[key] = rank_body(cfg, rp, dp_rank, plan)
-                bodies[pp_rank, tp_rank, dp_rank] = body
-    per_rank = [RankMemory(c.rank, c.tp, c.dp, bodies[c.pp, c.tp, c.dp if per_dp else 0], capacity) for c in coords]
-    return MemoryReport(per_rank=per_rank, capacity_bytes=capacity, conventions=conventions_of(cfg))
+    # a measured expert load: EP ranks route different token counts, so each ep-rank gets its own body
+    # (the sparse mesh puts ep innermost over the dense region: ep-rank = rank mod ep)
+    by_ep = bool(cfg.conventions.moe_expert_load) and par.ep > 1
+    row = par.cp * par.tp  # the ranks of one dp index inside a pipeline rank's block
+    block = par.dp * row
+    period = math.lcm(par.tp, par.ep) if by_ep else par.tp  # offsets x ≡ j (mod period) share a body
+    bodies: dict[tuple[int, int, int], _Body] = {}  # (pp rank, offset residue j, share class) -> body
+    share_class: list[tuple[int, ...]] = []  # per pp rank: each dp index's share class
+    groups = []
+    for pp_rank, rps in enumerate(grid):
+        if per_dp:
+            sizes = zero1_shares(cfg, rps[0])
+            classes: dict[int, list[int]] = {}
+            for d, n in enumerate(sizes):
+                classes.setdefault(n, []).append(d)
+            index = {n: i for i, n in enumerate(classes)}
+            share_class.append(tuple(index[n] for n in sizes))
+            dp_sets = [tuple(ds) for ds in classes.values()]
+        else:
+            dp_sets = [None]
+        # TP shards differ only by their vocabulary chunk; EP ranks by their rank mod ep
+        residues: dict[tuple[int, int], list[int]] = {}
+        for j in range(period):
+            residues.setdefault((grid[pp_rank][j % par.tp].total, j % par.ep if by_ep else -1), []).append(j)
+        for (_, ep_rank), js in residues.items():
+            rp = rps[js[0] % par.tp]
+            for cls, dps in enumerate(dp_sets):
+                body = rank_body(cfg, rp, dps[0] if dps else 0, plan, ep_rank if by_ep else None)
+                for j in js:
+                    bodies[pp_rank, j, cls] = body
+                ranks = RankSet(block, row, (pp_rank,), period, tuple(js), dps)
+                first = next(iter(ranks))
+                groups.append(RankGroup(RankMemory(first, first % par.tp, first % block // row, body, capacity),
+                                        ranks))
+
+    def locate(rank: int) -> tuple[int, int, _Body]:
+        pp_rank, x = divmod(rank, block)
+        d = x // row
+        return x % par.tp, d, bodies[pp_rank, x % period, share_class[pp_rank][d] if per_dp else 0]
+
+    return MemoryReport(per_rank=LazyRanks(par.world_size, locate, capacity), capacity_bytes=capacity,
+                        conventions=conventions_of(cfg), groups=tuple(groups))

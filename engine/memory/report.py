@@ -11,7 +11,7 @@ DataParallel model). Labels and formulas are for people and are never parsed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -223,30 +223,148 @@ for _name in MEMORY_CATEGORIES:
 
 
 @dataclass(frozen=True)
+class RankSet:
+    """Ranks of the (pp, dp, cp, tp) mesh that share one body, in rank order without listing them.
+
+    A pipeline rank's ranks are ``p·block + x`` for x < block (= dp·cp·tp); this set holds those of
+    ``pp_ranks`` whose offset ``x`` is ≡ one of ``residues`` (mod ``period``, which divides the
+    block: tp, or lcm(tp, ep) when EP ranks differ) and, when ``dp_ranks`` is given, whose dp index
+    ``x // (cp·tp)`` is one of them. Its size and first and last ranks cost nothing however large the
+    world is (but a dp filter whose rows the period does not divide)."""
+
+    block: int
+    row: int  # cp·tp: the ranks of one dp index
+    pp_ranks: tuple[int, ...]
+    period: int
+    residues: tuple[int, ...]
+    dp_ranks: tuple[int, ...] | None = None
+
+    def _offsets(self):
+        if self.dp_ranks is None:
+            for k in range(0, self.block, self.period):
+                for j in self.residues:
+                    yield k + j
+            return
+        wanted = set(self.residues)
+        for d in self.dp_ranks:
+            for x in range(d * self.row, (d + 1) * self.row):
+                if x % self.period in wanted:
+                    yield x
+
+    def __iter__(self):
+        for p in self.pp_ranks:
+            for x in self._offsets():
+                yield p * self.block + x
+
+    def __len__(self) -> int:
+        per_offset = len(self.residues)
+        if self.dp_ranks is None:
+            per_block = self.block // self.period * per_offset
+        elif self.row % self.period == 0:
+            per_block = len(self.dp_ranks) * (self.row // self.period) * per_offset
+        else:
+            per_block = sum(1 for _ in self._offsets())
+        return len(self.pp_ranks) * per_block
+
+    @property
+    def last(self) -> int:
+        base = self.pp_ranks[-1] * self.block
+        if self.dp_ranks is None:
+            return base + self.block - self.period + self.residues[-1]
+        wanted = set(self.residues)
+        return base + next(x for d in reversed(self.dp_ranks) for x in range((d + 1) * self.row - 1, d * self.row - 1, -1)
+                           if x % self.period in wanted)
+
+
+class RankGroup(NamedTuple):
+    """Ranks that hold the same thing: ``first`` is the lowest of them (a RankMemory; every other
+    one differs only in its rank and mesh coordinates), ``ranks`` all of them in rank order
+    (iterable, with ``len``)."""
+
+    first: RankMemory
+    ranks: RankSet | tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        """"3", "0-15", or the first four and the count ("0,2,4,6,… (512)")."""
+        ranks, n = self.ranks, len(self.ranks)
+        first = self.first.rank
+        last = ranks.last if isinstance(ranks, RankSet) else ranks[-1]
+        if n == 1:
+            return str(first)
+        if last - first + 1 == n:
+            return f"{first}-{last}"
+        shown = ",".join(str(r) for r, _ in zip(ranks, range(4)))
+        return shown + (f",… ({n})" if n > 4 else "")
+
+
+class LazyRanks(Sequence):
+    """``MemoryReport.per_rank`` of a large world: rank ``i``'s RankMemory is made when asked for,
+    from ``locate(i) -> (tp_rank, dp_rank, body)``; nothing per rank is built in advance."""
+
+    __slots__ = ("_n", "_locate", "_capacity")
+
+    def __init__(self, n: int, locate: Callable[[int], tuple[int, int, _Body]], capacity: int):
+        self._n, self._locate, self._capacity = n, locate, capacity
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"rank {i} outside 0..{self._n - 1}")
+        tp_rank, dp_rank, body = self._locate(i)
+        return RankMemory(i, tp_rank, dp_rank, body, self._capacity)
+
+    def __iter__(self):
+        return (self[i] for i in range(self._n))
+
+
+@dataclass(frozen=True)
 class MemoryReport:
-    per_rank: list[RankMemory]
+    """Every rank's memory (``per_rank``: a list, or a LazyRanks view of a large world) and the
+    groups of ranks that hold the same thing (``groups``; found from ``per_rank`` when not given).
+    ``peak``, ``fits`` and ``distinct_groups`` read the groups only, so their cost does not grow with
+    the world."""
+
+    per_rank: Sequence[RankMemory]
     capacity_bytes: int
     conventions: dict[str, str]
+    groups: tuple[RankGroup, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.groups is None:
+            found: dict[int, list[RankMemory]] = {}
+            for r in self.per_rank:
+                found.setdefault(id(r._body), []).append(r)
+            object.__setattr__(self, "groups", tuple(RankGroup(g[0], tuple(x.rank for x in g))
+                                                    for g in found.values()))
 
     @property
     def peak(self) -> RankMemory:
         """The rank that needs the most memory (lowest rank on ties)."""
-        return max(self.per_rank, key=lambda r: (r.total, -r.rank))
+        return max((g.first for g in self.groups), key=lambda r: (r.total, -r.rank))
 
     @property
     def fits(self) -> bool:
         # every rank's tensors first: a layout one rank of which does not fit on them is rejected
         # before any allocator replay runs
-        if any(not r.fits_allocated for r in self.per_rank):
+        if any(not g.first.fits_allocated for g in self.groups):
             return False
-        return all(r.fits for r in self.per_rank)
+        return all(g.first.fits for g in self.groups)
+
+    def distinct_groups(self) -> list[RankGroup]:
+        """The groups of identical ranks, in order of each group's first rank."""
+        return sorted(self.groups, key=lambda g: g.first.rank)
 
     def distinct(self) -> list[list[RankMemory]]:
-        """Ranks grouped by identical content, in rank order of each group's first rank."""
-        groups: dict[int, list[RankMemory]] = {}
-        for r in self.per_rank:
-            groups.setdefault(id(r._body), []).append(r)
-        return list(groups.values())
+        """Ranks grouped by identical content, in rank order of each group's first rank (every
+        rank listed: for a large world, :meth:`distinct_groups`)."""
+        return [[self.per_rank[r] for r in g.ranks] for g in self.distinct_groups()]
 
     def to_json(self) -> dict:
         return {"per_rank": [r.to_dict() for r in self.per_rank], "capacity_bytes": self.capacity_bytes}

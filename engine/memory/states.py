@@ -51,6 +51,26 @@ from engine.params import (
 from engine.wrapping import WrappingPlan
 
 
+def zero1_shares(cfg: Config, rp: RankParams) -> tuple[int, ...]:
+    """The optimizer elements each dp-rank owns under torch's ZeroRedundancyOptimizer (greedy, whole
+    tensors: ``engine.params.zero_redundancy_partition``): of the rank's parameters, or of its LoRA
+    adapters when only they train. The dp-ranks of one share hold the same memory."""
+    if cfg.training.finetune == "lora":
+        groups = [(a * b, count) for u, count in lora_unit_groups(cfg, rp) for a, b in u]
+    else:
+        groups = rank_tensor_groups(rp)
+    return tuple(zero_redundancy_partition(groups, cfg.parallel.dp))
+
+
+def _zero1_share(sizes: tuple[int, ...], dp_rank: int, what: str) -> tuple[int, str]:
+    """(elements, the rule in words) of dp-rank ``dp_rank``'s ZeroRedundancyOptimizer share; the words
+    are the same for every dp-rank of that share."""
+    mine = sizes[dp_rank]
+    alike = sizes.count(mine)
+    return mine, (f"{mine:,} {what}: ZeroRedundancyOptimizer's greedy whole-tensor share ({alike} of the "
+                  f"{len(sizes)} dp-ranks hold this many; shares run from {min(sizes):,} to {max(sizes):,})")
+
+
 def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
     """params / grads / optimizer as torch keeps them ("pytorch" accounting)."""
     par, tr, model = cfg.parallel, cfg.training, cfg.model
@@ -93,10 +113,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("grads", "gradients, fp32 (autocast gradients take the parameter dtype)"
               if tr.precision != "fp32" else "gradients", 4 * grads, gterm, kind="gradients")
         if z == 1 and par.dp > 1:
-            sizes = zero_redundancy_partition(rank_tensor_groups(rp), par.dp)
-            opt_numel = sizes[dp_rank]
-            rule = (f"{opt_numel:,} elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
-                    f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
+            opt_numel, rule = _zero1_share(zero1_shares(cfg, rp), dp_rank, "elements")
         else:
             opt_numel, rule = psi, f"Ψ = {psi:,}"
     if k:
@@ -252,10 +269,7 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
     T.add("grads", "adapter gradients" + (" (fp32, the adapters' dtype)" if torch_acc else ""),
           g_a * g_numel, f"{g_a} B × {g_how}", kind="fsdp_sharded_grads" if torch_acc and plan.fsdp2 else "gradients")
     if z == 1 and par.dp > 1 and torch_acc and par.tp == 1:
-        sizes = zero_redundancy_partition([(a * b, count) for u, count in ad for a, b in u], par.dp)
-        opt_numel = sizes[dp_rank]
-        rule = (f"{opt_numel:,} adapter elements: ZeroRedundancyOptimizer's greedy whole-tensor share of dp-rank "
-                f"{dp_rank} (ranks hold {', '.join(f'{x:,}' for x in sizes)})")
+        opt_numel, rule = _zero1_share(zero1_shares(cfg, rp), dp_rank, "adapter elements")
     elif z >= 1 and par.dp_cp > 1 and not (fsdp2 and shard > 1):
         opt_numel, rule = ceil_div(psi_lora, d), f"⌈Ψ_lora/d⌉ = ⌈{psi_lora:,}/{d}⌉"
     else:
