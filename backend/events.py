@@ -88,6 +88,10 @@ def _failed(ev: dict) -> str:
     return text
 
 
+def _cancelled(ev: dict) -> str:
+    return f"CANCELLED: {ev.get('reason') or 'cancelled by the user'}"
+
+
 def _rank_failed(ev: dict) -> str:
     return f"rank {ev.get('rank')} reported a failure: {ev.get('reason') or 'no reason given'}"
 
@@ -139,6 +143,7 @@ SENTENCES: dict[str, Callable[[dict], str]] = {
     "measurement": _measurement,
     "finished": _finished,
     "failed": _failed,
+    "cancelled": _cancelled,
     # a rank's own failure, forwarded by the launcher while the run winds down
     "rank_failed": _rank_failed,
     # what each rank writes under ranks/ (rank{r}.events.jsonl)

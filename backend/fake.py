@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.records import Measurement, RunDir, assemble, read_jsonl, tail, write_json_atomic
+from backend.records import Measurement, RunDir, RunDirTaken, assemble, read_jsonl, tail, write_json_atomic
 from engine.config import Config
 from engine.layout import rank_of
 from engine.names import MEMORY_CATEGORIES
@@ -82,17 +82,21 @@ def expandable_segments_of(cfg: Config) -> bool:
 
 def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks: list[int] | None = None,
              timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None, real_tensors: bool = False,
-             jobs: int | None = None, expandable_segments: bool | None = None) -> SimulatedRun:
+             jobs: int | None = None, expandable_segments: bool | None = None, fresh: bool = False) -> SimulatedRun:
     """Simulate ``ranks`` of ``cfg`` (default :func:`default_ranks`), each in a child process.
 
     ``real_tensors`` runs the same path with real tensors (the reference the fake ones are
     checked against; only for small configs). ``jobs``: how many ranks run at once (default:
     the CPU count). ``expandable_segments``: the caching-allocator convention each rank's
-    allocations are replayed with (None: :func:`expandable_segments_of` the config). Raises ValueError for a rank outside the world, SimulationError when a rank
-    fails or times out (every child is killed).
+    allocations are replayed with (None: :func:`expandable_segments_of` the config). ``out_dir`` is
+    claimed as a real run's is (:meth:`RunDir.claim`; ``fresh``: a new sub-directory of it). Raises
+    ValueError for a rank outside the world, RunDirTaken (a ValueError) or OSError for a run directory
+    that cannot be had (nothing written), SimulationError when a rank fails or times out (every child
+    is killed).
     """
+    config_file = None
     if not isinstance(cfg, Config):
-        cfg = Config.load(cfg)
+        config_file, cfg = Path(cfg), Config.load(cfg)
     world = cfg.parallel.world_size
     ranks = sorted(set(default_ranks(cfg) if ranks is None else ranks))
     bad = [r for r in ranks if not 0 <= r < world]
@@ -100,8 +104,8 @@ def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks:
         raise ValueError(f"rank {bad[0]} is outside the world of {world} ranks (0..{world - 1})")
     if expandable_segments is None:
         expandable_segments = expandable_segments_of(cfg)
-    run = RunDir(out_dir if out_dir is not None else _default_run_dir())
-    run.clear()
+    out = Path(out_dir) if out_dir is not None else _default_run_dir()
+    run = RunDir.claim_fresh(out, config_file) if fresh else RunDir.claim(out, config_file)
     cfg.save(run.config)
     python = python or sys.executable
     run.emit("started", world=world, simulated=True, ranks=ranks, run_dir=str(run.path))
@@ -225,18 +229,27 @@ def reserved_rows(res: SimulatedRun) -> list[dict]:
 
 def measure_cli(config_path: str | Path, ranks: list[int] | None = None, out_dir: str | Path | None = None,
                 json_out: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, stream=None,
-                expandable_segments: bool | None = None) -> int:
-    """``shardscope measure CONFIG --fake``: 0 done, 1 the simulation failed.
+                expandable_segments: bool | None = None, fresh: bool = False) -> int:
+    """``shardscope measure CONFIG --fake``: 0 done, 1 the simulation failed, 2 the run directory
+    cannot be had (taken, or a disk that refuses it).
 
-    Raises ConfigError / ValueError for the caller to report as a user mistake.
+    Raises ConfigError for the caller to report as a user mistake.
     """
     stream = stream or sys.stdout
     cfg = Config.load(config_path)
     try:
-        res = simulate(cfg, out_dir, ranks=ranks, timeout_s=timeout_s, expandable_segments=expandable_segments)
+        res = simulate(config_path, out_dir, ranks=ranks, timeout_s=timeout_s, expandable_segments=expandable_segments,
+                       fresh=fresh)
     except SimulationError as exc:
         print(f"shardscope: simulation failed: {exc}", file=sys.stderr)
         return 1
+    except RunDirTaken as exc:
+        print(f"shardscope: --out {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"shardscope: cannot write the run directory {out_dir or 'runs/'}: {exc.strerror or exc}"
+              + (f" ({exc.filename})" if exc.filename else ""), file=sys.stderr)
+        return 2
     if json_out:
         doc = json.loads(Path(res.path, "measurement.json").read_text(encoding="utf-8"))
         doc["run_dir"] = str(res.path)

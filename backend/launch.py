@@ -1,7 +1,7 @@
 """Launching ranks with torchrun and following them (no torch imported here, ever).
 
-``launch(cfg, out_dir)`` starts ``python -m torch.distributed.run --standalone
---nproc-per-node=N -m backend.worker`` in its own process group, bound to loopback, and
+``launch(cfg, out_dir)`` starts torchrun (``python -m backend.torchrun_loopback --nproc-per-node=N
+-m backend.worker``: torchrun with its rendezvous on loopback only) in its own process group, and
 returns a :class:`Run` at once. A monitor thread forwards the ranks' events into
 ``events.jsonl`` (and :meth:`Run.events`), enforces the timeout, and writes the final
 ``measurement.json`` and a ``finished`` or ``failed`` event. Cancelling, a timeout or a rank
@@ -30,12 +30,23 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from backend.blame import blame
 from backend.events import describe
-from backend.records import TERMINAL_EVENTS, Measurement, RunDir, assemble, iter_new_lines, tail
+from backend.records import (
+    TERMINAL_EVENTS,
+    Measurement,
+    RunDir,
+    RunDirTaken,
+    append_jsonl,
+    assemble,
+    disk_full,
+    iter_new_lines,
+    tail,
+)
 from engine.config import Config, ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -98,9 +109,12 @@ def _alive(pid: int) -> bool:
 class Run:
     """A launched (or refused) run. Iterate :meth:`events`, or :meth:`wait` for the end."""
 
-    def __init__(self, run_dir: RunDir, cfg: Config | None, steps: int, timeout_s: float):
-        self.dir = run_dir
-        self.path = run_dir.path
+    def __init__(self, run_dir: RunDir | None, cfg: Config | None, steps: int, timeout_s: float,
+                 path: Path | None = None):
+        self.dir = run_dir  # None: refused before a directory was claimed (nothing on disk)
+        self.path = run_dir.path if run_dir is not None else Path(path)
+        self.refused = False  # refused before anything started (a user mistake: exit 2)
+        self.write_error: str | None = None  # the first record this process could not write
         self.cfg = cfg
         self.steps = steps
         self.timeout_s = timeout_s
@@ -123,7 +137,7 @@ class Run:
         return self.result is not None and self.result["event"] == "finished"
 
     def events(self, timeout_s: float | None = None) -> Iterator[dict]:
-        """Yield each event as it happens, ending with ``finished`` or ``failed``."""
+        """Yield each event as it happens, ending with ``finished``, ``failed`` or ``cancelled``."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
@@ -143,7 +157,7 @@ class Run:
         return self.result
 
     def cancel(self) -> None:
-        """Stop every process of the run (SIGTERM, then SIGKILL); the record says "cancelled"."""
+        """Stop every process of the run (SIGTERM, then SIGKILL); the record ends with a ``cancelled`` event."""
         self._cancel.set()
         self._done.wait(KILL_GRACE_S + 30)
 
@@ -158,7 +172,14 @@ class Run:
     # ----------------------------------------------------------------- internals
 
     def _emit(self, event: str, **fields) -> dict:
-        obj = self.dir.emit(event, **fields)
+        obj = {"event": event, "time": time.time(), **fields}
+        if self.dir is not None and self.write_error is None:
+            try:
+                append_jsonl(self.dir.events, obj)
+            except OSError as exc:  # a full or vanished disk: the run goes on being followed in memory
+                self.write_error = f"cannot write {self.dir.events}: {exc.strerror or exc}"
+        if event in TERMINAL_EVENTS and self.write_error and event != "finished":
+            obj["reason"] = f"{obj.get('reason')}; {self.write_error}"
         self._queue.put(obj)
         if event in TERMINAL_EVENTS:
             self.result = obj
@@ -260,6 +281,8 @@ class Run:
             log.close()
             if reason is None and rc == 0:
                 self._finish(rows or world, time.monotonic() - start)
+            elif reason == "cancelled":
+                self._emit("cancelled", reason="cancelled by the user; every process was stopped")
             else:
                 self._fail(reason, rc, rank_events)
         except Exception as exc:  # noqa: BLE001 - the record must always end
@@ -296,23 +319,30 @@ class Run:
         rank, why = blame(rank_events, tail(self.dir.agent_log, 400))
         if reason is None:
             reason = f"rank {rank} {why}" if rank is not None else f"torchrun exited with code {rc}"
+        full = disk_full(self.path)
+        if full:
+            reason = f"{reason}; {full}"
         log_path = self.dir.rank_log(rank) if rank is not None else self.dir.agent_log
         log_tail = tail(log_path) or tail(self.dir.agent_log)
         self._emit("failed", reason=reason, rank=rank, exit_code=rc, log_tail=log_tail)
 
 
 def _refused(out_dir: Path, reason: str, cfg: Config | None = None, steps: int = 0) -> Run:
-    run_dir = RunDir(out_dir)
-    run_dir.clear()
-    run = Run(run_dir, cfg, steps, 0.0)
+    """A launch refused before anything started: a Run that has already failed, with nothing
+    written to disk (``out_dir`` is not created)."""
+    run = Run(None, cfg, steps, 0.0, path=out_dir)
+    run.refused = True
     run._emit("failed", reason=reason, rank=None, log_tail="")
     return run
 
 
 def local_torchrun(python: str, nproc: int, module: str, args: list[str],
                    extra_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of a standalone torchrun of ``module`` on this machine, bound to loopback."""
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """The command and environment of a one-node torchrun of ``module`` on this machine with every
+    listening socket on loopback (:mod:`backend.torchrun_loopback`: torchrun with its rendezvous
+    stores served on 127.0.0.1; gloo and NCCL bootstrap on ``lo``)."""
+    cmd = [python, "-m", "backend.torchrun_loopback", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "--rdzv-backend=shardscope-loopback", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={uuid.uuid4()}",
            "--max-restarts=0", "--local-addr=127.0.0.1", "--monitor-interval=0.2", "-m", module, *args]
     env = dict(os.environ)
     env.update({
@@ -327,8 +357,9 @@ def local_torchrun(python: str, nproc: int, module: str, args: list[str],
 
 
 def prepare(cfg: Config | str | Path, out_dir: str | Path | None) -> tuple[Path, Config | None, Run | None]:
-    """The run directory and the Config of a launch — or, when the config cannot be read, an
-    already-failed Run (every launcher, local or cluster, starts here)."""
+    """The requested run directory and the Config of a launch — or, when the config cannot be read,
+    a refused Run (every launcher, local or cluster, starts here; :func:`claim` then takes the
+    directory)."""
     out = Path(out_dir) if out_dir is not None else default_run_dir()
     if isinstance(cfg, Config):
         return out, cfg, None
@@ -338,50 +369,111 @@ def prepare(cfg: Config | str | Path, out_dir: str | Path | None) -> tuple[Path,
         return out, None, _refused(out, str(exc))
 
 
+def claim(out: Path, source: Config | str | Path, fresh: bool = False) -> tuple[RunDir | None, str | None]:
+    """Claim the run directory (:meth:`RunDir.claim`): the RunDir, or None and why it was refused.
+
+    ``source`` is what the launch was given: a config file inside ``out`` may stay there (the window
+    writes its config into the directory it runs in). Nothing is written when it is refused."""
+    config_file = None if isinstance(source, Config) else Path(source)
+    try:
+        if fresh:
+            return RunDir.claim_fresh(out, config_file), None
+        return RunDir.claim(out, config_file), None
+    except RunDirTaken as exc:
+        return None, f"--out {exc}"
+    except OSError as exc:
+        return None, f"cannot create the run directory {out}: {exc.strerror or exc}"
+
+
 def launch(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: int = DEFAULT_STEPS,
            timeout_s: float = DEFAULT_TIMEOUT_S, python: str | None = None,
-           env: dict[str, str] | None = None) -> Run:
+           env: dict[str, str] | None = None, fresh: bool = False) -> Run:
     """Start the ranks of ``cfg`` (a Config or a config file) and return the :class:`Run` at once.
 
-    Never raises for a bad job: an invalid config or a Python without torch gives a Run that
-    has already failed, with the reason in its record. ``python`` is the interpreter the ranks
-    use (default: this one); ``env`` adds environment variables for the ranks.
+    Never raises for a bad job: an invalid config, a bad ``steps``, a run directory that is taken
+    (:meth:`RunDir.claim`) or a Python without torch gives a Run that has already failed with the
+    reason (``run.refused``), having written nothing. ``python`` is the interpreter the ranks use
+    (default: this one); ``env`` adds environment variables for the ranks; ``fresh``: run in a new
+    sub-directory of ``out_dir``.
     """
+    source = cfg
     out, cfg, refused = prepare(cfg, out_dir)
     if refused is not None:
         return refused
     if steps < 1:
         return _refused(out, f"steps = {steps}: must be at least 1", cfg)
-    run_dir = RunDir(out)
-    run_dir.clear()
-    cfg.save(run_dir.config)
     python = python or sys.executable
     if not _has_torch(python):
         return _refused(out, torch_missing(python), cfg, steps)
+    run_dir, why = claim(out, source, fresh)
+    if run_dir is None:
+        return _refused(out, why, cfg, steps)
+    try:
+        cfg.save(run_dir.config)
+    except OSError as exc:
+        return _refused(out, f"cannot write {run_dir.config}: {exc.strerror or exc}", cfg, steps)
     run = Run(run_dir, cfg, steps, timeout_s)
     run._start(python, env)
     return run
 
 
 def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: int = DEFAULT_STEPS,
-            json_events: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, stream=None) -> int:
-    """``shardscope run``: launch, print progress (or one JSON event per line), return an exit code.
+            json_events: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, stream=None,
+            fresh: bool = False) -> int:
+    """``shardscope run``: launch, print progress (or one JSON event per line), return an exit code
+    (:func:`follow_cli`)."""
+    run = launch(config_path, out_dir, steps=steps, timeout_s=timeout_s, fresh=fresh)
+    return follow_cli(run, json_events, stream)
 
-    0 finished, 1 the run failed, 2 the config is invalid or cannot be read.
-    """
+
+#: the exit code of a run the user cancelled (as a shell reports a command stopped by Ctrl-C)
+EXIT_CANCELLED = 130
+
+
+def follow_cli(run: Run, json_events: bool = False, stream=None, cancel_wait_s: float | None = None) -> int:
+    """Print a run's events as they happen (words, or one JSON object per line) and return the exit
+    code: 0 finished, 1 failed, 2 refused before it started (the reason on stderr: a user mistake),
+    130 cancelled. Ctrl-C or SIGTERM (the window's Cancel) cancels the run: every process is stopped,
+    the record ends ``cancelled``, and that is printed."""
     stream = stream or sys.stdout
-    run = launch(config_path, out_dir, steps=steps, timeout_s=timeout_s)
-    try:
-        for ev in run.events():
-            if json_events:
-                stream.write(json.dumps(ev) + "\n")
-            else:
-                stream.write(describe(ev) + "\n")
-            stream.flush()
-    except KeyboardInterrupt:
-        run.cancel()
-    result = run.wait() or {}
-    if result.get("event") == "finished":
-        return 0
-    return 2 if run.cfg is None else 1
 
+    def show(ev: dict) -> None:
+        stream.write((json.dumps(ev) if json_events else describe(ev)) + "\n")
+        stream.flush()
+
+    if run.refused:
+        if json_events:
+            show(run.result)
+        else:
+            print(f"shardscope: {run.result['reason']}", file=sys.stderr)
+        return 2
+    previous = _sigterm_raises_interrupt()
+    try:
+        try:
+            for ev in run.events():
+                show(ev)
+        except KeyboardInterrupt:
+            if not json_events:
+                stream.write("cancelling: stopping every process of the run ...\n")
+                stream.flush()
+            run.cancel()
+            res = run.wait(cancel_wait_s)
+            if res is not None:
+                show(res)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    result = run.wait() or {}
+    return {"finished": 0, "cancelled": EXIT_CANCELLED}.get(result.get("event"), 1)
+
+
+def _sigterm_raises_interrupt():
+    """SIGTERM (the window's Cancel, a `kill`) ends the CLI like Ctrl-C, so the run is cancelled and
+    recorded instead of its agent being orphaned; returns the previous handler (None off the main thread)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        return None

@@ -12,10 +12,14 @@
 
 Events: ``started`` {world, steps, command}, ``rank_ready`` {rank, stages, pid}, ``step``
 {k, n, loss, seconds}, ``measurement`` {path, ...summary}, then ``finished`` {seconds} or
-``failed`` {reason, rank, log_tail}; a cluster run adds ``submitted``, ``job_state``,
+``failed`` {reason, rank, log_tail} or ``cancelled`` {reason} (stopped by the user); a cluster run adds ``submitted``, ``job_state``,
 ``rank_node``, ``node_command`` and ``waiting``. Each carries ``event`` and ``time`` (Unix
 seconds); :func:`backend.events.describe` says each in words.
 A reader tolerates a torn last line, so a crash at any moment leaves a readable record.
+
+A run directory is written once: :meth:`RunDir.claim` creates it for one run and refuses a
+directory that already holds anything (an earlier run, a second writer, someone's files); its
+``.shardscope-run`` file, created exclusively, is the claim.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from typing import Any
 
 from engine.names import MEMORY_CATEGORIES
 
-TERMINAL_EVENTS = ("finished", "failed")
+TERMINAL_EVENTS = ("finished", "failed", "cancelled")
+#: the file whose exclusive creation claims a run directory for one run (kept: it names the owner)
+CLAIM_FILE = ".shardscope-run"
+
+
+class RunDirTaken(ValueError):
+    """``--out`` names a directory that cannot hold this run (an earlier run, a run being written,
+    someone's files, or a path that is not a directory); nothing was written."""
 
 
 class RunStatus(StrEnum):
@@ -60,13 +71,39 @@ class RunStatus(StrEnum):
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file and a rename: a reader sees the old
+    file or the whole new one; on an error (a full disk) the temporary file is removed and it raises."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+#: below this many free bytes a run's file system counts as full (a rank's log line, an event, a record)
+DISK_FULL_BYTES = 1 << 20
+
+
+def disk_full(path: Path) -> str | None:
+    """A sentence when the file system holding ``path`` has (almost) no space left, else None."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= DISK_FULL_BYTES:
+        return None
+    return (f"the file system holding {path} is full ({free:,} bytes free): free some space, or run with "
+            "--out on another disk")
 
 
 def append_jsonl(path: Path, obj: dict) -> None:
@@ -107,7 +144,8 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 class RunDir:
-    """Paths of a run directory; creates it."""
+    """Paths of a run directory. Opening one (``RunDir(path)``, as a rank does) creates what is
+    missing of it; a launcher starts a run with :meth:`claim` instead."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -116,14 +154,53 @@ class RunDir:
         for d in (self.path, self.logs, self.ranks):
             d.mkdir(parents=True, exist_ok=True)
 
-    def clear(self) -> None:
-        """Remove an earlier run's records, so a reused directory holds only this run."""
-        for d in (self.logs, self.ranks):
-            for f in d.iterdir():
-                if f.is_file():
-                    f.unlink()
-        for f in (self.events, self.measurement):
-            f.unlink(missing_ok=True)
+    @classmethod
+    def claim(cls, path: str | Path, config_file: str | Path | None = None) -> RunDir:
+        """Create ``path`` for one new run, or raise :class:`RunDirTaken` having written nothing.
+
+        ``path`` must not exist, or be an empty directory, or hold only ``config.toml`` when that
+        is ``config_file``, the config being run (the window prepares a run that way). The claim
+        file is created with O_EXCL, so of two launches into one directory exactly one proceeds.
+        OSError (a read-only or full file system) propagates for the caller to word.
+        """
+        path = Path(path)
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise RunDirTaken(f"{path} exists and is not a directory")
+            own = Path(config_file).resolve() if config_file is not None else None
+            found = sorted(p.name for p in path.iterdir()
+                           if not (p.name == "config.toml" and own is not None and p.resolve() == own))
+            if found:
+                what = ("an earlier run" if {"events.jsonl", "measurement.json", CLAIM_FILE} & set(found)
+                        else "files")
+                shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+                raise RunDirTaken(f"{path} already holds {what} ({shown}); nothing was changed. Choose a new "
+                                  "directory, or ask for a fresh sub-directory of it (shardscope run --fresh)")
+        else:
+            path.mkdir(parents=True, exist_ok=True)  # a racing launch is stopped by the claim file below
+        try:
+            fd = os.open(path / CLAIM_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise RunDirTaken(f"{path} is being written by another run (it holds {CLAIM_FILE}); "
+                              "nothing was changed") from None
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"pid": os.getpid(), "time": time.time()}) + "\n")
+        return cls(path)
+
+    @classmethod
+    def claim_fresh(cls, parent: str | Path, config_file: str | Path | None = None) -> RunDir:
+        """A new timestamped sub-directory of ``parent`` (``--fresh``), claimed as :meth:`claim` does."""
+        import datetime as _dt
+
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        for n in range(1, 1000):
+            path = Path(parent) / (stamp if n == 1 else f"{stamp}-{n}")
+            if not path.exists():
+                try:
+                    return cls.claim(path, config_file)
+                except RunDirTaken:
+                    continue  # another launch took it between the look and the claim
+        raise RunDirTaken(f"no free sub-directory of {parent} for {stamp}")
 
     config = property(lambda self: self.path / "config.toml")
     events = property(lambda self: self.path / "events.jsonl")

@@ -149,12 +149,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args.config)  # validate before anything starts
+    if args.steps < 1:
+        raise CliError(f"--steps {args.steps}: must be at least 1")
+    if not args.timeout > 0:
+        raise CliError(f"--timeout {args.timeout:g}: must be more than 0 seconds")
     if args.target != "local" or args.dry_run:
         return _cmd_run_cluster(args, cfg)
     from backend.launch import run_cli
 
     return run_cli(args.config, out_dir=args.out, steps=args.steps, json_events=args.json,
-                   timeout_s=args.timeout)
+                   timeout_s=args.timeout, fresh=args.fresh)
 
 
 def _cmd_run_cluster(args: argparse.Namespace, cfg) -> int:
@@ -183,8 +187,8 @@ def _cmd_run_cluster(args: argparse.Namespace, cfg) -> int:
                                                     hosts, per_node, port):
                     print(f"# on {c['host']} (node {c['node']}):\n{c['shell']}")
                 return EXIT_OK
-            run = hosts_target.start(cfg, args.hosts, out, steps=args.steps, timeout_s=args.timeout,
-                                     per_node=args.gpus_per_node)
+            run = hosts_target.start(args.config, args.hosts, out, steps=args.steps, timeout_s=args.timeout,
+                                     per_node=args.gpus_per_node, fresh=args.fresh)
         else:
             opts = dict(partition=args.partition, time_limit=args.time, account=args.account)
             if args.dry_run:
@@ -192,8 +196,8 @@ def _cmd_run_cluster(args: argparse.Namespace, cfg) -> int:
                 print(slurm_target.sbatch_script(config_for_layout(cfg, nodes, per_node), out, args.steps,
                                                  nodes=nodes, per_node=per_node, **opts), end="")
                 return EXIT_OK
-            run = slurm_target.submit(cfg, out, steps=args.steps, timeout_s=args.timeout, nodes=args.nodes,
-                                      per_node=args.gpus_per_node, **opts)
+            run = slurm_target.submit(args.config, out, steps=args.steps, timeout_s=args.timeout, nodes=args.nodes,
+                                      per_node=args.gpus_per_node, fresh=args.fresh, **opts)
     except ClusterError as exc:
         raise CliError(str(exc)) from None
     return cluster_run_cli(run, json_events=args.json)
@@ -211,7 +215,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     ranks = None if args.rank is None else [args.rank]
     return measure_cli(args.config, ranks=ranks, out_dir=args.out, json_out=args.json, timeout_s=args.timeout,
-                       expandable_segments=True if args.expandable_segments else None)
+                       expandable_segments=True if args.expandable_segments else None, fresh=args.fresh)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -321,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the config as real multi-process PyTorch training and measure it")
     p.add_argument("config", metavar="CONFIG")
-    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>)")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>); a directory that "
+                                                    "already holds anything is refused, never overwritten")
+    p.add_argument("--fresh", action="store_true", help="run in a new timestamped sub-directory of --out")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped as hung")
     p.add_argument("--json", action="store_true", help="print one JSON event per line")
@@ -344,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--fake", action="store_true", help="fake process group + fake tensors (required)")
     p.add_argument("--rank", type=int, help="the rank to simulate (default: one per pipeline stage)")
-    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>-fake)")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>-fake); a directory "
+                                                    "that already holds anything is refused, never overwritten")
+    p.add_argument("--fresh", action="store_true", help="simulate into a new timestamped sub-directory of --out")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the simulation is stopped")
     p.add_argument("--json", action="store_true", help="the measurement and the comparison as JSON")
     p.add_argument("--expandable-segments", action="store_true",
@@ -431,6 +439,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as exc:  # a file or disk problem that no command worded itself: one line, no traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"shardscope: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

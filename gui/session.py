@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.events import describe
-from backend.records import RunStatus, read_jsonl
+from backend.records import TERMINAL_EVENTS, RunStatus, read_jsonl
 from engine import Config, ConfigError, Problem, default_config
 from engine.legacy_dp import memory as legacy_dp_memory
 from engine.memory import memory_per_rank
@@ -416,6 +416,9 @@ def apply_event(record: RunRecord, event: dict) -> None:
     elif kind == "failed":
         record.status = RunStatus.FAILED
         record.reason = str(event.get("reason", "the run failed"))
+    elif kind == "cancelled":
+        record.status = RunStatus.CANCELLED
+        record.reason = str(event.get("reason", "cancelled by the user"))
     elif kind == "finished" and record.status != RunStatus.FAILED:
         record.status = RunStatus.FINISHED
     record.log.append(describe(event))
@@ -436,7 +439,7 @@ def read_run_dir(path: str | Path) -> RunRecord:
     record = RunRecord(config=cfg, out_dir=d, events=events, reason=reason, from_disk=True)
     has_measurement = (d / "measurement.json").exists()
     record.simulated = any(e.get("simulated") for e in events)
-    terminal = [e for e in events if e.get("event") in ("finished", "failed")]
+    terminal = [e for e in events if e.get("event") in TERMINAL_EVENTS]
     dry = d / DRY_RUN_FILE
     if cfg is None:
         record.status = RunStatus.UNREADABLE
@@ -446,6 +449,9 @@ def read_run_dir(path: str | Path) -> RunRecord:
     elif terminal and terminal[-1].get("event") == "failed":
         record.status = RunStatus.FAILED
         record.reason = str(terminal[-1].get("reason", "the run failed"))
+    elif terminal and terminal[-1].get("event") == "cancelled":
+        record.status = RunStatus.CANCELLED
+        record.reason = str(terminal[-1].get("reason", "cancelled by the user"))
     elif has_measurement:
         record.status = RunStatus.FINISHED
     elif terminal:

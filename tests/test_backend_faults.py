@@ -3,6 +3,7 @@ as a failed record naming the rank (when known) with its log tail, and leaves no
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -52,11 +53,61 @@ def test_hang_past_timeout(tmp_path):
     assert time.monotonic() - t0 < 45
 
 
-def test_cancel_stops_every_process(tmp_path):
+def listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) of every TCP socket these processes
+    listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            pass
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # state LISTEN, one of theirs
+                    out.append(cols[1].rsplit(":", 1)[0])
+    return out
+
+
+#: 127.0.0.0/8 (little-endian hex), ::1, and 127.0.0.0/8 mapped into IPv6
+def _loopback(addr: str) -> bool:
+    return (len(addr) == 8 and addr.endswith("7F")) or addr == "0" * 24 + "01000000" or (
+        addr.startswith("0000000000000000FFFF0000") and addr.endswith("7F"))
+
+
+def test_a_run_listens_on_loopback_only_and_a_cancel_stops_every_process(tmp_path):
     run = launch(TWO_RANKS, tmp_path / "run", steps=1000, timeout_s=120)
     for ev in run.events(timeout_s=90):
         if ev["event"] == "step":
             break
+    # the agent's rendezvous stores and gloo's sockets: nothing on another interface
+    pids = processes_of(run.path)
+    addresses = listening_addresses(pids)
+    assert len(pids) >= 3 and len(addresses) >= 2, (pids, addresses)  # the agent's two stores at least
+    assert [a for a in addresses if not _loopback(a)] == []
     run.cancel()
-    assert run.result["event"] == "failed" and run.result["reason"] == "cancelled"
+    assert run.result["event"] == "cancelled" and "cancelled by the user" in run.result["reason"]
     assert processes_of(run.path) == []
+    events = RunDir(run.path).read_events()
+    assert events[-1]["event"] == "cancelled"
+
+    from gui.session import read_run_dir
+
+    assert read_run_dir(run.path).status == "cancelled"  # and so it reads back from disk
+
+
+def test_a_run_that_fills_its_disk_says_so(tmp_path):
+    from test_safety import tiny_filesystem
+
+    with tiny_filesystem(tmp_path, "32k") as fs:  # room for the config and the first records only
+        run = launch(TWO_RANKS, fs / "run", steps=3, timeout_s=90)
+        res = run.wait(150)
+        assert res is not None and res["event"] == "failed", res
+        assert f"the file system holding {fs / 'run'} is full" in res["reason"], res["reason"]
+        assert processes_of(run.path) == []

@@ -169,13 +169,14 @@ def test_invalid_config_gives_failed_record_without_launching(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text(default_config().dumps_toml().replace("dp = 2", "dp = 3"))
     run = launch(bad, tmp_path / "run")
-    assert run.finished and not run.ok
+    assert run.finished and not run.ok and run.refused
     assert "parallel.dp" in run.result["reason"]
-    assert [e["event"] for e in RunDir(tmp_path / "run").read_events()] == ["failed"]
+    assert not (tmp_path / "run").exists()  # a refused launch creates nothing
     out = tmp_path / "out.txt"
     with open(out, "w") as stream:
         assert run_cli(bad, tmp_path / "run2", steps=1, json_events=True, stream=stream) == 2
     assert json.loads(out.read_text().splitlines()[-1])["event"] == "failed"
+    assert not (tmp_path / "run2").exists()
 
 
 def test_missing_torch_gives_failed_record(tmp_path):
@@ -188,4 +189,4 @@ def test_missing_torch_gives_failed_record(tmp_path):
     assert run.finished and not run.ok
     assert "torch is not installed" in run.result["reason"]
     assert "-m pip install 'torch>=2.6'" in run.result["reason"]  # says exactly what to install
-    assert (tmp_path / "run" / "config.toml").exists()
+    assert run.refused and not (tmp_path / "run").exists()  # refused before anything was written

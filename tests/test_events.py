@@ -36,6 +36,7 @@ SAMPLES: list[dict] = [
     {"event": "failed", "time": 1.0, "reason": "rank 1 failed: RuntimeError: boom", "rank": 1, "exit_code": 1,
      "log_tail": "Traceback ...\nRuntimeError: boom"},
     {"event": "failed", "time": 1.0, "reason": "timed out", "rank": None, "job_state": "TIMEOUT", "log_tail": ""},
+    {"event": "cancelled", "time": 1.0, "reason": "cancelled by the user; every process was stopped"},
     {"event": "rank_failed", "rank": 2, "reason": "ValueError: x"},
     {"event": "rank_started", "time": 1.0, "rank": 0, "pid": 99},
     {"event": "rank_done", "time": 1.0, "rank": 0, "seconds": 3.2},

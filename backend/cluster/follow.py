@@ -11,13 +11,11 @@ with ``finished`` (``measurement.json`` assembled as for a local run, each rank'
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
-from backend.events import describe
-from backend.launch import Run, blame
+from backend.launch import Run, blame, follow_cli
 from backend.records import RunDir, assemble, tail, write_json_atomic
 from engine.config import Config
 
@@ -251,7 +249,7 @@ class ClusterRun(Run):
         if not parts:
             parts.append("the ranks stopped without finishing")
         log_tail = (tail(self.dir.rank_log(rank)) if rank is not None else "") or job.log_tail()
-        self._emit("failed", reason="; ".join(parts), rank=rank,
+        self._emit("cancelled" if cancelled else "failed", reason="; ".join(parts), rank=rank,
                    job_state=st.state if st is not None else None, log_tail=log_tail)
 
     def _finish(self, world: int, seconds: float) -> None:
@@ -281,16 +279,6 @@ class ClusterRun(Run):
 
 
 def cluster_run_cli(run: Run, json_events: bool = False, stream=None) -> int:
-    """Print a cluster run's events like ``shardscope run`` does; Ctrl-C cancels. 0 finished, 1 failed."""
-    stream = stream or sys.stdout
-    try:
-        for ev in run.events():
-            stream.write((json.dumps(ev) if json_events else describe(ev)) + "\n")
-            stream.flush()
-    except KeyboardInterrupt:
-        run.cancel()
-        res = run.wait(CANCEL_WAIT_S + 10) or {}
-        if res:
-            stream.write((json.dumps(res) if json_events else describe(res)) + "\n")
-    result = run.wait() or {}
-    return 0 if result.get("event") == "finished" else 1
+    """Print a cluster run's events like ``shardscope run`` does (:func:`backend.launch.follow_cli`):
+    Ctrl-C cancels (scancel, or stop following the hosts)."""
+    return follow_cli(run, json_events, stream, cancel_wait_s=CANCEL_WAIT_S + 10)

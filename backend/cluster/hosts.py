@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 from backend.cluster.follow import ClusterError, ClusterRun, Job, config_for_layout, node_layout
-from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, prepare
-from backend.records import RunDir
+from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, _refused, claim, prepare
 from engine.config import Config
 
 RDZV_PORT = 29500
@@ -71,20 +70,22 @@ def node_commands(cfg: Config, run_dir: str | Path, steps: int, hosts: list[str]
 
 def start(cfg: Config | str | Path, hosts: str | list[str], out_dir: str | Path | None = None,
           steps: int = DEFAULT_STEPS, timeout_s: float = DEFAULT_TIMEOUT_S, *, per_node: int | None = None,
-          python: str | None = None) -> ClusterRun:
+          python: str | None = None, fresh: bool = False) -> ClusterRun:
     """Prepare the run directory, emit each host's command, follow the ranks; returns at once.
 
     ``timeout_s`` counts from now: the time the user has to start every command and the run
     to finish. Raises :class:`ClusterError` for hosts that do not fit the layout.
     """
+    source = cfg
     out, cfg, refused = prepare(cfg, out_dir)
     if refused is not None:
         return refused
     host_list, port = parse_hosts(hosts)
     nodes, per_node = node_layout(cfg, len(host_list), per_node)
     cfg = config_for_layout(cfg, nodes, per_node)
-    run_dir = RunDir(out.resolve())
-    run_dir.clear()
+    run_dir, why = claim(out.resolve(), source, fresh)
+    if run_dir is None:
+        return _refused(out, why, cfg, steps)
     cfg.save(run_dir.config)
     cmds = node_commands(cfg, run_dir.path, steps, host_list, per_node, port, python)
     run = ClusterRun(run_dir, cfg, steps, timeout_s, cfg.parallel.world_size)

@@ -23,8 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backend.cluster.follow import ClusterRun, Job, JobState, config_for_layout, node_layout
-from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, prepare
+from backend.cluster.follow import ClusterError, ClusterRun, Job, JobState, config_for_layout, node_layout
+from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, _refused, claim, prepare
 from backend.records import RunDir, tail
 from engine.config import Config
 
@@ -35,31 +35,61 @@ COMMAND_TIMEOUT_S = 30.0
 _FIELD = re.compile(r"(?:^|\s)(JobState|Reason|ExitCode|NodeList|TimeLimit|RunTime)=(\S*)")
 
 
+#: what an ``#SBATCH`` value may hold, per option: Slurm's own names and time formats. A value is
+#: written into a directive line of the script, so a newline in it would become a line of shell.
+_DIRECTIVE_VALUES = {
+    "--partition": (re.compile(r"[A-Za-z0-9_.+@-]+(,[A-Za-z0-9_.+@-]+)*"), "partition names (letters, digits, "
+                    "_ . + @ -), comma-separated"),
+    "--account": (re.compile(r"[A-Za-z0-9_.+@-]+"), "an account name (letters, digits, _ . + @ -)"),
+    "--time": (re.compile(r"\d+(-\d+)?(:\d+){0,2}"), "minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"),
+}
+
+
+def _directive(option: str, value: str) -> str:
+    """``#SBATCH OPTION=VALUE`` after checking VALUE; ClusterError names the option and what it allows."""
+    pattern, allowed = _DIRECTIVE_VALUES[option]
+    if not pattern.fullmatch(value):
+        raise ClusterError(f"{option} {value!r}: allowed: {allowed}")
+    return f"#SBATCH {option}={value}"
+
+
+def _path_directive(option: str, path: str) -> str:
+    """``#SBATCH OPTION=PATH``, quoted for sbatch's directive parser where the path has blanks;
+    a path with a newline, another control character or a double quote is refused."""
+    if any(ord(ch) < 32 or ch in '"\x7f' for ch in path):
+        raise ClusterError(f"{option} {path!r}: a path in an #SBATCH line cannot hold a control character "
+                           "(newline, tab) or a double quote; choose another directory")
+    return f'#SBATCH {option}="{path}"' if any(ch.isspace() for ch in path) else f"#SBATCH {option}={path}"
+
+
 def sbatch_script(cfg: Config, run_dir: str | Path, steps: int = DEFAULT_STEPS, *, nodes: int, per_node: int,
                   partition: str | None = None, time_limit: str | None = None, account: str | None = None,
                   python: str | None = None, repo: str | Path = REPO_ROOT) -> str:
-    """The batch script for ``cfg`` on ``nodes`` × ``per_node`` ranks (``run_dir`` absolute, shared)."""
+    """The batch script for ``cfg`` on ``nodes`` × ``per_node`` ranks (``run_dir`` absolute, shared).
+
+    Raises ClusterError for a partition, time limit, account or path that an ``#SBATCH`` line cannot
+    hold as it is."""
     q = shlex.quote
     run_dir = str(Path(run_dir).resolve())
     python = python or sys.executable
     repo = str(Path(repo).resolve())
     head = ["#!/bin/bash",
-            f"#SBATCH --job-name=shardscope-{Path(run_dir).name}",
+            _path_directive("--job-name", f"shardscope-{Path(run_dir).name}"),
             f"#SBATCH --nodes={nodes}",
             "#SBATCH --ntasks-per-node=1",
             "#SBATCH --no-requeue"]  # a measurement that silently restarts elsewhere would be a lie
     if cfg.cluster.gpu.name != "cpu":
         head.append(f"#SBATCH --gpus-per-node={per_node}")
-    if partition:
-        head.append(f"#SBATCH --partition={partition}")
-    if time_limit:
-        head.append(f"#SBATCH --time={time_limit}")
-    if account:
-        head.append(f"#SBATCH --account={account}")
-    head += [f"#SBATCH --output={run_dir}/logs/slurm-%j.log",
-             f"#SBATCH --chdir={repo}",
+    if partition is not None:
+        head.append(_directive("--partition", partition))
+    if time_limit is not None:
+        head.append(_directive("--time", time_limit))
+    if account is not None:
+        head.append(_directive("--account", account))
+    head += [_path_directive("--output", f"{run_dir}/logs/slurm-%j.log"),
+             _path_directive("--chdir", repo),
              f"# ShardScope: {cfg.parallel.world_size} ranks = {nodes} node(s) x {per_node}, {steps} steps.",
-             f"# Run directory (must be on a filesystem every node shares): {run_dir}"]
+             f"# Run directory (must be on a filesystem every node shares): {q(run_dir)}"]
     node_cmd = (
         f'exec {q(python)} -m torch.distributed.run --nnodes={nodes} --nproc-per-node={per_node} \\\n'
         f'  --rdzv-backend=c10d --rdzv-endpoint="$head_addr:$rdzv_port" --rdzv-id="$SLURM_JOB_ID" \\\n'
@@ -200,25 +230,30 @@ def parse_sacct(text: str) -> JobState:
 def submit(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: int = DEFAULT_STEPS,
            timeout_s: float = DEFAULT_TIMEOUT_S, *, nodes: int | None = None, per_node: int | None = None,
            partition: str | None = None, time_limit: str | None = None, account: str | None = None,
-           python: str | None = None, env: dict[str, str] | None = None) -> ClusterRun:
+           python: str | None = None, env: dict[str, str] | None = None, fresh: bool = False) -> ClusterRun:
     """Write the batch script into the run directory, sbatch it and follow the job; returns at once.
 
     Never raises for a bad job: an invalid config or a submission Slurm rejects gives a run
     that has already failed with the reason in its record. ``timeout_s`` counts from the
     moment the job is RUNNING (queueing is Slurm's business; its --time is the hard limit).
-    Raises :class:`backend.cluster.ClusterError` for node counts that do not fit the layout.
+    Raises :class:`backend.cluster.ClusterError`, having written nothing, for node counts that do not
+    fit the layout and Slurm options an ``#SBATCH`` line cannot hold.
     """
+    source = cfg
     out, cfg, refused = prepare(cfg, out_dir)
     if refused is not None:
         return refused
     nodes, per_node = node_layout(cfg, nodes, per_node)
     cfg = config_for_layout(cfg, nodes, per_node)
-    run_dir = RunDir(out.resolve())
-    run_dir.clear()
+    opts = dict(nodes=nodes, per_node=per_node, partition=partition, time_limit=time_limit, account=account,
+                python=python)
+    sbatch_script(cfg, out.resolve(), steps, **opts)  # a field the script cannot hold: refused before the claim
+    run_dir, why = claim(out.resolve(), source, fresh)
+    if run_dir is None:
+        return _refused(out, why, cfg, steps)
     cfg.save(run_dir.config)
     script = run_dir.path / "job.sbatch"
-    script.write_text(sbatch_script(cfg, run_dir.path, steps, nodes=nodes, per_node=per_node, partition=partition,
-                                    time_limit=time_limit, account=account, python=python), encoding="utf-8")
+    script.write_text(sbatch_script(cfg, run_dir.path, steps, **opts), encoding="utf-8")
     run = ClusterRun(run_dir, cfg, steps, timeout_s, cfg.parallel.world_size)
     job = SlurmJob(run_dir, None if env is None else {**os.environ, **env})
     run.job = job

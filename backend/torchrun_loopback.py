@@ -1,0 +1,75 @@
+"""torchrun on one machine with nothing listening beyond loopback: ``python -m backend.torchrun_loopback
+[torchrun's own arguments]``.
+
+``torchrun --standalone`` hosts its c10d rendezvous store, and the store it shares with the
+workers, in TCPStore servers that bind every interface whatever host they are given (torch 2.13's
+TCPStore server listens on ``::``/``0.0.0.0``; ``--local-addr`` only names the address it
+advertises). Neither store authenticates, so anyone on the network could write into a run's
+rendezvous while it lasts. TCPStore can instead serve on a socket the caller bound itself
+(``master_listen_fd``); this module registers a rendezvous backend, ``shardscope-loopback``,
+through torchrun's own handler registry, that is torch's c10d backend and dynamic rendezvous
+with both stores served on sockets bound to 127.0.0.1, then runs torchrun's ``main``. The ranks
+reach the shared store as clients (TORCHELASTIC_USE_AGENT_STORE), and gloo's own sockets follow
+GLOO_SOCKET_IFNAME=lo (backend.launch sets it), so every listening socket of a local run is on
+loopback (tests/test_backend_faults.py checks it during a run).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from datetime import timedelta
+
+BACKEND = "shardscope-loopback"
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(timeout_s: float = 60.0):
+    """A TCPStore server on an ephemeral port of 127.0.0.1 (and nowhere else)."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # the store serves on this socket and owns it from here on (detach: Python will not close it)
+    return dist.TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def create_handler(params):
+    """torchrun's c10d rendezvous (``--rdzv-backend=c10d``) for one node, its stores on loopback."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
+
+    host = params.endpoint.rsplit(":", 1)[0] if params.endpoint else LOOPBACK
+    if host not in (LOOPBACK, "localhost"):
+        raise ValueError(f"--rdzv-backend={BACKEND} serves on {LOOPBACK} only, not on {host!r}")
+    if params.max_nodes != 1:
+        raise ValueError(f"--rdzv-backend={BACKEND} is for one node (--nnodes=1), not {params.max_nodes}")
+    class LoopbackBackend(C10dRendezvousBackend):  # torch's c10d backend under this registry name
+        @property
+        def name(self) -> str:
+            return BACKEND
+
+    store = loopback_store(float(params.get_as_int("read_timeout", 60)))
+    handler = dynamic_handler(store, LoopbackBackend(store, params.run_id), params)
+    # the store the agent shares with its workers (dynamic_rendezvous' own method binds every interface)
+    handler._create_tcp_store_server = lambda addr, port: loopback_store()
+    return handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.run import main as torchrun_main
+
+    rendezvous_handler_registry.register(BACKEND, create_handler)
+    torchrun_main(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()
