@@ -436,52 +436,98 @@ def test_the_model_agrees_with_a_plain_reading_of_the_source(ops, capacity_mib):
             naive.allocated, naive.reserved, len(naive.segments))
 
 
-# -- repeated chunks ------------------------------------------------------------------------------
+# -- cycles: a pipeline's steady state ------------------------------------------------------------
 
-def _expanded(events):
-    """``events`` with each ("repeat", chunk, n) written out n times, keys made unique per run."""
+class _Shift:
+    """Keys ("mb", slot, microbatch) shift with the microbatch; every other key stays."""
+
+    @staticmethod
+    def shift(key, d):
+        return (key[0], key[1], key[2] + d) if isinstance(key, tuple) and key[0] == "mb" else key
+
+    @staticmethod
+    def shape(key):
+        return key[:2] if isinstance(key, tuple) and key[0] == "mb" else key
+
+    @staticmethod
+    def shift_events(events, d):
+        return [(e[0], _Shift.shift(e[1], d)) + e[2:] for e in events]
+
+    @staticmethod
+    def distance(a, b):
+        if _Shift.shape(a) != _Shift.shape(b):
+            return None
+        return b[2] - a[2] if isinstance(a, tuple) and a[0] == "mb" else 0
+
+
+def _written_out(events):
+    """``events`` with each ("cycle", chunk, n, delta, keys) written out n times, the k-th with its keys
+    shifted by k·delta."""
     out = []
-    for i, ev in enumerate(events):
-        if ev[0] != "repeat":
+    for ev in events:
+        if ev[0] != "cycle":
             out.append(ev)
             continue
-        for r in range(ev[2]):
-            out.extend((e[0], ("run", i, r, e[1])) + e[2:] for e in ev[1])
+        _, chunk, n, delta, keys = ev
+        for k in range(n):
+            out.extend((e[0], keys.shift(e[1], k * delta)) + e[2:] for e in chunk)
     return out
 
 
-def test_a_repeated_chunk_replays_as_written_out():
-    prefix = [("alloc", "w", 30 * MIB), ("alloc", "s", 700)]
-    chunk = (("alloc", "a", 5 * MIB), ("alloc", "b", 12 * MIB, 1), ("free", "a"), ("alloc", "c", 3 * MIB),
-             ("free", "b"), ("free", "c"))
-    for n in (1, 2, 50):
-        ev = prefix + [("repeat", chunk, n), ("free", "s"), ("alloc", "t", 9 * MIB)]
-        for es in (False, True):
-            assert replay(ev, expandable_segments=es) == replay(_expanded(ev), expandable_segments=es)
+def _pipeline(in_flight, sizes, kept_size, n, delta=1):
+    """A steady state as a pipeline rank has it: each period allocates microbatch k + in_flight's
+    tensors (``sizes``, on streams 0/1), frees microbatch k's, and keeps ``kept_size`` bytes for good."""
+    prefix = [("alloc", "params", 300 * MIB)]
+    for mb in range(in_flight):
+        prefix += [("alloc", ("mb", j, mb), x, j % 2) for j, x in enumerate(sizes)]
+    chunk = [("alloc", ("mb", j, in_flight), x, j % 2) for j, x in enumerate(sizes)]
+    chunk += [("alloc", "work", 3 * MIB), ("free", "work")]
+    if kept_size:
+        chunk.append(("alloc", ("mb", "kept", 0), kept_size))
+    chunk += [("free", ("mb", j, 0)) for j in range(len(sizes))]
+    tail = [("free", ("mb", j, mb)) for mb in range(n * delta, n * delta + in_flight) for j in range(len(sizes))]
+    return prefix + [("cycle", tuple(chunk), n, delta, _Shift)] + tail
 
 
-def test_a_repeated_chunk_must_free_what_it_allocates():
-    with pytest.raises(ValueError, match="leaves a key it allocated live"):
-        replay([("repeat", (("alloc", "a", 1), ("alloc", "b", 1), ("free", "a")), 3)])
-    with pytest.raises(ValueError, match="expected \\('repeat', chunk, count\\)"):
-        replay([("repeat", ())])
-    with pytest.raises(ValueError, match="kind 'repeat'"):  # no repeat inside a repeat
-        replay([("repeat", (("repeat", (), 1),), 2)])
+def test_a_cycle_replays_as_written_out_and_stops_once_the_allocator_loops():
+    import engine.memory.allocator as allocator
+
+    for in_flight, sizes, kept in ((1, [5 * MIB], 0), (4, [12 * MIB, 700, 3 * MIB], 0), (3, [30 * MIB], 40 * MIB),
+                                   (8, [9 * MIB, 2 * MIB], 20 * MIB)):
+        for n in (1, 2, 7, 300):
+            ev = _pipeline(in_flight, sizes, kept, n)
+            for es in (False, True):
+                ran = []
+                real = allocator._replay_into
+                allocator._replay_into = lambda a, e, live, at, ran=ran, real=real: (ran.append(at),
+                                                                                     real(a, e, live, at))
+                try:
+                    fast = replay(ev, expandable_segments=es)
+                finally:
+                    allocator._replay_into = real
+                assert fast == replay(_written_out(ev), expandable_segments=es), (in_flight, sizes, kept, n, es)
+                if n == 300 and not es:
+                    assert ran.count(len(ev) - 1 - len(sizes) * in_flight) < 60  # periods run of 300
+
+
+def test_a_cycle_is_checked_like_any_event():
+    with pytest.raises(ValueError, match="expected \\('cycle', chunk, count, delta, keys\\)"):
+        replay([("cycle", (), 2)])
+    with pytest.raises(ValueError, match="kind 'cycle'"):  # no cycle inside a cycle
+        replay([("cycle", (("cycle", (), 1, 1, _Shift),), 2, 1, _Shift)])
     with pytest.raises(AllocatorOutOfMemory) as exc:
-        replay([("alloc", 0, MIB), ("repeat", (("alloc", 1, 50 * MIB), ("free", 1)), 2)], capacity=40 * MIB)
+        replay([("alloc", 0, MIB), ("cycle", (("alloc", 1, 50 * MIB), ("free", 1)), 2, 0, _Shift)], capacity=40 * MIB)
     assert exc.value.event_index == 1
 
 
-CHUNK = st.lists(st.tuples(SIZES, st.integers(min_value=0, max_value=1), st.integers(min_value=0, max_value=3)),
-                 min_size=1, max_size=12)
-
-
 @PROPS
-@given(OPS, CHUNK, st.integers(min_value=1, max_value=6), st.booleans(),
-       st.one_of(st.none(), st.integers(min_value=60, max_value=400)))
-def test_prop_repeated_chunks_replay_as_written_out(ops, chunk, n, expandable, cap_mib):
-    """A chunk of allocations (each freed some steps later, all by the chunk's end) repeated n times
-    after an arbitrary prefix gives the stats of the chunk written out n times (or the same error)."""
+@given(OPS, st.integers(min_value=1, max_value=5), st.lists(SIZES, min_size=1, max_size=4),
+       st.sampled_from([0, 0, 700, 3 * MIB, 24 * MIB]), st.integers(min_value=1, max_value=40), st.booleans(),
+       st.one_of(st.none(), st.integers(min_value=200, max_value=2000)))
+def test_prop_cycles_replay_as_written_out(ops, in_flight, sizes, kept, n, expandable, cap_mib):
+    """A steady state of n periods after an arbitrary prefix (microbatches in flight freed in order,
+    a transient, maybe a lasting tensor each period) gives the stats of its periods written out, or
+    the same error."""
     prefix, live = [], []
     for k, op in enumerate(ops):
         if op[0] == "alloc":
@@ -489,20 +535,12 @@ def test_prop_repeated_chunks_replay_as_written_out(ops, chunk, n, expandable, c
             live.append(k)
         elif op[0] == "free" and live:
             prefix.append(("free", live.pop(op[1] % len(live))))
-    body, pending = [], []
-    for k, (size, stream, hold) in enumerate(chunk):
-        body.append(("alloc", ("c", k), size, stream))
-        pending.append((k + hold, ("c", k)))
-        for due, key in [p for p in pending if p[0] <= k]:
-            body.append(("free", key))
-            pending.remove((due, key))
-    body.extend(("free", key) for _, key in pending)
-    ev = prefix + [("repeat", tuple(body), n)] + [("alloc", "after", 3 * MIB)]
+    ev = prefix + _pipeline(in_flight, sizes, kept, n) + [("alloc", "after", 3 * MIB)]
     kw = dict(expandable_segments=expandable, capacity=None if cap_mib is None else cap_mib * MIB)
     outcomes = []
-    for events in (ev, _expanded(ev)):
+    for events in (ev, _written_out(ev)):
         try:
             outcomes.append(replay(events, **kw))
         except AllocatorOutOfMemory as exc:
-            outcomes.append(("oom", exc.requested))
+            outcomes.append(("oom", exc.requested, exc.allocated, exc.reserved))
     assert outcomes[0] == outcomes[1]

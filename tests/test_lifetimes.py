@@ -363,10 +363,9 @@ def test_repeated_events_are_cached():
 @pytest.mark.parametrize("training", [{"recompute": "none"}, {"recompute": "full"}, {"recompute": "selective-op"},
                                       {"recompute": "selective-layer", "compile": True}])
 def test_repeating_microbatches_replay_once_and_reserve_the_same(training):
-    """On a one-stage rank the microbatches after the second lay the same events: the
-    replay runs them as one repeated chunk, until the allocator's state repeats, and reserves what the
-    events written out reserve (with and without expandable segments, and against a capacity that
-    makes the allocator release its cache)."""
+    """On a one-stage rank the microbatches after the first backward lay the same events up to their
+    keys: they are one cycle, and the replay reserves what the events written out reserve (with and
+    without expandable segments, and against a capacity that makes the allocator release its cache)."""
     for par in ({"dp": 8, "zero": 3, "microbatches": 16}, {"dp": 4, "tp": 2, "zero": 2, "microbatches": 8},
                 {"dp": 8, "microbatches": 6}):
         for es in (False, True):
@@ -375,12 +374,66 @@ def test_repeating_microbatches_replay_once_and_reserve_the_same(training):
             r = memory_per_rank(c).per_rank[0]
             sig = r._body.timeline._event_signature()
             flat, packed = allocation_events(sig), replay_events(sig)
-            repeats = [e for e in packed if e[0] == "repeat"]
-            # all but the first (no gradient yet) and the second (the first after it): the last is the same
-            assert len(repeats) == 1 and repeats[0][2] == par["microbatches"] - 2
+            cycles = [e for e in packed if e[0] == "cycle"]
+            # every microbatch but the first (its backward lays what lives from then on), and at most the last
+            assert len(cycles) == 1 and cycles[0][2] >= par["microbatches"] - 2 and cycles[0][3] == 1
             assert len(packed) < len(flat)
             for cap in (None, r.allocated + 2**30, r.reserved):
                 assert _replayed(packed, es, cap) == _replayed(flat, es, cap)
+
+
+@pytest.mark.parametrize("schedule, v", [("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2),
+                                         ("ZBVZeroBubble", 2), ("DualPipeV", 2), ("GPipe", 1), ("LoopedBFS", 2)])
+def test_a_pipeline_ranks_steady_state_is_one_cycle_and_reserves_the_same(schedule, v):
+    """Under pipelining a rank's steady state repeats its periods with every microbatch shifted (the
+    last stage adding its kept outputs): one cycle, which the replay stops running once the allocator
+    loops; every rank reserves what its events written out reserve, with and without expandable
+    segments, and against capacities that make the allocator release its cache or run out."""
+    looped = 0
+    for m, recompute in ((24, "none"), (40, "full")):
+        c = _cfg({"tp": 2, "pp": 4, "zero": 2, "schedule": schedule, "virtual_stages": v, "microbatches": m},
+                 gpus=8, preset="llama3-8b", training={"precision": "bf16-mixed", "recompute": recompute})
+        for es in (False, True):
+            c = c.replace(conventions={"expandable_segments": es})
+            for g in memory_per_rank(c).distinct_groups():
+                r = g.first
+                sig = r._body.timeline._event_signature()
+                flat, packed = allocation_events(sig), replay_events(sig)
+                looped += any(e[0] == "cycle" for e in packed)
+                for cap in (None, r.allocated + 2**30, r.reserved, r.allocated):
+                    assert _replayed(packed, es, cap) == _replayed(flat, es, cap), (m, es, r.rank, cap)
+    assert looped >= (4 if schedule not in ("GPipe", "LoopedBFS") else 0)
+
+
+def test_a_thousand_microbatches_replay_in_a_few_periods():
+    """The steady state of 1,024 microbatches costs the replay the periods until the allocator loops
+    (about the microbatches in flight), not 1,024: a rank's reserve is found in milliseconds and equals
+    the reserve of the same events with the cycle's periods written out."""
+    import engine.memory.allocator as allocator
+
+    c = _cfg({"tp": 8, "pp": 8, "zero": 2, "schedule": "DualPipeV", "virtual_stages": 2, "microbatches": 1024},
+             preset="llama3-8b", cluster="h100-pod-64", training={"precision": "bf16-mixed", "recompute": "full"})
+    r = memory_per_rank(c).per_rank[-1]  # the last stage: every microbatch's kept outputs grow its reserve
+    sig = r._body.timeline._event_signature()
+    packed = replay_events(sig)
+    (cycle,) = [e for e in packed if e[0] == "cycle"]
+    assert cycle[2] > 1000
+    ran = []
+    real = allocator._replay_into
+    try:
+        allocator._replay_into = lambda a, ev, live, at: (ran.append(at), real(a, ev, live, at))
+        fast = allocator.replay(packed)
+    finally:
+        allocator._replay_into = real
+    assert ran.count(packed.index(cycle)) < 300  # of 1,015 periods
+    written = []
+    for e in packed:
+        if e[0] == "cycle":
+            for k in range(e[2]):
+                written.extend((x[0], e[4].shift(x[1], k * e[3])) + x[2:] for x in e[1])
+        else:
+            written.append(e)
+    assert fast == allocator.replay(written)
 
 
 def _replayed(events, expandable_segments, capacity):
@@ -464,3 +517,58 @@ def test_the_loss_side_lives_from_after_the_blocks_forward_to_before_the_blocks_
         assert "log_probabilities" in kinds
     else:
         assert not set(kinds) & HEAD_KINDS and "log_probabilities" in {t.kind for t in r.catalogue("activations")}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_pipelines_reserve_what_their_events_written_out_reserve(seed):
+    """Random pipelined layouts (presets, schedules, pp, virtual stages, microbatches, TP, ZeRO,
+    precision, recompute, sequence length, expandable segments): every distinct rank's replay of its
+    compressed events (steady state as one cycle) equals the replay of its events written out, at no
+    capacity and at capacities that make the allocator release its cache or run out."""
+    import random
+
+    rng = random.Random(seed)
+    checked = 0
+    while checked < 12:
+        model = rng.choice(["tiny", "llama3-8b", "deepseek-v3", "gpt-oss-20b", "llama3-70b"])
+        pp = rng.choice([2, 3, 4, 8])
+        schedule = rng.choice(["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+        v = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else (1 if schedule == "1F1B" else rng.choice([1, 2, 3]))
+        tp = rng.choice([1, 2])
+        raw = {"model": {"preset": model} | ({} if model == "tiny" else {"seq_len": rng.choice([256, 1024, 4096])}),
+               "cluster": {"gpu": rng.choice(["h100-sxm", "a100-80g", "mi300x"]), "gpus": pp * tp * rng.choice([1, 2])},
+               "parallel": {"tp": tp, "pp": pp, "virtual_stages": v, "schedule": schedule,
+                            "microbatches": rng.choice([pp * v, 2 * pp * v, 24, 40, 64]), "zero": rng.choice([0, 1, 2, 3])},
+               "training": {"precision": rng.choice(["bf16-mixed", "fp32"]), "micro_batch_size": rng.choice([1, 2, 4]),
+                            "recompute": rng.choice(["none", "full", "selective", "selective-op"])},
+               "conventions": {"expandable_segments": rng.random() < 0.3}}
+        try:
+            c = Config.from_dict(raw)
+        except ConfigError:
+            continue
+        es = c.conventions.expandable_segments
+        for g in memory_per_rank(c).distinct_groups():
+            r = g.first
+            sig = r._body.timeline._event_signature()
+            for cap in (None, r.allocated + 2**30, r.reserved, r.allocated):
+                assert _replayed(replay_events(sig), es, cap) == _replayed(allocation_events(sig), es, cap), (raw, r.rank)
+        checked += 1
+
+
+@pytest.mark.parametrize("dp, extra", [(8, {}), (64, {"conventions": {"allocator_slack_fraction": 0.0}}),
+                                       (16, {"training": {"precision": "bf16-mixed", "optimizer": "sgd-momentum"}})])
+def test_step_tensors_in_segments_of_their_own_replay_as_nothing_and_reserve_the_same(dp, extra):
+    """ZeroRedundancyOptimizer gives each dp-rank its own share: the ranks differ only in that step
+    tensor, which fills a segment of its own, so replayed_reserve replays them once and adds each
+    one's segment back; that equals replaying each rank's own events (at no capacity, at capacities
+    that make the allocator release its cache, and below what the step tensors alone need)."""
+    from engine.memory.overhead import _replayed_reserve, replayed_reserve
+
+    c = _cfg({"dp": dp, "zero": 1, "pp": 2, "schedule": "1F1B", "microbatches": 4}, gpus=2 * dp, preset="llama3-8b",
+             training={"precision": "fp32"} | extra.get("training", {}), conventions=extra.get("conventions", {}))
+    rep = memory_per_rank(c)
+    assert len(rep.groups) > 2  # dp-ranks of different shares
+    for g in rep.groups:
+        sig = g.first._body.timeline._event_signature()
+        for cap in (None, g.first.allocated + 2**30, g.first.reserved, g.first.allocated, 2**30):
+            assert replayed_reserve(sig, False, cap) == _replayed_reserve.__wrapped__(sig, False, cap)

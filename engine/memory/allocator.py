@@ -66,13 +66,14 @@ allocator may reserve: the card's memory less whatever the CUDA context and libr
 Out of memory raises :class:`AllocatorOutOfMemory` (a ``MemoryError``) with torch's wording
 and the state at that moment, after the retries above, as torch raises ``OutOfMemoryError``.
 
-Speed: free blocks live in per-(stream, pool) lists of integer keys ``size << 64 | address``,
+Speed: free blocks live in per-(stream, pool) lists of integer keys ``size << 128 | address``,
 kept sorted with ``bisect`` (best fit is one ``bisect_left``); no malloc or free scans the
 blocks (see ``benchmarks/bench_allocator.py``).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from bisect import bisect_left, insort
 from collections.abc import Iterable
@@ -285,14 +286,105 @@ class CachingAllocator:
     def live_handles(self) -> int:
         return len(self._live)
 
-    def state(self) -> tuple:
-        """What the allocator's next calls depend on, comparable: the counters, the segments' address
-        space, each pool's cached and unmapped blocks, and the live blocks (not which handle holds
-        which, nor the peaks). Equal states answer the same calls the same way."""
-        return (self._allocated, self._reserved, self._next_addr,
-                tuple((k, tuple(p.keys), tuple(p.unmapped)) for k, p in self._pools.items()),
-                tuple(sorted((b.addr, b.size) for b in self._live.values() if b is not None)),
-                sum(1 for b in self._live.values() if b is None))
+    def relative_state(self, live: dict, name, lasting, smallest: dict | None = None) -> tuple[tuple, list]:
+        """What the allocator's next calls depend on, with addresses as (segment ordinal, offset) and
+        each live block named ``name(key)`` for the key ``live`` (key -> handle) holds it under; and the
+        inert segments left out of it, first blocks in address order.
+
+        A segment is inert when every block allocated in it holds a key ``lasting(key)`` says stays
+        allocated and every cached block in it is smaller than any request to come in its pool
+        (``smallest``: (stream, small pool) -> the least rounded request; a pool with none: every
+        cached block is): nothing in it can be handed out, freed, merged or released (segment
+        addresses only grow, so the other segments' ordinals keep their order; only the room left
+        under a capacity depends on it, which the caller checks). Its bytes are taken off the
+        counters. Equal relative states answer the same calls the same way, up to inert segments and
+        the names of the keys."""
+        smallest = smallest or {}
+        key_of = {}
+        empty = []
+        for key, h in live.items():
+            b = self._live.get(h)
+            if b is None:
+                empty.append(repr(name(key)))
+            else:
+                key_of[id(b)] = key
+        heads = sorted(self._segment_heads(), key=lambda b: b.addr)
+        segments, inert, dropped, dropped_a = [], [], 0, 0
+        for head in heads:
+            blocks, b, still, held = [], head, head.seg is None, 0
+            while b is not None:
+                if b.allocated:
+                    key = key_of[id(b)]
+                    still = still and lasting(key)
+                    held += b.size
+                    blocks.append((b.addr - head.addr, b.size, True, b.mapped, b.pool.stream, b.pool.is_small, name(key)))
+                else:
+                    still = still and b.size < smallest.get((b.pool.stream, b.pool.is_small), b.size + 1)
+                    blocks.append((b.addr - head.addr, b.size, False, b.mapped, b.pool.stream, b.pool.is_small, None))
+                b = b.next
+            if still and held:
+                inert.append(head)
+                dropped += blocks[-1][0] + blocks[-1][1]
+                dropped_a += held
+            else:
+                segments.append(tuple(blocks))
+        state = (self._allocated - dropped_a, self._reserved - dropped, tuple(segments), tuple(sorted(empty)))
+        return state, inert
+
+    def _segment_heads(self) -> list[_Block]:
+        """The first block of every segment."""
+        return [b for b in (*self._free.values(), *self._unmapped.values(),
+                            *(b for b in self._live.values() if b is not None)) if b.prev is None]
+
+    def _copy_segment(self, head: _Block, key_of: dict, rename, live: dict) -> None:
+        """A new segment laid out as the one ``head`` starts (no expandable segment): its blocks' sizes,
+        allocated or cached, each allocated one held in ``live`` under ``rename(key_of[id(block)])``."""
+        size, b = 0, head
+        while b is not None:
+            size += b.size
+            b = b.next
+        base = self._take_addresses(size)
+        self._reserved += size
+        prev, b = None, head
+        while b is not None:
+            c = _Block(base + (b.addr - head.addr), b.size, b.pool)
+            c.prev = prev
+            if prev is not None:
+                prev.next = c
+            if b.allocated:
+                c.allocated = True
+                self._allocated += c.size
+                h = self._next_handle
+                self._next_handle = h + 1
+                self._live[h] = c
+                live[rename(key_of[id(b)])] = h
+            else:
+                self._free[c.addr] = c
+                insort(c.pool.keys, (c.size << _KEY_SHIFT) | c.addr)
+            prev, b = c, b.next
+
+    def _relocate(self, head: _Block) -> None:
+        """Move the segment ``head`` starts (no expandable segment) past every segment there is:
+        only the order of segment addresses means anything to the allocator (best fit's ties)."""
+        base = self._take_addresses(sum(b.size for b in self._blocks_of(head)))
+        offset = base - head.addr
+        for b in self._blocks_of(head):
+            if not b.allocated:
+                keys = b.pool.keys
+                del keys[bisect_left(keys, (b.size << _KEY_SHIFT) | b.addr)]
+                del self._free[b.addr]
+                b.addr += offset
+                self._free[b.addr] = b
+                insort(keys, (b.size << _KEY_SHIFT) | b.addr)
+            else:
+                b.addr += offset
+
+    @staticmethod
+    def _blocks_of(head: _Block):
+        b = head
+        while b is not None:
+            yield b
+            b = b.next
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the block structure is consistent (O(blocks); for tests):
@@ -369,9 +461,13 @@ class CachingAllocator:
                     if block is None:
                         self._out_of_memory(nbytes, size, stream)
 
-        # should_split / alloc_found_block
+        return self._hand_out(pool, block, size)
+
+    def _hand_out(self, pool: _Pool, block: _Block, size: int) -> int:
+        """``should_split`` / ``alloc_found_block``: hand out ``size`` bytes of ``block`` (its remainder
+        cached when it is worth splitting off); a handle to it."""
         remaining = block.size - size
-        if (remaining >= kMinBlockSize if (is_small or self.expandable_segments)
+        if (remaining >= kMinBlockSize if (pool.is_small or self.expandable_segments)
                 else (size < self._mss and remaining > kSmallSize)):
             rest = block
             block = _Block(rest.addr, size, pool, rest.seg)
@@ -679,7 +775,7 @@ class CachingAllocator:
             capacity=cap, stream=stream, stats=self.stats())
 
 
-_EVENT_KINDS = ("alloc", "free", "repeat")
+_EVENT_KINDS = ("alloc", "free", "cycle")
 
 
 def replay(events: Iterable[tuple], *, expandable_segments: bool = False,
@@ -688,12 +784,11 @@ def replay(events: Iterable[tuple], *, expandable_segments: bool = False,
 
     ``events``: ``("alloc", key, nbytes)`` or ``("alloc", key, nbytes, stream)`` and
     ``("free", key)``, in order; a key names one live allocation (any hashable). Allocations
-    still live at the end stay allocated. ``("repeat", chunk, count)``: the events of ``chunk``
-    (allocs and frees that free every key they allocate) ``count`` times in a row; once a run of
-    the chunk leaves the allocator as it found it, the next runs would too (the allocator is
-    deterministic) and reach no new peak, so they are not run. Raises ``ValueError`` for a
-    malformed event, a key allocated twice or freed while not live, a chunk that leaves a key
-    live; :class:`AllocatorOutOfMemory` (with ``event_index``) when a request does not fit in
+    still live at the end stay allocated. ``("cycle", chunk, count, delta, keys)``: the events of
+    ``chunk`` ``count`` times, each time with its keys shifted by ``delta`` more (a pipeline's steady
+    state; :func:`_replay_cycle` stops running them once the allocator loops, which is exact).
+    Raises ``ValueError`` for a malformed event, a key allocated twice or freed while not live;
+    :class:`AllocatorOutOfMemory` (with ``event_index``) when a request does not fit in
     ``capacity``."""
     alloc = CachingAllocator(expandable_segments=expandable_segments, capacity=capacity,
                              max_split_size=max_split_size)
@@ -703,7 +798,7 @@ def replay(events: Iterable[tuple], *, expandable_segments: bool = False,
 
 def _replay_into(alloc: CachingAllocator, events: Iterable[tuple], live: dict, at: int | None) -> None:
     """Replay ``events`` into ``alloc``, ``live`` mapping keys to handles; ``at``: the index of the
-    repeat event whose chunk these are (None: the top level, where repeats may appear)."""
+    cycle event whose chunk these are (None: the top level, where cycles may appear)."""
     malloc, free = alloc.malloc, alloc.free
     for i, ev in enumerate(events):
         kind = ev[0]
@@ -724,22 +819,125 @@ def _replay_into(alloc: CachingAllocator, events: Iterable[tuple], live: dict, a
             except KeyError:
                 raise ValueError(f"{_where(i, at)}: free of key {ev[1]!r}, which is not live") from None
             free(h)
-        elif kind == "repeat" and at is None:
+        elif kind == "cycle" and at is None:
             try:
-                _, chunk, count = ev
+                _, chunk, count, delta, keys = ev
             except ValueError:
-                raise ValueError(f"{_where(i, at)}: expected ('repeat', chunk, count), got {len(ev)} fields") from None
-            for _ in range(count):
-                before = alloc.state()
-                _replay_into(alloc, chunk, live, i)
-                if any(e[0] == "alloc" and e[1] in live for e in chunk):
-                    raise ValueError(f"{_where(i, at)}: the repeated chunk leaves a key it allocated live")
-                if alloc.state() == before:
-                    break  # the next runs would leave it so too, and peak where this one did
+                raise ValueError(f"{_where(i, at)}: expected ('cycle', chunk, count, delta, keys), "
+                                 f"got {len(ev)} fields") from None
+            _replay_cycle(alloc, chunk, count, delta, keys, live, i)
         else:
             allowed = _EVENT_KINDS if at is None else _EVENT_KINDS[:2]
             raise ValueError(f"{_where(i, at)}: kind {kind!r}; expected one of {allowed}")
 
 
+def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int, keys, live: dict, at: int) -> None:
+    """``("cycle", chunk, count, delta, keys)``: the events of ``chunk`` ``count`` times, the r-th time
+    with every key shifted by r·delta (``keys.shift(key, d)``; ``keys.shape(key)``: the key without
+    what shifts; ``keys.distance(a, b)``: the d that shifts a to b, or None; ``keys.shift_events(events,
+    d)``: events with their keys shifted). A pipeline's steady state:
+    each period allocates its microbatches' tensors, which a later period frees, and may allocate for
+    good what no period frees (the last stage's kept outputs: "lasting").
+
+    After each period whose usable free blocks' sizes are as an earlier period left them, the
+    allocator's relative state (``CachingAllocator.relative_state``: each live key named as it was in
+    the first period, inert segments — lasting tensors and cached blocks too small for any request of
+    a period — left out) is kept. When a period ends in a state an earlier one ended in, L periods
+    before, the allocator has entered a loop of L periods (best fit cycles through the blocks of the
+    microbatches in flight): every later run of L periods does exactly what the last L did, and adds
+    inert segments laid out as those the last L made inert. Those whole runs are not replayed: the
+    live keys are renamed to the last of them, copies of those inert segments are made past every
+    segment the loop started with, the segments the last L periods made that are still in use are
+    moved past the copies (where the last run would have made them; only the order of addresses
+    matters), and the peaks are the last L periods' plus the growth; the periods left over are
+    replayed. That is done only where the grown reserve stays within the capacity (which then never
+    binds) and no moved segment is an expandable one; else every period runs. Exact: equal to running them all (tests/test_allocator.py,
+    tests/test_lifetimes.py)."""
+    freed = {keys.shape(e[1]) for e in chunk if e[0] == "free"}
+
+    def lasting(key) -> bool:
+        return key is not None and keys.shape(key) not in freed
+
+    smallest: dict[tuple[int, bool], int] = {}  # per pool, the least request of a period: smaller cached blocks are of no use
+    for e in chunk:
+        if e[0] == "alloc" and e[2] > 0:
+            size = round_size(e[2])
+            pool = (e[3] if len(e) > 3 else 0, size <= kSmallSize)
+            smallest[pool] = min(smallest.get(pool, size), size)
+    # a key lives a whole number of periods (its free comes that many shifts later): where best fit
+    # rotates each shape's blocks with that period, the allocator loops in the lcm of those lives. The
+    # state is read every period at first (most loops are short), then every that many periods
+    frees = {keys.shape(e[1]): e[1] for e in chunk if e[0] == "free"}
+    every = 1
+    for e in chunk:
+        if e[0] == "alloc" and not lasting(e[1]) and delta:
+            d = keys.distance(frees[keys.shape(e[1])], e[1])  # the shift from the key freed to the key made
+            if d is not None and d > 0 and d % delta == 0:
+                every = math.lcm(every, d // delta)
+    if every * 3 > count:
+        every = 1
+    # the usable free blocks' sizes (cheap to read) first; a relative state only where they are as an
+    # earlier period left them
+    looks: set[tuple] = set()
+    seen: dict[tuple, tuple] | None = {}  # relative state -> (period, totals, inert heads, next address)
+    peaks: list[tuple[int, int]] = []
+    r = 0
+    while r < count:
+        d = r * delta
+        events = chunk if d == 0 else keys.shift_events(chunk, d)
+        top = (alloc._max_allocated, alloc._max_reserved)
+        alloc._max_allocated, alloc._max_reserved = alloc._allocated, alloc._reserved  # this period's peaks
+        _replay_into(alloc, events, live, at)
+        peak = (alloc._max_allocated, alloc._max_reserved)
+        alloc._max_allocated, alloc._max_reserved = max(top[0], peak[0]), max(top[1], peak[1])
+        peaks.append(peak)
+        # a state costs about what its live keys and blocks are, each a few times an event: read one only
+        # where replaying the periods left would cost much more
+        worth = len(chunk) * (count - r) > 16 * (len(live) + len(alloc._free) + len(alloc._live))
+        look = (tuple((k, tuple(x >> _KEY_SHIFT for x in p.keys if x >> _KEY_SHIFT >= smallest.get(k, 0)),
+                       len(p.unmapped)) for k, p in alloc._pools.items())
+                if worth and (r < 24 or r % every == 0) else None)
+        if look is None or seen is None or r + 1 >= count:
+            pass
+        elif look not in looks:
+            looks.add(look)
+        else:
+            state, inert = alloc.relative_state(live, lambda k, d=d: k if lasting(k) else keys.shift(k, -d), lasting,
+                                                smallest)
+            now = (alloc._allocated, alloc._reserved)
+            hit = seen.get(state)
+            if hit is None:
+                seen[state] = (r, now, {id(h) for h in inert}, alloc._next_addr)
+            else:
+                loop = r - hit[0]
+                runs = (count - 1 - r) // loop
+                grew_a, grew_r = now[0] - hit[1][0], now[1] - hit[1][1]
+                top_a = max(p[0] for p in peaks[-loop:]) + runs * grew_a
+                top_r = max(p[1] for p in peaks[-loop:]) + runs * grew_r
+                new = [h for h in inert if id(h) not in hit[2]]
+                inert_ids = {id(h) for h in inert}
+                recent = sorted((h for h in alloc._segment_heads() if h.addr >= hit[3] and id(h) not in inert_ids),
+                                key=lambda h: h.addr)
+                if (runs and all(h.seg is None for h in recent)
+                        and (alloc.capacity is None or top_r <= alloc.capacity)):
+                    skip = runs * loop
+                    key_of = {id(alloc._live[h]): k for k, h in live.items() if alloc._live[h] is not None}
+                    # each skipped run makes inert segments laid out as this one's, past every segment the
+                    # loop started with; the segments this run made that are still in use come after them
+                    for q in range(1, runs + 1):
+                        for h in new:
+                            alloc._copy_segment(h, key_of, lambda k, n=q * loop * delta: keys.shift(k, n), live)
+                    for h in recent:
+                        alloc._relocate(h)
+                    moved = [(k, live.pop(k)) for k in list(live) if not lasting(k)]
+                    for k, h in moved:
+                        live[keys.shift(k, skip * delta)] = h
+                    alloc._max_allocated = max(alloc._max_allocated, top_a)
+                    alloc._max_reserved = max(alloc._max_reserved, top_r)
+                    r += skip
+                    seen = None  # fewer than a loop's periods are left: they run
+        r += 1
+
+
 def _where(i: int, at: int | None) -> str:
-    return f"events[{i}]" if at is None else f"events[{at}] (a repeated chunk's event {i})"
+    return f"events[{i}]" if at is None else f"events[{at}] (a cycle's event {i})"

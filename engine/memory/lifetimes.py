@@ -379,8 +379,10 @@ def peak_of(sig: Signature) -> Peak:
     head = sig.head_bytes or (0,) * len(sig.unit_bytes)
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
-    w = np.array(body + head + iwb + (sig.output_bytes,) + sig.transient_bytes, dtype=np.int64)
-    live = mo.matrix @ w
+    w = body + head + iwb + (sig.output_bytes,) + sig.transient_bytes
+    # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
+    big = max(map(abs, w), default=0) > 2**40
+    live = mo.matrix @ np.array(w, dtype=object if big else np.int64)
     if sig.end_freed:
         live = live - np.where(mo.phase == END, sig.end_freed, 0)
     i = int(np.argmax(live))
@@ -652,12 +654,13 @@ def allocation_events(event_signature: tuple) -> tuple:
 
 @lru_cache(maxsize=1024)
 def replay_events(event_signature: tuple) -> tuple:
-    """``allocation_events`` as the allocator replays them: with a :class:`Grain` and one stage
-    (pp = 1), a run of microbatches that repeat one another is one ``("repeat", chunk, count)``
-    event (see ``_fine_events``; ``engine.memory.allocator.replay`` runs the chunk until the
-    allocator's state repeats, which is exact). Otherwise the events themselves."""
+    """``allocation_events`` as the allocator replays them: with a :class:`Grain`, the rank's steady
+    state (the periods of microbatches that repeat one another up to a microbatch shift) is one
+    ``("cycle", chunk, count, shift, keys)`` event (see ``_fine_events``;
+    ``engine.memory.allocator.replay`` skips the periods once the allocator loops, which is exact).
+    Otherwise the events themselves."""
     sig, rows = event_signature[:2]
-    if len(event_signature) > 2 and event_signature[2] is not None and sig.pp == 1:
+    if len(event_signature) > 2 and event_signature[2] is not None:
         return _fine_events(sig, rows, event_signature[3], event_signature[2], compress=True)
     return allocation_events(event_signature)
 
@@ -730,15 +733,102 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     return tuple(ev)
 
 
+class MicrobatchKeys:
+    """How ``_fine_events`` names what a microbatch allocates, for the allocator's ``("cycle", ...)``:
+    the keys tagged "mb" (a stage-microbatch's saved tensors), "iw" (what an I keeps for its W) and
+    "out" (the last stage's kept outputs) carry the microbatch at index 2; every other key is either
+    freed within its moment (named by the moment: a period's own) or the step's (never shifted)."""
+
+    TAGS = frozenset({"mb", "iw", "out"})
+
+    @staticmethod
+    def shift(key, d: int):
+        if d and key.__class__ is tuple and key[0] in MicrobatchKeys.TAGS:
+            return key[:2] + (key[2] + d,) + key[3:]
+        return key
+
+    @staticmethod
+    def shape(key):
+        if key.__class__ is tuple and key and key[0] in MicrobatchKeys.TAGS:
+            return key[:2] + key[3:]
+        return key
+
+    @staticmethod
+    def shift_events(events: tuple, d: int) -> list:
+        """``events`` with every key shifted by ``d`` (``shift`` in one pass, for the replay's periods)."""
+        tags = MicrobatchKeys.TAGS
+        out = []
+        for e in events:
+            k = e[1]
+            if k.__class__ is tuple and k[0] in tags:
+                out.append((e[0], k[:2] + (k[2] + d,) + k[3:]) + e[2:])
+            else:
+                out.append(e)
+        return out
+
+    @staticmethod
+    def distance(a, b) -> int | None:
+        """The shift that makes key ``a`` key ``b`` (None: none does)."""
+        if MicrobatchKeys.shape(a) != MicrobatchKeys.shape(b):
+            return None
+        return b[2] - a[2] if a.__class__ is tuple and a[0] in MicrobatchKeys.TAGS else 0
+
+
+def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int, int, int, int]]:
+    """Where a rank's step may be in a steady state: windows (start, period, shift, count) such that
+    each of the ``count`` periods of ``period`` moments from ``start`` has the first period's moments
+    with every microbatch ``shift`` later — the same kinds, stages, phases and transient masks — all
+    after the rank's first backward; by start (the longest first). The periods tried are the
+    commonest distances between a stage's forwards one, two, pp and 2·pp apart (a microbatch a period,
+    or a round of an interleaved schedule: pp microbatches per stage). Moments that repeat are not
+    enough (a cooldown's backwards repeat as what they free shrinks): ``_fine_events`` checks the
+    window's first period against its state."""
+    kind, stage, mb, phase, masks = mo.kind, mo.stage, mo.microbatch, mo.phase, mo.masks
+    n = len(kind)
+    forwards = np.flatnonzero((kind == _F) & (phase == ACTION))
+    forwards = forwards[forwards > first_backward]
+    if len(forwards) < 3:
+        return []
+    candidates: dict[tuple[int, int], int] = {}
+    for st in np.unique(stage[forwards]).tolist():
+        f = forwards[stage[forwards] == st]
+        for lag in sorted({1, 2, pp, 2 * pp}):
+            if lag >= len(f):
+                continue
+            key = (f[lag:] - f[:-lag]) * (1 << 32) + (mb[f[lag:]] - mb[f[:-lag]])
+            values, counts = np.unique(key, return_counts=True)
+            top = int(values[np.argmax(counts)])
+            candidates[(top >> 32, top & 0xFFFFFFFF)] = max(candidates.get((top >> 32, top & 0xFFFFFFFF), 0),
+                                                            int(counts.max()))
+    bits = masks @ (1 << np.arange(masks.shape[1], dtype=np.int64))
+    sig = ((kind.astype(np.int64) * 8 + phase) << 32) + (stage.astype(np.int64) << 16) + bits
+    windows, tried = [], set()
+    for (period, shift), _ in sorted(candidates.items(), key=lambda c: -c[1]):
+        if shift <= 0 or (period, shift) in tried or n - period <= first_backward + 2:
+            continue
+        tried.add((period, shift))
+        i = np.arange(first_backward + 2, n - period)  # from the moment after the one laying what lives from then on
+        ok = (sig[i] == sig[i + period]) & (mb[i + period] - mb[i] == shift)
+        # the runs of moments that repeat one period later
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], ok.view(np.int8), [0]))))
+        for lo, hi in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            count = (hi - lo) // period + 1
+            if count >= 3:
+                windows.append((int(i[lo]), period, shift, count))
+    return sorted(windows, key=lambda w: (w[0], -w[1] * w[3]))
+
+
 def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compress: bool = False) -> tuple:
     """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
     saved bytes of its blocks, its log-probabilities and the rest of its loss side, one microbatch each.
 
-    ``compress`` (one stage only: each microbatch's F, loss and B form a period that frees all it
-    allocates): where a period starts in the same state as the period before it (the same live
-    tensors) and has the same moments (kinds, phases, transient masks), it lays the same events up
-    to their keys, and so do the next periods with those moments; they become one
-    ``("repeat", chunk, count)`` of the previous period's events (keys wrapped as ``("rep", key)``)."""
+    ``compress``: the rank's steady state (``_steady_window``: periods of moments that repeat the
+    first with every microbatch shifted) is laid once. Where the generator's state at the end of the
+    first period is its state at the start with every key of a microbatch shifted (``MicrobatchKeys``;
+    the last stage's kept outputs only added, and every event-only transient laid in it still within
+    the peak with all the periods' outputs), every later period lays the same events with its keys
+    shifted; the window becomes one ``("cycle", chunk, count, shift, MicrobatchKeys)`` of the first
+    period's events, which ``engine.memory.allocator.replay`` runs until the allocator loops."""
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     peak = peak_of(sig).bytes
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
@@ -757,10 +847,22 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
         ev.append(("free", key))
         live -= size.pop(key)
 
+    slack = peak  # the least room an event-only transient left under the peak (since the steady trial began)
+
+    def fits(n: int, ahead: int) -> bool:
+        """Whether an event-only tensor of ``n`` bytes (with ``ahead`` bytes allocated while it lives)
+        keeps the live bytes within the peak; records the room it leaves."""
+        nonlocal slack
+        room = peak - (live + n + ahead)
+        if n > 0 and room >= 0:
+            slack = min(slack, room)
+            return True
+        return False
+
     def transient(key, n: int, ahead: int = 0) -> bool:
         """An event-only tensor (no term holds it): laid only where the live bytes stay within the peak,
         with the ``ahead`` bytes that are allocated while it lives."""
-        if n > 0 and live + n + ahead <= peak:
+        if fits(n, ahead):
             alloc(key, n)
             return True
         return False
@@ -784,27 +886,60 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
     n_moments = len(kinds)
-    starts = _period_starts(kinds, phases) if compress and sig.pp == 1 else []
-    period_at = {b: k for k, b in enumerate(starts)}
-    previous = None  # (period index, its first event, the generator's state at its start)
+    windows = _steady_windows(mo, first_backward, sig.pp) if compress else []
+    steady = trial = None  # the window being tried; (its first event, the generator's state at its start)
+
+    def state() -> tuple:
+        """The generator's state: live bytes, the live keys (the last stage's kept outputs apart), the
+        kept outputs, whether what lives from the first backward on is laid, the stage-microbatches'
+        saved tensors and loss sides."""
+        return (live, {k: n for k, n in size.items() if k[0] != "out"}, {k: n for k, n in size.items() if k[0] == "out"},
+                late_done, {k: [list(x) for x in v] for k, v in held.items()}, {k: list(v) for k, v in heads.items()})
+
+    def shifted(st: tuple, d: int) -> tuple:
+        sh = MicrobatchKeys.shift
+        return (st[0], {sh(k, d): n for k, n in st[1].items()}, st[2], st[3],
+                {(s, m + d): [[sh(k, d) for k in x] for x in v] for (s, m), v in st[4].items()},
+                {(s, m + d): [sh(k, d) for k in v] for (s, m), v in st[5].items()})
+
     nxt = 0
     while nxt < n_moments:
         i = nxt
-        k = period_at.get(i)
-        if k is not None:
-            state = (live, frozenset(size), late_done, bool(held), bool(heads))
-            if (previous is not None and previous[2] == state and k + 1 < len(starts)
-                    and _same_period(kinds, phases, masks, starts, previous[0], k, first_backward)):
-                count = 1
-                while k + count + 1 < len(starts) and _same_period(kinds, phases, masks, starts, previous[0],
-                                                                    k + count, first_backward):
-                    count += 1
-                chunk = tuple((e[0], ("rep", e[1])) + e[2:] for e in ev[previous[1]:])
-                ev.append(("repeat", chunk, count))
-                nxt = starts[k + count]
-                previous = None  # the state is the same; the next period compares from scratch
-                continue
-            previous = (k, len(ev), state)
+        if steady is None and windows and windows[0][0] <= i:
+            while windows and windows[0][0] < i:  # windows passed while another was tried
+                windows.pop(0)
+            if windows:
+                steady = windows.pop(0)
+                trial = (len(ev), state())
+                slack = peak
+        if steady is not None:
+            start, period, shift, count = steady
+            if i == start + period:
+                steady = None
+                before, now = shifted(trial[1], shift), state()
+                kept = {k: n for k, n in now[2].items() if k not in before[2]}  # the period's kept outputs
+                growth = sum(kept.values())
+                if (now[0] == before[0] + growth and now[1:2] + now[3:] == before[1:2] + before[3:]
+                        and before[2].items() <= now[2].items() and slack >= (count - 1) * growth):
+                    # every later period lays these events with its keys shifted (its kept outputs only
+                    # add to the live bytes, and leave every event-only transient within the peak): one cycle
+                    chunk = tuple(ev[trial[0]:])
+                    del ev[trial[0]:]
+                    ev.append(("cycle", chunk, count, shift, MicrobatchKeys))
+                    after = shifted(trial[1], count * shift)
+                    live = after[0] + count * growth
+                    size.clear()
+                    size.update(after[1])
+                    size.update(after[2])
+                    for r in range(count):
+                        size.update((MicrobatchKeys.shift(k, r * shift), n) for k, n in kept.items())
+                    late_done = after[3]
+                    held.clear()
+                    held.update(after[4])
+                    heads.clear()
+                    heads.update(after[5])
+                    nxt = start + count * period
+                    continue
         kind, stage, mb, mask, phase = kinds[i], stages[i], mbs[i], masks[i], phases[i]
         nxt = i + 1
         if phase == END and accumulated:  # reduced and dropped by the end of the backward
@@ -870,7 +1005,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                             key = ("mb", stage, mb, b, idx)
                             alloc(key, n)
                             block_keys.append(key)
-                    elif n > 0 and live + n + ahead <= peak:  # an event-only transient, within the peak
+                    elif fits(n, ahead):  # an event-only transient, within the peak
                         key = ("fwd", i, b, pos)
                         alloc(key, n)
                         window.append((pos, key))
@@ -955,24 +1090,6 @@ def _block_plan(share: int, walk: list, grain: Grain) -> tuple:
         else:
             out.append((False, grain.work[idx], sum(pieces[k] for sv, k in walk[pos + 1:pos + 3] if sv), idx))
     return tuple(out)
-
-
-def _period_starts(kinds: list, phases: list) -> list[int]:
-    """The moments at which a one-stage rank's microbatch periods start (each F's own moment), and
-    the step's last moment (the end of the backward, or one past the last moment)."""
-    starts = [i for i, (k, ph) in enumerate(zip(kinds, phases)) if k == _F and ph == ACTION]
-    end = len(kinds) - 1 if kinds and phases[-1] == END else len(kinds)
-    return starts + [end] if starts else []
-
-
-def _same_period(kinds: list, phases: list, masks: list, starts: list, a: int, b: int, first_backward: int) -> bool:
-    """Whether periods a and b (indices into ``starts``) have the same moments, neither holding the
-    rank's first backward (where what lives from it on is allocated)."""
-    lo_a, hi_a, lo_b, hi_b = starts[a], starts[a + 1], starts[b], starts[b + 1]
-    if hi_a - lo_a != hi_b - lo_b or lo_a <= first_backward < hi_a or lo_b <= first_backward < hi_b:
-        return False
-    return (kinds[lo_a:hi_a] == kinds[lo_b:hi_b] and phases[lo_a:hi_a] == phases[lo_b:hi_b]
-            and masks[lo_a:hi_a] == masks[lo_b:hi_b])
 
 
 def _first_backward(kinds: list, phases: list) -> int:

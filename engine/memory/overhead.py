@@ -18,7 +18,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from engine.config import Config
-from engine.memory.allocator import AllocatorOutOfMemory, replay
+from engine.memory.allocator import (
+    AllocatorOutOfMemory,
+    get_allocation_size,
+    kMinLargeAlloc,
+    kSmallSize,
+    replay,
+    round_size,
+)
 from engine.memory.lifetimes import replay_events
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
@@ -119,10 +126,38 @@ def reserved_bytes(cfg: Config, timeline, allocated: int, snapshot: dict) -> int
     return max(replayed, allocated + slack)
 
 
-@lru_cache(maxsize=1024)
 def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int | None) -> int:
     """``max_reserved`` of one rank's step replayed through the caching allocator (cached on the
-    rank's event signature: identical ranks and repeated slider positions replay once)."""
+    rank's event signature: identical ranks and repeated slider positions replay once).
+
+    A step tensor (allocated before anything else, never freed) that fills a segment of its own
+    (at least 10 MiB, its segment's rounding left unsplit: ``get_allocation_size`` less its size at
+    most 1 MiB) takes part in nothing: no later request can use its segment, and it is never
+    released. So it is replayed as nothing, the capacity less its segment, and its segment added
+    back: ranks that differ only in such tensors (the dp-ranks' ZeroRedundancyOptimizer shares)
+    replay once. (Not with expandable segments: there it shares its stream's segment.)"""
+    sig, rows = event_signature[:2]
+    inert = 0
+    if not expandable_segments:
+        kept = []
+        for life, nbytes, stream in rows:
+            size = round_size(nbytes) if nbytes > 0 else 0
+            if life == "step" and size >= kMinLargeAlloc and get_allocation_size(size) - size <= kSmallSize:
+                inert += get_allocation_size(size)
+                kept.append((life, 0, stream))
+                sig = sig._replace(step_bytes=sig.step_bytes - nbytes)
+            else:
+                kept.append((life, nbytes, stream))
+        if inert:
+            event_signature = (sig, tuple(kept)) + tuple(event_signature[2:])
+    if capacity is not None and capacity - inert <= 0:  # its own step tensors exceed the card: the reserve it needs
+        return _replayed_reserve(event_signature, expandable_segments, None) + inert
+    return _replayed_reserve(event_signature, expandable_segments,
+                             None if capacity is None else capacity - inert) + inert
+
+
+@lru_cache(maxsize=1024)
+def _replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int | None) -> int:
     events = replay_events(event_signature)
     if capacity is not None:
         # where the live bytes alone pass the capacity the allocator's retries cannot help: it runs out
