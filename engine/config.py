@@ -573,7 +573,7 @@ _LATENCY = Range(0, _ONE_SECOND_US, "a round trip across continents is ~100 ms (
 FIELD_RANGES: dict[str, Range] = {
     # ---- model: the largest published models are Llama 3 405B (126 layers, hidden 16384, 128
     # heads, FFN 53248), PaLM 540B (118 layers, hidden 18432, FFN 73728), Megatron 1T (hidden 25600)
-    "model.layers": Range(1, 4096, "DeepNet trained 1000 layers (Wang et al. 2022); LLMs stay under 200"),
+    "model.layers": Range(1, 1024, "DeepNet trained 1000 layers (Wang et al. 2022); LLMs stay under 200"),
     "model.hidden": Range(1, 131072, "5× the widest published dense model (Megatron-LM 1T, 25600)"),
     "model.heads": Range(1, 4096, "32× Llama 3 405B's 128 query heads"),
     "model.kv_heads": Range(1, 4096, "as model.heads (kv_heads divides heads)"),
@@ -585,7 +585,7 @@ FIELD_RANGES: dict[str, Range] = {
                              note="0 = hidden / heads"),
     "model.sliding_window": Range(0, 16777216, "as model.seq_len (Mistral 4096, gpt-oss 128)",
                                   note="0 = no sliding window"),
-    "model.full_attention_every": Range(0, 4096, "as model.layers (gpt-oss 2, Gemma 3 6)",
+    "model.full_attention_every": Range(0, 1024, "as model.layers (gpt-oss 2, Gemma 3 6)",
                                         note="0 = every block slides"),
     # ---- model, mixture of experts: DeepSeek-V3 has 256 routed experts of top-8, 58 MoE blocks
     "model.experts": Range(0, 1048576, "PEER (He 2024) routes over ~1M single-neuron experts; LLMs use 8–384",
@@ -593,7 +593,7 @@ FIELD_RANGES: dict[str, Range] = {
     "model.experts_per_token": Range(1, 4096, "top-k: 1 (Switch) to 8 (DeepSeek-V3, Qwen3); at most model.experts"),
     "model.expert_ffn_hidden": Range(0, 1048576, "as model.ffn_hidden", note="0 = model.ffn_hidden"),
     "model.shared_experts": Range(0, 4096, "DeepSeek-V3 has 1, DeepSeekMoE 16B 2, Qwen2-MoE 4 (as widths)"),
-    "model.dense_layers": Range(0, 4096, "as model.layers (DeepSeek-V3 leads with 3 dense blocks)"),
+    "model.dense_layers": Range(0, 1024, "as model.layers (DeepSeek-V3 leads with 3 dense blocks)"),
     "model.routed_scaling_factor": Range(0, 1e6, "DeepSeek-V3 scales routed outputs by 2.5", lo_open=True),
     "model.router_groups": Range(1, 1048576, "as model.experts (DeepSeek-V3: 8 groups of 32)", note="1 = no groups"),
     "model.router_topk_groups": Range(1, 1048576, "as model.router_groups (DeepSeek-V3: 4)"),
@@ -628,19 +628,20 @@ FIELD_RANGES: dict[str, Range] = {
     # heads, pp·virtual_stages ≤ layers), so their bounds are those fields' bounds
     "parallel.dp": Range(1, 1048576, "as cluster.gpus"),
     "parallel.tp": Range(1, 4096, "as model.heads (tp divides heads)"),
-    "parallel.pp": Range(1, 4096, "as model.layers (a stage needs a layer)"),
+    "parallel.pp": Range(1, 90, "pp ≤ model.layers and pp·model.layers ≤ 8192 (the engine lays every pipeline "
+                                "rank's warm-up): 90 stages of 90 layers; Megatron-LM's 1T model ran 64 stages"),
     "parallel.cp": Range(1, 1048576, "as cluster.gpus (dp·cp·tp·pp = gpus; model.seq_len is divisible by 2·cp)"),
     "parallel.zero": Range(0, max(names.ZERO_STAGES), "the ZeRO stages",
                            note="0 (DDP), 1, 2, 3 (FSDP full shard)"),
     "parallel.replicate": Range(1, 1048576, "as cluster.gpus (replicate divides dp)"),
-    "parallel.virtual_stages": Range(1, 2048, "pp ≥ 2 whenever virtual_stages > 1, and pp·virtual_stages ≤ "
-                                     "model.layers ≤ 4096"),
+    "parallel.virtual_stages": Range(1, 512, "pp ≥ 2 whenever virtual_stages > 1, and pp·virtual_stages ≤ "
+                                     "model.layers ≤ 1024"),
     "parallel.ep": Range(1, 1048576, "as model.experts (ep divides the experts of each MoE block)"),
-    "parallel.microbatches": Range(1, 65536, "gradient accumulation: DeepSeek-V3's 15360-sequence batch on one "
-                                   "replica, ×4"),
+    "parallel.microbatches": Range(1, 16384, "gradient accumulation: DeepSeek-V3's 15360-sequence batch on one "
+                                   "replica; pp·virtual_stages·microbatches ≤ 16384 too (the step is simulated)"),
     # ---- training
     "training.micro_batch_size": Range(1, 65536, "the largest batches trained (LAMB's 64k sequences) on one rank"),
-    "training.recompute_every": Range(1, 4096, "as model.layers (checkpoint every N-th block)"),
+    "training.recompute_every": Range(1, 1024, "as model.layers (checkpoint every N-th block)"),
     "training.lora_rank": Range(1, 131072, "as model.hidden (a rank beyond the adapted dimension is refused too)"),
     "training.lora_alpha": Range(0, 1e6, "alphas in use are 8–512; rsLoRA-style scales stay far below", lo_open=True,
                                  note="the adapter scale is alpha / rank"),
@@ -1096,18 +1097,47 @@ def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> No
     if s == "DualPipeV" and m < par.num_stages:
         p.append(Problem("parallel.microbatches", m,
                          f"schedule DualPipeV needs microbatches ≥ number of stages (2·pp = {par.num_stages})"))
-    if par.num_stages * m > MAX_STAGE_MICROBATCHES:
-        p.append(Problem("parallel.microbatches", m,
-                         f"pp·virtual_stages·microbatches = {par.num_stages}·{m} = {par.num_stages * m:,} exceeds "
-                         f"{MAX_STAGE_MICROBATCHES:,}: the engine simulates every forward and backward of the step, "
-                         f"and answers within a second up to that; allowed with {par.num_stages} stage(s): "
-                         f"1 … {MAX_STAGE_MICROBATCHES // par.num_stages}"))
+    values = {"parallel.pp": par.pp, "parallel.microbatches": m}
+    p.extend(Problem(field, values[field], why) for field, why in step_size_problems(s, par.pp, v, m, model.layers))
+
+
+def step_size_problems(schedule: str, pp: int, virtual_stages: int, microbatches: int,
+                       layers: int | None = None) -> list[tuple[str, str]]:
+    """Why a step is too long for the engine to simulate in about a second, as (field, why) (empty: it
+    is not). Read by validation and by the planner (``engine.schedules.schedule_problems``)."""
+    out = []
+    stages = pp * virtual_stages
+    if layers is not None and pp * layers > MAX_PP_LAYERS:
+        out.append(("parallel.pp", f"parallel.pp × model.layers = {pp}·{layers} = {pp * layers:,} exceeds {MAX_PP_LAYERS:,}: the "
+                   "engine lays each block of every pipeline rank's warm-up and cool-down, which no steady state "
+                   f"repeats; allowed with {layers} layers: pp ≤ {max(1, MAX_PP_LAYERS // layers)}"))
+    if schedule in ("GPipe", "LoopedBFS") and layers is not None and microbatches * layers > MAX_BREADTH_FIRST_BLOCKS:
+        out.append(("parallel.microbatches", f"schedule {schedule} runs every forward before any backward, so nothing of a step repeats and "
+                   f"the engine lays each block of each microbatch: microbatches × model.layers = {microbatches}·"
+                   f"{layers} = {microbatches * layers:,} exceeds {MAX_BREADTH_FIRST_BLOCKS:,}; allowed: 1 … "
+                   f"{max(1, MAX_BREADTH_FIRST_BLOCKS // layers)}, or a schedule with a steady state (1F1B, "
+                   "Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"))
+    if stages * microbatches > MAX_STAGE_MICROBATCHES:
+        out.append(("parallel.microbatches", f"pp·virtual_stages·microbatches = {stages}·{microbatches} = {stages * microbatches:,} exceeds "
+                   f"{MAX_STAGE_MICROBATCHES:,}: the engine simulates every forward and backward of the step, and "
+                   f"answers within a second up to that; allowed with {stages} stage(s): 1 … "
+                   f"{MAX_STAGE_MICROBATCHES // stages}"))
+    return out
 
 
 #: the most forward passes (stages × microbatches) a step may hold: the timeline simulates each F, B
-#: (and W) action, ~0.6 µs apiece on a laptop core, so the step predicts in well under a second up to
-#: here (Llama 3 405B on 16,384 GPUs runs 16 stages × 16 microbatches; DeepSeek-V3's 2,048 GPUs 16 × 120)
-MAX_STAGE_MICROBATCHES = 131072
+#: (and W) action and the allocator replay lays what no steady state repeats, so the step predicts in
+#: about a second at most up to here (Llama 3 405B on 16,384 GPUs runs 16 stages × 16 microbatches;
+#: DeepSeek-V3's 2,048 GPUs 16 × 120; its 15,360-sequence batch on one replica, 1 × 15,360)
+MAX_STAGE_MICROBATCHES = 16384
+#: the most block-microbatches (microbatches × layers) a breadth-first schedule (GPipe, LoopedBFS) may
+#: lay: its step holds no steady state for the allocator replay to skip, each costs ~30 µs with two
+#: stages a rank (Llama 3 405B's 126 layers: 130 microbatches; GPipe runs are published with 8–64)
+MAX_BREADTH_FIRST_BLOCKS = 16384
+#: the most pipeline-rank blocks (pp × layers): each pipeline rank's warm-up and cool-down are laid block
+#: by block, ~0.1 ms per pp·layer for two stages a rank (Megatron-LM's 1T model: 64 stages of 128
+#: layers, 8,192; Llama 3 405B: 16 × 126)
+MAX_PP_LAYERS = 8192
 
 
 # --------------------------------------------------------------------------- parsing

@@ -565,7 +565,7 @@ class _Planner:
             zeros = [z for z in self.zero if (dp * cp > 1 or z == 0) and not (cp > 1 and z == 1)] or [0]
             sps = [False] + ([True] if tp > 1 and (s_len // cp) % tp == 0 else [])
             for v, sc in shapes:
-                ok_b = [b for b in bs if pp == 1 or not schedule_problems(sc, pp, per_dp // b, v)]
+                ok_b = [b for b in bs if pp == 1 or not schedule_problems(sc, pp, per_dp // b, v, model.layers)]
                 if not ok_b or not zeros:
                     continue
                 si = len(self.structs)

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from engine.config import step_size_problems
 from engine.layout import placement_style, stage_to_pp_rank
 from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
 
@@ -161,8 +162,10 @@ def _arrays_of(per_rank) -> PlanArrays:
 # --------------------------------------------------------------------------- validation
 
 
-def schedule_problems(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> list[str]:
-    """Why torch would refuse this combination (empty when it is accepted).
+def schedule_problems(schedule: str, pp: int, microbatches: int, virtual_stages: int,
+                      layers: int | None = None) -> list[str]:
+    """Why torch would refuse this combination, or the engine (a step too long to simulate in about a
+    second: ``engine.config.step_size_problems``, with ``layers`` when given); empty when accepted.
 
     Mirrors ``engine.config._check_pipeline`` (which reports the same rules as ConfigError
     problems on the config fields) so that a bad combination never reaches the simulator.
@@ -186,6 +189,8 @@ def schedule_problems(schedule: str, pp: int, microbatches: int, virtual_stages:
     if schedule == "DualPipeV" and microbatches < pp * virtual_stages:
         out.append(f"microbatches = {microbatches}: schedule DualPipeV needs microbatches ≥ "
                    f"number of stages ({pp * virtual_stages})")
+    out += [f"{field.split('.')[1]} = {microbatches if field.endswith('microbatches') else pp}: {why}"
+            for field, why in step_size_problems(schedule, pp, virtual_stages, microbatches, layers)]
     return out
 
 

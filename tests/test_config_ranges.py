@@ -20,10 +20,10 @@ COMPANIONS: dict[tuple[str, float], dict[str, object]] = {
     ("model.kv_heads", 4096): {"model.heads": 4096, "model.hidden": 4096},
     ("parallel.tp", 4096): {"model.heads": 4096, "model.kv_heads": 4096, "model.hidden": 4096,
                             "model.ffn_hidden": 4096 * 3, "parallel.dp": 1, "cluster.gpus": 4096},
-    ("parallel.pp", 4096): {"model.layers": 4096, "parallel.dp": 1, "cluster.gpus": 4096,
-                            "parallel.schedule": "GPipe"},
-    ("parallel.virtual_stages", 2048): {"model.layers": 4096, "parallel.pp": 2, "parallel.dp": 4,
-                                        "parallel.schedule": "Interleaved1F1B", "parallel.microbatches": 2},
+    ("parallel.pp", 90): {"model.layers": 90, "parallel.dp": 1, "cluster.gpus": 90, "cluster.gpus_per_node": 90,
+                          "parallel.schedule": "GPipe"},
+    ("parallel.virtual_stages", 512): {"model.layers": 1024, "parallel.pp": 2, "parallel.dp": 4,
+                                       "parallel.schedule": "Interleaved1F1B", "parallel.microbatches": 2},
     ("parallel.cp", 1048576): {"parallel.dp": 1, "cluster.gpus": 1048576, "model.seq_len": 2097152},
     ("parallel.dp", 1): {"cluster.gpus": 1},
     ("parallel.dp", 1048576): {"cluster.gpus": 1048576},
@@ -110,7 +110,7 @@ def test_a_billion_layers_is_refused_with_the_range():
     with pytest.raises(ConfigError) as err:
         Config.from_dict({"model": {"preset": "tiny", "layers": 1_000_000_000}, "cluster": {"gpu": "cpu"}})
     (problem,) = [p for p in err.value.problems if p.field == "model.layers"]
-    assert str(problem) == "model.layers = 1000000000: allowed: 1 … 4096; must be at most 4096"
+    assert str(problem) == "model.layers = 1000000000: allowed: 1 … 1024; must be at most 1024"
 
 
 def test_bounds_cover_real_models_and_clusters():

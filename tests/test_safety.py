@@ -198,11 +198,27 @@ def test_moe_with_context_and_expert_parallelism_is_refused_or_predicted():
 
 
 def test_a_step_too_long_to_simulate_is_refused_with_what_is_allowed():
+    """layers 4096 / pp 1024 / microbatches 65536 never returned; the ranges and the step-size rules
+    (each naming what is allowed) now refuse what the engine cannot answer in about a second."""
     with pytest.raises(ConfigError) as err:
         Config.from_dict({"model": {"preset": "llama3-8b", "layers": 4096}, "cluster": {"gpus": 1024},
                           "parallel": {"dp": 1, "pp": 1024, "microbatches": 65536}})
-    assert "pp·virtual_stages·microbatches = 1024·65536 = 67,108,864 exceeds 131,072" in str(err.value)
-    assert "allowed with 1024 stage(s): 1 … 128" in str(err.value)
+    assert {"model.layers", "parallel.pp", "parallel.microbatches"} <= err.value.fields()
+    cases = [({"pp": 16, "microbatches": 2048}, "parallel.microbatches",
+              "pp·virtual_stages·microbatches = 16·2048 = 32,768 exceeds 16,384; allowed with 16 stage(s): 1 … 1024"),
+             ({"pp": 16, "microbatches": 512, "schedule": "GPipe"}, "parallel.microbatches",
+              "microbatches × model.layers = 512·126 = 64,512 exceeds 16,384; allowed: 1 … 130"),
+             ({"pp": 84, "microbatches": 84, "model_layers": 126}, "parallel.pp",
+              "parallel.pp × model.layers = 84·126 = 10,584 exceeds 8,192"),
+             ]
+    for par, field, words in cases:
+        par = dict(par)
+        par.pop("model_layers", None)
+        with pytest.raises(ConfigError) as err:
+            Config.from_dict({"model": {"preset": "llama3-405b"}, "cluster": {"gpus": 8 * par["pp"]},
+                              "parallel": {"tp": 8, **par}})
+        assert field in err.value.fields()
+        assert all(w in str(err.value) for w in words.split("; ")), str(err.value)
 
 
 def test_a_million_ranks_predict_with_every_rank_there():
