@@ -76,9 +76,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     import json
 
-    from engine.predict import predict, render_table
+    cfg = _load(args.config)  # a refused config costs no numpy import
 
-    cfg = _load(args.config)
+    from engine.predict import predict, render_table
 
     calibration = None
     if args.calibration:
