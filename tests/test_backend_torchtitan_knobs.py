@@ -198,13 +198,19 @@ def test_recompute_kinds_match_none_exactly_and_measure_between_none_and_full(ru
             assert full < mid < none, (kind, full, mid, none)
 
 
+#: a smaller model for the float8 runs: torch's CPU _scaled_mm runs oneDNN's reference fp8 matmul
+#: ("ref:any", ~0.04 GFLOP/s on this machine's Xeon), so the tiny preset's 8 blocks of 512 tokens took
+#: ~60 s a step; 2 blocks of 32-wide matmuls over 128 tokens take well under a second
+SMALL_F8 = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn_hidden": 160, "seq_len": 32}
+
+
 @pytest.mark.integration
 def test_float8_trains_close_to_its_bf16_run(tmp_path):
     pytest.importorskip("torchao")
-    bf16 = {"precision": "bf16-mixed", "grad_dtype": "bf16"}
-    base, _ = _run(tmp_path, "bf16", _tiny_cfg(zero=3, **bf16))
+    bf16 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "micro_batch_size": 4}
+    base, _ = _run(tmp_path, "bf16", _tiny_cfg(zero=3, **bf16).replace(model=SMALL_F8))
     for kind, extra in (("tensorwise", {"float8_all_gather": True}), ("rowwise", {})):
-        f8, path = _run(tmp_path, kind, _tiny_cfg(zero=3, **bf16, float8=kind, **extra))
+        f8, path = _run(tmp_path, kind, _tiny_cfg(zero=3, **bf16, float8=kind, **extra).replace(model=SMALL_F8))
         first, second = f8.step.losses
         assert first == pytest.approx(base.step.losses[0], rel=1e-3), kind
         assert second == pytest.approx(base.step.losses[1], rel=2e-2), kind
