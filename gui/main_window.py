@@ -86,6 +86,8 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage("Drag a control: memory and pipeline follow at once.")
         state.predictionReady.connect(
             lambda p: self.statusBar().showMessage(f"predicted in {p.seconds * 1e3:.1f} ms"))
+        # a prediction longer than a frame runs on while the window keeps answering: say so, quietly
+        state.predictingChanged.connect(lambda busy: busy and self.statusBar().showMessage("predicting…"))
         self.statusBar().setSizeGripEnabled(False)
         state.configChanged.connect(self._config_changed)
         self._title()

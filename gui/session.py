@@ -104,7 +104,7 @@ def _full_finetune_peak(cfg: Config) -> int | None:
         report = fn(cfg.replace(training={"finetune": "full"}))
     except Exception:  # the same layout may not be valid under full fine-tuning: no marker then
         return None
-    return int(max(r.total for r in report.per_rank))
+    return int(report.peak.total)
 
 
 def _whole(pred: Prediction, p) -> Prediction:
@@ -143,6 +143,16 @@ def predict(cfg: Config, calibration=None) -> Prediction:
     else:
         _whole(pred, p)
     pred.seconds = time.perf_counter() - t0
+    return pred
+
+
+def prepared(pred: Prediction) -> Prediction:
+    """``pred`` with everything the window draws computed: each distinct rank's reserved bytes (the
+    caching-allocator replay, computed when first read) included, so that a prediction made off the
+    GUI thread costs the GUI thread nothing when it is drawn."""
+    if pred.memory is not None:
+        for group in getattr(pred.memory, "groups", None) or ():
+            group.first.reserved  # noqa: B018 - computed now, kept by the body
     return pred
 
 
@@ -659,8 +669,22 @@ class Session:
 
     def recompute(self) -> Prediction:
         """Predict the valid config now (calibrated when a calibration is set)."""
+        return self.accept(prepared(predict(self.config, self.calibration)))
+
+    def request(self) -> tuple[Config, Any]:
+        """What a prediction made elsewhere (the window's worker thread) needs: the config and the
+        calibration as they are now."""
+        return self.config, self.calibration
+
+    def accept(self, pred: Prediction) -> Prediction | None:
+        """A prediction made of ``request()``'s config, taken as the current one; None (dropped) when
+        the config or the calibration changed meanwhile: a later request will bring the current one."""
+        source = None if self.calibration is None else str(self.calibration.source)
+        timed_as_asked = pred.calibrated_from == source or "calibration" in pred.missing  # (or it could not be)
+        if pred.config != self.config or not timed_as_asked:
+            return None
         self.recompute_count += 1
-        self.prediction = predict(self.config, self.calibration)
+        self.prediction = pred
         self.stale = False
         self._notify("prediction", self.prediction)
         return self.prediction

@@ -4,8 +4,9 @@
 the prediction, the runs) in plain Python. :class:`State` is the QObject the widgets talk to:
 it forwards reads and writes to the session, turns the session's notifications into Qt
 signals, coalesces recomputation with a zero-delay timer (a burst of slider moves costs one
-prediction), and owns the :class:`QProcess` of a run, feeding its stdout and stderr lines to
-the session.
+prediction) and runs it on a worker thread, one at a time, the latest request winning (the GUI
+thread never waits for the engine; a prediction longer than a frame emits ``predictingChanged``),
+and owns the :class:`QProcess` of a run, feeding its stdout and stderr lines to the session.
 
 Runs are child processes (``python -m gui.cli run CFG --out DIR --json``) streaming one
 JSON event per line; a simulation at scale is ``python -m gui.cli measure CFG --fake --out DIR
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,14 @@ from gui.session import (  # noqa: F401 - the window's model types, importable f
     Session,
     control_for_field,
     predict,
+    prepared,
     read_run_dir,
 )
 
 #: after a cancel, how long the child gets to stop its ranks before it is killed
 KILL_AFTER_MS = 5000
+#: a prediction still running after this long shows as "predicting…" (about a frame)
+SLOW_PREDICTION_MS = 50
 
 
 def _forward(name: str, writable: bool = False) -> property:
@@ -66,6 +71,8 @@ class State(QObject):
     measurementShown = Signal(object)  # RunRecord drawn over the prediction of its config
     calibrationChanged = Signal(object)  # RunRecord whose calibration times predictions, or None
     baselineChanged = Signal(object)  # the pinned baseline Prediction, or None when cleared
+    predictingChanged = Signal(bool)  # a prediction has been running longer than a frame (True), or is done
+    _predicted = Signal(object)  # a worker thread's Prediction (queued to this object's thread)
 
     config = _forward("config")
     desired = _forward("desired")
@@ -88,6 +95,15 @@ class State(QObject):
         self._timer.setSingleShot(True)
         self._timer.setInterval(0)
         self._timer.timeout.connect(self._recompute)
+        # predictions run on a worker thread, one at a time; the latest request wins (a result whose
+        # config is no longer the current one is dropped and the current one predicted next)
+        self._working = False
+        self._again = False
+        self._predicted.connect(self._take_prediction)
+        self._slow = QTimer(self)
+        self._slow.setSingleShot(True)
+        self._slow.setInterval(SLOW_PREDICTION_MS)
+        self._slow.timeout.connect(lambda: self.predictingChanged.emit(True))
         self._process: QProcess | None = None
         self._stdout = Lines()
         self.session = Session(config, runs_dir)
@@ -141,11 +157,44 @@ class State(QObject):
         self._timer.start()
 
     def recompute_now(self) -> Prediction:
+        """Predict the current config on this thread, now (a prediction still running elsewhere is
+        dropped when it arrives: its config has been predicted)."""
         self._timer.stop()
         return self.session.recompute()
 
+    @property
+    def predicting(self) -> bool:
+        """A prediction is running on the worker thread."""
+        return self._working
+
     def _recompute(self) -> None:
-        self.session.recompute()
+        """Predict the current config on a worker thread (the GUI thread never waits for the engine)."""
+        if self._working:
+            self._again = True
+            return
+        cfg, calibration = self.session.request()
+        if self.session.prediction is not None and self.session.prediction.config == cfg and not self.session.stale:
+            return
+        self._working = True
+        self._slow.start()
+        threading.Thread(target=self._predict_in_worker, args=(cfg, calibration), daemon=True,
+                         name="shardscope-predict").start()
+
+    def _predict_in_worker(self, cfg: Config, calibration) -> None:
+        try:
+            pred = prepared(predict(cfg, calibration))
+        except Exception as exc:  # noqa: BLE001 - the window shows what is missing instead of dying
+            pred = Prediction(config=cfg, missing={"memory": f"the prediction failed: {exc}"})
+        self._predicted.emit(pred)
+
+    def _take_prediction(self, pred: Prediction) -> None:
+        self._working = False
+        self._slow.stop()
+        self.predictingChanged.emit(False)
+        if self.session.accept(pred) is None or self._again:
+            self._again = False
+            if self.session.prediction is None or self.session.prediction.config != self.session.config:
+                self._recompute()
 
     def set_calibration(self, record: RunRecord | None) -> None:
         self.session.set_calibration(record)

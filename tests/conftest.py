@@ -125,3 +125,19 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's order is the order work is handed out
         first = {g: i for i, g in enumerate(_FIRST)}
         items.sort(key=lambda it: first.get(_group(it.nodeid), len(first)))
+
+
+def settle(state, timeout_ms: int = 10_000) -> None:
+    """Wait until the window's prediction (made on its worker thread) is of the current config."""
+    import time
+
+    from PySide6.QtWidgets import QApplication
+
+    deadline = time.monotonic() + timeout_ms / 1000
+    while time.monotonic() < deadline:
+        QApplication.processEvents()
+        p = state.prediction
+        if not state.predicting and not state.session.stale and p is not None and p.config == state.config:
+            return
+        time.sleep(0.002)
+    raise AssertionError("the window's prediction did not arrive")

@@ -243,3 +243,36 @@ def test_choosing_dataparallel_explains_offers_and_shows_gpu0_and_scaling(window
     assert "of DDP" in window.scaling.text.text()
     assert window.metrics.explainer.toPlainText().index("Legacy DataParallel") < \
         window.metrics.explainer.toPlainText().index("ZeRO-1")  # active: first, not greyed at the end
+
+
+def test_predictions_run_off_the_gui_thread_and_the_latest_request_wins(window, qtbot):
+    """A prediction runs on the worker thread while the event loop goes on turning; a request made
+    while one is in flight is predicted after it, and only the current config's prediction is shown
+    (the one in flight for an older config is dropped)."""
+    import threading
+
+    from conftest import settle
+
+    state = window.state
+    shown, threads = [], []
+    state.predictionReady.connect(lambda p: shown.append(p.config))
+    real = state._predict_in_worker
+
+    def traced(cfg, calibration):
+        threads.append(threading.current_thread() is not threading.main_thread())
+        real(cfg, calibration)
+
+    state._predict_in_worker = traced
+    ticks = []
+    timer = window.startTimer(1)
+    window.timerEvent = lambda ev: ticks.append(ev.timerId())
+    state.edit("cluster.gpus", 8)  # a first request...
+    QApplication.processEvents()  # ...its worker starts
+    state.edit("parallel.microbatches", 8)  # ...and another while it runs
+    settle(state)
+    window.killTimer(timer)
+    assert threads and all(threads)  # every prediction ran on a worker thread
+    assert state.prediction.config == state.config and shown[-1] == state.config
+    assert state.config.parallel.microbatches == 8
+    assert all(c == state.config for c in shown)  # the older config's prediction was never shown
+    assert ticks  # the event loop turned while predicting

@@ -95,9 +95,14 @@ class RankGroup:
 
 
 def group_ranks(report) -> list[RankGroup]:
-    """Ranks with identical categories, allocated, reserved and device bytes, in rank order."""
+    """Ranks with identical categories, allocated, reserved and device bytes, in rank order. The
+    engine's groups of identical ranks (``MemoryReport.distinct_groups``) are read, not every rank:
+    a window at 16,384 GPUs does not build 16,384 rank objects per slider move."""
+    engine_groups = getattr(report, "distinct_groups", None)
+    members = ([(g.first, g.ranks) for g in engine_groups()] if engine_groups is not None
+               else [(rm, (rm.rank,)) for rm in report.per_rank])
     groups: dict[tuple, RankGroup] = {}
-    for rm in report.per_rank:
+    for rm, ranks in members:
         values = {c: int(getattr(rm, c)) for c in MEMORY_CATEGORIES}
         total = int(getattr(rm, "total", sum(values.values())))
         allocated = int(getattr(rm, "allocated", total))
@@ -105,11 +110,13 @@ def group_ranks(report) -> list[RankGroup]:
         device = int(getattr(rm, "device_bytes", reserved))
         key = (*values.values(), allocated, reserved, device)
         if key in groups:
-            groups[key].ranks.append(int(rm.rank))
+            groups[key].ranks.extend(int(r) for r in ranks)
         else:
             fits = bool(getattr(rm, "fits", device <= report.capacity_bytes))
-            groups[key] = RankGroup([int(rm.rank)], values, total, fits, rm, allocated=allocated, reserved=reserved,
-                                    device_bytes=device)
+            groups[key] = RankGroup([int(r) for r in ranks], values, total, fits, rm, allocated=allocated,
+                                    reserved=reserved, device_bytes=device)
+    for g in groups.values():
+        g.ranks.sort()
     return sorted(groups.values(), key=lambda g: g.ranks[0])
 
 

@@ -204,7 +204,7 @@ def metric_rows(pred) -> list[tuple[str, str]]:
         rows.append(("Pipeline makespan", _fmt_seconds(tl.makespan_s)))
     mem = pred.memory
     if mem is not None and mem.per_rank:
-        peak = max(mem.per_rank, key=lambda r: r.total)
+        peak = mem.peak
         rows.append(("Peak memory", f"{fmt_bytes(peak.total)} on rank {peak.rank}"))
         rows.extend(device_rows(mem, cfg))
         if cfg.parallel.dp_mode == "dataparallel" and len(mem.per_rank) > 1:
@@ -229,7 +229,9 @@ def metric_rows(pred) -> list[tuple[str, str]]:
 def device_rows(mem, cfg) -> list[tuple[str, str]]:
     """The fullest rank (by what the device must hold) as a GPU user reads it: allocated, reserved,
     the overhead outside the allocator, and the headroom that is left of the card."""
-    worst = max(mem.per_rank, key=lambda r: (getattr(r, "device_bytes", r.total), -r.rank))
+    # one rank of each group of identical ranks (the engine's groups: no walk over every rank)
+    firsts = [g.first for g in mem.groups] if getattr(mem, "groups", None) else mem.per_rank
+    worst = max(firsts, key=lambda r: (getattr(r, "device_bytes", r.total), -r.rank))
     allocated = getattr(worst, "allocated", worst.total)
     reserved = getattr(worst, "reserved", allocated)
     device = getattr(worst, "device_bytes", reserved)
