@@ -51,6 +51,7 @@ def config(preset: str, gpu: str, gpus: int, pp: int, microbatches: int) -> Conf
 
 
 def measure(window, samples: int, cpu_ms: list[float] | None = None) -> tuple[list[float], list[float]]:
+    from PySide6.QtCore import QEventLoop
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance()
@@ -66,8 +67,9 @@ def measure(window, samples: int, cpu_ms: list[float] | None = None) -> tuple[li
         t0 = time.perf_counter()
         slider.setValue(target)
         painted = window.timeline.boxes.paint_count
-        while state.recompute_count == count:
-            app.processEvents()
+        while state.recompute_count == count:  # the prediction comes from the worker thread: wait idle, as
+            app.processEvents(QEventLoop.ProcessEventsFlag.WaitForMoreEvents)  # the event loop does
+
         # the views have new data; let Qt paint what is dirty, as it would on screen
         deadline = time.perf_counter() + 5
         while window.timeline.boxes.paint_count == painted:
