@@ -327,7 +327,7 @@ class Run:
         self._emit("failed", reason=reason, rank=rank, exit_code=rc, log_tail=log_tail)
 
 
-def _refused(out_dir: Path, reason: str, cfg: Config | None = None, steps: int = 0) -> Run:
+def refused_run(out_dir: Path, reason: str, cfg: Config | None = None, steps: int = 0) -> Run:
     """A launch refused before anything started: a Run that has already failed, with nothing
     written to disk (``out_dir`` is not created)."""
     run = Run(None, cfg, steps, 0.0, path=out_dir)
@@ -366,7 +366,7 @@ def prepare(cfg: Config | str | Path, out_dir: str | Path | None) -> tuple[Path,
     try:
         return out, Config.load(cfg), None
     except ConfigError as exc:
-        return out, None, _refused(out, str(exc))
+        return out, None, refused_run(out, str(exc))
 
 
 def claim(out: Path, source: Config | str | Path, fresh: bool = False) -> tuple[RunDir | None, str | None]:
@@ -401,17 +401,17 @@ def launch(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: i
     if refused is not None:
         return refused
     if steps < 1:
-        return _refused(out, f"steps = {steps}: must be at least 1", cfg)
+        return refused_run(out, f"steps = {steps}: must be at least 1", cfg)
     python = python or sys.executable
     if not _has_torch(python):
-        return _refused(out, torch_missing(python), cfg, steps)
+        return refused_run(out, torch_missing(python), cfg, steps)
     run_dir, why = claim(out, source, fresh)
     if run_dir is None:
-        return _refused(out, why, cfg, steps)
+        return refused_run(out, why, cfg, steps)
     try:
         cfg.save(run_dir.config)
     except OSError as exc:
-        return _refused(out, f"cannot write {run_dir.config}: {exc.strerror or exc}", cfg, steps)
+        return refused_run(out, f"cannot write {run_dir.config}: {exc.strerror or exc}", cfg, steps)
     run = Run(run_dir, cfg, steps, timeout_s)
     run._start(python, env)
     return run

@@ -24,6 +24,7 @@ directory that already holds anything (an earlier run, a second writer, someone'
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import time
@@ -190,8 +191,6 @@ class RunDir:
     @classmethod
     def claim_fresh(cls, parent: str | Path, config_file: str | Path | None = None) -> RunDir:
         """A new timestamped sub-directory of ``parent`` (``--fresh``), claimed as :meth:`claim` does."""
-        import datetime as _dt
-
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         for n in range(1, 1000):
             path = Path(parent) / (stamp if n == 1 else f"{stamp}-{n}")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from backend.cluster.follow import ClusterError, ClusterRun, Job, config_for_layout, node_layout
-from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, _refused, claim, prepare
+from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, claim, prepare, refused_run
 from engine.config import Config
 
 RDZV_PORT = 29500
@@ -85,7 +85,7 @@ def start(cfg: Config | str | Path, hosts: str | list[str], out_dir: str | Path 
     cfg = config_for_layout(cfg, nodes, per_node)
     run_dir, why = claim(out.resolve(), source, fresh)
     if run_dir is None:
-        return _refused(out, why, cfg, steps)
+        return refused_run(out, why, cfg, steps)
     cfg.save(run_dir.config)
     cmds = node_commands(cfg, run_dir.path, steps, host_list, per_node, port, python)
     run = ClusterRun(run_dir, cfg, steps, timeout_s, cfg.parallel.world_size)

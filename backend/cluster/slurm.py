@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from backend.cluster.follow import ClusterError, ClusterRun, Job, JobState, config_for_layout, node_layout
-from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, _refused, claim, prepare
+from backend.launch import DEFAULT_STEPS, DEFAULT_TIMEOUT_S, REPO_ROOT, claim, prepare, refused_run
 from backend.records import RunDir, tail
 from engine.config import Config
 
@@ -250,7 +250,7 @@ def submit(cfg: Config | str | Path, out_dir: str | Path | None = None, steps: i
     sbatch_script(cfg, out.resolve(), steps, **opts)  # a field the script cannot hold: refused before the claim
     run_dir, why = claim(out.resolve(), source, fresh)
     if run_dir is None:
-        return _refused(out, why, cfg, steps)
+        return refused_run(out, why, cfg, steps)
     cfg.save(run_dir.config)
     script = run_dir.path / "job.sbatch"
     script.write_text(sbatch_script(cfg, run_dir.path, steps, **opts), encoding="utf-8")
