@@ -889,19 +889,6 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     windows = _steady_windows(mo, first_backward, sig.pp) if compress else []
     steady = trial = None  # the window being tried; (its first event, the generator's state at its start)
 
-    def state() -> tuple:
-        """The generator's state: live bytes, the live keys (the last stage's kept outputs apart), the
-        kept outputs, whether what lives from the first backward on is laid, the stage-microbatches'
-        saved tensors and loss sides."""
-        return (live, {k: n for k, n in size.items() if k[0] != "out"}, {k: n for k, n in size.items() if k[0] == "out"},
-                late_done, {k: [list(x) for x in v] for k, v in held.items()}, {k: list(v) for k, v in heads.items()})
-
-    def shifted(st: tuple, d: int) -> tuple:
-        sh = MicrobatchKeys.shift
-        return (st[0], {sh(k, d): n for k, n in st[1].items()}, st[2], st[3],
-                {(s, m + d): [[sh(k, d) for k in x] for x in v] for (s, m), v in st[4].items()},
-                {(s, m + d): [sh(k, d) for k in v] for (s, m), v in st[5].items()})
-
     nxt = 0
     while nxt < n_moments:
         i = nxt
@@ -910,36 +897,18 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                 windows.pop(0)
             if windows:
                 steady = windows.pop(0)
-                trial = (len(ev), state())
+                trial = (len(ev), _generator_state(live, size, late_done, held, heads))
                 slack = peak
-        if steady is not None:
-            start, period, shift, count = steady
-            if i == start + period:
-                steady = None
-                before, now = shifted(trial[1], shift), state()
-                kept = {k: n for k, n in now[2].items() if k not in before[2]}  # the period's kept outputs
-                growth = sum(kept.values())
-                if (now[0] == before[0] + growth and now[1:2] + now[3:] == before[1:2] + before[3:]
-                        and before[2].items() <= now[2].items() and slack >= (count - 1) * growth):
-                    # every later period lays these events with its keys shifted (its kept outputs only
-                    # add to the live bytes, and leave every event-only transient within the peak): one cycle
-                    chunk = tuple(ev[trial[0]:])
-                    del ev[trial[0]:]
-                    ev.append(("cycle", chunk, count, shift, MicrobatchKeys))
-                    after = shifted(trial[1], count * shift)
-                    live = after[0] + count * growth
-                    size.clear()
-                    size.update(after[1])
-                    size.update(after[2])
-                    for r in range(count):
-                        size.update((MicrobatchKeys.shift(k, r * shift), n) for k, n in kept.items())
-                    late_done = after[3]
-                    held.clear()
-                    held.update(after[4])
-                    heads.clear()
-                    heads.update(after[5])
-                    nxt = start + count * period
-                    continue
+        if steady is not None and i == steady[0] + steady[1]:
+            after = _one_cycle(ev, steady, trial, _generator_state(live, size, late_done, held, heads), slack)
+            steady = None
+            if after is not None:  # the window's periods are one cycle now: go on from its end
+                live, late_done = after[0], after[1]
+                for mine, theirs in ((size, after[2]), (held, after[3]), (heads, after[4])):
+                    mine.clear()
+                    mine.update(theirs)
+                nxt = after[5]
+                continue
         kind, stage, mb, mask, phase = kinds[i], stages[i], mbs[i], masks[i], phases[i]
         nxt = i + 1
         if phase == END and accumulated:  # reduced and dropped by the end of the backward
@@ -1077,6 +1046,47 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     for key in [k for k in size if k[0] in ("late", "out")]:
         free(key)
     return tuple(ev)
+
+
+def _generator_state(live: int, size: dict, late_done: bool, held: dict, heads: dict) -> tuple:
+    """``_fine_events``' state: live bytes, the live keys (the last stage's kept outputs apart), the
+    kept outputs, whether what lives from the first backward on is laid, the stage-microbatches'
+    saved tensors and loss sides (copied)."""
+    return (live, {k: n for k, n in size.items() if k[0] != "out"}, {k: n for k, n in size.items() if k[0] == "out"},
+            late_done, {k: [list(x) for x in v] for k, v in held.items()}, {k: list(v) for k, v in heads.items()})
+
+
+def _shifted_state(st: tuple, d: int) -> tuple:
+    """A generator state with every microbatch ``d`` later (the kept outputs as they are)."""
+    sh = MicrobatchKeys.shift
+    return (st[0], {sh(k, d): n for k, n in st[1].items()}, st[2], st[3],
+            {(s, m + d): [[sh(k, d) for k in x] for x in v] for (s, m), v in st[4].items()},
+            {(s, m + d): [sh(k, d) for k in v] for (s, m), v in st[5].items()})
+
+
+def _one_cycle(ev: list, steady: tuple, trial: tuple, now: tuple, slack: int) -> tuple | None:
+    """At the end of a steady window's first period (``steady``: start, period, shift, count; ``trial``:
+    the period's first event and the state at its start; ``now``: the state at its end): where the
+    state is the start's with every microbatch shifted (its kept outputs only added, and every
+    event-only transient laid in it still within the peak with all the periods' outputs), every
+    later period lays the same events with its keys shifted. Then the period's events become one
+    ``("cycle", ...)`` event in ``ev``, and this returns the state after the window's last period:
+    (live, late_done, size, held, heads, the moment after the window); else None."""
+    start, period, shift, count = steady
+    before = _shifted_state(trial[1], shift)
+    kept = {k: n for k, n in now[2].items() if k not in before[2]}  # the period's kept outputs
+    growth = sum(kept.values())
+    if not (now[0] == before[0] + growth and now[1:2] + now[3:] == before[1:2] + before[3:]
+            and before[2].items() <= now[2].items() and slack >= (count - 1) * growth):
+        return None
+    chunk = tuple(ev[trial[0]:])
+    del ev[trial[0]:]
+    ev.append(("cycle", chunk, count, shift, MicrobatchKeys))
+    after = _shifted_state(trial[1], count * shift)
+    size = {**after[1], **after[2]}
+    for r in range(count):
+        size.update((MicrobatchKeys.shift(k, r * shift), n) for k, n in kept.items())
+    return after[0] + count * growth, after[3], size, after[4], after[5], start + count * period
 
 
 def _block_plan(share: int, walk: list, grain: Grain) -> tuple:
