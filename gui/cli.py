@@ -291,6 +291,13 @@ def cmd_presets(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+def _out_arguments(p: argparse.ArgumentParser, default: str) -> None:
+    """``--out`` and ``--fresh``: where a run or a simulation writes (a run directory is written once)."""
+    p.add_argument("--out", metavar="RUN_DIR", help=f"run directory (default: {default}); a directory that "
+                                                    "already holds anything is refused, never overwritten")
+    p.add_argument("--fresh", action="store_true", help="write into a new timestamped sub-directory of --out")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardscope",
@@ -325,9 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the config as real multi-process PyTorch training and measure it")
     p.add_argument("config", metavar="CONFIG")
-    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>); a directory that "
-                                                    "already holds anything is refused, never overwritten")
-    p.add_argument("--fresh", action="store_true", help="run in a new timestamped sub-directory of --out")
+    _out_arguments(p, "runs/<timestamp>")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped as hung")
     p.add_argument("--json", action="store_true", help="print one JSON event per line")
@@ -350,9 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--fake", action="store_true", help="fake process group + fake tensors (required)")
     p.add_argument("--rank", type=int, help="the rank to simulate (default: one per pipeline stage)")
-    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: runs/<timestamp>-fake); a directory "
-                                                    "that already holds anything is refused, never overwritten")
-    p.add_argument("--fresh", action="store_true", help="simulate into a new timestamped sub-directory of --out")
+    _out_arguments(p, "runs/<timestamp>-fake")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the simulation is stopped")
     p.add_argument("--json", action="store_true", help="the measurement and the comparison as JSON")
     p.add_argument("--expandable-segments", action="store_true",
