@@ -37,8 +37,10 @@ every layout that is fully evaluated is built as a ``Config`` (which validates i
 Speed (branch and bound; the answer is the same as fully evaluating every layout):
 1. For the whole candidate grid, vectorised with numpy: a closed-form **lower bound on peak
    memory** (model states, activations in flight from torch's schedule order, p2p and bucket
-   buffers, logits, overhead — the terms of ``engine.memory`` minus a few small ones and
-   rounding) drops layouts that cannot fit; and a **lower bound on step time**: the exact
+   buffers, FSDP2's unsharded parameters and gradients, logits, overhead — the terms of
+   ``engine.memory`` minus a few small ones and rounding, at two moments: the activation peak, and
+   a forward after the rank's first backward, where FSDP2 holds every unit's accumulated gradient)
+   drops layouts that cannot fit; and a **lower bound on step time**: the exact
    per-stage F/B durations (compute at float8's rate with its casts and compile's fused elementwise time, as
    ``engine.step.with_float8_and_compile``, + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
    rank's busy time plus the forward chain before its first stage, the one-microbatch critical
@@ -87,7 +89,13 @@ from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
 from engine.memory.activations import TABLE_RECOMPUTE
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.params import params_per_rank
-from engine.schedules import microbatches_in_flight, pipeline_actions, schedule_problems, single_rank_plan
+from engine.schedules import (
+    in_flight_states_after_first_backward,
+    microbatches_in_flight,
+    pipeline_actions,
+    schedule_problems,
+    single_rank_plan,
+)
 from engine.step import (
     FLOAT8_CAST_BYTES,
     analytic_durations,
@@ -98,7 +106,7 @@ from engine.step import (
     with_mesh_communication,
 )
 from engine.timeline import simulate
-from engine.wrapping import reshard_after_forward
+from engine.wrapping import _COMPUTE_DTYPE, PLAN_DTYPE_BYTES, reshard_after_forward
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20
 #: sequences from this many tokens are long: the planner searches context parallelism for them
@@ -642,6 +650,26 @@ class _Planner:
             # forward); resharded after forward under pipelining they are kept only from the first backward on
             gathered_at_b = pp == 1 or not reshard_after_forward(3, self.base.parallel.fsdp_reshard_after_forward,
                                                                  True)
+            # FSDP2 (fully_shard for ZeRO-2/3, replicate for ZeRO-0/1 with TP; engine.wrapping.wrapping_plan)
+            fsdp2 = (torch_acc and dpc > 1 and self.base.parallel.dp_mode != "dataparallel") & ((gz >= 2) | (tp > 1))
+            z3_reshards = reshard_after_forward(3, self.base.parallel.fsdp_reshard_after_forward, pp > 1)
+            compute = _COMPUTE_DTYPE[self.base.training.precision]
+            pd = PLAN_DTYPE_BYTES[compute]  # MixedPrecisionPolicy's param dtype: what FSDP2 gathers
+            gacc = PLAN_DTYPE_BYTES["fp32" if compute == "fp32" else self.base.training.grad_dtype]
+            if self.base.training.finetune == "lora":  # only the adapters' gradients: none counted
+                gacc = 0
+            # FSDP2's unsharded parameters of every unit all step (lifetime "step"): replicate, and ZeRO-3 not
+            # resharded after forward; ZeRO-2's are the states' w_b·Ψ already (the paper's accounting above)
+            all_units = np.where(fsdp2 & ((gz <= 1) | ((gz == 3) & ~z3_reshards)), float(pd), 0.0)  # B/param
+            # a backward's gradient of one unit: the reduce-scatter input (in the reduce dtype) where each
+            # backward syncs (FSDP2: one microbatch, no pipeline; the paper's accounting: always), else FSDP2's
+            # fresh gradient in the parameter dtype where it accumulates in another (before post-backward
+            # adds it in), else none (engine.memory.buffers.fsdp2_buffers)
+            synced = ~fsdp2 | ((pp == 1) & (gm == 1))
+            unit_grad = np.where(synced, float(g_b), float(pd) if gacc != pd else 0.0)
+            # some moment after the rank's first backward (B or I) and before the end of the backward: a later
+            # microbatch, a second local stage, or a split backward's W
+            grads_unsharded = fsdp2 & ((gm > 1) | (pp > 1 and (v > 1 or sc in names.SPLIT_BACKWARD_SCHEDULES)))
             for ri, stages, sizes in sh["ends"]:
                 p_ = psi[ri]
                 states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
@@ -660,12 +688,28 @@ class _Planner:
                     loss = loss + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
                 if dpc > 1:
                     if not getattr(conv, "ddp_gradient_as_bucket_view", False):
-                        fixed = fixed + np.where(gz <= 1, g_b * p_, 0.0)
-                    backward = backward + np.where(gz >= 2, g_b * sizes[0], 0.0)
+                        fixed = fixed + np.where((gz <= 1) & ~fsdp2, g_b * p_, 0.0)  # DDP's buckets
+                    backward = backward + np.where(gz >= 2, unit_grad * sizes[0], 0.0)
+                    ag_units = np.zeros(len(gb))
                     if gathered_at_b:
                         gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
-                        backward = backward + np.where(gz == 3, w_b * gathered, 0.0)
-                fixed = fixed + np.maximum(backward, loss)
+                        ag_units = np.where(gz == 3, w_b * gathered, 0.0)
+                        backward = backward + ag_units
+                else:
+                    ag_units = np.zeros(len(gb))
+                # FSDP2's unsharded parameters of every unit, all step, where no unit reshards between its
+                # forward and backward (ZeRO-2, replicate, ZeRO-3 not resharded after forward: lifetime
+                # "step", engine.memory.buffers.fsdp2_buffers), in place of the current (+ prefetched) unit
+                fixed = fixed + all_units * p_
+                backward = backward - np.where(all_units > 0, ag_units, 0.0)
+                # a second moment: after the rank's first backward and before its last one ends, FSDP2 holds
+                # every unit's unsharded gradient (lifetime "after_first_backward"; pipelined, or m > 1) beside
+                # the states and those parameters, whatever is in flight then (none counted)
+                if pp > 1:
+                    ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
+                    fixed = fixed + ends * gm * bf * act_b * sbh1
+                steady = fixed
+                fixed = steady + np.maximum(backward, loss)
                 head_up = np.zeros(len(gb))
                 if n_stages - 1 in stages:
                     # an F's own moment comes before the final norm and the head make the loss side of its
@@ -675,20 +719,31 @@ class _Planner:
                     # loss_parallel, the whole of it otherwise)
                     v_up = np.where(gs, vocab_t, model.vocab)
                     head_up = bf * (12 * np.ceil(s_len * h / rep_div) + 4 * s_len + 4 * s_len * v_up)
-                if pp > 1:
-                    ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
-                    fixed = fixed + ends * gm * bf * act_b * sbh1
-                # replay torch's order only where it matters: the m values whose fixed part fits
-                need = np.unique(gm[fixed * _SAFETY <= capacity])
-                # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts per m: one
-                # state of torch's order (the layer-weighted peak), so ≤ the engine's peak for any per-stage bytes
-                lut = np.zeros((4, per_dp + 1))
-                for m_val in need.tolist():
-                    lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages, ckpt_units)
-                lsum, first, last, lck = lut[:, gm]
-                layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
-                act = bf * (layers_act + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
-                mem = np.maximum(mem, fixed + act - head_up)
+
+                # two moments, each one state of torch's order (so ≤ the engine's peak for any per-stage bytes):
+                # the layer-weighted activation peak, with a backward's transients or the loss; and a forward
+                # after the rank's first backward (with none, any later action before the backward ends), where
+                # FSDP2 holds every unit's unsharded gradient (lifetime "after_first_backward": pipelined, or
+                # m > 1) beside the step terms and what is in flight then, less the loss side an F's own moment
+                # lacks
+                late = steady + np.where(grads_unsharded, gacc * p_, 0.0)
+                for held, after_backward in ((fixed, False), (late, True)):
+                    if after_backward and not grads_unsharded.any():
+                        break
+                    # replay torch's order only where it matters: the m values whose held part fits; per m the
+                    # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts
+                    lut = np.zeros((4, per_dp + 1))
+                    for m_val in np.unique(gm[held * _SAFETY <= capacity]).tolist():
+                        lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages, ckpt_units,
+                                                        after_backward)
+                    lsum, first, last, lck = lut[:, gm]
+                    layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
+                    act = bf * (layers_act + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
+                    if after_backward:
+                        mem = np.maximum(mem, np.where(grads_unsharded, held + np.where(lsum > 0, act - head_up, 0.0),
+                                                       0.0))
+                    else:
+                        mem = np.maximum(mem, held + act - head_up)
             return mem
 
         mem_by_compile = np.stack([memory_bound(bool(c)) for c in CMP])  # [compile, base rows]
@@ -906,15 +961,23 @@ class _Planner:
 
 @lru_cache(maxsize=8192)
 def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages: tuple[int, ...],
-                    units: tuple[int, ...], n_stages: int, ckpt: tuple[int, ...] = ()) -> tuple[int, int, int, int]:
-    """At the rank's activation peak (``engine.schedules.microbatches_in_flight``): in-flight microbatches weighted by
-    each local stage's layer count, those on the first and on the last stage, and the microbatches weighted by each
-    local stage's checkpointed blocks ``ckpt`` (selective-layer; 0 without).
+                    units: tuple[int, ...], n_stages: int, ckpt: tuple[int, ...] = (),
+                    late: bool = False) -> tuple[int, int, int, int]:
+    """At the rank's activation peak (``engine.schedules.microbatches_in_flight``; ``late``: the layer-weighted
+    most of the states after a forward that runs after the rank's first backward, all 0 where none does):
+    in-flight microbatches weighted by each local stage's layer count, those on the first and on the last stage,
+    and the microbatches weighted by each local stage's checkpointed blocks ``ckpt`` (selective-layer; 0 without).
 
     Pure in its arguments, so shared by every layout group (tp, b, ZeRO, SP, recompute) with this
     pipeline shape, within one plan and across plans: replaying torch's order is the costly part.
     """
-    counts = microbatches_in_flight(schedule, pp_rank, pp, v, m, units)
+    if late:
+        states = in_flight_states_after_first_backward(schedule, pp_rank, pp, v, m)
+        if not states:
+            return 0, 0, 0, 0
+        counts = max(states, key=lambda st: sum(n * u for n, u in zip(st, units)))
+    else:
+        counts = microbatches_in_flight(schedule, pp_rank, pp, v, m, units)
     lsum = sum(c * u for c, u in zip(counts, units))
     first = sum(c for c, s in zip(counts, stages) if s == 0)
     last = sum(c for c, s in zip(counts, stages) if s == n_stages - 1)

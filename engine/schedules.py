@@ -539,6 +539,32 @@ def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int) -> tuple[tupl
     return tuple(out)
 
 
+@lru_cache(maxsize=512)
+def in_flight_states_after_first_backward(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
+                                          microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """Live microbatches per local stage after each forward of ``pp_rank`` that runs after the rank's
+    first backward (B or I), non-dominated states only; empty where none does (GPipe, LoopedBFS,
+    m = 1). What lives from the first backward on (``engine.memory.lifetimes``' after_first_backward:
+    FSDP2's unsharded gradients) is alive beside each of them; pp = 1: the next microbatch's forward."""
+    if pp == 1:
+        return ((1,),) if microbatches > 1 else ()
+    plan = pipeline_actions(schedule, pp, microbatches, virtual_stages)
+    a = plan.arrays
+    lo, hi = int(a.offsets[pp_rank]), int(a.offsets[pp_rank + 1])
+    kind, stage = a.kind[lo:hi], a.stage[lo:hi]
+    position = np.zeros(plan.num_stages, dtype=np.int64)
+    position[plan.stages_of_rank(pp_rank)] = np.arange(virtual_stages)
+    bwd = np.flatnonzero((kind == _B) | (kind == _I))
+    if not len(bwd):
+        return ()
+    delta = np.where(kind == _F, 1, np.where((kind == _B) | (kind == _W), -1, 0))
+    onehot = np.zeros((len(kind), virtual_stages), dtype=np.int64)
+    onehot[np.arange(len(kind)), position[stage]] = delta
+    held = np.cumsum(onehot, axis=0)
+    late = held[(kind == _F) & (np.arange(len(kind)) > bwd[0])]
+    return _frontier(map(tuple, np.unique(late, axis=0).tolist())) if len(late) else ()
+
+
 def _frontier(states) -> tuple[tuple[int, ...], ...]:
     """The states no other state dominates, sorted."""
     kept: list[tuple[int, ...]] = []

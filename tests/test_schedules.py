@@ -294,3 +294,39 @@ def test_plans_are_cached_and_immutable():
 def test_single_rank_plan_is_gradient_accumulation():
     plan = single_rank_plan("1F1B", 3)
     assert plan.to_strings() == [["0F0", "0B0", "0F1", "0B1", "0F2", "0B2"]]
+
+
+def test_in_flight_after_the_first_backward():
+    """The states a forward leaves after the rank's first backward (where FSDP2 already holds the
+    accumulated unsharded gradients): 1F1B's steady state refills the warm-up's pp − r; a
+    breadth-first schedule and a single microbatch have none; pp = 1 runs the next microbatch."""
+    from engine.schedules import in_flight_states_after_first_backward as late
+
+    assert late("1F1B", 0, 4, 1, 8) == ((4,),)
+    assert late("1F1B", 3, 4, 1, 8) == ((1,),)
+    assert late("1F1B", 0, 4, 1, 4) == ()  # four warm-up forwards, then only backwards
+    assert late("GPipe", 0, 4, 1, 8) == ()
+    assert late("GPipe", 0, 1, 1, 8) == ((1,),) and late("1F1B", 0, 1, 1, 1) == ()
+    # the same, action by action in plain Python: the non-dominated states after each forward that
+    # runs after the rank's first B or I
+    for sc, v in (("Interleaved1F1B", 2), ("DualPipeV", 2), ("ZBVZeroBubble", 2), ("InterleavedZeroBubble", 2)):
+        for r in range(4):
+            seen = set(_states_after_first_backward(sc, r, 4, v, 8))
+            frontier = {a for a in seen if not any(b != a and all(x >= y for x, y in zip(b, a)) for b in seen)}
+            assert late(sc, r, 4, v, 8) == tuple(sorted(frontier)), (sc, r)
+
+
+def _states_after_first_backward(schedule, rank, pp, v, m):
+    plan = pipeline_actions(schedule, pp, m, v)
+    a = plan.arrays
+    mine = list(plan.stages_of_rank(rank))
+    held, backward_ran = [0] * v, False
+    for i in range(int(a.offsets[rank]), int(a.offsets[rank + 1])):
+        kind, at = "FBIW"[int(a.kind[i])], mine.index(int(a.stage[i]))
+        if kind == "F":
+            held[at] += 1
+            if backward_ran:
+                yield tuple(held)
+        elif kind in ("B", "W"):
+            held[at] -= 1
+        backward_ran = backward_ran or kind in ("B", "I")
