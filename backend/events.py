@@ -130,6 +130,10 @@ def _waiting(ev: dict) -> str:
     return str(ev.get("message") or "waiting")
 
 
+def _phase(ev: dict) -> str:
+    return str(ev.get("message") or "working")
+
+
 def _log(ev: dict) -> str:
     return str(ev.get("text", ""))
 
@@ -142,6 +146,8 @@ SENTENCES: dict[str, Callable[[dict], str]] = {
     "step": _step,
     "measurement": _measurement,
     "finished": _finished,
+    # what a local run is doing when it has said nothing for a while (backend.launch.HEARTBEAT_S)
+    "phase": _phase,
     "failed": _failed,
     "cancelled": _cancelled,
     # a rank's own failure, forwarded by the launcher while the run winds down

@@ -55,6 +55,9 @@ DEFAULT_TIMEOUT_S = 300.0
 KILL_GRACE_S = 3.0
 #: after a rank reports failure, how long torchrun gets to wind down before we end it
 FAILURE_GRACE_S = 5.0
+#: a run that has said nothing for this long says what it is doing (a ``phase`` event): no phase of a
+#: run is silent for more than about this (the ranks' imports, the measured step)
+HEARTBEAT_S = 2.0
 
 
 def default_run_dir(base: str | Path = "runs") -> Path:
@@ -120,6 +123,7 @@ class Run:
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
         self._queue: queue.Queue[dict] = queue.Queue()
+        self._last_said = time.monotonic()
         self._done = threading.Event()
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,6 +185,7 @@ class Run:
         if event in TERMINAL_EVENTS and self.write_error and event != "finished":
             obj["reason"] = f"{obj.get('reason')}; {self.write_error}"
         self._queue.put(obj)
+        self._last_said = time.monotonic()
         if event in TERMINAL_EVENTS:
             self.result = obj
             self._done.set()
@@ -271,6 +276,8 @@ class Run:
                     first_failure_at = time.monotonic()
                 if first_failure_at is not None and time.monotonic() - first_failure_at > FAILURE_GRACE_S:
                     break
+                if time.monotonic() - self._last_said > HEARTBEAT_S:
+                    self._emit("phase", message=phase_of(rank_events, world, self.steps, time.monotonic() - start))
                 time.sleep(0.1)
             if self.proc.poll() is None:
                 self._kill_all()
@@ -428,6 +435,28 @@ def run_cli(config_path: str | Path, out_dir: str | Path | None = None, steps: i
 
 #: the exit code of a run the user cancelled (as a shell reports a command stopped by Ctrl-C)
 EXIT_CANCELLED = 130
+
+
+def phase_of(rank_events: dict[int, list[dict]], world: int, steps: int, elapsed: float) -> str:
+    """What a local run is doing, from its ranks' events so far (``world`` processes)."""
+    def count(kind: str) -> int:
+        return sum(any(e.get("event") == kind for e in rank_events.get(r, ())) for r in range(world))
+
+    started, ready, done = count("rank_started"), count("rank_ready"), count("rank_done")
+    last = max((e.get("k", 0) for evs in rank_events.values() for e in evs if e.get("event") == "step"), default=0)
+    if ready == 0 and started < world:
+        what = f"starting the ranks: {started} of {world} processes up (torchrun, python, importing torch)"
+    elif ready < world:
+        what = (f"starting the ranks: {ready} of {world} ready (importing torch, the process groups, building "
+                "and wrapping the model)")
+    elif last < steps:
+        what = f"running step {last + 1}/{steps}"
+    elif done < world:
+        what = (f"measuring memory: one more, untimed step under torch's MemTracker ({done} of {world} ranks "
+                "done)")
+    else:
+        what = "collecting the measurement: the ranks are exiting"
+    return f"{what} … {elapsed:.0f} s"
 
 
 def follow_cli(run: Run, json_events: bool = False, stream=None, cancel_wait_s: float | None = None) -> int:

@@ -49,6 +49,7 @@ SAMPLES: list[dict] = [
     {"event": "rank_node", "time": 1.0, "rank": 3, "node": "n2", "node_rank": 1, "local_rank": 1},
     {"event": "node_command", "time": 1.0, "host": "a", "node": 0, "argv": ["torchrun"], "shell": "torchrun ..."},
     {"event": "waiting", "time": 1.0, "message": "start the command above on each host"},
+    {"event": "phase", "time": 1.0, "message": "running step 2/5 … 7 s"},
     {"event": "log", "text": "a printed line"},
 ]
 
@@ -93,3 +94,22 @@ def test_the_words_say_what_happened():
 def test_an_unknown_kind_is_still_words():
     text = describe({"event": "rebalanced", "time": 3.0, "ranks": [0, 1], "why": {"slow": "rank 1"}})
     assert text == "rebalanced  ranks 0, 1, why slow rank 1"
+
+
+def test_a_silent_run_says_which_phase_it_is_in():
+    """backend.launch emits a ``phase`` event when a run has said nothing for HEARTBEAT_S: what the
+    ranks' own events say they are doing, from torchrun's start to the processes' exit."""
+    from backend.launch import phase_of
+
+    ev = lambda kind, **kw: {"event": kind, **kw}  # noqa: E731
+    assert phase_of({}, 4, 5, 1.2).startswith("starting the ranks: 0 of 4 processes up")
+    started = {r: [ev("rank_started", pid=100 + r)] for r in range(4)}
+    assert "0 of 4 ready" in phase_of(started, 4, 5, 3.0)
+    ready = {r: evs + [ev("rank_ready")] for r, evs in started.items()}
+    assert phase_of(ready, 4, 5, 6.0) == "running step 1/5 … 6 s"
+    ready[0] += [ev("step", k=k, n=5) for k in range(1, 6)]
+    assert phase_of(ready, 4, 5, 8.0).startswith("measuring memory: one more, untimed step")
+    assert "(0 of 4 ranks done)" in phase_of(ready, 4, 5, 8.0)
+    done = {r: evs + [ev("rank_done")] for r, evs in ready.items()}
+    assert phase_of(done, 4, 5, 9.4) == "collecting the measurement: the ranks are exiting … 9 s"
+    assert describe({"event": "phase", "message": "running step 2/5 … 7 s"}) == "running step 2/5 … 7 s"
