@@ -1111,19 +1111,19 @@ def step_size_problems(schedule: str, pp: int, virtual_stages: int, microbatches
         out.append(("parallel.pp", f"parallel.pp × model.layers = {pp}·{layers} = {pp * layers:,} exceeds {MAX_PP_LAYERS:,}: the "
                    "engine lays each block of every pipeline rank's warm-up and cool-down, which no steady state "
                    f"repeats; allowed with {layers} layers: pp ≤ {max(1, MAX_PP_LAYERS // layers)}"))
-    if layers is not None and microbatches * layers > MAX_BREADTH_FIRST_BLOCKS:
-        allowed = f"allowed with {layers} layers: microbatches 1 … {max(1, MAX_BREADTH_FIRST_BLOCKS // layers)}"
-        if schedule in ("GPipe", "LoopedBFS"):
-            out.append(("parallel.microbatches", f"schedule {schedule} runs every forward before any backward, so nothing of a step "
-                       f"repeats and the engine lays each block of each microbatch: microbatches × model.layers = "
-                       f"{microbatches}·{layers} = {microbatches * layers:,} exceeds {MAX_BREADTH_FIRST_BLOCKS:,}; {allowed}, "
-                       "or a schedule with a steady state (1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, "
-                       "DualPipeV)"))
-        elif pp > 1:
-            out.append(("parallel.microbatches", f"a pipeline's last stage keeps every microbatch's outputs until the step "
-                       "ends, so its ranks' allocator states need not repeat and the engine replays each block of each "
-                       f"microbatch on every pipeline rank: microbatches × model.layers = {microbatches}·{layers} = "
-                       f"{microbatches * layers:,} exceeds {MAX_BREADTH_FIRST_BLOCKS:,}; {allowed}, or pp = 1"))
+    breadth_first = schedule in ("GPipe", "LoopedBFS")
+    if layers is not None and breadth_first and microbatches * layers > MAX_BREADTH_FIRST_BLOCKS:
+        out.append(("parallel.microbatches", f"schedule {schedule} runs every forward before any backward, so nothing of a step "
+                   f"repeats and the engine lays each block of each microbatch: microbatches × model.layers = "
+                   f"{microbatches}·{layers} = {microbatches * layers:,} exceeds {MAX_BREADTH_FIRST_BLOCKS:,}; allowed with "
+                   f"{layers} layers: microbatches 1 … {max(1, MAX_BREADTH_FIRST_BLOCKS // layers)}, or a schedule with a "
+                   "steady state (1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"))
+    elif layers is not None and pp > 1 and microbatches * layers > MAX_PIPELINE_BLOCKS:
+        out.append(("parallel.microbatches", f"a pipeline's last stage keeps every microbatch's outputs until the step "
+                   "ends, so its ranks' allocator states need not repeat and the engine replays each block of each "
+                   f"microbatch on every pipeline rank: microbatches × model.layers = {microbatches}·{layers} = "
+                   f"{microbatches * layers:,} exceeds {MAX_PIPELINE_BLOCKS:,}; allowed with {layers} layers: "
+                   f"microbatches 1 … {max(1, MAX_PIPELINE_BLOCKS // layers)}, or pp = 1"))
     if stages * microbatches > MAX_STAGE_MICROBATCHES:
         out.append(("parallel.microbatches", f"pp·virtual_stages·microbatches = {stages}·{microbatches} = {stages * microbatches:,} exceeds "
                    f"{MAX_STAGE_MICROBATCHES:,}: the engine simulates every forward and backward of the step, and "
@@ -1137,12 +1137,16 @@ def step_size_problems(schedule: str, pp: int, virtual_stages: int, microbatches
 #: about a second at most up to here (Llama 3 405B on 16,384 GPUs runs 16 stages × 16 microbatches;
 #: DeepSeek-V3's 2,048 GPUs 16 × 120; its 15,360-sequence batch on one replica, 1 × 15,360)
 MAX_STAGE_MICROBATCHES = 16384
-#: the most block-microbatches (microbatches × layers, summed over the pipeline ranks) a pipelined step
-#: may lay: a breadth-first schedule (GPipe, LoopedBFS) holds no steady state for the allocator replay
-#: to skip, and any pipeline's may not loop (the last stage's kept outputs grow each microbatch: the
-#: fuzz's 1,000-layer pipelines of 128–256 microbatches took 1.2–6.3 s, ~15 µs a block-microbatch and
-#: distinct rank); Llama 3 405B's 126 layers: 130 microbatches; published pipelines run 8–64
+#: the most block-microbatches (microbatches × layers) a breadth-first schedule (GPipe, LoopedBFS) may
+#: lay: its step holds no steady state for the allocator replay to skip, each costs ~30 µs with two
+#: stages a rank (Llama 3 405B's 126 layers: 130 microbatches; GPipe runs are published with 8–64)
 MAX_BREADTH_FIRST_BLOCKS = 16384
+#: the most block-microbatches (microbatches × layers, summed over the pipeline ranks) any other
+#: pipeline may lay: its allocator need not loop (the last stage's kept outputs grow each microbatch),
+#: ~15 µs a block-microbatch and distinct rank; the fuzz's 1,000-layer pipelines of 128–256
+#: microbatches (128,000–256,000) took 1.2–6.3 s. Llama 3 70B on 64 stages × 256 microbatches: 20,480;
+#: Llama 3 405B: 260 microbatches; published pipelines run 8–64
+MAX_PIPELINE_BLOCKS = 32768
 #: the most pipeline-rank blocks (pp × layers): each pipeline rank's warm-up and cool-down are laid block
 #: by block, ~0.1 ms per pp·layer for two stages a rank (Megatron-LM's 1T model: 64 stages of 128
 #: layers, 8,192; Llama 3 405B: 16 × 126)

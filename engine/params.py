@@ -614,8 +614,23 @@ def zero_redundancy_partition(groups, degree: int) -> list[int]:
     return list(_partition(tensor_groups(groups), degree))
 
 
+#: from this many ranks on, the partition is computed with numpy, every group in closed form
+#: (``_hand_out_equal_np``): O(degree) array work per tensor group instead of Python loops
+NUMPY_PARTITION_RANKS = 4096
+
+
 @lru_cache(maxsize=256)
-def _partition(groups: tuple[tuple[int, int], ...], degree: int) -> tuple[int, ...]:
+def _partition(groups: tuple[tuple[int, int], ...], degree: int,
+               numpy_from: int = NUMPY_PARTITION_RANKS) -> tuple[int, ...]:
+    if degree >= numpy_from:
+        import numpy as np  # only for very many ranks: the CLI's light commands never get here
+
+        arr = np.zeros(degree, dtype=np.int64)
+        for n, c in groups:  # largest first
+            if n == 0:
+                continue
+            _hand_out_equal_np(arr, n, c)
+        return tuple(arr.tolist())
     sizes = [0] * degree
     for n, c in groups:  # largest first
         if n == 0 or degree == 1:
@@ -631,6 +646,29 @@ def _partition(groups: tuple[tuple[int, int], ...], degree: int) -> tuple[int, .
         else:
             _hand_out_equal(sizes, n, c)
     return tuple(sizes)
+
+
+def _hand_out_equal_np(sizes, n: int, c: int) -> None:
+    """``_hand_out_equal`` on an int64 array, in place: the same levels, found with a sort and a
+    cumulative sum, the remaining keys at level K in (ρ_r, r) order with a lexsort."""
+    import numpy as np
+
+    q = sizes // n
+    qs = np.sort(q)
+    prefix = np.cumsum(qs)
+    i = np.arange(1, len(qs) + 1, dtype=np.int64)
+    reach = np.empty(len(qs), dtype=bool)
+    reach[:-1] = i[:-1] * qs[1:] - prefix[:-1] >= c  # the c-th key lies below level q_(i+1)
+    reach[-1] = True
+    k = int(np.argmax(reach))
+    level = -(-(c + int(prefix[k])) // (k + 1)) - 1  # the largest K with i·K − Σq < c
+    below = np.maximum(0, level - q)
+    left = c - int(below.sum())
+    if left:
+        at = np.flatnonzero(q <= level)
+        order = at[np.lexsort((at, sizes[at] % n))]
+        below[order[:left]] += 1
+    sizes += below * n
 
 
 def _hand_out_equal(sizes: list[int], n: int, c: int) -> None:

@@ -407,15 +407,12 @@ def test_a_pipeline_ranks_steady_state_is_one_cycle_and_reserves_the_same(schedu
 
 def test_a_thousand_microbatches_replay_in_a_few_periods():
     """The steady state of 1,024 microbatches costs the replay the periods until the allocator loops
-    (about the microbatches in flight), not 1,024 (Llama 3 8B cut to 16 layers: a pipeline may hold
-    microbatches × layers ≤ 16,384): a rank's reserve is found in milliseconds and equals
+    (about the microbatches in flight), not 1,024: a rank's reserve is found in milliseconds and equals
     the reserve of the same events with the cycle's periods written out."""
     import engine.memory.allocator as allocator
 
-    c = Config.from_dict({"model": {"preset": "llama3-8b", "layers": 16}, "cluster": {"preset": "h100-pod-64"},
-                          "parallel": {"tp": 8, "pp": 8, "zero": 2, "schedule": "DualPipeV", "virtual_stages": 2,
-                                       "microbatches": 1024},
-                          "training": {"precision": "bf16-mixed", "recompute": "full"}})
+    c = _cfg({"tp": 8, "pp": 8, "zero": 2, "schedule": "DualPipeV", "virtual_stages": 2, "microbatches": 1024},
+             preset="llama3-8b", cluster="h100-pod-64", training={"precision": "bf16-mixed", "recompute": "full"})
     r = memory_per_rank(c).per_rank[-1]  # the last stage: every microbatch's kept outputs grow its reserve
     sig = r._body.timeline._event_signature()
     packed = replay_events(sig)

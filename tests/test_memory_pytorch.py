@@ -5,6 +5,8 @@ tensor list, and the tiny preset against what PyTorch's MemTracker measured for 
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import Config, ConfigError
 from engine.memory import memory_per_rank
@@ -164,3 +166,36 @@ def test_pipeline_stage_input_is_the_receive_buffer():
     assert any("receive buffer" in x for x in labels)
     sbh = c.model.seq_len * c.training.micro_batch_size * c.model.hidden
     assert r1.comm_buffers == 4 * 4 * sbh  # m activation receive buffers, fp32
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), min_size=1, max_size=6),
+       st.integers(1, 40))
+def test_zero_redundancy_partition_in_closed_form_and_with_numpy_is_the_greedy(groups, degree):
+    """Both ways of computing torch's _partition_parameters (Python with a heap and the closed form;
+    numpy, used from NUMPY_PARTITION_RANKS ranks on) equal handing the tensors out one by one."""
+    from engine.params import _partition, tensor_groups
+
+    tensors = sorted((n for n, c in groups for _ in range(c)), reverse=True)
+    sizes = [0] * degree
+    for n in tensors:
+        r = min(range(degree), key=lambda j: (sizes[j], j))
+        sizes[r] += n
+    g = tensor_groups(groups)
+    assert list(_partition(g, degree)) == sizes
+    assert list(_partition(g, degree, numpy_from=1)) == sizes
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([1, 3, 7, 9, 12]), min_size=1, max_size=40), st.integers(1, 300))
+def test_share_classes_are_numbered_in_order_of_appearance_either_way(pattern, repeat):
+    """memory_per_rank's ZeRO-1 share classes: the Python pass (below 4,096 dp ranks) and numpy (from
+    there; 131,072 dp ranks) give each dp index the same class and each class the same indices."""
+    from engine.memory.per_rank import _share_classes
+
+    sizes = (pattern * repeat)[:5000]
+    classes: dict[int, list[int]] = {}
+    for d, n in enumerate(sizes):
+        classes.setdefault(n, []).append(d)
+    index = {n: i for i, n in enumerate(classes)}
+    assert _share_classes(sizes) == (tuple(index[n] for n in sizes), [tuple(ds) for ds in classes.values()])

@@ -209,9 +209,9 @@ def test_a_step_too_long_to_simulate_is_refused_with_what_is_allowed():
              ({"pp": 16, "microbatches": 512, "schedule": "GPipe"}, "parallel.microbatches",
               "microbatches × model.layers = 512·126 = 64,512 exceeds 16,384; allowed with 126 layers: microbatches 1 … 130"),
              # any pipeline: the last stage's kept outputs grow every microbatch, so its replay may not loop
-             ({"pp": 16, "microbatches": 256, "schedule": "1F1B"}, "parallel.microbatches",
-              "microbatches × model.layers = 256·126 = 32,256 exceeds 16,384; allowed with 126 layers: "
-              "microbatches 1 … 130, or pp = 1"),
+             ({"pp": 16, "microbatches": 512, "schedule": "1F1B"}, "parallel.microbatches",
+              "microbatches × model.layers = 512·126 = 64,512 exceeds 32,768; allowed with 126 layers: "
+              "microbatches 1 … 260, or pp = 1"),
              ({"pp": 84, "microbatches": 84, "model_layers": 126}, "parallel.pp",
               "parallel.pp × model.layers = 84·126 = 10,584 exceeds 8,192"),
              ]
