@@ -103,7 +103,8 @@ def test_ranking_equals_brute_force(small_case, top):
     assert result.counts.enumerated == len(rows)
     assert result.counts.rejected_by_validation == 0
     assert result.counts.fully_evaluated < len(rows) / 20  # the pruning did its job
-    if top == 1:  # the exhaustive path agrees with both (cheaply checked once per case)
+    if top == 1 and kw is next(iter(SMALL.values())):  # the exhaustive path agrees with both (its code is the
+        # same for every case: checked on the cheaper one, 8 s; the other evaluates every layout again, 25 s)
         exhaustive = plan(**kw, top=top, exhaustive=True)
         assert [e.config for e in exhaustive.entries] == [e.config for e in result.entries]
 
