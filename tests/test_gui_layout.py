@@ -634,3 +634,42 @@ def test_nothing_is_clipped_in_the_planner_result_of_the_readme_screenshot(windo
     problems = [f"[plan] {p}" for p in clipped(window)]
     window.grab().save(f"/tmp/layout-{size[0]}x{size[1]}-plan.png", "PNG")
     assert not problems, report(problems)
+
+
+def test_a_barrier_keeps_the_tallest_height_its_label_needed(qtbot):
+    """A hint that wraps to two lines on one slider step and one on the next must not re-lay out the
+    window on every step: the barrier grows when its label needs more height and never shrinks."""
+    from PySide6.QtCore import QEvent, QObject
+    from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+    from gui.widgets.barrier import LayoutBarrier
+
+    host = QWidget()
+    qtbot.addWidget(host)
+    label = QLabel("short")
+    label.setWordWrap(True)
+    barrier = LayoutBarrier(label)
+    lay = QVBoxLayout(host)
+    lay.addWidget(barrier)
+    host.resize(120, 200)
+    host.show()
+    qtbot.waitExposed(host)
+    one_line = barrier.height()
+    label.setText("a hint long enough to wrap onto a second line at this width, and a third")
+    qtbot.waitUntil(lambda: barrier.height() > one_line)
+    tall = barrier.height()
+
+    requests = []
+
+    class Count(QObject):
+        def eventFilter(self, obj, ev):
+            if ev.type() == QEvent.Type.LayoutRequest:
+                requests.append(ev)
+            return False
+
+    counter = Count()
+    host.installEventFilter(counter)
+    label.setText("short")
+    qtbot.wait(50)
+    assert barrier.height() == tall
+    assert requests == []  # the window's layout was not asked to move anything

@@ -5,7 +5,10 @@ up the chain, the whole window's: every header, hint and metrics label changing 
 made Qt lay out every widget of the window again (several ms of the 16 ms frame). A label held
 by a :class:`LayoutBarrier` is positioned by ``resizeEvent`` instead of a layout, so its geometry
 updates stop at the barrier; the barrier asks its own parent for a new layout only when the
-label needs a different height (a wrapped line more or fewer).
+label needs more height than it has had (a wrapped line more). It keeps the tallest height it has
+needed: a hint that wraps to one line on one slider step and two on the next would otherwise re-lay
+out, and repaint, the whole window on every step of a drag (measured: the model-size slider's hint,
+every widget of the window painted per move).
 """
 
 from __future__ import annotations
@@ -48,6 +51,6 @@ class LayoutBarrier(QWidget):
 
     def _refit(self) -> None:
         h = self._needed_height()
-        if h != self._height:
+        if h > self._height:
             self._height = h
             self.updateGeometry()  # only now does the surrounding layout need to move
