@@ -686,6 +686,8 @@ class _Planner:
                 loss = np.zeros(len(gb))
                 if n_stages - 1 in stages:  # fp32 logits and their gradient at the loss
                     loss = loss + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
+                    if torch_acc:  # loss_parallel's backward: three fp32 vocabulary shards at once
+                        loss = np.where(gs, np.maximum(loss, bf * 12.0 * s_len * vocab_t), loss)
                 if dpc > 1:
                     if not getattr(conv, "ddp_gradient_as_bucket_view", False):
                         fixed = fixed + np.where((gz <= 1) & ~fsdp2, g_b * p_, 0.0)  # DDP's buckets
@@ -718,7 +720,9 @@ class _Planner:
                     # input and log-probabilities over the loss's vocabulary (its shard under SP's
                     # loss_parallel, the whole of it otherwise)
                     v_up = np.where(gs, vocab_t, model.vocab)
-                    head_up = bf * (12 * np.ceil(s_len * h / rep_div) + 4 * s_len + 4 * s_len * v_up)
+                    # (the head input gathered from the sequence shards under SP: at most 4 B an element)
+                    head_up = bf * (8 * np.ceil(s_len * h / rep_div) + 4 * np.where(gs, s_len * h, np.ceil(s_len * h / rep_div))
+                                    + 4 * s_len + 4 * s_len * v_up)
 
                 # two moments, each one state of torch's order (so ≤ the engine's peak for any per-stage bytes):
                 # the layer-weighted activation peak, with a backward's transients or the loss; and a forward
@@ -726,6 +730,11 @@ class _Planner:
                 # FSDP2 holds every unit's unsharded gradient (lifetime "after_first_backward": pipelined, or
                 # m > 1) beside the step terms and what is in flight then, less the loss side an F's own moment
                 # lacks
+                if torch_acc and pp > 1 and n_stages - 1 in stages:
+                    # a third moment, the end of the backward: torch.distributed.pipelining has kept every
+                    # microbatch's logits on the last stage (lifetime "to_step_end"), beside the step terms
+                    kept = act_b * s_len * np.where(gs, vocab_t, model.vocab)
+                    mem = np.maximum(mem, steady + gm * bf * kept)
                 late = steady + np.where(grads_unsharded, gacc * p_, 0.0)
                 for held, after_backward in ((fixed, False), (late, True)):
                     if after_backward and not grads_unsharded.any():
@@ -738,7 +747,9 @@ class _Planner:
                                                         after_backward)
                     lsum, first, last, lck = lut[:, gm]
                     layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
-                    act = bf * (layers_act + first * 8 * s_len + last * (2 * act_b * sbh1 + 4 * s_len * vocab_t))
+                    # the last stage's loss side: final-norm input, head input (gathered under SP), fp32 log-probs
+                    head_in = act_b * np.where(gs, s_len * h, sbh1) if torch_acc else act_b * sbh1
+                    act = bf * (layers_act + first * 8 * s_len + last * (act_b * sbh1 + head_in + 4 * s_len * vocab_t))
                     if after_backward:
                         mem = np.maximum(mem, np.where(grads_unsharded, held + np.where(lsum > 0, act - head_up, 0.0),
                                                        0.0))

@@ -148,6 +148,17 @@ def test_tp_with_sequence_parallel_matches_single_rank_losses(tmp_path):
     assert col(meas, "optimizer") == [2 * p for p in col(meas, "params")]
     ref = reference_losses(3, 2, cfg.training.micro_batch_size)
     assert meas.step.losses == pytest.approx(ref, rel=1e-4)
+    # loss_parallel's backward holds three fp32 vocabulary shards (torch's
+    # _nll_loss_and_log_softmax_backward: zeros_like, exp, their sum) and the head saves its input
+    # gathered from the sequence shards; with two, and the shard, the engine missed a third of these
+    # temporaries (tiny, b 4: 512 KiB of 776 KiB measured)
+    from engine.memory import memory_per_rank
+
+    predicted = memory_per_rank(cfg).per_rank
+    for r, measured in enumerate(meas.ranks):
+        got = measured["memory"]["categories"]
+        assert predicted[r].temporaries == pytest.approx(got["temporaries"], rel=0.03), r
+        assert predicted[r].activations == pytest.approx(got["activations"], rel=0.01), r
 
 
 def test_fsdp_by_tp_two_dimensional(tmp_path):

@@ -715,6 +715,12 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     kept, kept_formula = res * sbh_rep, f"{res}·s·b·{hs} (checkpointed block input)"
     n_stages = par.num_stages
     holds_last = any(st.stage == n_stages - 1 for st in rp.stages)
+    # the head's saved input: under sequence parallel its ColwiseParallel gathers the sequence shards
+    # (input_layouts Shard(1) → Replicate, backend/parallel/tensor_parallel.py as torchtitan), and F.linear
+    # saves that gathered input for the weight gradient, as the blocks' linears do ("linear_input"). measure
+    # --fake, Llama 3 70B FSDP32 × TP8 + SP: activations 1.75 GiB over s·b·h/t, = 2·s·b·h·(1 − 1/t)
+    head_input = (("head input, gathered from the sequence shards", act * s * b * h, f"{act}·s·b·h", "head_input")
+                  if sh.sp and sh.torch_ops else ("head input", act * sbh_rep, f"{act}·s·b·{hs}", "head_input"))
     extras: list[list[tuple[str, int, str, str]]] = []
     for st in rp.stages:
         ex: list[tuple[str, int, str, str]] = []
@@ -738,7 +744,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                 ex.append(("final-norm rstd" + ("" if lora_on else " and x̂ in fp32 (composite RMSNorm)"),
                            xhat + 4 * s * b // sh.rep, ("" if lora_on else f"4·s·b·{hs} + ") + "4·s·b", "final_norm"))
                 if not lora_on:
-                    ex.append(("head input", act * sbh_rep, f"{act}·s·b·{hs}", "head_input"))
+                    ex.append(head_input)
             elif torch_acc:
                 ex.append(("final-norm input", res * sbh_rep, f"{res}·s·b·{hs}", "final_norm"))
                 if sh.composite_norm and not lora_on:
@@ -747,7 +753,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                 else:
                     ex.append(("final-norm rstd", 4 * s * b // sh.rep, "4·s·b", "final_norm"))
                 if not lora_on:  # a frozen head saves no input for a weight gradient
-                    ex.append(("head input", act * sbh_rep, f"{act}·s·b·{hs}", "head_input"))
+                    ex.append(head_input)
             elif lora_on:
                 ex.append(("final-norm input (the frozen head saves none)", act * sbh_rep, f"{act}·s·b·{hs}",
                            "final_norm"))
@@ -887,7 +893,17 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
-        if torch_acc:
+        if torch_acc and sp:
+            # loss_parallel (the backend's loss under sequence parallel): torch's
+            # _nll_loss_and_log_softmax_backward (torch/distributed/tensor/parallel/loss.py) runs both
+            # backwards at once on the vocabulary shard, returning (grad_input + torch.exp(x)) * grad_output
+            # with grad_input = zeros_like(x): the zeros, exp(x) and their sum (then the sum and the product)
+            # are three fp32 shards alive at once (measure --fake, Llama 3 70B FSDP32 × TP8: tracker Temp
+            # 25,220,481,028 B, three times 16·8192·16,032·4 B plus 4 MB)
+            lx = 3 * 4 * s * b * v_loss
+            T.add("temporaries", "loss (loss_parallel): the one-hot gradient, exp of the log-probabilities and "
+                  "their sum, fp32 on the vocabulary shard", lx, f"3 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
+        elif torch_acc:
             lx = 2 * 4 * s * b * v_loss
             T.add("temporaries", "loss: fp32 logits and the log-softmax gradient at the start of backward",
                   lx, f"2 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
