@@ -138,10 +138,17 @@ def test_bigger_models_never_need_less(raw, knob):
         step = {"layers": 1, "ffn_hidden": cfg.parallel.tp, "vocab": 7, "seq_len": 4}[knob]
         bigger = with_(raw, "model", **{knob: getattr(cfg.model, knob) + step})
     small, big = memory_per_rank(cfg), memory_per_rank(build(bigger))
+    # torch's ZeroRedundancyOptimizer hands whole tensors out greedily: a bigger tensor can move another
+    # to a different rank, so one dp-rank's share may shrink (Linears 7 → 8 wide: a rank 6,144 → 5,952 B)
+    # while the group's sum grows
+    zero1_shares = cfg.parallel.zero == 1 and cfg.conventions.state_accounting == "pytorch" and cfg.parallel.dp > 1
     for a, b in zip(small.per_rank, big.per_rank):
-        assert b.total >= a.total, (knob, a.rank)
-        if knob in ("layers", "ffn_hidden", "vocab"):
+        if not zero1_shares:
+            assert b.total >= a.total, (knob, a.rank)
+        if knob in ("layers", "ffn_hidden", "vocab") and not zero1_shares:
             assert b.model_states >= a.model_states
+    if zero1_shares:
+        assert sum(r.model_states for r in big.per_rank) >= sum(r.model_states for r in small.per_rank)
 
 
 @st.composite
