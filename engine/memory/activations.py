@@ -84,7 +84,8 @@ class _Shape:
     dropout: bool
     flash: bool
     swiglu: bool
-    recompute: str = "none"  # the policy the table is evaluated under ("full", "selective-layer": per block)
+    recompute: str = "none"
+    mla: bool = False  # multi-head latent attention (no repeat of K and V: each head has its own)  # the policy the table is evaluated under ("full", "selective-layer": per block)
     bias: bool = False  # Linears with a bias (aten.addmm: saved by the per-op policy, not counted as an mm)
     compile: bool = False  # torch.compile per block: what inductor's min-cut partitioner saves
     # torchao's Float8Linear saves its input as it arrives (matmul_with_hp_or_float8_args saves input_hp):
@@ -152,6 +153,11 @@ _NUMEL = {
     # a row-parallel Linear's local output: the full s·b·h partial sum before its all-reduce / reduce-scatter
     "sbh": (lambda sh: sh.s * sh.b * sh.h, lambda sh: "h"),
     "sbkv_t": (lambda sh: sh.s * sh.b * sh.kv // sh.t, lambda sh: "kv/t"),
+    # what SDPA (flash) saves of K and V: torch's, the model's K and V repeated to every query head (at h/t);
+    # the paper's accounting, latent attention (a K and V per head) and context parallelism (its own
+    # exchange, engine.memory.activations.context_parallel_workspace): the kv heads
+    "flash_kv_t": (lambda sh: sh.s * sh.b * (sh.h if _repeats_kv(sh) else sh.kv) // sh.t,
+                   lambda sh: "h/t" if _repeats_kv(sh) else "kv/t"),
     "sbf_t": (lambda sh: sh.s * sh.b * sh.f // sh.t, lambda sh: "f/t"),
     "as2b_t": (lambda sh: sh.a * sh.s * sh.keys * sh.b // sh.t, lambda sh: "aS/t" if sh.cp else "as/t"),
     # eager attention's K, V repeated to all heads: under context parallelism gathered to every key
@@ -161,6 +167,10 @@ _NUMEL = {
     "s_half_d": (lambda sh: sh.s * (sh.head_dim // 2), lambda sh: "d/2b"),
     "sbr": (lambda sh: sh.s * sh.b * sh.lora_r, lambda sh: "r"),
 }
+def _repeats_kv(sh) -> bool:
+    return sh.torch_ops and not sh.mla and not sh.cp
+
+
 #: order of the bases in the formula string
 _BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "1", "1/t", "d/2b", "s/b", "S/b", "r")
 #: element-bytes rule name -> bytes
@@ -320,7 +330,11 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
     # inductor recomputes the tables (arange, cos, sin) in the backward instead of saving them
     SavedTensor("rope cos and sin for Q and K (saved by their multiplies)", "act", "s_half_d", "attention", count=4,
                 only=("rope", "torch_ops", "!compile"), recomputed_by=_PER_OP),
-    SavedTensor("K, V (kv heads)", "act", "sbkv_t", "attention", count=2, only=("flash",), recomputed_by=_PER_OP),
+    # the model repeats K and V to every query head before the attention core (backend/model.py, as
+    # torchtitan's repeat_kv): SDPA, flash or not, saves the repeated ones, and so does the attention-core
+    # checkpoint of "selective" (its inputs). measure --fake, Llama 3 8B TP4 + SP, b 2: activations 1.50 GiB
+    # over K, V at kv heads, = 2·(h − kv)/t · 2 B · s·b · 32 layers, under recompute none and selective alike
+    SavedTensor("K, V", "act", "flash_kv_t", "attention", count=2, only=("flash",), recomputed_by=_PER_OP),
     SavedTensor("K, V (repeated to all heads)", "act", "keys_bh_t", "attention", count=2, only=("!flash",),
                 recomputed_by=_PER_OP),
     SavedTensor("softmax log-sum-exp (fp32)", "fp32", "asb_t", "attention", only=("flash",),
@@ -422,7 +436,7 @@ def shape_of(cfg: Config) -> _Shape:
     act = 4 if tr.precision == "fp32" else 2
     base = dict(s=cfg.local_seq_len, kv_len=model.seq_len if par.cp > 1 else 0, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
                 f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
-                flash=model.attention in ("flash", "mla"), swiglu=model.mlp == "swiglu",
+                flash=model.attention in ("flash", "mla"), mla=model.attention == "mla", swiglu=model.mlp == "swiglu",
                 recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none", bias=model.bias,
                 compile=tr.compile)
     if tr.finetune == "lora":
