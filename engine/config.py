@@ -658,13 +658,22 @@ FIELD_RANGES: dict[str, Range] = {
 }
 
 
+@functools.lru_cache(maxsize=1)
+def _range_paths() -> tuple[tuple[str, str, tuple[str, ...], str, Range], ...]:
+    """FIELD_RANGES split once: (path, section, attributes down to the field's owner, field, range)."""
+    out = []
+    for path, rng in FIELD_RANGES.items():
+        section, *middle, key = path.split(".")
+        out.append((path, section, tuple(middle), key, rng))
+    return tuple(out)
+
+
 def _check_ranges(p: list[Problem], sections: dict[str, Any]) -> set[str]:
     """Every field of FIELD_RANGES inside its range (and of its type); returns the fields at fault."""
     bad: set[str] = set()
-    for path, rng in FIELD_RANGES.items():
-        *parents, key = path.split(".")
-        obj = sections[parents[0]]
-        for name in parents[1:]:
+    for path, section, middle, key, rng in _range_paths():
+        obj = sections[section]
+        for name in middle:
             obj = getattr(obj, name)
         value = getattr(obj, key)
         integer = _field_types(type(obj))[key] is int

@@ -199,3 +199,45 @@ def test_share_classes_are_numbered_in_order_of_appearance_either_way(pattern, r
         classes.setdefault(n, []).append(d)
     index = {n: i for i, n in enumerate(classes)}
     assert _share_classes(sizes) == (tuple(index[n] for n in sizes), [tuple(ds) for ds in classes.values()])
+
+
+def _terms(cfg, category):
+    return {t.label: t.bytes for t in memory_per_rank(cfg).per_rank[0].explain(category)}
+
+
+def test_loss_parallel_holds_three_fp32_shards_and_the_head_its_gathered_input():
+    """Issue 31's case, by hand from torch's source: loss_parallel's _nll_loss_and_log_softmax_backward
+    returns (zeros_like(x) + exp(x)) * grad_output, three fp32 shards of s·b·⌈V/t⌉ alive at once
+    (measure --fake: tracker Temp 25,220,481,028 B); the head's ColwiseParallel gathers the sequence
+    shards and F.linear saves that gathered input, 2·s·b·h (the fake: 1.75 GiB more than /t)."""
+    cfg = Config.from_dict({"model": {"preset": "llama3-70b"}, "cluster": {"gpu": "h100-sxm", "gpus": 256},
+                            "parallel": {"dp": 32, "tp": 8, "zero": 3, "sequence_parallel": True},
+                            "training": {"micro_batch_size": 16, "precision": "bf16-mixed", "recompute": "full"}})
+    s, b, h, v_t = 8192, 16, 8192, -(-128256 // 8)
+    assert v_t == 16032
+    temps = _terms(cfg, "temporaries")
+    loss = [x for k, x in temps.items() if k.startswith("loss (loss_parallel)")]
+    assert loss == [3 * 4 * s * b * v_t] == [25_216_155_648]
+    acts = _terms(cfg, "activations")
+    assert acts["stage 0: head input, gathered from the sequence shards"] == 2 * s * b * h
+    # without sequence parallel the loss sees the replicated logits: the aten path's two fp32 copies of V
+    plain = cfg.replace(parallel={"sequence_parallel": False})
+    assert [x for k, x in _terms(plain, "temporaries").items() if k.startswith("loss:")] == [2 * 4 * s * b * 128256]
+
+
+def test_sdpa_keeps_k_and_v_repeated_to_every_query_head():
+    """backend/model.py repeats K and V for GQA before the attention core, so SDPA saves them at h/t,
+    not kv/t (measure --fake, Llama 3 8B TP4 + SP, b 2: the engine was 1.50 GiB under, exactly
+    2·(h − kv)/t · 2 B · s·b · 32 layers)."""
+    from engine.memory.activations import activation_terms_per_layer
+
+    cfg = Config.from_dict({"model": {"preset": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "gpus": 32},
+                            "parallel": {"dp": 8, "tp": 4, "zero": 2, "sequence_parallel": True},
+                            "training": {"micro_batch_size": 2, "precision": "bf16-mixed"},
+                            "conventions": {"state_accounting": "pytorch"}})
+    terms, formula = activation_terms_per_layer(cfg)
+    kv = {t.label: t.bytes for t in terms}["K, V"]
+    assert kv == 2 * 2 * 8192 * 2 * 4096 // 4  # two tensors × 2 B × s·b·h/t
+    # the paper's accounting keeps the kv heads (8 of 32: a quarter)
+    paper = cfg.replace(conventions={"state_accounting": "zero-paper"})
+    assert {t.label: t.bytes for t in activation_terms_per_layer(paper)[0]}["K, V"] == kv // 4
