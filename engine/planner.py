@@ -38,8 +38,9 @@ Speed (branch and bound; the answer is the same as fully evaluating every layout
 1. For the whole candidate grid, vectorised with numpy: a closed-form **lower bound on peak
    memory** (model states, activations in flight from torch's schedule order, p2p and bucket
    buffers, FSDP2's unsharded parameters and gradients, logits, overhead — the terms of
-   ``engine.memory`` minus a few small ones and rounding, at two moments: the activation peak, and
-   a forward after the rank's first backward, where FSDP2 holds every unit's accumulated gradient)
+   ``engine.memory`` minus a few small ones and rounding, at three moments: the activation peak, a
+   forward after the rank's first backward, where FSDP2 holds every unit's accumulated gradient, and
+   the end of the backward, with the last stage's kept logits)
    drops layouts that cannot fit; and a **lower bound on step time**: the exact
    per-stage F/B durations (compute at float8's rate with its casts and compile's fused elementwise time, as
    ``engine.step.with_float8_and_compile``, + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
@@ -650,26 +651,9 @@ class _Planner:
             # forward); resharded after forward under pipelining they are kept only from the first backward on
             gathered_at_b = pp == 1 or not reshard_after_forward(3, self.base.parallel.fsdp_reshard_after_forward,
                                                                  True)
-            # FSDP2 (fully_shard for ZeRO-2/3, replicate for ZeRO-0/1 with TP; engine.wrapping.wrapping_plan)
-            fsdp2 = (torch_acc and dpc > 1 and self.base.parallel.dp_mode != "dataparallel") & ((gz >= 2) | (tp > 1))
-            z3_reshards = reshard_after_forward(3, self.base.parallel.fsdp_reshard_after_forward, pp > 1)
-            compute = _COMPUTE_DTYPE[self.base.training.precision]
-            pd = PLAN_DTYPE_BYTES[compute]  # MixedPrecisionPolicy's param dtype: what FSDP2 gathers
-            gacc = PLAN_DTYPE_BYTES["fp32" if compute == "fp32" else self.base.training.grad_dtype]
-            if self.base.training.finetune == "lora":  # only the adapters' gradients: none counted
-                gacc = 0
-            # FSDP2's unsharded parameters of every unit all step (lifetime "step"): replicate, and ZeRO-3 not
-            # resharded after forward; ZeRO-2's are the states' w_b·Ψ already (the paper's accounting above)
-            all_units = np.where(fsdp2 & ((gz <= 1) | ((gz == 3) & ~z3_reshards)), float(pd), 0.0)  # B/param
-            # a backward's gradient of one unit: the reduce-scatter input (in the reduce dtype) where each
-            # backward syncs (FSDP2: one microbatch, no pipeline; the paper's accounting: always), else FSDP2's
-            # fresh gradient in the parameter dtype where it accumulates in another (before post-backward
-            # adds it in), else none (engine.memory.buffers.fsdp2_buffers)
-            synced = ~fsdp2 | ((pp == 1) & (gm == 1))
-            unit_grad = np.where(synced, float(g_b), float(pd) if gacc != pd else 0.0)
-            # some moment after the rank's first backward (B or I) and before the end of the backward: a later
-            # microbatch, a second local stage, or a split backward's W
-            grads_unsharded = fsdp2 & ((gm > 1) | (pp > 1 and (v > 1 or sc in names.SPLIT_BACKWARD_SCHEDULES)))
+            fsdp2 = self._fsdp2_bytes(tp, pp, v, sc, dpc, gz, gm, torch_acc, g_b)
+            all_units, unit_grad, grads_unsharded, gacc = (
+                fsdp2[k] for k in ("all_units", "unit_grad", "grads_unsharded", "gacc"))
             for ri, stages, sizes in sh["ends"]:
                 p_ = psi[ri]
                 states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
@@ -688,25 +672,20 @@ class _Planner:
                     loss = loss + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
                     if torch_acc:  # loss_parallel's backward: three fp32 vocabulary shards at once
                         loss = np.where(gs, np.maximum(loss, bf * 12.0 * s_len * vocab_t), loss)
+                ag_units = np.zeros(len(gb))
                 if dpc > 1:
                     if not getattr(conv, "ddp_gradient_as_bucket_view", False):
-                        fixed = fixed + np.where((gz <= 1) & ~fsdp2, g_b * p_, 0.0)  # DDP's buckets
+                        fixed = fixed + np.where((gz <= 1) & ~fsdp2["on"], g_b * p_, 0.0)  # DDP's buckets
                     backward = backward + np.where(gz >= 2, unit_grad * sizes[0], 0.0)
-                    ag_units = np.zeros(len(gb))
                     if gathered_at_b:
                         gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
                         ag_units = np.where(gz == 3, w_b * gathered, 0.0)
                         backward = backward + ag_units
-                else:
-                    ag_units = np.zeros(len(gb))
                 # FSDP2's unsharded parameters of every unit, all step, where no unit reshards between its
                 # forward and backward (ZeRO-2, replicate, ZeRO-3 not resharded after forward: lifetime
                 # "step", engine.memory.buffers.fsdp2_buffers), in place of the current (+ prefetched) unit
                 fixed = fixed + all_units * p_
                 backward = backward - np.where(all_units > 0, ag_units, 0.0)
-                # a second moment: after the rank's first backward and before its last one ends, FSDP2 holds
-                # every unit's unsharded gradient (lifetime "after_first_backward"; pipelined, or m > 1) beside
-                # the states and those parameters, whatever is in flight then (none counted)
                 if pp > 1:
                     ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
                     fixed = fixed + ends * gm * bf * act_b * sbh1
@@ -724,15 +703,15 @@ class _Planner:
                     head_up = bf * (8 * np.ceil(s_len * h / rep_div) + 4 * np.where(gs, s_len * h, np.ceil(s_len * h / rep_div))
                                     + 4 * s_len + 4 * s_len * v_up)
 
-                # two moments, each one state of torch's order (so ≤ the engine's peak for any per-stage bytes):
-                # the layer-weighted activation peak, with a backward's transients or the loss; and a forward
-                # after the rank's first backward (with none, any later action before the backward ends), where
-                # FSDP2 holds every unit's unsharded gradient (lifetime "after_first_backward": pipelined, or
-                # m > 1) beside the step terms and what is in flight then, less the loss side an F's own moment
-                # lacks
+                # three moments, each one the engine's peak is at least (its total then):
+                # 1. the end of the backward: torch.distributed.pipelining has kept every microbatch's logits
+                #    on the last stage (lifetime "to_step_end"), beside the step terms
+                # 2. the layer-weighted activation peak of torch's order, with a backward's transients or the loss
+                # 3. a forward after the rank's first backward (with none, any later action before the backward
+                #    ends), where FSDP2 holds every unit's unsharded gradient (lifetime "after_first_backward":
+                #    pipelined, or m > 1) beside the step terms and what is in flight then
+                # (2 and 3 less the loss side an F's own moment lacks)
                 if torch_acc and pp > 1 and n_stages - 1 in stages:
-                    # a third moment, the end of the backward: torch.distributed.pipelining has kept every
-                    # microbatch's logits on the last stage (lifetime "to_step_end"), beside the step terms
                     kept = act_b * s_len * np.where(gs, vocab_t, model.vocab)
                     mem = np.maximum(mem, steady + gm * bf * kept)
                 late = steady + np.where(grads_unsharded, gacc * p_, 0.0)
@@ -889,6 +868,36 @@ class _Planner:
             out["n_units"] = np.array([max(1, r.unit_count) for r in rows], dtype=np.float64)
         self._shapes[key] = out
         return out
+
+    def _fsdp2_bytes(self, tp: int, pp: int, v: int, sc: str, dpc: int, gz: np.ndarray, gm: np.ndarray,
+                     torch_acc: bool, g_b: int) -> dict[str, Any]:
+        """What FSDP2 holds, per candidate of one (tp, pp, v, schedule, cp) on the (b, zero, sp, recompute) axes,
+        for the memory bound (``engine.memory.buffers.fsdp2_buffers``, ``engine.wrapping.wrapping_plan``):
+        ``on`` (fully_shard for ZeRO-2/3, replicate for ZeRO-0/1 with TP), ``all_units`` (bytes per parameter
+        of every unit unsharded all step), ``unit_grad`` (bytes per element of a backward's one-unit gradient),
+        ``grads_unsharded`` (every unit's gradient accumulated unsharded at some moment) and ``gacc`` (its
+        bytes per element)."""
+        base = self.base
+        on = (torch_acc and dpc > 1 and base.parallel.dp_mode != "dataparallel") & ((gz >= 2) | (tp > 1))
+        z3_reshards = reshard_after_forward(3, base.parallel.fsdp_reshard_after_forward, pp > 1)
+        compute = _COMPUTE_DTYPE[base.training.precision]
+        pd = PLAN_DTYPE_BYTES[compute]  # MixedPrecisionPolicy's param dtype: what FSDP2 gathers
+        gacc = PLAN_DTYPE_BYTES["fp32" if compute == "fp32" else base.training.grad_dtype]
+        if base.training.finetune == "lora":  # only the adapters' gradients: none counted
+            gacc = 0
+        # every unit unsharded all step (lifetime "step"): replicate, and ZeRO-3 not resharded after forward;
+        # ZeRO-2's are the states' w_b·Ψ already (the paper's accounting of the states)
+        all_units = np.where(on & ((gz <= 1) | ((gz == 3) & ~z3_reshards)), float(pd), 0.0)
+        # a backward's gradient of one unit: the reduce-scatter input (in the reduce dtype) where each backward
+        # syncs (FSDP2: one microbatch, no pipeline; the paper's accounting: always), else FSDP2's fresh
+        # gradient in the parameter dtype where it accumulates in another (until post-backward adds it in)
+        synced = ~on | ((pp == 1) & (gm == 1))
+        unit_grad = np.where(synced, float(g_b), float(pd) if gacc != pd else 0.0)
+        # some moment after the rank's first backward (B or I) and before the end of the backward: a later
+        # microbatch, a second local stage, or a split backward's W
+        grads_unsharded = on & ((gm > 1) | (pp > 1 and (v > 1 or sc in names.SPLIT_BACKWARD_SCHEDULES)))
+        return {"on": on, "all_units": all_units, "unit_grad": unit_grad, "grads_unsharded": grads_unsharded,
+                "gacc": gacc}
 
     def _per_layer_vec(self, tp, gs, gr, cp=1, gc=None) -> np.ndarray:
         gc = np.zeros(len(gs), dtype=bool) if gc is None else gc

@@ -500,8 +500,11 @@ def in_flight_states(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
 
 
 @lru_cache(maxsize=512)
-def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """:func:`in_flight_states` of every rank of one plan, in one pass over its action arrays."""
+def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int,
+                           after_first_backward: bool = False) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """:func:`in_flight_states` of every rank of one plan, in one pass over its action arrays
+    (``after_first_backward``: only the forwards after the rank's first B or I, as
+    :func:`in_flight_states_after_first_backward`)."""
     plan = pipeline_actions(schedule, pp, m, v)
     a = plan.arrays
     n = len(a.kind)
@@ -520,6 +523,9 @@ def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int) -> tuple[tupl
     before = np.where(start[:, None] > 0, held[np.maximum(start - 1, 0)], 0)  # held before each rank's first action
     held -= before[rank]
     is_f = a.kind == _F
+    if after_first_backward:
+        first_bwd = np.minimum.reduceat(np.where((a.kind == _B) | (a.kind == _I), np.arange(n), n), start)
+        is_f &= np.arange(n) > first_bwd[rank]
     # distinct (rank, state) pairs after each forward: as one integer key each where that fits in int64
     base = m + 1
     if pp * base**v < 2**62:
@@ -539,7 +545,6 @@ def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int) -> tuple[tupl
     return tuple(out)
 
 
-@lru_cache(maxsize=512)
 def in_flight_states_after_first_backward(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
                                           microbatches: int) -> tuple[tuple[int, ...], ...]:
     """Live microbatches per local stage after each forward of ``pp_rank`` that runs after the rank's
@@ -548,21 +553,7 @@ def in_flight_states_after_first_backward(schedule: str, pp_rank: int, pp: int, 
     FSDP2's unsharded gradients) is alive beside each of them; pp = 1: the next microbatch's forward."""
     if pp == 1:
         return ((1,),) if microbatches > 1 else ()
-    plan = pipeline_actions(schedule, pp, microbatches, virtual_stages)
-    a = plan.arrays
-    lo, hi = int(a.offsets[pp_rank]), int(a.offsets[pp_rank + 1])
-    kind, stage = a.kind[lo:hi], a.stage[lo:hi]
-    position = np.zeros(plan.num_stages, dtype=np.int64)
-    position[plan.stages_of_rank(pp_rank)] = np.arange(virtual_stages)
-    bwd = np.flatnonzero((kind == _B) | (kind == _I))
-    if not len(bwd):
-        return ()
-    delta = np.where(kind == _F, 1, np.where((kind == _B) | (kind == _W), -1, 0))
-    onehot = np.zeros((len(kind), virtual_stages), dtype=np.int64)
-    onehot[np.arange(len(kind)), position[stage]] = delta
-    held = np.cumsum(onehot, axis=0)
-    late = held[(kind == _F) & (np.arange(len(kind)) > bwd[0])]
-    return _frontier(map(tuple, np.unique(late, axis=0).tolist())) if len(late) else ()
+    return _plan_in_flight_states(schedule, pp, virtual_stages, microbatches, True)[pp_rank]
 
 
 def _frontier(states) -> tuple[tuple[int, ...], ...]:

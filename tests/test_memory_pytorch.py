@@ -189,8 +189,8 @@ def test_zero_redundancy_partition_in_closed_form_and_with_numpy_is_the_greedy(g
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from([1, 3, 7, 9, 12]), min_size=1, max_size=40), st.integers(1, 300))
 def test_share_classes_are_numbered_in_order_of_appearance_either_way(pattern, repeat):
-    """memory_per_rank's ZeRO-1 share classes: the Python pass (below 4,096 dp ranks) and numpy (from
-    there; 131,072 dp ranks) give each dp index the same class and each class the same indices."""
+    """memory_per_rank's ZeRO-1 share classes (numpy, for 131,072 dp ranks) give each dp index the class a
+    plain dict pass gives it, and each class the same indices."""
     from engine.memory.per_rank import _share_classes
 
     sizes = (pattern * repeat)[:5000]
