@@ -609,9 +609,15 @@ def zero_redundancy_partition(groups, degree: int) -> list[int]:
     to the smallest key on offer — a merge of ``degree`` sorted sequences, so the ``c`` tensors
     go to the ``c`` smallest keys of all ranks, which ``_hand_out_equal`` counts in closed form.
     """
+    return list(zero_redundancy_shares(groups, degree))
+
+
+def zero_redundancy_shares(groups, degree: int) -> tuple[int, ...]:
+    """``zero_redundancy_partition`` as a tuple, the same object for the same tensors and degree (every
+    distinct rank of a prediction asks for it; what is counted of it once is then found again)."""
     if degree < 1:
         raise ValueError(f"degree must be at least 1, got {degree}")
-    return list(_partition(tensor_groups(groups), degree))
+    return _partition(tensor_groups(groups), degree)
 
 
 #: from this many ranks on, the partition is computed with numpy, every group in closed form

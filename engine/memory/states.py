@@ -46,7 +46,7 @@ from engine.params import (
     expert_tensors,
     rank_tensor_groups,
     sharded_numel,
-    zero_redundancy_partition,
+    zero_redundancy_shares,
 )
 from engine.wrapping import WrappingPlan
 
@@ -59,16 +59,30 @@ def zero1_shares(cfg: Config, rp: RankParams) -> tuple[int, ...]:
         groups = [(a * b, count) for u, count in lora_unit_groups(cfg, rp) for a, b in u]
     else:
         groups = rank_tensor_groups(rp)
-    return tuple(zero_redundancy_partition(groups, cfg.parallel.dp))
+    return zero_redundancy_shares(groups, cfg.parallel.dp)
 
 
 def _zero1_share(sizes: tuple[int, ...], dp_rank: int, what: str) -> tuple[int, str]:
     """(elements, the rule in words) of dp-rank ``dp_rank``'s ZeroRedundancyOptimizer share; the words
     are the same for every dp-rank of that share."""
     mine = sizes[dp_rank]
-    alike = sizes.count(mine)
-    return mine, (f"{mine:,} {what}: ZeroRedundancyOptimizer's greedy whole-tensor share ({alike} of the "
-                  f"{len(sizes)} dp-ranks hold this many; shares run from {min(sizes):,} to {max(sizes):,})")
+    alike, low, high = _share_summary(sizes)
+    return mine, (f"{mine:,} {what}: ZeroRedundancyOptimizer's greedy whole-tensor share ({alike[mine]} of the "
+                  f"{len(sizes)} dp-ranks hold this many; shares run from {low:,} to {high:,})")
+
+
+_last_summary: list = [None, None]  # [the shares, their summary]: every rank of a prediction asks of the same tuple
+
+
+def _share_summary(sizes: tuple[int, ...]) -> tuple[dict[int, int], int, int]:
+    """(how many dp-ranks hold each share, the least, the most): counted once per tuple of shares, not
+    once per rank (131,072 dp-ranks × every distinct rank)."""
+    if _last_summary[0] is not sizes:
+        alike: dict[int, int] = {}
+        for n in sizes:
+            alike[n] = alike.get(n, 0) + 1
+        _last_summary[:] = [sizes, (alike, min(alike), max(alike))]
+    return _last_summary[1]
 
 
 def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
