@@ -661,7 +661,17 @@ def replay_events(event_signature: tuple) -> tuple:
     Otherwise the events themselves."""
     sig, rows = event_signature[:2]
     if len(event_signature) > 2 and event_signature[2] is not None:
-        return _fine_events(sig, rows, event_signature[3], event_signature[2], compress=True)
+        if not any(life == "step" for life, _, _ in rows):
+            return _fine_events(sig, rows, event_signature[3], event_signature[2], compress=True)
+        # the step tensors come first and are never freed, and the peak is the step bytes plus a moment
+        # whose choice does not depend on them (``peak_of``), so the room every event-only transient is
+        # given does not either: the rest is laid once for ranks that differ only in step tensors (the
+        # dp-ranks' ZeroRedundancyOptimizer shares) and the step tensors put before it
+        steps = tuple(("alloc", ("step", j), n, stream) if stream else ("alloc", ("step", j), n)
+                      for j, (life, n, stream) in enumerate(rows) if life == "step")
+        rest = replay_events((sig._replace(step_bytes=0), tuple(r for r in rows if r[0] != "step"))
+                             + tuple(event_signature[2:]))
+        return steps + rest
     return allocation_events(event_signature)
 
 

@@ -135,21 +135,24 @@ def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity
     most 1 MiB) takes part in nothing: no later request can use its segment, and it is never
     released. So it is replayed as nothing, the capacity less its segment, and its segment added
     back: ranks that differ only in such tensors (the dp-ranks' ZeroRedundancyOptimizer shares)
-    replay once. (Not with expandable segments: there it shares its stream's segment.)"""
+    replay once. (Not with expandable segments: there it shares its stream's segment.) Such a row is
+    left out of the signature, as is a step row of no bytes (malloc(0): no block), so ranks whose
+    shares are inert or empty share one signature wherever their rows stood."""
     sig, rows = event_signature[:2]
     inert = 0
-    if not expandable_segments:
-        kept = []
-        for life, nbytes, stream in rows:
-            size = round_size(nbytes) if nbytes > 0 else 0
-            if life == "step" and size >= kMinLargeAlloc and get_allocation_size(size) - size <= kSmallSize:
-                inert += get_allocation_size(size)
-                kept.append((life, 0, stream))
-                sig = sig._replace(step_bytes=sig.step_bytes - nbytes)
-            else:
-                kept.append((life, nbytes, stream))
-        if inert:
-            event_signature = (sig, tuple(kept)) + tuple(event_signature[2:])
+    kept = []
+    for life, nbytes, stream in rows:
+        size = round_size(nbytes) if nbytes > 0 else 0
+        if life == "step" and size == 0:
+            continue  # malloc(0): no block, nothing the allocator does
+        if (not expandable_segments and life == "step" and size >= kMinLargeAlloc
+                and get_allocation_size(size) - size <= kSmallSize):
+            inert += get_allocation_size(size)
+            sig = sig._replace(step_bytes=sig.step_bytes - nbytes)
+        else:
+            kept.append((life, nbytes, stream))
+    if len(kept) != len(rows):
+        event_signature = (sig, tuple(kept)) + tuple(event_signature[2:])
     if capacity is not None and capacity - inert <= 0:  # its own step tensors exceed the card: the reserve it needs
         return _replayed_reserve(event_signature, expandable_segments, None) + inert
     return _replayed_reserve(event_signature, expandable_segments,
@@ -157,19 +160,23 @@ def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity
 
 
 @lru_cache(maxsize=1024)
+def _unbounded_replay(event_signature: tuple, expandable_segments: bool) -> tuple[int, int]:
+    """(max_allocated, max_reserved) of the events replayed without a capacity: shared by every
+    capacity (ranks whose inert step tensors differ replay the rest with different capacities)."""
+    stats = replay(replay_events(event_signature), expandable_segments=expandable_segments, capacity=None)
+    return stats.max_allocated, stats.max_reserved
+
+
+@lru_cache(maxsize=1024)
 def _replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int | None) -> int:
-    events = replay_events(event_signature)
-    if capacity is not None:
-        # where the live bytes alone pass the capacity the allocator's retries cannot help: it runs out
-        # of memory, and the reserve it would need is the unbounded replay's (one replay, not two)
-        unbounded = replay(events, expandable_segments=expandable_segments, capacity=None)
-        if unbounded.max_allocated > capacity:
-            return unbounded.max_reserved
-        if unbounded.max_reserved <= capacity:
-            return unbounded.max_reserved  # the capacity is never reached: nothing is released
+    most_allocated, unbounded = _unbounded_replay(event_signature, expandable_segments)
+    # where the live bytes alone pass the capacity the allocator's retries cannot help: it runs out of
+    # memory, and the reserve it would need is the unbounded replay's; where the unbounded reserve
+    # stays within the capacity, nothing is ever released
+    if capacity is None or most_allocated > capacity or unbounded <= capacity:
+        return unbounded
     try:
-        return replay(events, expandable_segments=expandable_segments, capacity=capacity).max_reserved
+        return replay(replay_events(event_signature), expandable_segments=expandable_segments,
+                      capacity=capacity).max_reserved
     except AllocatorOutOfMemory:
-        if capacity is None:
-            raise
-        return replay(events, expandable_segments=expandable_segments, capacity=None).max_reserved
+        return unbounded
