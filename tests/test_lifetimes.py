@@ -580,7 +580,7 @@ def test_dp_ranks_whose_shares_are_inert_or_missing_replay_once_per_stage():
     (inert). Every rank whose share is inert or missing replays the same events, so a stage replays once
     for them and once per share that takes part; each rank's reserve is still its own replay's."""
     from engine.memory.allocator import get_allocation_size, kMinLargeAlloc, kSmallSize, round_size
-    from engine.memory.overhead import _replayed_reserve, _unbounded_replay, replayed_reserve
+    from engine.memory.overhead import _replayed_reserve, replayed_reserve
 
     c = _cfg({"dp": 512, "zero": 1, "pp": 2, "schedule": "1F1B", "microbatches": 4}, gpus=1024,
              preset="llama3-8b", training={"precision": "bf16-mixed"})
@@ -595,10 +595,9 @@ def test_dp_ranks_whose_shares_are_inert_or_missing_replay_once_per_stage():
     assert any(not takes_part(n) for s in steps for _, n, _ in s if n)  # some shares are inert
     expected = {(sig.stages, tuple(r for r in s if takes_part(r[1]))) for (sig, *_), s in zip(sigs, steps)}
     assert len(expected) < len(sigs)
-    _unbounded_replay.cache_clear()
     _replayed_reserve.cache_clear()
     reserves = [replayed_reserve(sig, False, None) for sig in sigs]
-    assert _unbounded_replay.cache_info().misses == len(expected)
+    assert _replayed_reserve.cache_info().misses == len(expected)  # one replay per signature left
     for sig, reserve in zip(sigs, reserves):  # each rank's own events replayed as they are
         assert reserve == _replayed_reserve.__wrapped__(sig, False, None)
 
@@ -658,3 +657,29 @@ def test_ranks_that_differ_only_in_step_tensors_lay_the_rest_of_their_events_onc
     assert sorted(laid) == sorted({s[0].stages for s in sigs})
     for sig, ev in zip(sigs, events):
         assert replay(ev) == replay(lifetimes._fine_events(sig[0], sig[1], sig[3], sig[2], compress=True))
+
+
+POOLED = LAYOUTS + [
+    {"dp": 16, "zero": 1, "pp": 2, "schedule": "GPipe", "microbatches": 16},
+    {"dp": 8, "zero": 1, "pp": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 32},
+    {"dp": 8, "zero": 1, "pp": 4, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 16},
+]
+
+
+@pytest.mark.parametrize("par", POOLED)
+@pytest.mark.parametrize("preset", ["tiny", "llama3-8b"])
+def test_the_reserve_replayed_pool_by_pool_is_the_whole_replays(par, preset):
+    """Without a capacity every pool's reserve only grows and no pool serves another's requests, so the
+    step's most reserved is the sum of its pools' replayed alone, exactly; the most allocated they give
+    is at most the whole replay's. Ranks whose step tensors differ only in one pool replay the others once."""
+    from engine.memory import overhead
+
+    c = _cfg(par, gpus=_world(par), training={"precision": "bf16-mixed", "optimizer": "adamw"}, preset=preset)
+    sigs = [g.first._body.timeline._event_signature() for g in memory_per_rank(c).groups]
+    overhead._pool_reserve.cache_clear()
+    for sig in sigs:
+        least_most, reserved = overhead._unbounded_reserve(sig, False)
+        most, whole = overhead._unbounded_replay.__wrapped__(sig, False)
+        assert reserved == whole and least_most <= most, (par, sig[0].stages)
+    if par.get("zero") == 1 and preset == "tiny":  # small shares: the large pool's replay is shared
+        assert overhead._pool_reserve.cache_info().misses < 2 * len(sigs)

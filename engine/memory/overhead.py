@@ -26,7 +26,7 @@ from engine.memory.allocator import (
     replay,
     round_size,
 )
-from engine.memory.lifetimes import replay_events
+from engine.memory.lifetimes import MicrobatchKeys, replay_events
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
 
@@ -161,19 +161,112 @@ def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity
 
 @lru_cache(maxsize=1024)
 def _unbounded_replay(event_signature: tuple, expandable_segments: bool) -> tuple[int, int]:
-    """(max_allocated, max_reserved) of the events replayed without a capacity: shared by every
-    capacity (ranks whose inert step tensors differ replay the rest with different capacities)."""
+    """(max_allocated, max_reserved) of the events replayed without a capacity."""
     stats = replay(replay_events(event_signature), expandable_segments=expandable_segments, capacity=None)
+    return stats.max_allocated, stats.max_reserved
+
+
+def _unbounded_reserve(event_signature: tuple, expandable_segments: bool) -> tuple[int, int]:
+    """(at most the most allocated, ``max_reserved``) of the events replayed without a capacity, pool
+    by pool where it can be.
+
+    Without a capacity the allocator never releases a segment (only an out-of-memory retry or
+    empty_cache does), so each pool's reserve only grows, and a pool's requests are served from its
+    own segments alone: the step's most reserved is the sum of each pool's replayed alone. A rank's
+    events are its step tensors (first, never freed) and the rest, which does not depend on them
+    (``replay_events``): each pool replays its own step tensors and its share of the rest, so ranks
+    whose step tensors differ in one pool (a dp-rank's ZeroRedundancyOptimizer share of a few KiB, in
+    the small pool) replay the other pools once. The most allocated is then known only from below:
+    a pool's most plus every other pool's step tensors, which are live from the start. The whole
+    replay (both exact) where the events are not laid by stage-microbatch (no grain), with expandable
+    segments, or where a tensor's pool cannot be told from its key's shape."""
+    sig, rows = event_signature[:2]
+    if expandable_segments or len(event_signature) < 4 or event_signature[2] is None:
+        return _unbounded_replay(event_signature, expandable_segments)
+    rest = (sig._replace(step_bytes=0), tuple(r for r in rows if r[0] != "step")) + tuple(event_signature[2:])
+    pools = _events_by_pool(rest)
+    if pools is None:
+        return _unbounded_replay(event_signature, expandable_segments)
+    steps: dict[tuple[int, bool], list[int]] = {}
+    for life, nbytes, stream in rows:
+        if life == "step" and nbytes > 0:
+            steps.setdefault(_pool(nbytes, stream), []).append(nbytes)
+    held = {pool: sum(map(round_size, sizes)) for pool, sizes in steps.items()}
+    most, reserved = {}, 0
+    for pool in set(pools) | set(steps):
+        most[pool], r = _pool_reserve(rest, pool, tuple(steps.get(pool, ())))
+        reserved += r
+    everyone = sum(held.values())
+    return max(a + everyone - held.get(pool, 0) for pool, a in most.items()), reserved
+
+
+def _pool(nbytes: int, stream: int) -> tuple[int, bool]:
+    """``get_pool``: (stream, small pool) of a request."""
+    return stream, round_size(nbytes) <= kSmallSize
+
+
+@lru_cache(maxsize=256)
+def _events_by_pool(rest_signature: tuple) -> dict[tuple[int, bool], tuple] | None:
+    """The rest's events split by pool (a cycle into one cycle per pool of its period's events), each
+    free with the pool of its key's allocation (a key's shape names the same tensor in every
+    microbatch); requests of no bytes (no block) dropped. None where a shape's tensors fall in
+    different pools."""
+    shape = MicrobatchKeys.shape
+    pool_of: dict = {}  # key shape -> pool (None: no bytes)
+    out: dict[tuple[int, bool], list] = {}
+
+    def route(ev: tuple, into: dict) -> bool:
+        if ev[0] == "alloc":
+            pool = _pool(ev[2], ev[3] if len(ev) > 3 else 0) if ev[2] > 0 else None
+            if pool_of.setdefault(shape(ev[1]), pool) != pool:
+                return False
+        else:
+            pool = pool_of.get(shape(ev[1]), False)
+            if pool is False:
+                return False
+        if pool is not None:
+            into.setdefault(pool, []).append(ev)
+        return True
+
+    for ev in replay_events(rest_signature):
+        if ev[0] == "cycle":
+            _, chunk, count, delta, keys = ev
+            if keys is not MicrobatchKeys:
+                return None
+            parts: dict[tuple[int, bool], list] = {}
+            if not all(route(e, parts) for e in chunk):
+                return None
+            for pool, part in parts.items():
+                out.setdefault(pool, []).append(("cycle", tuple(part), count, delta, keys))
+        elif not route(ev, out):
+            return None
+    return {pool: tuple(evs) for pool, evs in out.items()}
+
+
+@lru_cache(maxsize=4096)
+def _pool_reserve(rest_signature: tuple, pool: tuple[int, bool], steps: tuple[int, ...]) -> tuple[int, int]:
+    """(``max_allocated``, ``max_reserved``) of one pool: its step tensors, then its share of the rest,
+    without a capacity."""
+    events = tuple(("alloc", ("step", j), n, pool[0]) for j, n in enumerate(steps))
+    stats = replay(events + _events_by_pool(rest_signature).get(pool, ()), capacity=None)
     return stats.max_allocated, stats.max_reserved
 
 
 @lru_cache(maxsize=1024)
 def _replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity: int | None) -> int:
+    least_most, unbounded = _unbounded_reserve(event_signature, expandable_segments)
+    # where the unbounded reserve stays within the capacity, nothing is ever released; where the live
+    # bytes alone pass the capacity the allocator's retries cannot help: it runs out of memory, and the
+    # reserve it would need is the unbounded replay's
+    if capacity is None or unbounded <= capacity or least_most > capacity:
+        return unbounded
     most_allocated, unbounded = _unbounded_replay(event_signature, expandable_segments)
-    # where the live bytes alone pass the capacity the allocator's retries cannot help: it runs out of
-    # memory, and the reserve it would need is the unbounded replay's; where the unbounded reserve
-    # stays within the capacity, nothing is ever released
-    if capacity is None or most_allocated > capacity or unbounded <= capacity:
+    if most_allocated > capacity:
+        return unbounded
+    try:
+        return replay(replay_events(event_signature), expandable_segments=expandable_segments,
+                      capacity=capacity).max_reserved
+    except AllocatorOutOfMemory:
         return unbounded
     try:
         return replay(replay_events(event_signature), expandable_segments=expandable_segments,
