@@ -683,3 +683,27 @@ def test_the_reserve_replayed_pool_by_pool_is_the_whole_replays(par, preset):
         assert reserved == whole and least_most <= most, (par, sig[0].stages)
     if par.get("zero") == 1 and preset == "tiny":  # small shares: the large pool's replay is shared
         assert overhead._pool_reserve.cache_info().misses < 2 * len(sigs)
+
+
+def test_the_cyclic_collector_is_paused_while_a_rank_replays_and_left_as_the_caller_had_it():
+    import gc
+
+    from engine.memory import overhead
+
+    sig = memory_per_rank(_cfg({"pp": 2, "schedule": "GPipe", "microbatches": 4}, gpus=2)).groups[0] \
+        .first._body.timeline._event_signature()
+    seen = []
+    real = overhead.replay
+    overhead.replay = lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k)
+    try:
+        for enabled in (True, False):
+            overhead._replayed_reserve.cache_clear()
+            overhead._pool_reserve.cache_clear()
+            overhead._unbounded_replay.cache_clear()
+            (gc.enable if enabled else gc.disable)()
+            overhead.replayed_reserve(sig, False, None)
+            assert gc.isenabled() is enabled
+    finally:
+        overhead.replay = real
+        gc.enable()
+    assert seen and not any(seen)
