@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backend_limits import model_problems
 from engine.config import ModelSpec
 
 
@@ -409,27 +410,11 @@ class Transformer(nn.Module):
         return h
 
 
-#: model fields the backend's model does not build, with what each would need
-_UNBUILT = {
-    "qkv_bias": "biases on q, k and v only",
-    "qk_norm": "RMSNorm over each query and key head",
-    "attention_sinks": "a learned sink logit per head",
-    "sliding_window": "sliding-window attention masks",
-}
-
-
 def refuse_unsupported(spec: ModelSpec) -> None:
-    """Raise for a spec field the backend's model does not build (the engine predicts it)."""
-    if spec.attention == "mla":
-        raise NotImplementedError("model.attention = 'mla': the backend does not build multi-head latent attention; "
-                                  "allowed for a run: eager | flash")
-    if spec.experts and spec.router_groups > 1:
-        raise NotImplementedError(f"model.router_groups = {spec.router_groups}: the backend's router does not "
-                                  "limit routing to expert groups; allowed for a run: 1")
-    for key, what in _UNBUILT.items():
-        if getattr(spec, key):
-            raise NotImplementedError(f"model.{key} = {getattr(spec, key)!r}: the backend does not build {what}; "
-                                      f"allowed for a run: {'0' if key == 'sliding_window' else 'false'}")
+    """Raise for a spec field the backend's model does not build (the engine predicts it):
+    ``engine.backend_limits.model_problems``, the first of them."""
+    for problem in model_problems(spec):
+        raise NotImplementedError(problem)
 
 
 def count_parameters(model: nn.Module) -> int:

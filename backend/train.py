@@ -38,7 +38,7 @@ from backend.parallel.lora import lora_refusal
 from backend.parallel.parallelize import expert_grad_sync
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
-from backend.support import composition_problems, cp_rotate_refusal
+from engine.backend_limits import composition_problems, cp_rotate_refusal
 from engine.config import Config
 from engine.wrapping import wrapping_plan
 

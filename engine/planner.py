@@ -82,6 +82,7 @@ from typing import Any
 import numpy as np
 
 from engine import names
+from engine.backend_limits import predict_only
 from engine.comm import collective_seconds, group_span
 from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
 from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token
@@ -167,12 +168,17 @@ class PlanEntry:
     def label(self) -> str:
         return layout_label(self.config)
 
+    @property
+    def predict_only(self) -> list[str]:
+        """Why ShardScope's backend cannot run this layout (``engine.backend_limits``); empty: it can."""
+        return predict_only(self.config)
+
     def to_json(self) -> dict:
         return {"position": self.position, "layout": self.layout, "label": self.label(),
                 "seconds": self.seconds, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
                 "breakdown": self.breakdown, "peak_bytes": self.peak_bytes, "peak_rank": self.peak_rank,
                 "capacity_bytes": self.capacity_bytes, "headroom_bytes": self.headroom_bytes,
-                "why": list(self.why), "config": self.config.to_dict()}
+                "why": list(self.why), "predict_only": self.predict_only, "config": self.config.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,7 @@ class PlanCounts:
     did_not_fit: int = 0  # ... and said it does not fit
     rejected_by_validation: int = 0  # Config refused it (should stay 0: the grid follows the rules)
     fitting_timed: int = 0  # step_time ran
+    predict_only_skipped: int = 0  # runnable_only: left out, the backend cannot run them (engine.backend_limits)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -1022,7 +1029,7 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
          progress: Callable[[int, int], None] | None = None,
          cancelled: Callable[[], bool] | None = None, seq_len: int | None = None,
          cp: tuple[int, ...] | None = None, float8: tuple[str, ...] | None = None,
-         compile: tuple[bool, ...] = SEARCHED_COMPILE) -> PlanResult:
+         compile: tuple[bool, ...] = SEARCHED_COMPILE, runnable_only: bool = False) -> PlanResult:
     """The ``top`` fastest layouts of ``model`` on ``gpus`` GPUs that are valid and fit.
 
     ``model`` is a preset name or a ModelSpec; ``gpu`` a GPU preset; ``global_batch`` the
@@ -1037,14 +1044,16 @@ def plan(model: ModelSpec | str, gpus: int, gpu: str = "h100-sxm", gpus_per_node
     ``default_cp_degrees``: from ``LONG_SEQUENCE_TOKENS`` tokens every power of two that splits).
     ``float8`` the torchao float8 kinds searched (default ``default_float8_kinds``: all of them where the
     GPU has float8 tensor cores and precision is bf16-mixed, else "none"), ``compile`` the torch.compile
-    settings searched (default both). Raises PlanError naming the argument at fault.
+    settings searched (default both). ``runnable_only=True`` leaves out the layouts ShardScope's backend
+    cannot run (``PlanEntry.predict_only``: engine.backend_limits). Raises PlanError naming the argument at fault.
     """
     t0 = time.perf_counter()
     base = _base_config(model, gpus, gpu, gpus_per_node, training, conventions, seq_len)
     return _plan(t0, base, top=top, global_batch=global_batch, zero=zero, schedules=schedules, recompute=recompute,
                  max_virtual_stages=max_virtual_stages, micro_batch_sizes=micro_batch_sizes, exhaustive=exhaustive,
                  all_fitting=all_fitting, fitting_limit=fitting_limit, fitting_seconds=fitting_seconds,
-                 progress=progress, cancelled=cancelled, cp=cp, float8=float8, compile=compile)
+                 progress=progress, cancelled=cancelled, cp=cp, float8=float8, compile=compile,
+                 runnable_only=runnable_only)
 
 
 def plan_config(cfg: Config, **options: Any) -> PlanResult:
@@ -1056,7 +1065,7 @@ def plan_config(cfg: Config, **options: Any) -> PlanResult:
     t0 = time.perf_counter()
     allowed = {"top", "global_batch", "zero", "schedules", "recompute", "max_virtual_stages", "micro_batch_sizes",
                "exhaustive", "all_fitting", "fitting_limit", "fitting_seconds", "progress", "cancelled", "seq_len",
-               "cp", "float8", "compile"}
+               "cp", "float8", "compile", "runnable_only"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise PlanError(unknown[0], f"unknown option; allowed: {', '.join(sorted(allowed))}")
@@ -1079,7 +1088,8 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
           fitting_limit: int = FITTING_LIMIT, fitting_seconds: float = FITTING_SECONDS,
           progress: Callable[[int, int], None] | None = None,
           cancelled: Callable[[], bool] | None = None, cp: tuple[int, ...] | None = None,
-          float8: tuple[str, ...] | None = None, compile: tuple[bool, ...] = SEARCHED_COMPILE) -> PlanResult:
+          float8: tuple[str, ...] | None = None, compile: tuple[bool, ...] = SEARCHED_COMPILE,
+          runnable_only: bool = False) -> PlanResult:
     gpus, gpus_per_node = base.cluster.gpus, base.cluster.gpus_per_node
     float8s = _float8_kinds(base, float8)
     compiles = tuple(dict.fromkeys(compile)) if isinstance(compile, (tuple, list)) else compile
@@ -1121,7 +1131,7 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
 
         return plan_moe(t0, base, top=top, G=G, zero=tuple(zero), recompute=tuple(recompute),
                         micro_batch_sizes=None if micro_batch_sizes is None else tuple(micro_batch_sizes),
-                        exhaustive=exhaustive, cancelled=cancelled)
+                        exhaustive=exhaustive, cancelled=cancelled, runnable_only=runnable_only)
     pl = _Planner(base, G, tuple(zero), tuple(schedules), tuple(recompute), max_virtual_stages,
                   None if micro_batch_sizes is None else tuple(micro_batch_sizes), tuple(sorted(set(cps))),
                   float8s, compiles)
@@ -1138,6 +1148,7 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
 
     best: list[tuple[float, tuple, int, Config, Any, Any]] = []  # (seconds, key, i, cfg, step, memory), sorted
     simulated = evaluated = no_fit = invalid = timed = 0
+    not_runnable: set[int] = set()  # runnable_only: the layouts left out
     heap: list[tuple[float, int, Config]] = []  # (tighter bound, i, cfg)
     ptr = 0
     seen: dict[int, tuple] | None = {} if all_fitting else None  # i -> (cfg, memory, step or None)
@@ -1194,6 +1205,9 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
             except ConfigError:
                 invalid += 1
                 continue
+        if runnable_only and predict_only(cfg):
+            not_runnable.add(i)
+            continue
         evaluated += 1
         # engine.memory reads float8 only as on / off: a layout that does not fit with one scaling does not
         # fit with the other (the same bytes), so its report is not computed twice
@@ -1213,13 +1227,15 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
             best.append(entry)
             best.sort(key=lambda e: (e[0], e[1]))
             del best[top:]
-    pruned = len(idx) - evaluated - invalid
+    pruned = len(idx) - evaluated - invalid - len(not_runnable)
     counts.update(pruned_by_time_bound=pruned, pipelines_simulated=simulated, fully_evaluated=evaluated,
-                  did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=timed)
+                  did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=timed,
+                  predict_only_skipped=len(not_runnable))
     entries = _explain(best, capacity)
     sweep: dict[str, Any] = {}
     if all_fitting:
-        sweep = _sweep_fitting(pl, g, idx, best, seen, fitting_limit, float(fitting_seconds), progress, cancelled)
+        sweep = _sweep_fitting(pl, g, idx, best, seen, fitting_limit, float(fitting_seconds), progress, cancelled,
+                               runnable_only)
     notes = (
         f"every layout trains the same global batch: {G} sequences × {base.model.seq_len} tokens "
         f"= {G * base.model.seq_len:,} tokens per step (--global-batch changes it)",
@@ -1249,7 +1265,7 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
 
 def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: dict[int, tuple],
                    limit: int, seconds: float, progress: Callable[[int, int], None] | None,
-                   cancelled: Callable[[], bool] | None) -> dict[str, Any]:
+                   cancelled: Callable[[], bool] | None, runnable_only: bool = False) -> dict[str, Any]:
     """Fully evaluate the layouts that pass the memory bound, best bound first, within the limits;
     reuse what the search already evaluated; the top K are always among the fitting points."""
     t0 = time.perf_counter()
@@ -1273,6 +1289,8 @@ def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: di
             try:
                 cfg = pl.config(g, i)
             except ConfigError:
+                continue
+            if runnable_only and predict_only(cfg):
                 continue
             mem = memory_per_rank(cfg)
             st = step_time(cfg) if mem.fits else None
@@ -1377,17 +1395,29 @@ def render_table(result: PlanResult) -> str:
                  f"{c.pruned_by_time_bound:,} cannot reach the top {len(result.entries) or '-'} (time bound), "
                  f"{c.fully_evaluated:,} fully evaluated ({c.did_not_fit:,} did not fit); "
                  f"{result.elapsed_s:.2f} s")
+    if c.predict_only_skipped:
+        lines.append(f"--runnable: {c.predict_only_skipped:,} layouts left out that ShardScope's backend cannot run")
     if not result.entries:
-        lines.append("no layout fits: try more GPUs, a GPU with more memory, or a smaller --global-batch")
+        lines.append("no layout the backend can run fits: leave out --runnable to see what the engine predicts"
+                     if c.predict_only_skipped else
+                     "no layout fits: try more GPUs, a GPU with more memory, or a smaller --global-batch")
         return "\n".join(lines)
     hdr = f"{'#':>2}  {'layout':<84} {'tokens/s':>11} {'step s':>8} {'MFU':>6} {'peak GiB':>9} {'free GiB':>9}"
     lines += ["", hdr, "-" * len(hdr)]
+    reasons: dict[str, list[int]] = {}  # why a layout is predict only -> the positions it marks
     for e in result.entries:
+        why_not = e.predict_only
         lines.append(f"{e.position:>2}  {e.label():<84} {e.tokens_per_s:>11,.0f} {e.seconds:>8.3f} "
-                     f"{100 * e.mfu:>5.1f}% {e.peak_bytes / GIB:>9.1f} {e.headroom_bytes / GIB:>9.1f}")
+                     f"{100 * e.mfu:>5.1f}% {e.peak_bytes / GIB:>9.1f} {e.headroom_bytes / GIB:>9.1f}"
+                     + ("  predict only" if why_not else ""))
         for w in e.why:
             lines.append(f"      {w}")
+        for w in why_not:
+            reasons.setdefault(w, []).append(e.position)
     lines += [""] + [f"note: {n}" for n in result.notes]
+    for w, at in reasons.items():
+        lines.append(f"predict only ({', '.join(f'#{p}' for p in at)}): the backend cannot run it: {w} "
+                     "(--runnable leaves such layouts out)")
     return "\n".join(lines)
 
 
@@ -1455,6 +1485,8 @@ def plan_cli(args) -> int:
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
+    if getattr(args, "runnable", False):
+        kwargs["runnable_only"] = True
     if all_fitting:
         kwargs["all_fitting"] = True
         for name in ("fitting_limit", "fitting_seconds"):

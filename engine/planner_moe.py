@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from engine import names
+from engine.backend_limits import predict_only
 from engine.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
 from engine.config import Config, ConfigError
 from engine.durations import block_flops, load_shares, mean_expert_load, stage_block_counts
@@ -308,8 +309,10 @@ def moe_layout_config(base: Config, lay: dict[str, Any]) -> Config:
 
 
 def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...], recompute: tuple[str, ...],
-             micro_batch_sizes: tuple[int, ...] | None, exhaustive: bool = False, cancelled=None):
-    """The ``top`` fastest layouts (with ep) of ``base``'s MoE model on its cluster; a PlanResult."""
+             micro_batch_sizes: tuple[int, ...] | None, exhaustive: bool = False, cancelled=None,
+             runnable_only: bool = False):
+    """The ``top`` fastest layouts (with ep) of ``base``'s MoE model on its cluster; a PlanResult.
+    ``runnable_only``: leave out the layouts the backend cannot run (engine.backend_limits)."""
     from engine.planner import PlanCancelled, PlanCounts, PlanResult, _explain
 
     m, cl = base.model, base.cluster
@@ -323,7 +326,7 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
         cands.append((step_lb, serial, layout))
     heapq.heapify(cands)
     best: list[tuple[float, tuple, int, Config, Any, Any]] = []
-    evaluated = no_fit = invalid = 0
+    evaluated = no_fit = invalid = not_runnable = 0
     while cands:
         if cancelled is not None and cancelled():
             raise PlanCancelled("cancelled while searching the top layouts")
@@ -335,6 +338,9 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
             cfg = moe_layout_config(base, lay)
         except ConfigError:
             invalid += 1
+            continue
+        if runnable_only and predict_only(cfg):
+            not_runnable += 1
             continue
         evaluated += 1
         mem = memory_per_rank(cfg)
@@ -349,7 +355,8 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
             best.sort(key=lambda e: (e[0], e[1]))
             del best[top:]
     counts.update(pruned_by_time_bound=len(cands), pipelines_simulated=0, fully_evaluated=evaluated,
-                  did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=evaluated - no_fit)
+                  did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=evaluated - no_fit,
+                  predict_only_skipped=not_runnable)
     notes = (
         f"every layout trains the same global batch: {G} sequences × {m.seq_len} tokens = {G * m.seq_len:,} tokens "
         "per step "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.backend_limits import predict_only
 from engine.comm import CommReport, MeasuredLinks
 from engine.config import Config
 from engine.durations import StageDurations
@@ -33,6 +34,12 @@ class Prediction:
     @property
     def comm(self) -> CommReport:
         return self.step.comm
+
+    @property
+    def predict_only(self) -> list[str]:
+        """Why ShardScope's backend cannot run this layout on any machine (``engine.backend_limits``);
+        empty where a run can check the prediction."""
+        return predict_only(self.config)
 
     @property
     def conventions(self) -> dict[str, str]:
@@ -63,6 +70,7 @@ class Prediction:
             "communication": self.comm.to_json(),
             "step": self.step.to_json(),
             "conventions": self.conventions,
+            "predict_only": self.predict_only,
         }
 
 
@@ -155,4 +163,9 @@ def render_table(pred: Prediction, explain: bool = False) -> str:
     if per_dim:
         lines.append("  communication sent per step by rank "
                      f"{comm.rank}: " + ", ".join(f"{d} {b / 2**30:.3f} GiB" for d, b in per_dim.items()))
+    why = pred.predict_only
+    if why:
+        lines.append("")
+        lines.append("predict only: ShardScope's backend cannot run this layout, so no run can check it:")
+        lines.extend(f"  - {w}" for w in why)
     return "\n".join(lines)

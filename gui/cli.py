@@ -389,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", metavar="SETTINGS",
                    help="comma-separated torch.compile settings to search, from on,off (default: on,off)")
     p.add_argument("--json", action="store_true", help="the result as one JSON document")
+    p.add_argument("--runnable", action="store_true",
+                   help="only layouts ShardScope's backend can run (others are marked 'predict only')")
     p.add_argument("--all-fitting", action="store_true",
                    help="also fully evaluate every layout that passes the memory lower bound, best bound first, "
                         "and list those that fit with the Pareto front of tokens/s against peak memory per GPU "

@@ -125,7 +125,8 @@ class PlanOutcome:
     def rows(self) -> list[list[str]]:
         out = []
         for e in self.entries:
-            out.append([str(e["position"]), e["label"], f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
+            label = e["label"] + (" · predict only" if e.get("predict_only") else "")
+            out.append([str(e["position"]), label, f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
                         f"{100 * e['mfu']:.1f}%", f"{e['peak_bytes'] / GIB:.2f}", self.versus_first(len(out))])
         return out
 
@@ -142,7 +143,10 @@ class PlanOutcome:
         return f"+{slower:.1f}%" + (f": {', '.join(diff)}" if diff else "")
 
     def why(self, row: int) -> list[str]:
-        return list(self.entries[row].get("why") or [])
+        """Why the row ranks where it does, and why no run can check it where the backend cannot run it."""
+        e = self.entries[row]
+        return list(e.get("why") or []) + [f"predict only (the backend cannot run it): {w}"
+                                           for w in e.get("predict_only") or []]
 
     def entry_config(self, row: int) -> Config:
         return Config.from_dict(self.entries[row]["config"])

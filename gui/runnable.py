@@ -15,8 +15,8 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from backend.support import composition_problems, cp_rotate_refusal
 from engine import Config, ConfigError
+from engine.backend_limits import cp_rotate_refusal, predict_only
 
 LOCAL_MAX_RANKS = 8  # child processes this machine is asked to run at once
 LOCAL_GPU = "cpu"
@@ -79,7 +79,7 @@ def runnable_version(cfg: Config) -> Runnable:
     """The config Run executes for ``cfg``: ``cfg`` itself when it fits this machine."""
     reasons = too_large_reasons(cfg)
     if not reasons:
-        problems = composition_problems(cfg)
+        problems = predict_only(cfg)
         why = cp_rotate_refusal(cfg, LOCAL_GPU)
         problems += [why] if why else []
         return Runnable(cfg, None, problems=problems) if problems else Runnable(cfg, cfg)
@@ -119,7 +119,7 @@ def runnable_version(cfg: Config) -> Runnable:
     except ConfigError as exc:
         return Runnable(cfg, None, reasons, changes,
                         [str(p) for p in exc.problems] or [str(exc)])
-    problems = composition_problems(small)
+    problems = predict_only(small)
     if problems:
         return Runnable(cfg, None, reasons, changes, problems)
     return Runnable(cfg, small, reasons, changes)

@@ -17,8 +17,8 @@ import json
 
 import pytest
 
-from backend.support import composition_problems
 from engine import default_config
+from engine.backend_limits import composition_problems
 from engine.layout import split_layers
 
 torch = pytest.importorskip("torch")

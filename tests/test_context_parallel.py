@@ -126,7 +126,7 @@ def test_world_size_is_the_product_of_the_degrees(dp, cp, tp, pp):
 
 
 def test_backend_runs_cp_with_torchs_apis():
-    from backend.support import composition_problems
+    from engine.backend_limits import composition_problems
 
     # the backend runs cp (tests/test_backend_cp.py): nothing about it is refused whatever the machine
     cfg = cfg_of({"cp": 2, "zero": 3})

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from backend.model import MoE, moe_modules, scatter_combine
+from engine.backend_limits import moe_problem
 
 
 class _AllToAll(torch.autograd.Function):
@@ -270,35 +271,9 @@ def sync_expert_grads(params: list[nn.Parameter], efsdp_group, efsdp: int, dp: i
 
 
 def refusal(cfg) -> str | None:
-    """Why the backend cannot run this mixture-of-experts layout (None when it can)."""
-    par, m, tr = cfg.parallel, cfg.model, cfg.training
-    if m.experts == 0:
-        return None
-    if par.ep == 1 and par.tp > 1:
-        return ("model.experts with parallel.ep = 1 and parallel.tp > 1: the experts would be split by TP "
-                "(expert tensor parallelism, torchtitan's etp = tp), which the backend does not apply; it runs "
-                "experts unsplit by TP (etp = 1): set parallel.ep to a divisor of dp_shard·tp that TP ranks share, "
-                f"e.g. parallel.ep = {par.tp}")
-    if par.tp > 1 and par.sequence_parallel:
-        return ("model.experts with parallel.sequence_parallel: the backend splits an MoE block's tokens over "
-                "the TP ranks itself and does not run sequence-parallel norms around it; set "
-                "parallel.sequence_parallel = false")
-    if par.ep > 1 and par.zero == 1:
-        return ("parallel.ep > 1 with parallel.zero = 1: ZeroRedundancyOptimizer partitions the state over the "
-                "data-parallel ranks, which hold different experts; use parallel.zero = 0, 2 or 3")
-    if tr.compile:
-        return ("model.experts with training.compile: the expert loop's token counts change every step "
-                "(dynamic shapes); set training.compile = false")
-    if tr.finetune == "lora":
-        return "model.experts with training.finetune = 'lora': LoRA adapters on experts are not built; use 'full'"
-    if tr.float8 != "none":
-        return "model.experts with training.float8: the grouped experts have no float8 path; set training.float8 = 'none'"
-    if par.dp_mode == "dataparallel":
-        return "model.experts with parallel.dp_mode = 'dataparallel': use 'ddp'"
-    if par.cp > 1:
-        return ("model.experts with parallel.cp > 1: the backend's context-parallel attention and its MoE dispatch "
-                "have not been run together (the engine predicts the layout); set parallel.cp = 1 to run")
-    return None
+    """Why the backend cannot run this mixture-of-experts layout (None when it can):
+    ``engine.backend_limits.moe_problem``."""
+    return moe_problem(cfg)
 
 
 __all__ = ["AllToAllDispatch", "MoE", "PlannedDispatch", "SequenceShard", "all_to_all", "apply_expert_parallel",

@@ -1,0 +1,122 @@
+"""What ShardScope's backend cannot run, whatever the machine: the layouts the engine predicts but no
+run can check, which ``predict``, the planner and the window mark "predict only" with the reason.
+
+The engine predicts every valid layout. These are the combinations torch's own APIs cannot compose
+(``composition_problems``), the model fields the backend's model does not build
+(``model_problems``) and the mixture-of-experts layouts its expert code does not run
+(``moe_problem``); the backend refuses each with the same words before it builds anything
+(backend.train.check_supported, backend.model.refuse_unsupported). Machine-dependent refusals
+(DataParallel without two CUDA GPUs, QLoRA without bitsandbytes, torch's ring on CPU) stay with
+the code that applies them. No torch import: the window and the CLI ask too.
+"""
+
+from __future__ import annotations
+
+from engine.config import Config, ModelSpec
+
+#: model fields the backend's model does not build, with what each would need
+UNBUILT_MODEL_FIELDS = {
+    "qkv_bias": "biases on q, k and v only",
+    "qk_norm": "RMSNorm over each query and key head",
+    "attention_sinks": "a learned sink logit per head",
+    "sliding_window": "sliding-window attention masks",
+}
+
+
+def predict_only(cfg: Config) -> list[str]:
+    """Why the backend cannot run ``cfg`` on any machine, in words (empty: it can): what the engine
+    predicts for it no run can check."""
+    out = model_problems(cfg.model) + composition_problems(cfg)
+    why = moe_problem(cfg)
+    return out + ([why] if why else [])
+
+
+def model_problems(spec: ModelSpec) -> list[str]:
+    """Each field of ``spec`` the backend's model does not build (the engine predicts it)."""
+    out = []
+    if spec.attention == "mla":
+        out.append("model.attention = 'mla': the backend does not build multi-head latent attention; "
+                   "allowed for a run: eager | flash")
+    if spec.experts and spec.router_groups > 1:
+        out.append(f"model.router_groups = {spec.router_groups}: the backend's router does not "
+                   "limit routing to expert groups; allowed for a run: 1")
+    for key, what in UNBUILT_MODEL_FIELDS.items():
+        if getattr(spec, key):
+            out.append(f"model.{key} = {getattr(spec, key)!r}: the backend does not build {what}; "
+                       f"allowed for a run: {'0' if key == 'sliding_window' else 'false'}")
+    return out
+
+
+def moe_problem(cfg: Config) -> str | None:
+    """Why the backend cannot run this mixture-of-experts layout (None when it can)."""
+    par, m, tr = cfg.parallel, cfg.model, cfg.training
+    if m.experts == 0:
+        return None
+    if par.ep == 1 and par.tp > 1:
+        return ("model.experts with parallel.ep = 1 and parallel.tp > 1: the experts would be split by TP "
+                "(expert tensor parallelism, torchtitan's etp = tp), which the backend does not apply; it runs "
+                "experts unsplit by TP (etp = 1): set parallel.ep to a divisor of dp_shard·tp that TP ranks share, "
+                f"e.g. parallel.ep = {par.tp}")
+    if par.tp > 1 and par.sequence_parallel:
+        return ("model.experts with parallel.sequence_parallel: the backend splits an MoE block's tokens over "
+                "the TP ranks itself and does not run sequence-parallel norms around it; set "
+                "parallel.sequence_parallel = false")
+    if par.ep > 1 and par.zero == 1:
+        return ("parallel.ep > 1 with parallel.zero = 1: ZeroRedundancyOptimizer partitions the state over the "
+                "data-parallel ranks, which hold different experts; use parallel.zero = 0, 2 or 3")
+    if tr.compile:
+        return ("model.experts with training.compile: the expert loop's token counts change every step "
+                "(dynamic shapes); set training.compile = false")
+    if tr.finetune == "lora":
+        return "model.experts with training.finetune = 'lora': LoRA adapters on experts are not built; use 'full'"
+    if tr.float8 != "none":
+        return "model.experts with training.float8: the grouped experts have no float8 path; set training.float8 = 'none'"
+    if par.dp_mode == "dataparallel":
+        return "model.experts with parallel.dp_mode = 'dataparallel': use 'ddp'"
+    if par.cp > 1:
+        return ("model.experts with parallel.cp > 1: the backend's context-parallel attention and its MoE dispatch "
+                "have not been run together (the engine predicts the layout); set parallel.cp = 1 to run")
+    return None
+
+
+def cp_rotate_refusal(cfg: Config, device_type: str) -> str | None:
+    """Why ``parallel.cp_rotate`` cannot run on ``device_type`` ("cpu", "cuda"), or None.
+
+    The ring (``"alltoall"``) is torch's ``context_parallel``, whose sharding strategies exist for
+    the CUDA SDPA kernels only; elsewhere the backend runs the all-gather K/V variant."""
+    par, model = cfg.parallel, cfg.model
+    if par.cp == 1 or par.cp_rotate == "allgather" or (device_type == "cuda" and model.attention == "flash"):
+        return None
+    return (f"parallel.cp_rotate = {par.cp_rotate!r} on {device_type} with {model.attention} attention: torch's ring "
+            "(alltoall) runs inside its context_parallel on the CUDA SDPA kernels (flash attention on CUDA) only; "
+            "allowed here: 'allgather' (the all-gather K/V variant the backend runs on CPU and for eager attention)")
+
+
+def composition_problems(cfg: Config) -> list[str]:
+    """Each combination of ``cfg`` that torch's APIs cannot compose, in words, with what runs instead."""
+    par, out = cfg.parallel, []
+    if par.zero == 1 and par.tp > 1:
+        out.append("ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
+                   "parameters; use parallel.zero = 2 (fully_shard) with TP")
+    if cfg.model.tied_embeddings and par.tp > 1:
+        out.append("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
+    if cfg.training.finetune == "lora" and par.tp > 1:
+        out.append("LoRA with tp > 1: peft wraps nn.Linear, and the TP plan would have to shard its lora_A / "
+                   "lora_B too; the engine predicts it, the backend runs LoRA with DDP, ZeRO-1, FSDP and PP")
+    tr = cfg.training
+    if par.async_tp is True:
+        out.append("parallel.async_tp: torch's async TP (torch._inductor.config._micro_pipeline_tp after "
+                   "enable_symm_mem_for_group on the TP group) rewrites the sequence-parallel all-gather + "
+                   "matmul into symm_mem::fused_all_gather_matmul / fused_matmul_reduce_scatter over CUDA "
+                   "symmetric memory; those ops have no CPU kernel and a CPU build cannot allocate the "
+                   "symmetric-memory workspace (get_symm_mem_workspace), so gloo ranks cannot run it and the "
+                   "backend does not apply it; set parallel.async_tp = false (the same training, TP collectives "
+                   "not overlapped)")
+    if tr.float8 in ("tensorwise", "rowwise") and par.tp > 1:
+        out.append("training.float8 with tp > 1: torchao's float8 tensor parallelism needs its own "
+                   "Float8ColwiseParallel / Float8RowwiseParallel plan (float8 DTensor all-gathers), which "
+                   "the backend's TP plan does not use; run float8 with DDP / FSDP / PP (tp = 1)")
+    if tr.float8 in ("tensorwise", "rowwise") and tr.finetune == "lora":
+        out.append("training.float8 with LoRA: peft wraps the same nn.Linear layers torchao swaps for "
+                   "Float8Linear; the backend runs float8 on full fine-tuning only")
+    return out

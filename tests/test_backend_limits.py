@@ -1,0 +1,113 @@
+"""Layouts the engine predicts but ShardScope's backend cannot run: named before anything runs, and
+marked "predict only" wherever the engine shows them (predict, the planner, the window)."""
+
+import pytest
+
+from engine import Config
+from engine.backend_limits import composition_problems, cp_rotate_refusal, predict_only
+from engine.planner import plan
+from engine.predict import predict, render_table
+from gui.planning import PlanOutcome
+from gui.runnable import runnable_version
+
+
+def cfg(**parallel):
+    par = {"dp": 1, "tp": 2, "pp": 1, **parallel}
+    return Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": par["dp"] * par["tp"]},
+                             "parallel": par, "training": {"precision": "fp32"}})
+
+
+def test_zero1_with_tp_is_named_with_what_runs_instead():
+    problems = composition_problems(cfg(dp=2, zero=1))
+    assert len(problems) == 1 and "ZeroRedundancyOptimizer" in problems[0] and "zero = 2" in problems[0]
+    assert composition_problems(cfg(dp=2, zero=2)) == []
+
+
+def test_the_window_does_not_offer_to_run_it():
+    r = runnable_version(cfg(dp=2, zero=1))
+    assert r.config is None and not r.is_original
+    assert "cannot run with PyTorch's APIs" in r.describe() and "ZeroRedundancyOptimizer" in r.describe()
+    ok = runnable_version(cfg(dp=2, zero=2))
+    assert ok.is_original and ok.config is not None and ok.describe() == ""
+
+
+def test_a_runnable_version_that_would_hit_it_is_refused_too():
+    big = Config.from_dict({"model": {"preset": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "gpus": 4},
+                            "parallel": {"dp": 2, "tp": 2, "zero": 1}})
+    r = runnable_version(big)
+    assert r.config is None and "ZeroRedundancyOptimizer" in r.describe()
+
+
+#: every shipped model preset, planned on a cluster it fits (the planner's top 10 of each are checked)
+PRESET_CLUSTERS = {"tiny": ("cpu", 4, 4), "gpt2-124m": ("a100-40g", 8, 8), "llama2-7b": ("a100-80g", 16, 8),
+                   "llama3-8b": ("h100-sxm", 16, 8), "llama3-70b": ("h100-sxm", 64, 8),
+                   "llama3-405b": ("h100-sxm", 512, 8), "mixtral-8x7b": ("h100-sxm", 64, 8),
+                   "qwen3-30b-a3b": ("h100-sxm", 16, 8), "qwen3-235b-a22b": ("h100-sxm", 256, 8),
+                   "gpt-oss-20b": ("h100-sxm", 16, 8), "gpt-oss-120b": ("h100-sxm", 64, 8),
+                   "deepseek-v3": ("h100-sxm", 1024, 8)}
+
+
+def _backend_refusal(cfg: Config) -> str | None:
+    """What the backend says before it builds anything for ``cfg`` (its own checks, no launch): its
+    refusal in words, or None; torch's ring on a CPU machine (machine-dependent) is not counted."""
+    from backend.model import refuse_unsupported
+    from backend.train import check_supported
+
+    try:
+        refuse_unsupported(cfg.model)
+        check_supported(cfg)
+    except NotImplementedError as exc:
+        return None if str(exc) == cp_rotate_refusal(cfg, "cpu") else str(exc)
+    return None
+
+
+def test_every_shipped_preset_has_a_cluster_here():
+    from engine.presets import model_presets
+
+    assert set(PRESET_CLUSTERS) == set(model_presets())
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_CLUSTERS))
+def test_the_planners_top_10_are_each_run_by_the_backend_or_marked_predict_only(preset):
+    """Without launching: each of the planner's top 10 for each shipped preset is either accepted by the
+    backend's own checks or marked predict only with the backend's own words, never both or neither;
+    with runnable_only the backend accepts every one."""
+    gpu, gpus, per_node = PRESET_CLUSTERS[preset]
+    result = plan(preset, gpus, gpu, per_node, top=10)
+    assert result.entries, preset
+    for e in result.entries:
+        refusal = _backend_refusal(e.config)
+        assert (refusal is None) == (not e.predict_only), (preset, e.label(), refusal, e.predict_only)
+        if refusal is not None:
+            assert refusal in e.predict_only
+    runnable = plan(preset, gpus, gpu, per_node, top=10, runnable_only=True)
+    assert all(_backend_refusal(e.config) is None and not e.predict_only for e in runnable.entries)
+    if any(e.predict_only for e in result.entries):  # they were left out, and said so
+        assert runnable.counts.predict_only_skipped > 0
+
+
+def test_predict_and_the_planner_say_predict_only_in_words():
+    qwen = Config.from_dict({"model": {"preset": "qwen3-30b-a3b"}, "cluster": {"gpu": "h100-sxm", "gpus": 16},
+                             "parallel": {"dp": 8, "tp": 2, "ep": 2, "zero": 2}})
+    pred = predict(qwen)
+    assert pred.predict_only == predict_only(qwen) and any("qk_norm" in w for w in pred.predict_only)
+    assert "predict only: ShardScope's backend cannot run this layout" in render_table(pred)
+    assert pred.to_json()["predict_only"] == pred.predict_only
+    plain = predict(cfg(dp=2, zero=2))
+    assert plain.predict_only == [] and "predict only" not in render_table(plain)
+    result = plan("llama3-8b", 16, "h100-sxm", 8, top=10).to_json()
+    outcome = PlanOutcome(result)
+    marked = [i for i, e in enumerate(result["entries"]) if e["predict_only"]]
+    assert marked  # float8 with tp > 1 ranks among the fastest
+    for i, row in enumerate(outcome.rows()):
+        assert row[1].endswith(" · predict only") == (i in marked)
+        assert any(w.startswith("predict only") for w in outcome.why(i)) == (i in marked)
+
+
+def test_the_window_does_not_offer_to_run_a_model_the_backend_does_not_build():
+    qwen = Config.from_dict({"model": {"preset": "qwen3-30b-a3b", "layers": 2, "experts": 4, "hidden": 64,
+                                       "heads": 4, "kv_heads": 2, "expert_ffn_hidden": 32, "ffn_hidden": 128,
+                                       "vocab": 256, "seq_len": 32, "experts_per_token": 2},
+                             "cluster": {"gpu": "cpu", "gpus": 2}, "parallel": {"dp": 2}})
+    r = runnable_version(qwen)
+    assert r.config is None and "qk_norm" in r.describe()
