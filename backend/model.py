@@ -91,6 +91,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(spec.hidden, spec.kv_dim, bias=spec.bias)
         self.wo = nn.Linear(spec.heads * spec.head_dim, spec.hidden, bias=spec.bias)
         self.core = AttentionCore(spec.attention, spec.dropout)
+        # Qwen3's qk_norm: an RMSNorm of head_dim weights over each query and each key head, before RoPE
+        # (transformers' Qwen3Attention: q_norm(q_proj(x).view(..., head_dim)); eps as its rms_norm_eps)
+        self.q_norm = nn.RMSNorm(spec.head_dim, eps=1e-6) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(spec.head_dim, eps=1e-6) if spec.qk_norm else None
         #: backend.parallel.context_parallel.ContextParallel when the sequence is sharded (apply_cp)
         self.context_parallel = None
 
@@ -101,6 +105,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             positions = cp.positions if cp is not None else None
             q, k = rope(q, positions=positions), rope(k, positions=positions)

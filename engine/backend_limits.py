@@ -17,7 +17,6 @@ from engine.config import Config, ModelSpec
 #: model fields the backend's model does not build, with what each would need
 UNBUILT_MODEL_FIELDS = {
     "qkv_bias": "biases on q, k and v only",
-    "qk_norm": "RMSNorm over each query and key head",
     "attention_sinks": "a learned sink logit per head",
     "sliding_window": "sliding-window attention masks",
 }

@@ -114,7 +114,7 @@ def test_zero_stages_shard_what_they_promise(tmp_path, zero):
     assert min(meas.step.losses[1:]) < meas.step.losses[0]
 
 
-def reference_losses(steps: int, microbatches: int, micro_batch_size: int) -> list[float]:
+def reference_losses(steps: int, microbatches: int, micro_batch_size: int, model_spec=TINY) -> list[float]:
     """The same training on one process, no parallelism: what every layout must reproduce."""
     import torch.nn.functional as F
 
@@ -122,9 +122,9 @@ def reference_losses(steps: int, microbatches: int, micro_batch_size: int) -> li
     from backend.train import LEARNING_RATE, SEED
 
     torch.manual_seed(SEED)
-    model = Transformer(TINY)
+    model = Transformer(model_spec)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95), weight_decay=0.0)
-    data = SyntheticData(TINY.vocab, TINY.seq_len)
+    data = SyntheticData(model_spec.vocab, model_spec.seq_len)
     out = []
     for k in range(1, steps + 1):
         x, y = data.batch(k, 0, microbatches * micro_batch_size)
@@ -159,6 +159,24 @@ def test_tp_with_sequence_parallel_matches_single_rank_losses(tmp_path):
         got = measured["memory"]["categories"]
         assert predicted[r].temporaries == pytest.approx(got["temporaries"], rel=0.03), r
         assert predicted[r].activations == pytest.approx(got["activations"], rel=0.01), r
+
+
+def test_qwen3s_qk_norm_under_tp_matches_single_rank_losses(tmp_path):
+    """Qwen3's q and k norms act on each TP rank's own heads: their weights replicate over TP and their
+    partial gradients are summed over it (SequenceParallel over the heads dim, as torchtitan's Qwen3
+    plan). TP 2 with sequence parallelism trains as one process does; each rank's activations are the
+    engine's, within 1 %, and its parameters exactly the sharded ones plus the replicated norms."""
+    cfg, meas, _ = run_ok(tmp_path, model={"qk_norm": True}, cluster={"gpus": 2},
+                          parallel={"dp": 1, "tp": 2, "pp": 1, "microbatches": 2, "sequence_parallel": True})
+    ref = reference_losses(3, 2, cfg.training.micro_batch_size, cfg.model)
+    assert meas.step.losses == pytest.approx(ref, rel=1e-4)
+    from engine.memory import memory_per_rank
+
+    predicted = memory_per_rank(cfg).per_rank
+    for r, measured in enumerate(meas.ranks):
+        got = measured["memory"]["categories"]
+        assert predicted[r].activations == pytest.approx(got["activations"], rel=0.01), r
+        assert measured["memory"]["exact"]["params"] == predicted[r].params, r
 
 
 def test_fsdp_by_tp_two_dimensional(tmp_path):

@@ -123,6 +123,21 @@ def test_the_engine_predicts_what_the_model_saves(training):
     assert saved - loss_inputs == _predicted_activations(cfg)
 
 
+@pytest.mark.parametrize("training, zero", [({"precision": "fp32"}, 0), ({"precision": "bf16-mixed"}, 0),
+                                            ({"precision": "bf16-mixed"}, 3)],
+                         ids=["fp32", "bf16-autocast", "bf16-fsdp2"])
+def test_the_engine_predicts_what_qwen3s_qk_norm_saves(training, zero):
+    """Qwen3's q and k norms (an RMSNorm over each head before RoPE): torch's composite RMSNorm saves
+    the input (the fp32 upcast of the 16-bit wq / wk outputs under autocast and FSDP2 alike), x̂ and
+    the fp32 rstd of every head of every token; the engine's rows, exactly (202,752 B a tiny layer)."""
+    cfg = _cfg(grad_dtype="bf16" if training["precision"] != "fp32" else "fp32", **training).replace(
+        parallel={"zero": zero})
+    with_norms = cfg.replace(model={"qk_norm": True})
+    saved, loss_inputs = _saved_by_the_model(with_norms)
+    assert saved - loss_inputs == _predicted_activations(with_norms)
+    assert _predicted_activations(with_norms) - _predicted_activations(cfg) == 8 * 202_752
+
+
 @pytest.mark.parametrize("training", [
     {"precision": "bf16-mixed", "grad_dtype": "bf16"},
     {"precision": "fp16-mixed", "grad_dtype": "fp16"},
@@ -156,18 +171,19 @@ def test_the_composite_rmsnorm_of_a_16bit_input_saves_fp32_tensors():
 
 
 @pytest.mark.integration
-def test_the_engine_predicts_what_the_compiled_blocks_save():
-    cfg = _cfg(precision="fp32", compile=True)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_the_engine_predicts_what_the_compiled_blocks_save(qk_norm):
+    cfg = _cfg(precision="fp32", compile=True).replace(model={"qk_norm": qk_norm})
     saved, loss_inputs = _saved_by_the_model(cfg, compiled=True)
     assert saved - loss_inputs == _predicted_activations(cfg)
-    eager, _ = _saved_by_the_model(_cfg(precision="fp32"))
+    eager, _ = _saved_by_the_model(_cfg(precision="fp32").replace(model={"qk_norm": qk_norm}))
     assert saved < eager
 
 
 # --------------------------------------------------------------------------- a recomputed block's backward
 
 
-def _block_backward_growth(kind: str) -> int:
+def _block_backward_growth(kind: str, qk_norm: bool = False) -> int:
     """MemTracker on the 2-block tiny model (fp32, one microbatch, this process): how much the tracker's
     activations grow from the last block's pre-backward moment to its backward's peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -176,7 +192,7 @@ def _block_backward_growth(kind: str) -> int:
     from backend.parallel.recompute import apply_recompute
     from backend.train import loss_fn
 
-    cfg = _two_blocks(kind)
+    cfg = _two_blocks(kind, qk_norm)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     apply_recompute(model, kind, 2)
@@ -194,8 +210,8 @@ def _block_backward_growth(kind: str) -> int:
     return act("Peak-Backward") - act("Pre-Backward")
 
 
-def _two_blocks(recompute: str) -> Config:
-    return _cfg(precision="fp32", recompute=recompute).replace(model={"layers": 2})
+def _two_blocks(recompute: str, qk_norm: bool = False) -> Config:
+    return _cfg(precision="fp32", recompute=recompute).replace(model={"layers": 2, "qk_norm": qk_norm})
 
 
 def _row_bytes(cfg: Config, label: str) -> int:
@@ -209,17 +225,19 @@ def _recomputed_term(cfg: Config) -> int:
     return next(t.bytes for t in rank.catalogue("activations") if t.kind == "recomputed_block")
 
 
-def test_per_op_recompute_holds_the_none_set_instead_of_its_stash():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_per_op_recompute_holds_the_none_set_instead_of_its_stash(qk_norm):
     """The replay of a per-op checkpointed block re-saves what no recompute keeps and consumes the
     block's stash; at the backward's peak its first op (w2's) has freed the down input already, which
     the engine's per-action timeline does not resolve."""
-    cfg = _two_blocks("selective-op")
+    cfg = _two_blocks("selective-op", qk_norm)
     down = _row_bytes(_two_blocks("none"), "down input")
-    assert _block_backward_growth("selective-op") == _recomputed_term(cfg) - down
+    assert _block_backward_growth("selective-op", qk_norm) == _recomputed_term(cfg) - down
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("kind", ["full", "selective-layer"])
-def test_a_checkpointed_block_counts_its_kept_input_once(kind):
+def test_a_checkpointed_block_counts_its_kept_input_once(kind, qk_norm):
     """Measured: a fully checkpointed block's backward (every block under "full", the second under
     "selective-layer" N = 2) adds its saved tensors less the block input and less the down input freed by
     the peak. torch/utils/checkpoint.py keeps the input (``new_frame.save_inputs(*args)``), replays the
@@ -229,9 +247,9 @@ def test_a_checkpointed_block_counts_its_kept_input_once(kind):
     as the checkpointed block's kept input)."""
     from engine.memory.activations import activation_bytes_per_layer
 
-    cfg = _two_blocks(kind)
+    cfg = _two_blocks(kind, qk_norm)
     down = _row_bytes(_two_blocks("none"), "down input")
     kept = _row_bytes(_two_blocks("none"), "norm1 input")
-    whole = activation_bytes_per_layer(_two_blocks("none"))
+    whole = activation_bytes_per_layer(_two_blocks("none", qk_norm))
     assert _recomputed_term(cfg) == whole - kept
-    assert _block_backward_growth(kind) == _recomputed_term(cfg) - down
+    assert _block_backward_growth(kind, qk_norm) == _recomputed_term(cfg) - down

@@ -51,6 +51,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=act),
         }
+        if block.attention.q_norm is not None:
+            # Qwen3's q and k norms act on each rank's own heads (the wq / wk outputs, local, viewed as
+            # (b, s, heads / tp, head_dim)): their head_dim weights replicate over TP and their gradients,
+            # partial per rank, are summed over it. torchtitan's Qwen3 plan: SequenceParallel(sequence_dim=2)
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         ffn = "feed_forward"
         if isinstance(block.feed_forward, MoE):  # experts unsplit by TP (etp = 1); shared experts TP'd
             ffn = "feed_forward.shared_experts" if block.feed_forward.shared_experts is not None else None

@@ -103,6 +103,10 @@ class _Shape:
     norm_upcast: bool = False
     rope: bool = False  # rope's cos/sin tables saved by its multiplies
     head_dim: int = 0
+    # Qwen3's qk_norm: an RMSNorm over each query and key head (always RMSNorm, whatever model.norm);
+    # torch's composite on CPU ranks (``qk_composite``), the fused kernel elsewhere
+    qk_norm: bool = False
+    qk_composite: bool = False
     # LoRA (engine.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names
     lora_r: int = 0
     lora_mods: tuple[str, ...] = ()
@@ -131,6 +135,13 @@ class _Shape:
     @property
     def res(self) -> int:
         return self.resid or self.act
+
+    @property
+    def qk_upcast(self) -> bool:
+        """The q and k norms' input is 16-bit (the wq / wk outputs in the compute dtype): torch's composite
+        RMSNorm upcasts it and saves fp32 tensors (as ``norm_upcast`` for the block norms). Not compiled:
+        inductor's fused norm keeps the 16-bit input and rstd (measured, tiny bf16: 55,296 B a layer)."""
+        return self.qk_composite and self.act == 2 and not self.compile
 
     @property
     def selective(self) -> bool:
@@ -163,6 +174,8 @@ _NUMEL = {
     # eager attention's K, V repeated to all heads: under context parallelism gathered to every key
     "keys_bh_t": (lambda sh: sh.keys * sh.b * sh.h // sh.t, lambda sh: "(S/s)h/t" if sh.cp else "h/t"),
     "asb_t": (lambda sh: sh.a * sh.s * sh.b // sh.t, lambda sh: "a/t"),
+    # one row per query head and per key head (the qk norms' rstd): a + g heads, g = kv / head_dim
+    "qk_rows_t": (lambda sh: (sh.a + sh.kv // max(sh.head_dim, 1)) * sh.s * sh.b // sh.t, lambda sh: "(a+g)/t"),
     "ss": (lambda sh: sh.s * sh.keys, lambda sh: "S/b" if sh.cp else "s/b"),
     "s_half_d": (lambda sh: sh.s * (sh.head_dim // 2), lambda sh: "d/2b"),
     "sbr": (lambda sh: sh.s * sh.b * sh.lora_r, lambda sh: "r"),
@@ -172,12 +185,13 @@ def _repeats_kv(sh) -> bool:
 
 
 #: order of the bases in the formula string
-_BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "1", "1/t", "d/2b", "s/b", "S/b", "r")
+_BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "(a+g)/t", "1", "1/t", "d/2b", "s/b",
+                "S/b", "r")
 #: element-bytes rule name -> bytes
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
 _FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile",
-          "float8_uncast", "norm_upcast")
+          "float8_uncast", "norm_upcast", "qk_norm", "qk_composite", "qk_upcast")
 
 
 @dataclass(frozen=True)
@@ -317,6 +331,30 @@ def _norm(n: int) -> tuple[SavedTensor, ...]:
     )
 
 
+def _qk_norms() -> tuple[SavedTensor, ...]:
+    """Qwen3's q and k norms (``model.qk_norm``: an RMSNorm of head_dim weights over each head, between
+    the wq / wk outputs and RoPE; backend/model.py's Attention), under "pytorch" accounting. As the
+    block norms: torch's RMSNorm saves its input and the fp32 rstd (one per row: each query and key
+    head of each token), and its composite (CPU) also x̂ for the weight's gradient; of a 16-bit input
+    (the compute-dtype Linear outputs) the composite saves the fp32 upcast and an fp32 x̂ instead
+    (measured in tests/test_saved_tensors.py: 202,752 B per tiny layer, fp32 and bf16 alike)."""
+    out: list[SavedTensor] = []
+    for x, numel in (("q", "sbh_t"), ("k", "sbkv_t")):
+        out += [
+            SavedTensor(f"{x}_norm input (the w{x} output; qk_norm)", "act", numel, "attention",
+                        only=("qk_norm", "torch_ops", "!qk_upcast"), recomputed_by=_PER_OP),
+            SavedTensor(f"{x}_norm input upcast to fp32 (torch's composite RMSNorm of a 16-bit input; qk_norm)",
+                        "fp32", numel, "attention", only=("qk_norm", "qk_upcast"), recomputed_by=_PER_OP),
+            SavedTensor(f"{x}_norm x̂ = x·rstd (torch's composite RMSNorm; qk_norm)", "act", numel, "attention",
+                        only=("qk_norm", "qk_composite", "!qk_upcast", "!lora", "!compile"), recomputed_by=_PER_OP),
+            SavedTensor(f"{x}_norm x̂ = x·rstd in fp32 (torch's composite RMSNorm of a 16-bit input; qk_norm)",
+                        "fp32", numel, "attention", only=("qk_norm", "qk_upcast", "!lora"), recomputed_by=_PER_OP),
+        ]
+    out.append(SavedTensor("q_norm and k_norm rstd (fp32; qk_norm)", "fp32", "qk_rows_t", "attention",
+                           only=("qk_norm", "torch_ops"), recomputed_by=_PER_OP))
+    return tuple(out)
+
+
 #: The saved tensors of one transformer block, in the order its ops run.
 SAVED_TENSORS: tuple[SavedTensor, ...] = (
     *_norm(1),
@@ -326,6 +364,7 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
                 "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"), only=("float8_uncast",),
                 recomputed_by=_PER_OP),
     *_stashed_matmul("wq"), *_stashed_matmul("wk"), *_stashed_matmul("wv"),
+    *_qk_norms(),
     SavedTensor("Q", "act", "sbh_t", "attention", recomputed_by=_PER_OP),
     # inductor recomputes the tables (arange, cos, sin) in the backward instead of saving them
     SavedTensor("rope cos and sin for Q and K (saved by their multiplies)", "act", "s_half_d", "attention", count=4,
@@ -449,7 +488,7 @@ def shape_of(cfg: Config) -> _Shape:
     cpu = cfg.cluster.gpu.name == "cpu"
     return _Shape(**base, torch_ops=True, resid=act, float8_uncast=tr.float8 != "none" and cpu,
                   composite_norm=model.norm == "rmsnorm" and cpu,
-                  rope=model.position == "rope", head_dim=model.head_dim)
+                  rope=model.position == "rope", head_dim=model.head_dim, qk_norm=model.qk_norm, qk_composite=cpu)
 
 
 def activation_terms_per_layer(cfg: Config) -> tuple[list[Term], str]:
