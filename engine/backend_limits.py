@@ -111,10 +111,6 @@ def composition_problems(cfg: Config) -> list[str]:
                    "symmetric-memory workspace (get_symm_mem_workspace), so gloo ranks cannot run it and the "
                    "backend does not apply it; set parallel.async_tp = false (the same training, TP collectives "
                    "not overlapped)")
-    if tr.float8 in ("tensorwise", "rowwise") and par.tp > 1:
-        out.append("training.float8 with tp > 1: torchao's float8 tensor parallelism needs its own "
-                   "Float8ColwiseParallel / Float8RowwiseParallel plan (float8 DTensor all-gathers), which "
-                   "the backend's TP plan does not use; run float8 with DDP / FSDP / PP (tp = 1)")
     if tr.float8 in ("tensorwise", "rowwise") and tr.finetune == "lora":
         out.append("training.float8 with LoRA: peft wraps the same nn.Linear layers torchao swaps for "
                    "Float8Linear; the backend runs float8 on full fine-tuning only")

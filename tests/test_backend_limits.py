@@ -87,27 +87,30 @@ def test_the_planners_top_10_are_each_run_by_the_backend_or_marked_predict_only(
 
 
 def test_predict_and_the_planner_say_predict_only_in_words():
-    qwen = Config.from_dict({"model": {"preset": "qwen3-30b-a3b"}, "cluster": {"gpu": "h100-sxm", "gpus": 16},
-                             "parallel": {"dp": 8, "tp": 2, "ep": 2, "zero": 2}})
-    pred = predict(qwen)
-    assert pred.predict_only == predict_only(qwen) and any("qk_norm" in w for w in pred.predict_only)
+    oss = Config.from_dict({"model": {"preset": "gpt-oss-20b"}, "cluster": {"gpu": "h100-sxm", "gpus": 16},
+                            "parallel": {"dp": 8, "tp": 2, "ep": 2, "zero": 2}})
+    pred = predict(oss)
+    assert pred.predict_only == predict_only(oss) and any("attention_sinks" in w for w in pred.predict_only)
     assert "predict only: ShardScope's backend cannot run this layout" in render_table(pred)
     assert pred.to_json()["predict_only"] == pred.predict_only
     plain = predict(cfg(dp=2, zero=2))
     assert plain.predict_only == [] and "predict only" not in render_table(plain)
     result = plan("llama3-8b", 16, "h100-sxm", 8, top=10).to_json()
+    result["entries"] += plan("gpt-oss-20b", 16, "h100-sxm", 8, top=3).to_json()["entries"]
     outcome = PlanOutcome(result)
     marked = [i for i, e in enumerate(result["entries"]) if e["predict_only"]]
-    assert marked  # float8 with tp > 1 ranks among the fastest
+    assert marked == list(range(10, 13))  # gpt-oss's attention sinks and sliding windows are not built
     for i, row in enumerate(outcome.rows()):
         assert row[1].endswith(" · predict only") == (i in marked)
         assert any(w.startswith("predict only") for w in outcome.why(i)) == (i in marked)
 
 
 def test_the_window_does_not_offer_to_run_a_model_the_backend_does_not_build():
-    qwen = Config.from_dict({"model": {"preset": "qwen3-30b-a3b", "layers": 2, "experts": 4, "hidden": 64,
-                                       "heads": 4, "kv_heads": 2, "expert_ffn_hidden": 32, "ffn_hidden": 128,
-                                       "vocab": 256, "seq_len": 32, "experts_per_token": 2},
-                             "cluster": {"gpu": "cpu", "gpus": 2}, "parallel": {"dp": 2}})
-    r = runnable_version(qwen)
-    assert r.config is None and "qk_norm" in r.describe()
+    small = {"layers": 2, "experts": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "expert_ffn_hidden": 32,
+             "ffn_hidden": 128, "vocab": 256, "seq_len": 32, "experts_per_token": 2}
+    oss = Config.from_dict({"model": {"preset": "qwen3-30b-a3b", **small, "attention_sinks": True},
+                            "cluster": {"gpu": "cpu", "gpus": 2}, "parallel": {"dp": 2}})
+    r = runnable_version(oss)
+    assert r.config is None and "attention_sinks" in r.describe()
+    qwen = runnable_version(oss.replace(model={"attention_sinks": False}))  # qk_norm: built
+    assert qwen.is_original and qwen.config is not None

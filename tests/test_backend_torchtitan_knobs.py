@@ -45,11 +45,13 @@ def test_async_tp_is_refused_naming_the_field_and_the_missing_kernel():
     assert composition_problems(cfg.replace(parallel={"async_tp": False})) == []
 
 
-def test_float8_with_tp_and_with_lora_are_refused():
+def test_float8_with_lora_is_refused_and_with_tp_is_not():
     f8 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "rowwise"}
     tp = default_config().replace(cluster={"gpus": 2}, parallel={"dp": 1, "tp": 2, "pp": 1}, training=f8)
-    assert any(p.startswith("training.float8 with tp > 1") for p in composition_problems(tp))
-    assert composition_problems(tp.replace(training={"float8": "none"})) == []
+    assert composition_problems(tp) == []  # test_float8_with_tp_runs_as_the_engine_predicts
+    lora = default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1},
+                                    training={**f8, "finetune": "lora"})
+    assert any(p.startswith("training.float8 with LoRA") for p in composition_problems(lora))
 
 
 def test_async_tp_exactly_fails_as_the_refusal_says():
@@ -215,6 +217,29 @@ def test_float8_trains_close_to_its_bf16_run(tmp_path):
         assert first == pytest.approx(base.step.losses[0], rel=1e-3), kind
         assert second == pytest.approx(base.step.losses[1], rel=2e-2), kind
         assert first != base.step.losses[0]  # float8 matmuls really ran
+
+
+@pytest.mark.integration
+def test_float8_with_tp_runs_as_the_engine_predicts(tmp_path):
+    """Float8Linear layers under the backend's TP plan (ColwiseParallel / RowwiseParallel, the TP
+    collectives in bf16, as torchtitan runs rowwise): TP 2 with sequence parallelism trains close to its
+    bf16 run, and each rank's states are the engine's exactly, its activations within 1 %."""
+    pytest.importorskip("torchao")
+    from engine.memory import memory_per_rank
+
+    bf16 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "micro_batch_size": 4}
+    par = {"dp": 1, "tp": 2, "pp": 1, "microbatches": 1, "sequence_parallel": True}
+    base, _ = _run(tmp_path, "bf16", _tiny_cfg(**bf16).replace(model=SMALL_F8, parallel=par))
+    cfg = _tiny_cfg(**bf16, float8="tensorwise").replace(model=SMALL_F8, parallel=par)
+    f8, _ = _run(tmp_path, "tensorwise", cfg)
+    assert f8.step.losses[0] == pytest.approx(base.step.losses[0], rel=1e-3)
+    assert f8.step.losses[0] != base.step.losses[0]  # float8 matmuls really ran
+    predicted = memory_per_rank(cfg).per_rank
+    for r, measured in enumerate(f8.ranks):
+        exact = measured["memory"]["exact"]
+        assert (exact["params"], exact["optimizer"]) == (predicted[r].params, predicted[r].optimizer), r
+        assert predicted[r].activations == pytest.approx(measured["memory"]["categories"]["activations"],
+                                                         rel=0.01), r
 
 
 @pytest.mark.integration
