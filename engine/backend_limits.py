@@ -94,9 +94,6 @@ def cp_rotate_refusal(cfg: Config, device_type: str) -> str | None:
 def composition_problems(cfg: Config) -> list[str]:
     """Each combination of ``cfg`` that torch's APIs cannot compose, in words, with what runs instead."""
     par, out = cfg.parallel, []
-    if par.zero == 1 and par.tp > 1:
-        out.append("ZeRO-1 with tp > 1: torch's ZeroRedundancyOptimizer does not take DTensor (TP) "
-                   "parameters; use parallel.zero = 2 (fully_shard) with TP")
     if cfg.model.tied_embeddings and par.tp > 1:
         out.append("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
     if cfg.training.finetune == "lora" and par.tp > 1:

@@ -179,6 +179,25 @@ def test_qwen3s_qk_norm_under_tp_matches_single_rank_losses(tmp_path):
         assert measured["memory"]["exact"]["params"] == predicted[r].params, r
 
 
+def test_zero1_with_tp_partitions_the_states_and_trains_as_zero0(tmp_path):
+    """ZeroRedundancyOptimizer refuses DTensor parameters; the backend's TensorParallelZeRO1 partitions
+    each TP shard's tensors over dp as it would (whole tensors, largest first, to the least-loaded
+    dp-rank) and broadcasts them after its step: the same losses as ZeRO-0, each rank's optimizer state
+    its share (the engine's, exactly), the dp-ranks' shares summing to ZeRO-0's state."""
+    par = {"dp": 2, "tp": 2, "pp": 1, "microbatches": 2}
+    cfg, meas, _ = run_ok(tmp_path / "z1", cluster={"gpus": 4}, parallel={**par, "zero": 1})
+    _, base, _ = run_ok(tmp_path / "z0", cluster={"gpus": 4}, parallel={**par, "zero": 0})
+    assert meas.step.losses == pytest.approx(base.step.losses, rel=1e-5)
+    from engine.memory import memory_per_rank
+
+    predicted = memory_per_rank(cfg).per_rank
+    opt, opt0 = exact(meas, "optimizer"), exact(base, "optimizer")
+    assert opt == [r.optimizer for r in predicted]
+    for tp_rank in range(2):  # ranks tp_rank and 2 + tp_rank hold the same TP shard: their shares add up
+        assert opt[tp_rank] + opt[2 + tp_rank] == opt0[tp_rank]
+    assert 0 < min(opt)
+
+
 def test_fsdp_by_tp_two_dimensional(tmp_path):
     _, meas, _ = run_ok(tmp_path, cluster={"gpus": 4}, parallel={"dp": 2, "tp": 2, "pp": 1, "zero": 3,
                                                                   "microbatches": 1})

@@ -57,7 +57,9 @@ def test_explain_terms_sum_to_each_category():
 
 def test_table_lists_every_distinct_rank_group():
     text = render_table(predict(big()))
-    for label in ("0-15", "16-31", "32-47", "48-63", "MFU", "bubble"):
+    # stages 0 and 3: the two dp-ranks' ZeroRedundancyOptimizer shares differ (TensorParallelZeRO1 over each
+    # TP shard's tensors), so each is its own group; stages 1 and 2 share equally
+    for label in ("0-7", "8-15", "16-31", "32-47", "48-55", "56-63", "MFU", "bubble"):
         assert label in text
 
 

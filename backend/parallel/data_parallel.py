@@ -1,4 +1,5 @@
-"""Data parallelism: DDP, ZeRO-1 (ZeroRedundancyOptimizer), ZeRO-2/3 and HSDP (fully_shard).
+"""Data parallelism: DDP, ZeRO-1 (ZeroRedundancyOptimizer; TensorParallelZeRO1 with TP), ZeRO-2/3 and HSDP
+(fully_shard).
 
 ZeRO-2 is ``fully_shard(reshard_after_forward=False)`` (parameters stay gathered between
 forward and backward, gradients and optimizer state sharded); ZeRO-3 reshards after the
@@ -14,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from backend.model import moe_modules
@@ -138,7 +139,54 @@ def dataparallel_rows(before: list[int], after_forward: list[int], peak: list[in
 
 
 def make_zero1_optimizer(params, optimizer_cls: type[torch.optim.Optimizer], dp_group,
-                         **kwargs) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: each data-parallel rank keeps the optimizer state of its share of the parameters."""
-    return ZeroRedundancyOptimizer(list(params), optimizer_class=optimizer_cls, process_group=dp_group,
-                                   **kwargs)
+                         **kwargs) -> torch.optim.Optimizer:
+    """ZeRO-1: each data-parallel rank keeps the optimizer state of its share of the parameters
+    (torch's ZeroRedundancyOptimizer; for DTensor (TP) parameters, which it refuses,
+    :class:`TensorParallelZeRO1`, the same partition of the local shards)."""
+    params = list(params)
+    if any(isinstance(p, DTensor) for p in params):
+        return TensorParallelZeRO1(params, optimizer_cls, dp_group, **kwargs)
+    return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_cls, process_group=dp_group, **kwargs)
+
+
+class TensorParallelZeRO1(torch.optim.Optimizer):
+    """ZeRO-1 over the data-parallel group for DTensor (TP) parameters, which torch's
+    ZeroRedundancyOptimizer refuses ("does not take DTensor"). The same partition as its
+    ``_partition_parameters`` (whole tensors, largest first by the local shard's numel, a stable sort,
+    each to the dp-rank with the fewest elements so far, the lowest on ties; engine.params.
+    zero_redundancy_partition): each dp-rank keeps ``optimizer_class``'s state for its own and steps them
+    (``optim``, as ZeroRedundancyOptimizer's), then every parameter's local shard is broadcast from its
+    owner over the group, as its ``_sync_params``. The gradients are already reduced over dp (FSDP2's
+    ``replicate``)."""
+
+    def __init__(self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], group,
+                 **defaults):
+        import torch.distributed as dist
+
+        self.group = group
+        sizes = [0] * dist.get_world_size(group)
+        owner: dict[int, int] = {}
+        for p in sorted(params, key=lambda t: _local_of(t).numel(), reverse=True):
+            r = sizes.index(min(sizes))
+            owner[id(p)] = r
+            sizes[r] += _local_of(p).numel()
+        me = dist.get_rank(group)
+        self.owners = [(p, dist.get_global_rank(group, owner[id(p)])) for p in params]
+        mine = [p for p in params if owner[id(p)] == me]
+        super().__init__(params, defaults)
+        if mine:  # else no state at all (measure reads ``optimizer.state``, empty)
+            self.optim = optimizer_class(mine, **defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        import torch.distributed as dist
+
+        if hasattr(self, "optim"):
+            self.optim.step()
+        for p, src in self.owners:
+            dist.broadcast(_local_of(p), src=src, group=self.group)
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), or the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -192,7 +192,7 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     grid = params_per_rank(cfg)
     plan = wrapping_plan(cfg)
     # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per share then
-    per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1 and par.tp == 1
+    per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1
     # a measured expert load: EP ranks route different token counts, so each ep-rank gets its own body
     # (the sparse mesh puts ep innermost over the dense region: ep-rank = rank mod ep)
     by_ep = bool(cfg.conventions.moe_expert_load) and par.ep > 1
@@ -200,20 +200,23 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     block = par.dp * row
     period = math.lcm(par.tp, par.ep) if by_ep else par.tp  # offsets x ≡ j (mod period) share a body
     bodies: dict[tuple[int, int, int], _Body] = {}  # (pp rank, offset residue j, share class) -> body
-    share_class: list[tuple[int, ...]] = []  # per pp rank: each dp index's share class
+    # per pp rank, per offset residue j: each dp index's share class (ZeroRedundancyOptimizer partitions
+    # each TP shard's own tensors)
+    share_class: list[dict[int, tuple[int, ...]]] = []
     groups = []
     for pp_rank, rps in enumerate(grid):
-        if per_dp:
-            share, dp_sets = _share_classes(zero1_shares(cfg, rps[0]))
-            share_class.append(share)
-        else:
-            dp_sets = [None]
+        share_class.append({})
         # TP shards differ only by their vocabulary chunk; EP ranks by their rank mod ep
         residues: dict[tuple[int, int], list[int]] = {}
         for j in range(period):
             residues.setdefault((grid[pp_rank][j % par.tp].total, j % par.ep if by_ep else -1), []).append(j)
         for (_, ep_rank), js in residues.items():
             rp = rps[js[0] % par.tp]
+            if per_dp:
+                share, dp_sets = _share_classes(zero1_shares(cfg, rp))
+                share_class[pp_rank].update((j, share) for j in js)
+            else:
+                dp_sets = [None]
             for cls, dps in enumerate(dp_sets):
                 body = rank_body(cfg, rp, dps[0] if dps else 0, plan, ep_rank if by_ep else None)
                 for j in js:
@@ -226,7 +229,8 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     def locate(rank: int) -> tuple[int, int, _Body]:
         pp_rank, x = divmod(rank, block)
         d = x // row
-        return x % par.tp, d, bodies[pp_rank, x % period, share_class[pp_rank][d] if per_dp else 0]
+        j = x % period
+        return x % par.tp, d, bodies[pp_rank, j, share_class[pp_rank][j][d] if per_dp else 0]
 
     return MemoryReport(per_rank=LazyRanks(par.world_size, locate, capacity), capacity_bytes=capacity,
                         conventions=conventions_of(cfg), groups=tuple(groups))

@@ -19,7 +19,9 @@ PyTorch, so its default split is the one PyTorch has. Which wrapper holds the mo
                     parameter dtype), optimizer 4kΨ (no separate master); DDP buckets 4Ψ.
     ZeRO-1          the same, optimizer 4k × this DP rank's share under ZeroRedundancyOptimizer's
                     greedy whole-tensor partition (``engine.params.zero_redundancy_partition``):
-                    ranks differ, the sum is exact. (With TP torch has no ZeRO-1: flat split.)
+                    ranks differ, the sum is exact. With TP (which ZeroRedundancyOptimizer refuses)
+                    FSDP2's replicate and the backend's TensorParallelZeRO1: the same partition of
+                    each TP shard's own tensors.
     ZeRO-2 / -3     FSDP2 + MixedPrecisionPolicy: params 4Ψ_d (the fp32 shard is the master),
                     grads 4Ψ_d, optimizer 4kΨ_d (the gathered 16-bit copies: ``buffers``).
     DP × TP         FSDP2's replicate: whole fp32 params / grads.
@@ -90,15 +92,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
     par, tr, model = cfg.parallel, cfg.training, cfg.model
     z, d, k = par.zero, par.shard_degree, OPTIMIZER_STATES[tr.optimizer]
     psi = rp.total
-    if z == 1 and par.tp > 1 and par.dp_cp > 1:
-        # torch has no ZeRO-1 for DTensor (TP) parameters (ZeroRedundancyOptimizer refuses them; the
-        # backend raises): the states follow Megatron's distributed optimizer, an even flat split.
-        T.add("params", f"parameters ({where}), fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="parameters")
-        split_expert_params(T, rp.experts, 4)
-        T.add("grads", "gradients, fp32", 4 * psi, f"4 B × Ψ = 4 × {psi:,}", kind="gradients")
-        opt_numel = ceil_div(psi, d)
-        rule = f"⌈Ψ/d⌉ = ⌈{psi:,}/{d}⌉ (flat split: torch has no ZeRO-1 for TP parameters)"
-    elif plan.fsdp2:
+    if plan.fsdp2:
         shard = d if par.zero in (2, 3) else 1  # FSDP2's replicate (DP × TP) keeps whole fp32 params
         e_deg = expert_degree(cfg)
         psi_d = rp.sharded_numel(shard, e_deg)
@@ -111,6 +105,11 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("grads", "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}",
               kind="fsdp_sharded_grads")
         opt_numel, rule = psi_d, how
+        if z == 1 and par.dp > 1:
+            # ZeRO-1 with TP: FSDP2's replicate keeps the parameters and reduces the gradients, and the
+            # backend's TensorParallelZeRO1 partitions the optimizer over dp as ZeroRedundancyOptimizer
+            # does, by the local (TP-sharded) tensors
+            opt_numel, rule = _zero1_share(zero1_shares(cfg, rp), dp_rank, "elements")
     else:
         T.add("params", f"parameters ({where}), fp32 (autocast casts on the fly; no separate master)"
               if tr.precision != "fp32" else f"parameters ({where})", 4 * psi, f"4 B × Ψ = 4 × {psi:,}",
