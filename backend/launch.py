@@ -47,6 +47,7 @@ from backend.records import (
     iter_new_lines,
     tail,
 )
+from engine.backend_limits import predict_only
 from engine.config import Config, ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -364,16 +365,20 @@ def local_torchrun(python: str, nproc: int, module: str, args: list[str],
 
 
 def prepare(cfg: Config | str | Path, out_dir: str | Path | None) -> tuple[Path, Config | None, Run | None]:
-    """The requested run directory and the Config of a launch — or, when the config cannot be read,
-    a refused Run (every launcher, local or cluster, starts here; :func:`claim` then takes the
-    directory)."""
+    """The requested run directory and the Config of a launch — or, when the config cannot be read or
+    is one the backend cannot run on any machine (``engine.backend_limits.predict_only``: what the
+    ranks would refuse once started), a refused Run (every launcher, local or cluster, starts here;
+    :func:`claim` then takes the directory)."""
     out = Path(out_dir) if out_dir is not None else default_run_dir()
-    if isinstance(cfg, Config):
-        return out, cfg, None
-    try:
-        return out, Config.load(cfg), None
-    except ConfigError as exc:
-        return out, None, refused_run(out, str(exc))
+    if not isinstance(cfg, Config):
+        try:
+            cfg = Config.load(cfg)
+        except ConfigError as exc:
+            return out, None, refused_run(out, str(exc))
+    why = predict_only(cfg)
+    if why:
+        return out, cfg, refused_run(out, "predict only, the backend cannot run it: " + "; ".join(why), cfg)
+    return out, cfg, None
 
 
 def claim(out: Path, source: Config | str | Path, fresh: bool = False) -> tuple[RunDir | None, str | None]:

@@ -258,8 +258,10 @@ class LocalDispatch:
 
 def scatter_combine(out_ND: torch.Tensor, order: torch.Tensor, token: torch.Tensor, scores_TK: torch.Tensor,
                     x_TD: torch.Tensor) -> torch.Tensor:
-    """Weight each routed output by its gate score (in fp32) and add it onto its token."""
-    weighted = (out_ND.float() * scores_TK.reshape(-1)[order].unsqueeze(-1)).to(out_ND.dtype)
+    """Weight each routed output by its gate score (in fp32) and add it onto its token, in the block
+    input's dtype (torchtitan's MoE: ``.to(x.dtype)``): under autocast the experts' outputs are bf16 and
+    the residual stream fp32, which ``index_add_`` does not mix."""
+    weighted = (out_ND.float() * scores_TK.reshape(-1)[order].unsqueeze(-1)).to(x_TD.dtype)
     return torch.zeros_like(x_TD).index_add_(0, token, weighted)
 
 

@@ -2,6 +2,8 @@
 
 Run:  .venv/bin/python benchmarks/accuracy.py            (≈ 10–15 min on 2 cores; runs kept)
       .venv/bin/python benchmarks/accuracy.py --reuse    (recompute the table from kept runs)
+      .venv/bin/python benchmarks/accuracy.py --sweep 30 --seed S   (layouts not fitted on: random tiny
+                                                                     shapes and layouts, memory only)
 
 Every layout runs through ``backend.launch`` on this machine (local CPU ranks, gloo), is
 compared with ``engine.predict`` (``engine.compare``), and is predicted twice more for time:
@@ -637,6 +639,123 @@ def merge_markdown(old: str, rows: list[dict], steps: int) -> str:
     return "\n".join(out + notes)
 
 
+# --------------------------------------------------------------------------- the sweep: layouts not fitted on
+
+
+def sweep_layouts(n: int, seed: int) -> dict[str, Config]:
+    """``n`` tiny models of random shapes (hidden, heads and KV heads, FFN, vocabulary, sequence,
+    micro-batch, MLP and attention kinds, qk_norm, a mixture of experts one time in four) in random
+    layouts over what the backend runs on at most 4 CPU ranks (dp, tp, pp, cp, ep; ZeRO 0–3; every
+    schedule and virtual stage count; every recompute kind; fp32 or bf16): drawn from ``seed``,
+    refused draws (the config's rules, ``engine.backend_limits``, torch's ring on CPU) drawn again."""
+    import random
+
+    from engine import ConfigError
+    from engine.backend_limits import cp_rotate_refusal, predict_only
+    from engine.names import SCHEDULES
+
+    rng = random.Random(seed)
+    out: dict[str, Config] = {}
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 200 * n:
+            raise RuntimeError(f"drew {tries} layouts for {len(out)} runnable ones")
+        heads = rng.choice([2, 3, 4, 6, 8])
+        head_dim = rng.choice([16, 24, 32])
+        kv = rng.choice([k for k in range(1, heads + 1) if heads % k == 0])
+        hidden = heads * head_dim
+        model = {"layers": rng.choice([2, 3, 4]), "hidden": hidden, "heads": heads, "kv_heads": kv,
+                 "ffn_hidden": 8 * rng.randint(hidden // 8, hidden // 2), "vocab": rng.choice([256, 300, 384, 512]),
+                 "seq_len": rng.choice([32, 48, 64]), "mlp": rng.choice(["swiglu", "gelu"]),
+                 "attention": rng.choice(["eager", "flash"]), "qk_norm": rng.random() < 0.3}
+        if rng.random() < 0.25:
+            model.update(experts=rng.choice([4, 8]), experts_per_token=rng.choice([1, 2]),
+                         expert_ffn_hidden=8 * rng.randint(4, 16), shared_experts=rng.choice([0, 1]),
+                         dense_layers=rng.choice([0, 1]))
+        dp, tp, pp, cp = rng.choice([(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 4, 1, 1),
+                                     (1, 1, 4, 1), (2, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 1), (1, 1, 2, 1)])
+        schedule = rng.choice(SCHEDULES) if pp > 1 else "1F1B"
+        v = 2 if schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                              "DualPipeV") else 1
+        par = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": rng.choice([0, 1, 2, 3]) if dp > 1 else 0,
+               "sequence_parallel": tp > 1 and rng.random() < 0.5, "schedule": schedule, "virtual_stages": v,
+               "microbatches": rng.choice([1, 2, 4]) * (2 if schedule == "DualPipeV" else 1) * max(pp, 1)}
+        if model.get("experts"):
+            par["ep"] = rng.choice([e for e in (1, 2, 4) if (dp * tp) % e == 0 and model["experts"] % e == 0])
+        training = {"micro_batch_size": rng.choice([1, 2, 3]),
+                    "recompute": rng.choice(["none", "selective", "full", "selective-op", "selective-layer"]),
+                    **({"precision": "bf16-mixed", "grad_dtype": "bf16"} if rng.random() < 0.4 else {})}
+        try:
+            cfg = _layout(par, gpus=dp * tp * pp * cp, training=training, model=model)
+        except ConfigError:
+            continue
+        if predict_only(cfg) or cp_rotate_refusal(cfg, "cpu"):
+            continue
+        name = (f"s{seed}#{len(out):02d} h{hidden} a{heads}/{kv} f{model['ffn_hidden']} V{model['vocab']} "
+                f"s{model['seq_len']} b{training['micro_batch_size']}"
+                + (f" E{model['experts']}k{model['experts_per_token']}" if model.get("experts") else "")
+                + (" qk" if model["qk_norm"] else "") + f" | dp{dp} tp{tp} pp{pp} cp{cp}"
+                + (f" ep{par['ep']}" if par.get("ep", 1) > 1 else "") + f" z{par['zero']}"
+                + (" SP" if par["sequence_parallel"] else "") + (f" {schedule} v{v}" if pp > 1 else "")
+                + f" m{par['microbatches']} {training['recompute']}"
+                + (" bf16" if training.get("precision") else " fp32"))
+        out[name] = cfg
+    return out
+
+
+def run_sweep(runs_dir: Path, n: int, seed: int, steps: int, reuse: bool) -> list[dict]:
+    """Run the sweep's layouts (kept under ``runs_dir``/sweep-SEED) and compare each with the engine:
+    memory only (states exact, tracked peak, activations, the worst category), worst rows first."""
+    from backend.launch import launch
+
+    rows = []
+    for i, (name, cfg) in enumerate(sweep_layouts(n, seed).items()):
+        d = runs_dir / f"sweep-{seed}" / f"{i:02d}"
+        if not (reuse and (d / "measurement.json").exists()):
+            if d.exists():
+                import shutil
+
+                shutil.rmtree(d)
+            t0 = time.perf_counter()
+            run = launch(cfg, d, steps=steps, timeout_s=300)
+            res = run.wait()
+            print(f"  ran {name}: {res['event'] if res else 'no result'} in {time.perf_counter() - t0:.1f} s"
+                  + ("" if run.ok else f" — {res.get('reason', '')[:300] if res else ''}"), flush=True)
+        row: dict = {"layout": name, "dir": str(d)}
+        if not (d / "measurement.json").exists():
+            row["failed"] = True
+            rows.append(row)
+            continue
+        s = compare(predict(cfg), json.loads((d / "measurement.json").read_text())).summary()
+        cmp = compare(predict(cfg), json.loads((d / "measurement.json").read_text()))
+        worst = max(MEMORY_CATEGORIES, key=lambda c: -1 if s[c] is None else s[c])
+        row.update(states_exact=all(r.categories[c].error == 0 for r in cmp.memory
+                                    for c in ("params", "grads", "optimizer")),
+                   tracked_peak=s["allocated"], activations=s["activations"], worst_category=worst, worst=s[worst])
+        rows.append(row)
+    rows.sort(key=lambda r: -1 if r.get("failed") else -abs(r["tracked_peak"] or 0))
+    return rows
+
+
+def render_sweep(rows: list[dict], n: int, seed: int) -> str:
+    head = ("layout", "states", "tracked peak", "activations", "worst category")
+    body = []
+    for r in rows:
+        if r.get("failed"):
+            body.append((r["layout"], "FAILED", "—", "—", "—"))
+            continue
+        body.append((r["layout"], "exact" if r["states_exact"] else "NOT exact", _pct(r["tracked_peak"]),
+                     _pct(r["activations"]), f"{r['worst_category']} {_pct(r['worst'])}"))
+    ok = [r for r in rows if not r.get("failed")]
+    within = sum(1 for r in ok if abs(r["tracked_peak"] or 0) <= 0.05)
+    acts = sum(1 for r in ok if r["activations"] is not None and abs(r["activations"]) <= 0.10)
+    summary = (f"\n{len(rows)} layouts drawn with seed {seed}: {len(ok)} ran; states exact on "
+               f"{sum(r['states_exact'] for r in ok)}; tracked peak within 5 % on {within}; activations within "
+               f"10 % on {acts} (worst |error| first)")
+    return _columns(head, body) + summary
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs-dir", default="/tmp/shardscope-accuracy", type=Path)
@@ -645,8 +764,18 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="layout names (the reference always runs)")
     ap.add_argument("--markdown", default=str(ROOT / "benchmarks" / "accuracy.md"))
     ap.add_argument("--json", help="also write the rows as JSON here")
+    ap.add_argument("--sweep", type=int, metavar="N",
+                    help="instead of the matrix: N tiny layouts of random shapes drawn from --seed (memory only)")
+    ap.add_argument("--seed", type=int, default=0, help="the sweep's seed")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.sweep:
+        rows = run_sweep(args.runs_dir, args.sweep, args.seed, args.steps, args.reuse)
+        print(render_sweep(rows, args.sweep, args.seed))
+        print(f"{time.perf_counter() - t0:.0f} s; runs in {args.runs_dir / f'sweep-{args.seed}'}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
+        return 0
     links_dir = measure_links(args.runs_dir, args.reuse)
     dirs = run_all(args.runs_dir, args.steps, args.reuse, args.only)
     rows = evaluate(dirs, links_dir)

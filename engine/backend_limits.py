@@ -13,6 +13,7 @@ the code that applies them. No torch import: the window and the CLI ask too.
 from __future__ import annotations
 
 from engine.config import Config, ModelSpec
+from engine.names import SPLIT_BACKWARD_SCHEDULES
 
 #: model fields the backend's model does not build, with what each would need
 UNBUILT_MODEL_FIELDS = {
@@ -93,7 +94,13 @@ def cp_rotate_refusal(cfg: Config, device_type: str) -> str | None:
 
 def composition_problems(cfg: Config) -> list[str]:
     """Each combination of ``cfg`` that torch's APIs cannot compose, in words, with what runs instead."""
-    par, out = cfg.parallel, []
+    par, tr, out = cfg.parallel, cfg.training, []
+    if tr.recompute == "selective-op" and par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES:
+        out.append(f"training.recompute = 'selective-op' with parallel.schedule = {par.schedule!r}: a zero-bubble "
+                   "schedule runs each block's backward twice (its input gradient, then its weight gradient), and "
+                   "torch's selective activation checkpoint can be backwarded once only (torch/utils/checkpoint.py: "
+                   "\"Trying to backward an extra time\"); use 'selective-layer', 'full' or 'none' with it, or a "
+                   "schedule without a split backward")
     if cfg.model.tied_embeddings and par.tp > 1:
         out.append("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
     if cfg.training.finetune == "lora" and par.tp > 1:

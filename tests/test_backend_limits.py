@@ -1,6 +1,8 @@
 """Layouts the engine predicts but ShardScope's backend cannot run: named before anything runs, and
 marked "predict only" wherever the engine shows them (predict, the planner, the window)."""
 
+import dataclasses
+
 import pytest
 
 from engine import Config
@@ -115,3 +117,48 @@ def test_the_window_does_not_offer_to_run_a_model_the_backend_does_not_build():
     assert r.config is None and "attention_sinks" in r.describe()
     qwen = runnable_version(oss.replace(model={"attention_sinks": False}))  # qk_norm: built
     assert qwen.is_original and qwen.config is not None
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"])
+def test_per_op_recompute_with_a_split_backward_is_predict_only(schedule):
+    bad = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 2},
+                            "parallel": {"pp": 2, "schedule": schedule, "virtual_stages": 2,
+                                         "microbatches": 8 if schedule == "DualPipeV" else 4},
+                            "training": {"recompute": "selective-op"}})
+    (problem,) = composition_problems(bad)
+    assert problem.startswith("training.recompute = 'selective-op'") and "backward an extra time" in problem
+    for ok in ("selective-layer", "full", "none"):
+        assert composition_problems(bad.replace(training={"recompute": ok})) == []
+    assert composition_problems(bad.replace(parallel={"schedule": "Interleaved1F1B"})) == []
+
+
+def test_torchs_selective_checkpoint_cannot_be_backwarded_as_a_zero_bubble_stage_does():
+    """The rule's reason, measured: a block under the backend's per-op selective checkpoint, backwarded
+    for its input's gradient and then for its weights' (what torch.distributed.pipelining's I and W
+    actions do), raises on the second (found by benchmarks/accuracy.py --sweep 30 --seed 2026, DualPipeV)."""
+    torch = pytest.importorskip("torch")
+    from backend.model import Transformer
+    from backend.parallel.recompute import apply_recompute
+    from engine import default_config
+
+    spec = dataclasses.replace(default_config().model, layers=1)
+    model = Transformer(spec)
+    apply_recompute(model, "selective-op", 2)
+    block = model.layers["0"]
+    h = torch.randn(2, spec.seq_len, spec.hidden, requires_grad=True)
+    y = block(h).sum()
+    torch.autograd.grad(y, h, retain_graph=True)  # I: the input's gradient
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        torch.autograd.grad(y, [p for p in block.parameters()])  # W: the weights'
+
+
+def test_a_launch_of_a_predict_only_layout_is_refused_before_anything_starts(tmp_path):
+    pytest.importorskip("torch")
+    from backend.launch import launch
+
+    bad = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 2},
+                            "parallel": {"pp": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2,
+                                         "microbatches": 4}, "training": {"recompute": "selective-op"}})
+    run = launch(bad, tmp_path / "run", steps=1)
+    assert run.refused and "predict only" in run.wait()["reason"]
+    assert not (tmp_path / "run").exists()  # nothing written

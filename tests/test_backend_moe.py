@@ -91,6 +91,21 @@ def test_moe_block_matches_a_per_token_loop_and_counts_its_tokens():
     assert torch.equal(moe.routed_counts, moe.received_counts)  # no expert parallelism: every expert is local
 
 
+def test_moe_model_trains_under_bf16_autocast():
+    """Under CPU autocast (fp32 parameters, bf16 matmuls) the experts' outputs are bf16 and the residual
+    stream fp32: the combine adds them in the block input's dtype (torchtitan's ``.to(x.dtype)``), where
+    it once raised "index_add_(): self (Float) and source (BFloat16) must have the same scalar type"
+    (found by benchmarks/accuracy.py --sweep 30 --seed 2026)."""
+    spec = ModelSpec(**MOE)
+    torch.manual_seed(0)
+    model = Transformer(spec)
+    x = torch.randint(0, spec.vocab, (2, spec.seq_len))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().mean().backward()
+    assert all(p.grad is not None for p in moe_modules(model)[0].experts.parameters())
+
+
 def test_ep_must_divide_the_experts_and_the_dense_region():
     with pytest.raises(ConfigError) as err:
         moe_config({"dp": 3, "ep": 3})
