@@ -667,8 +667,8 @@ POOLED = LAYOUTS + [
 
 
 @pytest.mark.parametrize("par", POOLED)
-@pytest.mark.parametrize("preset", ["tiny", "llama3-8b"])
-def test_the_reserve_replayed_pool_by_pool_is_the_whole_replays(par, preset):
+@pytest.mark.parametrize("preset, expandable", [("tiny", False), ("llama3-8b", False), ("llama3-8b", True)])
+def test_the_reserve_replayed_pool_by_pool_is_the_whole_replays(par, preset, expandable):
     """Without a capacity every pool's reserve only grows and no pool serves another's requests, so the
     step's most reserved is the sum of its pools' replayed alone, exactly; the most allocated they give
     is at most the whole replay's. Ranks whose step tensors differ only in one pool replay the others once."""
@@ -678,8 +678,8 @@ def test_the_reserve_replayed_pool_by_pool_is_the_whole_replays(par, preset):
     sigs = [g.first._body.timeline._event_signature() for g in memory_per_rank(c).groups]
     overhead._pool_reserve.cache_clear()
     for sig in sigs:
-        least_most, reserved = overhead._unbounded_reserve(sig, False)
-        most, whole = overhead._unbounded_replay.__wrapped__(sig, False)
+        least_most, reserved = overhead._unbounded_reserve(sig, expandable)
+        most, whole = overhead._unbounded_replay.__wrapped__(sig, expandable)
         assert reserved == whole and least_most <= most, (par, sig[0].stages)
     if par.get("zero") == 1 and preset == "tiny":  # small shares: the large pool's replay is shared
         assert overhead._pool_reserve.cache_info().misses < 2 * len(sigs)

@@ -199,10 +199,11 @@ def _unbounded_reserve(event_signature: tuple, expandable_segments: bool) -> tup
     whose step tensors differ in one pool (a dp-rank's ZeroRedundancyOptimizer share of a few KiB, in
     the small pool) replay the other pools once. The most allocated is then known only from below:
     a pool's most plus every other pool's step tensors, which are live from the start. The whole
-    replay (both exact) where the events are not laid by stage-microbatch (no grain), with expandable
-    segments, or where a tensor's pool cannot be told from its key's shape."""
+    replay (both exact) where the events are not laid by stage-microbatch (no grain), or where a tensor's
+    pool cannot be told from its key's shape. Expandable segments too: each pool maps pages of its own
+    segments, and unmaps them only when the allocator releases its cache."""
     sig, rows = event_signature[:2]
-    if expandable_segments or len(event_signature) < 4 or event_signature[2] is None:
+    if len(event_signature) < 4 or event_signature[2] is None:
         return _unbounded_replay(event_signature, expandable_segments)
     rest = (sig._replace(step_bytes=0), tuple(r for r in rows if r[0] != "step")) + tuple(event_signature[2:])
     pools = _events_by_pool(rest)
@@ -215,7 +216,7 @@ def _unbounded_reserve(event_signature: tuple, expandable_segments: bool) -> tup
     held = {pool: sum(map(round_size, sizes)) for pool, sizes in steps.items()}
     most, reserved = {}, 0
     for pool in set(pools) | set(steps):
-        most[pool], r = _pool_reserve(rest, pool, tuple(steps.get(pool, ())))
+        most[pool], r = _pool_reserve(rest, pool, tuple(steps.get(pool, ())), expandable_segments)
         reserved += r
     everyone = sum(held.values())
     return max(a + everyone - held.get(pool, 0) for pool, a in most.items()), reserved
@@ -265,11 +266,13 @@ def _events_by_pool(rest_signature: tuple) -> dict[tuple[int, bool], tuple] | No
 
 
 @lru_cache(maxsize=4096)
-def _pool_reserve(rest_signature: tuple, pool: tuple[int, bool], steps: tuple[int, ...]) -> tuple[int, int]:
+def _pool_reserve(rest_signature: tuple, pool: tuple[int, bool], steps: tuple[int, ...],
+                  expandable_segments: bool = False) -> tuple[int, int]:
     """(``max_allocated``, ``max_reserved``) of one pool: its step tensors, then its share of the rest,
     without a capacity."""
     events = tuple(("alloc", ("step", j), n, pool[0]) for j, n in enumerate(steps))
-    stats = replay(events + _events_by_pool(rest_signature).get(pool, ()), capacity=None)
+    stats = replay(events + _events_by_pool(rest_signature).get(pool, ()), expandable_segments=expandable_segments,
+                   capacity=None)
     return stats.max_allocated, stats.max_reserved
 
 
