@@ -117,7 +117,10 @@ def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer, inpu
         tracker = _without_pre_existing(FSDPMemTracker, inputs)(modules[0], optimizer)
     else:
         tracker = _without_pre_existing(MemTracker, inputs)()
-        tracker.track_external(*modules, optimizer)
+        # ZeRO-1's wrappers (ZeroRedundancyOptimizer, TensorParallelZeRO1) keep their shard's states in the
+        # inner ``optim``; their own ``state`` is empty, so the tracker, given the wrapper, saw the states only
+        # from the optimizer step on, and a ZeRO-1 rank's forward and backward without them
+        tracker.track_external(*modules, getattr(optimizer, "optim", optimizer))
     _allow_repeated_root_calls(tracker)
     return tracker
 
