@@ -36,12 +36,13 @@ TRACKER_TO_CATEGORY: dict[str, str] = {
 }
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -58,7 +59,7 @@ def param_bytes(params: list[nn.Parameter]) -> int:
 
 
 def param_count_local(params: list[nn.Parameter]) -> int:
-    return sum(_local(p).numel() for p in params)
+    return sum(local_tensor(p).numel() for p in params)
 
 
 def grad_bytes(params: list[nn.Parameter]) -> int:
@@ -346,7 +347,7 @@ class SavedTensorPeak:
         self._hooks = None
 
     def _pack(self, t: torch.Tensor):
-        t = _local(t)
+        t = local_tensor(t)
         if isinstance(t, nn.Parameter) or t.device.type == "meta":
             return t
         if self._modules:
@@ -389,7 +390,7 @@ def _storage_ptr(t: torch.Tensor) -> int:
     """The address of a tensor's storage; 0 where it has none to read (a tensor subclass such as torchao's
     float8 weight wrapper, FSDP2's freed unsharded storage)."""
     try:
-        return _local(t).untyped_storage().data_ptr()
+        return local_tensor(t).untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return 0
 

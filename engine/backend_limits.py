@@ -103,10 +103,9 @@ def composition_problems(cfg: Config) -> list[str]:
                    "schedule without a split backward")
     if cfg.model.tied_embeddings and par.tp > 1:
         out.append("tied embeddings with tp > 1 are not supported; set model.tied_embeddings = false")
-    if cfg.training.finetune == "lora" and par.tp > 1:
+    if tr.finetune == "lora" and par.tp > 1:
         out.append("LoRA with tp > 1: peft wraps nn.Linear, and the TP plan would have to shard its lora_A / "
                    "lora_B too; the engine predicts it, the backend runs LoRA with DDP, ZeRO-1, FSDP and PP")
-    tr = cfg.training
     if par.async_tp is True:
         out.append("parallel.async_tp: torch's async TP (torch._inductor.config._micro_pipeline_tp after "
                    "enable_symm_mem_for_group on the TP group) rewrites the sequence-parallel all-gather + "

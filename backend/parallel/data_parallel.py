@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from backend.measure import local_tensor
 from backend.model import moe_modules
 from backend.parallel.expert_parallel import expert_param_names, expert_params
 
@@ -166,10 +167,10 @@ class TensorParallelZeRO1(torch.optim.Optimizer):
         self.group = group
         sizes = [0] * dist.get_world_size(group)
         owner: dict[int, int] = {}
-        for p in sorted(params, key=lambda t: _local_of(t).numel(), reverse=True):
+        for p in sorted(params, key=lambda t: local_tensor(t).numel(), reverse=True):
             r = sizes.index(min(sizes))
             owner[id(p)] = r
-            sizes[r] += _local_of(p).numel()
+            sizes[r] += local_tensor(p).numel()
         me = dist.get_rank(group)
         self.owners = [(p, dist.get_global_rank(group, owner[id(p)])) for p in params]
         mine = [p for p in params if owner[id(p)] == me]
@@ -184,9 +185,5 @@ class TensorParallelZeRO1(torch.optim.Optimizer):
         if hasattr(self, "optim"):
             self.optim.step()
         for p, src in self.owners:
-            dist.broadcast(_local_of(p), src=src, group=self.group)
+            dist.broadcast(local_tensor(p), src=src, group=self.group)
 
-
-def _local_of(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the same storage), or the tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -669,10 +669,15 @@ def replay_events(event_signature: tuple) -> tuple:
         # dp-ranks' ZeroRedundancyOptimizer shares) and the step tensors put before it
         steps = tuple(("alloc", ("step", j), n, stream) if stream else ("alloc", ("step", j), n)
                       for j, (life, n, stream) in enumerate(rows) if life == "step")
-        rest = replay_events((sig._replace(step_bytes=0), tuple(r for r in rows if r[0] != "step"))
-                             + tuple(event_signature[2:]))
-        return steps + rest
+        return steps + replay_events(without_step_rows(event_signature))
     return allocation_events(event_signature)
+
+
+def without_step_rows(event_signature: tuple) -> tuple:
+    """The event signature of what a rank allocates after its step tensors (which come first, are never
+    freed, and change nothing else the events lay): its rows without the step rows, no step bytes."""
+    sig, rows = event_signature[:2]
+    return (sig._replace(step_bytes=0), tuple(r for r in rows if r[0] != "step")) + tuple(event_signature[2:])
 
 
 def _coarse_events(sig: Signature, rows: tuple) -> tuple:

@@ -28,7 +28,7 @@ from engine.memory.allocator import (
     replay,
     round_size,
 )
-from engine.memory.lifetimes import MicrobatchKeys, replay_events
+from engine.memory.lifetimes import MicrobatchKeys, replay_events, without_step_rows
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
 
@@ -202,15 +202,14 @@ def _unbounded_reserve(event_signature: tuple, expandable_segments: bool) -> tup
     replay (both exact) where the events are not laid by stage-microbatch (no grain), or where a tensor's
     pool cannot be told from its key's shape. Expandable segments too: each pool maps pages of its own
     segments, and unmaps them only when the allocator releases its cache."""
-    sig, rows = event_signature[:2]
     if len(event_signature) < 4 or event_signature[2] is None:
         return _unbounded_replay(event_signature, expandable_segments)
-    rest = (sig._replace(step_bytes=0), tuple(r for r in rows if r[0] != "step")) + tuple(event_signature[2:])
+    rest = without_step_rows(event_signature)
     pools = _events_by_pool(rest)
     if pools is None:
         return _unbounded_replay(event_signature, expandable_segments)
     steps: dict[tuple[int, bool], list[int]] = {}
-    for life, nbytes, stream in rows:
+    for life, nbytes, stream in event_signature[1]:
         if life == "step" and nbytes > 0:
             steps.setdefault(_pool(nbytes, stream), []).append(nbytes)
     held = {pool: sum(map(round_size, sizes)) for pool, sizes in steps.items()}
@@ -286,11 +285,6 @@ def _replayed_reserve(event_signature: tuple, expandable_segments: bool, capacit
         return unbounded
     most_allocated, unbounded = _unbounded_replay(event_signature, expandable_segments)
     if most_allocated > capacity:
-        return unbounded
-    try:
-        return replay(replay_events(event_signature), expandable_segments=expandable_segments,
-                      capacity=capacity).max_reserved
-    except AllocatorOutOfMemory:
         return unbounded
     try:
         return replay(replay_events(event_signature), expandable_segments=expandable_segments,

@@ -73,18 +73,22 @@ def _zero1_share(sizes: tuple[int, ...], dp_rank: int, what: str) -> tuple[int, 
                   f"{len(sizes)} dp-ranks hold this many; shares run from {low:,} to {high:,})")
 
 
-_last_summary: list = [None, None]  # [the shares, their summary]: every rank of a prediction asks of the same tuple
+_last_summary: list = [(None, None)]  # [(the shares, their summary)]: every rank of a prediction asks of one tuple
 
 
 def _share_summary(sizes: tuple[int, ...]) -> tuple[dict[int, int], int, int]:
     """(how many dp-ranks hold each share, the least, the most): counted once per tuple of shares, not
-    once per rank (131,072 dp-ranks × every distinct rank)."""
-    if _last_summary[0] is not sizes:
-        alike: dict[int, int] = {}
-        for n in sizes:
-            alike[n] = alike.get(n, 0) + 1
-        _last_summary[:] = [sizes, (alike, min(alike), max(alike))]
-    return _last_summary[1]
+    once per rank (131,072 dp-ranks × every distinct rank). The pair is read and replaced whole, so a
+    prediction on another thread never reads one tuple's summary for another."""
+    last = _last_summary[0]
+    if last[0] is sizes:
+        return last[1]
+    alike: dict[int, int] = {}
+    for n in sizes:
+        alike[n] = alike.get(n, 0) + 1
+    summary = (alike, min(alike), max(alike))
+    _last_summary[0] = (sizes, summary)
+    return summary
 
 
 def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
