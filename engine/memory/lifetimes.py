@@ -46,6 +46,14 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        microbatch's backward (the training loop sets ``set_requires_gradient_sync``
                        for the last microbatch only; with m = 1 that is the only backward);
                        ``zero_grad(set_to_none)`` drops them after the optimizer step
+  until_end_of_backward at every action and loss moment, not at the end of the backward: FSDP2's unsharded
+                       parameters of every unit where no unit reshards after forward (ZeRO-2, ZeRO-3
+                       not resharded after forward) and no pipeline schedule keeps them past the
+                       backward: each unit is gathered in its forward and resharded in its
+                       post-backward (``reshard_after_backward``, True by default)
+  during_actions       at every action's own moment only (not at a loss moment, not at the end of the
+                       backward): what a block's attention holds while it runs, forward or backward
+                       (context parallelism's ring workspace)
   after_first_backward from the end of the rank's first B or I to the step's end (made during it): a later
                        stage's input gradient, held for its send to the previous stage until the next
                        backward makes the next (gone at the end of the backward), FSDP2's unsharded gradients
@@ -96,7 +104,7 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
-             "end_of_backward", "after_first_backward")
+             "end_of_backward", "until_end_of_backward", "during_actions", "after_first_backward")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRANSIENT
@@ -117,6 +125,7 @@ LIFETIMES: dict[str, str] = {
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight",
+    "cp_attention": "during_actions",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
@@ -157,14 +166,23 @@ ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params
                                      "unsharded_params"})
 
 
-def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, after_backward: bool) -> str:
+def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, after_backward: bool,
+                         pipelined: bool = True) -> str:
     """The lifetime of FSDP2's unsharded-parameters term, as ``engine.memory.buffers`` chose it:
     current (+ prefetched) unit → every action; every unit kept from the first backward on under
     pipelining (resharded after each forward before it) → after the first backward; every unit
     gathered between forward and backward (ZeRO-2, replicate, ZeRO-3 not resharding after forward)
-    → all step."""
+    → all step under pipelining (the schedule sets ``set_reshard_after_backward(False)`` until its
+    REDUCE_GRAD); without it, from each forward to the unit's post-backward → every action and loss
+    moment, not the end of the backward."""
     if sharded and reshard_after_forward:
         return "after_first_backward" if after_backward else "every_action"
+    if sharded and not pipelined:
+        # gathered in each forward, kept to the unit's backward, resharded in its post-backward
+        # (FSDP2's reshard_after_backward, True unless a pipeline schedule sets it False: torch's
+        # _fsdp_param_group.post_backward): at every action and loss moment, gone at the end of the
+        # backward (the root unit's gathered bytes are "all_gather_output", alive then)
+        return "until_end_of_backward"
     return "step"
 
 
@@ -286,6 +304,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         kind == _B,
         first_f,
         np.zeros(n, dtype=bool),
+        np.ones(n, dtype=bool),
+        np.ones(n, dtype=bool),
         np.arange(n) > first_bwd,
     ]).astype(np.int64)
     # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist
@@ -300,6 +320,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     if len(loss_at):
         lm = np.zeros((len(loss_at), masks.shape[1]), dtype=np.int64)
         lm[:, TRANSIENT.index("loss")] = 1
+        lm[:, TRANSIENT.index("until_end_of_backward")] = 1
         lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side

@@ -68,7 +68,8 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
     timeline = dict(schedule=par.schedule, pp_rank=rp.pp_rank, pp=par.pp, virtual_stages=par.virtual_stages,
                     microbatches=par.microbatches, stages=rp.stage_indices,
-                    fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward),
+                    fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward,
+                                                       plan.pipelined),
                     overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
                                                  plan.reshard_after_forward, len(rp.stages)))
     if ep_rank is not None and _load_per_microbatch(cfg):
