@@ -42,6 +42,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 NOT_COVERED_PP = [
     "pipeline: no send or receive runs; a received activation or gradient is a fresh tensor allocated when "
@@ -158,7 +159,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
             def materialize(m):
                 """The meta module's tensors allocated (fake ones: storage sizes, no data); the
                 wrappers that copy parameters at construction are built in the same mode."""
-                with self.fake_mode, _ddp_without_init_checks():
+                with self.fake_mode, _ddp_without_init_checks(), _device_mesh_outside_fake_mode():
                     m.to_empty(device=self.device)
                     yield
 
@@ -342,6 +343,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
 def _perform_reduce_grad(mod) -> None:
     """PipelineStage.perform_reduce_grad after a stage's last backward: FSDP's post-backward
     (reduce-scatter) run by hand. (Its grad scaling divides in place: no memory.)"""
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if not isinstance(mod, FSDPModule):
@@ -349,7 +351,7 @@ def _perform_reduce_grad(mod) -> None:
     mod.set_is_last_backward(True)
     mod.set_reshard_after_backward(True)
     mod.set_requires_gradient_sync(True)
-    state = fully_shard.state(mod)
+    state = replicate.state(mod) if isinstance(mod, ReplicateModule) else fully_shard.state(mod)
     for st in state._state_ctx.all_states:
         for group in st._fsdp_param_groups:
             group.post_backward()
@@ -503,6 +505,30 @@ def _fake_scalars_read_as_zero():
 
 
 @contextlib.contextmanager
+def _device_mesh_outside_fake_mode():
+    """DeviceMesh finds a rank in its mesh tensor with ``(mesh == rank).nonzero()``
+    (``_get_mesh_tensor_from_full_mesh``). FSDP2's ``replicate`` (ZeRO-0 with TP) concatenates the dp
+    and tp meshes inside the fake mode (``_init_sharding_spec_tp``), so the new mesh's index tensor
+    was a fake one, whose ``nonzero`` has no static shape (DynamicOutputShapeException): every ZeRO-0
+    dp × tp layout failed to simulate. A mesh is bookkeeping, not memory of the rank: built on real
+    tensors, as without fake tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    old = DeviceMesh.__init__
+
+    def init_outside(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            old(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = init_outside
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = old
+
+
+@contextlib.contextmanager
 def _dtensor_propagation_in_own_fake_mode():
     """DTensor's sharding propagation computes output metadata by running the op on fake tensors
     in ``detect_fake_mode() or FakeTensorMode()`` (torch.distributed.tensor._sharding_prop). With
@@ -522,9 +548,33 @@ def _dtensor_propagation_in_own_fake_mode():
         sp.detect_fake_mode = old
 
 
-#: tracker tags of storages torch allocates on a side stream: FSDP2's all-gather buffers are made
-#: on its all-gather copy-in stream, its reduce-scatter inputs on its reduce-scatter stream
-STREAM_OF_TAG = {"All Gather": 1, "Reduce Scatter": 2}
+#: the replay's stream of each FSDP2 stream (``FSDPCommContext``); any other stream, the default one,
+#: is 0. ``foreach_all_gather`` makes the all-gather output (its input a view into it) under its copy-in stream,
+#: ``foreach_reduce`` the reduce-scatter output under its reduce-scatter stream (its input on the
+#: current one) and HSDP's all-reduce under its all-reduce stream; the unsharded parameters are made
+#: by the copy-out on the current stream (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)
+FSDP_STREAMS = (("all_gather_copy_in_stream", 1), ("all_gather_stream", 1), ("reduce_scatter_stream", 2),
+                ("all_reduce_stream", 3))
+
+
+def fsdp_stream_index(modules) -> Callable[[object], int]:
+    """stream -> the replay's stream index, for FSDP2's streams of ``modules`` (read when asked: FSDP2
+    makes them lazily, at the first forward)."""
+    states = [m._get_fsdp_state() for mod in modules for m in mod.modules() if hasattr(m, "_get_fsdp_state")]
+
+    def index(stream) -> int:
+        seen = set()
+        for st in states:
+            ctx = getattr(st, "_comm_ctx", None)
+            if ctx is None or id(ctx) in seen:
+                continue
+            seen.add(id(ctx))
+            for attr, i in FSDP_STREAMS:
+                if getattr(ctx, attr, None) is stream:
+                    return i
+        return 0
+
+    return index
 
 
 class AllocationRecorder:
@@ -534,14 +584,17 @@ class AllocationRecorder:
     and dtype asks the caching allocator for (the allocator rounds it). Storages alive when a
     tracker starts are allocations at its start, in the order it registers them. A resize
     (FSDP2 frees and re-allocates unsharded parameters by resizing their storage) is a free and
-    an allocation. The stream of an allocation is set by the tag it carries or later receives
-    (:data:`STREAM_OF_TAG`), else 0: the tracker tags FSDP2's buffers after allocating them."""
+    an allocation. The stream of an allocation is the stream current when torch makes it, as the
+    caching allocator pools it: ``stream_index`` maps ``torch.cpu.current_stream()`` (which FSDP2's
+    ``device_handle.stream(...)`` sets on a CPU device) to the replay's stream (``fsdp_stream_index``);
+    without one, every allocation is on stream 0."""
 
-    def __init__(self):
+    def __init__(self, stream_index: Callable[[object], int] | None = None):
         self.events: list[list] = []
         self._live: dict[int, tuple[int, int]] = {}  # id(winfo) -> (key, index of its alloc event)
         self._next_key = 0
         self._orig = None
+        self._stream_index = stream_index
 
     def __enter__(self) -> AllocationRecorder:
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -561,6 +614,14 @@ class AllocationRecorder:
 
         MemTracker._update_snap = self._orig
 
+    def _stream(self) -> int:
+        if self._stream_index is None:
+            return 0
+        import torch
+
+        current = torch.cpu.current_stream()
+        return 0 if current is torch.cpu._default_cpu_stream else self._stream_index(current)
+
     def _alloc(self, winfo) -> None:
         nbytes = int(winfo.size) * int(winfo.element_size)
         if nbytes <= 0:
@@ -568,7 +629,7 @@ class AllocationRecorder:
         key = self._next_key
         self._next_key += 1
         self._live[id(winfo)] = (key, len(self.events))
-        self.events.append(["alloc", key, nbytes, STREAM_OF_TAG.get(_tag(winfo.reftype), 0)])
+        self.events.append(["alloc", key, nbytes, self._stream()])
 
     def _free(self, winfo) -> None:
         entry = self._live.pop(id(winfo), None)
@@ -583,15 +644,6 @@ class AllocationRecorder:
         elif kind == "SIZE":
             self._free(winfo)
             self._alloc(winfo)
-        elif kind == "REF":
-            stream = STREAM_OF_TAG.get(_tag(winfo.reftype))
-            entry = self._live.get(id(winfo))
-            if stream is not None and entry is not None:
-                self.events[entry[1]][3] = stream
-
-
-def _tag(reftype) -> str:
-    return getattr(reftype, "value", str(reftype))
 
 
 def allocator_capacity(cfg) -> int | None:
@@ -633,7 +685,7 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments
     with own, trainer.fake_mode, _fake_scalars_read_as_zero():
         _create_optimizer_state(trainer)
         t_warm = time.perf_counter() - t0
-        with AllocationRecorder() as recorder:
+        with AllocationRecorder(fsdp_stream_index([m for _, m in trainer.modules])) as recorder:
             memory = trainer.measure_memory(2)
         trainer.output_chunks = []
     allocator = replay_allocations(recorder.events, expandable_segments=expandable_segments,

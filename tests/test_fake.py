@@ -92,3 +92,19 @@ def test_fake_tensors_match_real_tensors_per_category(tmp_path, small_3d_fake):
     assert {r["category"] for r in rows} == {*MEMORY_CATEGORIES, "total"}
     events = [json.loads(line)["event"] for line in (fake.path / "events.jsonl").read_text().splitlines()]
     assert events[0] == "started" and events[-1] == "finished"
+
+
+def test_zero0_with_tp_simulates_its_pipeline_stage(tmp_path):
+    """ZeRO-0 with TP is FSDP2's ``replicate`` on the dp mesh: it concatenates the dp and tp meshes
+    while the fake trainer builds it inside the fake mode, and a fake mesh tensor cannot be searched
+    (DeviceMesh's ``nonzero``): every such layout failed to simulate (4 of the fake sweep's first 16).
+    The mesh is now built on real tensors, and a pipeline stage's REDUCE_GRAD reaches a replicated
+    module as torch's ``perform_reduce_grad`` does (``replicate.state``)."""
+    pytest.importorskip("torch")
+    cfg = default_config().replace(cluster={"gpus": 8}, parallel={"dp": 2, "tp": 2, "pp": 2, "zero": 0,
+                                                                  "schedule": "1F1B", "microbatches": 4})
+    run = simulate(cfg, tmp_path / "fake", [0], 240, None, False, 1)
+    (rank,) = run.measurement.memory.per_rank
+    assert rank.rank == 0 and rank.params > 0 and rank.activations > 0
+    rows = [r for r in comparison(cfg, run.measurement) if r["category"] in ("params", "grads", "optimizer")]
+    assert len(rows) == 3 and all(r["difference"] == 0 for r in rows), rows

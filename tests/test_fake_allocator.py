@@ -188,3 +188,45 @@ def test_cli_measure_takes_expandable_segments(tmp_path, capsys):
     assert cli_main(["measure", str(path), "--fake", "--expandable-segments", "--rank", "99"]) == 2
     err = capsys.readouterr().err
     assert "outside the world" in err and "unrecognized" not in err
+
+
+def test_the_recorder_puts_each_fsdp2_buffer_on_the_stream_torch_allocates_it_on():
+    """FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): ``foreach_all_gather`` makes
+    the all-gather input and output under its copy-in stream (1); ``foreach_reduce`` makes the
+    reduce-scatter input on the current stream and only the output, the sharded gradient's storage,
+    under its reduce-scatter stream (2); the copy-out makes the unsharded parameters on the current
+    stream (0). The recorder reads the stream current at each allocation, as the caching allocator
+    pools it (it used to guess from the tracker's tags and put the reduce-scatter input on stream 2)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from backend.fake_worker import fsdp_stream_index
+    from backend.measure import tracker_for
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False), torch.nn.Linear(512, 256, bias=False))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 256)
+        model(x).sum().backward()  # FSDP2's lazy init makes its streams
+        opt.zero_grad(set_to_none=True)
+        with AllocationRecorder(fsdp_stream_index([model])) as rec:
+            with tracker_for([model], opt, [x]):
+                model(x).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    allocs = [e for e in rec.events if e[0] == "alloc"]
+    unit = 256 * 512 * 4  # one layer's unsharded fp32 weight
+    on = {s: [e[2] for e in allocs if e[3] == s] for s in (0, 1, 2)}
+    assert sorted(on[2]) == [unit // 2] * 2  # the reduce-scatter outputs: each unit's shard of its gradient
+    assert on[1] == [unit] * 4  # the all-gather outputs (the input is a view into it), two units, forward and backward
+    # the unsharded parameters (copy-out) and the reduce-scatter inputs: the current stream
+    assert on[0].count(unit) >= 4
+    assert AllocationRecorder().events == [] and AllocationRecorder()._stream() == 0  # without an index: stream 0
