@@ -12,6 +12,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
+from engine.legacy_dp import scaling
 from gui.comparison import fmt_bytes
 
 DDP_COLOR = "#4C78A8"
@@ -24,10 +25,6 @@ def scaling_rows(cfg) -> tuple[list[dict], str]:
     if par.tp != 1 or par.pp != 1 or par.zero != 0 or par.replicate != 1:
         return [], ("nn.DataParallel replicates the whole model over one node's GPUs: with tp = pp = 1 and "
                     "DDP sharding (DP mode → DataParallel offers to set them) this view compares it with DDP.")
-    try:
-        from engine.legacy_dp import scaling
-    except ImportError:
-        return [], "engine.legacy_dp is not in this build of the engine"
     try:
         return scaling(cfg), ""
     except Exception as exc:  # an engine limitation must not take the window down
