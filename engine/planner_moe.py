@@ -44,6 +44,7 @@ from engine.memory.activations import layer_activation_terms, moe_layer_terms, s
 from engine.memory.overhead import runtime_context_bytes
 from engine.names import OPTIMIZER_STATES
 from engine.params import _moe_params_per_rank
+from engine.plan_results import PlanCancelled, PlanCounts, PlanResult, explain
 from engine.step import step_time, tp_seconds_per_layer
 
 MOE_RECOMPUTE = ("none", "selective", "full")
@@ -313,7 +314,6 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
              runnable_only: bool = False):
     """The ``top`` fastest layouts (with ep) of ``base``'s MoE model on its cluster; a PlanResult.
     ``runnable_only``: leave out the layouts the backend cannot run (engine.backend_limits)."""
-    from engine.planner import PlanCancelled, PlanCounts, PlanResult, _explain
 
     m, cl = base.model, base.cluster
     capacity = cl.gpu.memory_bytes
@@ -369,6 +369,6 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
     )
     return PlanResult(model=m.preset or "custom", gpus=cl.gpus, gpu=cl.gpu.name, gpus_per_node=cl.gpus_per_node,
                       global_batch=G,
-                      tokens_per_step=G * m.seq_len, capacity_bytes=capacity, entries=_explain(best, capacity),
+                      tokens_per_step=G * m.seq_len, capacity_bytes=capacity, entries=explain(best, capacity),
                       counts=PlanCounts(**counts), elapsed_s=time.perf_counter() - t0, exhaustive=exhaustive,
                       notes=notes, base=base)
