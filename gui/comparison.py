@@ -1,7 +1,8 @@
 """The comparison table's rows: ``engine.compare`` laid out for a table (no Qt, no arithmetic).
 
 Every number and every explanation comes from :func:`engine.compare.compare`; this module only
-chooses the rows, their units and their words.
+chooses the rows, their units and their words. The widgets' shared wording lives here too: bytes
+(:func:`fmt_bytes`) and the engine's terms behind one number (:func:`explain_text`).
 """
 
 from __future__ import annotations
@@ -204,3 +205,26 @@ def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = F
             for line in measurement.get(extra) or []:
                 notes.append(("tracker: " if extra == "warnings" else "not covered: ") + str(line))
     return rows, notes, cmp
+
+
+def explain_text(rank_memory, category: str) -> str:
+    """The engine's terms behind one number, one line each."""
+    explain = getattr(rank_memory, "explain", None)
+    if explain is None:
+        return ""
+    lines = []
+    for term in explain(category):
+        label = getattr(term, "label", None) or (term.get("label") if isinstance(term, dict) else str(term))
+        nbytes = getattr(term, "bytes", None)
+        if nbytes is None and isinstance(term, dict):
+            nbytes = term.get("bytes")
+        formula = getattr(term, "formula", None)
+        if formula is None and isinstance(term, dict):
+            formula = term.get("formula")
+        line = f"• {label}"
+        if nbytes is not None:
+            line += f": {fmt_bytes(nbytes)}"
+        if formula:
+            line += f"  = {formula}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -9,7 +9,7 @@ they are not split here either.
 
 from __future__ import annotations
 
-from gui.comparison import fmt_bytes
+from gui.comparison import explain_text, fmt_bytes
 from gui.widgets.hatched import HatchedBoxesItem
 
 EXPERT_FILL = "#1F3A5F"  # the params blue, darker
@@ -57,6 +57,4 @@ def hover_text(chart, x: float, y: float) -> str:
                                                                  if cfg.parallel.tp > 1 else ""))
     head = (f"{g.label} · params · routed experts: {fmt_bytes(bands[i])} of {fmt_bytes(g.values['params'])} "
             f"params predicted ({where})")
-    from gui.widgets.memory_chart import explain_text
-
     return head + "\n" + explain_text(g.sample, "params")

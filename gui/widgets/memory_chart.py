@@ -22,7 +22,7 @@ from PySide6.QtGui import QTransform
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
-from gui.comparison import fmt_bytes
+from gui.comparison import explain_text, fmt_bytes
 from gui.session import describe_config
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.expert_band import LEGEND_HTML as EXPERT_LEGEND
@@ -156,29 +156,6 @@ class ReservedCapsItem(HatchedBoxesItem):
     def outline(self, p, d) -> None:
         p.drawLines([QLineF(d.topLeft(), d.topRight()), QLineF(d.topLeft(), d.bottomLeft()),
                      QLineF(d.topRight(), d.bottomRight())])
-
-
-def explain_text(rank_memory, category: str) -> str:
-    """The engine's terms behind one number, one line each."""
-    explain = getattr(rank_memory, "explain", None)
-    if explain is None:
-        return ""
-    lines = []
-    for term in explain(category):
-        label = getattr(term, "label", None) or (term.get("label") if isinstance(term, dict) else str(term))
-        nbytes = getattr(term, "bytes", None)
-        if nbytes is None and isinstance(term, dict):
-            nbytes = term.get("bytes")
-        formula = getattr(term, "formula", None)
-        if formula is None and isinstance(term, dict):
-            formula = term.get("formula")
-        line = f"• {label}"
-        if nbytes is not None:
-            line += f": {fmt_bytes(nbytes)}"
-        if formula:
-            line += f"  = {formula}"
-        lines.append(line)
-    return "\n".join(lines)
 
 
 class MemoryChart(QWidget):
