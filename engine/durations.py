@@ -51,6 +51,8 @@ import numpy as np
 from engine.config import Config
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.lora import adapter_block_tensors, target_modules
+from engine.params import attention_tensors, mlp_tensors
+from engine.recompute import checkpointed_per_stage, sac_saved_matmuls  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True, eq=False)
@@ -253,7 +255,6 @@ def block_flops(cfg: Config, with_experts: bool, routed: float = 1.0) -> FlopsPe
     rank's share under imbalance) and the shared experts (grouped GEMMs: the active FLOPs, at the
     same efficiency) — and the attention core ``2·s'·a·(d_qk + d_v)``, where s' averages the full
     context and the sliding window over the blocks."""
-    from engine.params import attention_tensors, mlp_tensors
 
     m = cfg.model
     h = m.hidden
@@ -335,11 +336,9 @@ _LINEAR_DIMS = {"wq": ("h", "h"), "wk": ("h", "kv"), "wv": ("h", "kv"), "wo": ("
 
 def per_op_recompute_flops_per_token(cfg: Config) -> float:
     """Forward FLOPs per token per block that torchtitan's per-op selective checkpointing repeats:
-    the matmuls its counter does not save (``engine.memory.activations.sac_saved_matmuls``; LoRA
+    the matmuls its counter does not save (``engine.recompute.sac_saved_matmuls``; LoRA
     adapters' A and B matmuls included, 2·r·d each, before tp). SDPA / eager attention's bmms are
     saved, elementwise ops are not counted (the FLOP convention)."""
-    from engine.memory.activations import sac_saved_matmuls  # engine.memory imports this module
-
     m, tr = cfg.model, cfg.training
     mods = tuple(target_modules(m, tr.lora_targets)) if tr.finetune == "lora" else ()
     saved = sac_saved_matmuls(m.mlp == "swiglu", m.bias, mods)
@@ -352,19 +351,6 @@ def per_op_recompute_flops_per_token(cfg: Config) -> float:
             total += 0.0 if f"{name}.A" in saved else 2.0 * tr.lora_rank * width[d_in]
             total += 0.0 if f"{name}.B" in saved else 2.0 * tr.lora_rank * width[d_out]
     return total
-
-
-def checkpointed_per_stage(stage_layers: Sequence[int], every: int) -> list[int]:
-    """Blocks torchtitan's layer-selective AC checkpoints in each of one rank's stages (in stage order).
-
-    Its counter is process-wide and 1-based, incremented per block as AC is applied to the rank's
-    model parts in order: block k is checkpointed when k % every == 0 (every 2nd: the 2nd, 4th, ...).
-    """
-    out, pos = [], 0
-    for n in stage_layers:
-        out.append((pos + n) // every - pos // every)
-        pos += n
-    return out
 
 
 def checkpointed_blocks(cfg: Config) -> list[int]:

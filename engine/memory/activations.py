@@ -66,6 +66,7 @@ from engine.config import Config
 from engine.durations import checkpointed_per_stage, routed_factor, routed_factor_of, varying_expert_load
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
+from engine.recompute import BLOCK_MATMUL_ORDER, sac_saved_matmuls  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -251,40 +252,6 @@ class SavedTensor:
 _SAC = "selective-op"
 _PER_OP = frozenset({_SAC})
 _ATTENTION_CORE = frozenset({"selective", _SAC})
-
-#: The Linears of one block in the order the backend's forward calls them (backend/model.py:
-#: Attention.forward q, k, v, o; FeedForward.forward w1, w3 inside w2's argument, then w2).
-BLOCK_MATMUL_ORDER: dict[bool, tuple[str, ...]] = {
-    True: ("wq", "wk", "wv", "wo", "w1", "w3", "w2"),  # SwiGLU
-    False: ("wq", "wk", "wv", "wo", "w1", "w2"),  # GeLU
-}
-
-
-@lru_cache(maxsize=64)
-def sac_saved_matmuls(swiglu: bool, bias: bool, lora_mods: tuple[str, ...] = ()) -> frozenset[str]:
-    """The matmuls whose outputs torchtitan's ``SelectiveAC`` policy saves, replaying its counter.
-
-    Every ``aten.mm`` of a block's forward increments ``forward_mm_count``; the policy returns
-    MUST_SAVE when the count is odd and PREFER_RECOMPUTE when it is even (1st, 3rd, ... saved).
-    A Linear with a bias is one ``aten.addmm``: in the save list (``compute_intensive_ops``) but
-    not an mm op of the counter, so always saved and not counted. peft's LoRA Linear runs the
-    base layer, then ``lora_A``, then ``lora_B`` (two bias-free mms, named "<linear>.A", ".B").
-    """
-    saved: set[str] = set()
-    count = 0
-    for name in BLOCK_MATMUL_ORDER[swiglu]:
-        calls = [(name, bias)]
-        if name in lora_mods:
-            calls += [(f"{name}.A", False), (f"{name}.B", False)]
-        for op, addmm in calls:
-            if addmm:
-                saved.add(op)
-                continue
-            count += 1
-            if count % 2:
-                saved.add(op)
-    return frozenset(saved)
-
 
 #: each Linear's output numel rule: column-parallel ones /t, row-parallel ones the full partial sum
 _MM_OUTPUT = {"wq": "sbh_t", "wk": "sbkv_t", "wv": "sbkv_t", "wo": "sbh", "w1": "sbf_t", "w3": "sbf_t", "w2": "sbh"}

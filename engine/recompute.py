@@ -1,0 +1,55 @@
+"""What each recompute policy keeps, by torchtitan's counters: which of a block's matmuls its per-op
+selective checkpointing saves (``sac_saved_matmuls``), and which blocks its layer-selective
+checkpointing wraps (``checkpointed_per_stage``). Pure rules, read by the memory model
+(``engine.memory.activations``), the durations (``engine.durations``) and the planner alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+#: The Linears of one block in the order the backend's forward calls them (backend/model.py:
+#: Attention.forward q, k, v, o; FeedForward.forward w1, w3 inside w2's argument, then w2).
+BLOCK_MATMUL_ORDER: dict[bool, tuple[str, ...]] = {
+    True: ("wq", "wk", "wv", "wo", "w1", "w3", "w2"),  # SwiGLU
+    False: ("wq", "wk", "wv", "wo", "w1", "w2"),  # GeLU
+}
+
+
+@lru_cache(maxsize=64)
+def sac_saved_matmuls(swiglu: bool, bias: bool, lora_mods: tuple[str, ...] = ()) -> frozenset[str]:
+    """The matmuls whose outputs torchtitan's ``SelectiveAC`` policy saves, replaying its counter.
+
+    Every ``aten.mm`` of a block's forward increments ``forward_mm_count``; the policy returns
+    MUST_SAVE when the count is odd and PREFER_RECOMPUTE when it is even (1st, 3rd, ... saved).
+    A Linear with a bias is one ``aten.addmm``: in the save list (``compute_intensive_ops``) but
+    not an mm op of the counter, so always saved and not counted. peft's LoRA Linear runs the
+    base layer, then ``lora_A``, then ``lora_B`` (two bias-free mms, named "<linear>.A", ".B").
+    """
+    saved: set[str] = set()
+    count = 0
+    for name in BLOCK_MATMUL_ORDER[swiglu]:
+        calls = [(name, bias)]
+        if name in lora_mods:
+            calls += [(f"{name}.A", False), (f"{name}.B", False)]
+        for op, addmm in calls:
+            if addmm:
+                saved.add(op)
+                continue
+            count += 1
+            if count % 2:
+                saved.add(op)
+    return frozenset(saved)
+
+
+def checkpointed_per_stage(stage_layers: Sequence[int], every: int) -> list[int]:
+    """Blocks torchtitan's layer-selective AC checkpoints in each of one rank's stages (in stage order).
+
+    Its counter is process-wide and 1-based, incremented per block as AC is applied to the rank's
+    model parts in order: block k is checkpointed when k % every == 0 (every 2nd: the 2nd, 4th, ...).
+    """
+    out, pos = [], 0
+    for n in stage_layers:
+        out.append((pos + n) // every - pos // every)
+        pos += n
+    return out
