@@ -54,6 +54,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   during_actions       at every action's own moment only (not at a loss moment, not at the end of the
                        backward): what a block's attention holds while it runs, forward or backward
                        (context parallelism's ring workspace)
+  forwards             at every F's own moment only: FSDP2's all-gather output where each unit is gathered
+                       once per forward and kept to its backward (no pipeline; ZeRO-2, ZeRO-3 not
+                       resharded after forward): the backward gathers nothing
   after_first_backward from the end of the rank's first B or I to the step's end (made during it): a later
                        stage's input gradient, held for its send to the previous stage until the next
                        backward makes the next (gone at the end of the backward), FSDP2's unsharded gradients
@@ -104,7 +107,7 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
-             "end_of_backward", "until_end_of_backward", "during_actions", "after_first_backward")
+             "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "after_first_backward")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRANSIENT
@@ -200,7 +203,7 @@ def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str]
 
 
 def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None,
-                       local_stages: int = 1) -> dict[str, str]:
+                       local_stages: int = 1, pipelined: bool = True) -> dict[str, str]:
     """The kinds whose lifetime the wrapping plan changes: under pipelining with units never resharded
     (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
     stage's first forward. On a rank holding several stages torch reduces each stage's gradients right
@@ -213,6 +216,10 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
         out["all_gather_output"] = "first_forwards"
     if pipelined_fsdp2 and local_stages > 1:
         out["fsdp_sharded_grads"] = "after_first_backward"
+    if not pipelined and sharded and reshard_after_forward is False:
+        # each unit all-gathered in its forward and kept to its post-backward: a backward gathers
+        # nothing (FSDP2's pre_backward unshard finds it unsharded), so no all-gather output then
+        out["all_gather_output"] = "forwards"
     return out
 
 
@@ -306,6 +313,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         np.zeros(n, dtype=bool),
         np.ones(n, dtype=bool),
         np.ones(n, dtype=bool),
+        is_f,
         np.arange(n) > first_bwd,
     ]).astype(np.int64)
     # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist

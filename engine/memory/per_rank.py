@@ -71,7 +71,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                     fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward,
                                                        plan.pipelined),
                     overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
-                                                 plan.reshard_after_forward, len(rp.stages)))
+                                                 plan.reshard_after_forward, len(rp.stages), plan.pipelined))
     if ep_rank is not None and _load_per_microbatch(cfg):
         # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
         # flight at the peak (the moment found at the load averaged over microbatches; the allocation
