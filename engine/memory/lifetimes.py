@@ -184,7 +184,7 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
         # gathered in each forward, kept to the unit's backward, resharded in its post-backward
         # (FSDP2's reshard_after_backward, True unless a pipeline schedule sets it False: torch's
         # _fsdp_param_group.post_backward): at every action and loss moment, gone at the end of the
-        # backward (the root unit's gathered bytes are "all_gather_output", alive then)
+        # backward (and the all-gather output then lives in the forwards only: ``lifetime_overrides``)
         return "until_end_of_backward"
     return "step"
 
