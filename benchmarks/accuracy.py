@@ -704,13 +704,16 @@ def sweep_layouts(n: int, seed: int) -> dict[str, Config]:
     return out
 
 
-def run_sweep(runs_dir: Path, n: int, seed: int, steps: int, reuse: bool) -> list[dict]:
+def run_sweep(runs_dir: Path, n: int, seed: int, steps: int, reuse: bool, only: list[str] | None = None) -> list[dict]:
     """Run the sweep's layouts (kept under ``runs_dir``/sweep-SEED) and compare each with the engine:
-    memory only (states exact, tracked peak, activations, the worst category), worst rows first."""
+    memory only (states exact, tracked peak, activations, the worst category), worst rows first.
+    ``only``: the layouts to run, by their first word ("s31#28"); all when None."""
     from backend.launch import launch
 
     rows = []
     for i, (name, cfg) in enumerate(sweep_layouts(n, seed).items()):
+        if only and name.split()[0] not in only:
+            continue
         d = runs_dir / f"sweep-{seed}" / f"{i:02d}"
         if not (reuse and (d / "measurement.json").exists()):
             if d.exists():
@@ -761,7 +764,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs-dir", default="/tmp/shardscope-accuracy", type=Path)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--reuse", action="store_true", help="keep runs that already have a measurement")
-    ap.add_argument("--only", nargs="*", help="layout names (the reference always runs)")
+    ap.add_argument("--only", nargs="*", help="layout names (the reference always runs); with --sweep, the "
+                    "layouts' first words (s31#28)")
     ap.add_argument("--markdown", default=str(ROOT / "benchmarks" / "accuracy.md"))
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--sweep", type=int, metavar="N",
@@ -770,7 +774,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.sweep:
-        rows = run_sweep(args.runs_dir, args.sweep, args.seed, args.steps, args.reuse)
+        rows = run_sweep(args.runs_dir, args.sweep, args.seed, args.steps, args.reuse, args.only)
         print(render_sweep(rows, args.sweep, args.seed))
         print(f"{time.perf_counter() - t0:.0f} s; runs in {args.runs_dir / f'sweep-{args.seed}'}")
         if args.json:

@@ -1,5 +1,5 @@
 """What each recompute policy keeps, by torchtitan's counters: which of a block's matmuls its per-op
-selective checkpointing saves (``sac_saved_matmuls``), and which blocks its layer-selective
+selective checkpointing saves (``sac_saved_matmuls``; a MoE block's: ``sac_saved_moe``), and which blocks its layer-selective
 checkpointing wraps (``checkpointed_per_stage``). Pure rules, read by the memory model
 (``engine.memory.activations``), the durations (``engine.durations``) and the planner alike."""
 
@@ -40,6 +40,45 @@ def sac_saved_matmuls(swiglu: bool, bias: bool, lora_mods: tuple[str, ...] = ())
             if count % 2:
                 saved.add(op)
     return frozenset(saved)
+
+
+#: The Linears of a MoE block's experts in the order ``backend.model.GroupedExperts.forward`` calls them
+#: for each local expert (w1, then w3 inside the SwiGLU product, then w2), and of its shared experts
+#: (``FeedForward``, after the routed ones).
+EXPERT_MATMUL_ORDER: dict[bool, tuple[str, ...]] = {True: ("w1", "w3", "w2"), False: ("w1", "w2")}
+
+
+@lru_cache(maxsize=64)
+def sac_saved_moe(swiglu: bool, bias: bool, router_bias: bool, local_experts: int, shared: bool,
+                  lora_mods: tuple[str, ...] = ()) -> tuple[bool, tuple[frozenset[str], ...], frozenset[str]]:
+    """What torchtitan's ``SelectiveAC`` counter saves of a MoE block's matmuls: (the router's output,
+    each local expert's saved Linears, the shared experts' saved Linears).
+
+    The counter runs over the whole block's forward (``backend.parallel.recompute.op_sac_policy``):
+    the attention's q, k, v, o (and their LoRA adapters) first, then the router's Linear (fp32), then
+    every local expert's w1, w3, w2 in expert order (a Linear per expert, ``GroupedExperts``: an
+    expert with no tokens still runs its empty matmuls), then the shared experts' w1, w3, w2. An odd
+    count is saved; a Linear with a bias is an ``aten.addmm``, saved and not counted. Under SwiGLU
+    three matmuls an expert flip the parity from one expert to the next: even experts save w3, odd
+    ones w1 and w2 (GeLU: every expert saves w2)."""
+    count = 0
+
+    def step(with_bias: bool) -> bool:
+        nonlocal count
+        if with_bias:
+            return True
+        count += 1
+        return count % 2 == 1
+
+    for name in BLOCK_MATMUL_ORDER[swiglu][:4]:  # the attention's projections
+        step(bias)
+        if name in lora_mods:
+            step(False)
+            step(False)
+    router = step(router_bias)
+    experts = tuple(frozenset(w for w in EXPERT_MATMUL_ORDER[swiglu] if step(bias)) for _ in range(local_experts))
+    shared_saved = frozenset(w for w in EXPERT_MATMUL_ORDER[swiglu] if step(bias)) if shared else frozenset()
+    return router, experts, shared_saved
 
 
 def checkpointed_per_stage(stage_layers: Sequence[int], every: int) -> list[int]:

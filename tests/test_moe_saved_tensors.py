@@ -68,3 +68,80 @@ def test_moe_rows_are_the_tensors_autograd_saves(model, ep, planned, one_rank_gr
     rows, _ = moe_layer_terms(cfg)
     (router_input,) = [b for label, b, _ in rows if label.startswith("MoE: router input")]
     assert saved_bytes(moe, x) + router_input == sum(b for _, b, _ in rows)
+
+
+class _LiveStorages:
+    """Bytes of the storages made while it is active and still alive (weak references): what a
+    forward keeps, whoever holds it (autograd's saved tensors, a selective checkpoint's stash)."""
+
+    def __init__(self, existing):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        outer.add(t.untyped_storage())
+                return out
+
+        self.mode, self.skip, self.live = Mode(), {s.data_ptr() for s in existing}, {}
+
+    def add(self, st) -> None:
+        import weakref
+
+        key = st.data_ptr()
+        if key and key not in self.skip and key not in self.live:
+            self.live[key] = st.nbytes()
+            weakref.finalize(st, self.live.pop, key, None)
+
+    def bytes(self) -> int:
+        return sum(self.live.values())
+
+
+@pytest.mark.parametrize("model", [{}, {"shared_experts": 0, "mlp": "gelu"}, {"experts": 2, "shared_experts": 0},
+                                   {"bias": True, "router_bias": True}])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_block_under_per_op_recompute_keeps_the_policy_stash(model, ep, one_rank_group):
+    """A whole MoE block under the backend's per-op selective checkpoint keeps the engine's attention
+    half and its MoE rows under that policy (``_moe_sac_terms``): the router's logits where its matmul
+    count is odd, top-k's outputs, the saved matmuls of each local expert by the counter's parity, the
+    shared experts' — and nothing of the dispatch, all-to-all or combine. Through the planned
+    (balanced) dispatch the fake worker uses; under ep the block holds rank 0's experts (two experts
+    over ep 2: one local expert, an odd count) and runs the all-to-all over a one-rank group."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from backend.parallel.recompute import _op_sac_context
+    from engine.memory.activations import layer_activation_terms, shape_of
+
+    spec = {**MOE, **model}
+    par = {"dp": 2 if ep > 1 else 1, "ep": ep, "tp": 1, "pp": 1, "zero": 0, "microbatches": 2}
+    cfg = default_config().replace(model=spec, cluster={"gpus": par["dp"]}, parallel=par,
+                                   training={"recompute": "selective-op"})
+    assert cfg.training.precision == "fp32"  # no autocast: the run's dtypes are the engine's
+    torch.manual_seed(0)
+    model_ = Transformer(cfg.model)
+    block = model_.layers["1"]  # the first MoE block (dense_layers = 1)
+    n = cfg.training.micro_batch_size * cfg.model.seq_len
+    send = split_copies(n * cfg.model.experts_per_token, planned_load(cfg))
+    assert len(set(send)) == 1  # a balanced load splits evenly here: the engine's n_r is the run's
+    if ep > 1:  # rank 0 of the group: its E/ep experts, each receiving ep ranks' copies over the all-to-all
+        local = cfg.model.experts // ep
+        block.feed_forward.experts.keep(0, local)
+        block.feed_forward.dispatch = PlannedDispatch([ep * c for c in send[:local]], 1, one_rank_group)
+    else:
+        block.feed_forward.dispatch = PlannedDispatch(send, 1, None)
+    wrapped = checkpoint_wrapper(block, context_fn=_op_sac_context, preserve_rng_state=False, early_stop=False)
+    x = torch.randn(cfg.training.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
+    live = _LiveStorages([p.untyped_storage() for p in model_.parameters()] + [x.untyped_storage()])
+    with live.mode:
+        y = wrapped(x)
+    kept = live.bytes() - y.untyped_storage().nbytes()
+    terms, _ = layer_activation_terms(shape_of(cfg))
+    attention_half = sum(b for label, b, part in terms if part != "mlp" and not label.startswith("norm1 input"))
+    rows, _ = moe_layer_terms(cfg)
+    assert kept == attention_half + sum(b for _, b, _ in rows)
+    y.sum().backward()  # the stash is what the backward needs: it runs

@@ -54,6 +54,23 @@ def test_counter_saves_the_odd_matmuls_of_the_backend_order():
     assert sac_saved_matmuls(True, False, ("wq", "wv")) == {"wq", "wq.B", "wv", "wv.B", "w1", "w2"}
 
 
+def test_counter_runs_on_through_a_moe_blocks_router_and_experts():
+    from engine.recompute import sac_saved_moe
+
+    # q, k, v, o are mms 1–4; the router 5 (saved); expert 0: w1 6, w3 7 (saved), w2 8; expert 1: w1 9
+    # (saved), w3 10, w2 11 (saved); expert 2 as expert 0 ...; the shared experts after the last
+    router, experts, shared = sac_saved_moe(True, False, False, 3, True)
+    assert router and experts == ({"w3"}, {"w1", "w2"}, {"w3"})
+    assert shared == {"w1", "w2"}  # mms 15, 16, 17
+    # GeLU: two mms an expert, the router 5th: every expert's w1 even (recomputed), w2 odd (saved)
+    assert sac_saved_moe(False, False, False, 4, False) == (True, ({"w2"},) * 4, frozenset())
+    # the router's bias makes it an addmm: saved, not counted; expert 0's w1 is then the 5th mm
+    assert sac_saved_moe(True, False, True, 2, False) == (True, ({"w1", "w2"}, {"w3"}), frozenset())
+    # LoRA on q and v: two mms more an adapted Linear, eight before the router (the 9th: saved), and
+    # expert 0's w1 the 10th
+    assert sac_saved_moe(True, False, False, 1, False, ("wq", "wv")) == (True, ({"w3"},), frozenset())
+
+
 def test_selective_op_one_block_saved_bytes_by_the_policy():
     """Kept: the block input, wq out, wv out, SDPA out and lse, w1 out, w2 out (16-bit but lse fp32)."""
     got = activation_bytes_per_layer(cfg(training={"recompute": "selective-op"}))

@@ -63,10 +63,17 @@ from functools import lru_cache
 
 from engine import lora
 from engine.config import Config
-from engine.durations import checkpointed_per_stage, routed_factor, routed_factor_of, varying_expert_load
+from engine.durations import (
+    checkpointed_per_stage,
+    load_shares,
+    mean_expert_load,
+    routed_factor,
+    routed_factor_of,
+    varying_expert_load,
+)
 from engine.memory.report import Term, Terms, ceil_div
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
-from engine.recompute import BLOCK_MATMUL_ORDER, sac_saved_matmuls  # noqa: F401  (re-exported)
+from engine.recompute import BLOCK_MATMUL_ORDER, sac_saved_matmuls, sac_saved_moe  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -534,8 +541,8 @@ def moe_tokens(cfg: Config, ep_rank: int | None = None, phi: float | None = None
     return n, int(-(-n * m.experts_per_token * phi // 1))
 
 
-def moe_layer_terms(cfg: Config, ep_rank: int | None = None,
-                    phi: float | None = None) -> tuple[list[tuple[str, int, str]], str]:
+def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None = None,
+                    recompute: str | None = None) -> tuple[list[tuple[str, int, str]], str]:
     """What one block's experts save for backward per microbatch on one rank, in place of the dense
     MLP's rows — every tensor autograd keeps of ``backend.model.MoE`` (a saved-tensor census of one
     block, ``tests/test_moe_saved_tensors.py``, holds these rows to it byte for byte):
@@ -556,7 +563,9 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None,
     * the shared experts as a dense MLP of S·f_e.
 
     Under ``conventions.moe_expert_load`` the routed copies are those of ``ep_rank``'s experts (None:
-    the busiest rank's); ``phi`` gives their factor over n·k instead (one block and microbatch's)."""
+    the busiest rank's); ``phi`` gives their factor over n·k instead (one block and microbatch's).
+    Under per-op selective recompute (``training.recompute``, or ``recompute`` when given) the block
+    keeps only what that policy saves (``_moe_sac_terms``)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     h, k, e = m.hidden, m.experts_per_token, m.experts
@@ -564,6 +573,8 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None,
     n, n_r = moe_tokens(cfg, ep_rank, phi)
     rep = par.tp if par.sequence_parallel and par.ep == 1 else 1
     f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
+    if (tr.recompute if recompute is None else recompute) == "selective-op":
+        return _moe_sac_terms(cfg, ep_rank, n, n_r, rep, f_loc, act)
     inner = 4 if m.mlp == "swiglu" else 2
     # norm_topk_prob's division keeps the unnormalised top-k weights and their sum
     topk_norm = 4 * n * k + 4 * n if m.norm_topk_prob and k > 1 else 0
@@ -605,6 +616,67 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None,
                + (f" + (8 + {act}·h)·n_r" if par.ep > 1 else "") + f" + (4 + {act})·n·k·h"
                + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else "")
                + (f" + {act}·(s·b − n)·h" if shared_in else ""))
+    return out, formula
+
+
+def _even_expert_share(cfg: Config, ep_rank: int | None, local: int) -> float:
+    """The share of a rank's routed copies that its even-numbered local experts (0, 2, ...) compute:
+    under ``conventions.moe_expert_load`` their loads over the rank's (``ep_rank``'s experts; the
+    busiest rank's when None), else balanced."""
+    load = mean_expert_load(cfg)
+    if load:
+        ep = cfg.parallel.ep
+        if ep_rank is None:
+            shares = load_shares(load, ep)
+            ep_rank = max(range(ep), key=shares.__getitem__)
+        mine = load[ep_rank * local:(ep_rank + 1) * local]
+        if sum(mine) > 0:
+            return sum(mine[0::2]) / sum(mine)
+    return ((local + 1) // 2) / local
+
+
+def _moe_sac_terms(cfg: Config, ep_rank: int | None, n: int, n_r: int, rep: int, f_loc: int,
+                   act: int) -> tuple[list[tuple[str, int, str]], str]:
+    """A MoE block's experts under per-op selective recompute: only what the policy's save list
+    outputs is kept (``backend.parallel.recompute.save_ops``; the block input is the checkpoint's, in
+    the attention half): the router's fp32 logits where its matmul's count is odd, top-k's values
+    (fp32) and indices (int64), and the outputs of the experts' saved matmuls (``sac_saved_moe``: with
+    SwiGLU, w3's of the even local experts and w1's and w2's of the odd ones), the shared experts'
+    likewise. Everything else (the norm output, the dispatch and its all-to-all, the SiLU, the
+    combine) is recomputed in the block's backward. Measured: a saved-storage census of one block
+    under the backend's policy, ``tests/test_moe_saved_tensors.py``."""
+    m, par = cfg.model, cfg.parallel
+    h, k, e = m.hidden, m.experts_per_token, m.experts
+    swiglu = m.mlp == "swiglu"
+    local = e // par.ep if par.ep > 1 else e
+    lora_mods = tuple(lora.target_modules(m, cfg.training.lora_targets)) if cfg.training.finetune == "lora" else ()
+    router, experts, shared_saved = sac_saved_moe(swiglu, m.bias, m.router_bias, local, m.shared_experts > 0,
+                                                  lora_mods)
+    even = _even_expert_share(cfg, ep_rank, local)
+    width = {"w1": f_loc, "w3": f_loc, "w2": h}
+    per_copy_even = sum(width[w] for w in experts[0])
+    per_copy_odd = sum(width[w] for w in experts[1]) if local > 1 else 0
+    n_even = round(n_r * even)
+    routed = act * (n_even * per_copy_even + (n_r - n_even) * per_copy_odd)
+    out = [
+        ("MoE: router logits (fp32, its matmul saved by the per-op policy)", 4 * n * e // rep if router else 0,
+         "mlp"),
+        ("MoE: top-k values (fp32) and indices (int64), saved by the per-op policy", 12 * n * k // rep, "mlp"),
+        (f"MoE: the experts' saved matmul outputs ({'+'.join(sorted(experts[0]))} of even local experts, "
+         f"{'+'.join(sorted(experts[1])) if local > 1 else '-'} of odd ones) for their {n_r:,} routed copies",
+         routed, "experts"),
+    ]
+    formula = (f"MoE rows under the per-op policy: n = {n:,} tokens, n_r = {n_r:,} routed copies"
+               f" ({n_even:,} to even local experts): " + ("4·n·E + " if router else "") + "12·n·k"
+               + f" + {act}·(n_even·({per_copy_even}) + n_odd·({per_copy_odd}))")
+    if m.shared_experts:
+        f_s = m.shared_experts * m.expert_hidden // par.tp
+        n_s = m.seq_len * cfg.training.micro_batch_size
+        widths = {"w1": f_s, "w3": f_s, "w2": h}
+        kept = act * n_s * sum(widths[w] for w in shared_saved)
+        out.append((f"MoE: shared experts' saved matmul outputs ({'+'.join(sorted(shared_saved)) or 'none'})", kept,
+                    "mlp"))
+        formula += f" + {act}·s·b·({' + '.join(str(widths[w]) for w in sorted(shared_saved)) or 0})"
     return out, formula
 
 
@@ -904,10 +976,17 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         plain = dataclasses.replace(sh, recompute="none")
         plain_terms, _ = layer_activation_terms(plain)
         plain_bytes, _ = block_bytes(plain, plain_terms, "")
-        redo = max(0, plain_bytes - per_layer)
-        T.add("activations", "one block's recomputed tensors during its backward (per-op selective recompute)",
-              redo, f"what one block keeps under recompute = 'none' − its per-op stash = {plain_bytes:,} − "
-              f"{per_layer:,} = {redo:,} B ({dims})", kind="recomputed_block")
+        redo, stash, what = max(0, plain_bytes - per_layer), per_layer, "one block"
+        if moe and any(st.moe_layers for st in rp.stages):
+            # a MoE block replays its experts too: its "none" set (the dense attention half and the
+            # experts' rows) less its stash
+            plain_moe = plain_bytes - sum(x for _, x, part in plain_terms if part == "mlp") + sum(
+                x for _, x, _ in moe_layer_terms(cfg, ep_rank, recompute="none")[0])
+            if plain_moe - per_moe > redo:
+                redo, stash, plain_bytes, what = plain_moe - per_moe, per_moe, plain_moe, "one MoE block"
+        T.add("activations", f"{what}'s recomputed tensors during its backward (per-op selective recompute)",
+              redo, f"what {what} keeps under recompute = 'none' − its per-op stash = {plain_bytes:,} − "
+              f"{stash:,} = {redo:,} B ({dims})", kind="recomputed_block")
     if par.cp > 1:
         ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
         T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
