@@ -466,7 +466,7 @@ class _Planner:
             fsdp2 = self._fsdp2_bytes(tp, pp, v, sc, dpc, gz, gm, torch_acc, g_b)
             all_units, unit_grad, grads_unsharded, gacc = (
                 fsdp2[k] for k in ("all_units", "unit_grad", "grads_unsharded", "gacc"))
-            for ri, stages, sizes in sh["ends"]:
+            for ri, stages, sizes, last_psi in sh["ends"]:
                 p_ = psi[ri]
                 states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
                                            w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
@@ -521,12 +521,16 @@ class _Planner:
                 # 2. the layer-weighted activation peak of torch's order, with a backward's transients or the loss
                 # 3. a forward after the rank's first backward (with none, any later action before the backward
                 #    ends), where FSDP2 holds every unit's unsharded gradient (lifetime "after_first_backward":
-                #    pipelined, or m > 1) beside the step terms and what is in flight then
+                #    pipelined, or m > 1) beside the step terms and what is in flight then (ranks of one stage)
                 # (2 and 3 less the loss side an F's own moment lacks)
                 if torch_acc and pp > 1 and n_stages - 1 in stages:
                     kept = act_b * s_len * np.where(gs, vocab_t, model.vocab)
                     mem = np.maximum(mem, steady + gm * bf * kept)
-                late = steady + np.where(grads_unsharded, gacc * p_, 0.0)
+                # (a rank of several stages holds each stage's unsharded gradients only from that stage's
+                # first backward to its REDUCE_GRAD after its m-th, lifetimes.STAGE_LIFETIMES: then, with m > 1,
+                # those of the stage whose backward came first, the rank's last: nearest the loss)
+                late = steady + np.where(grads_unsharded, gacc * p_, 0.0) if len(stages) == 1 else \
+                    steady + np.where(grads_unsharded & (gm > 1), gacc * last_psi, 0.0)
                 for held, after_backward in ((fixed, False), (late, True)):
                     if after_backward and not grads_unsharded.any():
                         break
@@ -661,7 +665,8 @@ class _Planner:
                "head": head, "member": member, "ckpt": ckpt,
                "fwd_prefix_mask": (np.arange(n_stages)[None, :] < first_stage[:, None]).astype(np.float64),
                "ends": [(ri, rows[ri].stage_indices,
-                         rows[ri].largest_unit_numels(2))
+                         rows[ri].largest_unit_numels(2),
+                         max(rows[ri].stages, key=lambda st: st.stage).total)  # its last stage's elements
                         for ri in sorted({0, pp - 1})]}
         if dp * cp > 1:
             g_bytes, w_b = self.base.training.grad_bytes, self.base.training.param_bytes

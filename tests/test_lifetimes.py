@@ -74,18 +74,20 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
         # for the last microbatch only (backend/train.py: "model.set_requires_gradient_sync(last)") and
         # pipelining only at REDUCE_GRAD: they are whole at the end of the backward, absent before. A rank
         # with several stages reduces each right after that stage's last backward (torch's
-        # _add_reduce_grad), so there they are laid from the first backward on
+        # _add_reduce_grad), so there each stage's are laid from its own REDUCE_GRAD on, a term per stage
         alive = dict(zip(TRANSIENT, tl.peak.alive))
         several = len(body.stages) > 1
+        pk, local = tl.peak, sorted(body.stages)
         for c in ("params", "grads", "optimizer"):
             want = []
             for i, t in enumerate(r.catalogue(c)):
                 life = tl.lifetime(c, i)
                 if t.kind == "fsdp_sharded_grads":
-                    assert life == ("after_first_backward" if several else "end_of_backward")
+                    assert life == ("stage_reduced" if several else "end_of_backward")
+                    assert (t.stage is not None) == several
                 else:
                     assert life == "step"
-                if life == "step" or alive[life]:
+                if life == "step" or (pk.red[local.index(t.stage)] if life == "stage_reduced" else alive[life]):
                     want.append(t)
             got = [t for t in r.explain(c) if t.bytes or t.kind != "none"]
             assert got == want
@@ -154,12 +156,14 @@ _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "mlp_backward
     ({"dp": 2, "pp": 4, "schedule": "InterleavedZeroBubble", "virtual_stages": 2, "microbatches": 4}, True),
     ({"dp": 2, "pp": 4, "schedule": "GPipe", "microbatches": 4}, True),
     ({"dp": 2, "pp": 4, "zero": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 8}, True),
-    # the steady state's forwards hold the warm-up's microbatches again, now with the unsharded
-    # gradients: every rank's peak holds every term but those alive only apart from the steady state
-    # (None): the loss (its own moments) and FSDP2's all-gather output (units never resharded: the first
-    # forwards only); with two stages per rank the sharded gradients of the stage that finishes first are
-    # made at its REDUCE_GRAD, inside the backward, so they are laid from the first backward on
-    ({"dp": 2, "pp": 4, "zero": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 8}, None),
+    # with two stages per rank each stage's gradients are its own: unsharded from its first backward to
+    # its REDUCE_GRAD, sharded after it (made inside the backward for the stage that finishes first)
+    ({"dp": 2, "pp": 4, "zero": 3, "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 8}, True),
+    # one stage per rank: the steady state's forwards hold the warm-up's microbatches again, now with the
+    # unsharded gradients: every rank's peak holds every term but those alive only apart from the steady
+    # state (None): the loss (its own moments) and FSDP2's all-gather output (units never resharded: the
+    # first forwards only), and the sharded gradients (the end of the backward)
+    ({"dp": 2, "pp": 4, "zero": 3, "schedule": "1F1B", "microbatches": 8}, None),
 ])
 def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
     """The first block's MLP backward (full backwards), FSDP2's unsharded gradients (from the first backward),
@@ -168,21 +172,28 @@ def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_pe
     c = _cfg(par, gpus=8, preset="llama3-8b", training={"precision": "bf16-mixed"})
     below = 0
     for r in memory_per_rank(c).per_rank:
-        alive = dict(zip(TRANSIENT, r._body.timeline.peak.alive))
+        pk = r._body.timeline.peak
+        alive = dict(zip(TRANSIENT, pk.alive))
+        local = sorted(r.stages)
         for cat in MEMORY_CATEGORIES:
-            shown = {t.kind for t in r.explain(cat)}
+            shown = {(t.kind, t.stage) for t in r.explain(cat)}
             for i, t in enumerate(r.catalogue(cat)):
                 if t.kind in _TRANSIENT_KIND and t.bytes:
                     life = _TRANSIENT_KIND[t.kind]
-                    if t.kind == "fsdp_sharded_grads" and len(r.stages) > 1:
-                        life = "after_first_backward"  # each stage reduced after its own last backward
+                    per_stage = t.kind in ("fsdp_sharded_grads", "fsdp_unsharded_grads") and len(r.stages) > 1
+                    if per_stage:  # each stage's own: unsharded to its REDUCE_GRAD, sharded after it
+                        life = "stage_reduced" if t.kind == "fsdp_sharded_grads" else "stage_accumulated"
+                        on = bool((pk.red if life == "stage_reduced" else pk.acc)[local.index(t.stage)])
+                    else:
+                        on = alive[life]
                     assert r._body.timeline.lifetime(cat, i) == life
-                    assert (t.kind in shown) == alive[life], (r.rank, t.kind)
+                    assert ((t.kind, t.stage) in shown) == on, (r.rank, t.kind, t.stage)
         is_below = r.total < sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
         if some_below is None:
             tl = r._body.timeline
             apart = sum(t.bytes for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))
-                        if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards"))
+                        if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards", "stage_reduced")
+                        or (tl.lifetime(cat, i) == "stage_accumulated" and not pk.acc[local.index(t.stage)]))
             every = sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
             assert every - apart <= r.total < every, r.rank  # the loss moment can be above the rest
         below += is_below

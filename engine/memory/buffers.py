@@ -28,6 +28,7 @@ import math
 
 from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
+from engine.memory.states import per_stage_gradients, stage_shares
 from engine.params import RankParams, Tensors, largest_numels, unit_numel
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
@@ -117,16 +118,23 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     if plan.unsharded_after_first_backward or m > 1:
         why = ("every microbatch's backward until the schedule's REDUCE_GRAD (set_requires_gradient_sync(False))"
                if plan.unsharded_after_first_backward else "accumulated unsharded over microbatches without sync")
-        T.add("comm_buffers",
-              f"FSDP2 unsharded gradients of every unit ({why}), in {plan.grad_accumulation_dtype}"
-              + (" — adapters only under LoRA" if lora_on else ""),
-              gacc * psi_train, f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}",
-              kind="fsdp_unsharded_grads")
+        label = (f"FSDP2 unsharded gradients of every unit ({why}), in {plan.grad_accumulation_dtype}"
+                 + (" — adapters only under LoRA" if lora_on else ""))
+        how = f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}"
+        by_stage = per_stage_gradients(plan, rp) and not lora_on  # (the adapters' split by stage: not kept)
+        if by_stage:
+            for stage, x in stage_shares(gacc * psi_train, rp):
+                T.add("comm_buffers", f"{label}: stage {stage}'s (from its first backward to its REDUCE_GRAD)", x,
+                      f"its share by elements of {how}", kind="fsdp_unsharded_grads", stage=stage)
+        else:
+            T.add("comm_buffers", label, gacc * psi_train, how, kind="fsdp_unsharded_grads")
         if emb_extra:
+            first = min(st.stage for st in rp.stages if st.embedding) if by_stage else None
             T.add("comm_buffers", f"token-embedding gradient accumulated at full V × h, in {plan.grad_accumulation_dtype} "
                   "(TP: the vocab-parallel embedding's gradient comes back replicated; FSDP2 keeps it so until "
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
-                  f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads")
+                  f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
+                  stage=first)
         if plan.grad_accumulation_dtype != plan.compute_dtype:
             # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
             # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation

@@ -25,6 +25,11 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   to_step_end          the last stage's kept outputs (logits): from the microbatch's F to the step's end
   input_to_weight      a split backward's retained gradients of a stage-microbatch (``INPUT_TO_WEIGHT_KINDS``):
                        made by its I, freed after its W
+  stage_accumulated    on a rank of several pipeline stages (FSDP2), one stage's unsharded gradients:
+                       from the end of its first B or I (made during it) through its m-th B or W, after
+                       which torch's REDUCE_GRAD for that stage (``_add_reduce_grad``) drops them
+  stage_reduced        there, one stage's sharded gradients: from that REDUCE_GRAD to the step's end
+                       (``STAGE_LIFETIMES``; each term has its ``stage``)
   every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
                        the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
@@ -108,6 +113,15 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "after_first_backward")
+
+#: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
+#: laid once, when it starts, and kept)
+PER_MOMENT = TRANSIENT[:-1]
+
+#: per local stage, from the moments' ``acc`` and ``red`` (each term's ``stage``): on a rank of several
+#: pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
+#: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
+STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRANSIENT
@@ -208,14 +222,16 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
     (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
     stage's first forward. On a rank holding several stages torch reduces each stage's gradients right
     after that stage's last backward (``_add_reduce_grad`` in torch/distributed/pipelining/schedules.py:
-    "schedule it just after the last 'backward'-like stage"), so FSDP2's sharded gradients of its first
-    finished stage exist inside the step's backward, not only at its end: they are laid from the first
-    backward on, an upper estimate for the stages that finish later."""
+    "schedule it just after the last 'backward'-like stage"): each stage's unsharded gradients
+    accumulate from its own first backward until then and its sharded gradients exist from then on,
+    stage by stage (``STAGE_LIFETIMES``: the terms are per stage, ``engine.memory.buffers`` and
+    ``engine.memory.states``)."""
     out: dict[str, str] = {}
     if pipelined_fsdp2 and sharded and reshard_after_forward is False:
         out["all_gather_output"] = "first_forwards"
     if pipelined_fsdp2 and local_stages > 1:
-        out["fsdp_sharded_grads"] = "after_first_backward"
+        out["fsdp_unsharded_grads"] = "stage_accumulated"
+        out["fsdp_sharded_grads"] = "stage_reduced"
     if not pipelined and sharded and reshard_after_forward is False:
         # each unit all-gathered in its forward and kept to its post-backward: a backward gathers
         # nothing (FSDP2's pre_backward unshard finds it unsharded), so no all-gather output then
@@ -244,6 +260,10 @@ class Moments(NamedTuple):
     backward) after their backward freed them; an I keeps them for its W. ``iw[i, j]``: stage-microbatches
     of local stage j between their I and their W at moment i (made by the I, alive at the W's own
     moment, freed after it): a split backward's retained gradients (``INPUT_TO_WEIGHT_KINDS``).
+    ``acc[i, j]``: local stage j's FSDP2 unsharded gradients alive at moment i (after its first B or I,
+    made during it, until its REDUCE_GRAD right after its m-th B or W: that action's moment still holds
+    them); ``red[i, j]``: its sharded gradients (after that REDUCE_GRAD, and at the end of the backward):
+    ``STAGE_GRAD_KINDS``.
     """
 
     kind: np.ndarray
@@ -255,10 +275,12 @@ class Moments(NamedTuple):
     phase: np.ndarray
     head: np.ndarray
     iw: np.ndarray
+    acc: np.ndarray
+    red: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
-        return np.column_stack([self.counts, self.head, self.iw, self.outputs, self.masks])
+        return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.outputs, self.masks])
 
 
 @lru_cache(maxsize=512)
@@ -300,6 +322,17 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     backward = is_bwd_input | (kind == _W)
     bwd_idx = np.flatnonzero(is_bwd_input)
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
+    # each local stage's first B or I, and its REDUCE_GRAD right after its m-th backward-like action (B or W)
+    done = np.zeros((n, v), dtype=np.int64)
+    done[np.arange(n), col] = frees
+    finished = np.cumsum(done, axis=0) >= m
+    reduce_at = np.where(finished.any(axis=0), finished.argmax(axis=0), n)  # per local stage
+    started = np.zeros((n, v), dtype=bool)
+    started[np.arange(n), col] = is_bwd_input
+    first_at = np.where(started.any(axis=0), started.argmax(axis=0), n)
+    idx = np.arange(n)[:, None]
+    acc = ((idx > first_at) & (idx <= reduce_at)).astype(np.int64)
+    red = (idx > reduce_at).astype(np.int64)
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
     first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
@@ -333,6 +366,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
+        acc = np.insert(acc, loss_at, acc[loss_at], axis=0)  # the loss moment precedes its action: alike
+        red = np.insert(red, loss_at, red[loss_at], axis=0)
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -354,10 +389,12 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         end_iw = iw[last:].copy()
         end_iw[0, col_of_last] -= int(kind[last] == _W)
         iw = np.append(iw, end_iw, axis=0)
+        acc = np.append(acc, np.zeros((1, v), dtype=np.int64), axis=0)  # every stage reduced by then
+        red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red)
     for x in out:
         x.setflags(write=False)
     return out
@@ -383,6 +420,8 @@ class Signature(NamedTuple):
     head_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: its loss side (part of unit_bytes)
     end_freed: int = 0  # bytes of after_first_backward that the end-of-backward moment no longer holds
     iw_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: what a split backward keeps from I to W
+    acc_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 unsharded gradients (``STAGE_GRAD_KINDS``)
+    red_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 sharded gradients
 
 
 class Peak(NamedTuple):
@@ -399,6 +438,8 @@ class Peak(NamedTuple):
     head: tuple[int, ...] = ()  # stage-microbatches whose loss side is alive, per local stage
     phase: int = 0  # ACTION, LOSS or END
     iw: tuple[int, ...] = ()  # stage-microbatches between their I and W, per local stage
+    acc: tuple[int, ...] = ()  # per local stage: its unsharded gradients alive (1) or not (0)
+    red: tuple[int, ...] = ()  # per local stage: its sharded gradients alive
 
 
 @lru_cache(maxsize=4096)
@@ -408,7 +449,8 @@ def peak_of(sig: Signature) -> Peak:
     head = sig.head_bytes or (0,) * len(sig.unit_bytes)
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
-    w = body + head + iwb + (sig.output_bytes,) + sig.transient_bytes
+    none = (0,) * len(sig.unit_bytes)
+    w = body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.output_bytes,) + sig.transient_bytes
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
     live = mo.matrix @ np.array(w, dtype=object if big else np.int64)
@@ -417,7 +459,8 @@ def peak_of(sig: Signature) -> Peak:
     i = int(np.argmax(live))
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
-                int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()))
+                int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
+                tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()))
 
 
 class RankTimeline:
@@ -443,6 +486,7 @@ class RankTimeline:
         # loss side (final norm, head input)
         acts = [[0, 0, 0] for _ in local]
         iw = [0] * len(local)
+        stage_grads = {"stage_accumulated": [0] * len(local), "stage_reduced": [0] * len(local)}
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = end_freed = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
@@ -475,6 +519,16 @@ class RankTimeline:
                     var.append((i, "microbatch"))
                     continue
                 life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
+                if life in STAGE_LIFETIMES and stage is not None:
+                    col = column[stage if pp > 1 else 0]
+                    stage_grads[life][col] += nbytes
+                    var.append((i, life))
+                    if nbytes > 0:
+                        add_row((("acc" if life == "stage_accumulated" else "red", col), nbytes,
+                                 REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
+                    continue
+                if life in STAGE_LIFETIMES:  # a rank-wide term of a per-stage kind: from the first backward
+                    life = "after_first_backward"
                 if life == "step":
                     step += nbytes
                 else:
@@ -497,10 +551,12 @@ class RankTimeline:
         self._rows = _net_rows(rows, freed)
         self._acts = tuple(tuple(x) for x in acts)
         head = tuple(a[1] + a[2] for a in acts)  # the loss side (part of unit)
+        acc, red = (tuple(stage_grads[k]) for k in STAGE_LIFETIMES)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
                                    tuple(trans[k] for k in TRANSIENT), head if any(head) else (),
-                                   end_freed, tuple(iw) if any(iw) else ())
+                                   end_freed, tuple(iw) if any(iw) else (), acc if any(acc) else (),
+                                   red if any(red) else ())
 
     @property
     def peak(self) -> Peak:
@@ -542,6 +598,10 @@ class RankTimeline:
                     n = t.in_flight or 0
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
+                elif life in STAGE_LIFETIMES:
+                    on = pk.acc if life == "stage_accumulated" else pk.red
+                    if not (on and on[self._column[t.stage if pp > 1 else 0]]):
+                        drop[i] = None
                 elif not alive[life] or (at_end and life == "after_first_backward" and t.kind in END_FREED_KINDS):
                     drop[i] = None
             row = [drop.get(i, t) for i, t in enumerate(terms)] if drop else terms
@@ -723,8 +783,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     accumulated = per_life.get("accumulated", [])
     late = per_life.get("after_first_backward", []) + accumulated
     late_done = False
+    stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
+    accs, reds = mo.acc.tolist(), mo.red.tolist()
     phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
@@ -738,13 +800,20 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
         if kind == _B and phase == ACTION and hd > 0:
             ev.append(("free", ("head", stage, mb)))  # the loss side, before the blocks' backward
         transient = []
-        for c, life in enumerate(TRANSIENT[:-1]):
+        for c, life in enumerate(PER_MOMENT):
             if mask[c]:
                 transient.extend(per_life.get(life, ()))
         if mask[-1] and not late_done:
             for j, nbytes, stream in late:
                 ev.append(("alloc", ("late", j), nbytes) + ((stream,) if stream else ()))
             late_done = True
+        for what, on in (("acc", accs[i]), ("red", reds[i])):
+            for c, x in enumerate(on):
+                if bool(x) != stage_on.get((what, c), False):
+                    stage_on[(what, c)] = bool(x)
+                    for j, nbytes, stream in per_life.get((what, c), ()):
+                        ev.append(("alloc", (what, c, j), nbytes) + ((stream,) if stream else ()) if x
+                                  else ("free", (what, c, j)))
         for j, nbytes, stream in transient:
             ev.append(("alloc", ("t", j, i), nbytes) + ((stream,) if stream else ()))
         unit = sig.unit_bytes[col] - hd
@@ -770,6 +839,9 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     for j, _, _ in late if late_done else ():
         if j not in gone:
             ev.append(("free", ("late", j)))
+    for (what, c), on in stage_on.items():
+        for j, _, _ in per_life.get((what, c), ()) if on else ():
+            ev.append(("free", (what, c, j)))
     if outputs:
         for mb in sorted({mb for kind, stage, mb in zip(kinds, stages, mbs) if kind == _F and stage == last_stage}):
             for j, _, _ in outputs:
@@ -846,6 +918,8 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
                                                             int(counts.max()))
     bits = masks @ (1 << np.arange(masks.shape[1], dtype=np.int64))
     sig = ((kind.astype(np.int64) * 8 + phase) << 32) + (stage.astype(np.int64) << 16) + bits
+    grads = np.column_stack([mo.acc, mo.red])
+    changes = np.flatnonzero((grads[1:] != grads[:-1]).any(axis=1)) + 1
     windows, tried = [], set()
     for (period, shift), _ in sorted(candidates.items(), key=lambda c: -c[1]):
         if shift <= 0 or (period, shift) in tried or n - period <= first_backward + 2:
@@ -857,8 +931,19 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
         edges = np.flatnonzero(np.diff(np.concatenate(([0], ok.view(np.int8), [0]))))
         for lo, hi in zip(edges[::2].tolist(), edges[1::2].tolist()):
             count = (hi - lo) // period + 1
+            # no period may hold a moment where a stage's gradients are laid or reduced (``Moments.acc``,
+            # ``red``) but its first: the window is cut at each, in whole periods (the longest part kept)
+            parts = [(int(i[lo]), count)]
+            for c in changes.tolist():
+                start, k = parts[-1]
+                if start < c < start + k * period:
+                    before = (c - start) // period  # periods wholly before c (the one holding c is dropped)
+                    skip = -(-(c - start) // period)  # periods up to the first that starts at or after c
+                    parts[-1] = (start, before)
+                    parts.append((start + skip * period, k - skip))
+            start, count = max(parts, key=lambda x: x[1])
             if count >= 3:
-                windows.append((int(i[lo]), period, shift, count))
+                windows.append((start, period, shift, count))
     return sorted(windows, key=lambda w: (w[0], -w[1] * w[3]))
 
 
@@ -920,6 +1005,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     accumulated = {j for j, _, _ in per_life.get("accumulated", [])}
     late = per_life.get("after_first_backward", []) + per_life.get("accumulated", [])
     late_done = False
+    stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     walk = _forward_walk(grain.kept, grain.work)
@@ -927,6 +1013,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, block by block
     heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at its B or W)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
+    accs, reds = mo.acc.tolist(), mo.red.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
     n_moments = len(kinds)
@@ -966,7 +1053,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             layer_b = 0  # no block to lay them on: they go with the rest
         walk_b = kind == _B and phase == ACTION and (stage, mb) in held
         whole, per_block = [], []
-        for c, life in enumerate(TRANSIENT[:-1]):
+        for c, life in enumerate(PER_MOMENT):
             if mask[c]:
                 (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
                     (life, r) for r in per_life.get(life, ()))
@@ -974,6 +1061,15 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             for j2, nbytes, stream in late:
                 alloc(("late", j2), nbytes, stream)
             late_done = True
+        for what, on in (("acc", accs[i]), ("red", reds[i])):  # a stage's gradients, per its REDUCE_GRAD
+            for c, x in enumerate(on):
+                if bool(x) != stage_on.get((what, c), False):
+                    stage_on[(what, c)] = bool(x)
+                    for j2, nbytes, stream in per_life.get((what, c), ()):
+                        if x:
+                            alloc((what, c, j2), nbytes, stream)
+                        else:
+                            free((what, c, j2))
         if phase == LOSS:
             halves = []
             for life, (j2, nbytes, stream) in whole:
@@ -1087,7 +1183,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
         if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in held:
             for key in sum(held.pop((stage, mb)), []) + heads.pop((stage, mb), []):
                 free(key)
-    for key in [k for k in size if k[0] in ("late", "out")]:
+    for key in [k for k in size if k[0] in ("late", "acc", "red", "out")]:
         free(key)
     return tuple(ev)
 

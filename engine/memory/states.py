@@ -53,6 +53,36 @@ from engine.params import (
 from engine.wrapping import WrappingPlan
 
 
+def per_stage_gradients(plan: WrappingPlan, rp: RankParams) -> bool:
+    """Whether FSDP2's gradients are laid stage by stage: under a pipeline schedule on a rank of several
+    stages, torch reduces each stage's right after that stage's last backward
+    (``engine.memory.lifetimes.STAGE_LIFETIMES``), so the terms are per stage."""
+    return plan.unsharded_after_first_backward and len(rp.stages) > 1
+
+
+def stage_shares(nbytes: int, rp: RankParams) -> list[tuple[int, int]]:
+    """(stage, bytes) of ``nbytes`` split over the rank's stages by their elements (the last takes the
+    rounding; each stage's sharding padding is not told apart)."""
+    total = rp.total or 1
+    out, given = [], 0
+    stages = sorted(rp.stages, key=lambda st: st.stage)
+    for k, st in enumerate(stages):
+        x = nbytes - given if k == len(stages) - 1 else nbytes * st.total // total
+        out.append((st.stage, x))
+        given += x
+    return out
+
+
+def add_sharded_grads(T: Terms, plan: WrappingPlan, rp: RankParams, label: str, nbytes: int, how: str) -> None:
+    """FSDP2's sharded gradients: one term, or one per stage (``per_stage_gradients``)."""
+    if not per_stage_gradients(plan, rp):
+        T.add("grads", label, nbytes, how, kind="fsdp_sharded_grads")
+        return
+    for stage, x in stage_shares(nbytes, rp):
+        T.add("grads", f"{label}: stage {stage}'s (made at its REDUCE_GRAD)", x,
+              f"its share by elements of {how} = {nbytes:,} B", kind="fsdp_sharded_grads", stage=stage)
+
+
 def zero1_shares(cfg: Config, rp: RankParams) -> tuple[int, ...]:
     """The optimizer elements each dp-rank owns under torch's ZeroRedundancyOptimizer (greedy, whole
     tensors: ``engine.params.zero_redundancy_partition``): of the rank's parameters, or of its LoRA
@@ -106,8 +136,8 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("params", f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)", 4 * psi_d,
               f"4 B × {how}", kind="parameters")
         split_expert_params(T, expert_elements(cfg, rp, shard, e_deg), 4)
-        T.add("grads", "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d, f"4 B × {how}",
-              kind="fsdp_sharded_grads")
+        add_sharded_grads(T, plan, rp, "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d,
+                          f"4 B × {how}")
         opt_numel, rule = psi_d, how
         if z == 1 and par.dp > 1:
             # ZeRO-1 with TP: FSDP2's replicate keeps the parameters and reduces the gradients, and the
