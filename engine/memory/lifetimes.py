@@ -263,7 +263,7 @@ class Moments(NamedTuple):
     ``acc[i, j]``: local stage j's FSDP2 unsharded gradients alive at moment i (after its first B or I,
     made during it, until its REDUCE_GRAD right after its m-th B or W: that action's moment still holds
     them); ``red[i, j]``: its sharded gradients (after that REDUCE_GRAD, and at the end of the backward):
-    ``STAGE_GRAD_KINDS``.
+    ``STAGE_LIFETIMES``.
     """
 
     kind: np.ndarray
@@ -420,7 +420,7 @@ class Signature(NamedTuple):
     head_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: its loss side (part of unit_bytes)
     end_freed: int = 0  # bytes of after_first_backward that the end-of-backward moment no longer holds
     iw_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: what a split backward keeps from I to W
-    acc_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 unsharded gradients (``STAGE_GRAD_KINDS``)
+    acc_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 unsharded gradients (``STAGE_LIFETIMES``)
     red_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 sharded gradients
 
 
