@@ -944,7 +944,15 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
             start, count = max(parts, key=lambda x: x[1])
             if count >= 3:
                 windows.append((start, period, shift, count))
-    return sorted(windows, key=lambda w: (w[0], -w[1] * w[3]))
+    # the generator tries them by start and drops those it passed: a short window starting earlier must
+    # not pass over a longer one (a cut window starts later than its run), so the widest spans are kept
+    # first and a window overlapping a kept one is dropped
+    kept: list[tuple[int, int, int, int]] = []
+    for w in sorted(windows, key=lambda w: (-w[1] * w[3], w[0])):
+        lo, hi = w[0], w[0] + w[1] * w[3]
+        if all(hi <= k[0] or lo >= k[0] + k[1] * k[3] for k in kept):
+            kept.append(w)
+    return sorted(kept)
 
 
 def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compress: bool = False) -> tuple:
