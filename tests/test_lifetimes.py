@@ -614,6 +614,50 @@ def test_dp_ranks_whose_shares_are_inert_or_missing_replay_once_per_stage():
         assert reserve == _replayed_reserve.__wrapped__(sig, False, None)
 
 
+def test_shares_whose_rounding_no_request_uses_replay_once_and_each_reserve_is_its_own_replay():
+    """Llama 3 8B over 16 dp-ranks (ZeRO-1, two stages): the ZeroRedundancyOptimizer shares round to
+    segments that leave 1.5-1.9 MiB, split off as cached blocks, and every later request of the large
+    pool is at least 32 MiB, so no request ever uses them: the dp-ranks of a stage replay once (five
+    replays for seven distinct ranks before), and each rank's reserve is still its own events'
+    replay, with and without a capacity."""
+    from engine.memory.overhead import _replayed_reserve, replayed_reserve
+
+    c = Config.from_dict({"model": {"preset": "llama3-8b", "seq_len": 2048},
+                          "cluster": {"gpu": "h100-sxm", "gpus": 32, "gpus_per_node": 8},
+                          "parallel": {"dp": 16, "zero": 1, "pp": 2, "schedule": "GPipe", "microbatches": 8},
+                          "training": {"precision": "bf16-mixed", "optimizer": "adamw"}})
+    groups = memory_per_rank(c).groups
+    sigs = [g.first._body.timeline._event_signature() for g in groups]
+    assert len(sigs) == 7
+    _replayed_reserve.cache_clear()
+    for sig in sigs:
+        replayed_reserve(sig, False, None)
+    assert _replayed_reserve.cache_info().misses == 2  # one per stage
+    for g, sig in zip(groups, sigs):
+        for cap in (None, g.first.allocated + 2**30, g.first.allocated):
+            assert replayed_reserve(sig, False, cap) == _replayed_reserve.__wrapped__(sig, False, cap)
+
+
+def test_a_step_tensor_that_fits_an_earlier_ones_cached_rest_is_replayed():
+    """A 3-MiB step tensor takes a 20-MiB segment and caches the 17 MiB it leaves; a 12-MiB step tensor
+    after it is served from that block, not from a segment of its own: it takes part, and the reserve
+    is the whole replay's (12 MiB less than counting it a fresh segment, as this shortcut once did)."""
+    from engine.memory.overhead import _replayed_reserve, replayed_reserve
+
+    mib = 2**20
+    c = Config.from_dict({"model": {"preset": "llama3-8b", "seq_len": 2048},
+                          "cluster": {"gpu": "h100-sxm", "gpus": 2, "gpus_per_node": 8},
+                          "parallel": {"pp": 2, "schedule": "GPipe", "microbatches": 4},
+                          "training": {"precision": "bf16-mixed", "optimizer": "adamw"}})
+    sig = memory_per_rank(c).groups[0].first._body.timeline._event_signature()
+    extra = (("step", 3 * mib, 0), ("step", 12 * mib, 0))
+    crafted = (sig[0]._replace(step_bytes=sig[0].step_bytes + 15 * mib), extra + sig[1]) + tuple(sig[2:])
+    exact = _replayed_reserve.__wrapped__(crafted, False, None)
+    assert replayed_reserve(crafted, False, None) == exact
+    assert exact + 12 * mib == _replayed_reserve.__wrapped__(
+        (crafted[0], (extra[1], extra[0]) + sig[1]) + tuple(sig[2:]), False, None)  # the 12 MiB first: fresh
+
+
 def test_a_steady_state_that_never_loops_spends_at_most_a_quarter_of_its_replay_reading_states():
     """Llama 3 70B, ZBV over 16 stages, 256 microbatches: the allocator's state after each period never
     equals an earlier one, so every state read is wasted. They may cost at most a quarter of replaying

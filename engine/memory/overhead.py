@@ -132,27 +132,47 @@ def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity
     """``max_reserved`` of one rank's step replayed through the caching allocator (cached on the
     rank's event signature: identical ranks and repeated slider positions replay once).
 
-    A step tensor (allocated before anything else, never freed) that fills a segment of its own
-    (at least 10 MiB, its segment's rounding left unsplit: ``get_allocation_size`` less its size at
-    most 1 MiB) takes part in nothing: no later request can use its segment, and it is never
-    released. So it is replayed as nothing, the capacity less its segment, and its segment added
-    back: ranks that differ only in such tensors (the dp-ranks' ZeroRedundancyOptimizer shares)
-    replay once. (Not with expandable segments: there it shares its stream's segment.) Such a row is
-    left out of the signature, as is a step row of no bytes (malloc(0): no block), so ranks whose
-    shares are inert or empty share one signature wherever their rows stood."""
+    A step tensor (allocated before anything else, never freed) of the large pool that takes a
+    segment of its own and leaves nothing a later request can use takes part in nothing: its segment
+    is never released and never serves another request. Its segment is fresh where no earlier step
+    tensor of its stream left a free remainder it fits in; the segment's rounding
+    (``get_allocation_size`` less its size) is left unsplit where it is at most 1 MiB, and split off
+    as a cached block otherwise, which no request uses where every later request of its pool (later
+    step tensors, the rest of the step's events) is larger. So it is replayed as nothing, the capacity
+    less its segment, and its segment added back: ranks that differ only in such tensors (the
+    dp-ranks' ZeroRedundancyOptimizer shares, whose roundings differ) replay once. (Not with
+    expandable segments: there it shares its stream's segment.) Such a row is left out of the
+    signature, as is a step row of no bytes (malloc(0): no block), so ranks whose shares are inert or
+    empty share one signature wherever their rows stood."""
     sig, rows = event_signature[:2]
     inert = 0
     kept = []
-    for life, nbytes, stream in rows:
+    # per row, the least large-pool request of its stream after it (later step tensors, then the rest)
+    fine = not expandable_segments and len(event_signature) > 3 and event_signature[2] is not None
+    least = dict(_least_large_requests(without_step_rows(event_signature))) if fine else {}
+    after: list[int | None] = [None] * len(rows)
+    for j in range(len(rows) - 1, -1, -1):
+        life, nbytes, stream = rows[j]
+        after[j] = least.get(stream)
+        size = round_size(nbytes) if nbytes > 0 else 0
+        if fine and life == "step" and size > kSmallSize:
+            least[stream] = min(least.get(stream, size), size)
+    left: dict[int, int] = {}  # per stream, the largest remainder an earlier step tensor left cached
+    for j, (life, nbytes, stream) in enumerate(rows):
         size = round_size(nbytes) if nbytes > 0 else 0
         if life == "step" and size == 0:
             continue  # malloc(0): no block, nothing the allocator does
-        if (not expandable_segments and life == "step" and size >= kMinLargeAlloc
-                and get_allocation_size(size) - size <= kSmallSize):
-            inert += get_allocation_size(size)
-            sig = sig._replace(step_bytes=sig.step_bytes - nbytes)
-        else:
-            kept.append((life, nbytes, stream))
+        if not expandable_segments and life == "step" and size > kSmallSize:
+            segment = get_allocation_size(size)
+            rest = segment - size if segment - size > kSmallSize else 0  # split off and cached
+            if (left.get(stream, 0) < size  # a fresh segment
+                    and ((rest == 0 and size >= kMinLargeAlloc)
+                         or (fine and (after[j] is None or after[j] > rest)))):  # nothing uses its rest
+                inert += segment
+                sig = sig._replace(step_bytes=sig.step_bytes - nbytes)
+                continue
+            left[stream] = max(left.get(stream, 0), rest)
+        kept.append((life, nbytes, stream))
     if len(kept) != len(rows):
         event_signature = (sig, tuple(kept)) + tuple(event_signature[2:])
     if capacity is not None and capacity - inert <= 0:  # its own step tensors exceed the card: the reserve it needs
@@ -161,6 +181,28 @@ def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity
         capacity = None if capacity is None else capacity - inert
     with _no_cyclic_gc():
         return _replayed_reserve(event_signature, expandable_segments, capacity) + inert
+
+
+@lru_cache(maxsize=256)
+def _least_large_requests(rest_signature: tuple) -> dict[int, int]:
+    """Per stream, the least rounded large-pool request (more than 1 MiB) of the events after the step
+    tensors (a cycle's periods request what its chunk does)."""
+    least: dict[int, int] = {}
+
+    def walk(events) -> None:
+        for ev in events:
+            if ev[0] == "alloc":
+                size = round_size(ev[2]) if ev[2] > 0 else 0
+                if size > kSmallSize:
+                    stream = ev[3] if len(ev) > 3 else 0
+                    if size < least.get(stream, size + 1):
+                        least[stream] = size
+            elif ev[0] == "cycle":
+                walk(ev[1])
+
+    with _no_cyclic_gc():
+        walk(replay_events(rest_signature))
+    return least
 
 
 @contextmanager
