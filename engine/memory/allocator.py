@@ -447,7 +447,19 @@ class CachingAllocator:
         if pool is None:
             pool = self._pools[(stream, is_small)] = _Pool(stream, is_small)
 
-        block = self._get_free_block(pool, size)
+        if self.expandable_segments:
+            block = self._get_free_block(pool, size)
+        else:  # get_free_block's best fit (``_get_free_block``), inlined: the replay's hottest path
+            keys = pool.keys
+            i = bisect_left(keys, size << _KEY_SHIFT)
+            block = None
+            if i < len(keys):
+                key = keys[i]
+                bsize = key >> _KEY_SHIFT
+                mss = self._mss
+                if not ((size < mss and bsize >= mss) or (size >= mss and bsize >= size + kLargeBuffer)):
+                    del keys[i]
+                    block = self._free.pop(key & _ADDR_MASK)
         if block is None:
             block = self._alloc_block(pool, size)
             if block is None:
@@ -461,13 +473,10 @@ class CachingAllocator:
                     if block is None:
                         self._out_of_memory(nbytes, size, stream)
 
-        return self._hand_out(pool, block, size)
-
-    def _hand_out(self, pool: _Pool, block: _Block, size: int) -> int:
-        """``should_split`` / ``alloc_found_block``: hand out ``size`` bytes of ``block`` (its remainder
-        cached when it is worth splitting off); a handle to it."""
+        # should_split / alloc_found_block: hand out ``size`` bytes of ``block`` (its remainder cached when
+        # it is worth splitting off)
         remaining = block.size - size
-        if (remaining >= kMinBlockSize if (pool.is_small or self.expandable_segments)
+        if (remaining >= kMinBlockSize if (is_small or self.expandable_segments)
                 else (size < self._mss and remaining > kSmallSize)):
             rest = block
             block = _Block(rest.addr, size, pool, rest.seg)

@@ -147,15 +147,19 @@ def replayed_reserve(event_signature: tuple, expandable_segments: bool, capacity
     sig, rows = event_signature[:2]
     inert = 0
     kept = []
-    # per row, the least large-pool request of its stream after it (later step tensors, then the rest)
-    fine = not expandable_segments and len(event_signature) > 3 and event_signature[2] is not None
+    # per row, the least large-pool request of its stream after it (later step tensors, then the rest;
+    # read only where a step tensor's cached rest could make it inert)
+    fine = (not expandable_segments and len(event_signature) > 3 and event_signature[2] is not None
+            and any(life == "step" and nbytes > kSmallSize
+                    and get_allocation_size(round_size(nbytes)) - round_size(nbytes) > kSmallSize
+                    for life, nbytes, _ in rows))
     least = dict(_least_large_requests(without_step_rows(event_signature))) if fine else {}
     after: list[int | None] = [None] * len(rows)
-    for j in range(len(rows) - 1, -1, -1):
+    for j in range(len(rows) - 1, -1, -1) if fine else ():
         life, nbytes, stream = rows[j]
         after[j] = least.get(stream)
         size = round_size(nbytes) if nbytes > 0 else 0
-        if fine and life == "step" and size > kSmallSize:
+        if life == "step" and size > kSmallSize:
             least[stream] = min(least.get(stream, size), size)
     left: dict[int, int] = {}  # per stream, the largest remainder an earlier step tensor left cached
     for j, (life, nbytes, stream) in enumerate(rows):
@@ -192,9 +196,10 @@ def _least_large_requests(rest_signature: tuple) -> dict[int, int]:
     def walk(events) -> None:
         for ev in events:
             if ev[0] == "alloc":
-                size = round_size(ev[2]) if ev[2] > 0 else 0
-                if size > kSmallSize:
+                n = ev[2]
+                if n > kSmallSize:  # round_size(n) > kSmallSize exactly then (kSmallSize is a multiple of 512)
                     stream = ev[3] if len(ev) > 3 else 0
+                    size = (n + 511) & ~511
                     if size < least.get(stream, size + 1):
                         least[stream] = size
             elif ev[0] == "cycle":
