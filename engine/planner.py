@@ -438,12 +438,12 @@ class _Planner:
         bf = gb.astype(np.float64)
         rep_div = np.where(gs, tp, 1)
 
-        def memory_bound(compiled: bool) -> np.ndarray:
-            # ---------------- memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak), per compile
-            # setting on the (b, zero, sp, recompute) axes: float8 moves none of its terms
+        def memory_bound(gb, gz, gs, gr, gm, bf, rep_div, gc) -> np.ndarray:
+            # ---------------- memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak) on the
+            # (compile, b, zero, sp, recompute) rows, compile the slowest axis: float8 moves none of its terms
             full = gr == _RECOMPUTE.index("full")
             sl = gr == _RECOMPUTE.index("selective-layer")
-            per_layer1 = self._per_layer_vec(tp, gs, gr, cp, np.full(len(gs), compiled))
+            per_layer1 = self._per_layer_vec(tp, gs, gr, cp, gc)
             sbh1 = np.floor(s_len * h / rep_div)  # one sequence's hidden state, /t under SP (≤ the engine's floor)
             stored1 = np.where(full, act_b * sbh1, per_layer1)
             n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (dpc > 1) + (cp > 1) + (tp > 1) + (pp > 1)
@@ -537,7 +537,9 @@ class _Planner:
                     # replay torch's order only where it matters: the m values whose held part fits; per m the
                     # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts
                     lut = np.zeros((4, per_dp + 1))
-                    for m_val in np.unique(gm[held * _SAFETY <= capacity]).tolist():
+                    # (b: the slowest axis after compile)
+                    fit_b = (held * _SAFETY <= capacity).reshape(kc, len(bs), -1).any(axis=(0, 2)).tolist()
+                    for m_val in sorted({per_dp // b for b, ok in zip(bs, fit_b) if ok}):
                         lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages, ckpt_units,
                                                         after_backward)
                     lsum, first, last, lck = lut[:, gm]
@@ -552,10 +554,12 @@ class _Planner:
                         mem = np.maximum(mem, held + act - head_up)
             return mem
 
-        mem_by_compile = np.stack([memory_bound(bool(c)) for c in CMP])  # [compile, base rows]
+        # every compile setting at once (the rows tiled, compile the slowest axis): [compile, base rows]
+        n0, k8, kc = len(gb), len(F8), len(CMP)
+        mem_by_compile = memory_bound(*(np.tile(a, kc) for a in (gb, gz, gs, gr, gm, bf, rep_div)),
+                                      np.repeat(CMP, n0)).reshape(kc, n0)
         # expand to (b, zero, sp, recompute) × float8 × compile; outside an exhaustive search only the rows
         # that may fit go on (the rest are counted as rejected by the memory bound)
-        n0, k8, kc = len(gb), len(F8), len(CMP)
         base_i = np.repeat(np.arange(n0), k8 * kc)
         gf = np.tile(np.repeat(F8, kc), n0)
         ci = np.tile(np.arange(kc), n0 * k8)
@@ -719,9 +723,9 @@ class _Planner:
     def _per_layer_vec(self, tp, gs, gr, cp=1, gc=None) -> np.ndarray:
         gc = np.zeros(len(gs), dtype=bool) if gc is None else gc
         lut = np.zeros((2, len(_RECOMPUTE), 2))
-        for s in np.unique(gs).tolist():
-            for r in np.unique(gr).tolist():
-                for c in np.unique(gc).tolist():
+        for s in set(gs.tolist()):  # (sets of a few values: np.unique costs more on these short axes)
+            for r in set(gr.tolist()):
+                for c in set(gc.tolist()):
                     lut[int(s), r, int(c)] = self._act_per_layer_b1(tp, s, _RECOMPUTE[r], cp, bool(c))
         return lut[gs.astype(np.int64), gr, gc.astype(np.int64)]
 
