@@ -292,6 +292,7 @@ class _Planner:
         self.structs: list[tuple[int, int, int, str, int]] = []  # (tp, pp, v, schedule, cp)
         self._coll: dict[tuple, float] = {}
         self._act1: dict[tuple, int] = {}
+        self._linear_sums: dict[int, tuple[int, int, int]] = {}  # tp -> (inputs, outputs, weights) of a block's linears
         self._plans: dict[tuple, Any] = {}
         self._makespans: dict[tuple, float] = {}
         self._shapes: dict[tuple, dict[str, Any]] = {}
@@ -737,8 +738,12 @@ class _Planner:
         hbm = gpu.hbm_bandwidth_gb_per_s * 1e9
         on8 = gf > 0
         if on8.any():
-            lin = block_linears(base.replace(parallel={"dp": base.cluster.gpus // tp, "tp": tp}))
-            s_in, s_out, wts = sum(a for a, _ in lin), sum(o for _, o in lin), sum(a * o for a, o in lin)
+            sums = self._linear_sums.get(tp)
+            if sums is None:  # per tp: a validated replace each structure cost a sixth of the grid
+                lin = block_linears(base.replace(parallel={"dp": base.cluster.gpus // tp, "tp": tp}))
+                sums = self._linear_sums[tp] = (sum(a for a, _ in lin), sum(o for _, o in lin),
+                                                sum(a * o for a, o in lin))
+            s_in, s_out, wts = sums
             per = np.where(gc, FLOAT8_CAST_BYTES[True], FLOAT8_CAST_BYTES[False])
             again = np.where(gf == _FLOAT8.index("rowwise"), 2, 1)
             cast_f = per * (tokens * s_in + wts)
