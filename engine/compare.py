@@ -273,6 +273,32 @@ def _memory_notes(category: str, pred: float, meas: float, measured_detail: dict
     return notes
 
 
+def _plain_grads_late(cfg) -> bool:
+    """Whether the prediction's plain gradients live from the first backward on
+    (``engine.memory.per_rank.plain_grads_late``); False without a config (an older prediction dict)."""
+    if cfg is None:
+        return False
+    from engine.memory.per_rank import plain_grads_late
+    from engine.wrapping import wrapping_plan
+
+    return plain_grads_late(cfg, wrapping_plan(cfg))
+
+
+def _plain_grads_measured(exact: float, rank_detail: dict | None) -> tuple[float, list[str]]:
+    """The measured grads where plain ``.grad`` exists from the first backward on: what MemTracker tagged
+    Gradient at its peak (its post-accumulate-grad hook tags each as AccumulateGrad makes it), never more
+    than the exact size the record's categories carry; the exact size where the tracker has no such tag."""
+    raw = ((rank_detail or {}).get("memory") or {}).get("tracker_peak") or {}
+    if "Gradient" not in raw:
+        return exact, []
+    seen = float(min(exact, raw["Gradient"]))
+    if seen == exact:
+        return exact, []
+    return seen, [f"measured grads: what MemTracker tagged Gradient at its peak ({seen:,.0f} B of {exact:,.0f}): "
+                  "zero_grad(set_to_none=True) dropped the last step's, and each .grad is made as the first "
+                  "backward reaches its parameter"]
+
+
 #: MemTracker's names of what the backend counts in comm_buffers
 _TRACKER_COMM = ("All Gather", "Reduce Scatter", "Unsharded Param", "Unsharded Grad")
 
@@ -351,6 +377,7 @@ def compare(pred, measurement) -> Comparison:
 
     # ---- memory
     pred_rows = {int(r["rank"]): r for r in pj["memory"]["per_rank"]}
+    plain_late = _plain_grads_late(cfg)
     detail = {int(r["rank"]): r for r in (mj.get("ranks") or []) if "rank" in r}
     rows: list[RankComparison] = []
     missing = []
@@ -366,6 +393,9 @@ def compare(pred, measurement) -> Comparison:
             p, m = float(prow.get(c, 0)), float(mrow.get(c, 0))
             untracked, why = _untracked(prow.get("explain"), c)
             extra = _memory_notes(c, p, m, detail.get(rank), device)
+            if c == "grads" and plain_late:
+                m, why_m = _plain_grads_measured(m, detail.get(rank))
+                extra = extra + why_m
             if c == "activations" and compiled is not None:
                 m, extra = m + compiled[0], extra + [compiled[1]]
             elif c == "activations" and COMPILED_NOTE_MARK in " ".join(

@@ -104,7 +104,10 @@ def memory(cfg: Config) -> MemoryReport:
     s, b = model.seq_len, tr.micro_batch_size
     act = 4 if tr.precision == "fp32" else 2
     logp, loss_tmp = _loss_terms(base)
-    params_b, grads_b = base.values["params"], base.values["grads"]
+    # the gradients whole, alive at the single GPU's peak or not (there they come with its first backward):
+    # this model sums GPU 0's terms as one moment, with .grad (plain lifetimes are not followed here)
+    grads_whole = list(base.catalogue["grads"])
+    params_b, grads_b = base.values["params"], sum(t.bytes for t in grads_whole)
     logits = act * s * b * model.vocab
     conv = cfg.conventions
     comm_term = None
@@ -115,7 +118,7 @@ def memory(cfg: Config) -> MemoryReport:
                          "overhead", tracked=False, kind="collective_buffers")
 
     def copy_terms() -> dict[str, list[Term]]:
-        return {c: list(base.terms[c]) for c in MEMORY_CATEGORIES}
+        return {c: list(base.terms[c]) if c != "grads" else list(grads_whole) for c in MEMORY_CATEGORIES}
 
     # GPU 0: the module, its state, and the whole batch's loss
     t0 = copy_terms()
@@ -189,7 +192,7 @@ def transfers(cfg: Config, links: MeasuredLinks | None = None) -> list[Transfer]
     if links is not None:
         bw, lat = links.lookup("p2p", 2) or (bw, lat)
     body = memory_per_rank(single_gpu_config(cfg)).per_rank[0]
-    params_b, grads_b = body.params, body.grads
+    params_b, grads_b = body.params, sum(t.bytes for t in body.catalogue("grads"))  # whole, peak or not
     model, tr = cfg.model, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     ids = 8 * model.seq_len * tr.micro_batch_size

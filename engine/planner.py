@@ -467,13 +467,25 @@ class _Planner:
             fsdp2 = self._fsdp2_bytes(tp, pp, v, sc, dpc, gz, gm, torch_acc, g_b)
             all_units, unit_grad, grads_unsharded, gacc = (
                 fsdp2[k] for k in ("all_units", "unit_grad", "grads_unsharded", "gacc"))
+            # plain gradients (no FSDP2, no DDP bucket view: ``per_rank.plain_grads_late``) exist from the
+            # first backward on: before it the engine holds the fp32 parameters and the optimizer states
+            # (ZeRO-1: its share) and no gradient, so those rows bound the states by that (none under LoRA,
+            # whose states the bound does not follow), and the end of the backward by it plus 4 B an element
+            plain = (np.zeros(len(gz), dtype=bool) if not torch_acc or getattr(conv, "ddp_gradient_as_bucket_view", False)
+                     else ~fsdp2["on"] & (gz <= 1))
+            lora = self.base.training.finetune == "lora"
+            k_opt = 4 * names.OPTIMIZER_STATES[self.base.training.optimizer]
             for ri, stages, sizes, last_psi in sh["ends"]:
                 p_ = psi[ri]
                 states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
                                            w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
                 # FSDP2's sharded gradient is in the parameter dtype, fp32 (``states.pytorch_states``)
                 sharded_grads = np.array([4 * p_, 4 * p_, 4 * p_ / dpc, 4 * p_ / dpc])
-                fixed = np.maximum(states_by_zero[gz] - fsdp2_grads * sharded_grads[gz], 0.0) + overhead
+                states = np.maximum(states_by_zero[gz] - fsdp2_grads * sharded_grads[gz], 0.0)
+                if plain.any():
+                    before = 0.0 if lora else 4 * p_ + k_opt * p_ / np.where(gz == 1, dpc, 1)
+                    states = np.where(plain, before, states)
+                fixed = states + overhead
                 units = tuple(len(layers_of[s]) for s in stages)
                 ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
                 # a peak holds either the loss (the moment that opens a last-stage backward) or a backward's
@@ -503,6 +515,8 @@ class _Planner:
                     ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
                     fixed = fixed + ends * gm * bf * act_b * sbh1
                 steady = fixed
+                if plain.any() and not lora:  # the end of the backward: every plain gradient made
+                    mem = np.maximum(mem, np.where(plain, steady + 4 * p_, 0.0))
                 fixed = steady + np.maximum(backward, loss)
                 head_up = np.zeros(len(gb))
                 if n_stages - 1 in stages:

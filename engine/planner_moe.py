@@ -129,15 +129,18 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 # FSDP2 (fully_shard, or replicate for DP × TP) makes its fp32 sharded gradients in each
                 # unit's post-backward: the first backward's own moment has none (engine.memory.lifetimes),
                 # so the bound counts 4 B (parameter) + the optimizer's per element there
+                # plain gradients (no FSDP2: ``per_rank.plain_grads_late``) exist from the first backward on,
+                # so the bound holds none of them either (a weaker bound of the moments after it)
+                plain = not (tp > 1 and dp > 1) and not base.conventions.ddp_gradient_as_bucket_view
                 if z in (2, 3):
                     e_deg = dp * tp // ep if ep > 1 else None
                     x = (4 + 4 * k_states) * rp.sharded_numel(dp, e_deg)
                 elif z == 1:
-                    x = 8 * psi + 4 * k_states * -(-psi // dp)
+                    x = (4 if plain else 8) * psi + 4 * k_states * -(-psi // dp)
                 elif tp > 1 and dp > 1:
                     x = (4 + 4 * k_states) * psi
                 else:
-                    x = (8 + 4 * k_states) * psi
+                    x = (4 if plain else 8) * psi + 4 * k_states * psi
                 # the smallest buffers FSDP2 / DDP keep besides (every category counts at the peak):
                 # ZeRO-2 (and replicate) hold every unit gathered, ZeRO-3 one unit; DDP its buckets
                 if dp == 1:

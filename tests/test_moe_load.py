@@ -26,7 +26,10 @@ def cfg(parallel=None, conventions=None, gpus=4, model=None) -> Config:
 
 
 def term(report, rank: int, category: str, kind: str):
-    return [t for t in report.per_rank[rank].explain(category) if t.kind == kind]
+    """A rank's terms of ``kind``, each at its largest (alive at the peak or not: where the gradients
+    made in the first backward outweigh a light ep-rank's activations, its peak is the end of the
+    backward, which holds no block's)."""
+    return [t for t in report.per_rank[rank].catalogue(category) if t.kind == kind]
 
 
 def test_each_ep_rank_routes_the_copies_of_its_experts_by_hand():
@@ -151,17 +154,18 @@ def test_a_per_block_load_averages_the_blocks_of_a_stage():
 
 
 def test_a_per_microbatch_load_follows_the_microbatch_alive_at_the_peak():
-    """No pipeline, two microbatches: the peak is in the first microbatch's backward (the two
-    backwards hold as much, and the first such moment is the peak), so its load is the one the
-    activations follow; the other microbatch's does not matter."""
+    """No pipeline, two microbatches: the peak is at the second microbatch's loss (the two hold as
+    much activation, and the second's moment also holds the gradients the first backward made), so
+    its load is the one the activations follow; the other microbatch's does not matter."""
     par = {"ep": 2, "dp": 4, "microbatches": 2}
     last_skewed = cfg(par, conventions={"moe_expert_load": [[FLAT] * 6, [SKEW] * 6]})
     first_skewed = cfg(par, conventions={"moe_expert_load": [[SKEW] * 6, [FLAT] * 6]})
     skew, flat = cfg(par, conventions={"moe_expert_load": SKEW}), cfg(par)
     for rank in (0, 1):
         act = lambda c, rank=rank: memory_per_rank(c).per_rank[rank].activations  # noqa: E731
-        assert act(first_skewed) == act(skew)
-        assert act(last_skewed) == act(flat)
+        assert act(last_skewed) == act(skew)
+        assert act(first_skewed) == act(flat)
+        assert "microbatch 1" in memory_per_rank(skew).per_rank[rank].peak_moment
 
 
 @pytest.mark.parametrize("load, message", [

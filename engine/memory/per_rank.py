@@ -35,6 +35,16 @@ from engine.schedules import ACTION_KINDS
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
 
 
+def plain_grads_late(cfg: Config, plan: WrappingPlan) -> bool:
+    """Whether this rank's plain gradients (``kind="gradients"``: no FSDP2) live from its first
+    backward on (``lifetimes.lifetime_overrides``): torch's accounting, and not DDP's
+    ``gradient_as_bucket_view``, where ``.grad`` is a view of the Reducer's buckets, which live all
+    step."""
+    conv = cfg.conventions
+    return (conv.state_accounting == "pytorch" and not plan.fsdp2
+            and not getattr(conv, "ddp_gradient_as_bucket_view", False))
+
+
 def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan | None = None,
               ep_rank: int | None = None) -> _Body:
     """The categories and terms of one rank holding ``rp`` (its dp-rank matters under ZeRO-1 only,
@@ -71,7 +81,8 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                     fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward,
                                                        plan.pipelined),
                     overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
-                                                 plan.reshard_after_forward, len(rp.stages), plan.pipelined))
+                                                 plan.reshard_after_forward, len(rp.stages), plan.pipelined,
+                                                 plain_grads_late(cfg, plan)))
     if ep_rank is not None and _load_per_microbatch(cfg):
         # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
         # flight at the peak (the moment found at the load averaged over microbatches; the allocation
