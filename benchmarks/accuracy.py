@@ -14,7 +14,8 @@ per-stage durations. Both calibrations are combined with a link calibration meas
 which alone gives the "links only" column (analytic compute at the measured throughput,
 measured collectives). Prints one table and writes it as markdown to benchmarks/accuracy.md.
 
-Columns: states = params, grads, optimizer exact on every rank; worst category = the largest
+Columns: states = params, grads, optimizer at their exact sizes on every rank (``compare.states_exact``:
+whole, alive at the peak or not); worst category = the largest
 |relative error| of any category on any rank (bytes the tracker cannot see excluded; a
 category measured 0 but predicted > 0 shows "∞"); act = activations; peak = the sum of
 categories at the peak, worst rank; tracked peak = the predicted tracked bytes at the rank's peak
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine import Config, default_config  # noqa: E402
 from engine.calibrate import calibrate, load_links  # noqa: E402
-from engine.compare import COMPILED_UNMEASURED, compare  # noqa: E402
+from engine.compare import COMPILED_UNMEASURED, compare, states_exact  # noqa: E402
 from engine.names import MEMORY_CATEGORIES  # noqa: E402
 from engine.predict import predict  # noqa: E402
 
@@ -188,11 +189,12 @@ def evaluate(dirs: dict[str, Path], links_dir: Path | None = None) -> list[dict]
             continue
         cfg = Config.load(d / "config.toml")
         meas = json.loads(mpath.read_text())
-        cmp = compare(predict(cfg), meas)
+        pred = predict(cfg)
+        cmp = compare(pred, meas)
         s = cmp.summary()
         worst = max(MEMORY_CATEGORIES, key=lambda c: -1 if s[c] is None else s[c])
         row.update({
-            "states_exact": all(r.categories[c].error == 0 for r in cmp.memory for c in ("params", "grads", "optimizer")),
+            "states_exact": states_exact(pred, meas),
             "worst_category": worst, "worst": s[worst], "activations": s["activations"], "peak": s["peak"],
             "tracked_peak": s["allocated"],
             "bubble_error": s["bubble_error"], "step_analytic": s["step"],
@@ -730,11 +732,10 @@ def run_sweep(runs_dir: Path, n: int, seed: int, steps: int, reuse: bool, only: 
             row["failed"] = True
             rows.append(row)
             continue
-        s = compare(predict(cfg), json.loads((d / "measurement.json").read_text())).summary()
-        cmp = compare(predict(cfg), json.loads((d / "measurement.json").read_text()))
+        pred, measured = predict(cfg), json.loads((d / "measurement.json").read_text())
+        s = compare(pred, measured).summary()
         worst = max(MEMORY_CATEGORIES, key=lambda c: -1 if s[c] is None else s[c])
-        row.update(states_exact=all(r.categories[c].error == 0 for r in cmp.memory
-                                    for c in ("params", "grads", "optimizer")),
+        row.update(states_exact=states_exact(pred, measured),
                    tracked_peak=s["allocated"], activations=s["activations"], worst_category=worst, worst=s[worst])
         rows.append(row)
     rows.sort(key=lambda r: -1 if r.get("failed") else -abs(r["tracked_peak"] or 0))

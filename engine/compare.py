@@ -462,6 +462,26 @@ def compare(pred, measurement) -> Comparison:
     return Comparison(rows, step, makespan, bubble, timeline, notes)
 
 
+def states_exact(pred, measurement) -> bool:
+    """Parameters, gradients and optimizer states at their exact sizes on every measured rank: the
+    prediction's whole terms of each (alive at its peak or not: plain gradients come with the first
+    backward, FSDP2's sharded ones with the reducing post-backward) against the run's exact sizes
+    (``memory.exact``; the measured categories where a record has none). ``pred``: a Prediction
+    (its terms), not its JSON."""
+    mj = _as_measurement_json(measurement)
+    detail = {int(r["rank"]): r for r in (mj.get("ranks") or []) if "rank" in r}
+    rows = {r.rank: r for r in pred.memory.per_rank}
+    for mrow in mj["memory"]["per_rank"]:
+        rank = int(mrow["rank"])
+        if rank not in rows:
+            return False
+        exact = (((detail.get(rank) or {}).get("memory") or {}).get("exact")) or mrow
+        for c in ("params", "grads", "optimizer"):
+            if sum(t.bytes for t in rows[rank].catalogue(c)) != int(exact.get(c, 0)):
+                return False
+    return True
+
+
 def _state_notes(rows: list[RankComparison], cfg, detail: dict) -> list[str]:
     """Known reasons why params / grads / optimizer differ (the model says ZeRO, torch does ...)."""
     out = []

@@ -177,3 +177,41 @@ def test_compiled_activations_without_a_count_say_they_are_the_eager_blocks():
     act = compare(pred, _compiled_meas(None)).memory[0].categories["activations"]
     assert act.measured == 1000  # what the tracker saw, not a number it did not measure
     assert any("eager blocks'" in n and "saved_for_backward" in n for n in act.notes)
+
+
+def _plain_run(grads_seen: int):
+    """A one-rank (dp 1, no FSDP2) prediction and a CPU record of it whose tracker peak saw ``grads_seen``
+    bytes of gradients; the record's categories carry the exact sizes, as ``backend.measure`` writes them."""
+    cfg = default_config().replace(cluster={"gpus": 1}, parallel={"dp": 1, "pp": 1, "microbatches": 1})
+    pred = predict(cfg)
+    r = pred.memory.per_rank[0]
+    exact = {c: sum(t.bytes for t in r.catalogue(c)) for c in ("params", "grads", "optimizer")}
+    cats = {c: getattr(r, c) for c in MEMORY_CATEGORIES} | exact
+    raw = {"Parameter": exact["params"], "Gradient": grads_seen, "Optstate": exact["optimizer"],
+           "Activation": r.activations, "Temp": r.temporaries, "Buffer": 0, "Other": 0}
+    raw["Total"] = sum(raw.values())
+    mem = {"categories": cats, "exact": exact, "tracker_peak": raw}
+    return cfg, pred, _meas([_row(0, **cats)], ranks=[{"rank": 0, "memory": mem}]), exact
+
+
+def test_plain_gradients_are_measured_as_the_tracker_saw_them_at_its_peak():
+    """Plain .grad exists from the first backward on (zero_grad(set_to_none=True), then AccumulateGrad):
+    a peak before it holds none. The record's categories carry the exact sizes; compare takes what
+    MemTracker tagged Gradient at its peak instead (at most the exact size), so a run that peaks at its
+    loss, with no gradient yet, agrees with the prediction that peaks there too — and its states are
+    still exact in size."""
+    from engine.compare import states_exact
+
+    cfg, pred, meas, exact = _plain_run(grads_seen=0)
+    r = pred.memory.per_rank[0]
+    assert "loss" in r.peak_moment and r.grads == 0 < exact["grads"]  # the engine's peak: no gradient
+    cell = compare(pred, meas).memory[0].categories["grads"]
+    assert cell.measured == 0 and cell.error == 0
+    assert any("MemTracker tagged Gradient" in n for n in cell.notes)
+    assert states_exact(pred, meas)
+    # a tracker that saw every gradient at its peak: the exact size, no note; a size off by one is not exact
+    _, _, meas_all, _ = _plain_run(grads_seen=exact["grads"] + 4)
+    cell = compare(pred, meas_all).memory[0].categories["grads"]
+    assert cell.measured == exact["grads"] and not any("MemTracker tagged" in n for n in cell.notes)
+    meas_all["ranks"][0]["memory"]["exact"]["grads"] -= 4
+    assert not states_exact(pred, meas_all)

@@ -4,7 +4,7 @@ fitted on one layout that breaks a neighbour fails here, not in the next session
 
 Each drawn layout runs for real (torchrun, gloo, two steps and the measured step, as the sweep runs
 them) and is compared with the engine as the sweep compares it: parameters, gradients and optimizer
-states exact on every rank, the tracked peak within 5 %. Activations are printed by the sweep, not
+states at their exact sizes on every rank, the tracked peak within 5 %. Activations are printed by the sweep, not
 asserted here (their bounds are not met yet: see the README's "Layouts it was not fitted on").
 
 Known misses are strict xfails that name the mechanism: when a fix makes one pass, the xfail fails
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.compare import compare
+from engine.compare import compare, states_exact
 from engine.predict import predict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -56,9 +56,11 @@ def test_a_layout_no_rule_was_fitted_on(i, tmp_path):
     result = run.wait()
     assert run.ok, f"{name}: {result}"
     measured = json.loads((tmp_path / "run" / "measurement.json").read_text())
-    cmp = compare(predict(cfg), measured)
-    for r in cmp.memory:
-        for c in ("params", "grads", "optimizer"):
-            assert r.categories[c].error == 0, f"{name}: rank {r.rank} {c} {r.categories[c]}"
+    pred = predict(cfg)
+    cmp = compare(pred, measured)
+    # the states at their exact sizes (whole: which of them a peak holds is the tracked peak's business)
+    assert states_exact(pred, measured), f"{name}: " + "; ".join(
+        f"rank {r.rank} {c} {r.categories[c]}" for r in cmp.memory for c in ("params", "grads", "optimizer")
+        if r.categories[c].error)
     peak = cmp.summary()["allocated"]
     assert abs(peak) <= TRACKED_PEAK, f"{name}: tracked peak {peak:+.1%} (bound ±{TRACKED_PEAK:.0%})"
