@@ -546,8 +546,12 @@ class _Planner:
                 # those of the stage whose backward came first, the rank's last: nearest the loss)
                 late = steady + np.where(grads_unsharded, gacc * p_, 0.0) if len(stages) == 1 else \
                     steady + np.where(grads_unsharded & (gm > 1), gacc * last_psi, 0.0)
+                # plain gradients: every one of the rank's from its first backward on, whatever its stages
+                plain_late = plain & (not lora)
+                late = late + np.where(plain_late, 4 * p_, 0.0)
+                after_on = grads_unsharded | plain_late
                 for held, after_backward in ((fixed, False), (late, True)):
-                    if after_backward and not grads_unsharded.any():
+                    if after_backward and not after_on.any():
                         break
                     # replay torch's order only where it matters: the m values whose held part fits; per m the
                     # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts
@@ -563,7 +567,7 @@ class _Planner:
                     head_in = act_b * np.where(gs, s_len * h, sbh1) if torch_acc else act_b * sbh1
                     act = bf * (layers_act + first * 8 * s_len + last * (act_b * sbh1 + head_in + 4 * s_len * vocab_t))
                     if after_backward:
-                        mem = np.maximum(mem, np.where(grads_unsharded, held + np.where(lsum > 0, act - head_up, 0.0),
+                        mem = np.maximum(mem, np.where(after_on, held + np.where(lsum > 0, act - head_up, 0.0),
                                                        0.0))
                     else:
                         mem = np.maximum(mem, held + act - head_up)
