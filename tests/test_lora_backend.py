@@ -46,14 +46,14 @@ def test_nf4_and_tp_are_refused_with_reasons():
 
 
 def _lora_run(tmp_path, zero: int):
-    from test_backend_strategies import col, run_ok
+    from test_backend_strategies import exact, run_ok
 
     training = {"finetune": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all"}
     cfg, meas, _ = run_ok(tmp_path, steps=4, cluster={"gpus": 2},
                           parallel={"dp": 2, "pp": 1, "microbatches": 1, "zero": zero}, training=training)
     pred = memory_per_rank(cfg).per_rank
-    for key in ("params", "grads", "optimizer"):  # the states whole (plain .grad comes with the first backward)
-        assert col(meas, key) == [sum(t.bytes for t in r.catalogue(key)) for r in pred], key
+    for key in ("params", "grads", "optimizer"):  # the states at their exact sizes, whole
+        assert exact(meas, key) == [sum(t.bytes for t in r.catalogue(key)) for r in pred], key
     assert meas.step.losses[-1] < meas.step.losses[0]
     return cfg, meas, pred
 
