@@ -53,7 +53,7 @@ NOT_COVERED = [
     "allocator: reserved bytes are the modelled caching allocator's replay of this one measured step from an "
     "empty cache (the storages alive at its start allocated first, in the tracker's order); a real run's "
     "earlier steps leave the cache warm",
-    "kernels' workspaces and the fused/foreach optimizer paths a GPU would take (CPU default: for-loop AdamW)",
+    "kernels' workspaces (AdamW steps with torch's GPU default, foreach, on the fake tensors)",
 ]
 NOT_COVERED_CPU_KERNELS = [
     "CPU kernels stand in for GPU ones where torch has no fake equivalent: autocast's CPU cast lists "
@@ -122,6 +122,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
     from backend.parallel.pipeline import ActionTimer
     from backend.parallel.precision import compute_dtype
     from backend.train import SEED, Trainer, _optimizer_cls_and_kwargs, check_supported
+    from engine.memory.states import optimizer_foreach
     from engine.wrapping import wrapping_plan
 
     par, tr = cfg.parallel, cfg.training
@@ -179,7 +180,7 @@ def _build(cfg, rank: int, fake_tensors: bool = True):
                 for _, m in self.modules:
                     self.moe_load = plan_dispatch(m, cfg, group)
             self.sync_experts = expert_grad_sync([m for _, m in self.modules], cfg, self.plan, self.dims)
-            cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
+            cls, kw = _optimizer_cls_and_kwargs(tr.optimizer, optimizer_foreach(cfg))  # as the GPU would step
             with self.fake_mode:
                 self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
             self.timer = ActionTimer()

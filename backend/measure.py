@@ -296,7 +296,7 @@ def tracker_peak(tracker, device: torch.device) -> dict[str, int]:
 
 def categories_from(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict[str, int]:
     """Our seven categories at the tracker's peak: params / grads / optimizer exact, the rest from the
-    tracker's peak — except FSDP2's sharded gradients where FSDPMemTracker tags them itself ("Sharded
+    tracker's peak (what it tags optimizer state beyond the exact states: temporaries of the step) — except FSDP2's sharded gradients where FSDPMemTracker tags them itself ("Sharded
     Grad"): FSDP2 makes them in each unit's post-backward (under pipelining only at the schedule's
     REDUCE_GRAD) and ``zero_grad(set_to_none=True)`` drops them after the step, so at a peak inside the
     step fewer or none exist; grads are then what the tracker saw at its peak (never more than the exact
@@ -306,6 +306,10 @@ def categories_from(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict[
         cat = TRACKER_TO_CATEGORY.get(name)
         if cat is not None:
             cats[cat] += v
+    # MemTracker tags everything made inside optimizer.step() as optimizer state (its ``_in_opt``: OPT), so
+    # beyond the state tensors, what the tracker counts as optimizer at its peak is the step's temporaries
+    # (AdamW's denominators: engine.memory.states.optimizer_step_term)
+    cats["temporaries"] += max(0, cats["optimizer"] - int(exact["optimizer"]))
     cats.update({k: exact[k] for k in ("params", "grads", "optimizer")})
     if "Sharded Grad" in tracker_raw:
         cats["grads"] = min(int(exact["grads"]), int(tracker_raw["Sharded Grad"]))

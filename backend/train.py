@@ -40,15 +40,20 @@ from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
 from engine.backend_limits import composition_problems, cp_rotate_refusal
 from engine.config import Config
+from engine.memory.states import optimizer_foreach
 from engine.wrapping import wrapping_plan
 
 LEARNING_RATE = 5e-3
 SEED = 0
 
 
-def _optimizer_cls_and_kwargs(name: str):
+def _optimizer_cls_and_kwargs(name: str, foreach: bool = False):
+    """The optimizer class and its arguments; ``foreach``: AdamW's multi-tensor step, as torch picks it on
+    GPUs (engine.memory.states.optimizer_foreach: a fake-tensor simulation of a GPU rank lives on the CPU,
+    where torch would pick the for-loop)."""
     if name == "adamw":
-        return torch.optim.AdamW, {"lr": LEARNING_RATE, "betas": (0.9, 0.95), "weight_decay": 0.0}
+        return torch.optim.AdamW, {"lr": LEARNING_RATE, "betas": (0.9, 0.95), "weight_decay": 0.0,
+                                   "foreach": foreach}
     if name == "sgd-momentum":
         return torch.optim.SGD, {"lr": 0.3, "momentum": 0.9}
     return torch.optim.SGD, {"lr": 0.3}
@@ -137,7 +142,7 @@ class Trainer:
         self.moes = [moe for _, m in self.modules for moe in moe_modules(m)]
         self.sync_experts = expert_grad_sync([m for _, m in self.modules], cfg, self.plan, self.dims)
 
-        cls, kw = _optimizer_cls_and_kwargs(tr.optimizer)
+        cls, kw = _optimizer_cls_and_kwargs(tr.optimizer, optimizer_foreach(cfg))
         self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
 
         self.timer = ActionTimer()

@@ -88,10 +88,11 @@ def single_gpu_config(cfg: Config) -> Config:
 # --------------------------------------------------------------------------- memory
 
 
-def _loss_terms(body: _Body) -> tuple[int, int]:
-    """(bytes of the log-probabilities kept for backward, bytes of the loss temporaries) of one replica."""
-    logp = sum(t.bytes for t in body.terms["activations"] if t.kind == "log_probabilities")
-    tmp = sum(t.bytes for t in body.terms["temporaries"] if t.kind == "loss")
+def _loss_terms(terms: dict[str, list]) -> tuple[int, int]:
+    """(bytes of the log-probabilities kept for backward, bytes of the loss temporaries) of one replica,
+    from its terms at one moment."""
+    logp = sum(t.bytes for t in terms["activations"] if t.kind == "log_probabilities")
+    tmp = sum(t.bytes for t in terms["temporaries"] if t.kind == "loss")
     return logp, tmp
 
 
@@ -103,10 +104,14 @@ def memory(cfg: Config) -> MemoryReport:
     model, tr = cfg.model, cfg.training
     s, b = model.seq_len, tr.micro_batch_size
     act = 4 if tr.precision == "fp32" else 2
-    logp, loss_tmp = _loss_terms(base)
     # the gradients whole, alive at the single GPU's peak or not (there they come with its first backward):
     # this model sums GPU 0's terms as one moment, with .grad (plain lifetimes are not followed here)
     grads_whole = list(base.catalogue["grads"])
+    # its terms at the single GPU's forward and backward peak: the optimizer step's temporaries (AdamW's,
+    # engine.memory.states.optimizer_step_term) are another moment, which this one-moment sum leaves out
+    snap = base.timeline.snapshot(base.timeline.peak_before_step) if base.timeline is not None else base.terms
+    snap = {c: [t for t in snap[c] if t.kind != "optimizer_step"] for c in MEMORY_CATEGORIES}
+    logp, loss_tmp = _loss_terms(snap)
     params_b, grads_b = base.values["params"], sum(t.bytes for t in grads_whole)
     logits = act * s * b * model.vocab
     conv = cfg.conventions
@@ -118,7 +123,7 @@ def memory(cfg: Config) -> MemoryReport:
                          "overhead", tracked=False, kind="collective_buffers")
 
     def copy_terms() -> dict[str, list[Term]]:
-        return {c: list(base.terms[c]) if c != "grads" else list(grads_whole) for c in MEMORY_CATEGORIES}
+        return {c: list(snap[c]) if c != "grads" else list(grads_whole) for c in MEMORY_CATEGORIES}
 
     # GPU 0: the module, its state, and the whole batch's loss
     t0 = copy_terms()
@@ -143,12 +148,12 @@ def memory(cfg: Config) -> MemoryReport:
         ti["grads"].append(Term("replica gradients, alive until reduce-added onto GPU 0 at the end of backward",
                                 grads_b, f"{grads_b:,} B", "grads", kind="gradients"))
         ti["optimizer"].append(Term("none: only GPU 0 steps the optimizer", 0, "0", "optimizer", kind="none"))
-        ti["activations"] = [t for t in base.terms["activations"] if t.kind != "log_probabilities"]
-        ti["temporaries"] = [t for t in base.terms["temporaries"] if t.kind != "loss"]
+        ti["activations"] = [t for t in snap["activations"] if t.kind != "log_probabilities"]
+        ti["temporaries"] = [t for t in snap["temporaries"] if t.kind != "loss"]
         ti["temporaries"].append(Term("replica's output logits until gathered onto GPU 0 (then their gradient)",
                                       logits, f"{act}·s·b·V = {logits:,} B", "temporaries", kind="replica_logits"))
-        ti["comm_buffers"] = list(base.terms["comm_buffers"])
-        ti["overhead"] = list(base.terms["overhead"]) + ([comm_term] if comm_term else [])
+        ti["comm_buffers"] = list(snap["comm_buffers"])
+        ti["overhead"] = list(snap["overhead"]) + ([comm_term] if comm_term else [])
         bodies.append(_Body(ti, (0,), 0))
     capacity = cfg.cluster.gpu.memory_bytes
     per_rank = [RankMemory(r, 0, r, bodies[min(r, 1)], capacity) for r in range(n)]

@@ -620,6 +620,32 @@ def zero_redundancy_shares(groups, degree: int) -> tuple[int, ...]:
     return _partition(tensor_groups(groups), degree)
 
 
+def zero_redundancy_largest(groups, degree: int, rank: int, n: int = 2) -> list[int]:
+    """The ``n`` largest tensors (element counts, largest first) that dp-rank ``rank`` owns under the
+    greedy partition of ``zero_redundancy_partition``: its first ``n``, since tensors go out largest
+    first. A rank that owns nothing yet has the least elements (tensors are not empty), so the first
+    ``degree`` tensors go to ranks 0, 1, … in order; then each to the least-loaded (lowest on ties).
+    Costs at most one step per tensor of the rank."""
+    out: list[int] = []
+    fresh, heap = 0, []  # the lowest rank that owns nothing; (elements, rank) of those that own some
+    for numel, count in tensor_groups(groups):
+        if numel <= 0:
+            continue
+        for _ in range(count):
+            if fresh < degree:
+                r, load = fresh, numel
+                fresh += 1
+                heapq.heappush(heap, (load, r))
+            else:
+                load, r = heap[0]
+                heapq.heapreplace(heap, (load + numel, r))
+            if r == rank:
+                out.append(numel)
+                if len(out) == n:
+                    return out
+    return out
+
+
 #: from this many ranks on, the partition is computed with numpy, every group in closed form
 #: (``_hand_out_equal_np``): O(degree) array work per tensor group instead of Python loops
 NUMPY_PARTITION_RANKS = 4096

@@ -26,9 +26,12 @@ def _cfg(parallel: dict, training: dict | None = None, model: dict | None = None
 
 
 def _terms(r, cat: str) -> dict[str, int]:
+    """The rank's terms of ``cat`` by kind, but the optimizer step's (another moment than the backward's,
+    tests/test_memory_pytorch.py)."""
     out: dict[str, int] = {}
     for t in r.catalogue(cat):
-        out[t.kind] = out.get(t.kind, 0) + t.bytes
+        if t.kind != "optimizer_step":
+            out[t.kind] = out.get(t.kind, 0) + t.bytes
     return out
 
 

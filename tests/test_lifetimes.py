@@ -20,6 +20,7 @@ from engine.memory.lifetimes import (
     allocation_events,
     fsdp_params_lifetime,
     moments,
+    peak_of,
     replay_events,
 )
 from engine.names import MEMORY_CATEGORIES
@@ -95,7 +96,7 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
                     want.append(t)
             got = [t for t in r.explain(c) if t.bytes or t.kind != "none"]
             assert got == want
-        assert r.peak_moment.startswith(("stage ", "the end of the backward, after stage "))
+        assert r.peak_moment.startswith(("stage ", "the end of the backward, after stage ", "the optimizer step, after stage "))
 
 
 def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_microbatch_and_the_end():
@@ -133,9 +134,13 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
             # by the end, the reducing post-backward has dropped FSDP2's accumulated unsharded gradients
             acc = sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c) if t.kind in END_FREED_KINDS)
             moments_bytes.append(base + unit + g("backward", 0) + late - acc + g("end_of_backward", 0))
+            # the optimizer step: what the end holds but the last unit's transients, with AdamW's temporaries
+            assert g("optimizer_step", 0) > 0
+            moments_bytes.append(base + late - acc + g("end_of_backward", 0) + g("optimizer_step", 0))
             assert r.allocated == max(moments_bytes)
             i = moments_bytes.index(max(moments_bytes))
-            what = ("the end of the backward" if i == 3 * m else ("F", "B", "B")[i % 3] + f" of microbatch {i // 3}")
+            what = ("the end of the backward" if i == 3 * m else "the optimizer step" if i == 3 * m + 1
+                    else ("F", "B", "B")[i % 3] + f" of microbatch {i // 3}")
             assert what in r.peak_moment
             assert ("at its start: the loss" in r.peak_moment) == (i < 3 * m and i % 3 == 1)
     # a large vocabulary's loss beats them (Llama 3 8B FSDP 8, mbs 2, s 8192, full recompute): at
@@ -143,11 +148,14 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
     r = memory_per_rank(Config.load(ROOT / "assets/examples/fake/llama3-8b-fsdp8-full.toml")).per_rank[0]
     assert "at its start: the loss" in r.peak_moment
     assert "fsdp_sharded_grads" not in {t.kind for t in r.explain("grads")}
-    # without a large loss, the end of the backward: gradients complete, no activation (Llama 3 70B
-    # FSDP 8 × TP 8, s 8192: the root unit and the embedding's replicated gradient beside them)
+    # without a large loss, the optimizer step: gradients complete, no activation, AdamW's foreach
+    # temporaries, 4 B a local element, above the end of the backward's root unit and its gradient
+    # (Llama 3 70B FSDP 8 × TP 8, s 8192)
     r = memory_per_rank(Config.load(ROOT / "assets/examples/fake/llama3-70b-fsdp8-tp8.toml")).per_rank[0]
-    assert "the end of the backward" in r.peak_moment
+    assert "the optimizer step" in r.peak_moment
     assert r.activations == 0 and "fsdp_sharded_grads" in {t.kind for t in r.explain("grads")}
+    step = [t for t in r.explain("temporaries") if t.kind == "optimizer_step"]
+    assert len(step) == 1 and step[0].bytes == sum(t.bytes for t in r.explain("params") if t.kind == "parameters")
 
 
 #: term kind -> the transient lifetime it has
@@ -166,7 +174,7 @@ _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "mlp_backward
     # one stage per rank: the steady state's forwards hold the warm-up's microbatches again, now with the
     # unsharded gradients: every rank's peak holds every term but those alive only apart from the steady
     # state (None): the loss (its own moments) and FSDP2's all-gather output (units never resharded: the
-    # first forwards only), and the sharded gradients (the end of the backward)
+    # first forwards only), the sharded gradients (the end of the backward) and AdamW's step temporaries
     ({"dp": 2, "pp": 4, "zero": 3, "schedule": "1F1B", "microbatches": 8}, None),
 ])
 def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
@@ -196,7 +204,8 @@ def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_pe
         if some_below is None:
             tl = r._body.timeline
             apart = sum(t.bytes for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))
-                        if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards", "stage_reduced")
+                        if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards", "stage_reduced",
+                                                   "optimizer_step")
                         or (tl.lifetime(cat, i) == "stage_accumulated" and not pk.acc[local.index(t.stage)]))
             every = sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
             assert every - apart <= r.total < every, r.rank  # the loss moment can be above the rest
@@ -258,12 +267,15 @@ def test_every_tracked_term_kind_has_a_lifetime():
 
 
 def test_the_events_replay_to_the_peak_allocated():
-    """The allocator's most allocated bytes are the timeline's peak, rounded up block by block."""
+    """The allocator's most allocated bytes are the timeline's peak, rounded up block by block (the
+    peak of the moments up to the end of the backward: the optimizer step's temporaries are not laid)."""
     for par in LAYOUTS:
         rep = memory_per_rank(_cfg(par, gpus=_world(par)))
         for group in rep.distinct():
             r = group[0]
             ev = r._body.timeline.events()
+            laid = peak_of(r._body.timeline._event_signature()[0]).bytes
+            assert laid <= r.allocated
             stats = replay(ev)
             live, most, top = {}, 0, 0
             for e in ev:
@@ -274,9 +286,9 @@ def test_the_events_replay_to_the_peak_allocated():
                 exact = sum(live.values())
                 if exact > top:
                     top, most = exact, sum(round_size(x) for x in live.values())
-            assert top == r.allocated
+            assert top == laid
             # the allocator counts whole blocks: a large-pool block is not split for a remainder ≤ 1 MiB
-            assert r.allocated <= stats.max_allocated <= most + (2**20 + 512) * len(ev)
+            assert laid <= stats.max_allocated <= most + (2**20 + 512) * len(ev)
             assert r.reserved >= stats.max_allocated
             assert r.reserved == stats.max_reserved or r.reserved == r.allocated + sum(
                 t.bytes for t in r.explain("overhead") if t.kind == "allocator_slack")
@@ -478,8 +490,8 @@ def test_under_pipelining_fsdp2_makes_sharded_gradients_at_reduce_grad_and_gathe
             first = mo.masks[:, TRANSIENT.index("first_forwards")].astype(bool)
             assert sorted(mo.stage[first].tolist()) == sorted(set(mo.stage.tolist()))
             assert (mo.kind[first] == 0).all()  # F
-            end = mo.masks[:, TRANSIENT.index("end_of_backward")].astype(bool)
-            assert end.tolist() == [False] * (len(end) - 1) + [True] and mo.counts[-1].sum() == 0
+            end = mo.masks[:, TRANSIENT.index("end_of_backward")].astype(bool)  # the end, then the optimizer step
+            assert end.tolist() == [False] * (len(end) - 2) + [True, True] and mo.counts[-1].sum() == 0
 
 
 def test_the_events_lay_each_block_as_the_training_loop_allocates_it():
@@ -498,8 +510,10 @@ def test_the_events_lay_each_block_as_the_training_loop_allocates_it():
     first_free = next(k for k, e in enumerate(ev) if e[0] == "free" and e[1][0] == "mb")
     grads = [k for k, e in enumerate(ev) if e[0] == "alloc" and len(e) > 3 and e[3] == 2]
     assert grads and min(grads) > first_free  # made during the backward, once freed blocks cover them
-    # the replay still peaks at the moments' allocated bytes, and reserves at least that
-    assert r.reserved >= replay(ev).max_allocated >= r.allocated
+    # the replay still peaks at the allocated bytes of the moments it lays (up to the end of the backward),
+    # and the reserve is at least the peak's
+    assert replay(ev).max_allocated >= peak_of(r._body.timeline._event_signature()[0]).bytes
+    assert r.reserved >= r.allocated
 
 
 def test_the_loss_side_lives_from_after_the_blocks_forward_to_before_the_blocks_backward():
@@ -783,7 +797,7 @@ def test_zero2_without_a_pipeline_gathers_each_unit_in_its_forward_and_reshards_
             mo = moments(sc, rank, pp, v, 8)
             until = mo.masks[:, TRANSIENT.index("until_end_of_backward")].astype(bool)
             during = mo.masks[:, TRANSIENT.index("during_actions")].astype(bool)
-            assert until.tolist() == (mo.phase != 2).tolist()  # every moment but the end (phase END)
+            assert until.tolist() == (mo.phase < 2).tolist()  # every moment but the end and the optimizer step
             assert during.tolist() == (mo.phase == 0).tolist()  # the actions' own moments only
             fwd = mo.masks[:, TRANSIENT.index("forwards")].astype(bool)
             assert fwd.tolist() == ((mo.phase == 0) & (mo.kind == 0)).tolist()  # each F's own moment
@@ -812,4 +826,5 @@ def test_the_context_parallel_attention_workspace_lives_only_while_a_block_runs(
     lives = {t.kind: tl.lifetime(cat, i) for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))}
     assert lives["cp_attention"] == "during_actions"
     at_peak = {t.kind for t in r.explain("temporaries")}
-    assert ("cp_attention" in at_peak) == (": the loss" not in r.peak_moment and "end of the backward" not in r.peak_moment)
+    assert ("cp_attention" in at_peak) == (": the loss" not in r.peak_moment and "end of the backward" not in r.peak_moment
+                                           and "optimizer step" not in r.peak_moment)

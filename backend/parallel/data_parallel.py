@@ -167,13 +167,16 @@ class TensorParallelZeRO1(torch.optim.Optimizer):
         self.group = group
         sizes = [0] * dist.get_world_size(group)
         owner: dict[int, int] = {}
-        for p in sorted(params, key=lambda t: local_tensor(t).numel(), reverse=True):
+        largest_first = sorted(params, key=lambda t: local_tensor(t).numel(), reverse=True)
+        for p in largest_first:
             r = sizes.index(min(sizes))
             owner[id(p)] = r
             sizes[r] += local_tensor(p).numel()
         me = dist.get_rank(group)
         self.owners = [(p, dist.get_global_rank(group, owner[id(p)])) for p in params]
-        mine = [p for p in params if owner[id(p)] == me]
+        # in the order ZeroRedundancyOptimizer gives its local optimizer (largest first): a for-loop
+        # step's temporaries follow it (engine.memory.states.optimizer_step_term)
+        mine = [p for p in largest_first if owner[id(p)] == me]
         super().__init__(params, defaults)
         if mine:  # else no state at all (measure reads ``optimizer.state``, empty)
             self.optim = optimizer_class(mine, **defaults)

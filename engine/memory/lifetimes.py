@@ -62,6 +62,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   forwards             at every F's own moment only: FSDP2's all-gather output where each unit is gathered
                        once per forward and kept to its backward (no pipeline; ZeRO-2, ZeRO-3 not
                        resharded after forward): the backward gathers nothing
+  optimizer_step       at the optimizer-step moment only: what ``optimizer.step()`` allocates while it runs
+                       (AdamW's denominators: ``engine.memory.states.optimizer_step_bytes``)
   after_first_backward from the end of the rank's first B or I to the step's end (made during it): a later
                        stage's input gradient, held for its send to the previous stage until the next
                        backward makes the next (gone at the end of the backward), FSDP2's unsharded gradients
@@ -78,6 +80,9 @@ moment no longer holds the loss. After the rank's last action comes the *end-of-
 every stage-microbatch freed, the kept outputs, the step terms, ``after_first_backward`` and
 ``end_of_backward``, and the transients of the last unit's post-backward (``every_action``,
 ``backward``: the root unit gathered, its gradient being reduced); no loss, no recomputed block.
+Then the *optimizer-step moment*: what the end of the backward holds but the last unit's
+transients, with ``optimizer_step`` (the training loop's ``zero_grad(set_to_none=True)`` comes after
+the step, so every gradient is still there).
 
 A moment's live bytes are the step terms, the stage-microbatches alive then (at an F: after it
 allocates; at a B, I or W: before it frees), the kept outputs so far, and the transients of that
@@ -112,7 +117,8 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
-             "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "after_first_backward")
+             "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
+             "after_first_backward")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
@@ -144,6 +150,7 @@ LIFETIMES: dict[str, str] = {
     "split_backward_grads": "input_to_weight",
     "cp_attention": "during_actions",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
+    "optimizer_step": "optimizer_step",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
 
@@ -253,7 +260,7 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
 
 
 #: the phases of a moment (``Moments.phase``)
-ACTION, LOSS, END = 0, 1, 2
+ACTION, LOSS, END, STEP = 0, 1, 2, 3
 
 
 class Moments(NamedTuple):
@@ -263,7 +270,7 @@ class Moments(NamedTuple):
     stage j alive at moment i; ``outputs[i]``: the last stage's forwards done by moment i;
     ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i; ``phase[i]``: ``ACTION``
     for an action's own moment, ``LOSS`` for the loss moment that opens a last-stage B or I (the next
-    moment is that action's own), ``END`` for the step's last moment, the end of the backward;
+    moment is that action's own), ``END`` for the end of the backward, ``STEP`` for the optimizer step after it;
     ``head[i, j]``: stage-microbatches of local stage j whose loss side (``HEAD_KINDS``) is alive at
     moment i — as ``counts``, but an F's own moment (its blocks' forward, their units gathered) comes
     before the final norm and the head make them, and a full backward B's own moment (its blocks'
@@ -357,8 +364,10 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         np.ones(n, dtype=bool),
         np.ones(n, dtype=bool),
         is_f,
+        np.zeros(n, dtype=bool),
         np.arange(n) > first_bwd,
     ]).astype(np.int64)
+    assert masks.shape[1] == len(TRANSIENT)
     # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist
     # before any unit of the stage is gathered for backward (FSDP2's pre-backward hook fires when the
     # logits' gradient reaches the root), before any gradient (each unit makes its gradient in its
@@ -404,6 +413,16 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
+        # the optimizer step: the end of the backward without the last unit's post-backward transients,
+        # with what the step allocates (the gradients stay until zero_grad, after it)
+        sm = np.zeros_like(em)
+        for life in ("end_of_backward", "optimizer_step", "after_first_backward"):
+            sm[0, TRANSIENT.index(life)] = 1
+        kind, stage, mb = (np.append(x, x[-1]) for x in (kind, stage, mb))
+        counts, head, iw, acc, red = (np.append(x, x[-1:], axis=0) for x in (counts, head, iw, acc, red))
+        outputs = np.append(outputs, outputs[-1])
+        masks = np.append(masks, sm, axis=0)
+        phase = np.append(phase, STEP)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red)
     for x in out:
         x.setflags(write=False)
@@ -446,7 +465,7 @@ class Peak(NamedTuple):
     stage: int
     microbatch: int
     head: tuple[int, ...] = ()  # stage-microbatches whose loss side is alive, per local stage
-    phase: int = 0  # ACTION, LOSS or END
+    phase: int = 0  # ACTION, LOSS, END or STEP
     iw: tuple[int, ...] = ()  # stage-microbatches between their I and W, per local stage
     acc: tuple[int, ...] = ()  # per local stage: its unsharded gradients alive (1) or not (0)
     red: tuple[int, ...] = ()  # per local stage: its sharded gradients alive
@@ -465,7 +484,7 @@ def peak_of(sig: Signature) -> Peak:
     big = max(map(abs, w), default=0) > 2**40
     live = mo.matrix @ np.array(w, dtype=object if big else np.int64)
     if sig.end_freed:
-        live = live - np.where(mo.phase == END, sig.end_freed, 0)
+        live = live - np.where(mo.phase >= END, sig.end_freed, 0)
     i = int(np.argmax(live))
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
@@ -579,13 +598,18 @@ class RankTimeline:
             return "untracked"
         return dict(self.varying.get(category, ())).get(index, "step")
 
-    def snapshot(self) -> dict[str, list[Term]]:
-        """The terms alive at the peak, by category (per-microbatch terms at the count alive then;
-        the terms alive all step and the untracked overhead terms always)."""
-        pk = self.peak
+    @property
+    def peak_before_step(self) -> Peak:
+        """The peak of the moments up to the end of the backward (the optimizer step left out)."""
+        return peak_of(self._event_signature()[0])
+
+    def snapshot(self, pk: Peak | None = None) -> dict[str, list[Term]]:
+        """The terms alive at the peak (or at moment ``pk``), by category (per-microbatch terms at the
+        count alive then; the terms alive all step and the untracked overhead terms always)."""
+        pk = pk or self.peak
         alive = dict(zip(TRANSIENT, pk.alive))
         pp = self.signature.pp
-        at_end = pk.phase == END
+        at_end = pk.phase >= END
         out: dict[str, list[Term]] = {}
         for c in MEMORY_CATEGORIES:
             terms = self.terms[c]
@@ -618,19 +642,22 @@ class RankTimeline:
             if drop:
                 row = [t for t in row if t is not None]
             if not row:
-                row = [Term(f"nothing of this category alive at the peak ({self.peak_moment()})", 0, "0", c,
+                row = [Term(f"nothing of this category alive at the peak ({self.peak_moment(pk)})", 0, "0", c,
                             kind="none")]
             out[c] = row
         return out
 
-    def peak_moment(self) -> str:
-        """The peak moment in words: "stage 3 B of microbatch 2 (action 17 of 40)", or "stage 7 B of
-        microbatch 0, at its start: the loss (action 9 of 64)" at a loss moment."""
-        pk, sig = self.peak, self.signature
+    def peak_moment(self, pk: Peak | None = None) -> str:
+        """The peak moment (or moment ``pk``) in words: "stage 3 B of microbatch 2 (action 17 of 40)", or
+        "stage 7 B of microbatch 0, at its start: the loss (action 9 of 64)" at a loss moment."""
+        pk, sig = pk or self.peak, self.signature
         mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
         extra = mo.phase != ACTION
         n = int(len(mo.kind) - extra.sum())
         action = int(pk.moment - extra[:pk.moment].sum()) + 1  # the loss and end moments are not actions
+        if mo.phase[pk.moment] == STEP:
+            return f"the optimizer step, after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} " \
+                   f"(action {action - 1} of {n})"
         if mo.phase[pk.moment] == END:
             return f"the end of the backward, after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} " \
                    f"(action {action - 1} of {n})"
@@ -644,10 +671,22 @@ class RankTimeline:
     def _event_signature(self) -> tuple:
         """Hashable: the timeline's signature plus the (lifetime, bytes, stream) of every tracked block
         not per stage-microbatch (one microbatch's for the kept outputs), and with a :class:`Grain` the
-        grain and the blocks' and log-probabilities' bytes per local stage: identical ranks share one replay."""
+        grain and the blocks' and log-probabilities' bytes per local stage: identical ranks share one replay.
+
+        Without the optimizer step's temporaries (``optimizer_step``): the events end with the backward.
+        The step's tensors come after every activation is freed, one per parameter, and the
+        allocator serves them from what the backward left cached; replaying them would make every
+        dp-rank of a ZeroRedundancyOptimizer share its own replay (their sizes differ). The reserve is
+        never below the allocated peak (``overhead.reserved_bytes``), which holds them."""
+        sig, rows = self.signature, self._rows
+        k = TRANSIENT.index("optimizer_step")
+        if sig.transient_bytes[k]:
+            t = sig.transient_bytes
+            sig = sig._replace(transient_bytes=t[:k] + (0,) + t[k + 1:])
+            rows = tuple(r for r in rows if r[0] != "optimizer_step")
         if self._grain is None:
-            return self.signature, self._rows
-        return self.signature, self._rows, self._grain, self._acts
+            return sig, rows
+        return sig, rows, self._grain, self._acts
 
 
 def _net_rows(rows: list, freed: dict[str, int]) -> tuple:
@@ -802,6 +841,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
+        if phase == STEP:
+            break  # the optimizer step is not laid (``RankTimeline._event_signature``)
         col = local[stage if sig.pp > 1 else 0]
         hd = heads[col]
         if phase == END and late_done:
@@ -1060,6 +1101,8 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                 continue
         kind, stage, mb, mask, phase = kinds[i], stages[i], mbs[i], masks[i], phases[i]
         nxt = i + 1
+        if phase == STEP:
+            break  # the optimizer step is not laid (``RankTimeline._event_signature``)
         if phase == END and accumulated:  # reduced and dropped by the end of the backward
             for key in [k for k in size if k[0] == "late" and k[1] in accumulated]:
                 free(key)

@@ -48,6 +48,7 @@ from engine.params import (
     expert_tensors,
     rank_tensor_groups,
     sharded_numel,
+    zero_redundancy_largest,
     zero_redundancy_shares,
 )
 from engine.wrapping import WrappingPlan
@@ -121,6 +122,72 @@ def _share_summary(sizes: tuple[int, ...]) -> tuple[dict[int, int], int, int]:
     return summary
 
 
+def optimizer_foreach(cfg: Config) -> bool:
+    """Whether AdamW steps with torch's multi-tensor ("foreach") implementation: torch's default where
+    every parameter is on a device with foreach kernels (torch/optim/optimizer.py,
+    ``_default_to_fused_or_foreach``: CUDA and the other accelerators, not the CPU), which the backend
+    passes explicitly so that a simulated GPU rank (fake tensors live on the CPU) steps as the GPU would."""
+    return cfg.cluster.gpu.name != "cpu"
+
+
+def _adjacent_peak(groups) -> int:
+    """max over the tensors in order of (the previous one + 2 × this one), for (numels of one unit,
+    how many such units in a row) groups: O(groups), not O(tensors)."""
+    best = prev = 0
+    for numels, count in groups:
+        if not numels or count <= 0:
+            continue
+        for x in numels:
+            best = max(best, prev + 2 * x)
+            prev = x
+        if count > 1:  # each later unit's first tensor follows the unit's last; its other pairs repeat
+            best = max(best, numels[-1] + 2 * numels[0])
+    return best
+
+
+def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups, zero1_rank: int | None) -> None:
+    """What AdamW allocates while it steps (torch/optim/adam.py, ``decoupled_weight_decay``; plain SGD,
+    with or without momentum, steps in place). Alive at the optimizer-step moment only
+    (``engine.memory.lifetimes``), after the backward, with every gradient still there.
+
+    foreach (``_multi_tensor_adam``): ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`` makes
+    the square root of every second moment at once, then divides, adds eps and ``_foreach_addcdiv_``
+    in place: one tensor per stepped parameter, 4 B (fp32) × the elements this rank steps.
+    for-loop (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt() / c).add_(eps)``,
+    the square root and the quotient both alive while the previous parameter's ``denom`` is still
+    bound: 4 B × max over the parameters in the optimizer's order of (previous + 2 × this).
+    ``groups``: (local numels of one unit in parameter order, count), in parameter order;
+    ``zero1_rank``: the dp-rank whose ZeroRedundancyOptimizer share steps (its tensors largest first,
+    ``_partition_parameters``' order), None without ZeRO-1."""
+    if cfg.training.optimizer != "adamw" or opt_numel <= 0:
+        return
+    if optimizer_foreach(cfg):
+        T.add("temporaries", "AdamW step (foreach, torch's default on GPUs): √ of every second moment at once",
+              4 * opt_numel, f"4 B × {rule}", kind="optimizer_step")
+        return
+    if zero1_rank is not None:
+        top = zero_redundancy_largest([(a, c) for numels, c in groups for a in numels], cfg.parallel.dp,
+                                      zero1_rank)
+        peak, order = _adjacent_peak([(tuple(top), 1)]), "its ZeroRedundancyOptimizer share, largest first"
+    else:
+        peak, order = _adjacent_peak(groups), "parameter order"
+    T.add("temporaries", "AdamW step (for-loop, torch's default on CPU): one parameter's √v and its quotient, "
+          "the previous parameter's denominator", 4 * peak,
+          f"4 B × max over the stepped tensors ({order}) of previous + 2 × this = 4 × {peak:,}", kind="optimizer_step")
+
+
+def _local_groups(rp: RankParams, shard: int, e_deg: int | None = None, units=None):
+    """(local numels of one unit in parameter order, count) of the rank's units: dim 0 of every tensor
+    split over ``shard`` (FSDP2: ``torch.chunk``, the first chunk's ⌈dim0/shard⌉ rows), the routed experts'
+    own units over ``e_deg``."""
+    experts = {u for u, _ in rp.expert_units} if e_deg not in (None, shard) else set()
+    out = []
+    for u, count in (units if units is not None else rp.unit_groups):
+        d = e_deg if u in experts else shard
+        out.append((tuple(ceil_div(a, d) * b for a, b in u), count))
+    return out
+
+
 def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
     """params / grads / optimizer as torch keeps them ("pytorch" accounting)."""
     par, tr, model = cfg.parallel, cfg.training, cfg.model
@@ -168,6 +235,11 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
               4 * k * opt_numel, f"{4 * k} B × {rule}", kind="optimizer_states")
     else:
         T.add("optimizer", "no optimizer state (plain sgd)", 0, "0", kind="none")
+    zero1 = z == 1 and par.dp > 1
+    sharded = plan.fsdp2 and par.zero in (2, 3)
+    optimizer_step_term(cfg, T, opt_numel, rule,
+                        _local_groups(rp, d if sharded else 1, expert_degree(cfg) if plan.fsdp2 else None),
+                        dp_rank if zero1 else None)
 
 
 def zero_paper_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
@@ -327,6 +399,10 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
     if k:
         T.add("optimizer", f"{tr.optimizer} states of the adapters ({k} × fp32); none for the frozen base",
               4 * k * opt_numel, f"{4 * k} B × {rule}", kind="optimizer_states")
+    if torch_acc:
+        zero1 = z == 1 and par.dp > 1 and par.tp == 1
+        optimizer_step_term(cfg, T, opt_numel, rule, _local_groups(rp, shard if fsdp2 else 1, units=ad),
+                            dp_rank if zero1 else None)
     if not T["optimizer"]:
         T.add("optimizer", "no optimizer state (plain sgd)", 0, "0", kind="none")
     return psi_lora
