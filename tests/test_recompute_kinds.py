@@ -220,7 +220,7 @@ def test_float8_keeps_high_precision_activations_and_no_block_weight_casts():
     assert activation_bytes_per_layer(fp8) == activation_bytes_per_layer(bf16)
 
     def casts(c):
-        return [t.bytes for t in memory_per_rank(c).per_rank[0].explain("activations")
+        return [t.bytes for t in memory_per_rank(c).per_rank[0].catalogue("activations")
                 if t.kind == "autocast_weight_casts"]
     head = 2 * TINY["vocab"] * TINY["hidden"]
     assert casts(fp8) == [head]  # the head's cast only: Float8Linear passes its fp32 weight uncast

@@ -14,7 +14,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        counted at their full size throughout, as the backend measures them: exact
                        sizes beside the tracker's peak), DDP buckets (the Reducer allocates them at
                        construction), the p2p receive buffers (allocated once per microbatch at the
-                       first step), autocast's cached weight casts, FSDP2's unsharded parameters
+                       first step), autocast's cached weight casts (but at the optimizer step, outside
+                       autocast: ``STEP_FREED_KINDS``), FSDP2's unsharded parameters
                        where every unit stays gathered between forward and backward
   microbatch           a stage-microbatch's saved activations: from its F until its full backward B,
                        or until its W where the backward is split (I then W). The last stage's loss
@@ -172,6 +173,12 @@ BLOCK_KINDS = frozenset({"layers", "moe_layers"})
 #: sharded gradients, no longer holds them; and a later stage's input gradient, held for its send to
 #: the previous stage (measured: gone once the last backward's send completes)
 END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "held_input_gradient"})
+
+#: what is alive all step but not at the optimizer step: autocast's cached weight casts. The training
+#: loop runs each forward and its backward inside ``torch.autocast``, whose exit clears the cache
+#: (torch/amp/autocast_mode.py: ``if torch.autocast_decrement_nesting() == 0: torch.clear_autocast_cache()``)
+#: once the backward has freed the saved references; the optimizer steps outside it
+STEP_FREED_KINDS = frozenset({"autocast_weight_casts"})
 
 #: the last stage's loss side: what the final norm, the head and the loss save per microbatch. Their
 #: backward runs first in a B (after the loss's own, at the loss moment), and autograd frees what a
@@ -451,6 +458,7 @@ class Signature(NamedTuple):
     iw_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: what a split backward keeps from I to W
     acc_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 unsharded gradients (``STAGE_LIFETIMES``)
     red_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 sharded gradients
+    step_freed: int = 0  # bytes of the step terms that the optimizer-step moment no longer holds
 
 
 class Peak(NamedTuple):
@@ -485,6 +493,8 @@ def peak_of(sig: Signature) -> Peak:
     live = mo.matrix @ np.array(w, dtype=object if big else np.int64)
     if sig.end_freed:
         live = live - np.where(mo.phase >= END, sig.end_freed, 0)
+    if sig.step_freed:
+        live = live - np.where(mo.phase == STEP, sig.step_freed, 0)
     i = int(np.argmax(live))
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
@@ -517,7 +527,7 @@ class RankTimeline:
         iw = [0] * len(local)
         stage_grads = {"stage_accumulated": [0] * len(local), "stage_reduced": [0] * len(local)}
         trans = dict.fromkeys(TRANSIENT, 0)
-        step = out = end_freed = 0
+        step = out = end_freed = step_freed = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
         varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
         rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
@@ -560,6 +570,9 @@ class RankTimeline:
                     life = "after_first_backward"
                 if life == "step":
                     step += nbytes
+                    if kind in STEP_FREED_KINDS:
+                        step_freed += nbytes
+                        var.append((i, life))
                 else:
                     if life == "to_step_end":
                         nbytes = nbytes // n if n else 0
@@ -585,7 +598,7 @@ class RankTimeline:
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
                                    tuple(trans[k] for k in TRANSIENT), head if any(head) else (),
                                    end_freed, tuple(iw) if any(iw) else (), acc if any(acc) else (),
-                                   red if any(red) else ())
+                                   red if any(red) else (), step_freed)
 
     @property
     def peak(self) -> Peak:
@@ -635,6 +648,9 @@ class RankTimeline:
                 elif life in STAGE_LIFETIMES:
                     on = pk.acc if life == "stage_accumulated" else pk.red
                     if not (on and on[self._column[t.stage if pp > 1 else 0]]):
+                        drop[i] = None
+                elif life == "step":
+                    if pk.phase == STEP and t.kind in STEP_FREED_KINDS:
                         drop[i] = None
                 elif not alive[life] or (at_end and life == "after_first_backward" and t.kind in END_FREED_KINDS):
                     drop[i] = None
