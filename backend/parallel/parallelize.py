@@ -91,6 +91,13 @@ def build_optimizer(params: list[nn.Parameter], plan: WrappingPlan, dims: Parall
     state): sharded by ZeroRedundancyOptimizer where the plan says ZeRO-1, plain otherwise
     (``fully_shard``'s parameters are already shards)."""
     stepped = trainable(params)
+    if kwargs.get("foreach") and len({type(p.data) for p in stepped}) > 1:
+        # torch's multi-tensor step groups its tensors by device and dtype only, and a foreach op refuses
+        # DTensors mixed with plain tensors ("got mixed torch.Tensor and DTensor": a TP layout without
+        # FSDP2 whose routed experts or norms stay plain). torch's own CUDA default would take that path
+        # and fail; such a rank steps parameter by parameter (the engine still counts the foreach
+        # temporaries: an over-count there)
+        kwargs["foreach"] = False
     if plan.zero_redundancy_optimizer:
         return make_zero1_optimizer(stepped, optimizer_cls, dims.dp_group(), **kwargs)
     return optimizer_cls(stepped, **kwargs)
