@@ -140,7 +140,7 @@ def _norm_params(model: ModelSpec) -> int:
     return 2 * model.hidden if model.norm == "layernorm" else model.hidden
 
 
-def _norm_tensors(model: ModelSpec, width: int) -> tuple[tuple[int, int], ...]:
+def norm_tensors(model: ModelSpec, width: int) -> tuple[tuple[int, int], ...]:
     return ((width, 1), (width, 1)) if model.norm == "layernorm" else ((width, 1),)
 
 
@@ -160,11 +160,11 @@ def attention_tensors(model: ModelSpec, tp: int = 1) -> tuple[tuple[tuple[int, i
         a_local = a // tp
         w: list[tuple[int, int]] = []
         if model.q_lora_rank:
-            w += [(model.q_lora_rank, h)] + list(_norm_tensors(model, model.q_lora_rank))
+            w += [(model.q_lora_rank, h)] + list(norm_tensors(model, model.q_lora_rank))
             w += [(a_local * qk, model.q_lora_rank)]
         else:
             w += [(a_local * qk, h)]
-        w += [(model.kv_lora_rank + model.qk_rope_head_dim, h)] + list(_norm_tensors(model, model.kv_lora_rank))
+        w += [(model.kv_lora_rank + model.qk_rope_head_dim, h)] + list(norm_tensors(model, model.kv_lora_rank))
         w += [(a_local * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)]
         w += [(h, a_local * model.v_head_dim)]
         b: list[tuple[int, int]] = []
@@ -273,7 +273,7 @@ def layer_tensors(model: ModelSpec, tp: int, with_experts: bool = False, ep: int
     routed experts are a unit of their own (``local_expert_tensors``), as torchtitan wraps them.
     """
     h = model.hidden
-    norm = _norm_tensors(model, h)
+    norm = norm_tensors(model, h)
     att_w, att_b = attention_tensors(model, tp)
     out: list[tuple[int, int]] = list(norm) + list(att_w) + list(att_b)
     if model.qk_norm:
@@ -467,7 +467,7 @@ def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
     moe_rest = _numel(moe) - (expert_numel if ep == 1 else 0)
     h = model.hidden
     vocab_rows = chunk_sizes(model.vocab, tp)
-    norm = _norm_tensors(model, h)
+    norm = norm_tensors(model, h)
     norm_numel = _norm_params(model)
     head_is_copy = model.tied_embeddings and n_stages > 1
     w_dense, w_moe = _weight_numel(dense), _weight_numel(moe) + _weight_numel(experts_unit)

@@ -45,7 +45,10 @@ from engine.names import OPTIMIZER_STATES
 from engine.params import (
     RankParams,
     Tensors,
+    attention_tensors,
     expert_tensors,
+    mlp_tensors,
+    norm_tensors,
     rank_tensor_groups,
     sharded_numel,
     zero_redundancy_largest,
@@ -176,14 +179,38 @@ def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups
           f"4 B × max over the stepped tensors ({order}) of previous + 2 × this = 4 × {peak:,}", kind="optimizer_step")
 
 
-def _local_groups(rp: RankParams, shard: int, e_deg: int | None = None, units=None):
+def _dense_block_order(model, tp: int) -> Tensors:
+    """One dense block's tensors in the order the backend's model registers its parameters
+    (backend/model.py, ``named_parameters``): the attention norm, each of q, k, v, o with its bias right
+    after it, q/k norms, the MLP norm, then w1, w2 (down), w3 each with its bias. ``layer_tensors`` lists
+    the same tensors with the weights first (the order FSDP2 and ZeRO-1 never depend on)."""
+    norm = norm_tensors(model, model.hidden)
+    att_w, att_b = attention_tensors(model, tp)
+    mlp_w, mlp_b = mlp_tensors(model, model.ffn_hidden, tp)
+    out = list(norm)
+    for i, w in enumerate(att_w):
+        out += [w] + ([att_b[i]] if i < len(att_b) else [])
+    if model.qk_norm:
+        out += [(model.head_dim, 1), (model.head_dim, 1)]
+    out += list(norm)
+    order = [0, len(mlp_w) - 1] + list(range(1, len(mlp_w) - 1))  # w1 (up), w2 (down), w3 (up, SwiGLU)
+    for i in order:
+        out += [mlp_w[i]] + ([mlp_b[i]] if mlp_b else [])
+    return tuple(out)
+
+
+def _local_groups(rp: RankParams, shard: int, e_deg: int | None = None, units=None, model=None, tp: int = 1):
     """(local numels of one unit in parameter order, count) of the rank's units: dim 0 of every tensor
     split over ``shard`` (FSDP2: ``torch.chunk``, the first chunk's ⌈dim0/shard⌉ rows), the routed experts'
-    own units over ``e_deg``."""
+    own units over ``e_deg``; a dense block in the model's parameter order (``_dense_block_order``, where
+    ``model`` is given)."""
     experts = {u for u, _ in rp.expert_units} if e_deg not in (None, shard) else set()
+    block = _dense_block_order(model, tp) if model is not None and units is None else None
     out = []
     for u, count in (units if units is not None else rp.unit_groups):
         d = e_deg if u in experts else shard
+        if block is not None and u == rp.block_tensors and sorted(block) == sorted(u):
+            u = block
         out.append((tuple(ceil_div(a, d) * b for a, b in u), count))
     return out
 
@@ -238,7 +265,8 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
     zero1 = z == 1 and par.dp > 1
     sharded = plan.fsdp2 and par.zero in (2, 3)
     optimizer_step_term(cfg, T, opt_numel, rule,
-                        _local_groups(rp, d if sharded else 1, expert_degree(cfg) if plan.fsdp2 else None),
+                        _local_groups(rp, d if sharded else 1, expert_degree(cfg) if plan.fsdp2 else None,
+                                      model=model, tp=par.tp),
                         dp_rank if zero1 else None)
 
 
