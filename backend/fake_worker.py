@@ -647,6 +647,25 @@ class AllocationRecorder:
             self._alloc(winfo)
 
 
+def _ddp_bucket_events(trainer) -> list[list]:
+    """DDP's flat gradient buckets as allocations at the replay's start: the Reducer allocates them at
+    construction, before the measured step, and the tracker (which leaves out what predates it) never
+    files them, so the recorded events lack them; the rank's comm_buffers count them (``measure``). One
+    per bucket, its size from the Reducer itself (``_get_zeros_like_grad_buckets``: a GradBucket like
+    each, its flat ``buffer()`` fake here)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    events: list[list] = []
+    for _, m in trainer.modules:
+        if isinstance(m, DistributedDataParallel):
+            with trainer.fake_mode:
+                buckets = m.reducer._get_zeros_like_grad_buckets()
+            for b in buckets:
+                flat = b.buffer()
+                events.append(["alloc", ("ddp_bucket", len(events)), flat.numel() * flat.element_size(), 0])
+    return events
+
+
 def allocator_capacity(cfg) -> int | None:
     """The bytes the caching allocator may reserve: the accelerator's memory (None on a CPU kind)."""
     gpu = cfg.cluster.gpu
@@ -689,7 +708,8 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments
         with AllocationRecorder(fsdp_stream_index([m for _, m in trainer.modules])) as recorder:
             memory = trainer.measure_memory(2)
         trainer.output_chunks = []
-    allocator = replay_allocations(recorder.events, expandable_segments=expandable_segments,
+    events = _ddp_bucket_events(trainer) + recorder.events
+    allocator = replay_allocations(events, expandable_segments=expandable_segments,
                                    capacity=allocator_capacity(cfg))
     seconds = time.perf_counter() - t0
     check = cross_check(memory["tracker_peak"], memory["exact"])

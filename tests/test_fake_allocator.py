@@ -230,3 +230,34 @@ def test_the_recorder_puts_each_fsdp2_buffer_on_the_stream_torch_allocates_it_on
     # the unsharded parameters (copy-out) and the reduce-scatter inputs: the current stream
     assert on[0].count(unit) >= 4
     assert AllocationRecorder().events == [] and AllocationRecorder()._stream() == 0  # without an index: stream 0
+
+
+def test_ddps_buckets_are_allocations_at_the_replays_start():
+    """DDP's Reducer allocates its flat gradient buckets at construction, before the measured step, and
+    the tracker (which leaves out what predates it) never files them: the replay begins with them, one
+    allocation per bucket at the Reducer's own sizes, summing to the gradients DDP reduces (found by the
+    fake sweep, seed 2612: a DDP rank's replay lacked its buckets, 10.41 GiB on Llama 3 8B dp4 cp4)."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from backend.fake_worker import _ddp_bucket_events
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+        ddp = DistributedDataParallel(model, init_sync=False)
+
+        class Trainer:  # what _ddp_bucket_events reads of a simulated rank
+            modules = [(0, ddp)]
+            fake_mode = contextlib.nullcontext()
+
+        events = _ddp_bucket_events(Trainer())
+    finally:
+        dist.destroy_process_group()
+    grads = 4 * sum(p.numel() for p in model.parameters())
+    assert events and [e[0] for e in events] == ["alloc"] * len(events) and {e[3] for e in events} == {0}
+    assert sum(e[2] for e in events) == grads
