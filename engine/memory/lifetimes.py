@@ -420,20 +420,26 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
-        # the optimizer step: the end of the backward without the last unit's post-backward transients,
-        # with what the step allocates (the gradients stay until zero_grad, after it)
-        sm = np.zeros_like(em)
-        for life in ("end_of_backward", "optimizer_step", "after_first_backward"):
-            sm[0, TRANSIENT.index(life)] = 1
-        kind, stage, mb = (np.append(x, x[-1]) for x in (kind, stage, mb))
-        counts, head, iw, acc, red = (np.append(x, x[-1:], axis=0) for x in (counts, head, iw, acc, red))
-        outputs = np.append(outputs, outputs[-1])
-        masks = np.append(masks, sm, axis=0)
-        phase = np.append(phase, STEP)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red)
+    if len(bwd_idx):
+        out = _with_step_moment(out)
     for x in out:
         x.setflags(write=False)
     return out
+
+
+def _with_step_moment(mo: Moments) -> Moments:
+    """``mo`` with the optimizer-step moment after its last (the end of the backward): the same
+    microbatches, kept outputs and stage gradients, of the transients the sharded gradients, what lives
+    from the first backward on and what the step allocates; not the last unit's post-backward transients
+    (the gradients stay until zero_grad, after the step)."""
+    sm = np.zeros((1, mo.masks.shape[1]), dtype=np.int64)
+    for life in ("end_of_backward", "optimizer_step", "after_first_backward"):
+        sm[0, TRANSIENT.index(life)] = 1
+    row = {f: np.append(x, x[-1:], axis=0) for f, x in zip(Moments._fields, mo)}
+    row["masks"] = np.append(mo.masks, sm, axis=0)
+    row["phase"] = np.append(mo.phase, STEP)
+    return Moments(**row)
 
 
 # --------------------------------------------------------------------------- one rank's timeline

@@ -38,6 +38,8 @@ and trainable adapters (fp32 under "pytorch").
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine import lora
 from engine.config import Config
 from engine.memory.report import Terms, ceil_div
@@ -148,7 +150,8 @@ def _adjacent_peak(groups) -> int:
     return best
 
 
-def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups, zero1_rank: int | None) -> None:
+def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups: Callable[[], list],
+                        zero1_rank: int | None) -> None:
     """What AdamW allocates while it steps (torch/optim/adam.py, ``decoupled_weight_decay``; plain SGD,
     with or without momentum, steps in place). Alive at the optimizer-step moment only
     (``engine.memory.lifetimes``), after the backward, with every gradient still there.
@@ -159,7 +162,8 @@ def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups
     for-loop (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt() / c).add_(eps)``,
     the square root and the quotient both alive while the previous parameter's ``denom`` is still
     bound: 4 B × max over the parameters in the optimizer's order of (previous + 2 × this).
-    ``groups``: (local numels of one unit in parameter order, count), in parameter order;
+    ``groups()``: (local numels of one unit in parameter order, count), in parameter order (called
+    for the for-loop step only: a GPU prediction, on every slider move, never walks the tensors);
     ``zero1_rank``: the dp-rank whose ZeroRedundancyOptimizer share steps (its tensors largest first,
     ``_partition_parameters``' order), None without ZeRO-1."""
     if cfg.training.optimizer != "adamw" or opt_numel <= 0:
@@ -169,11 +173,11 @@ def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups
               4 * opt_numel, f"4 B × {rule}", kind="optimizer_step")
         return
     if zero1_rank is not None:
-        top = zero_redundancy_largest([(a, c) for numels, c in groups for a in numels], cfg.parallel.dp,
+        top = zero_redundancy_largest([(a, c) for numels, c in groups() for a in numels], cfg.parallel.dp,
                                       zero1_rank)
         peak, order = _adjacent_peak([(tuple(top), 1)]), "its ZeroRedundancyOptimizer share, largest first"
     else:
-        peak, order = _adjacent_peak(groups), "parameter order"
+        peak, order = _adjacent_peak(groups()), "parameter order"
     T.add("temporaries", "AdamW step (for-loop, torch's default on CPU): one parameter's √v and its quotient, "
           "the previous parameter's denominator", 4 * peak,
           f"4 B × max over the stepped tensors ({order}) of previous + 2 × this = 4 × {peak:,}", kind="optimizer_step")
@@ -265,8 +269,8 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
     zero1 = z == 1 and par.dp > 1
     sharded = plan.fsdp2 and par.zero in (2, 3)
     optimizer_step_term(cfg, T, opt_numel, rule,
-                        _local_groups(rp, d if sharded else 1, expert_degree(cfg) if plan.fsdp2 else None,
-                                      model=model, tp=par.tp),
+                        lambda: _local_groups(rp, d if sharded else 1, expert_degree(cfg) if plan.fsdp2 else None,
+                                              model=model, tp=par.tp),
                         dp_rank if zero1 else None)
 
 
@@ -429,7 +433,7 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
               4 * k * opt_numel, f"{4 * k} B × {rule}", kind="optimizer_states")
     if torch_acc:
         zero1 = z == 1 and par.dp > 1 and par.tp == 1
-        optimizer_step_term(cfg, T, opt_numel, rule, _local_groups(rp, shard if fsdp2 else 1, units=ad),
+        optimizer_step_term(cfg, T, opt_numel, rule, lambda: _local_groups(rp, shard if fsdp2 else 1, units=ad),
                             dp_rank if zero1 else None)
     if not T["optimizer"]:
         T.add("optimizer", "no optimizer state (plain sgd)", 0, "0", kind="none")
