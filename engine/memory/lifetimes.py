@@ -1005,15 +1005,16 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
         for lo, hi in zip(edges[::2].tolist(), edges[1::2].tolist()):
             count = (hi - lo) // period + 1
             # no period may hold a moment where a stage's gradients are laid or reduced (``Moments.acc``,
-            # ``red``) but its first: the window is cut at each, in whole periods (the longest part kept)
+            # ``red``), not even as its first (the window's state is taken before its first moment, and
+            # a later period's first moment would lay what the first period's did not): the window is
+            # cut at each, in whole periods, the period holding it dropped (the longest part kept)
             parts = [(int(i[lo]), count)]
             for c in changes.tolist():
                 start, k = parts[-1]
-                if start < c < start + k * period:
-                    before = (c - start) // period  # periods wholly before c (the one holding c is dropped)
-                    skip = -(-(c - start) // period)  # periods up to the first that starts at or after c
+                if start <= c < start + k * period:
+                    before = (c - start) // period  # periods wholly before c
                     parts[-1] = (start, before)
-                    parts.append((start + skip * period, k - skip))
+                    parts.append((start + (before + 1) * period, k - before - 1))
             start, count = max(parts, key=lambda x: x[1])
             if count >= 3:
                 windows.append((start, period, shift, count))
