@@ -111,3 +111,27 @@ def test_a_run_that_fills_its_disk_says_so(tmp_path):
         assert res is not None and res["event"] == "failed", res
         assert f"the file system holding {fs / 'run'} is full" in res["reason"], res["reason"]
         assert processes_of(run.path) == []
+
+
+def test_the_agents_rendezvous_names_its_methods_as_torch_does_without_reading_source():
+    """backend.torchrun_loopback swaps dynamic_rendezvous.get_method_name (inspect.stack: every frame's
+    source read, 0.7 s of the agent per launch) for one that reads the frame's name: the same name at
+    every depth torch asks, and torch's fallback past the top of the stack."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from backend.torchrun_loopback import _method_name
+
+    torch_own = dynamic_rendezvous.get_method_name
+    assert torch_own is not _method_name  # main() patches it in the agent's process only
+
+    def record_a_step(depth):  # as the handler's _record does: the caller's caller named
+        return torch_own(depth), _method_name(depth)
+
+    def next_rendezvous(depth):
+        return record_a_step(depth)
+
+    for depth in (1, 2, 3):
+        theirs, ours = next_rendezvous(depth)
+        assert ours == theirs, depth
+    assert next_rendezvous(2)[1] == "next_rendezvous"
+    assert _method_name(10_000) == "no_method_name"
