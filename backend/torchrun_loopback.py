@@ -12,10 +12,20 @@ with both stores served on sockets bound to 127.0.0.1, then runs torchrun's ``ma
 reach the shared store as clients (TORCHELASTIC_USE_AGENT_STORE), and gloo's own sockets follow
 GLOO_SOCKET_IFNAME=lo (backend.launch sets it), so every listening socket of a local run is on
 loopback (tests/test_backend_faults.py checks it during a run).
+
+Where the ranks run on the CPU (no CUDA device: gloo), a ``-m module`` entry point is run by
+forking this agent after it has imported the module and what the module lists in ``PRELOAD``
+(torch, torch.distributed's FSDP / pipelining / DTensor, the engine): torchrun's own
+``MultiprocessContext`` with ``start_method="fork"``, as ``torchrun --run-path`` runs a script.
+Each rank then starts with those imports done (3–5 s of CPU per rank on this 2-core machine,
+where four ranks importing at once took 11 s before their first step) and exits without
+tearing the interpreter down. With CUDA, torchrun starts a fresh interpreter per rank as usual:
+a process must not fork after the CUDA driver was initialised in it.
 """
 
 from __future__ import annotations
 
+import importlib
 import socket
 import sys
 from datetime import timedelta
@@ -74,13 +84,69 @@ def _method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
+def run_module(module: str, *args: str) -> int:
+    """A rank's entry point in a forked agent: ``python -m module args`` in this interpreter, as
+    ``module.main(args)`` (what ``torchrun --run-path`` does for a script). It returns 0, so that
+    torchrun's worker wrapper hands the agent a return value; any other status ends the rank with it."""
+    sys.argv = [module, *args]
+    code = importlib.import_module(module).main(list(args))
+    if code:
+        raise SystemExit(code)
+    return 0
+
+
+def forks_ranks(args) -> bool:
+    """Whether the ranks of this launch are forked from the agent: a ``-m`` module with a ``main(argv)``
+    on a machine without CUDA (``torch.cuda.is_available`` is False without a driver, and then
+    initialises nothing)."""
+    import torch
+
+    if not args.module or args.no_python or args.run_path or torch.cuda.is_available():
+        return False
+    return callable(getattr(importlib.import_module(args.training_script), "main", None))
+
+
+def _report_every_failure(poll):
+    """torchrun's ``MultiprocessContext._poll`` with the bookkeeping of its ``SubprocessContext._poll``:
+    the forked context reports the first failed rank its join happens to see (a rank that died after a
+    peer was killed, as often as the killed one), the subprocess context every rank that had exited
+    non-zero by then — which is what the failure summary, and backend.blame reading it, rely on."""
+
+    def _poll(self):
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        result = poll(self)
+        if result is None or not result.failures:
+            return result
+        for i, proc in enumerate(self._pc.processes if self._pc is not None else ()):
+            if i not in result.failures and proc.exitcode not in (None, 0):
+                result.failures[i] = ProcessFailure(local_rank=i, pid=proc.pid, exitcode=proc.exitcode,
+                                                    error_file=self.error_files[i])
+        return result
+
+    return _poll
+
+
 def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+    from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous, rendezvous_handler_registry
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+    from torch.distributed.run import run as torchrun_run
 
     dynamic_rendezvous.get_method_name = _method_name
     rendezvous_handler_registry.register(BACKEND, create_handler)
-    torchrun_main(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not forks_ranks(args):
+        record(torchrun_run)(args)
+        return
+    for name in getattr(sys.modules[args.training_script], "PRELOAD", ()):
+        importlib.import_module(name)
+    MultiprocessContext._poll = _report_every_failure(MultiprocessContext._poll)
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    record(elastic_launch(config=config, entrypoint=run_module))(args.training_script, *args.training_script_args)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ import signal
 import sys
 import traceback
 
+#: what backend.torchrun_loopback imports in the agent before it forks CPU ranks (the ranks' own imports)
+PRELOAD = ("backend.train", "engine.config")
+
 
 def _die_with_parent() -> None:
     """PR_SET_PDEATHSIG: the kernel sends SIGKILL to this rank if the agent dies."""
