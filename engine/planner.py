@@ -591,6 +591,11 @@ class _Planner:
         gc = CMP[ci]
         gb, gz, gs, gr, gm, bf, rep_div = (a[base_i] for a in (gb, gz, gs, gr, gm, bf, rep_div))
         n = len(gb)
+        if n == 0:  # the memory bound left none: no durations to bound
+            none = np.zeros(0)
+            return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr, "f8": gf,
+                    "cmp": gc.astype(np.int64), "mem": mem, "rejected": rejected, "mk": none, "rest": none,
+                    "rest_rank": np.zeros((0, pp))}
 
         # ---------------- per-stage durations (exactly engine.durations + engine.step's TP terms)
         tokens = bf * s_len
