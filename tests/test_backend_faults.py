@@ -81,6 +81,11 @@ def _loopback(addr: str) -> bool:
         addr.startswith("0000000000000000FFFF0000") and addr.endswith("7F"))
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def test_a_run_listens_on_loopback_only_and_a_cancel_stops_every_process(tmp_path):
     run = launch(TWO_RANKS, tmp_path / "run", steps=1000, timeout_s=120)
     for ev in run.events(timeout_s=90):
@@ -91,6 +96,10 @@ def test_a_run_listens_on_loopback_only_and_a_cancel_stops_every_process(tmp_pat
     addresses = listening_addresses(pids)
     assert len(pids) >= 3 and len(addresses) >= 2, (pids, addresses)  # the agent's two stores at least
     assert [a for a in addresses if not _loopback(a)] == []
+    # on a machine without CUDA the ranks are forked from the agent (backend.torchrun_loopback), which
+    # imported what they import before their first step
+    ranks = dict(run._worker_pids)
+    assert len(ranks) == 2 and all(_parent(pid) == run.proc.pid for pid in ranks.values()), (ranks, run.proc.pid)
     run.cancel()
     assert run.result["event"] == "cancelled" and "cancelled by the user" in run.result["reason"]
     assert processes_of(run.path) == []
@@ -135,3 +144,23 @@ def test_the_agents_rendezvous_names_its_methods_as_torch_does_without_reading_s
         assert ours == theirs, depth
     assert next_rendezvous(2)[1] == "next_rendezvous"
     assert _method_name(10_000) == "no_method_name"
+
+
+def test_a_forked_rank_runs_its_modules_main_and_only_a_failure_ends_it_early(monkeypatch):
+    """backend.torchrun_loopback.run_module: ``python -m module args`` as ``module.main(args)`` in the forked
+    agent; 0 is handed back to torchrun's wrapper as a return value, any other status exits the rank."""
+    import sys
+    import types
+
+    from backend.torchrun_loopback import run_module
+
+    seen = []
+    mod = types.ModuleType("shardscope_fake_rank")
+    mod.main = lambda argv: seen.append(list(argv)) or (3 if "--fail" in argv else 0)
+    monkeypatch.setitem(sys.modules, "shardscope_fake_rank", mod)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert run_module("shardscope_fake_rank", "--run-dir", "d") == 0
+    assert seen == [["--run-dir", "d"]] and sys.argv == ["shardscope_fake_rank", "--run-dir", "d"]
+    with pytest.raises(SystemExit) as exc:
+        run_module("shardscope_fake_rank", "--fail")
+    assert exc.value.code == 3
