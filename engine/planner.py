@@ -112,6 +112,7 @@ from engine.schedules import (
     pipeline_actions,
     schedule_problems,
     single_rank_plan,
+    split_backward_in_flight,
 )
 from engine.step import (
     FLOAT8_CAST_BYTES,
@@ -475,7 +476,12 @@ class _Planner:
                      else ~fsdp2["on"] & (gz <= 1))
             lora = self.base.training.finetune == "lora"
             k_opt = 4 * names.OPTIMIZER_STATES[self.base.training.optimizer]
-            for ri, stages, sizes, last_psi in sh["ends"]:
+            # a split backward's I keeps each microbatch's weight-op output gradients until its W
+            # (engine.memory.activations.split_backward_terms' condition)
+            keeps_split = split and torch_acc and not lora and pp > 1 and model.attention != "mla"
+            # the last pp rank first: its logits kept to the step's end (below) reject most pipelined rows
+            # before the in-flight replays are read
+            for ri, stages, sizes, last_psi in reversed(sh["ends"]):
                 p_ = psi[ri]
                 states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
                                            w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
@@ -517,6 +523,9 @@ class _Planner:
                 steady = fixed
                 if plain.any() and not lora:  # the end of the backward: every plain gradient made
                     mem = np.maximum(mem, np.where(plain, steady + 4 * p_, 0.0))
+                if keeps_split:
+                    mem = np.maximum(mem, steady + self._split_keep(sc, tp, ri, pp, v, stages, layers_of, n_stages,
+                                                                     gm, bf, sbh1, s_len, act_b, vocab_t))
                 fixed = steady + np.maximum(backward, loss)
                 head_up = np.zeros(len(gb))
                 if n_stages - 1 in stages:
@@ -541,6 +550,8 @@ class _Planner:
                 if torch_acc and pp > 1 and n_stages - 1 in stages:
                     kept = act_b * s_len * np.where(gs, vocab_t, model.vocab)
                     mem = np.maximum(mem, steady + gm * bf * kept)
+                    if self.prefilter and (mem * _SAFETY > capacity).all():
+                        return mem  # every row is rejected already: the later moments only raise it
                 # (a rank of several stages holds each stage's unsharded gradients only from that stage's
                 # first backward to its REDUCE_GRAD after its m-th, lifetimes.STAGE_LIFETIMES: then, with m > 1,
                 # those of the stage whose backward came first, the rank's last: nearest the loss)
@@ -712,6 +723,30 @@ class _Planner:
             out["rs"] = per_rank(lambda t: self._collective(rep, grad_group, "reduce_scatter", t * g_bytes))
             out["n_units"] = np.array([max(1, r.unit_count) for r in rows], dtype=np.float64)
         self._shapes[key] = out
+        return out
+
+    def _split_keep(self, sc, tp, ri, pp, v, stages, layers_of, n_stages, gm, bf, sbh1, s_len, act_b,
+                    vocab_t) -> np.ndarray:
+        """Per row, the most a split backward keeps at once on pp rank ``ri`` from its I's to their W's on one
+        stage: that stage's microbatches between I and W at most (``schedules.split_backward_in_flight``)
+        times what one keeps (``engine.memory.activations.split_backward_terms`` with the residual stream at
+        the activation dtype, ≤ its own): every Linear's and norm weight's output gradient of its blocks and
+        the stage input's gradient, and on the last stage the final norm's and the head's."""
+        model = self.base.model
+        kv = 2 * model.kv_heads * (model.hidden // model.heads) // tp
+        mlp = (2 if model.mlp == "swiglu" else 1) * model.ffn_hidden // tp
+        linear_out = model.hidden // tp + kv + model.hidden + mlp + model.hidden
+        counts = np.zeros((len(stages), int(gm.max(initial=0)) + 1))  # [local stage, m]
+        for m_val in set(gm.tolist()):
+            counts[:, m_val] = split_backward_in_flight(sc, pp, v, m_val)[ri]
+        out = np.zeros(len(gm))
+        for j, st in enumerate(sorted(stages)):
+            if st == 0:  # the first stage runs no I: its W is the whole backward
+                continue
+            one = len(layers_of[st]) * (act_b * s_len * linear_out + 2 * act_b * sbh1) + act_b * sbh1
+            if st == n_stages - 1:
+                one = one + act_b * sbh1 + act_b * s_len * vocab_t
+            out = np.maximum(out, counts[j, gm] * bf * one)
         return out
 
     def _fsdp2_bytes(self, tp: int, pp: int, v: int, sc: str, dpc: int, gz: np.ndarray, gm: np.ndarray,

@@ -499,12 +499,20 @@ def in_flight_states(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
     return _plan_in_flight_states(schedule, pp, virtual_stages, microbatches)[pp_rank]
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=1024)
 def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int,
                            after_first_backward: bool = False) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """:func:`in_flight_states` of every rank of one plan, in one pass over its action arrays
-    (``after_first_backward``: only the forwards after the rank's first B or I, as
-    :func:`in_flight_states_after_first_backward`)."""
+    """:func:`in_flight_states` of every rank of one plan (``after_first_backward``: only the forwards
+    after the rank's first B or I, as :func:`in_flight_states_after_first_backward`)."""
+    rank, held, is_f, late_f = _plan_held(schedule, pp, v, m)
+    return _frontiers(rank, held, late_f if after_first_backward else is_f, pp, v, m)
+
+
+@lru_cache(maxsize=16)
+def _plan_held(schedule: str, pp: int, v: int, m: int):
+    """One pass over a plan's action arrays: each action's rank, the microbatches each local stage holds
+    after it, and which actions are forwards (all; those after the rank's first B or I). Both
+    :func:`_plan_in_flight_states` of a plan read it (the planner asks for both, one after the other)."""
     plan = pipeline_actions(schedule, pp, m, v)
     a = plan.arrays
     n = len(a.kind)
@@ -523,26 +531,56 @@ def _plan_in_flight_states(schedule: str, pp: int, v: int, m: int,
     before = np.where(start[:, None] > 0, held[np.maximum(start - 1, 0)], 0)  # held before each rank's first action
     held -= before[rank]
     is_f = a.kind == _F
-    if after_first_backward:
-        first_bwd = np.minimum.reduceat(np.where((a.kind == _B) | (a.kind == _I), np.arange(n), n), start)
-        is_f &= np.arange(n) > first_bwd[rank]
-    # distinct (rank, state) pairs after each forward: as one integer key each where that fits in int64
+    first_bwd = np.minimum.reduceat(np.where((a.kind == _B) | (a.kind == _I), np.arange(n), n), start)
+    late_f = is_f & (np.arange(n) > first_bwd[rank])
+    return rank, held, is_f, late_f
+
+
+def _frontiers(rank: np.ndarray, held: np.ndarray, chosen: np.ndarray, pp: int, v: int,
+               m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the non-dominated states ``held`` after the ``chosen`` actions, sorted."""
+    # distinct (rank, state) pairs, sorted by rank then state: as one integer key each where that fits
     base = m + 1
     if pp * base**v < 2**62:
         weights = base ** np.arange(v, dtype=np.int64)
-        keys = np.unique(rank[is_f] * base**v + held[is_f] @ weights)
+        keys = np.unique(rank[chosen] * base**v + held[chosen] @ weights)
         owner = keys // base**v
         states = (keys % base**v)[:, None] // weights % base
     else:
-        rows = np.unique(np.column_stack([rank[is_f], held[is_f]]), axis=0)
+        rows = np.unique(np.column_stack([rank[chosen], held[chosen]]), axis=0)
         owner, states = rows[:, 0], rows[:, 1:]
+    bounds = np.searchsorted(owner, np.arange(pp + 1))
+    if v == 1:  # one local stage: its largest count
+        return tuple(((int(states[hi - 1, 0]),),) if hi > lo else () for lo, hi in zip(bounds[:-1], bounds[1:]))
     out = []
-    for r in range(pp):
-        u = states[owner == r]
-        # u[j] dominates u[i]: every column ≥ (the rows are distinct, so one is strictly greater)
-        dominated = ((u[None, :, :] >= u[:, None, :]).all(axis=2) & ~np.eye(len(u), dtype=bool)).any(axis=1)
-        out.append(tuple(sorted(map(tuple, u[~dominated].tolist()))))
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        u = states[lo:hi]
+        if hi - lo > 1:
+            # u[j] dominates u[i]: every column ≥ (the rows are distinct, so one is strictly greater)
+            dominated = ((u[None, :, :] >= u[:, None, :]).all(axis=2) & ~np.eye(len(u), dtype=bool)).any(axis=1)
+            u = u[~dominated]
+        out.append(tuple(sorted(map(tuple, u.tolist()))))
     return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def split_backward_in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, per local stage: the most microbatches between their I and their W at once (what a split
+    backward keeps of each from I to W, ``engine.memory.lifetimes.Moments.iw``: made by each I, freed
+    after its W); all 0 where the schedule has no split backward."""
+    plan = pipeline_actions(schedule, pp, m, v)
+    a = plan.arrays
+    if not (a.kind == _I).any():
+        return ((0,) * v,) * pp
+    position = np.zeros(plan.num_stages, dtype=np.int64)  # each stage's column among its rank's local stages
+    for r in range(pp):
+        position[plan.stages_of_rank(r)] = np.arange(v)
+    # an I's microbatch is kept from the next action on, until its W's own moment: the most at once is the
+    # running count's maximum after an I (each rank's count starts at 0: a rank's I's and W's balance)
+    onehot = np.zeros((len(a.kind), v), dtype=np.int64)
+    onehot[np.arange(len(a.kind)), position[a.stage]] = np.where(a.kind == _I, 1, np.where(a.kind == _W, -1, 0))
+    most = np.maximum.reduceat(np.cumsum(onehot, axis=0), a.offsets[:-1], axis=0)
+    return tuple(map(tuple, np.maximum(most, 0).tolist()))
 
 
 def in_flight_states_after_first_backward(schedule: str, pp_rank: int, pp: int, virtual_stages: int,

@@ -29,7 +29,7 @@ from schedules_reference import REFERENCE_GENERATORS
 
 from engine import Config, ConfigError
 from engine.layout import stage_to_pp_rank
-from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
 from engine.schedules import (
     Action,
     PipelinePlan,
@@ -330,3 +330,28 @@ def _states_after_first_backward(schedule, rank, pp, v, m):
         elif kind in ("B", "W"):
             held[at] -= 1
         backward_ran = backward_ran or kind in ("B", "I")
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_split_backward_in_flight_is_the_most_kept_between_i_and_w(name):
+    """Per rank and local stage, the most microbatches whose I has run and whose W has not (the W's own
+    moment still holding its microbatch), walked action by action: what a split backward keeps from I to
+    W at once (engine.memory.lifetimes' iw); 0 on every stage of a schedule without the split."""
+    from engine.schedules import split_backward_in_flight
+
+    for pp, v, m in ((2, 2, 4), (4, 2, 8), (3, 2, 6), (4, 1, 8), (2, 3, 6), (4, 2, 5)):
+        if schedule_problems(name, pp, m, v):
+            continue
+        plan = pipeline_actions(name, pp, m, v)
+        a = plan.arrays
+        got = split_backward_in_flight(name, pp, v, m)
+        for r in range(pp):
+            mine = list(plan.stages_of_rank(r))
+            held, most = [0] * len(mine), [0] * len(mine)
+            for i in range(int(a.offsets[r]), int(a.offsets[r + 1])):
+                kind, at = "FBIW"[int(a.kind[i])], mine.index(int(a.stage[i]))
+                most[at] = max(most[at], held[at])  # this action's moment: every I before it, its own W too
+                held[at] += {"I": 1, "W": -1}.get(kind, 0)
+            assert got[r] == tuple(most), (name, pp, v, m, r)
+            if name not in SPLIT_BACKWARD_SCHEDULES:
+                assert set(most) == {0}
