@@ -15,9 +15,15 @@ from engine.predict import predict
 torch = pytest.importorskip("torch")
 
 
+#: the float8 cases' model: torch's CPU _scaled_mm is oneDNN's reference fp8 matmul (~0.03 GFLOP/s here),
+#: which made the tiny preset's 8 blocks of 128 tokens ~30 s a case (tests/test_backend_torchtitan_knobs.py's)
+SMALL_F8 = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn_hidden": 160}
+
+
 def _cfg(**training) -> Config:
-    return default_config().replace(cluster={"gpus": 1}, parallel={"dp": 1, "pp": 1, "microbatches": 1, "zero": 0},
-                                    training={"micro_batch_size": 2, **training})
+    cfg = default_config().replace(cluster={"gpus": 1}, parallel={"dp": 1, "pp": 1, "microbatches": 1, "zero": 0},
+                                   training={"micro_batch_size": 2, **training})
+    return cfg.replace(model=SMALL_F8) if training.get("float8", "none") != "none" else cfg
 
 
 def _saved_by_the_model(cfg: Config, compiled: bool = False) -> tuple[int, int]:
@@ -120,7 +126,7 @@ def test_the_engine_predicts_what_the_model_saves(training):
         pytest.importorskip("torchao")
     cfg = _cfg(**training)
     saved, loss_inputs = _saved_by_the_model(cfg)
-    assert saved - loss_inputs == _predicted_activations(cfg)
+    assert saved - loss_inputs == _predicted_activations(cfg) > 0
 
 
 @pytest.mark.parametrize("training, zero", [({"precision": "fp32"}, 0), ({"precision": "bf16-mixed"}, 0),
@@ -152,7 +158,7 @@ def test_the_engine_predicts_what_the_model_saves_under_fsdp2_16bit_parameters(t
         pytest.importorskip("torchao")
     cfg = _cfg(**training).replace(parallel={"zero": 3})
     saved, loss_inputs = _saved_by_the_model(cfg)
-    assert saved - loss_inputs == _predicted_activations(cfg)
+    assert saved - loss_inputs == _predicted_activations(cfg) > 0  # (> 0: the rank peaks with them alive)
 
 
 def test_the_composite_rmsnorm_of_a_16bit_input_saves_fp32_tensors():
