@@ -1,7 +1,9 @@
 """Measure huge configurations without the hardware: simulate ranks in child processes (no torch here).
 
-``simulate(cfg)`` runs ``python -m backend.fake_worker --run-dir D --rank R`` once per chosen
-rank (by default one rank per pipeline stage: dp = 0, tp = 0) and stores what they report as
+``simulate(cfg)`` runs ``backend.fake_worker --run-dir D --rank R`` once per chosen rank (by
+default one rank per pipeline stage: dp = 0, tp = 0), each in a process of its own forked from a
+fork server (multiprocessing's "forkserver", started once per simulating process, which imports
+torch and the backend once: ``RANK_PRELOAD``), and stores what they report as
 a run directory with the same ``measurement.json`` as a real run, marked ``"simulated": true``.
 Each worker runs the real backend code path (model, apply_* strategies, Trainer's step and
 MemTracker measurement) on a fake process group with fake tensors: see backend.fake_worker.
@@ -18,6 +20,7 @@ MemTracker measurement) on a fake process group with fake tensors: see backend.f
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -65,6 +68,75 @@ def _default_run_dir() -> Path:
     return Path("runs") / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + "-fake")
 
 
+#: what every simulated rank imports before its work; the fork server imports it once (3-4 s of CPU a rank
+#: on this 2-core machine, which each rank's own interpreter paid before)
+RANK_PRELOAD = ["backend.fake_worker", "backend.train", "backend.measure", "torch.distributed._tools.mem_tracker",
+                "torch.testing._internal.distributed.fake_pg"]
+
+
+def _fork_server() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts: the first rank of this process
+    return ctx
+
+
+def _simulated_rank(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """One simulated rank, forked from the fork server: its own session (so that it can be stopped as a
+    group, as a child process was), its output to its log, the environment a child process had."""
+    os.setsid()
+    os.chdir(REPO_ROOT)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    code = 1
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1"))))
+        from backend import fake_worker
+
+        code = fake_worker.main(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class _RankProcess:
+    """A simulated rank's process, forked (``python=None``) or a fresh interpreter (``python``)."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str], python: str | None):
+        self.proc = self.log = None
+        if python is None:
+            self.proc = _fork_server().Process(target=_simulated_rank, args=(argv, str(log_path), env),
+                                               daemon=False)
+            self.proc.start()
+        else:
+            self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop() / poll()
+            self.proc = subprocess.Popen([python, "-m", "backend.fake_worker", *argv], cwd=str(REPO_ROOT), env=env,
+                                         stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        self.pid = self.proc.pid
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll() if self.log is not None else self.proc.exitcode
+        if rc is not None and self.log is not None:
+            self.log.close()
+        return rc
+
+    def stop(self) -> None:
+        _kill_group(self.pid)
+        if self.log is not None:
+            self.proc.wait()
+            self.log.close()
+        else:
+            self.proc.kill()  # (stopped before its setsid, the group above did not exist yet)
+            self.proc.join()
+
+
 def _kill_group(pgid: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -107,34 +179,31 @@ def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks:
     out = Path(out_dir) if out_dir is not None else _default_run_dir()
     run = RunDir.claim_fresh(out, config_file) if fresh else RunDir.claim(out, config_file)
     cfg.save(run.config)
-    python = python or sys.executable
     run.emit("started", world=world, simulated=True, ranks=ranks, run_dir=str(run.path))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if python is not None and Path(python).resolve() == Path(sys.executable).resolve():
+        python = None  # this interpreter: its fork server
     jobs = max(1, jobs or os.cpu_count() or 1)
     start = time.monotonic()
     pending = list(ranks)
-    running: dict[int, tuple[subprocess.Popen, object]] = {}
+    running: dict[int, _RankProcess] = {}
     failure: str | None = None
     try:
         while (pending or running) and failure is None:
             while pending and len(running) < jobs:
                 r = pending.pop(0)
-                cmd = [python, "-m", "backend.fake_worker", "--run-dir", str(run.path.resolve()), "--rank", str(r)]
+                argv = ["--run-dir", str(run.path.resolve()), "--rank", str(r)]
                 if real_tensors:
-                    cmd.append("--real-tensors")
+                    argv.append("--real-tensors")
                 if expandable_segments:
-                    cmd.append("--expandable-segments")
-                log = open(run.rank_log(r), "ab")  # noqa: SIM115 - closed when the child ends
-                running[r] = (subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               start_new_session=True), log)
-            for r, (proc, log) in list(running.items()):
+                    argv.append("--expandable-segments")
+                running[r] = _RankProcess(argv, run.rank_log(r), env, python)
+            for r, proc in list(running.items()):
                 rc = proc.poll()
                 if rc is None:
                     continue
-                log.close()
                 del running[r]
                 if rc != 0 or not run.rank_measurement(r).exists():
                     reasons = [e.get("reason") for e in read_jsonl(run.rank_events(r)) if e.get("event") == "failed"]
@@ -144,10 +213,8 @@ def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks:
                 failure = f"timed out after {timeout_s:g} s; every simulated rank was stopped"
             time.sleep(0.05)
     finally:
-        for _r, (proc, log) in running.items():
-            _kill_group(proc.pid)
-            proc.wait()
-            log.close()
+        for proc in running.values():
+            proc.stop()
     seconds = time.monotonic() - start
     if failure is not None:
         run.emit("failed", reason=failure.split("\n", 1)[0], log_tail=failure, simulated=True)

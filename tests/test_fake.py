@@ -108,3 +108,21 @@ def test_zero0_with_tp_simulates_its_pipeline_stage(tmp_path):
     assert rank.rank == 0 and rank.params > 0 and rank.activations > 0
     rows = [r for r in comparison(cfg, run.measurement) if r["category"] in ("params", "grads", "optimizer")]
     assert len(rows) == 3 and all(r["difference"] == 0 for r in rows), rows
+
+
+@pytest.mark.integration
+def test_a_simulated_rank_past_the_timeout_is_stopped_and_the_run_fails(tmp_path):
+    """A rank forked from the fork server runs in its own session: the timeout stops it and nothing is left."""
+    import os
+
+    from backend.fake import SimulationError
+
+    with pytest.raises(SimulationError, match="timed out after 1 s"):
+        simulate(default_config().replace(**SMALL), tmp_path / "run", ranks=[0], timeout_s=1)
+    events = tmp_path / "run" / "ranks" / "rank0.events.jsonl"
+    pids = {json.loads(line).get("pid") for line in events.read_text().splitlines()} - {None} \
+        if events.exists() else set()
+    assert os.getpid() not in pids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
