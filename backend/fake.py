@@ -183,8 +183,8 @@ def simulate(cfg: Config | str | Path, out_dir: str | Path | None = None, ranks:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if python is not None and Path(python).resolve() == Path(sys.executable).resolve():
-        python = None  # this interpreter: its fork server
+    if python is not None and os.path.abspath(python) == os.path.abspath(sys.executable):
+        python = None  # this interpreter (not merely the same binary: a venv's python links to its base's)
     jobs = max(1, jobs or os.cpu_count() or 1)
     start = time.monotonic()
     pending = list(ranks)
