@@ -88,7 +88,7 @@ from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
 from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
-from engine.memory.activations import TABLE_RECOMPUTE
+from engine.memory.activations import TABLE_RECOMPUTE, weight_op_outputs
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.params import params_per_rank
 from engine.plan_results import (  # noqa: F401  (the results: callers import them from here too)
@@ -732,10 +732,7 @@ class _Planner:
         times what one keeps (``engine.memory.activations.split_backward_terms`` with the residual stream at
         the activation dtype, ≤ its own): every Linear's and norm weight's output gradient of its blocks and
         the stage input's gradient, and on the last stage the final norm's and the head's."""
-        model = self.base.model
-        kv = 2 * model.kv_heads * (model.hidden // model.heads) // tp
-        mlp = (2 if model.mlp == "swiglu" else 1) * model.ffn_hidden // tp
-        linear_out = model.hidden // tp + kv + model.hidden + mlp + model.hidden
+        linear_out = weight_op_outputs(self.base.model, tp)
         counts = np.zeros((len(stages), int(gm.max(initial=0)) + 1))  # [local stage, m]
         for m_val in set(gm.tolist()):
             counts[:, m_val] = split_backward_in_flight(sc, pp, v, m_val)[ri]

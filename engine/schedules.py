@@ -516,24 +516,31 @@ def _plan_held(schedule: str, pp: int, v: int, m: int):
     plan = pipeline_actions(schedule, pp, m, v)
     a = plan.arrays
     n = len(a.kind)
-    # column of each action: its stage's position among its rank's local stages
-    position = np.zeros(plan.num_stages, dtype=np.int64)
-    for r in range(pp):
-        position[plan.stages_of_rank(r)] = np.arange(v)
     # +1 at F; −1 at a full backward B or at a W (a split backward's I frees nothing; schedules
     # without the split have no W)
-    delta = np.where(a.kind == _F, 1, np.where((a.kind == _B) | (a.kind == _W), -1, 0))
-    onehot = np.zeros((n, v), dtype=np.int64)
-    onehot[np.arange(n), position[a.stage]] = delta
-    held = np.cumsum(onehot, axis=0)
-    rank = np.repeat(np.arange(pp), np.diff(a.offsets))
+    held, rank = _running_counts(plan, v, np.where(a.kind == _F, 1, np.where((a.kind == _B) | (a.kind == _W), -1, 0)))
     start = a.offsets[:-1]
-    before = np.where(start[:, None] > 0, held[np.maximum(start - 1, 0)], 0)  # held before each rank's first action
-    held -= before[rank]
     is_f = a.kind == _F
     first_bwd = np.minimum.reduceat(np.where((a.kind == _B) | (a.kind == _I), np.arange(n), n), start)
     late_f = is_f & (np.arange(n) > first_bwd[rank])
     return rank, held, is_f, late_f
+
+
+def _running_counts(plan: PipelinePlan, v: int, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each action's rank, and per local stage of that rank (its column: the stage's place among the rank's
+    stages) the running sum of ``delta`` over the rank's actions up to and including it: [actions, v]."""
+    a = plan.arrays
+    n = len(a.kind)
+    position = np.zeros(plan.num_stages, dtype=np.int64)
+    for r in range(plan.pp):
+        position[plan.stages_of_rank(r)] = np.arange(v)
+    onehot = np.zeros((n, v), dtype=np.int64)
+    onehot[np.arange(n), position[a.stage]] = delta
+    held = np.cumsum(onehot, axis=0)
+    rank = np.repeat(np.arange(plan.pp), np.diff(a.offsets))
+    start = a.offsets[:-1]
+    before = np.where(start[:, None] > 0, held[np.maximum(start - 1, 0)], 0)  # the sum before each rank's first action
+    return held - before[rank], rank
 
 
 def _frontiers(rank: np.ndarray, held: np.ndarray, chosen: np.ndarray, pp: int, v: int,
@@ -572,14 +579,10 @@ def split_backward_in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[tu
     a = plan.arrays
     if not (a.kind == _I).any():
         return ((0,) * v,) * pp
-    position = np.zeros(plan.num_stages, dtype=np.int64)  # each stage's column among its rank's local stages
-    for r in range(pp):
-        position[plan.stages_of_rank(r)] = np.arange(v)
     # an I's microbatch is kept from the next action on, until its W's own moment: the most at once is the
-    # running count's maximum after an I (each rank's count starts at 0: a rank's I's and W's balance)
-    onehot = np.zeros((len(a.kind), v), dtype=np.int64)
-    onehot[np.arange(len(a.kind)), position[a.stage]] = np.where(a.kind == _I, 1, np.where(a.kind == _W, -1, 0))
-    most = np.maximum.reduceat(np.cumsum(onehot, axis=0), a.offsets[:-1], axis=0)
+    # running count's maximum after an I
+    counts, _ = _running_counts(plan, v, np.where(a.kind == _I, 1, np.where(a.kind == _W, -1, 0)))
+    most = np.maximum.reduceat(counts, a.offsets[:-1], axis=0)
     return tuple(map(tuple, np.maximum(most, 0).tolist()))
 
 

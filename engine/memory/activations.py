@@ -1021,6 +1021,15 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
+def weight_op_outputs(model, t: int) -> int:
+    """Elements per token of a dense block's Linear outputs on a rank of tp ``t`` — wq, wk + wv, wo, w1 (+ w3
+    under SwiGLU), w2 (the matmuls see every token): the gradients a split backward keeps of them."""
+    h = model.hidden
+    kv = 2 * model.kv_heads * (h // model.heads) // t
+    mlp = (2 if model.mlp == "swiglu" else 1) * model.ffn_hidden // t
+    return h // t + kv + h + mlp + h
+
+
 def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str) -> None:
     """What a split backward keeps of each stage-microbatch from its I to its W (lifetime
     ``input_to_weight``): torch.distributed.pipelining's ``stage_backward_input`` hooks every node where
@@ -1035,13 +1044,9 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t = par.tp
-    s, b, h = cfg.local_seq_len, tr.micro_batch_size, m.hidden
+    s, b = cfg.local_seq_len, tr.micro_batch_size
     n_stages = par.num_stages
-    head_dim = h // m.heads
-    kv = 2 * m.kv_heads * head_dim // t
-    mlp = (2 if m.mlp == "swiglu" else 1) * m.ffn_hidden // t
-    linear_out = h // t + kv + h + mlp + h  # wq, wk + wv, wo, w1 (+ w3), w2: the matmuls see every token
-    per_block = act * s * b * linear_out + 2 * res * sbh_rep  # and the two norms' weight multiplies
+    per_block = act * s * b * weight_op_outputs(m, t) + 2 * res * sbh_rep  # and the two norms' weight multiplies
     mo = moments(par.schedule, rp.pp_rank, par.pp, par.virtual_stages, par.microbatches)
     local = sorted(st.stage for st in rp.stages)
     for st in rp.stages:
