@@ -19,6 +19,7 @@ from engine.memory.lifetimes import (
     STEP_FREED_KINDS,
     TRANSIENT,
     allocation_events,
+    canonical_event_signature,
     fsdp_params_lifetime,
     moments,
     peak_of,
@@ -856,3 +857,44 @@ def test_the_context_parallel_attention_workspace_lives_only_while_a_block_runs(
     at_peak = {t.kind for t in r.explain("temporaries")}
     assert ("cp_attention" in at_peak) == (": the loss" not in r.peak_moment and "end of the backward" not in r.peak_moment
                                            and "optimizer step" not in r.peak_moment)
+
+
+def _renamed(a: tuple, b: tuple) -> bool:
+    """Whether event lists ``a`` and ``b`` are the same up to a one-to-one renaming of their keys."""
+    fwd: dict = {}
+    bwd: dict = {}
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x[0] != y[0] or x[2:] != y[2:] or fwd.setdefault(x[1], y[1]) != y[1] or bwd.setdefault(y[1], x[1]) != x[1]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("schedule, v", [("GPipe", 1), ("LoopedBFS", 2), ("1F1B", 1), ("Interleaved1F1B", 2),
+                                         ("ZBVZeroBubble", 2), ("DualPipeV", 2), ("InterleavedZeroBubble", 2)])
+def test_ranks_whose_steps_differ_only_in_their_stage_numbers_replay_once(schedule, v):
+    """A rank's replay is cached on its canonical signature: the least pp rank whose moments are its
+    own with its stages renamed in order. Its events are then the rank's own with every key renamed
+    one-to-one (so the allocator does the same), and its reserve the same, at every capacity; GPipe's
+    and LoopedBFS's middle stages (the same actions) share one, the other schedules' ranks (warm-ups of
+    their own lengths) keep their own."""
+    from engine.memory.overhead import _replayed_reserve, replayed_reserve
+
+    c = _cfg({"dp": 1, "pp": 8, "schedule": schedule, "virtual_stages": v, "microbatches": 16}, gpus=8,
+             preset="llama3-8b", training={"precision": "bf16-mixed", "optimizer": "sgd"})
+    rep = memory_per_rank(c)
+    canon = set()
+    for g in rep.distinct_groups():
+        sig = g.first._body.timeline._event_signature()
+        same = canonical_event_signature(sig)
+        canon.add(same)
+        assert same[0].pp_rank <= sig[0].pp_rank and same[1:] == sig[1:]
+        assert _renamed(allocation_events(sig), allocation_events(same)), g.first.rank
+        for cap in (None, g.first.reserved, g.first.allocated):
+            assert replayed_reserve(same, False, cap) == _replayed_reserve.__wrapped__(sig, False, cap)
+    ranks = len(rep.distinct_groups())
+    if schedule in ("GPipe", "LoopedBFS"):
+        assert len(canon) < ranks  # the middle stages share one
+    else:
+        assert len(canon) == ranks

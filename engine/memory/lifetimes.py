@@ -833,6 +833,43 @@ def replay_events(event_signature: tuple) -> tuple:
     return allocation_events(event_signature)
 
 
+@lru_cache(maxsize=256)
+def _moment_classes(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> tuple[int, ...]:
+    """Per pp rank, the least pp rank whose step is its own with its local stages renamed in order:
+    the same moments (actions, microbatches, phases, transient masks, what is alive of each local
+    stage) and its last stage (if it holds it) at the same local place.
+
+    The events (``_coarse_events``, ``_fine_events``) read a rank only through its moments, its local
+    stage order and which local stage is the last; its global stage numbers appear only inside keys
+    (a renaming the allocator does not see). So two such ranks with the same bytes lay the same
+    events up to their keys' names, and replay alike: under GPipe or LoopedBFS every middle stage
+    runs the same actions (all forwards, then all backwards), and one replay serves all of them."""
+    last_stage = pp * virtual_stages - 1
+    least: dict[tuple, int] = {}
+    out = []
+    for r in range(pp):
+        mo = moments(schedule, r, pp, virtual_stages, microbatches)
+        stages = np.unique(mo.stage)
+        local = np.searchsorted(stages, mo.stage)
+        key = (tuple(stages == last_stage), local.tobytes(),
+               *((x.shape, x.tobytes()) for f, x in zip(Moments._fields, mo) if f != "stage"))
+        out.append(least.setdefault(key, r))
+    return tuple(out)
+
+
+def canonical_event_signature(event_signature: tuple) -> tuple:
+    """``event_signature`` as the least pp rank whose events are this rank's up to their keys' names
+    (``_moment_classes``) would have it: the key its replays are cached on, so such ranks replay once."""
+    sig = event_signature[0]
+    if sig.pp <= 1:
+        return event_signature
+    r = _moment_classes(sig.schedule, sig.pp, sig.virtual_stages, sig.microbatches)[sig.pp_rank]
+    if r == sig.pp_rank:
+        return event_signature
+    stages = tuple(np.unique(moments(sig.schedule, r, sig.pp, sig.virtual_stages, sig.microbatches).stage).tolist())
+    return (sig._replace(pp_rank=r, stages=stages),) + tuple(event_signature[1:])
+
+
 def without_step_rows(event_signature: tuple) -> tuple:
     """The event signature of what a rank allocates after its step tensors (which come first, are never
     freed, and change nothing else the events lay): its rows without the step rows, no step bytes."""

@@ -28,7 +28,7 @@ from engine.memory.allocator import (
     replay,
     round_size,
 )
-from engine.memory.lifetimes import MicrobatchKeys, replay_events, without_step_rows
+from engine.memory.lifetimes import MicrobatchKeys, canonical_event_signature, replay_events, without_step_rows
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
 
@@ -124,7 +124,9 @@ def reserved_bytes(cfg: Config, timeline, allocated: int, snapshot: dict) -> int
     # context and collective buffers alone fill the card
     capacity = cfg.cluster.gpu.memory_bytes - untracked
     capacity = capacity if capacity > 0 else None
-    replayed = replayed_reserve(timeline._event_signature(), cfg.conventions.expandable_segments, capacity)
+    # ranks whose events differ only in their keys' names (GPipe's middle stages) replay once
+    replayed = replayed_reserve(canonical_event_signature(timeline._event_signature()),
+                                cfg.conventions.expandable_segments, capacity)
     return max(replayed, allocated + slack)
 
 
