@@ -874,8 +874,10 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
             pool = (e[3] if len(e) > 3 else 0, size <= kSmallSize)
             smallest[pool] = min(smallest.get(pool, size), size)
     # a key lives a whole number of periods (its free comes that many shifts later): where best fit
-    # rotates each shape's blocks with that period, the allocator loops in the lcm of those lives. The
-    # state is read every period at first (most loops are short), then every that many periods
+    # rotates each shape's blocks with that period, the allocator loops in the lcm of those lives, or
+    # one period more (a block freed in a period is handed out again in the next: 16 periods where keys
+    # live 1 and 15, 61 where they live 60). The state is read every period at first (most loops are
+    # short), then at the first two periods of every that many (two reads a loop of either length)
     frees = {keys.shape(e[1]): e[1] for e in chunk if e[0] == "free"}
     every = 1
     for e in chunk:
@@ -883,8 +885,9 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
             d = keys.distance(frees[keys.shape(e[1])], e[1])  # the shift from the key freed to the key made
             if d is not None and d > 0 and d % delta == 0:
                 every = math.lcm(every, d // delta)
-    if every * 3 > count:
+    if every * 2 + 2 > count:  # no whole loop left to skip once one is seen
         every = 1
+    short = 8 if every > 1 else count
     # the usable free blocks' sizes (cheap to read) first; a relative state only where they are as an
     # earlier period left them
     looks: set[tuple] = set()
@@ -909,7 +912,7 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
         worth = len(chunk) * (count - r) > 16 * cost and spent + cost <= budget
         look = (tuple((k, tuple(x >> _KEY_SHIFT for x in p.keys if x >> _KEY_SHIFT >= smallest.get(k, 0)),
                        len(p.unmapped)) for k, p in alloc._pools.items())
-                if worth and (r < 24 or r % every == 0) else None)
+                if worth and (r < short or r % every < 2) else None)
         if look is None or seen is None or r + 1 >= count:
             pass
         elif look not in looks:
