@@ -965,38 +965,10 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
           float8: tuple[str, ...] | None = None, compile: tuple[bool, ...] = SEARCHED_COMPILE,
           runnable_only: bool = False) -> PlanResult:
     gpus, gpus_per_node = base.cluster.gpus, base.cluster.gpus_per_node
-    float8s = _float8_kinds(base, float8)
-    compiles = tuple(dict.fromkeys(compile)) if isinstance(compile, (tuple, list)) else compile
-    if not isinstance(compiles, tuple) or not compiles or any(not isinstance(c, bool) for c in compiles):
-        raise PlanError("compile", f"allowed: a non-empty list of true | false; got {compile!r}")
+    float8s, compiles, cps, G = _checked_options(base, top, global_batch, zero, schedules, recompute,
+                                                 max_virtual_stages, all_fitting, fitting_limit, fitting_seconds,
+                                                 cp, float8, compile)
     base = base.replace(training={"float8": "none", "float8_all_gather": False, "compile": False})
-    cps = default_cp_degrees(gpus, base.model.seq_len) if cp is None else tuple(cp)
-    if not cps or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in cps):
-        raise PlanError("cp", f"context-parallel degrees must be whole numbers ≥ 1, got {list(cp or ())}")
-    if 1 not in cps:
-        cps = (1, *cps)  # cp = 1 is always a candidate: the baseline every cp is ranked against
-    if not isinstance(top, int) or top < 1:
-        raise PlanError("top", f"must be a whole number ≥ 1, got {top!r}")
-    G = default_global_batch(gpus, base.model.seq_len) if global_batch is None else global_batch
-    if not isinstance(G, int) or isinstance(G, bool) or G < 1:
-        raise PlanError("global_batch", f"must be a whole number ≥ 1, got {global_batch!r}")
-    bad_z = [z for z in zero if z not in names.ZERO_STAGES]
-    if bad_z or not zero:
-        raise PlanError("zero", f"allowed: {', '.join(map(str, names.ZERO_STAGES))}; got {list(zero)}")
-    bad_s = [s for s in schedules if s not in names.SCHEDULES]
-    if bad_s or not schedules:
-        raise PlanError("schedules", f"allowed: {' | '.join(names.SCHEDULES)}; got {list(schedules)}")
-    bad_r = [r for r in recompute if r not in names.RECOMPUTE_KINDS]
-    if bad_r or not recompute:
-        raise PlanError("recompute", f"allowed: {' | '.join(names.RECOMPUTE_KINDS)}; got {list(recompute)}")
-    if max_virtual_stages < 1:
-        raise PlanError("max_virtual_stages", f"must be ≥ 1, got {max_virtual_stages}")
-    if all_fitting:
-        if not isinstance(fitting_limit, int) or isinstance(fitting_limit, bool) or fitting_limit < 1:
-            raise PlanError("fitting_limit", f"must be a whole number ≥ 1, got {fitting_limit!r}")
-        if not isinstance(fitting_seconds, int | float) or not fitting_seconds > 0:
-            raise PlanError("fitting_seconds", f"must be a number of seconds > 0, got {fitting_seconds!r}")
-
     if base.model.experts > 0:  # expert parallelism: its own grid and bounds (engine.planner_moe)
         if all_fitting:
             raise PlanError("all_fitting", "the every-fitting-layout sweep covers dense models; for a mixture of "
@@ -1017,7 +989,68 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
     bound0 = (g.makespan_lb + g.rest_lb) * _SAFETY
     idx = np.flatnonzero(may_fit)
     idx = idx[np.argsort(bound0[idx], kind="stable")]
+    best, seen, searched = _search(pl, g, bound0, idx, top, exhaustive, all_fitting, runnable_only, cancelled)
+    counts.update(searched)
+    entries = explain(best, capacity)
+    sweep: dict[str, Any] = {}
+    if all_fitting:
+        sweep = _sweep_fitting(pl, g, idx, best, seen, fitting_limit, float(fitting_seconds), progress, cancelled,
+                               runnable_only)
+    notes = _notes(base, G, cps, float8s, float8, compiles)
+    if all_fitting:
+        notes += (sweep.pop("note"),)
+    return PlanResult(model=base.model.preset or "custom", gpus=gpus, gpu=base.cluster.gpu.name,
+                      gpus_per_node=gpus_per_node, global_batch=G, tokens_per_step=G * base.model.seq_len,
+                      capacity_bytes=capacity, entries=entries, counts=PlanCounts(**counts),
+                      elapsed_s=time.perf_counter() - t0, exhaustive=exhaustive, notes=notes,
+                      all_fitting=all_fitting, base=base, **sweep)
 
+
+def _checked_options(base: Config, top, global_batch, zero, schedules, recompute, max_virtual_stages, all_fitting,
+                     fitting_limit, fitting_seconds, cp, float8,
+                     compile) -> tuple[tuple[str, ...], tuple[bool, ...], tuple[int, ...], int]:
+    """``plan``'s options checked (``PlanError`` naming the first that is not allowed): the float8 kinds
+    and compile settings searched, the cp degrees (1 always among them) and the global batch."""
+    float8s = _float8_kinds(base, float8)
+    compiles = tuple(dict.fromkeys(compile)) if isinstance(compile, (tuple, list)) else compile
+    if not isinstance(compiles, tuple) or not compiles or any(not isinstance(c, bool) for c in compiles):
+        raise PlanError("compile", f"allowed: a non-empty list of true | false; got {compile!r}")
+    cps = default_cp_degrees(base.cluster.gpus, base.model.seq_len) if cp is None else tuple(cp)
+    if not cps or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in cps):
+        raise PlanError("cp", f"context-parallel degrees must be whole numbers ≥ 1, got {list(cp or ())}")
+    if 1 not in cps:
+        cps = (1, *cps)  # cp = 1 is always a candidate: the baseline every cp is ranked against
+    if not isinstance(top, int) or top < 1:
+        raise PlanError("top", f"must be a whole number ≥ 1, got {top!r}")
+    G = default_global_batch(base.cluster.gpus, base.model.seq_len) if global_batch is None else global_batch
+    if not isinstance(G, int) or isinstance(G, bool) or G < 1:
+        raise PlanError("global_batch", f"must be a whole number ≥ 1, got {global_batch!r}")
+    bad_z = [z for z in zero if z not in names.ZERO_STAGES]
+    if bad_z or not zero:
+        raise PlanError("zero", f"allowed: {', '.join(map(str, names.ZERO_STAGES))}; got {list(zero)}")
+    bad_s = [s for s in schedules if s not in names.SCHEDULES]
+    if bad_s or not schedules:
+        raise PlanError("schedules", f"allowed: {' | '.join(names.SCHEDULES)}; got {list(schedules)}")
+    bad_r = [r for r in recompute if r not in names.RECOMPUTE_KINDS]
+    if bad_r or not recompute:
+        raise PlanError("recompute", f"allowed: {' | '.join(names.RECOMPUTE_KINDS)}; got {list(recompute)}")
+    if max_virtual_stages < 1:
+        raise PlanError("max_virtual_stages", f"must be ≥ 1, got {max_virtual_stages}")
+    if all_fitting:
+        if not isinstance(fitting_limit, int) or isinstance(fitting_limit, bool) or fitting_limit < 1:
+            raise PlanError("fitting_limit", f"must be a whole number ≥ 1, got {fitting_limit!r}")
+        if not isinstance(fitting_seconds, int | float) or not fitting_seconds > 0:
+            raise PlanError("fitting_seconds", f"must be a number of seconds > 0, got {fitting_seconds!r}")
+    return float8s, compiles, cps, G
+
+
+def _search(pl: _Planner, g: _Grid, bound0: np.ndarray, idx: np.ndarray, top: int, exhaustive: bool,
+            all_fitting: bool, runnable_only: bool,
+            cancelled: Callable[[], bool] | None) -> tuple[list, dict[int, tuple] | None, dict[str, int]]:
+    """The top K: the candidates ``idx`` (by their first time bound ``bound0``) tightened by their
+    simulated makespan, then fully evaluated while a bound is below the K-th best step (every one where
+    ``exhaustive``). Returns the best (seconds, key, i, cfg, step, memory), sorted; with ``all_fitting``
+    every layout evaluated (i -> (cfg, memory, step or None)); and the search's counts."""
     best: list[tuple[float, tuple, int, Config, Any, Any]] = []  # (seconds, key, i, cfg, step, memory), sorted
     simulated = evaluated = no_fit = invalid = timed = 0
     not_runnable: set[int] = set()  # runnable_only: the layouts left out
@@ -1100,15 +1133,14 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
             best.sort(key=lambda e: (e[0], e[1]))
             del best[top:]
     pruned = len(idx) - evaluated - invalid - len(not_runnable)
-    counts.update(pruned_by_time_bound=pruned, pipelines_simulated=simulated, fully_evaluated=evaluated,
-                  did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=timed,
-                  predict_only_skipped=len(not_runnable))
-    entries = explain(best, capacity)
-    sweep: dict[str, Any] = {}
-    if all_fitting:
-        sweep = _sweep_fitting(pl, g, idx, best, seen, fitting_limit, float(fitting_seconds), progress, cancelled,
-                               runnable_only)
-    notes = (
+    return best, seen, dict(pruned_by_time_bound=pruned, pipelines_simulated=simulated, fully_evaluated=evaluated,
+                            did_not_fit=no_fit, rejected_by_validation=invalid, fitting_timed=timed,
+                            predict_only_skipped=len(not_runnable))
+
+
+def _notes(base: Config, G: int, cps: tuple[int, ...], float8s: tuple[str, ...], float8, compiles) -> tuple[str, ...]:
+    """What every plan's table says under it: the batch, the grid's conventions, what was searched."""
+    return (
         f"every layout trains the same global batch: {G} sequences × {base.model.seq_len} tokens "
         f"= {G * base.model.seq_len:,} tokens per step (--global-batch changes it)",
         "pp = 1 has no schedule (gradient accumulation); with dp·cp = 1 ZeRO stages are identical, only ZeRO-0 is "
@@ -1126,13 +1158,6 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
         + "; torch.compile searched: " + ", ".join("on" if c else "off" for c in compiles)
         + " (float8 all-gather and async TP are not searched: off)",
     )
-    if all_fitting:
-        notes += (sweep.pop("note"),)
-    return PlanResult(model=base.model.preset or "custom", gpus=gpus, gpu=base.cluster.gpu.name,
-                      gpus_per_node=gpus_per_node, global_batch=G, tokens_per_step=G * base.model.seq_len,
-                      capacity_bytes=capacity, entries=entries, counts=PlanCounts(**counts),
-                      elapsed_s=time.perf_counter() - t0, exhaustive=exhaustive, notes=notes,
-                      all_fitting=all_fitting, base=base, **sweep)
 
 
 def _sweep_fitting(pl: _Planner, g: _Grid, idx: np.ndarray, best: list, seen: dict[int, tuple],
