@@ -771,198 +771,288 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     res = 4 if autocast else act
     sbh_rep = s * b * h // sh.rep
     hs = "h/t" if sp else "h"
-    layer_terms, layer_formula = layer_activation_terms(sh)
-
-    def block_bytes(shape: _Shape, terms, formula: str) -> tuple[int, str]:
-        """One block's saved bytes for one microbatch under ``shape``, with autocast's fp32 norms and casts."""
-        total = sum(x for _, x, _ in terms)
-        if res <= act:
-            return total, formula
-        # the kept tensors of the residual stream's dtype: the norm inputs (and x̂ of composite RMSNorm)
-        fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(shape)]
-        n_fp32 = sum(row.count for row in fp32_rows)
-        total += sum(row.count * (res - act) * _NUMEL[row.numel][0](shape) for row in fp32_rows)
-        # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
-        # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
-        n_casts = 2 + (1 if model.mlp == "swiglu" else 0)
-        if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
-            n_casts = (max(0, sum(x in shape.lora_mods for x in ("wq", "wk", "wv")) - 1)
-                       + max(0, sum(x in shape.lora_mods for x in ("w1", "w3")) - 1))
-        if shape.recompute == "selective-op" or shape.compile or shape.float8_uncast:
-            # the per-op policy recomputes the casts (aten._to_copy is not in its save list); under
-            # torch.compile AOTAutograd's CSE merges the identical casts of one norm output; torchao's
-            # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
-            n_casts = 0
-        total += n_casts * act * s * b * h
-        return total, (formula + f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
-                       f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
-
-    per_layer, layer_formula = block_bytes(sh, layer_terms, layer_formula)
     # torch's loss: loss_parallel (SP) keeps the vocabulary sharded; otherwise the head's output is
     # replicated (ColwiseParallel → Replicate), so the loss sees all V on every TP rank.
     v_loss = ceil_div(model.vocab, t) if (sp or not torch_acc) else model.vocab
-    v_sym = "⌈V/t⌉" if v_loss != model.vocab else "V"
     # blocks recomputed whole (full: all; selective-layer: torchtitan's every N-th block of the rank)
     ckpt_of = _checkpointed_of_stages(cfg, rp)
-    kept, kept_formula = res * sbh_rep, f"{res}·s·b·{hs} (checkpointed block input)"
     n_stages = par.num_stages
     holds_last = any(st.stage == n_stages - 1 for st in rp.stages)
+    blocks = _block_sizes(cfg, rp, sh, res, ep_rank, moe_microbatches)
+    extras = [_stage_extras(cfg, st, sh, blocks.layer_terms, ckpt_of, torch_acc=torch_acc, res=res, v_loss=v_loss)
+              for st in rp.stages]
+    unit_bytes = []
+    for st, ex in zip(rp.stages, extras):
+        c = ckpt_of[st.stage]
+        d_plain, m_plain = blocks.plain_split(st, c)
+        moe_bytes = blocks.per_moe_of_stage.get(st.stage, (blocks.per_moe, ""))[0] if blocks.moe else 0
+        unit_bytes.append(c * blocks.kept + d_plain * blocks.per_layer + m_plain * moe_bytes
+                          + sum(x for _, x, _, _ in ex))
+    counts = in_flight(unit_bytes)
+    dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
+    if par.cp > 1:
+        dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
+    for st, ex, n in zip(rp.stages, extras, counts):
+        _add_stage_terms(T, st, ex, n, ckpt_of[st.stage], blocks, dims, tr.recompute_every)
+    if torch_acc and p > 1 and holds_last:
+        # torch.distributed.pipelining keeps every microbatch's output (the logits) on the last stage
+        # until step() merges them, whatever the schedule
+        lo = act * s * b * v_loss
+        T.add("activations", "last stage: every microbatch's logits, kept by the schedule to merge the output",
+              m * lo, f"m × {act}·s·b·{_v_symbol(model, v_loss)} = {m} × {lo:,} B", stage=n_stages - 1,
+              in_flight=m, kind="pipeline_outputs")
+    if autocast:
+        _autocast_cast_terms(cfg, rp, T, act, psi_train)
+    _recomputed_block_terms(cfg, rp, T, sh, blocks, ckpt_of, res, dims, ep_rank)
+    if par.cp > 1:
+        ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
+        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
+              "at the peak of its forward and backward", ws, formula, kind="cp_attention")
+    if holds_last:
+        _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
+    if blocks.moe and torch_acc and tr.recompute == "none":
+        moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.per_layer, moe_microbatches)
+    if torch_acc and not lora_on:
+        block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
+                             plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
+        if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
+            split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
+    return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
+
+
+def _v_symbol(model, v_loss: int) -> str:
+    """How a formula names the loss's vocabulary: all of it, or a TP rank's shard."""
+    return "⌈V/t⌉" if v_loss != model.vocab else "V"
+
+
+def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool) -> tuple[int, str]:
+    """One block's saved bytes for one microbatch under ``shape`` (``terms``: its activation table, summed
+    in ``formula``), with autocast's fp32 norms and casts where the residual stream (``res`` bytes an
+    element) is wider than the compute dtype."""
+    act, s, b, h = shape.act, shape.s, shape.b, shape.h
+    total = sum(x for _, x, _ in terms)
+    if res <= act:
+        return total, formula
+    hs = "h/t" if shape.sp else "h"
+    # the kept tensors of the residual stream's dtype: the norm inputs (and x̂ of composite RMSNorm)
+    fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(shape)]
+    n_fp32 = sum(row.count for row in fp32_rows)
+    total += sum(row.count * (res - act) * _NUMEL[row.numel][0](shape) for row in fp32_rows)
+    # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
+    # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
+    n_casts = 2 + (1 if shape.swiglu else 0)
+    if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
+        n_casts = (max(0, sum(x in shape.lora_mods for x in ("wq", "wk", "wv")) - 1)
+                   + max(0, sum(x in shape.lora_mods for x in ("w1", "w3")) - 1))
+    if shape.recompute == "selective-op" or shape.compile or shape.float8_uncast:
+        # the per-op policy recomputes the casts (aten._to_copy is not in its save list); under
+        # torch.compile AOTAutograd's CSE merges the identical casts of one norm output; torchao's
+        # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
+        n_casts = 0
+    total += n_casts * act * s * b * h
+    return total, (formula + f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
+                   f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """What one block of the rank saves for one microbatch: a dense block (``per_layer``, its table
+    ``layer_terms``), a MoE block (``per_moe``; ``per_moe_of_stage``: stage -> its own bytes and how,
+    under a measured per-block or per-microbatch expert load), and a checkpointed block (``kept``, its
+    input); each with its formula."""
+
+    layer_terms: list
+    per_layer: int
+    layer_formula: str
+    kept: int
+    kept_formula: str
+    moe: bool = False
+    per_moe: int = 0
+    moe_formula: str = ""
+    per_moe_of_stage: dict = dataclasses.field(default_factory=dict)
+    lora_on: bool = False
+
+    def plain_split(self, st, c: int) -> tuple[int, int]:
+        """(dense, MoE) blocks among a stage's blocks not checkpointed whole (the checkpointed
+        ones counted among the MoE blocks first: an upper estimate under selective-layer)."""
+        if not self.moe:
+            return st.layers - c, 0
+        moe_plain = max(0, st.moe_layers - c)
+        return st.layers - c - moe_plain, moe_plain
+
+
+def _block_sizes(cfg: Config, rp, sh: _Shape, res: int, ep_rank: int | None,
+                 moe_microbatches: dict[int, tuple[int, ...]] | None) -> _Blocks:
+    """The rank's :class:`_Blocks`: the activation table under ``sh``, autocast's additions where the
+    residual stream is ``res`` bytes wide, the experts' rows for a MoE block."""
+    lora_on = cfg.training.finetune == "lora"
+    layer_terms, layer_formula = layer_activation_terms(sh)
+    per_layer, layer_formula = _block_bytes(sh, layer_terms, layer_formula, res, lora_on)
+    hs = "h/t" if sh.sp else "h"
+    kept = res * (sh.s * sh.b * sh.h // sh.rep)
+    common = dict(layer_terms=layer_terms, per_layer=per_layer, layer_formula=layer_formula, kept=kept,
+                  kept_formula=f"{res}·s·b·{hs} (checkpointed block input)", lora_on=lora_on)
+    if cfg.model.experts == 0:
+        return _Blocks(**common)
+    # a block with experts: the dense MLP's rows give way to the experts'
+    moe_rows, moe_formula = moe_layer_terms(cfg, ep_rank)
+    attn_half = per_layer - sum(x for _, x, part in layer_terms if part == "mlp")
+    per_moe_of_stage: dict[int, tuple[int, str]] = {}
+    if ep_rank is not None and cfg.parallel.ep > 1 and varying_expert_load(cfg):
+        per_moe_of_stage = moe_stage_block_bytes(
+            cfg, rp, lambda phi: attn_half + sum(x for _, x, _ in moe_layer_terms(cfg, ep_rank, phi)[0]),
+            ep_rank, moe_microbatches)
+    return _Blocks(**common, moe=True, per_moe=attn_half + sum(x for _, x, _ in moe_rows),
+                   moe_formula=f"{layer_formula} with the MLP's rows replaced by the {moe_formula}",
+                   per_moe_of_stage=per_moe_of_stage)
+
+
+def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, int], *, torch_acc: bool, res: int,
+                  v_loss: int) -> list[tuple[str, int, str, str]]:
+    """What a local stage saves for one microbatch beyond its blocks, as (label, bytes, formula, kind):
+    the first stage's token ids (and dropout mask), a later stage's input (the p2p buffer, taken off),
+    the last stage's final norm, head input and log-probabilities, another stage's kept output."""
+    model = cfg.model
+    lora_on = cfg.training.finetune == "lora"
+    act, s, b, h = sh.act, sh.s, sh.b, sh.h
+    sbh_rep = s * b * h // sh.rep
+    hs = "h/t" if sh.sp else "h"
+    n_stages = cfg.parallel.num_stages
+    ex: list[tuple[str, int, str, str]] = []
+    if st.stage == 0:
+        if not lora_on:  # a frozen embedding saves nothing
+            ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b", "token_ids"))
+        elif ckpt_of[st.stage] == 0 and sh.recompute != "selective-op":
+            # (the per-op policy's stash and the checkpointed input are kept whatever needs grad)
+            ex.append(_lora_first_block_saving(sh, layer_terms, res, sbh_rep))
+        if model.dropout > 0 and not lora_on:
+            ex.append(("embedding-dropout mask", sbh_rep, "s·b·" + hs, "embedding_dropout_mask"))
+    elif torch_acc:
+        ex.append(("stage input is the p2p receive buffer (counted in comm_buffers)", -res * sbh_rep,
+                   f"−{res}·s·b·{hs}", "stage_input_in_p2p_buffer"))
+    if st.stage != n_stages - 1:
+        if torch_acc:
+            ex.append(("stage output kept by the pipeline stage for its backward", res * sbh_rep,
+                       f"{res}·s·b·{hs}", "stage_output"))
+        return ex
     # the head's saved input: under sequence parallel its ColwiseParallel gathers the sequence shards
     # (input_layouts Shard(1) → Replicate, backend/parallel/tensor_parallel.py as torchtitan), and F.linear
     # saves that gathered input for the weight gradient, as the blocks' linears do ("linear_input"). measure
     # --fake, Llama 3 70B FSDP32 × TP8 + SP: activations 1.75 GiB over s·b·h/t, = 2·s·b·h·(1 − 1/t)
     head_input = (("head input, gathered from the sequence shards", act * s * b * h, f"{act}·s·b·h", "head_input")
                   if sh.sp and sh.torch_ops else ("head input", act * sbh_rep, f"{act}·s·b·{hs}", "head_input"))
-    extras: list[list[tuple[str, int, str, str]]] = []
-    for st in rp.stages:
-        ex: list[tuple[str, int, str, str]] = []
-        if st.stage == 0:
-            if not lora_on:  # a frozen embedding saves nothing
-                ex.append(("token ids (int64, embedding backward)", 8 * s * b, "8·s·b", "token_ids"))
-            elif ckpt_of[st.stage] == 0 and sh.recompute != "selective-op":
-                # (the per-op policy's stash and the checkpointed input are kept whatever needs grad)
-                ex.append(_lora_first_block_saving(sh, layer_terms, res, sbh_rep))
-            if model.dropout > 0 and not lora_on:
-                ex.append(("embedding-dropout mask", sbh_rep, "s·b·" + hs, "embedding_dropout_mask"))
-        elif torch_acc:
-            ex.append(("stage input is the p2p receive buffer (counted in comm_buffers)", -res * sbh_rep,
-                       f"−{res}·s·b·{hs}", "stage_input_in_p2p_buffer"))
-        if st.stage == n_stages - 1:
-            if torch_acc and sh.norm_upcast:
-                # the composite RMSNorm of a 16-bit input saves its fp32 upcast and fp32 x̂ (``_norm``)
-                ex.append(("final-norm input upcast to fp32 (composite RMSNorm of a 16-bit input)", 4 * sbh_rep,
-                           f"4·s·b·{hs}", "final_norm"))
-                xhat = 0 if lora_on else 4 * sbh_rep
-                ex.append(("final-norm rstd" + ("" if lora_on else " and x̂ in fp32 (composite RMSNorm)"),
-                           xhat + 4 * s * b // sh.rep, ("" if lora_on else f"4·s·b·{hs} + ") + "4·s·b", "final_norm"))
-                if not lora_on:
-                    ex.append(head_input)
-            elif torch_acc:
-                ex.append(("final-norm input", res * sbh_rep, f"{res}·s·b·{hs}", "final_norm"))
-                if sh.composite_norm and not lora_on:
-                    ex.append(("final-norm x̂ and rstd (composite RMSNorm)", res * sbh_rep + 4 * s * b // sh.rep,
-                               f"{res}·s·b·{hs} + 4·s·b", "final_norm"))
-                else:
-                    ex.append(("final-norm rstd", 4 * s * b // sh.rep, "4·s·b", "final_norm"))
-                if not lora_on:  # a frozen head saves no input for a weight gradient
-                    ex.append(head_input)
-            elif lora_on:
-                ex.append(("final-norm input (the frozen head saves none)", act * sbh_rep, f"{act}·s·b·{hs}",
-                           "final_norm"))
-            else:
-                ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·{hs}",
-                           "final_norm"))
-            ex.append(("fp32 log-probabilities for the loss", 4 * s * b * v_loss, f"4·s·b·{v_sym}",
-                       "log_probabilities"))
-        elif torch_acc:
-            ex.append(("stage output kept by the pipeline stage for its backward", res * sbh_rep,
-                       f"{res}·s·b·{hs}", "stage_output"))
-        extras.append(ex)
-    moe = model.experts > 0
-    if moe:  # a block with experts: the dense MLP's rows give way to the experts'
-        moe_rows, moe_formula = moe_layer_terms(cfg, ep_rank)
-        attn_half = per_layer - sum(x for _, x, part in layer_terms if part == "mlp")
-        per_moe = attn_half + sum(x for _, x, _ in moe_rows)
-        moe_formula = f"{layer_formula} with the MLP's rows replaced by the {moe_formula}"
-        per_moe_of_stage: dict[int, tuple[int, str]] = {}
-        if ep_rank is not None and par.ep > 1 and varying_expert_load(cfg):
-            per_moe_of_stage = moe_stage_block_bytes(
-                cfg, rp, lambda phi: attn_half + sum(x for _, x, _ in moe_layer_terms(cfg, ep_rank, phi)[0]),
-                ep_rank, moe_microbatches)
+    if torch_acc and sh.norm_upcast:
+        # the composite RMSNorm of a 16-bit input saves its fp32 upcast and fp32 x̂ (``_norm``)
+        ex.append(("final-norm input upcast to fp32 (composite RMSNorm of a 16-bit input)", 4 * sbh_rep,
+                   f"4·s·b·{hs}", "final_norm"))
+        xhat = 0 if lora_on else 4 * sbh_rep
+        ex.append(("final-norm rstd" + ("" if lora_on else " and x̂ in fp32 (composite RMSNorm)"),
+                   xhat + 4 * s * b // sh.rep, ("" if lora_on else f"4·s·b·{hs} + ") + "4·s·b", "final_norm"))
+        if not lora_on:
+            ex.append(head_input)
+    elif torch_acc:
+        ex.append(("final-norm input", res * sbh_rep, f"{res}·s·b·{hs}", "final_norm"))
+        if sh.composite_norm and not lora_on:
+            ex.append(("final-norm x̂ and rstd (composite RMSNorm)", res * sbh_rep + 4 * s * b // sh.rep,
+                       f"{res}·s·b·{hs} + 4·s·b", "final_norm"))
+        else:
+            ex.append(("final-norm rstd", 4 * s * b // sh.rep, "4·s·b", "final_norm"))
+        if not lora_on:  # a frozen head saves no input for a weight gradient
+            ex.append(head_input)
+    elif lora_on:
+        ex.append(("final-norm input (the frozen head saves none)", act * sbh_rep, f"{act}·s·b·{hs}",
+                   "final_norm"))
+    else:
+        ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·{hs}",
+                   "final_norm"))
+    ex.append(("fp32 log-probabilities for the loss", 4 * s * b * v_loss, f"4·s·b·{_v_symbol(model, v_loss)}",
+               "log_probabilities"))
+    return ex
 
-    def plain_split(st, c: int) -> tuple[int, int]:
-        """(dense, MoE) blocks among a stage's blocks not checkpointed whole (the checkpointed
-        ones counted among the MoE blocks first: an upper estimate under selective-layer)."""
-        if not moe:
-            return st.layers - c, 0
-        moe_plain = max(0, st.moe_layers - c)
-        return st.layers - c - moe_plain, moe_plain
 
-    unit_bytes = []
-    for st, ex in zip(rp.stages, extras):
-        c = ckpt_of[st.stage]
-        d_plain, m_plain = plain_split(st, c)
-        moe_bytes = per_moe_of_stage.get(st.stage, (per_moe, ""))[0] if moe else 0
-        unit_bytes.append(c * kept + d_plain * per_layer + m_plain * moe_bytes + sum(x for _, x, _, _ in ex))
-    counts = in_flight(unit_bytes)
-    dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
-    if par.cp > 1:
-        dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
-    for st, ex, n in zip(rp.stages, extras, counts):
-        c = ckpt_of[st.stage]
-        mb = f"{n} microbatch{'es' if n != 1 else ''} in flight"
-        if moe:
-            d_plain, m_plain = plain_split(st, c)
-            if c:
-                T.add("activations", f"stage {st.stage}: {mb} × {c} checkpointed layers", n * c * kept,
-                      f"{n} × {c} × {kept_formula} = {n} × {c} × {kept:,} B ({dims})",
-                      stage=st.stage, in_flight=n, kind="layers")
-            if d_plain:
-                T.add("activations", f"stage {st.stage}: {mb} × {d_plain} dense layers", n * d_plain * per_layer,
-                      f"{n} × {d_plain} × {layer_formula} = {n} × {d_plain} × {per_layer:,} B ({dims})",
-                      stage=st.stage, in_flight=n, kind="layers")
-            if m_plain:
-                one, how = per_moe_of_stage.get(st.stage, (per_moe, ""))
-                how = f"; n_r from {how}" if how else ""
-                T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * one,
-                      f"{n} × {m_plain} × ({moe_formula}{how}) = {n} × {m_plain} × {one:,} B ({dims})",
-                      stage=st.stage, in_flight=n, kind="moe_layers")
-        elif c and c == st.layers:
-            T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * kept,
-                  f"{n} × {st.layers} × {kept_formula} = {n} × {st.layers} × {kept:,} B ({dims})",
-                  stage=st.stage, in_flight=n, kind="layers")
-        elif c == 0:
-            T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * per_layer,
-                  f"{n} × {st.layers} × {layer_formula} = {n} × {st.layers} × {per_layer:,} B ({dims})",
-                  stage=st.stage, in_flight=n, kind="layers")
-        else:  # selective-layer: c checkpointed blocks keep their input, the others everything
-            T.add("activations", f"stage {st.stage}: {mb} × {c} checkpointed layers (every "
-                  f"{tr.recompute_every}th block of the rank)", n * c * kept,
+def _add_stage_terms(T: Terms, st, ex: list, n: int, c: int, blocks: _Blocks, dims: str, recompute_every: int) -> None:
+    """A local stage's activations with ``n`` microbatches in flight: its blocks (``c`` of them
+    checkpointed whole, keeping their input) and its extras ``ex``."""
+    mb = f"{n} microbatch{'es' if n != 1 else ''} in flight"
+    kept, kept_formula = blocks.kept, blocks.kept_formula
+    per_layer, layer_formula = blocks.per_layer, blocks.layer_formula
+    if blocks.moe:
+        d_plain, m_plain = blocks.plain_split(st, c)
+        if c:
+            T.add("activations", f"stage {st.stage}: {mb} × {c} checkpointed layers", n * c * kept,
                   f"{n} × {c} × {kept_formula} = {n} × {c} × {kept:,} B ({dims})",
                   stage=st.stage, in_flight=n, kind="layers")
-            T.add("activations", f"stage {st.stage}: {mb} × {st.layers - c} plain layers",
-                  n * (st.layers - c) * per_layer,
-                  f"{n} × {st.layers - c} × {layer_formula} = {n} × {st.layers - c} × {per_layer:,} B ({dims})",
+        if d_plain:
+            T.add("activations", f"stage {st.stage}: {mb} × {d_plain} dense layers", n * d_plain * per_layer,
+                  f"{n} × {d_plain} × {layer_formula} = {n} × {d_plain} × {per_layer:,} B ({dims})",
                   stage=st.stage, in_flight=n, kind="layers")
-        for label, x, fx, kind in ex:
-            T.add("activations", f"stage {st.stage}: {label}", n * x, f"{n} × {fx} = {n} × {x:,} B",
-                  stage=st.stage, in_flight=n, kind=kind)
-    if torch_acc and p > 1 and holds_last:
-        # torch.distributed.pipelining keeps every microbatch's output (the logits) on the last stage
-        # until step() merges them, whatever the schedule
-        lo = act * s * b * v_loss
-        T.add("activations", "last stage: every microbatch's logits, kept by the schedule to merge the output",
-              m * lo, f"m × {act}·s·b·{v_sym} = {m} × {lo:,} B", stage=n_stages - 1, in_flight=m,
-              kind="pipeline_outputs")
-    if autocast and lora_on:
+        if m_plain:
+            one, how = blocks.per_moe_of_stage.get(st.stage, (blocks.per_moe, ""))
+            how = f"; n_r from {how}" if how else ""
+            T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * one,
+                  f"{n} × {m_plain} × ({blocks.moe_formula}{how}) = {n} × {m_plain} × {one:,} B ({dims})",
+                  stage=st.stage, in_flight=n, kind="moe_layers")
+    elif c and c == st.layers:
+        T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * kept,
+              f"{n} × {st.layers} × {kept_formula} = {n} × {st.layers} × {kept:,} B ({dims})",
+              stage=st.stage, in_flight=n, kind="layers")
+    elif c == 0:
+        T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * per_layer,
+              f"{n} × {st.layers} × {layer_formula} = {n} × {st.layers} × {per_layer:,} B ({dims})",
+              stage=st.stage, in_flight=n, kind="layers")
+    else:  # selective-layer: c checkpointed blocks keep their input, the others everything
+        T.add("activations", f"stage {st.stage}: {mb} × {c} checkpointed layers (every "
+              f"{recompute_every}th block of the rank)", n * c * kept,
+              f"{n} × {c} × {kept_formula} = {n} × {c} × {kept:,} B ({dims})",
+              stage=st.stage, in_flight=n, kind="layers")
+        T.add("activations", f"stage {st.stage}: {mb} × {st.layers - c} plain layers",
+              n * (st.layers - c) * per_layer,
+              f"{n} × {st.layers - c} × {layer_formula} = {n} × {st.layers - c} × {per_layer:,} B ({dims})",
+              stage=st.stage, in_flight=n, kind="layers")
+    for label, x, fx, kind in ex:
+        T.add("activations", f"stage {st.stage}: {label}", n * x, f"{n} × {fx} = {n} × {x:,} B",
+              stage=st.stage, in_flight=n, kind=kind)
+
+
+def _autocast_cast_terms(cfg: Config, rp, T: Terms, act: int, psi_train: int) -> None:
+    """The 16-bit weight casts autocast caches for the whole step."""
+    tr = cfg.training
+    if tr.finetune == "lora":
         # autocast caches casts of leaf tensors that require grad only: the adapters, not the base
         T.add("activations", "autocast's 16-bit casts of the adapters (cached; the frozen base is cast "
               "on the fly and not cached)", act * psi_train, f"{act} B × {psi_train:,} adapter weights",
               kind="autocast_weight_casts")
-    elif autocast:
-        # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
-        # (the backend's context spans forward and backward); the matmuls save these casts.
-        # torchao's Float8Linear passes its weight uncast (it casts to float8 itself and saves the
-        # high-precision weight by reference): only the head's weight is cast and cached then
-        float8 = tr.float8 != "none"
-        cast = 0 if float8 else rp.block_weight_numel
-        cast += sum(st.head for st in rp.stages)
-        T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
-              f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
-              kind="autocast_weight_casts")
+        return
+    # autocast caches the 16-bit cast of every weight a matmul uses until its context exits
+    # (the backend's context spans forward and backward); the matmuls save these casts.
+    # torchao's Float8Linear passes its weight uncast (it casts to float8 itself and saves the
+    # high-precision weight by reference): only the head's weight is cast and cached then
+    float8 = tr.float8 != "none"
+    cast = 0 if float8 else rp.block_weight_numel
+    cast += sum(st.head for st in rp.stages)
+    T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
+          f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
+          kind="autocast_weight_casts")
+
+
+def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],
+                            res: int, dims: str, ep_rank: int | None) -> None:
+    """The tensors a recomputing block's backward rebuilds (full, selective-layer, per-op selective)."""
     # The tensors a checkpointed block's backward recomputes are activations, as PyTorch's MemTracker
     # files them ("tensors produced during the forward pass and recomputation in activation
     # checkpointing", _MemRefType.ACT): one block's at a time, alive during that block's backward
     # (``engine.memory.lifetimes``: kind "recomputed_block", no stage or microbatches in flight)
     # less the block input, which the checkpoint keeps and the replay of norm1 saves as that same
     # tensor (``checkpoint_shared_bytes``; counted once, in the checkpointed block's kept input)
+    per_layer, per_moe = blocks.per_layer, blocks.per_moe
+    moe_here = blocks.moe and any(st.moe_layers for st in rp.stages)
     if any(ckpt_of[st.stage] for st in rp.stages):
-        big = max(per_layer, per_moe) if moe and any(st.moe_layers for st in rp.stages) else per_layer
+        big = max(per_layer, per_moe) if moe_here else per_layer
         shared = checkpoint_shared_bytes(sh, res)
         redo = big - shared
-        T.add("activations", f"one block recomputed during backward ({tr.recompute} recompute), less its kept "
-              "input", redo, f"{moe_formula if moe and big != per_layer else layer_formula} − the kept block input"
-              f" = {big:,} − {shared:,} = {redo:,} B ({dims})", kind="recomputed_block")
+        T.add("activations", f"one block recomputed during backward ({cfg.training.recompute} recompute), less "
+              "its kept input", redo, f"{blocks.moe_formula if blocks.moe and big != per_layer else blocks.layer_formula}"
+              f" − the kept block input = {big:,} − {shared:,} = {redo:,} B ({dims})", kind="recomputed_block")
     elif sh.recompute == "selective-op":
         # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
         # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE
@@ -975,9 +1065,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # input its first backward op frees)
         plain = dataclasses.replace(sh, recompute="none")
         plain_terms, _ = layer_activation_terms(plain)
-        plain_bytes, _ = block_bytes(plain, plain_terms, "")
+        plain_bytes, _ = _block_bytes(plain, plain_terms, "", res, blocks.lora_on)
         redo, stash, what = max(0, plain_bytes - per_layer), per_layer, "one block"
-        if moe and any(st.moe_layers for st in rp.stages):
+        if moe_here:
             # a MoE block replays its experts too: its "none" set (the dense attention half and the
             # experts' rows) less its stash
             plain_moe = plain_bytes - sum(x for _, x, part in plain_terms if part == "mlp") + sum(
@@ -987,38 +1077,31 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         T.add("activations", f"{what}'s recomputed tensors during its backward (per-op selective recompute)",
               redo, f"what {what} keeps under recompute = 'none' − its per-op stash = {plain_bytes:,} − "
               f"{stash:,} = {redo:,} B ({dims})", kind="recomputed_block")
-    if par.cp > 1:
-        ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
-        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
-              "at the peak of its forward and backward", ws, formula, kind="cp_attention")
-    if holds_last:
-        if torch_acc and sp:
-            # loss_parallel (the backend's loss under sequence parallel): torch's
-            # _nll_loss_and_log_softmax_backward (torch/distributed/tensor/parallel/loss.py) runs both
-            # backwards at once on the vocabulary shard, returning (grad_input + torch.exp(x)) * grad_output
-            # with grad_input = zeros_like(x): the zeros, exp(x) and their sum (then the sum and the product)
-            # are three fp32 shards alive at once (measure --fake, Llama 3 70B FSDP32 × TP8: tracker Temp
-            # 25,220,481,028 B, three times 16·8192·16,032·4 B plus 4 MB)
-            lx = 3 * 4 * s * b * v_loss
-            T.add("temporaries", "loss (loss_parallel): the one-hot gradient, exp of the log-probabilities and "
-                  "their sum, fp32 on the vocabulary shard", lx, f"3 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
-        elif torch_acc:
-            lx = 2 * 4 * s * b * v_loss
-            T.add("temporaries", "loss: fp32 logits and the log-softmax gradient at the start of backward",
-                  lx, f"2 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
-        else:
-            v_local = ceil_div(model.vocab, t)
-            lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
-            T.add("temporaries", "logits at the loss (compute dtype + fp32 copy)", lx,
-                  f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
-    if moe and torch_acc and tr.recompute == "none":
-        moe_backward_terms(cfg, rp, T, ep_rank, autocast, per_layer, moe_microbatches)
-    if torch_acc and not lora_on:
-        block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
-                             plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
-        if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
-            split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
-    return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
+
+
+def _loss_terms(cfg: Config, T: Terms, act: int, *, torch_acc: bool, sp: bool, v_loss: int) -> None:
+    """The last stage's loss temporaries."""
+    s, b = cfg.local_seq_len, cfg.training.micro_batch_size
+    v_sym = _v_symbol(cfg.model, v_loss)
+    if torch_acc and sp:
+        # loss_parallel (the backend's loss under sequence parallel): torch's
+        # _nll_loss_and_log_softmax_backward (torch/distributed/tensor/parallel/loss.py) runs both
+        # backwards at once on the vocabulary shard, returning (grad_input + torch.exp(x)) * grad_output
+        # with grad_input = zeros_like(x): the zeros, exp(x) and their sum (then the sum and the product)
+        # are three fp32 shards alive at once (measure --fake, Llama 3 70B FSDP32 × TP8: tracker Temp
+        # 25,220,481,028 B, three times 16·8192·16,032·4 B plus 4 MB)
+        lx = 3 * 4 * s * b * v_loss
+        T.add("temporaries", "loss (loss_parallel): the one-hot gradient, exp of the log-probabilities and "
+              "their sum, fp32 on the vocabulary shard", lx, f"3 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
+    elif torch_acc:
+        lx = 2 * 4 * s * b * v_loss
+        T.add("temporaries", "loss: fp32 logits and the log-softmax gradient at the start of backward",
+              lx, f"2 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
+    else:
+        v_local = ceil_div(cfg.model.vocab, cfg.parallel.tp)
+        lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)
+        T.add("temporaries", "logits at the loss (compute dtype + fp32 copy)", lx,
+              f"{act + (4 if act != 4 else 0)}·s·b·V/t = {lx:,} B", kind="loss")
 
 
 def weight_op_outputs(model, t: int) -> int:
