@@ -55,6 +55,176 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class _MoeGrid:
+    """What the MoE planner's bounds are made of, each computed once per shape it depends on: probe
+    configs, a block's saved bytes, each pp rank's model states and the time it spends beside the
+    pipeline, the TP and EP collectives of a block."""
+
+    def __init__(self, base: Config):
+        m, cl, tr = base.model, base.cluster, base.training
+        self.base = base
+        self.gpus, self.gpn = cl.gpus, cl.gpus_per_node
+        self.k_states = OPTIMIZER_STATES[tr.optimizer]
+        self.torch_acc = base.conventions.state_accounting == "pytorch"
+        self.act = 4 if tr.precision == "fp32" else 2
+        self.s_len = m.seq_len
+        master = 4 if tr.master_weights else 0
+        self.opt_bytes = tr.grad_bytes + 2 * (master or tr.param_bytes) + 8 * self.k_states + (tr.param_bytes if master else 0)
+        self.hbm = cl.gpu.hbm_bandwidth_gb_per_s * 1e9
+        self.phi_ep = base.conventions.moe_capacity_factor or base.conventions.moe_imbalance
+        self._probes: dict[tuple, Config | None] = {}
+        self._per_layer: dict[tuple, tuple[int, int, int]] = {}
+        self._states: dict[tuple, tuple[np.ndarray, np.ndarray, float]] = {}
+        self._dp_probes: dict[tuple[int, int], Config] = {}
+        self._tp: dict[tuple, tuple[float, float]] = {}
+        self._ep: dict[tuple, tuple[float, float]] = {}
+
+    def probe(self, tp: int, pp: int, ep: int, b: int, rc: str, mb: int = 1) -> Config | None:
+        """The base with this layout (1F1B, ZeRO-0); None where validation refuses it."""
+        key = (tp, pp, ep, b, rc, mb)
+        if key not in self._probes:
+            try:
+                self._probes[key] = self.base.replace(
+                    parallel={"dp": self.gpus // (tp * pp), "tp": tp, "pp": pp, "ep": ep, "sequence_parallel": tp > 1,
+                              "microbatches": mb, "schedule": "1F1B", "zero": 0},
+                    training={"micro_batch_size": b, "recompute": rc})
+            except ConfigError:
+                self._probes[key] = None
+        return self._probes[key]
+
+    def dp_probe(self, tp: int, pp: int) -> Config:
+        if (tp, pp) not in self._dp_probes:
+            self._dp_probes[tp, pp] = self.probe(tp, pp, 1, 1, "none", pp) or self.base
+        return self._dp_probes[tp, pp]
+
+    def per_layer(self, tp: int, ep: int, b: int, rc: str) -> tuple[int, int, int] | None:
+        """(dense block, MoE block, checkpointed block input) bytes per microbatch, lower bounds
+        (they depend on ep only through whether it is > 1)."""
+        key = (tp, ep > 1, b, rc)
+        if key not in self._per_layer:
+            cfg = self.probe(tp, 1, ep, b, rc)
+            if cfg is None:
+                return None
+            terms, _ = layer_activation_terms(shape_of(cfg))
+            dense = sum(x for _, x, _ in terms)
+            rows, _ = moe_layer_terms(cfg)
+            moe = dense - sum(x for _, x, part in terms if part == "mlp") + sum(x for _, x, _ in rows)
+            kept = self.act * self.s_len * b * self.base.model.hidden // tp  # sequence parallel whenever tp > 1
+            self._per_layer[key] = (dense, moe, kept)
+        return self._per_layer[key]
+
+    def states(self, tp: int, pp: int, ep: int, z: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """Per pp rank (its tp-rank 0: the largest vocabulary chunk), the bytes its model states and fixed
+        buffers hold and the bytes it adds per microbatch, and the most time a rank spends beside the
+        pipeline (its optimizer step and exposed data-parallel collectives)."""
+        key = (tp, pp, ep, z)
+        if key not in self._states:
+            dp = self.gpus // (tp * pp)
+            held = _moe_params_per_rank(self.base.model, tp, pp, 1, placement_style("1F1B"),
+                                        self.base.parallel.pipeline_split, ep, dp * tp // ep, 1)
+            out = []
+            same: dict[tuple, tuple[int, int, float]] = {}  # pp ranks holding the same units (the middle ones)
+            for row in held:
+                rp = row[0]
+                if rp.unit_groups not in same:
+                    same[rp.unit_groups] = ((*self._rank_state_bytes(rp, tp, dp, ep, z),
+                                             self._rank_time_beside(rp, tp, pp, dp, ep, z))
+                                            if self.torch_acc else (0, 0, 0))
+                out.append(same[rp.unit_groups])
+            self._states[key] = (np.array([o[0] for o in out], dtype=np.float64),
+                                 np.array([o[1] for o in out], dtype=np.float64), max(o[2] for o in out))
+        return self._states[key]
+
+    def _rank_state_bytes(self, rp, tp: int, dp: int, ep: int, z: int) -> tuple[int, int]:
+        """A pp rank's model states and fixed buffers at its least, and what it adds per microbatch."""
+        psi, k_states, act = rp.total, self.k_states, self.act
+        # FSDP2 (fully_shard, or replicate for DP × TP) makes its fp32 sharded gradients in each
+        # unit's post-backward: the first backward's own moment has none (engine.memory.lifetimes),
+        # so the bound counts 4 B (parameter) + the optimizer's per element there
+        # plain gradients (no FSDP2: ``per_rank.plain_grads_late``) exist from the first backward on,
+        # so the bound holds none of them either (a weaker bound of the moments after it)
+        bucket_view = self.base.conventions.ddp_gradient_as_bucket_view
+        plain = not (tp > 1 and dp > 1) and not bucket_view
+        if z in (2, 3):
+            e_deg = dp * tp // ep if ep > 1 else None
+            x = (4 + 4 * k_states) * rp.sharded_numel(dp, e_deg)
+        elif z == 1:
+            x = (4 if plain else 8) * psi + 4 * k_states * -(-psi // dp)
+        elif tp > 1 and dp > 1:
+            x = (4 + 4 * k_states) * psi
+        else:
+            x = (4 if plain else 8) * psi + 4 * k_states * psi
+        # the smallest buffers FSDP2 / DDP keep besides (every category counts at the peak):
+        # ZeRO-2 (and replicate) hold every unit gathered, ZeRO-3 one unit; DDP its buckets
+        if dp == 1:
+            fixed = 0
+        elif z == 2 or (z == 0 and tp > 1):
+            fixed = act * psi
+        elif z == 3:
+            fixed = act * rp.largest_unit_numels(1)[0]
+        elif bucket_view:
+            fixed = 0
+        else:
+            fixed = 4 * (psi - rp.experts)  # DDP's buckets leave the routed experts out
+        # unsharded gradients accumulated over microbatches (FSDP2, m > 1): at least 2 B each
+        per_mb = 2 * psi if z in (2, 3) and dp > 1 else 0
+        return x + fixed, per_mb
+
+    def _rank_time_beside(self, rp, tp: int, pp: int, dp: int, ep: int, z: int) -> float:
+        """The time every layout of this shape spends besides the pipeline on a pp rank: the optimizer
+        step over the local shard, and (ZeRO-2/3) FSDP's gradient reduce-scatters, counted exposed."""
+        base, psi = self.base, rp.total
+        opt = (psi / (dp if z >= 1 else 1)) * self.opt_bytes / self.hbm
+        rs = 0.0
+        e_units = sum(c for _, c in rp.expert_units)
+        dense_psi = psi - (rp.experts if e_units else 0)
+        units = max(1, rp.unit_count - e_units)
+        dp_span = group_span(self.dp_probe(tp, pp), "dp")
+        n_e = dp * tp // ep
+        e_local = max(1, min(n_e, self.gpn // ep))
+        e_span = GroupSpan("dp", n_e, math.ceil(n_e / e_local), e_local)
+        gb, pb = base.training.grad_bytes, base.training.param_bytes
+
+        def coll(kind, size, span):
+            return collective_seconds(base, kind, size, span) if span.size > 1 else 0.0
+
+        if z in (2, 3) and dp > 1:
+            # exposed: every reduce-scatter, and at least one all-gather call (dense and experts)
+            rs = units * coll("reduce_scatter", dense_psi * gb / units, dp_span)
+            rs += coll("all_gather", dense_psi * pb / units, dp_span)
+            if e_units:
+                rs += e_units * coll("reduce_scatter", rp.experts * gb / e_units, e_span)
+                rs += coll("all_gather", rp.experts * pb / e_units, e_span)
+        elif z == 0 and dp > 1:
+            # DDP: at least one bucket's all-reduce is exposed; the experts' one all-reduce whole
+            grads = dense_psi * gb
+            buckets = max(1, math.ceil(grads / (base.conventions.ddp_bucket_mb * 1e6)))
+            rs = coll("all_reduce", grads / buckets, dp_span)
+            if e_units:
+                rs += coll("all_reduce", rp.experts * gb, GroupSpan("dp", n_e, e_span.nodes, e_span.local))
+        return opt + rs
+
+    def comm(self, tp: int, ep: int, b: int, rc: str) -> tuple[float, float, float, float] | None:
+        """(TP forward, TP backward per block, EP forward, EP backward per MoE block) seconds per
+        microbatch: a TP group (tp ≤ GPUs per node) lies in one node whatever pp, and an EP group is
+        ep consecutive ranks (engine.comm.ep_span)."""
+        if (tp, b, rc) not in self._tp:
+            cfg = self.probe(tp, 1, 1, b, rc)
+            if cfg is None:
+                return None
+            self._tp[tp, b, rc] = tp_seconds_per_layer(cfg)
+        m = self.base.model
+        if ep > 1 and (tp, ep, b, rc) not in self._ep:
+            local = min(ep, self.gpn)
+            span = GroupSpan("ep", ep, math.ceil(ep / local), local)
+            size = b * self.s_len // tp * m.experts_per_token * m.hidden * self.base.training.param_bytes * self.phi_ep
+            one = all_to_all_seconds(self.base, size, span)
+            self._ep[tp, ep, b, rc] = (2 * one, (2 + (2 if rc == "full" else 0)) * one)
+        tf, tb = self._tp[tp, b, rc]
+        ef, eb = self._ep[tp, ep, b, rc] if ep > 1 else (0.0, 0.0)
+        return tf, tb, ef, eb
+
+
 def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple[str, ...],
                    micro_batch_sizes: tuple[int, ...] | None) -> tuple[list[tuple[float, float, dict]], dict]:
     """Every layout of the grid with its (step lower bound, memory lower bound), and the counts."""
@@ -62,172 +232,13 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
     gpus, gpn = cl.gpus, cl.gpus_per_node
     rcs = tuple(r for r in recompute if r in MOE_RECOMPUTE) or ("none",)
     g_tp = math.gcd(m.heads, m.kv_heads, m.ffn_hidden)
-    k_states = OPTIMIZER_STATES[base.training.optimizer]
-    torch_acc = base.conventions.state_accounting == "pytorch"
-    act = 4 if base.training.precision == "fp32" else 2
+    grid = _MoeGrid(base)
+    torch_acc, act, s_len, phi_ep = grid.torch_acc, grid.act, grid.s_len, grid.phi_ep
     overhead = runtime_context_bytes(base)
     fd = block_flops(base, False)
     rate1 = cl.gpu.peak_flops(base.training.precision) * base.conventions.compute_efficiency
-    s_len = m.seq_len
-
-    probes: dict[tuple, Config | None] = {}
-
-    def probe(tp: int, pp: int, ep: int, b: int, rc: str, mb: int = 1) -> Config | None:
-        key = (tp, pp, ep, b, rc, mb)
-        if key not in probes:
-            try:
-                probes[key] = base.replace(parallel={"dp": gpus // (tp * pp), "tp": tp, "pp": pp, "ep": ep,
-                                                     "sequence_parallel": tp > 1, "microbatches": mb,
-                                                     "schedule": "1F1B", "zero": 0},
-                                           training={"micro_batch_size": b, "recompute": rc})
-            except ConfigError:
-                probes[key] = None
-        return probes[key]
-
-    per_layer_cache: dict[tuple, tuple[int, int, int]] = {}
-
-    def per_layer(tp: int, ep: int, b: int, rc: str) -> tuple[int, int, int] | None:
-        """(dense block, MoE block, checkpointed block input) bytes per microbatch, lower bounds
-        (they depend on ep only through whether it is > 1)."""
-        key = (tp, ep > 1, b, rc)
-        if key not in per_layer_cache:
-            cfg = probe(tp, 1, ep, b, rc)
-            if cfg is None:
-                return None
-            terms, _ = layer_activation_terms(shape_of(cfg))
-            dense = sum(x for _, x, _ in terms)
-            rows, _ = moe_layer_terms(cfg)
-            moe = dense - sum(x for _, x, part in terms if part == "mlp") + sum(x for _, x, _ in rows)
-            kept = act * s_len * b * m.hidden // tp  # sequence parallel whenever tp > 1
-            per_layer_cache[key] = (dense, moe, kept)
-        return per_layer_cache[key]
-
-    states_cache: dict[tuple, tuple[np.ndarray, np.ndarray, float]] = {}
-    tr = base.training
-    master = 4 if tr.master_weights else 0
-    opt_bytes = tr.grad_bytes + 2 * (master or tr.param_bytes) + 8 * k_states + (tr.param_bytes if master else 0)
-    hbm = cl.gpu.hbm_bandwidth_gb_per_s * 1e9
-
-    def states(tp: int, pp: int, ep: int, z: int) -> list[int] | None:
-        """Model-state bytes of each pp rank's tp-rank 0 (the largest vocabulary chunk)."""
-        key = (tp, pp, ep, z)
-        if key not in states_cache:
-            dp = gpus // (tp * pp)
-            held = _moe_params_per_rank(m, tp, pp, 1, placement_style("1F1B"), base.parallel.pipeline_split, ep,
-                                        dp * tp // ep, 1)
-            out = []
-            same: dict[tuple, tuple[int, int, float]] = {}  # pp ranks holding the same units (the middle ones)
-            for row in held:
-                rp = row[0]
-                if rp.unit_groups in same:
-                    out.append(same[rp.unit_groups])
-                    continue
-                psi = rp.total
-                if not torch_acc:
-                    out.append((0, 0, 0))
-                    continue
-                # FSDP2 (fully_shard, or replicate for DP × TP) makes its fp32 sharded gradients in each
-                # unit's post-backward: the first backward's own moment has none (engine.memory.lifetimes),
-                # so the bound counts 4 B (parameter) + the optimizer's per element there
-                # plain gradients (no FSDP2: ``per_rank.plain_grads_late``) exist from the first backward on,
-                # so the bound holds none of them either (a weaker bound of the moments after it)
-                plain = not (tp > 1 and dp > 1) and not base.conventions.ddp_gradient_as_bucket_view
-                if z in (2, 3):
-                    e_deg = dp * tp // ep if ep > 1 else None
-                    x = (4 + 4 * k_states) * rp.sharded_numel(dp, e_deg)
-                elif z == 1:
-                    x = (4 if plain else 8) * psi + 4 * k_states * -(-psi // dp)
-                elif tp > 1 and dp > 1:
-                    x = (4 + 4 * k_states) * psi
-                else:
-                    x = (4 if plain else 8) * psi + 4 * k_states * psi
-                # the smallest buffers FSDP2 / DDP keep besides (every category counts at the peak):
-                # ZeRO-2 (and replicate) hold every unit gathered, ZeRO-3 one unit; DDP its buckets
-                if dp == 1:
-                    fixed = 0
-                elif z == 2 or (z == 0 and tp > 1):
-                    fixed = act * psi
-                elif z == 3:
-                    fixed = act * rp.largest_unit_numels(1)[0]
-                elif base.conventions.ddp_gradient_as_bucket_view:
-                    fixed = 0
-                else:
-                    fixed = 4 * (psi - rp.experts)  # DDP's buckets leave the routed experts out
-                # unsharded gradients accumulated over microbatches (FSDP2, m > 1): at least 2 B each
-                per_mb = 2 * psi if z in (2, 3) and dp > 1 else 0
-                # time every layout of this shape spends besides the pipeline: the optimizer step over
-                # the local shard, and (ZeRO-2/3) FSDP's gradient reduce-scatters, counted exposed
-                opt = (psi / (dp if z >= 1 else 1)) * opt_bytes / hbm
-                rs = 0.0
-                e_units = sum(c for _, c in rp.expert_units)
-                dense_psi = psi - (rp.experts if e_units else 0)
-                units = max(1, rp.unit_count - e_units)
-                dp_span = group_span(dp_probe(tp, pp), "dp")
-                n_e = dp * tp // ep
-                e_local = max(1, min(n_e, gpn // ep))
-                e_span = GroupSpan("dp", n_e, math.ceil(n_e / e_local), e_local)
-                gb, pb = base.training.grad_bytes, base.training.param_bytes
-
-                def coll(kind, size, span):
-                    return collective_seconds(base, kind, size, span) if span.size > 1 else 0.0
-
-                if z in (2, 3) and dp > 1:
-                    # exposed: every reduce-scatter, and at least one all-gather call (dense and experts)
-                    rs = units * coll("reduce_scatter", dense_psi * gb / units, dp_span)
-                    rs += coll("all_gather", dense_psi * pb / units, dp_span)
-                    if e_units:
-                        rs += e_units * coll("reduce_scatter", rp.experts * gb / e_units, e_span)
-                        rs += coll("all_gather", rp.experts * pb / e_units, e_span)
-                elif z == 0 and dp > 1:
-                    # DDP: at least one bucket's all-reduce is exposed; the experts' one all-reduce whole
-                    grads = dense_psi * gb
-                    buckets = max(1, math.ceil(grads / (base.conventions.ddp_bucket_mb * 1e6)))
-                    rs = coll("all_reduce", grads / buckets, dp_span)
-                    if e_units:
-                        rs += coll("all_reduce", rp.experts * gb, GroupSpan("dp", n_e, e_span.nodes, e_span.local))
-                out.append((x + fixed, per_mb, opt + rs))
-                same[rp.unit_groups] = out[-1]
-            states_cache[key] = (np.array([o[0] for o in out], dtype=np.float64),
-                                 np.array([o[1] for o in out], dtype=np.float64), max(o[2] for o in out))
-        return states_cache[key]
-
-    dp_probes: dict[tuple[int, int], Config] = {}
-
-    def dp_probe(tp: int, pp: int) -> Config:
-        if (tp, pp) not in dp_probes:
-            dp_probes[tp, pp] = probe(tp, pp, 1, 1, "none", pp) or base
-        return dp_probes[tp, pp]
-
-    tp_cache: dict[tuple, tuple[float, float]] = {}
-    ep_cache: dict[tuple, tuple[float, float]] = {}
-    phi_ep = base.conventions.moe_capacity_factor or base.conventions.moe_imbalance
-
-    def comm(tp: int, pp: int, ep: int, b: int, rc: str) -> tuple[float, float, float, float] | None:
-        """(TP forward, TP backward per block, EP forward, EP backward per MoE block) seconds per
-        microbatch: a TP group (tp ≤ GPUs per node) lies in one node whatever pp, and an EP group is
-        ep consecutive ranks (engine.comm.ep_span)."""
-        if (tp, b, rc) not in tp_cache:
-            cfg = probe(tp, 1, 1, b, rc)
-            if cfg is None:
-                return None
-            tp_cache[tp, b, rc] = tp_seconds_per_layer(cfg)
-        if ep > 1 and (tp, ep, b, rc) not in ep_cache:
-            local = min(ep, gpn)
-            span = GroupSpan("ep", ep, math.ceil(ep / local), local)
-            size = b * s_len // tp * m.experts_per_token * m.hidden * base.training.param_bytes * phi_ep
-            one = all_to_all_seconds(base, size, span)
-            ep_cache[tp, ep, b, rc] = (2 * one, (2 + (2 if rc == "full" else 0)) * one)
-        tf, tb = tp_cache[tp, b, rc]
-        ef, eb = ep_cache[tp, ep, b, rc] if ep > 1 else (0.0, 0.0)
-        return tf, tb, ef, eb
-
     fm_cache: dict[float, Any] = {}
-
     cands: list[tuple[float, float, dict[str, Any]]] = []
-    stage_index: dict[int, np.ndarray] = {}
-    p2p_of: dict[int, np.ndarray] = {}
-    last_of: dict[int, np.ndarray] = {}
-    head_of: dict[int, np.ndarray] = {}
     counts = {"enumerated": 0, "skipped_global_batch": 0, "memory_bound_rejected": 0}
     for tp in [t for t in _divisors(gpus) if t <= gpn and g_tp % t == 0]:
         if tp > 1 and s_len % tp:
@@ -238,12 +249,10 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                 counts["skipped_global_batch"] += 1
                 continue
             dn, mn = stage_block_counts(base, pp)
-            if pp not in stage_index:
-                stage_index[pp] = np.arange(pp, dtype=np.float64)
-                p2p_of[pp] = ((stage_index[pp] > 0).astype(np.float64) + (stage_index[pp] < pp - 1)) if pp > 1 \
-                    else np.zeros(1)
-                last_of[pp] = (stage_index[pp] == pp - 1).astype(np.float64)
-                head_of[pp] = last_of[pp] * fd.head
+            stage_index = np.arange(pp, dtype=np.float64)
+            p2p = ((stage_index > 0).astype(np.float64) + (stage_index < pp - 1)) if pp > 1 else np.zeros(1)
+            last = (stage_index == pp - 1).astype(np.float64)
+            head = last * fd.head
             for ep in _divisors(math.gcd(m.experts, dp * tp)):
                 if ep == 1 and m.expert_hidden % tp:
                     continue
@@ -260,43 +269,39 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                     mb = G // (dp * b)
                     tokens = b * s_len
                     for rc in rcs:
-                        pl = per_layer(tp, ep, b, rc)
-                        cm = comm(tp, pp, ep, b, rc)
+                        pl = grid.per_layer(tp, ep, b, rc)
+                        cm = grid.comm(tp, ep, b, rc)
                         if pl is None or cm is None:
                             continue
                         d_b, m_b, kept = pl
                         tf, tb, ef, eb = cm
                         rate = rate1 * tp
-                        # per stage: compute (F, B = I + W with recompute) and the critical-path collectives
                         # per stage, as arrays: compute (F, B = I + W with recompute) and the critical-path
                         # collectives; the stage chain before each rank; the saved tensors in flight (1F1B)
                         blk, nb = dn * fd.block + mn * fm.block, dn + mn
                         mm = dn * fd.matmuls + mn * fm.matmuls
                         core = dn * fd.attention_core + mn * fm.attention_core
                         rec = blk if rc == "full" else core if rc == "selective" else 0.0
-                        stage_f = tokens * (blk + head_of[pp]) / rate + nb * tf + mn * ef
-                        stage_b = tokens * (2 * mm + 2 * core + rec + 2 * head_of[pp]) / rate + nb * tb + mn * eb
+                        stage_f = tokens * (blk + head) / rate + nb * tf + mn * ef
+                        stage_b = tokens * (2 * mm + 2 * core + rec + 2 * head) / rate + nb * tb + mn * eb
                         work = stage_f + stage_b
                         step_lb = float(np.max(np.cumsum(work) - work + mb * work))
                         if base.training.compile:  # compile's fused-elementwise saving is not in this bound
                             step_lb = 0.0
-                        in_flight = np.minimum(mb, pp - stage_index[pp])
+                        in_flight = np.minimum(mb, pp - stage_index)
                         acts = in_flight * (nb * kept if rc == "full" else dn * d_b + mn * m_b)
                         # buffers every layout of this shape keeps: the pipeline's receive buffers and, on the
                         # last stage, every microbatch's logits; EP's all-to-all buffers of one layer
                         sbh = act * tokens * m.hidden // tp
-                        bufs = mb * sbh * p2p_of[pp]
+                        bufs = mb * sbh * p2p
                         if torch_acc and pp > 1:  # the logits, vocabulary-parallel under SP
-                            bufs = bufs + last_of[pp] * (mb * act * tokens * -(-m.vocab // tp))
+                            bufs = bufs + last * (mb * act * tokens * -(-m.vocab // tp))
                         if ep > 1:
                             bufs = bufs + (mn > 0) * (act * (tokens // tp) * m.experts_per_token * m.hidden * 2)
                         ab = acts + bufs
                         for z in zs:
-                            st = states(tp, pp, ep, z)
-                            if st is None:
-                                continue
+                            fixed, per_mb, rest = grid.states(tp, pp, ep, z)
                             counts["enumerated"] += 1
-                            fixed, per_mb, rest = st
                             mem_lb = float(np.max(fixed + (per_mb if mb > 1 else 0.0) + ab)) + overhead
                             layout = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": z, "b": b, "m": mb, "rc": rc}
                             # (1 − 1e-9): the bounds are sums in another order than the engine's; float rounding
