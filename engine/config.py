@@ -713,10 +713,35 @@ def check(
     p: list[Problem] = []
     out_of_range = _check_ranges(p, {"model": model, "cluster": cluster, "parallel": parallel, "training": training,
                                      "conventions": conventions})
-
-    # ---- model
     ok_model = not any(f"model.{k}" in out_of_range for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden",
-                                                      "vocab", "seq_len"))
+                                                              "vocab", "seq_len"))
+    _check_model(p, model, parallel, training, conventions, out_of_range, ok_model)
+    ok_cluster = "cluster.gpus" not in out_of_range and "cluster.gpus_per_node" not in out_of_range
+    if ok_cluster and cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
+        p.append(
+            Problem(
+                "cluster.gpus",
+                cluster.gpus,
+                f"must be a multiple of cluster.gpus_per_node ({cluster.gpus_per_node}) when it spans nodes",
+            )
+        )
+    ok_par = not any(f"parallel.{k}" in out_of_range for k in ("dp", "tp", "pp", "cp", "virtual_stages",
+                                                               "microbatches", "replicate", "zero"))
+    _check_parallel(p, model, cluster, parallel, ok_model=ok_model, ok_cluster=ok_cluster, ok_par=ok_par)
+    _check_dp_mode(p, cluster, parallel, ok_cluster)
+    _check_training(p, model, cluster, parallel, training)
+    c = conventions
+    _choice(p, "conventions.bubble", c.bubble, names.BUBBLE_CONVENTIONS)
+    if c.state_accounting not in names.STATE_ACCOUNTINGS:
+        p.append(Problem("conventions.state_accounting", c.state_accounting,
+                         "allowed: pytorch (what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep) | "
+                         "zero-paper (the ZeRO paper's 2 + 2 + 12 bytes per parameter split)"))
+    return p
+
+
+def _check_model(p: list[Problem], model: ModelSpec, parallel: ParallelSpec, training: TrainingSpec,
+                 conventions: Conventions, out_of_range: set, ok_model: bool) -> None:
+    """The model's own rules: head widths, the kinds it names, its experts and latent attention."""
     if ok_model:
         if model.hidden % model.heads and not model.head_size and model.attention != "mla":
             p.append(Problem("model.hidden", model.hidden, f"must be a multiple of model.heads ({model.heads}) "
@@ -737,21 +762,10 @@ def check(
     _check_mla(p, model, out_of_range)
     _check_moe_combinations(p, model, parallel, training)
 
-    # ---- cluster
-    ok_cluster = "cluster.gpus" not in out_of_range and "cluster.gpus_per_node" not in out_of_range
-    if ok_cluster and cluster.gpus > cluster.gpus_per_node and cluster.gpus % cluster.gpus_per_node:
-        p.append(
-            Problem(
-                "cluster.gpus",
-                cluster.gpus,
-                f"must be a multiple of cluster.gpus_per_node ({cluster.gpus_per_node}) when it spans nodes",
-            )
-        )
 
-    # ---- parallel
-    par = parallel
-    ok_par = not any(f"parallel.{k}" in out_of_range for k in ("dp", "tp", "pp", "cp", "virtual_stages",
-                                                               "microbatches", "replicate", "zero"))
+def _check_parallel(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *, ok_model: bool,
+                    ok_cluster: bool, ok_par: bool) -> None:
+    """The layout's rules: its degrees multiply to the GPU count and divide what they shard."""
     _choice(p, "parallel.schedule", par.schedule, names.SCHEDULES)
     _choice(p, "parallel.cp_rotate", par.cp_rotate, names.CP_ROTATE_METHODS)
     if ok_par and ok_cluster and par.world_size != cluster.gpus:
@@ -760,63 +774,71 @@ def check(
         else:
             what = f"dp·cp·tp·pp = {par.dp}·{par.cp}·{par.tp}·{par.pp}"
         p.append(Problem("parallel.dp", par.dp, f"{what} = {par.world_size} must equal cluster.gpus ({cluster.gpus})"))
-    if ok_par and ok_model:
-        _check_context_parallel(p, model, par)
-    if ok_par and ok_model:
-        bad = [f"model.{k} ({getattr(model, k)})" for k in ("heads", "kv_heads", "ffn_hidden")
-               if getattr(model, k) % par.tp]
-        if bad:
-            allowed = [t for t in _divisors(math.gcd(model.heads, model.kv_heads, model.ffn_hidden))]
-            p.append(
-                Problem("parallel.tp", par.tp,
-                        f"must divide {', '.join(bad)}; allowed: {', '.join(map(str, allowed))}")
-            )
-        if par.sequence_parallel and par.tp == 1:
-            p.append(Problem("parallel.sequence_parallel", True, "needs parallel.tp > 1"))
-        elif par.sequence_parallel and par.cp == 1 and model.seq_len % par.tp:
-            p.append(
-                Problem("parallel.sequence_parallel", True,
-                        f"needs model.seq_len ({model.seq_len}) to be a multiple of parallel.tp ({par.tp})")
-            )
-        elif par.sequence_parallel and par.cp > 1 and model.seq_len % (par.cp * par.tp):
-            p.append(
-                Problem("parallel.sequence_parallel", True,
-                        f"shards each context-parallel rank's {model.seq_len}/{par.cp} tokens over tp: needs "
-                        f"model.seq_len ({model.seq_len}) to be a multiple of cp·tp ({par.cp}·{par.tp})")
-            )
-        if par.dp % par.replicate:
-            p.append(Problem("parallel.replicate", par.replicate,
-                             f"must divide parallel.dp ({par.dp}); allowed: {', '.join(map(str, _divisors(par.dp)))}"))
-        elif par.replicate > 1 and par.zero not in (2, 3):
-            p.append(Problem("parallel.replicate", par.replicate,
-                             "HSDP replication needs parallel.zero = 2 or 3 (a sharded strategy)"))
-        _check_pipeline(p, model, par)
-        if par.pipeline_split == "torchtitan" and par.pp > 1 and not any(q.field.startswith("parallel.") for q in p):
-            from engine.layout import split_layers
+    if not (ok_par and ok_model):
+        return
+    _check_context_parallel(p, model, par)
+    bad = [f"model.{k} ({getattr(model, k)})" for k in ("heads", "kv_heads", "ffn_hidden")
+           if getattr(model, k) % par.tp]
+    if bad:
+        allowed = [t for t in _divisors(math.gcd(model.heads, model.kv_heads, model.ffn_hidden))]
+        p.append(
+            Problem("parallel.tp", par.tp,
+                    f"must divide {', '.join(bad)}; allowed: {', '.join(map(str, allowed))}")
+        )
+    if par.sequence_parallel and par.tp == 1:
+        p.append(Problem("parallel.sequence_parallel", True, "needs parallel.tp > 1"))
+    elif par.sequence_parallel and par.cp == 1 and model.seq_len % par.tp:
+        p.append(
+            Problem("parallel.sequence_parallel", True,
+                    f"needs model.seq_len ({model.seq_len}) to be a multiple of parallel.tp ({par.tp})")
+        )
+    elif par.sequence_parallel and par.cp > 1 and model.seq_len % (par.cp * par.tp):
+        p.append(
+            Problem("parallel.sequence_parallel", True,
+                    f"shards each context-parallel rank's {model.seq_len}/{par.cp} tokens over tp: needs "
+                    f"model.seq_len ({model.seq_len}) to be a multiple of cp·tp ({par.cp}·{par.tp})")
+        )
+    if par.dp % par.replicate:
+        p.append(Problem("parallel.replicate", par.replicate,
+                         f"must divide parallel.dp ({par.dp}); allowed: {', '.join(map(str, _divisors(par.dp)))}"))
+    elif par.replicate > 1 and par.zero not in (2, 3):
+        p.append(Problem("parallel.replicate", par.replicate,
+                         "HSDP replication needs parallel.zero = 2 or 3 (a sharded strategy)"))
+    _check_pipeline(p, model, par)
+    if par.pipeline_split == "torchtitan" and par.pp > 1 and not any(q.field.startswith("parallel.") for q in p):
+        from engine.layout import split_layers
 
-            try:
-                split_layers(model.layers, par.num_stages, "torchtitan")
-            except ValueError as exc:
-                p.append(Problem("parallel.pipeline_split", par.pipeline_split,
-                                 f"{exc}: needs model.layers ≥ 2·(pp·virtual_stages) − 2 or so; allowed: even"))
+        try:
+            split_layers(model.layers, par.num_stages, "torchtitan")
+        except ValueError as exc:
+            p.append(Problem("parallel.pipeline_split", par.pipeline_split,
+                             f"{exc}: needs model.layers ≥ 2·(pp·virtual_stages) − 2 or so; allowed: even"))
+
+
+def _check_dp_mode(p: list[Problem], cluster: ClusterSpec, par: ParallelSpec, ok_cluster: bool) -> None:
+    """Legacy nn.DataParallel: one process, one node, data parallelism alone."""
     _choice(p, "parallel.dp_mode", par.dp_mode, names.DP_MODES)
-    if par.dp_mode == "dataparallel":
-        bad = [f"{k} = {getattr(par, k)}" for k, ok in (("tp", 1), ("pp", 1), ("cp", 1), ("zero", 0),
-                                                         ("replicate", 1))
-               if getattr(par, k) != ok]
-        if bad:
-            p.append(Problem("parallel.dp_mode", par.dp_mode,
-                             "legacy nn.DataParallel replicates one process's model over the GPUs of one node; it "
-                             "needs parallel.tp = 1, parallel.pp = 1, parallel.cp = 1, parallel.zero = 0, "
-                             "parallel.replicate = 1 "
-                             f"(got {', '.join('parallel.' + b for b in bad)}); use dp_mode = \"ddp\" for these layouts"))
-        if ok_cluster and cluster.gpus > cluster.gpus_per_node:
-            p.append(Problem("parallel.dp_mode", par.dp_mode,
-                             f"nn.DataParallel runs in one process on one node: cluster.gpus ({cluster.gpus}) must "
-                             f"not exceed cluster.gpus_per_node ({cluster.gpus_per_node})"))
+    if par.dp_mode != "dataparallel":
+        return
+    bad = [f"{k} = {getattr(par, k)}" for k, ok in (("tp", 1), ("pp", 1), ("cp", 1), ("zero", 0),
+                                                     ("replicate", 1))
+           if getattr(par, k) != ok]
+    if bad:
+        p.append(Problem("parallel.dp_mode", par.dp_mode,
+                         "legacy nn.DataParallel replicates one process's model over the GPUs of one node; it "
+                         "needs parallel.tp = 1, parallel.pp = 1, parallel.cp = 1, parallel.zero = 0, "
+                         "parallel.replicate = 1 "
+                         f"(got {', '.join('parallel.' + b for b in bad)}); use dp_mode = \"ddp\" for these layouts"))
+    if ok_cluster and cluster.gpus > cluster.gpus_per_node:
+        p.append(Problem("parallel.dp_mode", par.dp_mode,
+                         f"nn.DataParallel runs in one process on one node: cluster.gpus ({cluster.gpus}) must "
+                         f"not exceed cluster.gpus_per_node ({cluster.gpus_per_node})"))
 
-    # ---- training
-    t = training
+
+def _check_training(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec,
+                    t: TrainingSpec) -> None:
+    """The training's rules: the kinds it names, torchtitan's knobs, float8 on a GPU that has it, the
+    gradients' dtype under its precision, LoRA."""
     _choice(p, "training.precision", t.precision, names.PRECISIONS)
     _choice(p, "training.optimizer", t.optimizer, names.OPTIMIZERS)
     _choice(p, "training.recompute", t.recompute, names.RECOMPUTE_KINDS)
@@ -832,15 +854,6 @@ def check(
         p.append(Problem("training.grad_dtype", t.grad_dtype,
                          f"with precision {t.precision!r} allowed: {' | '.join(allowed_grads[t.precision])}"))
     _check_lora(p, model, par, t)
-
-    # ---- conventions
-    c = conventions
-    _choice(p, "conventions.bubble", c.bubble, names.BUBBLE_CONVENTIONS)
-    if c.state_accounting not in names.STATE_ACCOUNTINGS:
-        p.append(Problem("conventions.state_accounting", c.state_accounting,
-                         "allowed: pytorch (what torch's autocast / FSDP2 / ZeroRedundancyOptimizer keep) | "
-                         "zero-paper (the ZeRO paper's 2 + 2 + 12 bytes per parameter split)"))
-    return p
 
 
 def _check_context_parallel(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> None:
