@@ -834,8 +834,9 @@ def replay_events(event_signature: tuple) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def _moment_classes(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> tuple[int, ...]:
-    """Per pp rank, the least pp rank whose step is its own with its local stages renamed in order:
+def _moment_classes(schedule: str, pp: int, virtual_stages: int,
+                    microbatches: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Per pp rank, the least pp rank (and its stages) whose step is its own with its local stages renamed in order:
     the same moments (actions, microbatches, phases, transient masks, what is alive of each local
     stage) and its last stage (if it holds it) at the same local place.
 
@@ -845,7 +846,7 @@ def _moment_classes(schedule: str, pp: int, virtual_stages: int, microbatches: i
     events up to their keys' names, and replay alike: under GPipe or LoopedBFS every middle stage
     runs the same actions (all forwards, then all backwards), and one replay serves all of them."""
     last_stage = pp * virtual_stages - 1
-    least: dict[tuple, int] = {}
+    least: dict[tuple, tuple[int, tuple[int, ...]]] = {}
     out = []
     for r in range(pp):
         mo = moments(schedule, r, pp, virtual_stages, microbatches)
@@ -853,7 +854,7 @@ def _moment_classes(schedule: str, pp: int, virtual_stages: int, microbatches: i
         local = np.searchsorted(stages, mo.stage)
         key = (tuple(stages == last_stage), local.tobytes(),
                *((x.shape, x.tobytes()) for f, x in zip(Moments._fields, mo) if f != "stage"))
-        out.append(least.setdefault(key, r))
+        out.append(least.setdefault(key, (r, tuple(stages.tolist()))))
     return tuple(out)
 
 
@@ -863,10 +864,9 @@ def canonical_event_signature(event_signature: tuple) -> tuple:
     sig = event_signature[0]
     if sig.pp <= 1:
         return event_signature
-    r = _moment_classes(sig.schedule, sig.pp, sig.virtual_stages, sig.microbatches)[sig.pp_rank]
+    r, stages = _moment_classes(sig.schedule, sig.pp, sig.virtual_stages, sig.microbatches)[sig.pp_rank]
     if r == sig.pp_rank:
         return event_signature
-    stages = tuple(np.unique(moments(sig.schedule, r, sig.pp, sig.virtual_stages, sig.microbatches).stage).tolist())
     return (sig._replace(pp_rank=r, stages=stages),) + tuple(event_signature[1:])
 
 
