@@ -22,11 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from engine import Config  # noqa: E402
 from engine.params import param_counts  # noqa: E402
-from engine.planner import plan  # noqa: E402
+from engine.planner import plan, plan_config  # noqa: E402
 from engine.predict import predict  # noqa: E402
 
 GIB = 2**30
@@ -37,6 +38,8 @@ CASES = {
     "llama3-8b on 8 × h100-sxm": dict(model="llama3-8b", gpus=8, gpu="h100-sxm", gpus_per_node=8),
     "llama2-7b on 8 × a100-40g (2 nodes)": dict(model="llama2-7b", gpus=8, gpu="a100-40g", gpus_per_node=4),
 }
+#: the Planner tab's first plan: the embedded default's whole space (tiny on 4 CPU ranks), top 10
+DEFAULT_CASE = ("embedded default (tiny on 4 CPU ranks)", ROOT / "assets" / "presets" / "default.toml")
 EXHAUSTIVE_CASE = ("llama2-7b on 8 × rtx4090, global batch 16",
                    dict(model="llama2-7b", gpus=8, gpu="rtx4090", gpus_per_node=8, global_batch=16,
                         max_virtual_stages=4))
@@ -45,14 +48,17 @@ EXHAUSTIVE_CASE = ("llama2-7b on 8 × rtx4090, global batch 16",
 def bench_planner(repeat: int) -> None:
     print(f"{'case':40} {'cold s':>7} {'median s':>9} {'layouts':>8} {'mem-bound':>9} {'time-bound':>10} "
           f"{'simulated':>9} {'full eval':>9}  best")
-    for name, kw in CASES.items():
+    default = Config.load(DEFAULT_CASE[1])
+    runs = {name: (lambda kw=kw: plan(**kw, top=10)) for name, kw in CASES.items()}
+    runs[DEFAULT_CASE[0]] = lambda: plan_config(default, top=10)
+    for name, run in runs.items():
         t0 = time.perf_counter()
-        result = plan(**kw, top=10)
+        result = run()
         cold = time.perf_counter() - t0
         times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            result = plan(**kw, top=10)
+            result = run()
             times.append(time.perf_counter() - t0)
         c = result.counts
         best = result.best.label() if result.best else "nothing fits"

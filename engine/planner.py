@@ -83,7 +83,7 @@ import numpy as np
 
 from engine import names
 from engine.backend_limits import predict_only
-from engine.comm import collective_seconds, group_span
+from engine.comm import collective_seconds, cpu_oversubscription, group_span
 from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
 from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token
 from engine.layout import placement_style, split_layers, stage_to_pp_rank
@@ -625,6 +625,9 @@ class _Planner:
         if len(F8) > 1 or len(CMP) > 1 or F8[0] or CMP[0]:
             f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, act_b,
                                                  rate)
+        over = cpu_oversubscription(self.base)  # CPU ranks sharing cores: the whole grid's world (engine.step)
+        if over != 1.0:
+            f, i_, w_ = f * over, i_ * over, w_ * over
         one_tp = np.zeros(n)
         if tp > 1:
             for b in bs:
@@ -661,8 +664,13 @@ class _Planner:
             nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
             window = (fwd_one + back_one) * gm[:, None]
             calls = np.where(zc == 3, 2 * gm[:, None], 1)
-            exposed = np.where(zc == 0, np.maximum(one_bucket, nb * one_bucket - back_one),
-                               np.where(zc == 1, ar + ag, np.maximum(ag / n_units, calls * ag - window) + rs))
+            if self.base.cluster.gpu.name == "cpu":  # CPU ranks: nothing overlaps (engine.comm._dp_items); FSDP
+                # gathers at least once a microbatch without pipelining, once a step with it
+                rounds = gm[:, None] if pp == 1 else 1
+                exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag, rounds * ag + rs))
+            else:
+                exposed = np.where(zc == 0, np.maximum(one_bucket, nb * one_bucket - back_one),
+                                   np.where(zc == 1, ar + ag, np.maximum(ag / n_units, calls * ag - window) + rs))
         else:
             exposed = 0.0
         rest = exposed + opt

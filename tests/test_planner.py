@@ -60,6 +60,35 @@ def _brute_force(kw):
     return rows
 
 
+def test_cpu_ranks_that_share_cores_keep_the_bounds_below_the_engine():
+    """Four CPU ranks on two cores run each F, B, I and W twice as long (engine.comm.cpu_oversubscription)
+    and overlap no communication with compute (engine.comm._dp_items): the time bounds count both, so on
+    every layout of a slice of the embedded default's space they stay below the engine's step and close
+    to it, and the plan equals the brute force."""
+    from engine.planner import _config_base, _key, plan_config
+
+    cfg = Config.load(ROOT / "assets/presets/default.toml").replace(cluster={"cpu_cores": 2})
+    opts = dict(schedules=("1F1B", "Interleaved1F1B", "ZBVZeroBubble"), recompute=("none", "full"),
+                max_virtual_stages=2, zero=(0, 3))
+    result = plan_config(cfg, top=5, **opts)
+    base = _config_base(cfg).replace(training={"compile": False})
+    pl = _Planner(base, result.global_batch, opts["zero"], opts["schedules"], opts["recompute"],
+                  opts["max_virtual_stages"], None, compile=SEARCHED_COMPILE)
+    g = pl.grid()
+    rows = []
+    for i in range(len(g.mem_lb)):
+        c = pl.config(g, i)
+        seconds = step_time(c).seconds
+        bound1 = pl.makespan(c) + g.rest_lb[i]
+        assert g.makespan_lb[i] + g.rest_lb[i] <= seconds * (1 + 1e-9) and bound1 <= seconds * (1 + 1e-9), c
+        rows.append((seconds, _key(g, i), c, bound1))
+    assert len(rows) > 100
+    assert sum(b >= 0.9 * s for s, _, _, b in rows) > 0.9 * len(rows)  # the bound knows how CPU ranks run
+    expected = [r for r in sorted(rows, key=lambda r: (r[0], r[1])) if memory_per_rank(r[2]).fits][:5]
+    assert [e.config for e in result.entries] == [c for _, _, c, _ in expected]
+    assert result.counts.pipelines_simulated < len(rows) / 4
+
+
 def test_the_small_cases_brute_force_every_searched_knob():
     """Each case searches float8 only where the GPU has it, and together they cover every float8 kind
     and every compile setting the planner searches by default."""
