@@ -77,7 +77,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -274,6 +274,77 @@ class _Grid:
     memory_prefiltered: int = 0  # valid layouts left out of the columns: the memory lower bound exceeds capacity
 
 
+class _Consts(NamedTuple):
+    """What the bounds of every (tp, pp, v, schedule, cp) read of the base config (``_Planner.grid``)."""
+
+    fl: Any  # engine.durations.flops_per_token
+    h: int  # hidden size
+    act_b: int  # bytes of an activation element
+    w_b: int  # bytes of a parameter, of its gradient, of its optimizer states (+ master copy)
+    g_b: int
+    o_b: int
+    opt_per_param: float  # optimizer seconds per local parameter (ZeRO-0)
+    ctx: int  # runtime context bytes
+    buf: int  # bytes of one communicator's buffers
+    peak_rate: float  # achieved FLOP/s of one rank
+
+
+@dataclass
+class _Struct:
+    """One (tp, pp, v, schedule, cp) of the grid: its mesh, the rows it spans and its shape."""
+
+    tp: int
+    pp: int
+    dp: int
+    v: int
+    sc: str
+    cp: int
+    bs: list[int]  # micro-batch sizes with a valid microbatch count
+    per_dp: int  # sequences per dp-rank
+    zeros: list[int]
+    sps: list[bool]
+    rep: Config  # a valid config with this mesh (group spans)
+    sh: dict[str, Any]  # ``_Planner._shape``
+    s_len: int  # the tokens of a sequence one rank holds (seq_len / cp)
+    n_stages: int
+    dpc: int  # the gradient group and the ZeRO / FSDP shard group: dp · cp
+    split: bool  # a split backward (I and W)
+    vocab_t: int  # the vocabulary shard of a TP rank
+
+
+class _Rows(NamedTuple):
+    """Candidate rows of one struct: micro-batch size, ZeRO stage, SP, recompute (index), microbatches, the
+    micro-batch size as a float, SP's divisor of the hidden state, compile."""
+
+    b: np.ndarray
+    zero: np.ndarray
+    sp: np.ndarray
+    rc: np.ndarray
+    m: np.ndarray
+    bf: np.ndarray
+    rep_div: np.ndarray
+    cmp: np.ndarray
+
+
+class _RowBytes(NamedTuple):
+    """Per row, what the memory bound of every pp rank of a struct reads (``_Planner._memory_bound``)."""
+
+    full: np.ndarray  # full recompute
+    sl: np.ndarray  # selective-layer recompute
+    per_layer1: np.ndarray  # saved bytes of a block per sequence
+    sbh1: np.ndarray  # one sequence's hidden state
+    stored1: np.ndarray  # what a block keeps per sequence
+    overhead: int  # runtime context and communicators
+    torch_acc: bool  # the "pytorch" state accounting
+    fsdp2_grads: np.ndarray
+    gathered_at_b: bool
+    fsdp2: dict[str, Any]  # ``_Planner._fsdp2_bytes``
+    plain: np.ndarray  # plain gradients from the first backward on
+    lora: bool
+    k_opt: int  # optimizer-state bytes per element
+    keeps_split: bool  # a split backward's I keeps output gradients until its W
+
+
 class _Planner:
     def __init__(self, base: Config, global_batch: int, zero: tuple[int, ...], schedules: tuple[str, ...],
                  recompute: tuple[str, ...], max_virtual_stages: int, micro_batch_sizes: tuple[int, ...] | None,
@@ -298,6 +369,7 @@ class _Planner:
         self._makespans: dict[tuple, float] = {}
         self._shapes: dict[tuple, dict[str, Any]] = {}
         self._cp_layer: dict[tuple, tuple[float, float]] = {}
+        self._k: _Consts | None = None  # grid(): what every struct's bounds read of the base config
 
     # ----------------------------------------------------------------- helpers
 
@@ -355,6 +427,7 @@ class _Planner:
         opt_per_param = optimizer_seconds(base, 1.0)  # base has zero 0: seconds per local parameter
         ctx, buf = runtime_context_bytes(base), collective_buffer_bytes(base)
         peak_rate = cl.gpu.peak_flops(tr.precision) * conv.compute_efficiency
+        self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, ctx, buf, peak_rate)
         tps = [t for t in _divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
                and model.ffn_hidden % t == 0]
         cols: dict[str, list[np.ndarray]] = {c: [] for c in _COLS}
@@ -393,9 +466,11 @@ class _Planner:
                     continue
                 si = len(self.structs)
                 self.structs.append((tp, pp, v, sc, cp))
-                part = self._struct_bounds(
-                    tp, pp, dp, v, sc, ok_b, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
-                    opt_per_param, ctx, buf, peak_rate, cp)
+                part = self._struct_bounds(_Struct(
+                    tp=tp, pp=pp, dp=dp, v=v, sc=sc, cp=cp, bs=ok_b, per_dp=per_dp, zeros=zeros, sps=sps, rep=rep,
+                    sh=self._shape(tp, pp, v, sc, per_dp // ok_b[0], dp, rep, fl, cp), s_len=s_len // cp,
+                    n_stages=pp * v, dpc=dp * cp, split=sc in names.SPLIT_BACKWARD_SCHEDULES,
+                    vocab_t=-(-model.vocab // tp)))
                 n = len(part["b"])
                 prefiltered += part["rejected"]
                 for c in ("m", "b", "zero", "sp", "rc", "f8", "cmp"):
@@ -415,179 +490,21 @@ class _Planner:
         return _Grid(out, np.concatenate(mem_parts), np.concatenate(rest_parts), np.concatenate(mk_parts),
                      rest_rank, skipped, prefiltered)
 
-    def _struct_bounds(self, tp, pp, dp, v, sc, bs, per_dp, zeros, sps, rep, fl, s_len, h, act_b, w_b, g_b, o_b,
-                       opt_per_param, ctx, buf, peak_rate, cp=1) -> dict[str, np.ndarray]:
+    def _struct_bounds(self, st: _Struct) -> dict[str, np.ndarray]:
         """Bounds for every (b, zero, sp, recompute, float8, compile) of one (tp, pp, v, schedule, cp)."""
-        model, conv = self.base.model, self.base.conventions
-        n_stages = pp * v
-        sh = self._shape(tp, pp, v, sc, per_dp // bs[0], dp, rep, fl, cp)
-        s_len = s_len // cp  # every rank holds seq_len / cp tokens of each sequence (the attention core: all)
-        dpc = dp * cp  # the gradient group and the ZeRO / FSDP shard group
-        psi, layers_of, L, head, member, fwd_prefix_mask = (
-            sh["psi"], sh["layers_of"], sh["L"], sh["head"], sh["member"], sh["fwd_prefix_mask"])
-        split = sc in names.SPLIT_BACKWARD_SCHEDULES
-        vocab_t = -(-model.vocab // tp)
-
         # grid axes: b (with m), zero, sp, recompute, float8, compile
-        B = np.array(bs, dtype=np.int64)
-        Z = np.array(zeros, dtype=np.int64)
-        SP = np.array(sps, dtype=bool)
+        B = np.array(st.bs, dtype=np.int64)
+        Z = np.array(st.zeros, dtype=np.int64)
+        SP = np.array(st.sps, dtype=bool)
         RC = np.array([_RECOMPUTE.index(r) for r in self.recompute], dtype=np.int64)
         F8 = np.array([_FLOAT8.index(k) for k in self.float8], dtype=np.int64)
         CMP = np.array(self.compile, dtype=bool)
         gb, gz, gs, gr = (a.ravel() for a in np.meshgrid(B, Z, SP, RC, indexing="ij"))
-        gm = per_dp // gb
-        bf = gb.astype(np.float64)
-        rep_div = np.where(gs, tp, 1)
-
-        def memory_bound(gb, gz, gs, gr, gm, bf, rep_div, gc) -> np.ndarray:
-            # ---------------- memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak) on the
-            # (compile, b, zero, sp, recompute) rows, compile the slowest axis: float8 moves none of its terms
-            full = gr == _RECOMPUTE.index("full")
-            sl = gr == _RECOMPUTE.index("selective-layer")
-            per_layer1 = self._per_layer_vec(tp, gs, gr, cp, gc)
-            sbh1 = np.floor(s_len * h / rep_div)  # one sequence's hidden state, /t under SP (≤ the engine's floor)
-            stored1 = np.where(full, act_b * sbh1, per_layer1)
-            n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (dpc > 1) + (cp > 1) + (tp > 1) + (pp > 1)
-            overhead = ctx + n_comms * buf
-            capacity = self.base.cluster.gpu.memory_bytes
-            mem = np.zeros(len(gb))
-            # FSDP2 (fully_shard, or replicate for DP × TP) makes its sharded gradients in each unit's
-            # post-backward (under pipelining only at REDUCE_GRAD): the first backward's own moment and the
-            # loss moment before it have none, so the bound holds none (the "pytorch" accounting, where the
-            # bound's states per element, w_b + g_b + o_b, are the engine's 4 + 4 + optimizer bytes;
-            # "zero-paper" counts the gradients all step)
-            torch_acc = getattr(conv, "state_accounting", "pytorch") == "pytorch"
-            fsdp2_grads = np.where(gz >= 2, 1.0, 1.0 if (tp > 1 and dpc > 1) else 0.0) if torch_acc \
-                else np.zeros(len(gz))
-            # ZeRO-3's gathered units are alive at a backward's own moment when they are the current
-            # (+ prefetched) unit (not pipelined) or every unit all step (pipelined, not resharded after
-            # forward); resharded after forward under pipelining they are kept only from the first backward on
-            gathered_at_b = pp == 1 or not reshard_after_forward(3, self.base.parallel.fsdp_reshard_after_forward,
-                                                                 True)
-            fsdp2 = self._fsdp2_bytes(tp, pp, v, sc, dpc, gz, gm, torch_acc, g_b)
-            all_units, unit_grad, grads_unsharded, gacc = (
-                fsdp2[k] for k in ("all_units", "unit_grad", "grads_unsharded", "gacc"))
-            # plain gradients (no FSDP2, no DDP bucket view: ``per_rank.plain_grads_late``) exist from the
-            # first backward on: before it the engine holds the fp32 parameters and the optimizer states
-            # (ZeRO-1: its share) and no gradient, so those rows bound the states by that (none under LoRA,
-            # whose states the bound does not follow), and the end of the backward by it plus 4 B an element
-            plain = (np.zeros(len(gz), dtype=bool) if not torch_acc or getattr(conv, "ddp_gradient_as_bucket_view", False)
-                     else ~fsdp2["on"] & (gz <= 1))
-            lora = self.base.training.finetune == "lora"
-            k_opt = 4 * names.OPTIMIZER_STATES[self.base.training.optimizer]
-            # a split backward's I keeps each microbatch's weight-op output gradients until its W
-            # (engine.memory.activations.split_backward_terms' condition)
-            keeps_split = split and torch_acc and not lora and pp > 1 and model.attention != "mla"
-            # the last pp rank first: its logits kept to the step's end (below) reject most pipelined rows
-            # before the in-flight replays are read
-            for ri, stages, sizes, last_psi in reversed(sh["ends"]):
-                p_ = psi[ri]
-                states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
-                                           w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
-                # FSDP2's sharded gradient is in the parameter dtype, fp32 (``states.pytorch_states``)
-                sharded_grads = np.array([4 * p_, 4 * p_, 4 * p_ / dpc, 4 * p_ / dpc])
-                states = np.maximum(states_by_zero[gz] - fsdp2_grads * sharded_grads[gz], 0.0)
-                if plain.any():
-                    before = 0.0 if lora else 4 * p_ + k_opt * p_ / np.where(gz == 1, dpc, 1)
-                    states = np.where(plain, before, states)
-                fixed = states + overhead
-                units = tuple(len(layers_of[s]) for s in stages)
-                ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
-                # a peak holds either the loss (the moment that opens a last-stage backward) or a backward's
-                # own transients (the recomputed block — activations, alive in its backward —, a unit's
-                # gradient, the gathered unit), never both
-                backward = np.where(full | (sl & (sum(ckpt_units) > 0)), bf * per_layer1, 0.0)
-                loss = np.zeros(len(gb))
-                if n_stages - 1 in stages:  # fp32 logits and their gradient at the loss
-                    loss = loss + bf * s_len * vocab_t * (act_b + (4 if act_b != 4 else 0))
-                    if torch_acc:  # loss_parallel's backward: three fp32 vocabulary shards at once
-                        loss = np.where(gs, np.maximum(loss, bf * 12.0 * s_len * vocab_t), loss)
-                ag_units = np.zeros(len(gb))
-                if dpc > 1:
-                    if not getattr(conv, "ddp_gradient_as_bucket_view", False):
-                        fixed = fixed + np.where((gz <= 1) & ~fsdp2["on"], g_b * p_, 0.0)  # DDP's buckets
-                    backward = backward + np.where(gz >= 2, unit_grad * sizes[0], 0.0)
-                    if gathered_at_b:
-                        gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
-                        ag_units = np.where(gz == 3, w_b * gathered, 0.0)
-                        backward = backward + ag_units
-                # FSDP2's unsharded parameters of every unit, all step, where no unit reshards between its
-                # forward and backward (ZeRO-2, replicate, ZeRO-3 not resharded after forward: lifetime
-                # "step", engine.memory.buffers.fsdp2_buffers), in place of the current (+ prefetched) unit
-                fixed = fixed + all_units * p_
-                backward = backward - np.where(all_units > 0, ag_units, 0.0)
-                if pp > 1:
-                    ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
-                    fixed = fixed + ends * gm * bf * act_b * sbh1
-                steady = fixed
-                if plain.any() and not lora:  # the end of the backward: every plain gradient made
-                    mem = np.maximum(mem, np.where(plain, steady + 4 * p_, 0.0))
-                if keeps_split:
-                    mem = np.maximum(mem, steady + self._split_keep(sc, tp, ri, pp, v, stages, layers_of, n_stages,
-                                                                     gm, bf, sbh1, s_len, act_b, vocab_t))
-                fixed = steady + np.maximum(backward, loss)
-                head_up = np.zeros(len(gb))
-                if n_stages - 1 in stages:
-                    # an F's own moment comes before the final norm and the head make the loss side of its
-                    # microbatch, a B's after their backward freed it, and the in-flight activations below
-                    # count it: less one microbatch's loss side, at most fp32 norm input, x̂, rstd, head
-                    # input and log-probabilities over the loss's vocabulary (its shard under SP's
-                    # loss_parallel, the whole of it otherwise)
-                    v_up = np.where(gs, vocab_t, model.vocab)
-                    # (the head input gathered from the sequence shards under SP: at most 4 B an element)
-                    head_up = bf * (8 * np.ceil(s_len * h / rep_div) + 4 * np.where(gs, s_len * h, np.ceil(s_len * h / rep_div))
-                                    + 4 * s_len + 4 * s_len * v_up)
-
-                # three moments, each one the engine's peak is at least (its total then):
-                # 1. the end of the backward: torch.distributed.pipelining has kept every microbatch's logits
-                #    on the last stage (lifetime "to_step_end"), beside the step terms
-                # 2. the layer-weighted activation peak of torch's order, with a backward's transients or the loss
-                # 3. a forward after the rank's first backward (with none, any later action before the backward
-                #    ends), where FSDP2 holds every unit's unsharded gradient (lifetime "after_first_backward":
-                #    pipelined, or m > 1) beside the step terms and what is in flight then (ranks of one stage)
-                # (2 and 3 less the loss side an F's own moment lacks)
-                if torch_acc and pp > 1 and n_stages - 1 in stages:
-                    kept = act_b * s_len * np.where(gs, vocab_t, model.vocab)
-                    mem = np.maximum(mem, steady + gm * bf * kept)
-                    if self.prefilter and (mem * _SAFETY > capacity).all():
-                        return mem  # every row is rejected already: the later moments only raise it
-                # (a rank of several stages holds each stage's unsharded gradients only from that stage's
-                # first backward to its REDUCE_GRAD after its m-th, lifetimes.STAGE_LIFETIMES: then, with m > 1,
-                # those of the stage whose backward came first, the rank's last: nearest the loss)
-                late = steady + np.where(grads_unsharded, gacc * p_, 0.0) if len(stages) == 1 else \
-                    steady + np.where(grads_unsharded & (gm > 1), gacc * last_psi, 0.0)
-                # plain gradients: every one of the rank's from its first backward on, whatever its stages
-                plain_late = plain & (not lora)
-                late = late + np.where(plain_late, 4 * p_, 0.0)
-                after_on = grads_unsharded | plain_late
-                for held, after_backward in ((fixed, False), (late, True)):
-                    if after_backward and not after_on.any():
-                        break
-                    # replay torch's order only where it matters: the m values whose held part fits; per m the
-                    # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts
-                    lut = np.zeros((4, per_dp + 1))
-                    # (b: the slowest axis after compile)
-                    fit_b = (held * _SAFETY <= capacity).reshape(kc, len(bs), -1).any(axis=(0, 2)).tolist()
-                    for m_val in sorted({per_dp // b for b, ok in zip(bs, fit_b) if ok}):
-                        lut[:, m_val] = _in_flight_sums(sc, ri, pp, v, m_val, stages, units, n_stages, ckpt_units,
-                                                        after_backward)
-                    lsum, first, last, lck = lut[:, gm]
-                    layers_act = np.where(sl, (lsum - lck) * per_layer1 + lck * (act_b * sbh1), lsum * stored1)
-                    # the last stage's loss side: final-norm input, head input (gathered under SP), fp32 log-probs
-                    head_in = act_b * np.where(gs, s_len * h, sbh1) if torch_acc else act_b * sbh1
-                    act = bf * (layers_act + first * 8 * s_len + last * (act_b * sbh1 + head_in + 4 * s_len * vocab_t))
-                    if after_backward:
-                        mem = np.maximum(mem, np.where(after_on, held + np.where(lsum > 0, act - head_up, 0.0),
-                                                       0.0))
-                    else:
-                        mem = np.maximum(mem, held + act - head_up)
-            return mem
-
+        axes = (gb, gz, gs, gr, st.per_dp // gb, gb.astype(np.float64), np.where(gs, st.tp, 1))
         # every compile setting at once (the rows tiled, compile the slowest axis): [compile, base rows]
         n0, k8, kc = len(gb), len(F8), len(CMP)
-        mem_by_compile = memory_bound(*(np.tile(a, kc) for a in (gb, gz, gs, gr, gm, bf, rep_div)),
-                                      np.repeat(CMP, n0)).reshape(kc, n0)
+        mem_by_compile = self._memory_bound(st, _Rows(*(np.tile(a, kc) for a in axes),
+                                                      np.repeat(CMP, n0))).reshape(kc, n0)
         # expand to (b, zero, sp, recompute) × float8 × compile; outside an exhaustive search only the rows
         # that may fit go on (the rest are counted as rejected by the memory bound)
         base_i = np.repeat(np.arange(n0), k8 * kc)
@@ -599,18 +516,193 @@ class _Planner:
             keep = mem * _SAFETY <= self.base.cluster.gpu.memory_bytes
             rejected = int(len(keep) - keep.sum())
             base_i, gf, ci, mem = base_i[keep], gf[keep], ci[keep], mem[keep]
-        gc = CMP[ci]
-        gb, gz, gs, gr, gm, bf, rep_div = (a[base_i] for a in (gb, gz, gs, gr, gm, bf, rep_div))
-        n = len(gb)
-        if n == 0:  # the memory bound left none: no durations to bound
+        rows = _Rows(*(a[base_i] for a in axes), CMP[ci])
+        out = {"b": rows.b, "m": rows.m, "zero": rows.zero, "sp": rows.sp.astype(np.int64), "rc": rows.rc, "f8": gf,
+               "cmp": rows.cmp.astype(np.int64), "mem": mem, "rejected": rejected}
+        if len(rows.b) == 0:  # the memory bound left none: no durations to bound
             none = np.zeros(0)
-            return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr, "f8": gf,
-                    "cmp": gc.astype(np.int64), "mem": mem, "rejected": rejected, "mk": none, "rest": none,
-                    "rest_rank": np.zeros((0, pp))}
+            return {**out, "mk": none, "rest": none, "rest_rank": np.zeros((0, st.pp))}
+        f, i_, w_ = self._stage_seconds(st, rows, gf)
+        mk, rest = self._time_bounds(st, rows, f, i_, w_)
+        return {**out, "mk": mk, "rest": rest.max(axis=1), "rest_rank": rest}
 
-        # ---------------- per-stage durations (exactly engine.durations + engine.step's TP terms)
-        tokens = bf * s_len
-        rate = peak_rate * tp
+    def _memory_bound(self, st: _Struct, r: _Rows) -> np.ndarray:
+        """The memory lower bound on pp ranks 0 and pp-1 (any rank bounds the peak) on the (compile, b, zero,
+        sp, recompute) rows, compile the slowest axis: float8 moves none of its terms."""
+        k, conv, tp, cp = self._k, self.base.conventions, st.tp, st.cp
+        full = r.rc == _RECOMPUTE.index("full")
+        per_layer1 = self._per_layer_vec(tp, r.sp, r.rc, cp, r.cmp)
+        sbh1 = np.floor(st.s_len * k.h / r.rep_div)  # one sequence's hidden state, /t under SP (≤ the engine's floor)
+        n_comms = (1 if self.base.cluster.gpus > 1 else 0) + (st.dpc > 1) + (cp > 1) + (tp > 1) + (st.pp > 1)
+        # FSDP2 (fully_shard, or replicate for DP × TP) makes its sharded gradients in each unit's
+        # post-backward (under pipelining only at REDUCE_GRAD): the first backward's own moment and the
+        # loss moment before it have none, so the bound holds none (the "pytorch" accounting, where the
+        # bound's states per element, w_b + g_b + o_b, are the engine's 4 + 4 + optimizer bytes;
+        # "zero-paper" counts the gradients all step)
+        torch_acc = getattr(conv, "state_accounting", "pytorch") == "pytorch"
+        fsdp2 = self._fsdp2_bytes(tp, st.pp, st.v, st.sc, st.dpc, r.zero, r.m, torch_acc, k.g_b)
+        # plain gradients (no FSDP2, no DDP bucket view: ``per_rank.plain_grads_late``) exist from the
+        # first backward on: before it the engine holds the fp32 parameters and the optimizer states
+        # (ZeRO-1: its share) and no gradient, so those rows bound the states by that (none under LoRA,
+        # whose states the bound does not follow), and the end of the backward by it plus 4 B an element
+        plain = (np.zeros(len(r.zero), dtype=bool) if not torch_acc or getattr(conv, "ddp_gradient_as_bucket_view", False)
+                 else ~fsdp2["on"] & (r.zero <= 1))
+        c = _RowBytes(
+            full=full, sl=r.rc == _RECOMPUTE.index("selective-layer"), per_layer1=per_layer1, sbh1=sbh1,
+            stored1=np.where(full, k.act_b * sbh1, per_layer1), overhead=k.ctx + n_comms * k.buf,
+            torch_acc=torch_acc,
+            fsdp2_grads=(np.where(r.zero >= 2, 1.0, 1.0 if (tp > 1 and st.dpc > 1) else 0.0) if torch_acc
+                         else np.zeros(len(r.zero))),
+            # ZeRO-3's gathered units are alive at a backward's own moment when they are the current
+            # (+ prefetched) unit (not pipelined) or every unit all step (pipelined, not resharded after
+            # forward); resharded after forward under pipelining they are kept only from the first backward on
+            gathered_at_b=st.pp == 1 or not reshard_after_forward(3, self.base.parallel.fsdp_reshard_after_forward,
+                                                                  True),
+            fsdp2=fsdp2, plain=plain, lora=self.base.training.finetune == "lora",
+            k_opt=4 * names.OPTIMIZER_STATES[self.base.training.optimizer],
+            # a split backward's I keeps each microbatch's weight-op output gradients until its W
+            # (engine.memory.activations.split_backward_terms' condition)
+            keeps_split=(st.split and torch_acc and self.base.training.finetune != "lora" and st.pp > 1
+                         and self.base.model.attention != "mla"))
+        capacity = self.base.cluster.gpu.memory_bytes
+        mem = np.zeros(len(r.b))
+        # the last pp rank first: its logits kept to the step's end (below) reject most pipelined rows
+        # before the in-flight replays are read
+        for ri, stages, sizes, last_psi in reversed(st.sh["ends"]):
+            mem, held = self._rank_held_bytes(st, r, c, ri, stages, sizes, last_psi, mem)
+            if self.prefilter and (mem * _SAFETY > capacity).all():
+                return mem  # every row is rejected already: the later moments only raise it
+            mem = self._in_flight_bound(st, r, c, ri, stages, held, mem)
+        return mem
+
+    def _rank_held_bytes(self, st: _Struct, r: _Rows, c: _RowBytes, ri: int, stages: tuple[int, ...],
+                         sizes: tuple, last_psi: float, mem: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        """pp rank ``ri``'s bytes that do not depend on the microbatches in flight: ``mem`` raised by the end
+        of the backward (plain gradients, a split backward's kept gradients, the last stage's kept logits),
+        and what the in-flight moments add to (``_in_flight_bound``)."""
+        k, conv, model = self._k, self.base.conventions, self.base.model
+        w_b, g_b, o_b, act_b, dpc, n_stages = k.w_b, k.g_b, k.o_b, k.act_b, st.dpc, st.n_stages
+        gz, gs, bf = r.zero, r.sp, r.bf
+        p_ = st.sh["psi"][ri]
+        states_by_zero = np.array([(w_b + g_b + o_b) * p_, (w_b + g_b) * p_ + o_b * p_ / dpc,
+                                   w_b * p_ + (g_b + o_b) * p_ / dpc, (w_b + g_b + o_b) * p_ / dpc])
+        # FSDP2's sharded gradient is in the parameter dtype, fp32 (``states.pytorch_states``)
+        sharded_grads = np.array([4 * p_, 4 * p_, 4 * p_ / dpc, 4 * p_ / dpc])
+        states = np.maximum(states_by_zero[gz] - c.fsdp2_grads * sharded_grads[gz], 0.0)
+        if c.plain.any():
+            before = 0.0 if c.lora else 4 * p_ + c.k_opt * p_ / np.where(gz == 1, dpc, 1)
+            states = np.where(c.plain, before, states)
+        fixed = states + c.overhead
+        units = tuple(len(st.sh["layers_of"][s]) for s in stages)
+        ckpt_units = tuple(checkpointed_per_stage(units, self.base.training.recompute_every))
+        # a peak holds either the loss (the moment that opens a last-stage backward) or a backward's
+        # own transients (the recomputed block — activations, alive in its backward —, a unit's
+        # gradient, the gathered unit), never both
+        backward = np.where(c.full | (c.sl & (sum(ckpt_units) > 0)), bf * c.per_layer1, 0.0)
+        loss = np.zeros(len(r.b))
+        if n_stages - 1 in stages:  # fp32 logits and their gradient at the loss
+            loss = loss + bf * st.s_len * st.vocab_t * (act_b + (4 if act_b != 4 else 0))
+            if c.torch_acc:  # loss_parallel's backward: three fp32 vocabulary shards at once
+                loss = np.where(gs, np.maximum(loss, bf * 12.0 * st.s_len * st.vocab_t), loss)
+        ag_units = np.zeros(len(r.b))
+        all_units = c.fsdp2["all_units"]
+        if dpc > 1:
+            if not getattr(conv, "ddp_gradient_as_bucket_view", False):
+                fixed = fixed + np.where((gz <= 1) & ~c.fsdp2["on"], g_b * p_, 0.0)  # DDP's buckets
+            backward = backward + np.where(gz >= 2, c.fsdp2["unit_grad"] * sizes[0], 0.0)
+            if c.gathered_at_b:
+                gathered = sum(sizes[:2] if conv.fsdp_prefetch and len(sizes) > 1 else sizes[:1])
+                ag_units = np.where(gz == 3, w_b * gathered, 0.0)
+                backward = backward + ag_units
+        # FSDP2's unsharded parameters of every unit, all step, where no unit reshards between its
+        # forward and backward (ZeRO-2, replicate, ZeRO-3 not resharded after forward: lifetime
+        # "step", engine.memory.buffers.fsdp2_buffers), in place of the current (+ prefetched) unit
+        fixed = fixed + all_units * p_
+        backward = backward - np.where(all_units > 0, ag_units, 0.0)
+        if st.pp > 1:
+            ends = sum((s > 0) + (s < n_stages - 1) for s in stages)
+            fixed = fixed + ends * r.m * bf * act_b * c.sbh1
+        steady = fixed
+        if c.plain.any() and not c.lora:  # the end of the backward: every plain gradient made
+            mem = np.maximum(mem, np.where(c.plain, steady + 4 * p_, 0.0))
+        if c.keeps_split:
+            mem = np.maximum(mem, steady + self._split_keep(st.sc, st.tp, ri, st.pp, st.v, stages,
+                                                             st.sh["layers_of"], n_stages, r.m, bf, c.sbh1,
+                                                             st.s_len, act_b, st.vocab_t))
+        fixed = steady + np.maximum(backward, loss)
+        head_up = np.zeros(len(r.b))
+        if n_stages - 1 in stages:
+            # an F's own moment comes before the final norm and the head make the loss side of its
+            # microbatch, a B's after their backward freed it, and the in-flight activations below
+            # count it: less one microbatch's loss side, at most fp32 norm input, x̂, rstd, head
+            # input and log-probabilities over the loss's vocabulary (its shard under SP's
+            # loss_parallel, the whole of it otherwise)
+            v_up = np.where(gs, st.vocab_t, model.vocab)
+            s_len, h = st.s_len, k.h
+            # (the head input gathered from the sequence shards under SP: at most 4 B an element)
+            head_up = bf * (8 * np.ceil(s_len * h / r.rep_div) + 4 * np.where(gs, s_len * h, np.ceil(s_len * h / r.rep_div))
+                            + 4 * s_len + 4 * s_len * v_up)
+        # the end of the backward: torch.distributed.pipelining has kept every microbatch's logits on the last
+        # stage (lifetime "to_step_end"), beside the step terms
+        if c.torch_acc and st.pp > 1 and n_stages - 1 in stages:
+            kept = act_b * st.s_len * np.where(gs, st.vocab_t, model.vocab)
+            mem = np.maximum(mem, steady + r.m * bf * kept)
+        # (a rank of several stages holds each stage's unsharded gradients only from that stage's
+        # first backward to its REDUCE_GRAD after its m-th, lifetimes.STAGE_LIFETIMES: then, with m > 1,
+        # those of the stage whose backward came first, the rank's last: nearest the loss)
+        grads_unsharded, gacc = c.fsdp2["grads_unsharded"], c.fsdp2["gacc"]
+        late = steady + np.where(grads_unsharded, gacc * p_, 0.0) if len(stages) == 1 else \
+            steady + np.where(grads_unsharded & (r.m > 1), gacc * last_psi, 0.0)
+        # plain gradients: every one of the rank's from its first backward on, whatever its stages
+        plain_late = c.plain & (not c.lora)
+        late = late + np.where(plain_late, 4 * p_, 0.0)
+        return mem, {"fixed": fixed, "late": late, "after_on": grads_unsharded | plain_late, "head_up": head_up,
+                     "units": units, "ckpt_units": ckpt_units}
+
+    def _in_flight_bound(self, st: _Struct, r: _Rows, c: _RowBytes, ri: int, stages: tuple[int, ...],
+                         held: dict[str, Any], mem: np.ndarray) -> np.ndarray:
+        """``mem`` raised by pp rank ``ri``'s in-flight moments, each of which the engine's peak is at least:
+        the layer-weighted activation peak of torch's order, with a backward's transients or the loss, and
+        a forward after the rank's first backward (with none, any later action before the backward ends),
+        where FSDP2 holds every unit's unsharded gradient (lifetime "after_first_backward": pipelined, or
+        m > 1) beside the step terms and what is in flight then (ranks of one stage); both less the loss
+        side an F's own moment lacks."""
+        k, act_b, s_len, gs, bf = self._k, self._k.act_b, st.s_len, r.sp, r.bf
+        capacity = self.base.cluster.gpu.memory_bytes
+        kc = len(self.compile)
+        torch_acc = c.torch_acc
+        for rows_held, after_backward in ((held["fixed"], False), (held["late"], True)):
+            if after_backward and not held["after_on"].any():
+                break
+            # replay torch's order only where it matters: the m values whose held part fits; per m the
+            # (layer-weighted, first-stage, last-stage, checkpointed-layer-weighted) in-flight counts
+            lut = np.zeros((4, st.per_dp + 1))
+            # (b: the slowest axis after compile)
+            fit_b = (rows_held * _SAFETY <= capacity).reshape(kc, len(st.bs), -1).any(axis=(0, 2)).tolist()
+            for m_val in sorted({st.per_dp // b for b, ok in zip(st.bs, fit_b) if ok}):
+                lut[:, m_val] = _in_flight_sums(st.sc, ri, st.pp, st.v, m_val, stages, held["units"], st.n_stages,
+                                                held["ckpt_units"], after_backward)
+            lsum, first, last, lck = lut[:, r.m]
+            layers_act = np.where(c.sl, (lsum - lck) * c.per_layer1 + lck * (act_b * c.sbh1), lsum * c.stored1)
+            # the last stage's loss side: final-norm input, head input (gathered under SP), fp32 log-probs
+            head_in = act_b * np.where(gs, s_len * k.h, c.sbh1) if torch_acc else act_b * c.sbh1
+            act = bf * (layers_act + first * 8 * s_len + last * (act_b * c.sbh1 + head_in + 4 * s_len * st.vocab_t))
+            if after_backward:
+                mem = np.maximum(mem, np.where(held["after_on"], rows_held + np.where(lsum > 0, act - held["head_up"],
+                                                                                      0.0), 0.0))
+            else:
+                mem = np.maximum(mem, rows_held + act - held["head_up"])
+        return mem
+
+    def _stage_seconds(self, st: _Struct, r: _Rows, gf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per candidate [rows] and stage [columns], one microbatch's F, I and W seconds: exactly
+        engine.durations (CPU ranks sharing cores, float8, compile) + engine.step's TP and CP terms."""
+        k, fl, tp, cp, sh = self._k, self._k.fl, st.tp, st.cp, st.sh
+        L, head = sh["L"], sh["head"]
+        gb, gs, gr, gc = r.b, r.sp, r.rc, r.cmp
+        n = len(gb)
+        tokens = r.bf * st.s_len
+        rate = k.peak_rate * tp
         rc_flops = np.zeros(len(_RECOMPUTE))  # recomputed forward flops per token and layer, by recompute kind
         rc_flops[_RECOMPUTE.index("full")], rc_flops[_RECOMPUTE.index("selective")] = fl.block, fl.attention_core
         rc_flops[_RECOMPUTE.index("selective-op")] = per_op_recompute_flops_per_token(self.base)
@@ -622,18 +714,19 @@ class _Planner:
         i_ = tokens[:, None] * (L[None, :] * (fl.matmuls + 2 * fl.attention_core + rc_extra[:, None])
                                 + ck_extra + head[None, :]) / rate
         w_ = tokens[:, None] * (L[None, :] * fl.matmuls + head[None, :]) / rate
-        if len(F8) > 1 or len(CMP) > 1 or F8[0] or CMP[0]:
-            f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, act_b,
+        if len(self.float8) > 1 or len(self.compile) > 1 or _FLOAT8.index(self.float8[0]) or self.compile[0]:
+            f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, k.act_b,
                                                  rate)
         over = cpu_oversubscription(self.base)  # CPU ranks sharing cores: the whole grid's world (engine.step)
         if over != 1.0:
             f, i_, w_ = f * over, i_ * over, w_ * over
         one_tp = np.zeros(n)
         if tp > 1:
-            for b in bs:
-                size = b * s_len * h * w_b
-                ar = self._collective(rep, "tp", "all_reduce", size)
-                agrs = self._collective(rep, "tp", "all_gather", size) + self._collective(rep, "tp", "reduce_scatter", size)
+            for b in st.bs:
+                size = b * st.s_len * k.h * k.w_b
+                ar = self._collective(st.rep, "tp", "all_reduce", size)
+                agrs = (self._collective(st.rep, "tp", "all_gather", size)
+                        + self._collective(st.rep, "tp", "reduce_scatter", size))
                 one_tp[(gb == b) & ~gs] = ar
                 one_tp[(gb == b) & gs] = agrs
         fwd_tp = 2 * one_tp
@@ -642,42 +735,45 @@ class _Planner:
         i_ = i_ + L[None, :] * bwd_tp[:, None]
         if cp > 1:  # the exposed K, V exchange, exactly as engine.step adds it
             cp_f, cp_b = np.zeros(n), np.zeros(n)
-            for b in bs:
-                cp_f[gb == b], cp_b[gb == b] = self._cp_per_layer(rep, b)
+            for b in st.bs:
+                cp_f[gb == b], cp_b[gb == b] = self._cp_per_layer(st.rep, b)
             # the blocks that recompute their forward repeat its exchange in the backward
             redo = np.where(np.isin(gr, [_RECOMPUTE.index("full"), _RECOMPUTE.index("selective")])[:, None],
                             L[None, :], 0.0) + np.where(sl, 1.0, 0.0)[:, None] * sh["ckpt"][None, :]
             f = f + L[None, :] * cp_f[:, None]
             i_ = i_ + L[None, :] * cp_b[:, None] + redo * cp_f[:, None]
+        return f, i_, w_
+
+    def _time_bounds(self, st: _Struct, r: _Rows, f: np.ndarray, i_: np.ndarray,
+                     w_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per candidate, a lower bound of the simulated makespan from its stage seconds (each rank busy with
+        its stages' F and B of every microbatch after its first forward's wait; one microbatch down the whole
+        chain), and per candidate and pp rank the exposed DP communication + optimizer (as engine.step)."""
+        sh, gm, gz, dpc = st.sh, r.m, r.zero, st.dpc
+        member, fwd_prefix_mask = sh["member"], sh["fwd_prefix_mask"]
         b_ = i_ + w_
-        chain_back = i_ if split else b_
+        chain_back = i_ if st.split else b_
         busy = gm[:, None] * ((f + b_) @ member.T)  # [n, pp]
         head_wait = f @ fwd_prefix_mask.T  # [n, pp]
         mk = np.maximum((busy + head_wait).max(axis=1), f.sum(axis=1) + chain_back.sum(axis=1))
-
-        # ---------------- exposed DP communication + optimizer per pp rank (as engine.step)
         back_one = b_ @ member.T  # [n, pp]
         fwd_one = f @ member.T
         zc = gz[:, None]
-        opt = opt_per_param * psi[None, :] / np.where(zc >= 1, dpc, 1)
+        opt = self._k.opt_per_param * sh["psi"][None, :] / np.where(zc >= 1, dpc, 1)
         if dpc > 1:
             nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
             window = (fwd_one + back_one) * gm[:, None]
             calls = np.where(zc == 3, 2 * gm[:, None], 1)
             if self.base.cluster.gpu.name == "cpu":  # CPU ranks: nothing overlaps (engine.comm._dp_items); FSDP
                 # gathers at least once a microbatch without pipelining, once a step with it
-                rounds = gm[:, None] if pp == 1 else 1
+                rounds = gm[:, None] if st.pp == 1 else 1
                 exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag, rounds * ag + rs))
             else:
                 exposed = np.where(zc == 0, np.maximum(one_bucket, nb * one_bucket - back_one),
                                    np.where(zc == 1, ar + ag, np.maximum(ag / n_units, calls * ag - window) + rs))
         else:
             exposed = 0.0
-        rest = exposed + opt
-
-        return {"b": gb, "m": gm, "zero": gz, "sp": gs.astype(np.int64), "rc": gr, "f8": gf,
-                "cmp": gc.astype(np.int64), "mem": mem, "rejected": rejected, "mk": mk, "rest": rest.max(axis=1),
-                "rest_rank": rest}
+        return mk, exposed + opt
 
     def _shape(self, tp: int, pp: int, v: int, sc: str, m: int, dp: int, rep: Config, fl,
                cp: int = 1) -> dict[str, Any]:
