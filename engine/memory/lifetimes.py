@@ -1078,67 +1078,14 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     shifted; the window becomes one ``("cycle", chunk, count, shift, MicrobatchKeys)`` of the first
     period's events, which ``engine.memory.allocator.replay`` runs until the allocator loops."""
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
-    peak = peak_of(sig).bytes
-    iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
-    ev: list[tuple] = []
-    size: dict = {}
-    live = 0
-
-    def alloc(key, n: int, stream: int = 0) -> None:
-        nonlocal live
-        ev.append(("alloc", key, n, stream) if stream else ("alloc", key, n))
-        size[key] = n
-        live += n
-
-    def free(key) -> None:
-        nonlocal live
-        ev.append(("free", key))
-        live -= size.pop(key)
-
-    slack = peak  # the least room an event-only transient left under the peak (since the steady trial began)
-
-    def fits(n: int, ahead: int) -> bool:
-        """Whether an event-only tensor of ``n`` bytes (with ``ahead`` bytes allocated while it lives)
-        keeps the live bytes within the peak; records the room it leaves."""
-        nonlocal slack
-        room = peak - (live + n + ahead)
-        if n > 0 and room >= 0:
-            slack = min(slack, room)
-            return True
-        return False
-
-    def transient(key, n: int, ahead: int = 0) -> bool:
-        """An event-only tensor (no term holds it): laid only where the live bytes stay within the peak,
-        with the ``ahead`` bytes that are allocated while it lives."""
-        if fits(n, ahead):
-            alloc(key, n)
-            return True
-        return False
-
-    per_life: dict[str, list[tuple[int, int, int]]] = {}
-    for j, (life, nbytes, stream) in enumerate(rows):
-        if life == "step":
-            alloc(("step", j), nbytes, stream)
-        per_life.setdefault(life, []).append((j, nbytes, stream))
-    outputs = per_life.get("to_step_end", [])
-    accumulated = {j for j, _, _ in per_life.get("accumulated", [])}
-    late = per_life.get("after_first_backward", []) + per_life.get("accumulated", [])
-    late_done = False
-    stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
-    local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
-    last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
-    walk = _forward_walk(grain.kept, grain.work)
-    plans: dict[tuple, tuple] = {}  # (local stage, first block, last block) -> a block's forward
-    held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, block by block
-    heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at its B or W)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     accs, reds = mo.acc.tolist(), mo.red.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
+    lay = _Laying(sig, rows, acts, grain, peak_of(sig).bytes, first_backward)
     n_moments = len(kinds)
     windows = _steady_windows(mo, first_backward, sig.pp) if compress else []
     steady = trial = None  # the window being tried; (its first event, the generator's state at its start)
-
     nxt = 0
     while nxt < n_moments:
         i = nxt
@@ -1147,166 +1094,268 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                 windows.pop(0)
             if windows:
                 steady = windows.pop(0)
-                trial = (len(ev), _generator_state(live, size, late_done, held, heads))
-                slack = peak
+                trial = (len(lay.ev), lay.state())
+                lay.slack = lay.peak
         if steady is not None and i == steady[0] + steady[1]:
-            after = _one_cycle(ev, steady, trial, _generator_state(live, size, late_done, held, heads), slack)
+            after = _one_cycle(lay.ev, steady, trial, lay.state(), lay.slack)
             steady = None
             if after is not None:  # the window's periods are one cycle now: go on from its end
-                live, late_done = after[0], after[1]
-                for mine, theirs in ((size, after[2]), (held, after[3]), (heads, after[4])):
-                    mine.clear()
-                    mine.update(theirs)
+                lay.restore(after)
                 nxt = after[5]
                 continue
-        kind, stage, mb, mask, phase = kinds[i], stages[i], mbs[i], masks[i], phases[i]
         nxt = i + 1
-        if phase == STEP:
+        if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i], accs[i], reds[i]):
             break  # the optimizer step is not laid (``RankTimeline._event_signature``)
-        if phase == END and accumulated:  # reduced and dropped by the end of the backward
-            for key in [k for k in size if k[0] == "late" and k[1] in accumulated]:
+    lay.finish()
+    return tuple(lay.ev)
+
+
+class _Laying:
+    """``_fine_events``' generator: the events laid so far, the live keys and bytes, the room the
+    event-only transients left under the rank's peak since the steady trial began (``slack``), whether
+    what lives from the first backward on is laid, each stage-microbatch's saved tensors (block by
+    block) and loss side; with the rank's constants (its rows by lifetime, its local stages)."""
+
+    __slots__ = ("ev", "size", "live", "peak", "slack", "late_done", "held", "heads", "stage_on", "plans", "sig",
+                 "acts", "grain", "iwb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
+                 "first_backward")
+
+    def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
+        self.ev: list[tuple] = []
+        self.size: dict = {}
+        self.live = 0
+        self.peak = self.slack = peak
+        self.late_done = False
+        self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, by block
+        self.heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at B, W)
+        self.stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
+        self.plans: dict[tuple, tuple] = {}  # (local stage, first block, last block) -> a block's forward
+        self.sig, self.acts, self.grain, self.first_backward = sig, acts, grain, first_backward
+        self.iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
+        per_life: dict = {}
+        for j, (life, nbytes, stream) in enumerate(rows):
+            if life == "step":
+                self.alloc(("step", j), nbytes, stream)
+            per_life.setdefault(life, []).append((j, nbytes, stream))
+        self.per_life = per_life
+        self.outputs = per_life.get("to_step_end", [])
+        self.accumulated = {j for j, _, _ in per_life.get("accumulated", [])}
+        self.late = per_life.get("after_first_backward", []) + per_life.get("accumulated", [])
+        self.local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
+        self.last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
+        self.walk = _forward_walk(grain.kept, grain.work)
+
+    def alloc(self, key, n: int, stream: int = 0) -> None:
+        self.ev.append(("alloc", key, n, stream) if stream else ("alloc", key, n))
+        self.size[key] = n
+        self.live += n
+
+    def free(self, key) -> None:
+        self.ev.append(("free", key))
+        self.live -= self.size.pop(key)
+
+    def fits(self, n: int, ahead: int) -> bool:
+        """Whether an event-only tensor of ``n`` bytes (with ``ahead`` bytes allocated while it lives)
+        keeps the live bytes within the peak; records the room it leaves."""
+        room = self.peak - (self.live + n + ahead)
+        if n > 0 and room >= 0:
+            if room < self.slack:
+                self.slack = room
+            return True
+        return False
+
+    def transient(self, key, n: int, ahead: int = 0) -> bool:
+        """An event-only tensor (no term holds it): laid only where the live bytes stay within the peak,
+        with the ``ahead`` bytes that are allocated while it lives."""
+        if self.fits(n, ahead):
+            self.alloc(key, n)
+            return True
+        return False
+
+    def state(self) -> tuple:
+        return _generator_state(self.live, self.size, self.late_done, self.held, self.heads)
+
+    def restore(self, after: tuple) -> None:
+        """The state after a steady window laid as one cycle (``_one_cycle``)."""
+        self.live, self.late_done = after[0], after[1]
+        for mine, theirs in ((self.size, after[2]), (self.held, after[3]), (self.heads, after[4])):
+            mine.clear()
+            mine.update(theirs)
+
+    def finish(self) -> None:
+        """The step's end: what lives from the first backward on, the stages' gradients, the kept outputs."""
+        for key in [k for k in self.size if k[0] in ("late", "acc", "red", "out")]:
+            self.free(key)
+
+    def _blocks(self, j: int) -> tuple[int, int]:
+        """Local stage ``j``'s blocks and their saved bytes (none: no block to lay them on, they go with the rest)."""
+        layer_b = self.acts[j][0]
+        blocks = self.grain.blocks[j] if layer_b > 0 else 0
+        return blocks, layer_b if blocks else 0
+
+    def moment(self, i: int, kind: int, stage: int, mb: int, mask: list, phase: int, acc: list, red: list) -> bool:
+        """Lay moment ``i``'s events; False at the optimizer step, which is not laid."""
+        if phase == STEP:
+            return False
+        sig, size, alloc, free = self.sig, self.size, self.alloc, self.free
+        if phase == END and self.accumulated:  # reduced and dropped by the end of the backward
+            for key in [k for k in size if k[0] == "late" and k[1] in self.accumulated]:
                 free(key)
-        j = local[stage if sig.pp > 1 else 0]
-        unit = sig.unit_bytes[j]
-        layer_b, logprob_b, head_b = acts[j]
-        blocks = grain.blocks[j] if layer_b > 0 else 0
-        if not blocks:
-            layer_b = 0  # no block to lay them on: they go with the rest
-        walk_b = kind == _B and phase == ACTION and (stage, mb) in held
+        j = self.local[stage if sig.pp > 1 else 0]
+        walk_b = kind == _B and phase == ACTION and (stage, mb) in self.held
         whole, per_block = [], []
         for c, life in enumerate(PER_MOMENT):
             if mask[c]:
                 (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
-                    (life, r) for r in per_life.get(life, ()))
-        if mask[-1] and not late_done:
-            for j2, nbytes, stream in late:
+                    (life, r) for r in self.per_life.get(life, ()))
+        if mask[-1] and not self.late_done:
+            for j2, nbytes, stream in self.late:
                 alloc(("late", j2), nbytes, stream)
-            late_done = True
-        for what, on in (("acc", accs[i]), ("red", reds[i])):  # a stage's gradients, per its REDUCE_GRAD
+            self.late_done = True
+        for what, on in (("acc", acc), ("red", red)):  # a stage's gradients, per its REDUCE_GRAD
             for c, x in enumerate(on):
-                if bool(x) != stage_on.get((what, c), False):
-                    stage_on[(what, c)] = bool(x)
-                    for j2, nbytes, stream in per_life.get((what, c), ()):
+                if bool(x) != self.stage_on.get((what, c), False):
+                    self.stage_on[(what, c)] = bool(x)
+                    for j2, nbytes, stream in self.per_life.get((what, c), ()):
                         if x:
                             alloc((what, c, j2), nbytes, stream)
                         else:
                             free((what, c, j2))
         if phase == LOSS:
-            halves = []
-            for life, (j2, nbytes, stream) in whole:
-                if life == "loss":
-                    a, b = nbytes // 2, nbytes - nbytes // 2
-                    alloc(("loss", j2, i, 0), a, stream)
-                    alloc(("loss", j2, i, 1), b, stream)
-                    halves.append(j2)
-                else:
-                    alloc(("t", j2, i), nbytes, stream)
-            for j2 in halves:
-                free(("loss", j2, i, 0))
-            lg = transient(("logits_grad", i), grain.logits_bytes)
-            for j2 in halves:
-                free(("loss", j2, i, 1))
-            if lg:
-                free(("logits_grad", i))
-            for life, (j2, _, _) in whole:
-                if life != "loss":
-                    free(("t", j2, i))
-            continue
+            self._loss(i, whole)
+            return True
         if kind == _B and phase == ACTION:
-            for key in heads.pop((stage, mb), ()):  # the loss side, before the blocks' backward
+            for key in self.heads.pop((stage, mb), ()):  # the loss side, before the blocks' backward
                 free(key)
         for _life, (j2, nbytes, stream) in whole:
             alloc(("t", j2, i), nbytes, stream)
-        if kind == _F and phase == ACTION and unit > 0:
-            keys = held[stage, mb] = []
-            rest = unit - layer_b - logprob_b - head_b
-            # a negative rest (the stage input, which is the p2p receive buffer) comes off the first block
-            fold = min(rest, 0) if blocks else 0
-            for b in range(blocks):
-                block_keys, window = [], []
-                at = (j, b == 0, b == blocks - 1)
-                plan = plans.get(at)
-                if plan is None:
-                    share = layer_b // blocks + (layer_b % blocks if at[2] else 0) + (fold if at[1] else 0)
-                    plan = plans[at] = _block_plan(max(share, 0), walk, grain)
-                for pos, (saved, n, ahead, idx) in enumerate(plan):
-                    if saved:
-                        if n:
-                            key = ("mb", stage, mb, b, idx)
-                            alloc(key, n)
-                            block_keys.append(key)
-                    elif fits(n, ahead):  # an event-only transient, within the peak
-                        key = ("fwd", i, b, pos)
-                        alloc(key, n)
-                        window.append((pos, key))
-                    while window and window[0][0] <= pos - 2:
-                        free(window.pop(0)[1])
-                for _, key in window:
-                    free(key)
-                keys.append(block_keys)
-            if rest > 0:
-                alloc(("mb", stage, mb, "rest"), rest)
-                keys.append([("mb", stage, mb, "rest")])
-            if head_b or logprob_b:  # the loss side comes after the blocks' forward and its transients
-                for _life, (j2, _, _) in whole:
-                    free(("t", j2, i))
-                whole = []
-            if head_b > 0:  # the final norm's and the head's saved tensors
-                alloc(("mb", stage, mb, "head"), head_b)
-                heads.setdefault((stage, mb), []).append(("mb", stage, mb, "head"))
-            if logprob_b > 0:
-                lgt = transient(("logits", i), grain.logits_bytes, 2 * logprob_b)  # its fp32 copy, the log-probabilities
-                f32 = lgt and transient(("logits_fp32", i), logprob_b, logprob_b)
-                alloc(("mb", stage, mb, "logprob"), logprob_b)
-                heads.setdefault((stage, mb), []).append(("mb", stage, mb, "logprob"))
-                if f32:
-                    free(("logits_fp32", i))
-                if lgt:
-                    free(("logits", i))
-            if stage == last_stage:
-                for j2, nbytes, _ in outputs:
-                    alloc(("out", j2, mb), nbytes)
+        if kind == _F and phase == ACTION and sig.unit_bytes[j] > 0:
+            whole = self._forward(i, stage, mb, j, whole)
         if walk_b:
-            keys = held.pop((stage, mb))
-            tail = keys[blocks:]  # the rest, freed with the first (last) block
-            first = i == first_backward and not late_done
-            pending = [(("late", j2, q), piece, stream) for j2, nbytes, stream in late
-                       for q, piece in enumerate(_pieces(nbytes, (1,) * max(blocks, 1)))] if first else []
-            freed = made = 0
-            for b in reversed(range(blocks)):
-                tmp = []
-                for life, (j2, nbytes, stream) in per_block:
-                    parts = _pieces(nbytes, grain.work) if life == "backward_input" else [nbytes]
-                    for q, x in enumerate(parts):
-                        if x:
-                            alloc(("bw", j2, i, b, q), x, stream)
-                            tmp.append(("bw", j2, i, b, q))
-                for key in reversed(tmp):
-                    free(key)
-                for key in keys[b] + (sum(tail, []) if b == blocks - 1 else []):
-                    freed += size[key]
-                    free(key)
-                while pending and made + pending[0][1] <= freed:
-                    key, x, stream = pending.pop(0)
-                    if x:
-                        alloc(key, x, stream)
-                    made += x
-            for key, x, stream in pending:
-                if x:
-                    alloc(key, x, stream)
-            late_done = late_done or first
+            self._backward_walk(i, stage, mb, j, per_block)
         for _life, (j2, _, _) in whole:
             free(("t", j2, i))
-        if kind == _I and phase == ACTION and iwb[j] > 0:  # what the I keeps for its W
-            alloc(("iw", stage, mb), iwb[j])
+        if kind == _I and phase == ACTION and self.iwb[j] > 0:  # what the I keeps for its W
+            alloc(("iw", stage, mb), self.iwb[j])
         if kind == _W and phase == ACTION and ("iw", stage, mb) in size:
             free(("iw", stage, mb))
-        if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in held:
-            for key in sum(held.pop((stage, mb)), []) + heads.pop((stage, mb), []):
+        if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in self.held:
+            for key in sum(self.held.pop((stage, mb)), []) + self.heads.pop((stage, mb), []):
                 free(key)
-    for key in [k for k in size if k[0] in ("late", "acc", "red", "out")]:
-        free(key)
-    return tuple(ev)
+        return True
+
+    def _loss(self, i: int, whole: list) -> None:
+        """The loss moment: its transients, the loss's two halves, the logits' gradient where it fits."""
+        alloc, free = self.alloc, self.free
+        halves = []
+        for life, (j2, nbytes, stream) in whole:
+            if life == "loss":
+                a, b = nbytes // 2, nbytes - nbytes // 2
+                alloc(("loss", j2, i, 0), a, stream)
+                alloc(("loss", j2, i, 1), b, stream)
+                halves.append(j2)
+            else:
+                alloc(("t", j2, i), nbytes, stream)
+        for j2 in halves:
+            free(("loss", j2, i, 0))
+        lg = self.transient(("logits_grad", i), self.grain.logits_bytes)
+        for j2 in halves:
+            free(("loss", j2, i, 1))
+        if lg:
+            free(("logits_grad", i))
+        for life, (j2, _, _) in whole:
+            if life != "loss":
+                free(("t", j2, i))
+
+    def _forward(self, i: int, stage: int, mb: int, j: int, whole: list) -> list:
+        """A forward of local stage ``j``: its blocks' saved tensors and transients, block by block, the rest,
+        the loss side and (on the last stage) the kept outputs. Returns the moment's transients still to free."""
+        alloc, free, fits, grain = self.alloc, self.free, self.fits, self.grain
+        _, logprob_b, head_b = self.acts[j]
+        blocks, layer_b = self._blocks(j)
+        keys = self.held[stage, mb] = []
+        rest = self.sig.unit_bytes[j] - layer_b - logprob_b - head_b
+        # a negative rest (the stage input, which is the p2p receive buffer) comes off the first block
+        fold = min(rest, 0) if blocks else 0
+        for b in range(blocks):
+            block_keys, window = [], []
+            at = (j, b == 0, b == blocks - 1)
+            plan = self.plans.get(at)
+            if plan is None:
+                share = layer_b // blocks + (layer_b % blocks if at[2] else 0) + (fold if at[1] else 0)
+                plan = self.plans[at] = _block_plan(max(share, 0), self.walk, grain)
+            for pos, (saved, n, ahead, idx) in enumerate(plan):
+                if saved:
+                    if n:
+                        key = ("mb", stage, mb, b, idx)
+                        alloc(key, n)
+                        block_keys.append(key)
+                elif fits(n, ahead):  # an event-only transient, within the peak
+                    key = ("fwd", i, b, pos)
+                    alloc(key, n)
+                    window.append((pos, key))
+                while window and window[0][0] <= pos - 2:
+                    free(window.pop(0)[1])
+            for _, key in window:
+                free(key)
+            keys.append(block_keys)
+        if rest > 0:
+            alloc(("mb", stage, mb, "rest"), rest)
+            keys.append([("mb", stage, mb, "rest")])
+        if head_b or logprob_b:  # the loss side comes after the blocks' forward and its transients
+            for _life, (j2, _, _) in whole:
+                free(("t", j2, i))
+            whole = []
+        if head_b > 0:  # the final norm's and the head's saved tensors
+            alloc(("mb", stage, mb, "head"), head_b)
+            self.heads.setdefault((stage, mb), []).append(("mb", stage, mb, "head"))
+        if logprob_b > 0:
+            lgt = self.transient(("logits", i), grain.logits_bytes, 2 * logprob_b)  # its fp32 copy, the log-probs
+            f32 = lgt and self.transient(("logits_fp32", i), logprob_b, logprob_b)
+            alloc(("mb", stage, mb, "logprob"), logprob_b)
+            self.heads.setdefault((stage, mb), []).append(("mb", stage, mb, "logprob"))
+            if f32:
+                free(("logits_fp32", i))
+            if lgt:
+                free(("logits", i))
+        if stage == self.last_stage:
+            for j2, nbytes, _ in self.outputs:
+                alloc(("out", j2, mb), nbytes)
+        return whole
+
+    def _backward_walk(self, i: int, stage: int, mb: int, j: int, per_block: list) -> None:
+        """A B over its blocks, last to first: each block's backward transients, then its saved tensors freed;
+        in the rank's first backward, what lives from then on laid as the freed tensors make room."""
+        alloc, free, size = self.alloc, self.free, self.size
+        blocks, _ = self._blocks(j)
+        keys = self.held.pop((stage, mb))
+        tail = keys[blocks:]  # the rest, freed with the first (last) block
+        first = i == self.first_backward and not self.late_done
+        pending = [(("late", j2, q), piece, stream) for j2, nbytes, stream in self.late
+                   for q, piece in enumerate(_pieces(nbytes, (1,) * max(blocks, 1)))] if first else []
+        freed = made = 0
+        for b in reversed(range(blocks)):
+            tmp = []
+            for life, (j2, nbytes, stream) in per_block:
+                parts = _pieces(nbytes, self.grain.work) if life == "backward_input" else [nbytes]
+                for q, x in enumerate(parts):
+                    if x:
+                        alloc(("bw", j2, i, b, q), x, stream)
+                        tmp.append(("bw", j2, i, b, q))
+            for key in reversed(tmp):
+                free(key)
+            for key in keys[b] + (sum(tail, []) if b == blocks - 1 else []):
+                freed += size[key]
+                free(key)
+            while pending and made + pending[0][1] <= freed:
+                key, x, stream = pending.pop(0)
+                if x:
+                    alloc(key, x, stream)
+                made += x
+        for key, x, stream in pending:
+            if x:
+                alloc(key, x, stream)
+        self.late_done = self.late_done or first
 
 
 def _generator_state(live: int, size: dict, late_done: bool, held: dict, heads: dict) -> tuple:
