@@ -153,9 +153,22 @@ class ControlsPanel(QWidget):
         self.banner.setWordWrap(True)
         self.banner.hide()
         outer.addWidget(self.banner)
+        self._build_model(outer)
+        self.moe = ExpertControls(self, outer)  # experts, top-k, ep: gui.widgets.moe_controls
+        self._build_cluster(outer)
+        self._build_parallelism(outer)
+        self._build_training(outer)
+        self._lora_shown: bool | None = None
+        outer.addStretch(1)
 
-        # ---- model
-        g, grid = self._group("Model", outer)
+        state.desiredChanged.connect(self.sync)
+        state.problemsChanged.connect(self.show_problems)
+        self.sync(state.desired)
+
+    # ------------------------------------------------------------------ building
+
+    def _build_model(self, outer: QVBoxLayout) -> None:
+        _, grid = self._group("Model", outer)
         self.preset = QComboBox()
         self.preset.addItems(list(model_presets()))
         self.preset.currentTextChanged.connect(lambda t: self._edit("model.preset", t))
@@ -171,11 +184,8 @@ class ControlsPanel(QWidget):
         self.seq_len.valueChosen.connect(lambda v: self._edit("model.seq_len", v))
         self._row(grid, "Sequence length", "model.seq_len", self.seq_len)
 
-        # ---- mixture of experts (experts, top-k, ep: gui.widgets.moe_controls)
-        self.moe = ExpertControls(self, outer)
-
-        # ---- cluster
-        g, grid = self._group("Cluster", outer)
+    def _build_cluster(self, outer: QVBoxLayout) -> None:
+        _, grid = self._group("Cluster", outer)
         self.gpu = QComboBox()
         self.gpu.addItems(list(gpu_presets()))
         self.gpu.currentTextChanged.connect(lambda t: self._edit("cluster.gpu", t))
@@ -186,8 +196,8 @@ class ControlsPanel(QWidget):
         self.gpus_per_node = self._spin(1, 64, "cluster.gpus_per_node")
         self._row(grid, "GPUs per node", "cluster.gpus_per_node", self.gpus_per_node)
 
-        # ---- parallelism
-        g, grid = self._group("Parallelism", outer)
+    def _build_parallelism(self, outer: QVBoxLayout) -> None:
+        _, grid = self._group("Parallelism", outer)
         self.dp_mode = self._choice(names.DP_MODES, DP_MODE_LABELS, "parallel.dp_mode")
         self.dp_mode.setToolTip("DDP: one process per GPU, gradients all-reduced. DataParallel: the legacy "
                                 "torch.nn.DataParallel, one process drives every GPU of one node from GPU 0.")
@@ -233,8 +243,8 @@ class ControlsPanel(QWidget):
         self.microbatches.valueChosen.connect(lambda v: self._edit("parallel.microbatches", v))
         self._row(grid, "Microbatches", "parallel.microbatches", self.microbatches)
 
-        # ---- training
-        g, grid = self._group("Training", outer)
+    def _build_training(self, outer: QVBoxLayout) -> None:
+        _, grid = self._group("Training", outer)
         self.micro_batch_size = self._spin(1, 4096, "training.micro_batch_size")
         self._row(grid, "Micro-batch size", "training.micro_batch_size", self.micro_batch_size)
         for key, label, choices in (
@@ -265,14 +275,6 @@ class ControlsPanel(QWidget):
         self.lora_base_dtype.setToolTip("How the frozen base weights are stored: nf4 is QLoRA's 4-bit NormalFloat "
                                         "(blocks of 64 with a quantisation constant each)")
         self._row(grid, "Base weights", "training.lora_base_dtype", self.lora_base_dtype)
-        self._lora_shown: bool | None = None
-        outer.addStretch(1)
-
-        state.desiredChanged.connect(self.sync)
-        state.problemsChanged.connect(self.show_problems)
-        self.sync(state.desired)
-
-    # ------------------------------------------------------------------ building
 
     def _group(self, title: str, outer: QVBoxLayout) -> tuple[QGroupBox, QGridLayout]:
         box = QGroupBox(title)

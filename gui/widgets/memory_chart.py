@@ -14,6 +14,7 @@ rank among the group's ranks), and the header says how the peak moved from the b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pyqtgraph as pg
@@ -156,6 +157,29 @@ class ReservedCapsItem(HatchedBoxesItem):
     def outline(self, p, d) -> None:
         p.drawLines([QLineF(d.topLeft(), d.topRight()), QLineF(d.topLeft(), d.bottomLeft()),
                      QLineF(d.topRight(), d.bottomRight())])
+
+
+class _Scale(NamedTuple):
+    """One redraw's geometry: n bar groups at x, the predicted bars at xp and the measured at xm, their width,
+    the bars' values, tops and totals, capacity, the full fine-tune line (all in the view's 0..1), the top of
+    the scale in the chart's unit, and the groups that do not fit."""
+
+    n: int
+    x: np.ndarray
+    xp: np.ndarray
+    xm: np.ndarray
+    width: float
+    has_measured: bool
+    has_base: bool
+    values: np.ndarray
+    top_of: np.ndarray
+    totals: np.ndarray
+    cap: float
+    top: float
+    full: float | None
+    full_in_view: bool
+    over: list[int]
+    show_over: bool
 
 
 class MemoryChart(QWidget):
@@ -354,13 +378,21 @@ class MemoryChart(QWidget):
             self.redraw()
 
     def redraw(self) -> None:
-        pi = self.plot.getPlotItem()
         if not self.groups:
             self.header.setText("Memory per rank")
             for item in (self.stacks, self.reserved_caps, self.measured_stacks, self.baseline_stacks, self.frames,
                          self.capacity_line, self.full_line, self.full_label, self.off_scale, *self.over_labels):
                 item.setVisible(False)
             return
+        sc = self._scale()
+        self._draw_bars(sc)
+        self._draw_lines(sc)
+        self._set_header(sc.over)
+
+    def _scale(self) -> _Scale:
+        """Where the bars go and the view's scale: the unit, the top (capacity, the fullest bar, the baseline,
+        the measured bars and every label inside the plot), the bars' values in the view's 0..1."""
+        pi = self.plot.getPlotItem()
         n = len(self.groups)
         x = np.arange(n, dtype=float)
         has_measured = bool(self.measured_by_rank)
@@ -423,6 +455,15 @@ class MemoryChart(QWidget):
             self.y_scale = top
             pi.getAxis("left").setScale(top)
         values, top_of, totals, cap = values / top, top_of / top, totals / top, cap / top
+        return _Scale(n, x, xp, xm, width, has_measured, has_base, values, top_of, totals, cap, top, full,
+                      full_in_view, over, show_over)
+
+    def _draw_bars(self, sc: _Scale) -> None:
+        """The stacks by category with their reserved caps, the baseline's, the experts' band, the frames and
+        labels of the ranks that do not fit, the measured bars."""
+        n, x, xp, xm, width, values, top_of, totals, top, over = (
+            sc.n, sc.x, sc.xp, sc.xm, sc.width, sc.values, sc.top_of, sc.totals, sc.top, sc.over)
+        has_measured, has_base, show_over = sc.has_measured, sc.has_base, sc.show_over
         bottom_of = top_of - values
         drawn = [j for j in range(len(SEGMENTS)) if j != RESERVED_SEGMENT]  # one box per category and bar
         k = len(drawn)
@@ -457,6 +498,11 @@ class MemoryChart(QWidget):
             self._draw_measured(xm, width)
         else:
             self.measured_stacks.setVisible(False)
+
+    def _draw_lines(self, sc: _Scale) -> None:
+        """The capacity and full fine-tune lines, the view's range, the off-scale note, the rank ticks."""
+        pi = self.plot.getPlotItem()
+        n, cap, top, full, full_in_view = sc.n, sc.cap, sc.top, sc.full, sc.full_in_view
         self.capacity_line.setValue(cap)
         self.capacity_line.setVisible(self.capacity_in_view)
         cap_text = f"{self.state.config.cluster.gpu.name} capacity {fmt_bytes(self.capacity_bytes)}"
@@ -482,6 +528,9 @@ class MemoryChart(QWidget):
         if ticks != self._ticks:
             self._ticks = ticks
             pi.getAxis("bottom").setTicks([ticks, []])
+
+    def _set_header(self, over: list[int]) -> None:
+        """The chart's one-line verdict: the fullest rank's bytes, and which ranks do not fit."""
         worst = max(self.groups, key=lambda g: (g.device_bytes, g.total))
         verdict = (f"{sum(len(self.groups[i].ranks) for i in over)} rank(s) do NOT fit" if over
                    else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.device_bytes)} on the fullest")

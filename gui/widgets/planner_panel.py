@@ -70,6 +70,35 @@ class PlannerPanel(QWidget):
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
+        lay.addLayout(self._build_bar())
+        self.status = QLabel("Which layout should this job use? Plan ranks every valid one by predicted "
+                             "tokens/s and shows every one that fits against its memory.")
+        self.status.setWordWrap(True)
+        lay.addWidget(self.status)
+        self.split = split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(self._build_table())
+        split.addWidget(self._build_plot())
+        split.setSizes([860, 400])
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
+        lay.addWidget(split, 1)
+
+        self.plan_button.clicked.connect(self.start)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.table.cellClicked.connect(self.apply_row)
+        self.table.cellActivated.connect(self.apply_row)
+        self.table.currentCellChanged.connect(lambda row, *_: self._show_why(row))
+        self.scatter.sigClicked.connect(self._point_clicked)
+        state.configChanged.connect(self._config_changed)
+        self._config_changed(state.config)
+        app = QApplication.instance()
+        if app is not None:
+            app.aboutToQuit.connect(self.shutdown)
+
+    # ------------------------------------------------------------------ building
+
+    def _build_bar(self) -> QHBoxLayout:
+        """The job, the global batch, top K, Plan, Cancel and the sweep's progress."""
         bar = QHBoxLayout()
         self.job = QLabel()
         self.job.setObjectName("chartTitle")
@@ -98,13 +127,10 @@ class PlannerPanel(QWidget):
         bar.addWidget(self.plan_button)
         bar.addWidget(self.cancel_button)
         bar.addWidget(self.progress, 1)
-        lay.addLayout(bar)
-        self.status = QLabel("Which layout should this job use? Plan ranks every valid one by predicted "
-                             "tokens/s and shows every one that fits against its memory.")
-        self.status.setWordWrap(True)
-        lay.addWidget(self.status)
+        return bar
 
-        self.split = split = QSplitter(Qt.Orientation.Horizontal)
+    def _build_table(self) -> QWidget:
+        """The top K with why each wins or loses, and under it the selected row's reasons."""
         left = QWidget()
         ll = QVBoxLayout(left)
         ll.setContentsMargins(0, 0, 0, 0)
@@ -130,8 +156,10 @@ class PlannerPanel(QWidget):
         self.why.setWordWrap(True)
         self.why.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         ll.addWidget(self.why)
-        split.addWidget(left)
+        return left
 
+    def _build_plot(self) -> QWidget:
+        """Every fitting layout: tokens/s against peak memory, the Pareto front, the card's capacity."""
         self.plot = pg.PlotWidget(background="w")
         self.plot.setMenuEnabled(False)
         pi = self.plot.getPlotItem()
@@ -167,23 +195,7 @@ class PlannerPanel(QWidget):
         self.legend.setObjectName("hint")
         self.legend.setWordWrap(True)
         rl.addWidget(self.legend)
-        split.addWidget(right)
-        split.setSizes([860, 400])
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 2)
-        lay.addWidget(split, 1)
-
-        self.plan_button.clicked.connect(self.start)
-        self.cancel_button.clicked.connect(self.cancel)
-        self.table.cellClicked.connect(self.apply_row)
-        self.table.cellActivated.connect(self.apply_row)
-        self.table.currentCellChanged.connect(lambda row, *_: self._show_why(row))
-        self.scatter.sigClicked.connect(self._point_clicked)
-        state.configChanged.connect(self._config_changed)
-        self._config_changed(state.config)
-        app = QApplication.instance()
-        if app is not None:
-            app.aboutToQuit.connect(self.shutdown)
+        return right
 
     # ------------------------------------------------------------------ the job
 
