@@ -86,6 +86,18 @@ def measure(window, samples: int, cpu_ms: list[float] | None = None) -> tuple[li
     return total_ms, engine_ms
 
 
+def settle(window, seconds: float = 0.5) -> None:
+    """Until the window is exposed and has run its event loop ``seconds`` more: its first show activates,
+    lays out and paints every widget (100 ms here), which a drag on a window already on screen never waits for."""
+    from PySide6.QtTest import QTest
+    from PySide6.QtWidgets import QApplication
+
+    QTest.qWaitForWindowExposed(window)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        QApplication.instance().processEvents()
+
+
 def drag_stall(window) -> tuple[float, int, float]:
     """Drag the GPU-count slider from 8 to 16,384 one step per 20 ms frame (as a hand does), while a
     1-ms timer records when the event loop turns; returns the longest gap (ms), the predictions the
@@ -149,6 +161,7 @@ def main() -> int:
     window.resize(1600, 1000)
     window.show()
     window.state.recompute_now()
+    settle(window)  # the window's first expose and paint are not part of a drag
     stall, made, done = drag_stall(window)
     ok &= stall <= STALL_GOAL_MS
     print(f"  drag the GPU count 8 → 16,384 (a step per 20-ms frame): longest event-loop stall {stall:.1f} ms "
