@@ -383,9 +383,10 @@ class ControlsPanel(QWidget):
             self._set_data(self.dp_mode, par.get("dp_mode", "ddp"))
             self._set_data(self.finetune, tr.get("finetune", "full"))
             self._set_spin(self.lora_rank, tr.get("lora_rank", 16))
-            self.lora_alpha.blockSignals(True)
-            self.lora_alpha.setValue(float(tr.get("lora_alpha", 32.0)))
-            self.lora_alpha.blockSignals(False)
+            if self.lora_alpha.value() != float(tr.get("lora_alpha", 32.0)):
+                self.lora_alpha.blockSignals(True)
+                self.lora_alpha.setValue(float(tr.get("lora_alpha", 32.0)))
+                self.lora_alpha.blockSignals(False)
             self._set_data(self.lora_targets, tr.get("lora_targets", "all"))
             self._set_data(self.lora_base_dtype, tr.get("lora_base_dtype", "fp32"))
             self._show_lora(tr.get("finetune") == "lora")
@@ -432,6 +433,8 @@ class ControlsPanel(QWidget):
 
     @staticmethod
     def _set_spin(spin: QSpinBox, value: int) -> None:
+        if spin.value() == int(value):  # QSpinBox.setValue repaints its box and line edit even when unchanged
+            return
         spin.blockSignals(True)
         spin.setValue(int(value))
         spin.blockSignals(False)
