@@ -43,6 +43,8 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 NOT_COVERED_PP = [
     "pipeline: no send or receive runs; a received activation or gradient is a fresh tensor allocated when "
@@ -107,238 +109,296 @@ def schedule_in_flight(actions, stages: list[int]) -> list[int]:
 def _build(cfg, rank: int, fake_tensors: bool = True):
     """A backend.train.Trainer for ``rank`` on the fake process group, with fake tensors
     (or, for checking them, real ones: the same path with ``FakeTensorMode`` left out)."""
-    import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from backend import measure
-    from backend.model import Transformer, moe_modules
-    from backend.parallel import ParallelDims, apply_pp, build_optimizer, parallelize
-    from backend.parallel.expert_parallel import plan_dispatch
-    from backend.parallel.parallelize import expert_grad_sync
-    from backend.parallel.pipeline import ActionTimer
-    from backend.parallel.precision import compute_dtype
-    from backend.train import SEED, Trainer, _optimizer_cls_and_kwargs, check_supported
-    from engine.memory.states import optimizer_foreach
-    from engine.wrapping import wrapping_plan
+    from backend.train import Trainer
 
-    par, tr = cfg.parallel, cfg.training
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=par.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.parallel.world_size)
+    return type("FakeTrainer", (_FakeTrainer, Trainer), {})(cfg, fake_tensors)
 
-    class FakeTrainer(Trainer):
-        """Trainer's state, composed as Trainer.__init__ does, on meta then fake tensors."""
 
-        counts_compiled_saved = False  # inductor compiles nothing for fake tensors here
+class _FakeTrainer:
+    """backend.train.Trainer's state, composed as Trainer.__init__ composes it, on meta then fake tensors;
+    mixed in before Trainer by ``_build`` (this module imports no torch until a rank is built)."""
 
-        def __init__(self):  # noqa: D401 - deliberately not Trainer.__init__ (no real process group)
-            self.cfg, self.out = cfg, None
-            self.device = torch.device("cpu")
-            self.rank = dist.get_rank()
-            self.dims = ParallelDims(par, self.device.type, cfg.cluster.gpus_per_node)
-            self.dims.build_mesh()
-            self.coords = self.dims.coords
-            check_supported(cfg)
-            self.cp = self.dims.context_parallel(cfg.model, self.device)
-            why = fake_refusal(cfg) if fake_tensors else None
-            if why:
-                raise NotImplementedError(why)
-            self.plan = wrapping_plan(cfg)
-            self.pipelined = self.plan.pipelined
-            torch.manual_seed(SEED)
-            with torch.device("meta"):
-                model = Transformer(cfg.model)
-            if cfg.cluster.gpu.name != "cpu":
-                use_fused_rms_norm(model)  # the kernel the GPU kind runs, not CPU's composite
-            parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
-            self.fake_mode = (FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors
-                              else contextlib.nullcontext())
+    counts_compiled_saved = False  # inductor compiles nothing for fake tensors here
 
-            @contextlib.contextmanager
-            def materialize(m):
-                """The meta module's tensors allocated (fake ones: storage sizes, no data); the
-                wrappers that copy parameters at construction are built in the same mode."""
-                with self.fake_mode, _ddp_without_init_checks(), _device_mesh_outside_fake_mode():
-                    m.to_empty(device=self.device)
-                    yield
+    def __init__(self, cfg, fake_tensors: bool):  # noqa: D401 - deliberately not Trainer.__init__ (no real group)
+        import torch
+        import torch.distributed as dist
+        from torch._subclasses.fake_tensor import FakeTensorMode
 
-            self.modules = []
-            for s, m in parts:
-                m = parallelize(m, cfg, self.plan, self.dims, self.device, materialize=materialize)
-                if isinstance(m, DistributedDataParallel):
-                    with self.fake_mode:
-                        m.register_comm_hook(None, _bucket_as_reduced)
-                        m.reducer = _NoRebuildReducer(m.reducer)
-                self.modules.append((s, m))
-            self.stages = [s for s, _ in self.modules]
-            self.params = measure.unique_params(m for _, m in self.modules)
-            self.moes = [moe for _, m in self.modules for moe in moe_modules(m)]
-            if self.moes:  # fake tensors cannot be counted: route by a load given up front
-                group = self.dims.expert_mesh("ep").get_group() if par.ep > 1 else None
-                for _, m in self.modules:
-                    self.moe_load = plan_dispatch(m, cfg, group)
-            self.sync_experts = expert_grad_sync([m for _, m in self.modules], cfg, self.plan, self.dims)
-            cls, kw = _optimizer_cls_and_kwargs(tr.optimizer, optimizer_foreach(cfg))  # as the GPU would step
-            with self.fake_mode:
-                self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
-            self.timer = ActionTimer()
-            self.schedule = None
-            self.has_first = 0 in self.stages
-            self.has_last = par.num_stages - 1 in self.stages
-            self.data = _ZeroData(cfg.model.seq_len)
-            self.local_batch = par.microbatches * tr.micro_batch_size
-            self.actions = _stage_actions(cfg, self.coords.pp) if self.pipelined else ()
-            self.in_flight = schedule_in_flight(self.actions, self.stages) if self.pipelined else []
-            self.output_chunks: list = []  # the last stage's outputs, kept until the next step
+        from backend.model import Transformer
+        from backend.parallel import ParallelDims, apply_pp
+        from backend.train import SEED, check_supported
+        from engine.wrapping import wrapping_plan
 
-        def expert_tokens(self, k: int) -> dict:
-            """The planned routing (Trainer.expert_tokens' shape): every rank of a stage routes each
-            microbatch's n·k copies by the planned load (``backend.parallel.expert_parallel.planned_load``)."""
-            mbs, ep = par.microbatches, par.ep
-            blocks = {}
-            send = self.moes[0].dispatch.send if self.moes else []
-            local = len(send) // ep if send else 0
-            ep_rank = self.dims.expert_mesh("ep").get_local_rank() if ep > 1 else 0
-            got = [ep * c for c in send[ep_rank * local:(ep_rank + 1) * local]] if ep > 1 else list(send)
-            for moe in self.moes:
-                blocks[str(moe.index)] = {"routed": [c * mbs for c in send], "received": [c * mbs for c in got],
-                                          "first_expert": ep_rank * local if ep > 1 else 0,
-                                          "routed_microbatches": [list(send)] * mbs,
-                                          "received_microbatches": [list(got)] * mbs}
-            routers = par.world_size // par.pp  # the ranks routing each block's tokens
-            total = {str(b): [c * mbs * routers for c in send]
-                     for b in range(cfg.model.dense_layers, cfg.model.layers)}
-            return {"k": k, "planned_load": list(self.moe_load), "blocks": blocks, "total": total}
+        par = cfg.parallel
+        self.cfg, self.out = cfg, None
+        self.device = torch.device("cpu")
+        self.rank = dist.get_rank()
+        self.dims = ParallelDims(par, self.device.type, cfg.cluster.gpus_per_node)
+        self.dims.build_mesh()
+        self.coords = self.dims.coords
+        check_supported(cfg)
+        self.cp = self.dims.context_parallel(cfg.model, self.device)
+        why = fake_refusal(cfg) if fake_tensors else None
+        if why:
+            raise NotImplementedError(why)
+        self.plan = wrapping_plan(cfg)
+        self.pipelined = self.plan.pipelined
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        if cfg.cluster.gpu.name != "cpu":
+            use_fused_rms_norm(model)  # the kernel the GPU kind runs, not CPU's composite
+        parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
+        self.fake_mode = (FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors
+                          else contextlib.nullcontext())
+        self._parallelize(parts)
+        self._schedule_state()
 
-        def step_input(self, step: int):
-            """What Trainer.forward_backward takes (the batch, or the step in older versions)."""
-            return self.batch(step) if hasattr(Trainer, "batch") else step
+    @contextlib.contextmanager
+    def _materialize(self, m):
+        """The meta module's tensors allocated (fake ones: storage sizes, no data); the wrappers that copy
+        parameters at construction are built in the same mode."""
+        with self.fake_mode, _ddp_without_init_checks(), _device_mesh_outside_fake_mode():
+            m.to_empty(device=self.device)
+            yield
 
-        def forward_backward(self, arg) -> tuple[float, int]:
-            if not self.pipelined:
-                return super().forward_backward(arg)
-            return self._stage_forward_backward()
+    def _parallelize(self, parts) -> None:
+        """Each stage module wrapped as backend.train wraps it, then the optimizer (as the GPU would step)."""
+        from torch.nn.parallel import DistributedDataParallel
 
-        def _stage_forward_backward(self) -> tuple[float, int]:
-            """This pp rank's actions in the schedule's order, as torch's PipelineStage runs them."""
-            from torch.distributed.pipelining._backward import (
-                stage_backward,
-                stage_backward_input,
-                stage_backward_weight,
-            )
+        from backend import measure
+        from backend.model import moe_modules
+        from backend.parallel import build_optimizer, parallelize
+        from backend.parallel.expert_parallel import plan_dispatch
+        from backend.parallel.parallelize import expert_grad_sync
+        from backend.train import _optimizer_cls_and_kwargs
+        from engine.memory.states import optimizer_foreach
 
-            from backend.train import loss_fn
+        cfg, par = self.cfg, self.cfg.parallel
+        self.modules = []
+        for s, m in parts:
+            m = parallelize(m, cfg, self.plan, self.dims, self.device, materialize=self._materialize)
+            if isinstance(m, DistributedDataParallel):
+                with self.fake_mode:
+                    m.register_comm_hook(None, _bucket_as_reduced)
+                    m.reducer = _NoRebuildReducer(m.reducer)
+            self.modules.append((s, m))
+        self.stages = [s for s, _ in self.modules]
+        self.params = measure.unique_params(m for _, m in self.modules)
+        self.moes = [moe for _, m in self.modules for moe in moe_modules(m)]
+        if self.moes:  # fake tensors cannot be counted: route by a load given up front
+            group = self.dims.expert_mesh("ep").get_group() if par.ep > 1 else None
+            for _, m in self.modules:
+                self.moe_load = plan_dispatch(m, cfg, group)
+        self.sync_experts = expert_grad_sync([m for _, m in self.modules], cfg, self.plan, self.dims)
+        cls, kw = _optimizer_cls_and_kwargs(cfg.training.optimizer, optimizer_foreach(cfg))
+        with self.fake_mode:
+            self.optimizer = build_optimizer(self.params, self.plan, self.dims, cls, **kw)
 
-            mbs, seq, hidden = tr.micro_batch_size, cfg.local_seq_len, cfg.model.hidden  # the rank's tokens (cp)
-            sp_seq = seq // par.tp if par.sequence_parallel else seq
-            # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype;
-            # autocast (and fp32) leave it in fp32
-            act_dtype = compute_dtype(self.plan) if self.plan.mixed_precision == "fsdp2-policy" else torch.float32
-            first, last = 0, par.num_stages - 1
-            mods = dict(self.modules)
-            # the backward that completes each stage-microbatch: its W where split, else its B
-            split = {(a[1], a[2]) for a in self.actions if a[0] == "I"}
-            finishing = {s: sum(1 for k, st, mb in self.actions if st == s
-                                and (k == "W" or (k == "B" and (st, mb) not in split))) for s in self.stages}
-            fwd_cache: dict = {}  # (stage, mb) -> (output tuple, input tensors), F until B / I
-            backward_state: dict = {}  # (stage, mb) -> what I leaves for W
-            losses: dict = {}
-            self.output_chunks = []  # torch clears the last step's outputs when a step starts
+    def _schedule_state(self) -> None:
+        """The step's data, timer and (pipelined) this pp rank's actions in the schedule's order."""
+        from backend.parallel.pipeline import ActionTimer
 
-            def backward(mod, kind: str, last_backward: bool, **kw):
-                """PipelineStage.backward_maybe_with_nosync."""
-                def run():
-                    if kind == "full":
-                        return stage_backward(kw["stage_output"], kw["output_grads"], kw["input_values"]), None
-                    if kind == "input":
-                        return stage_backward_input(kw["stage_output"], kw["output_grads"], kw["input_values"],
-                                                    mod.parameters())
-                    return stage_backward_weight(mod.parameters(), kw["param_groups"]), None
+        cfg, par = self.cfg, self.cfg.parallel
+        self.timer = ActionTimer()
+        self.schedule = None
+        self.has_first = 0 in self.stages
+        self.has_last = par.num_stages - 1 in self.stages
+        self.data = _ZeroData(cfg.model.seq_len)
+        self.local_batch = par.microbatches * cfg.training.micro_batch_size
+        self.actions = _stage_actions(cfg, self.coords.pp) if self.pipelined else ()
+        self.in_flight = schedule_in_flight(self.actions, self.stages) if self.pipelined else []
+        self.output_chunks: list = []  # the last stage's outputs, kept until the next step
 
-                if isinstance(mod, DistributedDataParallel):
-                    if last_backward:
-                        mod.reducer.prepare_for_backward(
-                            list(torch.nn.parallel.distributed._find_tensors(kw["stage_output"])))
-                        return run()
-                    with mod.no_sync():
-                        return run()
-                if isinstance(mod, FSDPModule):
-                    mod.set_is_last_backward(False)
-                    mod.set_reshard_after_backward(False)
-                    mod.set_requires_gradient_sync(False)
-                return run()
+    def expert_tokens(self, k: int) -> dict:
+        """The planned routing (Trainer.expert_tokens' shape): every rank of a stage routes each
+        microbatch's n·k copies by the planned load (``backend.parallel.expert_parallel.planned_load``)."""
+        cfg, par = self.cfg, self.cfg.parallel
+        mbs, ep = par.microbatches, par.ep
+        blocks = {}
+        send = self.moes[0].dispatch.send if self.moes else []
+        local = len(send) // ep if send else 0
+        ep_rank = self.dims.expert_mesh("ep").get_local_rank() if ep > 1 else 0
+        got = [ep * c for c in send[ep_rank * local:(ep_rank + 1) * local]] if ep > 1 else list(send)
+        for moe in self.moes:
+            blocks[str(moe.index)] = {"routed": [c * mbs for c in send], "received": [c * mbs for c in got],
+                                      "first_expert": ep_rank * local if ep > 1 else 0,
+                                      "routed_microbatches": [list(send)] * mbs,
+                                      "received_microbatches": [list(got)] * mbs}
+        routers = par.world_size // par.pp  # the ranks routing each block's tokens
+        total = {str(b): [c * mbs * routers for c in send]
+                 for b in range(cfg.model.dense_layers, cfg.model.layers)}
+        return {"k": k, "planned_load": list(self.moe_load), "blocks": blocks, "total": total}
 
-            with self._loss_ctx():
-                for kind, s, mb in self.actions:
-                    mod = mods[s]
-                    if kind == "F":  # forward_one_chunk
-                        if s == first:
-                            x = torch.zeros(mbs, seq, dtype=torch.long)
-                        else:  # the received activation
-                            x = torch.zeros(mbs, sp_seq, hidden, dtype=act_dtype, requires_grad=True)
-                        if isinstance(mod, DistributedDataParallel):
-                            with mod.no_sync():
-                                out = mod(x)
-                        else:
-                            out = mod(x)
-                        if s == last:
-                            self.output_chunks.append(out)
-                            losses[mb] = loss_fn(out, torch.zeros(mbs, seq, dtype=torch.long))
-                        fwd_cache[(s, mb)] = (out if isinstance(out, tuple) else (out,), [x])
-                        del x, out
-                        continue
-                    if kind in ("B", "I"):  # backward_one_chunk (full_backward = kind == "B")
-                        outputs, inputs = fwd_cache.pop((s, mb))
-                        if s == last:
-                            stage_output, output_grads = losses.pop(mb), None
-                        else:  # the received gradients
-                            stage_output, output_grads = outputs, tuple(torch.ones_like(o) for o in outputs)
-                        if kind == "B":
-                            finishing[s] -= 1
-                            backward(mod, "full", finishing[s] == 0, stage_output=stage_output,
-                                     output_grads=output_grads, input_values=inputs)
-                        else:
-                            param_groups = None
-                            if s != first:
-                                if isinstance(stage_output, torch.Tensor):
-                                    stage_output = (stage_output,)
-                                _, param_groups = backward(mod, "input", False, stage_output=stage_output,
-                                                           output_grads=output_grads, input_values=inputs)
-                            backward_state[(s, mb)] = (inputs, param_groups, stage_output, output_grads)
-                        if s == last and s != first:
-                            for t in outputs:
-                                if not t._is_view():
-                                    t.detach_()
-                        del outputs, inputs, stage_output, output_grads
-                    else:  # "W": backward_weight_one_chunk
-                        inputs, param_groups, stage_output, output_grads = backward_state.pop((s, mb))
-                        finishing[s] -= 1
-                        if s != first:
-                            backward(mod, "weight", finishing[s] == 0, stage_output=stage_output,
-                                     param_groups=param_groups)
-                        else:
-                            backward(mod, "full", finishing[s] == 0, stage_output=stage_output,
-                                     output_grads=output_grads, input_values=inputs)
-                        del inputs, param_groups, stage_output, output_grads
-                    if finishing[s] == 0:
-                        _perform_reduce_grad(mod)
-                if self.has_last:  # the schedule's return value: the last stage's outputs merged
-                    merged = torch.cat(self.output_chunks)
-                    del merged
-            return 0.0, 1
-    class _ZeroData:
-        """Token ids of the right shape (fake tensors carry no values)."""
+    def step_input(self, step: int):
+        """What Trainer.forward_backward takes (the batch, or the step in older versions)."""
+        return self.batch(step) if hasattr(self, "batch") else step
 
-        def __init__(self, seq_len: int):
-            self.seq_len = seq_len
+    def forward_backward(self, arg) -> tuple[float, int]:
+        if not self.pipelined:
+            return super().forward_backward(arg)
+        return self._stage_forward_backward()
 
-        def batch(self, step: int, dp_index: int, batch_size: int):
-            z = torch.zeros(batch_size, self.seq_len, dtype=torch.long)
-            return z, z
+    def _stage_forward_backward(self) -> tuple[float, int]:
+        """This pp rank's actions in the schedule's order, as torch's PipelineStage runs them."""
+        import torch
 
-    return FakeTrainer()
+        from backend.parallel.precision import compute_dtype
+
+        cfg, par, tr = self.cfg, self.cfg.parallel, self.cfg.training
+        seq = cfg.local_seq_len  # the rank's tokens (cp)
+        st = _PipelineStep(
+            mbs=tr.micro_batch_size, seq=seq, hidden=cfg.model.hidden,
+            sp_seq=seq // par.tp if par.sequence_parallel else seq,
+            # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype; autocast
+            # (and fp32) leave it in fp32
+            act_dtype=compute_dtype(self.plan) if self.plan.mixed_precision == "fsdp2-policy" else torch.float32,
+            first=0, last=par.num_stages - 1)
+        # the backward that completes each stage-microbatch: its W where split, else its B
+        split = {(a[1], a[2]) for a in self.actions if a[0] == "I"}
+        st.finishing = {s: sum(1 for k, stage, mb in self.actions if stage == s
+                               and (k == "W" or (k == "B" and (stage, mb) not in split))) for s in self.stages}
+        self.output_chunks = []  # torch clears the last step's outputs when a step starts
+        mods = dict(self.modules)
+        with self._loss_ctx():
+            for kind, s, mb in self.actions:
+                mod = mods[s]
+                if kind == "F":  # forward_one_chunk
+                    self._forward_chunk(st, mod, s, mb)
+                    continue
+                if kind in ("B", "I"):  # backward_one_chunk (full_backward = kind == "B")
+                    self._backward_chunk(st, mod, kind, s, mb)
+                else:  # "W": backward_weight_one_chunk
+                    self._weight_chunk(st, mod, s, mb)
+                if st.finishing[s] == 0:
+                    _perform_reduce_grad(mod)
+            if self.has_last:  # the schedule's return value: the last stage's outputs merged
+                merged = torch.cat(self.output_chunks)
+                del merged
+        return 0.0, 1
+
+    def _forward_chunk(self, st: _PipelineStep, mod, s: int, mb: int) -> None:
+        """forward_one_chunk: the stage's input (token ids, or the received activation), kept with the
+        output until the microbatch's backward; the last stage's output kept to the step's end, its loss."""
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        from backend.train import loss_fn
+
+        if s == st.first:
+            x = torch.zeros(st.mbs, st.seq, dtype=torch.long)
+        else:  # the received activation
+            x = torch.zeros(st.mbs, st.sp_seq, st.hidden, dtype=st.act_dtype, requires_grad=True)
+        if isinstance(mod, DistributedDataParallel):
+            with mod.no_sync():
+                out = mod(x)
+        else:
+            out = mod(x)
+        if s == st.last:
+            self.output_chunks.append(out)
+            st.losses[mb] = loss_fn(out, torch.zeros(st.mbs, st.seq, dtype=torch.long))
+        st.fwd_cache[(s, mb)] = (out if isinstance(out, tuple) else (out,), [x])
+
+    def _backward_chunk(self, st: _PipelineStep, mod, kind: str, s: int, mb: int) -> None:
+        """backward_one_chunk: B (the whole backward) or I (the input's gradient, its state kept for W)."""
+        import torch
+
+        outputs, inputs = st.fwd_cache.pop((s, mb))
+        if s == st.last:
+            stage_output, output_grads = st.losses.pop(mb), None
+        else:  # the received gradients
+            stage_output, output_grads = outputs, tuple(torch.ones_like(o) for o in outputs)
+        if kind == "B":
+            st.finishing[s] -= 1
+            _backward_maybe_with_nosync(mod, "full", st.finishing[s] == 0, stage_output=stage_output,
+                                        output_grads=output_grads, input_values=inputs)
+        else:
+            param_groups = None
+            if s != st.first:
+                if isinstance(stage_output, torch.Tensor):
+                    stage_output = (stage_output,)
+                _, param_groups = _backward_maybe_with_nosync(mod, "input", False, stage_output=stage_output,
+                                                              output_grads=output_grads, input_values=inputs)
+            st.backward_state[(s, mb)] = (inputs, param_groups, stage_output, output_grads)
+        if s == st.last and s != st.first:
+            for t in outputs:
+                if not t._is_view():
+                    t.detach_()
+
+    def _weight_chunk(self, st: _PipelineStep, mod, s: int, mb: int) -> None:
+        """backward_weight_one_chunk: W from what the I kept (the first stage, which ran no I: its whole backward)."""
+        inputs, param_groups, stage_output, output_grads = st.backward_state.pop((s, mb))
+        st.finishing[s] -= 1
+        if s != st.first:
+            _backward_maybe_with_nosync(mod, "weight", st.finishing[s] == 0, stage_output=stage_output,
+                                        param_groups=param_groups)
+        else:
+            _backward_maybe_with_nosync(mod, "full", st.finishing[s] == 0, stage_output=stage_output,
+                                        output_grads=output_grads, input_values=inputs)
+
+
+@dataclass
+class _PipelineStep:
+    """One pipelined step's shapes and what its actions leave for later ones (``_FakeTrainer``)."""
+
+    mbs: int  # micro-batch size
+    seq: int  # the rank's tokens of a sequence
+    hidden: int
+    sp_seq: int  # the tokens of a received activation (sequence-parallel shard)
+    act_dtype: Any  # the residual stream's dtype
+    first: int  # the first and last stage
+    last: int
+    finishing: dict[int, int] = field(default_factory=dict)  # stage -> backwards left before its REDUCE_GRAD
+    fwd_cache: dict = field(default_factory=dict)  # (stage, mb) -> (output tuple, input tensors), F until B / I
+    backward_state: dict = field(default_factory=dict)  # (stage, mb) -> what I leaves for W
+    losses: dict = field(default_factory=dict)  # mb -> the last stage's loss
+
+
+def _backward_maybe_with_nosync(mod, kind: str, last_backward: bool, **kw):
+    """PipelineStage.backward_maybe_with_nosync: B ("full"), I ("input") or W ("weight") of one stage module,
+    DDP's reduction and FSDP2's gradient sync held back but for the stage's last backward (DDP)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+    from torch.nn.parallel import DistributedDataParallel
+
+    def run():
+        if kind == "full":
+            return stage_backward(kw["stage_output"], kw["output_grads"], kw["input_values"]), None
+        if kind == "input":
+            return stage_backward_input(kw["stage_output"], kw["output_grads"], kw["input_values"],
+                                        mod.parameters())
+        return stage_backward_weight(mod.parameters(), kw["param_groups"]), None
+
+    if isinstance(mod, DistributedDataParallel):
+        if last_backward:
+            mod.reducer.prepare_for_backward(list(torch.nn.parallel.distributed._find_tensors(kw["stage_output"])))
+            return run()
+        with mod.no_sync():
+            return run()
+    if isinstance(mod, FSDPModule):
+        mod.set_is_last_backward(False)
+        mod.set_reshard_after_backward(False)
+        mod.set_requires_gradient_sync(False)
+    return run()
+
+
+class _ZeroData:
+    """Token ids of the right shape (fake tensors carry no values)."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+
+    def batch(self, step: int, dp_index: int, batch_size: int):
+        import torch
+
+        z = torch.zeros(batch_size, self.seq_len, dtype=torch.long)
+        return z, z
 
 
 def _perform_reduce_grad(mod) -> None:
