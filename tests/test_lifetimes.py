@@ -924,3 +924,53 @@ def test_a_loop_as_long_as_the_keys_lives_or_a_period_more_is_found_and_skipped(
         allocator._replay_into = real
     assert len(ran) < count / 2
     assert fast == allocator.replay(allocation_events(sig))
+
+
+def _most_live(events) -> int:
+    live = most = 0
+    size = {}
+    for ev in events:
+        if ev[0] == "alloc":
+            size[ev[1]] = ev[2]
+            live += ev[2]
+            most = max(most, live)
+        else:
+            live -= size.pop(ev[1])
+    return most
+
+
+@pytest.mark.parametrize("schedule, v, zero", [("1F1B", 1, 1), ("Interleaved1F1B", 2, 3), ("ZBVZeroBubble", 2, 0),
+                                               ("DualPipeV", 2, 2), ("GPipe", 1, 0)])
+def test_the_laid_events_most_live_counts_every_period_of_a_cycle(schedule, v, zero):
+    """``laid_most_live``: the most bytes the replayed events hold live at once, read from the laying (a
+    steady window laid once as a cycle counts its later periods, each holding the first's bytes plus the
+    kept outputs of the periods before it), equals the most of the events written out in full; with the
+    step tensors and without. The reserve's shortcut (``overhead._replayed_reserve``: a most live past the
+    capacity is a most allocated past it) rests on it."""
+    from engine.memory.lifetimes import laid_most_live, without_step_rows
+    from engine.memory.overhead import _replayed_reserve, _unbounded_replay, _unbounded_reserve
+
+    c = _cfg({"dp": 2, "pp": 4, "zero": zero, "schedule": schedule, "virtual_stages": v, "microbatches": 32}, gpus=8,
+             preset="llama3-8b", training={"precision": "bf16-mixed"})
+    cycles = 0
+    for g in memory_per_rank(c).distinct_groups():
+        sig = g.first._body.timeline._event_signature()
+        for s in (sig, without_step_rows(sig)):
+            assert laid_most_live(s) == _most_live(allocation_events(s)), g.first.rank
+        cycles += sum(ev[0] == "cycle" for ev in replay_events(sig))
+        most = laid_most_live(sig)
+        most_allocated, unbounded = _unbounded_replay(sig, False)
+        assert most <= most_allocated  # a block is at least its request
+        assert _unbounded_reserve(sig, False)[1] == unbounded
+        for cap in (most - 1, most, most_allocated):  # around the events' most: the reserve the replays say
+            if unbounded <= cap:
+                expected = unbounded
+            elif most_allocated > cap:
+                expected = unbounded
+            else:
+                try:
+                    expected = replay(replay_events(sig), capacity=cap).max_reserved
+                except AllocatorOutOfMemory:
+                    expected = unbounded
+            assert _replayed_reserve.__wrapped__(sig, False, cap) == expected, (g.first.rank, cap)
+    assert cycles > 0 or schedule == "GPipe"  # the steady state was laid as a cycle (GPipe has none)

@@ -782,6 +782,34 @@ def _forward_walk(kept: tuple[int, ...], work: tuple[int, ...]) -> list[tuple[bo
     return walk
 
 
+class Events(tuple):
+    """Allocation events, and the most bytes they hold live at once (``most_live``): what any replay of them
+    allocates at least (a block is at least its request)."""
+
+    most_live: int = 0
+
+
+def laid_most_live(event_signature: tuple) -> int:
+    """The most bytes ``replay_events(event_signature)`` holds live at once (its cycles' periods counted):
+    a lower bound of the replay's most allocated, known without the allocator."""
+    sig, rows = event_signature[:2]
+    if len(event_signature) > 2 and event_signature[2] is not None:
+        if any(life == "step" for life, _, _ in rows):  # laid first and never freed (``replay_events``)
+            steps = sum(n for life, n, _ in rows if life == "step" and n > 0)
+            return steps + laid_most_live(without_step_rows(event_signature))
+        return replay_events(event_signature).most_live
+    live = most = 0
+    size: dict = {}
+    for ev in allocation_events(event_signature):
+        if ev[0] == "alloc":
+            size[ev[1]] = ev[2]
+            live += ev[2]
+            most = max(most, live)
+        else:
+            live -= size.pop(ev[1])
+    return most
+
+
 @lru_cache(maxsize=1024)
 def allocation_events(event_signature: tuple) -> tuple:
     """The allocation events of one step (see the module docstring), from a rank's event signature.
@@ -1086,6 +1114,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     n_moments = len(kinds)
     windows = _steady_windows(mo, first_backward, sig.pp) if compress else []
     steady = trial = None  # the window being tried; (its first event, the generator's state at its start)
+    most_before = 0  # the most live bytes before the window being tried (lay.most: since its start)
     nxt = 0
     while nxt < n_moments:
         i = nxt
@@ -1096,18 +1125,27 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
                 steady = windows.pop(0)
                 trial = (len(lay.ev), lay.state())
                 lay.slack = lay.peak
+                most_before, lay.most = lay.most, lay.live
         if steady is not None and i == steady[0] + steady[1]:
             after = _one_cycle(lay.ev, steady, trial, lay.state(), lay.slack)
-            steady = None
             if after is not None:  # the window's periods are one cycle now: go on from its end
+                # period k holds what the first did, plus k periods' kept outputs
+                lay.most = max(most_before, lay.most + (steady[3] - 1) * (lay.live - trial[1][0]))
+                steady = None
                 lay.restore(after)
                 nxt = after[5]
                 continue
+            steady = None
+            lay.most = max(most_before, lay.most)
         nxt = i + 1
         if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i], accs[i], reds[i]):
             break  # the optimizer step is not laid (``RankTimeline._event_signature``)
+    if steady is not None:  # a window still on trial when the step ended
+        lay.most = max(most_before, lay.most)
     lay.finish()
-    return tuple(lay.ev)
+    out = Events(lay.ev)
+    out.most_live = lay.most
+    return out
 
 
 class _Laying:
@@ -1116,14 +1154,14 @@ class _Laying:
     what lives from the first backward on is laid, each stage-microbatch's saved tensors (block by
     block) and loss side; with the rank's constants (its rows by lifetime, its local stages)."""
 
-    __slots__ = ("ev", "size", "live", "peak", "slack", "late_done", "held", "heads", "stage_on", "plans", "sig",
+    __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "held", "heads", "stage_on", "plans", "sig",
                  "acts", "grain", "iwb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
                  "first_backward")
 
     def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
         self.ev: list[tuple] = []
         self.size: dict = {}
-        self.live = 0
+        self.live = self.most = 0
         self.peak = self.slack = peak
         self.late_done = False
         self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, by block
@@ -1149,6 +1187,8 @@ class _Laying:
         self.ev.append(("alloc", key, n, stream) if stream else ("alloc", key, n))
         self.size[key] = n
         self.live += n
+        if self.live > self.most:
+            self.most = self.live
 
     def free(self, key) -> None:
         self.ev.append(("free", key))

@@ -28,7 +28,13 @@ from engine.memory.allocator import (
     replay,
     round_size,
 )
-from engine.memory.lifetimes import MicrobatchKeys, canonical_event_signature, replay_events, without_step_rows
+from engine.memory.lifetimes import (
+    MicrobatchKeys,
+    canonical_event_signature,
+    laid_most_live,
+    replay_events,
+    without_step_rows,
+)
 from engine.memory.report import GIB, MIB, Terms, gib
 from engine.names import MEMORY_CATEGORIES
 
@@ -340,6 +346,10 @@ def _replayed_reserve(event_signature: tuple, expandable_segments: bool, capacit
     # bytes alone pass the capacity the allocator's retries cannot help: it runs out of memory, and the
     # reserve it would need is the unbounded replay's
     if capacity is None or unbounded <= capacity or least_most > capacity:
+        return unbounded
+    # the replay allocates at least what its events hold live (a block is at least its request): where
+    # that passes the capacity, so does the most allocated, known without the whole replay that says so
+    if laid_most_live(event_signature) > capacity:
         return unbounded
     most_allocated, unbounded = _unbounded_replay(event_signature, expandable_segments)
     if most_allocated > capacity:
