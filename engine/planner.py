@@ -287,6 +287,7 @@ class _Consts(NamedTuple):
     ctx: int  # runtime context bytes
     buf: int  # bytes of one communicator's buffers
     peak_rate: float  # achieved FLOP/s of one rank
+    over: float  # engine.comm.cpu_oversubscription: CPU ranks sharing cores (the whole grid's world)
 
 
 @dataclass
@@ -295,7 +296,6 @@ class _Struct:
 
     tp: int
     pp: int
-    dp: int
     v: int
     sc: str
     cp: int
@@ -427,7 +427,8 @@ class _Planner:
         opt_per_param = optimizer_seconds(base, 1.0)  # base has zero 0: seconds per local parameter
         ctx, buf = runtime_context_bytes(base), collective_buffer_bytes(base)
         peak_rate = cl.gpu.peak_flops(tr.precision) * conv.compute_efficiency
-        self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, ctx, buf, peak_rate)
+        self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, ctx, buf, peak_rate,
+                          cpu_oversubscription(base))
         tps = [t for t in _divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
                and model.ffn_hidden % t == 0]
         cols: dict[str, list[np.ndarray]] = {c: [] for c in _COLS}
@@ -467,7 +468,7 @@ class _Planner:
                 si = len(self.structs)
                 self.structs.append((tp, pp, v, sc, cp))
                 part = self._struct_bounds(_Struct(
-                    tp=tp, pp=pp, dp=dp, v=v, sc=sc, cp=cp, bs=ok_b, per_dp=per_dp, zeros=zeros, sps=sps, rep=rep,
+                    tp=tp, pp=pp, v=v, sc=sc, cp=cp, bs=ok_b, per_dp=per_dp, zeros=zeros, sps=sps, rep=rep,
                     sh=self._shape(tp, pp, v, sc, per_dp // ok_b[0], dp, rep, fl, cp), s_len=s_len // cp,
                     n_stages=pp * v, dpc=dp * cp, split=sc in names.SPLIT_BACKWARD_SCHEDULES,
                     vocab_t=-(-model.vocab // tp)))
@@ -717,9 +718,8 @@ class _Planner:
         if len(self.float8) > 1 or len(self.compile) > 1 or _FLOAT8.index(self.float8[0]) or self.compile[0]:
             f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, k.act_b,
                                                  rate)
-        over = cpu_oversubscription(self.base)  # CPU ranks sharing cores: the whole grid's world (engine.step)
-        if over != 1.0:
-            f, i_, w_ = f * over, i_ * over, w_ * over
+        if k.over != 1.0:  # CPU ranks sharing cores run each action that much longer (engine.step)
+            f, i_, w_ = f * k.over, i_ * k.over, w_ * k.over
         one_tp = np.zeros(n)
         if tp > 1:
             for b in st.bs:
@@ -756,19 +756,18 @@ class _Planner:
         busy = gm[:, None] * ((f + b_) @ member.T)  # [n, pp]
         head_wait = f @ fwd_prefix_mask.T  # [n, pp]
         mk = np.maximum((busy + head_wait).max(axis=1), f.sum(axis=1) + chain_back.sum(axis=1))
-        back_one = b_ @ member.T  # [n, pp]
-        fwd_one = f @ member.T
         zc = gz[:, None]
         opt = self._k.opt_per_param * sh["psi"][None, :] / np.where(zc >= 1, dpc, 1)
         if dpc > 1:
             nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
-            window = (fwd_one + back_one) * gm[:, None]
-            calls = np.where(zc == 3, 2 * gm[:, None], 1)
             if self.base.cluster.gpu.name == "cpu":  # CPU ranks: nothing overlaps (engine.comm._dp_items); FSDP
                 # gathers at least once a microbatch without pipelining, once a step with it
                 rounds = gm[:, None] if st.pp == 1 else 1
                 exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag, rounds * ag + rs))
-            else:
+            else:  # the gradients' collectives hide behind the backward, FSDP's gathers behind F and B
+                back_one = b_ @ member.T  # [n, pp]
+                window = (f @ member.T + back_one) * gm[:, None]
+                calls = np.where(zc == 3, 2 * gm[:, None], 1)
                 exposed = np.where(zc == 0, np.maximum(one_bucket, nb * one_bucket - back_one),
                                    np.where(zc == 1, ar + ag, np.maximum(ag / n_units, calls * ag - window) + rs))
         else:

@@ -926,19 +926,6 @@ def test_a_loop_as_long_as_the_keys_lives_or_a_period_more_is_found_and_skipped(
     assert fast == allocator.replay(allocation_events(sig))
 
 
-def _most_live(events) -> int:
-    live = most = 0
-    size = {}
-    for ev in events:
-        if ev[0] == "alloc":
-            size[ev[1]] = ev[2]
-            live += ev[2]
-            most = max(most, live)
-        else:
-            live -= size.pop(ev[1])
-    return most
-
-
 @pytest.mark.parametrize("schedule, v, zero", [("1F1B", 1, 1), ("Interleaved1F1B", 2, 3), ("ZBVZeroBubble", 2, 0),
                                                ("DualPipeV", 2, 2), ("GPipe", 1, 0)])
 def test_the_laid_events_most_live_counts_every_period_of_a_cycle(schedule, v, zero):
@@ -947,7 +934,7 @@ def test_the_laid_events_most_live_counts_every_period_of_a_cycle(schedule, v, z
     kept outputs of the periods before it), equals the most of the events written out in full; with the
     step tensors and without. The reserve's shortcut (``overhead._replayed_reserve``: a most live past the
     capacity is a most allocated past it) rests on it."""
-    from engine.memory.lifetimes import laid_most_live, without_step_rows
+    from engine.memory.lifetimes import laid_most_live, most_live, without_step_rows
     from engine.memory.overhead import _replayed_reserve, _unbounded_replay, _unbounded_reserve
 
     c = _cfg({"dp": 2, "pp": 4, "zero": zero, "schedule": schedule, "virtual_stages": v, "microbatches": 32}, gpus=8,
@@ -956,7 +943,7 @@ def test_the_laid_events_most_live_counts_every_period_of_a_cycle(schedule, v, z
     for g in memory_per_rank(c).distinct_groups():
         sig = g.first._body.timeline._event_signature()
         for s in (sig, without_step_rows(sig)):
-            assert laid_most_live(s) == _most_live(allocation_events(s)), g.first.rank
+            assert laid_most_live(s) == most_live(allocation_events(s)), g.first.rank  # written out in full
         cycles += sum(ev[0] == "cycle" for ev in replay_events(sig))
         most = laid_most_live(sig)
         most_allocated, unbounded = _unbounded_replay(sig, False)

@@ -798,9 +798,14 @@ def laid_most_live(event_signature: tuple) -> int:
             steps = sum(n for life, n, _ in rows if life == "step" and n > 0)
             return steps + laid_most_live(without_step_rows(event_signature))
         return replay_events(event_signature).most_live
+    return most_live(allocation_events(event_signature))
+
+
+def most_live(events) -> int:
+    """The most bytes plain ``("alloc", key, n[, stream])`` / ``("free", key)`` events hold live at once."""
     live = most = 0
     size: dict = {}
-    for ev in allocation_events(event_signature):
+    for ev in events:
         if ev[0] == "alloc":
             size[ev[1]] = ev[2]
             live += ev[2]
