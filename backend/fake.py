@@ -2,7 +2,7 @@
 
 ``simulate(cfg)`` runs ``backend.fake_worker --run-dir D --rank R`` once per chosen rank (by
 default one rank per pipeline stage: dp = 0, tp = 0), each in a process of its own forked from a
-fork server (multiprocessing's "forkserver", started once per simulating process, which imports
+fork server (backend.forkserver: multiprocessing's "forkserver", started once per process, which imports
 torch and the backend once: ``RANK_PRELOAD``), and stores what they report as
 a run directory with the same ``measurement.json`` as a real run, marked ``"simulated": true``.
 Each worker runs the real backend code path (model, apply_* strategies, Trainer's step and
@@ -20,7 +20,6 @@ MemTracker measurement) on a fake process group with fake tensors: see backend.f
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -29,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend import forkserver
 from backend.records import Measurement, RunDir, RunDirTaken, assemble, read_jsonl, tail, write_json_atomic
 from engine.config import Config
 from engine.layout import rank_of
@@ -74,10 +74,7 @@ RANK_PRELOAD = ["backend.fake_worker", "backend.train", "backend.measure", "torc
                 "torch.testing._internal.distributed.fake_pg"]
 
 
-def _fork_server() -> multiprocessing.context.BaseContext:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts: the first rank of this process
-    return ctx
+forkserver.want(RANK_PRELOAD)
 
 
 def _simulated_rank(argv: list[str], log_path: str, env: dict[str, str]) -> None:
@@ -111,7 +108,7 @@ class _RankProcess:
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str], python: str | None):
         self.proc = self.log = None
         if python is None:
-            self.proc = _fork_server().Process(target=_simulated_rank, args=(argv, str(log_path), env),
+            self.proc = forkserver.context().Process(target=_simulated_rank, args=(argv, str(log_path), env),
                                                daemon=False)
             self.proc.start()
         else:

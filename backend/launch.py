@@ -2,7 +2,9 @@
 
 ``launch(cfg, out_dir)`` starts torchrun (``python -m backend.torchrun_loopback --nproc-per-node=N
 -m backend.worker``: torchrun with its rendezvous on loopback only) in its own process group, and
-returns a :class:`Run` at once. A monitor thread forwards the ranks' events into
+returns a :class:`Run` at once. Where the ranks use this interpreter, the agent is forked from this
+process's fork server (backend.forkserver), which imported torch and the backend once: a process that
+launches many runs (the tests, benchmarks/accuracy.py) pays those imports once, not per run. A monitor thread forwards the ranks' events into
 ``events.jsonl`` (and :meth:`Run.events`), enforces the timeout, and writes the final
 ``measurement.json`` and a ``finished`` or ``failed`` event. Cancelling, a timeout or a rank
 failure ends every process: the agent's group and each rank's own group (torchrun starts
@@ -34,6 +36,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from backend import forkserver
 from backend.blame import blame
 from backend.events import describe
 from backend.records import (
@@ -47,6 +50,7 @@ from backend.records import (
     iter_new_lines,
     tail,
 )
+from backend.torchrun_loopback import AGENT_PRELOAD
 from engine.backend_limits import predict_only
 from engine.config import Config, ConfigError
 
@@ -88,6 +92,39 @@ def torch_missing(python: str) -> str:
             "see README, 'Installing torch deliberately') to run configurations")
 
 
+forkserver.want(("torch", *AGENT_PRELOAD))
+
+
+def _forks_agent(python: str) -> bool:
+    """Whether the agent is forked from the fork server: the ranks use this very interpreter."""
+    return os.path.realpath(python) == os.path.realpath(sys.executable) and not sys.flags.no_site
+
+
+class _ForkedAgent:
+    """The torchrun agent forked from the fork server (backend.torchrun_loopback.forked_main), behind the
+    part of subprocess.Popen's interface that :class:`Run` uses."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path):
+        from backend.torchrun_loopback import forked_main
+
+        self._proc = forkserver.context().Process(target=forked_main, args=(args, str(log_path), env),
+                                                  daemon=False, name="torchrun-agent")
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired("torchrun agent", timeout)
+        return self.returncode
+
+
 def _kill_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -122,7 +159,7 @@ class Run:
         self.cfg = cfg
         self.steps = steps
         self.timeout_s = timeout_s
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | _ForkedAgent | None = None
         self._queue: queue.Queue[dict] = queue.Queue()
         self._last_said = time.monotonic()
         self._done = threading.Event()
@@ -204,8 +241,11 @@ class Run:
         extra = {} if procs == world else {"processes": procs, "dp_mode": cfg.parallel.dp_mode}
         self._emit("started", world=world, steps=self.steps, command=cmd, run_dir=str(self.path), **extra)
         log = open(self.dir.agent_log, "ab")  # noqa: SIM115 - closed by the monitor
-        self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        if _forks_agent(python):
+            self.proc = _ForkedAgent(cmd[3:], env, self.dir.agent_log)  # cmd: python -m backend.torchrun_loopback ...
+        else:
+            self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         self._thread = threading.Thread(target=self._monitor, args=(log, procs, world), daemon=True,
                                         name=f"shardscope-run-{self.path.name}")
         self._thread.start()

@@ -26,12 +26,21 @@ a process must not fork after the CUDA driver was initialised in it.
 from __future__ import annotations
 
 import importlib
+import io
+import os
 import socket
 import sys
+import traceback
 from datetime import timedelta
+from pathlib import Path
 
 BACKEND = "shardscope-loopback"
 LOOPBACK = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: what the agent imports before it starts the ranks: torchrun, this module, and what it preloads for the CPU
+#: ranks it forks (backend.worker.PRELOAD); backend.launch has its fork server import them once
+AGENT_PRELOAD = ("torch.distributed.run", "backend.torchrun_loopback", "backend.worker", "backend.train",
+                 "engine.config")
 
 
 def loopback_store(timeout_s: float = 60.0):
@@ -147,6 +156,55 @@ def main(argv: list[str] | None = None) -> None:
     config, _, _ = config_from_args(args)
     config.start_method = "fork"
     record(elastic_launch(config=config, entrypoint=run_module))(args.training_script, *args.training_script_args)
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """The exit status the interpreter gives ``raise SystemExit(code)`` (a message: printed, then 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def forked_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
+    """``python -m backend.torchrun_loopback ARGS`` in a process forked from backend.launch's fork server
+    (which has imported ``AGENT_PRELOAD``): what a fresh interpreter started by ``subprocess.Popen(...,
+    cwd=REPO_ROOT, env=env, stdout=log, stderr=log, start_new_session=True)`` with PYTHONUNBUFFERED
+    would have been, ending with the same exit status, without its 3-4 s of imports and its teardown."""
+    os.setsid()
+    os.chdir(REPO_ROOT)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # unbuffered, as `python -u`: what the agent (or a rank forked from it) prints reaches the log before it dies
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [__spec__.name if __spec__ else "backend.torchrun_loopback", *args]
+    code = 1
+    try:
+        import torch
+
+        # the server's OpenMP read its thread count from the environment it was started with, not this one
+        if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_status(exc)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def failed_run(tmp_path, fault, timeout_s=90, steps=3):
                  env={"SHARDSCOPE_FAULT": fault} if fault else None)
     res = run.wait(timeout_s + 60)
     assert res is not None and res["event"] == "failed"
-    assert processes_of(run.path) == []
+    assert processes_of(run) == []
     events = RunDir(run.path).read_events()
     assert events[-1]["event"] == "failed" and events[0]["event"] == "started"
     return res
@@ -92,7 +92,7 @@ def test_a_run_listens_on_loopback_only_and_a_cancel_stops_every_process(tmp_pat
         if ev["event"] == "step":
             break
     # the agent's rendezvous stores and gloo's sockets: nothing on another interface
-    pids = processes_of(run.path)
+    pids = processes_of(run)
     addresses = listening_addresses(pids)
     assert len(pids) >= 3 and len(addresses) >= 2, (pids, addresses)  # the agent's two stores at least
     assert [a for a in addresses if not _loopback(a)] == []
@@ -100,9 +100,13 @@ def test_a_run_listens_on_loopback_only_and_a_cancel_stops_every_process(tmp_pat
     # imported what they import before their first step
     ranks = dict(run._worker_pids)
     assert len(ranks) == 2 and all(_parent(pid) == run.proc.pid for pid in ranks.values()), (ranks, run.proc.pid)
+    # and the agent is forked from this process's fork server, which imported torch and the backend once
+    from multiprocessing import forkserver
+
+    assert _parent(run.proc.pid) == forkserver._forkserver._forkserver_pid != os.getpid()
     run.cancel()
     assert run.result["event"] == "cancelled" and "cancelled by the user" in run.result["reason"]
-    assert processes_of(run.path) == []
+    assert processes_of(run) == []
     events = RunDir(run.path).read_events()
     assert events[-1]["event"] == "cancelled"
 
@@ -119,7 +123,7 @@ def test_a_run_that_fills_its_disk_says_so(tmp_path):
         res = run.wait(150)
         assert res is not None and res["event"] == "failed", res
         assert f"the file system holding {fs / 'run'} is full" in res["reason"], res["reason"]
-        assert processes_of(run.path) == []
+        assert processes_of(run) == []
 
 
 def test_the_agents_rendezvous_names_its_methods_as_torch_does_without_reading_source():

@@ -29,21 +29,42 @@ NORM_PARAMS = TINY.hidden * (2 * TINY.layers + 1)  # replicated across TP ranks 
 KEYS = {"rank", "stage", *MEMORY_CATEGORIES, "total"}
 
 
-def processes_of(run_dir: Path) -> list[int]:
-    """Live processes whose command line names this run directory."""
-    needle = str(Path(run_dir).resolve()).encode()
-    pids = []
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command (state, ppid, pgrp, session, ...); None when gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as s:
+            fields = s.read().rsplit(") ", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields
+
+
+def processes_of(run) -> list[int]:
+    """Live processes of a launched run: those whose command line names its directory (an agent or ranks
+    started as fresh interpreters), the agent, the ranks it recorded, and every process in their sessions
+    or descended from them (an agent forked from backend.launch's fork server, and the ranks it forks,
+    carry the fork server's command line)."""
+    needle = str(Path(run.path).resolve()).encode()
+    roots = {p for p in (getattr(run.proc, "pid", None), *run._worker_pids.values()) if p}
+    stats = {}
     for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if needle in f.read():
-                        with open(f"/proc/{d}/stat") as s:
-                            if s.read().split(") ", 1)[1][0] != "Z":
-                                pids.append(int(d))
-            except OSError:
-                pass
-    return pids
+        if d.isdigit() and (st := _stat(int(d))) is not None:
+            stats[int(d)] = st
+    pids = set()
+    for pid, st in stats.items():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                named = needle in f.read()
+        except OSError:
+            continue
+        if named or pid in roots or int(st[3]) in roots:  # st[3]: the session id
+            pids.add(pid)
+    grown = True
+    while grown:  # their descendants
+        more = {pid for pid, st in stats.items() if int(st[1]) in pids} - pids
+        pids |= more
+        grown = bool(more)
+    return sorted(p for p in pids if _stat(p) is not None)
 
 
 def run_ok(tmp_path, steps=3, timeout_s=150, **sections):
@@ -52,7 +73,7 @@ def run_ok(tmp_path, steps=3, timeout_s=150, **sections):
     events = list(run.events())
     res = run.wait()
     assert res["event"] == "finished", f"{res.get('reason')}\n{res.get('log_tail')}"
-    assert processes_of(run.path) == []
+    assert processes_of(run) == []
     meas = run.measurement()
     assert len(meas.memory.per_rank) == cfg.parallel.world_size
     for row in meas.memory.per_rank:

@@ -64,4 +64,4 @@ def test_killed_rank_is_blamed(tmp_path, layout, rank):
     assert res is not None and res["event"] == "failed"
     assert res["rank"] == rank, res["reason"]
     assert res["reason"].startswith(f"rank {rank} was killed by SIGKILL, a signal the launcher did not send")
-    assert processes_of(run.path) == []
+    assert processes_of(run) == []
