@@ -1,5 +1,6 @@
 """The planner: never proposes an invalid or non-fitting layout, loses nothing by pruning, clean CLI."""
 
+import itertools
 import json
 import math
 import subprocess
@@ -40,6 +41,24 @@ SMALL = {
 }
 
 
+class _Row(dict):
+    """A brute-force row whose ``fits`` (the allocator replay of its ranks: half the cost of a row) is
+    computed when a test first reads it, from the row's memory report."""
+
+    def __missing__(self, key):
+        if key != "fits":
+            raise KeyError(key)
+        self["fits"] = fits = self.pop("mem").fits
+        return fits
+
+
+def _first_fitting(rows, top):
+    """The ``top`` fastest layouts that fit, ties by key: the ranking the planner must return (``fits``
+    read in that order only, until ``top`` are found)."""
+    return list(itertools.islice((r for r in sorted(rows, key=lambda r: (r["seconds"], r["key"])) if r["fits"]),
+                                 top))
+
+
 def _brute_force(kw):
     """Every layout of the grid, fully evaluated: (seconds, key, label, fits) + the bounds."""
     from engine import names
@@ -59,7 +78,7 @@ def _brute_force(kw):
         # simulation more per layout was a fifth of this brute force)
         if i % 16 == 0:
             assert pl.makespan(cfg) == st.timeline.makespan_s, cfg
-        rows.append(dict(i=i, cfg=cfg, key=_key(g, i), fits=mem.fits, peak=mem.peak.total, seconds=st.seconds,
+        rows.append(_Row(i=i, cfg=cfg, key=_key(g, i), mem=mem, peak=mem.peak.total, seconds=st.seconds,
                          mem_lb=g.mem_lb[i], bound0=g.makespan_lb[i] + g.rest_lb[i],
                          bound1=st.timeline.makespan_s + g.rest_lb[i]))
     return rows
@@ -138,17 +157,25 @@ def test_bounds_never_exceed_the_engine(small_case):
 @pytest.mark.parametrize("top", [1, 7])
 def test_ranking_equals_brute_force(small_case, top):
     kw, rows = small_case
-    expected = sorted((r for r in rows if r["fits"]), key=lambda r: (r["seconds"], r["key"]))[:top]
+    expected = _first_fitting(rows, top)
     result = plan(**kw, top=top)
     assert [e.config for e in result.entries] == [r["cfg"] for r in expected]
     assert [e.seconds for e in result.entries] == [r["seconds"] for e, r in zip(result.entries, expected)]
     assert result.counts.enumerated == len(rows)
     assert result.counts.rejected_by_validation == 0
     assert result.counts.fully_evaluated < len(rows) / 20  # the pruning did its job
-    if top == 1 and kw is next(iter(SMALL.values())):  # the exhaustive path agrees with both (its code is the
-        # same for every case: checked on the cheaper one, 8 s; the other evaluates every layout again, 25 s)
-        exhaustive = plan(**kw, top=top, exhaustive=True)
-        assert [e.config for e in exhaustive.entries] == [e.config for e in result.entries]
+
+
+def test_the_exhaustive_path_ranks_as_the_pruned_search():
+    """``exhaustive=True`` evaluates every layout fully and ranks as the pruned search does. Its code is the
+    same for every grid: checked on the A100 case cut to 4 GPUs on 2 nodes (2,570 layouts, ~3 ms each; the
+    8-GPU cases' 6,000-9,000 took 20 s more of the planner's worker)."""
+    kw = dict(SMALL["llama2-7b/8×a100-40g/2 nodes"], gpus=4, gpus_per_node=2)
+    pruned, exhaustive = plan(**kw, top=3), plan(**kw, top=3, exhaustive=True)
+    assert len(pruned.entries) == 3
+    assert [e.config for e in exhaustive.entries] == [e.config for e in pruned.entries]
+    assert [e.seconds for e in exhaustive.entries] == [e.seconds for e in pruned.entries]
+    assert pruned.counts.fully_evaluated < pruned.counts.enumerated / 20
 
 
 def _assert_valid_and_fitting(result):

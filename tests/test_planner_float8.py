@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_planner import _first_fitting, _Row
 
 from engine import Config
 from engine.memory import memory_per_rank
@@ -40,9 +41,11 @@ def brute():
         cfg = pl.config(g, i)
         mem = memory_per_rank(cfg)
         st = step_time(cfg)
-        rows.append(dict(cfg=cfg, key=_key(g, i), fits=mem.fits, peak=mem.peak.total, seconds=st.seconds,
+        if i % 16 == 0:  # the simulated bound is the step's own makespan (test_planner._brute_force)
+            assert pl.makespan(cfg) == st.timeline.makespan_s, cfg
+        rows.append(_Row(cfg=cfg, key=_key(g, i), mem=mem, peak=mem.peak.total, seconds=st.seconds,
                          mem_lb=g.mem_lb[i], bound0=g.makespan_lb[i] + g.rest_lb[i],
-                         bound1=pl.makespan(cfg) + g.rest_lb[i]))
+                         bound1=st.timeline.makespan_s + g.rest_lb[i]))
     return rows
 
 
@@ -63,7 +66,7 @@ def test_bounds_never_exceed_the_engine_under_float8_and_compile(brute):
 
 @pytest.mark.parametrize("top", [1, 9])
 def test_ranking_equals_predict_over_every_layout(brute, top):
-    expected = sorted((r for r in brute if r["fits"]), key=lambda r: (r["seconds"], r["key"]))[:top]
+    expected = _first_fitting(brute, top)
     result = plan(**CASE, top=top)
     assert [e.config for e in result.entries] == [r["cfg"] for r in expected]
     assert result.counts.enumerated == len(brute)
