@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from engine.config import Config, ModelSpec
 from engine.names import SPLIT_BACKWARD_SCHEDULES
+from engine.wrapping import reshard_after_forward
 
 #: model fields the backend's model does not build, with what each would need
 UNBUILT_MODEL_FIELDS = {
@@ -76,6 +77,16 @@ def moe_problem(cfg: Config) -> str | None:
     if par.cp > 1:
         return ("model.experts with parallel.cp > 1: the backend's context-parallel attention and its MoE dispatch "
                 "have not been run together (the engine predicts the layout); set parallel.cp = 1 to run")
+    if (tr.recompute == "selective-op" and par.pp > 1 and par.zero in (2, 3)
+            and not reshard_after_forward(par.zero, par.fsdp_reshard_after_forward, True)):
+        return ("model.experts with training.recompute = 'selective-op', parallel.pp > 1 and FSDP experts that stay "
+                "gathered after their forward (zero = 2, or zero = 3 whose fsdp_reshard_after_forward is 'default' "
+                "or 'never' under a pipeline): the routed experts are their own FSDP unit inside each block's "
+                "checkpoint, a microbatch whose forward found them gathered all-gathers them again in its recompute, "
+                "and torch's selective checkpoint replays the forward's ops by their count (torch/utils/checkpoint.py: "
+                "\"invocation index ... encountered during backward but not found in storage\"; torchtitan issue "
+                "3427); use zero = 3 with parallel.fsdp_reshard_after_forward = 'always', or training.recompute = "
+                "'full', 'selective-layer', 'selective' or 'none'")
     return None
 
 

@@ -162,3 +162,43 @@ def test_a_launch_of_a_predict_only_layout_is_refused_before_anything_starts(tmp
     run = launch(bad, tmp_path / "run", steps=1)
     assert run.refused and "predict only" in run.wait()["reason"]
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+#: a small mixture of experts: 4 blocks, 8 routed experts of top-2
+SMALL_MOE = dict(preset="tiny", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=300, seq_len=64,
+                 experts=8, experts_per_token=2, expert_ffn_hidden=32)
+
+
+def _moe_pp(**parallel):
+    par = {"dp": 2, "pp": 2, "zero": 3, "schedule": "GPipe", "microbatches": 4, **parallel}
+    return Config.from_dict({"model": SMALL_MOE, "cluster": {"gpu": "cpu", "gpus": par["dp"] * par["pp"]},
+                             "parallel": par, "training": {"recompute": "selective-op", "precision": "bf16-mixed"}})
+
+
+def test_per_op_recompute_of_gathered_fsdp_experts_under_a_pipeline_is_predict_only():
+    """Found by benchmarks/fake_sweep.py --seed 2612 (#34, Qwen3 30B LoopedBFS ep4 ZeRO-3) and run again on
+    four CPU ranks of this model (GPipe, ZeRO-3 'default', ep 1): every rank failed in its recompute with
+    torch's "profiler._record_function_enter_new.default invocation index 3 encountered during backward but
+    not found in storage" (torchtitan issue 3427, FSDP + EP under per-op SAC); with reshard 'always', recompute
+    'full', or no pipeline it ran."""
+    (why,) = predict_only(_moe_pp())
+    assert why.startswith("model.experts with training.recompute = 'selective-op'") and "invocation index" in why
+    assert predict_only(_moe_pp(zero=2)) == [why]  # ZeRO-2 keeps every unit gathered after forward
+    assert predict_only(_moe_pp(fsdp_reshard_after_forward="never")) == [why]
+    assert predict_only(_moe_pp(fsdp_reshard_after_forward="always")) == []
+    assert predict_only(_moe_pp().replace(training={"recompute": "full"})) == []
+    assert predict_only(_moe_pp(pp=1, microbatches=1).replace(cluster={"gpus": 2})) == []
+    dense = _moe_pp().replace(model={"experts": 0})
+    assert predict_only(dense) == []  # a dense block is one FSDP unit outside its checkpoint
+
+
+@pytest.mark.integration
+def test_what_the_message_offers_instead_runs(tmp_path):
+    """The same layout with the experts resharded after every forward ('always') simulates on the fake
+    backend: each microbatch's forward and its recompute all-gather alike."""
+    pytest.importorskip("torch")
+    from backend.fake import simulate
+
+    res = simulate(_moe_pp(fsdp_reshard_after_forward="always"), tmp_path / "always", ranks=[2], jobs=1)
+    (last,) = res.measurement.memory.per_rank  # the last stage: its blocks' recompute, then the loss's
+    assert last.rank == 2 and last.activations > 0
