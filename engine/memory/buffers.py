@@ -156,7 +156,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
             T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "
                   "embeddings' post-backward redistributes it to the row shard (TP: it comes back replicated)",
-                  pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="reduce_scatter_input")
+                  pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
 
 
 def replicated_embedding_gradient(cfg: Config, rp: RankParams) -> tuple[int, int]:

@@ -65,6 +65,12 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        resharded after forward): the backward gathers nothing
   optimizer_step       at the optimizer-step moment only: what ``optimizer.step()`` allocates while it runs
                        (AdamW's denominators: ``engine.memory.states.optimizer_step_bytes``)
+  post_backward        at the end-of-backward moment only: what the root unit's backward makes after every
+                       block's backward has freed its saved tensors — under TP the token embedding's
+                       gradient at full V × h (DTensor's ``embedding_dense_backward`` strategies,
+                       torch/distributed/tensor/_ops/_embedding_ops.py, have no vocab-sharded output: the
+                       vocab-parallel embedding's weight gradient is made Partial at full size, then
+                       reduce-scattered to its row shard), gone before the optimizer step
   after_first_backward from the end of the rank's first B or I to the step's end (made during it): a later
                        stage's input gradient, held for its send to the previous stage until the next
                        backward makes the next (gone at the end of the backward), FSDP2's unsharded gradients
@@ -119,7 +125,7 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
-             "after_first_backward")
+             "post_backward", "after_first_backward")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
@@ -142,7 +148,7 @@ LIFETIMES: dict[str, str] = {
     "p2p_gradient_receive": "step", "autocast_weight_casts": "step", "none": "step",
     "pipeline_outputs": "to_step_end",
     "all_gather_output": "every_action", "all_gather_input": "every_action", "unsharded_params": "every_action",
-    "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward",
+    "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward", "embedding_full_gradient": "post_backward",
     "recomputed_block": "backward_input",
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "loss": "loss",
@@ -372,6 +378,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         np.ones(n, dtype=bool),
         is_f,
         np.zeros(n, dtype=bool),
+        np.zeros(n, dtype=bool),
         np.arange(n) > first_bwd,
     ]).astype(np.int64)
     assert masks.shape[1] == len(TRANSIENT)
@@ -404,7 +411,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         # outputs, and the transients of the last unit's post-backward (the root unit gathered, its
         # gradient being reduced); no loss, no recomputed block
         em = np.zeros((1, masks.shape[1]), dtype=np.int64)
-        for life in ("every_action", "backward", "end_of_backward", "after_first_backward"):
+        for life in ("every_action", "backward", "end_of_backward", "post_backward", "after_first_backward"):
             em[0, TRANSIENT.index(life)] = 1
         last = len(kind) - 1
         end_counts = counts[last:].copy()
