@@ -80,14 +80,7 @@ forkserver.want(RANK_PRELOAD)
 def _simulated_rank(argv: list[str], log_path: str, env: dict[str, str]) -> None:
     """One simulated rank, forked from the fork server: its own session (so that it can be stopped as a
     group, as a child process was), its output to its log, the environment a child process had."""
-    os.setsid()
-    os.chdir(REPO_ROOT)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
+    forkserver.as_child_process(REPO_ROOT, log_path, env)
     code = 1
     try:
         import torch

@@ -15,8 +15,11 @@ only one of the two pays only for its own list.
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import multiprocessing.context
+import os
+import sys
 
 _WANTED: list[str] = []
 
@@ -33,3 +36,28 @@ def context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(_WANTED))  # read only when the server starts: the first request
     return ctx
+
+
+def redirect_output(path: str) -> None:
+    """This process's stdout and stderr (file descriptors 1 and 2) appended to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def as_child_process(cwd, log_path: str, env: dict[str, str]) -> None:
+    """In a process forked from the server: what ``subprocess.Popen(..., cwd=cwd, env=env, stdout=log,
+    stderr=log, start_new_session=True)`` with PYTHONUNBUFFERED would have given it: its own session (so that
+    it can be stopped as a group), its output appended to its log unbuffered (what it prints before it
+    dies reaches the log), the environment it was given."""
+    os.setsid()
+    os.chdir(cwd)
+    redirect_output(log_path)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                  write_through=True)
+    os.environ.clear()
+    os.environ.update(env)

@@ -26,7 +26,6 @@ a process must not fork after the CUDA driver was initialised in it.
 from __future__ import annotations
 
 import importlib
-import io
 import os
 import socket
 import sys
@@ -173,20 +172,9 @@ def forked_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
     (which has imported ``AGENT_PRELOAD``): what a fresh interpreter started by ``subprocess.Popen(...,
     cwd=REPO_ROOT, env=env, stdout=log, stderr=log, start_new_session=True)`` with PYTHONUNBUFFERED
     would have been, ending with the same exit status, without its 3-4 s of imports and its teardown."""
-    os.setsid()
-    os.chdir(REPO_ROOT)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    # unbuffered, as `python -u`: what the agent (or a rank forked from it) prints reaches the log before it dies
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                  write_through=True)
-    os.environ.clear()
-    os.environ.update(env)
+    from backend.forkserver import as_child_process
+
+    as_child_process(REPO_ROOT, log_path, env)
     sys.argv = [__spec__.name if __spec__ else "backend.torchrun_loopback", *args]
     code = 1
     try:

@@ -27,15 +27,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _redirect_output(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", required=True)
@@ -44,10 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
 
+    from backend.forkserver import redirect_output
     from backend.records import RankWriter, RunDir
 
     run = RunDir(args.run_dir)
-    _redirect_output(str(run.rank_log(rank)))
+    redirect_output(str(run.rank_log(rank)))
     out = RankWriter(args.run_dir, rank)
     out.event("rank_started", pid=os.getpid())
     try:
