@@ -241,14 +241,38 @@ class Run:
         extra = {} if procs == world else {"processes": procs, "dp_mode": cfg.parallel.dp_mode}
         self._emit("started", world=world, steps=self.steps, command=cmd, run_dir=str(self.path), **extra)
         log = open(self.dir.agent_log, "ab")  # noqa: SIM115 - closed by the monitor
-        if _forks_agent(python):
-            self.proc = _ForkedAgent(cmd[3:], env, self.dir.agent_log)  # cmd: python -m backend.torchrun_loopback ...
-        else:
-            self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        self._thread = threading.Thread(target=self._monitor, args=(log, procs, world), daemon=True,
-                                        name=f"shardscope-run-{self.path.name}")
+
+        def spawn() -> None:
+            if _forks_agent(python):  # the first one of this process waits for the fork server's imports
+                self.proc = _ForkedAgent(cmd[3:], env, self.dir.agent_log)  # cmd: python -m backend.torchrun_loopback ...
+            else:
+                self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+
+        self._thread = threading.Thread(target=self._monitor, args=(log, procs), kwargs={"rows": world, "spawn": spawn},
+                                        daemon=True, name=f"shardscope-run-{self.path.name}")
         self._thread.start()
+
+    def _spawn(self, spawn, start: float) -> None:
+        """Start the agent (``spawn``) in a thread of its own, saying every few seconds that it is starting:
+        the first agent forked in a process waits for the fork server to import torch and the backend."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                spawn()
+            except BaseException as exc:  # noqa: BLE001 - reported as the run's failure below
+                failure.append(exc)
+
+        starter = threading.Thread(target=run, daemon=True, name=f"shardscope-spawn-{self.path.name}")
+        starter.start()
+        while starter.is_alive():
+            starter.join(0.1)
+            if starter.is_alive() and time.monotonic() - self._last_said > HEARTBEAT_S:
+                self._emit("phase", message=f"starting torchrun (importing torch and the backend) … "
+                                            f"{time.monotonic() - start:.0f} s")
+        if failure:
+            raise failure[0]
 
     def _kill_all(self) -> None:
         """SIGTERM the agent's group and every rank's group, then SIGKILL what is left."""
@@ -290,14 +314,17 @@ class Run:
                 elif kind == "failed":
                     self._queue.put({"event": "rank_failed", "rank": r, "reason": ev.get("reason")})
 
-    def _monitor(self, log, world: int, rows: int | None = None) -> None:
-        """Follow ``world`` processes; on success assemble ``rows`` measurement records (default: world)."""
+    def _monitor(self, log, world: int, spawn=None, rows: int | None = None) -> None:
+        """Start the agent (``spawn``), follow ``world`` processes; on success assemble ``rows`` measurement
+        records (default: world)."""
         start = time.monotonic()
         offsets: dict[int, int] = {}
         rank_events: dict[int, list[dict]] = {}
         reason = None
         first_failure_at = None
         try:
+            if spawn is not None:
+                self._spawn(spawn, start)
             while True:
                 self._poll_ranks(world, offsets, rank_events)
                 rc = self.proc.poll()
