@@ -71,7 +71,7 @@ def _default_run_dir() -> Path:
 #: what every simulated rank imports before its work; the fork server imports it once (3-4 s of CPU a rank
 #: on this 2-core machine, which each rank's own interpreter paid before)
 RANK_PRELOAD = ["backend.fake_worker", "backend.train", "backend.measure", "torch.distributed._tools.mem_tracker",
-                "torch.testing._internal.distributed.fake_pg"]
+                "torch.testing._internal.distributed.fake_pg", "torch._dynamo"]  # (torch._dynamo: backend.worker.PRELOAD)
 
 
 forkserver.want(RANK_PRELOAD)

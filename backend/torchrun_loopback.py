@@ -33,13 +33,14 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from backend import worker  # (no torch at import: the rank's entry point sets itself up first)
+
 BACKEND = "shardscope-loopback"
 LOOPBACK = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: what the agent imports before it starts the ranks: torchrun, this module, and what it preloads for the CPU
 #: ranks it forks (backend.worker.PRELOAD); backend.launch has its fork server import them once
-AGENT_PRELOAD = ("torch.distributed.run", "backend.torchrun_loopback", "backend.worker", "backend.train",
-                 "engine.config")
+AGENT_PRELOAD = ("torch.distributed.run", "backend.torchrun_loopback", "backend.worker", *worker.PRELOAD)
 
 
 def loopback_store(timeout_s: float = 60.0):

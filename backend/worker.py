@@ -14,8 +14,11 @@ import signal
 import sys
 import traceback
 
-#: what backend.torchrun_loopback imports in the agent before it forks CPU ranks (the ranks' own imports)
-PRELOAD = ("backend.train", "engine.config")
+#: what backend.torchrun_loopback imports in the agent before it forks CPU ranks (the ranks' own imports).
+#: torch._dynamo: DistributedDataParallel's constructor imports it, and so does the first call of any
+#: function torch wraps with ``torch._disable_dynamo`` (FSDP2's hooks, the pipelining schedules): 0.6 s of
+#: CPU a rank (1.4 s profiled) that every rank paid at its start
+PRELOAD = ("backend.train", "engine.config", "torch._dynamo")
 
 
 def _die_with_parent() -> None:
