@@ -19,6 +19,7 @@ MemTracker measurement) on a fake process group with fake tensors: see backend.f
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -81,6 +82,7 @@ def _simulated_rank(argv: list[str], log_path: str, env: dict[str, str]) -> None
     """One simulated rank, forked from the fork server: its own session (so that it can be stopped as a
     group, as a child process was), its output to its log, the environment a child process had."""
     forkserver.as_child_process(REPO_ROOT, log_path, env)
+    gc.freeze()  # the server's imports: out of the rank's collections (as backend.torchrun_loopback does)
     code = 1
     try:
         import torch
