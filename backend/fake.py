@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend import forkserver
+from backend import forkserver, worker
 from backend.records import Measurement, RunDir, RunDirTaken, assemble, read_jsonl, tail, write_json_atomic
 from engine.config import Config
 from engine.layout import rank_of
@@ -71,8 +71,8 @@ def _default_run_dir() -> Path:
 
 #: what every simulated rank imports before its work; the fork server imports it once (3-4 s of CPU a rank
 #: on this 2-core machine, which each rank's own interpreter paid before)
-RANK_PRELOAD = ["backend.fake_worker", "backend.train", "backend.measure", "torch.distributed._tools.mem_tracker",
-                "torch.testing._internal.distributed.fake_pg", "torch._dynamo"]  # (torch._dynamo: backend.worker.PRELOAD)
+RANK_PRELOAD = ["backend.fake_worker", "backend.measure", "torch.distributed._tools.mem_tracker",
+                "torch.testing._internal.distributed.fake_pg", *worker.PRELOAD]
 
 
 forkserver.want(RANK_PRELOAD)
@@ -85,9 +85,6 @@ def _simulated_rank(argv: list[str], log_path: str, env: dict[str, str]) -> None
     gc.freeze()  # the server's imports: out of the rank's collections (as backend.torchrun_loopback does)
     code = 1
     try:
-        import torch
-
-        torch.set_num_threads(max(1, int(env.get("OMP_NUM_THREADS", "1"))))
         from backend import fake_worker
 
         code = fake_worker.main(argv)

@@ -52,7 +52,7 @@ def as_child_process(cwd, log_path: str, env: dict[str, str]) -> None:
     """In a process forked from the server: what ``subprocess.Popen(..., cwd=cwd, env=env, stdout=log,
     stderr=log, start_new_session=True)`` with PYTHONUNBUFFERED would have given it: its own session (so that
     it can be stopped as a group), its output appended to its log unbuffered (what it prints before it
-    dies reaches the log), the environment it was given."""
+    dies reaches the log), the environment it was given (torch's threads as ``OMP_NUM_THREADS`` says)."""
     os.setsid()
     os.chdir(cwd)
     redirect_output(log_path)
@@ -61,3 +61,8 @@ def as_child_process(cwd, log_path: str, env: dict[str, str]) -> None:
                                   write_through=True)
     os.environ.clear()
     os.environ.update(env)
+    # the server's OpenMP read its thread count from the environment the server started with, not this one
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))

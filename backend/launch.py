@@ -4,9 +4,9 @@
 -m backend.worker``: torchrun with its rendezvous on loopback only) in its own process group, and
 returns a :class:`Run` at once. Where the ranks use this interpreter, the agent is forked from this
 process's fork server (backend.forkserver), which imported torch and the backend once: a process that
-launches many runs (the tests, benchmarks/accuracy.py) pays those imports once, not per run. A monitor thread forwards the ranks' events into
-``events.jsonl`` (and :meth:`Run.events`), enforces the timeout, and writes the final
-``measurement.json`` and a ``finished`` or ``failed`` event. Cancelling, a timeout or a rank
+launches many runs (the tests, benchmarks/accuracy.py) pays those imports once, not per run. A monitor
+thread starts the agent, forwards the ranks' events into ``events.jsonl`` (and :meth:`Run.events`),
+enforces the timeout, and writes the final ``measurement.json`` and a ``finished`` or ``failed`` event. Cancelling, a timeout or a rank
 failure ends every process: the agent's group and each rank's own group (torchrun starts
 ranks in new sessions) get SIGTERM, then SIGKILL; ranks also carry a parent-death signal.
 
@@ -50,7 +50,7 @@ from backend.records import (
     iter_new_lines,
     tail,
 )
-from backend.torchrun_loopback import AGENT_PRELOAD
+from backend.torchrun_loopback import AGENT_PRELOAD, forked_main
 from engine.backend_limits import predict_only
 from engine.config import Config, ConfigError
 
@@ -74,8 +74,13 @@ def processes_for(cfg: Config) -> int:
     return 1 if cfg.parallel.dp_mode == "dataparallel" else cfg.parallel.world_size
 
 
+def _this_interpreter(python: str) -> bool:
+    """Whether ``python`` is the interpreter running this process, with its site-packages."""
+    return os.path.realpath(python) == os.path.realpath(sys.executable) and not sys.flags.no_site
+
+
 def _has_torch(python: str) -> bool:
-    if os.path.realpath(python) == os.path.realpath(sys.executable) and not sys.flags.no_site:
+    if _this_interpreter(python):
         return importlib.util.find_spec("torch") is not None
     try:
         rc = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('torch') else 3)"],
@@ -92,12 +97,7 @@ def torch_missing(python: str) -> str:
             "see README, 'Installing torch deliberately') to run configurations")
 
 
-forkserver.want(("torch", *AGENT_PRELOAD))
-
-
-def _forks_agent(python: str) -> bool:
-    """Whether the agent is forked from the fork server: the ranks use this very interpreter."""
-    return os.path.realpath(python) == os.path.realpath(sys.executable) and not sys.flags.no_site
+forkserver.want(AGENT_PRELOAD)
 
 
 class _ForkedAgent:
@@ -105,8 +105,6 @@ class _ForkedAgent:
     part of subprocess.Popen's interface that :class:`Run` uses."""
 
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path):
-        from backend.torchrun_loopback import forked_main
-
         self._proc = forkserver.context().Process(target=forked_main, args=(args, str(log_path), env),
                                                   daemon=False, name="torchrun-agent")
         self._proc.start()
@@ -243,7 +241,7 @@ class Run:
         log = open(self.dir.agent_log, "ab")  # noqa: SIM115 - closed by the monitor
 
         def spawn() -> None:
-            if _forks_agent(python):  # the first one of this process waits for the fork server's imports
+            if _this_interpreter(python):  # forked from the fork server (the first: after the server's imports)
                 self.proc = _ForkedAgent(cmd[3:], env, self.dir.agent_log)  # cmd: python -m backend.torchrun_loopback ...
             else:
                 self.proc = subprocess.Popen(cmd, cwd=str(REPO_ROOT), env=env, stdout=log, stderr=subprocess.STDOUT,

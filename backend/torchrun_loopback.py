@@ -35,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from backend import worker  # (no torch at import: the rank's entry point sets itself up first)
+from backend.forkserver import as_child_process
 
 BACKEND = "shardscope-loopback"
 LOOPBACK = "127.0.0.1"
@@ -178,17 +179,10 @@ def forked_main(args: list[str], log_path: str, env: dict[str, str]) -> None:
     (which has imported ``AGENT_PRELOAD``): what a fresh interpreter started by ``subprocess.Popen(...,
     cwd=REPO_ROOT, env=env, stdout=log, stderr=log, start_new_session=True)`` with PYTHONUNBUFFERED
     would have been, ending with the same exit status, without its 3-4 s of imports and its teardown."""
-    from backend.forkserver import as_child_process
-
     as_child_process(REPO_ROOT, log_path, env)
-    sys.argv = [__spec__.name if __spec__ else "backend.torchrun_loopback", *args]
+    sys.argv = [__file__, *args]  # what `python -m` sets
     code = 1
     try:
-        import torch
-
-        # the server's OpenMP read its thread count from the environment it was started with, not this one
-        if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         main(args)
         code = 0
     except SystemExit as exc:
