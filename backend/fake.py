@@ -32,8 +32,8 @@ from pathlib import Path
 from backend import forkserver, worker
 from backend.records import Measurement, RunDir, RunDirTaken, assemble, read_jsonl, tail, write_json_atomic
 from engine.config import Config
-from engine.layout import rank_of
 from engine.names import MEMORY_CATEGORIES
+from engine.pipeline.layout import rank_of
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT_S = 300.0

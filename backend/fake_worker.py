@@ -14,7 +14,7 @@ real run's training steps leave it) and one step runs under the tracker: backend
 ``forward_backward`` / ``measure_memory``.
 
 Pipeline parallelism: the stage modules this rank holds are cut by backend.parallel.apply_pp and
-run the schedule's real compute order for this pp rank (``engine.schedules``' action list, the
+run the schedule's real compute order for this pp rank (``engine.pipeline.schedules``' action list, the
 order torch executes): each F, B, I and W in turn, as torch's PipelineStage runs them —
 ``forward_one_chunk`` keeps (outputs, inputs) until the microbatch's backward, the last stage
 keeps every microbatch's output until the next step (``return_outputs``) and concatenates them at
@@ -85,7 +85,7 @@ def fake_refusal(cfg) -> str | None:
 
 def _stage_actions(cfg, pp_rank: int) -> tuple:
     """This pp rank's compute actions (kind, stage, microbatch) in the order torch executes them."""
-    from engine.schedules import pipeline_actions
+    from engine.pipeline.schedules import pipeline_actions
 
     par = cfg.parallel
     return pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages).per_rank[pp_rank]

@@ -3,7 +3,7 @@
 ``measure_links(ranks, out_dir)`` runs ``backend.linkbench_worker`` under torchrun (gloo on
 CPU, NCCL on GPUs; the same environment as a training run: loopback, one OpenMP thread per
 rank), reads the raw timings it writes (``links_raw.json``), fits α and β per collective and
-group size (``engine.calibrate.links_from_benchmark``) and writes ``links.json`` beside it.
+group size (``engine.compare.calibrate.links_from_benchmark``) and writes ``links.json`` beside it.
 About 10–20 s on a small machine. ``shardscope calibrate --links`` is its command line.
 """
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from backend.launch import REPO_ROOT, _has_torch, local_torchrun
-from engine.calibrate import LINKS_FILE, LinkCalibration, links_from_benchmark
+from engine.compare.calibrate import LINKS_FILE, LinkCalibration, links_from_benchmark
 
 RAW_FILE = "links_raw.json"
 

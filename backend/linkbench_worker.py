@@ -6,7 +6,7 @@ shared links are measured as the training sees them):
 
 * ``all_reduce``, ``all_gather``, ``reduce_scatter`` over groups of 2 consecutive ranks and
   over the whole world, for a sweep of buffer sizes S (S = the whole buffer, the gathered
-  output for all-gather, the input for reduce-scatter: ``engine.comm``'s convention);
+  output for all-gather, the input for reduce-scatter: ``engine.time.comm``'s convention);
 * ``p2p``: one send from each even rank to the next odd rank (all pairs at once);
 * a matmul per rank, fp32 and bf16, at a small (model-like) and a large shape.
 

@@ -431,14 +431,14 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def cut_stage(model: Transformer, stage: int, num_stages: int, split: str = "even") -> Transformer:
-    """Keep only what pipeline ``stage`` owns (engine.layout.split_layers with ``split``, the
+    """Keep only what pipeline ``stage`` owns (engine.pipeline.layout.split_layers with ``split``, the
     config's ``parallel.pipeline_split``): in place, returns it.
 
     The embedding goes with stage 0, the final norm and head with the last stage. A tied head
     on a different stage than the embedding is untied (torch cannot share a parameter across
     processes); the copy starts from the same values.
     """
-    from engine.layout import split_layers
+    from engine.pipeline.layout import split_layers
 
     keep = {str(i) for i in split_layers(model.spec.layers, num_stages, split)[stage]}
     for name in list(model.layers.keys()):

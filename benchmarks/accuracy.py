@@ -6,7 +6,7 @@ Run:  .venv/bin/python benchmarks/accuracy.py            (≈ 10–15 min on 2 c
                                                                      shapes and layouts, memory only)
 
 Every layout runs through ``backend.launch`` on this machine (local CPU ranks, gloo), is
-compared with ``engine.predict`` (``engine.compare``), and is predicted twice more for time:
+compared with ``engine.predict`` (``engine.compare.measured``), and is predicted twice more for time:
 calibrated from the *reference* run (dp2 × pp2 1F1B, the embedded default: a different
 layout, the cross-layout case) and, for pipeline runs, self-calibrated from its own measured
 per-stage durations. Both calibrations are combined with a link calibration measured first
@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import Config, default_config  # noqa: E402
-from engine.calibrate import calibrate, load_links  # noqa: E402
-from engine.compare import COMPILED_UNMEASURED, compare, states_exact  # noqa: E402
+from engine.compare.calibrate import calibrate, load_links  # noqa: E402
+from engine.compare.measured import COMPILED_UNMEASURED, compare, states_exact  # noqa: E402
 from engine.names import MEMORY_CATEGORIES  # noqa: E402
 from engine.predict import predict  # noqa: E402
 

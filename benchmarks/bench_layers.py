@@ -20,7 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Config, ConfigError, memory, params, schedules  # noqa: E402
+from engine import Config, ConfigError, memory  # noqa: E402
+from engine.model import params
+from engine.pipeline import schedules
 from engine.predict import predict  # noqa: E402
 
 SEARCH_CAP = 4096 * 1024  # the largest layer count looked for when the config sets no bound

@@ -15,7 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import Config, default_config, memory, params, schedules  # noqa: E402
+from engine import Config, default_config, memory  # noqa: E402
+from engine.model import params
+from engine.pipeline import schedules
 
 CONFIGS = {
     "default (tiny, dp2 × pp2, 1F1B)": default_config(),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.planner import plan  # noqa: E402
+from engine.plan.search import plan  # noqa: E402
 
 TARGET_S = 2.0
 

@@ -1,4 +1,4 @@
-"""Time ``engine.planner.plan`` and put a public analyser (llm-analysis) beside ShardScope.
+"""Time ``engine.plan.search.plan`` and put a public analyser (llm-analysis) beside ShardScope.
 
 Run: .venv/bin/python benchmarks/bench_planner.py [--repeat N]
 
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import Config  # noqa: E402
-from engine.params import param_counts  # noqa: E402
-from engine.planner import plan, plan_config  # noqa: E402
+from engine.model.params import param_counts  # noqa: E402
+from engine.plan.search import plan, plan_config  # noqa: E402
 from engine.predict import predict  # noqa: E402
 
 GIB = 2**30

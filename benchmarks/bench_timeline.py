@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.durations import StageDurations  # noqa: E402
-from engine.schedules import _pipeline_actions, pipeline_actions  # noqa: E402
-from engine.timeline import _build_graph, simulate  # noqa: E402
+from engine.pipeline.schedules import _pipeline_actions, pipeline_actions  # noqa: E402
+from engine.pipeline.timeline import _build_graph, simulate  # noqa: E402
+from engine.time.durations import StageDurations  # noqa: E402
 
 CASES = [
     # (schedule, pp, microbatches, virtual stages): stages = pp * v

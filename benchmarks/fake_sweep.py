@@ -47,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fake_vs_engine import error, rows_of, simulate  # noqa: E402
 from engine.config import Config, ConfigError  # noqa: E402
+from engine.model.presets import model_presets  # noqa: E402
 from engine.names import RECOMPUTE_KINDS, SCHEDULES, V_SCHEDULES  # noqa: E402
-from engine.presets import model_presets  # noqa: E402
 
 GIB = 2**30
 ALLOCATED_BOUND = 0.03

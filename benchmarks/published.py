@@ -121,7 +121,7 @@ def main() -> None:
             "checkpointing (`recompute = \"selective-op\"`: its save list replayed over the block's matmuls, "
             "`engine/memory/activations.py`); torch.compile's saved tensors follow the partitioner convention of "
             "`engine/memory/activations.py` and its speed only the `fused-elementwise` convention of "
-            "`engine/step.py` (the rest of compile's gain is not modelled: the compile rows' TPS miss by about "
+            "`engine/time/step.py` (the rest of compile's gain is not modelled: the compile rows' TPS miss by about "
             "−8 %); Table 5 runs torchtitan's default of that commit, microbatches = the PP degree (8 of 4 "
             "samples: see the configs). Its 1F1B row is within 10 % but still the lower of the two rows "
             "(torchtitan measured 1F1B ~10 GiB above interleaved): the block-by-block replay raised both by "

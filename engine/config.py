@@ -39,7 +39,7 @@ File format (the product's public contract; keys may be added, never renamed)::
                  moe_imbalance, moe_capacity_factor, moe_expert_load (a list of floats), ...)
 
 ``model.hf_config`` names a Hugging Face ``config.json`` (relative to the config file, or
-absolute; engine.hf_config reads it): its architecture fills the model fields, and any field
+absolute; engine.model.hf_config reads it): its architecture fills the model fields, and any field
 given beside it in [model] overrides it.
 
 Every numeric field has a documented range (``FIELD_RANGES``: the bound and where it comes
@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import names
-from engine.presets import cluster_presets, gpu_presets, model_presets
+from engine.model.presets import cluster_presets, gpu_presets, model_presets
 
 SCHEMA_VERSION = 1
 
@@ -212,7 +212,7 @@ class ClusterSpec:
     inter_node_latency_us: float
     preset: str | None = None
     # Local CPU ranks (gpu "cpu") share this many physical cores: with more ranks than cores
-    # each rank gets cores / ranks of a core (engine.step models it). 0 = one core per rank.
+    # each rank gets cores / ranks of a core (engine.time.step models it). 0 = one core per rank.
     cpu_cores: int = 0
 
     @property
@@ -231,7 +231,7 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class ParallelSpec:
     """Parallel layout. Rank order is torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp]: TP
-    innermost, then CP, then DP, then PP outermost (engine.layout)."""
+    innermost, then CP, then DP, then PP outermost (engine.pipeline.layout)."""
 
     dp: int = 1
     tp: int = 1
@@ -806,7 +806,7 @@ def _check_parallel(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, pa
                          "HSDP replication needs parallel.zero = 2 or 3 (a sharded strategy)"))
     _check_pipeline(p, model, par)
     if par.pipeline_split == "torchtitan" and par.pp > 1 and not any(q.field.startswith("parallel.") for q in p):
-        from engine.layout import split_layers
+        from engine.pipeline.layout import split_layers
 
         try:
             split_layers(model.layers, par.num_stages, "torchtitan")
@@ -1126,7 +1126,7 @@ def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> No
 def step_size_problems(schedule: str, pp: int, virtual_stages: int, microbatches: int,
                        layers: int | None = None) -> list[tuple[str, str]]:
     """Why a step is too long for the engine to simulate in about a second, as (field, why) (empty: it
-    is not). Read by validation and by the planner (``engine.schedules.schedule_problems``)."""
+    is not). Read by validation and by the planner (``engine.pipeline.schedules.schedule_problems``)."""
     out = []
     stages = pp * virtual_stages
     if layers is not None and pp * layers > MAX_PP_LAYERS:
@@ -1334,7 +1334,7 @@ def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) ->
 def _read_hf(p: list[Problem], value: Any, base_dir: Path | None) -> tuple[dict[str, Any], str] | None:
     """The fields of the Hugging Face config.json ``value`` names (relative to ``base_dir``, the
     config file's folder, else the working directory) and its resolved path."""
-    from engine.hf_config import HFConfigError, read_hf_config
+    from engine.model.hf_config import HFConfigError, read_hf_config
 
     if not isinstance(value, str) or not value:
         p.append(Problem("model.hf_config", value, "must be the path of a Hugging Face config.json (a string)"))

@@ -48,21 +48,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from dataclasses import replace as dc_replace
 
-from engine.comm import CommItem, CommReport, GroupSpan, MeasuredLinks, RankComm
 from engine.config import Config
-from engine.durations import (
+from engine.memory import GIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
+from engine.memory.overhead import collective_buffer_bytes
+from engine.model.lora import adapter_params
+from engine.model.params import param_counts
+from engine.names import MEMORY_CATEGORIES
+from engine.time.comm import CommItem, CommReport, GroupSpan, MeasuredLinks, RankComm
+from engine.time.durations import (
     StageDurations,
     flops_per_token,
     model_flops_per_token,
     recompute_flops_per_token,
     stage_durations,
 )
-from engine.lora import adapter_params
-from engine.memory import GIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
-from engine.memory.overhead import collective_buffer_bytes
-from engine.names import MEMORY_CATEGORIES
-from engine.params import param_counts
-from engine.step import StepTime, optimizer_seconds, step_time
+from engine.time.step import StepTime, optimizer_seconds, step_time
 from engine.wrapping import wrapping_plan
 
 #: Python seconds per transformer block per replica per forward (dispatch of ~30 ops and the
@@ -246,7 +246,7 @@ def step(cfg: Config, durations: StageDurations | None = None, links: MeasuredLi
     }
     total = sum(breakdown.values())
     tokens = cfg.tokens_per_step
-    if tr.finetune == "lora":  # the step's own FLOPs (engine.durations): no base weight gradients
+    if tr.finetune == "lora":  # the step's own FLOPs (engine.time.durations): no base weight gradients
         model_flops = tokens * model_flops_per_token(cfg)
     else:
         fl = flops_per_token(cfg)

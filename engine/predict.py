@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.backend_limits import predict_only
-from engine.comm import CommReport, MeasuredLinks
 from engine.config import Config
-from engine.durations import StageDurations
 from engine.memory import MemoryReport, memory_per_rank
+from engine.model.params import param_counts
 from engine.names import MEMORY_CATEGORIES
-from engine.params import param_counts
-from engine.step import StepTime, step_time
-from engine.timeline import Timeline
+from engine.pipeline.timeline import Timeline
+from engine.time.comm import CommReport, MeasuredLinks
+from engine.time.durations import StageDurations
+from engine.time.step import StepTime, step_time
 from engine.wrapping import wrapping_plan
 
 
@@ -77,7 +77,7 @@ class Prediction:
 def predicted_step(cfg: Config, durations: StageDurations | None = None,
                    links: MeasuredLinks | None = None) -> StepTime:
     """The step model the wrapping plan of ``cfg`` selects: legacy ``nn.DataParallel``'s
-    (engine.legacy_dp) or the per-rank one (engine.step). predict() builds on it; calibration
+    (engine.legacy_dp) or the per-rank one (engine.time.step). predict() builds on it; calibration
     fits call it directly when they need only the step, many times over."""
     if wrapping_plan(cfg).legacy:
         from engine import legacy_dp

@@ -206,7 +206,7 @@ def wrapping_plan(cfg: Config) -> WrappingPlan:
 def forwards_before_first_backward(schedule: str, pp_rank: int, pp: int, virtual_stages: int,
                                    microbatches: int) -> tuple[int, ...]:
     """Forwards each local stage of ``pp_rank`` runs before its own first backward (B or I), in local
-    stage order, from ``engine.schedules``' action lists. Under pipelining FSDP2 gathers a unit that
+    stage order, from ``engine.pipeline.schedules``' action lists. Under pipelining FSDP2 gathers a unit that
     reshards after forward once per such forward and once more in that first backward; from then on
     it stays unsharded. A stage also "holds a forward after its first backward" exactly when its
     count is below the microbatches (:func:`forward_after_first_backward`).
@@ -218,7 +218,7 @@ def forwards_before_first_backward(schedule: str, pp_rank: int, pp: int, virtual
 
 @lru_cache(maxsize=1024)
 def _forwards_before_first_backward(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[int, ...], ...]:
-    from engine.schedules import pipeline_actions
+    from engine.pipeline.schedules import pipeline_actions
 
     plan = pipeline_actions(schedule, pp, m, v)
     out = []

@@ -117,7 +117,7 @@ def _run_dir(path: str) -> Path:
 
 
 def _calibration(path: str):
-    from engine.calibrate import CalibrationError, load_calibration
+    from engine.compare.calibrate import CalibrationError, load_calibration
 
     d = _run_dir(path)
     try:
@@ -129,7 +129,7 @@ def _calibration(path: str):
 def cmd_compare(args: argparse.Namespace) -> int:
     import json
 
-    from engine.compare import compare, render_comparison
+    from engine.compare.measured import compare, render_comparison
     from engine.predict import predict
 
     d = _run_dir(args.run_dir)
@@ -219,7 +219,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from engine.planner import plan_cli
+    from engine.plan.search import plan_cli
 
     return plan_cli(args)
 
@@ -281,7 +281,7 @@ def cmd_gui(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from engine.presets import cluster_presets, gpu_presets, model_presets
+    from engine.model.presets import cluster_presets, gpu_presets, model_presets
 
     for title, table in (("models", model_presets()), ("gpus", gpu_presets()), ("clusters", cluster_presets())):
         print(f"{title}: {', '.join(table)}")

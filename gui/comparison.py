@@ -1,6 +1,6 @@
-"""The comparison table's rows: ``engine.compare`` laid out for a table (no Qt, no arithmetic).
+"""The comparison table's rows: ``engine.compare.measured`` laid out for a table (no Qt, no arithmetic).
 
-Every number and every explanation comes from :func:`engine.compare.compare`; this module only
+Every number and every explanation comes from :func:`engine.compare.measured.compare`; this module only
 chooses the rows, their units and their words. The widgets' shared wording lives here too: bytes
 (:func:`fmt_bytes`) and the engine's terms behind one number (:func:`explain_text`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.compare import Comparison, compare
+from engine.compare.measured import Comparison, compare
 
 BYTES, SECONDS, SHARE, TEXT = "bytes", "seconds", "share", "text"
 

@@ -1,4 +1,4 @@
-"""The size slider's view of the engine's shape family (``engine.family``), and the one number formatter.
+"""The size slider's view of the engine's shape family (``engine.model.family``), and the one number formatter.
 
 The family rule, its members and their exact parameter counts live in the engine; this module
 only turns the GUI's model tables (plain dicts) into the engine's ModelSpecs.
@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from engine.config import ModelSpec
-from engine.family import MOE_SHAPE_FIELDS, SHAPE_FIELDS, Member, walk
+from engine.model.family import MOE_SHAPE_FIELDS, SHAPE_FIELDS, Member, walk
 
 
 def _spec(model: dict[str, Any]) -> ModelSpec:
@@ -28,7 +28,7 @@ def family_for(model: dict[str, Any], preset: dict[str, Any] | None, min_layers:
     layout's pipeline stages): no member has fewer layers than the layout needs. ``ep`` (the
     layout's expert-parallel degree): a mixture of experts' members keep experts a multiple of it
     (an ep that does not divide the experts is a problem of the config: the walk then ignores it).
-    A mixture of experts walks its experts and depth (``engine.family.ExpertFamily``).
+    A mixture of experts walks its experts and depth (``engine.model.family.ExpertFamily``).
     """
     # the preset's shape with the model's other fields (seq_len, vocab, ...): the slider changes
     # only the shape, so each member's count is exactly that of the config it would produce

@@ -25,7 +25,7 @@ MAX_LOCAL_PARAMS = 50_000_000  # above this a CPU run takes minutes per step
 
 
 def _param_count(cfg: Config) -> int:
-    from engine.params import param_counts
+    from engine.model.params import param_counts
 
     return int(param_counts(cfg.model).total)
 
@@ -87,7 +87,7 @@ def runnable_version(cfg: Config) -> Runnable:
     par = d["parallel"]
     changes = []
     if cfg.model.preset != RUNNABLE_MODEL or _param_count(cfg) > MAX_LOCAL_PARAMS:
-        from engine.presets import model_presets
+        from engine.model.presets import model_presets
 
         d["model"] = {"preset": RUNNABLE_MODEL, **model_presets()[RUNNABLE_MODEL]}
         changes.append(f"the {RUNNABLE_MODEL} model instead of {cfg.model.preset or 'the custom model'}")

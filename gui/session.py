@@ -39,11 +39,11 @@ from backend.records import TERMINAL_EVENTS, RunStatus, read_jsonl
 from engine import Config, ConfigError, Problem, default_config
 from engine.legacy_dp import memory as legacy_dp_memory
 from engine.memory import memory_per_rank
+from engine.model.presets import model_presets
 from engine.names import MEMORY_CATEGORIES
+from engine.pipeline.timeline import pipeline_prediction
 from engine.predict import predict as engine_predict
-from engine.presets import model_presets
-from engine.step import step_time
-from engine.timeline import pipeline_prediction
+from engine.time.step import step_time
 
 # Which control a field belongs to: the first prefix that matches wins.
 FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
@@ -85,11 +85,11 @@ class Prediction:
 
     config: Config
     memory: Any | None = None  # engine.memory.MemoryReport
-    timeline: Any | None = None  # engine.timeline.Timeline
-    step: Any | None = None  # engine.step.StepTime
+    timeline: Any | None = None  # engine.pipeline.timeline.Timeline
+    step: Any | None = None  # engine.time.step.StepTime
     missing: dict[str, str] = field(default_factory=dict)  # part -> why it is not there
     seconds: float = 0.0
-    engine: Any | None = None  # the engine.predict.Prediction itself (what engine.compare takes)
+    engine: Any | None = None  # the engine.predict.Prediction itself (what engine.compare.measured takes)
     calibrated_from: str | None = None  # run directory whose calibration timed this prediction
     full_finetune_peak_bytes: int | None = None  # LoRA only: the fullest rank's memory under full fine-tuning
 
@@ -114,7 +114,7 @@ def _whole(pred: Prediction, p) -> Prediction:
 
 
 def predict(cfg: Config, calibration=None) -> Prediction:
-    """engine.predict of ``cfg`` (timed by ``calibration``, an ``engine.calibrate.Calibration``,
+    """engine.predict of ``cfg`` (timed by ``calibration``, an ``engine.compare.calibrate.Calibration``,
     when given; memory is the same either way).
 
     When the engine cannot predict the whole config, each model is asked on its own so one
@@ -282,7 +282,7 @@ def compare_predictions(baseline: Prediction, current: Prediction) -> Prediction
 def describe_config(cfg: Config) -> str:
     """A config in words, to say what a baseline is: model, GPUs and layout
     (``tiny · 4× cpu · dp2 tp1 pp2 ZeRO-0 1F1B m4 b2 recompute=none``)."""
-    from engine.planner import layout_label
+    from engine.plan.search import layout_label
 
     model = cfg.model.preset or f"custom {cfg.model.layers}×{cfg.model.hidden}"
     extra = ""
@@ -518,7 +518,7 @@ class Session:
         self.active: RunRecord | None = None  # the run whose child process is running
         self.shown: RunRecord | None = None  # the run whose measurement is drawn
         self.before_runnable: Config | None = None  # the config shown before a runnable version's result
-        self.calibration = None  # engine.calibrate.Calibration
+        self.calibration = None  # engine.compare.calibrate.Calibration
         self.calibration_run: RunRecord | None = None
         self.baseline: Prediction | None = None  # the pinned prediction the current one is compared with
         self._difference: PredictionDiff | None = None
@@ -692,12 +692,12 @@ class Session:
     def set_calibration(self, record: RunRecord | None) -> None:
         """Time predictions with what ``record`` measured (``load_calibration``), or analytically (None).
 
-        Raises ``engine.calibrate.CalibrationError`` / OSError when the run cannot calibrate.
+        Raises ``engine.compare.calibrate.CalibrationError`` / OSError when the run cannot calibrate.
         """
         if record is None:
             self.calibration, self.calibration_run = None, None
         else:
-            from engine.calibrate import load_calibration
+            from engine.compare.calibrate import load_calibration
 
             self.calibration = load_calibration(record.out_dir)
             self.calibration_run = record

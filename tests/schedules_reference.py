@@ -1,6 +1,6 @@
 """Reference for the plan generators: ShardScope's original step-by-step ports of torch 2.13.
 
-These are the per-rank generators ``engine/schedules.py`` used before it switched to the
+These are the per-rank generators ``engine/pipeline/schedules.py`` used before it switched to the
 closed-form/numpy generators (commit history: "schedules: closed-form generators"). They are a
 literal, line-by-line port of torch's loops and were checked against torch by
 ``tests/test_schedules.py``; they stay here, unoptimised, so that the fast generators can be
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from engine.schedules import Action
+from engine.pipeline.schedules import Action
 
 
 def _gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:

@@ -7,7 +7,7 @@ import pytest
 
 from engine import Config
 from engine.backend_limits import composition_problems, cp_rotate_refusal, predict_only
-from engine.planner import plan
+from engine.plan.search import plan
 from engine.predict import predict, render_table
 from gui.planning import PlanOutcome
 from gui.runnable import runnable_version
@@ -65,7 +65,7 @@ def _backend_refusal(cfg: Config) -> str | None:
 
 
 def test_every_shipped_preset_has_a_cluster_here():
-    from engine.presets import model_presets
+    from engine.model.presets import model_presets
 
     assert set(PRESET_CLUSTERS) == set(model_presets())
 

@@ -10,8 +10,8 @@ import pytest
 
 from engine import default_config
 from engine.config import ModelSpec
-from engine.layout import split_layers
-from engine.presets import model_presets
+from engine.model.presets import model_presets
+from engine.pipeline.layout import split_layers
 
 torch = pytest.importorskip("torch")
 

@@ -15,7 +15,7 @@ import pytest
 
 from engine import Config, ConfigError, default_config
 from engine.config import ModelSpec
-from engine.params import param_counts
+from engine.model.params import param_counts
 
 torch = pytest.importorskip("torch")
 
@@ -179,7 +179,7 @@ STEPS = 3
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_run(tmp_path, name):
     from backend.launch import launch
-    from engine.compare import compare
+    from engine.compare.measured import compare
     from engine.predict import predict
 
     cfg = moe_config(LAYOUTS[name])
@@ -252,7 +252,7 @@ def test_fake_measure_runs_a_mixture_of_experts(tmp_path):
     """``shardscope measure --fake`` on an ep-2 layout: fake tensors route by the planned (balanced)
     load, say so, and land near the engine's balanced prediction."""
     from backend.fake import simulate
-    from engine.compare import compare
+    from engine.compare.measured import compare
     from engine.predict import predict
 
     # the accuracy matrix's MoE model: the tiny preset with 8 experts of top-2, one shared, one dense block

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.layout import placement_style, stages_of_pp_rank
 from engine.names import SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from engine.pipeline.layout import placement_style, stages_of_pp_rank
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import pytest
 
 from engine import default_config
 from engine.backend_limits import composition_problems
-from engine.layout import split_layers
+from engine.pipeline.layout import split_layers
 
 torch = pytest.importorskip("torch")
 

@@ -1,9 +1,9 @@
-"""engine.calibrate: what a run measures comes back out, and a calibration predicts other layouts better."""
+"""engine.compare.calibrate: what a run measures comes back out, and a calibration predicts other layouts better."""
 
 import pytest
 
 from engine import Config, default_config
-from engine.calibrate import CalibrationError, calibrate, load_calibration
+from engine.compare.calibrate import CalibrationError, calibrate, load_calibration
 from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict
 
@@ -98,8 +98,8 @@ def test_ranks_sharing_cores_are_scaled_by_the_ranks_that_work_at_once():
 
 
 def test_target_busy_fraction_is_a_fixed_point_of_the_prediction():
-    from engine.calibrate import timeline_busy_fraction
-    from engine.step import step_time
+    from engine.compare.calibrate import timeline_busy_fraction
+    from engine.time.step import step_time
 
     source = _cfg(dp=2, pp=2)
     cal = calibrate(source, _measurement_of(source), cores=2)
@@ -133,7 +133,7 @@ def _dataparallel(n=4, microbatches=2) -> Config:
 def test_a_calibrated_dataparallel_config_is_predicted_by_the_legacy_model():
     """Calibrations go through predict(): nn.DataParallel keeps GPU 0's extra load and its step model."""
     from engine import legacy_dp
-    from engine.step import step_time
+    from engine.time.step import step_time
 
     cfg = _dataparallel()
     meas = _measurement_of(cfg)  # "the machine" runs the legacy model too
@@ -159,10 +159,10 @@ def test_a_calibrated_dataparallel_config_is_predicted_by_the_legacy_model():
 
 
 def test_legacy_dataparallel_step_takes_measured_durations_and_links():
-    from engine.calibrate import LinkCalibration
-    from engine.comm import LinkFit, MeasuredLinks
-    from engine.durations import StageDurations, stage_durations
+    from engine.compare.calibrate import LinkCalibration
     from engine.legacy_dp import single_gpu_config, step, transfers
+    from engine.time.comm import LinkFit, MeasuredLinks
+    from engine.time.durations import StageDurations, stage_durations
 
     cfg = _dataparallel()
     d = stage_durations(single_gpu_config(cfg))

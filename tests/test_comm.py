@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import Config
-from engine.comm import (
+from engine.time.comm import (
     GroupSpan,
     LinkFit,
     MeasuredLinks,
@@ -171,7 +171,7 @@ def test_to_json_names_groups_and_links():
 
 
 def test_tp_embedding_head_and_loss_collectives_follow_the_backend_plan():
-    from engine.comm import tp_edge_collectives
+    from engine.time.comm import tp_edge_collectives
 
     c = cfg(tp=8, gpus=8)  # llama2-7b, one stage holds embedding and head
     m, t = c.model, c.training
@@ -189,7 +189,7 @@ def test_tp_embedding_head_and_loss_collectives_follow_the_backend_plan():
 
 
 def test_zero1_broadcasts_every_parameter_tensor_separately():
-    from engine.comm import broadcast_seconds
+    from engine.time.comm import broadcast_seconds
 
     c = cfg(dp=4, zero=1, gpus=4)
     it = next(i for i in communication(c).per_pp_rank[0].items if i.what.startswith("ZeRO-1 parameter"))
@@ -209,7 +209,7 @@ def test_zero1_broadcasts_every_parameter_tensor_separately():
 def test_group_span_without_scanning_the_world_equals_the_scan(dp, tp, pp, cp, gpn, dim):
     """``_group_span`` reads each group's spread from its start's offset inside a node; scanning every
     group of the world (what it did before) gives the same worst span."""
-    from engine.comm import GroupSpan, _group_span, _ranks_of_group
+    from engine.time.comm import GroupSpan, _group_span, _ranks_of_group
 
     size = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "dp_cp": dp * cp}[dim]
     worst = GroupSpan("dp" if dim == "dp_cp" else dim, size, 1, size)

@@ -1,4 +1,4 @@
-"""engine.compare: exact errors on hand-built dicts, a real 2-rank run end to end, the CLI's errors."""
+"""engine.compare.measured: exact errors on hand-built dicts, a real 2-rank run end to end, the CLI's errors."""
 
 import json
 import math
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import Config, default_config
-from engine.compare import compare, render_comparison
+from engine.compare.measured import compare, render_comparison
 from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict
 
@@ -200,7 +200,7 @@ def test_plain_gradients_are_measured_as_the_tracker_saw_them_at_its_peak():
     MemTracker tagged Gradient at its peak instead (at most the exact size), so a run that peaks at its
     loss, with no gradient yet, agrees with the prediction that peaks there too — and its states are
     still exact in size."""
-    from engine.compare import states_exact
+    from engine.compare.measured import states_exact
 
     cfg, pred, meas, exact = _plain_run(grads_seen=0)
     r = pred.memory.per_rank[0]

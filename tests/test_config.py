@@ -6,7 +6,7 @@ import pytest
 
 from engine import Config, ConfigError, default_config
 from engine.config import SCHEMA_VERSION
-from engine.presets import cluster_presets, gpu_presets, model_presets
+from engine.model.presets import cluster_presets, gpu_presets, model_presets
 
 MODEL_PRESETS = ["tiny", "gpt2-124m", "llama2-7b", "llama3-8b", "llama3-70b", "llama3-405b"]
 GPU_PRESETS = ["a100-40g", "a100-80g", "h100-sxm", "h200", "b200", "mi300x", "rtx4090", "cpu"]

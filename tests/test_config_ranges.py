@@ -133,7 +133,7 @@ def test_an_integer_field_refuses_a_fraction():
 
 def test_torchtitan_knobs_are_checked_together():
     from engine import Config, ConfigError, default_config
-    from engine.layout import split_layers
+    from engine.pipeline.layout import split_layers
 
     base = default_config().to_dict()
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import Config, ConfigError
-from engine.layout import rank_coords, rank_of
+from engine.pipeline.layout import rank_coords, rank_of
 
 LLAMA = {"model": {"preset": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "gpus": 8}}
 
@@ -236,7 +236,7 @@ def test_cp_joins_the_fsdp_shard_group():
 
 
 def test_kv_all_gather_bytes_by_hand():
-    from engine.comm import cp_layer_exchanges
+    from engine.time.comm import cp_layer_exchanges
 
     cfg = cfg_of({"cp": 8, "tp": 8, "dp": 1, "zero": 3, "sequence_parallel": True}, model={"seq_len": 131072},
                  gpus=64)
@@ -253,7 +253,7 @@ def test_kv_all_gather_bytes_by_hand():
 
 
 def test_cp_group_is_tp_strided_and_gradients_reduce_over_dp_cp():
-    from engine.comm import communication, group_ranks, group_span
+    from engine.time.comm import communication, group_ranks, group_span
 
     cfg = small(2, dp=2, tp=2)
     assert group_ranks(cfg, "cp", 0) == [0, 2]
@@ -267,8 +267,8 @@ def test_cp_group_is_tp_strided_and_gradients_reduce_over_dp_cp():
 
 
 def test_cp_exchange_is_all_exposed_on_cpu_and_partly_hidden_on_gpus():
-    from engine.comm import collective_seconds, cp_layer_exchanges, group_span
-    from engine.step import cp_seconds_per_layer
+    from engine.time.comm import collective_seconds, cp_layer_exchanges, group_span
+    from engine.time.step import cp_seconds_per_layer
 
     raw = {"model": {**SMALL, "seq_len": 256}, "parallel": {"dp": 1, "cp": 4}}
     cpu = Config.from_dict({**raw, "cluster": {"gpu": "cpu"}})
@@ -294,7 +294,7 @@ def test_cp_exchange_is_all_exposed_on_cpu_and_partly_hidden_on_gpus():
 ])
 def test_cp_composes_with_fsdp_tp_and_pp(parallel):
     from engine.predict import predict
-    from engine.step import BREAKDOWN_KEYS
+    from engine.time.step import BREAKDOWN_KEYS
 
     cfg = Config.from_dict({"model": {"preset": "llama3-8b", "seq_len": 8192}, "cluster": {"gpu": "h100-sxm"},
                             "parallel": parallel})
@@ -327,8 +327,8 @@ def test_cp_shortens_the_step_of_a_long_sequence_at_a_fixed_batch():
 @pytest.mark.parametrize(("recompute", "blocks"), [("none", 0), ("selective-op", 0), ("selective", 2), ("full", 2),
                                                    ("selective-layer", 1)])
 def test_a_recomputed_forward_exchanges_kv_again(recompute, blocks):
-    from engine.comm import communication
-    from engine.step import cp_seconds_per_layer, cp_stage_seconds
+    from engine.time.comm import communication
+    from engine.time.step import cp_seconds_per_layer, cp_stage_seconds
 
     cfg = Config.from_dict({"model": {**SMALL, "seq_len": 256}, "cluster": {"gpu": "cpu"},
                             "parallel": {"dp": 1, "cp": 2, "microbatches": 3},

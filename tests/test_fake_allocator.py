@@ -1,5 +1,5 @@
 """The fake-scale worker runs its stage's real pipeline schedule and replays its allocations through
-the modelled caching allocator (backend.fake_worker, engine.memory.allocator, engine.compare)."""
+the modelled caching allocator (backend.fake_worker, engine.memory.allocator, engine.compare.measured)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from conftest import SMALL_3D
 
 from backend.fake_worker import AllocationRecorder, replay_allocations, schedule_in_flight
 from engine import default_config
-from engine.compare import compare
+from engine.compare.measured import compare
 from engine.names import SCHEDULES
+from engine.pipeline.schedules import in_flight_states, pipeline_actions
 from engine.predict import predict
-from engine.schedules import in_flight_states, pipeline_actions
 
 MIB = 1 << 20
 
@@ -21,7 +21,7 @@ MIB = 1 << 20
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_in_flight_is_the_engines_count(schedule):
     """The worker's count of live microbatches per local stage, from the action list it executes,
-    is what engine.schedules says (the most of each stage over the rank's in-flight states)."""
+    is what engine.pipeline.schedules says (the most of each stage over the rank's in-flight states)."""
     v = 2 if schedule in ("ZBVZeroBubble", "DualPipeV", "Interleaved1F1B", "InterleavedZeroBubble") else 1
     for pp, m in ((2, 4), (4, 8), (3, 6)):
         plan = pipeline_actions(schedule, pp, m, v)

@@ -10,9 +10,9 @@ import pytest
 
 from engine import Config, default_config
 from engine.backend_limits import predict_only
+from engine.model.presets import model_presets
 from engine.names import RECOMPUTE_KINDS, SCHEDULES
 from engine.predict import predict
-from engine.presets import model_presets
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30

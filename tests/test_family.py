@@ -1,4 +1,4 @@
-"""The one shape family (engine.family): exact sizes, valid members, the slider's walk, the capacity search."""
+"""The one shape family (engine.model.family): exact sizes, valid members, the slider's walk, the capacity search."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 from engine import Config
 from engine.config import ModelSpec
-from engine.family import Family, largest_fitting_model, step_of, walk
 from engine.memory import memory_per_rank
-from engine.params import param_counts
-from engine.presets import model_presets
+from engine.model.family import Family, largest_fitting_model, step_of, walk
+from engine.model.params import param_counts
+from engine.model.presets import model_presets
 
 # The shape family walks dense decoders (head_dim = hidden / heads); the mixture-of-experts presets
 # are not members of one.

@@ -1,4 +1,4 @@
-"""The size slider's family of a mixture of experts (engine.family.ExpertFamily): experts and depth grow,
+"""The size slider's family of a mixture of experts (engine.model.family.ExpertFamily): experts and depth grow,
 the width stays, counts are exact and every member is valid for the layout it was walked for."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from engine import Config
 from engine.config import ModelSpec
-from engine.family import ExpertFamily, family_of, largest_fitting_model, walk
 from engine.memory import memory_per_rank
-from engine.params import param_counts
-from engine.presets import model_presets
+from engine.model.family import ExpertFamily, family_of, largest_fitting_model, walk
+from engine.model.params import param_counts
+from engine.model.presets import model_presets
 
 MOE = {name: ModelSpec(**fields, preset=name) for name, fields in model_presets().items() if fields.get("experts")}
 STEP = 2 ** (1 / 3)

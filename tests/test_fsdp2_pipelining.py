@@ -10,7 +10,7 @@ import pytest
 
 from engine import Config
 from engine.memory import memory_per_rank
-from engine.step import step_time
+from engine.time.step import step_time
 
 BLOCK, LINEAR, EMB = 184_576, 184_320, 65_536
 STAGE0 = EMB + 4 * BLOCK
@@ -119,8 +119,8 @@ def test_fresh_gradient_beside_a_reduce_dtype_accumulation():
 
 
 def test_pipeline_split_flows_into_every_stage_split():
-    from engine.durations import stage_durations
-    from engine.params import params_per_rank
+    from engine.model.params import params_per_rank
+    from engine.time.durations import stage_durations
 
     raw = {"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 4},
            "parallel": {"pp": 4, "microbatches": 4, "pipeline_split": "torchtitan"}}

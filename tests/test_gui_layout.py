@@ -613,7 +613,7 @@ def show_readme_plan(window) -> None:
     from pathlib import Path
 
     from engine import Config
-    from engine.planner import plan_config
+    from engine.plan.search import plan_config
     from gui.planning import PlanOutcome
 
     cfg = Config.load(Path(__file__).resolve().parents[1] / "assets" / "examples" / "llama3-8b-16gpu.toml")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine import Config, ConfigError
-from engine.params import param_counts
+from engine.model.params import param_counts
 from gui.load_balance import ExpertLoad, expert_load
 from gui.widgets.moe_controls import allowed_ep
 
@@ -39,7 +39,7 @@ def test_the_offered_ep_degrees_are_exactly_the_ones_the_validation_accepts(para
 
 
 def test_the_size_slider_survives_an_ep_the_experts_refuse():
-    from engine.presets import model_presets
+    from engine.model.presets import model_presets
     from gui.family import family_for
 
     preset = model_presets()["qwen3-30b-a3b"]

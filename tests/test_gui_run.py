@@ -121,8 +121,8 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
     assert window.memory.plot.grab().toImage() != mem_before
     assert len(window.timeline.measured) == len(window.timeline.predicted)
     assert "measured step" in window.timeline.header.text()
-    # the comparison table is engine.compare's: every rank × category, error -9.1 %, with the causes
-    from engine.compare import compare
+    # the comparison table is engine.compare.measured's: every rank × category, error -9.1 %, with the causes
+    from engine.compare.measured import compare
     from engine.predict import predict
 
     cmp = compare(predict(record.config), record.measurement)
@@ -133,7 +133,7 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
     assert len(params) == len(cmp.memory) == record.config.parallel.world_size
     assert all(abs(r.error - (-100 / 11)) < 0.1 for r in params)
     overhead = next(r for r in rows if r.quantity == "overhead")
-    assert "CPU/gloo run" in overhead.note  # engine.compare's explanation, shown beside the number
+    assert "CPU/gloo run" in overhead.note  # engine.compare.measured's explanation, shown beside the number
     order = next(r for r in rows if r.quantity == "action order identical?")
     assert order.measured == "yes"
     bubble = next(r for r in rows if r.quantity == "bubble")

@@ -11,9 +11,9 @@ import pytest
 from assets import HF_CONFIGS_DIR
 from engine import Config, ConfigError
 from engine.config import ModelSpec
-from engine.hf_config import HFConfigError, hf_fields, read_hf_config
-from engine.params import param_counts
-from engine.presets import model_presets
+from engine.model.hf_config import HFConfigError, hf_fields, read_hf_config
+from engine.model.params import param_counts
+from engine.model.presets import model_presets
 
 SHIPPED = sorted(p.name for p in HF_CONFIGS_DIR.iterdir() if (p / "config.json").exists())
 

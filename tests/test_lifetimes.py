@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import Config, ConfigError, default_config
-from engine.compare import compare
+from engine.compare.measured import compare
 from engine.memory import memory_per_rank
 from engine.memory.allocator import AllocatorOutOfMemory, replay, round_size
 from engine.memory.lifetimes import (
@@ -26,8 +26,8 @@ from engine.memory.lifetimes import (
     replay_events,
 )
 from engine.names import MEMORY_CATEGORIES
+from engine.pipeline.schedules import microbatches_in_flight, schedule_problems
 from engine.predict import predict
-from engine.schedules import microbatches_in_flight, schedule_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 

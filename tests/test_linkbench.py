@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from engine import Config, default_config
-from engine.calibrate import (
+from engine.compare.calibrate import (
     CalibrationError,
     LinkCalibration,
     calibrate,
@@ -18,8 +18,8 @@ from engine.calibrate import (
     links_from_benchmark,
     load_links,
 )
-from engine.comm import LinkFit, ring_seconds
 from engine.predict import predict
+from engine.time.comm import LinkFit, ring_seconds
 from gui.cli import main as cli
 
 

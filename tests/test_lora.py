@@ -10,9 +10,9 @@ import pytest
 
 from engine import ConfigError, default_config
 from engine.config import Config
-from engine.lora import adapter_params, adapter_params_per_layer, nf4_bytes, nf4_bytes_per_param, target_modules
 from engine.memory import memory_per_rank
-from engine.params import param_counts
+from engine.model.lora import adapter_params, adapter_params_per_layer, nf4_bytes, nf4_bytes_per_param, target_modules
+from engine.model.params import param_counts
 
 BASE = 1_607_808
 # r = 4, per block: wq 4·(128+128) + wk 4·(128+64) + wv 4·(128+64) + wo 4·(128+128) = 3,584

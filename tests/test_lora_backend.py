@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from engine import default_config
-from engine.lora import adapter_params, target_modules
 from engine.memory import memory_per_rank
-from engine.params import param_counts
+from engine.model.lora import adapter_params, target_modules
+from engine.model.params import param_counts
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")

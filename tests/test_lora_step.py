@@ -1,4 +1,4 @@
-"""LoRA step time and traffic, hand-worked on the tiny preset (engine.durations, engine.comm, engine.step).
+"""LoRA step time and traffic, hand-worked on the tiny preset (engine.time.durations, engine.time.comm, engine.time.step).
 
 Tiny: h = 128, 8 layers, Ψ = 1,607,808; r = 4 on every Linear: 9,344 adapter elements per block,
 Ψ_lora = 74,752. fp32 adapters (peft), PyTorch state accounting (the default).
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 
 from engine import default_config
-from engine.comm import communication, trainable_local
-from engine.durations import adapter_elements_per_block, flops_per_token, stage_durations
-from engine.params import params_per_rank
-from engine.step import BREAKDOWN_KEYS, optimizer_seconds, step_time
+from engine.model.params import params_per_rank
+from engine.time.comm import communication, trainable_local
+from engine.time.durations import adapter_elements_per_block, flops_per_token, stage_durations
+from engine.time.step import BREAKDOWN_KEYS, optimizer_seconds, step_time
 
 PSI, PER_BLOCK, LORA = 1_607_808, 9_344, 74_752
 S, B, LAYERS = 64, 2, 8

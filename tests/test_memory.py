@@ -3,13 +3,13 @@
 import pytest
 
 from engine import MEMORY_CATEGORIES, Config, ConfigError
-from engine.family import largest_fitting_model
 from engine.memory import (
     activation_bytes_per_layer,
     activation_terms_per_layer,
     memory_per_rank,
 )
-from engine.params import param_counts
+from engine.model.family import largest_fitting_model
+from engine.model.params import param_counts
 
 # The hand-worked checks below are the published accountings (ZeRO paper, Korthikanti Table 2):
 # pinned to "zero-paper". What torch keeps ("pytorch", the default) is tests/test_memory_pytorch.py.
@@ -342,8 +342,8 @@ def test_schedule_replays_match_torch_pipeline_order():
     import types
 
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    from engine.layout import stage_to_pp_rank
-    from engine.schedules import _frontier, in_flight_states
+    from engine.pipeline.layout import stage_to_pp_rank
+    from engine.pipeline.schedules import _frontier, in_flight_states
 
     def stand_ins(p, v, style):
         owner = stage_to_pp_rank(p * v, p, style)

@@ -9,7 +9,7 @@ from engine import Config
 from engine.memory import Term, memory_per_rank
 from engine.memory.activations import SAVED_TENSORS, _Shape, layer_activation_terms
 from engine.names import MEMORY_CATEGORIES, SCHEDULES
-from engine.schedules import microbatches_in_flight, schedule_problems
+from engine.pipeline.schedules import microbatches_in_flight, schedule_problems
 
 # ---------------------------------------------------------------- activation table
 
@@ -654,7 +654,7 @@ def test_a_term_filed_under_another_category_is_refused():
 
 def test_in_flight_states_for_many_virtual_stages_match_a_plain_replay():
     """Many local stages overflow the one-integer state key; the row path must agree with a replay."""
-    from engine.schedules import _frontier, in_flight_states, pipeline_actions
+    from engine.pipeline.schedules import _frontier, in_flight_states, pipeline_actions
 
     for sc, p, v, m in (("Interleaved1F1B", 4, 16, 32), ("InterleavedZeroBubble", 2, 16, 16),
                         ("ZBVZeroBubble", 3, 2, 6)):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from engine import Config, ConfigError
 from engine.memory import memory_per_rank
 from engine.memory.states import _adjacent_peak
-from engine.params import (
+from engine.model.params import (
     param_counts,
     params_per_rank,
     rank_tensor_groups,
@@ -203,7 +203,7 @@ def test_pipeline_stage_input_is_the_receive_buffer():
 def test_zero_redundancy_partition_in_closed_form_and_with_numpy_is_the_greedy(groups, degree):
     """Both ways of computing torch's _partition_parameters (Python with a heap and the closed form;
     numpy, used from NUMPY_PARTITION_RANKS ranks on) equal handing the tensors out one by one."""
-    from engine.params import _partition, tensor_groups
+    from engine.model.params import _partition, tensor_groups
 
     tensors = sorted((n for n, c in groups for _ in range(c)), reverse=True)
     sizes = [0] * degree

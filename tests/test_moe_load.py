@@ -8,10 +8,10 @@ import pytest
 
 from engine import Config
 from engine.config import ConfigError
-from engine.durations import ep_rank_loads, routed_factor
 from engine.memory import memory_per_rank
 from engine.memory.conventions import conventions_of
 from engine.predict import predict
+from engine.time.durations import ep_rank_loads, routed_factor
 
 TINY_MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96, "dense_layers": 2}
 LOAD = [0.4, 0.3, 0.2, 0.1]
@@ -121,9 +121,9 @@ def test_a_dense_model_refuses_a_load():
 def test_the_planner_bounds_hold_under_a_skewed_load():
     from dataclasses import replace
 
-    from engine.planner import _base_config
-    from engine.planner_moe import moe_candidates, moe_layout_config
-    from engine.step import step_time
+    from engine.plan.moe import moe_candidates, moe_layout_config
+    from engine.plan.search import _base_config
+    from engine.time.step import step_time
     from tests.test_moe_planner import SMALL
 
     base = _base_config(SMALL, 16, "h100-sxm", 8, None, None)

@@ -8,7 +8,7 @@ import pytest
 
 from engine import Config
 from engine.memory import memory_per_rank
-from engine.params import param_counts, params_per_rank, sharded_numel
+from engine.model.params import param_counts, params_per_rank, sharded_numel
 
 TINY_MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96, "dense_layers": 2}
 

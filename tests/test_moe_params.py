@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import ModelSpec
-from engine.params import param_counts
-from engine.presets import model_presets
+from engine.model.params import param_counts
+from engine.model.presets import model_presets
 
 MOE_PRESETS = ("deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b")
 

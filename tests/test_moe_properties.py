@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engine import MEMORY_CATEGORIES, Config, ConfigError
-from engine.params import param_counts, params_per_rank
+from engine.model.params import param_counts, params_per_rank
 from engine.predict import predict
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

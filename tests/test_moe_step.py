@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine import Config
-from engine.comm import all_to_all_seconds, ep_layer_collectives, ep_span
-from engine.durations import block_flops, model_flops_per_token, stage_block_counts, stage_durations
 from engine.predict import predict
+from engine.time.comm import all_to_all_seconds, ep_layer_collectives, ep_span
+from engine.time.durations import block_flops, model_flops_per_token, stage_block_counts, stage_durations
 
 TINY_MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96, "dense_layers": 2}
 
@@ -87,7 +87,7 @@ def test_mfu_counts_active_flops_of_deepseek():
     per_token = model_flops_per_token(c)
     # 6 × the active parameters without the embedding lookup (36.6B: DeepSeek's own count) + the
     # attention core 3 × 61 × 2·s·a·(d_qk + d_v); only norms (not matmuls) separate the two
-    from engine.params import param_counts
+    from engine.model.params import param_counts
 
     core = 2.0 * 4096 * 128 * (192 + 128)
     expected = 6 * param_counts(c.model).active_without_embedding + 3 * 61 * core
@@ -113,8 +113,8 @@ def test_experts_reduce_over_efsdp_and_the_rest_over_dp():
 
 def test_the_size_slider_keeps_a_moe_preset():
     from engine.config import ModelSpec
-    from engine.family import walk
-    from engine.presets import model_presets
+    from engine.model.family import walk
+    from engine.model.presets import model_presets
 
     for name in ("deepseek-v3", "gpt-oss-20b", "mixtral-8x7b"):
         base = ModelSpec(**model_presets()[name], preset=name)

@@ -3,7 +3,7 @@
 import pytest
 
 from engine import Config
-from engine.params import chunk_sizes, param_counts, params_per_rank
+from engine.model.params import chunk_sizes, param_counts, params_per_rank
 
 
 def _cfg(model: dict, **parallel) -> Config:

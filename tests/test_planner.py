@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from engine import Config
-from engine.comm import GroupSpan, group_ranks, group_span
 from engine.memory import memory_per_rank
-from engine.planner import (
+from engine.plan.search import (
     SEARCHED_COMPILE,
     SEARCHED_RECOMPUTE,
     PlanError,
@@ -23,7 +22,8 @@ from engine.planner import (
     plan,
     render_table,
 )
-from engine.step import step_time
+from engine.time.comm import GroupSpan, group_ranks, group_span
+from engine.time.step import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def _first_fitting(rows, top):
 def _brute_force(kw):
     """Every layout of the grid, fully evaluated: (seconds, key, label, fits) + the bounds."""
     from engine import names
-    from engine.planner import _base_config, _key
+    from engine.plan.search import _base_config, _key
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
     pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE,
@@ -85,11 +85,11 @@ def _brute_force(kw):
 
 
 def test_cpu_ranks_that_share_cores_keep_the_bounds_below_the_engine():
-    """Four CPU ranks on two cores run each F, B, I and W twice as long (engine.comm.cpu_oversubscription)
-    and overlap no communication with compute (engine.comm._dp_items): the time bounds count both, so on
+    """Four CPU ranks on two cores run each F, B, I and W twice as long (engine.time.comm.cpu_oversubscription)
+    and overlap no communication with compute (engine.time.comm._dp_items): the time bounds count both, so on
     every layout of a slice of the embedded default's space they stay below the engine's step and close
     to it, and the plan equals the brute force."""
-    from engine.planner import _config_base, _key, plan_config
+    from engine.plan.search import _config_base, _key, plan_config
 
     cfg = Config.load(ROOT / "assets/presets/default.toml").replace(cluster={"cpu_cores": 2})
     opts = dict(schedules=("1F1B", "Interleaved1F1B", "ZBVZeroBubble"), recompute=("none", "full"),
@@ -116,7 +116,7 @@ def test_cpu_ranks_that_share_cores_keep_the_bounds_below_the_engine():
 def test_the_small_cases_brute_force_every_searched_knob():
     """Each case searches float8 only where the GPU has it, and together they cover every float8 kind
     and every compile setting the planner searches by default."""
-    from engine.planner import _base_config
+    from engine.plan.search import _base_config
 
     for kw in SMALL.values():
         base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
@@ -290,7 +290,7 @@ def test_cli_nothing_fits_exits_1():
 def test_bounds_are_vectors_of_the_grid():
     kw = SMALL["llama2-7b/8×rtx4090"]
     from engine import names
-    from engine.planner import _base_config
+    from engine.plan.search import _base_config
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
     g = _Planner(base, 16, (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE, 4, None).grid()
@@ -300,7 +300,7 @@ def test_bounds_are_vectors_of_the_grid():
 
 
 def test_lora_is_refused_with_the_argument_named():
-    from engine.planner import PlanError, plan
+    from engine.plan.search import PlanError, plan
 
     with pytest.raises(PlanError) as info:
         plan("tiny", 2, gpu="cpu", gpus_per_node=2, training={"finetune": "lora"})
@@ -310,7 +310,7 @@ def test_lora_is_refused_with_the_argument_named():
 def test_shared_in_flight_counts_match_a_fresh_replay():
     """The in-flight counts cached across layout groups and plans give the same bounds as a cold replay."""
     from engine import names
-    from engine.planner import _base_config, _in_flight_sums
+    from engine.plan.search import _base_config, _in_flight_sums
 
     kw = SMALL["llama2-7b/8×rtx4090"]
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
@@ -346,7 +346,7 @@ def all_fitting():
 
 def test_all_fitting_is_every_layout_that_fits(all_fitting):
     """Uncapped, the sweep returns exactly the layouts the engine says fit, with the engine's numbers."""
-    from engine.planner import layout_config
+    from engine.plan.search import layout_config
 
     kw, rows = SMALL[SWEPT], _brute_force_of(SWEPT)
     result = all_fitting
@@ -388,7 +388,7 @@ def test_pareto_front_is_the_non_dominated_points(all_fitting):
 
 
 def test_pareto_front_handles_ties():
-    from engine.planner import pareto_front
+    from engine.plan.search import pareto_front
 
     pts = [(10.0, 5), (10.0, 5), (9.0, 5), (8.0, 3), (12.0, 9), (12.0, 10), (7.0, 3)]
     assert pareto_front(pts) == [True, True, False, True, True, False, False]
@@ -396,7 +396,7 @@ def test_pareto_front_handles_ties():
 
 
 def test_all_fitting_progress_cancel_and_limits():
-    from engine.planner import PlanCancelled
+    from engine.plan.search import PlanCancelled
 
     kw = dict(model="tiny", gpus=8, gpu="h100-sxm", gpus_per_node=8, global_batch=16, top=4)
     seen = []
@@ -432,7 +432,7 @@ def test_default_path_has_no_fitting_section():
 
 
 def test_plan_config_plans_the_configs_own_job():
-    from engine.planner import plan_config
+    from engine.plan.search import plan_config
 
     cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
                             "parallel": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 4},
@@ -469,7 +469,7 @@ def test_cli_all_fitting_streams_progress_then_the_result(tmp_path):
     points = data["fitting"]["points"]
     assert len(points) >= 300 - data["counts"]["did_not_fit"] and any(p["pareto"] for p in points)
     base = Config.from_dict(data["base_config"])
-    from engine.planner import layout_config
+    from engine.plan.search import layout_config
 
     first = data["entries"][0]
     assert points[0]["label"] == first["label"] and points[0]["position"] == 1
@@ -497,7 +497,7 @@ def test_plan_outcome_rows_points_and_configs():
 
     cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
                             "parallel": {"dp": 8}})
-    from engine.planner import plan_config
+    from engine.plan.search import plan_config
 
     result = plan_config(cfg, top=4, global_batch=16, all_fitting=True, fitting_limit=200)
     line = (json.dumps({"event": "progress", "phase": "fitting", "evaluated": 3, "total": 9}) + "\n"

@@ -11,7 +11,7 @@ import pytest
 from test_planner import _first_fitting, _Row
 
 from engine.memory import memory_per_rank
-from engine.planner import (
+from engine.plan.search import (
     LONG_SEQUENCE_TOKENS,
     SEARCHED_COMPILE,
     PlanError,
@@ -23,7 +23,7 @@ from engine.planner import (
     layout_config,
     plan,
 )
-from engine.step import step_time
+from engine.time.step import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The planner's float8 and torch.compile axes: timed as engine.step times them, ranked as predict ranks."""
+"""The planner's float8 and torch.compile axes: timed as engine.time.step times them, ranked as predict ranks."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ from test_planner import _first_fitting, _Row
 
 from engine import Config
 from engine.memory import memory_per_rank
-from engine.planner import (
+from engine.plan.search import (
     PlanError,
     _base_config,
     _key,
@@ -20,7 +20,7 @@ from engine.planner import (
     plan_config,
 )
 from engine.predict import predict
-from engine.step import step_time
+from engine.time.step import step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 

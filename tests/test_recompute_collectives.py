@@ -4,7 +4,7 @@ from torch's DTensor plan and the policies' save lists."""
 import pytest
 
 from engine import Config
-from engine.comm import (
+from engine.time.comm import (
     communication,
     cp_recomputed_blocks,
     recomputed_blocks,
@@ -12,7 +12,7 @@ from engine.comm import (
     tp_recomputed_blocks,
     tp_recomputed_collectives,
 )
-from engine.step import tp_stage_seconds
+from engine.time.step import tp_stage_seconds
 
 # SwiGLU, 4 layers: per block 2 forward collectives; without SP 5 backward all-reduces (wq wk wv w1 w3)
 TINY = {"layers": 4, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn_hidden": 176, "vocab": 128, "seq_len": 32,
@@ -132,7 +132,7 @@ def test_stage_seconds_add_one_recomputed_forward_per_checkpointed_block(sp):
 def test_selective_layer_every_block_times_as_full_under_float8_and_tp():
     """Checkpointing every block is full recompute: the recomputed forward's matmuls at float8's rate with
     their casts, and its TP collectives, match full's stage by stage."""
-    from engine.step import analytic_durations, linear_matmul_seconds, recomputed_linear_blocks
+    from engine.time.step import analytic_durations, linear_matmul_seconds, recomputed_linear_blocks
 
     def both(**kw):
         full = cfg("full", **kw).replace(training={"float8": "rowwise", "compile": True})

@@ -8,17 +8,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Config
-from engine.durations import (
+from engine.memory import activation_bytes_per_layer, memory_per_rank
+from engine.memory.activations import BLOCK_MATMUL_ORDER, sac_saved_matmuls
+from engine.memory.conventions import conventions_of
+from engine.time.durations import (
     checkpointed_blocks,
     checkpointed_per_stage,
     per_op_recompute_flops_per_token,
     recompute_flops_per_token,
     stage_durations,
 )
-from engine.memory import activation_bytes_per_layer, memory_per_rank
-from engine.memory.activations import BLOCK_MATMUL_ORDER, sac_saved_matmuls
-from engine.memory.conventions import conventions_of
-from engine.step import step_time
+from engine.time.step import step_time
 from tests.test_memory_properties import build, raw_configs, with_
 
 # s·b = 64 tokens; h = 64, 4 heads of 16, kv_heads 2 (kv = 32), f = 176
@@ -55,7 +55,7 @@ def test_counter_saves_the_odd_matmuls_of_the_backend_order():
 
 
 def test_counter_runs_on_through_a_moe_blocks_router_and_experts():
-    from engine.recompute import sac_saved_moe
+    from engine.model.recompute import sac_saved_moe
 
     # q, k, v, o are mms 1–4; the router 5 (saved); expert 0: w1 6, w3 7 (saved), w2 8; expert 1: w1 9
     # (saved), w3 10, w2 11 (saved); expert 2 as expert 0 ...; the shared experts after the last

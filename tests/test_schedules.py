@@ -28,9 +28,9 @@ import pytest
 from schedules_reference import REFERENCE_GENERATORS
 
 from engine import Config, ConfigError
-from engine.layout import stage_to_pp_rank
 from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
-from engine.schedules import (
+from engine.pipeline.layout import stage_to_pp_rank
+from engine.pipeline.schedules import (
     Action,
     PipelinePlan,
     _pipeline_actions,
@@ -167,7 +167,7 @@ def test_1f1b_pipeline_order_quirk():
 
 # --------------------------------------------------------------------------- the reference port
 
-# The generators in engine/schedules.py are closed forms (numpy ranges per phase) of torch's
+# The generators in engine/pipeline/schedules.py are closed forms (numpy ranges per phase) of torch's
 # loops. tests/schedules_reference.py keeps the literal step-by-step ports they replaced; the
 # torch test above covers a small grid, this one a wide one (no torch needed), so a closed form
 # cannot drift from the loop it summarises on sizes torch's grid does not reach.
@@ -300,7 +300,7 @@ def test_in_flight_after_the_first_backward():
     """The states a forward leaves after the rank's first backward (where FSDP2 already holds the
     accumulated unsharded gradients): 1F1B's steady state refills the warm-up's pp − r; a
     breadth-first schedule and a single microbatch have none; pp = 1 runs the next microbatch."""
-    from engine.schedules import in_flight_states_after_first_backward as late
+    from engine.pipeline.schedules import in_flight_states_after_first_backward as late
 
     assert late("1F1B", 0, 4, 1, 8) == ((4,),)
     assert late("1F1B", 3, 4, 1, 8) == ((1,),)
@@ -337,7 +337,7 @@ def test_split_backward_in_flight_is_the_most_kept_between_i_and_w(name):
     """Per rank and local stage, the most microbatches whose I has run and whose W has not (the W's own
     moment still holding its microbatch), walked action by action: what a split backward keeps from I to
     W at once (engine.memory.lifetimes' iw); 0 on every stage of a schedule without the split."""
-    from engine.schedules import split_backward_in_flight
+    from engine.pipeline.schedules import split_backward_in_flight
 
     for pp, v, m in ((2, 2, 4), (4, 2, 8), (3, 2, 6), (4, 1, 8), (2, 3, 6), (4, 2, 5)):
         if schedule_problems(name, pp, m, v):

@@ -3,8 +3,8 @@
 import pytest
 
 from engine import Config
-from engine.durations import StageDurations
-from engine.step import BREAKDOWN_KEYS, step_time
+from engine.time.durations import StageDurations
+from engine.time.step import BREAKDOWN_KEYS, step_time
 
 
 def make(cluster="dgx-h100", model="llama2-7b", gpus=None, training=None, **par):

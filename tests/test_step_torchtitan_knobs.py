@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from engine import Config
-from engine.durations import flops_per_token, stage_durations
-from engine.step import (
+from engine.time.durations import flops_per_token, stage_durations
+from engine.time.step import (
     COMPILE_CONVENTION,
     analytic_durations,
     compile_saved_bytes,
@@ -69,7 +69,7 @@ def test_async_tp_exposes_only_what_the_matmuls_cannot_hide():
     fl = flops_per_token(sync)
     mm = 32 * 2 * 8192 * fl.matmuls / (989e12 * sync.conventions.compute_efficiency * 8)
     # the edge collectives (embedding's reduce-scatter; head's gather, reduce-scatter, loss all-reduces) stay
-    from engine.comm import collective_seconds, group_span, tp_edge_collectives
+    from engine.time.comm import collective_seconds, group_span, tp_edge_collectives
     span = group_span(sync, "tp")
     edge_f = sum(n * collective_seconds(sync, c, s, span) for c, ph, n, s in tp_edge_collectives(sync, True, True)
                  if ph == "forward")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.compare import compare, states_exact
+from engine.compare.measured import compare, states_exact
 from engine.predict import predict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -1,4 +1,4 @@
-"""Timeline simulation and analytic stage durations (engine.timeline, engine.durations)."""
+"""Timeline simulation and analytic stage durations (engine.pipeline.timeline, engine.time.durations)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from engine import Config
-from engine.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
 from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-from engine.schedules import Action, PipelinePlan, pipeline_actions, schedule_problems
-from engine.timeline import pipeline_prediction, simulate
+from engine.pipeline.schedules import Action, PipelinePlan, pipeline_actions, schedule_problems
+from engine.pipeline.timeline import pipeline_prediction, simulate
+from engine.time.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
 
 
 def _uniform(plan, f=1.0, i=1.0, w=1.0, p2p=0.0):

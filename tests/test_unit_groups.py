@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import Config, ConfigError, memory, params, schedules
-from engine.params import (
+from engine import Config, ConfigError, memory
+from engine.model import params
+from engine.model.params import (
     RankParams,
     largest_numels,
     params_per_rank,
@@ -16,6 +17,7 @@ from engine.params import (
     sharded_numel,
     zero_redundancy_partition,
 )
+from engine.pipeline import schedules
 from engine.predict import predict
 
 

@@ -15,7 +15,7 @@ one measured step runs the blocks eagerly (``measured_eagerly``: ``torch.compile
 apart: one more forward and backward, compiled, under ``saved_tensors_hooks``
 (``backend.measure.SavedTensorPeak``, which AOTAutograd's saved tensors go through), beside the
 same count over the eager step; ``memory.saved_for_backward`` = {"eager", "compiled"} bytes at their
-peak, from which ``engine.compare`` takes the compiled blocks' activations.
+peak, from which ``engine.compare.measured`` takes the compiled blocks' activations.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ class TensorParallelZeRO1(torch.optim.Optimizer):
     """ZeRO-1 over the data-parallel group for DTensor (TP) parameters, which torch's
     ZeroRedundancyOptimizer refuses ("does not take DTensor"). The same partition as its
     ``_partition_parameters`` (whole tensors, largest first by the local shard's numel, a stable sort,
-    each to the dp-rank with the fewest elements so far, the lowest on ties; engine.params.
+    each to the dp-rank with the fewest elements so far, the lowest on ties; engine.model.params.
     zero_redundancy_partition): each dp-rank keeps ``optimizer_class``'s state for its own and steps them
     (``optim``, as ZeroRedundancyOptimizer's), then every parameter's local shard is broadcast from its
     owner over the group, as its ``_sync_params``. The gradients are already reduced over dp (FSDP2's

@@ -10,12 +10,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from backend.parallel.context_parallel import ContextParallel
 from engine.config import ModelSpec, ParallelSpec
-from engine.layout import RankCoords, rank_coords
+from engine.pipeline.layout import RankCoords, rank_coords
 
 
 @dataclass
 class ParallelDims:
-    """Degrees and mesh. Rank order as engine.layout (torchtitan's [pp, dp_replicate, dp_shard,
+    """Degrees and mesh. Rank order as engine.pipeline.layout (torchtitan's [pp, dp_replicate, dp_shard,
     cp, tp]): TP innermost, then CP, then DP, then PP.
 
     The mesh dims are ("pp", "dp", "tp"); with HSDP (replicate > 1) the dp dim is split into

@@ -2,7 +2,7 @@
 
 ``apply_lora`` runs after the pipeline cut and before data parallelism (DDP / ZeRO-1 / FSDP2),
 like any ``apply_*``: ``peft.get_peft_model`` injects ``lora_A`` / ``lora_B`` into the Linears
-``engine.lora.target_modules`` names (wq, wk, wv, wo / w1, w3, w2) *in place* and freezes every
+``engine.model.lora.target_modules`` names (wq, wk, wv, wo / w1, w3, w2) *in place* and freezes every
 other parameter, so the module returned is still our Transformer (its ``layers`` ModuleDict is
 what ``apply_fsdp`` wraps). Adapters stay fp32 (peft's ``autocast_adapter_dtype``); the frozen
 base is cast to bf16 when ``training.lora_base_dtype = "bf16"``, or its block Linears replaced by
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelSpec, TrainingSpec
-from engine.lora import NF4_BLOCK, target_modules
+from engine.model.lora import NF4_BLOCK, target_modules
 
 
 def lora_refusal(training: TrainingSpec, cuda: bool) -> str | None:

@@ -1,6 +1,6 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
-Stages are cut from the full model by engine.layout (loop or V placement, the layer split ``parallel.pipeline_split``),
+Stages are cut from the full model by engine.pipeline.layout (loop or V placement, the layer split ``parallel.pipeline_split``),
 so the backend runs exactly the stages the engine predicts. ``ActionTimer`` wraps each stage's
 forward_one_chunk / backward_one_chunk / backward_weight_one_chunk, which every schedule calls,
 to time each F / B / I / W action.
@@ -18,14 +18,14 @@ from torch import nn
 
 from backend.model import Transformer, cut_stage, moe_modules
 from engine.config import ParallelSpec
-from engine.layout import placement_style, stages_of_pp_rank
+from engine.pipeline.layout import placement_style, stages_of_pp_rank
 
 if TYPE_CHECKING:  # imported where a schedule is built: torch's pipelining pulls in dynamo (≈ 0.6 s)
     from torch.distributed.pipelining import PipelineStage
 
 
 def stage_ids_of(par: ParallelSpec, pp_rank: int) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` holds (engine.layout's placement)."""
+    """The stages pipeline rank ``pp_rank`` holds (engine.pipeline.layout's placement)."""
     return stages_of_pp_rank(par.num_stages, par.pp, placement_style(par.schedule))[pp_rank]
 
 

@@ -4,13 +4,13 @@
 the world is listed; each category of each rank expands into named terms
 (``RankMemory.explain(category)``), each with its bytes, the formula that produced it and, in
 fields, its category, whether PyTorch's tracker can see it, its stage and microbatches in
-flight. (The largest model of a shape family that fits: ``engine.family``.) The conventions are stated in ``MemoryReport.conventions`` and documented in the
+flight. (The largest model of a shape family that fits: ``engine.model.family``.) The conventions are stated in ``MemoryReport.conventions`` and documented in the
 module that applies them, one idea per module:
 
   report       Term, one rank's body, RankMemory, MemoryReport
   states       model states: "pytorch" and "zero-paper" accountings, LoRA adapters
   activations  the table of tensors each op saves for backward (Korthikanti et al. 2022)
-  in_flight    microbatches in flight from engine.schedules' action lists
+  in_flight    microbatches in flight from engine.pipeline.schedules' action lists
   buffers      DDP buckets, FSDP2 units and collectives, pipeline p2p buffers
   overhead     runtime context, collective-library buffers, allocator slack
   conventions  the conventions in words

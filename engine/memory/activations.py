@@ -37,7 +37,7 @@ Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byt
 
 Mixture of experts (``moe_layer_terms``): a block with experts keeps the attention half's rows and
 replaces the MLP's by the router's input and scores, the top-k choice, the dispatched tokens and
-each expert's internals for them (n·k routed copies × ``engine.durations.routed_factor``), the
+each expert's internals for them (n·k routed copies × ``engine.time.durations.routed_factor``), the
 expert outputs the combine keeps and the shared experts as one dense MLP; under per-op selective
 recompute they are all kept (an upper estimate). Stated simplifications: MLA is evaluated as flash
 attention with K and V at heads × (d_nope + d_rope) (its latents not counted apart), and Q and the
@@ -61,9 +61,12 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine import lora
 from engine.config import Config
-from engine.durations import (
+from engine.memory.report import Term, Terms, ceil_div
+from engine.model import lora
+from engine.model.recompute import BLOCK_MATMUL_ORDER, sac_saved_matmuls, sac_saved_moe  # noqa: F401  (re-exported)
+from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
+from engine.time.durations import (
     checkpointed_per_stage,
     load_shares,
     mean_expert_load,
@@ -71,9 +74,6 @@ from engine.durations import (
     routed_factor_of,
     varying_expert_load,
 )
-from engine.memory.report import Term, Terms, ceil_div
-from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
-from engine.recompute import BLOCK_MATMUL_ORDER, sac_saved_matmuls, sac_saved_moe  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class _Shape:
     # torch's composite on CPU ranks (``qk_composite``), the fused kernel elsewhere
     qk_norm: bool = False
     qk_composite: bool = False
-    # LoRA (engine.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names
+    # LoRA (engine.model.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names
     lora_r: int = 0
     lora_mods: tuple[str, ...] = ()
     # context parallelism: ``s`` is the rank's tokens (seq_len / cp); eager attention's scores and the
@@ -686,7 +686,7 @@ def _moe_sac_terms(cfg: Config, ep_rank: int | None, n: int, n_r: int, rep: int,
 def _checkpointed_of_stages(cfg: Config, rp) -> dict[int, int]:
     """Blocks recomputed whole in each of the rank's stages: all under "full"; under
     "selective-layer" torchtitan's every ``recompute_every``-th block, counted over the rank's stages
-    in stage order (``engine.durations.checkpointed_per_stage``); none otherwise."""
+    in stage order (``engine.time.durations.checkpointed_per_stage``); none otherwise."""
     tr = cfg.training
     stages = sorted(rp.stages, key=lambda st: st.stage)
     if tr.recompute == "full":
@@ -719,7 +719,7 @@ def moe_stage_block_bytes(cfg: Config, rp, per_moe_of, ep_rank: int,
     block's bytes averaged over the stage's MoE blocks and over ``microbatches[stage]`` (those in
     flight at the rank's peak; all of them when not given), and the words saying so.
     ``per_moe_of(phi)`` is one MoE block's bytes at routed factor ``phi``."""
-    from engine.layout import split_layers
+    from engine.pipeline.layout import split_layers
 
     m, par = cfg.model, cfg.parallel
     split = split_layers(m.layers, par.num_stages, par.pipeline_split)
@@ -1237,7 +1237,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     are not among them: the loss moment that opens a B holds those (``engine.memory.lifetimes``). Under a measured load given per block or
     microbatch, the block's routed copies are its own, averaged over ``microbatches[stage]`` (those in
     flight at the peak; every microbatch when not given)."""
-    from engine.layout import split_layers
+    from engine.pipeline.layout import split_layers
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2

@@ -29,7 +29,7 @@ import math
 from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
-from engine.params import RankParams, Tensors, largest_numels, unit_numel
+from engine.model.params import RankParams, Tensors, largest_numels, unit_numel
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
 

@@ -114,7 +114,7 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                 + (" (1 = balanced, the default)" if conv.moe_imbalance == 1 else "")
                 if par.ep > 1 else "every expert local (ep = 1): n·k routed copies in all")
         if conv.moe_expert_load and par.ep > 1:
-            from engine.durations import ep_rank_loads, varying_expert_load
+            from engine.time.durations import ep_rank_loads, varying_expert_load
 
             shares = ", ".join(f"{x:.3f}" for x in ep_rank_loads(cfg))
             load = (f"measured per-expert load: EP rank r routes n·k·ep × the fractions of its experts "

@@ -1,7 +1,7 @@
 """Pipeline: the microbatches whose activations a stage holds at its rank's peak.
 
-They come from ``engine.schedules``' action lists, the per-rank order torch executes
-(``engine.schedules.microbatches_in_flight``): a stage-microbatch is alive from its F until its
+They come from ``engine.pipeline.schedules``' action lists, the per-rank order torch executes
+(``engine.pipeline.schedules.microbatches_in_flight``): a stage-microbatch is alive from its F until its
 full backward B, or until its W where the backward is split (I then W: torch's
 ``stage_backward_input`` retains the whole autograd graph until the weight gradient); an
 overlapped DualPipeV F+B runs the F first. The peak is the non-dominated state maximising
@@ -15,7 +15,7 @@ distinct, so no parameter is doubled.
 
 from __future__ import annotations
 
-from engine.schedules import in_flight_states, microbatches_in_flight
+from engine.pipeline.schedules import in_flight_states, microbatches_in_flight
 
 __all__ = ["IN_FLIGHT_RULE", "in_flight_states", "microbatches_in_flight"]
 

@@ -7,7 +7,7 @@ own largest. The bytes of every term stay as those modules give them; a term tha
 microbatches in flight is split into its bytes per microbatch (``bytes // in_flight``).
 
 The moments of a step are the compute actions of the rank, in the order torch executes them
-(``engine.schedules``' action lists: ``pipeline_actions`` under pipelining, F then B per microbatch
+(``engine.pipeline.schedules``' action lists: ``pipeline_actions`` under pipelining, F then B per microbatch
 without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
 
   step                 alive all step: parameters, gradients, optimizer states (the states are
@@ -118,7 +118,7 @@ import numpy as np
 
 from engine.memory.report import Term
 from engine.names import MEMORY_CATEGORIES
-from engine.schedules import ACTION_KINDS, pipeline_actions, single_rank_plan
+from engine.pipeline.schedules import ACTION_KINDS, pipeline_actions, single_rank_plan
 
 _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 

@@ -9,7 +9,7 @@ then the device overhead (``overhead``: its allocator slack is a fraction of the
 the caching allocator's reserve (``overhead.reserved_bytes``: the step's allocation events replayed). Ranks that hold the same thing (DP replicas, TP shards with equal vocab
 chunks) share one computed body; under torch's ZeroRedundancyOptimizer DP ranks hold different
 optimizer shares, so each dp-rank gets its own; under a measured expert load
-(``conventions.moe_expert_load``) EP ranks route different token counts, so each ep-rank does. Rank order is ``engine.layout.rank_coords``':
+(``conventions.moe_expert_load``) EP ranks route different token counts, so each ep-rank does. Rank order is ``engine.pipeline.layout.rank_coords``':
 TP innermost, then CP, then DP, then PP.
 """
 
@@ -30,8 +30,8 @@ from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lif
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups, zero1_shares
-from engine.params import RankParams, params_per_rank, unit_numel
-from engine.schedules import ACTION_KINDS
+from engine.model.params import RankParams, params_per_rank, unit_numel
+from engine.pipeline.schedules import ACTION_KINDS
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
 
 

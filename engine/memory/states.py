@@ -18,7 +18,7 @@ PyTorch, so its default split is the one PyTorch has. Which wrapper holds the mo
                     the 16-bit weights for the step — counted in activations), grads 4Ψ (the
                     parameter dtype), optimizer 4kΨ (no separate master); DDP buckets 4Ψ.
     ZeRO-1          the same, optimizer 4k × this DP rank's share under ZeroRedundancyOptimizer's
-                    greedy whole-tensor partition (``engine.params.zero_redundancy_partition``):
+                    greedy whole-tensor partition (``engine.model.params.zero_redundancy_partition``):
                     ranks differ, the sum is exact. With TP (which ZeroRedundancyOptimizer refuses)
                     FSDP2's replicate and the backend's TensorParallelZeRO1: the same partition of
                     each TP shard's own tensors.
@@ -31,7 +31,7 @@ Expert parallelism (``parallel.ep`` > 1): the routed experts' own FSDP units sha
 efsdp = dp_shard·cp·tp / ep instead of d (``expert_degree``), as torchtitan's sparse mesh does;
 without EP they shard as every other parameter.
 
-LoRA (``lora_states``, engine.lora): a frozen base with no gradient and no optimizer state,
+LoRA (``lora_states``, engine.model.lora): a frozen base with no gradient and no optimizer state,
 sharded like any parameter under ZeRO-3 / FSDP2 (fully_shard shards frozen parameters too),
 and trainable adapters (fp32 under "pytorch").
 """
@@ -40,11 +40,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine import lora
 from engine.config import Config
 from engine.memory.report import Terms, ceil_div
-from engine.names import OPTIMIZER_STATES
-from engine.params import (
+from engine.model import lora
+from engine.model.params import (
     RankParams,
     Tensors,
     attention_tensors,
@@ -56,6 +55,7 @@ from engine.params import (
     zero_redundancy_largest,
     zero_redundancy_shares,
 )
+from engine.names import OPTIMIZER_STATES
 from engine.wrapping import WrappingPlan
 
 
@@ -91,7 +91,7 @@ def add_sharded_grads(T: Terms, plan: WrappingPlan, rp: RankParams, label: str, 
 
 def zero1_shares(cfg: Config, rp: RankParams) -> tuple[int, ...]:
     """The optimizer elements each dp-rank owns under torch's ZeroRedundancyOptimizer (greedy, whole
-    tensors: ``engine.params.zero_redundancy_partition``): of the rank's parameters, or of its LoRA
+    tensors: ``engine.model.params.zero_redundancy_partition``): of the rank's parameters, or of its LoRA
     adapters when only they train. The dp-ranks of one share hold the same memory."""
     if cfg.training.finetune == "lora":
         groups = [(a * b, count) for u, count in lora_unit_groups(cfg, rp) for a, b in u]
@@ -367,7 +367,7 @@ def lora_unit_groups(cfg: Config, rp: RankParams) -> tuple[tuple[Tensors, int], 
 
 
 def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> int:
-    """params / grads / optimizer under LoRA (engine.lora): frozen base, trainable adapters.
+    """params / grads / optimizer under LoRA (engine.model.lora): frozen base, trainable adapters.
 
     Returns the trainable elements this rank holds before any sharding (what DDP's buckets and
     the DP gradient traffic cover).

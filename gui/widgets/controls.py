@@ -23,8 +23,8 @@ from PySide6.QtWidgets import (
 
 from engine import names
 from engine.config import FIELD_RANGES
-from engine.params import param_counts
-from engine.presets import gpu_presets, model_presets
+from engine.model.params import param_counts
+from engine.model.presets import gpu_presets, model_presets
 from gui.family import family_for, format_params
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.moe_controls import ExpertControls
@@ -328,7 +328,7 @@ class ControlsPanel(QWidget):
         self._edit("model.size", member.shape())
 
     def _show_size(self, member) -> None:
-        """The member's exact parameter count (engine.params) beside the slider, its shape below."""
+        """The member's exact parameter count (engine.model.params) beside the slider, its shape below."""
         self.size.label.setText(format_params(member.params))
         self.size.label.setToolTip(f"{member.params:,} parameters")
         s = member.spec

@@ -158,10 +158,10 @@ def explainer_html(cfg) -> str:
 
 
 def _lora_trainable(cfg) -> str:
-    """Adapter parameters against the model's, from engine.lora (the same count the memory uses)."""
+    """Adapter parameters against the model's, from engine.model.lora (the same count the memory uses)."""
     try:
-        from engine.lora import adapter_params
-        from engine.params import param_counts
+        from engine.model.lora import adapter_params
+        from engine.model.params import param_counts
 
         adapters = adapter_params(cfg.model, cfg.training.lora_rank, cfg.training.lora_targets)
         total = param_counts(cfg.model).total
@@ -181,7 +181,7 @@ def metric_rows(pred) -> list[tuple[str, str]]:
                    + (f"cp {cfg.parallel.cp} × " if cfg.parallel.cp > 1 else "")
                    + f"tp {cfg.parallel.tp} × pp {cfg.parallel.pp} on {cfg.cluster.nodes} node(s)"),
     ]
-    step = pred.step  # engine.step.StepTime
+    step = pred.step  # engine.time.step.StepTime
     if step is not None:
         seconds = step.seconds
         rows.append(("Step time", _fmt_seconds(seconds)))
@@ -198,7 +198,7 @@ def metric_rows(pred) -> list[tuple[str, str]]:
                 rows.append((f"Comm · {dim}",
                              f"{fmt_bytes(critical.bytes_sent(dim))} sent, {_fmt_seconds(critical.seconds(dim))}"
                              f" (rank {critical.rank})"))
-    tl = pred.timeline  # engine.timeline.Timeline
+    tl = pred.timeline  # engine.pipeline.timeline.Timeline
     if tl is not None:
         rows.append(("Pipeline bubble", f"{tl.bubble_fraction * 100:.1f}% ({cfg.conventions.bubble})"))
         rows.append(("Pipeline makespan", _fmt_seconds(tl.makespan_s)))

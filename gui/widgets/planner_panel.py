@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.planner import FITTING_SECONDS
+from engine.plan.search import FITTING_SECONDS
 from gui.child_process import start_child
 from gui.planning import (
     DEFAULT_TOP,

@@ -1,7 +1,7 @@
 """Run the current config for real (or simulate it at scale), watch it, and compare what was
 measured to the prediction of that exact config.
 
-The comparison is ``engine.compare`` (see gui.comparison): per rank and category predicted,
+The comparison is ``engine.compare.measured`` (see gui.comparison): per rank and category predicted,
 measured, error % and the known cause of a difference; then pipeline makespan, bubble, action
 order, and step time. Recent runs (every directory under runs/, and any opened) are listed
 with their status; selecting one loads its config and draws its measurement.
@@ -97,7 +97,7 @@ class RunPanel(QWidget):
         self.calibrate_box = QCheckBox("Use this run's calibration")
         self.calibrate_box.setEnabled(False)
         self.calibrate_box.setToolTip("Time the step and the pipeline with the durations, efficiency and "
-                                      "bandwidths this run measured on this machine (engine.calibrate)")
+                                      "bandwidths this run measured on this machine (engine.compare.calibrate)")
         self.progress = QProgressBar()
         self.progress.setRange(0, 1)
         self.progress.setValue(0)
@@ -415,7 +415,7 @@ class RunPanel(QWidget):
         self.notes_label.hide()
 
     def show_comparison(self, record) -> None:
-        """engine.compare of the run's measurement with the prediction of the config that ran."""
+        """engine.compare.measured of the run's measurement with the prediction of the config that ran."""
         self.current = record
         self._calibration_enabled()
         if record.config is None or record.load_measurement() is None:

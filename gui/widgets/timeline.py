@@ -18,7 +18,7 @@ from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from engine.schedules import ACTION_KINDS
+from engine.pipeline.schedules import ACTION_KINDS
 from gui.widgets.barrier import LayoutBarrier
 
 KINDS = ("F", "B", "I", "W")

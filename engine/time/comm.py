@@ -13,7 +13,7 @@ several nodes with more than one rank per node runs hierarchically: an intra-nod
 reduce-scatter, the inter-node collective on S/n_local, an intra-node all-gather. A group
 with one rank per node runs a flat ring over the network.
 
-Rank placement: TP innermost, then CP, then DP, then PP (engine.layout), so TP groups are the
+Rank placement: TP innermost, then CP, then DP, then PP (engine.pipeline.layout), so TP groups are the
 consecutive ranks and the most likely to fit in a node, CP groups next; PP groups are strided furthest.
 
 Local CPU ranks (GPU kind "cpu") that outnumber ``cluster.cpu_cores`` share the cores: every
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from engine.config import Config
-from engine.durations import adapter_elements_per_block
-from engine.layout import placement_style, rank_coords, rank_of, split_layers, stage_to_pp_rank
-from engine.params import params_per_rank
+from engine.model.params import params_per_rank
+from engine.pipeline.layout import placement_style, rank_coords, rank_of, split_layers, stage_to_pp_rank
+from engine.time.durations import adapter_elements_per_block
 from engine.wrapping import forwards_before_first_backward, wrapping_plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
@@ -170,7 +170,7 @@ def group_span(cfg: Config, dim: str) -> GroupSpan:
 
 
 #: each dimension's groups as arithmetic progressions of ranks on the (pp, dp, cp, tp) mesh
-#: (engine.layout's rank order): member stride and block length (a block holds ``stride`` groups
+#: (engine.pipeline.layout's rank order): member stride and block length (a block holds ``stride`` groups
 #: side by side), as functions of (dp, cp, tp, pp)
 _PROGRESSIONS = {
     "tp": lambda dp, cp, tp, pp: (1, tp),
@@ -359,8 +359,8 @@ def recomputed_blocks(cfg: Config, every_block: tuple[str, ...]) -> list[int]:
     """Blocks per stage whose backward re-runs their forward, or the part of it a collective sits in
     (one entry per stage; one stage when pp = 1): every block when ``training.recompute`` is one of
     ``every_block``, torchtitan's every N-th block of each rank under selective-layer
-    (``engine.durations.checkpointed_blocks``), none otherwise."""
-    from engine.durations import checkpointed_blocks
+    (``engine.time.durations.checkpointed_blocks``), none otherwise."""
+    from engine.time.durations import checkpointed_blocks
 
     tr, par = cfg.training, cfg.parallel
     if tr.recompute in every_block:
@@ -422,7 +422,7 @@ def cp_layer_exchanges(cfg: Config) -> list[tuple[str, str, int, float, str]]:
 
 def _cp_items(cfg: Config, rp, span: GroupSpan, links: MeasuredLinks | None) -> list[CommItem]:
     """The K, V exchange of every layer of the rank's stages and every microbatch, and the
-    recomputed forwards' (engine.step hides each behind the blockwise attention it overlaps)."""
+    recomputed forwards' (engine.time.step hides each behind the blockwise attention it overlaps)."""
     par = cfg.parallel
     items = []
     hides = cfg.cluster.gpu.name != "cpu"
@@ -472,8 +472,8 @@ def ep_layer_collectives(cfg: Config) -> list[tuple[str, str, int, float]]:
     ranks, combine the outputs back; backward: the same two for the gradients (and the forward's
     again under full recompute). The busiest rank receives the routed factor's share more; the
     time is paced by it (the sizes here are the balanced sends × that factor)."""
-    from engine.durations import routed_factor
     from engine.memory.activations import moe_tokens
+    from engine.time.durations import routed_factor
 
     par, tr, m = cfg.parallel, cfg.training, cfg.model
     if par.ep == 1 or m.experts == 0:
@@ -686,7 +686,7 @@ def zero1_broadcast_tensors(cfg: Config, rp) -> int:
     """Parameter tensors ZeroRedundancyOptimizer broadcasts after each step (one call each): every
     local parameter tensor, or under LoRA the blocks' adapter tensors."""
     if cfg.training.finetune == "lora":
-        from engine.lora import adapter_block_tensors
+        from engine.model.lora import adapter_block_tensors
 
         m = cfg.model
         return max(1, rp.layers * len(adapter_block_tensors(m, 0, cfg.training.lora_targets, cfg.parallel.tp)))
@@ -798,7 +798,7 @@ def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks |
         calls = per_block * layers * m
         one = collective_seconds(cfg, coll, act, span, links)
         label = "TP+SP " + coll.replace("_", "-") if par.sequence_parallel else "TP " + coll.replace("_", "-")
-        # async TP micro-pipelines them with the matmuls (engine.step exposes only what those cannot hide)
+        # async TP micro-pipelines them with the matmuls (engine.time.step exposes only what those cannot hide)
         items.append(CommItem("tp", f"{label} per block ({phase}{again if phase == 'backward' else ''}; "
                                     f"{per_block} per block{'; async TP' if par.async_tp else ''})", coll, calls,
                               act, par.tp, span.link, calls * one, bool(par.async_tp), phase))

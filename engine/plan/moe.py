@@ -1,6 +1,6 @@
 """The planner for a mixture of experts: layouts with expert parallelism, ranked by throughput.
 
-``engine.planner.plan`` hands a model with experts to :func:`plan_moe`. What it enumerates
+``engine.plan.search.plan`` hands a model with experts to :func:`plan_moe`. What it enumerates
 (every layout trains the same global batch, as the dense planner's):
 
     tp   divides gpus and heads, kv_heads, ffn_hidden (and expert_ffn_hidden without EP); tp ≤ GPUs per node
@@ -35,17 +35,17 @@ import numpy as np
 
 from engine import names
 from engine.backend_limits import predict_only
-from engine.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
 from engine.config import Config, ConfigError
-from engine.durations import block_flops, load_shares, mean_expert_load, stage_block_counts
-from engine.layout import placement_style
 from engine.memory import memory_per_rank
 from engine.memory.activations import layer_activation_terms, moe_layer_terms, shape_of
 from engine.memory.overhead import runtime_context_bytes
+from engine.model.params import _moe_params_per_rank
 from engine.names import OPTIMIZER_STATES
-from engine.params import _moe_params_per_rank
-from engine.plan_results import PlanCancelled, PlanCounts, PlanResult, explain
-from engine.step import step_time, tp_seconds_per_layer
+from engine.pipeline.layout import placement_style
+from engine.plan.results import PlanCancelled, PlanCounts, PlanResult, explain
+from engine.time.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
+from engine.time.durations import block_flops, load_shares, mean_expert_load, stage_block_counts
+from engine.time.step import step_time, tp_seconds_per_layer
 
 MOE_RECOMPUTE = ("none", "selective", "full")
 MAX_MICRO_BATCH = 8
@@ -207,7 +207,7 @@ class _MoeGrid:
     def comm(self, tp: int, ep: int, b: int, rc: str) -> tuple[float, float, float, float] | None:
         """(TP forward, TP backward per block, EP forward, EP backward per MoE block) seconds per
         microbatch: a TP group (tp ≤ GPUs per node) lies in one node whatever pp, and an EP group is
-        ep consecutive ranks (engine.comm.ep_span)."""
+        ep consecutive ranks (engine.time.comm.ep_span)."""
         if (tp, b, rc) not in self._tp:
             cfg = self.probe(tp, 1, 1, b, rc)
             if cfg is None:
@@ -372,7 +372,7 @@ def plan_moe(t0: float, base: Config, *, top: int, G: int, zero: tuple[int, ...]
         "mixture of experts: ep searched over the divisors of the experts and of dp·tp (torchtitan's sparse mesh); "
         "1F1B when pp > 1, sequence parallel whenever tp > 1, tp within a node, recompute none | selective | full, "
         f"micro-batch sizes ≤ {MAX_MICRO_BATCH}; ZeRO-1 only without EP",
-        "time = engine.step (makespan with TP collectives and EP all-to-alls inside F/B + exposed DP communication "
+        "time = engine.time.step (makespan with TP collectives and EP all-to-alls inside F/B + exposed DP communication "
         "+ optimizer); fit = engine.memory on every rank against cluster.gpu.memory_gib",
     )
     return PlanResult(model=m.preset or "custom", gpus=cl.gpus, gpu=cl.gpu.name, gpus_per_node=cl.gpus_per_node,

@@ -16,15 +16,15 @@ FSDP reduce-scatters are counted exposed. On CPU ranks (GPU kind "cpu") nothing 
 communication and compute share the cores. Recompute adds its forward to the backward (HFU
 counts it, MFU does not).
 
-LoRA (``training.finetune = "lora"``): engine.durations gives the backward the frozen base's input
-gradients and the adapters' weight gradients only; engine.comm moves adapter gradients only (FSDP
+LoRA (``training.finetune = "lora"``): engine.time.durations gives the backward the frozen base's input
+gradients and the adapters' weight gradients only; engine.time.comm moves adapter gradients only (FSDP
 still gathers the frozen base); the optimizer steps the adapters only (fp32 under PyTorch state
-accounting). MFU counts the FLOPs the step needs (engine.durations.model_flops_per_token): the
+accounting). MFU counts the FLOPs the step needs (engine.time.durations.model_flops_per_token): the
 forward, every input gradient, the adapters' weight gradients — not 6·Ψ.
 
 Core sharing: CPU ranks beyond ``cluster.cpu_cores`` share the cores, so the analytic compute,
-p2p and optimizer times are multiplied by ``engine.comm.cpu_oversubscription`` (and the
-collectives' α and B scaled by it in engine.comm). Given durations are used as given.
+p2p and optimizer times are multiplied by ``engine.time.comm.cpu_oversubscription`` (and the
+collectives' α and B scaled by it in engine.time.comm). Given durations are used as given.
 
 float8 (``training.float8``, torchao's Float8Linear on the blocks' Linears; the head stays bf16):
 the Linear matmuls of F, I and W (and the recomputed forward's: ``recomputed_linear_blocks``) run at ``cluster.gpu.peak_fp8_tflops``
@@ -47,8 +47,8 @@ micro-pipelined with their matmuls, so per stage only ``max(0, collectives − m
 (forward against the forward matmuls, backward against I + W's); the embedding's and head's
 collectives stay exposed.
 
-Calibration hook: pass measured ``durations`` (engine.durations.StageDurations), measured
-``links`` (engine.comm.MeasuredLinks: α and B per collective) and/or a Config whose cluster
+Calibration hook: pass measured ``durations`` (engine.time.durations.StageDurations), measured
+``links`` (engine.time.comm.MeasuredLinks: α and B per collective) and/or a Config whose cluster
 links and ``conventions.compute_efficiency`` come from a run.
 """
 
@@ -58,7 +58,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.comm import (
+from engine.config import Config
+from engine.model.params import params_per_rank
+from engine.names import OPTIMIZER_STATES
+from engine.pipeline.layout import split_layers
+from engine.pipeline.timeline import Timeline, pipeline_prediction
+from engine.time.comm import (
     CommReport,
     MeasuredLinks,
     activation_message_bytes,
@@ -75,8 +80,7 @@ from engine.comm import (
     tp_recomputed_collectives,
     trainable_local,
 )
-from engine.config import Config
-from engine.durations import (
+from engine.time.durations import (
     StageDurations,
     checkpointed_blocks,
     flops_per_token,
@@ -86,10 +90,6 @@ from engine.durations import (
     recompute_flops_per_token,
     stage_durations,
 )
-from engine.layout import split_layers
-from engine.names import OPTIMIZER_STATES
-from engine.params import params_per_rank
-from engine.timeline import Timeline, pipeline_prediction
 from engine.wrapping import wrapping_plan
 
 BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_comm", "pipeline_bubble", "dp_comm_exposed", "optimizer")
@@ -119,7 +119,7 @@ class StepTime:
 
 def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tuple[float, float]:
     """TP communication of one block for one microbatch: (forward, backward) seconds
-    (the calls of engine.comm.tp_block_collectives)."""
+    (the calls of engine.time.comm.tp_block_collectives)."""
     par, tr, m = cfg.parallel, cfg.training, cfg.model
     if par.tp == 1:
         return 0.0, 0.0
@@ -133,7 +133,7 @@ def tp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
 
 def tp_recomputed_seconds(cfg: Config, links: MeasuredLinks | None = None) -> float:
     """The TP collectives one recomputed block repeats in its backward for one microbatch, in seconds
-    (engine.comm.tp_recomputed_collectives)."""
+    (engine.time.comm.tp_recomputed_collectives)."""
     if cfg.parallel.tp == 1:
         return 0.0
     span = group_span(cfg, "tp")
@@ -148,9 +148,9 @@ def _stage_layers(cfg: Config, num_stages: int) -> np.ndarray:
 
 def recomputed_linear_blocks(cfg: Config, num_stages: int) -> np.ndarray:
     """Per stage, the blocks' worth of Linear matmuls the backward runs again for one microbatch: every
-    block under full, the checkpointed ones under selective-layer (engine.durations.checkpointed_blocks),
+    block under full, the checkpointed ones under selective-layer (engine.time.durations.checkpointed_blocks),
     under selective-op the share of a block's matmul FLOPs its policy does not save in every block
-    (engine.durations.per_op_recompute_flops_per_token), none under selective and none."""
+    (engine.time.durations.per_op_recompute_flops_per_token), none under selective and none."""
     tr = cfg.training
     layers = _stage_layers(cfg, num_stages)
     if tr.recompute == "full":
@@ -182,7 +182,7 @@ def tp_stage_seconds(cfg: Config, num_stages: int,
     """TP communication per stage for one microbatch, as it lies on the critical path: (forward,
     backward) arrays — the blocks' collectives (:func:`tp_seconds_per_layer`; under async TP only
     what their matmuls cannot hide) plus the embedding's on the first stage and the head's and
-    loss_parallel's on the last (engine.comm.tp_edge_collectives)."""
+    loss_parallel's on the last (engine.time.comm.tp_edge_collectives)."""
     fwd_l, bwd_l = tp_seconds_per_layer(cfg, links)
     layers = _stage_layers(cfg, num_stages)
     fwd, bwd = layers * fwd_l, layers * bwd_l
@@ -258,7 +258,7 @@ def cp_seconds_per_layer(cfg: Config, links: MeasuredLinks | None = None) -> tup
 def cp_stage_seconds(cfg: Config, num_stages: int,
                      links: MeasuredLinks | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The exposed context-parallel exchange per stage for one microbatch: (forward, backward); the
-    backward of a block that recomputes its forward (engine.comm.cp_recomputed_blocks) repeats the
+    backward of a block that recomputes its forward (engine.time.comm.cp_recomputed_blocks) repeats the
     forward's, hidden behind the recomputed attention as in the forward."""
     fwd_l, bwd_l = cp_seconds_per_layer(cfg, links)
     layers = _stage_layers(cfg, num_stages)
@@ -281,11 +281,11 @@ def with_mesh_communication(cfg: Config, d: StageDurations, links: MeasuredLinks
 def ep_stage_seconds(cfg: Config, num_stages: int,
                      links: MeasuredLinks | None = None) -> tuple[np.ndarray, np.ndarray]:
     """EP all-to-alls per stage for one microbatch (forward, backward): each stage's MoE blocks ×
-    engine.comm.ep_seconds_per_moe_layer; zeros without expert parallelism."""
+    engine.time.comm.ep_seconds_per_moe_layer; zeros without expert parallelism."""
     zeros = np.zeros(num_stages)
     if cfg.parallel.ep == 1:
         return zeros, zeros.copy()
-    from engine.durations import stage_block_counts
+    from engine.time.durations import stage_block_counts
 
     fwd_l, bwd_l = ep_seconds_per_moe_layer(cfg, links)
     _, moe = stage_block_counts(cfg, num_stages)
@@ -305,7 +305,7 @@ def optimizer_seconds(cfg: Config, local_params: int) -> float:
     """Optimizer step over the local shard: memory-bound, bytes read + written per parameter / HBM.
 
     ``local_params`` are the parameters the optimizer steps before DP sharding (under LoRA the
-    adapters only: :func:`engine.comm.trainable_local`). LoRA's adapters are fp32 with fp32
+    adapters only: :func:`engine.time.comm.trainable_local`). LoRA's adapters are fp32 with fp32
     gradients and no master copy under PyTorch state accounting, as engine.memory counts them.
     """
     par, tr = cfg.parallel, cfg.training
@@ -398,7 +398,7 @@ def with_float8_and_compile(cfg: Config, d: StageDurations) -> StageDurations:
 
 
 def analytic_durations(cfg: Config) -> StageDurations:
-    """engine.durations' FLOP-based durations with float8 and compile (:func:`with_float8_and_compile`),
+    """engine.time.durations' FLOP-based durations with float8 and compile (:func:`with_float8_and_compile`),
     slowed by core sharing on CPU ranks."""
     d = with_float8_and_compile(cfg, stage_durations(cfg))
     over = cpu_oversubscription(cfg)

@@ -1,7 +1,7 @@
 """What each recompute policy keeps, by torchtitan's counters: which of a block's matmuls its per-op
 selective checkpointing saves (``sac_saved_matmuls``; a MoE block's: ``sac_saved_moe``), and which blocks its layer-selective
 checkpointing wraps (``checkpointed_per_stage``). Pure rules, read by the memory model
-(``engine.memory.activations``), the durations (``engine.durations``) and the planner alike."""
+(``engine.memory.activations``), the durations (``engine.time.durations``) and the planner alike."""
 
 from __future__ import annotations
 

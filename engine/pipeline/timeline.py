@@ -1,6 +1,6 @@
 """Timeline simulation: when every pipeline action starts and ends, with real durations.
 
-Each pipeline rank runs its plan's actions in order (:mod:`engine.schedules`); an action also
+Each pipeline rank runs its plan's actions in order (:mod:`engine.pipeline.schedules`); an action also
 waits for its data:
 
 * ``F(s, mb)`` after ``F(s-1, mb)`` ends, plus the p2p time when stage s-1 is on another rank;
@@ -26,8 +26,8 @@ from functools import cached_property
 import numpy as np
 
 from engine.config import Config
-from engine.durations import StageDurations, stage_durations
-from engine.schedules import ACTION_KINDS, PipelinePlan, pipeline_actions, single_rank_plan
+from engine.pipeline.schedules import ACTION_KINDS, PipelinePlan, pipeline_actions, single_rank_plan
+from engine.time.durations import StageDurations, stage_durations
 
 _F, _B, _I, _W = range(4)
 _KIND_NAMES = np.array(ACTION_KINDS)

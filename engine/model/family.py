@@ -25,7 +25,7 @@ head dims, MLA ranks, ffn and expert widths), top-k, shared experts, leading den
 router groups stay the base's, so every tp the base allows stays allowed.
 
 The base model is the aspect member of its own width, exactly. Parameter counts are
-``engine.params.param_counts(spec).total`` (exact). ``walk`` is the size slider's: the members
+``engine.model.params.param_counts(spec).total`` (exact). ``walk`` is the size slider's: the members
 nearest to 2^(k/3) × the base's size. ``largest_fitting_model`` searches the same family for
 the largest member that fits a layout. Pure (no Qt, no torch).
 """
@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from engine.config import FIELD_RANGES, Config, ConfigError, ModelSpec
-from engine.params import param_counts
+from engine.model.params import param_counts
 
 #: The slider's step multiplies the parameter count by about 2**(1/STEPS_PER_DOUBLING).
 STEPS_PER_DOUBLING = 3

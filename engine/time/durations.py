@@ -28,9 +28,9 @@ FLOP conventions (per token, per transformer block, forward, before dividing by 
 Context parallelism (``parallel.cp``): a rank computes its seq_len / cp tokens (``Config.local_seq_len``)
 of every microbatch; the attention core per token stays ``4·s·h`` over the whole sequence s (each
 query still meets every key; torch's head-tail load balancing gives every cp rank the same causal
-share), so a rank's attention is 1/cp of the sequence's. The K, V exchange is engine.step's.
+share), so a rank's attention is 1/cp of the sequence's. The K, V exchange is engine.time.step's.
 
-LoRA (``training.finetune = "lora"``, engine.lora): every adapted Linear adds its adapter's
+LoRA (``training.finetune = "lora"``, engine.model.lora): every adapted Linear adds its adapter's
 matmuls, ``2·r·(d_in + d_out)`` FLOPs per token (x·Aᵀ, then ·Bᵀ) in the forward, as much again
 for the adapter's input gradient (in I) and for its weight gradients (in W). The frozen base still
 computes its input gradients (I unchanged: the gradient must reach the adapters below), but no
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import Config
-from engine.layout import placement_style, split_layers, stage_to_pp_rank
-from engine.lora import adapter_block_tensors, target_modules
-from engine.params import attention_tensors, mlp_tensors
-from engine.recompute import checkpointed_per_stage, sac_saved_matmuls  # noqa: F401  (re-exported)
+from engine.model.lora import adapter_block_tensors, target_modules
+from engine.model.params import attention_tensors, mlp_tensors
+from engine.model.recompute import checkpointed_per_stage, sac_saved_matmuls  # noqa: F401  (re-exported)
+from engine.pipeline.layout import placement_style, split_layers, stage_to_pp_rank
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +121,7 @@ class StageDurations:
                       backward_weight_s=backward_weight_s, p2p_s=p2p_s)
 
     def table(self) -> np.ndarray:
-        """Rows F, B, I, W (the order of ``engine.schedules.ACTION_KINDS``), one column per stage."""
+        """Rows F, B, I, W (the order of ``engine.pipeline.schedules.ACTION_KINDS``), one column per stage."""
         return np.stack([self.forward_s, self.backward_s, self.backward_input_s, self.backward_weight_s])
 
     def to_json(self) -> dict:
@@ -250,7 +250,7 @@ def routed_factor_of(cfg: Config, ep_rank: int, microbatch: int, block: int) -> 
 
 def block_flops(cfg: Config, with_experts: bool, routed: float = 1.0) -> FlopsPerToken:
     """Forward FLOPs per token of one block of any kind (before tp): 2 × every weight a token
-    multiplies — the attention projections as engine.params lays them out (MLA's latents, head_size),
+    multiplies — the attention projections as engine.model.params lays them out (MLA's latents, head_size),
     the dense MLP, or the router, ``experts_per_token`` routed experts (× ``routed``: the busiest
     rank's share under imbalance) and the shared experts (grouped GEMMs: the active FLOPs, at the
     same efficiency) — and the attention core ``2·s'·a·(d_qk + d_v)``, where s' averages the full
@@ -336,7 +336,7 @@ _LINEAR_DIMS = {"wq": ("h", "h"), "wk": ("h", "kv"), "wv": ("h", "kv"), "wo": ("
 
 def per_op_recompute_flops_per_token(cfg: Config) -> float:
     """Forward FLOPs per token per block that torchtitan's per-op selective checkpointing repeats:
-    the matmuls its counter does not save (``engine.recompute.sac_saved_matmuls``; LoRA
+    the matmuls its counter does not save (``engine.model.recompute.sac_saved_matmuls``; LoRA
     adapters' A and B matmuls included, 2·r·d each, before tp). SDPA / eager attention's bmms are
     saved, elementwise ops are not counted (the FLOP convention)."""
     m, tr = cfg.model, cfg.training

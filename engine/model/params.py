@@ -34,10 +34,10 @@ Beyond the plain block (each 0 / off by default):
 
 PLACEMENT RULE (pipeline and tensor parallel):
 
-* Stage ``k`` holds the blocks ``engine.layout.split_layers(L, pp·v, parallel.pipeline_split)[k]``
+* Stage ``k`` holds the blocks ``engine.pipeline.layout.split_layers(L, pp·v, parallel.pipeline_split)[k]``
   ("even": uneven splits give the first stages one block more; "torchtitan": the embeddings and
   norm + head count as a block each). The embeddings sit on stage 0, the final norm and head on
-  the last stage; the stage-to-rank map is ``engine.layout`` (loop, or V for ZBV/DualPipeV, where
+  the last stage; the stage-to-rank map is ``engine.pipeline.layout`` (loop, or V for ZBV/DualPipeV, where
   pp-rank 0 holds both the first and the last stage).
 * Tied embeddings with more than one stage: the last stage keeps its own copy of the embedding
   matrix as the head (Megatron's convention, and ``backend.model.cut_stage``: a stage is its own
@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 from engine.config import Config, ModelSpec
-from engine.layout import placement_style, split_layers, stages_of_pp_rank
+from engine.pipeline.layout import placement_style, split_layers, stages_of_pp_rank
 
 # --------------------------------------------------------------------------- whole model
 

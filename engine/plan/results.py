@@ -1,7 +1,7 @@
 """The planner's results and the words beside them: the ranked layouts (``PlanEntry``), the fitting
 layouts' points (``FitPoint``), what was pruned (``PlanCounts``), the whole answer (``PlanResult``), a
 layout's name and Config, and :func:`explain`, why each ranked layout ranks where it does. Shared by
-the dense planner (``engine.planner``) and the mixture-of-experts planner (``engine.planner_moe``), so
+the dense planner (``engine.plan.search``) and the mixture-of-experts planner (``engine.plan.moe``), so
 neither imports the other's internals."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class PlanEntry:
     seconds: float
     tokens_per_s: float
     mfu: float
-    breakdown: dict[str, float]  # engine.step.BREAKDOWN_KEYS, sums to seconds
+    breakdown: dict[str, float]  # engine.time.step.BREAKDOWN_KEYS, sums to seconds
     peak_bytes: int  # the rank that needs the most memory
     peak_rank: int
     capacity_bytes: int

@@ -28,7 +28,7 @@ send/recv, reduce-grad, unshard) never reorders compute actions, so the compute 
 is the order that runs. ``tests/test_schedules.py`` checks every schedule against torch.
 
 Idle slots (torch's ``None`` entries) are dropped: *when* an action runs is the timeline
-simulation's job (:mod:`engine.timeline`), with real durations, not unit time steps.
+simulation's job (:mod:`engine.pipeline.timeline`), with real durations, not unit time steps.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import NamedTuple
 import numpy as np
 
 from engine.config import step_size_problems
-from engine.layout import placement_style, stage_to_pp_rank
 from engine.names import SCHEDULES, SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
+from engine.pipeline.layout import placement_style, stage_to_pp_rank
 
 #: Compute action kinds: forward, full backward, backward for inputs, backward for weights.
 ACTION_KINDS: tuple[str, ...] = ("F", "B", "I", "W")

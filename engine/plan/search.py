@@ -11,7 +11,7 @@ step), so dp · microbatches · micro_batch_size = global_batch and tokens per s
 ranking by tokens/s is ranking by step time. Default global batch: ``default_global_batch``
 (about 4 Mi tokens, a multiple of the GPU count, at most 8 sequences per GPU).
 
-A mixture of experts (``model.experts`` > 0) is planned by ``engine.planner_moe``, which adds
+A mixture of experts (``model.experts`` > 0) is planned by ``engine.plan.moe``, which adds
 expert parallelism (ep) to the layouts and bounds MoE blocks by their own rows.
 
 What is enumerated (duplicates that the engine cannot tell apart are left out, and said so):
@@ -31,7 +31,7 @@ What is enumerated (duplicates that the engine cannot tell apart are left out, a
     float8  none, tensorwise, rowwise where the GPU has float8 tensor cores (peak_fp8_tflops > 0) and
             precision is bf16-mixed (``default_float8_kinds``); none otherwise; float8 all-gather stays off
     compile  off and on (``SEARCHED_COMPILE``); async TP stays off
-Schedule rules (1F1B needs m ≥ pp, …) come from ``engine.schedules.schedule_problems``, and
+Schedule rules (1F1B needs m ≥ pp, …) come from ``engine.pipeline.schedules.schedule_problems``, and
 every layout that is fully evaluated is built as a ``Config`` (which validates it).
 
 Speed (branch and bound; the answer is the same as fully evaluating every layout):
@@ -43,7 +43,7 @@ Speed (branch and bound; the answer is the same as fully evaluating every layout
    the end of the backward, with the last stage's kept logits)
    drops layouts that cannot fit; and a **lower bound on step time**: the exact
    per-stage F/B durations (compute at float8's rate with its casts and compile's fused elementwise time, as
-   ``engine.step.with_float8_and_compile``, + TP collectives + the exposed CP exchange, as ``engine.step``), each pipeline
+   ``engine.time.step.with_float8_and_compile``, + TP collectives + the exposed CP exchange, as ``engine.time.step``), each pipeline
    rank's busy time plus the forward chain before its first stage, the one-microbatch critical
    path, the exact exposed DP communication and optimizer step. What does not depend on the
    layout group is computed once: in-flight counts per (schedule, pp rank, pp, v, m) — the
@@ -83,15 +83,23 @@ import numpy as np
 
 from engine import names
 from engine.backend_limits import predict_only
-from engine.comm import collective_seconds, cpu_oversubscription, group_span
 from engine.config import Config, ConfigError, ModelSpec, ParallelSpec
-from engine.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token
-from engine.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
 from engine.memory.activations import TABLE_RECOMPUTE, weight_op_outputs
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
-from engine.params import params_per_rank
-from engine.plan_results import (  # noqa: F401  (the results: callers import them from here too)
+from engine.model.params import params_per_rank
+from engine.pipeline.layout import placement_style, split_layers, stage_to_pp_rank
+from engine.pipeline.schedules import (
+    in_flight_states_after_first_backward,
+    microbatches_in_flight,
+    pipeline_actions,
+    schedule_problems,
+    single_rank_plan,
+    split_backward_in_flight,
+)
+from engine.pipeline.timeline import simulate
+from engine.plan.moe import plan_moe
+from engine.plan.results import (  # noqa: F401  (the results: callers import them from here too)
     LAYOUT_KEYS,
     FitPoint,
     PlanCancelled,
@@ -105,16 +113,9 @@ from engine.plan_results import (  # noqa: F401  (the results: callers import th
     layout_label,
     pareto_front,
 )
-from engine.planner_moe import plan_moe
-from engine.schedules import (
-    in_flight_states_after_first_backward,
-    microbatches_in_flight,
-    pipeline_actions,
-    schedule_problems,
-    single_rank_plan,
-    split_backward_in_flight,
-)
-from engine.step import (
+from engine.time.comm import collective_seconds, cpu_oversubscription, group_span
+from engine.time.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token
+from engine.time.step import (
     FLOAT8_CAST_BYTES,
     analytic_durations,
     block_linears,
@@ -123,7 +124,6 @@ from engine.step import (
     step_time,
     with_mesh_communication,
 )
-from engine.timeline import simulate
 from engine.wrapping import _COMPUTE_DTYPE, PLAN_DTYPE_BYTES, reshard_after_forward
 
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20
@@ -198,7 +198,7 @@ def _base_config(model: ModelSpec | str, gpus: int, gpu: str, gpus_per_node: int
                  training: dict | None, conventions: dict | None, seq_len: int | None = None) -> Config:
     """The validated starting point (dp = gpus; the model's sequence length ``seq_len`` when given);
     errors name the planner argument at fault."""
-    from engine.presets import gpu_presets, model_presets
+    from engine.model.presets import gpu_presets, model_presets
 
     if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         raise PlanError("seq_len", f"must be a whole number of tokens ≥ 1, got {seq_len!r}")
@@ -277,7 +277,7 @@ class _Grid:
 class _Consts(NamedTuple):
     """What the bounds of every (tp, pp, v, schedule, cp) read of the base config (``_Planner.grid``)."""
 
-    fl: Any  # engine.durations.flops_per_token
+    fl: Any  # engine.time.durations.flops_per_token
     h: int  # hidden size
     act_b: int  # bytes of an activation element
     w_b: int  # bytes of a parameter, of its gradient, of its optimizer states (+ master copy)
@@ -287,7 +287,7 @@ class _Consts(NamedTuple):
     ctx: int  # runtime context bytes
     buf: int  # bytes of one communicator's buffers
     peak_rate: float  # achieved FLOP/s of one rank
-    over: float  # engine.comm.cpu_oversubscription: CPU ranks sharing cores (the whole grid's world)
+    over: float  # engine.time.comm.cpu_oversubscription: CPU ranks sharing cores (the whole grid's world)
 
 
 @dataclass
@@ -379,7 +379,7 @@ class _Planner:
                                            "cp": cp, "schedule": "GPipe", "microbatches": 1})
 
     def _cp_per_layer(self, rep: Config, b: int) -> tuple[float, float]:
-        """engine.step's exposed context-parallel exchange of one layer (forward, backward) for micro-batch
+        """engine.time.step's exposed context-parallel exchange of one layer (forward, backward) for micro-batch
         size ``b``: exact, as the stage durations of the engine add it."""
         par = rep.parallel
         key = (par.dp, par.tp, par.pp, par.cp, b)
@@ -697,7 +697,7 @@ class _Planner:
 
     def _stage_seconds(self, st: _Struct, r: _Rows, gf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per candidate [rows] and stage [columns], one microbatch's F, I and W seconds: exactly
-        engine.durations (CPU ranks sharing cores, float8, compile) + engine.step's TP and CP terms."""
+        engine.time.durations (CPU ranks sharing cores, float8, compile) + engine.time.step's TP and CP terms."""
         k, fl, tp, cp, sh = self._k, self._k.fl, st.tp, st.cp, st.sh
         L, head = sh["L"], sh["head"]
         gb, gs, gr, gc = r.b, r.sp, r.rc, r.cmp
@@ -718,7 +718,7 @@ class _Planner:
         if len(self.float8) > 1 or len(self.compile) > 1 or _FLOAT8.index(self.float8[0]) or self.compile[0]:
             f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, k.act_b,
                                                  rate)
-        if k.over != 1.0:  # CPU ranks sharing cores run each action that much longer (engine.step)
+        if k.over != 1.0:  # CPU ranks sharing cores run each action that much longer (engine.time.step)
             f, i_, w_ = f * k.over, i_ * k.over, w_ * k.over
         one_tp = np.zeros(n)
         if tp > 1:
@@ -733,7 +733,7 @@ class _Planner:
         bwd_tp = 2 * one_tp * np.where(gr == _RECOMPUTE.index("full"), 2.0, 1.0)
         f = f + L[None, :] * fwd_tp[:, None]
         i_ = i_ + L[None, :] * bwd_tp[:, None]
-        if cp > 1:  # the exposed K, V exchange, exactly as engine.step adds it
+        if cp > 1:  # the exposed K, V exchange, exactly as engine.time.step adds it
             cp_f, cp_b = np.zeros(n), np.zeros(n)
             for b in st.bs:
                 cp_f[gb == b], cp_b[gb == b] = self._cp_per_layer(st.rep, b)
@@ -748,7 +748,7 @@ class _Planner:
                      w_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per candidate, a lower bound of the simulated makespan from its stage seconds (each rank busy with
         its stages' F and B of every microbatch after its first forward's wait; one microbatch down the whole
-        chain), and per candidate and pp rank the exposed DP communication + optimizer (as engine.step)."""
+        chain), and per candidate and pp rank the exposed DP communication + optimizer (as engine.time.step)."""
         sh, gm, gz, dpc = st.sh, r.m, r.zero, st.dpc
         member, fwd_prefix_mask = sh["member"], sh["fwd_prefix_mask"]
         b_ = i_ + w_
@@ -760,7 +760,7 @@ class _Planner:
         opt = self._k.opt_per_param * sh["psi"][None, :] / np.where(zc >= 1, dpc, 1)
         if dpc > 1:
             nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
-            if self.base.cluster.gpu.name == "cpu":  # CPU ranks: nothing overlaps (engine.comm._dp_items); FSDP
+            if self.base.cluster.gpu.name == "cpu":  # CPU ranks: nothing overlaps (engine.time.comm._dp_items); FSDP
                 # gathers at least once a microbatch without pipelining, once a step with it
                 rounds = gm[:, None] if st.pp == 1 else 1
                 exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag, rounds * ag + rs))
@@ -796,7 +796,7 @@ class _Planner:
         member = np.zeros((pp, n_stages))
         member[owners, np.arange(n_stages)] = 1.0
         first_stage = np.array([min(r.stage_indices) for r in rows])
-        # selective-layer's checkpointed blocks per stage: every N-th of each rank's blocks (engine.durations)
+        # selective-layer's checkpointed blocks per stage: every N-th of each rank's blocks (engine.time.durations)
         ckpt = np.zeros(n_stages)
         for r in rows:
             mine = sorted(r.stage_indices)
@@ -812,7 +812,7 @@ class _Planner:
                         for ri in sorted({0, pp - 1})]}
         if dp * cp > 1:
             g_bytes, w_b = self.base.training.grad_bytes, self.base.training.param_bytes
-            grad_group = "dp" if cp == 1 else "dp_cp"  # gradients reduce over dp·cp (engine.comm)
+            grad_group = "dp" if cp == 1 else "dp_cp"  # gradients reduce over dp·cp (engine.time.comm)
 
             def per_rank(fn) -> np.ndarray:
                 return np.array([fn(int(t)) for t in psi])
@@ -889,7 +889,7 @@ class _Planner:
         return lut[gs.astype(np.int64), gr, gc.astype(np.int64)]
 
     def _float8_and_compile(self, f, i_, w_, tp, L, ckpt, tokens, gs, gr, gf, gc, fl, act_b, rate):
-        """engine.step.with_float8_and_compile over the grid: float8's matmul rate and casts, compile's fused
+        """engine.time.step.with_float8_and_compile over the grid: float8's matmul rate and casts, compile's fused
         elementwise chains, on the per-stage compute durations (before the mesh's collectives), clamped at 0."""
         base = self.base
         m, gpu = base.model, base.cluster.gpu
@@ -909,7 +909,7 @@ class _Planner:
             cast_f, cast_b = np.where(on8, cast_f, 0.0)[:, None], np.where(on8, cast_b, 0.0)[:, None]
             peak8 = gpu.peak_fp8_tflops * 1e12 * base.conventions.compute_efficiency * tp
             per_block = (np.where(on8, 1.0, 0.0) * tokens * fl.matmuls * (1 / rate - 1 / peak8))[:, None]
-            # engine.step.recomputed_linear_blocks: the blocks' worth of matmuls the backward runs again
+            # engine.time.step.recomputed_linear_blocks: the blocks' worth of matmuls the backward runs again
             redo = np.zeros((len(gr), len(L)))
             redo[gr == _RECOMPUTE.index("full")] = L
             redo[gr == _RECOMPUTE.index("selective-layer")] = ckpt
@@ -947,7 +947,7 @@ class _Planner:
                 _FLOAT8[int(c["f8"][i])], bool(c["cmp"][i]))
 
     def makespan(self, cfg: Config) -> float:
-        """The simulated pipeline makespan (as engine.step computes it), cached per pipeline shape."""
+        """The simulated pipeline makespan (as engine.time.step computes it), cached per pipeline shape."""
         par, tr = cfg.parallel, cfg.training
         key = (par.tp, par.pp, par.virtual_stages, par.schedule, par.microbatches, tr.micro_batch_size,
                par.sequence_parallel, tr.recompute, par.cp, tr.float8, tr.compile)
@@ -967,7 +967,7 @@ class _Planner:
 def _in_flight_sums(schedule: str, pp_rank: int, pp: int, v: int, m: int, stages: tuple[int, ...],
                     units: tuple[int, ...], n_stages: int, ckpt: tuple[int, ...] = (),
                     late: bool = False) -> tuple[int, int, int, int]:
-    """At the rank's activation peak (``engine.schedules.microbatches_in_flight``; ``late``: the layer-weighted
+    """At the rank's activation peak (``engine.pipeline.schedules.microbatches_in_flight``; ``late``: the layer-weighted
     most of the states after a forward that runs after the rank's first backward, all 0 where none does):
     in-flight microbatches weighted by each local stage's layer count, those on the first and on the last stage,
     and the microbatches weighted by each local stage's checkpointed blocks ``ckpt`` (selective-layer; 0 without).
@@ -1072,7 +1072,7 @@ def _plan(t0: float, base: Config, *, top: int = 10, global_batch: int | None = 
                                                  max_virtual_stages, all_fitting, fitting_limit, fitting_seconds,
                                                  cp, float8, compile)
     base = base.replace(training={"float8": "none", "float8_all_gather": False, "compile": False})
-    if base.model.experts > 0:  # expert parallelism: its own grid and bounds (engine.planner_moe)
+    if base.model.experts > 0:  # expert parallelism: its own grid and bounds (engine.plan.moe)
         if all_fitting:
             raise PlanError("all_fitting", "the every-fitting-layout sweep covers dense models; for a mixture of "
                             "experts leave it off")
@@ -1249,7 +1249,7 @@ def _notes(base: Config, G: int, cps: tuple[int, ...], float8s: tuple[str, ...],
         "pp = 1 has no schedule (gradient accumulation); with dp·cp = 1 ZeRO stages are identical, only ZeRO-0 is "
         "listed; "
         "interleaved schedules start at v = 2 (v = 1 is plain GPipe / 1F1B)",
-        "time = engine.step (makespan with TP collectives and the exposed CP K, V exchange inside F/B + exposed DP "
+        "time = engine.time.step (makespan with TP collectives and the exposed CP K, V exchange inside F/B + exposed DP "
         "communication + optimizer); fit = engine.memory on every rank against cluster.gpu.memory_gib",
         (f"context parallelism searched: cp ∈ {{{', '.join(map(str, sorted(set(cps))))}}} "
          f"({base.parallel.cp_rotate}; cp joins the FSDP shard group, ZeRO-1 is not combined with it)"

@@ -30,7 +30,7 @@ scales the analytic per-stage FLOPs by the measured efficiencies.
 **Link calibration** (``shardscope calibrate --links``, backend.linkbench): a micro-benchmark
 times all-reduce / all-gather / reduce-scatter / send-recv over a sweep of sizes, every rank
 at once at the given world size, and a matmul per rank. :func:`fit_links` fits α and B per
-collective and group size by least squares on the ring formulas of engine.comm (relative
+collective and group size by least squares on the ring formulas of engine.time.comm (relative
 residuals, so small and large buffers weigh alike); :class:`LinkCalibration` keeps them
 (``links.json`` in the run directory) with the per-rank FLOP/s. Given to :func:`calibrate`
 (or :meth:`Calibration.with_links`) they replace the cluster's α and B for every collective
@@ -49,13 +49,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_seconds, trainable_local
 from engine.config import Config
-from engine.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
-from engine.layout import split_layers
-from engine.params import params_per_rank
+from engine.model.params import params_per_rank
+from engine.pipeline.layout import split_layers
 from engine.predict import Prediction, predict, predicted_step
-from engine.step import optimizer_seconds, tp_stage_seconds
+from engine.time.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_seconds, trainable_local
+from engine.time.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
+from engine.time.step import optimizer_seconds, tp_stage_seconds
 from engine.wrapping import wrapping_plan
 
 LINKS_FILE = "links.json"
@@ -461,7 +461,7 @@ def load_calibration(run_dir: str | Path, cores: int | None = None) -> Calibrati
 
 
 def _ring_terms(kind: str, n: int) -> tuple[float, float]:
-    """(latency steps, bus factor) of one ``kind`` collective over ``n`` ranks (engine.comm's ring)."""
+    """(latency steps, bus factor) of one ``kind`` collective over ``n`` ranks (engine.time.comm's ring)."""
     if kind == "p2p":
         return 1.0, 1.0
     return (2.0 * (n - 1) if kind == "all_reduce" else n - 1.0), bus_factor(kind, n)
