@@ -140,10 +140,24 @@ _PEAK_MOVES = {
     "conventions": {"allocator_slack_fraction": 0.0, "state_accounting": "pytorch"},
 }
 
+#: a ZeRO-3 pair whose peak moves from the end of the backward to a B's own moment, before FSDP2 makes the
+#: first gradient, as a layer is added (found by hypothesis)
+_GRADS_LEAVE_THE_PEAK = {
+    "model": {"layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn_hidden": 4, "vocab": 263, "seq_len": 12,
+              "tied_embeddings": False, "mlp": "gelu", "norm": "layernorm", "attention": "eager", "position": "rope",
+              "bias": False, "dropout": 0.0},
+    "cluster": {"gpu": "h100-sxm", "gpus": 2},
+    "parallel": {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "replicate": 1, "sequence_parallel": False,
+                 "schedule": "1F1B", "virtual_stages": 1, "microbatches": 1},
+    "training": {"micro_batch_size": 3, "precision": "fp32", "optimizer": "adamw", "recompute": "none"},
+    "conventions": {"allocator_slack_fraction": 0.0, "state_accounting": "pytorch"},
+}
+
 
 @SETTINGS
 @given(raw_configs(), st.sampled_from(["layers", "ffn_hidden", "vocab", "seq_len", "micro_batch_size"]))
 @example(_PEAK_MOVES, "seq_len")
+@example(_GRADS_LEAVE_THE_PEAK, "layers")
 def test_bigger_models_never_need_less(raw, knob):
     cfg = build(raw)
     if knob == "micro_batch_size":
@@ -160,7 +174,14 @@ def test_bigger_models_never_need_less(raw, knob):
         if not zero1_shares:
             assert b.total >= a.total, (knob, a.rank)
         if knob in ("layers", "ffn_hidden", "vocab") and not zero1_shares:
-            assert b.model_states >= a.model_states
+            # parameters and optimizer states grow with the knob at any moment; the gradients can vanish
+            # from the peak: more activations move it from the end of the backward (gradients alive) to a
+            # moment before FSDP2's post-backward makes the first (ZeRO-3, 1 → 2 layers of a 1-block model
+            # with 263 tokens of vocabulary: the peak moves to the B's own moment, states 375,808 → 360,192 B)
+            cats = {c: [sum(t.bytes for t in r.explain(c)) for r in (a, b)] for c in ("params", "grads", "optimizer")}
+            assert cats["params"][1] >= cats["params"][0] and cats["optimizer"][1] >= cats["optimizer"][0]
+            assert b.model_states >= a.model_states or (cats["grads"][1] < cats["grads"][0]
+                                                        and b.peak_moment != a.peak_moment), (knob, a.rank)
     if zero1_shares:
         assert sum(r.total for r in big.per_rank) >= sum(r.total for r in small.per_rank)
         # the states at the peak, where the knob adds parameters: seq_len and micro_batch_size add only
