@@ -59,8 +59,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from assets import PRESETS_DIR
 from engine import names
+from engine.model.hf_config import HFConfigError, read_hf_config
 from engine.model.presets import cluster_presets, gpu_presets, model_presets
+from engine.pipeline.layout import split_layers
 
 SCHEMA_VERSION = 1
 
@@ -806,7 +809,6 @@ def _check_parallel(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, pa
                          "HSDP replication needs parallel.zero = 2 or 3 (a sharded strategy)"))
     _check_pipeline(p, model, par)
     if par.pipeline_split == "torchtitan" and par.pp > 1 and not any(q.field.startswith("parallel.") for q in p):
-        from engine.pipeline.layout import split_layers
 
         try:
             split_layers(model.layers, par.num_stages, "torchtitan")
@@ -1334,7 +1336,6 @@ def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) ->
 def _read_hf(p: list[Problem], value: Any, base_dir: Path | None) -> tuple[dict[str, Any], str] | None:
     """The fields of the Hugging Face config.json ``value`` names (relative to ``base_dir``, the
     config file's folder, else the working directory) and its resolved path."""
-    from engine.model.hf_config import HFConfigError, read_hf_config
 
     if not isinstance(value, str) or not value:
         p.append(Problem("model.hf_config", value, "must be the path of a Hugging Face config.json (a string)"))
@@ -1486,6 +1487,5 @@ def _unparse(cfg: Config) -> dict[str, Any]:
 
 def default_config() -> Config:
     """The embedded default: the tiny model on local CPU ranks (assets/presets/default.toml)."""
-    from assets import PRESETS_DIR
 
     return Config.load(PRESETS_DIR / "default.toml")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine import legacy_dp
 from engine.backend_limits import predict_only
 from engine.config import Config
 from engine.memory import MemoryReport, memory_per_rank
@@ -80,7 +81,6 @@ def predicted_step(cfg: Config, durations: StageDurations | None = None,
     (engine.legacy_dp) or the per-rank one (engine.time.step). predict() builds on it; calibration
     fits call it directly when they need only the step, many times over."""
     if wrapping_plan(cfg).legacy:
-        from engine import legacy_dp
 
         return legacy_dp.step(cfg, durations, links)
     return step_time(cfg, durations, links)
@@ -95,7 +95,6 @@ def predict(cfg: Config, durations: StageDurations | None = None,
     (measured α and B per collective) the cluster's intra-node links: the calibration hooks.
     """
     if wrapping_plan(cfg).legacy:  # legacy nn.DataParallel: its own memory and step model
-        from engine import legacy_dp
 
         return Prediction(config=cfg, memory=legacy_dp.memory(cfg), step=predicted_step(cfg, durations, links))
     return Prediction(config=cfg, memory=memory_per_rank(cfg), step=predicted_step(cfg, durations, links))

@@ -45,6 +45,7 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.names import DTYPE_BYTES
+from engine.pipeline.schedules import pipeline_actions
 
 #: ``WrappingPlan.data_parallel`` values.
 DATA_PARALLEL_WRAPPERS = ("none", "ddp", "fully_shard", "replicate", "dataparallel")
@@ -218,7 +219,6 @@ def forwards_before_first_backward(schedule: str, pp_rank: int, pp: int, virtual
 
 @lru_cache(maxsize=1024)
 def _forwards_before_first_backward(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[int, ...], ...]:
-    from engine.pipeline.schedules import pipeline_actions
 
     plan = pipeline_actions(schedule, pp, m, v)
     out = []

@@ -10,8 +10,8 @@ from engine import Config
 from engine.config import ConfigError
 from engine.memory import memory_per_rank
 from engine.memory.conventions import conventions_of
+from engine.model.routing import ep_rank_loads, routed_factor
 from engine.predict import predict
-from engine.time.durations import ep_rank_loads, routed_factor
 
 TINY_MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96, "dense_layers": 2}
 LOAD = [0.4, 0.3, 0.2, 0.1]

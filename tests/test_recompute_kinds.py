@@ -9,11 +9,15 @@ from hypothesis import strategies as st
 
 from engine import Config
 from engine.memory import activation_bytes_per_layer, memory_per_rank
-from engine.memory.activations import BLOCK_MATMUL_ORDER, sac_saved_matmuls
 from engine.memory.conventions import conventions_of
-from engine.time.durations import (
+from engine.model.recompute import (
+    BLOCK_MATMUL_ORDER,
     checkpointed_blocks,
     checkpointed_per_stage,
+    sac_saved_matmuls,
+    sac_saved_moe,
+)
+from engine.time.durations import (
     per_op_recompute_flops_per_token,
     recompute_flops_per_token,
     stage_durations,
@@ -55,8 +59,6 @@ def test_counter_saves_the_odd_matmuls_of_the_backend_order():
 
 
 def test_counter_runs_on_through_a_moe_blocks_router_and_experts():
-    from engine.model.recompute import sac_saved_moe
-
     # q, k, v, o are mms 1–4; the router 5 (saved); expert 0: w1 6, w3 7 (saved), w2 8; expert 1: w1 9
     # (saved), w3 10, w2 11 (saved); expert 2 as expert 0 ...; the shared experts after the last
     router, experts, shared = sac_saved_moe(True, False, False, 3, True)

@@ -103,7 +103,7 @@ class AllToAllDispatch:
 def planned_load(cfg) -> tuple[float, ...]:
     """The per-expert load a planned dispatch routes by: ``conventions.moe_expert_load`` (its mean
     over blocks and microbatches where given per block or microbatch), else balanced."""
-    from engine.time.durations import mean_expert_load
+    from engine.model.routing import mean_expert_load
 
     return tuple(mean_expert_load(cfg)) or (1.0 / cfg.model.experts,) * cfg.model.experts
 

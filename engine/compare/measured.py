@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.memory.per_rank import plain_grads_late
 from engine.names import MEMORY_CATEGORIES
+from engine.wrapping import wrapping_plan
 
 #: Why the measurement (MemTracker) cannot see a term, by the term's ``kind``; every term with
 #: ``tracked`` False is counted as untracked, and a difference of that size is expected.
@@ -278,8 +280,6 @@ def _plain_grads_late(cfg) -> bool:
     (``engine.memory.per_rank.plain_grads_late``); False without a config (an older prediction dict)."""
     if cfg is None:
         return False
-    from engine.memory.per_rank import plain_grads_late
-    from engine.wrapping import wrapping_plan
 
     return plain_grads_late(cfg, wrapping_plan(cfg))
 

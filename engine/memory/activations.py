@@ -37,7 +37,7 @@ Element bytes: 2 for 16-bit activations (Table 2), 4 under fp32; masks are 1 byt
 
 Mixture of experts (``moe_layer_terms``): a block with experts keeps the attention half's rows and
 replaces the MLP's by the router's input and scores, the top-k choice, the dispatched tokens and
-each expert's internals for them (n·k routed copies × ``engine.time.durations.routed_factor``), the
+each expert's internals for them (n·k routed copies × ``engine.model.routing.routed_factor``), the
 expert outputs the combine keeps and the shared experts as one dense MLP; under per-op selective
 recompute they are all kept (an upper estimate). Stated simplifications: MLA is evaluated as flash
 attention with K and V at heads × (d_nope + d_rope) (its latents not counted apart), and Q and the
@@ -62,18 +62,20 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config
+from engine.memory.lifetimes import moments
 from engine.memory.report import Term, Terms, ceil_div
 from engine.model import lora
-from engine.model.recompute import BLOCK_MATMUL_ORDER, sac_saved_matmuls, sac_saved_moe  # noqa: F401  (re-exported)
-from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
-from engine.time.durations import (
-    checkpointed_per_stage,
+from engine.model.recompute import checkpointed_per_stage, sac_saved_matmuls, sac_saved_moe
+from engine.model.routing import (
     load_shares,
     mean_expert_load,
+    moe_tokens,
     routed_factor,
     routed_factor_of,
     varying_expert_load,
 )
+from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
+from engine.pipeline.layout import split_layers
 
 
 @dataclass(frozen=True)
@@ -526,20 +528,6 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
 # --------------------------------------------------------------------------- mixture of experts
 
 
-def moe_tokens(cfg: Config, ep_rank: int | None = None, phi: float | None = None) -> tuple[int, int]:
-    """(tokens entering one MoE block on this rank per microbatch, routed copies it computes).
-
-    With expert parallelism and TP, each TP rank dispatches its 1/t slice of the sequence
-    (torchtitan); otherwise the block sees the s·b tokens (s·b/t of the router input under SP).
-    The routed copies are n·k times ``phi`` (default ``routed_factor``, of ``ep_rank`` under a
-    measured load)."""
-    m, par, tr = cfg.model, cfg.parallel, cfg.training
-    n = m.seq_len * tr.micro_batch_size
-    if par.ep > 1:
-        n //= par.tp
-    phi = routed_factor(cfg, ep_rank) if phi is None else phi
-    return n, int(-(-n * m.experts_per_token * phi // 1))
-
 
 def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None = None,
                     recompute: str | None = None) -> tuple[list[tuple[str, int, str]], str]:
@@ -686,7 +674,7 @@ def _moe_sac_terms(cfg: Config, ep_rank: int | None, n: int, n_r: int, rep: int,
 def _checkpointed_of_stages(cfg: Config, rp) -> dict[int, int]:
     """Blocks recomputed whole in each of the rank's stages: all under "full"; under
     "selective-layer" torchtitan's every ``recompute_every``-th block, counted over the rank's stages
-    in stage order (``engine.time.durations.checkpointed_per_stage``); none otherwise."""
+    in stage order (``engine.model.recompute.checkpointed_per_stage``); none otherwise."""
     tr = cfg.training
     stages = sorted(rp.stages, key=lambda st: st.stage)
     if tr.recompute == "full":
@@ -719,8 +707,6 @@ def moe_stage_block_bytes(cfg: Config, rp, per_moe_of, ep_rank: int,
     block's bytes averaged over the stage's MoE blocks and over ``microbatches[stage]`` (those in
     flight at the rank's peak; all of them when not given), and the words saying so.
     ``per_moe_of(phi)`` is one MoE block's bytes at routed factor ``phi``."""
-    from engine.pipeline.layout import split_layers
-
     m, par = cfg.model, cfg.parallel
     split = split_layers(m.layers, par.num_stages, par.pipeline_split)
     out = {}
@@ -1123,7 +1109,6 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     MoE block's experts are not modelled here). Measured op by op on the tiny model's
     InterleavedZeroBubble pp4 (fp32): one block keeps 753,664 B (4 B × s·b × (h + 2·kv + h + 2·f + h
     + 2·h)), the last stage 327,680 B more (the final norm's and the head's output gradients)."""
-    from engine.memory.lifetimes import moments
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t = par.tp
@@ -1237,8 +1222,6 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     are not among them: the loss moment that opens a B holds those (``engine.memory.lifetimes``). Under a measured load given per block or
     microbatch, the block's routed copies are its own, averaged over ``microbatches[stage]`` (those in
     flight at the peak; every microbatch when not given)."""
-    from engine.pipeline.layout import split_layers
-
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     wb = 4 if tr.precision == "fp32" or autocast else 2  # the experts' compute weights (FSDP2: param_dtype)

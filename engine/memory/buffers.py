@@ -30,6 +30,7 @@ from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
 from engine.model.params import RankParams, Tensors, largest_numels, unit_numel
+from engine.model.routing import moe_tokens
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
 
@@ -236,7 +237,6 @@ def moe_dispatch_buffers(cfg: Config, T: Terms, ep_rank: int | None = None) -> N
     computes, n_r = n·k × the routed factor), for dispatch and, in the backward, for combine's
     gradients; one layer's at a time (the dispatched tokens the experts keep are activations).
     Under a measured expert load the receive buffer holds ``ep_rank``'s routed copies."""
-    from engine.memory.activations import moe_tokens
 
     m, tr = cfg.model, cfg.training
     act = 4 if tr.precision == "fp32" else 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from engine.config import Config
 from engine.memory.in_flight import IN_FLIGHT_RULE
+from engine.model.routing import ep_rank_loads, varying_expert_load
 from engine.names import OPTIMIZER_STATES
 from engine.wrapping import wrapping_plan
 
@@ -114,7 +115,6 @@ def conventions_of(cfg: Config) -> dict[str, str]:
                 + (" (1 = balanced, the default)" if conv.moe_imbalance == 1 else "")
                 if par.ep > 1 else "every expert local (ep = 1): n·k routed copies in all")
         if conv.moe_expert_load and par.ep > 1:
-            from engine.time.durations import ep_rank_loads, varying_expert_load
 
             shares = ", ".join(f"{x:.3f}" for x in ep_rank_loads(cfg))
             load = (f"measured per-expert load: EP rank r routes n·k·ep × the fractions of its experts "

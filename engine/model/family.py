@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from engine.config import FIELD_RANGES, Config, ConfigError, ModelSpec
+from engine.memory import memory_per_rank
 from engine.model.params import param_counts
 
 #: The slider's step multiplies the parameter count by about 2**(1/STEPS_PER_DOUBLING).
@@ -314,7 +315,6 @@ def largest_fitting_model(cfg: Config) -> tuple[ModelSpec, int] | None:
     dividing the experts of a mixture of experts) and never has fewer layers than pp · virtual_stages. Returns (spec, exact parameters) of a member
     that fits while the next member does not, or None when even the smallest does not fit.
     """
-    from engine.memory import memory_per_rank
 
     fam = family_of(cfg.model, tp=cfg.parallel.tp, min_layers=cfg.parallel.num_stages, ep=cfg.parallel.ep)
 

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from engine.pipeline.layout import split_layers, stage_placement
+
+if TYPE_CHECKING:
+    from engine.config import Config
 
 #: The Linears of one block in the order the backend's forward calls them (backend/model.py:
 #: Attention.forward q, k, v, o; FeedForward.forward w1, w3 inside w2's argument, then w2).
@@ -91,4 +97,24 @@ def checkpointed_per_stage(stage_layers: Sequence[int], every: int) -> list[int]
     for n in stage_layers:
         out.append((pos + n) // every - pos // every)
         pos += n
+    return out
+
+
+def checkpointed_blocks(cfg: Config) -> list[int]:
+    """Fully recomputed blocks per stage (one entry per stage; one stage when pp = 1): every block
+    under "full", torchtitan's every ``recompute_every``-th block of each rank under
+    "selective-layer", none otherwise."""
+    par, tr = cfg.parallel, cfg.training
+    num_stages = 1 if par.pp == 1 else par.num_stages
+    layers = [len(r) for r in split_layers(cfg.model.layers, num_stages, par.pipeline_split)]
+    if tr.recompute == "full":
+        return layers
+    if tr.recompute != "selective-layer":
+        return [0] * num_stages
+    owners = stage_placement(cfg)
+    out = [0] * num_stages
+    for rank in sorted(set(owners)):
+        mine = [s for s in range(num_stages) if owners[s] == rank]
+        for s, n in zip(mine, checkpointed_per_stage([layers[s] for s in mine], tr.recompute_every)):
+            out[s] = n
     return out

@@ -14,8 +14,12 @@ With cp = 1 this is Megatron's TP-DP-PP order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.names import V_SCHEDULES
+
+if TYPE_CHECKING:
+    from engine.config import Config
 
 
 @dataclass(frozen=True)
@@ -109,3 +113,11 @@ def split_layers(layers: int, num_stages: int, split: str = "even") -> list[rang
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def stage_placement(cfg: Config) -> list[int]:
+    """Pipeline rank of each stage for the config's schedule (one stage on rank 0 when pp = 1)."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return [0]
+    return stage_to_pp_rank(par.num_stages, par.pp, placement_style(par.schedule))

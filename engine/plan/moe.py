@@ -40,11 +40,12 @@ from engine.memory import memory_per_rank
 from engine.memory.activations import layer_activation_terms, moe_layer_terms, shape_of
 from engine.memory.overhead import runtime_context_bytes
 from engine.model.params import _moe_params_per_rank
+from engine.model.routing import load_shares, mean_expert_load
 from engine.names import OPTIMIZER_STATES
 from engine.pipeline.layout import placement_style
 from engine.plan.results import PlanCancelled, PlanCounts, PlanResult, explain
 from engine.time.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
-from engine.time.durations import block_flops, load_shares, mean_expert_load, stage_block_counts
+from engine.time.durations import block_flops, stage_block_counts
 from engine.time.step import step_time, tp_seconds_per_layer
 
 MOE_RECOMPUTE = ("none", "selective", "full")

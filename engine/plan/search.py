@@ -88,6 +88,8 @@ from engine.memory import GIB, activation_bytes_per_layer, memory_per_rank
 from engine.memory.activations import TABLE_RECOMPUTE, weight_op_outputs
 from engine.memory.overhead import collective_buffer_bytes, runtime_context_bytes
 from engine.model.params import params_per_rank
+from engine.model.presets import gpu_presets, model_presets
+from engine.model.recompute import checkpointed_per_stage
 from engine.pipeline.layout import placement_style, split_layers, stage_to_pp_rank
 from engine.pipeline.schedules import (
     in_flight_states_after_first_backward,
@@ -114,7 +116,7 @@ from engine.plan.results import (  # noqa: F401  (the results: callers import th
     pareto_front,
 )
 from engine.time.comm import collective_seconds, cpu_oversubscription, group_span
-from engine.time.durations import checkpointed_per_stage, flops_per_token, per_op_recompute_flops_per_token
+from engine.time.durations import flops_per_token, per_op_recompute_flops_per_token
 from engine.time.step import (
     FLOAT8_CAST_BYTES,
     analytic_durations,
@@ -198,7 +200,6 @@ def _base_config(model: ModelSpec | str, gpus: int, gpu: str, gpus_per_node: int
                  training: dict | None, conventions: dict | None, seq_len: int | None = None) -> Config:
     """The validated starting point (dp = gpus; the model's sequence length ``seq_len`` when given);
     errors name the planner argument at fault."""
-    from engine.model.presets import gpu_presets, model_presets
 
     if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         raise PlanError("seq_len", f"must be a whole number of tokens ≥ 1, got {seq_len!r}")

@@ -48,7 +48,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from engine.config import Config
+from engine.memory.buffers import gathered_unit_bytes
+from engine.model.lora import adapter_block_tensors
 from engine.model.params import params_per_rank
+from engine.model.recompute import checkpointed_blocks
+from engine.model.routing import moe_tokens, routed_factor
 from engine.pipeline.layout import placement_style, rank_coords, rank_of, split_layers, stage_to_pp_rank
 from engine.time.durations import adapter_elements_per_block
 from engine.wrapping import forwards_before_first_backward, wrapping_plan
@@ -359,8 +363,7 @@ def recomputed_blocks(cfg: Config, every_block: tuple[str, ...]) -> list[int]:
     """Blocks per stage whose backward re-runs their forward, or the part of it a collective sits in
     (one entry per stage; one stage when pp = 1): every block when ``training.recompute`` is one of
     ``every_block``, torchtitan's every N-th block of each rank under selective-layer
-    (``engine.time.durations.checkpointed_blocks``), none otherwise."""
-    from engine.time.durations import checkpointed_blocks
+    (``engine.model.recompute.checkpointed_blocks``), none otherwise."""
 
     tr, par = cfg.training, cfg.parallel
     if tr.recompute in every_block:
@@ -472,8 +475,6 @@ def ep_layer_collectives(cfg: Config) -> list[tuple[str, str, int, float]]:
     ranks, combine the outputs back; backward: the same two for the gradients (and the forward's
     again under full recompute). The busiest rank receives the routed factor's share more; the
     time is paced by it (the sizes here are the balanced sends × that factor)."""
-    from engine.memory.activations import moe_tokens
-    from engine.time.durations import routed_factor
 
     par, tr, m = cfg.parallel, cfg.training, cfg.model
     if par.ep == 1 or m.experts == 0:
@@ -654,7 +655,6 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
         units = max(1, rp.unit_count)
         m = par.microbatches
         if not lora_on:
-            from engine.memory.buffers import gathered_unit_bytes
 
             weights = sum(gathered_unit_bytes(plan, rp, u) * count for u, count in rp.unit_groups)
         if plan.reshard_after_forward and par.pp == 1:
@@ -686,7 +686,6 @@ def zero1_broadcast_tensors(cfg: Config, rp) -> int:
     """Parameter tensors ZeroRedundancyOptimizer broadcasts after each step (one call each): every
     local parameter tensor, or under LoRA the blocks' adapter tensors."""
     if cfg.training.finetune == "lora":
-        from engine.model.lora import adapter_block_tensors
 
         m = cfg.model
         return max(1, rp.layers * len(adapter_block_tensors(m, 0, cfg.training.lora_targets, cfg.parallel.tp)))

@@ -23,7 +23,7 @@ FLOP conventions (per token, per transformer block, forward, before dividing by 
   attention core's forward, ``selective-op`` (torchtitan's per-op policy) the forward of the
   matmuls its counter does not save (every second one: wk, wo, w3 of a SwiGLU block; the saved
   attention op and elementwise ops add no counted FLOPs), ``selective-layer`` the whole forward
-  of the blocks it checkpoints (``checkpointed_blocks``: every N-th block of each rank).
+  of the blocks it checkpoints (``engine.model.recompute.checkpointed_blocks``: every N-th block of each rank).
 
 Context parallelism (``parallel.cp``): a rank computes its seq_len / cp tokens (``Config.local_seq_len``)
 of every microbatch; the attention core per token stays ``4·s·h`` over the whole sequence s (each
@@ -42,7 +42,6 @@ adapter (its input comes from the frozen embedding and needs none); I is not red
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,8 +50,9 @@ import numpy as np
 from engine.config import Config
 from engine.model.lora import adapter_block_tensors, target_modules
 from engine.model.params import attention_tensors, mlp_tensors
-from engine.model.recompute import checkpointed_per_stage, sac_saved_matmuls  # noqa: F401  (re-exported)
-from engine.pipeline.layout import placement_style, split_layers, stage_to_pp_rank
+from engine.model.recompute import checkpointed_blocks, sac_saved_matmuls
+from engine.model.routing import routed_factor
+from engine.pipeline.layout import split_layers, stage_placement
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,76 +177,6 @@ def plain_blocks(cfg: Config) -> bool:
     return m.experts == 0 and m.attention != "mla" and not m.head_size and not m.sliding_window
 
 
-def expert_load_table(cfg: Config) -> tuple[tuple[tuple[float, ...], ...], ...]:
-    """``conventions.moe_expert_load`` in its fullest form: per microbatch, per MoE block (in block
-    order), each expert's fraction — a single list repeated over blocks and microbatches, a per-block
-    one over microbatches; () without a measured load."""
-    load = cfg.conventions.moe_expert_load
-    if not load:
-        return ()
-    if not isinstance(load[0], tuple):
-        blocks = (load,) * (cfg.model.layers - cfg.model.dense_layers)
-        return (blocks,) * cfg.parallel.microbatches
-    if not isinstance(load[0][0], tuple):
-        return (load,) * cfg.parallel.microbatches
-    return load
-
-
-def varying_expert_load(cfg: Config) -> bool:
-    """Whether ``conventions.moe_expert_load`` differs by block or microbatch (given nested)."""
-    load = cfg.conventions.moe_expert_load
-    return bool(load) and isinstance(load[0], tuple)
-
-
-def mean_expert_load(cfg: Config) -> tuple[float, ...]:
-    """Each expert's fraction averaged over the MoE blocks and microbatches (the load itself when
-    given as one list); () without a measured load."""
-    load = cfg.conventions.moe_expert_load
-    if not load or not isinstance(load[0], tuple):
-        return load
-    lists = [b for mb in expert_load_table(cfg) for b in mb]
-    return tuple(math.fsum(x[e] for x in lists) / len(lists) for e in range(len(lists[0])))
-
-
-def ep_rank_loads(cfg: Config) -> tuple[float, ...]:
-    """Under ``conventions.moe_expert_load``: each EP rank's share of the routed copies, the sum of
-    its experts' fractions (rank r owns experts r·E/ep … (r+1)·E/ep − 1, as the backend and
-    torchtitan lay them out), of the load averaged over blocks and microbatches where it is given
-    per block or microbatch; () without a measured load."""
-    return load_shares(mean_expert_load(cfg), cfg.parallel.ep)
-
-
-def load_shares(load: Sequence[float], ep: int) -> tuple[float, ...]:
-    """Each of ``ep`` ranks' share of a per-expert load (contiguous experts per rank); () for no load."""
-    if not load:
-        return ()
-    local = len(load) // ep
-    return tuple(math.fsum(load[r * local:(r + 1) * local]) for r in range(ep))
-
-
-def routed_factor(cfg: Config, ep_rank: int | None = None) -> float:
-    """Routed token copies on an EP rank over the balanced mean n·k: the capacity factor when set
-    (its buffers hold that many, dropping the rest); under a measured per-expert load, ep × the
-    load of ``ep_rank``'s experts (None: the busiest rank's, which the all-to-all and the grouped
-    GEMMs wait for); else the assumed imbalance under expert parallelism (1: balanced), else 1
-    (every expert is local: n·k in all)."""
-    conv, par = cfg.conventions, cfg.parallel
-    if conv.moe_capacity_factor > 0:
-        return conv.moe_capacity_factor
-    if par.ep == 1:
-        return 1.0
-    loads = ep_rank_loads(cfg)
-    if loads:
-        return par.ep * (max(loads) if ep_rank is None else loads[ep_rank])
-    return conv.moe_imbalance
-
-
-def routed_factor_of(cfg: Config, ep_rank: int, microbatch: int, block: int) -> float:
-    """As :func:`routed_factor` under a measured load, for one microbatch and MoE block (its index
-    among the MoE blocks): ep × the fractions of ``ep_rank``'s experts there."""
-    lst = expert_load_table(cfg)[microbatch][block]
-    return cfg.parallel.ep * load_shares(lst, cfg.parallel.ep)[ep_rank] if cfg.parallel.ep > 1 else 1.0
-
 
 def block_flops(cfg: Config, with_experts: bool, routed: float = 1.0) -> FlopsPerToken:
     """Forward FLOPs per token of one block of any kind (before tp): 2 × every weight a token
@@ -353,25 +283,6 @@ def per_op_recompute_flops_per_token(cfg: Config) -> float:
     return total
 
 
-def checkpointed_blocks(cfg: Config) -> list[int]:
-    """Fully recomputed blocks per stage (one entry per stage; one stage when pp = 1): every block
-    under "full", torchtitan's every ``recompute_every``-th block of each rank under
-    "selective-layer", none otherwise."""
-    par, tr = cfg.parallel, cfg.training
-    num_stages = 1 if par.pp == 1 else par.num_stages
-    layers = [len(r) for r in split_layers(cfg.model.layers, num_stages, par.pipeline_split)]
-    if tr.recompute == "full":
-        return layers
-    if tr.recompute != "selective-layer":
-        return [0] * num_stages
-    owners = stage_placement(cfg)
-    out = [0] * num_stages
-    for rank in sorted(set(owners)):
-        mine = [s for s in range(num_stages) if owners[s] == rank]
-        for s, n in zip(mine, checkpointed_per_stage([layers[s] for s in mine], tr.recompute_every)):
-            out[s] = n
-    return out
-
 
 def block_recompute_flops_per_token(cfg: Config) -> tuple[float, float]:
     """(FLOPs per token repeated by each fully recomputed block, by every block besides) — the
@@ -407,13 +318,6 @@ def activation_bytes_per_microbatch(cfg: Config) -> int:
         n //= cfg.parallel.tp
     return n
 
-
-def stage_placement(cfg: Config) -> list[int]:
-    """Pipeline rank of each stage for the config's schedule (one stage on rank 0 when pp = 1)."""
-    par = cfg.parallel
-    if par.pp == 1:
-        return [0]
-    return stage_to_pp_rank(par.num_stages, par.pp, placement_style(par.schedule))
 
 
 def stage_durations(

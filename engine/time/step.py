@@ -60,6 +60,7 @@ import numpy as np
 
 from engine.config import Config
 from engine.model.params import params_per_rank
+from engine.model.recompute import checkpointed_blocks
 from engine.names import OPTIMIZER_STATES
 from engine.pipeline.layout import split_layers
 from engine.pipeline.timeline import Timeline, pipeline_prediction
@@ -82,12 +83,12 @@ from engine.time.comm import (
 )
 from engine.time.durations import (
     StageDurations,
-    checkpointed_blocks,
     flops_per_token,
     model_flops_per_token,
     per_op_recompute_flops_per_token,
     plain_blocks,
     recompute_flops_per_token,
+    stage_block_counts,
     stage_durations,
 )
 from engine.wrapping import wrapping_plan
@@ -148,7 +149,7 @@ def _stage_layers(cfg: Config, num_stages: int) -> np.ndarray:
 
 def recomputed_linear_blocks(cfg: Config, num_stages: int) -> np.ndarray:
     """Per stage, the blocks' worth of Linear matmuls the backward runs again for one microbatch: every
-    block under full, the checkpointed ones under selective-layer (engine.time.durations.checkpointed_blocks),
+    block under full, the checkpointed ones under selective-layer (engine.model.recompute.checkpointed_blocks),
     under selective-op the share of a block's matmul FLOPs its policy does not save in every block
     (engine.time.durations.per_op_recompute_flops_per_token), none under selective and none."""
     tr = cfg.training
@@ -285,7 +286,6 @@ def ep_stage_seconds(cfg: Config, num_stages: int,
     zeros = np.zeros(num_stages)
     if cfg.parallel.ep == 1:
         return zeros, zeros.copy()
-    from engine.time.durations import stage_block_counts
 
     fwd_l, bwd_l = ep_seconds_per_moe_layer(cfg, links)
     _, moe = stage_block_counts(cfg, num_stages)
