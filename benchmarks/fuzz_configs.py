@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from config_space import bad_numbers, random_config  # noqa: E402
 
 from engine import Config, ConfigError  # noqa: E402
-from engine.predict import predict, render_table  # noqa: E402
+from engine.predict import predict  # noqa: E402
+from gui.text import prediction_table  # noqa: E402
 
 
 class _Abandoned(Exception):
@@ -56,7 +57,7 @@ def check(raw: dict, give_up_s: float = 60.0) -> tuple[str, float, str]:
     signal.setitimer(signal.ITIMER_REAL, give_up_s)
     try:
         pred = predict(cfg)
-        render_table(pred)  # asks every distinct rank's reserved bytes: the allocator replay
+        prediction_table(pred)  # asks every distinct rank's reserved bytes: the allocator replay
         seconds = time.perf_counter() - t0
     except _Abandoned:
         return "abandoned", time.perf_counter() - t0, f"still predicting after {give_up_s:g} s"

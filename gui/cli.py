@@ -78,7 +78,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     cfg = _load(args.config)  # a refused config costs no numpy import
 
-    from engine.predict import predict, render_table
+    from engine.predict import predict
+    from gui.text import prediction_table
 
     calibration = None
     if args.calibration:
@@ -98,7 +99,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             print(f"calibrated from {c.source}: compute efficiency {c.compute_efficiency:.3g} "
                   f"(forward {c.forward_efficiency:.3g}, backward {c.backward_efficiency:.3g})"
                   + ("; same stages: measured per-stage durations" if c.same_stages(cfg) else ""))
-        print(render_table(pred, explain=args.explain))
+        print(prediction_table(pred, explain=args.explain))
     return EXIT_OK
 
 
@@ -129,8 +130,9 @@ def _calibration(path: str):
 def cmd_compare(args: argparse.Namespace) -> int:
     import json
 
-    from engine.compare.measured import compare, render_comparison
+    from engine.compare.measured import compare
     from engine.predict import predict
+    from gui.text import comparison_table
 
     d = _run_dir(args.run_dir)
     cfg = _load(str(d / "config.toml"))
@@ -143,7 +145,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps(cmp.to_json(), indent=2))
     else:
         print(_summary(cfg))
-        print(render_comparison(cmp))
+        print(comparison_table(cmp))
     return EXIT_OK
 
 
@@ -219,9 +221,116 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from engine.plan.search import plan_cli
+    """``shardscope plan``: a readable table or JSON; argument errors are one clean message, exit 2.
 
-    return plan_cli(args)
+    ``--float8 none,tensorwise,rowwise`` and ``--compile on,off`` choose the float8 kinds and torch.compile
+    settings searched (default: every float8 kind the GPU and precision allow, compile on and off).
+    ``--config CFG`` plans that config's job instead of ``--model``/``--gpus``/``--gpu``/``--gpus-per-node``. ``--all-fitting`` adds every fitting layout
+    (``fitting`` and ``base_config`` in the JSON). ``--progress`` writes JSON lines instead:
+    ``{"event": "progress", "phase": "top" | "fitting", "evaluated": k, "total": n}`` as the search
+    goes (at most ten a second), then ``{"event": "result", "result": {...}}`` (or
+    ``{"event": "error", "argument": ..., "message": ...}``).
+    """
+    import json
+    import time
+    from typing import Any
+
+    from engine import Config, ConfigError, names
+    from engine.plan.results import PlanError
+    from engine.plan.search import plan, plan_config
+    from gui.text import plan_table
+
+    def usage(message: str) -> int:
+        print(f"shardscope plan: {message}", file=sys.stderr)
+        return 2
+
+    base = None
+    config = getattr(args, "config", None)
+    if config is not None:
+        given = [flag for flag, name in (("--model", "model"), ("--gpus", "gpus"), ("--gpu", "gpu"),
+                                         ("--gpus-per-node", "gpus_per_node")) if getattr(args, name, None) is not None]
+        if given:
+            return usage(f"--config takes the model and the cluster from the config; leave out {', '.join(given)}")
+        if not Path(config).is_file():
+            return usage(f"--config: config file not found: {config}")
+        try:
+            base = Config.load(config)
+        except (ConfigError, OSError, ValueError) as exc:
+            return usage(f"--config {config}: {exc}")
+    else:
+        missing = [flag for flag, name in (("--model", "model"), ("--gpus", "gpus")) if getattr(args, name, None) is None]
+        if missing:
+            return usage(f"needs {' and '.join(missing)} (or --config CFG)")
+        args.gpu = "h100-sxm" if getattr(args, "gpu", None) is None else args.gpu
+        args.gpus_per_node = 8 if getattr(args, "gpus_per_node", None) is None else args.gpus_per_node
+    all_fitting = bool(getattr(args, "all_fitting", False))
+    limits = [getattr(args, name, None) for name in ("fitting_limit", "fitting_seconds")]
+    if any(v is not None for v in limits) and not all_fitting:
+        return usage("--fitting-limit and --fitting-seconds limit --all-fitting; add --all-fitting")
+    stream = bool(getattr(args, "progress", False))
+    if stream and not args.json:
+        return usage("--progress writes JSON lines; add --json")
+
+    kwargs: dict[str, Any] = {}
+    float8 = getattr(args, "float8", None)
+    if float8 is not None:
+        kinds = tuple(k.strip() for k in str(float8).split(",") if k.strip())
+        bad = [k for k in kinds if k not in names.FLOAT8_KINDS]
+        if bad or not kinds:
+            return usage(f"--float8: allowed: a comma-separated list of {', '.join(names.FLOAT8_KINDS)}; got {float8!r}")
+        kwargs["float8"] = kinds
+    compile_ = getattr(args, "compile", None)
+    if compile_ is not None:
+        words = [w.strip() for w in str(compile_).split(",") if w.strip()]
+        if not words or any(w not in ("on", "off") for w in words):
+            return usage(f"--compile: allowed: a comma-separated list of on, off; got {compile_!r}")
+        kwargs["compile"] = tuple(w == "on" for w in words)
+    for name in ("global_batch", "max_virtual_stages", "seq_len"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kwargs[name] = value
+    if getattr(args, "runnable", False):
+        kwargs["runnable_only"] = True
+    if all_fitting:
+        kwargs["all_fitting"] = True
+        for name in ("fitting_limit", "fitting_seconds"):
+            value = getattr(args, name, None)
+            if value is not None:
+                kwargs[name] = value
+    last = [0.0]
+
+    def emit(event: dict) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    if stream:
+        def progress(evaluated: int, total: int) -> None:
+            now = time.perf_counter()
+            if evaluated in (0, total) or now - last[0] >= 0.1:
+                last[0] = now
+                emit({"event": "progress", "phase": "fitting", "evaluated": evaluated, "total": total})
+
+        kwargs["progress"] = progress
+        emit({"event": "progress", "phase": "top", "evaluated": 0, "total": 0})
+    try:
+        if base is not None:
+            result = plan_config(base, top=args.top, **kwargs)
+        else:
+            result = plan(args.model, args.gpus, args.gpu, args.gpus_per_node, top=args.top, **kwargs)
+    except PlanError as exc:
+        flag = "--config" if exc.argument in ("config", "training") and base is not None else \
+            f"--{exc.argument.replace('_', '-')}"
+        if stream:
+            emit({"event": "error", "argument": exc.argument, "message": f"{flag}: {exc.message}"})
+        print(f"shardscope plan: {flag}: {exc.message}", file=sys.stderr)
+        return 2
+    if stream:
+        emit({"event": "result", "result": result.to_json()})
+    elif args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(plan_table(result))
+    return 0 if result.entries else 1
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -8,9 +8,10 @@ import pytest
 from engine import Config
 from engine.backend_limits import composition_problems, cp_rotate_refusal, predict_only
 from engine.plan.search import plan
-from engine.predict import predict, render_table
+from engine.predict import predict
 from gui.planning import PlanOutcome
 from gui.runnable import runnable_version
+from gui.text import prediction_table
 
 
 def cfg(tied: bool = False, **parallel):
@@ -94,10 +95,10 @@ def test_predict_and_the_planner_say_predict_only_in_words():
                             "parallel": {"dp": 8, "tp": 2, "ep": 2, "zero": 2}})
     pred = predict(oss)
     assert pred.predict_only == predict_only(oss) and any("attention_sinks" in w for w in pred.predict_only)
-    assert "predict only: ShardScope's backend cannot run this layout" in render_table(pred)
+    assert "predict only: ShardScope's backend cannot run this layout" in prediction_table(pred)
     assert pred.to_json()["predict_only"] == pred.predict_only
     plain = predict(cfg(dp=2, zero=2))
-    assert plain.predict_only == [] and "predict only" not in render_table(plain)
+    assert plain.predict_only == [] and "predict only" not in prediction_table(plain)
     result = plan("llama3-8b", 16, "h100-sxm", 8, top=10).to_json()
     result["entries"] += plan("gpt-oss-20b", 16, "h100-sxm", 8, top=3).to_json()["entries"]
     outcome = PlanOutcome(result)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine import Config, default_config
-from engine.compare.measured import compare, render_comparison
+from engine.compare.measured import compare
 from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict
+from gui.text import comparison_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +51,7 @@ def test_memory_errors_are_exact_per_rank_and_category():
     assert s["activations"] == 0.25 and s["params"] == 0.0 and math.isinf(s["temporaries"])
     assert s["bubble_error"] is None and cmp.bubble is None
     json.dumps(cmp.to_json())  # serialisable
-    text = render_comparison(cmp)
+    text = comparison_table(cmp)
     assert "activations" in text and "-25.0 %" in text and "n/a" in text
 
 
@@ -85,7 +86,7 @@ def test_pipeline_order_start_end_and_bubble():
     assert cmp.orders_identical is False and any("differs" in n for n in cmp.notes)
     assert cmp.makespan.measured == pytest.approx(4.4)
     assert cmp.bubble.measured == pytest.approx(0.5) and cmp.bubble.error == pytest.approx(0.0)
-    assert "order differs at action 0" in render_comparison(cmp)
+    assert "order differs at action 0" in comparison_table(cmp)
 
 
 def test_a_prediction_object_is_accepted_and_compared_with_itself():

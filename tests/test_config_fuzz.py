@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Config, ConfigError
-from engine.predict import predict, render_table
+from engine.predict import predict
+from gui.text import prediction_table
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -25,7 +26,7 @@ def test_every_config_is_refused_by_field_or_predicted_with_sound_numbers(rng, j
         assert "Traceback" not in str(exc)
         return
     pred = predict(cfg)
-    assert render_table(pred)
+    assert prediction_table(pred)
     assert bad_numbers(pred) == [], json.dumps(raw, default=str)
 
 

@@ -97,21 +97,20 @@ def _engine_imports() -> dict[str, tuple[set[str], set[str]]]:
         own = node.module in mods and len(subs) < len(node.names)
         return subs | ({node.module} if own else set())
 
+    def visit(node, in_function: bool, top: set[str], inner: set[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                (inner if in_function else top).update(targets(child))
+            elif isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                continue
+            else:
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)), top, inner)
+
     out = {}
     for name, path in mods.items():
         top, inner = set(), set()
-
-        def visit(node, in_function: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    (inner if in_function else top).update(targets(child) - {name})
-                elif isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
-                    continue
-                else:
-                    visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
-
-        visit(ast.parse(path.read_text()), False)
-        out[name] = (top, inner)
+        visit(ast.parse(path.read_text()), False, top, inner)
+        out[name] = (top - {name}, inner - {name})
     return out
 
 

@@ -20,10 +20,10 @@ from engine.plan.search import (
     default_float8_kinds,
     default_global_batch,
     plan,
-    render_table,
 )
 from engine.time.comm import GroupSpan, group_ranks, group_span
 from engine.time.step import step_time
+from gui.text import plan_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -209,7 +209,7 @@ def test_every_proposed_layout_is_valid_and_fits(args):
 def test_nothing_fits_gives_no_entries():
     result = plan("llama3-405b", 8, "rtx4090", 8, top=3)
     assert result.entries == () and result.best is None
-    assert "no layout fits" in render_table(result)
+    assert "no layout fits" in plan_table(result)
 
 
 def test_default_global_batch_is_a_multiple_of_the_gpus():

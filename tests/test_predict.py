@@ -10,7 +10,8 @@ import pytest
 from assets import PRESETS_DIR
 from engine import Config, default_config
 from engine.names import MEMORY_CATEGORIES
-from engine.predict import predict, render_table
+from engine.predict import predict
+from gui.text import prediction_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ def test_explain_terms_sum_to_each_category():
 
 
 def test_table_lists_every_distinct_rank_group():
-    text = render_table(predict(big()))
+    text = prediction_table(predict(big()))
     # stages 0 and 3: the two dp-ranks' ZeroRedundancyOptimizer shares differ (TensorParallelZeRO1 over each
     # TP shard's tensors), so each is its own group; stages 1 and 2 share equally
     for label in ("0-7", "8-15", "16-31", "32-47", "48-55", "56-63", "MFU", "bubble"):

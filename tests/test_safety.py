@@ -226,7 +226,8 @@ def test_a_step_too_long_to_simulate_is_refused_with_what_is_allowed():
 
 
 def test_a_million_ranks_predict_with_every_rank_there():
-    from engine.predict import predict, render_table
+    from engine.predict import predict
+    from gui.text import prediction_table
 
     cfg = Config.from_dict({"model": {"preset": "llama3-405b"}, "cluster": {"gpu": "h100-sxm", "gpus": 1 << 20},
                             "parallel": {"tp": 8, "pp": 16, "zero": 3, "microbatches": 16}})
@@ -235,7 +236,7 @@ def test_a_million_ranks_predict_with_every_rank_there():
     assert len(mem.per_rank) == 1 << 20 and len(mem.groups) == 16  # one body per pipeline stage
     assert mem.per_rank[-1].rank == (1 << 20) - 1 and mem.per_rank[-1].stages == (15,)
     assert mem.per_rank[65536].stages == (1,) and mem.per_rank[65535].stages == (0,)
-    assert "0-65535" in render_table(pred)
+    assert "0-65535" in prediction_table(pred)
 
 
 # --------------------------------------------------------------------------- Slurm script fields
