@@ -3,7 +3,7 @@ rows and scatter points it draws, and the Config a clicked layout becomes.
 
 The planner runs as a child process, ``python -m gui.cli plan --config JOB.toml --global-batch G
 --top K --json --all-fitting --progress``: JSON lines on stdout, ``{"event": "progress", ...}`` as it
-goes, then ``{"event": "result", "result": {...}}`` (``engine.plan.search.PlanResult.to_json``) or
+goes, then ``{"event": "result", "result": {...}}`` (``engine.plan.results.PlanResult.to_json``) or
 ``{"event": "error", ...}``. The window's process never runs the search itself (it holds the GIL
 for seconds), so a plan never stutters a slider.
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import Config
-from engine.plan.search import FITTING_LIMIT, FITTING_SECONDS, default_global_batch, layout_config
+from engine.plan.results import layout_config
+from engine.plan.search import FITTING_LIMIT, FITTING_SECONDS, default_global_batch
 from gui.child_process import Lines
 
 GIB = 2**30

@@ -282,7 +282,7 @@ def compare_predictions(baseline: Prediction, current: Prediction) -> Prediction
 def describe_config(cfg: Config) -> str:
     """A config in words, to say what a baseline is: model, GPUs and layout
     (``tiny · 4× cpu · dp2 tp1 pp2 ZeRO-0 1F1B m4 b2 recompute=none``)."""
-    from engine.plan.search import layout_label
+    from engine.plan.results import layout_label
 
     model = cfg.model.preset or f"custom {cfg.model.layers}×{cfg.model.hidden}"
     extra = ""

@@ -14,7 +14,8 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from engine import Config, default_config  # noqa: E402
 from engine.memory import memory_per_rank  # noqa: E402
-from engine.plan.search import default_global_batch, layout_label  # noqa: E402
+from engine.plan.results import layout_label  # noqa: E402
+from engine.plan.search import default_global_batch  # noqa: E402
 from engine.time.step import step_time  # noqa: E402
 
 pytestmark = pytest.mark.gui

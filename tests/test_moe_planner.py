@@ -9,7 +9,8 @@ from engine.config import ModelSpec
 from engine.memory import memory_per_rank
 from engine.model.presets import model_presets
 from engine.plan.moe import moe_candidates, moe_layout_config
-from engine.plan.search import _base_config, layout_config, plan
+from engine.plan.results import layout_config
+from engine.plan.search import _base_config, plan
 from engine.time.step import step_time
 
 # large experts on a small model: sharding them by ep beats gathering them with FSDP
@@ -48,7 +49,7 @@ def test_layouts_carry_ep_and_round_trip():
 
 
 def test_all_fitting_is_refused_for_moe_by_name():
-    from engine.plan.search import PlanError
+    from engine.plan.results import PlanError
 
     with pytest.raises(PlanError, match="all_fitting"):
         plan(SMALL, 16, "h100-sxm", all_fitting=True)

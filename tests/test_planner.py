@@ -12,15 +12,9 @@ import pytest
 
 from engine import Config
 from engine.memory import memory_per_rank
-from engine.plan.search import (
-    SEARCHED_COMPILE,
-    SEARCHED_RECOMPUTE,
-    PlanError,
-    _Planner,
-    default_float8_kinds,
-    default_global_batch,
-    plan,
-)
+from engine.plan.grid import _Planner
+from engine.plan.results import PlanError
+from engine.plan.search import SEARCHED_COMPILE, SEARCHED_RECOMPUTE, default_float8_kinds, default_global_batch, plan
 from engine.time.comm import GroupSpan, group_ranks, group_span
 from engine.time.step import step_time
 from gui.text import plan_table
@@ -62,7 +56,8 @@ def _first_fitting(rows, top):
 def _brute_force(kw):
     """Every layout of the grid, fully evaluated: (seconds, key, label, fits) + the bounds."""
     from engine import names
-    from engine.plan.search import _base_config, _key
+    from engine.plan.search import _base_config
+    from engine.plan.space import _key
 
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
     pl = _Planner(base, kw["global_batch"], (0, 1, 2, 3), names.SCHEDULES, SEARCHED_RECOMPUTE,
@@ -89,7 +84,8 @@ def test_cpu_ranks_that_share_cores_keep_the_bounds_below_the_engine():
     and overlap no communication with compute (engine.time.comm._dp_items): the time bounds count both, so on
     every layout of a slice of the embedded default's space they stay below the engine's step and close
     to it, and the plan equals the brute force."""
-    from engine.plan.search import _config_base, _key, plan_config
+    from engine.plan.search import _config_base, plan_config
+    from engine.plan.space import _key
 
     cfg = Config.load(ROOT / "assets/presets/default.toml").replace(cluster={"cpu_cores": 2})
     opts = dict(schedules=("1F1B", "Interleaved1F1B", "ZBVZeroBubble"), recompute=("none", "full"),
@@ -300,7 +296,8 @@ def test_bounds_are_vectors_of_the_grid():
 
 
 def test_lora_is_refused_with_the_argument_named():
-    from engine.plan.search import PlanError, plan
+    from engine.plan.results import PlanError
+    from engine.plan.search import plan
 
     with pytest.raises(PlanError) as info:
         plan("tiny", 2, gpu="cpu", gpus_per_node=2, training={"finetune": "lora"})
@@ -310,7 +307,8 @@ def test_lora_is_refused_with_the_argument_named():
 def test_shared_in_flight_counts_match_a_fresh_replay():
     """The in-flight counts cached across layout groups and plans give the same bounds as a cold replay."""
     from engine import names
-    from engine.plan.search import _base_config, _in_flight_sums
+    from engine.plan.memory_bound import _in_flight_sums
+    from engine.plan.search import _base_config
 
     kw = SMALL["llama2-7b/8×rtx4090"]
     base = _base_config(kw["model"], kw["gpus"], kw["gpu"], kw["gpus_per_node"], None, None)
@@ -346,7 +344,7 @@ def all_fitting():
 
 def test_all_fitting_is_every_layout_that_fits(all_fitting):
     """Uncapped, the sweep returns exactly the layouts the engine says fit, with the engine's numbers."""
-    from engine.plan.search import layout_config
+    from engine.plan.results import layout_config
 
     kw, rows = SMALL[SWEPT], _brute_force_of(SWEPT)
     result = all_fitting
@@ -388,7 +386,7 @@ def test_pareto_front_is_the_non_dominated_points(all_fitting):
 
 
 def test_pareto_front_handles_ties():
-    from engine.plan.search import pareto_front
+    from engine.plan.results import pareto_front
 
     pts = [(10.0, 5), (10.0, 5), (9.0, 5), (8.0, 3), (12.0, 9), (12.0, 10), (7.0, 3)]
     assert pareto_front(pts) == [True, True, False, True, True, False, False]
@@ -396,7 +394,7 @@ def test_pareto_front_handles_ties():
 
 
 def test_all_fitting_progress_cancel_and_limits():
-    from engine.plan.search import PlanCancelled
+    from engine.plan.results import PlanCancelled
 
     kw = dict(model="tiny", gpus=8, gpu="h100-sxm", gpus_per_node=8, global_batch=16, top=4)
     seen = []
@@ -469,7 +467,7 @@ def test_cli_all_fitting_streams_progress_then_the_result(tmp_path):
     points = data["fitting"]["points"]
     assert len(points) >= 300 - data["counts"]["did_not_fit"] and any(p["pareto"] for p in points)
     base = Config.from_dict(data["base_config"])
-    from engine.plan.search import layout_config
+    from engine.plan.results import layout_config
 
     first = data["entries"][0]
     assert points[0]["label"] == first["label"] and points[0]["position"] == 1

@@ -11,18 +11,17 @@ import pytest
 from test_planner import _first_fitting, _Row
 
 from engine.memory import memory_per_rank
+from engine.plan.grid import _Planner
+from engine.plan.results import PlanError, layout_config
 from engine.plan.search import (
     LONG_SEQUENCE_TOKENS,
     SEARCHED_COMPILE,
-    PlanError,
     _base_config,
-    _key,
-    _Planner,
     default_cp_degrees,
     default_float8_kinds,
-    layout_config,
     plan,
 )
+from engine.plan.space import _key
 from engine.time.step import step_time
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,16 +9,10 @@ from test_planner import _first_fitting, _Row
 
 from engine import Config
 from engine.memory import memory_per_rank
-from engine.plan.search import (
-    PlanError,
-    _base_config,
-    _key,
-    _Planner,
-    default_float8_kinds,
-    layout_config,
-    plan,
-    plan_config,
-)
+from engine.plan.grid import _Planner
+from engine.plan.results import PlanError, layout_config
+from engine.plan.search import _base_config, default_float8_kinds, plan, plan_config
+from engine.plan.space import _key
 from engine.predict import predict
 from engine.time.step import step_time
 
