@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine import legacy_dp
 from engine.backend_limits import predict_only
-from engine.config import Config
+from engine.config import Config, ConfigError
 from engine.memory import MemoryReport, memory_per_rank
 from engine.model.params import param_counts
 from engine.names import MEMORY_CATEGORIES
@@ -81,9 +81,27 @@ def predicted_step(cfg: Config, durations: StageDurations | None = None,
     (engine.legacy_dp) or the per-rank one (engine.time.step). predict() builds on it; calibration
     fits call it directly when they need only the step, many times over."""
     if wrapping_plan(cfg).legacy:
-
         return legacy_dp.step(cfg, durations, links)
     return step_time(cfg, durations, links)
+
+
+def predicted_memory(cfg: Config) -> MemoryReport:
+    """The memory model the wrapping plan of ``cfg`` selects: legacy ``nn.DataParallel``'s
+    (engine.legacy_dp) or the per-rank one (engine.memory)."""
+    return legacy_dp.memory(cfg) if wrapping_plan(cfg).legacy else memory_per_rank(cfg)
+
+
+def full_finetune_peak_bytes(cfg: Config) -> int | None:
+    """Under LoRA: what the fullest rank would hold if every weight trained (the same layout, the memory
+    model its wrapping plan selects); None without LoRA, or where the layout is not valid under full
+    fine-tuning."""
+    if cfg.training.finetune != "lora":
+        return None
+    try:
+        full = cfg.replace(training={"finetune": "full"})
+    except ConfigError:
+        return None
+    return int(predicted_memory(full).peak.total)
 
 
 def predict(cfg: Config, durations: StageDurations | None = None,
@@ -94,7 +112,4 @@ def predict(cfg: Config, durations: StageDurations | None = None,
     ``durations`` (measured per-stage seconds) replaces the analytic F/B/W times and ``links``
     (measured α and B per collective) the cluster's intra-node links: the calibration hooks.
     """
-    if wrapping_plan(cfg).legacy:  # legacy nn.DataParallel: its own memory and step model
-
-        return Prediction(config=cfg, memory=legacy_dp.memory(cfg), step=predicted_step(cfg, durations, links))
-    return Prediction(config=cfg, memory=memory_per_rank(cfg), step=predicted_step(cfg, durations, links))
+    return Prediction(config=cfg, memory=predicted_memory(cfg), step=predicted_step(cfg, durations, links))

@@ -37,13 +37,10 @@ from typing import Any
 from backend.events import describe
 from backend.records import TERMINAL_EVENTS, RunStatus, read_jsonl
 from engine import Config, ConfigError, Problem, default_config
-from engine.legacy_dp import memory as legacy_dp_memory
-from engine.memory import memory_per_rank
 from engine.model.presets import model_presets
 from engine.names import MEMORY_CATEGORIES
-from engine.pipeline.timeline import pipeline_prediction
+from engine.predict import Prediction, full_finetune_peak_bytes
 from engine.predict import predict as engine_predict
-from engine.time.step import step_time
 
 # Which control a field belongs to: the first prefix that matches wins.
 FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
@@ -79,81 +76,58 @@ def control_for_field(name: str) -> str:
 
 
 @dataclass
-class Prediction:
-    """What the engine said about one valid Config. A part is None when the engine could not
-    predict it for this config (``missing`` says why)."""
+class Predicted:
+    """One valid Config as the window shows it: the engine's :class:`engine.predict.Prediction`
+    (``prediction``; None where the engine could not predict the config, ``error`` says why) and what
+    the window adds beside it: how long the prediction took, which run's calibration timed it (or why
+    that calibration could not, and the analytic times are shown instead) and, under LoRA, the fullest
+    rank's bytes under full fine-tuning."""
 
     config: Config
-    memory: Any | None = None  # engine.memory.MemoryReport
-    timeline: Any | None = None  # engine.pipeline.timeline.Timeline
-    step: Any | None = None  # engine.time.step.StepTime
-    missing: dict[str, str] = field(default_factory=dict)  # part -> why it is not there
+    prediction: Prediction | None = None
+    error: str = ""
     seconds: float = 0.0
-    engine: Any | None = None  # the engine.predict.Prediction itself (what engine.compare.measured takes)
     calibrated_from: str | None = None  # run directory whose calibration timed this prediction
+    calibration_error: str = ""  # why the session's calibration could not time this config
     full_finetune_peak_bytes: int | None = None  # LoRA only: the fullest rank's memory under full fine-tuning
 
 
-def _full_finetune_peak(cfg: Config) -> int | None:
-    """Under LoRA: what the fullest rank would hold if every weight trained (same layout), by the
-    same memory model engine.predict picks for the layout (nn.DataParallel has its own)."""
-    if cfg.training.finetune != "lora":
-        return None
-    fn = legacy_dp_memory if cfg.parallel.dp_mode == "dataparallel" else memory_per_rank
-    try:
-        report = fn(cfg.replace(training={"finetune": "full"}))
-    except Exception:  # the same layout may not be valid under full fine-tuning: no marker then
-        return None
-    return int(report.peak.total)
+def memory_of(shown: Predicted | None):
+    """The engine's MemoryReport of ``shown`` (None without a prediction)."""
+    return None if shown is None or shown.prediction is None else shown.prediction.memory
 
 
-def _whole(pred: Prediction, p) -> Prediction:
-    pred.memory, pred.step, pred.timeline, pred.engine = p.memory, p.step, p.pipeline, p
-    pred.full_finetune_peak_bytes = _full_finetune_peak(pred.config)
-    return pred
-
-
-def predict(cfg: Config, calibration=None) -> Prediction:
+def predict(cfg: Config, calibration=None) -> Predicted:
     """engine.predict of ``cfg`` (timed by ``calibration``, an ``engine.compare.calibrate.Calibration``,
-    when given; memory is the same either way).
-
-    When the engine cannot predict the whole config, each model is asked on its own so one
-    failing model hides only its part, and ``missing`` says why.
-    """
+    when given and able to; memory is the same either way), with what the window adds beside it."""
     t0 = time.perf_counter()
-    pred = Prediction(config=cfg)
+    shown = Predicted(config=cfg)
     if calibration is not None:
         try:
-            p = calibration.predict(cfg)
+            shown.prediction = calibration.predict(cfg)
+            shown.calibrated_from = str(calibration.source)
         except Exception as exc:  # a calibration that cannot time this config: say so, use the analytic one
-            pred.missing["calibration"] = f"the calibration could not time this config: {exc}"
-        else:
-            pred.calibrated_from = str(calibration.source)
-            _whole(pred, p)
-            pred.seconds = time.perf_counter() - t0
-            return pred
-    try:
-        p = engine_predict(cfg)
-    except Exception:  # an engine limitation must not take the window down: ask part by part
-        for part, fn in (("memory", memory_per_rank), ("timeline", pipeline_prediction), ("step", step_time)):
-            try:
-                setattr(pred, part, fn(cfg))
-            except Exception as exc:
-                pred.missing[part] = f"{fn.__module__}.{fn.__name__} could not predict this config: {exc}"
-    else:
-        _whole(pred, p)
-    pred.seconds = time.perf_counter() - t0
-    return pred
+            shown.calibration_error = f"the calibration could not time this config: {exc}"
+    if shown.prediction is None:
+        try:
+            shown.prediction = engine_predict(cfg)
+        except Exception as exc:  # an engine limitation must not take the window down: it says why instead
+            shown.error = f"engine.predict could not predict this config: {exc}"
+    if shown.prediction is not None:
+        shown.full_finetune_peak_bytes = full_finetune_peak_bytes(cfg)
+    shown.seconds = time.perf_counter() - t0
+    return shown
 
 
-def prepared(pred: Prediction) -> Prediction:
-    """``pred`` with everything the window draws computed: each distinct rank's reserved bytes (the
+def prepared(shown: Predicted) -> Predicted:
+    """``shown`` with everything the window draws computed: each distinct rank's reserved bytes (the
     caching-allocator replay, computed when first read) included, so that a prediction made off the
     GUI thread costs the GUI thread nothing when it is drawn."""
-    if pred.memory is not None:
-        for group in getattr(pred.memory, "groups", None) or ():
+    memory = memory_of(shown)
+    if memory is not None:
+        for group in getattr(memory, "groups", None) or ():
             group.first.reserved  # noqa: B018 - computed now, kept by the body
-    return pred
+    return shown
 
 
 # --------------------------------------------------------------------------- a baseline and its differences
@@ -201,13 +175,14 @@ def _critical_comm(step) -> Any | None:
     return per_pp[min(step.critical_pp_rank, len(per_pp) - 1)] if per_pp else None
 
 
-def _scalar_metrics(pred: Prediction) -> dict[str, tuple[float, str]]:
+def _scalar_metrics(shown: Predicted) -> dict[str, tuple[float, str]]:
     """The step, throughput, pipeline and communication numbers of one prediction, by name."""
     out: dict[str, tuple[float, str]] = {}
-    step, tl = pred.step, pred.timeline
+    pred = shown.prediction
+    step, tl = (None, None) if pred is None else (pred.step, pred.pipeline)
     if step is not None:
         out["step_seconds"] = (float(step.seconds), "s")
-        tokens = pred.config.tokens_per_step / step.seconds if step.seconds > 0 else 0.0
+        tokens = shown.config.tokens_per_step / step.seconds if step.seconds > 0 else 0.0
         out["tokens_per_s"] = (float(tokens), "tokens/s")
         out["mfu"] = (float(step.mfu), "fraction")
         for key, seconds in step.breakdown.items():
@@ -239,8 +214,8 @@ class PredictionDiff:
     number (computed when first read: it is the one part whose size grows with the world).
     """
 
-    baseline: Prediction
-    current: Prediction
+    baseline: Predicted
+    current: Predicted
     peak: dict[str, Change]
     metrics: dict[str, Change]
     baseline_peak_rank: int | None
@@ -250,21 +225,26 @@ class PredictionDiff:
     def per_rank(self) -> dict[int, dict[str, Change]]:
         cached = self.__dict__.get("_per_rank")
         if cached is None:
-            base = {int(r.rank): _rank_bytes(r) for r in (self.baseline.memory.per_rank if self.baseline.memory
-                                                        else ())}
-            cur = {int(r.rank): _rank_bytes(r) for r in (self.current.memory.per_rank if self.current.memory
-                                                       else ())}
+            base = {int(r.rank): _rank_bytes(r) for r in (memory_of(self.baseline) or _NO_MEMORY).per_rank}
+            cur = {int(r.rank): _rank_bytes(r) for r in (memory_of(self.current) or _NO_MEMORY).per_rank}
             cached = {rank: _bytes_changes(base.get(rank), cur.get(rank)) for rank in sorted(base.keys() | cur.keys())}
             self.__dict__["_per_rank"] = cached
         return cached
 
 
-def _peak(pred: Prediction):
-    mem = pred.memory
+class _NoMemory:
+    per_rank = ()
+
+
+_NO_MEMORY = _NoMemory()
+
+
+def _peak(shown: Predicted):
+    mem = memory_of(shown)
     return mem.peak if mem is not None and mem.per_rank else None
 
 
-def compare_predictions(baseline: Prediction, current: Prediction) -> PredictionDiff:
+def compare_predictions(baseline: Predicted, current: Predicted) -> PredictionDiff:
     """What changed from ``baseline`` to ``current`` (see :class:`PredictionDiff`)."""
     bp, cp = _peak(baseline), _peak(current)
     peak = _bytes_changes(None if bp is None else _rank_bytes(bp), None if cp is None else _rank_bytes(cp))
@@ -492,13 +472,13 @@ NOTIFICATIONS = {
     "desired": "the desired config dict (the controls mirror it)",
     "problems": "dict control -> list[Problem]; empty when the desired config is valid",
     "config": "the new valid Config (its prediction is stale until recompute)",
-    "prediction": "the new Prediction",
+    "prediction": "the new Predicted (the engine's Prediction and what the window adds beside it)",
     "runs": "the list of runs changed (no argument)",
     "run_event": "RunRecord, event dict (a line the child printed is {'event': 'log', 'text': ...})",
     "run_finished": "RunRecord",
     "shown": "RunRecord whose measurement is drawn over the prediction of its config",
     "calibration": "RunRecord whose calibration times predictions, or None",
-    "baseline": "the pinned baseline Prediction, or None when it was cleared",
+    "baseline": "the pinned baseline Predicted, or None when it was cleared",
 }
 
 
@@ -509,7 +489,7 @@ class Session:
         self.config: Config = config if config is not None else default_config()
         self.desired: dict[str, Any] = self.config.to_dict()
         self.problems: dict[str, list[Problem]] = {}
-        self.prediction: Prediction | None = None
+        self.prediction: Predicted | None = None
         self.stale = True  # the prediction is not of the current config yet
         self.recompute_count = 0
         self.runs: list[RunRecord] = []
@@ -520,7 +500,7 @@ class Session:
         self.before_runnable: Config | None = None  # the config shown before a runnable version's result
         self.calibration = None  # engine.compare.calibrate.Calibration
         self.calibration_run: RunRecord | None = None
-        self.baseline: Prediction | None = None  # the pinned prediction the current one is compared with
+        self.baseline: Predicted | None = None  # the pinned prediction the current one is compared with
         self._difference: PredictionDiff | None = None
         self._listeners: dict[str, list[Callable[..., Any]]] = {name: [] for name in NOTIFICATIONS}
         self.scan_runs()
@@ -667,7 +647,7 @@ class Session:
 
     # ------------------------------------------------------------------ prediction
 
-    def recompute(self) -> Prediction:
+    def recompute(self) -> Predicted:
         """Predict the valid config now (calibrated when a calibration is set)."""
         return self.accept(prepared(predict(self.config, self.calibration)))
 
@@ -676,11 +656,11 @@ class Session:
         calibration as they are now."""
         return self.config, self.calibration
 
-    def accept(self, pred: Prediction) -> Prediction | None:
+    def accept(self, pred: Predicted) -> Predicted | None:
         """A prediction made of ``request()``'s config, taken as the current one; None (dropped) when
         the config or the calibration changed meanwhile: a later request will bring the current one."""
         source = None if self.calibration is None else str(self.calibration.source)
-        timed_as_asked = pred.calibrated_from == source or "calibration" in pred.missing  # (or it could not be)
+        timed_as_asked = pred.calibrated_from == source or bool(pred.calibration_error)  # (or it could not be)
         if pred.config != self.config or not timed_as_asked:
             return None
         self.recompute_count += 1
@@ -711,7 +691,7 @@ class Session:
 
     # ------------------------------------------------------------------ baseline
 
-    def pin_baseline(self) -> Prediction:
+    def pin_baseline(self) -> Predicted:
         """Keep the current prediction (of the valid config; predicted first when stale) as the
         baseline that every later prediction is compared with (:attr:`difference`).
 
@@ -744,11 +724,11 @@ class Session:
             diff = self._difference = compare_predictions(base, cur)
         return diff
 
-    def predict_for(self, cfg: Config) -> Prediction:
+    def predict_for(self, cfg: Config) -> Predicted:
         """The prediction of ``cfg`` as the session currently predicts (calibrated or not)."""
         pred = self.prediction
         source = None if self.calibration is None else str(self.calibration.source)
-        if pred is not None and pred.config == cfg and pred.engine is not None and pred.calibrated_from == source:
+        if pred is not None and pred.config == cfg and pred.prediction is not None and pred.calibrated_from == source:
             return pred
         return predict(cfg, self.calibration)
 

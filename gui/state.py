@@ -30,7 +30,7 @@ from gui.session import (  # noqa: F401 - the window's model types, importable f
     DRY_RUN_FILE,
     FIELD_CONTROLS,
     TARGETS,
-    Prediction,
+    Predicted,
     RunRecord,
     RunTarget,
     Session,
@@ -64,15 +64,15 @@ class State(QObject):
     configChanged = Signal(object)  # the new valid Config
     desiredChanged = Signal(object)  # the desired config dict (controls mirror it)
     problemsChanged = Signal(object)  # dict control -> list[Problem]; empty when valid
-    predictionReady = Signal(object)  # Prediction
+    predictionReady = Signal(object)  # Predicted (gui.session)
     runEvent = Signal(object, object)  # RunRecord, event dict
     runFinished = Signal(object)  # RunRecord
     runsChanged = Signal()
     measurementShown = Signal(object)  # RunRecord drawn over the prediction of its config
     calibrationChanged = Signal(object)  # RunRecord whose calibration times predictions, or None
-    baselineChanged = Signal(object)  # the pinned baseline Prediction, or None when cleared
+    baselineChanged = Signal(object)  # the pinned baseline Predicted, or None when cleared
     predictingChanged = Signal(bool)  # a prediction has been running longer than a frame (True), or is done
-    _predicted = Signal(object)  # a worker thread's Prediction (queued to this object's thread)
+    _predicted = Signal(object)  # a worker thread's Predicted (queued to this object's thread)
 
     config = _forward("config")
     desired = _forward("desired")
@@ -123,7 +123,7 @@ class State(QObject):
         self.configChanged.emit(cfg)
         self.schedule_recompute()
 
-    def _prediction_ready(self, pred: Prediction) -> None:
+    def _prediction_ready(self, pred: Predicted) -> None:
         self._timer.stop()  # fresh: a recomputation still queued would repeat it
         self.predictionReady.emit(pred)
 
@@ -156,7 +156,7 @@ class State(QObject):
         """Coalesce: however many edits arrive before the event loop turns, compute once."""
         self._timer.start()
 
-    def recompute_now(self) -> Prediction:
+    def recompute_now(self) -> Predicted:
         """Predict the current config on this thread, now (a prediction still running elsewhere is
         dropped when it arrives: its config has been predicted)."""
         self._timer.stop()
@@ -184,10 +184,10 @@ class State(QObject):
         try:
             pred = prepared(predict(cfg, calibration))
         except Exception as exc:  # noqa: BLE001 - the window shows what is missing instead of dying
-            pred = Prediction(config=cfg, missing={"memory": f"the prediction failed: {exc}"})
+            pred = Predicted(config=cfg, error=f"the prediction failed: {exc}")
         self._predicted.emit(pred)
 
-    def _take_prediction(self, pred: Prediction) -> None:
+    def _take_prediction(self, pred: Predicted) -> None:
         self._working = False
         self._slow.stop()
         self.predictingChanged.emit(False)
@@ -199,10 +199,10 @@ class State(QObject):
     def set_calibration(self, record: RunRecord | None) -> None:
         self.session.set_calibration(record)
 
-    def predict_for(self, cfg: Config) -> Prediction:
+    def predict_for(self, cfg: Config) -> Predicted:
         return self.session.predict_for(cfg)
 
-    def pin_baseline(self) -> Prediction:
+    def pin_baseline(self) -> Predicted:
         return self.session.pin_baseline()
 
     def clear_baseline(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 from engine import Config, default_config
 from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict as engine_predict
-from gui.session import Change, RunRecord, Session, compare_predictions, describe_config, predict
+from gui.session import Change, Predicted, RunRecord, Session, compare_predictions, describe_config, predict
 
 
 def _ddp(dp: int = 4) -> Config:
@@ -45,7 +45,7 @@ def test_ddp_against_zero3_of_the_same_model_is_exact_where_the_sharding_is():
     diff = compare_predictions(ddp, zero3)
     # ZeRO-3 keeps 1/dp of the parameters, gradients and optimizer state on every rank
     for c in ("params", "optimizer"):
-        base = getattr(ddp.memory.peak, c)
+        base = getattr(ddp.prediction.memory.peak, c)
         assert diff.peak[c].baseline == base and diff.peak[c].current * dp == base
         assert diff.peak[c].relative == 1 / dp - 1  # exact: whole bytes divided by dp
     # the gradients too, but they are not alive at ZeRO-3's peak (m = 1: the first backward's own moment,
@@ -56,37 +56,37 @@ def test_ddp_against_zero3_of_the_same_model_is_exact_where_the_sharding_is():
     # before the first backward's post-backward hooks there is none
     # DDP's own .grad likewise exists only from the first backward on (zero_grad(set_to_none=True), then
     # AccumulateGrad makes each): its peak at the first backward's loss holds none either
-    base = sum(t.bytes for t in ddp.memory.peak.catalogue("grads"))
-    assert diff.peak["grads"].baseline == ddp.memory.peak.grads == 0 and diff.peak["grads"].current == 0
-    assert sum(t.bytes for t in zero3.memory.peak.catalogue("grads")) * dp == base
+    base = sum(t.bytes for t in ddp.prediction.memory.peak.catalogue("grads"))
+    assert diff.peak["grads"].baseline == ddp.prediction.memory.peak.grads == 0 and diff.peak["grads"].current == 0
+    assert sum(t.bytes for t in zero3.prediction.memory.peak.catalogue("grads")) * dp == base
     # sharding the states leaves the activations alone: the same terms on both sides (the snapshot at each
     # side's own peak moment may differ: DDP's peaks in the first block's MLP backward, which frees the down input)
-    acts = [sorted((t.kind, t.bytes) for t in side.memory.peak.catalogue("activations")) for side in (ddp, zero3)]
+    acts = [sorted((t.kind, t.bytes) for t in side.prediction.memory.peak.catalogue("activations")) for side in (ddp, zero3)]
     assert acts[0] == acts[1]
     # the totals are the sums of the categories, on both sides
     for side in ("baseline", "current"):
         assert getattr(diff.peak["total"], side) == sum(getattr(diff.peak[c], side) for c in MEMORY_CATEGORIES)
-    assert diff.peak["total"].delta == zero3.memory.peak.total - ddp.memory.peak.total < 0
-    assert diff.baseline_peak_rank == ddp.memory.peak.rank and diff.current_peak_rank == zero3.memory.peak.rank
+    assert diff.peak["total"].delta == zero3.prediction.memory.peak.total - ddp.prediction.memory.peak.total < 0
+    assert diff.baseline_peak_rank == ddp.prediction.memory.peak.rank and diff.current_peak_rank == zero3.prediction.memory.peak.rank
     # per rank: the same four ranks on both sides, each with the same optimizer ratio
     assert sorted(diff.per_rank) == list(range(dp))
     for rank, changes in diff.per_rank.items():
         assert changes["optimizer"].current * dp == changes["optimizer"].baseline
-        assert changes["total"].baseline == ddp.memory.per_rank[rank].total
+        assert changes["total"].baseline == ddp.prediction.memory.per_rank[rank].total
     # time: the step and its communication, straight from the engine's StepTime
     m = diff.metrics
-    assert m["step_seconds"].baseline == ddp.step.seconds and m["step_seconds"].current == zero3.step.seconds
-    assert m["tokens_per_s"].current == pytest.approx(zero3.config.tokens_per_step / zero3.step.seconds)
-    assert m["mfu"].unit == "fraction" and m["mfu"].baseline == ddp.step.mfu
-    assert m["bubble_fraction"].baseline == ddp.timeline.bubble_fraction
-    assert m["makespan_s"].current == zero3.timeline.makespan_s
-    crit_b = ddp.step.comm.per_pp_rank[0]
-    crit_c = zero3.step.comm.per_pp_rank[0]
+    assert m["step_seconds"].baseline == ddp.prediction.step.seconds and m["step_seconds"].current == zero3.prediction.step.seconds
+    assert m["tokens_per_s"].current == pytest.approx(zero3.config.tokens_per_step / zero3.prediction.step.seconds)
+    assert m["mfu"].unit == "fraction" and m["mfu"].baseline == ddp.prediction.step.mfu
+    assert m["bubble_fraction"].baseline == ddp.prediction.pipeline.bubble_fraction
+    assert m["makespan_s"].current == zero3.prediction.pipeline.makespan_s
+    crit_b = ddp.prediction.step.comm.per_pp_rank[0]
+    crit_c = zero3.prediction.step.comm.per_pp_rank[0]
     assert m["comm.dp.bytes_sent"].baseline == crit_b.bytes_sent("dp")
     assert m["comm.dp.bytes_sent"].current == crit_c.bytes_sent("dp")
     assert m["comm.dp.bytes_sent"].relative > 0  # ZeRO-3 all-gathers the parameters on top: more traffic
     assert m["comm.dp.seconds"].unit == "s" and m["comm.dp.bytes_sent"].unit == "bytes"
-    assert sum(v.current for k, v in m.items() if k.startswith("breakdown.")) == pytest.approx(zero3.step.seconds)
+    assert sum(v.current for k, v in m.items() if k.startswith("breakdown.")) == pytest.approx(zero3.prediction.step.seconds)
 
 
 def test_ranks_only_one_side_has_are_compared_with_nothing():
@@ -94,16 +94,17 @@ def test_ranks_only_one_side_has_are_compared_with_nothing():
     diff = compare_predictions(small, large)
     assert sorted(diff.per_rank) == [0, 1, 2, 3]
     assert diff.per_rank[3]["total"].baseline is None and diff.per_rank[3]["total"].delta is None
-    assert diff.per_rank[0]["total"].baseline == small.memory.per_rank[0].total
+    assert diff.per_rank[0]["total"].baseline == small.prediction.memory.per_rank[0].total
 
 
-def test_a_part_the_engine_could_not_predict_is_none_not_zero():
+def test_what_the_engine_could_not_predict_is_none_not_zero():
     good = predict(_ddp())
-    broken = predict(_ddp())
-    broken.step, broken.timeline = None, None  # as when the engine could not predict them
+    broken = Predicted(config=good.config, error="engine.predict could not predict this config: ...")
     diff = compare_predictions(good, broken)
     assert diff.metrics["step_seconds"].current is None and diff.metrics["step_seconds"].delta is None
-    assert diff.peak["total"].delta == 0
+    assert diff.peak["total"].current is None and diff.peak["total"].delta is None
+    assert diff.peak["total"].baseline == good.prediction.memory.peak.total
+    assert diff.per_rank[0]["total"].current is None
 
 
 def test_pin_keeps_the_prediction_through_edits_and_the_difference_follows(session):
@@ -165,13 +166,13 @@ def test_a_calibration_retimes_the_baseline_once(session, tmp_path):
     base = session.baseline
     assert base is not pinned and base.config == pinned.config
     assert base.calibrated_from == str(run_dir) and session.prediction.calibrated_from == str(run_dir)
-    assert base.step.seconds > 2 * pinned.step.seconds  # timed like the current one now
-    assert [r.total for r in base.memory.per_rank] == [r.total for r in pinned.memory.per_rank]
+    assert base.prediction.step.seconds > 2 * pinned.prediction.step.seconds  # timed like the current one now
+    assert [r.total for r in base.prediction.memory.per_rank] == [r.total for r in pinned.prediction.memory.per_rank]
     assert heard.baselines == [base]
     assert session.difference.baseline is base
     session.set_calibration(None)
     assert session.baseline.calibrated_from is None
-    assert session.baseline.step.seconds == pytest.approx(pinned.step.seconds)
+    assert session.baseline.prediction.step.seconds == pytest.approx(pinned.prediction.step.seconds)
 
 
 def test_describe_config_names_model_gpus_and_layout():

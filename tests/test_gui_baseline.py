@@ -61,7 +61,7 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     assert diff.current is state.prediction and diff.peak["total"].delta > 0
     assert chart.baseline_stacks.box_count() == chart.stacks.box_count() == K * len(chart.groups)
     assert f"of {fmt_bytes(chart.capacity_bytes)} (+{fmt_bytes(diff.peak['total'].delta)}" in chart.header.text()
-    assert f"vs baseline {fmt_bytes(pinned.memory.peak.total)})" in chart.header.text()
+    assert f"vs baseline {fmt_bytes(pinned.prediction.memory.peak.total)})" in chart.header.text()
     # the metrics: each number, the baseline's and the change
     step = diff.metrics["step_seconds"]
     expected = (f"Step time: {_fmt_seconds(step.current)} (baseline {_fmt_seconds(step.baseline)}, "
@@ -70,7 +70,7 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     assert format_change(step).startswith("+")  # a bigger model steps slower
     assert any(line.startswith("Peak memory:") and "(baseline " in line and "+" in line
                for line in metrics.table.text().splitlines())
-    assert f"baseline step {_fmt_seconds(pinned.timeline.makespan_s)}" in window.timeline.header.text()
+    assert f"baseline step {_fmt_seconds(pinned.prediction.pipeline.makespan_s)}" in window.timeline.header.text()
     # hovering the baseline bar says what it is
     off, _ = chart._base_span
     rank, values = chart.baseline_groups[0]

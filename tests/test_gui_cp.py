@@ -14,7 +14,7 @@ from gui.runnable import runnable_version  # noqa: E402
 
 
 def _activations(window) -> dict[int, int]:
-    return {r.rank: r.activations for r in window.state.prediction.memory.per_rank}
+    return {r.rank: r.activations for r in window.state.prediction.prediction.memory.per_rank}
 
 
 @pytest.mark.gui

@@ -382,7 +382,7 @@ def many_ranks_over_capacity(state, pp: int = 16) -> None:
     d["training"].pop("grad_dtype", None)
     state.set_config(Config.from_dict(d))
     state.recompute_now()
-    assert state.config.parallel.pp == pp and any(not r.fits for r in state.prediction.memory.per_rank)
+    assert state.config.parallel.pp == pp and any(not r.fits for r in state.prediction.prediction.memory.per_rank)
 
 
 def show_measurement(state, tmp_path) -> None:

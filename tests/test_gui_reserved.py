@@ -60,7 +60,7 @@ def test_chart_draws_reserved_above_the_allocated_stack_and_overhead_above_it(wi
     show(window, Config.load(EXAMPLES / "llama3-8b-16gpu.toml"))  # 16 H100s: reserved > allocated on rank 0
     chart = window.memory
     g = chart.groups[0]
-    rm = window.state.prediction.engine.memory.per_rank[g.ranks[0]]
+    rm = window.state.prediction.prediction.memory.per_rank[g.ranks[0]]
     assert (g.allocated, g.reserved, g.device_bytes) == (rm.allocated, rm.reserved, rm.device_bytes)
     assert g.reserved - g.allocated > 0.5 * GIB and g.untracked > 0
     # the bar is allocated by category, the reserved cap, then the overhead outside the allocator
@@ -137,7 +137,7 @@ def test_over_capacity_counts_reserved_and_overhead(window):
 
 def test_metrics_and_explainer_name_allocated_and_reserved(window):
     show(window, Config.load(EXAMPLES / "llama3-8b-16gpu.toml"))
-    mem = window.state.prediction.engine.memory
+    mem = window.state.prediction.prediction.memory
     worst = max(mem.per_rank, key=lambda r: (r.device_bytes, -r.rank))
     rows = dict(window.metrics.rows)
     assert rows["Allocated"] == (f"{fmt_bytes(worst.allocated)} on rank {worst.rank}: live tensors at the peak "

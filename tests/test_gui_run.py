@@ -146,16 +146,16 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
     csv_path = window.run_panel.export_csv(tmp_path / "cmp.csv")
     assert csv_path.read_text().startswith("rank,quantity,predicted,measured,error_percent")
     # the calibration toggle: this run's timings re-time the prediction (step and timeline)
-    analytic_step = window.state.prediction.step.seconds
+    analytic_step = window.state.prediction.prediction.step.seconds
     assert window.run_panel.calibrate_box.isEnabled()
     window.run_panel.calibrate_box.setChecked(True)
     assert window.state.prediction.calibrated_from == str(record.out_dir)
-    assert window.state.prediction.step.seconds != pytest.approx(analytic_step)
+    assert window.state.prediction.prediction.step.seconds != pytest.approx(analytic_step)
     assert "calibration" in window.timeline.header.text()
     assert "calibrated" in window.run_panel.table_title.text()
     window.run_panel.calibrate_box.setChecked(False)
     assert window.state.prediction.calibrated_from is None
-    assert window.state.prediction.step.seconds == pytest.approx(analytic_step)
+    assert window.state.prediction.prediction.step.seconds == pytest.approx(analytic_step)
     # moving on to another config drops the overlay (it belongs to the config that ran)
     window.state.edit("parallel.microbatches", 8)
     window.state.recompute_now()

@@ -77,13 +77,13 @@ def test_prediction_follows_the_valid_config(session):
     heard = Heard(session)
     first = session.recompute()
     assert not session.stale and session.prediction is first and first.config == session.config
-    assert first.memory is not None and first.step is not None and first.timeline is not None and not first.missing
+    assert first.prediction is not None and not first.error and not first.calibration_error
     assert heard.calls[-1] == ("prediction", first)
     session.edit("parallel.microbatches", 8)
     assert session.stale and session.prediction is first
     second = session.recompute()
     assert second.config.parallel.microbatches == 8 and session.recompute_count == 2
-    assert second.timeline.microbatches == 8
+    assert second.prediction.pipeline.microbatches == 8
     assert session.predict_for(session.config) is second  # the current prediction is reused
     other = default_config()
     assert session.predict_for(other).config == other

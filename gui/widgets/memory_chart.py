@@ -24,7 +24,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxL
 
 from engine.names import MEMORY_CATEGORIES
 from gui.comparison import explain_text, fmt_bytes
-from gui.session import describe_config
+from gui.session import describe_config, memory_of
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.expert_band import LEGEND_HTML as EXPERT_LEGEND
 from gui.widgets.expert_band import ExpertBandItem, expert_bytes
@@ -253,17 +253,19 @@ class MemoryChart(QWidget):
     # ------------------------------------------------------------------ data
 
     def on_prediction(self, pred) -> None:
-        if pred.memory is None:
+        """``pred``: a ``gui.session.Predicted`` (the engine's Prediction and what the window adds)."""
+        if pred.prediction is None:
             self.report, self.groups = None, []
             self.expert_band.clear()
-            self.note.setText(pred.missing.get("memory", ""))
+            self.note.setText(pred.error)
             self.note.show()
         else:
-            self.report = pred.memory
-            self.capacity_bytes = int(pred.memory.capacity_bytes)
-            self.groups = group_ranks(pred.memory)
+            memory = pred.prediction.memory
+            self.report = memory
+            self.capacity_bytes = int(memory.capacity_bytes)
+            self.groups = group_ranks(memory)
             self.note.hide()
-        self.full_finetune_peak = getattr(pred, "full_finetune_peak_bytes", None)
+        self.full_finetune_peak = pred.full_finetune_peak_bytes
         self.dataparallel = getattr(pred.config.parallel, "dp_mode", "ddp") == "dataparallel"
         if self.measured_config is not None and self.measured_config != pred.config:
             self.measured_by_rank, self.measured_config, self.measured_label = {}, None, ""
@@ -284,7 +286,7 @@ class MemoryChart(QWidget):
         """A baseline was pinned (its prediction) or cleared (None): arrange its numbers once."""
         self.baseline = pred
         self._base_key = None  # boxes set again from this baseline
-        mem = getattr(pred, "memory", None)
+        mem = memory_of(pred)
         if pred is None or mem is None or not mem.per_rank:
             self._base_values, self._base_row = None, {}
         else:

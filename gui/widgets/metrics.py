@@ -172,16 +172,17 @@ def _lora_trainable(cfg) -> str:
     return f"{format_params(adapters)} of {format_params(total)} parameters ({adapters / total * 100:.2f} %)"
 
 
-def metric_rows(pred) -> list[tuple[str, str]]:
-    """(name, value) for every metric the engine produced for this prediction — nothing else."""
-    cfg = pred.config
+def metric_rows(shown) -> list[tuple[str, str]]:
+    """(name, value) for every metric the engine produced for this prediction (a ``gui.session.Predicted``)
+    — nothing else."""
+    cfg, pred = shown.config, shown.prediction
     rows = [
         ("Global batch", f"{cfg.global_batch_size:,} sequences · {cfg.tokens_per_step:,} tokens"),
         ("Layout", f"{cfg.parallel.world_size} ranks = dp {cfg.parallel.dp} × "
                    + (f"cp {cfg.parallel.cp} × " if cfg.parallel.cp > 1 else "")
                    + f"tp {cfg.parallel.tp} × pp {cfg.parallel.pp} on {cfg.cluster.nodes} node(s)"),
     ]
-    step = pred.step  # engine.time.step.StepTime
+    step = None if pred is None else pred.step  # engine.time.step.StepTime
     if step is not None:
         seconds = step.seconds
         rows.append(("Step time", _fmt_seconds(seconds)))
@@ -198,11 +199,11 @@ def metric_rows(pred) -> list[tuple[str, str]]:
                 rows.append((f"Comm · {dim}",
                              f"{fmt_bytes(critical.bytes_sent(dim))} sent, {_fmt_seconds(critical.seconds(dim))}"
                              f" (rank {critical.rank})"))
-    tl = pred.timeline  # engine.pipeline.timeline.Timeline
+    tl = None if pred is None else pred.pipeline  # engine.pipeline.timeline.Timeline
     if tl is not None:
         rows.append(("Pipeline bubble", f"{tl.bubble_fraction * 100:.1f}% ({cfg.conventions.bubble})"))
         rows.append(("Pipeline makespan", _fmt_seconds(tl.makespan_s)))
-    mem = pred.memory
+    mem = None if pred is None else pred.memory
     if mem is not None and mem.per_rank:
         peak = mem.peak
         rows.append(("Peak memory", f"{fmt_bytes(peak.total)} on rank {peak.rank}"))
@@ -211,18 +212,19 @@ def metric_rows(pred) -> list[tuple[str, str]]:
             g0, gi = mem.per_rank[0].total, mem.per_rank[-1].total
             rows.append(("GPU 0 vs others", f"{fmt_bytes(g0)} vs {fmt_bytes(gi)} (+{fmt_bytes(g0 - gi)}: module, "
                                             ".grad, optimizer, the whole batch's loss)"))
-    full_peak = pred.full_finetune_peak_bytes
+    full_peak = shown.full_finetune_peak_bytes
     if cfg.training.finetune == "lora":
         rows.append(("Trainable (LoRA)", _lora_trainable(cfg)))
         if full_peak is not None:
             fits = mem is not None and full_peak <= mem.capacity_bytes
             rows.append(("Full fine-tune would need", f"{fmt_bytes(full_peak)} on the fullest rank"
                                                      f" ({'fits' if fits else 'does not fit'})"))
-    labels = {"step": "Step time, tokens/s, MFU, communication", "memory": "Memory", "timeline": "Pipeline"}
-    if pred.calibrated_from:
-        rows.append(("Time from", f"the calibration of run {Path(pred.calibrated_from).name}"))
-    for part, why in pred.missing.items():
-        rows.append((labels.get(part, part), why))
+    if shown.calibrated_from:
+        rows.append(("Time from", f"the calibration of run {Path(shown.calibrated_from).name}"))
+    if shown.calibration_error:
+        rows.append(("Calibration", shown.calibration_error))
+    if shown.error:
+        rows.append(("Prediction", shown.error))
     return rows
 
 

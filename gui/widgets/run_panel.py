@@ -426,7 +426,7 @@ class RunPanel(QWidget):
         pred = self.state.predict_for(record.config)
         try:
             self.rows, self.notes, self.comparison = comparison_rows(
-                pred.engine, record.measurement, simulated=record.simulated, calibrated_from=pred.calibrated_from)
+                pred.prediction, record.measurement, simulated=record.simulated, calibrated_from=pred.calibrated_from)
         except (KeyError, TypeError, ValueError) as exc:
             self._clear_table()
             self.table_title.setText(f"{record.name}: the measurement cannot be compared ({exc})")

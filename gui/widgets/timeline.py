@@ -291,13 +291,13 @@ class TimelineView(QWidget):
         return lab
 
     def on_prediction(self, pred) -> None:
-        if pred.timeline is None:
+        if pred.prediction is None:
             self.predicted = Actions.empty()
             self.makespan_s, self.bubble_fraction = 0.0, None
-            self.note.setText(pred.missing.get("timeline", ""))
+            self.note.setText(pred.error)
             self.note.show()
         else:
-            tl = pred.timeline
+            tl = pred.prediction.pipeline
             self.predicted = actions_from_timeline(tl)
             self.makespan_s = float(getattr(tl, "makespan_s", self.predicted.end_s.max() if len(self.predicted) else 0))
             self.bubble_fraction = getattr(tl, "bubble_fraction", None)
@@ -314,7 +314,7 @@ class TimelineView(QWidget):
     baseline_makespan_s: float | None = None  # the pinned baseline's pipeline step, for the header
 
     def on_baseline(self, pred) -> None:
-        tl = getattr(pred, "timeline", None)
+        tl = None if pred is None or pred.prediction is None else pred.prediction.pipeline
         self.baseline_makespan_s = None if tl is None else float(tl.makespan_s)
         self._update_header(len(self.measured) > 0)
 
