@@ -11,7 +11,7 @@ through torchrun's own handler registry, that is torch's c10d backend and dynami
 with both stores served on sockets bound to 127.0.0.1, then runs torchrun's ``main``. The ranks
 reach the shared store as clients (TORCHELASTIC_USE_AGENT_STORE), and gloo's own sockets follow
 GLOO_SOCKET_IFNAME=lo (backend.launch sets it), so every listening socket of a local run is on
-loopback (tests/test_backend_faults.py checks it during a run).
+loopback (tests/backend/test_backend_faults.py checks it during a run).
 
 Where the ranks run on the CPU (no CUDA device: gloo), a ``-m module`` entry point is run by
 forking this agent after it has imported the module and what the module lists in ``PRELOAD``

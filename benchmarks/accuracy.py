@@ -442,7 +442,7 @@ temporary", which the engine no longer has either (it was the bucket).
   re-measured alone with `--only`, with their own reference run on a busier machine, and the full,
   selective-layer and two ZeRO-3 rows once more after the two fixes below: their step columns do
   not compare with the other rows'). What the model saves is checked tensor by tensor:
-  `tests/test_saved_tensors.py` counts the backend's whole tiny model with `saved_tensors_hooks`
+  `tests/backend/test_saved_tensors.py` counts the backend's whole tiny model with `saved_tensors_hooks`
   (one microbatch, unique storages, no parameters) — fp32, bf16 autocast, float8 rowwise and
   tensorwise under CPU autocast, compiled blocks, and FSDP2's bf16 / fp16 parameters (fully_shard
   on one rank, float8 tensorwise too) — and the engine's activations equal it up to the loss's own
@@ -548,7 +548,7 @@ temporary", which the engine no longer has either (it was the bucket).
   at the loss moment, as the engine does: which moment wins depends on the routing. What stood
   between the engine and the runs before:
   - *tensors the rows missed* (~0.52 kB per received routed copy, ~0.53 kB per sent one): a
-    saved-tensor census of the backend's MoE block (`tests/test_moe_saved_tensors.py`, which now
+    saved-tensor census of the backend's MoE block (`tests/backend/test_moe_saved_tensors.py`, which now
     holds `moe_layer_terms` to it byte for byte, with and without the all-to-all) found the
     combine's `index_add_` keeping its source (the weighted outputs, act·n·k·h) and its multiply
     the fp32 expert outputs (4·n·k·h; a copy under 16 bits), under ep the un-permute's `index_copy`

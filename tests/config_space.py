@@ -5,7 +5,7 @@ custom shape, dense or MoE, with the attention variants), a cluster and a layout
 mostly multiply up and divide what they must, every training knob and convention; then, with
 probability ``junk``, one to three fields are replaced by junk (negative, zero, huge, fractional,
 NaN, strings, lists, tables, unknown keys, a missing section). Used by the property test
-(tests/test_config_fuzz.py, through hypothesis' ``randoms()``) and by ``benchmarks/fuzz_configs.py``
+(tests/engine/config/test_config_fuzz.py, through hypothesis' ``randoms()``) and by ``benchmarks/fuzz_configs.py``
 (10,000 draws from a seed); ``bad_numbers(pred)`` lists what in a prediction is not a finite,
 non-negative number where one must be.
 """

@@ -71,8 +71,8 @@ class _Once:
 @pytest.fixture(scope="session")
 def small_3d_fake(tmp_path_factory):
     """``small_3d_fake()``: the fake-tensor simulation of ``SMALL_3D``'s ranks 0 and 4 (one per pipeline
-    stage, two at a time), run once for the session: tests/test_fake.py holds it to real tensors per
-    category (running it beside its real-tensor run), tests/test_fake_allocator.py to a real torchrun
+    stage, two at a time), run once for the session: tests/backend/fake/test_fake.py holds it to real tensors per
+    category (running it beside its real-tensor run), tests/backend/fake/test_fake_allocator.py to a real torchrun
     run's activations. Read it, never write to it."""
     pytest.importorskip("torch")
     from backend.fake import simulate

@@ -3,7 +3,7 @@
 These are the per-rank generators ``engine/pipeline/schedules.py`` used before it switched to the
 closed-form/numpy generators (commit history: "schedules: closed-form generators"). They are a
 literal, line-by-line port of torch's loops and were checked against torch by
-``tests/test_schedules.py``; they stay here, unoptimised, so that the fast generators can be
+``tests/engine/pipeline/test_schedules.py``; they stay here, unoptimised, so that the fast generators can be
 compared with them over a wide (pp, microbatches, v) grid without torch installed.
 
 Each function returns rank's compute actions in execution order; arguments (rank, pp, m, v).

@@ -9,7 +9,7 @@ sequence at their input, and the head's output stays vocab-sharded for loss_para
 Float8 (``training.float8``): torchao's Float8Linear layers take the same plan, their TP collectives in
 the compute dtype (bf16), as torchtitan runs its rowwise recipe; torchao's Float8ColwiseParallel /
 Float8RowwiseParallel (float8 all-gathers of the activations, torchtitan's tensorwise TP) are not used,
-and the engine predicts what this plan holds (tests/test_backend_torchtitan_knobs.py).
+and the engine predicts what this plan holds (tests/backend/test_backend_torchtitan_knobs.py).
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ def _norm(n: int) -> tuple[SavedTensor, ...]:
         # ``_fused_rms_norm`` in torch/_decomp/decompositions.py: "upcast is needed for fp16 and bf16",
         # ``upcasted_input = input.to(computation_dtype)``): pow and the mul by rsqrt save that fp32
         # upcast, not the 16-bit input (a new tensor: not what a checkpoint keeps; measured in
-        # tests/test_saved_tensors.py)
+        # tests/backend/test_saved_tensors.py)
         SavedTensor(f"norm{n} input upcast to fp32 (torch's composite RMSNorm of a 16-bit input)", "fp32", "sbh_rep",
                     part, only=("norm_upcast",), recomputed_by=kept_input),
         # x̂ is kept for the weight's gradient: none when the norm is frozen (LoRA), none under
@@ -313,7 +313,7 @@ def _qk_norms() -> tuple[SavedTensor, ...]:
     block norms: torch's RMSNorm saves its input and the fp32 rstd (one per row: each query and key
     head of each token), and its composite (CPU) also x̂ for the weight's gradient; of a 16-bit input
     (the compute-dtype Linear outputs) the composite saves the fp32 upcast and an fp32 x̂ instead
-    (measured in tests/test_saved_tensors.py: 202,752 B per tiny layer, fp32 and bf16 alike)."""
+    (measured in tests/backend/test_saved_tensors.py: 202,752 B per tiny layer, fp32 and bf16 alike)."""
     out: list[SavedTensor] = []
     for x, numel in (("q", "sbh_t"), ("k", "sbkv_t")):
         out += [
@@ -533,7 +533,7 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
                     recompute: str | None = None) -> tuple[list[tuple[str, int, str]], str]:
     """What one block's experts save for backward per microbatch on one rank, in place of the dense
     MLP's rows — every tensor autograd keeps of ``backend.model.MoE`` (a saved-tensor census of one
-    block, ``tests/test_moe_saved_tensors.py``, holds these rows to it byte for byte):
+    block, ``tests/backend/test_moe_saved_tensors.py``, holds these rows to it byte for byte):
 
     * router: its input (the norm output; under TP with ep its 1/t sequence slice, the shared
       experts then keep the whole norm output), the fp32 probabilities (softmax / sigmoid output),
@@ -632,7 +632,7 @@ def _moe_sac_terms(cfg: Config, ep_rank: int | None, n: int, n_r: int, rep: int,
     SwiGLU, w3's of the even local experts and w1's and w2's of the odd ones), the shared experts'
     likewise. Everything else (the norm output, the dispatch and its all-to-all, the SiLU, the
     combine) is recomputed in the block's backward. Measured: a saved-storage census of one block
-    under the backend's policy, ``tests/test_moe_saved_tensors.py``."""
+    under the backend's policy, ``tests/backend/test_moe_saved_tensors.py``."""
     m, par = cfg.model, cfg.parallel
     h, k, e = m.hidden, m.experts_per_token, m.experts
     swiglu = m.mlp == "swiglu"

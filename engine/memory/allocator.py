@@ -860,8 +860,8 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
     moved past the copies (where the last run would have made them; only the order of addresses
     matters), and the peaks are the last L periods' plus the growth; the periods left over are
     replayed. That is done only where the grown reserve stays within the capacity (which then never
-    binds) and no moved segment is an expandable one; else every period runs. Exact: equal to running them all (tests/test_allocator.py,
-    tests/test_lifetimes.py)."""
+    binds) and no moved segment is an expandable one; else every period runs. Exact: equal to running them all (tests/engine/memory/test_allocator.py,
+    tests/engine/memory/test_lifetimes.py)."""
     freed = {keys.shape(e[1]) for e in chunk if e[0] == "free"}
 
     def lasting(key) -> bool:

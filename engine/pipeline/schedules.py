@@ -25,7 +25,7 @@ DualPipeV             ``ScheduleDualPipeV._calculate_single_rank_operations``; e
 
 The multi-stage runtime executes ``pipeline_order_with_comms``; lowering it (adding
 send/recv, reduce-grad, unshard) never reorders compute actions, so the compute order here
-is the order that runs. ``tests/test_schedules.py`` checks every schedule against torch.
+is the order that runs. ``tests/engine/pipeline/test_schedules.py`` checks every schedule against torch.
 
 Idle slots (torch's ``None`` entries) are dropped: *when* an action runs is the timeline
 simulation's job (:mod:`engine.pipeline.timeline`), with real durations, not unit time steps.
@@ -237,7 +237,7 @@ def single_rank_plan(schedule: str, microbatches: int) -> PipelinePlan:
 # ACTION_KINDS, stage, microbatch); arguments (rank, pp, m, v). They are closed forms of
 # torch's step-by-step loops: each phase of a loop (warm-up, steady state, cool-down) emits a
 # regular pattern, written here as a few numpy ranges. tests/schedules_reference.py keeps the
-# literal loop ports; tests/test_schedules.py checks the two agree on a wide grid and that
+# literal loop ports; tests/engine/pipeline/test_schedules.py checks the two agree on a wide grid and that
 # both agree with torch.
 
 _F, _B, _I, _W = range(4)

@@ -1,0 +1,126 @@
+"""What a full backward holds inside its first block: the MLP's backward gradients, the down input it
+frees, the blocks' output gradient and a later stage's kept input gradient (engine/memory/activations.py,
+``block_backward_terms``), hand-worked from the per-op MemTracker trace of the tiny model."""
+
+from pathlib import Path
+
+from engine import Config
+from engine.memory import memory_per_rank
+from engine.memory.lifetimes import END_FREED_KINDS, LIFETIMES
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# the accuracy matrix's tiny model (benchmarks/accuracy.py): h 128, f 352, s 64
+TINY = {"preset": "tiny", "layers": 8, "hidden": 128, "heads": 8, "kv_heads": 4, "ffn_hidden": 352,
+        "vocab": 512, "seq_len": 64}
+
+
+def _cfg(parallel: dict, training: dict | None = None, model: dict | None = None) -> Config:
+    gpus = parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+    return Config.from_dict({
+        "model": {**TINY, **(model or {})},
+        "cluster": {"preset": "local-cpu", "gpus": gpus, "gpus_per_node": gpus},
+        "parallel": parallel,
+        "training": {"micro_batch_size": 2, "precision": "fp32", **(training or {})},
+    })
+
+
+def _terms(r, cat: str) -> dict[str, int]:
+    """The rank's terms of ``cat`` by kind, but the optimizer step's (another moment than the backward's,
+    tests/backend/test_memory_pytorch.py)."""
+    out: dict[str, int] = {}
+    for t in r.catalogue(cat):
+        if t.kind != "optimizer_step":
+            out[t.kind] = out.get(t.kind, 0) + t.bytes
+    return out
+
+
+def test_the_tiny_pipelines_backward_moment_as_measured_op_by_op():
+    """dp2 × pp2 1F1B, 4 microbatches, full recompute, fp32 DDP (the accuracy row). Measured on the last
+    stage at its peak (w2's backward in the last B's recomputed block): Temp = 491,520 B = the down
+    input's gradient (4·64·2·352 = 180,224) + w2's fresh weight gradient (352·128·4 = 180,224, added to
+    the one accumulated) + the blocks' output gradient (4·64·2·128 = 65,536) + the input gradient the
+    previous backward sent (65,536); on the first stage 360,448 B (no output gradient: its receive
+    buffer is comm_buffers; nothing sent). DDP's bucket is no temporary."""
+    c = _cfg({"dp": 2, "pp": 2, "microbatches": 4, "schedule": "1F1B"}, {"recompute": "full"})
+    ranks = memory_per_rank(c).per_rank
+    last = next(r for r in ranks if r.pp_rank == 1)
+    first = next(r for r in ranks if r.pp_rank == 0)
+    assert _terms(last, "temporaries") == {"mlp_backward": 2 * 180_224, "blocks_output_gradient": 65_536,
+                                           "held_input_gradient": 65_536, "loss": 2 * 4 * 64 * 2 * 512}
+    assert last.temporaries == 491_520  # the peak: the loss's own moment is not the B's
+    assert _terms(first, "temporaries") == {"mlp_backward": 360_448}
+    assert first.temporaries == 360_448
+    for r in ranks:
+        assert "ddp_backward_temporary" not in _terms(r, "temporaries")
+        assert "mlp_backward_freed" not in _terms(r, "activations")  # the two moments tie: the earlier holds
+
+
+def test_swiglu_frees_the_down_input_where_its_product_backward_is_the_larger_moment():
+    """Llama 3 8B shapes (s·b = 16,384 ≫ h = 4,096): the product's backward, 3·s·b·f of gradients with
+    the down input (s·b·f) freed, beats w2's (s·b·f and w2's weight gradient f·h). bf16 under FSDP2
+    (no fresh-gradient temporary: FSDP2's unit gradients are their own terms)."""
+    cfg = Config.load(ROOT / "assets/examples/fake/llama3-8b-fsdp8-full.toml")
+    r = memory_per_rank(cfg).per_rank[0]
+    s, b, f = cfg.local_seq_len, cfg.training.micro_batch_size, cfg.model.ffn_hidden
+    sbf = 2 * s * b * f
+    assert _terms(r, "temporaries")["mlp_backward"] == 3 * sbf
+    assert _terms(r, "activations")["mlp_backward_freed"] == -sbf
+
+
+def test_a_gelu_mlp_holds_w2s_backward_moment():
+    """Without a gate the activation's backward makes one s·b·f gradient as w2's input gradient dies:
+    w2's moment (its input gradient and fresh weight gradient) is the larger; nothing is freed then."""
+    c = _cfg({"dp": 2, "microbatches": 2}, model={"mlp": "gelu"})
+    r = memory_per_rank(c).per_rank[0]
+    assert _terms(r, "temporaries")["mlp_backward"] == 4 * 64 * 2 * 352 + 352 * 128 * 4
+    assert "mlp_backward_freed" not in _terms(r, "activations")
+    assert _terms(r, "temporaries")["blocks_output_gradient"] == 4 * 64 * 2 * 128
+
+
+def test_the_terms_live_in_full_backwards_and_the_kept_input_gradient_from_the_first_on():
+    assert LIFETIMES["mlp_backward"] == LIFETIMES["mlp_backward_freed"] == "full_backward"
+    assert LIFETIMES["blocks_output_gradient"] == "full_backward"
+    assert LIFETIMES["held_input_gradient"] == "after_first_backward"
+    assert "held_input_gradient" in END_FREED_KINDS
+
+
+def test_float8_eager_casts_of_w2s_input_are_the_backwards_moment():
+    """The accuracy row float8 tensorwise, bf16 ZeRO-3 dp4 (float8 all-gather), traced op by op: the
+    tracker peaks in w2's backward while torchao casts w2's saved bf16 input to float8 for the weight
+    gradient (``tensor.to(torch.float32) * scale``, then float8): Temp 561,164 B = the down input's
+    gradient (2·64·2·352 = 90,112) + the fp32 upcast and scaled copy and the float8 bytes
+    ((4 + 4 + 1)·45,056 = 405,504) + the output gradient's two float8 casts (2·64·2·128 = 32,768) +
+    the blocks' output gradient (2·64·2·128 = 32,768) + 12 B of scalars. Compiled, inductor fuses the
+    casts: the plain moments then."""
+    par = {"dp": 4, "zero": 3, "microbatches": 2}
+    fl8 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "tensorwise", "float8_all_gather": True}
+    r = memory_per_rank(_cfg(par, fl8)).per_rank[0]
+    assert _terms(r, "temporaries")["mlp_backward"] == 90_112 + 405_504 + 32_768
+    assert "B of microbatch" in r.peak_moment and "loss" not in r.peak_moment
+    assert r.temporaries == 561_152
+    compiled = memory_per_rank(_cfg(par, {**fl8, "compile": True})).per_rank[0]
+    assert _terms(compiled, "temporaries")["mlp_backward"] == 3 * 90_112  # SwiGLU's product backward
+
+
+def test_a_split_backward_keeps_each_weight_ops_output_gradient_from_i_to_w():
+    """InterleavedZeroBubble pp4 v2, fp32, one block per stage (the accuracy row), traced op by op:
+    on the last rank (stages 3 and 7) MemTracker's Temp rose by exactly 1,146,880 B per I of stage 7
+    before any W ran: per token 4 B × (wq 128 + wk, wv 2·64 + wo 128 + w1, w3 2·352 + w2 128 + the two
+    norms' 2·128) × s·b 128 = 753,664 B, the final norm's and the head's output gradients 4 × 128 ×
+    (128 + 512) = 327,680 B, and the stage input's gradient 65,536 B. The first stage runs no I."""
+    c = _cfg({"pp": 4, "schedule": "InterleavedZeroBubble", "virtual_stages": 2, "microbatches": 4})
+    ranks = memory_per_rank(c).per_rank
+    per_mb = {}
+    for r in ranks:
+        for t in r.catalogue("temporaries"):
+            if t.kind == "split_backward_grads":
+                per_mb[t.stage] = t.bytes // t.in_flight
+    assert per_mb[7] == 753_664 + 327_680 + 65_536
+    assert per_mb[5] == per_mb[3] == 753_664 + 65_536
+    assert 0 not in per_mb
+    # in the peak at the count alive then: the last rank peaks at its first W, stage 7's four Is done
+    last = ranks[3]
+    assert last.peak_moment.startswith("stage 7 W of microbatch 0")
+    kept = {t.stage: t.bytes for t in last.explain("temporaries") if t.kind == "split_backward_grads"}
+    assert kept == {7: 4 * 1_146_880}  # measured: 4 × 1,146,880 B of Temp after stage 7's fourth I
