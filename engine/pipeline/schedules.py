@@ -167,7 +167,7 @@ def schedule_problems(schedule: str, pp: int, microbatches: int, virtual_stages:
     """Why torch would refuse this combination, or the engine (a step too long to simulate in about a
     second: ``engine.config.step_size_problems``, with ``layers`` when given); empty when accepted.
 
-    Mirrors ``engine.config._check_pipeline`` (which reports the same rules as ConfigError
+    Mirrors ``engine.config.rules._check_pipeline`` (which reports the same rules as ConfigError
     problems on the config fields) so that a bad combination never reaches the simulator.
     """
     out: list[str] = []

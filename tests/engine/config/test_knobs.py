@@ -10,6 +10,7 @@ import pytest
 
 from engine import Config, ConfigError, default_config
 from engine import config as c
+from engine.config.sections import _declared
 
 SECTIONS = (("model", c.ModelSpec), ("cluster", c.ClusterSpec), ("cluster.gpu", c.GPUSpec),
             ("parallel", c.ParallelSpec), ("training", c.TrainingSpec), ("conventions", c.Conventions))
@@ -69,7 +70,7 @@ def test_a_new_knob_is_one_declaration():
         width: int = c.knob(4, doc="a width", range=c.Range(1, 8, "eight is plenty"), group="extra")
         mode: str = c.knob("a", doc="a mode", choices=("a", "b"), group="extra")
 
-    knobs = c._declared(Extra, "extra")
+    knobs = _declared(Extra, "extra")
     assert list(knobs) == ["extra.width", "extra.mode"]
     assert knobs["extra.width"].range.describe() == "1 … 8" and knobs["extra.mode"].allowed() == "a | b"
     assert Extra().width == 4
