@@ -37,6 +37,7 @@ from typing import Any
 from backend.events import describe
 from backend.records import TERMINAL_EVENTS, RunStatus, read_jsonl
 from engine import Config, ConfigError, Problem, default_config
+from engine.model.family import SHAPE_FIELDS
 from engine.model.presets import model_presets
 from engine.names import MEMORY_CATEGORIES
 from engine.predict import Prediction, full_finetune_peak_bytes
@@ -48,11 +49,13 @@ FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
     ("model.seq_len", "model.seq_len"),
     ("model.experts_per_token", "model.experts_per_token"),
     ("model.experts", "model.experts"),
-    ("model.", "model.size"),
+    *((f"model.{k}", "model.size") for k in SHAPE_FIELDS),  # what the size slider writes
+    ("model.", None),  # model.<key> -> the control of that key (gui.widgets.all_fields: every other field)
     ("model", "model.size"),
     ("cluster.gpus_per_node", "cluster.gpus_per_node"),
     ("cluster.gpus", "cluster.gpus"),
-    ("cluster.", "cluster.gpu"),
+    ("cluster.gpu", "cluster.gpu"),  # the GPU kind, and a custom GPU's table
+    ("cluster.", None),
     ("parallel.replicate", "parallel.zero"),
     ("parallel.fsdp", "parallel.zero"),
     ("parallel.", None),  # parallel.<key> -> the control of that key

@@ -26,6 +26,7 @@ from engine.config import FIELD_RANGES
 from engine.model.params import param_counts
 from engine.model.presets import gpu_presets, model_presets
 from gui.family import family_for, format_params
+from gui.widgets.all_fields import GeneratedControls
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.moe_controls import ExpertControls
 
@@ -158,6 +159,7 @@ class ControlsPanel(QWidget):
         self._build_cluster(outer)
         self._build_parallelism(outer)
         self._build_training(outer)
+        self.more = GeneratedControls(self, outer)  # every other field: gui.widgets.all_fields
         self._lora_shown: bool | None = None
         outer.addStretch(1)
 
@@ -392,6 +394,7 @@ class ControlsPanel(QWidget):
             self._show_lora(tr.get("finetune") == "lora")
             self._offer_dataparallel(par.get("dp_mode") == "dataparallel")
             self.moe.sync(model, par)
+            self.more.sync(desired)
         finally:
             self._syncing = False
 
@@ -441,6 +444,7 @@ class ControlsPanel(QWidget):
 
     def show_problems(self, problems: dict) -> None:
         """Each problem in words beside the control that owns its field; the rest in a banner."""
+        self.more.reveal(key for key, items in problems.items() if items)
         for key, label in self.errors.items():
             items = problems.get(key, [])
             text = "\n".join(f"⚠ {p.message}" + (f" ({p.field} = {p.value!r})" if p.value is not None else "")
