@@ -37,6 +37,7 @@ from typing import Any
 from backend.events import describe
 from backend.records import TERMINAL_EVENTS, RunStatus, read_jsonl
 from engine import Config, ConfigError, Problem, default_config
+from engine.legacy_dp import scaling
 from engine.model.family import SHAPE_FIELDS
 from engine.model.presets import model_presets
 from engine.names import MEMORY_CATEGORIES
@@ -260,6 +261,18 @@ def compare_predictions(baseline: Predicted, current: Predicted) -> PredictionDi
             metrics[name] = Change(name, bm[name][0] if name in bm else None, cm[name][0] if name in cm else None, unit)
     return PredictionDiff(baseline, current, peak, metrics,
                           None if bp is None else int(bp.rank), None if cp is None else int(cp.rank))
+
+
+def dataparallel_scaling(cfg: Config) -> tuple[list[dict], str]:
+    """(rows of engine.legacy_dp.scaling, '') or ([], why there are none for this config)."""
+    par = cfg.parallel
+    if par.tp != 1 or par.pp != 1 or par.zero != 0 or par.replicate != 1:
+        return [], ("nn.DataParallel replicates the whole model over one node's GPUs: with tp = pp = 1 and "
+                    "DDP sharding (DP mode → DataParallel offers to set them) this view compares it with DDP.")
+    try:
+        return scaling(cfg), ""
+    except Exception as exc:  # an engine limitation must not take the window down
+        return [], f"engine.legacy_dp.scaling could not predict this config: {exc}"
 
 
 def describe_config(cfg: Config) -> str:
@@ -564,6 +577,10 @@ class Session:
         if isinstance(gpus, int) and isinstance(per_node, int) and gpus > per_node:
             changes["cluster.gpus"] = per_node
         return changes
+
+    def dataparallel_scaling(self) -> tuple[list[dict], str]:
+        """nn.DataParallel against DDP on 1, 2, 4, … GPUs of one node for the valid config (``dataparallel_scaling``)."""
+        return dataparallel_scaling(self.config)
 
     def use_dataparallel(self) -> bool:
         """Switch to legacy nn.DataParallel and make the layout one it can run (dp = every GPU)."""

@@ -70,6 +70,11 @@ class Member:
         """The shape fields of the model table (what the size slider writes; ``shape_of``)."""
         return shape_of(self.spec)
 
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through (``engine.model.params.param_counts``: all of a dense model)."""
+        return param_counts(self.spec).active
+
 
 def step_of(base: ModelSpec, tp: int | None = None) -> int:
     """KV heads per width step: tp, or the largest of 1, 2, 4, 8 dividing kv_heads and ffn_hidden."""

@@ -23,7 +23,6 @@ from PySide6.QtWidgets import (
 
 from engine import names
 from engine.config import FIELD_RANGES
-from engine.model.params import param_counts
 from engine.model.presets import gpu_presets, model_presets
 from gui.family import family_for, format_params
 from gui.widgets.all_fields import GeneratedControls
@@ -337,7 +336,7 @@ class ControlsPanel(QWidget):
         text = f"{s.layers} layers × {s.hidden} hidden, {s.heads} heads ({s.kv_heads} KV), FFN {s.ffn_hidden}"
         if s.experts > 0:  # a mixture of experts: its experts, and what one token passes through
             text = (f"{s.layers} layers × {s.hidden} hidden, {s.experts} experts (top-{s.experts_per_token}) "
-                    f"of FFN {s.expert_hidden} · {format_params(param_counts(s).active)} active")
+                    f"of FFN {s.expert_hidden} · {format_params(member.active)} active")
         self.size_label.setText(text)
 
     # ------------------------------------------------------------------ mirror

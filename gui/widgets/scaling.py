@@ -1,8 +1,8 @@
 """Why legacy nn.DataParallel stops scaling: tokens/s against the GPU count, beside DDP.
 
-The numbers are ``engine.legacy_dp.scaling(cfg)``: the same job on N = 1, 2, 4, … GPUs of one
-node, once as nn.DataParallel (GPU 0 scatters, gathers, reduces and steps, nothing overlapped,
-the replicas' Python serialised on the GIL) and once as DDP. Worked out only while the view is
+The numbers are the session's (``gui.session.dataparallel_scaling``: ``engine.legacy_dp.scaling``): the
+same job on N = 1, 2, 4, … GPUs of one node, once as nn.DataParallel (GPU 0 scatters, gathers, reduces
+and steps, nothing overlapped, the replicas' Python serialised on the GIL) and once as DDP. Worked out only while the view is
 on screen and a drag has paused, so it never sits on the slider-to-repaint path.
 """
 
@@ -12,23 +12,10 @@ import pyqtgraph as pg
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from engine.legacy_dp import scaling
 from gui.comparison import fmt_bytes
 
 DDP_COLOR = "#4C78A8"
 DATAPARALLEL_COLOR = "#D62728"
-
-
-def scaling_rows(cfg) -> tuple[list[dict], str]:
-    """(rows of engine.legacy_dp.scaling, '') or ([], why there are none for this config)."""
-    par = cfg.parallel
-    if par.tp != 1 or par.pp != 1 or par.zero != 0 or par.replicate != 1:
-        return [], ("nn.DataParallel replicates the whole model over one node's GPUs: with tp = pp = 1 and "
-                    "DDP sharding (DP mode → DataParallel offers to set them) this view compares it with DDP.")
-    try:
-        return scaling(cfg), ""
-    except Exception as exc:  # an engine limitation must not take the window down
-        return [], f"engine.legacy_dp.scaling could not predict this config: {exc}"
 
 
 def scaling_summary(rows: list[dict]) -> str:
@@ -91,7 +78,7 @@ class ScalingView(QWidget):
         if cfg == self._computed_for:
             return
         self._computed_for = cfg
-        self.rows, why = scaling_rows(cfg)
+        self.rows, why = self.state.session.dataparallel_scaling()
         xs = [r["gpus"] for r in self.rows]
         self.ddp_curve.setData(xs, [r["ddp_tokens_per_s"] for r in self.rows])
         self.dp_curve.setData(xs, [r["dataparallel_tokens_per_s"] for r in self.rows])
