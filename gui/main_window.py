@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine import ConfigError
-from gui.session import describe_config
+from gui.predicted import describe_config
 from gui.state import State
 from gui.widgets.controls import ControlsPanel
 from gui.widgets.load_balance import LoadBalanceView

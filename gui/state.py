@@ -24,21 +24,11 @@ from typing import Any
 from PySide6.QtCore import QObject, QProcess, QTimer, Signal
 
 from engine import Config
-from gui import session as _session
+from gui import runs as _runs
 from gui.child_process import Lines, start_child
-from gui.session import (  # noqa: F401 - the window's model types, importable from here as before
-    DRY_RUN_FILE,
-    FIELD_CONTROLS,
-    TARGETS,
-    Predicted,
-    RunRecord,
-    RunTarget,
-    Session,
-    control_for_field,
-    predict,
-    prepared,
-    read_run_dir,
-)
+from gui.predicted import Predicted, predict, prepared
+from gui.runs import DRY_RUN_FILE, TARGETS, RunRecord, RunTarget, read_run_dir  # noqa: F401 - importable from here
+from gui.session import FIELD_CONTROLS, Session, control_for_field  # noqa: F401 - as before
 
 #: after a cancel, how long the child gets to stop its ranks before it is killed
 KILL_AFTER_MS = 5000
@@ -87,7 +77,7 @@ class State(QObject):
     calibration = _forward("calibration")
     calibration_run = _forward("calibration_run")
     baseline = _forward("baseline")
-    difference = _forward("difference")  # gui.session.PredictionDiff of the prediction against the baseline
+    difference = _forward("difference")  # gui.predicted.PredictionDiff of the prediction against the baseline
 
     def __init__(self, config: Config | None = None, runs_dir: str | Path = "runs", parent=None):
         super().__init__(parent)
@@ -234,10 +224,10 @@ class State(QObject):
 
     def run_command(self, config_path: Path, out_dir: Path, target: RunTarget | None = None,
                     dry_run: bool = False) -> list[str]:
-        return _session.run_command(config_path, out_dir, target, dry_run)
+        return _runs.run_command(config_path, out_dir, target, dry_run)
 
     def simulate_command(self, config_path: Path, out_dir: Path) -> list[str]:
-        return _session.simulate_command(config_path, out_dir)
+        return _runs.simulate_command(config_path, out_dir)
 
     def start_simulation(self, cfg: Config | None = None) -> RunRecord:
         """Simulate ``cfg`` at full scale on a fake process group (memory only) in a child process."""

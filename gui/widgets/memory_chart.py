@@ -24,7 +24,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxL
 
 from engine.names import MEMORY_CATEGORIES
 from gui.comparison import explain_text, fmt_bytes
-from gui.session import describe_config, memory_of
+from gui.predicted import describe_config, memory_of
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.expert_band import LEGEND_HTML as EXPERT_LEGEND
 from gui.widgets.expert_band import ExpertBandItem, expert_bytes
@@ -253,7 +253,7 @@ class MemoryChart(QWidget):
     # ------------------------------------------------------------------ data
 
     def on_prediction(self, pred) -> None:
-        """``pred``: a ``gui.session.Predicted`` (the engine's Prediction and what the window adds)."""
+        """``pred``: a ``gui.predicted.Predicted`` (the engine's Prediction and what the window adds)."""
         if pred.prediction is None:
             self.report, self.groups = None, []
             self.expert_band.clear()

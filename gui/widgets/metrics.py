@@ -13,7 +13,7 @@ from PySide6.QtCore import QEvent, QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
-from gui.session import describe_config
+from gui.predicted import describe_config
 from gui.widgets.memory_chart import fmt_bytes
 from gui.widgets.timeline import _fmt_seconds
 
@@ -173,7 +173,7 @@ def _lora_trainable(cfg) -> str:
 
 
 def metric_rows(shown) -> list[tuple[str, str]]:
-    """(name, value) for every metric the engine produced for this prediction (a ``gui.session.Predicted``)
+    """(name, value) for every metric the engine produced for this prediction (a ``gui.predicted.Predicted``)
     — nothing else."""
     cfg, pred = shown.config, shown.prediction
     rows = [
@@ -308,7 +308,7 @@ def _baseline_value(name: str, diff) -> str | None:
 def rows_with_baseline(rows: list[tuple[str, str]], baseline_rows: list[tuple[str, str]], diff,
                        baseline_text: str) -> list[tuple[str, str]]:
     """The current rows, each number followed by the baseline's and the change (from ``diff``, a
-    gui.session.PredictionDiff); a metric only the baseline has is listed as none now; the first row
+    gui.predicted.PredictionDiff); a metric only the baseline has is listed as none now; the first row
     names the baseline's config (``baseline_text``)."""
     base = dict(baseline_rows)
     out = [("Baseline", baseline_text)]

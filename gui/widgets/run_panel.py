@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
 from backend.records import RunStatus
 from gui.comparison import Row, comparison_rows
 from gui.runnable import Runnable, runnable_version
-from gui.session import RunRecord, RunTarget
+from gui.runs import RunRecord, RunTarget
 
 TARGET_LABELS = {"local": "This machine", "slurm": "Slurm (sbatch)", "hosts": "Hosts (one command each)"}
 TARGET_NOTES = {

@@ -1,6 +1,6 @@
 """Why legacy nn.DataParallel stops scaling: tokens/s against the GPU count, beside DDP.
 
-The numbers are the session's (``gui.session.dataparallel_scaling``: ``engine.legacy_dp.scaling``): the
+The numbers are the session's (``gui.predicted.dataparallel_scaling``: ``engine.legacy_dp.scaling``): the
 same job on N = 1, 2, 4, … GPUs of one node, once as nn.DataParallel (GPU 0 scatters, gathers, reduces
 and steps, nothing overlapped, the replicas' Python serialised on the GIL) and once as DDP. Worked out only while the view is
 on screen and a drag has paused, so it never sits on the slider-to-repaint path.

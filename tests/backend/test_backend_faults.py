@@ -110,7 +110,7 @@ def test_a_run_listens_on_loopback_only_and_a_cancel_stops_every_process(tmp_pat
     events = RunDir(run.path).read_events()
     assert events[-1]["event"] == "cancelled"
 
-    from gui.session import read_run_dir
+    from gui.runs import read_run_dir
 
     assert read_run_dir(run.path).status == "cancelled"  # and so it reads back from disk
 

@@ -9,7 +9,9 @@ import pytest
 from engine import Config, default_config
 from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict as engine_predict
-from gui.session import Change, Predicted, RunRecord, Session, compare_predictions, describe_config, predict
+from gui.predicted import Change, Predicted, compare_predictions, describe_config, predict
+from gui.runs import RunRecord
+from gui.session import Session
 
 
 def _ddp(dp: int = 4) -> Config:

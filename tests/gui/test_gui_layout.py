@@ -35,7 +35,7 @@ from PySide6.QtWidgets import (  # noqa: E402
 
 from engine import default_config  # noqa: E402
 from gui.app import make_window  # noqa: E402
-from gui.session import RunRecord  # noqa: E402
+from gui.runs import RunRecord  # noqa: E402
 from gui.state import State  # noqa: E402
 
 pytestmark = pytest.mark.gui

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 from engine import Config, default_config  # noqa: E402
 from engine.predict import predict  # noqa: E402
 from gui.comparison import RESERVED, comparison_rows, fmt_bytes  # noqa: E402
-from gui.session import RunRecord  # noqa: E402
+from gui.runs import RunRecord  # noqa: E402
 from gui.widgets.memory_chart import CATEGORY_COLORS, RESERVED_FILL, RESERVED_LINE, segment_bytes  # noqa: E402
 
 pytestmark = pytest.mark.gui

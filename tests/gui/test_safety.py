@@ -272,7 +272,7 @@ def test_a_newline_in_a_slurm_option_is_a_usage_error(tmp_path):
 
 def test_a_cancelled_run_reads_back_as_cancelled(tmp_path):
     from backend.events import describe
-    from gui.session import read_run_dir
+    from gui.runs import read_run_dir
 
     run = RunDir.claim(tmp_path / "run")
     TWO.save(run.config)

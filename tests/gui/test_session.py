@@ -12,7 +12,8 @@ import pytest
 from backend.events import describe
 from backend.records import RunStatus
 from engine import default_config
-from gui.session import RunRecord, RunTarget, Session, apply_event, read_run_dir
+from gui.runs import RunRecord, RunTarget, apply_event, read_run_dir
+from gui.session import Session
 
 ROOT = Path(__file__).resolve().parents[2]
 
