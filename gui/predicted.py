@@ -31,9 +31,11 @@ class Predicted:
     calibration_error: str = ""  # why the session's calibration could not time this config
     full_finetune_peak_bytes: int | None = None  # LoRA only: the fullest rank's memory under full fine-tuning
 
+
 def memory_of(shown: Predicted | None):
     """The engine's MemoryReport of ``shown`` (None without a prediction)."""
     return None if shown is None or shown.prediction is None else shown.prediction.memory
+
 
 def predict(cfg: Config, calibration=None) -> Predicted:
     """engine.predict of ``cfg`` (timed by ``calibration``, an ``engine.compare.calibrate.Calibration``,
@@ -56,6 +58,7 @@ def predict(cfg: Config, calibration=None) -> Predicted:
     shown.seconds = time.perf_counter() - t0
     return shown
 
+
 def prepared(shown: Predicted) -> Predicted:
     """``shown`` with everything the window draws computed: each distinct rank's reserved bytes (the
     caching-allocator replay, computed when first read) included, so that a prediction made off the
@@ -65,6 +68,7 @@ def prepared(shown: Predicted) -> Predicted:
         for group in getattr(memory, "groups", None) or ():
             group.first.reserved  # noqa: B018 - computed now, kept by the body
     return shown
+
 
 @dataclass(frozen=True)
 class Change:
@@ -90,19 +94,23 @@ class Change:
             return None
         return self.delta / self.baseline
 
+
 def _rank_bytes(rank_memory) -> dict[str, float]:
     out = {c: float(getattr(rank_memory, c)) for c in MEMORY_CATEGORIES}
     out["total"] = float(rank_memory.total)
     return out
 
+
 def _bytes_changes(base: dict[str, float] | None, cur: dict[str, float] | None) -> dict[str, Change]:
     return {c: Change(c, None if base is None else base[c], None if cur is None else cur[c], "bytes")
             for c in (*MEMORY_CATEGORIES, "total")}
+
 
 def _critical_comm(step) -> Any | None:
     """The RankComm of the pipeline rank that sets the step time (what the metrics panel shows)."""
     per_pp = step.comm.per_pp_rank if step is not None else ()
     return per_pp[min(step.critical_pp_rank, len(per_pp) - 1)] if per_pp else None
+
 
 def _scalar_metrics(shown: Predicted) -> dict[str, tuple[float, str]]:
     """The step, throughput, pipeline and communication numbers of one prediction, by name."""
@@ -126,8 +134,10 @@ def _scalar_metrics(shown: Predicted) -> dict[str, tuple[float, str]]:
         out["makespan_s"] = (float(tl.makespan_s), "s")
     return out
 
+
 #: the order of PredictionDiff.metrics (comm.* and breakdown.* follow, sorted)
 METRIC_ORDER = ("step_seconds", "tokens_per_s", "mfu", "bubble_fraction", "makespan_s")
+
 
 @dataclass
 class PredictionDiff:
@@ -158,14 +168,18 @@ class PredictionDiff:
             self.__dict__["_per_rank"] = cached
         return cached
 
+
 class _NoMemory:
     per_rank = ()
 
+
 _NO_MEMORY = _NoMemory()
+
 
 def _peak(shown: Predicted):
     mem = memory_of(shown)
     return mem.peak if mem is not None and mem.per_rank else None
+
 
 def compare_predictions(baseline: Predicted, current: Predicted) -> PredictionDiff:
     """What changed from ``baseline`` to ``current`` (see :class:`PredictionDiff`)."""
@@ -181,6 +195,7 @@ def compare_predictions(baseline: Predicted, current: Predicted) -> PredictionDi
     return PredictionDiff(baseline, current, peak, metrics,
                           None if bp is None else int(bp.rank), None if cp is None else int(cp.rank))
 
+
 def dataparallel_scaling(cfg: Config) -> tuple[list[dict], str]:
     """(rows of engine.legacy_dp.scaling, '') or ([], why there are none for this config)."""
     par = cfg.parallel
@@ -191,6 +206,7 @@ def dataparallel_scaling(cfg: Config) -> tuple[list[dict], str]:
         return scaling(cfg), ""
     except Exception as exc:  # an engine limitation must not take the window down
         return [], f"engine.legacy_dp.scaling could not predict this config: {exc}"
+
 
 def describe_config(cfg: Config) -> str:
     """A config in words, to say what a baseline is: model, GPUs and layout

@@ -15,7 +15,9 @@ from engine import Config, ConfigError
 
 TARGETS = ("local", "slurm", "hosts")  # the values of `shardscope run --target`
 
+
 DRY_RUN_FILE = "dry-run.txt"  # what a dry run printed (the sbatch script or the per-host commands)
+
 
 @dataclass(frozen=True)
 class RunTarget:
@@ -63,15 +65,18 @@ class RunTarget:
             return f"hosts {self.hosts.strip()}"
         return "this machine"
 
+
 def run_command(config_path: Path, out_dir: Path, target: RunTarget | None = None,
                 dry_run: bool = False) -> list[str]:
     """``python -m gui.cli run CFG --out DIR [target options] [--dry-run] --json``."""
     extra = (target or RunTarget()).cli_args() + (["--dry-run"] if dry_run else [])
     return [sys.executable, "-m", "gui.cli", "run", str(config_path), "--out", str(out_dir), *extra, "--json"]
 
+
 def simulate_command(config_path: Path, out_dir: Path) -> list[str]:
     """``python -m gui.cli measure CFG --fake --out DIR --json``: one JSON document at the end."""
     return [sys.executable, "-m", "gui.cli", "measure", str(config_path), "--fake", "--out", str(out_dir), "--json"]
+
 
 @dataclass
 class RunRecord:
@@ -121,6 +126,7 @@ class RunRecord:
                 self.simulated = True
         return self.measurement
 
+
 def apply_event(record: RunRecord, event: dict) -> None:
     """One event of a run (the backend's JSON line) applied to its record: status, progress, log."""
     record.events.append(event)
@@ -145,6 +151,7 @@ def apply_event(record: RunRecord, event: dict) -> None:
     elif kind == "finished" and record.status != RunStatus.FAILED:
         record.status = RunStatus.FINISHED
     record.log.append(describe(event))
+
 
 def read_run_dir(path: str | Path) -> RunRecord:
     """A run directory as a RunRecord: status from events.jsonl, config from config.toml.

@@ -65,6 +65,7 @@ FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
     ("training.", None),
 )
 
+
 #: fields whose change makes dp follow the GPU count (dp = gpus / (cp·tp·pp))
 LAYOUT_FIELDS = ("parallel.tp", "parallel.cp", "parallel.pp", "cluster.gpus")
 
@@ -78,6 +79,7 @@ def control_for_field(name: str) -> str:
 
 
 # --------------------------------------------------------------------------- the session
+
 
 #: what a Session tells its listeners, and with what
 NOTIFICATIONS = {

@@ -230,6 +230,7 @@ class Config:
             raise
         return path
 
+
 def default_config() -> Config:
     """The embedded default: the tiny model on local CPU ranks (assets/presets/default.toml)."""
 

@@ -48,17 +48,23 @@ class Range:
         note = f" ({self.note})" if self.note else ""
         return f"allowed: {self.describe()}; {hint}{note}"
 
+
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
 
+
 _ONE_SECOND_US = 1e6
+
 
 _BANDWIDTH = Range(0, 1e5, "NVLink 5 moves 900 GB/s per GPU and direction, an 8×800 Gb/s node 100 GB/s per GPU: "
                    "100 TB/s is 100× the fastest link", lo_open=True)
 
+
 _LATENCY = Range(0, _ONE_SECOND_US, "a round trip across continents is ~100 ms (1e5 µs): one second is 10× that")
 
+
 _NO_DEFAULT = dataclasses.MISSING
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -77,6 +83,7 @@ class Knob:
         if isinstance(self.choices, dict):
             return " | ".join(f"{k} ({v})" for k, v in self.choices.items())
         return " | ".join(sorted(self.choices) if isinstance(self.choices, frozenset) else self.choices or ())
+
 
 def knob(default: Any = _NO_DEFAULT, *, doc: str, range: Range | None = None,
          choices: tuple[str, ...] | dict[str, str] | None = None, group: str = "") -> Any:

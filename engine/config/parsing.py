@@ -29,6 +29,7 @@ from engine.model.presets import cluster_presets, gpu_presets, model_presets
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
                tuple: "a list of numbers"}
 
+
 def _nested_numbers(value: Any, depth: int) -> bool:
     """Lists of numbers nested at most ``depth`` deep, every leaf a number at the same depth."""
     if not isinstance(value, (list, tuple)) or depth == 0:
@@ -37,8 +38,10 @@ def _nested_numbers(value: Any, depth: int) -> bool:
         return True
     return all(_nested_numbers(x, depth - 1) for x in value)
 
+
 def _deep_float(value: Any) -> Any:
     return tuple(_deep_float(x) for x in value) if isinstance(value, (list, tuple)) else float(value)
+
 
 def _coerce(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, Any]:
     try:
@@ -47,7 +50,9 @@ def _coerce(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, 
         p.append(Problem(path, value, f"is too large for a number (at most about {_MAX_FLOAT:.3g})"))
         return False, None
 
+
 _MAX_FLOAT = 1.7976931348623157e308
+
 
 def _coerce_number(p: list[Problem], path: str, value: Any, kind: type) -> tuple[bool, Any]:
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -64,12 +69,14 @@ def _coerce_number(p: list[Problem], path: str, value: Any, kind: type) -> tuple
     p.append(Problem(path, value, f"must be {_KIND_NAMES.get(kind, kind.__name__)}"))
     return False, None
 
+
 def _table(p: list[Problem], raw: dict, key: str) -> dict:
     value = raw.get(key, {})
     if not isinstance(value, dict):
         p.append(Problem(key, value, "must be a table"))
         return {}
     return value
+
 
 def _read_fields(p: list[Problem], section: str, table: dict, cls: type, skip: set[str]) -> dict[str, Any]:
     """Type-check a table against a dataclass; unknown keys are problems that name the key."""
@@ -86,6 +93,7 @@ def _read_fields(p: list[Problem], section: str, table: dict, cls: type, skip: s
         if ok:
             out[key] = v
     return out
+
 
 def _parse(raw: dict[str, Any], base_dir: Path | None = None) -> dict[str, Any]:
     """The sections of ``raw``, each field read and checked; raises ConfigError with every problem."""
@@ -128,6 +136,7 @@ def _parse(raw: dict[str, Any], base_dir: Path | None = None) -> dict[str, Any]:
     return {"model": model, "cluster": cluster, "parallel": parallel, "training": training,
             "conventions": conventions}
 
+
 def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) -> ModelSpec | None:
     presets = model_presets()
     base: dict[str, Any] = {}
@@ -159,6 +168,7 @@ def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) ->
         return None
     return ModelSpec(**merged)
 
+
 def _read_hf(p: list[Problem], value: Any, base_dir: Path | None) -> tuple[dict[str, Any], str] | None:
     """The fields of the Hugging Face config.json ``value`` names (relative to ``base_dir``, the
     config file's folder, else the working directory) and its resolved path."""
@@ -180,6 +190,7 @@ def _read_hf(p: list[Problem], value: Any, base_dir: Path | None) -> tuple[dict[
         return None
     return fields, str(path.resolve())
 
+
 def _parse_parallel(p: list[Problem], table: dict) -> dict[str, Any]:
     table = dict(table)
     fsdp = table.pop("fsdp", None)
@@ -196,6 +207,7 @@ def _parse_parallel(p: list[Problem], table: dict) -> dict[str, Any]:
                 p.append(Problem("parallel.replicate", par.get("replicate", 1),
                                  f"fsdp = {fsdp!r} needs parallel.replicate > 1 (HSDP replica count)"))
     return par
+
 
 def _parse_gpu(p: list[Problem], value: Any) -> GPUSpec | None:
     presets = gpu_presets()
@@ -223,6 +235,7 @@ def _parse_gpu(p: list[Problem], value: Any) -> GPUSpec | None:
         return GPUSpec(**merged)
     p.append(Problem("cluster.gpu", value, f"must be a GPU preset name ({', '.join(presets)}) or a table"))
     return None
+
 
 def _parse_cluster(p: list[Problem], table: dict, par: dict[str, Any]) -> ClusterSpec | None:
     presets = cluster_presets()
@@ -254,9 +267,11 @@ def _parse_cluster(p: list[Problem], table: dict, par: dict[str, Any]) -> Cluste
     merged.setdefault("inter_node_latency_us", 50.0 if gpu.name == "cpu" else 5.0)
     return ClusterSpec(gpu=gpu, preset=preset, **merged)
 
+
 def _asdict_without_none(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
             if getattr(obj, f.name) is not None and f.name not in drop}
+
 
 #: Fields a file names only when they differ from their defaults (the mixture-of-experts, MLA and
 #: recent attention fields): a dense model's file reads as it did before they existed.
@@ -270,12 +285,14 @@ _WRITTEN_WHEN_SET: dict[type, tuple[str, ...]] = {
     Conventions: ("moe_imbalance", "moe_capacity_factor", "moe_expert_load"),
 }
 
+
 def _drop_defaults(obj: Any, out: dict[str, Any]) -> dict[str, Any]:
     defaults = {f.name: f.default for f in dataclasses.fields(obj)}
     for key in _WRITTEN_WHEN_SET.get(type(obj), ()):
         if key in out and out[key] == defaults[key]:
             del out[key]
     return out
+
 
 def _unparse(cfg) -> dict[str, Any]:
     """``cfg`` (a Config) as the file writes it: defaults left out where a preset gives them."""

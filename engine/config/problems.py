@@ -20,6 +20,7 @@ class Problem:
             shown = f"{shown[:40]}…{shown[-12:]} ({len(shown)} characters)"
         return f"{self.field} = {shown}: {self.message}"
 
+
 class ConfigError(ValueError):
     """A config that breaks one or more rules. ``problems`` lists every one of them."""
 

@@ -33,6 +33,7 @@ def _range_paths() -> tuple[tuple[str, str, tuple[str, ...], str, Range], ...]:
         out.append((path, section, tuple(middle), key, rng))
     return tuple(out)
 
+
 def _check_ranges(p: list[Problem], sections: dict[str, Any]) -> set[str]:
     """Every field of FIELD_RANGES inside its range (and of its type); returns the fields at fault."""
     bad: set[str] = set()
@@ -50,14 +51,17 @@ def _check_ranges(p: list[Problem], sections: dict[str, Any]) -> set[str]:
             bad.add(path)
     return bad
 
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
 
 def _choice(problems: list[Problem], path: str, value: Any) -> None:
     """``value`` among the choices ``path`` declares (``KNOBS``), or a problem that lists them."""
     k = KNOBS[path]
     if value not in k.choices:
         problems.append(Problem(path, value, f"allowed: {k.allowed()}"))
+
 
 def check(
     model: ModelSpec,
@@ -96,6 +100,7 @@ def check(
     _choice(p, "conventions.state_accounting", c.state_accounting)
     return p
 
+
 def _check_model(p: list[Problem], model: ModelSpec, parallel: ParallelSpec, training: TrainingSpec,
                  conventions: Conventions, out_of_range: set, ok_model: bool) -> None:
     """The model's own rules: head widths, the kinds it names, its experts and latent attention."""
@@ -118,6 +123,7 @@ def _check_model(p: list[Problem], model: ModelSpec, parallel: ParallelSpec, tra
     _check_moe(p, model, parallel, conventions, out_of_range)
     _check_mla(p, model, out_of_range)
     _check_moe_combinations(p, model, parallel, training)
+
 
 def _check_parallel(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec, *, ok_model: bool,
                     ok_cluster: bool, ok_par: bool) -> None:
@@ -169,6 +175,7 @@ def _check_parallel(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, pa
             p.append(Problem("parallel.pipeline_split", par.pipeline_split,
                              f"{exc}: needs model.layers ≥ 2·(pp·virtual_stages) − 2 or so; allowed: even"))
 
+
 def _check_dp_mode(p: list[Problem], cluster: ClusterSpec, par: ParallelSpec, ok_cluster: bool) -> None:
     """Legacy nn.DataParallel: one process, one node, data parallelism alone."""
     _choice(p, "parallel.dp_mode", par.dp_mode)
@@ -187,6 +194,7 @@ def _check_dp_mode(p: list[Problem], cluster: ClusterSpec, par: ParallelSpec, ok
         p.append(Problem("parallel.dp_mode", par.dp_mode,
                          f"nn.DataParallel runs in one process on one node: cluster.gpus ({cluster.gpus}) must "
                          f"not exceed cluster.gpus_per_node ({cluster.gpus_per_node})"))
+
 
 def _check_training(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, par: ParallelSpec,
                     t: TrainingSpec) -> None:
@@ -208,6 +216,7 @@ def _check_training(p: list[Problem], model: ModelSpec, cluster: ClusterSpec, pa
                          f"with precision {t.precision!r} allowed: {' | '.join(allowed_grads[t.precision])}"))
     _check_lora(p, model, par, t)
 
+
 def _check_context_parallel(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> None:
     """Context parallelism: torch's head-tail load balancing cuts the sequence into 2·cp chunks."""
     if par.cp == 1:
@@ -228,6 +237,7 @@ def _check_context_parallel(p: list[Problem], model: ModelSpec, par: ParallelSpe
                          "context parallelism reduces gradients over dp·cp as torchtitan does, with FSDP's "
                          "dp_shard_cp mesh or DDP; ZeRO-1 (ZeroRedundancyOptimizer) is not composed with it: "
                          "needs parallel.zero = 0, 2 or 3; allowed with zero = 1: 1"))
+
 
 def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conventions, bad: set[str]) -> None:
     """Mixture of experts and expert parallelism (torchtitan's ParallelDims: ep divides dp_shard·cp·tp)."""
@@ -290,6 +300,7 @@ def _check_moe(p: list[Problem], model: ModelSpec, par: ParallelSpec, conv: Conv
                          f"the busiest expert gets at most every token: allowed: 1 … model.experts ({e})"))
     _check_expert_load(p, conv, e, model.layers - model.dense_layers if e else 0, par.microbatches)
 
+
 def _check_expert_load(p: list[Problem], conv: Conventions, experts: int, moe_blocks: int = 0,
                        microbatches: int = 1) -> None:
     """``conventions.moe_expert_load``: empty, or one non-negative fraction per expert summing to 1
@@ -346,8 +357,10 @@ def _check_expert_load(p: list[Problem], conv: Conventions, experts: int, moe_bl
         p.append(Problem(key, _deep_list(load), "a measured dropless load: with it allowed: "
                          "conventions.moe_capacity_factor = 0"))
 
+
 def _deep_list(x):
     return [_deep_list(v) for v in x] if isinstance(x, tuple) else x
+
 
 def _check_moe_combinations(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:
     """What experts and MLA do not compose with here (each a clear refusal, not a silent guess)."""
@@ -366,6 +379,7 @@ def _check_moe_combinations(p: list[Problem], model: ModelSpec, par: ParallelSpe
         p.append(Problem("parallel.zero", par.zero, "ZeroRedundancyOptimizer partitions one data-parallel group, "
                          "but expert weights differ between EP ranks: with parallel.ep > 1 allowed: 0 (experts "
                          "all-reduced over efsdp), 2, 3 (experts FSDP-sharded over efsdp, as torchtitan)"))
+
 
 def _check_mla(p: list[Problem], model: ModelSpec, bad: set[str]) -> None:
     """Multi-head latent attention: its ranks and head widths, and none of the plain-attention ones."""
@@ -386,6 +400,7 @@ def _check_mla(p: list[Problem], model: ModelSpec, bad: set[str]) -> None:
     if "model.kv_heads" not in bad and "model.heads" not in bad and model.kv_heads != model.heads:
         p.append(Problem("model.kv_heads", model.kv_heads, f"attention = 'mla' expands the latent to every head: "
                          f"allowed: model.heads ({model.heads})"))
+
 
 def _check_torchtitan_knobs(p: list[Problem], par: ParallelSpec, t: TrainingSpec) -> None:
     """float8, compile, async TP, the FSDP reshard policy and the pipeline split (torchtitan's knobs)."""
@@ -415,6 +430,7 @@ def _check_torchtitan_knobs(p: list[Problem], par: ParallelSpec, t: TrainingSpec
     if par.pipeline_split == "torchtitan" and par.pp == 1:
         p.append(Problem("parallel.pipeline_split", par.pipeline_split, "needs parallel.pp > 1 (a pipeline to split)"))
 
+
 def _check_lora(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: TrainingSpec) -> None:
     """LoRA's fields: always type- and range-checked; the cross-rules only when finetune = "lora"."""
     _choice(p, "training.finetune", t.finetune)
@@ -434,6 +450,7 @@ def _check_lora(p: list[Problem], model: ModelSpec, par: ParallelSpec, t: Traini
         p.append(Problem("training.lora_base_dtype", t.lora_base_dtype,
                          "a 4-bit (nf4) base composes here with DDP / ZeRO-1 and pipelining only: needs parallel.zero "
                          f"≤ 1 and parallel.tp = 1 (got zero = {par.zero}, tp = {par.tp})"))
+
 
 def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> None:
     """The pipeline rules, including those torch.distributed.pipelining enforces itself."""
@@ -466,6 +483,7 @@ def _check_pipeline(p: list[Problem], model: ModelSpec, par: ParallelSpec) -> No
     values = {"parallel.pp": par.pp, "parallel.microbatches": m}
     p.extend(Problem(field, values[field], why) for field, why in step_size_problems(s, par.pp, v, m, model.layers))
 
+
 def step_size_problems(schedule: str, pp: int, virtual_stages: int, microbatches: int,
                        layers: int | None = None) -> list[tuple[str, str]]:
     """Why a step is too long for the engine to simulate in about a second, as (field, why) (empty: it
@@ -496,16 +514,19 @@ def step_size_problems(schedule: str, pp: int, virtual_stages: int, microbatches
                    f"{MAX_STAGE_MICROBATCHES // stages}"))
     return out
 
+
 #: the most forward passes (stages × microbatches) a step may hold: the timeline simulates each F, B
 #: (and W) action and the allocator replay lays what no steady state repeats, so the step predicts in
 #: about a second at most up to here (Llama 3 405B on 16,384 GPUs runs 16 stages × 16 microbatches;
 #: DeepSeek-V3's 2,048 GPUs 16 × 120; its 15,360-sequence batch on one replica, 1 × 15,360)
 MAX_STAGE_MICROBATCHES = 16384
 
+
 #: the most block-microbatches (microbatches × layers) a breadth-first schedule (GPipe, LoopedBFS) may
 #: lay: its step holds no steady state for the allocator replay to skip, each costs ~30 µs with two
 #: stages a rank (Llama 3 405B's 126 layers: 130 microbatches; GPipe runs are published with 8–64)
 MAX_BREADTH_FIRST_BLOCKS = 16384
+
 
 #: the most block-microbatches (microbatches × layers, summed over the pipeline ranks) any other
 #: pipeline may lay: its allocator need not loop (the last stage's kept outputs grow each microbatch),
@@ -513,6 +534,7 @@ MAX_BREADTH_FIRST_BLOCKS = 16384
 #: microbatches (128,000–256,000) took 1.2–6.3 s. Llama 3 70B on 64 stages × 256 microbatches: 20,480;
 #: Llama 3 405B: 260 microbatches; published pipelines run 8–64
 MAX_PIPELINE_BLOCKS = 32768
+
 
 #: the most pipeline-rank blocks (pp × layers): each pipeline rank's warm-up and cool-down are laid block
 #: by block, ~0.1 ms per pp·layer for two stages a rank (Megatron-LM's 1T model: 64 stages of 128

@@ -14,6 +14,7 @@ from engine.config.knobs import _BANDWIDTH, _LATENCY, Knob, Range, knob
 
 SCHEMA_VERSION = 1
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a decoder-only transformer.
@@ -251,6 +252,7 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+
 @dataclass(frozen=True)
 class GPUSpec:
     """One accelerator kind. Units are in the field names.
@@ -313,6 +315,7 @@ class GPUSpec:
         tflops = self.peak_fp32_tflops if precision == "fp32" else self.peak_bf16_tflops
         return tflops * 1e12
 
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """The machines: a GPU kind, how many, how they are linked. Ranges: the largest training clusters
@@ -372,6 +375,7 @@ class ClusterSpec:
     @property
     def inter_node_bytes_per_s(self) -> float:
         return self.inter_node_bandwidth_gb_per_s * 1e9
+
 
 @dataclass(frozen=True)
 class ParallelSpec:
@@ -497,6 +501,7 @@ class ParallelSpec:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """How the job trains: micro-batch, precision, optimizer, recomputation, float8, compile, LoRA."""
@@ -598,6 +603,7 @@ class TrainingSpec:
         """Mixed precision keeps an fp32 master copy (counted in ``optimizer``)."""
         return self.precision != "fp32"
 
+
 @dataclass(frozen=True)
 class Conventions:
     """The conventions that tools in this field silently disagree on, made switchable."""
@@ -677,11 +683,14 @@ class Conventions:
         if isinstance(self.moe_expert_load, list):
             object.__setattr__(self, "moe_expert_load", _deep_tuple(self.moe_expert_load))
 
+
 def _deep_tuple(x):
     """Lists (nested) as tuples, so a Conventions stays hashable and frozen."""
     return tuple(_deep_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
+
 _SECTIONS = ("model", "cluster", "parallel", "training", "conventions")
+
 
 def _declared(cls: type, prefix: str) -> dict[str, Knob]:
     """Every field of ``cls`` with its Knob, by dotted path (a nested section's fields after its own)."""
@@ -692,17 +701,20 @@ def _declared(cls: type, prefix: str) -> dict[str, Knob]:
         own[f"{prefix}.{f.name}"] = f.metadata["knob"]
     return {**own, **nested}
 
+
 #: Every field of a Config (dotted path as in the file) and its declaration, in section order.
 KNOBS: dict[str, Knob] = {k: v for section, cls in (("model", ModelSpec), ("cluster", ClusterSpec),
                                                     ("parallel", ParallelSpec), ("training", TrainingSpec),
                                                     ("conventions", Conventions))
                           for k, v in _declared(cls, section).items()}
 
+
 #: Every numeric field's allowed values, read off the declarations. ``check`` enforces them, the tests
 #: read them; each is generous — several times the largest real model or cluster — and only there to
 #: turn a typo (layers = 1000000000) into an error instead of a prediction that never returns.
 #: ``schema_version`` is exact (SCHEMA_VERSION), not a range.
 FIELD_RANGES: dict[str, Range] = {k: v.range for k, v in KNOBS.items() if v.range is not None}
+
 
 @functools.cache
 def _field_types(cls: type) -> dict[str, type]:
