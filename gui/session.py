@@ -34,7 +34,7 @@ from typing import Any
 from backend.records import RunStatus
 from engine import Config, ConfigError, Problem, default_config
 from engine.model.family import SHAPE_FIELDS
-from engine.model.presets import model_presets
+from engine.model.presets import gpu_presets, model_presets
 from gui.predicted import (
     Predicted,
     PredictionDiff,
@@ -56,13 +56,16 @@ FIELD_CONTROLS: tuple[tuple[str, str | None], ...] = (
     ("model", "model.size"),
     ("cluster.gpus_per_node", "cluster.gpus_per_node"),
     ("cluster.gpus", "cluster.gpus"),
-    ("cluster.gpu", "cluster.gpu"),  # the GPU kind, and a custom GPU's table
+    ("cluster.gpu.name", "cluster.gpu"),  # the GPU kind
+    ("cluster.gpu.", None),  # a GPU's own numbers (a custom GPU's table) -> their controls
+    ("cluster.gpu", "cluster.gpu"),
     ("cluster.", None),
     ("parallel.replicate", "parallel.zero"),
     ("parallel.fsdp", "parallel.zero"),
     ("parallel.", None),  # parallel.<key> -> the control of that key
     ("training.grad_dtype", "training.precision"),
     ("training.", None),
+    ("conventions.", None),
 )
 
 
@@ -151,6 +154,11 @@ class Session:
             cl = desired["cluster"]
             # links follow the GPU kind's platform: let the parser fill them in again
             desired["cluster"] = {"gpu": value, "gpus": cl["gpus"], "gpus_per_node": cl["gpus_per_node"]}
+        elif path.startswith("cluster.gpu."):  # one of the GPU's own numbers: a custom table of its kind's
+            gpu = desired["cluster"]["gpu"]
+            table = dict(gpu) if isinstance(gpu, dict) else {"name": gpu, **gpu_presets().get(gpu, {})}
+            table[path.rsplit(".", 1)[1]] = value
+            desired["cluster"]["gpu"] = table
         else:
             desired[section][key] = value
         par, cl = desired["parallel"], desired["cluster"]

@@ -7,7 +7,10 @@ the reason for its bounds as the tooltip, and its problem shown under it like an
 section's generated fields sit in a folded group ("More model settings", …), filled from the desired
 config only while it is open, so a drag never pays for them.
 
-Left to the config file (``FILE_ONLY``), with the reason: what is a path, a table or a measured list.
+A GPU's own fields (memory, peak FLOP/s, bandwidths: "what if this card had 96 GB?") make the GPU a custom
+table of the chosen kind's fields; a measured expert load is edited as one list of fractions (a load given
+per block or microbatch stays as the file gives it). Left to the config file (``FILE_ONLY``), with the
+reason: the paths and presets that fill other fields when a file is loaded.
 """
 
 from __future__ import annotations
@@ -21,26 +24,30 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
     QGridLayout,
+    QLineEdit,
     QPushButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
 )
 
-from engine.config import KNOBS, ClusterSpec, Conventions, Knob, ModelSpec, ParallelSpec, TrainingSpec
+from engine.config import KNOBS, ClusterSpec, Conventions, GPUSpec, Knob, ModelSpec, ParallelSpec, TrainingSpec
+from engine.model.presets import gpu_presets
 
-#: fields with no control in the window, and why: they are set in the config file
+#: fields with no control in the window, and why: they fill other fields when a file is loaded, and the
+#: window has a control for each of those
 FILE_ONLY: dict[str, str] = {
-    "model.hf_config": "a Hugging Face config.json path, read when the file is loaded",
-    "cluster.preset": "a cluster preset fills the links when the file is loaded",
-    "conventions.moe_expert_load": "a measured per-expert load: a list (from a run's records) in the file",
+    "model.hf_config": "a Hugging Face config.json path: its architecture fills the model fields when the file "
+                       "is loaded",
+    "cluster.preset": "a cluster preset fills the GPU kind, the count and the links when the file is loaded",
 }
-#: a custom GPU is a [cluster.gpu] table in the file; the window picks a GPU kind (its presets)
-FILE_ONLY_PREFIXES = ("cluster.gpu.",)
+#: fields a hand-made control owns under another name
+OWNED_BY = {"cluster.gpu.name": "cluster.gpu"}  # the GPU kind combo box
 
 SECTIONS: tuple[tuple[str, str, type], ...] = (
     ("model", "More model settings", ModelSpec),
     ("cluster", "More cluster settings", ClusterSpec),
+    ("cluster.gpu", "The GPU's own numbers", GPUSpec),
     ("parallel", "More parallelism settings", ParallelSpec),
     ("training", "More training settings", TrainingSpec),
     ("conventions", "Conventions", Conventions),
@@ -50,7 +57,7 @@ _INT_MAX = 2**31 - 1  # QSpinBox holds a C int
 
 def has_control(path: str) -> bool:
     """Whether the window gives ``path`` a control (hand-made or generated)."""
-    return path not in FILE_ONLY and not path.startswith(FILE_ONLY_PREFIXES)
+    return path not in FILE_ONLY
 
 
 def tooltip(k: Knob) -> str:
@@ -73,11 +80,13 @@ class GeneratedControls:
         self.bodies: dict[str, QWidget] = {}  # section -> its folded body
         self.toggles: dict[str, QPushButton] = {}
         self._defaults: dict[str, Any] = {}
+        self._section: dict[str, str] = {}  # path -> its section (cluster.gpu for the GPU's own fields)
         self._desired: dict | None = None
         for section, title, cls in SECTIONS:
             hints = typing.get_type_hints(cls)
             paths = [(f"{section}.{f.name}", f, hints[f.name]) for f in dataclasses.fields(cls)]
-            paths = [(p, f, t) for p, f, t in paths if has_control(p) and p not in panel.controls]
+            paths = [(p, f, t) for p, f, t in paths
+                     if has_control(p) and p not in panel.controls and OWNED_BY.get(p) not in panel.controls]
             if not paths:
                 continue
             toggle = QPushButton(f"▸ {title} ({len(paths)})")
@@ -102,15 +111,21 @@ class GeneratedControls:
                 widget.setToolTip(tooltip(KNOBS[path]))
                 self.widgets[path] = widget
                 self._defaults[path] = None if f.default is dataclasses.MISSING else f.default
-                label = "" if isinstance(widget, QCheckBox) else path.split(".", 1)[1].replace("_", " ")
+                self._section[path] = section
+                label = "" if isinstance(widget, QCheckBox) else f.name.replace("_", " ")
                 panel._row(grid, label, path, widget)
 
     # ------------------------------------------------------------------ building
 
     def _control(self, path: str, k: Knob, kind) -> QWidget | None:
         edit = self.panel._edit
+        if kind is tuple:  # the measured expert load: one list of fractions
+            line = QLineEdit()
+            line.setPlaceholderText("none (balanced): or fractions, e.g. 0.4, 0.2, 0.2, 0.2")
+            line.editingFinished.connect(lambda: self._list_edited(path, line))
+            return line
         if kind is bool:
-            box = QCheckBox(path.split(".", 1)[1].replace("_", " "))
+            box = QCheckBox(path.rsplit(".", 1)[1].replace("_", " "))
             box.toggled.connect(lambda on: edit(path, bool(on)))
             return box
         if k.choices:
@@ -137,6 +152,17 @@ class GeneratedControls:
             return spin
         return None  # a type with no generated control (none today: test_gui_all_fields holds it)
 
+    def _list_edited(self, path: str, line: QLineEdit) -> None:
+        """A list of numbers typed as ``0.4, 0.2, …`` (empty: none); what is not a number is the config's problem."""
+        if line.isReadOnly():
+            return
+        words = [w.strip() for w in line.text().replace(";", ",").split(",") if w.strip()]
+        try:
+            value = [float(w) for w in words]
+        except ValueError:
+            value = words  # the config names the field and what it allows
+        self.panel._edit(path, value)
+
     def _fold(self, section: str, title: str, n: int, on: bool) -> None:
         self.toggles[section].setText(f"{'▾' if on else '▸'} {title} ({n})")
         self.bodies[section].setVisible(on)
@@ -146,8 +172,8 @@ class GeneratedControls:
     def reveal(self, paths) -> None:
         """Open the folded sections that hold one of ``paths`` (a problem under a closed fold would be unseen)."""
         for path in paths:
-            section = path.split(".", 1)[0]
-            if path in self.widgets and self.bodies[section].isHidden():
+            section = self._section.get(path)
+            if section is not None and self.bodies[section].isHidden():
                 self.toggles[section].setChecked(True)
 
     # ------------------------------------------------------------------ mirror
@@ -156,13 +182,20 @@ class GeneratedControls:
         """Show the desired config in the open sections (a folded one is filled when opened)."""
         self._desired = desired
         for path, widget in self.widgets.items():
-            section, key = path.split(".", 1)
+            section = self._section[path]
             if self.bodies[section].isHidden():
                 continue
-            value = desired.get(section, {}).get(key, self._defaults[path])
+            value = self._value(desired, section, path.rsplit(".", 1)[1], self._defaults[path])
             widget.blockSignals(True)
             try:
-                if isinstance(widget, QCheckBox):
+                if isinstance(widget, QLineEdit):
+                    nested = bool(value) and isinstance(value[0], (list, tuple))
+                    widget.setReadOnly(nested)
+                    text = ("per block / microbatch, as the file gives it" if nested else
+                            ", ".join(f"{x:g}" if isinstance(x, (int, float)) else str(x) for x in value))
+                    if widget.text() != text and not widget.hasFocus():
+                        widget.setText(text)
+                elif isinstance(widget, QCheckBox):
                     widget.setChecked(bool(value))
                 elif isinstance(widget, QComboBox):
                     widget.setCurrentIndex(widget.findData(value))
@@ -170,3 +203,12 @@ class GeneratedControls:
                     widget.setValue(value)
             finally:
                 widget.blockSignals(False)
+
+    @staticmethod
+    def _value(desired: dict, section: str, key: str, default: Any) -> Any:
+        """A field's value in the desired config; the GPU's own fields from its table, or its kind's preset."""
+        if section != "cluster.gpu":
+            return desired.get(section, {}).get(key, default)
+        gpu = desired.get("cluster", {}).get("gpu")
+        table = gpu if isinstance(gpu, dict) else gpu_presets().get(gpu, {})
+        return table.get(key, default)

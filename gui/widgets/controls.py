@@ -362,7 +362,8 @@ class ControlsPanel(QWidget):
             self._show_size(self._family[index])
             self.seq_len.set_value(int(model["seq_len"]))
             gpu = cl.get("gpu")
-            self._set_combo(self.gpu, gpu if isinstance(gpu, str) else None)
+            kind = gpu if isinstance(gpu, str) else gpu.get("name") if isinstance(gpu, dict) else None
+            self._set_combo(self.gpu, kind)  # a custom GPU (a table) shows the kind its numbers started from
             self.gpus.set_value(int(cl["gpus"]))
             self._set_spin(self.gpus_per_node, cl["gpus_per_node"])
             for key in ("dp", "tp", "pp", "virtual_stages"):

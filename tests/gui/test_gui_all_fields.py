@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtWidgets import QApplication, QCheckBox, QComboBox, QDoubleSpinBox, QSpinBox  # noqa: E402
 
 from engine.config import KNOBS  # noqa: E402
-from gui.widgets.all_fields import FILE_ONLY, has_control  # noqa: E402
+from gui.widgets.all_fields import FILE_ONLY, OWNED_BY, has_control  # noqa: E402
 from tests.conftest import settle  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -20,10 +20,10 @@ pytestmark = pytest.mark.gui
 
 def test_every_field_a_person_can_set_has_a_control(window):
     controls = window.controls.controls
-    without = [p for p in KNOBS if has_control(p) and p not in controls]
+    without = [p for p in KNOBS if has_control(p) and p not in controls and OWNED_BY.get(p) not in controls]
     assert without == []
-    # what only the file sets says why, and is few: a path, a list, a custom GPU's table, a cluster preset
-    assert all(FILE_ONLY.values()) and len([p for p in KNOBS if not has_control(p)]) <= 12
+    # what only the file sets says why: a path and a preset that fill other fields when a file is loaded
+    assert all(FILE_ONLY.values()) and [p for p in KNOBS if not has_control(p)] == ["model.hf_config", "cluster.preset"]
     generated = window.controls.more.widgets
     for path in ("training.compile", "training.float8", "conventions.compute_efficiency", "model.dropout",
                  "parallel.async_tp", "cluster.intra_node_bandwidth_gb_per_s"):
@@ -64,3 +64,31 @@ def test_a_problem_opens_the_fold_that_holds_its_control(window):
     text = window.controls.problem_text("training.float8")
     assert "float8 training" in text and "training.float8 = 'tensorwise'" in text
     assert window.state.config.training.float8 == "none"  # the charts keep the last valid config
+
+
+def test_a_gpus_own_number_makes_a_custom_gpu_of_its_kind(window):
+    """'What if this card had more memory?': the GPU's own fields edit a table of the chosen kind's numbers."""
+    more = window.controls.more
+    more.toggles["cluster.gpu"].setChecked(True)
+    memory = more.widgets["cluster.gpu.memory_gib"]
+    before = window.state.config.cluster.gpu
+    assert memory.value() == before.memory_gib
+    memory.setValue(before.memory_gib * 2)
+    settle(window.state)
+    gpu = window.state.config.cluster.gpu
+    assert gpu.memory_gib == before.memory_gib * 2 and gpu.name == before.name
+    assert gpu.peak_bf16_tflops == before.peak_bf16_tflops  # the rest of the kind's numbers kept
+    assert window.state.prediction.prediction.memory.capacity_bytes == gpu.memory_bytes
+    assert window.controls.gpu.currentText() == before.name
+    assert window.state.config.to_dict()["cluster"]["gpu"]["memory_gib"] == before.memory_gib * 2  # the file's table
+
+
+def test_the_expert_load_is_typed_as_a_list_and_junk_is_the_configs_problem(window):
+    more = window.controls.more
+    more.toggles["conventions"].setChecked(True)
+    line = more.widgets["conventions.moe_expert_load"]
+    line.setText("0.5, lots")
+    line.editingFinished.emit()
+    QApplication.processEvents()
+    assert "conventions.moe_expert_load" in window.controls.problem_text("conventions.moe_expert_load")
+    assert window.state.config.conventions.moe_expert_load == ()
