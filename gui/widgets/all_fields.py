@@ -4,8 +4,9 @@ The hand-made controls (the size slider, the GPU count, the schedule, …) cover
 most; every other field of ``engine.config.KNOBS`` gets one here, built from what the field declares:
 a check box for a flag, a combo box over its choices, a spin box over its range, each with its doc and
 the reason for its bounds as the tooltip, and its problem shown under it like any other control. A
-section's generated fields sit in a folded group ("More model settings", …), filled from the desired
-config only while it is open, so a drag never pays for them.
+section's generated fields sit in a folded group ("More model settings", …) inside one folded "More
+settings", made when it is first opened and filled from the desired config only while it is open, so a
+drag never pays for them (one toggle in the panel: its layout costs a drag nothing either).
 
 A GPU's own fields (memory, peak FLOP/s, bandwidths: "what if this card had 96 GB?") make the GPU a custom
 table of the chosen kind's fields; a measured expert load is edited as one list of fractions (a load given
@@ -81,7 +82,21 @@ class GeneratedControls:
         self.toggles: dict[str, QPushButton] = {}
         self._defaults: dict[str, Any] = {}
         self._section: dict[str, str] = {}  # path -> its section (cluster.gpu for the GPU's own fields)
+        self._pending: dict[str, tuple] = {}  # section -> (its grid, its fields) until it is first opened
         self._desired: dict | None = None
+        # one toggle in the panel: the sections' own toggles live in its body, laid out only when it is open
+        self.all_toggle = QPushButton("▸ More settings: every other field")
+        self.all_toggle.setObjectName("foldToggle")
+        self.all_toggle.setFlat(True)
+        self.all_toggle.setCheckable(True)
+        outer.addWidget(self.all_toggle)
+        self.all_body = QWidget()
+        inner = QVBoxLayout(self.all_body)
+        inner.setContentsMargins(0, 0, 0, 0)
+        inner.setSpacing(0)
+        self.all_body.hide()
+        outer.addWidget(self.all_body)
+        self.all_toggle.toggled.connect(self._open_all)
         for section, title, cls in SECTIONS:
             hints = typing.get_type_hints(cls)
             paths = [(f"{section}.{f.name}", f, hints[f.name]) for f in dataclasses.fields(cls)]
@@ -93,27 +108,33 @@ class GeneratedControls:
             toggle.setObjectName("foldToggle")
             toggle.setFlat(True)
             toggle.setCheckable(True)
-            outer.addWidget(toggle)
+            inner.addWidget(toggle)
             body = QWidget()
             grid = QGridLayout(body)
             grid.setColumnStretch(1, 1)
             grid.setVerticalSpacing(2)
             grid.setContentsMargins(6, 0, 0, 6)
             body.hide()
-            outer.addWidget(body)
+            inner.addWidget(body)
             self.bodies[section], self.toggles[section] = body, toggle
+            self._pending[section] = (grid, paths)
+            for path, f, _ in paths:
+                self._section[path] = section
+                self._defaults[path] = None if f.default is dataclasses.MISSING else f.default
             count = len(paths)
             toggle.toggled.connect(lambda on, s=section, t=title, n=count: self._fold(s, t, n, on))
-            for path, f, kind in paths:
-                widget = self._control(path, KNOBS[path], kind)
-                if widget is None:
-                    continue
-                widget.setToolTip(tooltip(KNOBS[path]))
-                self.widgets[path] = widget
-                self._defaults[path] = None if f.default is dataclasses.MISSING else f.default
-                self._section[path] = section
-                label = "" if isinstance(widget, QCheckBox) else f.name.replace("_", " ")
-                panel._row(grid, label, path, widget)
+
+    def _build(self, section: str) -> None:
+        """A section's rows, made when it is first opened: a folded section costs the window nothing."""
+        grid, paths = self._pending.pop(section, (None, ()))
+        for path, f, kind in paths:
+            widget = self._control(path, KNOBS[path], kind)
+            if widget is None:
+                continue
+            widget.setToolTip(tooltip(KNOBS[path]))
+            self.widgets[path] = widget
+            label = "" if isinstance(widget, QCheckBox) else f.name.replace("_", " ")
+            self.panel._row(grid, label, path, widget)
 
     # ------------------------------------------------------------------ building
 
@@ -163,14 +184,25 @@ class GeneratedControls:
             value = words  # the config names the field and what it allows
         self.panel._edit(path, value)
 
+    def _open_all(self, on: bool) -> None:
+        self.all_toggle.setText(f"{'▾' if on else '▸'} More settings: every other field")
+        self.all_body.setVisible(on)
+        if on and self._desired is not None:
+            self.sync(self._desired)
+
     def _fold(self, section: str, title: str, n: int, on: bool) -> None:
+        if on and not self.all_toggle.isChecked():
+            self.all_toggle.setChecked(True)
+        if on and section in self._pending:
+            self._build(section)
         self.toggles[section].setText(f"{'▾' if on else '▸'} {title} ({n})")
         self.bodies[section].setVisible(on)
         if on and self._desired is not None:
             self.sync(self._desired)
 
     def reveal(self, paths) -> None:
-        """Open the folded sections that hold one of ``paths`` (a problem under a closed fold would be unseen)."""
+        """Open (and make) the folded sections that hold one of ``paths``: a problem under a closed fold would be
+        unseen."""
         for path in paths:
             section = self._section.get(path)
             if section is not None and self.bodies[section].isHidden():
@@ -181,9 +213,9 @@ class GeneratedControls:
     def sync(self, desired: dict) -> None:
         """Show the desired config in the open sections (a folded one is filled when opened)."""
         self._desired = desired
-        for path, widget in self.widgets.items():
+        for path, widget in self.widgets.items():  # the made ones
             section = self._section[path]
-            if self.bodies[section].isHidden():
+            if self.bodies[section].isHidden() or self.all_body.isHidden():
                 continue
             value = self._value(desired, section, path.rsplit(".", 1)[1], self._defaults[path])
             widget.blockSignals(True)

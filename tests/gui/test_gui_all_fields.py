@@ -19,12 +19,16 @@ pytestmark = pytest.mark.gui
 
 
 def test_every_field_a_person_can_set_has_a_control(window):
+    more = window.controls.more
+    assert more.widgets == {}  # made when a fold is first opened: a folded section costs the window nothing
+    for toggle in more.toggles.values():
+        toggle.setChecked(True)
     controls = window.controls.controls
     without = [p for p in KNOBS if has_control(p) and p not in controls and OWNED_BY.get(p) not in controls]
     assert without == []
     # what only the file sets says why: a path and a preset that fill other fields when a file is loaded
     assert all(FILE_ONLY.values()) and [p for p in KNOBS if not has_control(p)] == ["model.hf_config", "cluster.preset"]
-    generated = window.controls.more.widgets
+    generated = more.widgets
     for path in ("training.compile", "training.float8", "conventions.compute_efficiency", "model.dropout",
                  "parallel.async_tp", "cluster.intra_node_bandwidth_gb_per_s"):
         assert path in generated, path
@@ -40,7 +44,9 @@ def test_every_field_a_person_can_set_has_a_control(window):
 def test_a_generated_control_edits_the_config(window, qtbot):
     more = window.controls.more
     toggle = more.toggles["training"]
-    assert more.bodies["training"].isHidden()
+    assert more.bodies["training"].isHidden() and more.all_body.isHidden()
+    qtbot.mouseClick(more.all_toggle, Qt.MouseButton.LeftButton)  # "More settings", then its training fold
+    QApplication.processEvents()
     qtbot.mouseClick(toggle, Qt.MouseButton.LeftButton)
     assert not more.bodies["training"].isHidden()
     box = more.widgets["training.compile"]
@@ -56,11 +62,12 @@ def test_a_generated_control_edits_the_config(window, qtbot):
 
 def test_a_problem_opens_the_fold_that_holds_its_control(window):
     more = window.controls.more
-    assert more.bodies["training"].isHidden()
-    combo = more.widgets["training.float8"]
-    combo.setCurrentIndex(combo.findData("tensorwise"))  # the embedded default runs on CPU ranks: no float8
+    assert more.bodies["training"].isHidden() and "training.float8" not in more.widgets  # not made yet
+    window.state.edit("training.float8", "tensorwise")  # as an opened file would (fp32 on CPU ranks: refused)
     QApplication.processEvents()
-    assert not more.bodies["training"].isHidden()
+    assert not more.bodies["training"].isHidden() and not more.all_body.isHidden()
+    combo = more.widgets["training.float8"]
+    assert combo.currentData() == "tensorwise"  # the control shows what was asked, its problem under it
     text = window.controls.problem_text("training.float8")
     assert "float8 training" in text and "training.float8 = 'tensorwise'" in text
     assert window.state.config.training.float8 == "none"  # the charts keep the last valid config
