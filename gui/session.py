@@ -34,7 +34,8 @@ from typing import Any
 from backend.records import RunStatus
 from engine import Config, ConfigError, Problem, default_config
 from engine.model.family import SHAPE_FIELDS
-from engine.model.presets import gpu_presets, model_presets
+from engine.model.hf_config import HFConfigError, read_hf_config
+from engine.model.presets import cluster_presets, gpu_presets, model_presets
 from gui.predicted import (
     Predicted,
     PredictionDiff,
@@ -154,6 +155,21 @@ class Session:
             cl = desired["cluster"]
             # links follow the GPU kind's platform: let the parser fill them in again
             desired["cluster"] = {"gpu": value, "gpus": cl["gpus"], "gpus_per_node": cl["gpus_per_node"]}
+        elif path == "cluster.preset":  # the preset's GPU kind and links; the GPU count stays the layout's
+            cl = desired["cluster"]
+            table = cluster_presets().get(value, {}) if isinstance(value, str) else {}
+            desired["cluster"] = {**cl, **table, "gpus": cl["gpus"], "preset": value}
+            if not value:
+                desired["cluster"].pop("preset")
+        elif path == "model.hf_config":  # the config.json's architecture, at the sequence length shown
+            model = {k: v for k, v in desired["model"].items() if k not in ("hf_config", "preset")}
+            try:
+                fields = read_hf_config(Path(value).expanduser()) if value else {}
+            except (HFConfigError, TypeError, ValueError):
+                fields = {}  # the config says why (model.hf_config), the fields shown stay
+            desired["model"] = {**model, **fields, "seq_len": model["seq_len"]}
+            if value:
+                desired["model"]["hf_config"] = value
         elif path.startswith("cluster.gpu."):  # one of the GPU's own numbers: a custom table of its kind's
             gpu = desired["cluster"]["gpu"]
             table = dict(gpu) if isinstance(gpu, dict) else {"name": gpu, **gpu_presets().get(gpu, {})}

@@ -10,8 +10,8 @@ drag never pays for them (one toggle in the panel: its layout costs a drag nothi
 
 A GPU's own fields (memory, peak FLOP/s, bandwidths: "what if this card had 96 GB?") make the GPU a custom
 table of the chosen kind's fields; a measured expert load is edited as one list of fractions (a load given
-per block or microbatch stays as the file gives it). Left to the config file (``FILE_ONLY``), with the
-reason: the paths and presets that fill other fields when a file is loaded.
+per block or microbatch stays as the file gives it). A cluster preset and a Hugging Face config.json, which
+fill other fields, replace what they fill (``gui.session.Session.edit``).
 """
 
 from __future__ import annotations
@@ -33,15 +33,10 @@ from PySide6.QtWidgets import (
 )
 
 from engine.config import KNOBS, ClusterSpec, Conventions, GPUSpec, Knob, ModelSpec, ParallelSpec, TrainingSpec
-from engine.model.presets import gpu_presets
+from engine.model.presets import cluster_presets, gpu_presets
 
-#: fields with no control in the window, and why: they fill other fields when a file is loaded, and the
-#: window has a control for each of those
-FILE_ONLY: dict[str, str] = {
-    "model.hf_config": "a Hugging Face config.json path: its architecture fills the model fields when the file "
-                       "is loaded",
-    "cluster.preset": "a cluster preset fills the GPU kind, the count and the links when the file is loaded",
-}
+#: fields with no control in the window, and why (none today)
+FILE_ONLY: dict[str, str] = {}
 #: fields a hand-made control owns under another name
 OWNED_BY = {"cluster.gpu.name": "cluster.gpu"}  # the GPU kind combo box
 
@@ -140,6 +135,18 @@ class GeneratedControls:
 
     def _control(self, path: str, k: Knob, kind) -> QWidget | None:
         edit = self.panel._edit
+        if path == "cluster.preset":  # a cluster preset: the GPU kind and the links it names
+            combo = QComboBox()
+            combo.addItem("(none)", None)
+            for name in cluster_presets():
+                combo.addItem(name, name)
+            combo.currentIndexChanged.connect(lambda i: i >= 0 and edit(path, combo.itemData(i)))
+            return combo
+        if path == "model.hf_config":  # a Hugging Face config.json: its architecture becomes the model
+            line = QLineEdit()
+            line.setPlaceholderText("path to a config.json (relative to the working directory)")
+            line.editingFinished.connect(lambda: not line.isReadOnly() and edit(path, line.text().strip() or None))
+            return line
         if kind is tuple:  # the measured expert load: one list of fractions
             line = QLineEdit()
             line.setPlaceholderText("none (balanced): or fractions, e.g. 0.4, 0.2, 0.2, 0.2")
@@ -220,7 +227,10 @@ class GeneratedControls:
             value = self._value(desired, section, path.rsplit(".", 1)[1], self._defaults[path])
             widget.blockSignals(True)
             try:
-                if isinstance(widget, QLineEdit):
+                if isinstance(widget, QLineEdit) and not isinstance(value, (list, tuple)):  # a path
+                    if widget.text() != (value or "") and not widget.hasFocus():
+                        widget.setText(value or "")
+                elif isinstance(widget, QLineEdit):
                     nested = bool(value) and isinstance(value[0], (list, tuple))
                     widget.setReadOnly(nested)
                     text = ("per block / microbatch, as the file gives it" if nested else

@@ -3,6 +3,8 @@ other field's declaration (gui.widgets.all_fields), which edits the config and s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("PySide6")
@@ -16,6 +18,7 @@ from gui.widgets.all_fields import FILE_ONLY, OWNED_BY, has_control  # noqa: E40
 from tests.conftest import settle  # noqa: E402
 
 pytestmark = pytest.mark.gui
+ROOT_HF = Path(__file__).resolve().parents[2] / "assets" / "hf_configs" / "llama3-8b" / "config.json"
 
 
 def test_every_field_a_person_can_set_has_a_control(window):
@@ -26,8 +29,7 @@ def test_every_field_a_person_can_set_has_a_control(window):
     controls = window.controls.controls
     without = [p for p in KNOBS if has_control(p) and p not in controls and OWNED_BY.get(p) not in controls]
     assert without == []
-    # what only the file sets says why: a path and a preset that fill other fields when a file is loaded
-    assert all(FILE_ONLY.values()) and [p for p in KNOBS if not has_control(p)] == ["model.hf_config", "cluster.preset"]
+    assert FILE_ONLY == {} and all(has_control(p) for p in KNOBS)
     generated = more.widgets
     for path in ("training.compile", "training.float8", "conventions.compute_efficiency", "model.dropout",
                  "parallel.async_tp", "cluster.intra_node_bandwidth_gb_per_s"):
@@ -99,3 +101,23 @@ def test_the_expert_load_is_typed_as_a_list_and_junk_is_the_configs_problem(wind
     QApplication.processEvents()
     assert "conventions.moe_expert_load" in window.controls.problem_text("conventions.moe_expert_load")
     assert window.state.config.conventions.moe_expert_load == ()
+
+
+def test_a_cluster_preset_and_a_hugging_face_config_fill_what_they_name(window, tmp_path):
+    more = window.controls.more
+    more.toggles["cluster"].setChecked(True)
+    preset = more.widgets["cluster.preset"]
+    preset.setCurrentIndex(preset.findData("dgx-h100"))
+    settle(window.state)
+    cl = window.state.config.cluster
+    assert (cl.preset, cl.gpu.name, cl.intra_node_bandwidth_gb_per_s) == ("dgx-h100", "h100-sxm", 450.0)
+    assert cl.gpus == 4  # the layout's GPU count stays
+    hf = tmp_path / "config.json"
+    hf.write_text(ROOT_HF.read_text())
+    more.toggles["model"].setChecked(True)
+    line = more.widgets["model.hf_config"]
+    line.setText(str(hf))
+    line.editingFinished.emit()
+    settle(window.state)
+    model = window.state.config.model
+    assert model.hf_config is not None and model.seq_len == 64  # the architecture, at the length shown
