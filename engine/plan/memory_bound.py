@@ -1,8 +1,8 @@
 """The planner's lower bound on a layout's peak memory, vectorised over a structure's candidate rows.
 
-The terms of ``engine.memory`` minus a few small ones and rounding — model states, activations in flight
-from torch's schedule order, p2p and bucket buffers, FSDP2's unsharded parameters and gradients, logits,
-overhead — at three moments: the activation peak, a forward after the rank's first backward (where FSDP2
+The terms of ``engine.memory`` minus a few small ones and rounding — model states, activations in
+flight (in the order torch's schedules run), p2p and bucket buffers, FSDP2's unsharded parameters and
+gradients, logits, overhead — at three moments: the activation peak, a forward after the rank's first backward (where FSDP2
 holds every unit's accumulated gradient) and the end of the backward (the last stage's kept logits). Any
 pp rank bounds the peak; ranks 0 and pp − 1 are read. ``_in_flight_sums`` replays torch's order once per
 pipeline shape, across plans."""
