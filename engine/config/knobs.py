@@ -82,7 +82,7 @@ class Knob:
         """The choices as the error messages and the reference write them: ``a | b`` (``a (what a means)``)."""
         if isinstance(self.choices, dict):
             return " | ".join(f"{k} ({v})" for k, v in self.choices.items())
-        return " | ".join(sorted(self.choices) if isinstance(self.choices, frozenset) else self.choices or ())
+        return " | ".join(self.choices or ())
 
 
 def knob(default: Any = _NO_DEFAULT, *, doc: str, range: Range | None = None,

@@ -35,8 +35,6 @@ from PySide6.QtWidgets import (
 from engine.config import KNOBS, ClusterSpec, Conventions, GPUSpec, Knob, ModelSpec, ParallelSpec, TrainingSpec
 from engine.model.presets import cluster_presets, gpu_presets
 
-#: fields with no control in the window, and why (none today)
-FILE_ONLY: dict[str, str] = {}
 #: fields a hand-made control owns under another name
 OWNED_BY = {"cluster.gpu.name": "cluster.gpu"}  # the GPU kind combo box
 
@@ -50,10 +48,6 @@ SECTIONS: tuple[tuple[str, str, type], ...] = (
 )
 _INT_MAX = 2**31 - 1  # QSpinBox holds a C int
 
-
-def has_control(path: str) -> bool:
-    """Whether the window gives ``path`` a control (hand-made or generated)."""
-    return path not in FILE_ONLY
 
 
 def tooltip(k: Knob) -> str:
@@ -96,7 +90,7 @@ class GeneratedControls:
             hints = typing.get_type_hints(cls)
             paths = [(f"{section}.{f.name}", f, hints[f.name]) for f in dataclasses.fields(cls)]
             paths = [(p, f, t) for p, f, t in paths
-                     if has_control(p) and p not in panel.controls and OWNED_BY.get(p) not in panel.controls]
+                     if p not in panel.controls and OWNED_BY.get(p) not in panel.controls]
             if not paths:
                 continue
             toggle = QPushButton(f"▸ {title} ({len(paths)})")
