@@ -447,19 +447,19 @@ class CachingAllocator:
         if pool is None:
             pool = self._pools[(stream, is_small)] = _Pool(stream, is_small)
 
-        if self.expandable_segments:
-            block = self._get_free_block(pool, size)
-        else:  # get_free_block's best fit (``_get_free_block``), inlined: the replay's hottest path
-            keys = pool.keys
-            i = bisect_left(keys, size << _KEY_SHIFT)
-            block = None
-            if i < len(keys):
-                key = keys[i]
-                bsize = key >> _KEY_SHIFT
-                mss = self._mss
-                if not ((size < mss and bsize >= mss) or (size >= mss and bsize >= size + kLargeBuffer)):
-                    del keys[i]
-                    block = self._free.pop(key & _ADDR_MASK)
+        # get_free_block's best fit (``_get_free_block``), inlined: the replay's hottest path
+        keys = pool.keys
+        i = bisect_left(keys, size << _KEY_SHIFT)
+        block = None
+        if i < len(keys):
+            if self.expandable_segments:
+                i = self._expandable_fit(keys, i)
+            key = keys[i]
+            bsize = key >> _KEY_SHIFT
+            mss = self._mss
+            if not ((size < mss and bsize >= mss) or (size >= mss and bsize >= size + kLargeBuffer)):
+                del keys[i]
+                block = self._free.pop(key & _ADDR_MASK)
         if block is None:
             block = self._alloc_block(pool, size)
             if block is None:
@@ -549,21 +549,7 @@ class CachingAllocator:
         if i == len(keys):
             return None
         if self.expandable_segments:
-            # the expandable best fit: a block followed by an unmapped range counts that range
-            free = self._free
-
-            def expandable_size(b: _Block) -> int:
-                n = b.next
-                return b.size + (n.size if n is not None and not n.mapped else 0)
-
-            cur = free[keys[i] & _ADDR_MASK]
-            while i + 1 < len(keys):
-                nxt = free[keys[i + 1] & _ADDR_MASK]
-                if expandable_size(nxt) < expandable_size(cur):
-                    i += 1
-                    cur = nxt
-                else:
-                    break
+            i = self._expandable_fit(keys, i)
         key = keys[i]
         bsize = key >> _KEY_SHIFT
         mss = self._mss
@@ -573,6 +559,26 @@ class CachingAllocator:
             return None  # an oversized block may be rounded up, but only within kLargeBuffer
         del keys[i]
         return self._free.pop(key & _ADDR_MASK)
+
+    def _expandable_fit(self, keys: list[int], i: int) -> int:
+        """The expandable best fit from ``keys[i]`` (the least cached block at least the request): a
+        block followed by an unmapped range counts that range, and the walk goes on to the next larger
+        block while its size so counted is smaller."""
+        free = self._free
+        last = len(keys) - 1
+        cur = free[keys[i] & _ADDR_MASK]
+        n = cur.next
+        cur_size = cur.size + (n.size if n is not None and not n.mapped else 0)
+        while i < last:
+            nxt = free[keys[i + 1] & _ADDR_MASK]
+            n = nxt.next
+            nxt_size = nxt.size + (n.size if n is not None and not n.mapped else 0)
+            if nxt_size < cur_size:
+                i += 1
+                cur_size = nxt_size
+            else:
+                break
+        return i
 
     def _alloc_block(self, pool: _Pool, size: int) -> _Block | None:
         """``alloc_block``: a new segment (or, expandable, newly mapped pages) for ``size``;

@@ -23,7 +23,9 @@ from engine.config import Config
 from engine.memory.allocator import (
     AllocatorOutOfMemory,
     get_allocation_size,
+    kLargeBuffer,
     kMinLargeAlloc,
+    kSmallBuffer,
     kSmallSize,
     replay,
     round_size,
@@ -270,7 +272,7 @@ def _unbounded_reserve(event_signature: tuple, expandable_segments: bool) -> tup
     held = {pool: sum(map(round_size, sizes)) for pool, sizes in steps.items()}
     most, reserved = {}, 0
     for pool in set(pools) | set(steps):
-        most[pool], r = _pool_reserve(rest, pool, tuple(steps.get(pool, ())), expandable_segments)
+        most[pool], r = _pool_reserve_of(rest, pool, tuple(steps.get(pool, ())), expandable_segments)
         reserved += r
     everyone = sum(held.values())
     return max(a + everyone - held.get(pool, 0) for pool, a in most.items()), reserved
@@ -326,6 +328,37 @@ def _events_by_pool(rest_signature: tuple) -> dict[tuple[int, bool], tuple] | No
         elif not route(ev, out):
             return None
     return {pool: tuple(evs) for pool, evs in out.items()}
+
+
+def _pool_reserve_of(rest_signature: tuple, pool: tuple[int, bool], steps: tuple[int, ...],
+                     expandable_segments: bool) -> tuple[int, int]:
+    """``_pool_reserve``, with expandable segments replayed for the step tensors' bytes past whole pages.
+
+    With expandable segments and no capacity a pool's step tensors (allocated first, never freed) lie
+    end to end from its one segment's base: each takes the free rest of the last mapped page where it
+    fits (best fit: the only cached block) and else maps the pages it lacks after it
+    (``find_expandable_block`` takes the unmapped range with the free block before it; ``map_block``
+    merges them), so what they leave is one free block of ``pages·page − T`` bytes (T: their rounded
+    sizes' sum, ``page``: 2 MiB small pool, 20 MiB large) before the unmapped rest, whatever their
+    sizes. Blocks that are never freed never merge or move, so the rest of the step sees the same
+    state, ``(T // page)`` whole pages further on, as after one step tensor of ``T mod page`` bytes
+    (or none): every later address, page boundary and stat is shifted by those whole pages. Ranks
+    whose step tensors differ (the dp-ranks' ZeroRedundancyOptimizer shares) but leave the same
+    remainder replay once (tests/engine/memory/test_lifetimes.py checks it against the whole replay)."""
+    if not expandable_segments or not steps:
+        return _pool_reserve(rest_signature, pool, steps, expandable_segments)
+    page = kSmallBuffer if pool[1] else kLargeBuffer
+    whole, rem = divmod(sum(map(round_size, steps)), page)
+    if not rem:
+        kept: tuple[int, ...] = ()
+    elif pool[1]:  # in the small pool as tensors of at most 1 MiB (the rest is below 2 MiB)
+        kept = (rem,) if rem <= kSmallSize else (kSmallSize, rem - kSmallSize)
+    elif rem <= kSmallSize:  # in the large pool as one tensor above 1 MiB (the steps' sum is: each is)
+        whole, kept = whole - 1, (page + rem,)
+    else:
+        kept = (rem,)
+    most, reserved = _pool_reserve(rest_signature, pool, kept, True)
+    return most + whole * page, reserved + whole * page
 
 
 @lru_cache(maxsize=4096)

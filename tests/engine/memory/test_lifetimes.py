@@ -788,6 +788,37 @@ def test_the_reserve_replayed_pool_by_pool_is_the_whole_replays(par, preset, exp
         assert overhead._pool_reserve.cache_info().misses < 2 * len(sigs)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama3-8b"])
+def test_expandable_step_tensors_replay_as_their_bytes_past_whole_pages(preset):
+    """With expandable segments a pool's step tensors lie end to end from its segment's base, so the
+    rest of the step replays as after one step tensor of their bytes past whole pages, the pages
+    added back: equal to replaying them all, for step tensors of any sizes in either pool (the
+    ZBV rank holds kept outputs that never repeat a state: no loop is skipped, every period runs)."""
+    import random
+
+    from engine.memory import overhead
+    from engine.memory.allocator import kLargeBuffer, kSmallBuffer, kSmallSize
+    from engine.memory.lifetimes import without_step_rows
+
+    par = {"dp": 8, "zero": 1, "pp": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 8}
+    c = _cfg(par, gpus=_world(par), training={"precision": "bf16-mixed", "optimizer": "adamw"}, preset=preset)
+    sig = memory_per_rank(c).groups[0].first._body.timeline._event_signature()
+    rest = without_step_rows(sig)
+    rng = random.Random(2026)
+    for pool in overhead._events_by_pool(rest):
+        small = pool[1]
+        page = kSmallBuffer if small else kLargeBuffer
+        for _ in range(12):
+            lo, hi = (1, kSmallSize) if small else (kSmallSize + 1, 5 * page)
+            steps = tuple(rng.randint(lo, hi) for _ in range(rng.randint(1, 5)))
+            if rng.random() < 0.3:  # sums on a page boundary, and just past one
+                steps += (max(lo, -sum(map(round_size, steps)) % page + rng.choice((0, 512))),)
+            if not lo <= steps[-1] <= hi:
+                steps = steps[:-1]
+            whole = overhead._pool_reserve.__wrapped__(rest, pool, steps, True)
+            assert overhead._pool_reserve_of(rest, pool, steps, True) == whole, (pool, steps)
+
+
 def test_the_cyclic_collector_is_paused_while_a_rank_replays_and_left_as_the_caller_had_it():
     import gc
 
