@@ -78,6 +78,9 @@ RESHARD_POLICIES = ("default", "always", "never")
 #: weights 1: the embeddings count as one block on the first stage, norm + head as one on the last.
 PIPELINE_SPLITS = ("even", "torchtitan")
 BUBBLE_CONVENTIONS = ("share-of-total", "relative-to-ideal")
+#: conventions.clock: how compute is timed (engine.time.step.analytic_durations)
+CLOCKS = {"efficiency": "every FLOP at conventions.compute_efficiency × the peak",
+          "ops": "each op a roofline on the device profile (engine.time.ops)"}
 #: How context parallelism moves K and V between the cp ranks (parallel.cp_rotate), as torch's
 #: ``torch.distributed.tensor.experimental._attention.set_rotate_method`` names them: "allgather" =
 #: one all-gather of every rank's K, V per attention call (the full-sequence K, V alive while it

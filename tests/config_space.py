@@ -148,7 +148,7 @@ def valid_biased(rng: random.Random) -> dict[str, Any]:
                          ("ddp_gradient_as_bucket_view", (True, False)), ("fsdp_prefetch", (True, False)),
                          ("bubble", ("share-of-total", "relative-to-ideal")), ("compute_efficiency", (0.01, 0.5, 1.0)),
                          ("state_accounting", ("pytorch", "zero-paper")), ("moe_imbalance", (1.0, 1.5, 8.0)),
-                         ("moe_capacity_factor", (0.0, 1.0, 1.25))):
+                         ("moe_capacity_factor", (0.0, 1.0, 1.25)), ("clock", ("efficiency", "ops"))):
         if rng.random() < 0.15:
             conventions[key] = rng.choice(choices)
     experts = model.get("experts", 0)

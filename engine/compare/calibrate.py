@@ -132,7 +132,7 @@ class Calibration:
                                                  hbm_bandwidth_gb_per_s=self.memory_bytes_per_s * k_all / 1e9)
         if self.link_bytes_per_s is not None:
             cluster["intra_node_bandwidth_gb_per_s"] = self.link_bytes_per_s * k_all / 1e9
-        return cfg.replace(conventions={"compute_efficiency": eff}, cluster=cluster)
+        return cfg.replace(conventions={"compute_efficiency": eff, "clock": "efficiency"}, cluster=cluster)
 
     def durations_for(self, cfg: Config, busy: float = 1.0) -> StageDurations:
         """Per-stage seconds for ``cfg`` at busy fraction ``busy``: measured when the stages match,
@@ -317,7 +317,9 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     ``links`` (a link calibration of the same machine) the communication it takes out of the
     measured times, and the one it predicts, use the measured α and B."""
     meas = measurement if isinstance(measurement, dict) else measurement.to_dict()
-    cfg = cfg.replace(cluster={"cpu_cores": 0})  # core sharing is scaled by the calibration itself
+    # core sharing is scaled by the calibration itself; a run calibrates the efficiency clock's one scalar (the
+    # clock from ops reads device profiles instead: its calibration is issue 26's next slice)
+    cfg = cfg.replace(cluster={"cpu_cores": 0}, conventions={"clock": "efficiency"})
     lk = None if links is None else links.links_for(cfg)
     step_s = float((meas.get("step") or {}).get("seconds") or 0.0)
     if not step_s > 0:

@@ -98,7 +98,23 @@ def check(
     c = conventions
     _choice(p, "conventions.bubble", c.bubble)
     _choice(p, "conventions.state_accounting", c.state_accounting)
+    _check_clock(p, model, training, c)
     return p
+
+
+def _check_clock(p: list[Problem], model: ModelSpec, t: TrainingSpec, c: Conventions) -> None:
+    """``conventions.clock = "ops"`` times dense decoder blocks only (engine.time.ops): not experts, MLA,
+    head_size, sliding windows or LoRA yet."""
+    _choice(p, "conventions.clock", c.clock)
+    if c.clock == "ops":
+        kinds = [what for what, on in (("experts", model.experts > 0), ("MLA attention", model.attention == "mla"),
+                                        ("head_size", bool(model.head_size)),
+                                        ("a sliding window", bool(model.sliding_window)),
+                                        ("LoRA", t.finetune == "lora")) if on]
+        if kinds:
+            p.append(Problem("conventions.clock", c.clock,
+                             f"the clock from ops times dense decoder blocks only; this job has {', '.join(kinds)}: "
+                             "use clock = \"efficiency\" (allowed: efficiency | ops)"))
 
 
 def _check_model(p: list[Problem], model: ModelSpec, parallel: ParallelSpec, training: TrainingSpec,

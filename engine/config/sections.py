@@ -651,8 +651,14 @@ class Conventions:
     )
     compute_efficiency: float = knob(
         0.5,
-        doc="achieved / peak FLOP/s for analytic durations",
+        doc="achieved / peak FLOP/s for analytic durations (clock = efficiency: one fudge for every FLOP)",
         range=Range(0, 1, "achieved / peak FLOP/s", lo_open=True),
+        group="conventions",
+    )
+    clock: str = knob(
+        "efficiency",
+        doc="how compute is timed: every FLOP at compute_efficiency × peak, or each op of the blocks as a roofline on the GPU kind's device profile (assets/presets/devices.toml; dense decoder blocks only, for now)",
+        choices=names.CLOCKS,
         group="conventions",
     )
     state_accounting: str = knob(

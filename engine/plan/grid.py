@@ -38,6 +38,7 @@ from engine.plan.space import (
 from engine.plan.time_bound import TimeBound
 from engine.time.comm import cpu_oversubscription
 from engine.time.durations import flops_per_token
+from engine.time.ops import bound_efficiency
 from engine.time.step import (
     analytic_durations,
     optimizer_seconds,
@@ -85,7 +86,7 @@ class _Planner(MemoryBound, TimeBound):
 
     def grid(self) -> _Grid:
         base = self.base
-        model, cl, tr, conv = base.model, base.cluster, base.training, base.conventions
+        model, cl, tr = base.model, base.cluster, base.training
         gpus = cl.gpus
         fl = flops_per_token(base)
         s_len, h = model.seq_len, model.hidden
@@ -94,7 +95,7 @@ class _Planner(MemoryBound, TimeBound):
         o_b = (4 if tr.master_weights else 0) + 4 * names.OPTIMIZER_STATES[tr.optimizer]
         opt_per_param = optimizer_seconds(base, 1.0)  # base has zero 0: seconds per local parameter
         ctx, buf = runtime_context_bytes(base), collective_buffer_bytes(base)
-        peak_rate = cl.gpu.peak_flops(tr.precision) * conv.compute_efficiency
+        peak_rate = cl.gpu.peak_flops(tr.precision) * bound_efficiency(base)
         self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, ctx, buf, peak_rate,
                           cpu_oversubscription(base))
         tps = [t for t in _divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0

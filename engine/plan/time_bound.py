@@ -17,12 +17,9 @@ from engine.plan.space import (
     _Struct,
 )
 from engine.time.comm import collective_seconds, group_span
-from engine.time.durations import per_op_recompute_flops_per_token
-from engine.time.step import (
-    FLOAT8_CAST_BYTES,
-    block_linears,
-    cp_seconds_per_layer,
-)
+from engine.time.durations import FLOAT8_CAST_BYTES, block_linears, per_op_recompute_flops_per_token
+from engine.time.ops import bound_efficiency
+from engine.time.step import cp_seconds_per_layer
 
 
 class TimeBound:
@@ -144,7 +141,7 @@ class TimeBound:
             cast_f = per * (tokens * s_in + wts)
             cast_b = per * (again * tokens * s_out + (again - 1) * tokens * s_in + wts)
             cast_f, cast_b = np.where(on8, cast_f, 0.0)[:, None], np.where(on8, cast_b, 0.0)[:, None]
-            peak8 = gpu.peak_fp8_tflops * 1e12 * base.conventions.compute_efficiency * tp
+            peak8 = gpu.peak_fp8_tflops * 1e12 * bound_efficiency(base) * tp
             per_block = (np.where(on8, 1.0, 0.0) * tokens * fl.matmuls * (1 / rate - 1 / peak8))[:, None]
             # engine.time.step.recomputed_linear_blocks: the blocks' worth of matmuls the backward runs again
             redo = np.zeros((len(gr), len(L)))

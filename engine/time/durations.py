@@ -390,12 +390,14 @@ def stage_durations(
         b = i + w if backward_s is None else _vec(backward_s, num_stages, "backward_s")
     if forward_s is not None:
         f = _vec(forward_s, num_stages, "forward_s")
-    p = _p2p_seconds(cfg, num_stages) if p2p_s is None else p2p_s
+    p = p2p_seconds(cfg, num_stages) if p2p_s is None else p2p_s
     given = any(x is not None for x in (forward_s, backward_s, backward_input_s, backward_weight_s, p2p_s))
     return StageDurations.of(num_stages, f, b, i, w, p, source="model+given" if given else "model")
 
 
-def _p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
+def p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
+    """Per stage boundary, the seconds one microbatch's activations (or their gradients) take between
+    the two stages' ranks (0 where one rank holds both)."""
     par, cl = cfg.parallel, cfg.cluster
     owners = stage_placement(cfg)
     nbytes = activation_bytes_per_microbatch(cfg)
@@ -412,3 +414,34 @@ def _p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
         else:
             out[s] = cl.inter_node_latency_us * 1e-6 + nbytes / cl.inter_node_bytes_per_s
     return out
+
+
+#: bytes one float8 cast moves per element: reads the 16-bit tensor for its amax and again to scale it,
+#: writes 1 byte; torch.compile fuses the amax into the cast (one read)
+FLOAT8_CAST_BYTES = {False: 5, True: 3}
+
+
+def block_linears(cfg: Config) -> list[tuple[int, int]]:
+    """(d_in, d_out) of each block Linear on one TP rank (q, k, v, o, gate, up, down)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    q, kv, f, h = m.heads * m.head_dim // tp, m.kv_dim // tp, m.ffn_hidden // tp, m.hidden
+    ups = [(h, f)] * (2 if m.mlp == "swiglu" else 1)
+    return [(h, q), (h, kv), (h, kv), (q, h)] + ups + [(f, h)]
+
+
+def float8_cast_bytes(cfg: Config) -> tuple[float, float]:
+    """Bytes the float8 casts of one block move for one microbatch on one rank: (forward, backward
+    without recompute; a recomputed forward casts its forward's again, :func:`with_float8_and_compile`)."""
+    tr, par = cfg.training, cfg.parallel
+    if tr.float8 == "none":
+        return 0.0, 0.0
+    tokens = tr.micro_batch_size * cfg.local_seq_len
+    per = FLOAT8_CAST_BYTES[bool(tr.compile)]
+    lin = block_linears(cfg)
+    inputs = tokens * sum(i for i, _ in lin)
+    grads_out = tokens * sum(o for _, o in lin)
+    weights = sum(i * o for i, o in lin) / (par.shard_degree if tr.float8_all_gather else 1)
+    again = 2 if tr.float8 == "rowwise" else 1  # rowwise: input and output gradient cast along the other axis too
+    fwd = per * (inputs + weights)
+    bwd = per * (again * grads_out + (again - 1) * inputs + weights)
+    return fwd, bwd

@@ -29,7 +29,7 @@ collectives' α and B scaled by it in engine.time.comm). Given durations are use
 float8 (``training.float8``, torchao's Float8Linear on the blocks' Linears; the head stays bf16):
 the Linear matmuls of F, I and W (and the recomputed forward's: ``recomputed_linear_blocks``) run at ``cluster.gpu.peak_fp8_tflops``
 times the same ``conventions.compute_efficiency``; the casts are memory-bound time added to the
-stage (:func:`float8_cast_bytes_per_token`: each Linear casts its input and its weight in the
+stage (``engine.time.durations.float8_cast_bytes``: each Linear casts its input and its weight in the
 forward and its output gradient in the backward — rowwise casts input and output gradient once
 more along the other axis for the weight gradient; each cast reads the 16-bit tensor twice, for
 its amax and to scale it, and writes 1 byte: 5 B per element; under float8 all-gather the weight
@@ -83,6 +83,7 @@ from engine.time.comm import (
 )
 from engine.time.durations import (
     StageDurations,
+    float8_cast_bytes,
     flops_per_token,
     model_flops_per_token,
     per_op_recompute_flops_per_token,
@@ -91,6 +92,7 @@ from engine.time.durations import (
     stage_block_counts,
     stage_durations,
 )
+from engine.time.ops import op_durations
 from engine.wrapping import wrapping_plan
 
 BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_comm", "pipeline_bubble", "dp_comm_exposed", "optimizer")
@@ -323,37 +325,6 @@ def optimizer_seconds(cfg: Config, local_params: int) -> float:
 
 #: the name of the torch.compile speed-up convention (module docstring)
 COMPILE_CONVENTION = "fused-elementwise"
-#: bytes one float8 cast moves per element: reads the 16-bit tensor for its amax and again to scale it,
-#: writes 1 byte; torch.compile fuses the amax into the cast (one read)
-FLOAT8_CAST_BYTES = {False: 5, True: 3}
-
-
-def block_linears(cfg: Config) -> list[tuple[int, int]]:
-    """(d_in, d_out) of each block Linear on one TP rank (q, k, v, o, gate, up, down)."""
-    m, tp = cfg.model, cfg.parallel.tp
-    q, kv, f, h = m.heads * m.head_dim // tp, m.kv_dim // tp, m.ffn_hidden // tp, m.hidden
-    ups = [(h, f)] * (2 if m.mlp == "swiglu" else 1)
-    return [(h, q), (h, kv), (h, kv), (q, h)] + ups + [(f, h)]
-
-
-def float8_cast_bytes(cfg: Config) -> tuple[float, float]:
-    """Bytes the float8 casts of one block move for one microbatch on one rank: (forward, backward
-    without recompute; a recomputed forward casts its forward's again, :func:`with_float8_and_compile`)."""
-    tr, par = cfg.training, cfg.parallel
-    if tr.float8 == "none":
-        return 0.0, 0.0
-    tokens = tr.micro_batch_size * cfg.local_seq_len
-    per = FLOAT8_CAST_BYTES[bool(tr.compile)]
-    lin = block_linears(cfg)
-    inputs = tokens * sum(i for i, _ in lin)
-    grads_out = tokens * sum(o for _, o in lin)
-    weights = sum(i * o for i, o in lin) / (par.shard_degree if tr.float8_all_gather else 1)
-    again = 2 if tr.float8 == "rowwise" else 1  # rowwise: input and output gradient cast along the other axis too
-    fwd = per * (inputs + weights)
-    bwd = per * (again * grads_out + (again - 1) * inputs + weights)
-    return fwd, bwd
-
-
 def compile_saved_bytes(cfg: Config) -> tuple[float, float]:
     """Bytes torch.compile's fused elementwise chains save per block for one microbatch on one
     rank under ``COMPILE_CONVENTION``: (forward, backward = twice the forward)."""
@@ -398,9 +369,14 @@ def with_float8_and_compile(cfg: Config, d: StageDurations) -> StageDurations:
 
 
 def analytic_durations(cfg: Config) -> StageDurations:
-    """engine.time.durations' FLOP-based durations with float8 and compile (:func:`with_float8_and_compile`),
-    slowed by core sharing on CPU ranks."""
-    d = with_float8_and_compile(cfg, stage_durations(cfg))
+    """The stages' analytic durations, slowed by core sharing on CPU ranks: under ``conventions.clock =
+    "efficiency"`` engine.time.durations' FLOP-based ones with float8 and compile
+    (:func:`with_float8_and_compile`); under ``"ops"`` the sum of the blocks' ops, each a roofline on the
+    GPU kind's device profile (engine.time.ops.op_durations: float8 and compile are in its op lists)."""
+    if cfg.conventions.clock == "ops":
+        d = op_durations(cfg)
+    else:
+        d = with_float8_and_compile(cfg, stage_durations(cfg))
     over = cpu_oversubscription(cfg)
     if over == 1.0:
         return d

@@ -174,6 +174,17 @@ def test_the_exhaustive_path_ranks_as_the_pruned_search():
     assert pruned.counts.fully_evaluated < pruned.counts.enumerated / 20
 
 
+def test_the_time_bound_holds_for_the_clock_from_ops_too():
+    """Under ``conventions.clock = "ops"`` the bound's rates come from engine.time.ops.bound_efficiency
+    (no op runs faster): the pruned search ranks as the exhaustive one, on a case with float8 and compile."""
+    kw = dict(model="tiny", gpus=4, gpu="h100-sxm", gpus_per_node=4, global_batch=8, max_virtual_stages=2,
+              conventions={"clock": "ops"})
+    pruned, exhaustive = plan(**kw, top=3), plan(**kw, top=3, exhaustive=True)
+    assert len(pruned.entries) == 3 and all(e.config.conventions.clock == "ops" for e in pruned.entries)
+    assert [e.config for e in exhaustive.entries] == [e.config for e in pruned.entries]
+    assert [e.seconds for e in exhaustive.entries] == [e.seconds for e in pruned.entries]
+
+
 def _assert_valid_and_fitting(result):
     for e in result.entries:
         again = Config.from_dict(e.config.to_dict())  # validation from scratch

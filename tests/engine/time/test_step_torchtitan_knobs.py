@@ -5,12 +5,11 @@ import numpy as np
 import pytest
 
 from engine import Config
-from engine.time.durations import flops_per_token, stage_durations
+from engine.time.durations import float8_cast_bytes, flops_per_token, stage_durations
 from engine.time.step import (
     COMPILE_CONVENTION,
     analytic_durations,
     compile_saved_bytes,
-    float8_cast_bytes,
     step_time,
     tp_stage_seconds,
 )

@@ -1,0 +1,146 @@
+"""The clock from ops (conventions.clock = "ops", engine/time/ops.py): rooflines worked by hand, the
+op lists' invariants, the device profiles' data, validation."""
+
+import dataclasses
+
+import pytest
+
+from engine import Config, ConfigError
+from engine.predict import predict
+from engine.time.ops import (
+    GEMM_DTYPES,
+    Op,
+    _profiles,
+    block_ops,
+    device_profile,
+    op_durations,
+    op_seconds,
+    op_table,
+)
+from engine.time.step import analytic_durations
+
+
+def _cfg(preset: str = "llama3-8b", gpu: str = "h100-sxm", **training) -> Config:
+    return Config.from_dict({"model": {"preset": preset}, "cluster": {"gpu": gpu, "gpus": 8, "gpus_per_node": 8},
+                             "parallel": {"dp": 8, "zero": 3},
+                             "training": {"precision": "bf16-mixed", "micro_batch_size": 1, **training},
+                             "conventions": {"clock": "ops"}})
+
+
+def test_a_large_gemm_runs_at_the_profiles_fraction_of_the_peak_worked_by_hand():
+    cfg = _cfg()
+    prof = device_profile("h100-sxm")
+    F = 2.0 * 8192 * 4096 * 4096  # 274.9 GFLOP
+    op = Op("g", "F", "gemm", F, 3 * 8192 * 4096 * 2, 1, "bf16")
+    rate = 989e12 * 0.75 * 1.0 * F / (F + 2.0e9)  # peak · gemm_fraction_bf16 · power · F / (F + F_half)
+    assert op_seconds(op, cfg, prof) == pytest.approx(F / rate + 3e-6, rel=1e-12)
+    assert F / rate == pytest.approx(0.3733e-3, rel=1e-3)  # 274.9 GFLOP at 736 TFLOP/s (0.75 × 989 × 274.9 / 276.9)
+
+
+def test_a_memory_bound_op_takes_its_bytes_over_the_achieved_bandwidth_plus_its_launches():
+    cfg = _cfg()
+    prof = device_profile("h100-sxm")
+    op = Op("norm", "F", "memory", 0.0, 1e9, 3)
+    assert op_seconds(op, cfg, prof) == pytest.approx(1e9 / (3350e9 * 0.85) + 3 * 3e-6, rel=1e-12)
+
+
+def test_small_gemms_run_below_the_large_gemm_rate():
+    cfg = _cfg()
+    prof = dataclasses.replace(device_profile("h100-sxm"), launch_us=0.0)
+    per_flop = [op_seconds(Op("g", "F", "gemm", 2.0 * n**3, 0.0, 1, "bf16"), cfg, prof) / (2.0 * n**3)
+                for n in (256, 1024, 4096, 16384)]
+    assert per_flop == sorted(per_flop, reverse=True)
+    assert per_flop[1] / per_flop[-1] > 1.8  # a 1024³ GEMM at about half the large rate (gemm_half_gflop = 2)
+
+
+def test_the_ops_clock_does_not_read_compute_efficiency():
+    a = _cfg().replace(conventions={"compute_efficiency": 0.2})
+    b = _cfg().replace(conventions={"compute_efficiency": 0.9})
+    assert predict(a).step.seconds == predict(b).step.seconds
+    eff = _cfg().replace(conventions={"clock": "efficiency"})
+    assert predict(eff.replace(conventions={"compute_efficiency": 0.2})).step.seconds \
+        != predict(eff.replace(conventions={"compute_efficiency": 0.9})).step.seconds
+
+
+def test_compile_fuses_the_elementwise_ops_into_fewer_bytes_and_kernels():
+    eager, compiled = block_ops(_cfg()), block_ops(_cfg(compile=True))
+    for phase in ("F", "I"):
+        mem_e = [o for o in eager[phase] if o.kind == "memory"]
+        mem_c = [o for o in compiled[phase] if o.kind == "memory"]
+        assert sum(o.bytes for o in mem_c) < sum(o.bytes for o in mem_e)
+        assert sum(o.kernels for o in mem_c) < sum(o.kernels for o in mem_e)
+    # the GEMMs and the attention are the same ops
+    assert [o for o in eager["F"] if o.kind != "memory"] == [o for o in compiled["F"] if o.kind != "memory"]
+    d_e, d_c = op_durations(_cfg()), op_durations(_cfg(compile=True))
+    assert d_c.forward_s[0] < d_e.forward_s[0] and d_c.backward_input_s[0] < d_e.backward_input_s[0]
+
+
+def test_float8_is_faster_on_large_gemms_but_far_from_the_peak_ratio():
+    """Float8's gain is its GEMMs' achieved rate (0.6 of the fp8 peak, tensorwise) less its casts, not
+    the 2× of the peaks; rowwise runs slower than tensorwise (its own kernel, casts along both axes)."""
+    bf16 = op_durations(_cfg(compile=True))
+    tw = op_durations(_cfg(compile=True, float8="tensorwise"))
+    rw = op_durations(_cfg(compile=True, float8="rowwise"))
+    gain = (bf16.forward_s + bf16.backward_s)[0] / (tw.forward_s + tw.backward_s)[0]
+    assert 1.0 < gain < 1.6
+    assert (rw.forward_s + rw.backward_s)[0] > (tw.forward_s + tw.backward_s)[0]
+    names = [o.name for o in block_ops(_cfg(float8="tensorwise"))["F"]]
+    assert "float8 casts" in names
+    assert {o.dtype for o in block_ops(_cfg(float8="tensorwise"))["F"] if o.kind == "gemm"} == {"fp8_tensorwise"}
+
+
+def test_recompute_adds_the_forward_ops_it_repeats_to_the_input_backward():
+    none, full = op_durations(_cfg(recompute="none")), op_durations(_cfg(recompute="full"))
+    sel = op_durations(_cfg(recompute="selective-op"))
+    assert none.forward_s[0] == full.forward_s[0] == sel.forward_s[0]
+    assert none.backward_weight_s[0] == full.backward_weight_s[0]
+    layers = 32
+    blk = block_ops(_cfg())
+    prof = device_profile("h100-sxm")
+    one_forward = sum(op_seconds(o, _cfg(), prof) for o in blk["F"])
+    assert full.backward_input_s[0] - none.backward_input_s[0] == pytest.approx(layers * one_forward, rel=1e-9)
+    assert none.backward_input_s[0] < sel.backward_input_s[0] < full.backward_input_s[0]
+
+
+def test_under_the_ops_clock_analytic_durations_are_the_op_durations():
+    cfg = _cfg(compile=True, float8="tensorwise")
+    a, b = analytic_durations(cfg), op_durations(cfg)
+    assert a.forward_s.tolist() == b.forward_s.tolist() and a.backward_s.tolist() == b.backward_s.tolist()
+
+
+def test_every_device_profile_holds_fractions_and_the_generic_one_stands_for_unknown_kinds():
+    profiles = _profiles()
+    assert "generic" in profiles and "h100-96g" in profiles
+    for prof in profiles.values():
+        for dtype in GEMM_DTYPES:
+            assert 0 < prof.gemm_fraction(dtype) <= 1
+        for f in ("attention_fraction_forward", "attention_fraction_backward", "hbm_fraction", "power_factor"):
+            assert 0 < getattr(prof, f) <= 1, (prof.name, f)
+        assert prof.gemm_half_gflop > 0 and prof.launch_us >= 0
+    assert device_profile("a-card-nobody-profiled") is profiles["generic"]
+    # the one fitted figure (torchtitan Table 1 row 1; benchmarks/published.py) and the card it is for
+    assert profiles["h100-96g"].power_factor == 0.63 and profiles["h100-sxm"].power_factor == 1.0
+
+
+def test_the_op_table_lists_every_op_with_its_time():
+    rows = op_table(_cfg())
+    assert {r[0] for r in rows} == {"block", "head", "embedding"}
+    assert any(r[2] == "attention" for r in rows) and all(r[6] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("preset, training, kind", [("mixtral-8x7b", {}, "experts"),
+                                                    ("deepseek-v3", {}, "MLA attention"),
+                                                    ("llama3-8b", {"finetune": "lora"}, "LoRA")])
+def test_validation_refuses_the_ops_clock_where_it_has_no_op_list_yet(preset, training, kind):
+    d = {"model": {"preset": preset}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
+         "parallel": {"dp": 8}, "training": training, "conventions": {"clock": "ops"}}
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(d)
+    msg = str(err.value)
+    assert "conventions.clock" in msg and kind in msg and "efficiency | ops" in msg
+
+
+def test_an_unknown_clock_is_refused_naming_the_allowed_ones():
+    with pytest.raises(ConfigError) as err:
+        _cfg().replace(conventions={"clock": "wallclock"})
+    assert "conventions.clock" in str(err.value) and "efficiency" in str(err.value) and "ops" in str(err.value)
