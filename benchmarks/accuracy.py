@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -225,6 +227,68 @@ def evaluate(dirs: dict[str, Path], links_dir: Path | None = None) -> list[dict]
             row["step_self"] = compare(own.predict(cfg), meas).step.relative
         rows.append(row)
     return rows
+
+
+def _predicted_action_means(timeline, num_stages: int) -> dict[str, np.ndarray]:
+    """Seconds per (kind, stage) of a predicted timeline: the mean over its actions (NaN where absent)."""
+    kinds = np.asarray(timeline.kind)
+    out = {}
+    for kind in ("F", "B"):
+        vals = []
+        for s in range(num_stages):
+            sel = (kinds == kind) & (np.asarray(timeline.stage) == s)
+            vals.append(float(np.mean((timeline.end_s - timeline.start_s)[sel])) if sel.any() else float("nan"))
+        out[kind] = np.array(vals)
+    return out
+
+
+def _worst(pred: np.ndarray, meas: np.ndarray) -> float | None:
+    """The largest |relative error| over stages where both are known, signed."""
+    errs = [(p - m) / m for p, m in zip(pred, meas) if m > 0 and not (math.isnan(p) or math.isnan(m))]
+    return max(errs, key=abs) if errs else None
+
+
+def clock_rows(dirs: dict[str, Path]) -> list[dict]:
+    """Each kept run predicted with no fit to any run under both clocks (``conventions.clock``): the worst
+    per-stage error of the mean F and B durations (pipeline runs) and the step's error. The clock from ops
+    times the CPU with this machine's measured device profile (``shardscope calibrate --device``) where one
+    was measured, else the shipped ``cpu`` profile."""
+    from engine import ConfigError
+    from engine.compare.calibrate import _action_means
+
+    rows = []
+    for name, d in dirs.items():
+        mpath = d / "measurement.json"
+        if not mpath.exists():
+            continue
+        cfg = Config.load(d / "config.toml")
+        meas = json.loads(mpath.read_text())
+        row: dict = {"layout": name, "step_measured_s": compare(predict(cfg), meas).step.measured}
+        for clock in ("efficiency", "ops"):
+            try:
+                c = cfg.replace(conventions={"clock": clock})
+            except ConfigError:
+                continue  # the clock from ops has no op list for this block yet (experts, LoRA)
+            pred = predict(c)
+            row[f"step_{clock}"] = compare(pred, meas).step.relative
+            if cfg.parallel.pp > 1:
+                n = pred.pipeline.num_stages
+                measured, _ = _action_means(meas, n, cfg.parallel.dp > 1)
+                predicted = _predicted_action_means(pred.pipeline, n)
+                row[f"F_{clock}"] = _worst(predicted["F"], measured["F"])
+                row[f"B_{clock}"] = _worst(predicted["B"], measured["B"])
+        rows.append(row)
+    return rows
+
+
+CLOCK_HEAD = ("layout", "F (efficiency)", "B (efficiency)", "step (efficiency)", "F (ops)", "B (ops)", "step (ops)",
+              "measured step")
+
+
+def render_clocks(rows: list[dict]) -> str:
+    return _columns(CLOCK_HEAD, [(r["layout"], _pct(r.get("F_efficiency")), _pct(r.get("B_efficiency")),
+                                  _pct(r.get("step_efficiency")), _pct(r.get("F_ops")), _pct(r.get("B_ops")),
+                                  _pct(r.get("step_ops")), f"{r['step_measured_s'] * 1e3:.0f} ms") for r in rows])
 
 
 def measured_expert_load(meas: dict, rank: int, ep: int, per_microbatch: bool = False) -> list:
@@ -772,8 +836,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", type=int, metavar="N",
                     help="instead of the matrix: N tiny layouts of random shapes drawn from --seed (memory only)")
     ap.add_argument("--seed", type=int, default=0, help="the sweep's seed")
+    ap.add_argument("--clocks", action="store_true",
+                    help="instead of the memory table: per-action F, B and step errors of both clocks, nothing fitted "
+                         "to any run (conventions.clock; runs kept from an earlier run with --reuse)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if args.clocks:
+        dirs = run_all(args.runs_dir, args.steps, args.reuse, args.only)
+        print(render_clocks(clock_rows(dirs)))
+        return 0
     if args.sweep:
         rows = run_sweep(args.runs_dir, args.sweep, args.seed, args.steps, args.reuse, args.only)
         print(render_sweep(rows, args.sweep, args.seed))

@@ -333,13 +333,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.entries else 1
 
 
+def _calibrate_device(args: argparse.Namespace) -> int:
+    """``calibrate --device``: this machine's CPU profile for the clock from ops, in a child process with a
+    rank's one OpenMP thread (backend.devicebench), kept where the engine reads it for gpu = "cpu"."""
+    import json
+    import os
+    import subprocess
+
+    from engine.time.ops import measured_profile_path
+
+    out = Path(args.out) / "device-cpu.json" if args.out else measured_profile_path()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    root = Path(__file__).resolve().parents[1]
+    print("measuring this machine's CPU as one rank sees it (GEMMs, bandwidth, per-op dispatch; ~15 s) …",
+          flush=True)
+    try:
+        done = subprocess.run([sys.executable, "-m", "backend.devicebench", "--out", str(out)], cwd=str(root),
+                              env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise CliError(f"the device benchmark did not finish in {args.timeout:g} s", EXIT_FAILED) from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise CliError("the device benchmark failed: " + " | ".join(tail), EXIT_FAILED)
+    doc = json.loads(out.read_text())
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return EXIT_OK
+    prof, raw = doc["profile"], doc["raw"]
+    print(f"GEMM fp32 {raw['gemm']['fp32']['rate_flops'] / 1e9:.1f} GFLOP/s (large), bf16 "
+          f"{raw['gemm']['bf16']['rate_flops'] / 1e9:.1f}; half rate at {prof['gemm_half_gflop']:.4f} GFLOP; "
+          f"bandwidth {raw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; per-op dispatch {prof['launch_us']:.1f} µs "
+          f"({doc['seconds']:.0f} s)")
+    print(f"written: {out} — predictions with gpu = \"cpu\" and conventions.clock = \"ops\" on this machine use it")
+    return EXIT_OK
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``calibrate --links``: time this machine's collectives and matmuls, fit α and β per collective."""
+    """``calibrate --links``: time this machine's collectives and matmuls, fit α and β per collective;
+    ``calibrate --device``: this machine's CPU profile for the clock from ops."""
     import json
 
+    if args.links and args.device:
+        raise CliError("calibrate takes --links or --device, not both: run it twice")
+    if args.device:
+        return _calibrate_device(args)
     if not args.links:
-        raise CliError("calibrate needs --links (measure this machine's collectives); a finished run "
-                       "calibrates with `shardscope predict CONFIG --calibration RUN_DIR`")
+        raise CliError("calibrate needs --links (measure this machine's collectives) or --device (its CPU, for "
+                       "conventions.clock = \"ops\"); a finished run calibrates with "
+                       "`shardscope predict CONFIG --calibration RUN_DIR`")
     if args.ranks < 2:
         raise CliError(f"--ranks {args.ranks}: a collective needs at least 2 ranks")
     from backend.launch import default_run_dir
@@ -518,8 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "matmul FLOP/s per rank (torchrun micro-benchmark, ~15 s)")
     p.add_argument("--links", action="store_true", help="time all-reduce / all-gather / reduce-scatter / send-recv "
                                                         "over a sweep of sizes and fit α and β per collective")
+    p.add_argument("--device", action="store_true", help="time this machine's CPU as one rank sees it (GEMMs, "
+                                                         "bandwidth, per-op dispatch): the profile conventions.clock = "
+                                                         "\"ops\" uses for gpu = \"cpu\" (kept in ~/.cache/shardscope)")
     p.add_argument("--ranks", type=int, default=4, help="ranks to measure with (default 4: the default config's)")
-    p.add_argument("--out", metavar="DIR", help="where links.json goes (default: runs/<timestamp>-links)")
+    p.add_argument("--out", metavar="DIR", help="where links.json (or, with --device, device-cpu.json) goes "
+                                                "(default: runs/<timestamp>-links; --device: this machine's cache)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds before the benchmark is stopped")
     p.add_argument("--json", action="store_true", help="the fitted calibration as JSON")
     p.set_defaults(func=cmd_calibrate)

@@ -1,4 +1,5 @@
 import os
+import tempfile
 import threading
 
 import pytest
@@ -10,6 +11,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # second OpenMP thread brings nothing to the tiny model's kernels and, when the cores are busy, its
 # spin-waiting made in-process torch tests 2-4 times slower. Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the engine reads a measured CPU device profile from this machine's cache (engine.time.ops.device_profile):
+# the tests read the shipped one, whatever `shardscope calibrate --device` left here
+os.environ["SHARDSCOPE_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"shardscope-tests-{os.getpid()}-cache")
 
 
 def pytest_configure(config):

@@ -17,12 +17,14 @@ The ops of one dense block for one microbatch on one rank (T tokens: micro-batch
 = T / tp where sequence parallelism shards the norms and residuals; a: the activation dtype's bytes):
 
 * forward: the Linears' GEMMs (q, k, v, o, the MLP's; float8's GEMMs in its recipe's dtype, 1-byte
-  inputs), the attention, and the memory-bound ops. Eager: each RMSNorm 1 kernel reading and writing
+  inputs), the attention (``_attention_ops``: one flash kernel, or eager attention's GEMMs and
+  elementwise ops), and the memory-bound ops. Eager: each RMSNorm 1 kernel reading and writing
   its tensor (2·T'·h·a bytes: ``torch.rms_norm`` runs its fused kernel when input and weight share a
   dtype, as under FSDP2's bf16 parameters; its warning "Mismatch dtype between input and weight ...
   Cannot dispatch to fused implementation" from aten/src/ATen/native/layer_norm.cpp says when it does
-  not), each residual add 1 (3·T'·h·a), RoPE on q and k 6 kernels
-  through fp32 complex numbers ((2a + 12) bytes an element: torchtitan's ``apply_rotary_emb``),
+  not), each residual add 1 (3·T'·h·a), RoPE on q and k 14 kernels each
+  (backend/model.py's ``rope``: its angles' cos and sin, four products, a difference, a sum and a cat:
+  9·a bytes an element),
   SwiGLU's silu and product 2 (5·T·f·a), float8's casts (``engine.time.durations.float8_cast_bytes``;
   2 kernels a cast: amax, then scale). Under torch.compile the chains fuse: each residual add with the
   norm after it 1 kernel (4·T'·h·a), RoPE 1 kernel (2a), silu·mul 1 (3·T·f·a), a cast 1 (amax fused).
@@ -45,8 +47,12 @@ overlap windows (``engine.time.step`` reads them off the efficiency clock); the 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import socket
 import tomllib
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -100,8 +106,44 @@ def _profiles() -> dict[str, DeviceProfile]:
     return out
 
 
+#: where ``shardscope calibrate --device`` keeps this machine's measured CPU profile (``SHARDSCOPE_CACHE_DIR``,
+#: else ``$XDG_CACHE_HOME/shardscope``, else ``~/.cache/shardscope``)
+MEASURED_PROFILE = "device-cpu.json"
+
+
+def measured_profile_path() -> Path:
+    root = os.environ.get("SHARDSCOPE_CACHE_DIR")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardscope")
+    return Path(root) / MEASURED_PROFILE
+
+
+@functools.lru_cache(maxsize=8)
+def _measured(path: str, mtime_ns: int) -> DeviceProfile | None:
+    """The profile a ``calibrate --device`` of this machine wrote (None: another machine's, or unreadable)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("host") != socket.gethostname():
+            return None
+        return DeviceProfile(name=f"cpu (measured {doc.get('measured', '?')})",
+                             **{f.name: float(doc["profile"][f.name]) for f in fields(DeviceProfile) if f.name != "name"})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def device_profile(gpu_name: str) -> DeviceProfile:
-    """The profile of a GPU kind (its own where ``devices.toml`` has one, else ``generic``)."""
+    """The profile of a GPU kind: for ``cpu`` this machine's as ``shardscope calibrate --device`` measured it
+    (``measured_profile_path``) where it has, else ``devices.toml``'s own where it has one, else ``generic``."""
+    if gpu_name == "cpu":
+        path = measured_profile_path()
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            mtime = None
+        if mtime is not None:
+            got = _measured(str(path), mtime)
+            if got is not None:
+                return got
     profiles = _profiles()
     return profiles.get(gpu_name, profiles["generic"])
 
@@ -184,8 +226,8 @@ def _forward_memory_ops(cfg: Config) -> list[Op]:
     else:
         ops.append(Op("RMSNorm ×2", "F", "memory", 0.0, 2 * 2 * Ts * h * a, 2))
         ops.append(Op("residual add ×2", "F", "memory", 0.0, 2 * 3 * Ts * h * a, 2))
-    if m.position == "rope":
-        ops.append(Op("RoPE (q, k)", "F", "memory", 0.0, (2 * a if c else 2 * a + 12) * T * (q + kv), 1 if c else 6))
+    if m.position == "rope":  # backend/model.py's rope: 4 products, a difference, a sum, a cat (and its cos, sin)
+        ops.append(Op("RoPE (q, k)", "F", "memory", 0.0, (2 if c else 9) * a * T * (q + kv), 1 if c else 2 * 14))
     if m.qk_norm:
         ops.append(Op("qk_norm", "F", "memory", 0.0, (2 if c else 6) * T * (q + kv) * a, 1 if c else 3))
     if m.mlp == "swiglu":
@@ -199,26 +241,52 @@ def _forward_memory_ops(cfg: Config) -> list[Op]:
     return ops
 
 
+def _attention_ops(cfg: Config) -> tuple[list[Op], list[Op]]:
+    """The attention core's ops of one block (forward, backward for inputs). ``flash``: one SDPA kernel at
+    its executed causal FLOPs (half the full square), its backward 2.5 × that. ``eager`` (backend/model.py's
+    AttentionCore): K and V repeated for GQA, the scores' batched GEMM (the full square: the mask is
+    applied after), the scale, the mask, the softmax, the weighted sum's batched GEMM, the heads'
+    reshape copy; the backward's GEMMs twice the forward's and its elementwise ops twice their bytes and
+    kernels."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    T = tr.micro_batch_size * cfg.local_seq_len
+    a = 4 if tr.precision == "fp32" else 2
+    q, kv = m.heads * m.head_dim // par.tp, m.kv_dim // par.tp
+    full = T * flops_per_token(cfg).attention_core / par.tp  # QKᵀ and AV over the whole sequence
+    if m.attention != "eager":
+        nbytes = T * (2 * q + 2 * kv) * a
+        return ([Op("attention", "F", "attention", full / 2, nbytes, 1)],
+                [Op("attention backward", "I", "attention", 2.5 * full / 2, 2 * nbytes, 1)])
+    dtype = "fp32" if tr.precision == "fp32" else "bf16"
+    heads = m.heads // par.tp
+    scores = T * m.seq_len * heads * a  # every local query against every key
+    fwd = []
+    if m.heads != m.kv_heads:
+        fwd.append(Op("repeat K, V (GQA)", "F", "memory", 0.0, 2 * T * (kv + q) * a, 2))
+    fwd += [Op("scores Q·Kᵀ", "F", "gemm", full / 2, T * 2 * q * a + scores, 1, dtype),
+            Op("scale, mask, softmax", "F", "memory", 0.0, 3 * 2 * scores, 5),
+            Op("probs · V", "F", "gemm", full / 2, scores + 2 * T * q * a, 1, dtype),
+            Op("heads reshape", "F", "memory", 0.0, 2 * T * q * a, 1)]
+    back = [Op(o.name + " backward", "I", o.kind, 2 * o.flops, 2 * o.bytes, 2 * o.kernels, o.dtype) for o in fwd]
+    return fwd, back
+
+
 def block_ops(cfg: Config) -> dict[str, list[Op]]:
     """The ops of one dense block for one microbatch on one rank: ``{"F": ..., "I": ..., "W": ...,
     "R": ...}`` — R the forward ops a recomputing backward runs again in every block (full:
     the whole forward; selective: the attention; selective-op: the unsaved matmuls' share of the
     GEMMs and every memory-bound op; none and selective-layer: nothing in every block — the
-    checkpointed blocks of selective-layer rerun the whole forward, :func:`stage_op_seconds`)."""
-    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    checkpointed blocks of selective-layer rerun the whole forward, :func:`op_durations`)."""
+    tr = cfg.training
     T = tr.micro_batch_size * cfg.local_seq_len
     a = 4 if tr.precision == "fp32" else 2
     dtype = f"fp8_{tr.float8}" if tr.float8 != "none" else ("fp32" if tr.precision == "fp32" else "bf16")
     lin = _linears(cfg)
-    q, kv = m.heads * m.head_dim // par.tp, m.kv_dim // par.tp
     fwd = [_gemm(n, "F", T, i, o, dtype, a) for n, i, o in lin]
-    core = T * flops_per_token(cfg).attention_core / par.tp / 2  # causal: half the full square
-    attn_bytes = T * (2 * q + 2 * kv) * a
-    attention = Op("attention", "F", "attention", core, attn_bytes, 1)
     mem = _forward_memory_ops(cfg)
-    fwd += [attention] + mem
-    bwd_in = [_gemm(n, "I", T, i, o, dtype, a) for n, i, o in lin]
-    bwd_in.append(Op("attention backward", "I", "attention", 2.5 * core, 2 * attn_bytes, 1))
+    attention, attention_back = _attention_ops(cfg)
+    fwd += attention + mem
+    bwd_in = [_gemm(n, "I", T, i, o, dtype, a) for n, i, o in lin] + attention_back
     for op in mem:
         if op.name == "float8 casts":
             c = bool(tr.compile)
@@ -232,7 +300,7 @@ def block_ops(cfg: Config) -> dict[str, list[Op]]:
     if tr.recompute == "full":
         redo = list(fwd)
     elif tr.recompute == "selective":
-        redo = [attention]
+        redo = list(attention)
     elif tr.recompute == "selective-op":
         share = per_op_recompute_flops_per_token(cfg) / flops_per_token(cfg).matmuls
         redo = [Op(g.name + " (recomputed share)", "F", "gemm", g.flops * share, g.bytes * share, 1, g.dtype)

@@ -136,3 +136,31 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert all(f.latency_s >= 0 and f.bytes_per_s > 0 for f in cal.fits)
     assert cal.flops_per_rank["fp32"] > 0
     assert Config.load  # the engine stays importable beside it
+
+
+def test_cli_calibrate_takes_links_or_device_not_both(capsys):
+    assert cli(["calibrate", "--links", "--device"]) == 2
+    err = capsys.readouterr().err
+    assert "--links or --device" in err and "Traceback" not in err
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_calibrate_device_measures_this_cpu_and_the_engine_uses_it(tmp_path, monkeypatch, capsys):
+    """``shardscope calibrate --device``: a rank's GEMM rates, bandwidth and per-op dispatch, kept where the
+    engine reads the CPU's profile; a prediction under the clock from ops then uses it."""
+    import socket
+
+    from engine.time.ops import device_profile
+
+    monkeypatch.setenv("SHARDSCOPE_CACHE_DIR", str(tmp_path))
+    assert cli(["calibrate", "--device"]) == 0
+    out = capsys.readouterr().out
+    assert "GEMM fp32" in out and "per-op dispatch" in out and str(tmp_path / "device-cpu.json") in out
+    doc = json.loads((tmp_path / "device-cpu.json").read_text())
+    assert doc["host"] == socket.gethostname() and doc["raw"]["threads"] == 1
+    prof = doc["profile"]
+    assert prof["launch_us"] > 0 and prof["gemm_fraction_fp32"] > 0 and prof["hbm_fraction"] > 0
+    assert device_profile("cpu").launch_us == pytest.approx(prof["launch_us"])
+    cfg = default_config().replace(conventions={"clock": "ops"})
+    assert predict(cfg).step.seconds > 0

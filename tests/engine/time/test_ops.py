@@ -144,3 +144,48 @@ def test_an_unknown_clock_is_refused_naming_the_allowed_ones():
     with pytest.raises(ConfigError) as err:
         _cfg().replace(conventions={"clock": "wallclock"})
     assert "conventions.clock" in str(err.value) and "efficiency" in str(err.value) and "ops" in str(err.value)
+
+
+def _measured_doc(host: str, launch_us: float = 25.0) -> dict:
+    prof = {f: 0.5 for f in ("gemm_fraction_bf16", "gemm_fraction_fp32", "gemm_fraction_fp8_tensorwise",
+                             "gemm_fraction_fp8_rowwise", "attention_fraction_forward", "attention_fraction_backward",
+                             "hbm_fraction")}
+    prof.update(gemm_half_gflop=0.001, launch_us=launch_us, power_factor=1.0)
+    return {"gpu": "cpu", "host": host, "measured": "2026-12-03T00:00:00+00:00", "profile": prof}
+
+
+def test_the_cpu_uses_this_machines_measured_profile_and_never_another_machines(tmp_path, monkeypatch):
+    import json
+    import socket
+
+    monkeypatch.setenv("SHARDSCOPE_CACHE_DIR", str(tmp_path))
+    shipped = _profiles()["cpu"]
+    assert device_profile("cpu") is shipped  # nothing measured here yet
+    path = tmp_path / "device-cpu.json"
+    path.write_text(json.dumps(_measured_doc("some-other-host")))
+    assert device_profile("cpu") is shipped  # a profile copied from another machine is not this one's
+    path.write_text(json.dumps(_measured_doc(socket.gethostname(), launch_us=25.0)))
+    got = device_profile("cpu")
+    assert got.launch_us == 25.0 and got.gemm_fraction_fp32 == 0.5 and got.name.startswith("cpu (measured")
+    path.write_text("{not json")
+    assert device_profile("cpu") is shipped  # unreadable: the shipped one, no exception
+    assert device_profile("h100-sxm") is _profiles()["h100-sxm"]  # only the CPU is measured here
+
+
+def test_eager_attention_is_its_gemms_and_elementwise_ops_and_selective_recompute_repeats_them():
+    cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 2, "gpus_per_node": 2},
+                            "parallel": {"dp": 2}, "training": {"precision": "fp32", "recompute": "selective"},
+                            "conventions": {"clock": "ops"}})
+    ops = block_ops(cfg)
+    names = [o.name for o in ops["F"]]
+    assert "scores Q·Kᵀ" in names and "probs · V" in names and "scale, mask, softmax" in names
+    assert "attention" not in names  # no flash kernel: the tiny preset's attention is eager
+    assert "repeat K, V (GQA)" in names  # 8 heads over 4 KV heads
+    assert [o.name for o in ops["R"]] == [n for n in names if n in {o.name for o in ops["R"]}]
+    assert {o.name for o in ops["R"]} == {"repeat K, V (GQA)", "scores Q·Kᵀ", "scale, mask, softmax", "probs · V",
+                                          "heads reshape"}
+    # the scores' GEMMs compute the full square (the mask is applied after): 2·s·q_dim FLOPs a token each
+    m = cfg.model
+    T = cfg.training.micro_batch_size * m.seq_len
+    scores = next(o for o in ops["F"] if o.name == "scores Q·Kᵀ")
+    assert scores.flops == 2.0 * T * m.seq_len * m.heads * m.head_dim

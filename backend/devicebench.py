@@ -1,0 +1,164 @@
+"""Measure this machine's CPU as one training rank sees it: the device profile of ``gpu = "cpu"`` for the
+clock from ops (``conventions.clock = "ops"``, engine/time/ops.py).
+
+``python -m backend.devicebench --out FILE`` (``shardscope calibrate --device`` runs it as a child
+process with ``OMP_NUM_THREADS=1``, the thread count a local rank runs with, backend/launch.py) times,
+in about 10–20 s:
+
+* GEMMs (``torch.mm``) of n × n by n × n for n = 16 … 512 in fp32 and bf16, and fits ``time = F / R +
+  c`` (F = 2n³): R is the large-GEMM rate, ``c`` a GEMM's fixed cost, which the op clock splits into the
+  per-op launch below and ``gemm_half_gflop = (c − launch) · R`` (its rate curve ``R · F / (F + F_half)``
+  costs exactly ``F / R + F_half / R``);
+* the bandwidth of an elementwise kernel: ``torch.add`` of two 32 MiB fp32 tensors into a third;
+* an op's cost as training pays it (``launch_us``): the backend's own transformer block
+  (backend/model.py) at a size where its kernels take no time (hidden 16, 8 tokens), forward and
+  backward, over the kernels the op clock counts for that block (``engine.time.ops.block_ops``): the
+  dispatcher, autograd and the modules' Python per kernel (a bare multiplication's is kept beside it,
+  ``tiny_op_s``, for comparison).
+
+It writes the profile as fractions of the ``cpu`` GPU preset's figures (``assets/presets/gpus.toml``:
+its fp32 / bf16 peaks and memory bandwidth, themselves a dev machine's measurements), as
+``assets/presets/devices.toml`` states profiles, with the machine's name and the date: the engine reads
+it for ``gpu = "cpu"`` on this machine (``engine.time.ops.device_profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from backend.model import TransformerBlock
+from engine.config import Config, default_config
+from engine.time.ops import block_ops
+
+SIZES = (16, 32, 64, 128, 256, 512)
+
+
+def _seconds(fn, budget_s: float = 0.25, least: int = 5) -> float:
+    """The median seconds of ``fn()`` over repeats filling about ``budget_s`` (after one warm-up)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    reps = max(least, min(20000, int(budget_s / one)))
+    times = []
+    batch = max(1, reps // 9)
+    for _ in range(9):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) / batch)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a·x + b, weighted by 1/y² (relative errors: small and large GEMMs alike)."""
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    sy = sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    a = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return a, (sy - a * sx) / sw
+
+
+def measure() -> dict:
+    """The raw measurements (module docstring)."""
+    torch.manual_seed(0)
+    out: dict = {"threads": torch.get_num_threads(), "gemm": {}}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        rows = []
+        for n in SIZES:
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            rows.append((2.0 * n**3, _seconds(lambda a=a, b=b: torch.mm(a, b))))
+        slope, fixed = _fit_line([f for f, _ in rows], [t for _, t in rows])
+        out["gemm"][name] = {"sizes": list(SIZES), "seconds": [t for _, t in rows],
+                             "rate_flops": 1.0 / slope, "fixed_s": max(fixed, 0.0)}
+    x, y = torch.randn(2**23), torch.randn(2**23)
+    z = torch.empty_like(x)
+    t = _seconds(lambda: torch.add(x, y, out=z))
+    out["bandwidth_bytes_per_s"] = 3 * x.numel() * 4 / t
+    leaf = torch.randn(64, requires_grad=True)
+
+    def chain(k: int = 100) -> None:
+        v = leaf
+        for _ in range(k):
+            v = v * 1.0001
+    out["tiny_op_s"] = _seconds(chain) / 100
+    # the per-op cost training pays: the backend's own transformer block (backend/model.py) at a size where
+    # its kernels take no time, forward and backward, over the kernels the op clock counts for that block
+    cfg = probe_config()
+    block = TransformerBlock(cfg.model)
+    x = torch.randn(cfg.training.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+    ops = block_ops(cfg)
+    kernels = sum(o.kernels for phase in ("F", "I", "W") for o in ops[phase])
+    out["probe_block_s"] = _seconds(step)
+    out["probe_kernels"] = kernels
+    out["launch_s"] = out["probe_block_s"] / kernels
+    return out
+
+
+def probe_config() -> Config:
+    """A block of the tiny preset's kind at a size where only the per-op cost is left."""
+    return default_config().replace(
+        model={"preset": None, "layers": 1, "hidden": 16, "heads": 2, "kv_heads": 1, "ffn_hidden": 32, "vocab": 32,
+               "seq_len": 8},
+        cluster={"gpus": 1}, parallel={"dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1F1B"},
+        training={"micro_batch_size": 1}, conventions={"clock": "ops"})
+
+
+def profile(raw: dict) -> dict:
+    """The device profile (``engine.time.ops.DeviceProfile``'s fields) of the raw measurements, as fractions
+    of the ``cpu`` preset's figures."""
+    gpu = default_config().cluster.gpu  # the embedded default's GPU kind: cpu
+    launch = raw["launch_s"]
+    g32, g16 = raw["gemm"]["fp32"], raw["gemm"]["bf16"]
+    f32 = g32["rate_flops"] / (gpu.peak_fp32_tflops * 1e12)
+    f16 = g16["rate_flops"] / (gpu.peak_bf16_tflops * 1e12)
+    half = max(0.0, g32["fixed_s"] - launch) * g32["rate_flops"] / 1e9
+    return {
+        "gemm_fraction_bf16": f16, "gemm_fraction_fp32": f32,
+        # torch._scaled_mm on the CPU is not measured faster than bf16 (gpus.toml): bf16's rate
+        "gemm_fraction_fp8_tensorwise": f16, "gemm_fraction_fp8_rowwise": f16,
+        "gemm_half_gflop": max(half, 1e-6),
+        # attention on CPU ranks is GEMMs (eager) or SDPA's CPU kernel: the GEMM fraction stands for it
+        "attention_fraction_forward": f32, "attention_fraction_backward": f32,
+        "hbm_fraction": raw["bandwidth_bytes_per_s"] / (gpu.hbm_bandwidth_gb_per_s * 1e9),
+        "launch_us": launch * 1e6,
+        "power_factor": 1.0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="where the profile JSON goes")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    raw = measure()
+    doc = {"gpu": "cpu", "host": socket.gethostname(), "processor": platform.processor() or platform.machine(),
+           "measured": datetime.now(UTC).isoformat(timespec="seconds"), "torch": torch.__version__,
+           "seconds": round(time.perf_counter() - t0, 1), "profile": profile(raw), "raw": raw}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(out)
+    print(json.dumps(doc["profile"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
