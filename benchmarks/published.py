@@ -129,14 +129,14 @@ def main() -> None:
             "The same configs with `clock = \"ops\"` (`engine/time/ops.py`): every op of the blocks, the head and the "
             "loss a roofline on the `h100-96g` device profile (`assets/presets/devices.toml`: achieved GEMM, "
             "attention and HBM fractions with their sources); `compute_efficiency` is not read. One figure is "
-            "fitted: the profile's `power_factor` (the 500 W card's share of the tensor-core rates, 0.63), on the "
+            "fitted: the profile's `power_factor` (the 500 W card's share of the tensor-core rates, 0.64), on the "
             "first row only; every other row is a prediction.",
             "",
             *ops_lines,
             "",
             f"Worst predicted row: {worst['config']} {worst['tps_error']:+.1%}: outside 10 %, so `clock = \"ops\"` is "
-            "not yet the default. The compile rows miss by about −9 %: compile's gain beyond the fused elementwise "
-            "chains of `engine/time/ops.py` is not in its op lists (unexplained); the float8 rows by −12 to −13 %: "
+            "not yet the default. The compile rows miss by about −8 %: compile's gain beyond the fused elementwise "
+            "chains of `engine/time/ops.py` is not in its op lists (unexplained); the float8 rows by −11 to −12 %: "
             "float8's GEMM fractions (0.60 / 0.50 of the fp8 peak) are public ballparks, not fitted, and the casts' "
             "kernels are counted as separate passes — either may be what is off. What the op lists leave out is in "
             "`engine/time/ops.py`'s docstring.",
