@@ -18,6 +18,7 @@ from engine.names import MEMORY_CATEGORIES
 from engine.pipeline.timeline import Timeline
 from engine.time.comm import CommReport, MeasuredLinks
 from engine.time.durations import StageDurations
+from engine.time.ops import clock_description
 from engine.time.step import StepTime, step_time
 from engine.wrapping import wrapping_plan
 
@@ -49,6 +50,7 @@ class Prediction:
         conv["bubble"] = (f"{c.bubble}: idle / (makespan × ranks)" if c.bubble == "share-of-total"
                           else f"{c.bubble}: idle / busy (Narayanan 2021)")
         conv["compute_efficiency"] = f"{c.compute_efficiency:g} of peak FLOP/s for analytic durations"
+        conv["clock"] = clock_description(self.config)
         conv["active_params"] = ("per token: every parameter but the routed experts a token is not sent to, "
                                  "embedding and head included (Mixtral, Qwen3); active_params_without_embedding "
                                  "leaves out the input embedding lookup (gpt-oss, DeepSeek-V3)")

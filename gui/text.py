@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from engine.memory import GIB
 from engine.model.params import param_counts
 from engine.names import MEMORY_CATEGORIES
+from engine.time.ops import clock_description
 
 if TYPE_CHECKING:
     from engine.compare.measured import Comparison, RankComparison
@@ -75,6 +76,7 @@ def prediction_table(pred: Prediction, explain: bool = False) -> str:
     lines.append(f"step: {st.seconds * 1e3:.2f} ms, {st.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {st.mfu * 100:.1f} %, HFU {st.hfu * 100:.1f} %")
     lines.append("  breakdown: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in st.breakdown.items()))
+    lines.append(f"  timed by the {clock_description(pred.config)}")
     comm = pred.comm.per_pp_rank[st.critical_pp_rank]
     per_dim = {d: comm.bytes_sent(d) for d in ("dp", "cp", "tp", "pp", "ep") if comm.bytes_sent(d)}
     if per_dim:

@@ -162,6 +162,17 @@ def bound_efficiency(cfg: Config) -> float:
                                    1.6 * prof.attention_fraction_backward)
 
 
+def clock_description(cfg: Config) -> str:
+    """What timed a prediction of ``cfg``, in words: the efficiency and its value, or the device profile."""
+    if cfg.conventions.clock != "ops":
+        return (f"efficiency clock: every FLOP at {cfg.conventions.compute_efficiency:g} × the "
+                f"{cfg.cluster.gpu.name} peak (conventions.compute_efficiency)")
+    prof = device_profile(cfg.cluster.gpu.name)
+    where = (f"this machine's measured profile, {measured_profile_path()}" if prof.name.startswith("cpu (measured")
+             else "assets/presets/devices.toml")
+    return f"clock from ops: each op a roofline on the {prof.name} device profile ({where})"
+
+
 @dataclass(frozen=True)
 class Op:
     """One op of a block (or of the head / embedding) for one microbatch on one rank."""

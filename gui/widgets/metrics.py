@@ -13,6 +13,7 @@ from PySide6.QtCore import QEvent, QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
+from engine.time.ops import clock_description
 from gui.predicted import describe_config
 from gui.widgets.memory_chart import fmt_bytes
 from gui.widgets.timeline import _fmt_seconds
@@ -186,6 +187,8 @@ def metric_rows(shown) -> list[tuple[str, str]]:
     if step is not None:
         seconds = step.seconds
         rows.append(("Step time", _fmt_seconds(seconds)))
+        rows.append(("Timed by", f"calibrated from {shown.calibrated_from}" if shown.calibrated_from
+                     else clock_description(cfg)))
         rows.append(("Tokens/s", f"{cfg.tokens_per_step / seconds:,.0f}" if seconds > 0 else "—"))
         rows.append(("MFU", f"{step.mfu * 100:.1f}%"))
         if seconds > 0:
