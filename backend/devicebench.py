@@ -11,9 +11,9 @@ in about 10–20 s:
   costs exactly ``F / R + F_half / R``);
 * the bandwidth of an elementwise kernel: ``torch.add`` of two 32 MiB fp32 tensors into a third;
 * an op's cost as training pays it (``launch_us``): the backend's own transformer block
-  (backend/model.py) at a size where its kernels take no time (hidden 16, 8 tokens), forward and
-  backward, over the kernels the op clock counts for that block (``engine.time.ops.block_ops``): the
-  dispatcher, autograd and the modules' Python per kernel (a bare multiplication's is kept beside it,
+  (backend/model.py) at a size where its kernels take no time (hidden 16, 8 tokens): its forward over
+  the forward kernels the op clock counts for that block (``engine.time.ops.block_ops``), its backward
+  over the backward's (``launch_backward_us``): the dispatcher, autograd and the modules' Python per kernel (a bare multiplication's is kept beside it,
   ``tiny_op_s``, for comparison).
 
 It writes the profile as fractions of the ``cpu`` GPU preset's figures (``assets/presets/gpus.toml``:
@@ -101,13 +101,19 @@ def measure() -> dict:
     block = TransformerBlock(cfg.model)
     x = torch.randn(cfg.training.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
 
+    def forward() -> None:
+        block(x).sum()
+
     def step() -> None:
         block(x).sum().backward()
     ops = block_ops(cfg)
-    kernels = sum(o.kernels for phase in ("F", "I", "W") for o in ops[phase])
+    f_kernels = sum(o.kernels for o in ops["F"])
+    b_kernels = sum(o.kernels for phase in ("I", "W") for o in ops[phase])
+    out["probe_forward_s"] = _seconds(forward)
     out["probe_block_s"] = _seconds(step)
-    out["probe_kernels"] = kernels
-    out["launch_s"] = out["probe_block_s"] / kernels
+    out["probe_kernels"] = {"forward": f_kernels, "backward": b_kernels}
+    out["launch_s"] = out["probe_forward_s"] / f_kernels
+    out["launch_backward_s"] = max(out["probe_block_s"] - out["probe_forward_s"], 0.0) / b_kernels
     return out
 
 
@@ -138,6 +144,7 @@ def profile(raw: dict) -> dict:
         "attention_fraction_forward": f32, "attention_fraction_backward": f32,
         "hbm_fraction": raw["bandwidth_bytes_per_s"] / (gpu.hbm_bandwidth_gb_per_s * 1e9),
         "launch_us": launch * 1e6,
+        "launch_backward_us": raw["launch_backward_s"] * 1e6,
         "power_factor": 1.0,
     }
 

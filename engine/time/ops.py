@@ -5,7 +5,10 @@ An op is a GEMM, the attention kernel or a memory-bound kernel (norms, RoPE, the
 residual adds, float8 casts, the loss), with its FLOPs, the bytes it reads and writes and its kernel
 count. Its time is::
 
-    max(FLOPs / achieved rate, bytes / (HBM bandwidth · hbm_fraction)) + kernels · launch_us
+    max(FLOPs / achieved rate, bytes / (HBM bandwidth · hbm_fraction)) + kernels · launch
+
+(``launch_us`` for a forward op, ``launch_backward_us`` for a backward one: the autograd engine's cost
+per node is its own)
 
 where a GEMM's achieved rate is ``peak(dtype) · gemm_fraction(dtype) · power_factor · F / (F +
 F_half)`` (F: one kernel's FLOPs: small GEMMs run below the large-GEMM rate) and the attention
@@ -86,6 +89,7 @@ class DeviceProfile:
     attention_fraction_backward: float
     hbm_fraction: float
     launch_us: float
+    launch_backward_us: float
     power_factor: float
 
     def gemm_fraction(self, dtype: str) -> float:
@@ -199,7 +203,8 @@ def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
         frac = prof.attention_fraction_forward if op.phase == "F" else prof.attention_fraction_backward
         rate = gpu.peak_flops(cfg.training.precision) * frac * prof.power_factor
         seconds = max(seconds, op.flops / rate)
-    return seconds + op.kernels * prof.launch_us * 1e-6
+    launch = prof.launch_us if op.phase == "F" else prof.launch_backward_us
+    return seconds + op.kernels * launch * 1e-6
 
 
 def _linears(cfg: Config) -> list[tuple[str, int, int]]:

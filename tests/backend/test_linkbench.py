@@ -156,11 +156,11 @@ def test_calibrate_device_measures_this_cpu_and_the_engine_uses_it(tmp_path, mon
     monkeypatch.setenv("SHARDSCOPE_CACHE_DIR", str(tmp_path))
     assert cli(["calibrate", "--device"]) == 0
     out = capsys.readouterr().out
-    assert "GEMM fp32" in out and "per-op dispatch" in out and str(tmp_path / "device-cpu.json") in out
+    assert "GEMM fp32" in out and "per-op cost" in out and str(tmp_path / "device-cpu.json") in out
     doc = json.loads((tmp_path / "device-cpu.json").read_text())
     assert doc["host"] == socket.gethostname() and doc["raw"]["threads"] == 1
     prof = doc["profile"]
-    assert prof["launch_us"] > 0 and prof["gemm_fraction_fp32"] > 0 and prof["hbm_fraction"] > 0
+    assert prof["launch_us"] > 0 and prof["launch_backward_us"] > 0 and prof["gemm_fraction_fp32"] > 0 and prof["hbm_fraction"] > 0
     assert device_profile("cpu").launch_us == pytest.approx(prof["launch_us"])
     cfg = default_config().replace(conventions={"clock": "ops"})
     assert predict(cfg).step.seconds > 0

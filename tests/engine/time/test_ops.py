@@ -46,7 +46,7 @@ def test_a_memory_bound_op_takes_its_bytes_over_the_achieved_bandwidth_plus_its_
 
 def test_small_gemms_run_below_the_large_gemm_rate():
     cfg = _cfg()
-    prof = dataclasses.replace(device_profile("h100-sxm"), launch_us=0.0)
+    prof = dataclasses.replace(device_profile("h100-sxm"), launch_us=0.0, launch_backward_us=0.0)
     per_flop = [op_seconds(Op("g", "F", "gemm", 2.0 * n**3, 0.0, 1, "bf16"), cfg, prof) / (2.0 * n**3)
                 for n in (256, 1024, 4096, 16384)]
     assert per_flop == sorted(per_flop, reverse=True)
@@ -116,7 +116,7 @@ def test_every_device_profile_holds_fractions_and_the_generic_one_stands_for_unk
             assert 0 < prof.gemm_fraction(dtype) <= 1
         for f in ("attention_fraction_forward", "attention_fraction_backward", "hbm_fraction", "power_factor"):
             assert 0 < getattr(prof, f) <= 1, (prof.name, f)
-        assert prof.gemm_half_gflop > 0 and prof.launch_us >= 0
+        assert prof.gemm_half_gflop > 0 and prof.launch_us >= 0 and prof.launch_backward_us >= 0
     assert device_profile("a-card-nobody-profiled") is profiles["generic"]
     # the one fitted figure (torchtitan Table 1 row 1; benchmarks/published.py) and the card it is for
     assert profiles["h100-96g"].power_factor == 0.64 and profiles["h100-sxm"].power_factor == 1.0
@@ -150,7 +150,7 @@ def _measured_doc(host: str, launch_us: float = 25.0) -> dict:
     prof = {f: 0.5 for f in ("gemm_fraction_bf16", "gemm_fraction_fp32", "gemm_fraction_fp8_tensorwise",
                              "gemm_fraction_fp8_rowwise", "attention_fraction_forward", "attention_fraction_backward",
                              "hbm_fraction")}
-    prof.update(gemm_half_gflop=0.001, launch_us=launch_us, power_factor=1.0)
+    prof.update(gemm_half_gflop=0.001, launch_us=launch_us, launch_backward_us=2 * launch_us, power_factor=1.0)
     return {"gpu": "cpu", "host": host, "measured": "2026-12-03T00:00:00+00:00", "profile": prof}
 
 
