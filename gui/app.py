@@ -22,14 +22,15 @@ def _qt():
     return QtCore, QtGui, QtWidgets
 
 
-def make_window(state=None, config=None, settings=None):
-    """The main window over ``state`` (or a new State of ``config``). ``settings`` (a QSettings)
-    is where it restores and saves its geometry; None (the default) keeps none."""
+def make_window(state=None, config=None, settings=None, runs_dir: str | Path = "runs"):
+    """The main window over ``state`` (or a new State of ``config`` keeping its runs under ``runs_dir``,
+    relative to the current directory). ``settings`` (a QSettings) is where it restores and saves its
+    geometry; None (the default) keeps none."""
     from gui.main_window import MainWindow
     from gui.state import State
 
     if state is None:
-        state = State(config)
+        state = State(config, runs_dir=runs_dir)
     return MainWindow(state, settings=settings)
 
 
@@ -55,7 +56,7 @@ def _application():
 
 
 def run_app(config_path: str | None = None, screenshot: str | None = None, settings=None,
-            plan: bool = False) -> int:
+            plan: bool = False, runs_dir: str | Path = "runs") -> int:
     """Open the window on ``config_path`` (or the embedded default), sized to the screen on a first
     open and as it was left afterwards (``settings``, default the user's: see ``user_settings``).
 
@@ -70,9 +71,10 @@ def run_app(config_path: str | None = None, screenshot: str | None = None, setti
     app = _application()
     cfg = Config.load(config_path) if config_path else default_config()
     if screenshot:
-        window = make_window(config=cfg)
+        window = make_window(config=cfg, runs_dir=runs_dir)
     else:
-        window = make_window(config=cfg, settings=settings if settings is not None else user_settings())
+        window = make_window(config=cfg, settings=settings if settings is not None else user_settings(),
+                             runs_dir=runs_dir)
     if config_path:
         window.current_path = Path(config_path)
     if screenshot:

@@ -411,6 +411,10 @@ def _no_display() -> bool:
 
 
 def cmd_gui(args: argparse.Namespace) -> int:
+    runs_dir = getattr(args, "runs_dir", None) or "runs"
+    if Path(runs_dir).exists() and not Path(runs_dir).is_dir():
+        raise CliError(f"--runs-dir {runs_dir}: exists and is not a directory; name a directory (it is made "
+                       "on the first run)")
     if getattr(args, "config", None):
         _load(args.config)
     if _no_display() and not getattr(args, "screenshot", None):
@@ -428,7 +432,7 @@ def cmd_gui(args: argparse.Namespace) -> int:
     from gui.app import run_app
 
     return run_app(config_path=getattr(args, "config", None), screenshot=getattr(args, "screenshot", None),
-                   plan=bool(getattr(args, "plan", False)))
+                   plan=bool(getattr(args, "plan", False)), runs_dir=runs_dir)
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -462,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--screenshot", metavar="OUT.png", help="render the window offscreen to this PNG and exit")
     p.add_argument("--plan", action="store_true",
                    help="with --screenshot: run the Planner tab's plan for the config first and show it")
+    p.add_argument("--runs-dir", metavar="DIR",
+                   help="where the window keeps its runs and finds earlier ones (default: runs/ in the current "
+                        "directory)")
     p.set_defaults(func=cmd_gui)
 
     p = sub.add_parser("validate", help="check config files; every problem names its field")

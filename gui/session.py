@@ -111,7 +111,9 @@ class Session:
         self.stale = True  # the prediction is not of the current config yet
         self.recompute_count = 0
         self.runs: list[RunRecord] = []
-        self.runs_dir = Path(runs_dir)
+        # absolute: a run's child process starts in the repository root (gui.child_process), so a path
+        # relative to where the window was started would name another directory there
+        self.runs_dir = Path(runs_dir).expanduser().absolute()
         self.touched: str | None = None  # the field the person moved last
         self.active: RunRecord | None = None  # the run whose child process is running
         self.shown: RunRecord | None = None  # the run whose measurement is drawn

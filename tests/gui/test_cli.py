@@ -90,3 +90,11 @@ def test_missing_qt_system_libraries_are_named_with_the_install_command():
                          timeout=60, env=env)
     assert out.returncode == 2, out.stderr
     assert install_command(missing) in out.stderr and "Traceback" not in out.stderr
+
+
+def test_gui_runs_dir_that_is_a_file_is_refused_before_any_window(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    out = shardscope("gui", "--runs-dir", str(f))
+    assert out.returncode == 2
+    assert "--runs-dir" in out.stderr and "not a directory" in out.stderr and "Traceback" not in out.stderr

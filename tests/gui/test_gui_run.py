@@ -378,3 +378,22 @@ def test_cluster_events_are_described_and_cancel_is_ctrl_c():
     assert RunTarget("hosts").problem()
     assert "· slurm" in RunRecord(config=None, out_dir=__import__("pathlib").Path("r"),
                                   target=RunTarget("slurm")).label
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _backend_available(), reason="the backend (torch + backend.launch) is not installed")
+def test_a_window_started_outside_the_repository_runs_into_its_own_runs_dir(qtbot, tmp_path, monkeypatch):
+    """The run's child process starts in the repository root (gui.child_process): a window started
+    elsewhere, keeping its runs in the relative default ``runs``, must still find the config it wrote
+    there (it read "config file not found: runs/<stamp>/config.toml" before runs_dir was absolute)."""
+    monkeypatch.chdir(tmp_path)
+    w = make_window(State(default_config(), runs_dir="runs"))
+    qtbot.addWidget(w)
+    w.show()
+    w.state.recompute_now()
+    assert w.state.runs_dir == tmp_path / "runs"
+    with qtbot.waitSignal(w.state.runFinished, timeout=240000) as blocker:
+        w.run_panel.start()
+    record = blocker.args[0]
+    assert record.status == "finished", "\n".join(record.log[-20:])
+    assert record.out_dir.parent == tmp_path / "runs" and (record.out_dir / "measurement.json").exists()
