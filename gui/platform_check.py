@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -97,9 +98,43 @@ def xcb_problem(environ: dict[str, str]) -> str | None:
     if not platform and environ.get("WAYLAND_DISPLAY"):
         return None
     missing = missing_libraries()
+    display = display_problem(environ["DISPLAY"])
     if not missing:
-        return None
+        return display
     return (f"the window cannot open on this X display: Qt's xcb platform plugin needs system libraries that "
             f"are not installed ({', '.join(missing)}). Install them with:\n    {install_command(missing)}\n"
             "then run the command again. Meanwhile: shardscope gui --screenshot OUT.png renders the window "
-            "offscreen, and the command line (shardscope --help) needs no display.")
+            "offscreen, and the command line (shardscope --help) needs no display."
+            + (f"\nAnd: {display}" if display else ""))
+
+
+def display_problem(display: str, timeout_s: float = 2.0) -> str | None:
+    """Why no X server answers at ``display`` (``[host]:number[.screen]``), or None when one does: Qt's xcb
+    plugin aborts the process when it cannot connect ("could not connect to display"), with a hint about
+    libxcb-cursor0 whether or not that is the cause. A local display is the socket /tmp/.X11-unix/X<number>
+    (or its abstract twin); ``host:number`` is TCP port 6000 + number."""
+    host, sep, rest = display.rpartition(":")
+    number = rest.split(".", 1)[0]
+    if not sep or not number.isdigit():
+        return (f"DISPLAY={display!r} is not an X display name ([host]:number[.screen], e.g. :0): set it to one, or "
+                "unset it and use the command line or shardscope gui --screenshot OUT.png")
+    try:
+        if host in ("", "unix"):
+            path = f"/tmp/.X11-unix/X{number}"
+            err = None
+            for address in (path, "\0" + path):  # the file, then Linux's abstract socket of the same name
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(timeout_s)
+                    try:
+                        s.connect(address)
+                        return None
+                    except OSError as exc:
+                        err = exc
+            raise err
+        with socket.create_connection((host, 6000 + int(number)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        why = exc.strerror or exc.__class__.__name__
+    return (f"DISPLAY={display} is set but no X server answers there ({why}): the window cannot open. Start "
+            f"one (Xvfb {':' + number} &), run the window under xvfb-run (xvfb-run shardscope), or unset DISPLAY; "
+            "the command line (shardscope --help) and shardscope gui --screenshot OUT.png need no display.")

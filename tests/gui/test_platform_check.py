@@ -33,5 +33,33 @@ def test_the_installed_plugin_is_checked_with_the_dynamic_linker():
     if missing:  # as on this project's CI machines: libxcb-icccm4 and libxcb-keysyms1 are not installed
         assert problem is not None and pc.install_command(missing) in problem
         assert all(m in problem for m in missing)
-    else:
-        assert problem is None
+    else:  # the libraries are there: what is left is whether an X server answers at :0
+        assert problem is None or "no X server answers" in problem
+
+
+def test_a_display_nobody_answers_is_named_before_qt_aborts():
+    """With DISPLAY set and no X server there Qt's xcb plugin aborts (exit 134) with a hint about
+    libxcb-cursor0, installed or not: the check connects first and says what to do."""
+    import socket
+
+    with socket.socket() as s:  # a TCP port nothing listens on: X display number port - 6000
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if port <= 6000:
+        pytest.skip("no free port above 6000")
+    problem = pc.display_problem(f"127.0.0.1:{port - 6000}", timeout_s=1.0)
+    assert problem is not None and "no X server answers" in problem and "xvfb-run" in problem
+    assert "no X server answers" in pc.display_problem(":987654")  # no such local socket
+    assert "not an X display name" in pc.display_problem("nonsense")
+
+
+def test_a_display_that_answers_passes():
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        if port <= 6000:
+            pytest.skip("no free port above 6000")
+        assert pc.display_problem(f"127.0.0.1:{port - 6000}.0") is None
