@@ -61,7 +61,7 @@ from typing import Any
 from assets import PRESETS_DIR
 from engine.config.knobs import Knob, Range, knob
 from engine.config.parsing import _parse, _unparse
-from engine.config.problems import ConfigError, Problem
+from engine.config.problems import NO_VALUE, ConfigError, Problem, unknown_key
 from engine.config.rules import (
     MAX_BREADTH_FIRST_BLOCKS,
     MAX_PIPELINE_BLOCKS,
@@ -138,7 +138,7 @@ class Config:
         unknown = set(sections) - set(_SECTIONS)
         if unknown:
             raise ConfigError(
-                [Problem(k, None, f"unknown section; allowed: {', '.join(_SECTIONS)}") for k in sorted(unknown)]
+                [Problem(k, NO_VALUE, f"unknown section; allowed: {', '.join(_SECTIONS)}") for k in sorted(unknown)]
             )
         changed = {}
         problems: list[Problem] = []
@@ -148,7 +148,7 @@ class Config:
             for key in updates:
                 if key not in allowed:
                     problems.append(
-                        Problem(f"{name}.{key}", updates[key], f"unknown key; allowed: {', '.join(sorted(allowed))}")
+                        Problem(f"{name}.{key}", updates[key], unknown_key(key, allowed))
                     )
             if not problems:
                 changed[name] = dataclasses.replace(current, **updates)
@@ -189,9 +189,9 @@ class Config:
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([Problem("file", None, f"is not valid TOML: {exc}")]) from None
+            raise ConfigError([Problem("file", NO_VALUE, f"is not valid TOML: {exc}")]) from None
         except RecursionError:
-            raise ConfigError([Problem("file", None, "is nested too deeply to be a config")]) from None
+            raise ConfigError([Problem("file", NO_VALUE, "is nested too deeply to be a config")]) from None
         return cls.from_dict(raw, base_dir)
 
     @classmethod
@@ -199,11 +199,11 @@ class Config:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError([Problem("file", None, f"is not valid JSON: {exc}")]) from None
+            raise ConfigError([Problem("file", NO_VALUE, f"is not valid JSON: {exc}")]) from None
         except RecursionError:
-            raise ConfigError([Problem("file", None, "is nested too deeply to be a config")]) from None
+            raise ConfigError([Problem("file", NO_VALUE, "is nested too deeply to be a config")]) from None
         if not isinstance(raw, dict):
-            raise ConfigError([Problem("file", None, "must hold a JSON object at the top level")])
+            raise ConfigError([Problem("file", NO_VALUE, "must hold a JSON object at the top level")])
         return cls.from_dict(raw, base_dir)
 
     def dumps_toml(self) -> str:

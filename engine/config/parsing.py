@@ -4,11 +4,12 @@ mistake a problem that names the field; and writing a Config back."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
 from engine import names
-from engine.config.problems import ConfigError, Problem
+from engine.config.problems import NO_VALUE, ConfigError, Problem, unknown_key
 from engine.config.rules import (
     check,
 )
@@ -87,7 +88,7 @@ def _read_fields(p: list[Problem], section: str, table: dict, cls: type, skip: s
             continue
         if key not in types:
             allowed = sorted(set(types) | skip)
-            p.append(Problem(f"{section}.{key}", value, f"unknown key; allowed: {', '.join(allowed)}"))
+            p.append(Problem(f"{section}.{key}", value, unknown_key(key, allowed)))
             continue
         ok, v = _coerce(p, f"{section}.{key}", value, types[key])
         if ok:
@@ -99,10 +100,14 @@ def _parse(raw: dict[str, Any], base_dir: Path | None = None) -> dict[str, Any]:
     """The sections of ``raw``, each field read and checked; raises ConfigError with every problem."""
     p: list[Problem] = []
     if not isinstance(raw, dict):
-        raise ConfigError([Problem("file", None, "must hold a table at the top level")])
+        raise ConfigError([Problem("file", NO_VALUE, "must hold a table at the top level")])
+    if ("model_type" in raw or "architectures" in raw) and not set(raw) & set(_SECTIONS):
+        raise ConfigError([Problem("file", NO_VALUE, "is a Hugging Face model config (config.json: model_type, "
+                                   "architectures), not a ShardScope config: name it in one — [model] hf_config = "
+                                   "\"PATH/config.json\" — beside the [cluster] and [parallel] you want")])
     for key in raw:
         if key not in _SECTIONS and key != "schema_version":
-            p.append(Problem(key, raw[key], f"unknown key; allowed: schema_version, {', '.join(_SECTIONS)}"))
+            p.append(Problem(key, raw[key], unknown_key(key, ("schema_version", *_SECTIONS))))
     version = raw.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION or isinstance(version, bool):
         p.append(Problem("schema_version", version, f"allowed: {SCHEMA_VERSION}"))
@@ -141,9 +146,13 @@ def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) ->
     presets = model_presets()
     base: dict[str, Any] = {}
     preset = table.get("preset")
+    bad_preset = False
     if preset is not None:
         if not isinstance(preset, str) or preset not in presets:
-            p.append(Problem("model.preset", preset, f"unknown preset; allowed: {', '.join(presets)}"))
+            near = difflib.get_close_matches(str(preset), list(presets), n=1, cutoff=0.75)
+            p.append(Problem("model.preset", preset, "unknown preset; " + (f"did you mean {near[0]}? " if near else "")
+                             + f"allowed: {', '.join(presets)}"))
+            bad_preset = True
         else:
             base = dict(presets[preset])
     hf_path = table.get("hf_config")
@@ -164,7 +173,12 @@ def _parse_model(p: list[Problem], table: dict, base_dir: Path | None = None) ->
     required = [f.name for f in dataclasses.fields(ModelSpec) if f.default is dataclasses.MISSING]
     missing = [k for k in required if k not in merged]
     if missing:
-        p.append(Problem("model", None, f"missing {', '.join(missing)} (give them, or name a preset: {', '.join(presets)})"))
+        if not bad_preset:  # an unknown preset's problem already says what to give
+            p.append(Problem("model", NO_VALUE, f"missing {', '.join(missing)} (give them, or name a preset: "
+                             f"{', '.join(presets)})" if table else
+                             f"no [model] section: name a preset ([model] preset = \"tiny\": {', '.join(presets)}), "
+                             "point at a Hugging Face config.json (hf_config = \"PATH\") or give its shape ("
+                             f"{', '.join(missing)})"))
         return None
     return ModelSpec(**merged)
 
@@ -230,7 +244,7 @@ def _parse_gpu(p: list[Problem], value: Any) -> GPUSpec | None:
         merged.setdefault("name", "custom")
         missing = [f.name for f in dataclasses.fields(GPUSpec) if f.default is dataclasses.MISSING and f.name not in merged]
         if missing:
-            p.append(Problem("cluster.gpu", None, f"missing {', '.join(missing)}"))
+            p.append(Problem("cluster.gpu", NO_VALUE, f"missing {', '.join(missing)}"))
             return None
         return GPUSpec(**merged)
     p.append(Problem("cluster.gpu", value, f"must be a GPU preset name ({', '.join(presets)}) or a table"))

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from engine import names
 from engine.config import FIELD_RANGES
+from engine.config.problems import NO_VALUE
 from engine.model.presets import gpu_presets, model_presets
 from gui.family import family_for, format_params
 from gui.widgets.all_fields import GeneratedControls
@@ -447,7 +448,7 @@ class ControlsPanel(QWidget):
         self.more.reveal(key for key, items in problems.items() if items)
         for key, label in self.errors.items():
             items = problems.get(key, [])
-            text = "\n".join(f"⚠ {p.message}" + (f" ({p.field} = {p.value!r})" if p.value is not None else "")
+            text = "\n".join(f"⚠ {p.message}" + (f" ({p.field} = {p.value!r})" if p.value is not None and p.value is not NO_VALUE else "")
                              for p in items)
             if text == label.text() and label.isHidden() != bool(items):
                 continue  # unchanged: don't touch (re-polishing costs milliseconds per move)
