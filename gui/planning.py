@@ -18,7 +18,7 @@ from typing import Any
 
 from engine import Config
 from engine.plan.results import layout_config
-from engine.plan.search import FITTING_LIMIT, FITTING_SECONDS, default_global_batch
+from engine.plan.search import FITTING_LIMIT, FITTING_SECONDS
 from gui.child_process import Lines
 
 GIB = 2**30
@@ -36,8 +36,8 @@ def fmt_seconds(seconds: float) -> str:
 
 
 def default_batch(cfg: Config) -> int:
-    """The planner's default global batch for this config's GPU count and sequence length."""
-    return default_global_batch(cfg.cluster.gpus, cfg.model.seq_len)
+    """The Planner tab's global batch for this config: its own (so its layout is among those planned)."""
+    return cfg.global_batch_size
 
 
 def job_text(cfg: Config) -> str:

@@ -259,8 +259,9 @@ def plan_config(cfg: Config, **options: Any) -> PlanResult:
     """``plan`` for the job of a Config: its model (preset or custom), its cluster as it is (GPU kind,
     count, GPUs per node and links), its training table (precision, optimizer, …) and conventions.
     The parallel layout, micro-batch size, recompute, float8 and compile are what is searched, so the
-    Config's own are ignored (and float8 all-gather and async TP are off). ``options``: ``plan``'s keyword arguments (``top``, ``global_batch``, ``all_fitting``,
-    ``seq_len``, ``cp``, …)."""
+    Config's own are ignored (and float8 all-gather and async TP are off); the global batch is the Config's
+    unless ``global_batch`` is given. ``options``: ``plan``'s keyword arguments (``top``, ``global_batch``,
+    ``all_fitting``, ``seq_len``, ``cp``, …)."""
     t0 = time.perf_counter()
     allowed = {"top", "global_batch", "zero", "schedules", "recompute", "max_virtual_stages", "micro_batch_sizes",
                "exhaustive", "all_fitting", "fitting_limit", "fitting_seconds", "progress", "cancelled", "seq_len",
@@ -268,6 +269,10 @@ def plan_config(cfg: Config, **options: Any) -> PlanResult:
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise PlanError(unknown[0], f"unknown option; allowed: {', '.join(sorted(allowed))}")
+    # the job's own global batch by default: the config's layout is then one of those searched, in the
+    # scatter beside the rest (the planner's default for a bare model and GPU count, default_global_batch,
+    # made 32 sequences of the embedded default's 16)
+    options.setdefault("global_batch", cfg.global_batch_size)
     base = _config_base(cfg)
     seq_len = options.pop("seq_len", None)
     if seq_len is not None:

@@ -223,9 +223,9 @@ class MemoryChart(QWidget):
         lay.addLayout(head)
         legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
                                      for c in MEMORY_CATEGORIES)
-        legend += (f'&nbsp;&nbsp;<span style="color:{RESERVED_LINE}">▨</span> reserved, not allocated '
-                   "(caching allocator) · overhead on top: CUDA context, collective buffers")
-        self._legend_html = legend
+        self._categories_html = legend
+        self._legend_html = legend + self._device_legend(cpu=False)
+        self._cpu = False  # the shown prediction's GPU kind is the CPU (gloo ranks: no allocator, no context)
         self.legend = QLabel()
         self.legend.setWordWrap(True)  # a long run name wraps instead of widening the chart
         self._set_legend()
@@ -262,6 +262,11 @@ class MemoryChart(QWidget):
         else:
             memory = pred.prediction.memory
             self.report = memory
+            cpu = pred.config.cluster.gpu.name == "cpu"
+            if cpu != self._cpu:  # the legend names what this device has (set when it changes, not per redraw)
+                self._cpu = cpu
+                self._legend_html = self._categories_html + self._device_legend(cpu)
+                self._set_legend()
             self.capacity_bytes = int(memory.capacity_bytes)
             self.groups = group_ranks(memory)
             self.note.hide()
@@ -271,6 +276,14 @@ class MemoryChart(QWidget):
             self.measured_by_rank, self.measured_config, self.measured_label = {}, None, ""
             self._set_legend()
         self.redraw()
+
+    @staticmethod
+    def _device_legend(cpu: bool) -> str:
+        """What stands above the categories: a GPU's allocator reserve and overhead; nothing on CPU ranks."""
+        if cpu:
+            return "&nbsp;&nbsp;· CPU ranks: no caching allocator, no CUDA context (reserved = allocated)"
+        return (f'&nbsp;&nbsp;<span style="color:{RESERVED_LINE}">▨</span> reserved, not allocated '
+                "(caching allocator) · overhead on top: CUDA context, collective buffers")
 
     def _set_legend(self) -> None:
         """The legend names what the outlined bars are (set when a measurement comes or goes, not per redraw)."""

@@ -205,8 +205,8 @@ class PlannerPanel(QWidget):
 
     def _config_changed(self, cfg) -> None:
         self.job.setText(f"Plan for {job_text(cfg)}")
-        key = (cfg.cluster.gpus, cfg.model.seq_len)
-        if key != self._batch_for:  # a new GPU count or sequence length: its own default batch
+        key = (cfg.cluster.gpus, cfg.model.seq_len, cfg.global_batch_size)
+        if key != self._batch_for:  # a new GPU count, sequence length or batch: the config's own batch
             self._batch_for = key
             self.batch.setValue(default_batch(cfg))
         self._mark_current()

@@ -468,8 +468,17 @@ def _lighter(name: str) -> str:
 
 
 def _fmt_seconds(s: float) -> str:
+    """Seconds as a person reads them: 3 significant digits in µs, ms, s, min or h, never an exponent
+    ("2.1e+03 s" read as 35 min)."""
+    def digits(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+    if s >= 3600:
+        return f"{digits(s / 3600)} h"
+    if s >= 60:
+        return f"{digits(s / 60)} min"
     if s >= 1:
-        return f"{s:.3g} s"
+        return f"{digits(s)} s"
     if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
+        return f"{digits(s * 1e3)} ms"
+    return f"{digits(s * 1e6)} µs"

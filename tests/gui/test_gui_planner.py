@@ -15,7 +15,6 @@ from PySide6.QtWidgets import QApplication  # noqa: E402
 from engine import Config, default_config  # noqa: E402
 from engine.memory import memory_per_rank  # noqa: E402
 from engine.plan.results import layout_label  # noqa: E402
-from engine.plan.search import default_global_batch  # noqa: E402
 from engine.time.step import step_time  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -48,7 +47,7 @@ def test_plan_shows_top_layouts_and_every_fitting_one_and_a_click_applies_it(win
     panel, state = window.planner, window.state
     state.set_config(Config.from_dict(EIGHT_H100))
     assert "tiny on 8 × h100-sxm" in panel.job.text()
-    assert panel.batch.value() == default_global_batch(8, 64)  # the planner's default for this job
+    assert panel.batch.value() == state.config.global_batch_size  # the job's own: its layout is planned
     panel.batch.setValue(4)  # 1,995 fitting layouts, enough for a front (16 made 4,415: twice the time)
     panel.fitting_seconds = 900  # a loaded machine must not cut the sweep short: only its count decides
     # the config's own float8/compile only: searching them (the default) multiplies this job's fitting

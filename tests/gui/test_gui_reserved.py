@@ -235,3 +235,15 @@ def test_comparison_on_a_simulated_run_compares_reserved_with_the_modelled_alloc
     rows, _, _ = comparison_rows(pred, measurement, simulated=True)
     row = next(r for r in rows if r.quantity == RESERVED and r.rank == "0")
     assert row.measured == "not measured" and "simulated run" in row.note
+
+
+def test_the_legend_names_what_the_device_has(window):
+    """CPU ranks have no caching allocator and no CUDA context: the legend said "overhead on top: CUDA
+    context" on the embedded default (issue 27, item 5); a GPU job's legend names both."""
+    show(window, default_config())
+    text = window.memory.legend.text()
+    assert "CPU ranks: no caching allocator, no CUDA context" in text and "overhead on top" not in text
+    show(window, Config.load(EXAMPLES / "llama3-8b-16gpu.toml"))
+    text = window.memory.legend.text()
+    assert "reserved, not allocated" in text and "CUDA context, collective buffers" in text
+    assert "CPU ranks" not in text

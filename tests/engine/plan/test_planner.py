@@ -10,11 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import Config
+from engine import Config, default_config
 from engine.memory import memory_per_rank
 from engine.plan.grid import _Planner
 from engine.plan.results import PlanError
-from engine.plan.search import SEARCHED_COMPILE, SEARCHED_RECOMPUTE, default_float8_kinds, default_global_batch, plan
+from engine.plan.search import (
+    SEARCHED_COMPILE,
+    SEARCHED_RECOMPUTE,
+    default_float8_kinds,
+    default_global_batch,
+    plan,
+    plan_config,
+)
 from engine.time.comm import GroupSpan, group_ranks, group_span
 from engine.time.step import step_time
 from gui.text import plan_table
@@ -547,3 +554,17 @@ def test_the_memory_bound_holds_fsdp2s_unsharded_parameters_and_gradients():
     assert c.fitting_timed == 10
     assert c.did_not_fit < 300, c
     assert c.fully_evaluated < 400, c
+
+
+def test_a_configs_plan_searches_its_own_global_batch_so_its_layout_is_among_the_fitting():
+    """The planner's default batch for a bare model (default_global_batch: 32 sequences for the embedded
+    default's 4 ranks) is not a config's (16): the window's scatter then missed the current layout.
+    plan_config plans the config's own batch unless told another (issue 27, item 4)."""
+    cfg = default_config().replace(cluster={"gpus": 2}, parallel={"dp": 1, "pp": 2})
+    r = plan_config(cfg, top=3, all_fitting=True, schedules=("1F1B",), recompute=("none",), max_virtual_stages=1)
+    assert r.global_batch == cfg.global_batch_size == 8
+    own = (cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.microbatches, cfg.training.micro_batch_size)
+    assert own in {(f.config.parallel.dp, f.config.parallel.pp, f.config.parallel.microbatches,
+                    f.config.training.micro_batch_size) for f in r.fitting}
+    assert plan_config(cfg, top=3, global_batch=4, schedules=("1F1B",), recompute=("none",),
+                       max_virtual_stages=1).global_batch == 4  # told another: that one
