@@ -23,7 +23,12 @@ from gui.child_process import Lines
 
 GIB = 2**30
 DEFAULT_TOP = 10
-TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak GiB", "vs #1 (select a row: why)"]
+TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak", "vs #1 (select a row: why)"]
+
+
+def _fmt_memory(nbytes: float) -> str:
+    """'12.34 GiB' or '23.4 MiB': a peak a person reads, whatever the card."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def fmt_seconds(seconds: float) -> str:
@@ -128,7 +133,7 @@ class PlanOutcome:
         for e in self.entries:
             label = e["label"] + (" · predict only" if e.get("predict_only") else "")
             out.append([str(e["position"]), label, f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
-                        f"{100 * e['mfu']:.1f}%", f"{e['peak_bytes'] / GIB:.2f}", self.versus_first(len(out))])
+                        f"{100 * e['mfu']:.1f}%", _fmt_memory(e["peak_bytes"]), self.versus_first(len(out))])
         return out
 
     def versus_first(self, row: int) -> str:
@@ -154,9 +159,16 @@ class PlanOutcome:
 
     # ------------------------------------------------------------------ scatter
 
+    def memory_scale(self) -> tuple[str, int]:
+        """The unit the scatter's memory axis reads in: GiB, or MiB where no point reaches 1 GiB (the CPU
+        default's 0.02 GiB read "(x0.001)" under pyqtgraph's own prefix)."""
+        peaks = [p["peak_bytes"] for p in self.points] + [e["peak_bytes"] for e in self.entries]
+        return ("GiB", GIB) if not peaks or max(peaks) >= GIB else ("MiB", 2**20)
+
     def xy(self) -> tuple[list[float], list[float]]:
-        """Peak memory per GPU (GiB) and tokens/s of every point."""
-        return [p["peak_bytes"] / GIB for p in self.points], [p["tokens_per_s"] for p in self.points]
+        """Peak memory per GPU (in ``memory_scale``'s unit) and tokens/s of every point."""
+        scale = self.memory_scale()[1]
+        return [p["peak_bytes"] / scale for p in self.points], [p["tokens_per_s"] for p in self.points]
 
     def front(self) -> list[int]:
         """The Pareto front's points, by peak memory (a line through them rises left to right)."""
@@ -176,7 +188,7 @@ class PlanOutcome:
         if p.get("pareto"):
             extra.append("on the Pareto front")
         return (f"{p['label']}\n{p['tokens_per_s']:,.0f} tokens/s · step {fmt_seconds(p['seconds'])} · "
-                f"MFU {100 * p['mfu']:.1f}%\npeak {p['peak_bytes'] / GIB:.2f} GiB per GPU (rank {p['peak_rank']})"
+                f"MFU {100 * p['mfu']:.1f}%\npeak {_fmt_memory(p['peak_bytes'])} per GPU (rank {p['peak_rank']})"
                 + (f"\n{', '.join(extra)}" if extra else "") + "\nclick: make it the window's config")
 
     def point_of(self, cfg: Config) -> int | None:

@@ -250,6 +250,15 @@ def _fields(cfg: Config) -> dict[str, Any]:
             "compile": "on" if tr.compile else "off"}
 
 
+def _readable(nbytes: float) -> str:
+    """GiB with one decimal, or MiB (KiB) where that would read 0.0 (the CPU default's 20 MiB peaks)."""
+    if abs(nbytes) >= 0.1 * GIB:
+        return f"{nbytes / GIB:.1f} GiB"
+    if abs(nbytes) >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
 def explain(best: list, capacity: int) -> tuple[PlanEntry, ...]:
     out = []
     if not best:
@@ -260,9 +269,12 @@ def explain(best: list, capacity: int) -> tuple[PlanEntry, ...]:
         bd = st.breakdown
         why = []
         head = capacity - peak.total
-        why.append(f"memory: peak {peak.total / GIB:.1f} GiB on rank {peak.rank} of {capacity / GIB:.1f} GiB — "
-                   f"headroom {head / GIB:.1f} GiB ({100 * head / capacity:.0f}%)"
-                   + ("; tight" if head < 0.05 * capacity else ""))
+        share = 100 * head / capacity
+        why.append(f"memory: peak {_readable(peak.total)} on rank {peak.rank} of {_readable(capacity)} — "
+                   f"headroom {_readable(head)} ({share:.0f}%)" if share < 99.5 else
+                   f"memory: peak {_readable(peak.total)} on rank {peak.rank}, under 1% of {_readable(capacity)}")
+        if head < 0.05 * capacity:
+            why[-1] += "; tight"
         shares = ", ".join(f"{_NICE[k]} {100 * bd[k] / seconds:.0f}%" for k in ("compute", "tp_comm", "cp_comm",
                                                                           "ep_comm", "pipeline_bubble",
                                                                           "dp_comm_exposed")

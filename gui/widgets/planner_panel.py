@@ -164,6 +164,7 @@ class PlannerPanel(QWidget):
         self.plot.setMenuEnabled(False)
         pi = self.plot.getPlotItem()
         pi.setLabel("bottom", "peak memory per GPU (GiB)")
+        pi.getAxis("bottom").enableAutoSIPrefix(False)  # the unit is chosen per plan (PlanOutcome.memory_scale)
         pi.setLabel("left", "tokens/s")
         pi.getAxis("left").enableAutoSIPrefix(True)
         pi.showGrid(x=True, y=True, alpha=0.2)
@@ -344,6 +345,8 @@ class PlannerPanel(QWidget):
         self.table.setUpdatesEnabled(True)
         self._fit_table()
 
+        unit, scale = outcome.memory_scale()
+        self.plot.getPlotItem().setLabel("bottom", f"peak memory per GPU ({unit})")
         xs, ys = outcome.xy()
         brushes = [pg.mkBrush(FRONT_COLOR if p.get("pareto") else TOP_COLOR if p.get("position") else POINT_COLOR)
                    for p in outcome.points]
@@ -355,8 +358,8 @@ class PlannerPanel(QWidget):
         # the line only where the points' range reaches it: beyond the view its label would hang over the
         # plot's edge (the view is never zoomed out to the capacity)
         (x0, x1), _ = self.plot.getPlotItem().getViewBox().viewRange()
-        if capacity and xs and x0 <= capacity / 2**30 <= x1:
-            self.capacity_line.setValue(capacity / 2**30)
+        if capacity and xs and x0 <= capacity / scale <= x1:
+            self.capacity_line.setValue(capacity / scale)
             self.capacity_line.show()
         else:
             self.capacity_line.hide()
@@ -412,7 +415,7 @@ class PlannerPanel(QWidget):
             self.selected.setData([], [])
         else:
             p = self.outcome.points[j]
-            self.selected.setData([p["peak_bytes"] / 2**30], [p["tokens_per_s"]])
+            self.selected.setData([p["peak_bytes"] / self.outcome.memory_scale()[1]], [p["tokens_per_s"]])
         row = self.outcome.row_of(cfg)
         self.table.blockSignals(True)
         if row is None:

@@ -449,16 +449,18 @@ class TimelineView(QWidget):
         if not len(self.predicted):
             self.header.setText("Pipeline")
             return
-        text = f"Pipeline · {len(self.predicted):,} actions · step {_fmt_seconds(self.makespan_s)}"
+        # the makespan: the pipeline's own span; Metrics' "Step time" adds the exposed DP communication and
+        # the optimizer step to it (issue 27: both read "step" and disagreed)
+        text = f"Pipeline · {len(self.predicted):,} actions · makespan {_fmt_seconds(self.makespan_s)}"
         if self.bubble_fraction is not None:
             conv = self.state.config.conventions.bubble
             text += f" · bubble {self.bubble_fraction * 100:.1f}% ({conv})"
         if self.calibrated_from:
             text += f" · timed with the calibration of {Path(self.calibrated_from).name}"
         if has_measured:
-            text += f" · measured step {_fmt_seconds(float(self.measured.end_s.max()))}"
+            text += f" · measured makespan {_fmt_seconds(float(self.measured.end_s.max()))}"
         if self.baseline_makespan_s is not None:
-            text += f" · baseline step {_fmt_seconds(self.baseline_makespan_s)}"
+            text += f" · baseline makespan {_fmt_seconds(self.baseline_makespan_s)}"
         self.header.setText(text)
 
 

@@ -43,7 +43,7 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     text = metrics.table.text()
     assert text.startswith("Baseline: tiny · 4× cpu · dp2 tp1 pp2 ZeRO-0")
     assert "(baseline " in text and "same" in text
-    assert "baseline step" in window.timeline.header.text()
+    assert "baseline makespan" in window.timeline.header.text()
     # clearing at the same config gives back exactly the single view, pixel for pixel
     window.clear_baseline_action.trigger()
     assert image(chart.plot) == single and not chart.baseline_stacks.isVisible()
@@ -70,7 +70,7 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     assert format_change(step).startswith("+")  # a bigger model steps slower
     assert any(line.startswith("Peak memory:") and "(baseline " in line and "+" in line
                for line in metrics.table.text().splitlines())
-    assert f"baseline step {_fmt_seconds(pinned.prediction.pipeline.makespan_s)}" in window.timeline.header.text()
+    assert f"baseline makespan {_fmt_seconds(pinned.prediction.pipeline.makespan_s)}" in window.timeline.header.text()
     # hovering the baseline bar says what it is
     off, _ = chart._base_span
     rank, values = chart.baseline_groups[0]

@@ -92,8 +92,10 @@ def test_plan_shows_top_layouts_and_every_fitting_one_and_a_click_applies_it(win
     j = next(j for j in front if not out.points[j]["position"])
     p = out.points[j]
     vb = panel.plot.getPlotItem().getViewBox()
-    where = panel.plot.mapFromScene(vb.mapViewToScene(QPointF(p["peak_bytes"] / 2**30, p["tokens_per_s"])))
-    under = {int(s.data()) for s in panel.scatter.pointsAt(QPointF(p["peak_bytes"] / 2**30, p["tokens_per_s"]))}
+    unit, scale = out.memory_scale()
+    assert panel.plot.getPlotItem().getAxis("bottom").labelText == f"peak memory per GPU ({unit})"
+    where = panel.plot.mapFromScene(vb.mapViewToScene(QPointF(p["peak_bytes"] / scale, p["tokens_per_s"])))
+    under = {int(s.data()) for s in panel.scatter.pointsAt(QPointF(p["peak_bytes"] / scale, p["tokens_per_s"]))}
     assert j in under
     qtbot.mouseClick(panel.plot.viewport(), Qt.MouseButton.LeftButton, pos=where)
     xs, ys = out.xy()

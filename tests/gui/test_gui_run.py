@@ -120,7 +120,7 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
     assert window.memory.measured_by_rank
     assert window.memory.plot.grab().toImage() != mem_before
     assert len(window.timeline.measured) == len(window.timeline.predicted)
-    assert "measured step" in window.timeline.header.text()
+    assert "measured makespan" in window.timeline.header.text()
     # the comparison table is engine.compare.measured's: every rank × category, error -9.1 %, with the causes
     from engine.compare.measured import compare
     from engine.predict import predict
