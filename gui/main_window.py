@@ -152,6 +152,7 @@ class MainWindow(QMainWindow):
     def _menus(self) -> None:
         file = self.menuBar().addMenu("&File")
         for text, slot, key in (
+            ("&New (the embedded default)", self.new_config, QKeySequence.StandardKey.New),
             ("&Open config…", self.open_dialog, QKeySequence.StandardKey.Open),
             ("&Save config as…", self.save_dialog, QKeySequence.StandardKey.Save),
             ("Open &run…", self.open_run_dialog, None),
@@ -165,6 +166,19 @@ class MainWindow(QMainWindow):
             if key is not None:
                 action.setShortcut(key)
             file.addAction(action)
+        edit = self.menuBar().addMenu("&Edit")
+        self.undo_action = QAction("&Undo", self)
+        self.undo_action.setShortcut(QKeySequence.StandardKey.Undo)
+        self.undo_action.triggered.connect(self.state.undo)
+        self.redo_action = QAction("&Redo", self)
+        self.redo_action.setShortcut(QKeySequence.StandardKey.Redo)
+        self.redo_action.triggered.connect(self.state.redo)
+        self.reset_action = QAction("Reset to the embedded default", self)
+        self.reset_action.triggered.connect(self.state.reset_to_default)
+        for a in (self.undo_action, self.redo_action, self.reset_action):
+            edit.addAction(a)
+        self.state.desiredChanged.connect(lambda _d: self._history_changed())
+        self._history_changed()
         run = self.menuBar().addMenu("&Run")
         a = QAction("Run this configuration", self)
         a.setShortcut("Ctrl+R")
@@ -177,6 +191,16 @@ class MainWindow(QMainWindow):
         c.triggered.connect(self.state.cancel_run)
         run.addAction(c)
         self._baseline_menu()
+
+    def _history_changed(self) -> None:
+        """Undo and redo are enabled only when there is something to undo or redo."""
+        self.undo_action.setEnabled(self.state.can_undo)
+        self.redo_action.setEnabled(self.state.can_redo)
+
+    def new_config(self) -> None:
+        """File → New: the embedded default, no file behind it (undoable)."""
+        self.state.reset_to_default()
+        self.current_path = None
 
     def _baseline_menu(self) -> None:
         """Pin the current prediction as the baseline the charts and metrics compare with, or clear it."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -115,6 +116,9 @@ class Session:
         # relative to where the window was started would name another directory there
         self.runs_dir = Path(runs_dir).expanduser().absolute()
         self.touched: str | None = None  # the field the person moved last
+        self._undo: list[dict[str, Any]] = []  # desired configs before each change, oldest first
+        self._redo: list[dict[str, Any]] = []
+        self._last_change: tuple[str | None, float] = (None, 0.0)  # (field, monotonic time) of the last change
         self.active: RunRecord | None = None  # the run whose child process is running
         self.shown: RunRecord | None = None  # the run whose measurement is drawn
         self.before_runnable: Config | None = None  # the config shown before a runnable version's result
@@ -218,8 +222,11 @@ class Session:
         self.touched = "parallel.dp_mode"
         return self.set_desired(desired)
 
-    def set_desired(self, desired: dict[str, Any]) -> bool:
-        """Take ``desired`` as what the controls show; when it is valid it becomes the config."""
+    def set_desired(self, desired: dict[str, Any], *, remember: bool = True) -> bool:
+        """Take ``desired`` as what the controls show; when it is valid it becomes the config. The desired
+        config before it is kept for :meth:`undo` (``remember``)."""
+        if remember and desired != self.desired:
+            self._remember(self.desired)
         self.desired = desired
         try:
             cfg = self._fast_config(desired) or Config.from_dict(desired)
@@ -255,8 +262,60 @@ class Session:
             return None
         return self.config.replace(**updates) if updates else self.config
 
+    # ------------------------------------------------------------------ undo, redo
+
+    #: a change of the same field within this many seconds of the last is one step (a slider's drag)
+    UNDO_MERGE_S = 1.0
+    UNDO_DEPTH = 200
+
+    def _remember(self, before: dict[str, Any]) -> None:
+        now = time.monotonic()
+        last_field, last_t = self._last_change
+        if not (self._undo and self.touched is not None and self.touched == last_field
+                and now - last_t < self.UNDO_MERGE_S):
+            self._undo.append(before)
+            del self._undo[:-self.UNDO_DEPTH]
+        self._redo.clear()
+        self._last_change = (self.touched, now)
+
+    @property
+    def can_undo(self) -> bool:
+        return bool(self._undo)
+
+    @property
+    def can_redo(self) -> bool:
+        return bool(self._redo)
+
+    def undo(self) -> bool:
+        """Back to the desired config before the last change (a drag of one control is one change)."""
+        if not self._undo:
+            return False
+        self._redo.append(self.desired)
+        self._restore(self._undo.pop())
+        return True
+
+    def redo(self) -> bool:
+        """The change :meth:`undo` took back, again."""
+        if not self._redo:
+            return False
+        self._undo.append(self.desired)
+        self._restore(self._redo.pop())
+        return True
+
+    def _restore(self, desired: dict[str, Any]) -> None:
+        self.touched = None
+        self._last_change = (None, 0.0)
+        self.set_desired(copy.deepcopy(desired), remember=False)
+
+    def reset_to_default(self) -> None:
+        """The embedded default config (undoable)."""
+        self.set_config(default_config())
+
     def set_config(self, cfg: Config) -> None:
-        """Replace everything (a file was opened, a run was shown)."""
+        """Replace everything (a file was opened, a run was shown); undoable."""
+        if cfg.to_dict() != self.desired:
+            self.touched = None
+            self._remember(self.desired)
         self.config = cfg
         self.touched = None
         self.desired = cfg.to_dict()

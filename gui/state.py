@@ -134,6 +134,23 @@ class State(QObject):
     def set_config(self, cfg: Config) -> None:
         self.session.set_config(cfg)
 
+    def undo(self) -> bool:
+        return self.session.undo()
+
+    def redo(self) -> bool:
+        return self.session.redo()
+
+    def reset_to_default(self) -> None:
+        self.session.reset_to_default()
+
+    @property
+    def can_undo(self) -> bool:
+        return self.session.can_undo
+
+    @property
+    def can_redo(self) -> bool:
+        return self.session.can_redo
+
     def load(self, path: str | Path) -> None:
         self.session.load(path)
 

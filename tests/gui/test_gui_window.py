@@ -276,3 +276,26 @@ def test_predictions_run_off_the_gui_thread_and_the_latest_request_wins(window, 
     assert state.config.parallel.microbatches == 8
     assert all(c == state.config for c in shown)  # the older config's prediction was never shown
     assert ticks  # the event loop turned while predicting
+
+
+def test_edit_menu_undoes_a_slider_drag_with_ctrl_z_and_file_new_resets(window, qtbot):
+    """Issue 27, item 3: Ctrl+Z takes back the whole drag of a slider, Ctrl+Shift+Z (Redo) repeats it,
+    File → New goes back to the embedded default — each enabled only when it can do something."""
+    from engine import default_config
+
+    state = window.state
+    assert not window.undo_action.isEnabled() and not window.redo_action.isEnabled()
+    start = state.config
+    slider = window.controls.size.slider
+    step = 1 if slider.value() < slider.maximum() else -1
+    for _ in (1, 2):
+        slider.setValue(slider.value() + step)
+        QApplication.processEvents()
+    assert state.config != start and window.undo_action.isEnabled()
+    qtbot.keyClick(window, Qt.Key.Key_Z, Qt.KeyboardModifier.ControlModifier)
+    QApplication.processEvents()
+    assert state.config == start and window.redo_action.isEnabled()
+    window.redo_action.trigger()
+    assert state.config != start
+    window.new_config()
+    assert state.config == default_config() and window.current_path is None

@@ -226,3 +226,47 @@ def _run_from_before(tmp_path: Path) -> Path:
                                      {"event": "finished", "time": 2.0, "seconds": 1.0}],
                _measurement(default_config()))
     return d
+
+
+def test_undo_takes_back_a_drag_of_one_control_in_one_step_and_redo_repeats_it(monkeypatch):
+    """Issue 27, item 3: no undo, no redo, no reset. Edits of one field within a second are one step (a
+    slider's drag); another field, or a pause, starts the next."""
+    import gui.session as session_module
+
+    clock = [100.0]
+    monkeypatch.setattr(session_module.time, "monotonic", lambda: clock[0])
+    s = Session(default_config())
+    start = s.config
+    assert not s.can_undo and not s.undo()
+    for mb in (2, 4, 8):  # a drag: three values of one field within a second
+        clock[0] += 0.1
+        assert s.edit("parallel.microbatches", mb)
+    clock[0] += 5.0
+    assert s.edit("training.recompute", "full")
+    assert s.config.parallel.microbatches == 8 and s.config.training.recompute == "full"
+    assert s.undo() and s.config.training.recompute == start.training.recompute
+    assert s.config.parallel.microbatches == 8
+    assert s.undo() and s.config == start  # the whole drag in one step
+    assert not s.can_undo and s.can_redo
+    assert s.redo() and s.config.parallel.microbatches == 8
+    assert s.redo() and s.config.training.recompute == "full" and not s.can_redo
+    clock[0] += 5.0
+    assert s.undo()  # something to redo again ...
+    assert s.can_redo
+    s.edit("parallel.microbatches", 2)  # ... until a new change: it forgets what could be redone
+    assert not s.can_redo
+    s.reset_to_default()
+    assert s.config == default_config() and s.can_undo
+    assert s.undo() and s.config != default_config()  # the reset itself is undoable
+
+
+def test_undo_goes_back_over_an_invalid_edit_and_a_replaced_config():
+    s = Session(default_config())
+    start = s.config
+    assert not s.edit("parallel.tp", 3)  # invalid: the controls show it, the config stays
+    assert s.problems and s.config == start
+    assert s.undo() and not s.problems and s.desired == start.to_dict()
+    other = start.replace(training={"micro_batch_size": 1})
+    s.set_config(other)  # a file opened, a run shown, a planner row applied
+    assert s.config == other
+    assert s.undo() and s.config == start
