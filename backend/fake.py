@@ -30,7 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend import forkserver, worker
-from backend.records import Measurement, RunDir, RunDirTaken, assemble, read_jsonl, tail, write_json_atomic
+from backend.records import (
+    Measurement,
+    RunDir,
+    RunDirTaken,
+    assemble,
+    read_jsonl,
+    runs_root,
+    tail,
+    write_json_atomic,
+)
 from engine.config import Config
 from engine.names import MEMORY_CATEGORIES
 from engine.pipeline.layout import rank_of
@@ -66,7 +75,7 @@ def default_ranks(cfg: Config) -> list[int]:
 def _default_run_dir() -> Path:
     import datetime as _dt
 
-    return Path("runs") / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + "-fake")
+    return runs_root() / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f") + "-fake")
 
 
 #: what every simulated rank imports before its work; the fork server imports it once (3-4 s of CPU a rank
@@ -303,7 +312,7 @@ def measure_cli(config_path: str | Path, ranks: list[int] | None = None, out_dir
         print(f"shardscope: --out {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"shardscope: cannot write the run directory {out_dir or 'runs/'}: {exc.strerror or exc}"
+        print(f"shardscope: cannot write the run directory {out_dir or runs_root()}: {exc.strerror or exc}"
               + (f" ({exc.filename})" if exc.filename else ""), file=sys.stderr)
         return 2
     if json_out:

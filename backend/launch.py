@@ -48,6 +48,7 @@ from backend.records import (
     assemble,
     disk_full,
     iter_new_lines,
+    runs_root,
     tail,
 )
 from backend.torchrun_loopback import AGENT_PRELOAD, forked_main
@@ -65,8 +66,9 @@ FAILURE_GRACE_S = 5.0
 HEARTBEAT_S = 2.0
 
 
-def default_run_dir(base: str | Path = "runs") -> Path:
-    return Path(base) / _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+def default_run_dir(base: str | Path | None = None) -> Path:
+    """A new run's directory: a timestamp under ``base`` (default ``backend.records.runs_root()``)."""
+    return Path(runs_root() if base is None else base) / _dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
 
 
 def processes_for(cfg: Config) -> int:

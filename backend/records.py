@@ -34,6 +34,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import platformdirs
+
 from engine.names import MEMORY_CATEGORIES
 
 TERMINAL_EVENTS = ("finished", "failed", "cancelled")
@@ -365,3 +367,17 @@ def iter_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
 
 def events_of(path: str | Path) -> Iterator[dict]:
     yield from read_jsonl(Path(path))
+
+
+#: where runs go when no --out / --runs-dir says: this environment variable, else the per-user data folder
+RUNS_DIR_ENV = "SHARDSCOPE_RUNS_DIR"
+
+
+def runs_root() -> Path:
+    """Where the window and the CLI keep runs by default: ``$SHARDSCOPE_RUNS_DIR``, else the per-user data
+    folder's ``runs`` (platformdirs: ``~/.local/share/shardscope/runs`` on Linux), absolute, so a run is
+    found whatever directory a command or the window was started in."""
+    env = os.environ.get(RUNS_DIR_ENV)
+    if env:
+        return Path(env).expanduser().absolute()
+    return platformdirs.user_data_path("shardscope", appauthor=False) / "runs"

@@ -22,9 +22,9 @@ def _qt():
     return QtCore, QtGui, QtWidgets
 
 
-def make_window(state=None, config=None, settings=None, runs_dir: str | Path = "runs"):
-    """The main window over ``state`` (or a new State of ``config`` keeping its runs under ``runs_dir``,
-    relative to the current directory). ``settings`` (a QSettings) is where it restores and saves its
+def make_window(state=None, config=None, settings=None, runs_dir: str | Path | None = None):
+    """The main window over ``state`` (or a new State of ``config`` keeping its runs under ``runs_dir``:
+    default the per-user data folder, ``backend.records.runs_root``). ``settings`` (a QSettings) is where it restores and saves its
     geometry; None (the default) keeps none."""
     from gui.main_window import MainWindow
     from gui.state import State
@@ -56,7 +56,7 @@ def _application():
 
 
 def run_app(config_path: str | None = None, screenshot: str | None = None, settings=None,
-            plan: bool = False, runs_dir: str | Path = "runs") -> int:
+            plan: bool = False, runs_dir: str | Path | None = None) -> int:
     """Open the window on ``config_path`` (or the embedded default), sized to the screen on a first
     open and as it was left afterwards (``settings``, default the user's: see ``user_settings``).
 

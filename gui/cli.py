@@ -411,8 +411,8 @@ def _no_display() -> bool:
 
 
 def cmd_gui(args: argparse.Namespace) -> int:
-    runs_dir = getattr(args, "runs_dir", None) or "runs"
-    if Path(runs_dir).exists() and not Path(runs_dir).is_dir():
+    runs_dir = getattr(args, "runs_dir", None)
+    if runs_dir and Path(runs_dir).exists() and not Path(runs_dir).is_dir():
         raise CliError(f"--runs-dir {runs_dir}: exists and is not a directory; name a directory (it is made "
                        "on the first run)")
     if getattr(args, "config", None):
@@ -467,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true",
                    help="with --screenshot: run the Planner tab's plan for the config first and show it")
     p.add_argument("--runs-dir", metavar="DIR",
-                   help="where the window keeps its runs and finds earlier ones (default: runs/ in the current "
-                        "directory)")
+                   help="where the window keeps its runs and finds earlier ones (default: the per-user data "
+                        "folder, ~/.local/share/shardscope/runs on Linux, or $SHARDSCOPE_RUNS_DIR)")
     p.set_defaults(func=cmd_gui)
 
     p = sub.add_parser("validate", help="check config files; every problem names its field")
@@ -490,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the config as real multi-process PyTorch training and measure it")
     p.add_argument("config", metavar="CONFIG")
-    _out_arguments(p, "runs/<timestamp>")
+    _out_arguments(p, "<runs>/<timestamp>, <runs> the per-user data folder's runs/")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is stopped as hung")
     p.add_argument("--json", action="store_true", help="print one JSON event per line")
@@ -513,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--fake", action="store_true", help="fake process group + fake tensors (required)")
     p.add_argument("--rank", type=int, help="the rank to simulate (default: one per pipeline stage)")
-    _out_arguments(p, "runs/<timestamp>-fake")
+    _out_arguments(p, "<runs>/<timestamp>-fake")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the simulation is stopped")
     p.add_argument("--json", action="store_true", help="the measurement and the comparison as JSON")
     p.add_argument("--expandable-segments", action="store_true",
@@ -572,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "\"ops\" uses for gpu = \"cpu\" (kept in ~/.cache/shardscope)")
     p.add_argument("--ranks", type=int, default=4, help="ranks to measure with (default 4: the default config's)")
     p.add_argument("--out", metavar="DIR", help="where links.json (or, with --device, device-cpu.json) goes "
-                                                "(default: runs/<timestamp>-links; --device: this machine's cache)")
+                                                "(default: <runs>/<timestamp>-links; --device: this machine's cache)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds before the benchmark is stopped")
     p.add_argument("--json", action="store_true", help="the fitted calibration as JSON")
     p.set_defaults(func=cmd_calibrate)

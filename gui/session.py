@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from backend.records import RunStatus
+from backend.records import RunStatus, runs_root
 from engine import Config, ConfigError, Problem, default_config
 from engine.model.family import SHAPE_FIELDS
 from engine.model.hf_config import HFConfigError, read_hf_config
@@ -104,7 +104,7 @@ NOTIFICATIONS = {
 class Session:
     """The Config being edited, the last valid one, the latest Prediction and the runs."""
 
-    def __init__(self, config: Config | None = None, runs_dir: str | Path = "runs"):
+    def __init__(self, config: Config | None = None, runs_dir: str | Path | None = None):
         self.config: Config = config if config is not None else default_config()
         self.desired: dict[str, Any] = self.config.to_dict()
         self.problems: dict[str, list[Problem]] = {}
@@ -114,7 +114,7 @@ class Session:
         self.runs: list[RunRecord] = []
         # absolute: a run's child process starts in the repository root (gui.child_process), so a path
         # relative to where the window was started would name another directory there
-        self.runs_dir = Path(runs_dir).expanduser().absolute()
+        self.runs_dir = Path(runs_root() if runs_dir is None else runs_dir).expanduser().absolute()
         self.touched: str | None = None  # the field the person moved last
         self._undo: list[dict[str, Any]] = []  # desired configs before each change, oldest first
         self._redo: list[dict[str, Any]] = []

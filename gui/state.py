@@ -79,7 +79,7 @@ class State(QObject):
     baseline = _forward("baseline")
     difference = _forward("difference")  # gui.predicted.PredictionDiff of the prediction against the baseline
 
-    def __init__(self, config: Config | None = None, runs_dir: str | Path = "runs", parent=None):
+    def __init__(self, config: Config | None = None, runs_dir: str | Path | None = None, parent=None):
         super().__init__(parent)
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)

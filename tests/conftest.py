@@ -13,6 +13,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the engine reads a measured CPU device profile from this machine's cache (engine.time.ops.device_profile):
 # the tests read the shipped one, whatever `shardscope calibrate --device` left here
+# runs a test starts without --out go to a temporary folder, never the user's data folder
+os.environ["SHARDSCOPE_RUNS_DIR"] = os.path.join(tempfile.gettempdir(), f"shardscope-tests-{os.getpid()}-runs")
 os.environ["SHARDSCOPE_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"shardscope-tests-{os.getpid()}-cache")
 
 

@@ -270,3 +270,21 @@ def test_undo_goes_back_over_an_invalid_edit_and_a_replaced_config():
     s.set_config(other)  # a file opened, a run shown, a planner row applied
     assert s.config == other
     assert s.undo() and s.config == start
+
+
+def test_runs_go_to_the_per_user_data_folder_by_default_whatever_the_current_directory(tmp_path, monkeypatch):
+    """Issue 27, item 1: the window and the CLI keep runs in one place, absolute: $SHARDSCOPE_RUNS_DIR, else
+    platformdirs' per-user data folder; a relative runs_dir is taken where the window starts."""
+    import platformdirs
+
+    from backend.launch import default_run_dir
+    from backend.records import RUNS_DIR_ENV, runs_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(RUNS_DIR_ENV, raising=False)
+    assert runs_root() == platformdirs.user_data_path("shardscope", appauthor=False) / "runs"
+    monkeypatch.setenv(RUNS_DIR_ENV, "elsewhere/runs")
+    assert runs_root() == tmp_path / "elsewhere" / "runs"
+    assert Session(default_config()).runs_dir == tmp_path / "elsewhere" / "runs"
+    assert default_run_dir().parent == tmp_path / "elsewhere" / "runs"
+    assert Session(default_config(), runs_dir="mine").runs_dir == tmp_path / "mine"
