@@ -177,6 +177,14 @@ def clock_description(cfg: Config) -> str:
     return f"clock from ops: each op a roofline on the {prof.name} device profile ({where})"
 
 
+def clock_short(cfg: Config) -> str:
+    """:func:`clock_description` in a few words, for a table cell: "efficiency 0.5" or "ops (h100-96g)"."""
+    if cfg.conventions.clock != "ops":
+        return f"efficiency {cfg.conventions.compute_efficiency:g}"
+    name = device_profile(cfg.cluster.gpu.name).name
+    return "ops (measured cpu)" if name.startswith("cpu (measured") else f"ops ({name})"
+
+
 @dataclass(frozen=True)
 class Op:
     """One op of a block (or of the head / embedding) for one microbatch on one rank."""

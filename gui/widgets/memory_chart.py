@@ -221,7 +221,8 @@ class MemoryChart(QWidget):
         self.header.setWordWrap(True)  # a narrow chart gets the verdict on a second line, not cut off
         head.addWidget(LayoutBarrier(self.header), 1)
         lay.addLayout(head)
-        legend = "&nbsp;&nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span> {c}'
+        # a swatch and its name never part (a no-break space between them); the items break between them
+        legend = " &nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span>&nbsp;{c}'
                                      for c in MEMORY_CATEGORIES)
         self._categories_html = legend
         self._legend_html = legend + self._device_legend(cpu=False)
@@ -281,14 +282,14 @@ class MemoryChart(QWidget):
     def _device_legend(cpu: bool) -> str:
         """What stands above the categories: a GPU's allocator reserve and overhead; nothing on CPU ranks."""
         if cpu:
-            return "&nbsp;&nbsp;· CPU ranks: no caching allocator, no CUDA context (reserved = allocated)"
-        return (f'&nbsp;&nbsp;<span style="color:{RESERVED_LINE}">▨</span> reserved, not allocated '
+            return " &nbsp;· CPU ranks: no caching allocator, no CUDA context"
+        return (f' &nbsp;<span style="color:{RESERVED_LINE}">▨</span>&nbsp;reserved, not allocated '
                 "(caching allocator) · overhead on top: CUDA context, collective buffers")
 
     def _set_legend(self) -> None:
         """The legend names what the outlined bars are (set when a measurement comes or goes, not per redraw)."""
         outlined = self.measured_label or "measured"
-        text = self._legend_html + f"&nbsp;&nbsp;· outlined bars: {outlined} · red frame: over capacity"
+        text = self._legend_html + f" &nbsp;· outlined bars: {outlined} · red frame: over capacity"
         if getattr(self, "_experts_shown", False):
             text = text.replace(self._legend_html, self._legend_html + EXPERT_LEGEND, 1)
         if self.baseline_text:

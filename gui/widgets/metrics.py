@@ -13,7 +13,7 @@ from PySide6.QtCore import QEvent, QRect, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
-from engine.time.ops import clock_description
+from engine.time.ops import clock_short
 from gui.predicted import describe_config
 from gui.widgets.memory_chart import fmt_bytes
 from gui.widgets.timeline import _fmt_seconds
@@ -187,8 +187,8 @@ def metric_rows(shown) -> list[tuple[str, str]]:
     if step is not None:
         seconds = step.seconds
         rows.append(("Step time", _fmt_seconds(seconds)))
-        rows.append(("Timed by", f"calibrated from {shown.calibrated_from}" if shown.calibrated_from
-                     else clock_description(cfg)))
+        rows.append(("Timed by", f"calibration of {Path(shown.calibrated_from).name}" if shown.calibrated_from
+                     else clock_short(cfg)))
         rows.append(("Tokens/s", f"{cfg.tokens_per_step / seconds:,.0f}" if seconds > 0 else "—"))
         rows.append(("MFU", f"{step.mfu * 100:.1f}%"))
         if seconds > 0:
@@ -241,16 +241,14 @@ def device_rows(mem, cfg) -> list[tuple[str, str]]:
     reserved = getattr(worst, "reserved", allocated)
     device = getattr(worst, "device_bytes", reserved)
     cpu = cfg.cluster.gpu.name == "cpu"
-    rows = [("Allocated", f"{fmt_bytes(allocated)} on rank {worst.rank}: live tensors at the peak "
-                          "(max_memory_allocated)")]
+    # short enough to read without scrolling at 1280 × 800; "Strategies explained" says what each means
+    rows = [("Allocated", f"{fmt_bytes(allocated)} on rank {worst.rank} (max_memory_allocated)")]
     if cpu:
-        rows.append(("Reserved", f"{fmt_bytes(reserved)}: CPU ranks have no caching allocator, so reserved = "
-                                 "allocated"))
+        rows.append(("Reserved", f"{fmt_bytes(reserved)}: = allocated (CPU ranks have no caching allocator)"))
     else:
-        rows.append(("Reserved", f"{fmt_bytes(reserved)} on rank {worst.rank}: what the caching allocator holds "
-                                 f"(max_memory_reserved), {fmt_bytes(reserved - allocated)} above allocated"))
-        rows.append(("Outside the allocator", f"{fmt_bytes(device - reserved)}: CUDA context and collective "
-                                              f"buffers; {fmt_bytes(device)} on the device"))
+        rows.append(("Reserved", f"{fmt_bytes(reserved)} (max_memory_reserved): +{fmt_bytes(reserved - allocated)} "
+                                 "cached"))
+        rows.append(("Outside the allocator", f"{fmt_bytes(device - reserved)} (CUDA context, collective buffers)"))
     head = mem.capacity_bytes - device
     rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))
                  + f" of {fmt_bytes(mem.capacity_bytes)}"))

@@ -284,9 +284,9 @@ class TimelineView(QWidget):
 
     @staticmethod
     def _legend() -> QLabel:
-        parts = [f'<span style="color:{KIND_COLORS[k]}">■</span> {k} {KIND_NAMES[k]}' for k in KINDS]
-        parts.append('<span style="color:#BBBBBB">■</span> idle')
-        lab = QLabel("&nbsp;&nbsp;".join(parts))
+        parts = [f'<span style="color:{KIND_COLORS[k]}">■</span>&nbsp;{k} {KIND_NAMES[k]}' for k in KINDS]
+        parts.append('<span style="color:#BBBBBB">■</span>&nbsp;idle')
+        lab = QLabel(" &nbsp;".join(parts))  # a swatch and its name never part
         lab.setObjectName("legend")
         return lab
 

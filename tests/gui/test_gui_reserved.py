@@ -140,10 +140,9 @@ def test_metrics_and_explainer_name_allocated_and_reserved(window):
     mem = window.state.prediction.prediction.memory
     worst = max(mem.per_rank, key=lambda r: (r.device_bytes, -r.rank))
     rows = dict(window.metrics.rows)
-    assert rows["Allocated"] == (f"{fmt_bytes(worst.allocated)} on rank {worst.rank}: live tensors at the peak "
-                                 "(max_memory_allocated)")
-    assert rows["Reserved"].startswith(f"{fmt_bytes(worst.reserved)} on rank {worst.rank}: what the caching "
-                                       "allocator holds (max_memory_reserved)")
+    assert rows["Allocated"] == f"{fmt_bytes(worst.allocated)} on rank {worst.rank} (max_memory_allocated)"
+    assert rows["Reserved"] == (f"{fmt_bytes(worst.reserved)} (max_memory_reserved): "
+                                f"+{fmt_bytes(worst.reserved - worst.allocated)} cached")
     assert rows["Memory headroom"].startswith(fmt_bytes(mem.capacity_bytes - worst.device_bytes))
     html = window.metrics.explainer.toPlainText()
     assert "max_memory_allocated" in html and "max_memory_reserved" in html

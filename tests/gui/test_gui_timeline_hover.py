@@ -19,11 +19,12 @@ pytestmark = pytest.mark.gui
 
 def hover_over(view, lane_y: float, row: int, t0: float, t1: float) -> str:
     """Move the mouse to the middle of a box (seconds t0..t1 on ``row``) and read the hover line."""
+    QTest.qWait(50)  # pyqtgraph's scene drops mouse moves closer than its rate limit; and a redraw's new
+    # view range is laid out by then (the mapping below reads it)
     vb = view.plot.getPlotItem().getViewBox()
     x = (t0 + t1) / 2 / view.scale_s
     scene = vb.mapViewToScene(QPointF(x, row + lane_y))
     pos = view.plot.mapFromScene(scene)
-    QTest.qWait(50)  # pyqtgraph's scene drops mouse moves closer than its rate limit
     port = view.plot.viewport()
     local = QPointF(QPoint(int(pos.x()), int(pos.y())))
     QApplication.sendEvent(port, QMouseEvent(QEvent.Type.MouseMove, local, QPointF(port.mapToGlobal(local)),
