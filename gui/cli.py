@@ -521,6 +521,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "expandable_segments:True (default: the config's convention, else torch's default False)")
     p.set_defaults(func=cmd_measure)
 
+    _add_plan(sub)
+    _add_calibrate(sub)
+
+    p = sub.add_parser("presets", help="list the model, GPU and cluster presets")
+    p.set_defaults(func=cmd_presets)
+    return parser
+
+
+def _add_plan(sub) -> None:
+    """``shardscope plan``'s arguments."""
     p = sub.add_parser("plan", help="rank every valid layout of a model on N GPUs by predicted throughput",
                        description="Rank every valid layout of a model on N GPUs by predicted throughput. "
                                    "Give --model and --gpus (and --gpu, --gpus-per-node), or --config CFG.")
@@ -534,8 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its own layout, micro-batch size and recompute are what is searched")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--global-batch", type=int, metavar="SEQUENCES",
-                   help="sequences per step, the same for every layout (default: about 4 Mi tokens, "
-                        "a multiple of --gpus, at most 8 per GPU)")
+                   help="sequences per step, the same for every layout (default: with --config the config's "
+                        "own; else about 4 Mi tokens, a multiple of --gpus, at most 8 per GPU)")
     p.add_argument("--max-virtual-stages", type=int, default=8, metavar="V",
                    help="largest virtual stages per rank tried for the interleaved schedules (default 8)")
     p.add_argument("--seq-len", type=int, metavar="TOKENS",
@@ -563,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(or {\"event\": \"error\", ...})")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_calibrate(sub) -> None:
+    """``shardscope calibrate``'s arguments."""
     p = sub.add_parser("calibrate", help="measure this machine: collectives' latency and bandwidth and the "
                                          "matmul FLOP/s per rank (torchrun micro-benchmark, ~15 s)")
     p.add_argument("--links", action="store_true", help="time all-reduce / all-gather / reduce-scatter / send-recv "
@@ -576,10 +589,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=180.0, help="seconds before the benchmark is stopped")
     p.add_argument("--json", action="store_true", help="the fitted calibration as JSON")
     p.set_defaults(func=cmd_calibrate)
-
-    p = sub.add_parser("presets", help="list the model, GPU and cluster presets")
-    p.set_defaults(func=cmd_presets)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,12 +23,17 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_seconds(s: float) -> str:
+    """Seconds as a person reads them, the one formatter of the product: three significant digits in µs,
+    ms, s, min or h, never an exponent ("2.1e+03 s" read as 35 min)."""
     a = abs(s)
-    if a >= 1:
-        return f"{s:.3g} s"
-    if a >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} µs"
+
+    def digits(x: float) -> str:
+        return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+    for unit, size in (("h", 3600.0), ("min", 60.0), ("s", 1.0), ("ms", 1e-3)):
+        if a >= size:
+            return f"{digits(s / size)} {unit}"
+    return f"{digits(s * 1e6)} µs"
 
 
 @dataclass(frozen=True)

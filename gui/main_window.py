@@ -56,7 +56,7 @@ class MainWindow(QMainWindow):
         self.scaling = ScalingView(state)
 
         # the two charts one above the other, the metrics beside both (at 1280 × 800 beside the memory chart
-        # alone they needed scrolling: issue 27)
+        # alone they needed scrolling)
         charts = QSplitter(Qt.Orientation.Vertical)
         charts.setObjectName("chartsColumn")
         charts.addWidget(self.memory)

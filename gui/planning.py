@@ -20,24 +20,15 @@ from engine import Config
 from engine.plan.results import layout_config
 from engine.plan.search import FITTING_LIMIT, FITTING_SECONDS
 from gui.child_process import Lines
+from gui.comparison import fmt_bytes, fmt_seconds
 
 GIB = 2**30
 DEFAULT_TOP = 10
 TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak", "vs #1 (select a row: why)"]
 
 
-def _fmt_memory(nbytes: float) -> str:
-    """'12.34 GiB' or '23.4 MiB': a peak a person reads, whatever the card."""
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def fmt_seconds(seconds: float) -> str:
-    """'1.23 s', '12.3 ms', '456 µs': three significant digits in a unit that fits."""
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
 
 
 def default_batch(cfg: Config) -> int:
@@ -133,7 +124,7 @@ class PlanOutcome:
         for e in self.entries:
             label = e["label"] + (" · predict only" if e.get("predict_only") else "")
             out.append([str(e["position"]), label, f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
-                        f"{100 * e['mfu']:.1f}%", _fmt_memory(e["peak_bytes"]), self.versus_first(len(out))])
+                        f"{100 * e['mfu']:.1f}%", fmt_bytes(e["peak_bytes"]), self.versus_first(len(out))])
         return out
 
     def versus_first(self, row: int) -> str:
@@ -188,7 +179,7 @@ class PlanOutcome:
         if p.get("pareto"):
             extra.append("on the Pareto front")
         return (f"{p['label']}\n{p['tokens_per_s']:,.0f} tokens/s · step {fmt_seconds(p['seconds'])} · "
-                f"MFU {100 * p['mfu']:.1f}%\npeak {_fmt_memory(p['peak_bytes'])} per GPU (rank {p['peak_rank']})"
+                f"MFU {100 * p['mfu']:.1f}%\npeak {fmt_bytes(p['peak_bytes'])} per GPU (rank {p['peak_rank']})"
                 + (f"\n{', '.join(extra)}" if extra else "") + "\nclick: make it the window's config")
 
     def point_of(self, cfg: Config) -> int | None:

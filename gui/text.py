@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from engine.memory import GIB
 from engine.model.params import param_counts
 from engine.names import MEMORY_CATEGORIES
-from engine.time.ops import clock_description
+from engine.time.ops import clock_description, op_table
 
 if TYPE_CHECKING:
     from engine.compare.measured import Comparison, RankComparison
@@ -82,6 +82,11 @@ def prediction_table(pred: Prediction, explain: bool = False) -> str:
     if per_dim:
         lines.append("  communication sent per step by rank "
                      f"{comm.rank}: " + ", ".join(f"{d} {b / 2**30:.3f} GiB" for d, b in per_dim.items()))
+    if explain and pred.config.conventions.clock == "ops":
+        lines.append("  the ops one microbatch runs on one rank (per block; the head's and the embedding's once):")
+        for where, phase, name, gflop, mb, kernels, us in op_table(pred.config):
+            lines.append(f"      {where:<9} {phase}  {name:<40} {gflop:10.3f} GFLOP {mb:10.2f} MB {kernels:4d} kernels "
+                         f"{us:10.1f} µs")
     why = pred.predict_only
     if why:
         lines.append("")

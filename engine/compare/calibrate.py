@@ -318,7 +318,7 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     measured times, and the one it predicts, use the measured α and B."""
     meas = measurement if isinstance(measurement, dict) else measurement.to_dict()
     # core sharing is scaled by the calibration itself; a run calibrates the efficiency clock's one scalar (the
-    # clock from ops reads device profiles instead: its calibration is issue 26's next slice)
+    # clock from ops reads device profiles, which no run corrects yet)
     cfg = cfg.replace(cluster={"cpu_cores": 0}, conventions={"clock": "efficiency"})
     lk = None if links is None else links.links_for(cfg)
     step_s = float((meas.get("step") or {}).get("seconds") or 0.0)

@@ -259,9 +259,8 @@ def _forward_memory_ops(cfg: Config) -> list[Op]:
     else:
         ops.append(Op("gelu", "F", "memory", 0.0, 2 * T * f * a, 1))
     if tr.float8 != "none":
-        from_step = float8_cast_bytes(cfg)
         casts = 2 * len(_linears(cfg))  # each Linear's input and weight
-        ops.append(Op("float8 casts", "F", "memory", 0.0, from_step[0], casts * (1 if c else 2)))
+        ops.append(Op("float8 casts", "F", "memory", 0.0, float8_cast_bytes(cfg)[0], casts * (1 if c else 2)))
     return ops
 
 

@@ -14,9 +14,9 @@ from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from engine.time.ops import clock_short
+from gui.comparison import fmt_seconds
 from gui.predicted import describe_config
 from gui.widgets.memory_chart import fmt_bytes
-from gui.widgets.timeline import _fmt_seconds
 
 # One short paragraph per strategy: what it shards, what it costs, when to pick it.
 EXPLAINER: dict[str, tuple[str, str]] = {
@@ -186,7 +186,7 @@ def metric_rows(shown) -> list[tuple[str, str]]:
     step = None if pred is None else pred.step  # engine.time.step.StepTime
     if step is not None:
         seconds = step.seconds
-        rows.append(("Step time", _fmt_seconds(seconds)))
+        rows.append(("Step time", fmt_seconds(seconds)))
         rows.append(("Timed by", f"calibration of {Path(shown.calibrated_from).name}" if shown.calibrated_from
                      else clock_short(cfg)))
         rows.append(("Tokens/s", f"{cfg.tokens_per_step / seconds:,.0f}" if seconds > 0 else "—"))
@@ -200,12 +200,12 @@ def metric_rows(shown) -> list[tuple[str, str]]:
             dims = sorted({i.dim for i in critical.items})
             for dim in dims:
                 rows.append((f"Comm · {dim}",
-                             f"{fmt_bytes(critical.bytes_sent(dim))} sent, {_fmt_seconds(critical.seconds(dim))}"
+                             f"{fmt_bytes(critical.bytes_sent(dim))} sent, {fmt_seconds(critical.seconds(dim))}"
                              f" (rank {critical.rank})"))
     tl = None if pred is None else pred.pipeline  # engine.pipeline.timeline.Timeline
     if tl is not None:
         rows.append(("Pipeline bubble", f"{tl.bubble_fraction * 100:.1f}% ({cfg.conventions.bubble})"))
-        rows.append(("Pipeline makespan", _fmt_seconds(tl.makespan_s)))
+        rows.append(("Pipeline makespan", fmt_seconds(tl.makespan_s)))
     mem = None if pred is None else pred.memory
     if mem is not None and mem.per_rank:
         peak = mem.peak
@@ -258,11 +258,11 @@ def device_rows(mem, cfg) -> list[tuple[str, str]]:
 #: metric row -> (the PredictionDiff number its change is told by, how to write the baseline's value);
 #: "peak.total" is diff.peak["total"]
 ROW_CHANGES = {
-    "Step time": ("step_seconds", _fmt_seconds),
+    "Step time": ("step_seconds", fmt_seconds),
     "Tokens/s": ("tokens_per_s", lambda v: f"{v:,.0f}"),
     "MFU": ("mfu", lambda v: f"{v * 100:.1f}%"),
     "Pipeline bubble": ("bubble_fraction", lambda v: f"{v * 100:.1f}%"),
-    "Pipeline makespan": ("makespan_s", _fmt_seconds),
+    "Pipeline makespan": ("makespan_s", fmt_seconds),
     "Peak memory": ("peak.total", fmt_bytes),
 }
 #: rows shown with the baseline's value only when it differs (no single number to take a change of)
@@ -294,7 +294,7 @@ def _baseline_value(name: str, diff) -> str | None:
         if seconds is None or seconds.baseline is None:
             return None
         change = format_change(seconds)
-        return (f"baseline {fmt_bytes(sent.baseline)} sent, {_fmt_seconds(seconds.baseline)}"
+        return (f"baseline {fmt_bytes(sent.baseline)} sent, {fmt_seconds(seconds.baseline)}"
                 + (f", {change} time" if change else ""))
     if name not in ROW_CHANGES:
         return None

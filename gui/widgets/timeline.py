@@ -19,6 +19,7 @@ from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine.pipeline.schedules import ACTION_KINDS
+from gui.comparison import fmt_seconds
 from gui.widgets.barrier import LayoutBarrier
 
 KINDS = ("F", "B", "I", "W")
@@ -425,7 +426,7 @@ class TimelineView(QWidget):
 
         def times(a: Actions, j: int) -> str:
             s0, s1 = float(a.start_s[j]), float(a.end_s[j])
-            return f"{_fmt_seconds(s0)} → {_fmt_seconds(s1)} ({_fmt_seconds(s1 - s0)})"
+            return f"{fmt_seconds(s0)} → {fmt_seconds(s1)} ({fmt_seconds(s1 - s0)})"
 
         text = (f"rank {row} · {kind} {KIND_NAMES[kind]} · stage {stage} · microbatch {mb} · "
                 f"{lane} {times(acts, i)}")
@@ -450,17 +451,17 @@ class TimelineView(QWidget):
             self.header.setText("Pipeline")
             return
         # the makespan: the pipeline's own span; Metrics' "Step time" adds the exposed DP communication and
-        # the optimizer step to it (issue 27: both read "step" and disagreed)
-        text = f"Pipeline · {len(self.predicted):,} actions · makespan {_fmt_seconds(self.makespan_s)}"
+        # the optimizer step to it
+        text = f"Pipeline · {len(self.predicted):,} actions · makespan {fmt_seconds(self.makespan_s)}"
         if self.bubble_fraction is not None:
             conv = self.state.config.conventions.bubble
             text += f" · bubble {self.bubble_fraction * 100:.1f}% ({conv})"
         if self.calibrated_from:
             text += f" · timed with the calibration of {Path(self.calibrated_from).name}"
         if has_measured:
-            text += f" · measured makespan {_fmt_seconds(float(self.measured.end_s.max()))}"
+            text += f" · measured makespan {fmt_seconds(float(self.measured.end_s.max()))}"
         if self.baseline_makespan_s is not None:
-            text += f" · baseline makespan {_fmt_seconds(self.baseline_makespan_s)}"
+            text += f" · baseline makespan {fmt_seconds(self.baseline_makespan_s)}"
         self.header.setText(text)
 
 
@@ -469,18 +470,3 @@ def _lighter(name: str) -> str:
     return c.name()
 
 
-def _fmt_seconds(s: float) -> str:
-    """Seconds as a person reads them: 3 significant digits in µs, ms, s, min or h, never an exponent
-    ("2.1e+03 s" read as 35 min)."""
-    def digits(x: float) -> str:
-        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
-
-    if s >= 3600:
-        return f"{digits(s / 3600)} h"
-    if s >= 60:
-        return f"{digits(s / 60)} min"
-    if s >= 1:
-        return f"{digits(s)} s"
-    if s >= 1e-3:
-        return f"{digits(s * 1e3)} ms"
-    return f"{digits(s * 1e6)} µs"

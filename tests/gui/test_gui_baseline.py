@@ -11,9 +11,11 @@ pytest.importorskip("pytestqt")
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from engine.names import MEMORY_CATEGORIES  # noqa: E402
-from gui.comparison import fmt_bytes  # noqa: E402
+from gui.comparison import (
+    fmt_bytes,  # noqa: E402
+    fmt_seconds,  # noqa: E402
+)
 from gui.widgets.metrics import format_change  # noqa: E402
-from gui.widgets.timeline import _fmt_seconds  # noqa: E402
 from tests.gui.test_gui_window import drag_slider, image  # noqa: E402
 
 pytestmark = pytest.mark.gui
@@ -64,13 +66,13 @@ def test_pin_drag_compare_and_clear(window, qtbot):
     assert f"vs baseline {fmt_bytes(pinned.prediction.memory.peak.total)})" in chart.header.text()
     # the metrics: each number, the baseline's and the change
     step = diff.metrics["step_seconds"]
-    expected = (f"Step time: {_fmt_seconds(step.current)} (baseline {_fmt_seconds(step.baseline)}, "
+    expected = (f"Step time: {fmt_seconds(step.current)} (baseline {fmt_seconds(step.baseline)}, "
                 f"{format_change(step)})")
     assert expected in metrics.table.text().splitlines()
     assert format_change(step).startswith("+")  # a bigger model steps slower
     assert any(line.startswith("Peak memory:") and "(baseline " in line and "+" in line
                for line in metrics.table.text().splitlines())
-    assert f"baseline makespan {_fmt_seconds(pinned.prediction.pipeline.makespan_s)}" in window.timeline.header.text()
+    assert f"baseline makespan {fmt_seconds(pinned.prediction.pipeline.makespan_s)}" in window.timeline.header.text()
     # hovering the baseline bar says what it is
     off, _ = chart._base_span
     rank, values = chart.baseline_groups[0]

@@ -75,8 +75,8 @@ def test_hover_shows_predicted_and_measured_side_by_side(window):
 
 def test_durations_read_without_exponents():
     """Metrics printed "2.1e+03 s" for a 35-minute step (issue 27, item 5)."""
-    from gui.widgets.timeline import _fmt_seconds
+    from gui.comparison import fmt_seconds
 
-    assert [_fmt_seconds(x) for x in (2100, 59, 7200, 0.0978, 1.23e-5)] == \
+    assert [fmt_seconds(x) for x in (2100, 59, 7200, 0.0978, 1.23e-5)] == \
         ["35 min", "59 s", "2 h", "97.8 ms", "12.3 µs"]
-    assert "e+" not in _fmt_seconds(3.6e8) and "e-" not in _fmt_seconds(1e-9)
+    assert "e+" not in fmt_seconds(3.6e8) and "e-" not in fmt_seconds(1e-9)

@@ -126,6 +126,10 @@ def test_the_op_table_lists_every_op_with_its_time():
     rows = op_table(_cfg())
     assert {r[0] for r in rows} == {"block", "head", "embedding"}
     assert any(r[2] == "attention" for r in rows) and all(r[6] > 0 for r in rows)
+    from gui.text import prediction_table  # predict --explain lists them under the clock from ops only
+
+    assert "wq.F" in prediction_table(predict(_cfg()), explain=True)
+    assert "wq.F" not in prediction_table(predict(_cfg().replace(conventions={"clock": "efficiency"})), explain=True)
 
 
 @pytest.mark.parametrize("preset, training, kind", [("mixtral-8x7b", {}, "experts"),
