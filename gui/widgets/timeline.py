@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QPen
+from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QImage, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine.pipeline.schedules import ACTION_KINDS
@@ -29,6 +29,8 @@ IDLE_COLOR = "#E6E6E6"
 OUTLINE_MIN_PX = 4.0  # narrower boxes are painted without an outline
 LABEL_MIN_PX = 18.0  # narrower boxes get no microbatch number
 MAX_LABELS = 2500
+RASTER_MIN_BOXES = 4096  # with this many boxes or more ...
+RASTER_MAX_PX = 3.0  # ... narrower than this (median, device pixels) they are painted as pixel rows
 
 try:  # native QRectF arrays (pyqtgraph >= 0.13): no Python QRectF per box
     from pyqtgraph.Qt.internals import PrimitiveArray
@@ -57,6 +59,15 @@ class Actions:
 
 
 _CODE = {k: i for i, k in enumerate(KINDS)}
+
+
+def _median(values: np.ndarray) -> float:
+    """The median of a non-empty array (0 for an empty one) without np.median's overhead: the upper
+    middle for an even count, which is what the paint thresholds need."""
+    if values.size == 0:
+        return 0.0
+    k = values.size // 2
+    return float(np.partition(values, k)[k])
 
 
 def _kind_codes(tl) -> np.ndarray:
@@ -105,13 +116,17 @@ def actions_from_measurement(measurement: dict, dp: int, tp: int, cp: int = 1) -
 
 
 class BoxesItem(pg.GraphicsObject):
-    """Every box of a timeline, one drawRects call per colour."""
+    """Every box of a timeline, one drawRects call per colour; boxes narrower than a few pixels, when
+    there are thousands of them, are rasterised to one row of pixels per lane instead (numpy), which
+    costs the same whatever the box count."""
 
     def __init__(self, alpha: int = 255, outline: bool = False):
         super().__init__()
         self.alpha = alpha
         self.coloured_outline = outline  # outline each box in its own colour (measured memory)
-        self._layers: list[tuple] = []  # (brush, rects, median width, index, pen or None) per colour
+        # per colour: [brush, native rects (built when first drawn), median width, index, pen or None,
+        # (x0, x1, y0, y1)]; the background rows first, index None
+        self._layers: list[list] = []
         self._bounds = QRectF()
         self._x0 = self._x1 = self._y0 = self._y1 = np.zeros(0)
         self._labels = np.zeros(0, dtype=int)
@@ -123,8 +138,11 @@ class BoxesItem(pg.GraphicsObject):
         self.paint_count = 0
         self.show_labels = True
         self._row_h = 0.0
+        self._median_w = 0.0
         self.labels_drawn = 0
         self.outlined_layers = 0
+        self.rasterised = False  # the last paint drew pixel rows, not rectangles
+        self._lanes = None  # (distinct y0 + i·y1, each box's index into them), background first
 
     def set_boxes(self, x0, x1, y0, y1, colors: list[str], color_index, labels=None, *, background=None) -> None:
         """Boxes [x0, x1] × [y0, y1]; ``color_index[i]`` picks ``colors``; optional row backgrounds."""
@@ -133,24 +151,30 @@ class BoxesItem(pg.GraphicsObject):
         self._y0, self._y1 = np.asarray(y0, float), np.asarray(y1, float)
         self._labels = np.asarray(labels) if labels is not None else None
         color_index = np.asarray(color_index, int)
-        self._row_h = float(np.median(self._y1 - self._y0)) if self._y0.size else 0.0
+        self._row_h = _median(self._y1 - self._y0)
+        self._median_w = _median(self._x1 - self._x0)
+        lanes_before = [(layer[5][2], layer[5][3]) for layer in self._layers]
         self._layers = []
         if background is not None:
             bx0, bx1, by0, by1 = (np.asarray(a, float) for a in background)
-            self._layers.append((QBrush(QColor(IDLE_COLOR)), self._rects(bx0, bx1, by0, by1), 0.0, None, None))
+            self._layers.append([QBrush(QColor(IDLE_COLOR)), None, 0.0, None, None, (bx0, bx1, by0, by1)])
         for ci, name in enumerate(colors):
             idx = np.flatnonzero(color_index == ci)
             if idx.size == 0:
                 continue
             c = QColor(name)
             c.setAlpha(self.alpha)
-            w = self._x1[idx] - self._x0[idx]
             pen = None
             if self.coloured_outline:
                 pen = QPen(QColor(name), 2)
                 pen.setCosmetic(True)
-            self._layers.append((QBrush(c), self._rects(self._x0[idx], self._x1[idx], self._y0[idx], self._y1[idx]),
-                                 float(np.median(w)), idx, pen))
+            box = (self._x0[idx], self._x1[idx], self._y0[idx], self._y1[idx])
+            self._layers.append([QBrush(c), None, _median(box[1] - box[0]), idx, pen, box])
+        lanes_now = [(layer[5][2], layer[5][3]) for layer in self._layers]
+        if len(lanes_now) != len(lanes_before) or not all(
+                a.shape == c.shape and np.array_equal(a, c) and np.array_equal(b, d)
+                for (a, b), (c, d) in zip(lanes_now, lanes_before)):
+            self._lanes = None  # the pixel rows' data are computed again when first painted
         if self._x0.size or background is not None:
             xs = [self._x0, self._x1] + ([bx0, bx1] if background is not None else [])
             ys = [self._y0, self._y1] + ([by0, by1] if background is not None else [])
@@ -187,7 +211,12 @@ class BoxesItem(pg.GraphicsObject):
         sx = abs(t.m11()) or 1.0
         row_px = abs(t.m22()) * self._row_h
         self.outlined_layers = 0
-        for brush, rects, median_w, idx, pen in self._layers:
+        self.rasterised = (self._x0.size >= RASTER_MIN_BOXES and self._median_w * sx < RASTER_MAX_PX
+                           and self._paint_raster(p, t))
+        if self.rasterised:
+            return
+        for layer in self._layers:
+            brush, rects, median_w, idx, pen, box = layer
             if pen is not None:
                 p.setPen(pen)
             elif idx is not None and median_w * sx >= OUTLINE_MIN_PX and row_px >= OUTLINE_MIN_PX:
@@ -196,12 +225,76 @@ class BoxesItem(pg.GraphicsObject):
             else:
                 p.setPen(Qt.PenStyle.NoPen)
             p.setBrush(brush)
+            if rects is None:
+                rects = layer[1] = self._rects(*box)
             if PrimitiveArray is not None:
                 p.drawRects(*rects.drawargs())
             else:
                 p.drawRects(rects)
         if self.show_labels:
             self._paint_labels(p, sx, row_px)
+
+    def _paint_raster(self, p, t) -> bool:
+        """Paint every layer as pixel rows: one row of device pixels per lane (boxes sharing their top
+        and bottom pixel), each pixel the colour of the last layer whose box covers its centre (as Qt fills
+        rectangles), stretched to the lane's height. Boxes never vanish: each covers at least one pixel. False when the
+        transform is not a plain scale and shift (the rectangles are drawn then)."""
+        if t.m12() or t.m21() or not self._layers:
+            return False
+        sx, dx, sy, dy = t.m11(), t.dx(), t.m22(), t.dy()
+        vb = self.getViewBox()
+        left, right = self._bounds.left(), self._bounds.right()
+        if vb is not None:
+            vr = vb.viewRect()
+            left, right = max(left, vr.left()), min(right, vr.right())
+        d0, d1 = sorted((left * sx + dx, right * sx + dx))
+        x_dev = int(np.floor(d0))
+        width = int(np.ceil(d1)) - x_dev
+        if width <= 0:
+            return True
+        if width > 16384:
+            return False
+        boxes = [layer[5] for layer in self._layers]
+        if self._lanes is None:  # the distinct (y0, y1) of every box, kept while the rows stay as they are
+            y = np.concatenate([b[2] for b in boxes]) + 1j * np.concatenate([b[3] for b in boxes])
+            self._lanes = np.unique(y, return_inverse=True)
+        distinct, box_lane = self._lanes
+        ya, yb = distinct.real * sy + dy, distinct.imag * sy + dy
+        top = np.rint(np.minimum(ya, yb)).astype(np.int64)
+        height = np.maximum(np.rint(np.maximum(ya, yb)).astype(np.int64) - top, 1)
+        # lanes that fall on the same device rows are one row of pixels
+        lanes, merged = np.unique((top + (1 << 30)) << 20 | np.minimum(height, (1 << 20) - 1), return_inverse=True)
+        lane_of = merged[box_lane]
+        n_px = lanes.size * width
+        image = np.zeros(n_px, dtype=np.uint32)  # transparent
+        at = 0
+        for layer, (x0, x1, _, _) in zip(self._layers, boxes):
+            lane = lane_of[at:at + x0.size]
+            at += x0.size
+            a, b = x0 * sx + dx - x_dev, x1 * sx + dx - x_dev
+            if sx < 0:
+                a, b = b, a
+            c0 = np.ceil(a - 0.5).astype(np.int64)  # the pixels whose centres the box covers, as Qt fills
+            c1 = np.maximum(np.ceil(b - 0.5).astype(np.int64), c0 + 1)
+            keep = (c1 > 0) & (c0 < width)
+            if not keep.any():
+                continue
+            base = lane[keep] * width
+            start = base + np.clip(c0[keep], 0, width)
+            stop = base + np.clip(c1[keep], 0, width)
+            cover = np.cumsum(np.bincount(start, minlength=n_px + 1)[:n_px]
+                              - np.bincount(stop, minlength=n_px + 1)[:n_px])
+            image[cover > 0] = layer[0].color().rgba()
+        rows = image.reshape(lanes.size, width)
+        qimage = QImage(rows.data, width, lanes.size, 4 * width, QImage.Format.Format_ARGB32)
+        tops = (lanes >> 20) - (1 << 30)
+        heights = lanes & ((1 << 20) - 1)
+        p.save()
+        p.resetTransform()
+        for k in range(lanes.size):
+            p.drawImage(QRectF(x_dev, float(tops[k]), width, float(heights[k])), qimage, QRectF(0, k, width, 1))
+        p.restore()
+        return True
 
     def _paint_labels(self, p, sx: float, row_px: float) -> None:
         self.labels_drawn = 0
