@@ -51,6 +51,23 @@ class _Graph:
     alloc: np.ndarray  # [num_stages, m]: index of F(s, mb)
     release: np.ndarray  # [num_stages, m]: index of the action after which activations are freed
     dep_list: list = field(repr=False)  # dep as a Python list (the simulation loop's input)
+    runs: list = field(default_factory=lambda: [0], repr=False)  # how often it was simulated (a counter)
+
+    @cached_property
+    def waves(self) -> tuple | None:
+        """The actions in waves: wave k holds the actions whose longest chain of predecessors (on their
+        rank and through their data) has k actions, so each depends only on earlier waves. As
+        ``(order, bounds, prev, dep)``: the actions of wave k are ``order[bounds[k]:bounds[k+1]]``,
+        ``prev``/``dep`` their previous action on the rank and their data dependency (n: none), in
+        ``order``. None when the plan deadlocks."""
+        n = len(self.kind)
+        try:
+            level = _run(self, [1.0] * n, [0.0] * n)[:n].astype(np.int64)  # unit durations: the wave, from 1
+        except ValueError:
+            return None
+        order = np.argsort(level, kind="stable")
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(level)[1:])]).tolist()
+        return order, bounds, _previous_on_rank(self)[order], self.dep[order]
 
 
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -98,6 +115,34 @@ def _build_graph(plan: PipelinePlan) -> _Graph:
     cross[has] = owner[stage[dep[has]]] != rank[has]
     boundary = np.where(kind == _F, stage - 1, stage)  # F crosses s-1 -> s; B/I crosses s -> s+1
     return _Graph(offsets, rank, kind, stage, mb, dep, cross, boundary, where[_F, :S], release, dep.tolist())
+
+
+def _previous_on_rank(g: _Graph) -> np.ndarray:
+    """Index of each action's predecessor on its rank; n (the sentinel, ending at 0) for a rank's first."""
+    n = len(g.kind)
+    prev = np.arange(-1, n - 1, dtype=np.int64)
+    prev[g.offsets[:-1][np.diff(g.offsets) > 0]] = n
+    return prev
+
+
+#: a plan of this many actions or more, simulated more than once, with at least WAVE_MIN_WIDTH actions per
+#: wave on average, runs wave by wave in numpy (``_run_waves``); others action by action (``_run``), which
+#: is faster below ~10 actions a wave (measured: 1F1B pp 16 × m 128, 14 a wave: 0.45 vs 0.61 ms; pp 64 ×
+#: m 256, 51 a wave: 1.3 vs 6.3 ms; interleaved pp 8 × m 64, 8 a wave: 0.43 vs 0.30 ms). Same bits.
+WAVE_MIN_ACTIONS = 2048
+WAVE_MIN_WIDTH = 12
+
+
+def _run_waves(g: _Graph, dur: np.ndarray, comm: np.ndarray) -> np.ndarray:
+    """``_run``'s end times computed a wave at a time (``_Graph.waves``): the same float operations on
+    the same operands — max(end of the previous action, end of the data + p2p) + duration — so the
+    same bits, in numpy calls per wave instead of Python steps per action."""
+    order, bounds, prev, dep = g.waves
+    end = np.zeros(len(dur) + 1)
+    dur_o, comm_o = dur[order], comm[order]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        end[order[a:b]] = np.maximum(end[prev[a:b]], end[dep[a:b]] + comm_o[a:b]) + dur_o[a:b]
+    return end
 
 
 def _run(g: _Graph, dur: list, comm: list) -> np.ndarray:
@@ -324,11 +369,16 @@ def simulate(plan: PipelinePlan, durations: StageDurations,
     n = len(g.kind)
     dur = durations.table()[g.kind, g.stage]
     comm = _comm_seconds(g, durations)
-    end = _run(g, dur.tolist(), comm.tolist())  # end[n] = 0: the sentinel "nothing"
+    g.runs[0] += 1
+    # a plan seen again (a slider moving the model, not the schedule) with wide waves: numpy per wave
+    waves = g.runs[0] > 1 and n >= WAVE_MIN_ACTIONS and g.waves
+    if waves and n >= WAVE_MIN_WIDTH * (len(waves[1]) - 1):
+        end = _run_waves(g, dur, comm)
+    else:
+        end = _run(g, dur.tolist(), comm.tolist())  # end[n] = 0: the sentinel "nothing"
     # start = max(end of the previous action on the rank, end of the data + p2p): the same
     # float operations as the loop, so the same bits
-    prev = np.arange(-1, n - 1, dtype=np.int64)
-    prev[g.offsets[:-1][np.diff(g.offsets) > 0]] = n  # first action of a rank: nothing before it
+    prev = _previous_on_rank(g)
     start_s = np.maximum(end[prev], end[g.dep] + comm)
     end_s = end[:n]
     makespan = float(end_s.max()) if n else 0.0

@@ -311,3 +311,53 @@ def test_rank_peak_over_local_stages():
     zbv = simulate(pipeline_actions("ZBVZeroBubble", p, m, 2), StageDurations.uniform(2 * p))
     per_stage, total = zbv.peak_activations_of_rank(0, stage_bytes=[2.0] + [1.0] * (2 * p - 1))
     assert len(per_stage) == 2 and total == 2.0 * per_stage[0] + per_stage[1]
+
+
+# --------------------------------------------------------------------------- the two simulation loops
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_wave_by_wave_run_gives_the_action_by_action_bits(name):
+    """``_run_waves`` (numpy, a wave of independent actions at a time) against ``_run`` (Python, an action
+    at a time): the same end times to the bit, on random durations and p2p per stage, every schedule."""
+    from engine.pipeline.timeline import _comm_seconds, _graph, _run, _run_waves
+
+    rng = np.random.default_rng(sum(map(ord, name)))
+    for p, v, m in ((1, 1, 6), (2, 1, 4), (4, 1, 12), (3, 2, 9), (4, 2, 16), (8, 2, 32)):
+        if name in SINGLE_STAGE_SCHEDULES and v != 1 or name in V_SCHEDULES and v != 2:
+            continue
+        if p == 1 and name not in SINGLE_STAGE_SCHEDULES and name not in V_SCHEDULES:
+            continue
+        if schedule_problems(name, p, m, v):
+            continue
+        plan = pipeline_actions(name, p, m, v)
+        s = plan.num_stages
+        d = StageDurations(rng.uniform(0.1, 2, s), rng.uniform(0.1, 4, s), rng.uniform(0.1, 2, s),
+                           rng.uniform(0.1, 2, s), rng.uniform(0, 0.5, s - 1))
+        g = _graph(plan)
+        dur = d.table()[g.kind, g.stage]
+        comm = _comm_seconds(g, d)
+        one = _run(g, dur.tolist(), comm.tolist())
+        waves = _run_waves(g, dur, comm)
+        assert np.array_equal(one, waves), (p, v, m)
+        # and simulate() takes the wave path on a plan it sees again, with the same timeline
+        first = simulate(plan, d)
+        again = simulate(plan, d)
+        assert np.array_equal(first.start_s, again.start_s) and np.array_equal(first.end_s, again.end_s)
+
+
+def test_simulate_runs_wide_plans_wave_by_wave_when_seen_again(monkeypatch):
+    from engine.pipeline import timeline
+
+    original, calls = timeline._run_waves, []
+    monkeypatch.setattr(timeline, "_run_waves", lambda *a: calls.append(1) or original(*a))
+    wide = pipeline_actions("1F1B", 16, 128, 1)  # 4,096 actions in ~290 waves
+    d = StageDurations.uniform(16, 1.0, 2.0, 1.0, 0.1)
+    first = simulate(wide, d)
+    assert calls == []  # a plan seen once: no waves computed for it
+    again = simulate(wide, d)
+    assert calls == [1] and np.array_equal(first.end_s, again.end_s)
+    narrow = pipeline_actions("1F1B", 4, 8, 1)  # 64 actions: action by action always
+    simulate(narrow, d.__class__.uniform(4, 1.0, 2.0, 1.0))
+    simulate(narrow, d.__class__.uniform(4, 1.0, 2.0, 1.0))
+    assert calls == [1]
