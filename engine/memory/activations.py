@@ -233,6 +233,13 @@ class SavedTensor:
     only_under: frozenset[str] = frozenset()
     sac_mm: str = ""
     block_input: bool = False
+    # saved by the node where a weight's gradient path meets the block input's (its Linear's matmul, its
+    # norm's weight multiply, or a fused norm's one node): a split backward's weight pass runs that node
+    # (and frees what it saved) in the parameter group of this weight (``weight_pass_terms``); "mlp_in":
+    # the MLP input's. ``fused_only``: so only where the norm is one fused node (not torch's CPU composite,
+    # whose input and rstd other nodes of the input's path save too)
+    weight_node: str = ""
+    fused_only: bool = False
 
     def applies(self, sh: _Shape) -> bool:
         for flag in self.only:
@@ -288,7 +295,7 @@ def _norm(n: int) -> tuple[SavedTensor, ...]:
         # norm1's input is the block input: the checkpoint keeps it under the per-op policy, and under a
         # full checkpoint the replay of norm1 saves that same tensor (``block_input``)
         SavedTensor(f"norm{n} input", "res", "sbh_rep", part, only=("!norm_upcast",), recomputed_by=kept_input,
-                    block_input=n == 1),
+                    block_input=n == 1, weight_node=part, fused_only=True),
         # torch's composite RMSNorm computes in fp32 from an upcast of a 16-bit input (as its decomposition,
         # ``_fused_rms_norm`` in torch/_decomp/decompositions.py: "upcast is needed for fp16 and bf16",
         # ``upcasted_input = input.to(computation_dtype)``): pow and the mul by rsqrt save that fp32
@@ -300,10 +307,12 @@ def _norm(n: int) -> tuple[SavedTensor, ...]:
         # torch.compile (the fused norm keeps its input and rstd); of a 16-bit input it is the fp32
         # ``upcasted_result`` the weight multiplies (cast back to 16 bits only after)
         SavedTensor(f"norm{n} x̂ = x·rstd (torch's composite RMSNorm)", "res", "sbh_rep", part,
-                    only=("composite_norm", "!lora", "!compile", "!norm_upcast"), recomputed_by=_PER_OP),
+                    only=("composite_norm", "!lora", "!compile", "!norm_upcast"), recomputed_by=_PER_OP,
+                    weight_node=part),
         SavedTensor(f"norm{n} x̂ = x·rstd in fp32 (torch's composite RMSNorm of a 16-bit input)", "fp32", "sbh_rep",
-                    part, only=("norm_upcast", "!lora"), recomputed_by=_PER_OP),
-        SavedTensor(f"norm{n} rstd (fp32)", "fp32", "sb_rep", part, only=("torch_ops",), recomputed_by=_PER_OP),
+                    part, only=("norm_upcast", "!lora"), recomputed_by=_PER_OP, weight_node=part),
+        SavedTensor(f"norm{n} rstd (fp32)", "fp32", "sb_rep", part, only=("torch_ops",), recomputed_by=_PER_OP,
+                    weight_node=part, fused_only=True),
     )
 
 
@@ -318,16 +327,19 @@ def _qk_norms() -> tuple[SavedTensor, ...]:
     for x, numel in (("q", "sbh_t"), ("k", "sbkv_t")):
         out += [
             SavedTensor(f"{x}_norm input (the w{x} output; qk_norm)", "act", numel, "attention",
-                        only=("qk_norm", "torch_ops", "!qk_upcast"), recomputed_by=_PER_OP),
+                        only=("qk_norm", "torch_ops", "!qk_upcast"), recomputed_by=_PER_OP, weight_node=f"{x}_norm",
+                        fused_only=True),
             SavedTensor(f"{x}_norm input upcast to fp32 (torch's composite RMSNorm of a 16-bit input; qk_norm)",
                         "fp32", numel, "attention", only=("qk_norm", "qk_upcast"), recomputed_by=_PER_OP),
             SavedTensor(f"{x}_norm x̂ = x·rstd (torch's composite RMSNorm; qk_norm)", "act", numel, "attention",
-                        only=("qk_norm", "qk_composite", "!qk_upcast", "!lora", "!compile"), recomputed_by=_PER_OP),
+                        only=("qk_norm", "qk_composite", "!qk_upcast", "!lora", "!compile"), recomputed_by=_PER_OP,
+                        weight_node=f"{x}_norm"),
             SavedTensor(f"{x}_norm x̂ = x·rstd in fp32 (torch's composite RMSNorm of a 16-bit input; qk_norm)",
-                        "fp32", numel, "attention", only=("qk_norm", "qk_upcast", "!lora"), recomputed_by=_PER_OP),
+                        "fp32", numel, "attention", only=("qk_norm", "qk_upcast", "!lora"), recomputed_by=_PER_OP,
+                        weight_node=f"{x}_norm"),
         ]
     out.append(SavedTensor("q_norm and k_norm rstd (fp32; qk_norm)", "fp32", "qk_rows_t", "attention",
-                           only=("qk_norm", "torch_ops"), recomputed_by=_PER_OP))
+                           only=("qk_norm", "torch_ops"), recomputed_by=_PER_OP, weight_node="k_norm", fused_only=True))
     return tuple(out)
 
 
@@ -335,10 +347,10 @@ def _qk_norms() -> tuple[SavedTensor, ...]:
 SAVED_TENSORS: tuple[SavedTensor, ...] = (
     *_norm(1),
     SavedTensor("QKV input (norm1 output)", "act", "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"),
-                only=("!float8_uncast",), recomputed_by=_PER_OP),
+                only=("!float8_uncast",), recomputed_by=_PER_OP, weight_node="qkv_in"),
     SavedTensor("QKV input (norm1 output, uncast: torchao's Float8Linear saves it as it arrives)", "res",
                 "linear_input", "attention", for_weight_grad_of=("wq", "wk", "wv"), only=("float8_uncast",),
-                recomputed_by=_PER_OP),
+                recomputed_by=_PER_OP, weight_node="qkv_in"),
     *_stashed_matmul("wq"), *_stashed_matmul("wk"), *_stashed_matmul("wv"),
     *_qk_norms(),
     SavedTensor("Q", "act", "sbh_t", "attention", recomputed_by=_PER_OP),
@@ -372,7 +384,7 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
                 only=("!flash",), only_under=_PER_OP),
     # the flash kernel saves its output (the o-proj input) itself
     SavedTensor("o-proj input (attention output)", "act", "sbh_t", "attention", for_weight_grad_of=("wo",),
-                kernel_keeps="flash", recomputed_by=_PER_OP),
+                kernel_keeps="flash", recomputed_by=_PER_OP, weight_node="wo"),
     *_stashed_matmul("wo"),
     SavedTensor("o-proj reduce-scatter output (sequence parallel; saved by the per-op policy)", "act", "sbh_rep",
                 "attention", only=("sp",), only_under=_PER_OP),
@@ -380,20 +392,20 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
                 recomputed_by=_PER_OP),
     *_norm(2),
     SavedTensor("MLP input (norm2 output)", "act", "linear_input", "mlp", for_weight_grad_of=("w1", "w3"),
-                only=("!float8_uncast",), recomputed_by=_PER_OP),
+                only=("!float8_uncast",), recomputed_by=_PER_OP, weight_node="mlp_in"),
     SavedTensor("MLP input (norm2 output, uncast: torchao's Float8Linear saves it as it arrives)", "res",
                 "linear_input", "mlp", for_weight_grad_of=("w1", "w3"), only=("float8_uncast",),
-                recomputed_by=_PER_OP),
+                recomputed_by=_PER_OP, weight_node="mlp_in"),
     *_stashed_matmul("w1"), *_stashed_matmul("w3"),
     SavedTensor("gate output (SiLU input)", "act", "sbf_t", "mlp", only=("swiglu",), recomputed_by=_PER_OP),
     # inductor fuses silu into the product and recomputes it from the gate output (measured)
     SavedTensor("SiLU output", "act", "sbf_t", "mlp", only=("swiglu", "!compile"), recomputed_by=_PER_OP),
     SavedTensor("up output", "act", "sbf_t", "mlp", only=("swiglu",), recomputed_by=_PER_OP),
     SavedTensor("down input", "act", "sbf_t", "mlp", only=("swiglu",), for_weight_grad_of=("w2",),
-                recomputed_by=_PER_OP),
+                recomputed_by=_PER_OP, weight_node="w2"),
     SavedTensor("GeLU input", "act", "sbf_t", "mlp", only=("!swiglu",), recomputed_by=_PER_OP),
     SavedTensor("fc2 input (GeLU output)", "act", "sbf_t", "mlp", only=("!swiglu",), for_weight_grad_of=("w2",),
-                recomputed_by=_PER_OP),
+                recomputed_by=_PER_OP, weight_node="w2"),
     *_stashed_matmul("w2"),
     SavedTensor("MLP reduce-scatter output (sequence parallel; saved by the per-op policy)", "act", "sbh_rep",
                 "mlp", only=("sp",), only_under=_PER_OP),
@@ -803,6 +815,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
+            if not sh.compile and plain_grads:
+                weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
@@ -1133,6 +1147,121 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
                   f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
                   f"{n} × ({formula}) = {n} × {one:,} B", stage=st.stage, in_flight=n, kind="split_backward_grads")
+
+
+def weight_groups(sh: _Shape) -> tuple[str, ...]:
+    """A dense block's parameter groups in the order torch.distributed.pipelining's ``stage_backward_weight``
+    takes them: ``get_param_groups`` keys each group on the node where its weight's path meets the stage
+    input's, in the order of ``module.parameters()`` (backend/model.py: attention_norm, wq, wk, wv, wo,
+    q_norm, k_norm, ffn_norm, w1, w2, w3), one per weight (a Linear's bias joins its weight's matmul)."""
+    return (("norm1", "wq", "wk", "wv", "wo") + (("q_norm", "k_norm") if sh.qk_norm else ())
+            + ("norm2", "w1", "w2") + (("w3",) if sh.swiglu else ()))
+
+
+def weight_pass_block(sh: _Shape, res: int) -> tuple[int, list[tuple[str, int]]]:
+    """One checkpointed block under a split backward's weight pass: (what every recompute of it keeps to the
+    pass's end, [(group, bytes its node frees), ...]).
+
+    torch's ``stage_backward_weight`` runs one ``torch.autograd.grad`` per parameter group, each its own graph
+    task, and a non-reentrant checkpoint recomputes its block once per graph task that unpacks one of its
+    saved tensors (torch/utils/checkpoint.py: ``frame.recomputed[gid]``, ``gid`` the graph task id;
+    pipelining does not group them under ``GraphExecGroup``): a recompute per group. Each stores a tensor for
+    every saved tensor whose node has not run yet (``_recomputation_hook`` skips a holder already freed),
+    unpacking frees only what its own node reads, and the nodes of the input's path never run in the weight
+    pass: what they saved stays in every recompute until the graph goes at the pass's end. What a weight's
+    own node saved goes, in every recompute, when its group runs it (the node's saved variables are
+    released, and with them the holder and each recompute's copy). Under autocast each Linear also saved
+    its own cast of its input, freed the same way; its weight's cast is autocast's cached one (the
+    backend's autocast spans the step, so a recompute's cast of a weight hits the cache: no copy per
+    recompute; but see ``weight_pass_casts``). Measured on the backend's blocks
+    (tests/backend/test_weight_pass.py)."""
+    autocast = res > sh.act
+    kept, frees = 0, []
+    for row in SAVED_TENSORS:
+        if row.block_input or row.part == "lora" or not row.applies(sh):
+            continue
+        nbytes = row.count * (res if row.elem == "res" else _ELEM[row.elem](sh)) * _NUMEL[row.numel][0](sh)
+        node = row.weight_node
+        fused = not (sh.qk_composite if node in ("q_norm", "k_norm") else sh.composite_norm)
+        if not node or (row.fused_only and not fused) or (row.kernel_keeps and getattr(sh, row.kernel_keeps)):
+            kept += nbytes  # a node of the input's path saved it too
+            continue
+        if node == "qkv_in":  # one tensor the three read, or under autocast each its own cast
+            node = "wq" if autocast else "wv"
+        elif node == "mlp_in":
+            node = "w1" if autocast or not sh.swiglu else "w3"
+        frees.append((node, nbytes))
+    if autocast and not (sh.recompute == "selective-op" or sh.compile or sh.float8_uncast):
+        cast = sh.act * sh.s * sh.b * sh.h  # each further Linear's cast of its norm's output (``_block_bytes``)
+        frees += [("wk", cast), ("wv", cast)] + ([("w3", cast)] if sh.swiglu else [])
+    return kept, frees
+
+
+def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]:
+    """Under autocast, the 16-bit weight cast each Linear's own group makes anew in a split backward's weight
+    pass (its TP shard), kept by autocast's cache to the step's end beside the forward's: measured on the
+    backend's blocks, each Linear's group re-casts its own weight once, the others hit the cache. None under
+    float8 (Float8Linear saves its weight uncast)."""
+    if not autocast or cfg.training.float8 != "none":
+        return {}
+    t, h, f, kv, q = sh.t, sh.h, sh.f, sh.kv, cfg.model.heads * cfg.model.head_dim
+    numel = {"wq": h * q // t, "wk": h * kv // t, "wv": h * kv // t, "wo": q // t * h, "w1": h * f // t,
+             "w2": f // t * h} | ({"w3": h * f // t} if sh.swiglu else {})
+    return {k: sh.act * n for k, n in numel.items()}
+
+
+def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None) -> tuple[int, str]:
+    """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
+    after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
+    last block's k-th group holds k recomputes with every tensor not freed by an earlier group; with the
+    weight casts the groups so far made (``weight_pass_casts``)."""
+    kept, frees = weight_pass_block(sh, res)
+    casts = casts or {}
+    groups = weight_groups(sh)
+    order = {g: i for i, g in enumerate(groups)}
+    best, at = 0, 0
+    for k in range(1, len(groups) + 1):
+        pending = sum(n for g, n in frees if order[g] >= k - 1)
+        made = sum(n for g, n in casts.items() if order[g] <= k - 1)
+        if k * (kept + pending) + made > best:
+            best, at = k * (kept + pending) + made, k
+    earlier = (checkpointed - 1) * (len(groups) * kept + sum(casts.values()))
+    pending = sum(n for g, n in frees if order[g] >= at - 1)
+    made = sum(n for g, n in casts.items() if order[g] <= at - 1)
+    formula = (f"{checkpointed - 1} earlier block(s) × ({len(groups)} groups × {kept:,} B (their input path)"
+               f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at} × ({kept:,} + "
+               f"{pending:,}) B{f' + {made:,} B (weight casts)' if casts else ''} (the last block at its group "
+               f"{groups[at - 1]})")
+    return earlier + best, formula
+
+
+def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],
+                      res: int, autocast: bool) -> None:
+    """What each W of a local stage holds of its checkpointed blocks (lifetime ``stage_weight``: that stage's
+    W moments). A later stage's W is ``stage_backward_weight``: a recompute per parameter group
+    (``weight_pass_bytes``). The first stage's W is a full backward (torch's ``backward_weight_one_chunk``
+    runs ``stage_backward`` there: its input needs no gradient, so its I found no parameter groups), which
+    recomputes one block at a time, as a B. Dense blocks with plain parameters (not FSDP2's, whose weight
+    pass holds less than this on CPU ranks: a sweep's InterleavedZeroBubble ZeRO-3 layout, not analysed);
+    a stage with experts is left as it was."""
+    if cfg.training.finetune == "lora":
+        return
+    shared = checkpoint_shared_bytes(sh, res)
+    for st in rp.stages:
+        c = ckpt_of[st.stage]
+        if not c or st.moe_layers:
+            continue
+        if st.stage == 0:
+            one = blocks.per_layer - shared
+            T.add("activations", "stage 0: its W is a full backward (its input needs no gradient): one block "
+                  "recomputed at a time", one, f"one block recomputed, less its kept input = {one:,} B",
+                  stage=st.stage, kind="weight_pass")
+            continue
+        nbytes, formula = weight_pass_bytes(sh, res, c, weight_pass_casts(cfg, sh, autocast))
+        T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
+              f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
+              "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,
+              kind="weight_pass")
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,

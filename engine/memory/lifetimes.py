@@ -31,6 +31,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        which torch's REDUCE_GRAD for that stage (``_add_reduce_grad``) drops them
   stage_reduced        there, one stage's sharded gradients: from that REDUCE_GRAD to the step's end
                        (``STAGE_LIFETIMES``; each term has its ``stage``)
+  stage_weight         transient during each W of one stage (its ``stage``): what a split backward's weight
+                       pass recomputes (``engine.memory.activations.weight_pass_terms``)
   every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
                        the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
@@ -134,7 +136,10 @@ PER_MOMENT = TRANSIENT[:-1]
 #: per local stage, from the moments' ``acc`` and ``red`` (each term's ``stage``): on a rank of several
 #: pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
-STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced")
+STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight")
+
+#: the event rows' tag of each per-stage lifetime
+_STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr"}
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRANSIENT
@@ -154,7 +159,7 @@ LIFETIMES: dict[str, str] = {
     "loss": "loss",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
-    "split_backward_grads": "input_to_weight",
+    "split_backward_grads": "input_to_weight", "weight_pass": "stage_weight",
     "cp_attention": "during_actions",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     "optimizer_step": "optimizer_step",
@@ -293,7 +298,8 @@ class Moments(NamedTuple):
     ``acc[i, j]``: local stage j's FSDP2 unsharded gradients alive at moment i (after its first B or I,
     made during it, until its REDUCE_GRAD right after its m-th B or W: that action's moment still holds
     them); ``red[i, j]``: its sharded gradients (after that REDUCE_GRAD, and at the end of the backward):
-    ``STAGE_LIFETIMES``.
+    ``STAGE_LIFETIMES``. ``wr[i, j]``: moment i is a W of local stage j (its own moment: the
+    ``stage_weight`` lifetime).
     """
 
     kind: np.ndarray
@@ -307,10 +313,12 @@ class Moments(NamedTuple):
     iw: np.ndarray
     acc: np.ndarray
     red: np.ndarray
+    wr: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
-        return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.outputs, self.masks])
+        return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.outputs,
+                                self.masks])
 
 
 @lru_cache(maxsize=512)
@@ -363,6 +371,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     idx = np.arange(n)[:, None]
     acc = ((idx > first_at) & (idx <= reduce_at)).astype(np.int64)
     red = (idx > reduce_at).astype(np.int64)
+    wr = np.zeros((n, v), dtype=np.int64)
+    wr[np.arange(n), col] = kind == _W
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
     first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
@@ -401,6 +411,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
         acc = np.insert(acc, loss_at, acc[loss_at], axis=0)  # the loss moment precedes its action: alike
         red = np.insert(red, loss_at, red[loss_at], axis=0)
+        wr = np.insert(wr, loss_at, 0, axis=0)  # a loss moment opens a B or an I, never a W
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -424,10 +435,11 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         iw = np.append(iw, end_iw, axis=0)
         acc = np.append(acc, np.zeros((1, v), dtype=np.int64), axis=0)  # every stage reduced by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
+        wr = np.append(wr, np.zeros((1, v), dtype=np.int64), axis=0)
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr)
     if len(bwd_idx):
         out = _with_step_moment(out)
     for x in out:
@@ -445,6 +457,7 @@ def _with_step_moment(mo: Moments) -> Moments:
         sm[0, TRANSIENT.index(life)] = 1
     row = {f: np.append(x, x[-1:], axis=0) for f, x in zip(Moments._fields, mo)}
     row["masks"] = np.append(mo.masks, sm, axis=0)
+    row["wr"] = np.append(mo.wr, np.zeros_like(mo.wr[-1:]), axis=0)
     row["phase"] = np.append(mo.phase, STEP)
     return Moments(**row)
 
@@ -472,6 +485,7 @@ class Signature(NamedTuple):
     acc_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 unsharded gradients (``STAGE_LIFETIMES``)
     red_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 sharded gradients
     step_freed: int = 0  # bytes of the step terms that the optimizer-step moment no longer holds
+    wr_bytes: tuple[int, ...] = ()  # per local stage: what each of its W holds (``stage_weight``)
 
 
 class Peak(NamedTuple):
@@ -490,6 +504,7 @@ class Peak(NamedTuple):
     iw: tuple[int, ...] = ()  # stage-microbatches between their I and W, per local stage
     acc: tuple[int, ...] = ()  # per local stage: its unsharded gradients alive (1) or not (0)
     red: tuple[int, ...] = ()  # per local stage: its sharded gradients alive
+    wr: tuple[int, ...] = ()  # per local stage: the moment is one of its W (1) or not (0)
 
 
 @lru_cache(maxsize=4096)
@@ -500,7 +515,8 @@ def peak_of(sig: Signature) -> Peak:
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
     none = (0,) * len(sig.unit_bytes)
-    w = body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.output_bytes,) + sig.transient_bytes
+    w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
+         + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
     live = mo.matrix @ np.array(w, dtype=object if big else np.int64)
@@ -512,7 +528,7 @@ def peak_of(sig: Signature) -> Peak:
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
                 int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
-                tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()))
+                tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()))
 
 
 class RankTimeline:
@@ -538,7 +554,7 @@ class RankTimeline:
         # loss side (final norm, head input)
         acts = [[0, 0, 0] for _ in local]
         iw = [0] * len(local)
-        stage_grads = {"stage_accumulated": [0] * len(local), "stage_reduced": [0] * len(local)}
+        stage_grads = {life: [0] * len(local) for life in STAGE_LIFETIMES}
         trans = dict.fromkeys(TRANSIENT, 0)
         step = out = end_freed = step_freed = 0
         rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
@@ -576,7 +592,7 @@ class RankTimeline:
                     stage_grads[life][col] += nbytes
                     var.append((i, life))
                     if nbytes > 0:
-                        add_row((("acc" if life == "stage_accumulated" else "red", col), nbytes,
+                        add_row(((_STAGE_TAG[life], col), nbytes,
                                  REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
                     continue
                 if life in STAGE_LIFETIMES:  # a rank-wide term of a per-stage kind: from the first backward
@@ -606,12 +622,12 @@ class RankTimeline:
         self._rows = _net_rows(rows, freed)
         self._acts = tuple(tuple(x) for x in acts)
         head = tuple(a[1] + a[2] for a in acts)  # the loss side (part of unit)
-        acc, red = (tuple(stage_grads[k]) for k in STAGE_LIFETIMES)
+        acc, red, wr = (tuple(stage_grads[k]) for k in STAGE_LIFETIMES)
         self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
                                    microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
                                    tuple(trans[k] for k in TRANSIENT), head if any(head) else (),
                                    end_freed, tuple(iw) if any(iw) else (), acc if any(acc) else (),
-                                   red if any(red) else (), step_freed)
+                                   red if any(red) else (), step_freed, wr if any(wr) else ())
 
     @property
     def peak(self) -> Peak:
@@ -659,7 +675,7 @@ class RankTimeline:
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
                 elif life in STAGE_LIFETIMES:
-                    on = pk.acc if life == "stage_accumulated" else pk.red
+                    on = {"stage_accumulated": pk.acc, "stage_reduced": pk.red, "stage_weight": pk.wr}[life]
                     if not (on and on[self._column[t.stage if pp > 1 else 0]]):
                         drop[i] = None
                 elif life == "step":
@@ -953,6 +969,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
         for c, life in enumerate(PER_MOMENT):
             if mask[c]:
                 transient.extend(per_life.get(life, ()))
+        if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs
+            transient.extend(per_life.get(("wr", col), ()))
         if mask[-1] and not late_done:
             for j, nbytes, stream in late:
                 ev.append(("alloc", ("late", j), nbytes) + ((stream,) if stream else ()))
@@ -1260,6 +1278,8 @@ class _Laying:
             if mask[c]:
                 (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
                     (life, r) for r in self.per_life.get(life, ()))
+        if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs
+            whole.extend(("stage_weight", r) for r in self.per_life.get(("wr", j), ()))
         if mask[-1] and not self.late_done:
             for j2, nbytes, stream in self.late:
                 alloc(("late", j2), nbytes, stream)

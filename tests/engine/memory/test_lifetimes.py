@@ -706,17 +706,18 @@ def test_a_step_tensor_that_fits_an_earlier_ones_cached_rest_is_replayed():
 
 
 def test_a_steady_state_that_never_loops_spends_at_most_a_quarter_of_its_replay_reading_states():
-    """Llama 3 70B, ZBV over 16 stages, 256 microbatches: the allocator's state after each period never
+    """Llama 3 8B, ZBV over 16 stages, 256 microbatches: the allocator's state after each period never
     equals an earlier one, so every state read is wasted. They may cost at most a quarter of replaying
-    every period (a block read about as dear as an event replayed): 214 reads where there were 2,227, a
-    replay 2.3× faster, the same reserve."""
+    every period (a block read about as dear as an event replayed): 1,912 block reads for 9,632 events of
+    periods, the same reserve. (Llama 3 70B with full recompute was this case until the weight pass's
+    recomputes were modelled: its W moments now make the allocator loop at once.)"""
     import engine.memory.allocator as allocator
 
-    c = Config.from_dict({"model": {"preset": "llama3-70b", "seq_len": 128},
+    c = Config.from_dict({"model": {"preset": "llama3-8b", "seq_len": 128},
                           "cluster": {"gpu": "h100-sxm", "gpus": 2048, "gpus_per_node": 8},
                           "parallel": {"dp": 64, "pp": 16, "cp": 2, "zero": 2, "schedule": "ZBVZeroBubble",
                                        "virtual_stages": 2, "microbatches": 256},
-                          "training": {"micro_batch_size": 16, "optimizer": "sgd", "recompute": "full"}})
+                          "training": {"micro_batch_size": 16, "optimizer": "sgd", "recompute": "none"}})
     cycles = []  # [what its periods cost, what its state reads cost]
     real_cycle, real_state = allocator._replay_cycle, allocator.CachingAllocator.relative_state
 
