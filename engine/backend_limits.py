@@ -125,6 +125,14 @@ def composition_problems(cfg: Config) -> list[str]:
                    "symmetric-memory workspace (get_symm_mem_workspace), so gloo ranks cannot run it and the "
                    "backend does not apply it; set parallel.async_tp = false (the same training, TP collectives "
                    "not overlapped)")
+    if (par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.zero == 3
+            and par.fsdp_reshard_after_forward == "always"):
+        out.append(f"parallel.fsdp_reshard_after_forward = 'always' with parallel.schedule = {par.schedule!r}: torch's "
+                   "stage_backward_input takes a stage's parameter groups from its parameters after the forward, "
+                   "which FSDP2 has resharded back to DTensors that the autograd graph does not hold, so no block "
+                   "of a later stage ever gets a weight gradient (measured in tests/backend/test_fsdp2_pipelining.py; "
+                   "the first stage runs a full backward and trains); use 'default' or 'never' (no resharding "
+                   "after forward under pipelining), or a schedule without a split backward")
     if tr.float8 in ("tensorwise", "rowwise") and tr.finetune == "lora":
         out.append("training.float8 with LoRA: peft wraps the same nn.Linear layers torchao swaps for "
                    "Float8Linear; the backend runs float8 on full fine-tuning only")

@@ -130,3 +130,69 @@ def test_pipeline_split_flows_into_every_stage_split():
     assert [row[0].layers for row in params_per_rank(even)] == [2, 2, 2, 2]
     d_tt, d_even = stage_durations(tt), stage_durations(even)
     assert d_tt.forward_s[1] > d_even.forward_s[1] and d_tt.forward_s[3] < d_even.forward_s[3]
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_split_backward_trains_later_stages_only_without_resharding_after_forward(reshard):
+    """torch 2.13: a split backward's I takes its parameter groups from ``submod.parameters()`` after the
+    forward; FSDP2 resharded after forward leaves those as DTensors the graph does not hold, so a later
+    stage's blocks get no weight gradient at all (the first stage runs a full backward). Two stages on one
+    rank, ZBV, each block fully_shard'ed: with ``reshard_after_forward`` both stages' blocks get the
+    gradients plain modules get, without it stage 1's get none. So the backend refuses 'always' with a
+    split-backward schedule (``engine.backend_limits.composition_problems``)."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    from engine.backend_limits import predict_only
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.b(torch.relu(self.a(x)))
+
+    def grads(sharded: bool) -> list[list[float | None]]:
+        torch.manual_seed(0)
+        stages = [torch.nn.Sequential(Block(), Block()) for _ in range(2)]
+        if sharded:
+            for st in stages:
+                for blk in st:
+                    fully_shard(blk, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(st, mesh=mesh, reshard_after_forward=reshard)
+        pipe = [PipelineStage(st, i, 2, torch.device("cpu")) for i, st in enumerate(stages)]
+        torch.manual_seed(1)
+        ScheduleZBVZeroBubble(pipe, n_microbatches=2, loss_fn=lambda o, t: o.pow(2).mean()).step(
+            torch.randn(4, 8, 16), target=torch.zeros(4, 8, 16))
+        out = []
+        for st in stages:
+            g = [blk.a.weight.grad for blk in st]
+            out.append([None if x is None else float((x.full_tensor() if hasattr(x, "full_tensor") else x).abs().sum())
+                        for x in g])
+        return out
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain, fsdp = grads(False), grads(True)
+    finally:
+        dist.destroy_process_group()
+    assert fsdp[0] == pytest.approx(plain[0])  # the first stage: a full backward
+    if reshard:
+        assert fsdp[1] == [None, None]
+    else:
+        assert fsdp[1] == pytest.approx(plain[1])
+    why = predict_only(Config.from_dict({
+        "model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 4},
+        "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4, "schedule": "ZBVZeroBubble", "virtual_stages": 2,
+                     "fsdp_reshard_after_forward": "always" if reshard else "default"}}))
+    assert any("no block of a later stage ever gets a weight gradient" in w for w in why) == reshard
