@@ -1278,8 +1278,16 @@ class _Laying:
             if mask[c]:
                 (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
                     (life, r) for r in self.per_life.get(life, ()))
-        if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs
-            whole.extend(("stage_weight", r) for r in self.per_life.get(("wr", j), ()))
+        weight_pass = []
+        if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs: its recomputes,
+            # each tensor by tensor as a block's forward saves them
+            kept = self.grain.kept or (1,)
+            for j2, nbytes, stream in self.per_life.get(("wr", j), ()):
+                copies = max(1, round(nbytes / max(sum(kept), 1)))
+                for q, x in enumerate(_pieces(nbytes, kept * copies)):
+                    if x:
+                        alloc(("wp", j2, i, q), x, stream)
+                        weight_pass.append(("wp", j2, i, q))
         if mask[-1] and not self.late_done:
             for j2, nbytes, stream in self.late:
                 alloc(("late", j2), nbytes, stream)
@@ -1307,6 +1315,8 @@ class _Laying:
             self._backward_walk(i, stage, mb, j, per_block)
         for _life, (j2, _, _) in whole:
             free(("t", j2, i))
+        for key in reversed(weight_pass):
+            free(key)
         if kind == _I and phase == ACTION and self.iwb[j] > 0:  # what the I keeps for its W
             alloc(("iw", stage, mb), self.iwb[j])
         if kind == _W and phase == ACTION and ("iw", stage, mb) in size:
