@@ -360,19 +360,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     backward = is_bwd_input | (kind == _W)
     bwd_idx = np.flatnonzero(is_bwd_input)
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
-    # each local stage's first B or I, and its REDUCE_GRAD right after its m-th backward-like action (B or W)
-    done = np.zeros((n, v), dtype=np.int64)
-    done[np.arange(n), col] = frees
-    finished = np.cumsum(done, axis=0) >= m
-    reduce_at = np.where(finished.any(axis=0), finished.argmax(axis=0), n)  # per local stage
-    started = np.zeros((n, v), dtype=bool)
-    started[np.arange(n), col] = is_bwd_input
-    first_at = np.where(started.any(axis=0), started.argmax(axis=0), n)
-    idx = np.arange(n)[:, None]
-    acc = ((idx > first_at) & (idx <= reduce_at)).astype(np.int64)
-    red = (idx > reduce_at).astype(np.int64)
-    wr = np.zeros((n, v), dtype=np.int64)
-    wr[np.arange(n), col] = kind == _W
+    acc, red, wr = _stage_columns(kind, col, v, m)
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
     first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
@@ -445,6 +433,25 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     for x in out:
         x.setflags(write=False)
     return out
+
+
+def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per action and local stage (``Moments``' ``acc``, ``red``, ``wr``): its unsharded gradients alive
+    (after its first B or I, through its REDUCE_GRAD right after its m-th backward-like action, B or W), its
+    sharded gradients alive (after that), and the action being one of its W."""
+    n = len(kind)
+    rows = np.arange(n)
+    done = np.zeros((n, v), dtype=np.int64)
+    done[rows, col] = (kind == _B) | (kind == _W)
+    finished = np.cumsum(done, axis=0) >= m
+    reduce_at = np.where(finished.any(axis=0), finished.argmax(axis=0), n)
+    started = np.zeros((n, v), dtype=bool)
+    started[rows, col] = (kind == _B) | (kind == _I)
+    first_at = np.where(started.any(axis=0), started.argmax(axis=0), n)
+    idx = rows[:, None]
+    wr = np.zeros((n, v), dtype=np.int64)
+    wr[rows, col] = kind == _W
+    return ((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr
 
 
 def _with_step_moment(mo: Moments) -> Moments:
