@@ -808,8 +808,13 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
-    if blocks.moe and torch_acc and tr.recompute == "none":
-        moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.per_layer, moe_microbatches)
+    if blocks.moe and torch_acc and (tr.recompute == "none" or tr.recompute == "full" and plain_grads):
+        # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
+        # gradients, the later blocks having kept only their inputs (measured with plain parameters: CPU runs
+        # s31#03, s2026#13 MoE GPipe full 14.2 -> 0.6 %, 12.5 -> 1.2 %; measure --fake Qwen3 30B GPipe ZeRO-1 full
+        # -12.3 -> +5.9 %. Under FSDP2 it over-predicts, s31#22 ZeRO-3 full 1.6 -> 13.9 %: not applied there)
+        moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.per_layer if tr.recompute == "none" else blocks.kept,
+                           moe_microbatches)
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
