@@ -91,6 +91,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         out = pred.to_json(explain=args.explain)
         if calibration is not None:
             out["calibration"] = calibration.to_json()
+        if args.over_step:  # each rank's categories at their own worst moments, beside the snapshot
+            peaks = {g.first.rank: g.first.category_peaks() for g in pred.memory.distinct_groups()}
+            group_of = {r: g.first.rank for g in pred.memory.distinct_groups() for r in g.ranks}
+            for entry in out["memory"]["per_rank"]:
+                entry["over_step"] = peaks[group_of[entry["rank"]]]
         print(json.dumps(out, indent=2))
     else:
         print(_summary(cfg))
@@ -99,7 +104,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             print(f"calibrated from {c.source}: compute efficiency {c.compute_efficiency:.3g} "
                   f"(forward {c.forward_efficiency:.3g}, backward {c.backward_efficiency:.3g})"
                   + ("; same stages: measured per-stage durations" if c.same_stages(cfg) else ""))
-        print(prediction_table(pred, explain=args.explain))
+        print(prediction_table(pred, explain=args.explain, over_step=args.over_step))
     return EXIT_OK
 
 
@@ -479,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--explain", action="store_true", help="show the terms behind every number")
+    p.add_argument("--over-step", action="store_true",
+                   help="each memory category at its own worst moment of the step, not at the rank's peak moment")
     p.add_argument("--calibration", metavar="RUN_DIR",
                    help="predict time with durations, efficiency and bandwidths measured by this run")
     p.set_defaults(func=cmd_predict)

@@ -26,8 +26,9 @@ def _unit(largest: float) -> tuple[str, float]:
     return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
 
 
-def prediction_table(pred: Prediction, explain: bool = False) -> str:
-    """A readable report: memory per distinct rank group (GiB), pipeline and step time."""
+def prediction_table(pred: Prediction, explain: bool = False, over_step: bool = False) -> str:
+    """A readable report: memory per distinct rank group (GiB), pipeline and step time. ``over_step``: each
+    category at its own worst moment of the step (``RankMemory.category_peaks``) instead of at the rank's peak."""
     mem = pred.memory
     cats = list(MEMORY_CATEGORIES)
     groups = mem.distinct_groups()
@@ -40,14 +41,18 @@ def prediction_table(pred: Prediction, explain: bool = False) -> str:
     rows = []
     for group in groups:
         r = group.first
+        values = r.category_peaks() if over_step else {c: getattr(r, c) for c in cats}
         rows.append([group.label, ",".join(map(str, r.stages))]
-                    + [_gib(getattr(r, c)) for c in cats]
+                    + [_gib(values[c]) for c in cats]
                     + [_gib(r.total), _gib(r.allocated), _gib(r.reserved), "yes" if r.fits else "NO"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     cpu = pred.config.cluster.gpu.name == "cpu"
     lines = [f"memory per rank ({unit}), capacity {_gib(mem.capacity_bytes)} {unit}"
              f" ({pred.config.cluster.gpu.name}):"]
-    lines.append("  categories at each rank's peak moment; allocated = its tensors (max_memory_allocated), "
+    what = ("each category at its own worst moment of the step (the moments need not coincide: the categories can "
+            "sum past the total); total, allocated and reserved at the rank's peak" if over_step
+            else "categories at each rank's peak moment (--over-step: each at its own worst moment)")
+    lines.append(f"  {what}; allocated = its tensors (max_memory_allocated), "
                  + ("reserved = allocated (CPU ranks: no caching allocator)" if cpu else
                     "reserved = the caching allocator's segments (max_memory_reserved); fits: reserved + "
                     "runtime context + collective buffers ≤ capacity"))

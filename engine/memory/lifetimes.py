@@ -538,39 +538,29 @@ def peak_of(sig: Signature) -> Peak:
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()))
 
 
-class RankTimeline:
-    """One rank's terms with their lifetimes over its step: the peak and its snapshot, the events.
+class _Laid:
+    """What a rank's terms of ``categories`` put on each lifetime (``RankTimeline``'s signature, its event rows):
+    per local stage the stage-microbatch bytes (``unit``; of them ``acts``: blocks, log-probabilities, the rest of
+    the loss side), what an I keeps for its W, the per-stage lifetimes' bytes, the transients', the step's."""
 
-    ``terms``: every term the modules produced, by category (the catalogue); ``stages``: the
-    rank's global stage indices in local order; ``fsdp_params``: the lifetime of FSDP2's unsharded
-    parameters (``fsdp_params_lifetime``); ``overrides``: kind -> lifetime where the wrapping plan
-    changes a kind's rule (``lifetime_overrides``).
-    """
+    __slots__ = ("unit", "acts", "iw", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
+                 "varying", "rows", "freed")
 
-    __slots__ = ("terms", "signature", "varying", "_column", "_rows", "_grain", "_acts")
-
-    def __init__(self, terms: dict[str, list[Term]], *, schedule: str, pp_rank: int, pp: int, virtual_stages: int,
-                 microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step",
-                 overrides: dict[str, str] | None = None, grain: Grain | None = None):
-        self.terms = terms
-        self._grain = grain
-        local = tuple(sorted(stages)) if pp > 1 else (0,)
-        column = self._column = {s: j for j, s in enumerate(local)}
-        unit = [0] * len(local)
-        # per local stage, one microbatch: the blocks' saved bytes, the log-probabilities, the rest of the
-        # loss side (final norm, head input)
-        acts = [[0, 0, 0] for _ in local]
-        iw = [0] * len(local)
-        stage_grads = {life: [0] * len(local) for life in STAGE_LIFETIMES}
-        trans = dict.fromkeys(TRANSIENT, 0)
+    def __init__(self, terms: dict[str, list[Term]], categories, column: dict[int, int], pp: int, rules: dict,
+                 fsdp_params: str):
+        v = len(column)
+        self.unit = unit = [0] * v
+        self.acts = acts = [[0, 0, 0] for _ in range(v)]
+        self.iw = iw = [0] * v
+        self.stage_grads = stage_grads = {life: [0] * v for life in STAGE_LIFETIMES}
+        self.trans = trans = dict.fromkeys(TRANSIENT, 0)
         step = out = end_freed = step_freed = 0
-        rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
-        varying: dict[str, list[tuple[int, str]]] = {}  # category -> (index, lifetime) of the terms not alive all step
-        rows = []  # (lifetime, bytes, stream) of the blocks that are not per stage-microbatch, for the events
-        freed: dict[str, int] = {}  # per transient lifetime, the bytes its negative terms free (saved tensors)
+        self.varying = varying = {}  # category -> (index, lifetime) of the terms not alive all step
+        self.rows = rows = []  # (lifetime, bytes, stream) of the blocks not per stage-microbatch, for the events
+        self.freed = freed = {}  # per transient lifetime, the bytes its negative terms free (saved tensors)
         add_row = rows.append
         gather = ALL_GATHER_STREAM_KINDS
-        for c in MEMORY_CATEGORIES:
+        for c in categories:
             var = []
             acts_c = c == "activations"
             for i, (_, nbytes, _, _, tracked, stage, n, kind) in enumerate(terms[c]):
@@ -625,16 +615,58 @@ class RankTimeline:
                     freed[life] = freed.get(life, 0) - nbytes
             if var:
                 varying[c] = var
-        self.varying = varying
-        self._rows = _net_rows(rows, freed)
-        self._acts = tuple(tuple(x) for x in acts)
-        head = tuple(a[1] + a[2] for a in acts)  # the loss side (part of unit)
-        acc, red, wr = (tuple(stage_grads[k]) for k in STAGE_LIFETIMES)
-        self.signature = Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1,
-                                   microbatches, local if pp > 1 else tuple(stages), step, tuple(unit), out,
-                                   tuple(trans[k] for k in TRANSIENT), head if any(head) else (),
-                                   end_freed, tuple(iw) if any(iw) else (), acc if any(acc) else (),
-                                   red if any(red) else (), step_freed, wr if any(wr) else ())
+        self.step, self.out, self.end_freed, self.step_freed = step, out, end_freed, step_freed
+
+
+class RankTimeline:
+    """One rank's terms with their lifetimes over its step: the peak and its snapshot, the events.
+
+    ``terms``: every term the modules produced, by category (the catalogue); ``stages``: the
+    rank's global stage indices in local order; ``fsdp_params``: the lifetime of FSDP2's unsharded
+    parameters (``fsdp_params_lifetime``); ``overrides``: kind -> lifetime where the wrapping plan
+    changes a kind's rule (``lifetime_overrides``).
+    """
+
+    __slots__ = ("terms", "signature", "varying", "_column", "_rows", "_grain", "_acts", "_laying")
+
+    def __init__(self, terms: dict[str, list[Term]], *, schedule: str, pp_rank: int, pp: int, virtual_stages: int,
+                 microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step",
+                 overrides: dict[str, str] | None = None, grain: Grain | None = None):
+        self.terms = terms
+        self._grain = grain
+        local = tuple(sorted(stages)) if pp > 1 else (0,)
+        column = self._column = {s: j for j, s in enumerate(local)}
+        rules = {**LIFETIMES, **overrides} if overrides else LIFETIMES
+        self._laying = (schedule, pp_rank, pp, virtual_stages, microbatches, stages, local, fsdp_params, rules)
+        laid = _Laid(terms, MEMORY_CATEGORIES, column, pp, rules, fsdp_params)
+        self.varying = laid.varying
+        self._rows = _net_rows(laid.rows, laid.freed)
+        self._acts = tuple(tuple(x) for x in laid.acts)
+        self.signature = self._signature(laid)
+
+    def _signature(self, laid: _Laid) -> Signature:
+        schedule, pp_rank, pp, virtual_stages, microbatches, stages, local, _, _ = self._laying
+        head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
+        acc, red, wr = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
+        return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
+                         local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
+                         tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
+                         tuple(laid.iw) if any(laid.iw) else (), acc if any(acc) else (), red if any(red) else (),
+                         laid.step_freed, wr if any(wr) else ())
+
+    def category_peaks(self) -> dict[str, int]:
+        """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
+        at that category's own worst moment, which may be another moment than the rank's peak (the snapshot
+        there can show a category at 0 that the step fills elsewhere: ZeRO-3's activations at an optimizer-
+        step peak). Untracked overhead (no tensor: the runtime context, collective buffers) as the snapshot."""
+        _, _, pp, _, _, _, _, fsdp_params, rules = self._laying
+        out = {}
+        for c in MEMORY_CATEGORIES:
+            laid = _Laid(self.terms, (c,), self._column, pp, rules, fsdp_params)
+            tracked = peak_of(self._signature(laid)).bytes
+            untracked = sum(t.bytes for t in self.terms[c] if not t.tracked)
+            out[c] = max(0, tracked) + untracked
+        return out
 
     @property
     def peak(self) -> Peak:

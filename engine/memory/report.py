@@ -129,6 +129,15 @@ class RankMemory:
         self._body = body
         self._capacity = capacity
 
+    def category_peaks(self) -> dict[str, int]:
+        """Each category's most bytes at any moment of the step, the moments apart (``RankTimeline.category_peaks``):
+        what the rank holds of each at its own worst, beside the snapshot at the rank's peak; the snapshot's
+        values where the rank has no timeline."""
+        tl = self._body.timeline
+        if tl is None:
+            return {c: int(getattr(self, c)) for c in MEMORY_CATEGORIES}
+        return tl.category_peaks()
+
     # categories (params, grads, ...) are added as properties below the class
     params: int
     grads: int

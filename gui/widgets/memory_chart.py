@@ -13,6 +13,7 @@ rank among the group's ranks), and the header says how the peak moved from the b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -20,7 +21,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QLineF, Qt
 from PySide6.QtGui import QTransform
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
 from gui.comparison import explain_text, fmt_bytes
@@ -203,6 +204,8 @@ class MemoryChart(QWidget):
         self.capacity_in_view = True
         self.full_finetune_peak: int | None = None  # LoRA: the fullest rank under full fine-tuning
         self.dataparallel = False  # legacy nn.DataParallel: rank r is GPU r, GPU 0 is the heavy one
+        self.over_step = False  # each category at its own worst moment of the step (the toggle), not at the peak
+        self.snapshot_groups: list[RankGroup] = []  # the groups at their peak moment (``groups`` is what is drawn)
         # the pinned baseline: per rank and category (bytes), arranged once when it is pinned
         self.baseline = None
         self.baseline_text = ""  # the baseline's config in words
@@ -220,6 +223,16 @@ class MemoryChart(QWidget):
         self.header.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.header.setWordWrap(True)  # a narrow chart gets the verdict on a second line, not cut off
         head.addWidget(LayoutBarrier(self.header), 1)
+        # each category at its own worst moment of the step instead of at the rank's peak moment
+        self.over_step_box = QCheckBox("over the step")
+        self.over_step_box.setObjectName("overStep")
+        self.over_step_box.setToolTip(
+            "Off: every bar is the rank's peak moment, each category as it is then (a category can read 0 there "
+            "that the step fills at another moment: ZeRO-3's gradients at a forward peak).\nOn: each category at its "
+            "own worst moment of the step; those moments need not coincide, so a bar can stand above the rank's "
+            "allocated peak. Allocated, reserved and fits stay the rank's peak's.")
+        self.over_step_box.toggled.connect(self._set_over_step)
+        head.addWidget(self.over_step_box)
         lay.addLayout(head)
         # a swatch and its name never part (a no-break space between them); the items break between them
         legend = " &nbsp;".join(f'<span style="color:{CATEGORY_COLORS.get(c, "#888")}">■</span>&nbsp;{c}'
@@ -256,7 +269,7 @@ class MemoryChart(QWidget):
     def on_prediction(self, pred) -> None:
         """``pred``: a ``gui.predicted.Predicted`` (the engine's Prediction and what the window adds)."""
         if pred.prediction is None:
-            self.report, self.groups = None, []
+            self.report, self.groups, self.snapshot_groups = None, [], []
             self.expert_band.clear()
             self.note.setText(pred.error)
             self.note.show()
@@ -269,13 +282,32 @@ class MemoryChart(QWidget):
                 self._legend_html = self._categories_html + self._device_legend(cpu)
                 self._set_legend()
             self.capacity_bytes = int(memory.capacity_bytes)
-            self.groups = group_ranks(memory)
+            self.snapshot_groups = group_ranks(memory)
+            self.groups = self._shown_groups()
             self.note.hide()
         self.full_finetune_peak = pred.full_finetune_peak_bytes
         self.dataparallel = getattr(pred.config.parallel, "dp_mode", "ddp") == "dataparallel"
         if self.measured_config is not None and self.measured_config != pred.config:
             self.measured_by_rank, self.measured_config, self.measured_label = {}, None, ""
             self._set_legend()
+        self.redraw()
+
+    def _shown_groups(self) -> list[RankGroup]:
+        """The bars: the groups at their peak moment, or (``over_step``) with each category at its own worst
+        moment of the step (``RankMemory.category_peaks``)."""
+        if not self.over_step:
+            return self.snapshot_groups
+        out = []
+        for g in self.snapshot_groups:
+            peaks = g.sample.category_peaks() if hasattr(g.sample, "category_peaks") else g.values
+            out.append(dataclasses.replace(g, values={c: int(peaks[c]) for c in MEMORY_CATEGORIES},
+                                           total=int(sum(peaks[c] for c in MEMORY_CATEGORIES))))
+        return out
+
+    def _set_over_step(self, on: bool) -> None:
+        self.over_step = bool(on)
+        self.groups = self._shown_groups()
+        self._frames = None
         self.redraw()
 
     @staticmethod
@@ -552,7 +584,8 @@ class MemoryChart(QWidget):
                    else f"all ranks fit · headroom {fmt_bytes(self.capacity_bytes - worst.device_bytes)} on the fullest")
         # short: the header shares its row with the metrics panel; the chart itself carries the words
         extra = (" · LoRA" if self.full_finetune_peak is not None else "") + \
-            (" · nn.DataParallel" if self.dataparallel else "")
+            (" · nn.DataParallel" if self.dataparallel else "") + \
+            (" · bars: each category at its own worst moment of the step" if self.over_step else "")
         # the header, not a text item in the plot: a QGraphicsTextItem re-laid out per move costs ~0.4 ms
         diff = self._peak_difference()
         self.header.setText(f"Memory per rank · fullest {fmt_bytes(worst.allocated)} allocated, "
@@ -706,6 +739,11 @@ class MemoryChart(QWidget):
             body = ""
         else:
             head = f"{g.label} · {c}: {fmt_bytes(g.values[c])} predicted"
+            at_peak = int(getattr(g.sample, c, g.values[c]))
+            over = g.sample.category_peaks()[c] if hasattr(g.sample, "category_peaks") else at_peak
+            if over != at_peak:  # what the other reading of the bar says
+                head += (f" ({fmt_bytes(at_peak)} at the rank's peak moment, {fmt_bytes(over)} at its own worst "
+                         "moment of the step)")
             m = self.measured_for_group(g)
             if m is not None:
                 head += f", {fmt_bytes(m.get(c, 0))} measured"

@@ -993,3 +993,43 @@ def test_the_laid_events_most_live_counts_every_period_of_a_cycle(schedule, v, z
                     expected = unbounded
             assert _replayed_reserve.__wrapped__(sig, False, cap) == expected, (g.first.rank, cap)
     assert cycles > 0 or schedule == "GPipe"  # the steady state was laid as a cycle (GPipe has none)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_category_peaks_over_the_step_at_least_where_the_rank_peaks(seed):
+    """``category_peaks``: each category laid alone over the step's moments. Never below the snapshot at the
+    rank's peak (one of those moments), and their sum never below the rank's total; a category the snapshot
+    shows at 0 can be held elsewhere in the step."""
+    import random
+
+    rng = random.Random(seed)
+    checked = 0
+    while checked < 8:
+        raw = {"model": {"preset": rng.choice(["tiny", "llama3-8b", "mixtral-8x7b"])},
+               "cluster": {"gpu": "h100-sxm", "gpus": 8},
+               "parallel": {"dp": rng.choice([1, 2, 4]), "pp": rng.choice([1, 2]), "zero": rng.choice([0, 1, 2, 3]),
+                            "microbatches": rng.choice([1, 2, 4]), "schedule": rng.choice(["1F1B", "GPipe"])},
+               "training": {"recompute": rng.choice(["none", "full", "selective"]),
+                            "precision": rng.choice(["bf16-mixed", "fp32"])}}
+        raw["cluster"]["gpus"] = raw["parallel"]["dp"] * raw["parallel"]["pp"]
+        try:
+            c = Config.from_dict(raw)
+        except ConfigError:
+            continue
+        for r in memory_per_rank(c).per_rank:
+            peaks = r.category_peaks()
+            assert set(peaks) == set(MEMORY_CATEGORIES)
+            for cat in MEMORY_CATEGORIES:
+                assert peaks[cat] >= getattr(r, cat), (raw, r.rank, cat)
+            assert sum(peaks.values()) >= r.total
+        checked += 1
+
+
+def test_zero3_gradients_are_zero_at_the_peak_but_not_over_the_step():
+    """ZeRO-3 on 4 ranks (the tiny preset): the rank peaks in the forward, before any gradient; over the step
+    the gradients peak at the sharded gradients' full size (the end of the backward, the optimizer step)."""
+    c = _cfg({"dp": 4, "zero": 3}, gpus=4)
+    r = memory_per_rank(c).per_rank[0]
+    assert r.grads == 0
+    sharded = sum(t.bytes for t in r.catalogue("grads") if t.kind == "fsdp_sharded_grads")
+    assert sharded > 0 and r.category_peaks()["grads"] == sharded
