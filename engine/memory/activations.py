@@ -820,8 +820,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
-            if not sh.compile:
-                weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, per_group=plain_grads)
+    if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
+            and not sh.compile:
+        weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, per_group=plain_grads)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
@@ -1158,9 +1159,17 @@ def weight_groups(sh: _Shape) -> tuple[str, ...]:
     """A dense block's parameter groups in the order torch.distributed.pipelining's ``stage_backward_weight``
     takes them: ``get_param_groups`` keys each group on the node where its weight's path meets the stage
     input's, in the order of ``module.parameters()`` (backend/model.py: attention_norm, wq, wk, wv, wo,
-    q_norm, k_norm, ffn_norm, w1, w2, w3), one per weight (a Linear's bias joins its weight's matmul)."""
+    q_norm, k_norm, ffn_norm, w1, w2, w3), one per weight (a Linear's bias joins its weight's matmul). Under
+    LoRA only the adapters train: each adapted Linear's A then B (peft's lora_A, lora_B), "wq.A", "wq.B", ..."""
+    if sh.lora:
+        return tuple(f"{n}.{ab}" for n in _LINEARS if n in sh.lora_mods for ab in "AB")
     return (("norm1", "wq", "wk", "wv", "wo") + (("q_norm", "k_norm") if sh.qk_norm else ())
             + ("norm2", "w1", "w2") + (("w3",) if sh.swiglu else ()))
+
+
+#: a block's Linears in module order, and which read the same input
+_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+_READERS = {"qkv_in": ("wq", "wk", "wv"), "mlp_in": ("w1", "w3"), "wo": ("wo",), "w2": ("w2",)}
 
 
 def weight_pass_block(sh: _Shape, res: int) -> tuple[int, list[tuple[str, int]]]:
@@ -1178,27 +1187,41 @@ def weight_pass_block(sh: _Shape, res: int) -> tuple[int, list[tuple[str, int]]]
     released, and with them the holder and each recompute's copy). Under autocast each Linear also saved
     its own cast of its input, freed the same way; its weight's cast is autocast's cached one (the
     backend's autocast spans the step, so a recompute's cast of a weight hits the cache: no copy per
-    recompute; but see ``weight_pass_casts``). Measured on the backend's blocks
-    (tests/backend/test_weight_pass.py)."""
+    recompute; but see ``weight_pass_casts``). Under LoRA the groups are the adapters' (each A, then B;
+    the frozen weights' nodes never run in the pass). Measured on the backend's blocks
+    (tests/backend/test_weight_pass.py): exact per group with every weight training, fp32 LoRA on every
+    Linear too; LoRA on the attention only keeps less than this (the MLP's tensors go: 0.45 of it), bf16
+    LoRA more (1.3 of it) — not analysed."""
     autocast = res > sh.act
     kept, frees = 0, []
+
     for row in SAVED_TENSORS:
-        if row.block_input or row.part == "lora" or not row.applies(sh):
+        if row.block_input or not row.applies(sh):
             continue
-        nbytes = row.count * (res if row.elem == "res" else _ELEM[row.elem](sh)) * _NUMEL[row.numel][0](sh)
+        count = len(sh.lora_mods) if row.count == "adapters" else row.count
+        nbytes = count * (res if row.elem == "res" else _ELEM[row.elem](sh)) * _NUMEL[row.numel][0](sh)
+        if row.part == "lora":  # each adapter's A output, saved by its B: freed by the B's group
+            adapters = [n for n in _LINEARS if n in sh.lora_mods]
+            frees += [(f"{n}.B", nbytes // len(adapters)) for n in adapters]
+            continue
         node = row.weight_node
         fused = not (sh.qk_composite if node in ("q_norm", "k_norm") else sh.composite_norm)
         if not node or (row.fused_only and not fused) or (row.kernel_keeps and getattr(sh, row.kernel_keeps)):
             kept += nbytes  # a node of the input's path saved it too
             continue
-        if node == "qkv_in":  # one tensor the three read, or under autocast each its own cast
-            node = "wq" if autocast else "wv"
-        elif node == "mlp_in":
-            node = "w1" if autocast or not sh.swiglu else "w3"
-        frees.append((node, nbytes))
+        readers = [n for n in _READERS.get(node, (node,)) if (sh.swiglu or n != "w3") and (not sh.lora or n in sh.lora_mods)]
+        if node in ("norm1", "norm2", "q_norm", "k_norm") and sh.lora or not readers:
+            kept += nbytes  # a frozen weight's node never runs in the weight pass
+            continue
+        # one tensor its readers share is freed by the last of them; under autocast each reads its own cast
+        node = readers[0] if autocast else readers[-1]
+        frees.append((f"{node}.A" if sh.lora else node, nbytes))
     if autocast and not (sh.recompute == "selective-op" or sh.compile or sh.float8_uncast):
-        cast = sh.act * sh.s * sh.b * sh.h  # each further Linear's cast of its norm's output (``_block_bytes``)
-        frees += [("wk", cast), ("wv", cast)] + ([("w3", cast)] if sh.swiglu else [])
+        # each further reader's cast of its norm's output (``_block_bytes``: the first is the row above)
+        cast = sh.act * sh.s * sh.b * sh.h
+        for linears in (("wq", "wk", "wv"), ("w1", "w3") if sh.swiglu else ()):
+            readers = [n for n in linears if not sh.lora or n in sh.lora_mods]
+            frees += [(f"{n}.A" if sh.lora else n, cast) for n in readers[1:]]
     return kept, frees
 
 
@@ -1207,7 +1230,7 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
     pass (its TP shard), kept by autocast's cache to the step's end beside the forward's: measured on the
     backend's blocks, each Linear's group re-casts its own weight once, the others hit the cache. None under
     float8 (Float8Linear saves its weight uncast)."""
-    if not autocast or cfg.training.float8 != "none":
+    if not autocast or cfg.training.float8 != "none" or sh.lora:  # LoRA: only the small adapters train
         return {}
     t, h, f, kv, q = sh.t, sh.h, sh.f, sh.kv, cfg.model.heads * cfg.model.head_dim
     numel = {"wq": h * q // t, "wk": h * kv // t, "wv": h * kv // t, "wo": q // t * h, "w1": h * f // t,
@@ -1226,17 +1249,17 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     order = {g: i for i, g in enumerate(groups)}
     best, at = 0, 0
     for k in range(1, len(groups) + 1):
-        pending = sum(n for g, n in frees if order[g] >= k - 1)
+        alive = kept + sum(n for g, n in frees if order[g] >= k - 1)
         made = sum(n for g, n in casts.items() if order[g] <= k - 1)
-        if k * (kept + pending) + made > best:
-            best, at = k * (kept + pending) + made, k
+        if k * alive + made > best:
+            best, at = k * alive + made, k
     earlier = (checkpointed - 1) * (len(groups) * kept + sum(casts.values()))
-    pending = sum(n for g, n in frees if order[g] >= at - 1)
+    alive = kept + sum(n for g, n in frees if order[g] >= at - 1)
     made = sum(n for g, n in casts.items() if order[g] <= at - 1)
     formula = (f"{checkpointed - 1} earlier block(s) × ({len(groups)} groups × {kept:,} B (their input path)"
-               f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at} × ({kept:,} + "
-               f"{pending:,}) B{f' + {made:,} B (weight casts)' if casts else ''} (the last block at its group "
-               f"{groups[at - 1]})")
+               f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at} × {alive:,} B (the "
+               f"last block at its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
+               f"{f' + {made:,} B (weight casts)' if casts else ''}")
     return earlier + best, formula
 
 
@@ -1251,8 +1274,6 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     per group (``measure --fake`` of Llama 3 405B ZBV ZeRO-3: −19 % with the floor, +16 % with the
     per-group rule; a tiny ZeRO-3 interleaved zero-bubble run on CPU ranks −17 % / +42 %), not analysed.
     A stage with experts is left as it was."""
-    if cfg.training.finetune == "lora":
-        return
     shared = checkpoint_shared_bytes(sh, res)
     for st in rp.stages:
         c = ckpt_of[st.stage]
