@@ -844,6 +844,12 @@ def _forward_walk(kept: tuple[int, ...], work: tuple[int, ...]) -> list[tuple[bo
     return walk
 
 
+#: the most pieces a W's weight-pass recomputes are laid in (``_Laying.moment``): a recompute holds a block's saved
+#: tensors, one per group and block, so a big stage's pass is thousands of tensors; pieces of a block's largest
+#: tensor's size, or larger, keep the replay's cost bounded whatever the pass's bytes
+WEIGHT_PASS_PIECES = 64
+
+
 class Events(tuple):
     """Allocation events, and the most bytes they hold live at once (``most_live``): what any replay of them
     allocates at least (a block is at least its request)."""
@@ -1319,11 +1325,12 @@ class _Laying:
                     (life, r) for r in self.per_life.get(life, ()))
         weight_pass = []
         if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs: its recomputes,
-            # each tensor by tensor as a block's forward saves them
-            kept = self.grain.kept or (1,)
+            # in pieces the size of a block's largest tensors (the grain's ``work``: what recompute = "none"
+            # saves), at most WEIGHT_PASS_PIECES of them
+            largest = max(self.grain.work, default=0)
             for j2, nbytes, stream in self.per_life.get(("wr", j), ()):
-                copies = max(1, round(nbytes / max(sum(kept), 1)))
-                for q, x in enumerate(_pieces(nbytes, kept * copies)):
+                n = max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1)))
+                for q, x in enumerate(_pieces(nbytes, (1,) * n)):
                     if x:
                         alloc(("wp", j2, i, q), x, stream)
                         weight_pass.append(("wp", j2, i, q))
