@@ -181,8 +181,12 @@ class _FakeTrainer:
 
         cfg, par = self.cfg, self.cfg.parallel
         self.modules = []
+        before = 0  # the rank's earlier blocks: per-layer recompute counts on through its stages
         for s, m in parts:
-            m = parallelize(m, cfg, self.plan, self.dims, self.device, materialize=self._materialize)
+            n = len(m.layers)
+            m = parallelize(m, cfg, self.plan, self.dims, self.device, materialize=self._materialize,
+                            blocks_before=before)
+            before += n
             if isinstance(m, DistributedDataParallel):
                 with self.fake_mode:
                     m.register_comm_hook(None, _bucket_as_reduced)

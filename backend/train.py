@@ -136,7 +136,9 @@ class Trainer:
         with torch.device(self.device):  # nn.DataParallel: cuda:0, its source device
             model = Transformer(cfg.model)
         parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
-        self.modules = [(s, parallelize(m, cfg, self.plan, self.dims, self.device)) for s, m in parts]
+        before = [sum(len(p.layers) for _, p in parts[:i]) for i in range(len(parts))]  # the rank's earlier blocks
+        self.modules = [(s, parallelize(m, cfg, self.plan, self.dims, self.device, blocks_before=b))
+                        for (s, m), b in zip(parts, before)]
         self.stages = [s for s, _ in self.modules]
         self.params = measure.unique_params(m for _, m in self.modules)
         self.moes = [moe for _, m in self.modules for moe in moe_modules(m)]

@@ -45,8 +45,10 @@ from engine.wrapping import WrappingPlan
 
 
 def parallelize(model: nn.Module, cfg: Config, plan: WrappingPlan, dims: ParallelDims, device: torch.device,
-                materialize: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None) -> nn.Module:
-    """``model`` (a Transformer or one pipeline stage of it) with every strategy of ``plan`` applied.
+                materialize: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None,
+                blocks_before: int = 0) -> nn.Module:
+    """``model`` (a Transformer or one pipeline stage of it) with every strategy of ``plan`` applied;
+    ``blocks_before``: the blocks of this rank's earlier stages (where per-layer recompute counts from).
 
     ``materialize(module)``: a context entered once the parameters must be real — after
     ``fully_shard`` (which shards meta parameters as they are) and before the wrappers that copy
@@ -67,7 +69,7 @@ def parallelize(model: nn.Module, cfg: Config, plan: WrappingPlan, dims: Paralle
         apply_tp(model, dims["tp"], plan.sequence_parallel)
     if cfg.parallel.cp > 1:  # attention over the sharded sequence; the dp wrappers below reduce over dp·cp
         apply_cp(model, dims.context_parallel(cfg.model, device))
-    apply_recompute(model, tr.recompute, tr.recompute_every)
+    apply_recompute(model, tr.recompute, tr.recompute_every, blocks_before)
     if tr.compile:
         apply_compile(model)
     if plan.data_parallel == "fully_shard":

@@ -93,22 +93,25 @@ def _op_sac_context():
     return create_selective_checkpoint_contexts(op_sac_policy())
 
 
-def layer_sac_blocks(names: list[str], every: int) -> list[str]:
-    """The block names (in module order) that "selective-layer" checkpoints: the k-th (from 1)
-    where k % every == 0."""
+def layer_sac_blocks(names: list[str], every: int, before: int = 0) -> list[str]:
+    """The block names (in module order) that "selective-layer" checkpoints: the k-th (from 1, counting
+    ``before`` blocks of the rank's earlier stages first) where k % every == 0 — torchtitan's counter is
+    process-wide, incremented per block as AC is applied to the rank's model parts in order
+    (``engine.model.recompute.checkpointed_per_stage`` predicts the same)."""
     if every < 1:
         raise ValueError(f"training.recompute_every must be >= 1, got {every!r}")
-    return [name for k, name in enumerate(names, start=1) if k % every == 0]
+    return [name for k, name in enumerate(names, start=before + 1) if k % every == 0]
 
 
-def apply_recompute(model: nn.Module, kind: str, every: int = 2) -> None:
+def apply_recompute(model: nn.Module, kind: str, every: int = 2, before: int = 0) -> None:
     """Wrap ``model.layers``' blocks (in place) as recompute ``kind`` says; ``every`` is
-    ``training.recompute_every`` ("selective-layer" only)."""
+    ``training.recompute_every`` ("selective-layer" only), ``before`` the blocks of the rank's earlier
+    pipeline stages (the per-layer counter runs on through them)."""
     if kind == "none":
         return
     blocks = list(model.layers.named_children())
     if kind == "selective-layer":
-        chosen = set(layer_sac_blocks([name for name, _ in blocks], every))
+        chosen = set(layer_sac_blocks([name for name, _ in blocks], every, before))
     for name, block in blocks:
         if kind == "full":
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))

@@ -73,9 +73,43 @@ def test_layer_sac_picks_every_nth_block_of_the_stage():
     assert layer_sac_blocks(names, 2) == ["1", "3", "5", "7"]
     assert layer_sac_blocks(names, 3) == ["2", "5"]
     assert layer_sac_blocks(names, 1) == names
-    assert layer_sac_blocks(["5", "6", "7"], 2) == ["6"]  # counted within the stage
+    assert layer_sac_blocks(["5", "6", "7"], 2) == ["6"]  # counted within the stage ...
+    assert layer_sac_blocks(["5", "6", "7"], 2, before=1) == ["5", "7"]  # ... after the rank's earlier stages
     with pytest.raises(ValueError, match="recompute_every"):
         layer_sac_blocks(names, 0)
+
+
+@pytest.mark.parametrize("schedule, v, layers", [("Interleaved1F1B", 2, 8), ("ZBVZeroBubble", 2, 4),
+                                                 ("InterleavedZeroBubble", 2, 6), ("1F1B", 1, 8)])
+def test_per_layer_recompute_counts_across_a_ranks_stages_as_the_engine_predicts(schedule, v, layers):
+    """torchtitan's per-layer AC counter runs on through a rank's model parts; each stage module the backend
+    builds (apply_pp, then parallelize with the blocks of the rank's earlier stages) checkpoints the blocks
+    ``engine.model.recompute.checkpointed_blocks`` predicts, stage by stage."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from backend.model import Transformer
+    from backend.parallel.pipeline import apply_pp
+    from backend.parallel.recompute import apply_recompute
+    from engine import Config
+    from engine.model.recompute import checkpointed_blocks
+
+    cfg = Config.from_dict({"model": {"preset": "tiny", "layers": layers, "hidden": 32, "heads": 2, "kv_heads": 2,
+                                      "ffn_hidden": 64},
+                            "cluster": {"preset": "local-cpu", "gpus": 2},
+                            "parallel": {"pp": 2, "schedule": schedule, "virtual_stages": v, "microbatches": 4},
+                            "training": {"recompute": "selective-layer", "recompute_every": 2}})
+    want = checkpointed_blocks(cfg)
+    got = {}
+    for pp_rank in range(2):
+        parts = apply_pp(Transformer(cfg.model), cfg.parallel, pp_rank)
+        before = 0
+        for stage, module in parts:
+            n = len(module.layers)
+            apply_recompute(module, "selective-layer", 2, before)
+            before += n
+            got[stage] = sum(isinstance(b, CheckpointWrapper) for b in module.layers.values())
+        assert sum(got[s] for s, _ in parts) == before // 2  # every 2nd block of the rank
+    assert [got[s] for s in range(len(want))] == want
 
 
 def test_op_sac_policy_saves_every_other_mm_and_the_attention():
