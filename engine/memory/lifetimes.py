@@ -73,6 +73,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        torch/distributed/tensor/_ops/_embedding_ops.py, have no vocab-sharded output: the
                        vocab-parallel embedding's weight gradient is made Partial at full size, then
                        reduce-scattered to its row shard), gone before the optimizer step
+  after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
+                       parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
+                       assigns ``.grad``; the I computes input gradients only); laid anew at each moment
   after_first_backward from the end of the rank's first B or I to the step's end (made during it): a later
                        stage's input gradient, held for its send to the previous stage until the next
                        backward makes the next (gone at the end of the backward), FSDP2's unsharded gradients
@@ -127,11 +130,14 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
-             "post_backward", "after_first_backward")
+             "post_backward", "after_first_weight", "after_first_backward")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
-PER_MOMENT = TRANSIENT[:-1]
+PER_MOMENT = TRANSIENT[:-2]
+
+#: the transient lifetimes laid once, when they start, and kept to the step's end (the last two)
+_WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 
 #: per local stage, from the moments' ``acc`` and ``red`` (each term's ``stage``): on a rank of several
 #: pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
@@ -242,7 +248,8 @@ def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str]
 
 
 def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None,
-                       local_stages: int = 1, pipelined: bool = True, plain_grads_late: bool = False) -> dict[str, str]:
+                       local_stages: int = 1, pipelined: bool = True, plain_grads_late: bool = False,
+                       split_backward: bool = False) -> dict[str, str]:
     """The kinds whose lifetime the wrapping plan changes: under pipelining with units never resharded
     (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
     stage's first forward. On a rank holding several stages torch reduces each stage's gradients right
@@ -258,10 +265,11 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
     AccumulateGrad makes each one as the first backward reaches its parameter
     (torch/csrc/autograd/functions/accumulate_grad.h: a new tensor where ``.grad`` is undefined), so
     no moment before the first backward holds them (measured: a fake Llama 3 405B step on dp1 tp8 z0
-    peaks at its loss with 20.7 GiB fewer than the gradients' size)."""
+    peaks at its loss with 20.7 GiB fewer than the gradients' size). ``split_backward``: the schedule splits
+    its backward into I and W, and the W makes them (``after_first_weight``)."""
     out: dict[str, str] = {}
     if plain_grads_late:
-        out["gradients"] = "after_first_backward"
+        out["gradients"] = "after_first_weight" if split_backward else "after_first_backward"
     if pipelined_fsdp2 and sharded and reshard_after_forward is False:
         out["all_gather_output"] = "first_forwards"
     if pipelined_fsdp2 and local_stages > 1:
@@ -360,6 +368,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     backward = is_bwd_input | (kind == _W)
     bwd_idx = np.flatnonzero(is_bwd_input)
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
+    grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
+    first_grad = int(grad_idx[0]) if len(grad_idx) else n
     acc, red, wr = _stage_columns(kind, col, v, m)
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
@@ -377,6 +387,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         is_f,
         np.zeros(n, dtype=bool),
         np.zeros(n, dtype=bool),
+        np.arange(n) > first_grad,
         np.arange(n) > first_bwd,
     ]).astype(np.int64)
     assert masks.shape[1] == len(TRANSIENT)
@@ -394,6 +405,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         lm[:, TRANSIENT.index("loss")] = 1
         lm[:, TRANSIENT.index("until_end_of_backward")] = 1
         lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
+        lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
@@ -410,7 +422,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         # outputs, and the transients of the last unit's post-backward (the root unit gathered, its
         # gradient being reduced); no loss, no recomputed block
         em = np.zeros((1, masks.shape[1]), dtype=np.int64)
-        for life in ("every_action", "backward", "end_of_backward", "post_backward", "after_first_backward"):
+        for life in ("every_action", "backward", "end_of_backward", "post_backward", "after_first_weight",
+                     "after_first_backward"):
             em[0, TRANSIENT.index(life)] = 1
         last = len(kind) - 1
         end_counts = counts[last:].copy()
@@ -460,7 +473,7 @@ def _with_step_moment(mo: Moments) -> Moments:
     from the first backward on and what the step allocates; not the last unit's post-backward transients
     (the gradients stay until zero_grad, after the step)."""
     sm = np.zeros((1, mo.masks.shape[1]), dtype=np.int64)
-    for life in ("end_of_backward", "optimizer_step", "after_first_backward"):
+    for life in ("end_of_backward", "optimizer_step", "after_first_weight", "after_first_backward"):
         sm[0, TRANSIENT.index(life)] = 1
     row = {f: np.append(x, x[-1:], axis=0) for f, x in zip(Moments._fields, mo)}
     row["masks"] = np.append(mo.masks, sm, axis=0)
@@ -991,7 +1004,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     outputs = per_life.get("to_step_end", [])
     accumulated = per_life.get("accumulated", [])
     late = per_life.get("after_first_backward", []) + accumulated
-    late_done = False
+    late_done = weight_late_done = False
     stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
@@ -1020,6 +1033,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             for j, nbytes, stream in late:
                 ev.append(("alloc", ("late", j), nbytes) + ((stream,) if stream else ()))
             late_done = True
+        if mask[_WEIGHT_LATE] and not weight_late_done:  # what the first W (or B) makes, kept to the end
+            for j, nbytes, stream in per_life.get("after_first_weight", ()):
+                ev.append(("alloc", ("wlate", j), nbytes) + ((stream,) if stream else ()))
+            weight_late_done = True
         for what, on in (("acc", accs[i]), ("red", reds[i])):
             for c, x in enumerate(on):
                 if bool(x) != stage_on.get((what, c), False):
@@ -1052,6 +1069,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     for j, _, _ in late if late_done else ():
         if j not in gone:
             ev.append(("free", ("late", j)))
+    for j, _, _ in per_life.get("after_first_weight", ()) if weight_late_done else ():
+        ev.append(("free", ("wlate", j)))
     for (what, c), on in stage_on.items():
         for j, _, _ in per_life.get((what, c), ()) if on else ():
             ev.append(("free", (what, c, j)))
@@ -1229,7 +1248,8 @@ class _Laying:
     what lives from the first backward on is laid, each stage-microbatch's saved tensors (block by
     block) and loss side; with the rank's constants (its rows by lifetime, its local stages)."""
 
-    __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "held", "heads", "stage_on", "plans", "sig",
+    __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads",
+                 "stage_on", "plans", "sig",
                  "acts", "grain", "iwb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
                  "first_backward")
 
@@ -1238,7 +1258,7 @@ class _Laying:
         self.size: dict = {}
         self.live = self.most = 0
         self.peak = self.slack = peak
-        self.late_done = False
+        self.late_done = self.weight_late_done = False
         self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, by block
         self.heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at B, W)
         self.stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
@@ -1299,7 +1319,7 @@ class _Laying:
 
     def finish(self) -> None:
         """The step's end: what lives from the first backward on, the stages' gradients, the kept outputs."""
-        for key in [k for k in self.size if k[0] in ("late", "acc", "red", "out")]:
+        for key in [k for k in self.size if k[0] in ("late", "wlate", "acc", "red", "out")]:
             self.free(key)
 
     def _blocks(self, j: int) -> tuple[int, int]:
@@ -1338,6 +1358,10 @@ class _Laying:
             for j2, nbytes, stream in self.late:
                 alloc(("late", j2), nbytes, stream)
             self.late_done = True
+        if mask[_WEIGHT_LATE] and not self.weight_late_done:  # what the first W (or B) makes, kept
+            for j2, nbytes, stream in self.per_life.get("after_first_weight", ()):
+                alloc(("wlate", j2), nbytes, stream)
+            self.weight_late_done = True
         for what, on in (("acc", acc), ("red", red)):  # a stage's gradients, per its REDUCE_GRAD
             for c, x in enumerate(on):
                 if bool(x) != self.stage_on.get((what, c), False):

@@ -31,6 +31,7 @@ from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups, zero1_shares
 from engine.model.params import RankParams, params_per_rank, unit_numel
+from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.schedules import ACTION_KINDS
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
 
@@ -82,7 +83,8 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                                        plan.pipelined),
                     overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
                                                  plan.reshard_after_forward, len(rp.stages), plan.pipelined,
-                                                 plain_grads_late(cfg, plan)))
+                                                 plain_grads_late(cfg, plan),
+                                                 par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES))
     if ep_rank is not None and _load_per_microbatch(cfg):
         # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
         # flight at the peak (the moment found at the load averaged over microbatches; the allocation

@@ -78,8 +78,9 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
         # pipelining only at REDUCE_GRAD: they are whole at the end of the backward, absent before. A rank
         # with several stages reduces each right after that stage's last backward (torch's
         # _add_reduce_grad), so there each stage's are laid from its own REDUCE_GRAD on, a term per stage.
-        # Plain gradients (no FSDP2, no bucket view) from the first backward on: zero_grad(set_to_none)
-        # dropped the last step's, and AccumulateGrad makes each as the first backward reaches it
+        # Plain gradients (no FSDP2, no bucket view) from the first backward on (a split backward's first W):
+        # zero_grad(set_to_none) dropped the last step's, and AccumulateGrad makes each as the first backward
+        # reaches it
         alive = dict(zip(TRANSIENT, tl.peak.alive))
         several = len(body.stages) > 1
         pk, local = tl.peak, sorted(body.stages)
@@ -90,8 +91,9 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
                 if t.kind == "fsdp_sharded_grads":
                     assert life == ("stage_reduced" if several else "end_of_backward")
                     assert (t.stage is not None) == several
-                elif t.kind == "gradients":
-                    assert life == "after_first_backward"
+                elif t.kind == "gradients":  # made by a B, or under a split backward by the W
+                    split = par.get("schedule") in ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV")
+                    assert life == ("after_first_weight" if split else "after_first_backward")
                 else:
                     assert life == "step"
                 if life == "step" or (pk.red[local.index(t.stage)] if life == "stage_reduced" else alive[life]):
