@@ -1232,10 +1232,7 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
     float8 (Float8Linear saves its weight uncast)."""
     if not autocast or cfg.training.float8 != "none" or sh.lora:  # LoRA: only the small adapters train
         return {}
-    t, h, f, kv, q = sh.t, sh.h, sh.f, sh.kv, cfg.model.heads * cfg.model.head_dim
-    numel = {"wq": h * q // t, "wk": h * kv // t, "wv": h * kv // t, "wo": q // t * h, "w1": h * f // t,
-             "w2": f // t * h} | ({"w3": h * f // t} if sh.swiglu else {})
-    return {k: sh.act * n for k, n in numel.items()}
+    return {lin.name: sh.act * lin.d_in * lin.d_out // sh.t for lin in lora.adapted_linears(cfg.model, "all")}
 
 
 def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None) -> tuple[int, str]:
@@ -1247,15 +1244,13 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     casts = casts or {}
     groups = weight_groups(sh)
     order = {g: i for i, g in enumerate(groups)}
-    best, at = 0, 0
+    best, at, alive, made = 0, 0, 0, 0
     for k in range(1, len(groups) + 1):
-        alive = kept + sum(n for g, n in frees if order[g] >= k - 1)
-        made = sum(n for g, n in casts.items() if order[g] <= k - 1)
-        if k * alive + made > best:
-            best, at = k * alive + made, k
+        alive_k = kept + sum(n for g, n in frees if order[g] >= k - 1)
+        made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
+        if k * alive_k + made_k > best:
+            best, at, alive, made = k * alive_k + made_k, k, alive_k, made_k
     earlier = (checkpointed - 1) * (len(groups) * kept + sum(casts.values()))
-    alive = kept + sum(n for g, n in frees if order[g] >= at - 1)
-    made = sum(n for g, n in casts.items() if order[g] <= at - 1)
     formula = (f"{checkpointed - 1} earlier block(s) × ({len(groups)} groups × {kept:,} B (their input path)"
                f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at} × {alive:,} B (the "
                f"last block at its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
@@ -1275,6 +1270,8 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     ``measure --fake`` of Llama 3 8B ZBV ZeRO-3 +9.3 / +4.6 %).
     A stage with experts is left as it was."""
     shared = checkpoint_shared_bytes(sh, res)
+    casts = weight_pass_casts(cfg, sh, autocast)
+    of_count: dict[int, tuple[int, str]] = {}  # checkpointed blocks -> the pass's bytes (stages alike share it)
     for st in rp.stages:
         c = ckpt_of[st.stage]
         if not c or st.moe_layers:
@@ -1285,7 +1282,9 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                   "recomputed at a time", one, f"one block recomputed, less its kept input = {one:,} B",
                   stage=st.stage, kind="weight_pass")
             continue
-        nbytes, formula = weight_pass_bytes(sh, res, c, weight_pass_casts(cfg, sh, autocast))
+        if c not in of_count:
+            of_count[c] = weight_pass_bytes(sh, res, c, casts)
+        nbytes, formula = of_count[c]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
               "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,

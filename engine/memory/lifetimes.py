@@ -640,7 +640,7 @@ class RankTimeline:
     changes a kind's rule (``lifetime_overrides``).
     """
 
-    __slots__ = ("terms", "signature", "varying", "_column", "_rows", "_grain", "_acts", "_laying")
+    __slots__ = ("terms", "signature", "varying", "_column", "_rows", "_grain", "_acts", "_laying", "_category_peaks")
 
     def __init__(self, terms: dict[str, list[Term]], *, schedule: str, pp_rank: int, pp: int, virtual_stages: int,
                  microbatches: int, stages: tuple[int, ...], fsdp_params: str = "step",
@@ -656,6 +656,7 @@ class RankTimeline:
         self._rows = _net_rows(laid.rows, laid.freed)
         self._acts = tuple(tuple(x) for x in laid.acts)
         self.signature = self._signature(laid)
+        self._category_peaks: dict[str, int] | None = None  # computed when first asked (a tooltip asks per move)
 
     def _signature(self, laid: _Laid) -> Signature:
         schedule, pp_rank, pp, virtual_stages, microbatches, stages, local, _, _ = self._laying
@@ -672,14 +673,16 @@ class RankTimeline:
         at that category's own worst moment, which may be another moment than the rank's peak (the snapshot
         there can show a category at 0 that the step fills elsewhere: ZeRO-3's activations at an optimizer-
         step peak). Untracked overhead (no tensor: the runtime context, collective buffers) as the snapshot."""
-        _, _, pp, _, _, _, _, fsdp_params, rules = self._laying
-        out = {}
-        for c in MEMORY_CATEGORIES:
-            laid = _Laid(self.terms, (c,), self._column, pp, rules, fsdp_params)
-            tracked = peak_of(self._signature(laid)).bytes
-            untracked = sum(t.bytes for t in self.terms[c] if not t.tracked)
-            out[c] = max(0, tracked) + untracked
-        return out
+        if self._category_peaks is None:
+            _, _, pp, _, _, _, _, fsdp_params, rules = self._laying
+            out = {}
+            for c in MEMORY_CATEGORIES:
+                laid = _Laid(self.terms, (c,), self._column, pp, rules, fsdp_params)
+                tracked = peak_of(self._signature(laid)).bytes
+                untracked = sum(t.bytes for t in self.terms[c] if not t.tracked)
+                out[c] = max(0, tracked) + untracked
+            self._category_peaks = out
+        return dict(self._category_peaks)
 
     @property
     def peak(self) -> Peak:
