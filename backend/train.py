@@ -38,7 +38,7 @@ from backend.parallel.lora import lora_refusal
 from backend.parallel.parallelize import expert_grad_sync
 from backend.parallel.pipeline import ActionTimer
 from backend.records import RankWriter
-from engine.backend_limits import composition_problems, cp_rotate_refusal
+from engine.backend_limits import composition_problems
 from engine.config import Config
 from engine.memory.states import optimizer_foreach
 from engine.wrapping import wrapping_plan
@@ -68,9 +68,6 @@ def check_supported(cfg: Config) -> None:
     par = cfg.parallel
     for problem in composition_problems(cfg):
         raise NotImplementedError(problem)
-    why = cp_rotate_refusal(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    if why:
-        raise NotImplementedError(why)
     if par.dp_mode == "dataparallel":
         why = dataparallel_refusal(cfg, torch.cuda.device_count())
         if why:

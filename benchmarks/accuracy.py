@@ -717,7 +717,7 @@ def sweep_layouts(n: int, seed: int) -> dict[str, Config]:
     import random
 
     from engine import ConfigError
-    from engine.backend_limits import cp_rotate_refusal, predict_only
+    from engine.backend_limits import predict_only
     from engine.names import SCHEDULES
 
     rng = random.Random(seed)
@@ -756,7 +756,7 @@ def sweep_layouts(n: int, seed: int) -> dict[str, Config]:
             cfg = _layout(par, gpus=dp * tp * pp * cp, training=training, model=model)
         except ConfigError:
             continue
-        if predict_only(cfg) or cp_rotate_refusal(cfg, "cpu"):
+        if predict_only(cfg):
             continue
         name = (f"s{seed}#{len(out):02d} h{hidden} a{heads}/{kv} f{model['ffn_hidden']} V{model['vocab']} "
                 f"s{model['seq_len']} b{training['micro_batch_size']}"

@@ -144,10 +144,10 @@ def refusal(cfg: Config) -> str | None:
     """Why a drawn ``cfg`` is not kept (None: kept): what the backend cannot run, what a fake run cannot,
     and a layout the engine says does not fit."""
     from backend.fake_worker import fake_refusal  # no torch at import
-    from engine.backend_limits import cp_rotate_refusal, predict_only
+    from engine.backend_limits import predict_only
     from engine.memory import memory_per_rank
 
-    why = predict_only(cfg) or [cp_rotate_refusal(cfg, "cpu"), fake_refusal(cfg)]
+    why = predict_only(cfg) or [fake_refusal(cfg)]
     why = [w for w in why if w]
     if why:
         return why[0]

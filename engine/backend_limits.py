@@ -6,7 +6,7 @@ The engine predicts every valid layout. These are the combinations torch's own A
 (``model_problems``) and the mixture-of-experts layouts its expert code does not run
 (``moe_problem``); the backend refuses each with the same words before it builds anything
 (backend.train.check_supported, backend.model.refuse_unsupported). Machine-dependent refusals
-(DataParallel without two CUDA GPUs, QLoRA without bitsandbytes, torch's ring on CPU) stay with
+(DataParallel without two CUDA GPUs, QLoRA without bitsandbytes) stay with
 the code that applies them. No torch import: the window and the CLI ask too.
 """
 
@@ -88,19 +88,6 @@ def moe_problem(cfg: Config) -> str | None:
                 "3427); use zero = 3 with parallel.fsdp_reshard_after_forward = 'always', or training.recompute = "
                 "'full', 'selective-layer', 'selective' or 'none'")
     return None
-
-
-def cp_rotate_refusal(cfg: Config, device_type: str) -> str | None:
-    """Why ``parallel.cp_rotate`` cannot run on ``device_type`` ("cpu", "cuda"), or None.
-
-    The ring (``"alltoall"``) is torch's ``context_parallel``, whose sharding strategies exist for
-    the CUDA SDPA kernels only; elsewhere the backend runs the all-gather K/V variant."""
-    par, model = cfg.parallel, cfg.model
-    if par.cp == 1 or par.cp_rotate == "allgather" or (device_type == "cuda" and model.attention == "flash"):
-        return None
-    return (f"parallel.cp_rotate = {par.cp_rotate!r} on {device_type} with {model.attention} attention: torch's ring "
-            "(alltoall) runs inside its context_parallel on the CUDA SDPA kernels (flash attention on CUDA) only; "
-            "allowed here: 'allgather' (the all-gather K/V variant the backend runs on CPU and for eager attention)")
 
 
 def composition_problems(cfg: Config) -> list[str]:

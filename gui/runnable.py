@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine import Config, ConfigError
-from engine.backend_limits import cp_rotate_refusal, predict_only
+from engine.backend_limits import predict_only
 
 LOCAL_MAX_RANKS = 8  # child processes this machine is asked to run at once
 LOCAL_GPU = "cpu"
@@ -80,8 +80,6 @@ def runnable_version(cfg: Config) -> Runnable:
     reasons = too_large_reasons(cfg)
     if not reasons:
         problems = predict_only(cfg)
-        why = cp_rotate_refusal(cfg, LOCAL_GPU)
-        problems += [why] if why else []
         return Runnable(cfg, None, problems=problems) if problems else Runnable(cfg, cfg)
     d = copy.deepcopy(cfg.to_dict())
     par = d["parallel"]
@@ -96,10 +94,10 @@ def runnable_version(cfg: Config) -> Runnable:
     if tp_pp > LOCAL_MAX_RANKS:
         return Runnable(cfg, None, reasons, problems=[
             f"tp × pp{' × cp' if cp > 1 else ''} = {tp_pp} ranks already exceeds the {LOCAL_MAX_RANKS} local ones"])
-    if cp > 1 and par.get("cp_rotate") == "alltoall":
+    if cp > 1 and par.get("cp_rotate") == "alltoall" and d["model"].get("attention") != "flash":
         par["cp_rotate"] = "allgather"
-        changes.append("the all-gather K/V exchange instead of the ring (torch's ring runs inside CUDA SDPA "
-                       "kernels only)")
+        changes.append("the all-gather K/V exchange instead of the ring (the ring runs with flash attention only; "
+                       f"the {d['model'].get('preset') or 'run'}'s model has {d['model'].get('attention')} attention)")
     world = par["dp"] * tp_pp
     if world > LOCAL_MAX_RANKS:
         dp = max(1, LOCAL_MAX_RANKS // tp_pp)

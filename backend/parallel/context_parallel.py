@@ -6,25 +6,28 @@ work. Everything outside attention runs on the rank's tokens only; gradients and
 reduced over dp·cp (the data-parallel wrapper's group includes the cp ranks, torchtitan's
 dp_shard_cp / dp_cp meshes in ``backend.parallel.dims``).
 
-Two ways to run attention over the sharded sequence:
+Three ways to run attention over the sharded sequence:
 
 * ``torch``: torch's own ``context_parallel`` (``torch.distributed.tensor.experimental``) around each
   microbatch's forward and backward, with ``set_rotate_method(parallel.cp_rotate)``: it shards the
   batch in place and swaps SDPA for its ring attention. Its sharding strategies exist for the CUDA
   SDPA kernels (flash, efficient, cuDNN) only, so this path is chosen on CUDA with flash attention.
-* ``allgather``: everywhere else (CPU / gloo, where torch registers no strategy for
-  ``aten._scaled_dot_product_flash_attention_for_cpu``; eager attention on any device). K and V are
-  all-gathered over the cp group and each rank's queries attend to the gathered keys under the
-  causal mask of its two chunks. Memory follows torch's ``allgather`` rotate method: with flash
-  attention one autograd function saves only the rank's own Q, K, V, output and log-sum-exp (what
-  torch's ring flash attention saves, being the replaced ``aten`` op's inputs and outputs) and
-  re-gathers K, V in the backward, which reduce-scatters dK, dV; eager attention gathers K, V with
-  an autograd all-gather (backward: reduce-scatter) and saves them gathered, as its matmuls must.
+* ``ring``: flash attention elsewhere (CPU / gloo, where torch registers no strategy for
+  ``aten._scaled_dot_product_flash_attention_for_cpu``): the same ring algorithm, torch's
+  ``_templated_ring_attention`` and its backward, called with the CPU flash kernel as the block op
+  (``RingFlashAttention``) — K, V all-gathered once or rotated (``parallel.cp_rotate``), blocks merged
+  in fp32 by their log-sum-exp, dK, dV brought home by the all-to-all ring; it saves only the rank's
+  own Q, K, V, output and log-sum-exp. Its tensors are the ones torch's path allocates, so a CPU or
+  fake run measures what a GPU run holds (no (s × S) mask).
+* ``allgather``: eager attention on any device. K and V are all-gathered with an autograd all-gather
+  (backward: reduce-scatter) and saved gathered, as its matmuls must; each rank's queries attend to
+  the gathered keys under the causal mask of its two chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -34,9 +37,10 @@ from torch import nn
 #: the words of a run's record (``memory.notes``) for each way of running attention
 NOTES = {
     "torch": "cp: torch's context_parallel (ring attention, rotate method {rotate}) on CUDA SDPA kernels",
-    "allgather": ("cp on {device}: all-gather K/V variant of torch's allgather rotate method (torch has no "
-                  "sharding strategy for the {device} attention op{eager}); head-tail load balanced, "
-                  "dK/dV reduce-scattered"),
+    "ring": ("cp on {device}: torch's ring attention (its _templated_ring_attention, rotate method {rotate}) on the "
+             "{device} flash kernel; head-tail load balanced"),
+    "allgather": ("cp on {device}: all-gather K/V variant of torch's allgather rotate method (eager attention "
+                  "saves its gathered K, V{eager}); head-tail load balanced, dK/dV reduce-scattered"),
 }
 
 
@@ -89,38 +93,71 @@ class GatherSequence(torch.autograd.Function):
         return reduce_scatter_sequence(grad, ctx.group, ctx.dim), None, None
 
 
-class AllGatherKVFlashAttention(torch.autograd.Function):
-    """Fused (CPU flash) attention of the local queries against the all-gathered K, V.
+def _flash_block(q, k, v, *, is_causal: bool, scale: float, n_rep: int):
+    """One block of torch's ring attention on the CPU flash kernel: the queries against a block of keys
+    (kv heads, repeated to the query heads here: the kernel takes no GQA); (output, log-sum-exp)."""
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
 
-    Saves the local Q, K, V (kv heads), output and log-sum-exp only; the backward gathers K, V
-    again, runs the fused backward and reduce-scatters dK, dV over the cp group.
-    q: (b, heads, s, d); k, v: (b, kv_heads, s, d), the rank's tokens.
+
+def _flash_block_backward(*, grad_out, query, key, value, out, logsumexp, is_causal: bool, scale: float, n_rep: int):
+    """The block's fused backward; the repeated heads' dK, dV summed onto their kv head."""
+    k, v = key, value
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.contiguous(), query, k, v, out, logsumexp, 0.0, is_causal, scale=scale)
+    if n_rep > 1:
+        dk = dk.unflatten(1, (-1, n_rep)).sum(2)
+        dv = dv.unflatten(1, (-1, n_rep)).sum(2)
+    return dq, dk, dv
+
+
+@contextlib.contextmanager
+def _ring_options(rotate: str):
+    """torch's ring-attention options for one call (they are module globals): head-tail load balancing,
+    fp32 merging, and the rotate method of ``parallel.cp_rotate``."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    opts = ring._cp_options
+    saved = (opts.enable_load_balance, opts.convert_to_f32, opts.rotate_method)
+    opts.enable_load_balance, opts.convert_to_f32 = True, True
+    opts.rotate_method = ring._RotateMethod.ALL_GATHER if rotate == "allgather" else ring._RotateMethod.ALL_TO_ALL
+    try:
+        yield ring
+    finally:
+        opts.enable_load_balance, opts.convert_to_f32, opts.rotate_method = saved
+
+
+class RingFlashAttention(torch.autograd.Function):
+    """torch's own ring attention (``_templated_ring_attention`` and its backward, the algorithm its
+    ``context_parallel`` runs on CUDA) with the CPU flash kernel as the block op.
+
+    Forward: K, V of the other ranks arrive by the rotate method (all-gathered once, or rotated), each
+    block runs causal (its own chunk), whole, or on the tail half of the queries (head-tail load
+    balancing), and the blocks' outputs merge in fp32 by their log-sum-exp. Saves the local Q, K, V (kv
+    heads), output and log-sum-exp only; the backward rotates K, V again and the fp32 dK, dV ring
+    (all-to-all) brings each rank its own. q: (b, heads, s, d); k, v: (b, kv_heads, s, d), the rank's tokens.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, n_rep: int):
-        kf, vf = cp.gather_kv(k, v, n_rep)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kf, vf, 0.0, False, attn_mask=cp.attend_mask(q.dtype), scale=1.0 / math.sqrt(q.shape[-1]))
-        del kf, vf
-        ctx.cp, ctx.n_rep = cp, n_rep
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        with _ring_options(cp.rotate) as ring:
+            out, lse = ring._templated_ring_attention(
+                cp.group, 2, functools.partial(_flash_block, n_rep=n_rep), q, k, v, is_causal=True, scale=scale)
+        ctx.cp, ctx.n_rep, ctx.scale = cp, n_rep, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, n_rep = ctx.cp, ctx.n_rep
-        kf, vf = cp.gather_kv(k, v, n_rep)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, kf, vf, out, lse, 0.0, False, attn_mask=cp.attend_mask(q.dtype),
-            scale=1.0 / math.sqrt(q.shape[-1]))
-        del kf, vf
-        if n_rep > 1:  # gradients of the repeated heads summed onto their kv head
-            dk = dk.unflatten(1, (-1, n_rep)).sum(2)
-            dv = dv.unflatten(1, (-1, n_rep)).sum(2)
-        dk = reduce_scatter_sequence(dk, cp.group, 2)
-        dv = reduce_scatter_sequence(dv, cp.group, 2)
+        with _ring_options(ctx.cp.rotate) as ring:
+            dq, dk, dv = ring._templated_ring_attention_backward(
+                ctx.cp.group, 2, functools.partial(_flash_block_backward, n_rep=ctx.n_rep), grad_out.contiguous(),
+                "grad_out", q, k, v, out, lse, is_causal=True, scale=ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -130,9 +167,10 @@ class AllGatherKVFlashAttention(torch.autograd.Function):
 class ContextParallel:
     """One rank's context parallelism: its cp group, its token positions, and attention over them.
 
-    ``method`` is "torch" (torch's context_parallel, CUDA flash only) or "allgather" (the all-gather
-    K/V variant). Set on each ``Attention`` as ``context_parallel`` by ``apply_cp``; the trainer
-    shards each microbatch with ``microbatch``.
+    ``method`` is "torch" (torch's context_parallel, CUDA flash), "ring" (torch's ring template on the
+    CPU flash kernel) or "allgather" (eager attention: the all-gather K/V variant). Set on each
+    ``Attention`` as ``context_parallel`` by ``apply_cp``; the trainer shards each microbatch with
+    ``microbatch``.
     """
 
     def __init__(self, mesh, seq_len: int, device: torch.device, attention: str, rotate: str = "allgather",
@@ -142,16 +180,15 @@ class ContextParallel:
         self.cp = dist.get_world_size(self.group)
         self.cp_rank = dist.get_rank(self.group)
         self.seq_len, self.rotate, self.attention = seq_len, rotate, attention
-        self.method = "torch" if device.type == "cuda" and attention == "flash" else "allgather"
-        if self.method == "allgather" and attention == "flash" and dropout > 0:
+        self.method = ("torch" if device.type == "cuda" else "ring") if attention == "flash" else "allgather"
+        if self.method == "ring" and dropout > 0:
             raise NotImplementedError(
                 f"model.dropout = {dropout} with parallel.cp > 1 and flash attention on {device.type}: the "
-                "all-gather K/V attention calls torch's fused CPU kernel without dropout; set model.dropout = 0 "
+                "ring attention calls torch's fused CPU kernel without dropout; set model.dropout = 0 "
                 "or model.attention = 'eager'")
-        if self.method == "allgather" and rotate != "allgather":
+        if self.method == "allgather" and rotate != "allgather":  # engine.backend_limits says it too
             raise NotImplementedError(
-                f"parallel.cp_rotate = {rotate!r} on {device.type} with {attention} attention: torch's ring "
-                "(alltoall) runs inside its context_parallel on the CUDA SDPA kernels (flash attention on CUDA) "
+                f"parallel.cp_rotate = {rotate!r} with {attention} attention: the ring runs with flash attention "
                 "only; allowed here: 'allgather'")
         self.positions = head_tail_positions(seq_len, self.cp, self.cp_rank).to(device)
         #: every key's position in the order the all-gather concatenates the ranks' tokens
@@ -160,22 +197,9 @@ class ContextParallel:
 
     # ---- attention
 
-    def attend_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """(s, S) additive mask in ``dtype`` (0 where a local query may attend to a gathered key, −inf
-        where not): torch's CPU flash kernel takes a float mask of the query's dtype."""
-        allowed = causal_mask(self.positions, self.key_positions)
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
     def masked(self) -> torch.Tensor:
         """(s, S) bool, True where the score is masked out (eager attention's masked_fill)."""
         return self.key_positions[None, :] > self.positions[:, None]
-
-    def gather_kv(self, k: torch.Tensor, v: torch.Tensor, n_rep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the whole sequence (no autograd), repeated to all query heads."""
-        kf, vf = gather_sequence(k, self.group, 2), gather_sequence(v, self.group, 2)
-        if n_rep > 1:
-            kf, vf = kf.repeat_interleave(n_rep, dim=1), vf.repeat_interleave(n_rep, dim=1)
-        return kf, vf
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int, core: nn.Module) -> torch.Tensor:
         """Attention output (b, heads, s, d) of the local queries. q: (b, heads, s, d); k, v: (b, kv_heads,
@@ -184,8 +208,8 @@ class ContextParallel:
             if n_rep > 1:
                 k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
             return core(q, k, v)
-        if self.attention == "flash":
-            return AllGatherKVFlashAttention.apply(q, k, v, self, n_rep)
+        if self.method == "ring":
+            return RingFlashAttention.apply(q, k, v, self, n_rep)
         k, v = GatherSequence.apply(k, self.group, 2), GatherSequence.apply(v, self.group, 2)
         if n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
@@ -216,10 +240,9 @@ class ContextParallel:
 
     def note(self, device_type: str) -> str:
         """What the run's record says about how attention ran."""
-        if self.method == "torch":
-            return NOTES["torch"].format(rotate=self.rotate)
-        eager = "; eager attention materialises its scores, torch's ring runs only inside SDPA" \
-            if self.attention == "eager" else ""
+        if self.method in ("torch", "ring"):
+            return NOTES[self.method].format(rotate=self.rotate, device=device_type.upper())
+        eager = "; it materialises its scores, torch's ring runs a fused kernel"
         return NOTES["allgather"].format(device=device_type.upper(), eager=eager)
 
 

@@ -1,17 +1,17 @@
 """Context parallelism in the backend: the sharded attention's numerics, then real gloo ranks.
 
-Numerics (one process): each cp-rank's head-tail shard of the queries, against K, V gathered in the
-order the all-gather concatenates them, under the mask of its chunks, gives exactly the rows of full
-causal attention at its positions — eager and fused (CPU flash) attention, forward and gradients.
+Numerics: eager attention (one process) — each cp-rank's head-tail shard of the queries, against K, V
+gathered in the order the all-gather concatenates them, under the mask of its chunks, gives exactly the
+rows of full causal attention at its positions, forward and gradients; flash attention (real gloo ranks)
+— torch's ring-attention template on the CPU flash kernel gives each rank those rows too.
 
-Integration (torchrun, gloo, ≤ 4 ranks, a 2-layer tiny model, one step each): cp ∈ {2, 4} alone,
+Integration (torchrun, gloo, ≤ 4 ranks, a 2-layer tiny model, one step each): cp ∈ {2, 4} alone (eager;
+flash, which runs torch's ring-attention template on the CPU flash kernel, with either rotate method),
 cp 2 with FSDP (dp 2), cp 2 with TP 2. The loss of step 1 equals the cp = 1 training's loss (same seed,
 same data), and params, grads and optimizer bytes are exactly the engine's on every rank.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
@@ -43,7 +43,7 @@ def test_head_tail_refuses_a_sequence_it_cannot_split():
         head_tail_positions(64, 3, 0)
 
 
-def _full_and_sharded(kind: str, cp: int, seed: int = 0):
+def _full_and_sharded(cp: int, seed: int = 0):
     """Full causal attention's output and input gradients, and the same from every cp-rank's shard
     (K, V gathered by concatenating the ranks' shards, the gradients of K, V summed over the ranks
     as the reduce-scatter sums them)."""
@@ -72,13 +72,7 @@ def _full_and_sharded(kind: str, cp: int, seed: int = 0):
     for r, (lq, _, _) in enumerate(leaves):
         pos = head_tail_positions(seq, cp, r)
         qr = rope(lq, positions=pos).transpose(1, 2)
-        if kind == "eager":
-            out = core(qr, k_all, v_all, ~causal_mask(pos, order))
-        else:  # the fused CPU kernel the all-gather K/V variant calls, with its additive mask
-            mask = torch.zeros(len(pos), seq, dtype=q.dtype).masked_fill_(~causal_mask(pos, order), float("-inf"))
-            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qr.float(), k_all.float(), v_all.float(), 0.0, False, attn_mask=mask.float(), scale=1 / math.sqrt(d))
-            out = out.double()
+        out = core(qr, k_all, v_all, ~causal_mask(pos, order))
         outs.append(out)
     torch.autograd.backward(outs, [dout[:, :, head_tail_positions(seq, cp, r)] for r in range(cp)])
     out = torch.empty_like(ref_out)
@@ -92,38 +86,49 @@ def _full_and_sharded(kind: str, cp: int, seed: int = 0):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_sharded_eager_attention_equals_full_attention(cp):
-    ref, got = _full_and_sharded("eager", cp)
+    ref, got = _full_and_sharded(cp)
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_sharded_flash_attention_equals_full_attention(cp):
-    ref, got = _full_and_sharded("flash", cp)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+def _ring_rank(rank: int, cp: int, rotate: str, init: str, n_rep: int) -> None:
+    """One cp-rank: its head-tail shard of Q, K, V through RingFlashAttention on a gloo group, checked
+    against full causal attention's rows at its positions (output, and the gradients of its Q, K, V)."""
+    import torch.distributed as dist
+
+    from backend.parallel.context_parallel import ContextParallel, RingFlashAttention
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=cp)
+    try:
+        g = torch.Generator().manual_seed(7)
+        b, heads, seq, d = 2, 4, 32, 8
+        q = torch.randn(b, heads, seq, d, generator=g)
+        k, v = (torch.randn(b, heads // n_rep, seq, d, generator=g) for _ in range(2))
+        dout = torch.randn(b, heads, seq, d, generator=g)
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qf, kf.repeat_interleave(n_rep, 1), vf.repeat_interleave(n_rep, 1),
+                                             is_causal=True)
+        ref.backward(dout)
+        cpx = ContextParallel(dist.group.WORLD, seq, torch.device("cpu"), "flash", rotate)
+        pos = cpx.positions
+        lq, lk, lv = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+        out = RingFlashAttention.apply(lq, lk, lv, cpx, n_rep)
+        out.backward(dout[:, :, pos])
+        torch.testing.assert_close(out.detach(), ref.detach()[:, :, pos], rtol=1e-4, atol=1e-5)
+        for name, got, want in (("dq", lq.grad, qf.grad), ("dk", lk.grad, kf.grad), ("dv", lv.grad, vf.grad)):
+            torch.testing.assert_close(got, want[:, :, pos], rtol=1e-4, atol=1e-5, msg=name)
+    finally:
+        dist.destroy_process_group()
 
 
-def test_flash_kernel_backward_against_gathered_keys_matches_autograd():
-    """The backward AllGatherKVFlashAttention runs (the fused CPU backward on the gathered K, V, with
-    the mask) gives SDPA's own gradients."""
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 8, 16, generator=g)
-    k, v = torch.randn(1, 2, 16, 16, generator=g), torch.randn(1, 2, 16, 16, generator=g)
-    pos = head_tail_positions(16, 2, 1)
-    allowed = causal_mask(pos, torch.cat([head_tail_positions(16, 2, r) for r in range(2)]))
-    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                          scale=0.25)
-    dout = torch.randn_like(out)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=0.25)
-    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qa, ka, va, attn_mask=allowed)
-    ref.backward(dout)
-    torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
-    for a, b in ((dq, qa.grad), (dk, ka.grad), (dv, va.grad)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+@pytest.mark.parametrize("cp,rotate,n_rep", [(2, "allgather", 1), (4, "allgather", 2), (2, "alltoall", 2),
+                                             (4, "alltoall", 1)])
+def test_ring_flash_attention_equals_full_attention(tmp_path, cp, rotate, n_rep):
+    """torch's ring-attention template on the CPU flash kernel, as the backend runs it (real gloo ranks):
+    each rank's shard of the output and of the Q, K, V gradients equals full causal attention's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ring_rank, args=(cp, rotate, f"file://{tmp_path / 'init'}", n_rep), nprocs=cp, join=True)
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -153,6 +158,7 @@ def _reference_first_loss(cfg) -> float:
 CASES = {
     "cp2": ({"cp": 2}, {}),
     "cp4 flash": ({"cp": 4}, {"attention": "flash"}),
+    "cp2 flash ring": ({"cp": 2, "cp_rotate": "alltoall"}, {"attention": "flash"}),
     "cp2 + FSDP dp2": ({"cp": 2, "dp": 2, "zero": 3}, {}),
     "cp2 + TP2": ({"cp": 2, "tp": 2}, {}),
 }
@@ -185,4 +191,6 @@ def test_context_parallel_run_matches_cp1_loss_and_engine_states(tmp_path, case)
         assert row.activations > 0
     detail = meas.ranks[0]
     assert detail["coords"]["cp"] == 0 and {r["coords"]["cp"] for r in meas.ranks} == set(range(p["cp"]))
-    assert any("all-gather K/V variant of torch's allgather rotate method" in n for n in detail["memory"]["notes"])
+    want = (f"torch's ring attention (its _templated_ring_attention, rotate method {cfg.parallel.cp_rotate})"
+            if cfg.model.attention == "flash" else "all-gather K/V variant")
+    assert any(want in n for n in detail["memory"]["notes"]), detail["memory"]["notes"]

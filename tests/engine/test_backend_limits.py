@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from engine import Config
-from engine.backend_limits import composition_problems, cp_rotate_refusal, predict_only
+from engine.backend_limits import composition_problems, predict_only
 from engine.plan.search import plan
 from engine.predict import predict
 from gui.planning import PlanOutcome
@@ -53,7 +53,7 @@ PRESET_CLUSTERS = {"tiny": ("cpu", 4, 4), "gpt2-124m": ("a100-40g", 8, 8), "llam
 
 def _backend_refusal(cfg: Config) -> str | None:
     """What the backend says before it builds anything for ``cfg`` (its own checks, no launch): its
-    refusal in words, or None; torch's ring on a CPU machine (machine-dependent) is not counted."""
+    refusal in words, or None."""
     from backend.model import refuse_unsupported
     from backend.train import check_supported
 
@@ -61,7 +61,7 @@ def _backend_refusal(cfg: Config) -> str | None:
         refuse_unsupported(cfg.model)
         check_supported(cfg)
     except NotImplementedError as exc:
-        return None if str(exc) == cp_rotate_refusal(cfg, "cpu") else str(exc)
+        return str(exc)
     return None
 
 

@@ -76,7 +76,7 @@ def test_lean_axis_draws_what_pyqtgraph_draws(qtbot, orientation):
 
 def test_lean_axis_falls_back_where_it_does_not_lean(qtbot):
     plots = pair(qtbot, "left", (500, 400))
-    for w, axis in plots:
+    for w, _ in plots:
         w.getPlotItem().showGrid(x=True, y=True, alpha=0.4)
         w.getPlotItem().setYRange(0, 37, padding=0)
     qtbot.wait(1)
