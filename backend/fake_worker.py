@@ -544,11 +544,14 @@ def _ddp_without_init_checks():
 
 def _create_optimizer_state(trainer) -> None:
     """What a real run's earlier steps leave behind: optimizer state exists before the measured
-    step. One optimizer step on zero gradients creates it without a forward and backward."""
+    step. One optimizer step on zero gradients creates it without a forward and backward. Only the
+    trainable parameters get one: the step's zero_grad clears the optimizer's parameters only, so a
+    frozen base's gradients (LoRA) would otherwise live on through the measured step."""
     import torch
 
     for p in trainer.params:
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     trainer.optimizer_step()  # zero_grad(set_to_none=True) follows, as after a training step
 
 

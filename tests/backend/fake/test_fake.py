@@ -23,6 +23,7 @@ from backend.fake import comparison, default_ranks, simulate
 from backend.records import Measurement
 from engine import default_config
 from engine.names import MEMORY_CATEGORIES
+from engine.predict import predict
 from gui.cli import main as cli_main
 
 #: categories that must match to the byte; activations / temporaries / total within 2 % or 256 KiB
@@ -108,6 +109,23 @@ def test_zero0_with_tp_simulates_its_pipeline_stage(tmp_path):
     assert rank.rank == 0 and rank.params > 0 and rank.activations > 0
     rows = [r for r in comparison(cfg, run.measurement) if r["category"] in ("params", "grads", "optimizer")]
     assert len(rows) == 3 and all(r["difference"] == 0 for r in rows), rows
+
+
+def test_a_lora_fake_run_gives_only_the_adapters_gradients(tmp_path):
+    """The optimizer state a fake run creates before its measured step gave every parameter a zero
+    gradient, and the step's zero_grad clears only the optimizer's (the adapters'): a frozen base's
+    gradients lived on and the fake measured grads = params under LoRA (a 7B: 7.0 GiB the real code
+    never holds). Now the grads are exactly the engine's (the adapters')."""
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    cfg = default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1, "microbatches": 1},
+                                   training={"finetune": "lora", "lora_targets": "attention"})
+    run = simulate(cfg, tmp_path / "fake", [0], 240, None, False, 1)
+    exact = run.measurement.ranks[0]["memory"]["exact"]
+    pred = predict(cfg).memory.per_rank[0]
+    assert 0 < exact["grads"] < exact["params"] / 10
+    for c in ("params", "grads", "optimizer"):
+        assert exact[c] == sum(t.bytes for t in pred.catalogue(c)), c
 
 
 @pytest.mark.integration
