@@ -364,9 +364,9 @@ def sweep(layouts: dict[str, Config], args: argparse.Namespace) -> list[dict]:
 
 def notes_of(cfg: Config) -> list[str]:
     """What a fake run of ``cfg`` measures differently from what the engine predicts."""
-    # the fake trainer runs compiled blocks eagerly and cannot count what inductor's kernels save
-    # (backend.fake_worker: counts_compiled_saved = False); the engine predicts the compiled blocks
-    return ["compile: fake eager"] if cfg.training.compile else []
+    # the fake trainer runs compiled blocks eagerly (fake_vs_engine.compared_config): the row compares the
+    # engine's eager prediction of the layout
+    return ["compile: fake and engine eager"] if cfg.training.compile else []
 
 
 def _finite(x):

@@ -64,9 +64,21 @@ def error(engine: int, simulated: int) -> float:
     return (engine - simulated) / simulated if simulated else float("inf") if engine else 0.0
 
 
+def compared_config(cfg: Config) -> Config:
+    """The config whose prediction a fake run of ``cfg`` is compared with: ``cfg`` itself, but a compiled one
+    as eager. The fake trainer runs compiled blocks eagerly and does not count what inductor's kernels save
+    (backend.fake_worker: ``counts_compiled_saved = False``), so its activations and temporaries are the eager
+    blocks'; against the engine's compiled prediction a row measures the difference between eager and
+    compiled blocks, not the engine's error (async TP, which needs compile, goes with it)."""
+    if not cfg.training.compile:
+        return cfg
+    return cfg.replace(training={"compile": False}, parallel={"async_tp": False})
+
+
 def rows_of(cfg: Config, doc: dict) -> list[dict]:
-    """Per simulated rank: its categories, allocated and reserved, engine and simulated side by side."""
-    pred = {r.rank: r for r in predict(cfg).memory.per_rank}
+    """Per simulated rank: its categories, allocated and reserved, the engine's (for ``compared_config(cfg)``)
+    and the simulation's side by side."""
+    pred = {r.rank: r for r in predict(compared_config(cfg)).memory.per_rank}
     sim_cats = {r["rank"]: r for r in doc["memory"]["per_rank"]}
     alloc = {r["rank"]: r for r in doc["reserved"]}
     out = []
