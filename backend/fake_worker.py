@@ -17,8 +17,9 @@ Pipeline parallelism: the stage modules this rank holds are cut by backend.paral
 run the schedule's real compute order for this pp rank (``engine.pipeline.schedules``' action list, the
 order torch executes): each F, B, I and W in turn, as torch's PipelineStage runs them —
 ``forward_one_chunk`` keeps (outputs, inputs) until the microbatch's backward, the last stage
-keeps every microbatch's output until the next step (``return_outputs``) and concatenates them at
-the end of the step, B is ``stage_backward``, I ``stage_backward_input`` (its state kept until
+keeps no output beyond its microbatch's backward (``conventions.pipeline_outputs = "released"``: the
+trainer's ``step(return_outputs=False)``, as torchtitan ≥ 0.2.1) or, "kept", every microbatch's output to
+the step's end, concatenated there (step()'s ``_merge_outputs``), B is ``stage_backward``, I ``stage_backward_input`` (its state kept until
 W), W ``stage_backward_weight``; FSDP / DDP are driven as ``backward_maybe_with_nosync`` and
 ``perform_reduce_grad`` drive them. No send or receive runs (a fake process group cannot carry
 the schedule's shape exchange): a received activation or gradient is a fresh tensor of its shape.
@@ -154,6 +155,7 @@ class _FakeTrainer:
         if cfg.cluster.gpu.name != "cpu":
             use_fused_rms_norm(model)  # the kernel the GPU kind runs, not CPU's composite
         parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
+        self.output_chunks: list = []  # the last stage's outputs under pipeline_outputs = "kept", to the next step
         self.fake_mode = (FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors
                           else contextlib.nullcontext())
         self._parallelize(parts)
@@ -217,7 +219,6 @@ class _FakeTrainer:
         self.local_batch = par.microbatches * cfg.training.micro_batch_size
         self.actions = _stage_actions(cfg, self.coords.pp) if self.pipelined else ()
         self.in_flight = schedule_in_flight(self.actions, self.stages) if self.pipelined else []
-        self.output_chunks: list = []  # the last stage's outputs, kept until the next step
 
     def expert_tokens(self, k: int) -> dict:
         """The planned routing (Trainer.expert_tokens' shape): every rank of a stage routes each
@@ -281,14 +282,15 @@ class _FakeTrainer:
                     self._weight_chunk(st, mod, s, mb)
                 if st.finishing[s] == 0:
                     _perform_reduce_grad(mod)
-            if self.has_last:  # the schedule's return value: the last stage's outputs merged
+            if self.has_last and self.output_chunks:  # step()'s return value: the last stage's outputs merged
                 merged = torch.cat(self.output_chunks)
                 del merged
         return 0.0, 1
 
     def _forward_chunk(self, st: _PipelineStep, mod, s: int, mb: int) -> None:
         """forward_one_chunk: the stage's input (token ids, or the received activation), kept with the
-        output until the microbatch's backward; the last stage's output kept to the step's end, its loss."""
+        output until the microbatch's backward, the last stage's output also in ``output_chunks`` to the step's
+        end when the convention keeps them (``return_outputs``), and the last stage's loss."""
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
@@ -304,7 +306,8 @@ class _FakeTrainer:
         else:
             out = mod(x)
         if s == st.last:
-            self.output_chunks.append(out)
+            if self.cfg.conventions.pipeline_outputs == "kept":
+                self.output_chunks.append(out)
             st.losses[mb] = loss_fn(out, torch.zeros(st.mbs, st.seq, dtype=torch.long))
         st.fwd_cache[(s, mb)] = (out if isinstance(out, tuple) else (out,), [x])
 

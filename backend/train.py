@@ -208,10 +208,14 @@ class Trainer:
             losses: list[torch.Tensor] = []
             with self._sequence_shards(x, y) as (x, y), self._loss_ctx():
                 args = (x,) if self.has_first else ()
+                # conventions.pipeline_outputs: "released" calls step(return_outputs=False), as torchtitan since
+                # 0.2.1 (its PR 1922: the last stage keeps no output of every microbatch to merge at the step's
+                # end); "kept", step()'s default; the losses come back either way
+                keep = self.cfg.conventions.pipeline_outputs == "kept"
                 if self.has_last:
-                    self.schedule.step(*args, target=y, losses=losses)
+                    self.schedule.step(*args, target=y, losses=losses, return_outputs=keep)
                 else:
-                    self.schedule.step(*args)
+                    self.schedule.step(*args, return_outputs=keep)
             if not losses:
                 return 0.0, 0
             return float(torch.stack([loss.detach().float() for loss in losses]).mean()), 1

@@ -78,6 +78,8 @@ RESHARD_POLICIES = ("default", "always", "never")
 #: weights 1: the embeddings count as one block on the first stage, norm + head as one on the last.
 PIPELINE_SPLITS = ("even", "torchtitan")
 BUBBLE_CONVENTIONS = ("share-of-total", "relative-to-ideal")
+#: what a pipeline's last stage keeps of its outputs (``conventions.pipeline_outputs``)
+PIPELINE_OUTPUTS = ("released", "kept")
 #: conventions.clock: how compute is timed (engine.time.step.analytic_durations)
 CLOCKS = {"efficiency": "every FLOP at conventions.compute_efficiency × the peak",
           "ops": "each op a roofline on the device profile (engine.time.ops)"}

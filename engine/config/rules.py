@@ -98,6 +98,7 @@ def check(
     c = conventions
     _choice(p, "conventions.bubble", c.bubble)
     _choice(p, "conventions.state_accounting", c.state_accounting)
+    _choice(p, "conventions.pipeline_outputs", c.pipeline_outputs)
     _check_clock(p, model, training, c)
     return p
 
@@ -545,7 +546,8 @@ MAX_BREADTH_FIRST_BLOCKS = 16384
 
 
 #: the most block-microbatches (microbatches × layers, summed over the pipeline ranks) any other
-#: pipeline may lay: its allocator need not loop (the last stage's kept outputs grow each microbatch),
+#: pipeline may lay: its allocator need not loop (under conventions.pipeline_outputs = "kept" the last stage's
+#: outputs grow each microbatch),
 #: ~15 µs a block-microbatch and distinct rank; the fuzz's 1,000-layer pipelines of 128–256
 #: microbatches (128,000–256,000) took 1.2–6.3 s. Llama 3 70B on 64 stages × 256 microbatches: 20,480;
 #: Llama 3 405B: 260 microbatches; published pipelines run 8–64

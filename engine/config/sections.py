@@ -638,6 +638,14 @@ class Conventions:
         doc="DDP gradients alias the buckets (no separate bucket copy)",
         group="conventions",
     )
+    pipeline_outputs: str = knob(
+        "released",
+        doc="what a pipeline's last stage keeps of each microbatch's output (its logits): 'released' at the end of "
+            "the microbatch's backward (the training loop calls step(return_outputs=False): torchtitan ≥ 0.2.1), "
+            "or 'kept' to the step's end and merged by step() (its default, return_outputs=True: torchtitan ≤ 0.2.0)",
+        choices=names.PIPELINE_OUTPUTS,
+        group="conventions",
+    )
     fsdp_prefetch: bool = knob(
         True,
         doc="FSDP holds the next unit unsharded while computing this one",

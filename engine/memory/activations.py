@@ -756,7 +756,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     Returns what the buffers need: the residual stream's element bytes and numel.
     """
     model, par, tr = cfg.model, cfg.parallel, cfg.training
-    t, p, m = par.tp, par.pp, par.microbatches
+    t = par.tp
     s, b, h = cfg.local_seq_len, tr.micro_batch_size, model.hidden  # the rank's tokens (seq_len / cp)
     lora_on = tr.finetune == "lora"
     sh = shape_of(cfg)
@@ -792,13 +792,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
     for st, ex, n in zip(rp.stages, extras, counts):
         _add_stage_terms(T, st, ex, n, ckpt_of[st.stage], blocks, dims, tr.recompute_every)
-    if torch_acc and p > 1 and holds_last:
-        # torch.distributed.pipelining keeps every microbatch's output (the logits) on the last stage
-        # until step() merges them, whatever the schedule
-        lo = act * s * b * v_loss
-        T.add("activations", "last stage: every microbatch's logits, kept by the schedule to merge the output",
-              m * lo, f"m × {act}·s·b·{_v_symbol(model, v_loss)} = {m} × {lo:,} B", stage=n_stages - 1,
-              in_flight=m, kind="pipeline_outputs")
+    if torch_acc and par.pp > 1 and holds_last and cfg.conventions.pipeline_outputs == "kept":
+        pipeline_output_terms(T, act * s * b * v_loss, par.microbatches, n_stages - 1,
+                              f"{act}·s·b·{_v_symbol(model, v_loss)}")
     if autocast:
         _autocast_cast_terms(cfg, rp, T, act, psi_train)
     _recomputed_block_terms(cfg, rp, T, sh, blocks, ckpt_of, res, dims, ep_rank)
@@ -913,6 +909,21 @@ def _block_sizes(cfg: Config, rp, sh: _Shape, res: int, ep_rank: int | None,
                    per_moe_of_stage=per_moe_of_stage)
 
 
+def pipeline_output_terms(T: Terms, logits: int, m: int, last: int, each: str) -> None:
+    """``conventions.pipeline_outputs = "kept"``: the training loop calls ``step()`` with its default
+    ``return_outputs=True`` (torchtitan ≤ 0.2.0), so the last stage appends every microbatch's output (the
+    logits, ``logits`` bytes each) to ``output_chunks`` in its forward (torch/distributed/pipelining/stage.py:
+    ``if self.is_last and save_forward_output``) and keeps them to the step's end, when ``step()`` returns
+    ``_merge_outputs(output_chunks)``: one ``torch.cat`` of them all, made after the last backward and
+    dropped by a loop that discards it (measured in ``measure --fake``: GPT-2 at 64K tokens, 4 microbatches,
+    a 12.3 GiB request at the step's end that no cached block holds)."""
+    T.add("activations", "last stage: every microbatch's logits, kept by the schedule to merge the output "
+          "(step(return_outputs=True))", m * logits, f"m × {each} = {m} × {logits:,} B", stage=last, in_flight=m,
+          kind="pipeline_outputs")
+    T.add("temporaries", "last stage: step()'s merged output, torch.cat of every microbatch's logits after the last "
+          "backward", m * logits, f"m × logits = {m} × {logits:,} B", kind="pipeline_output_merge")
+
+
 def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, int], *, torch_acc: bool, res: int,
                   v_loss: int) -> list[tuple[str, int, str, str]]:
     """What a local stage saves for one microbatch beyond its blocks, as (label, bytes, formula, kind):
@@ -973,6 +984,12 @@ def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, i
                    "final_norm"))
     ex.append(("fp32 log-probabilities for the loss", 4 * s * b * v_loss, f"4·s·b·{_v_symbol(model, v_loss)}",
                "log_probabilities"))
+    if torch_acc and cfg.parallel.pp > 1 and cfg.conventions.pipeline_outputs == "released":
+        # torch.distributed.pipelining's stage keeps its output (here the logits) in ``fwd_cache`` from the
+        # forward to the end of the microbatch's backward (stage.py: ``backward_one_chunk`` pops it and holds it
+        # to its end); with ``step(return_outputs=False)`` nothing else does (``pipeline_output_terms``)
+        ex.append(("last stage output (the logits) kept by the pipeline stage for its backward", act * s * b * v_loss,
+                   f"{act}·s·b·{_v_symbol(model, v_loss)}", "stage_output"))
     return ex
 
 

@@ -23,7 +23,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        alive at the F's own moment (the blocks' forward, before the head runs) nor at
                        a B's own moment (the blocks' backward, after the head's backward freed it);
                        the loss moment holds it, and a split backward keeps it until the W
-  to_step_end          the last stage's kept outputs (logits): from the microbatch's F to the step's end
+  to_step_end          the last stage's kept outputs (logits) under ``conventions.pipeline_outputs = "kept"``:
+                       from the microbatch's F to the step's end
   input_to_weight      a split backward's retained gradients of a stage-microbatch (``INPUT_TO_WEIGHT_KINDS``):
                        made by its I, freed after its W
   stage_accumulated    on a rank of several pipeline stages (FSDP2), one stage's unsharded gradients:
@@ -72,7 +73,10 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        gradient at full V × h (DTensor's ``embedding_dense_backward`` strategies,
                        torch/distributed/tensor/_ops/_embedding_ops.py, have no vocab-sharded output: the
                        vocab-parallel embedding's weight gradient is made Partial at full size, then
-                       reduce-scattered to its row shard), gone before the optimizer step
+                       reduce-scattered to its row shard), gone before the optimizer step; and under
+                       ``conventions.pipeline_outputs = "kept"`` the last stage's merged output (``step()``'s
+                       ``torch.cat`` of every microbatch's logits: pipelined, so never beside that gradient,
+                       which only an unpipelined single-microbatch step makes)
   after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
                        parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
                        assigns ``.grad``; the I computes input gradients only); laid anew at each moment
@@ -156,8 +160,8 @@ LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRAN
 LIFETIMES: dict[str, str] = {
     "parameters": "step", "gradients": "step", "optimizer_states": "step", "master_weights": "step",
     "frozen_base": "step", "adapters": "step", "ddp_buckets": "step", "p2p_activation_receive": "step",
+    "pipeline_outputs": "to_step_end", "pipeline_output_merge": "post_backward",
     "p2p_gradient_receive": "step", "autocast_weight_casts": "step", "none": "step",
-    "pipeline_outputs": "to_step_end",
     "all_gather_output": "every_action", "all_gather_input": "every_action", "unsharded_params": "every_action",
     "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward", "embedding_full_gradient": "post_backward",
     "recomputed_block": "backward_input",

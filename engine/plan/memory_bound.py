@@ -178,9 +178,9 @@ class MemoryBound:
             # (the head input gathered from the sequence shards under SP: at most 4 B an element)
             head_up = bf * (8 * np.ceil(s_len * h / r.rep_div) + 4 * np.where(gs, s_len * h, np.ceil(s_len * h / r.rep_div))
                             + 4 * s_len + 4 * s_len * v_up)
-        # the end of the backward: torch.distributed.pipelining has kept every microbatch's logits on the last
-        # stage (lifetime "to_step_end"), beside the step terms
-        if c.torch_acc and st.pp > 1 and n_stages - 1 in stages:
+        # the end of the backward, conventions.pipeline_outputs = "kept": torch.distributed.pipelining has kept
+        # every microbatch's logits on the last stage (lifetime "to_step_end"), beside the step terms
+        if c.torch_acc and st.pp > 1 and n_stages - 1 in stages and conv.pipeline_outputs == "kept":
             kept = act_b * st.s_len * np.where(gs, st.vocab_t, model.vocab)
             mem = np.maximum(mem, steady + r.m * bf * kept)
         # (a rank of several stages holds each stage's unsharded gradients only from that stage's

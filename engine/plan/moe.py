@@ -235,6 +235,7 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
     g_tp = math.gcd(m.heads, m.kv_heads, m.ffn_hidden)
     grid = _MoeGrid(base)
     torch_acc, act, s_len, phi_ep = grid.torch_acc, grid.act, grid.s_len, grid.phi_ep
+    kept_outputs = base.conventions.pipeline_outputs == "kept"
     overhead = runtime_context_bytes(base)
     fd = block_flops(base, False)
     rate1 = cl.gpu.peak_flops(base.training.precision) * base.conventions.compute_efficiency
@@ -292,10 +293,11 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                         in_flight = np.minimum(mb, pp - stage_index)
                         acts = in_flight * (nb * kept if rc == "full" else dn * d_b + mn * m_b)
                         # buffers every layout of this shape keeps: the pipeline's receive buffers and, on the
-                        # last stage, every microbatch's logits; EP's all-to-all buffers of one layer
+                        # last stage under conventions.pipeline_outputs = "kept", every microbatch's logits; EP's
+                        # all-to-all buffers of one layer
                         sbh = act * tokens * m.hidden // tp
                         bufs = mb * sbh * p2p
-                        if torch_acc and pp > 1:  # the logits, vocabulary-parallel under SP
+                        if torch_acc and pp > 1 and kept_outputs:  # the logits, vocabulary-parallel under SP
                             bufs = bufs + last * (mb * act * tokens * -(-m.vocab // tp))
                         if ep > 1:
                             bufs = bufs + (mn > 0) * (act * (tokens // tp) * m.experts_per_token * m.hidden * 2)

@@ -128,6 +128,25 @@ def test_a_lora_fake_run_gives_only_the_adapters_gradients(tmp_path):
         assert exact[c] == sum(t.bytes for t in pred.catalogue(c)), c
 
 
+def test_the_last_stage_keeps_its_outputs_only_under_the_kept_convention(tmp_path):
+    """conventions.pipeline_outputs: "released" steps with return_outputs=False (torchtitan ≥ 0.2.1), so the
+    last stage holds a microbatch's logits only to its backward; "kept" (step()'s default) holds every
+    microbatch's to the step's end and concatenates them there. The fake's last stage measures what the engine
+    adds for "kept" (m × logits and their merge) to 1 %, and each convention's peak within 2 %."""
+    pytest.importorskip("torch")
+    base = default_config().replace(cluster={"gpus": 2}, parallel={"dp": 1, "pp": 2, "microbatches": 4},
+                                    model={"vocab": 8192, "layers": 2}, training={"micro_batch_size": 2})
+    fake, engine = {}, {}
+    for conv in ("released", "kept"):
+        cfg = base.replace(conventions={"pipeline_outputs": conv})
+        run = simulate(cfg, tmp_path / conv, [1], 240, None, False, 1)
+        fake[conv] = run.measurement.ranks[0]["allocator"]["max_allocated"]
+        engine[conv] = predict(cfg).memory.per_rank[1].allocated
+        assert engine[conv] == pytest.approx(fake[conv], rel=0.02), conv
+    assert fake["kept"] - fake["released"] > 0.25 * fake["released"]
+    assert engine["kept"] - engine["released"] == pytest.approx(fake["kept"] - fake["released"], rel=0.01)
+
+
 @pytest.mark.integration
 def test_a_simulated_rank_past_the_timeout_is_stopped_and_the_run_fails(tmp_path):
     """A rank forked from the fork server runs in its own session: the timeout stops it and nothing is left."""

@@ -551,7 +551,7 @@ def test_the_memory_bound_holds_fsdp2s_unsharded_parameters_and_gradients():
     layouts reach a full evaluation only to be refused (1,553 of 1,563 before the bound held them)."""
     result = plan("llama3-70b", 64, "h100-sxm", 8, top=10)
     c = result.counts
-    assert c.fitting_timed == 10
+    assert c.fitting_timed >= 10
     assert c.did_not_fit < 300, c
     assert c.fully_evaluated < 400, c
 
