@@ -22,7 +22,8 @@ trainer's ``step(return_outputs=False)``, as torchtitan ≥ 0.2.1) or, "kept", e
 the step's end, concatenated there (step()'s ``_merge_outputs``), B is ``stage_backward``, I ``stage_backward_input`` (its state kept until
 W), W ``stage_backward_weight``; FSDP / DDP are driven as ``backward_maybe_with_nosync`` and
 ``perform_reduce_grad`` drive them. No send or receive runs (a fake process group cannot carry
-the schedule's shape exchange): a received activation or gradient is a fresh tensor of its shape.
+the schedule's shape exchange): a received activation or gradient is the stage's receive buffer of that
+microbatch, made before the measured step as torch's first step makes them (``make_recv_buffers``).
 See ``NOT_COVERED_PP``.
 
 Every allocation and free the tracker sees during the measured step (and the storages alive when
@@ -48,8 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NOT_COVERED_PP = [
-    "pipeline: no send or receive runs; a received activation or gradient is a fresh tensor allocated when "
-    "its action runs and freed after it (torch keeps one p2p buffer per microbatch, allocated in the first step)",
+    "pipeline: no send or receive runs; a received activation or gradient is the stage's receive buffer of that "
+    "microbatch (one per microbatch and direction, made before the measured step, as torch's first step makes "
+    "them), its contents never written",
 ]
 NOT_COVERED = [
     "runtime context and collective-library buffers (no device, no NCCL)",
@@ -156,6 +158,8 @@ class _FakeTrainer:
             use_fused_rms_norm(model)  # the kernel the GPU kind runs, not CPU's composite
         parts = apply_pp(model, par, self.coords.pp) if self.pipelined else [(0, model)]
         self.output_chunks: list = []  # the last stage's outputs under pipeline_outputs = "kept", to the next step
+        #: (direction, stage, microbatch) -> the pipeline's receive buffer, made before the measured step
+        self.recv_buffers: dict = {}
         self.fake_mode = (FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors
                           else contextlib.nullcontext())
         self._parallelize(parts)
@@ -249,21 +253,48 @@ class _FakeTrainer:
             return super().forward_backward(arg)
         return self._stage_forward_backward()
 
-    def _stage_forward_backward(self) -> tuple[float, int]:
-        """This pp rank's actions in the schedule's order, as torch's PipelineStage runs them."""
+    def p2p_buffer_bytes(self) -> int:
+        from backend import measure
+
+        return sum(measure._nbytes(t) for t in self.recv_buffers.values())
+
+    def make_recv_buffers(self) -> None:
+        """What torch's PipelineStage allocates in its first step (``_prepare_forward_infra`` /
+        ``_prepare_backward_infra``) and reuses: one activation receive buffer per microbatch for a stage
+        that is not the first (``args_recv_info``, requires_grad: it is the stage's input) and one gradient
+        receive buffer per microbatch for a stage that is not the last (``grad_recv_info``). Made before the
+        measured step, as a real run's earlier steps leave them."""
+        import torch
+
+        st = self._step_shapes()
+        shape = (st.mbs, st.sp_seq, st.hidden)
+        for s in self.stages:
+            for mb in range(self.cfg.parallel.microbatches):
+                if s != st.first:
+                    self.recv_buffers[("act", s, mb)] = torch.zeros(shape, dtype=st.act_dtype, requires_grad=True)
+                if s != st.last:
+                    self.recv_buffers[("grad", s, mb)] = torch.zeros(shape, dtype=st.act_dtype)
+
+    def _step_shapes(self) -> _PipelineStep:
         import torch
 
         from backend.parallel.precision import compute_dtype
 
         cfg, par, tr = self.cfg, self.cfg.parallel, self.cfg.training
         seq = cfg.local_seq_len  # the rank's tokens (cp)
-        st = _PipelineStep(
+        return _PipelineStep(
             mbs=tr.micro_batch_size, seq=seq, hidden=cfg.model.hidden,
             sp_seq=seq // par.tp if par.sequence_parallel else seq,
             # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype; autocast
             # (and fp32) leave it in fp32
             act_dtype=compute_dtype(self.plan) if self.plan.mixed_precision == "fsdp2-policy" else torch.float32,
             first=0, last=par.num_stages - 1)
+
+    def _stage_forward_backward(self) -> tuple[float, int]:
+        """This pp rank's actions in the schedule's order, as torch's PipelineStage runs them."""
+        import torch
+
+        st = self._step_shapes()
         # the backward that completes each stage-microbatch: its W where split, else its B
         split = {(a[1], a[2]) for a in self.actions if a[0] == "I"}
         st.finishing = {s: sum(1 for k, stage, mb in self.actions if stage == s
@@ -298,8 +329,8 @@ class _FakeTrainer:
 
         if s == st.first:
             x = torch.zeros(st.mbs, st.seq, dtype=torch.long)
-        else:  # the received activation
-            x = torch.zeros(st.mbs, st.sp_seq, st.hidden, dtype=st.act_dtype, requires_grad=True)
+        else:  # the received activation: the stage's receive buffer of this microbatch
+            x = self.recv_buffers[("act", s, mb)]
         if isinstance(mod, DistributedDataParallel):
             with mod.no_sync():
                 out = mod(x)
@@ -318,8 +349,10 @@ class _FakeTrainer:
         outputs, inputs = st.fwd_cache.pop((s, mb))
         if s == st.last:
             stage_output, output_grads = st.losses.pop(mb), None
-        else:  # the received gradients
-            stage_output, output_grads = outputs, tuple(torch.ones_like(o) for o in outputs)
+        else:  # the received gradient: the stage's receive buffer of this microbatch
+            received = self.recv_buffers[("grad", s, mb)]
+            stage_output = outputs
+            output_grads = (received,) + tuple(torch.ones_like(o) for o in outputs[1:])
         if kind == "B":
             st.finishing[s] -= 1
             _backward_maybe_with_nosync(mod, "full", st.finishing[s] == 0, stage_output=stage_output,
@@ -555,6 +588,8 @@ def _create_optimizer_state(trainer) -> None:
     for p in trainer.params:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+    if trainer.pipelined:
+        trainer.make_recv_buffers()
     trainer.optimizer_step()  # zero_grad(set_to_none=True) follows, as after a training step
 
 
@@ -736,6 +771,14 @@ def _ddp_bucket_events(trainer) -> list[list]:
     return events
 
 
+def _recv_buffer_events(trainer) -> list[list]:
+    """The pipeline's receive buffers (``make_recv_buffers``) as allocations at the replay's start: torch's
+    first step makes them and every later one reuses them, and the tracker, which leaves out what predates
+    it, never files them (the rank's comm_buffers count them, ``p2p_buffer_bytes``)."""
+    return [["alloc", ("p2p_recv", i), int(t.untyped_storage().nbytes()), 0]
+            for i, t in enumerate(trainer.recv_buffers.values())]
+
+
 def allocator_capacity(cfg) -> int | None:
     """The bytes the caching allocator may reserve: the accelerator's memory (None on a CPU kind)."""
     gpu = cfg.cluster.gpu
@@ -778,7 +821,7 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments
         with AllocationRecorder(fsdp_stream_index([m for _, m in trainer.modules])) as recorder:
             memory = trainer.measure_memory(2)
         trainer.output_chunks = []
-    events = _ddp_bucket_events(trainer) + recorder.events
+    events = _ddp_bucket_events(trainer) + _recv_buffer_events(trainer) + recorder.events
     allocator = replay_allocations(events, expandable_segments=expandable_segments,
                                    capacity=allocator_capacity(cfg))
     seconds = time.perf_counter() - t0

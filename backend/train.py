@@ -334,6 +334,10 @@ class Trainer:
         dist.all_reduce(total)
         return {"k": k, "blocks": local, "total": {str(b): row for b, row in zip(blocks, total.cpu().tolist())}}
 
+    def p2p_buffer_bytes(self) -> int:
+        """The pipeline's receive buffers (torch keeps one per microbatch, stage and direction)."""
+        return measure.p2p_buffer_bytes(self.schedule)
+
     def measure_memory(self, step: int) -> dict:
         """One extra, untimed step under PyTorch's MemTracker, plus exact local byte counts."""
         mods = [m for _, m in self.modules]
@@ -367,8 +371,8 @@ class Trainer:
             # DDP's reducer buckets hold a flat copy of every gradient it reduces (not the routed
             # experts', which it leaves to sync_expert_grads)
             cats["comm_buffers"] += ddp_grads
-        if self.schedule is not None:
-            cats["comm_buffers"] += measure.p2p_buffer_bytes(self.schedule)  # untracked p2p receive buffers
+        if self.pipelined:
+            cats["comm_buffers"] += self.p2p_buffer_bytes()  # untracked p2p receive buffers
         out = {
             "categories": cats,
             "exact": exact,
