@@ -804,13 +804,14 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
-    if blocks.moe and torch_acc and (tr.recompute == "none" or tr.recompute == "full" and plain_grads):
+    if blocks.moe and torch_acc and tr.recompute in ("none", "full"):
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
         # gradients, the later blocks having kept only their inputs (measured with plain parameters: CPU runs
         # s31#03, s2026#13 MoE GPipe full 14.2 -> 0.6 %, 12.5 -> 1.2 %; measure --fake Qwen3 30B GPipe ZeRO-1 full
-        # -12.3 -> +5.9 %. Under FSDP2 it over-predicts, s31#22 ZeRO-3 full 1.6 -> 13.9 %: not applied there)
+        # -12.3 -> +5.9 %. Under FSDP2 the expert-gradient moment over-predicts, s31#22 ZeRO-3 full 1.6 -> 13.9 %:
+        # there only the combine's backward is laid)
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.per_layer if tr.recompute == "none" else blocks.kept,
-                           moe_microbatches)
+                           moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads)
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
@@ -1376,9 +1377,20 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
               res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="held_input_gradient")
 
 
-def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int, microbatches: dict[int, tuple[int, ...]] | None = None) -> None:
-    """The moment inside a backward where a stage with experts peaks: the routed experts' backward of
-    its last MoE block (measured with MemTracker on CPU: ``benchmarks/accuracy.md``'s MoE note).
+def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int,
+                       microbatches: dict[int, tuple[int, ...]] | None = None, expert_grads: bool = True) -> None:
+    """The moment inside a backward where a stage with experts peaks, the larger of two in its last MoE block:
+    the combine's backward, or (``expert_grads``) the routed experts' backward (measured with MemTracker on
+    CPU: ``benchmarks/accuracy.md``'s MoE note).
+
+    The combine (backend/model.py ``scatter_combine``: ``(out.float() * scores).to(dtype)`` then
+    ``index_add_``) runs first in the block's backward: ``index_add_``'s backward gathers the output
+    gradient per routed copy (n·k·h in the activation dtype), the cast's backward makes it fp32, and the
+    multiply's backward makes the fp32 gradient of the expert outputs and, for the scores' gradient, the fp32
+    product with the saved outputs before its row sum: three fp32 n·k·h tensors (and the 16-bit gradient; in
+    fp32 training the casts are no-ops and the gathered gradient is the first fp32 one) beside the two the block saved
+    (measured in ``measure --fake`` of Qwen3 30B-A3B, pp8 ZeRO-3 full recompute: four 1 GiB fp32 n·k·h tensors
+    at a middle stage's peak); nothing of the block is freed yet, only the later blocks.
 
     Each expert's weights are a slice ``w[i]`` of a 3-D parameter, so autograd's select_backward
     gives every expert a full-size (E_loc, f, h) gradient, summed in the parameter's input buffer:
@@ -1429,11 +1441,33 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         combine = 4 * n * k * h + 12 * n * k + act * n * k * h + (act * n_r * h if par.ep > 1 else 0)
         freed = after + shared + combine
         gain = temp - freed
-        if gain > 0 and (best is None or gain > best[0]):
+        if expert_grads and gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine)
+        cast = act * n * k * h if act != 4 else 0  # fp32 training: .float() and .to() are no-ops, no copy
+        c_temp = 3 * 4 * n * k * h + cast + grads // 2
+        if c_temp - after > 0 and (best is None or c_temp - after > best[0]):
+            best = (c_temp - after, st.stage, c_temp, None, grads // 2, 0, after, after, 0, 0)
     if best is None:
         return
     _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine = best
+    if w_grads is None:
+        T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block, its combine: the routed copies' output "
+              f"gradient in {act} B and, in fp32, its cast, the expert outputs' gradient and the scores' product",
+              temp, (f"3 × 4·n·k·h + {act}·n·k·h + s·b·h·{act} = 3 × 4·{n}·{k}·{h} + {act}·{n}·{k}·{h} + {grads:,} B "
+                     "(block output gradient)" if act != 4 else
+                     f"3 × 4·n·k·h + s·b·h·4 = 3 × 4·{n}·{k}·{h} + {grads:,} B (block output gradient; fp32: no casts)"),
+              kind="moe_backward")
+        if after:
+            T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks)",
+                  -after, f"−{after:,} B later blocks", kind="moe_backward_freed")
+        if par.ep > 1:
+            # the all-to-all buffers (engine.memory.buffers.moe_dispatch_buffers, counted all step) are one
+            # layer's at a time, and the combine's backward runs before its all-to-all's: none is alive then
+            a2a = act * n * k * h + act * n_r * h
+            T.add("comm_buffers", f"MoE backward of stage {stage}'s last MoE block, its combine: no all-to-all buffer "
+                  "alive yet (the combine's all-to-all backward comes after)", -a2a,
+                  f"−({act}·n·k·h + {act}·n_r·h) = −{a2a:,} B", kind="moe_backward_freed")
+        return
     T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block: the experts' full-size weight gradients "
           "(select_backward of each expert's slice, summed in autograd's input buffers) and the activation gradients",
           temp, f"({n_w} + 2) × E_loc·f·h·{wb} = ({n_w} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
