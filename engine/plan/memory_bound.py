@@ -140,6 +140,8 @@ class MemoryBound:
             loss = loss + bf * st.s_len * st.vocab_t * (act_b + (4 if act_b != 4 else 0))
             if c.torch_acc:  # loss_parallel's backward: three fp32 vocabulary shards at once
                 loss = np.where(gs, np.maximum(loss, bf * 12.0 * st.s_len * st.vocab_t), loss)
+            if c.torch_acc and st.pp > 1:  # the pipeline stage keeps the B's own logits to its end (fwd_cache)
+                loss = loss + bf * act_b * st.s_len * np.where(gs, st.vocab_t, model.vocab)
         ag_units = np.zeros(len(r.b))
         all_units = c.fsdp2["all_units"]
         if dpc > 1:
