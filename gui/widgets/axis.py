@@ -145,12 +145,21 @@ class LeanAxis(pg.AxisItem):
                     tick_specs.append((pen, QPointF(x, tick_start), QPointF(x, end)))
         axis_spec = (self.pen(), span[0], span[1])
 
+        if not self.style["showValues"]:
+            return axis_spec, tick_specs, []
+        text_specs, last_text_size2 = self._text_specs(p, tick_levels, tick_strings, positions, length_px, tick_stop,
+                                                       axis, left)
+        self._updateMaxTextSize(last_text_size2)
+        return axis_spec, tick_specs, text_specs
+
+    def _text_specs(self, p, tick_levels, tick_strings, positions, length_px: float, tick_stop: float, axis: int,
+                    left: bool) -> tuple[list, float]:
+        """The labels' rectangles, flags and texts, level by level until the text fills the axis (pyqtgraph's
+        ``textFillLimits``), and the last drawn level's text size across the axis."""
         text_offset = self.style["tickTextOffset"][axis]
         text_size2 = last_text_size2 = 0
         text_rects: list[QRectF] = []
         text_specs: list = []
-        if not self.style["showValues"]:
-            return axis_spec, tick_specs, text_specs
         own = self.boundingRect()
         flags = _LEFT_FLAGS if left else _BOTTOM_FLAGS
         label_offset = max(0, self.style["tickLength"]) + text_offset
@@ -198,5 +207,4 @@ class LeanAxis(pg.AxisItem):
                 if own & rect != rect:
                     continue
                 text_specs.append((rect, flags, s))
-        self._updateMaxTextSize(last_text_size2)
-        return axis_spec, tick_specs, text_specs
+        return text_specs, last_text_size2
