@@ -254,9 +254,8 @@ class _FakeTrainer:
         return self._stage_forward_backward()
 
     def p2p_buffer_bytes(self) -> int:
-        from backend import measure
-
-        return sum(measure._nbytes(t) for t in self.recv_buffers.values())
+        """The receive buffers ``make_recv_buffers`` made (Trainer.p2p_buffer_bytes reads torch's)."""
+        return sum(nbytes for _, _, nbytes, _ in _recv_buffer_events(self))
 
     def make_recv_buffers(self) -> None:
         """What torch's PipelineStage allocates in its first step (``_prepare_forward_infra`` /
@@ -580,7 +579,8 @@ def _ddp_without_init_checks():
 
 def _create_optimizer_state(trainer) -> None:
     """What a real run's earlier steps leave behind: optimizer state exists before the measured
-    step. One optimizer step on zero gradients creates it without a forward and backward. Only the
+    step, and a pipeline's receive buffers (``make_recv_buffers``). One optimizer step on zero
+    gradients creates the state without a forward and backward. Only the
     trainable parameters get one: the step's zero_grad clears the optimizer's parameters only, so a
     frozen base's gradients (LoRA) would otherwise live on through the measured step."""
     import torch
@@ -775,8 +775,9 @@ def _recv_buffer_events(trainer) -> list[list]:
     """The pipeline's receive buffers (``make_recv_buffers``) as allocations at the replay's start: torch's
     first step makes them and every later one reuses them, and the tracker, which leaves out what predates
     it, never files them (the rank's comm_buffers count them, ``p2p_buffer_bytes``)."""
-    return [["alloc", ("p2p_recv", i), int(t.untyped_storage().nbytes()), 0]
-            for i, t in enumerate(trainer.recv_buffers.values())]
+    from backend import measure
+
+    return [["alloc", ("p2p_recv", i), measure._nbytes(t), 0] for i, t in enumerate(trainer.recv_buffers.values())]
 
 
 def allocator_capacity(cfg) -> int | None:
