@@ -990,7 +990,7 @@ def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, i
         # forward to the end of the microbatch's backward (stage.py: ``backward_one_chunk`` pops it and holds it
         # to its end); with ``step(return_outputs=False)`` nothing else does (``pipeline_output_terms``)
         ex.append(("last stage output (the logits) kept by the pipeline stage for its backward", act * s * b * v_loss,
-                   f"{act}·s·b·{_v_symbol(model, v_loss)}", "stage_output"))
+                   f"{act}·s·b·{_v_symbol(model, v_loss)}", "stage_logits"))
     return ex
 
 

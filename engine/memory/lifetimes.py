@@ -207,6 +207,12 @@ STEP_FREED_KINDS = frozenset({"autocast_weight_casts"})
 #: backward's I retains the graph for its W (``stage_backward_input``), so there they live until the W
 HEAD_KINDS = frozenset({"final_norm", "head_input", "log_probabilities"})
 
+#: a pipeline's last stage's output (its logits), which torch.distributed.pipelining's stage keeps in ``fwd_cache``
+#: from the forward and holds to the end of the microbatch's ``backward_one_chunk``: a full backward's B, or a
+#: split backward's I (stage.py: the last stage keeps only the loss in ``backward_state`` for the W, and
+#: detaches its output). An earlier stage's output stays in ``backward_state`` to the W: the body's lifetime
+STAGE_OUTPUT_KINDS = frozenset({"stage_logits"})
+
 #: what a split backward keeps of a stage-microbatch from its I to its W, per stage (term ``stage`` and
 #: ``in_flight``): torch.distributed.pipelining's ``stage_backward_input`` hooks the nodes where each
 #: weight's path meets the input's and keeps the gradients flowing into them (``param_group["grads"]``)
@@ -510,6 +516,16 @@ class Signature(NamedTuple):
     red_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 sharded gradients
     step_freed: int = 0  # bytes of the step terms that the optimizer-step moment no longer holds
     wr_bytes: tuple[int, ...] = ()  # per local stage: what each of its W holds (``stage_weight``)
+    # per local stage, one microbatch: the pipeline stage's output it keeps to the end of the microbatch's
+    # backward (part of unit_bytes): freed after a B, or after an I (``STAGE_OUTPUT_KINDS``)
+    so_bytes: tuple[int, ...] = ()
+
+
+@lru_cache(maxsize=256)
+def _splits_backward(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> bool:
+    """The pipeline runs split backwards (I, W): only then does the last stage's output go before its
+    stage-microbatch (``STAGE_OUTPUT_KINDS``); a full B frees both together."""
+    return pp > 1 and pipeline_actions(schedule, pp, microbatches, virtual_stages).splits_backward
 
 
 class Peak(NamedTuple):
@@ -538,6 +554,8 @@ def peak_of(sig: Signature) -> Peak:
     head = sig.head_bytes or (0,) * len(sig.unit_bytes)
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
+    if sig.so_bytes:  # the stage output is freed after the I: a stage-microbatch between I and W no longer holds it
+        iwb = tuple(x - so for x, so in zip(iwb, sig.so_bytes))
     none = (0,) * len(sig.unit_bytes)
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
@@ -560,7 +578,7 @@ class _Laid:
     per local stage the stage-microbatch bytes (``unit``; of them ``acts``: blocks, log-probabilities, the rest of
     the loss side), what an I keeps for its W, the per-stage lifetimes' bytes, the transients', the step's."""
 
-    __slots__ = ("unit", "acts", "iw", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
+    __slots__ = ("unit", "acts", "iw", "so", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
                  "varying", "rows", "freed")
 
     def __init__(self, terms: dict[str, list[Term]], categories, column: dict[int, int], pp: int, rules: dict,
@@ -569,6 +587,7 @@ class _Laid:
         self.unit = unit = [0] * v
         self.acts = acts = [[0, 0, 0] for _ in range(v)]
         self.iw = iw = [0] * v
+        self.so = so = [0] * v
         self.stage_grads = stage_grads = {life: [0] * v for life in STAGE_LIFETIMES}
         self.trans = trans = dict.fromkeys(TRANSIENT, 0)
         step = out = end_freed = step_freed = 0
@@ -598,6 +617,8 @@ class _Laid:
                             acts[col][1] += nbytes // n
                         elif kind in HEAD_KINDS:
                             acts[col][2] += nbytes // n
+                        elif kind in STAGE_OUTPUT_KINDS:
+                            so[col] += nbytes // n
                     var.append((i, "microbatch"))
                     continue
                 life = fsdp_params if kind == "fsdp_unsharded_params" else rules.get(kind, "step")
@@ -670,7 +691,9 @@ class RankTimeline:
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
                          tuple(laid.iw) if any(laid.iw) else (), acc if any(acc) else (), red if any(red) else (),
-                         laid.step_freed, wr if any(wr) else ())
+                         laid.step_freed, wr if any(wr) else (),
+                         tuple(laid.so) if any(laid.so) and _splits_backward(schedule, pp, microbatches, virtual_stages)
+                         else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -728,7 +751,9 @@ class RankTimeline:
                         drop[i] = _rescaled(t, k, n) if k and n else None
                 elif life == "microbatch" or life == "to_step_end":
                     col = self._column[t.stage if pp > 1 else 0] if life == "microbatch" else 0
-                    k = ((pk.head[col] if t.kind in HEAD_KINDS and pk.head else pk.counts[col])
+                    k = ((pk.head[col] if t.kind in HEAD_KINDS and pk.head
+                          else pk.counts[col] - (pk.iw[col] if pk.iw else 0) if t.kind in STAGE_OUTPUT_KINDS
+                          else pk.counts[col])
                          if life == "microbatch" else pk.outputs)
                     n = t.in_flight or 0
                     if k != n:
@@ -1020,6 +1045,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
+    sob = sig.so_bytes or (0,) * len(sig.unit_bytes)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         if phase == STEP:
             break  # the optimizer step is not laid (``RankTimeline._event_signature``)
@@ -1053,10 +1079,13 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
                                   else ("free", (what, c, j)))
         for j, nbytes, stream in transient:
             ev.append(("alloc", ("t", j, i), nbytes) + ((stream,) if stream else ()))
-        unit = sig.unit_bytes[col] - hd
+        so = sob[col]
+        unit = sig.unit_bytes[col] - hd - so
         if kind == _F and phase == ACTION:
             if unit > 0:
                 ev.append(("alloc", ("mb", stage, mb), unit))
+            if so > 0:
+                ev.append(("alloc", ("so", stage, mb), so))
             if stage == last_stage:
                 for j, nbytes, _ in outputs:
                     ev.append(("alloc", ("out", j, mb), nbytes))
@@ -1070,6 +1099,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             ev.append(("alloc", ("head", stage, mb), hd))
         if (kind == _B or kind == _W) and unit > 0 and phase == ACTION:
             ev.append(("free", ("mb", stage, mb)))
+        if (kind == _B or kind == _I) and so > 0 and phase == ACTION:
+            ev.append(("free", ("so", stage, mb)))
         if kind == _W and hd > 0 and phase == ACTION:
             ev.append(("free", ("head", stage, mb)))
     gone = {j for j, _, _ in accumulated} if END in phases else set()
@@ -1090,11 +1121,12 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
 
 class MicrobatchKeys:
     """How ``_fine_events`` names what a microbatch allocates, for the allocator's ``("cycle", ...)``:
-    the keys tagged "mb" (a stage-microbatch's saved tensors), "iw" (what an I keeps for its W) and
-    "out" (the last stage's kept outputs) carry the microbatch at index 2; every other key is either
+    the keys tagged "mb" (a stage-microbatch's saved tensors), "iw" (what an I keeps for its W), "so" (a
+    last stage's output, ``_coarse_events``) and "out" (the last stage's kept outputs) carry the microbatch at
+    index 2; every other key is either
     freed within its moment (named by the moment: a period's own) or the step's (never shifted)."""
 
-    TAGS = frozenset({"mb", "iw", "out"})
+    TAGS = frozenset({"mb", "iw", "out", "so"})
 
     @staticmethod
     def shift(key, d: int):
@@ -1394,6 +1426,9 @@ class _Laying:
             free(("t", j2, i))
         for key in reversed(weight_pass):
             free(key)
+        if kind == _I and phase == ACTION and ("mb", stage, mb, "so") in size:  # the stage output, at the I's end
+            free(("mb", stage, mb, "so"))
+            self.held[(stage, mb)] = [[k for k in g if k != ("mb", stage, mb, "so")] for g in self.held[(stage, mb)]]
         if kind == _I and phase == ACTION and self.iwb[j] > 0:  # what the I keeps for its W
             alloc(("iw", stage, mb), self.iwb[j])
         if kind == _W and phase == ACTION and ("iw", stage, mb) in size:
@@ -1433,7 +1468,8 @@ class _Laying:
         _, logprob_b, head_b = self.acts[j]
         blocks, layer_b = self._blocks(j)
         keys = self.held[stage, mb] = []
-        rest = self.sig.unit_bytes[j] - layer_b - logprob_b - head_b
+        so = self.sig.so_bytes[j] if self.sig.so_bytes else 0
+        rest = self.sig.unit_bytes[j] - layer_b - logprob_b - head_b - so
         # a negative rest (the stage input, which is the p2p receive buffer) comes off the first block
         fold = min(rest, 0) if blocks else 0
         for b in range(blocks):
@@ -1468,6 +1504,9 @@ class _Laying:
         if head_b > 0:  # the final norm's and the head's saved tensors
             alloc(("mb", stage, mb, "head"), head_b)
             self.heads.setdefault((stage, mb), []).append(("mb", stage, mb, "head"))
+        if so > 0:  # the stage's output (the logits), kept by the stage for the microbatch's backward
+            alloc(("mb", stage, mb, "so"), so)
+            keys.append([("mb", stage, mb, "so")])  # a B frees it with the rest; an I at its end
         if logprob_b > 0:
             lgt = self.transient(("logits", i), grain.logits_bytes, 2 * logprob_b)  # its fp32 copy, the log-probs
             f32 = lgt and self.transient(("logits_fp32", i), logprob_b, logprob_b)
