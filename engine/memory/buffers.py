@@ -31,6 +31,7 @@ from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
 from engine.model.params import RankParams, Tensors, largest_numels, unit_numel
 from engine.model.routing import moe_tokens
+from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
 
@@ -124,9 +125,23 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         how = f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}"
         by_stage = per_stage_gradients(plan, rp) and not lora_on  # (the adapters' split by stage: not kept)
         if by_stage:
+            split = cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES
+            converts = plan.grad_accumulation_dtype != plan.compute_dtype
+            when = ("from its first I after a W to its REDUCE_GRAD" if split and converts
+                    else "from its first backward to its REDUCE_GRAD")
             for stage, x in stage_shares(gacc * psi_train, rp):
-                T.add("comm_buffers", f"{label}: stage {stage}'s (from its first backward to its REDUCE_GRAD)", x,
+                T.add("comm_buffers", f"{label}: stage {stage}'s ({when})", x,
                       f"its share by elements of {how}", kind="fsdp_unsharded_grads", stage=stage)
+            if split and converts:
+                # a split backward's W writes the stage's weight gradients into .grad in the parameter dtype; FSDP2
+                # adds them into its accumulation only at the next post-backward that finds them (an I's or a B's:
+                # FSDPParam.to_accumulated_grad_if_needed), so until then they are the parameters' dtype, whole
+                pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+                for stage, x in stage_shares(pgrad * psi_train, rp):
+                    T.add("comm_buffers", f"stage {stage}'s weight gradients in {plan.compute_dtype}, from each W to the "
+                          "next I that adds them into the accumulation (or its REDUCE_GRAD)", x,
+                          f"its share by elements of {pgrad} B × Ψ = {pgrad} × {psi_train:,}",
+                          kind="fsdp_stage_fresh_grads", stage=stage)
         else:
             T.add("comm_buffers", label, gacc * psi_train, how, kind="fsdp_unsharded_grads")
         if emb_extra:

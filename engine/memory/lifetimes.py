@@ -28,8 +28,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   input_to_weight      a split backward's retained gradients of a stage-microbatch (``INPUT_TO_WEIGHT_KINDS``):
                        made by its I, freed after its W
   stage_accumulated    on a rank of several pipeline stages (FSDP2), one stage's unsharded gradients:
-                       from the end of its first B or I (made during it) through its m-th B or W, after
-                       which torch's REDUCE_GRAD for that stage (``_add_reduce_grad``) drops them
+                       from the end of its first B or W (made during it: a split backward's I makes no
+                       weight gradient) through its m-th B or W, after which torch's REDUCE_GRAD for that
+                       stage (``_add_reduce_grad``) drops them
   stage_reduced        there, one stage's sharded gradients: from that REDUCE_GRAD to the step's end
                        (``STAGE_LIFETIMES``; each term has its ``stage``)
   stage_weight         transient during each W of one stage (its ``stage``): what a split backward's weight
@@ -41,7 +42,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        routed-experts backward (its weight gradients; what the backward freed by then)
   loss                 transient at the loss moment that opens each B or I of the last stage: the fp32
                        logits and their gradient (see below)
-  full_backward        transient during a full backward B only: the first block's MLP backward
+  full_backward        transient during a full backward only (a B; the first stage's W, which stage.py runs
+                       as one): the first block's MLP backward
                        (``engine.memory.activations.block_backward_terms``: the gradients it makes, and
                        the down input w2's backward frees) and, on the last stage, the blocks' output
                        gradient
@@ -146,10 +148,11 @@ _WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 #: per local stage, from the moments' ``acc`` and ``red`` (each term's ``stage``): on a rank of several
 #: pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
-STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight")
+STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh")
 
 #: the event rows' tag of each per-stage lifetime
-_STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr"}
+_STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr", "stage_converted": "cv",
+              "stage_fresh": "fr"}
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRANSIENT
@@ -172,6 +175,7 @@ LIFETIMES: dict[str, str] = {
     "split_backward_grads": "input_to_weight", "weight_pass": "stage_weight",
     "cp_attention": "during_actions",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
+    "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
@@ -259,7 +263,7 @@ def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str]
 
 def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None,
                        local_stages: int = 1, pipelined: bool = True, plain_grads_late: bool = False,
-                       split_backward: bool = False) -> dict[str, str]:
+                       split_backward: bool = False, converts: bool = False) -> dict[str, str]:
     """The kinds whose lifetime the wrapping plan changes: under pipelining with units never resharded
     (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
     stage's first forward. On a rank holding several stages torch reduces each stage's gradients right
@@ -276,15 +280,21 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
     (torch/csrc/autograd/functions/accumulate_grad.h: a new tensor where ``.grad`` is undefined), so
     no moment before the first backward holds them (measured: a fake Llama 3 405B step on dp1 tp8 z0
     peaks at its loss with 20.7 GiB fewer than the gradients' size). ``split_backward``: the schedule splits
-    its backward into I and W, and the W makes them (``after_first_weight``)."""
+    its backward into I and W, and the W makes them (``after_first_weight``). ``converts``: FSDP2 accumulates the
+    unsharded gradients in another dtype than the parameters' (``WrappingPlan.grad_accumulation_dtype``): on a
+    rank of several stages under a split backward that accumulation exists only from the first I after a W
+    (``stage_converted``), the W's gradients in the parameter dtype before (``stage_fresh``)."""
     out: dict[str, str] = {}
     if plain_grads_late:
         out["gradients"] = "after_first_weight" if split_backward else "after_first_backward"
     if pipelined_fsdp2 and sharded and reshard_after_forward is False:
         out["all_gather_output"] = "first_forwards"
     if pipelined_fsdp2 and local_stages > 1:
-        out["fsdp_unsharded_grads"] = "stage_accumulated"
+        out["fsdp_unsharded_grads"] = "stage_converted" if split_backward and converts else "stage_accumulated"
         out["fsdp_sharded_grads"] = "stage_reduced"
+        out["fsdp_stage_fresh_grads"] = "stage_fresh"
+        if split_backward and converts:  # a later stage's W makes the whole stage's (``stage_fresh``), its I none
+            out["fsdp_fresh_grad"] = "full_backward"
     if not pipelined and sharded and reshard_after_forward is False:
         # each unit all-gathered in its forward and kept to its post-backward: a backward gathers
         # nothing (FSDP2's pre_backward unshard finds it unsharded), so no all-gather output then
@@ -313,7 +323,7 @@ class Moments(NamedTuple):
     backward) after their backward freed them; an I keeps them for its W. ``iw[i, j]``: stage-microbatches
     of local stage j between their I and their W at moment i (made by the I, alive at the W's own
     moment, freed after it): a split backward's retained gradients (``INPUT_TO_WEIGHT_KINDS``).
-    ``acc[i, j]``: local stage j's FSDP2 unsharded gradients alive at moment i (after its first B or I,
+    ``acc[i, j]``: local stage j's FSDP2 unsharded gradients alive at moment i (after its first B or W,
     made during it, until its REDUCE_GRAD right after its m-th B or W: that action's moment still holds
     them); ``red[i, j]``: its sharded gradients (after that REDUCE_GRAD, and at the end of the backward):
     ``STAGE_LIFETIMES``. ``wr[i, j]``: moment i is a W of local stage j (its own moment: the
@@ -332,11 +342,13 @@ class Moments(NamedTuple):
     acc: np.ndarray
     red: np.ndarray
     wr: np.ndarray
+    cv: np.ndarray
+    fr: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
-        return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.outputs,
-                                self.masks])
+        return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
+                                self.outputs, self.masks])
 
 
 @lru_cache(maxsize=512)
@@ -380,7 +392,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
     first_grad = int(grad_idx[0]) if len(grad_idx) else n
-    acc, red, wr = _stage_columns(kind, col, v, m)
+    acc, red, wr, cv, fr = _stage_columns(kind, col, v, m, stage == 0)
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
     first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
@@ -389,7 +401,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         backward,
         is_bwd_input,
         np.zeros(n, dtype=bool),
-        kind == _B,
+        (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward (stage.py)
         first_f,
         np.zeros(n, dtype=bool),
         np.ones(n, dtype=bool),
@@ -422,6 +434,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         acc = np.insert(acc, loss_at, acc[loss_at], axis=0)  # the loss moment precedes its action: alike
         red = np.insert(red, loss_at, red[loss_at], axis=0)
         wr = np.insert(wr, loss_at, 0, axis=0)  # a loss moment opens a B or an I, never a W
+        cv = np.insert(cv, loss_at, cv[loss_at], axis=0)
+        fr = np.insert(fr, loss_at, fr[loss_at], axis=0)
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -447,10 +461,12 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         acc = np.append(acc, np.zeros((1, v), dtype=np.int64), axis=0)  # every stage reduced by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
         wr = np.append(wr, np.zeros((1, v), dtype=np.int64), axis=0)
+        cv = np.append(cv, np.zeros((1, v), dtype=np.int64), axis=0)
+        fr = np.append(fr, np.zeros((1, v), dtype=np.int64), axis=0)
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr)
     if len(bwd_idx):
         out = _with_step_moment(out)
     for x in out:
@@ -458,23 +474,54 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     return out
 
 
-def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per action and local stage (``Moments``' ``acc``, ``red``, ``wr``): its unsharded gradients alive
-    (after its first B or I, through its REDUCE_GRAD right after its m-th backward-like action, B or W), its
-    sharded gradients alive (after that), and the action being one of its W."""
+def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
+                   first_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per action and local stage (``Moments``' ``acc``, ``red``, ``wr``, ``cv``, ``fr``): its unsharded gradients
+    alive (after its first B or W, through its REDUCE_GRAD right after its m-th backward-like action, B or W), its
+    sharded gradients alive (after that), the action being one of its W; and where FSDP2 accumulates in another
+    dtype than the parameters', that accumulation (``cv``: after the first post-backward that finds a gradient —
+    the first B, or the first I after a W; before it the W's gradients stay in ``.grad`` in the parameter dtype,
+    torch's ``FSDPParam.to_accumulated_grad_if_needed``) and the parameter-dtype gradients in ``.grad`` (``fr``:
+    from each W, its own moment included, to the next I or B that adds them in, or to the REDUCE_GRAD). The
+    first stage's W is a full backward (stage.py's ``backward_weight_one_chunk``: its I ran nothing), which adds
+    them in itself, as a B does (``first_stage``: per action, the action is the pipeline's stage 0's)."""
     n = len(kind)
     rows = np.arange(n)
     done = np.zeros((n, v), dtype=np.int64)
     done[rows, col] = (kind == _B) | (kind == _W)
     finished = np.cumsum(done, axis=0) >= m
     reduce_at = np.where(finished.any(axis=0), finished.argmax(axis=0), n)
+    # the first action that makes a weight gradient: a B, or a split backward's W (its I computes input gradients
+    # only, so FSDP2's post-backward at the I finds no gradient to accumulate: torch's stage_backward_input)
     started = np.zeros((n, v), dtype=bool)
-    started[rows, col] = (kind == _B) | (kind == _I)
+    started[rows, col] = (kind == _B) | (kind == _W)
     first_at = np.where(started.any(axis=0), started.argmax(axis=0), n)
     idx = rows[:, None]
     wr = np.zeros((n, v), dtype=np.int64)
     wr[rows, col] = kind == _W
-    return ((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr
+    cv = np.zeros((n, v), dtype=np.int64)
+    fr = np.zeros((n, v), dtype=np.int64)
+    kinds, cols = kind.tolist(), col.tolist()
+    pending = [False] * v  # a W's gradients in .grad, not yet added into the accumulation
+    conv_at = [n] * v
+    firsts = first_stage.tolist()
+    for i, (k, j, f) in enumerate(zip(kinds, cols, firsts)):
+        if k == _W and f:
+            conv_at[j] = min(conv_at[j], i)
+        elif k == _W:
+            pending[j] = True
+        elif k in (_B, _I):
+            if k == _B or pending[j]:
+                conv_at[j] = min(conv_at[j], i)
+            if pending[j]:
+                fr[i, j] = 1  # the I's post-backward adds them in as it runs
+            pending[j] = False
+        for jj in range(v):
+            if pending[jj] and i <= reduce_at[jj]:
+                fr[i, jj] = 1
+    conv = np.array(conv_at)
+    cv[:] = ((idx > conv) & (idx <= reduce_at)).astype(np.int64)
+    return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr)
 
 
 def _with_step_moment(mo: Moments) -> Moments:
@@ -488,6 +535,7 @@ def _with_step_moment(mo: Moments) -> Moments:
     row = {f: np.append(x, x[-1:], axis=0) for f, x in zip(Moments._fields, mo)}
     row["masks"] = np.append(mo.masks, sm, axis=0)
     row["wr"] = np.append(mo.wr, np.zeros_like(mo.wr[-1:]), axis=0)
+    row["fr"] = np.append(mo.fr, np.zeros_like(mo.fr[-1:]), axis=0)
     row["phase"] = np.append(mo.phase, STEP)
     return Moments(**row)
 
@@ -519,6 +567,8 @@ class Signature(NamedTuple):
     # per local stage, one microbatch: the pipeline stage's output it keeps to the end of the microbatch's
     # backward (part of unit_bytes): freed after a B, or after an I (``STAGE_OUTPUT_KINDS``)
     so_bytes: tuple[int, ...] = ()
+    cv_bytes: tuple[int, ...] = ()  # per local stage: FSDP2's accumulation in another dtype (``stage_converted``)
+    fr_bytes: tuple[int, ...] = ()  # per local stage: a W's gradients in the parameter dtype (``stage_fresh``)
 
 
 @lru_cache(maxsize=256)
@@ -545,6 +595,8 @@ class Peak(NamedTuple):
     acc: tuple[int, ...] = ()  # per local stage: its unsharded gradients alive (1) or not (0)
     red: tuple[int, ...] = ()  # per local stage: its sharded gradients alive
     wr: tuple[int, ...] = ()  # per local stage: the moment is one of its W (1) or not (0)
+    cv: tuple[int, ...] = ()  # per local stage: its accumulation in another dtype alive
+    fr: tuple[int, ...] = ()  # per local stage: a W's gradients in the parameter dtype alive
 
 
 @lru_cache(maxsize=4096)
@@ -558,6 +610,7 @@ def peak_of(sig: Signature) -> Peak:
         iwb = tuple(x - so for x, so in zip(iwb, sig.so_bytes))
     none = (0,) * len(sig.unit_bytes)
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
+         + (sig.cv_bytes or none) + (sig.fr_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -570,7 +623,8 @@ def peak_of(sig: Signature) -> Peak:
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
                 int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
-                tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()))
+                tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
+                tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()))
 
 
 class _Laid:
@@ -686,14 +740,14 @@ class RankTimeline:
     def _signature(self, laid: _Laid) -> Signature:
         schedule, pp_rank, pp, virtual_stages, microbatches, stages, local, _, _ = self._laying
         head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
-        acc, red, wr = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
+        acc, red, wr, cv, fr = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
         return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
                          tuple(laid.iw) if any(laid.iw) else (), acc if any(acc) else (), red if any(red) else (),
                          laid.step_freed, wr if any(wr) else (),
                          tuple(laid.so) if any(laid.so) and _splits_backward(schedule, pp, microbatches, virtual_stages)
-                         else ())
+                         else (), cv if any(cv) else (), fr if any(fr) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -759,7 +813,8 @@ class RankTimeline:
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
                 elif life in STAGE_LIFETIMES:
-                    on = {"stage_accumulated": pk.acc, "stage_reduced": pk.red, "stage_weight": pk.wr}[life]
+                    on = {"stage_accumulated": pk.acc, "stage_reduced": pk.red, "stage_weight": pk.wr,
+                          "stage_converted": pk.cv, "stage_fresh": pk.fr}[life]
                     if not (on and on[self._column[t.stage if pp > 1 else 0]]):
                         drop[i] = None
                 elif life == "step":
@@ -1040,7 +1095,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
-    accs, reds = mo.acc.tolist(), mo.red.tolist()
+    accs, reds, cvs, frs = mo.acc.tolist(), mo.red.tolist(), mo.cv.tolist(), mo.fr.tolist()
     phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
@@ -1070,7 +1125,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             for j, nbytes, stream in per_life.get("after_first_weight", ()):
                 ev.append(("alloc", ("wlate", j), nbytes) + ((stream,) if stream else ()))
             weight_late_done = True
-        for what, on in (("acc", accs[i]), ("red", reds[i])):
+        for what, on in (("acc", accs[i]), ("red", reds[i]), ("cv", cvs[i]), ("fr", frs[i])):
             for c, x in enumerate(on):
                 if bool(x) != stage_on.get((what, c), False):
                     stage_on[(what, c)] = bool(x)
@@ -1189,7 +1244,7 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
                                                             int(counts.max()))
     bits = masks @ (1 << np.arange(masks.shape[1], dtype=np.int64))
     sig = ((kind.astype(np.int64) * 8 + phase) << 32) + (stage.astype(np.int64) << 16) + bits
-    grads = np.column_stack([mo.acc, mo.red])
+    grads = np.column_stack([mo.acc, mo.red, mo.cv, mo.fr])
     changes = np.flatnonzero((grads[1:] != grads[:-1]).any(axis=1)) + 1
     windows, tried = [], set()
     for (period, shift), _ in sorted(candidates.items(), key=lambda c: -c[1]):
@@ -1241,6 +1296,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     accs, reds = mo.acc.tolist(), mo.red.tolist()
+    cvs, frs = mo.cv.tolist(), mo.fr.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
     lay = _Laying(sig, rows, acts, grain, peak_of(sig).bytes, first_backward)
@@ -1271,7 +1327,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             steady = None
             lay.most = max(most_before, lay.most)
         nxt = i + 1
-        if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i], accs[i], reds[i]):
+        if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i], accs[i], reds[i], cvs[i], frs[i]):
             break  # the optimizer step is not laid (``RankTimeline._event_signature``)
     if steady is not None:  # a window still on trial when the step ended
         lay.most = max(most_before, lay.most)
@@ -1358,7 +1414,7 @@ class _Laying:
 
     def finish(self) -> None:
         """The step's end: what lives from the first backward on, the stages' gradients, the kept outputs."""
-        for key in [k for k in self.size if k[0] in ("late", "wlate", "acc", "red", "out")]:
+        for key in [k for k in self.size if k[0] in ("late", "wlate", "acc", "red", "cv", "fr", "out")]:
             self.free(key)
 
     def _blocks(self, j: int) -> tuple[int, int]:
@@ -1367,7 +1423,8 @@ class _Laying:
         blocks = self.grain.blocks[j] if layer_b > 0 else 0
         return blocks, layer_b if blocks else 0
 
-    def moment(self, i: int, kind: int, stage: int, mb: int, mask: list, phase: int, acc: list, red: list) -> bool:
+    def moment(self, i: int, kind: int, stage: int, mb: int, mask: list, phase: int, acc: list, red: list,
+               cv: list = (), fr: list = ()) -> bool:
         """Lay moment ``i``'s events; False at the optimizer step, which is not laid."""
         if phase == STEP:
             return False
@@ -1401,7 +1458,7 @@ class _Laying:
             for j2, nbytes, stream in self.per_life.get("after_first_weight", ()):
                 alloc(("wlate", j2), nbytes, stream)
             self.weight_late_done = True
-        for what, on in (("acc", acc), ("red", red)):  # a stage's gradients, per its REDUCE_GRAD
+        for what, on in (("acc", acc), ("red", red), ("cv", cv), ("fr", fr)):  # a stage's gradients
             for c, x in enumerate(on):
                 if bool(x) != self.stage_on.get((what, c), False):
                     self.stage_on[(what, c)] = bool(x)

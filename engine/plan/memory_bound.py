@@ -189,8 +189,10 @@ class MemoryBound:
         # first backward to its REDUCE_GRAD after its m-th, lifetimes.STAGE_LIFETIMES: then, with m > 1,
         # those of the stage whose backward came first, the rank's last: nearest the loss)
         grads_unsharded, gacc = c.fsdp2["grads_unsharded"], c.fsdp2["gacc"]
+        # (under a split backward a stage's gradients are made by its W, after the rank's first I, and in the
+        # accumulation dtype only after an I that follows a W: none counted on a rank of several stages)
         late = steady + np.where(grads_unsharded, gacc * p_, 0.0) if len(stages) == 1 else \
-            steady + np.where(grads_unsharded & (r.m > 1), gacc * last_psi, 0.0)
+            steady + np.where(grads_unsharded & (r.m > 1) & (not c.fsdp2["split"]), gacc * last_psi, 0.0)
         # plain gradients: every one of the rank's from its first backward on, whatever its stages
         plain_late = c.plain & (not c.lora)
         late = late + np.where(plain_late, 4 * p_, 0.0)
@@ -281,7 +283,7 @@ class MemoryBound:
         # microbatch, a second local stage, or a split backward's W
         grads_unsharded = on & ((gm > 1) | (pp > 1 and (v > 1 or sc in names.SPLIT_BACKWARD_SCHEDULES)))
         return {"on": on, "all_units": all_units, "unit_grad": unit_grad, "grads_unsharded": grads_unsharded,
-                "gacc": gacc}
+                "gacc": gacc, "split": sc in names.SPLIT_BACKWARD_SCHEDULES}
 
 
 @lru_cache(maxsize=8192)

@@ -1064,3 +1064,35 @@ def test_the_last_stage_frees_its_logits_at_the_i_of_a_split_backward(schedule):
         if e[0] == "free" and key[:2] == ("mb", last) and key[-1] != "so" and split:
             assert key[2] in freed_at  # the saved tensors wait for the W
     assert len(freed_at) == (4 if split else 0)
+
+
+def test_fsdp2_gradients_of_a_split_backward_follow_torchs_post_backward():
+    """FSDP2's unsharded gradients of one stage (``_stage_columns``): a split backward's I makes no weight
+    gradient, its W writes them into ``.grad`` in the parameter dtype, and only the next post-backward that finds
+    them (an I's; the stage's REDUCE_GRAD at its m-th W at the latest) adds them into an accumulation of another
+    dtype (torch's FSDPParam.to_accumulated_grad_if_needed). The pipeline's first stage runs its W as a full
+    backward, which adds them in itself, as a B does."""
+    import numpy as np
+
+    from engine.memory.lifetimes import _stage_columns
+    from engine.pipeline.schedules import ACTION_KINDS
+
+    def columns(actions, first=False, m=2):
+        kind = np.array([ACTION_KINDS.index(a) for a in actions])
+        acc, red, wr, cv, fr = _stage_columns(kind, np.zeros(len(kind), dtype=np.int64), 1, m,
+                                              np.full(len(kind), first))
+        return [x[:, 0].tolist() for x in (acc, red, cv, fr)]
+
+    # every I before the W's (a zero-bubble warm-up): no accumulation ever, the gradients stay in .grad
+    acc, red, cv, fr = columns("FFIIWW")
+    assert acc == [0, 0, 0, 0, 0, 1] and red == [0] * 6
+    assert cv == [0] * 6 and fr == [0, 0, 0, 0, 1, 1]
+    # an I after a W adds them in (at that I's moment they still exist), the next W makes them again
+    acc, red, cv, fr = columns("FIWFIW")
+    assert acc == [0, 0, 0, 1, 1, 1] and cv == [0, 0, 0, 0, 0, 1] and fr == [0, 0, 1, 1, 1, 1]
+    # the first stage: its W adds them in itself
+    acc, red, cv, fr = columns("FIWFIW", first=True)
+    assert cv == [0, 0, 0, 1, 1, 1] and fr == [0] * 6
+    # a full backward: made and added in by the B, as before
+    acc, red, cv, fr = columns("FBFB")
+    assert acc == cv == [0, 0, 1, 1] and fr == [0] * 4
