@@ -9,7 +9,9 @@ in about 10–20 s:
   c`` (F = 2n³): R is the large-GEMM rate, ``c`` a GEMM's fixed cost, which the op clock splits into the
   per-op launch below and ``gemm_half_gflop = (c − launch) · R`` (its rate curve ``R · F / (F + F_half)``
   costs exactly ``F / R + F_half / R``);
-* the bandwidth of an elementwise kernel: ``torch.add`` of two 32 MiB fp32 tensors into a third;
+* the bandwidth of an elementwise kernel: ``torch.add`` of two 32 MiB fp32 tensors into a third; and of a kernel of
+  exponentials, ``torch.softmax`` over 4 Mi fp32 elements in rows of 64 (each read and written once: 8 B an
+  element), as a fraction of the first (``softmax_fraction``: the op clock's softmax and the loss's log-softmax);
 * an op's cost as training pays it (``launch_us``): the backend's own transformer block
   (backend/model.py) at a size where its kernels take no time (hidden 16, 8 tokens): its forward over
   the forward kernels the op clock counts for that block (``engine.time.ops.block_ops``), its backward
@@ -88,6 +90,8 @@ def measure() -> dict:
     z = torch.empty_like(x)
     t = _seconds(lambda: torch.add(x, y, out=z))
     out["bandwidth_bytes_per_s"] = 3 * x.numel() * 4 / t
+    rows = torch.randn(2**16, 64)
+    out["softmax_bytes_per_s"] = 8 * rows.numel() / _seconds(lambda: torch.softmax(rows, dim=-1))
     leaf = torch.randn(64, requires_grad=True)
 
     def chain(k: int = 100) -> None:
@@ -146,6 +150,7 @@ def profile(raw: dict) -> dict:
         "launch_us": launch * 1e6,
         "launch_backward_us": raw["launch_backward_s"] * 1e6,
         "power_factor": 1.0,
+        "softmax_fraction": raw["softmax_bytes_per_s"] / raw["bandwidth_bytes_per_s"],
     }
 
 

@@ -91,9 +91,16 @@ class DeviceProfile:
     launch_us: float
     launch_backward_us: float
     power_factor: float
+    # the bandwidth a kernel of exponentials (softmax, log-softmax) achieves, as a fraction of ``hbm_fraction``'s
+    # (optional in devices.toml: 1, a GPU's memory-bound kernels all stream; a CPU core computes each exp)
+    softmax_fraction: float = 1.0
 
     def gemm_fraction(self, dtype: str) -> float:
         return getattr(self, f"gemm_fraction_{dtype}")
+
+
+#: profile fields a table may leave out (their defaults: a GPU's)
+OPTIONAL_FIELDS = ("softmax_fraction",)
 
 
 @functools.cache
@@ -101,11 +108,12 @@ def _profiles() -> dict[str, DeviceProfile]:
     with open(PRESETS_DIR / "devices.toml", "rb") as fh:
         raw = tomllib.load(fh)
     names = {f.name for f in fields(DeviceProfile)} - {"name"}
+    required = names - set(OPTIONAL_FIELDS)
     out = {}
     for kind, table in raw.items():
-        if set(table) != names:
-            raise ValueError(f"assets/presets/devices.toml [{kind}]: expected the fields {sorted(names)}, "
-                             f"got {sorted(table)}")
+        if not required <= set(table) <= names:
+            raise ValueError(f"assets/presets/devices.toml [{kind}]: expected the fields {sorted(required)} "
+                             f"(optional: {sorted(OPTIONAL_FIELDS)}), got {sorted(table)}")
         out[kind] = DeviceProfile(name=kind, **{k: float(v) for k, v in table.items()})
     return out
 
@@ -130,7 +138,8 @@ def _measured(path: str, mtime_ns: int) -> DeviceProfile | None:
         if doc.get("host") != socket.gethostname():
             return None
         return DeviceProfile(name=f"cpu (measured {doc.get('measured', '?')})",
-                             **{f.name: float(doc["profile"][f.name]) for f in fields(DeviceProfile) if f.name != "name"})
+                             **{f.name: float(doc["profile"][f.name]) for f in fields(DeviceProfile)
+                                if f.name != "name" and (f.name in doc["profile"] or f.name not in OPTIONAL_FIELDS)})
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -196,12 +205,14 @@ class Op:
     bytes: float
     kernels: int = 1
     dtype: str = "bf16"  # a GEMM's: one of GEMM_DTYPES
+    exp_bound: bool = False  # a memory-bound kernel of exponentials (softmax, log-softmax): ``softmax_fraction``
 
 
 def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
     """The roofline time of one op on ``cfg``'s GPU kind (module docstring)."""
     gpu = cfg.cluster.gpu
-    seconds = op.bytes / (gpu.hbm_bandwidth_gb_per_s * 1e9 * prof.hbm_fraction)
+    seconds = op.bytes / (gpu.hbm_bandwidth_gb_per_s * 1e9 * prof.hbm_fraction
+                          * (prof.softmax_fraction if op.exp_bound else 1.0))
     if op.kind == "gemm" and op.flops > 0:
         peak = {"bf16": gpu.peak_bf16_tflops, "fp32": gpu.peak_fp32_tflops}.get(op.dtype, gpu.peak_fp8_tflops)
         one = op.flops / op.kernels
@@ -287,10 +298,12 @@ def _attention_ops(cfg: Config) -> tuple[list[Op], list[Op]]:
     if m.heads != m.kv_heads:
         fwd.append(Op("repeat K, V (GQA)", "F", "memory", 0.0, 2 * T * (kv + q) * a, 2))
     fwd += [Op("scores Q·Kᵀ", "F", "gemm", full / 2, T * 2 * q * a + scores, 1, dtype),
-            Op("scale, mask, softmax", "F", "memory", 0.0, 3 * 2 * scores, 5),
+            Op("scale, mask", "F", "memory", 0.0, 2 * 2 * scores, 3),
+            Op("softmax", "F", "memory", 0.0, 2 * scores, 2, exp_bound=True),
             Op("probs · V", "F", "gemm", full / 2, scores + 2 * T * q * a, 1, dtype),
             Op("heads reshape", "F", "memory", 0.0, 2 * T * q * a, 1)]
-    back = [Op(o.name + " backward", "I", o.kind, 2 * o.flops, 2 * o.bytes, 2 * o.kernels, o.dtype) for o in fwd]
+    back = [Op(o.name + " backward", "I", o.kind, 2 * o.flops, 2 * o.bytes, 2 * o.kernels, o.dtype, o.exp_bound)
+            for o in fwd]
     return fwd, back
 
 
@@ -342,9 +355,9 @@ def head_ops(cfg: Config) -> dict[str, list[Op]]:
     v = m.vocab // par.tp  # loss_parallel / the head's column shard
     dtype = "fp32" if tr.precision == "fp32" else "bf16"
     norm = Op("final RMSNorm", "F", "memory", 0.0, 2 * Ts * m.hidden * a, 1)
-    loss = Op("loss (fp32 logits, log-softmax)", "F", "memory", 0.0, (a + 4 + 8) * T * v, 3)
+    loss = Op("loss (fp32 logits, log-softmax)", "F", "memory", 0.0, (a + 4 + 8) * T * v, 3, exp_bound=True)
     return {"F": [norm, _gemm("output", "F", T, m.hidden, v, dtype, a), loss],
-            "I": [Op("loss backward", "I", "memory", 0.0, (8 + 4 + a) * T * v, 3),
+            "I": [Op("loss backward", "I", "memory", 0.0, (8 + 4 + a) * T * v, 3, exp_bound=True),
                   _gemm("output", "I", T, m.hidden, v, dtype, a),
                   Op("final RMSNorm backward", "I", "memory", 0.0, 2 * norm.bytes, 2 * norm.kernels)],
             "W": [_gemm("output", "W", T, m.hidden, v, dtype, a)]}

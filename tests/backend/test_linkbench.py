@@ -162,5 +162,7 @@ def test_calibrate_device_measures_this_cpu_and_the_engine_uses_it(tmp_path, mon
     prof = doc["profile"]
     assert prof["launch_us"] > 0 and prof["launch_backward_us"] > 0 and prof["gemm_fraction_fp32"] > 0 and prof["hbm_fraction"] > 0
     assert device_profile("cpu").launch_us == pytest.approx(prof["launch_us"])
+    # a softmax computes an exp per element: it streams below the elementwise add on a CPU core
+    assert 0 < prof["softmax_fraction"] < 1 and device_profile("cpu").softmax_fraction == prof["softmax_fraction"]
     cfg = default_config().replace(conventions={"clock": "ops"})
     assert predict(cfg).step.seconds > 0

@@ -182,14 +182,42 @@ def test_eager_attention_is_its_gemms_and_elementwise_ops_and_selective_recomput
                             "conventions": {"clock": "ops"}})
     ops = block_ops(cfg)
     names = [o.name for o in ops["F"]]
-    assert "scores Q·Kᵀ" in names and "probs · V" in names and "scale, mask, softmax" in names
+    assert "scores Q·Kᵀ" in names and "probs · V" in names and "scale, mask" in names and "softmax" in names
     assert "attention" not in names  # no flash kernel: the tiny preset's attention is eager
     assert "repeat K, V (GQA)" in names  # 8 heads over 4 KV heads
     assert [o.name for o in ops["R"]] == [n for n in names if n in {o.name for o in ops["R"]}]
-    assert {o.name for o in ops["R"]} == {"repeat K, V (GQA)", "scores Q·Kᵀ", "scale, mask, softmax", "probs · V",
+    assert {o.name for o in ops["R"]} == {"repeat K, V (GQA)", "scores Q·Kᵀ", "scale, mask", "softmax", "probs · V",
                                           "heads reshape"}
     # the scores' GEMMs compute the full square (the mask is applied after): 2·s·q_dim FLOPs a token each
     m = cfg.model
     T = cfg.training.micro_batch_size * m.seq_len
     scores = next(o for o in ops["F"] if o.name == "scores Q·Kᵀ")
     assert scores.flops == 2.0 * T * m.seq_len * m.heads * m.head_dim
+
+
+def test_a_softmax_streams_at_the_profiles_softmax_fraction_of_the_bandwidth(tmp_path, monkeypatch):
+    """A kernel of exponentials (softmax, the loss's log-softmax) is memory-bound on a GPU like any other, but a
+    CPU core computes each exp: its bandwidth is the profile's ``softmax_fraction`` of the streaming one
+    (``shardscope calibrate --device`` times ``torch.softmax``)."""
+    import json
+    import socket
+
+    monkeypatch.setenv("SHARDSCOPE_CACHE_DIR", str(tmp_path))
+    cfg = _cfg()
+    gpu = device_profile("h100-sxm")
+    assert gpu.softmax_fraction == 1.0  # optional in devices.toml: a GPU's kernels all stream
+    plain, exp = Op("add", "F", "memory", 0.0, 1e9, 1), Op("softmax", "F", "memory", 0.0, 1e9, 1, exp_bound=True)
+    assert op_seconds(exp, cfg, gpu) == op_seconds(plain, cfg, gpu)
+    slow = dataclasses.replace(gpu, softmax_fraction=0.25)
+    assert op_seconds(exp, cfg, slow) - 3e-6 == pytest.approx(4 * (op_seconds(plain, cfg, slow) - 3e-6), rel=1e-12)
+    # the shipped CPU profile says its own; the eager attention's softmax and the loss are marked, the mask is not
+    assert 0 < _profiles()["cpu"].softmax_fraction < 1
+    tiny = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 1},
+                             "conventions": {"clock": "ops"}})
+    marked = {o.name for phase in block_ops(tiny).values() for o in phase if o.exp_bound}
+    assert marked == {"softmax", "softmax backward"}
+    # a profile measured before the field existed still loads, at 1
+    doc = _measured_doc(socket.gethostname())
+    doc["profile"].pop("softmax_fraction", None)
+    (tmp_path / "device-cpu.json").write_text(json.dumps(doc))
+    assert device_profile("cpu").softmax_fraction == 1.0 and device_profile("cpu").name.startswith("cpu (measured")
