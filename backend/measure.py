@@ -108,7 +108,8 @@ def peak_rss_bytes() -> int:
 
 
 def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer, inputs: Iterable[torch.Tensor] = ()):
-    """FSDPMemTracker for a single fully_shard'ed module, else the general MemTracker; either one
+    """FSDPMemTracker for a single fully_shard'ed module whose every parameter FSDP2 manages, else the general
+    MemTracker; either one
     leaving out what existed before it (:func:`_without_pre_existing`) except ``inputs`` (the batch)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -120,13 +121,30 @@ def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer, inpu
     # replicate under ZeRO-1 × TP too: found by the fake sweep, seed 2612 #19, whose replay lacked 5.2 GiB
     # of optimizer state)
     inner = getattr(optimizer, "optim", optimizer)
-    if len(modules) == 1 and isinstance(modules[0], FSDPModule):
+    if len(modules) == 1 and isinstance(modules[0], FSDPModule) and _all_fsdp_managed(modules[0]):
         tracker = _without_pre_existing(FSDPMemTracker, inputs)(modules[0], inner)
     else:
         tracker = _without_pre_existing(MemTracker, inputs)()
         tracker.track_external(*modules, inner)
     _allow_repeated_root_calls(tracker)
     return tracker
+
+
+def _all_fsdp_managed(module: nn.Module) -> bool:
+    """Every parameter of ``module`` is one an FSDP2 wrapper manages. FSDPMemTracker registers only those (its
+    ``_instrument_fsdp_sharded_params_grads``): a parameter left out of the wrappers — the routed experts
+    ``replicate`` ignores under expert parallelism (``backend.parallel.data_parallel.apply_replicate``) — it never
+    files, and the tracker's first sight of its storage, an op's input, made it pre-existing and uncounted
+    (measure --fake of Mixtral 8x7B, ZeRO-0 × TP2 × EP4: 10.5 GiB of expert weights and their gradients missing).
+    The general MemTracker registers every parameter of the modules it is given."""
+    from torch.distributed.fsdp import FSDPModule
+
+    managed: set[int] = set()
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or ():
+                managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
+    return all(id(p) in managed for p in module.parameters())
 
 
 def _storage_key(t) -> int | None:

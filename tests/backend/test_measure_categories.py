@@ -78,3 +78,40 @@ def test_a_zero1_wrappers_states_are_tracked_from_the_start():
         assert snap.get("Optstate", 0) >= states > 0
     finally:
         dist.destroy_process_group()
+
+
+def test_a_parameter_replicate_ignores_is_counted():
+    """FSDPMemTracker registers only the parameters an FSDP2 wrapper manages; ``replicate`` leaves the routed
+    experts out under expert parallelism (its ``ignored_params``), and the tracker's first sight of such a weight,
+    an op's input, made it pre-existing: uncounted (measure --fake of Mixtral 8x7B ZeRO-0 × TP2 × EP4 missed 10.5
+    GiB of expert weights). A module with such a parameter is measured by the general MemTracker, which registers
+    every parameter it is given."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from backend.measure import tracker_for
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        wrapped, loose = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        model = torch.nn.Sequential(wrapped, loose)
+        replicate(wrapped, mesh=mesh)
+        replicate(model, mesh=mesh, ignored_params=set(loose.parameters()))
+        opt = torch.optim.SGD(model.parameters())
+        tracker = tracker_for([model], opt)
+        assert not isinstance(tracker, FSDPMemTracker)
+        with tracker:
+            model(torch.ones(4, 32)).sum().backward()
+            snap = {getattr(k, "value", k): n for dev in tracker.get_tracker_snapshot("current").values()
+                    for k, n in dev.items()}
+        assert snap["Parameter"] >= sum(p.numel() * 4 for p in loose.parameters()) and not tracker.pre_existing
+        # every parameter managed: FSDPMemTracker, as before
+        only = torch.nn.Sequential(torch.nn.Linear(32, 32))
+        replicate(only, mesh=mesh)
+        assert isinstance(tracker_for([only], torch.optim.SGD(only.parameters())), FSDPMemTracker)
+    finally:
+        dist.destroy_process_group()
