@@ -88,7 +88,10 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     lora_on = cfg.training.finetune == "lora"
     pd = plan.gathered_bytes  # MixedPrecisionPolicy.param_dtype: the copy FSDP2 all-gathers
     f8 = " (float8 Linear weights: 1 B + an fp32 scale each)" if plan.float8_all_gather else ""
-    groups = [(gathered_unit_bytes(plan, rp, u), count) for u, count in rp.unit_groups]
+    # FSDP2's replicate leaves the routed experts out under expert parallelism (their replicas are the efsdp ranks:
+    # backend.parallel.data_parallel.apply_replicate's ignored_params): it neither gathers nor casts them
+    ignored = {u for u, _ in rp.expert_units} if plan.data_parallel == "replicate" else set()
+    groups = [(gathered_unit_bytes(plan, rp, u), count) for u, count in rp.unit_groups if u not in ignored]
     all_bytes = sum(b * count for b, count in groups)
     two = largest_numels(groups, 2)
     after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
@@ -108,7 +111,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             why = (f"ZeRO-3 not resharded after forward (policy {plan.reshard_policy}"
                    + (": the default under pipelining" if plan.pipelined and plan.reshard_policy == "default" else "")
                    + "): every unit gathered between forward and backward")
-        how = (f"{pd} B × Ψ = {pd} × {psi:,}" if not plan.float8_all_gather
+        how = (f"{pd} B × Ψ = {pd} × {psi:,}" if not plan.float8_all_gather and not ignored
+               else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if ignored
                else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
         T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
               kind="fsdp_unsharded_params")

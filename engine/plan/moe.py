@@ -159,8 +159,10 @@ class _MoeGrid:
         # ZeRO-2 (and replicate) hold every unit gathered, ZeRO-3 one unit; DDP its buckets
         if dp == 1:
             fixed = 0
-        elif z == 2 or (z == 0 and tp > 1):
+        elif z == 2:
             fixed = act * psi
+        elif z == 0 and tp > 1:  # replicate: every unit gathered but the routed experts, which it ignores under ep
+            fixed = act * (psi - (rp.experts if ep > 1 else 0))
         elif z == 3:
             fixed = act * rp.largest_unit_numels(1)[0]
         elif bucket_view:
