@@ -35,6 +35,11 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        (``STAGE_LIFETIMES``; each term has its ``stage``)
   stage_weight         transient during each W of one stage (its ``stage``): what a split backward's weight
                        pass recomputes (``engine.memory.activations.weight_pass_terms``)
+  stage_converted      there, under a split backward where FSDP2 accumulates in another dtype than the
+                       parameters': one stage's accumulation, from the first post-backward that finds a
+                       gradient (its first B, or the first I after a W) through its REDUCE_GRAD
+  stage_fresh          there, one stage's weight gradients in the parameter dtype, in ``.grad``: from each
+                       W (its own moment included) to the I that adds them in, or to the REDUCE_GRAD
   every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
                        the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
@@ -145,8 +150,8 @@ PER_MOMENT = TRANSIENT[:-2]
 #: the transient lifetimes laid once, when they start, and kept to the step's end (the last two)
 _WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 
-#: per local stage, from the moments' ``acc`` and ``red`` (each term's ``stage``): on a rank of several
-#: pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
+#: per local stage, from the moments' ``acc``, ``red``, ``wr``, ``cv`` and ``fr`` (each term's ``stage``): on a rank
+#: of several pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
 STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh")
 
