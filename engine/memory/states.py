@@ -56,7 +56,7 @@ from engine.model.params import (
     zero_redundancy_shares,
 )
 from engine.names import OPTIMIZER_STATES
-from engine.wrapping import WrappingPlan
+from engine.wrapping import WrappingPlan, wrapping_plan
 
 
 def per_stage_gradients(plan: WrappingPlan, rp: RankParams) -> bool:
@@ -131,8 +131,29 @@ def optimizer_foreach(cfg: Config) -> bool:
     """Whether AdamW steps with torch's multi-tensor ("foreach") implementation: torch's default where
     every parameter is on a device with foreach kernels (torch/optim/optimizer.py,
     ``_default_to_fused_or_foreach``: CUDA and the other accelerators, not the CPU), which the backend
-    passes explicitly so that a simulated GPU rank (fake tensors live on the CPU) steps as the GPU would."""
-    return cfg.cluster.gpu.name != "cpu"
+    passes explicitly so that a simulated GPU rank (fake tensors live on the CPU) steps as the GPU would —
+    except where the rank's stepped parameters mix DTensors and plain tensors (:func:`mixes_dtensors`), which
+    a foreach op refuses ("got mixed torch.Tensor and DTensor"): the backend steps those one by one
+    (``backend.parallel.parallelize.build_optimizer``)."""
+    return cfg.cluster.gpu.name != "cpu" and not mixes_dtensors(cfg)
+
+
+def mixes_dtensors(cfg: Config) -> bool:
+    """A rank's stepped parameters mix DTensors and plain tensors: tensor parallelism without an FSDP2 wrapper
+    and without sequence parallelism (torch's TP plan leaves the norms plain), or routed experts under expert
+    parallelism beside DTensors where no ``fully_shard`` takes them (``replicate`` ignores them; TP does not shard
+    them). Measured on fake ranks of the backend (the optimizer's foreach flag and its parameters' types): tiny
+    tp2 mixes, tp2 with SP and dp2 × tp2 under replicate do not. LoRA (only the adapters step) is left alone."""
+    par = cfg.parallel
+    if cfg.training.finetune == "lora":
+        return False
+    plan = wrapping_plan(cfg)
+    if plan.data_parallel == "fully_shard":
+        return False
+    dtensors = par.tp > 1 or plan.data_parallel == "replicate"
+    plain = (par.tp > 1 and plan.data_parallel != "replicate" and not par.sequence_parallel) or (
+        cfg.model.experts > 0 and par.ep > 1)
+    return dtensors and plain
 
 
 def _adjacent_peak(groups) -> int:
@@ -178,7 +199,9 @@ def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups
         peak, order = _adjacent_peak([(tuple(top), 1)]), "its ZeroRedundancyOptimizer share, largest first"
     else:
         peak, order = _adjacent_peak(groups()), "parameter order"
-    T.add("temporaries", "AdamW step (for-loop, torch's default on CPU): one parameter's √v and its quotient, "
+    why = ("torch's default on CPU" if cfg.cluster.gpu.name == "cpu"
+           else "the rank's parameters mix DTensors and plain tensors, which foreach refuses")
+    T.add("temporaries", f"AdamW step (for-loop, {why}): one parameter's √v and its quotient, "
           "the previous parameter's denominator", 4 * peak,
           f"4 B × max over the stepped tensors ({order}) of previous + 2 × this = 4 × {peak:,}", kind="optimizer_step")
 
