@@ -506,24 +506,26 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     wr[rows, col] = kind == _W
     cv = np.zeros((n, v), dtype=np.int64)
     fr = np.zeros((n, v), dtype=np.int64)
-    kinds, cols = kind.tolist(), col.tolist()
-    pending = [False] * v  # a W's gradients in .grad, not yet added into the accumulation
     conv_at = [n] * v
-    firsts = first_stage.tolist()
-    for i, (k, j, f) in enumerate(zip(kinds, cols, firsts)):
-        if k == _W and f:
-            conv_at[j] = min(conv_at[j], i)
-        elif k == _W:
-            pending[j] = True
-        elif k in (_B, _I):
-            if k == _B or pending[j]:
+    backward = (kind == _B) | (kind == _I) | (kind == _W)
+    for j in range(v):  # each stage's own backward-like actions, in order
+        idx_j = np.flatnonzero(backward & (col == j)).tolist()
+        last = int(reduce_at[j])
+        since = None  # the W whose gradients are in .grad, not yet added into the accumulation
+        for i in idx_j:
+            k = int(kind[i])
+            if k == _W and bool(first_stage[i]):
                 conv_at[j] = min(conv_at[j], i)
-            if pending[j]:
-                fr[i, j] = 1  # the I's post-backward adds them in as it runs
-            pending[j] = False
-        for jj in range(v):
-            if pending[jj] and i <= reduce_at[jj]:
-                fr[i, jj] = 1
+            elif k == _W:
+                since = i if since is None else since
+            else:  # a B, or an I: its post-backward adds in what a W left (at its own moment they still exist)
+                if k == _B or since is not None:
+                    conv_at[j] = min(conv_at[j], i)
+                if since is not None:
+                    fr[since:min(i, last) + 1, j] = 1
+                since = None
+        if since is not None:
+            fr[since:last + 1, j] = 1
     conv = np.array(conv_at)
     cv[:] = ((idx > conv) & (idx <= reduce_at)).astype(np.int64)
     return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr)
