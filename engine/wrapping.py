@@ -124,6 +124,12 @@ class WrappingPlan:
         return PLAN_DTYPE_BYTES[self.compute_dtype]
 
     @property
+    def converts_gradients(self) -> bool:
+        """FSDP2 accumulates unsharded gradients in another dtype than the parameters' (it converts each fresh
+        gradient into it at a post-backward: ``FSDPParam.to_accumulated_grad_if_needed``)."""
+        return self.grad_accumulation_dtype not in (None, self.compute_dtype)
+
+    @property
     def grad_accumulation_bytes(self) -> int:
         """Bytes per element of FSDP2's unsharded gradients accumulated without sync."""
         return PLAN_DTYPE_BYTES[self.grad_accumulation_dtype or self.compute_dtype]

@@ -97,8 +97,8 @@ def build_optimizer(params: list[nn.Parameter], plan: WrappingPlan, dims: Parall
         # torch's multi-tensor step groups its tensors by device and dtype only, and a foreach op refuses
         # DTensors mixed with plain tensors ("got mixed torch.Tensor and DTensor": a TP layout without
         # FSDP2 whose routed experts or norms stay plain). torch's own CUDA default would take that path
-        # and fail; such a rank steps parameter by parameter (the engine still counts the foreach
-        # temporaries: an over-count there)
+        # and fail; such a rank steps parameter by parameter (engine.memory.states.optimizer_foreach already
+        # says so for the layouts it knows, and predicts that step; this check keeps any other one running)
         kwargs["foreach"] = False
     if plan.zero_redundancy_optimizer:
         return make_zero1_optimizer(stepped, optimizer_cls, dims.dp_group(), **kwargs)

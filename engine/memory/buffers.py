@@ -129,14 +129,13 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         how = f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}"
         by_stage = per_stage_gradients(plan, rp) and not lora_on  # (the adapters' split by stage: not kept)
         if by_stage:
-            split = cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES
-            converts = plan.grad_accumulation_dtype != plan.compute_dtype
-            when = ("from its first I after a W to its REDUCE_GRAD" if split and converts
+            split_converts = cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES and plan.converts_gradients
+            when = ("from its first I after a W to its REDUCE_GRAD" if split_converts
                     else "from its first backward to its REDUCE_GRAD")
             for stage, x in stage_shares(gacc * psi_train, rp):
                 T.add("comm_buffers", f"{label}: stage {stage}'s ({when})", x,
                       f"its share by elements of {how}", kind="fsdp_unsharded_grads", stage=stage)
-            if split and converts:
+            if split_converts:
                 # a split backward's W writes the stage's weight gradients into .grad in the parameter dtype; FSDP2
                 # adds them into its accumulation only at the next post-backward that finds them (an I's or a B's:
                 # FSDPParam.to_accumulated_grad_if_needed), so until then they are the parameters' dtype, whole
@@ -155,7 +154,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
                   f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
                   stage=first)
-        if plan.grad_accumulation_dtype != plan.compute_dtype:
+        if plan.converts_gradients:
             # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
             # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
             # (the embeddings' unit: its token embedding at full V × h under TP)

@@ -85,7 +85,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                                  plan.reshard_after_forward, len(rp.stages), plan.pipelined,
                                                  plain_grads_late(cfg, plan),
                                                  par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES,
-                                                 plan.grad_accumulation_dtype not in (None, plan.compute_dtype)))
+                                                 plan.converts_gradients))
     if ep_rank is not None and _load_per_microbatch(cfg):
         # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
         # flight at the peak (the moment found at the load averaged over microbatches; the allocation
