@@ -60,6 +60,11 @@ def measure(window, samples: int, cpu_ms: list[float] | None = None) -> tuple[li
     base = slider.value()
     step = 1 if base < slider.maximum() else -1  # a preset at the family's last step moves down
     total_ms, engine_ms = [], []
+    # the timeline's paint count when a prediction reached the views: the next paint draws it (read when the
+    # prediction arrives, not after: the same turn of the event loop may already have painted it)
+    painted = [0]
+    arrived = lambda _pred: painted.__setitem__(0, window.timeline.boxes.paint_count)  # noqa: E731
+    state.predictionReady.connect(arrived)
     for i in range(samples + 2):  # the first two warm caches up and are dropped
         target = base + (step if i % 2 == 0 else 0)
         app.processEvents()  # what the last sample left dirty is painted before this one starts, as on screen
@@ -72,9 +77,8 @@ def measure(window, samples: int, cpu_ms: list[float] | None = None) -> tuple[li
 
         # the views have new data; let Qt paint what is dirty, as it would on screen (the whole window's
         # dirty widgets paint in one pass, so the timeline's paint is the memory chart's too)
-        painted = window.timeline.boxes.paint_count
         deadline = time.perf_counter() + 5
-        while window.timeline.boxes.paint_count == painted:
+        while window.timeline.boxes.paint_count == painted[0]:
             app.processEvents()
             if time.perf_counter() > deadline:
                 raise RuntimeError("the timeline never repainted")
@@ -85,6 +89,7 @@ def measure(window, samples: int, cpu_ms: list[float] | None = None) -> tuple[li
             if cpu_ms is not None:
                 cpu_ms.append((c1 - c0) * 1e3)
             engine_ms.append(state.prediction.seconds * 1e3)
+    state.predictionReady.disconnect(arrived)
     return total_ms, engine_ms
 
 

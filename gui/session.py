@@ -83,6 +83,13 @@ def control_for_field(name: str) -> str:
     return "general"
 
 
+def _sections_copy(desired: dict[str, Any]) -> dict[str, Any]:
+    """``desired`` with each section a new dict: what an edit changes (a section's fields) is its own, what it
+    replaces whole (a custom GPU table, a list of conventions) is shared with the desired config before it —
+    which the undo history keeps, and nothing changes in place."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in desired.items()}
+
+
 # --------------------------------------------------------------------------- the session
 
 
@@ -149,7 +156,7 @@ class Session:
         The data-parallel degree follows the GPU count: changing tp, cp, pp or the GPU count
         sets dp = gpus / (cp·tp·pp) when that divides; changing dp sets the GPU count.
         """
-        desired = copy.deepcopy(self.desired)
+        desired = _sections_copy(self.desired)
         section, _, key = path.partition(".")
         if path == "model.preset":
             desired["model"] = {"preset": value, **model_presets()[value]}
@@ -212,7 +219,7 @@ class Session:
 
     def use_dataparallel(self) -> bool:
         """Switch to legacy nn.DataParallel and make the layout one it can run (dp = every GPU)."""
-        desired = copy.deepcopy(self.desired)
+        desired = _sections_copy(self.desired)
         for path, value in self.dataparallel_changes().items():
             section, _, key = path.partition(".")
             desired[section][key] = value

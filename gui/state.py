@@ -16,6 +16,7 @@ JSON event per line; a simulation at scale is ``python -m gui.cli measure CFG --
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
 from pathlib import Path
@@ -34,6 +35,35 @@ from gui.session import FIELD_CONTROLS, Session, control_for_field  # noqa: F401
 KILL_AFTER_MS = 5000
 #: a prediction still running after this long shows as "predicting…" (about a frame)
 SLOW_PREDICTION_MS = 50
+
+
+class _Worker:
+    """One daemon thread for the process that runs the predictions handed to it, in order. Starting a
+    thread per prediction made the GUI thread wait in ``Thread.start`` until the new thread had taken the
+    interpreter, which it held for the whole prediction, and its exit competed with the repaint after it."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn, *args) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, daemon=True, name="shardscope-predict")
+                self._thread.start()
+        self._jobs.put((fn, args))
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            try:
+                fn(*args)
+            except RuntimeError:  # the window that asked has been closed: its signal's object is gone
+                pass
+
+
+_WORKER = _Worker()
 
 
 def _forward(name: str, writable: bool = False) -> property:
@@ -184,8 +214,7 @@ class State(QObject):
             return
         self._working = True
         self._slow.start()
-        threading.Thread(target=self._predict_in_worker, args=(cfg, calibration), daemon=True,
-                         name="shardscope-predict").start()
+        _WORKER.submit(self._predict_in_worker, cfg, calibration)
 
     def _predict_in_worker(self, cfg: Config, calibration) -> None:
         try:

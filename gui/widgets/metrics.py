@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QRect, QSize, Qt
-from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QStaticText
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from engine.time.ops import clock_short
@@ -349,6 +349,7 @@ class MetricsTable(QWidget):
         self.bold = QFont(self.font())
         self.bold.setBold(True)
         self._layout_cache: tuple[int, list, list, int] | None = None  # (width, rows, layout, height)
+        self._names: dict[str, QStaticText] = {}  # the rows' names, laid out once (the values change)
 
     def set_rows(self, rows: list[tuple[str, str]]) -> bool:
         """New rows; True when they changed (the holder then fits the height again)."""
@@ -392,6 +393,15 @@ class MetricsTable(QWidget):
     def sizeHint(self) -> QSize:
         return QSize(360, 300)
 
+    def _name(self, key: str) -> QStaticText:
+        name = self._names.get(key)
+        if name is None:
+            if len(self._names) > 256:  # names come from a fixed set; bounded all the same
+                self._names.clear()
+            name = self._names[key] = QStaticText(key)
+            name.setTextFormat(Qt.TextFormat.PlainText)
+        return name
+
     def paintEvent(self, event) -> None:
         if not self.rows:
             return
@@ -404,7 +414,7 @@ class MetricsTable(QWidget):
         for (k, v), (key_w, value_w, h) in zip(self.rows, layout):
             p.setFont(self.font())
             p.setPen(key_color)
-            p.drawText(QRect(0, y, key_w, h), top, k)
+            p.drawStaticText(0, y, self._name(k))
             p.setFont(self.bold)
             p.setPen(value_color)
             p.drawText(QRect(key_w, y, value_w, h), wrap, v)

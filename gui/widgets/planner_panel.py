@@ -175,6 +175,7 @@ class PlannerPanel(QWidget):
         pi.addItem(self.scatter)
         self.selected = pg.ScatterPlotItem(size=15, pen=pg.mkPen("k", width=2), brush=None, symbol="o")
         pi.addItem(self.selected)
+        self._ringed: tuple[float, float] | None = None  # where the ring is (none yet)
         # the label hangs down from near the top, left of the line (the points are left of capacity): inside
         # the plot however short the plot is
         self.capacity_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#B00020", width=1, style=Qt.PenStyle.DashLine),
@@ -403,19 +404,26 @@ class PlannerPanel(QWidget):
         e = self.outcome.entries[row]
         self.why.setText(f"#{e['position']} {e['label']}\n" + "\n".join(f"• {w}" for w in self.outcome.why(row)))
 
+    def _ring(self, point: tuple[float, float] | None) -> None:
+        """The ring around the window's layout at ``point`` (memory, tokens/s), or none; set only when it moves
+        (every slider move of the window asks: a scatter item's ``setData`` lays out its spots again)."""
+        if point != self._ringed:
+            self._ringed = point
+            self.selected.setData(*([[point[0]], [point[1]]] if point is not None else [[], []]))
+
     def _mark_current(self) -> None:
         """Ring the point (and select the row) of the layout the window shows, when it is one of the plan's."""
         cfg = self.state.config
         if self.outcome is None or (self.request is not None and job_key(cfg) != job_key(self.request.config)):
-            self.selected.setData([], [])  # nothing of this plan is the window's layout: another job
+            self._ring(None)  # nothing of this plan is the window's layout: another job
             self.table.clearSelection()
             return
         j = self.outcome.point_of(cfg)
         if j is None:
-            self.selected.setData([], [])
+            self._ring(None)
         else:
             p = self.outcome.points[j]
-            self.selected.setData([p["peak_bytes"] / self.outcome.memory_scale()[1]], [p["tokens_per_s"]])
+            self._ring((p["peak_bytes"] / self.outcome.memory_scale()[1], p["tokens_per_s"]))
         row = self.outcome.row_of(cfg)
         self.table.blockSignals(True)
         if row is None:

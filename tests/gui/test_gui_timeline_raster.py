@@ -68,3 +68,39 @@ def test_wide_boxes_stay_rectangles(qtbot, monkeypatch):
     monkeypatch.setattr(timeline, "RASTER_MAX_PX", 0.1)  # every box is "wide" now
     item, _ = draw(qtbot, monkeypatch, raster=True)
     assert not item.rasterised
+
+
+def test_outlines_are_the_dark_edge_as_it_shows_over_the_box_painted_opaque():
+    """A box's outline is OUTLINE_RGBA composited over the box's fill, made opaque (Qt strokes opaque
+    cosmetic pens several times faster): over F's #4C78A8 = (76, 120, 168), 170/255 of (40, 40, 40) and
+    85/255 of the fill give (52, 67, 83); over a translucent fill the translucent edge stays."""
+    pen = timeline._outline_pen("#4C78A8", 255)
+    c = pen.color()
+    assert (c.red(), c.green(), c.blue(), c.alpha()) == (52, 67, 83, 255)
+    assert pen.isCosmetic()
+    faint = timeline._outline_pen("#4C78A8", 70).color()
+    assert (faint.red(), faint.green(), faint.blue(), faint.alpha()) == timeline.OUTLINE_RGBA
+
+
+def test_wide_boxes_are_outlined_in_their_blended_edge_colour(qtbot, monkeypatch):
+    """On screen: the pixels along the boxes' edges are the blended edge colours, not the translucent grey."""
+    monkeypatch.setattr(timeline, "RASTER_MAX_PX", 0.1)
+    plot = pg.PlotWidget(background="w")
+    plot.setAntialiasing(False)  # as the window draws (gui.app)
+    qtbot.addWidget(plot)
+    plot.resize(600, 300)
+    item = timeline.BoxesItem()
+    plot.addItem(item)
+    item.set_boxes([0.1, 0.55], [0.45, 0.9], [0.2, 0.2], [0.8, 0.8], ["#4C78A8", "#F58518"], [0, 1], [0, 1])
+    plot.getPlotItem().getViewBox().setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
+    plot.show()
+    qtbot.waitExposed(plot)
+    image = pixels(plot)
+    for fill in ("#4C78A8", "#F58518"):
+        pen = timeline._outline_pen(fill, 255)
+        edge = np.array([pen.color().red(), pen.color().green(), pen.color().blue()])
+        # Qt strokes a cosmetic pen thinner than a pixel at its width's opacity: 0.8 of the edge over white
+        # where the edge lies outside the fill (the right and bottom sides)
+        rgb = np.rint(pen.widthF() * edge + (1 - pen.widthF()) * 255)
+        assert (np.abs(image - rgb).sum(axis=-1) <= 3).sum() > 200, (fill, rgb)
+    assert item.outlined_layers == 2
