@@ -16,8 +16,10 @@ from math import ceil
 
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QPen
+from PySide6.QtGui import QColor, QPen, QPicture
 
+#: what ``LeanAxis.picture`` holds once its specifications are generated (they are drawn directly)
+_DIRECT = QPicture()
 #: labels measured per (font, text); bounded so a long session cannot grow it without end
 _MAX_MEASURED = 4096
 _ALIGN_CENTER = Qt.AlignmentFlag.AlignCenter
@@ -35,6 +37,7 @@ class LeanAxis(pg.AxisItem):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._measured: dict[tuple[str, str], QRectF] = {}
+        self._specs = None  # generateDrawSpecs' last answer (drawn by paint)
         # labelled and minor ticks, not pyqtgraph's third level between the minor ones: the timeline's
         # time axis had 62 ticks for 7 labels, each a pen and a line to draw on every new scale
         self.setStyle(maxTickLevel=1)
@@ -49,6 +52,31 @@ class LeanAxis(pg.AxisItem):
             self._adjustSize()
         self.picture = None
         self.update()
+
+    def paint(self, p, opt, widget) -> None:
+        """pyqtgraph's, the specifications drawn straight onto the painter: pyqtgraph records them into a
+        QPicture and plays it back, and on a new scale (every prediction) the recording cost more than
+        drawing them (the timeline's time axis 0.24 → 0.17 ms). pyqtgraph still says when to generate them
+        again, by dropping its picture (``self.picture = None``)."""
+        if not self._lean():
+            if self.picture is _DIRECT:
+                self.picture = None
+            super().paint(p, opt, widget)
+            return
+        if self.picture is None:
+            p.save()
+            if self.style["tickFont"]:
+                p.setFont(self.style["tickFont"])
+            self._specs = self.generateDrawSpecs(p)
+            p.restore()
+            self.picture = _DIRECT
+        if self.picture is _DIRECT:
+            if self._specs is not None:
+                p.save()
+                self.drawPicture(p, *self._specs)
+                p.restore()
+        else:
+            self.picture.play(p)
 
     def _lean(self) -> bool:
         return (self.orientation in ("left", "bottom") and self.grid is False

@@ -65,6 +65,21 @@ _CODE = {k: i for i, k in enumerate(KINDS)}
 
 
 @lru_cache(maxsize=256)
+def _brush(name: str, alpha: int) -> QBrush:
+    c = QColor(name)
+    c.setAlpha(alpha)
+    return QBrush(c)
+
+
+@lru_cache(maxsize=256)
+def _coloured_pen(name: str) -> QPen:
+    """A box outlined in its own colour, 2 px (the measured memory's bars)."""
+    pen = QPen(QColor(name), 2)
+    pen.setCosmetic(True)
+    return pen
+
+
+@lru_cache(maxsize=256)
 def _outline_pen(fill: str, alpha: int) -> QPen:
     """The outline of boxes filled with the colour ``fill`` at ``alpha``: :data:`OUTLINE_RGBA` as it shows
     over an opaque fill, painted opaque. Qt's raster engine strokes a translucent cosmetic pen several times
@@ -163,6 +178,7 @@ class BoxesItem(pg.GraphicsObject):
         self.outlined_layers = 0
         self.rasterised = False  # the last paint drew pixel rows, not rectangles
         self._lanes = None  # (distinct y0 + i·y1, each box's index into them), background first
+        self._lane_key = None  # the layers' sizes and tops and bottoms those lanes were computed of
 
     def set_boxes(self, x0, x1, y0, y1, colors: list[str], color_index, labels=None, *, background=None) -> None:
         """Boxes [x0, x1] × [y0, y1]; ``color_index[i]`` picks ``colors``; optional row backgrounds."""
@@ -173,28 +189,30 @@ class BoxesItem(pg.GraphicsObject):
         color_index = np.asarray(color_index, int)
         self._row_h = _median(self._y1 - self._y0)
         self._median_w = _median(self._x1 - self._x0)
-        lanes_before = [(layer[5][2], layer[5][3]) for layer in self._layers]
         self._layers = []
         if background is not None:
             bx0, bx1, by0, by1 = (np.asarray(a, float) for a in background)
-            self._layers.append([QBrush(QColor(IDLE_COLOR)), None, 0.0, None, None, (bx0, bx1, by0, by1), None])
+            self._layers.append([_brush(IDLE_COLOR, 255), None, 0.0, None, None, (bx0, bx1, by0, by1), None])
+        # the boxes grouped by colour (views of one reordering, not a copy per colour)
+        order = np.argsort(color_index, kind="stable")
+        ends = np.cumsum(np.bincount(color_index, minlength=len(colors))[:len(colors)])
+        x0s, x1s, y0s, y1s = self._x0[order], self._x1[order], self._y0[order], self._y1[order]
         for ci, name in enumerate(colors):
-            idx = np.flatnonzero(color_index == ci)
-            if idx.size == 0:
+            a, b = (int(ends[ci - 1]) if ci else 0), int(ends[ci])
+            if a == b:
                 continue
-            c = QColor(name)
-            c.setAlpha(self.alpha)
-            pen = None
-            if self.coloured_outline:
-                pen = QPen(QColor(name), 2)
-                pen.setCosmetic(True)
-            box = (self._x0[idx], self._x1[idx], self._y0[idx], self._y1[idx])
-            self._layers.append([QBrush(c), None, _median(box[1] - box[0]), idx, pen, box, _outline_pen(name, self.alpha)])
-        lanes_now = [(layer[5][2], layer[5][3]) for layer in self._layers]
-        if len(lanes_now) != len(lanes_before) or not all(
-                a.shape == c.shape and np.array_equal(a, c) and np.array_equal(b, d)
-                for (a, b), (c, d) in zip(lanes_now, lanes_before)):
+            pen = _coloured_pen(name) if self.coloured_outline else None
+            box = (x0s[a:b], x1s[a:b], y0s[a:b], y1s[a:b])
+            self._layers.append([_brush(name, self.alpha), None, _median(box[1] - box[0]), order[a:b], pen, box,
+                                 _outline_pen(name, self.alpha)])
+        lanes = (tuple(len(layer[5][0]) for layer in self._layers),  # every layer's tops and bottoms, in order
+                 np.concatenate([layer[5][2] for layer in self._layers] or [np.zeros(0)]),
+                 np.concatenate([layer[5][3] for layer in self._layers] or [np.zeros(0)]))
+        before = self._lane_key
+        if before is None or before[0] != lanes[0] or not (np.array_equal(before[1], lanes[1])
+                                                           and np.array_equal(before[2], lanes[2])):
             self._lanes = None  # the pixel rows' data are computed again when first painted
+        self._lane_key = lanes
         if self._x0.size or background is not None:
             xs = [self._x0, self._x1] + ([bx0, bx1] if background is not None else [])
             ys = [self._y0, self._y1] + ([by0, by1] if background is not None else [])
@@ -276,7 +294,7 @@ class BoxesItem(pg.GraphicsObject):
             return False
         boxes = [layer[5] for layer in self._layers]
         if self._lanes is None:  # the distinct (y0, y1) of every box, kept while the rows stay as they are
-            y = np.concatenate([b[2] for b in boxes]) + 1j * np.concatenate([b[3] for b in boxes])
+            y = self._lane_key[1] + 1j * self._lane_key[2]
             self._lanes = np.unique(y, return_inverse=True)
         distinct, box_lane = self._lanes
         ya, yb = distinct.real * sy + dy, distinct.imag * sy + dy
