@@ -769,9 +769,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     res = 4 if autocast else act
     sbh_rep = s * b * h // sh.rep
     hs = "h/t" if sp else "h"
-    # torch's loss: loss_parallel (SP) keeps the vocabulary sharded; otherwise the head's output is
-    # replicated (ColwiseParallel → Replicate), so the loss sees all V on every TP rank.
-    v_loss = ceil_div(model.vocab, t) if (sp or not torch_acc) else model.vocab
+    v_loss = loss_vocab(cfg, sp=sp, torch_acc=torch_acc)
     # blocks recomputed whole (full: all; selective-layer: torchtitan's every N-th block of the rank)
     ckpt_of = _checkpointed_of_stages(cfg, rp)
     n_stages = par.num_stages
@@ -1103,24 +1101,35 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
               f"{stash:,} = {redo:,} B ({dims})", kind="recomputed_block")
 
 
+def loss_vocab(cfg: Config, *, sp: bool, torch_acc: bool) -> int:
+    """The vocabulary columns the loss sees on a rank: torch's loss_parallel (SP) keeps the vocabulary
+    sharded; otherwise the head's output is replicated (ColwiseParallel → Replicate), so the loss sees all
+    V on every TP rank (the simple accounting counts V/t)."""
+    t = cfg.parallel.tp
+    return ceil_div(cfg.model.vocab, t) if (sp or not torch_acc) else cfg.model.vocab
+
+
+def loss_tensors(*, sp: bool) -> int:
+    """How many fp32 tensors of the loss's vocabulary shard (4·s·b·v each) its backward holds at once
+    under torch's accounting. loss_parallel (the backend's loss under sequence parallel): torch's
+    _nll_loss_and_log_softmax_backward (torch/distributed/tensor/parallel/loss.py) runs both backwards at
+    once on the vocabulary shard, returning (grad_input + torch.exp(x)) * grad_output with grad_input =
+    zeros_like(x): the zeros, exp(x) and their sum (then the sum and the product) are three fp32 shards
+    alive at once (measure --fake, Llama 3 70B FSDP32 × TP8: tracker Temp 25,220,481,028 B, three times
+    16·8192·16,032·4 B plus 4 MB). Otherwise two: the fp32 logits and the log-softmax gradient."""
+    return 3 if sp else 2
+
+
 def _loss_terms(cfg: Config, T: Terms, act: int, *, torch_acc: bool, sp: bool, v_loss: int) -> None:
     """The last stage's loss temporaries."""
     s, b = cfg.local_seq_len, cfg.training.micro_batch_size
     v_sym = _v_symbol(cfg.model, v_loss)
-    if torch_acc and sp:
-        # loss_parallel (the backend's loss under sequence parallel): torch's
-        # _nll_loss_and_log_softmax_backward (torch/distributed/tensor/parallel/loss.py) runs both
-        # backwards at once on the vocabulary shard, returning (grad_input + torch.exp(x)) * grad_output
-        # with grad_input = zeros_like(x): the zeros, exp(x) and their sum (then the sum and the product)
-        # are three fp32 shards alive at once (measure --fake, Llama 3 70B FSDP32 × TP8: tracker Temp
-        # 25,220,481,028 B, three times 16·8192·16,032·4 B plus 4 MB)
-        lx = 3 * 4 * s * b * v_loss
-        T.add("temporaries", "loss (loss_parallel): the one-hot gradient, exp of the log-probabilities and "
-              "their sum, fp32 on the vocabulary shard", lx, f"3 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
-    elif torch_acc:
-        lx = 2 * 4 * s * b * v_loss
-        T.add("temporaries", "loss: fp32 logits and the log-softmax gradient at the start of backward",
-              lx, f"2 × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
+    if torch_acc:
+        n = loss_tensors(sp=sp)
+        lx = n * 4 * s * b * v_loss
+        what = ("loss (loss_parallel): the one-hot gradient, exp of the log-probabilities and their sum, fp32 on "
+                "the vocabulary shard") if sp else "loss: fp32 logits and the log-softmax gradient at the start of backward"
+        T.add("temporaries", what, lx, f"{n} × 4·s·b·{v_sym} = {lx:,} B", kind="loss")
     else:
         v_local = ceil_div(cfg.model.vocab, cfg.parallel.tp)
         lx = act * s * b * v_local + (4 * s * b * v_local if act != 4 else 0)

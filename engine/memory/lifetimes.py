@@ -922,6 +922,7 @@ class Grain(NamedTuple):
     work: tuple[int, ...]  # tensors one block's forward makes, one microbatch, in order
     blocks: tuple[int, ...]  # blocks per local stage
     logits_bytes: int  # the last stage's logits in the compute dtype, one microbatch (0: no fp32 cast)
+    loss_piece: int = 0  # one fp32 tensor of the loss's vocabulary shard, one microbatch (0: not known)
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -1503,22 +1504,27 @@ class _Laying:
         return True
 
     def _loss(self, i: int, whole: list) -> None:
-        """The loss moment: its transients, the loss's two halves, the logits' gradient where it fits."""
+        """The loss moment: its transients, the loss's tensors (its fp32 vocabulary shards where the grain
+        knows their size, else two halves) all alive at once, then all but the last freed, the logits'
+        gradient where it fits, and the last."""
         alloc, free = self.alloc, self.free
-        halves = []
+        losses = []
+        piece = self.grain.loss_piece
         for life, (j2, nbytes, stream) in whole:
             if life == "loss":
-                a, b = nbytes // 2, nbytes - nbytes // 2
-                alloc(("loss", j2, i, 0), a, stream)
-                alloc(("loss", j2, i, 1), b, stream)
-                halves.append(j2)
+                n = nbytes // piece if piece and nbytes % piece == 0 else 0
+                parts = [piece] * n if n >= 2 else [nbytes // 2, nbytes - nbytes // 2]
+                for k, x in enumerate(parts):
+                    alloc(("loss", j2, i, k), x, stream)
+                losses.append((j2, len(parts)))
             else:
                 alloc(("t", j2, i), nbytes, stream)
-        for j2 in halves:
-            free(("loss", j2, i, 0))
+        for j2, n in losses:
+            for k in range(n - 1):
+                free(("loss", j2, i, k))
         lg = self.transient(("logits_grad", i), self.grain.logits_bytes)
-        for j2 in halves:
-            free(("loss", j2, i, 1))
+        for j2, n in losses:
+            free(("loss", j2, i, n - 1))
         if lg:
             free(("logits_grad", i))
         for life, (j2, _, _) in whole:

@@ -22,7 +22,13 @@ from functools import lru_cache
 import numpy as np
 
 from engine.config import Config
-from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, shape_of, stage_activation_terms
+from engine.memory.activations import (
+    TABLE_RECOMPUTE,
+    layer_activation_terms,
+    loss_vocab,
+    shape_of,
+    stage_activation_terms,
+)
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
@@ -155,11 +161,11 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
     sh = shape_of(cfg)
     kept, work = _block_tensors(sh, cfg.training.recompute)
     blocks = tuple(st.layers for st in sorted(rp.stages, key=lambda st: st.stage))
-    logits = 0
-    if cfg.conventions.state_accounting == "pytorch" and sh.act != 4:
-        loss = sum(t.bytes for t in T["temporaries"] if t.kind == "loss")  # 2 × 4·s·b·V/t
-        logits = loss // 8 * sh.act
-    return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits)
+    logits = piece = 0
+    if cfg.conventions.state_accounting == "pytorch":
+        piece = 4 * cfg.local_seq_len * cfg.training.micro_batch_size * loss_vocab(cfg, sp=sh.sp, torch_acc=True)
+        logits = 0 if sh.act == 4 else piece // 4 * sh.act
+    return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits, piece)
 
 
 #: how many of the tensors a block's forward makes the events lay as its transients (the largest)
