@@ -87,6 +87,15 @@ def moe_problem(cfg: Config) -> str | None:
                 "\"invocation index ... encountered during backward but not found in storage\"; torchtitan issue "
                 "3427); use zero = 3 with parallel.fsdp_reshard_after_forward = 'always', or training.recompute = "
                 "'full', 'selective-layer', 'selective' or 'none'")
+    if tr.recompute == "selective-op" and par.zero in (2, 3) and par.expert_shard_degree == 1:
+        return ("model.experts with training.recompute = 'selective-op' and FSDP experts on one rank of their mesh "
+                f"(parallel.zero = {par.zero}, efsdp = dp_shard·cp·tp / ep = 1): the routed experts are their own "
+                "FSDP unit inside each block's checkpoint, and on a one-rank mesh the recompute's ops are not the "
+                "forward's, which torch's selective checkpoint replays by their count (torch/utils/checkpoint.py: "
+                "\"invocation index ... encountered during backward but not found in storage\"; measured on CPU "
+                "ranks: dp 4 with ep 4, dp 2 with ep 2 and dp 1 failed, dp 4 with ep 2 ran); use an ep that leaves "
+                "each expert on at least two data-parallel ranks (efsdp ≥ 2), parallel.zero = 0, or "
+                "training.recompute = 'full', 'selective-layer', 'selective' or 'none'")
     return None
 
 

@@ -193,6 +193,29 @@ def test_per_op_recompute_of_gathered_fsdp_experts_under_a_pipeline_is_predict_o
     assert predict_only(dense) == []  # a dense block is one FSDP unit outside its checkpoint
 
 
+def _moe_ep(**parallel):
+    par = {"dp": 4, "ep": 4, "zero": 3, "microbatches": 2, **parallel}
+    return Config.from_dict({"model": SMALL_MOE, "cluster": {"gpu": "cpu", "gpus": par["dp"]},
+                             "parallel": par, "training": {"recompute": "selective-op", "precision": "bf16-mixed"}})
+
+
+def test_per_op_recompute_of_fsdp_experts_on_a_one_rank_mesh_is_predict_only():
+    """Found by benchmarks/fake_sweep.py (seed 20261208 #25, seed 20261207 #03 and #10, seed 20261206 #31: every
+    one had efsdp = 1) and run again on CPU ranks of a small MoE (no pipeline): dp 4 with ep 4 (ZeRO-3, ZeRO-2,
+    ZeRO-3 resharding 'always', one microbatch), dp 2 with ep 2 and dp 1 failed in their recompute with torch's
+    "invocation index ... not found in storage"; dp 4 with ep 2, ZeRO-0 and full recompute ran."""
+    (why,) = predict_only(_moe_ep())
+    assert why.startswith("model.experts with training.recompute = 'selective-op' and FSDP experts on one rank")
+    assert "efsdp" in why and "invocation index" in why
+    assert predict_only(_moe_ep(zero=2)) == [why.replace("parallel.zero = 3", "parallel.zero = 2")]
+    assert predict_only(_moe_ep(fsdp_reshard_after_forward="always")) == [why]
+    assert predict_only(_moe_ep(dp=2, ep=2).replace(cluster={"gpus": 2})) == [why]
+    assert predict_only(_moe_ep(ep=2)) == []  # efsdp = 2
+    assert predict_only(_moe_ep(zero=0)) == []
+    assert predict_only(_moe_ep().replace(training={"recompute": "full"})) == []
+    assert predict_only(_moe_ep(dp=8, replicate=2, ep=4).replace(cluster={"gpus": 8})) != []  # HSDP: efsdp = 4/4
+
+
 @pytest.mark.integration
 def test_what_the_message_offers_instead_runs(tmp_path):
     """The same layout with the experts resharded after every forward ('always') simulates on the fake
@@ -203,3 +226,7 @@ def test_what_the_message_offers_instead_runs(tmp_path):
     res = simulate(_moe_pp(fsdp_reshard_after_forward="always"), tmp_path / "always", ranks=[2], jobs=1)
     (last,) = res.measurement.memory.per_rank  # the last stage: its blocks' recompute, then the loss's
     assert last.rank == 2 and last.activations > 0
+    # and each expert on two data-parallel ranks (efsdp = 2) where one failed
+    res = simulate(_moe_ep(ep=2), tmp_path / "efsdp2", ranks=[0], jobs=1)
+    (rank0,) = res.measurement.memory.per_rank
+    assert rank0.rank == 0 and rank0.activations > 0
