@@ -138,3 +138,20 @@ def test_expert_parameters_are_their_own_part_with_and_without_ep():
         assert 0 < e.bytes < rank.params
     dense = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "cpu", "gpus": 4}})
     assert not [t for t in memory_per_rank(dense).per_rank[0].explain("params") if t.kind == "expert_parameters"]
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_attention_core_recompute_lays_the_moe_backward_as_the_other_policies_do(zero):
+    """Attention-core recompute ("selective") recomputes nothing of an MoE block's experts, router or combine, so
+    its backward makes the temporaries it makes under the other policies (measure --fake, Qwen3 30B pp8 ZeRO-2,
+    seed 20261208 #03: the combine's 6.0 GiB of fp32 n·k·h tensors at a middle stage's peak, where the engine
+    laid none); the larger moment of the block's backward is chosen as under full recompute: the expert
+    gradients' with plain gradients, the combine's under FSDP2."""
+    par = {"dp": 4, "zero": zero}
+    sel, full, none = (terms(cfg(par, training={"recompute": r}), "temporaries", "moe_backward")
+                       for r in ("selective", "full", "none"))
+    assert len(sel) == 1 and sel[0].bytes > 0
+    assert [t.bytes for t in sel] == [t.bytes for t in full]
+    assert ("combine" in sel[0].label) == (zero == 3)
+    if zero == 0:
+        assert [t.bytes for t in sel] == [t.bytes for t in none]
