@@ -120,6 +120,8 @@ class _Shape:
     # LoRA (engine.model.lora): adapter rank (0 = full fine-tuning) and the adapted Linears' names
     lora_r: int = 0
     lora_mods: tuple[str, ...] = ()
+    # the frozen base is stored in fp32 (training.lora_base_dtype): autocast casts it anew in every forward
+    lora_fp32_base: bool = False
     # context parallelism: ``s`` is the rank's tokens (seq_len / cp); eager attention's scores and the
     # K, V it multiplies span every key of the sequence (``kv_len`` = seq_len; 0: s, no cp)
     kv_len: int = 0
@@ -467,7 +469,8 @@ def shape_of(cfg: Config) -> _Shape:
                 recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none", bias=model.bias,
                 compile=tr.compile)
     if tr.finetune == "lora":
-        base.update(lora_r=tr.lora_rank, lora_mods=tuple(lora.target_modules(model, tr.lora_targets)))
+        base.update(lora_r=tr.lora_rank, lora_mods=tuple(lora.target_modules(model, tr.lora_targets)),
+                    lora_fp32_base=tr.lora_base_dtype == "fp32" and tr.float8 == "none")
     if cfg.conventions.state_accounting != "pytorch":
         return _Shape(**base)
     # The per-layer terms stay at 16 bits here even under autocast (so ``activation_bytes_per_layer``
@@ -704,11 +707,14 @@ def _lora_first_block_saving(sh: _Shape, layer_terms, res: int, sbh_rep: int) ->
     adapters that is norm1; with MLP adapters only, the whole attention half and norm2."""
     if any(x in sh.lora_mods for x in ("wq", "wk", "wv")):
         parts, n_norm, what = {"norm1"}, 1, "norm1"
+        no_grad_in = ("wq", "wk", "wv")  # their input is norm1's output
     else:
         parts, n_norm, what = {"norm1", "attention", "norm2"}, 2, "the attention half and norm2"
+        no_grad_in = ("wq", "wk", "wv", "wo", "w1") + (("w3",) if sh.swiglu else ())
     skipped = [x for _, x, part in layer_terms if part in parts]
-    # the norm inputs (a frozen composite RMSNorm keeps no x̂) at the residual stream's dtype
-    total = sum(skipped) + n_norm * (res - sh.act) * sbh_rep
+    # the norm inputs (a frozen composite RMSNorm keeps no x̂) at the residual stream's dtype, and the casts
+    # of the frozen Linears whose input needs no gradient (their matmuls save nothing)
+    total = sum(skipped) + n_norm * (res - sh.act) * sbh_rep + (frozen_casts_saved(sh, no_grad_in) if res > sh.act else 0)
     return (f"LoRA: the first block saves nothing for {what} (its input needs no gradient before the first "
             "adapter)", -total, f"−{total:,} B", "lora_first_block")
 
@@ -830,6 +836,28 @@ def _v_symbol(model, v_loss: int) -> str:
     return "⌈V/t⌉" if v_loss != model.vocab else "V"
 
 
+#: a dense block's Linears and the numel of each one's weight on a TP rank
+_LINEAR_NUMEL = {"wq": lambda sh: sh.h * sh.h // sh.t, "wk": lambda sh: sh.h * sh.kv // sh.t,
+                 "wv": lambda sh: sh.h * sh.kv // sh.t, "wo": lambda sh: sh.h * sh.h // sh.t,
+                 "w1": lambda sh: sh.h * sh.f // sh.t, "w2": lambda sh: sh.h * sh.f // sh.t,
+                 "w3": lambda sh: sh.h * sh.f // sh.t}
+
+
+def frozen_casts_saved(shape: _Shape, linears: tuple[str, ...] | None = None) -> int:
+    """Bytes of the 16-bit casts of a frozen fp32 base that the matmuls of one block (or of ``linears``)
+    save, for one microbatch. Autocast caches only the casts of leaves that require grad
+    (aten/src/ATen/autocast_mode.cpp, ``cached_cast``: ``arg.requires_grad() && arg.is_leaf()``), so each
+    frozen Linear's weight is cast anew by every forward, and its matmul saves that cast for its input's
+    gradient (mm saves mat2 where self requires grad). Measured: ``measure --fake`` of Llama 2 7B, LoRA on
+    the MLP, fp32 base, bf16-mixed: the w1, w3, w2 casts (86 MiB each) beside the block's tensors, and the
+    head's (250 MiB) once per microbatch. None where the table's per-op policy, torch.compile or MLA apply
+    (the casts recomputed or fused; MLA's projections are not these)."""
+    if not (shape.lora and shape.lora_fp32_base) or shape.recompute == "selective-op" or shape.compile or shape.mla:
+        return 0
+    names = linears if linears is not None else ("wq", "wk", "wv", "wo", "w1", "w2") + (("w3",) if shape.swiglu else ())
+    return shape.act * sum(_LINEAR_NUMEL[n](shape) for n in names)
+
+
 def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool) -> tuple[int, str]:
     """One block's saved bytes for one microbatch under ``shape`` (``terms``: its activation table, summed
     in ``formula``), with autocast's fp32 norms and casts where the residual stream (``res`` bytes an
@@ -855,8 +883,13 @@ def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool) ->
         # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
         n_casts = 0
     total += n_casts * act * s * b * h
-    return total, (formula + f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
-                   f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+    formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
+                f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+    casts = frozen_casts_saved(shape) if lora_on else 0
+    if casts:
+        total += casts
+        formula += f" + {casts:,} B (autocast: the frozen fp32 base's 16-bit weight casts its matmuls save)"
+    return total, formula
 
 
 @dataclass(frozen=True)
@@ -985,6 +1018,10 @@ def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, i
     else:
         ex.append(("final-norm input and head input", 2 * act * sbh_rep, f"{2 * act}·s·b·{hs}",
                    "final_norm"))
+    if lora_on and torch_acc and res > act and sh.lora_fp32_base:  # the frozen head: its cast, as a block's Linears'
+        head = act * ceil_div(model.vocab, sh.t) * h
+        ex.append(("the frozen fp32 head's 16-bit weight cast, saved by its matmul (autocast caches no frozen weight)",
+                   head, f"{act}·⌈V/t⌉·h", "frozen_head_cast"))
     ex.append(("fp32 log-probabilities for the loss", 4 * s * b * v_loss, f"4·s·b·{_v_symbol(model, v_loss)}",
                "log_probabilities"))
     if torch_acc and cfg.parallel.pp > 1 and cfg.conventions.pipeline_outputs == "released":
