@@ -580,7 +580,9 @@ class TrainingSpec:
     )
     lora_base_dtype: str = knob(
         "fp32",
-        doc="storage of the frozen base: fp32 | bf16 | nf4 (QLoRA)",
+        doc="storage of the frozen base: fp32 | bf16 | nf4 (QLoRA); under mixed precision an fp32 base is cast anew by "
+            "every forward and each frozen matmul saves its 16-bit cast for the backward (activations, per "
+            "microbatch in flight)",
         choices=names.LORA_BASE_DTYPES,
         group="training",
     )

@@ -186,6 +186,13 @@ def test_lora_makes_a_7b_model_fit_one_card_and_the_chart_shows_it(window, qtbot
     box.setCurrentIndex(box.findData("lora"))
     qtbot.waitUntil(lambda: window.state.config.training.finetune == "lora", timeout=2000)
     window.state.recompute_now()
+    # with the frozen base in fp32 (the default) autocast casts every frozen weight anew in each forward and the
+    # matmuls save those casts: still over the card; a bf16 base (what LoRA recipes load) fits
+    assert window.state.config.training.lora_base_dtype == "fp32" and any(not g.fits for g in chart.groups)
+    base = window.controls.lora_base_dtype
+    base.setCurrentIndex(base.findData("bf16"))
+    qtbot.waitUntil(lambda: window.state.config.training.lora_base_dtype == "bf16", timeout=2000)
+    window.state.recompute_now()
     assert all(g.fits for g in chart.groups)
     assert chart.header.property("alarm") is False
     assert "LoRA" in chart.header.text()
