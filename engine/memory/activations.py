@@ -836,7 +836,7 @@ def _v_symbol(model, v_loss: int) -> str:
     return "⌈V/t⌉" if v_loss != model.vocab else "V"
 
 
-#: a dense block's Linears and the numel of each one's weight on a TP rank
+#: the numel of each of a dense block's Linears (``_LINEARS``) on a TP rank
 _LINEAR_NUMEL = {"wq": lambda sh: sh.h * sh.h // sh.t, "wk": lambda sh: sh.h * sh.kv // sh.t,
                  "wv": lambda sh: sh.h * sh.kv // sh.t, "wo": lambda sh: sh.h * sh.h // sh.t,
                  "w1": lambda sh: sh.h * sh.f // sh.t, "w2": lambda sh: sh.h * sh.f // sh.t,
@@ -854,7 +854,7 @@ def frozen_casts_saved(shape: _Shape, linears: tuple[str, ...] | None = None) ->
     (the casts recomputed or fused; MLA's projections are not these)."""
     if not (shape.lora and shape.lora_fp32_base) or shape.recompute == "selective-op" or shape.compile or shape.mla:
         return 0
-    names = linears if linears is not None else ("wq", "wk", "wv", "wo", "w1", "w2") + (("w3",) if shape.swiglu else ())
+    names = linears if linears is not None else tuple(n for n in _LINEARS if shape.swiglu or n != "w3")
     return shape.act * sum(_LINEAR_NUMEL[n](shape) for n in names)
 
 
