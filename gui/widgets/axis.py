@@ -17,6 +17,7 @@ from math import ceil
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QPen, QPicture
+from PySide6.QtWidgets import QGraphicsView
 
 #: what ``LeanAxis.picture`` holds once its specifications are generated (they are drawn directly)
 _DIRECT = QPicture()
@@ -250,3 +251,17 @@ class LeanAxis(pg.AxisItem):
                     continue
                 text_specs.append((rect, flags, s))
         return text_specs, last_text_size2
+
+
+def lean_plot() -> pg.PlotWidget:
+    """A white plot with ``LeanAxis`` on the left and at the bottom, no menu, no auto-range button, that
+    repaints its whole viewport on every change. The charts that take every prediction change nearly every
+    item at once; Qt's default (pyqtgraph's too), the minimal update, clips the repaint to the union of the
+    items' dirty rectangles, a region of many rectangles that every fill and stroke is then clipped to
+    scanline by scanline: on the 8-rank timeline, 512 outlined boxes took 0.67 ms to draw under it and 0.23
+    ms clipped to one rectangle (the whole window's slider-to-repaint 8.5 → 7.3 ms)."""
+    plot = pg.PlotWidget(background="w", axisItems={"left": LeanAxis("left"), "bottom": LeanAxis("bottom")})
+    plot.setViewportUpdateMode(QGraphicsView.ViewportUpdateMode.FullViewportUpdate)
+    plot.setMenuEnabled(False)
+    plot.hideButtons()
+    return plot

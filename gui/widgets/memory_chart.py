@@ -26,7 +26,7 @@ from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QSizePolicy, QTool
 from engine.names import MEMORY_CATEGORIES
 from gui.comparison import explain_text, fmt_bytes
 from gui.predicted import describe_config, memory_of
-from gui.widgets.axis import LeanAxis
+from gui.widgets.axis import lean_plot
 from gui.widgets.barrier import LayoutBarrier
 from gui.widgets.expert_band import LEGEND_HTML as EXPERT_LEGEND
 from gui.widgets.expert_band import ExpertBandItem, expert_bytes
@@ -246,9 +246,7 @@ class MemoryChart(QWidget):
         self._set_legend()
         self.legend.setObjectName("legend")
         lay.addWidget(self.legend)
-        self.plot = pg.PlotWidget(background="w", axisItems={"left": LeanAxis("left"), "bottom": LeanAxis("bottom")})
-        self.plot.setMenuEnabled(False)
-        self.plot.hideButtons()
+        self.plot = lean_plot()
         pi = self.plot.getPlotItem()
         pi.getAxis("left").enableAutoSIPrefix(False)
         pi.getViewBox().setMouseEnabled(x=False, y=False)

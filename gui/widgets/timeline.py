@@ -21,7 +21,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWi
 
 from engine.pipeline.schedules import ACTION_KINDS
 from gui.comparison import fmt_seconds
-from gui.widgets.axis import LeanAxis
+from gui.widgets.axis import lean_plot
 from gui.widgets.barrier import LayoutBarrier
 
 KINDS = ("F", "B", "I", "W")
@@ -382,9 +382,7 @@ class TimelineView(QWidget):
         head.addWidget(LayoutBarrier(self.header), 1)
         lay.addLayout(head)
         lay.addWidget(self._legend())
-        self.plot = pg.PlotWidget(background="w", axisItems={"left": LeanAxis("left"), "bottom": LeanAxis("bottom")})
-        self.plot.setMenuEnabled(False)
-        self.plot.hideButtons()
+        self.plot = lean_plot()
         pi = self.plot.getPlotItem()
         pi.getViewBox().invertY(True)
         pi.setLabel("bottom", "time", units="s")
