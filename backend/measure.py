@@ -54,8 +54,24 @@ def unique_params(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
+def _held_bytes(tensors) -> int:
+    """Bytes ``tensors`` hold: a plain tensor its elements; a DTensor the storage behind its local
+    tensor, each storage once. An FSDP2 shard is a view into its own padded storage (dim 0 padded to a
+    multiple of the shard degree: ``FSDPParam._init_sharded_param``), and its gradient a view into the
+    group's reduce-scatter output (``foreach_reduce``'s ``as_strided``): a rank whose chunk is short or
+    empty still holds the padded bytes."""
+    total, storages = 0, {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            storage = t.to_local().untyped_storage()  # hashed by the storage itself (fake ones too)
+            storages[storage] = storage.nbytes()
+        else:
+            total += t.numel() * t.element_size()
+    return total + sum(storages.values())
+
+
 def param_bytes(params: list[nn.Parameter]) -> int:
-    return sum(_nbytes(p) for p in params)
+    return _held_bytes(params)
 
 
 def param_count_local(params: list[nn.Parameter]) -> int:
@@ -63,7 +79,7 @@ def param_count_local(params: list[nn.Parameter]) -> int:
 
 
 def grad_bytes(params: list[nn.Parameter]) -> int:
-    return sum(_nbytes(p.grad) for p in params if p.grad is not None)
+    return _held_bytes(p.grad for p in params if p.grad is not None)
 
 
 def optimizer_state_of(optimizer: torch.optim.Optimizer) -> dict:

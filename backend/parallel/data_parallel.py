@@ -49,21 +49,23 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
                expert_mesh: DeviceMesh | None = None, expert_divide_factor: int = 1) -> nn.Module:
     """fully_shard each transformer block, then the root (embeddings, final norm, head).
 
-    A block with experts first gets ``fully_shard`` on its routed experts over ``expert_mesh``
-    (efsdp; the dp mesh without expert parallelism), their gradients divided by
-    ``expert_divide_factor`` (the dense data-parallel degree: torchtitan's
+    Under expert parallelism (``expert_mesh`` given) a block with experts first gets ``fully_shard``
+    on its routed experts over ``expert_mesh`` (efsdp; the dp mesh without expert parallelism), their
+    gradients divided by ``expert_divide_factor`` (the dense data-parallel degree: torchtitan's
     ``fsdp_gradient_divide_factor``) instead of the expert mesh's size, then on the block as usual
-    (the dense parts over dp). The
-    experts' shards split the expert dimension when there are at least as many local experts as
-    efsdp ranks, else dim 1 (f of w1 / w3, h of w2), as torchtitan places them.
+    (the dense parts over dp). The experts' shards split the expert dimension when there are at least
+    as many local experts as efsdp ranks, else dim 1 (f of w1 / w3, h of w2), as torchtitan places
+    them. Without expert parallelism the routed experts belong to their block's unit (sharded on dim
+    0 over dp, padded where the experts do not divide it), as torchtitan's ``apply_fsdp`` wraps them
+    only when ``ep_degree > 1`` and as the engine's parameter placement (``engine.model.params``) lays them.
 
     The flags are engine.wrapping's plan (blocks and root alike): ZeRO-2 keeps them gathered;
     ZeRO-3 follows ``parallel.fsdp_reshard_after_forward`` ("default" reshards except under PP,
     where per-microbatch all-gathers would not overlap; "always"; "never").
     """
     for block in model.layers.values():
-        for moe in moe_modules(block):
-            mesh = expert_mesh or dp_mesh
+        for moe in moe_modules(block) if expert_mesh is not None else ():
+            mesh = expert_mesh
             # torchtitan's placement: split the expert dimension when every rank gets an expert, else dim 1
             dim = 0 if moe.experts.num_experts >= mesh.shape[-1] else 1  # the shard dim (HSDP: the last)
             fully_shard(moe.experts, mesh=mesh, reshard_after_forward=reshard_after_forward,

@@ -35,7 +35,7 @@ from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, moments
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body
-from engine.memory.states import ACCOUNTINGS, lora_states, lora_unit_groups, zero1_shares
+from engine.memory.states import ACCOUNTINGS, fsdp2_optimizer_shares, lora_states, lora_unit_groups, zero1_shares
 from engine.model.params import RankParams, params_per_rank, unit_numel
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.schedules import ACTION_KINDS
@@ -214,6 +214,10 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     plan = wrapping_plan(cfg)
     # torch's ZeroRedundancyOptimizer gives DP ranks different shares: one body per share then
     per_dp = cfg.conventions.state_accounting == "pytorch" and par.zero == 1 and par.dp > 1
+    # FSDP2 leaves the last shard ranks short where a dim 0 does not divide the shard degree: their
+    # optimizer states are smaller (states.fsdp2_optimizer_shares); one body per share then
+    fsdp_dp = (cfg.conventions.state_accounting == "pytorch" and plan.fsdp2 and par.zero in (2, 3)
+               and cfg.training.finetune != "lora")
     # a measured expert load: EP ranks route different token counts, so each ep-rank gets its own body
     # (the sparse mesh puts ep innermost over the dense region: ep-rank = rank mod ep)
     by_ep = bool(cfg.conventions.moe_expert_load) and par.ep > 1
@@ -233,8 +237,9 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
             residues.setdefault((grid[pp_rank][j % par.tp].total, j % par.ep if by_ep else -1), []).append(j)
         for (_, ep_rank), js in residues.items():
             rp = rps[js[0] % par.tp]
-            if per_dp:
-                share, dp_sets = _share_classes(zero1_shares(cfg, rp))
+            shares = zero1_shares(cfg, rp) if per_dp else fsdp2_optimizer_shares(cfg, rp) if fsdp_dp else None
+            if shares is not None:
+                share, dp_sets = _share_classes(shares)
                 share_class[pp_rank].update((j, share) for j in js)
             else:
                 dp_sets = [None]
@@ -251,7 +256,8 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
         pp_rank, x = divmod(rank, block)
         d = x // row
         j = x % period
-        return x % par.tp, d, bodies[pp_rank, j, share_class[pp_rank][j][d] if per_dp else 0]
+        share = share_class[pp_rank].get(j)
+        return x % par.tp, d, bodies[pp_rank, j, share[d] if share is not None else 0]
 
     return MemoryReport(per_rank=LazyRanks(par.world_size, locate, capacity), capacity_bytes=capacity,
                         conventions=conventions_of(cfg), groups=tuple(groups))

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from engine.config import Config
 from engine.memory.report import Terms, ceil_div
 from engine.model import lora
@@ -100,6 +102,39 @@ def zero1_shares(cfg: Config, rp: RankParams) -> tuple[int, ...]:
     return zero_redundancy_shares(groups, cfg.parallel.dp)
 
 
+def fsdp2_optimizer_shares(cfg: Config, rp: RankParams) -> tuple[int, ...] | None:
+    """Per dp-rank, the elements of its FSDP2 shards of ``rp``'s parameters without the padding: what
+    AdamW's states take (``zeros_like`` of each sharded DTensor, whose local tensor is torch.chunk's
+    piece: ⌈a/d⌉ rows on the first shard ranks, fewer or none on the last), where the parameters and
+    their gradients hold the padded storage on every rank (``FSDPParam._init_sharded_param``,
+    ``foreach_reduce``). The routed experts' own units under expert parallelism count padded. None
+    where every dp-rank holds the same (each dim 0 divides the shard degree), and under context
+    parallelism (the shard rank is then dp × cp: a rank's share is not its dp-rank's alone)."""
+    par = cfg.parallel
+    d = par.shard_degree
+    if d == 1 or par.cp > 1:
+        return None
+    experts = {u for u, _ in rp.expert_units} if expert_degree(cfg) not in (None, d) else set()
+    rows: dict[int, int] = {}  # dim 0 of an uneven tensor -> its elements per row, summed
+    even = 0
+    for u, count in rp.unit_groups:
+        for a, b in u:
+            if u in experts:
+                even += ceil_div(a, expert_degree(cfg)) * b * count
+            elif a % d:
+                rows[a] = rows.get(a, 0) + b * count
+            else:
+                even += a // d * b * count
+    if not rows:
+        return None
+    shard = np.arange(d, dtype=np.int64)
+    per_shard = np.full(d, even, dtype=np.int64)
+    for a, b in rows.items():  # torch.chunk's piece s (engine.model.params.chunk_sizes), in closed form
+        c = -(-a // d)
+        per_shard += np.clip(a - shard * c, 0, c) * b
+    return tuple(per_shard.tolist()) * par.replicate  # HSDP: dp-rank r·d + s holds shard s
+
+
 def _zero1_share(sizes: tuple[int, ...], dp_rank: int, what: str) -> tuple[int, str]:
     """(elements, the rule in words) of dp-rank ``dp_rank``'s ZeroRedundancyOptimizer share; the words
     are the same for every dp-rank of that share."""
@@ -107,6 +142,15 @@ def _zero1_share(sizes: tuple[int, ...], dp_rank: int, what: str) -> tuple[int, 
     alike, low, high = _share_summary(sizes)
     return mine, (f"{mine:,} {what}: ZeroRedundancyOptimizer's greedy whole-tensor share ({alike[mine]} of the "
                   f"{len(sizes)} dp-ranks hold this many; shares run from {low:,} to {high:,})")
+
+
+def _fsdp2_share(sizes: tuple[int, ...], dp_rank: int) -> tuple[int, str]:
+    """(elements, the rule in words) of dp-rank ``dp_rank``'s unpadded FSDP2 shards (``fsdp2_optimizer_shares``)."""
+    mine = sizes[dp_rank]
+    alike, low, high = _share_summary(sizes)
+    return mine, (f"{mine:,} elements: its FSDP2 shards without the padding (a dim 0 the shard degree does not "
+                  f"divide leaves the last shard ranks short or empty; {alike[mine]} of the {len(sizes)} dp-ranks "
+                  f"hold this many, from {low:,} to {high:,})")
 
 
 _last_summary: list = [(None, None)]  # [(the shares, their summary)]: every rank of a prediction asks of one tuple
@@ -260,6 +304,9 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         add_sharded_grads(T, plan, rp, "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d,
                           f"4 B × {how}")
         opt_numel, rule = psi_d, how
+        shares = fsdp2_optimizer_shares(cfg, rp) if shard > 1 else None
+        if shares is not None and shares[dp_rank] != psi_d:
+            opt_numel, rule = _fsdp2_share(shares, dp_rank)
         if z == 1 and par.dp > 1:
             # ZeRO-1 with TP: FSDP2's replicate keeps the parameters and reduces the gradients, and the
             # backend's TensorParallelZeRO1 partitions the optimizer over dp as ZeroRedundancyOptimizer

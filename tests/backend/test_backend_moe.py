@@ -171,6 +171,9 @@ LAYOUTS = {
     "ep2 + PP2": {"dp": 2, "pp": 2, "ep": 2, "microbatches": 4},
     # HSDP: experts replicated over dp_replicate and (efsdp = dp_shard·tp/ep = 1) not sharded
     "ep2 + HSDP (replicate 2 × shard 2)": {"dp": 4, "replicate": 2, "zero": 3, "ep": 2},
+    # no expert parallelism: the routed experts are in their block's FSDP unit, their expert dimension
+    # (2) sharded over 4 ranks with padding, as torchtitan wraps them (not a unit of their own on dim 1)
+    "FSDP4, 2 experts, no EP": ({"dp": 4, "zero": 3}, {"experts": 2, "experts_per_token": 1}),
 }
 STEPS = 3
 
@@ -182,7 +185,8 @@ def test_expert_parallel_run(tmp_path, name):
     from engine.compare.measured import compare
     from engine.predict import predict
 
-    cfg = moe_config(LAYOUTS[name])
+    layout = LAYOUTS[name]
+    cfg = moe_config(*layout) if isinstance(layout, tuple) else moe_config(layout)
     run = launch(cfg, tmp_path / "run", steps=STEPS, timeout_s=150)
     res = run.wait()
     assert res["event"] == "finished", f"{res.get('reason')}\n{res.get('log_tail')}"
