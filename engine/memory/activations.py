@@ -76,6 +76,7 @@ from engine.model.routing import (
 )
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.layout import split_layers
+from engine.wrapping import wrapping_plan
 
 
 @dataclass(frozen=True)
@@ -819,7 +820,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # n·k·h temporaries; allocated −15 … −23 → −5 … +3 % on its 8 ranks), and under FSDP2 as under full
         # recompute only that (with the expert-gradient moment too, seed 20261206 #29 ZeRO-3 ep2 went −3 → +8 %)
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.kept if tr.recompute == "full" else blocks.per_layer,
-                           moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads)
+                           # (FSDP2's replicate ignores the routed experts: their gradients are plain there)
+                           moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads
+                           or (wrapping_plan(cfg).data_parallel == "replicate" and par.microbatches > 1))
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
@@ -1444,7 +1447,8 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
 
     Each expert's weights are a slice ``w[i]`` of a 3-D parameter, so autograd's select_backward
     gives every expert a full-size (E_loc, f, h) gradient, summed in the parameter's input buffer:
-    at the peak the n_w buffers (w1, w3, w2) and two fresh full-size gradients are alive, with the
+    at the peak the n_w buffers (w1, w3, w2; with one microbatch they become the ``.grad`` themselves,
+    AccumulateGrad stealing them, and count as gradients) and two fresh full-size gradients are alive, with the
     block's output and input gradients (2·s·b·h) and, without ep, the routed outputs' gradient
     (n_r·h; under ep it is the all-to-all receive buffer, in comm_buffers). By then the backward
     has freed the last stage's final-norm, head-input and log-probability tensors (before any
@@ -1477,7 +1481,9 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
             mbs = (microbatches or {}).get(st.stage) or tuple(range(par.microbatches))
             phi = sum(routed_factor_of(cfg, ep_rank, mb, moe_idx[-1] - m.dense_layers) for mb in mbs) / len(mbs)
             n_r = moe_tokens(cfg, ep_rank, phi)[1]
-        w_grads = (n_w + 2) * e_loc * f_loc * h * wb
+        # the n_w buffers are separate tensors only beside an existing .grad (a later microbatch): in a step's
+        # only backward AccumulateGrad takes each buffer as the .grad itself (no copy), counted in grads
+        w_grads = ((n_w if par.microbatches > 1 else 0) + 2) * e_loc * f_loc * h * wb
         grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
         routed_grad = act * n_r * h if par.ep == 1 else 0
         temp = w_grads + grads + routed_grad

@@ -29,7 +29,7 @@ import math
 from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
-from engine.model.params import RankParams, Tensors, largest_numels, unit_numel
+from engine.model.params import RankParams, Tensors, largest_numels
 from engine.model.routing import moe_tokens
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
@@ -51,15 +51,35 @@ def float8_weight_numel(unit: Tensors, block: Tensors) -> tuple[int, int]:
     return sum(weights), len(weights)
 
 
-def gathered_unit_bytes(plan: WrappingPlan, rp: RankParams, unit: Tensors) -> int:
-    """Bytes FSDP2 gathers (and holds unsharded) for one unit: the compute dtype, or under float8
-    all-gather 1 B per Linear weight element plus one fp32 scale per weight (tensorwise)."""
+def padded_numel(tensors: Tensors, degree: int) -> int:
+    """Elements of ``tensors`` with each dim 0 padded to a multiple of ``degree``: what FSDP2 gathers into
+    and reduces from (``FSDPParam``'s padded sharded size × the shard degree: its all-gather output, the
+    unsharded parameter's storage, the reduce-scatter input)."""
+    return sum(ceil_div(a, degree) * degree * b for a, b in tensors)
+
+
+def gathered_unit_bytes(plan: WrappingPlan, rp: RankParams, unit: Tensors, degree: int = 1) -> int:
+    """Bytes FSDP2 gathers (and holds unsharded) for one unit sharded over ``degree`` ranks (each dim 0
+    padded to a multiple of it): the compute dtype, or under float8 all-gather 1 B per Linear weight
+    element plus one fp32 scale per weight (tensorwise)."""
     pd = plan.gathered_bytes
-    numel = unit_numel(unit)
+    numel = padded_numel(unit, degree)
     if not plan.float8_all_gather:
         return pd * numel
     f8, n_weights = float8_weight_numel(unit, rp.block_tensors)
+    if f8:
+        f8 = padded_numel(tuple(t for t in rp.block_tensors if t[1] > 1), degree)
     return pd * (numel - f8) + f8 + 4 * n_weights
+
+
+def gather_degree(cfg: Config, plan: WrappingPlan, rp: RankParams, unit: Tensors) -> int:
+    """The ranks FSDP2 shards ``unit`` over: the routed experts' own units under expert parallelism over
+    efsdp, the others over the shard degree (dp_shard · cp); 1 where nothing is sharded (replicate)."""
+    if not plan.sharded:
+        return 1
+    if cfg.parallel.ep > 1 and any(u == unit for u, _ in rp.expert_units):
+        return cfg.parallel.expert_shard_degree
+    return cfg.parallel.shard_degree
 
 
 def _explain_units(sizes: list[int]) -> str:
@@ -88,11 +108,14 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     lora_on = cfg.training.finetune == "lora"
     pd = plan.gathered_bytes  # MixedPrecisionPolicy.param_dtype: the copy FSDP2 all-gathers
     f8 = " (float8 Linear weights: 1 B + an fp32 scale each)" if plan.float8_all_gather else ""
-    # FSDP2's replicate leaves the routed experts out under expert parallelism (their replicas are the efsdp ranks:
-    # backend.parallel.data_parallel.apply_replicate's ignored_params): it neither gathers nor casts them
-    ignored = {u for u, _ in rp.expert_units} if plan.data_parallel == "replicate" else set()
-    groups = [(gathered_unit_bytes(plan, rp, u), count) for u, count in rp.unit_groups if u not in ignored]
-    all_bytes = sum(b * count for b, count in groups)
+    # FSDP2's replicate leaves the routed experts out (their replicas are the efsdp ranks:
+    # backend.parallel.data_parallel.apply_replicate's ignored_params): it neither gathers, casts nor
+    # accumulates them; their gradients are plain (engine.memory.states.pytorch_states)
+    left_out = rp.experts if plan.data_parallel == "replicate" else 0
+    ignored = {u for u, _ in rp.expert_units} if left_out else set()
+    groups = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count)
+              for u, count in rp.unit_groups if u not in ignored]
+    all_bytes = sum(b * count for b, count in groups) - (pd * left_out if left_out and not ignored else 0)
     two = largest_numels(groups, 2)
     after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
     if plan.sharded and plan.reshard_after_forward and not after_backward:
@@ -111,8 +134,10 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             why = (f"ZeRO-3 not resharded after forward (policy {plan.reshard_policy}"
                    + (": the default under pipelining" if plan.pipelined and plan.reshard_policy == "default" else "")
                    + "): every unit gathered between forward and backward")
-        how = (f"{pd} B × Ψ = {pd} × {psi:,}" if not plan.float8_all_gather and not ignored
-               else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if ignored
+        how = (f"{pd} B × Ψ = {pd} × {psi:,}" if not plan.float8_all_gather and not left_out and all_bytes == pd * psi
+               else f"{pd} B × Ψ with each dim 0 padded to a multiple of the shard degree = {all_bytes:,} B"
+               if not plan.float8_all_gather and not left_out
+               else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if left_out
                else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
         T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
               kind="fsdp_unsharded_params")
@@ -127,6 +152,9 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         label = (f"FSDP2 unsharded gradients of every unit ({why}), in {plan.grad_accumulation_dtype}"
                  + (" — adapters only under LoRA" if lora_on else ""))
         how = f"{gacc} B × Ψ{'_lora' if lora_on else ''} = {gacc} × {psi_train:,}"
+        if left_out and not lora_on:
+            psi_train -= left_out
+            how = f"{gacc} B × Ψ without the routed experts (replicate ignores them) = {gacc} × {psi_train:,}"
         by_stage = per_stage_gradients(plan, rp) and not lora_on  # (the adapters' split by stage: not kept)
         if by_stage:
             split_converts = cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES and plan.converts_gradients
@@ -168,9 +196,13 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
     else:
         big = max(n for n, _ in train_units)
+        what = f"largest FSDP unit's trainable elements ({big:,})"
+        if not lora_on:  # each dim 0 padded to a multiple of the shard degree, as FSDP2 reduce-scatters it
+            padded = max(padded_numel(u, gather_degree(cfg, plan, rp, u)) for u, _ in rp.unit_groups)
+            if padded != big:
+                big, what = padded, f"largest FSDP unit's elements, each dim 0 padded to a multiple of the shard degree ({padded:,})"
         T.add("comm_buffers", f"reduce-scatter input (one unit's unsharded gradients, in {plan.reduce_dtype}"
-              + (", adapters only)" if lora_on else ")"), gacc * big,
-              f"{gacc} B × largest FSDP unit's trainable elements ({big:,})", kind="reduce_scatter_input")
+              + (", adapters only)" if lora_on else ")"), gacc * big, f"{gacc} B × {what}", kind="reduce_scatter_input")
         if emb_full:
             pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
             T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "

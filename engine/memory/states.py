@@ -301,8 +301,17 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("params", f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)", 4 * psi_d,
               f"4 B × {how}", kind="parameters")
         split_expert_params(T, expert_elements(cfg, rp, shard, e_deg), 4)
-        add_sharded_grads(T, plan, rp, "gradients, FSDP2 sharded, in the parameter dtype (fp32)", 4 * psi_d,
-                          f"4 B × {how}")
+        # replicate ignores the routed experts: their .grad is autograd's, made in the first backward and
+        # added to in every later one (with one microbatch it is made block by block during the only backward,
+        # as the sharded gradients are laid: at its end)
+        plain = rp.experts if plan.data_parallel == "replicate" and par.microbatches > 1 else 0
+        add_sharded_grads(T, plan, rp, "gradients, FSDP2 sharded, in the parameter dtype (fp32)"
+                          + (", without the routed experts" if plain else ""), 4 * (psi_d - plain),
+                          f"4 B × {how}" + (f" − 4 B × {plain:,} expert elements" if plain else ""))
+        if plain:
+            T.add("grads", "routed experts' gradients, plain fp32 tensors (FSDP2's replicate ignores the experts: "
+                  "autograd accumulates their .grad, the backend syncs them over the expert replicas)", 4 * plain,
+                  f"4 B × {plain:,}", kind="gradients")
         opt_numel, rule = psi_d, how
         shares = fsdp2_optimizer_shares(cfg, rp) if shard > 1 else None
         if shares is not None and shares[dp_rank] != psi_d:

@@ -9,6 +9,7 @@ import pytest
 from engine import Config
 from engine.memory import memory_per_rank
 from engine.model.params import param_counts, params_per_rank, sharded_numel
+from engine.wrapping import wrapping_plan
 
 TINY_MOE = {"preset": "tiny", "experts": 4, "experts_per_token": 2, "expert_ffn_hidden": 96, "dense_layers": 2}
 
@@ -155,3 +156,35 @@ def test_attention_core_recompute_lays_the_moe_backward_as_the_other_policies_do
     assert ("combine" in sel[0].label) == (zero == 3)
     if zero == 0:
         assert [t.bytes for t in sel] == [t.bytes for t in none]
+
+
+def test_fsdp2_pads_each_dim_0_to_the_shard_degree_and_the_last_ranks_step_fewer_rows():
+    """4 experts over 8 shard ranks without EP: FSDP2 pads every dim 0 to a multiple of the shard degree
+    (``FSDPParam._init_sharded_param``), so a block gathers 8 expert rows (and 8 router rows): its
+    all-gather output is 2 B × (128 + 128² + 2·64·128 + 128² + 128 + 8·128 + 3·8·12,288) = 690,688 B
+    instead of 2 B × 198,016. The parameters' storage is padded on every rank; AdamW's states take the
+    unpadded chunks, so dp-ranks 4–7 (no expert or router row) hold 8 B × 6 blocks × (3·12,288 + 128)
+    fewer bytes than dp-ranks 0–3 (one row of each)."""
+    c = cfg({"dp": 8, "zero": 3}, gpus=8)
+    (ag,) = terms(c, "comm_buffers", "all_gather_output")
+    assert ag.bytes == 2 * (128 + 128 * 128 + 2 * 64 * 128 + 128 * 128 + 128 + 8 * 128 + 3 * 8 * 12288) == 690688
+    ranks = memory_per_rank(c).per_rank
+    assert len({r.params for r in ranks}) == 1
+    assert [r.optimizer for r in ranks[1:4]] == [ranks[0].optimizer] * 3
+    assert [r.optimizer for r in ranks[4:]] == [ranks[0].optimizer - 8 * 6 * (3 * 12288 + 128)] * 4
+
+
+def test_replicate_leaves_the_experts_gradients_to_autograd():
+    """Under ZeRO-0 with TP the dense parameters take FSDP2's ``replicate`` and the routed experts are its
+    ignored_params (backend.parallel.data_parallel.apply_replicate): their ``.grad`` is autograd's, made by the
+    first backward and added to by every later one, in fp32; replicate neither gathers nor accumulates them."""
+    many = cfg({"tp": 2, "ep": 2, "dp": 2, "microbatches": 2})
+    rp = params_per_rank(many)[0][0]
+    (plain,) = terms(many, "grads", "gradients")
+    assert plain.bytes == 4 * rp.experts
+    (sharded,) = terms(many, "grads", "fsdp_sharded_grads")
+    assert sharded.bytes == 4 * (rp.total - rp.experts)
+    acc = next(t for t in terms(many, "comm_buffers", "fsdp_unsharded_grads") if t.label.startswith("FSDP2"))
+    assert acc.bytes == wrapping_plan(many).grad_accumulation_bytes * (rp.total - rp.experts)  # the dense part only
+    one = cfg({"tp": 2, "ep": 2, "dp": 2, "microbatches": 1})  # made block by block in the only backward
+    assert not terms(one, "grads", "gradients")
