@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from engine.names import MEMORY_CATEGORIES
 
@@ -143,7 +144,23 @@ def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer, inpu
         tracker = _without_pre_existing(MemTracker, inputs)()
         tracker.track_external(*modules, inner)
     _allow_repeated_root_calls(tracker)
+    tracker._param_to_grad_hook_handles = _FrozenReadAsHooked()
     return tracker
+
+
+class _FrozenReadAsHooked(WeakIdKeyDictionary):
+    """MemTracker's parameter → gradient-hook handles, where a parameter that takes no gradient (LoRA's
+    frozen base) reads as hooked: the tracker registers a gradient hook on every parameter of a module it
+    enters, which torch refuses for a frozen one. It looks them up at each forward, so FSDP2's unsharded
+    parameters, new objects swapped in for the forward, are covered too (marking the sharded ones
+    beforehand was not: LoRA × FSDP2 × pipelining failed to measure, fake sweep seed 20261208 #32)."""
+
+    _NONE = (None, None)
+
+    def get(self, key, default=None):
+        if isinstance(key, torch.Tensor) and not key.requires_grad:
+            return self._NONE
+        return super().get(key, default)
 
 
 def _all_fsdp_managed(module: nn.Module) -> bool:

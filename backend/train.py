@@ -81,19 +81,6 @@ def check_supported(cfg: Config) -> None:
             raise NotImplementedError(why)
 
 
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-def _skip_grad_hooks_on_frozen(tracker, params) -> None:
-    """MemTracker registers a gradient hook on every parameter, which torch refuses for a frozen one
-    (LoRA's base): mark those as already hooked so the tracker leaves them alone."""
-    for p in params:
-        if not p.requires_grad:
-            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-
-
 class Trainer:
     """Everything one rank holds: stage modules, optimizer, schedule (PP), data."""
 
@@ -347,7 +334,6 @@ class Trainer:
         for moe in self.moes:
             moe.reset_counts()
         tracker = measure.tracker_for(mods, self.optimizer, batch)
-        _skip_grad_hooks_on_frozen(tracker, self.params)
         compiled = self.cfg.training.compile and self.counts_compiled_saved
         eager_saved = measure.SavedTensorPeak(self.params, mods) if compiled else contextlib.nullcontext()
         with measured_eagerly(self.cfg.training.compile), tracker, eager_saved:
