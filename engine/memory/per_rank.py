@@ -244,11 +244,13 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
             else:
                 dp_sets = [None]
             for cls, dps in enumerate(dp_sets):
+                ranks = RankSet(block, row, (pp_rank,), period, tuple(js), dps)
+                first = next(iter(ranks), None)
+                if first is None:  # a share class none of these residues' dp indices is in (EP ranks apart)
+                    continue
                 body = rank_body(cfg, rp, dps[0] if dps else 0, plan, ep_rank if by_ep else None)
                 for j in js:
                     bodies[pp_rank, j, cls] = body
-                ranks = RankSet(block, row, (pp_rank,), period, tuple(js), dps)
-                first = next(iter(ranks))
                 groups.append(RankGroup(RankMemory(first, first % par.tp, first % block // row, body, capacity),
                                         ranks))
 

@@ -124,3 +124,25 @@ def test_a_split_backward_keeps_each_weight_ops_output_gradient_from_i_to_w():
     assert last.peak_moment.startswith("stage 7 W of microbatch 0")
     kept = {t.stage: t.bytes for t in last.explain("temporaries") if t.kind == "split_backward_grads"}
     assert kept == {7: 4 * 1_146_880}  # measured: 4 × 1,146,880 B of Temp after stage 7's fourth I
+
+
+def test_under_full_recompute_a_bs_mlp_backward_and_its_cp_attention_are_not_at_once():
+    """Context parallelism (cp2) with full recompute: the B laid the MLP's backward gradients and the
+    attention's context-parallel workspace together. The block's MLP runs its backward first and frees what
+    it and norm2 saved; the attention (its recomputed forward, its backward) comes before or after, without
+    them. The term taken off is min(workspace, MLP net + MLP and norm2 saved), by hand for the tiny model at
+    s = 64 / 2 = 32, b 2, fp32: the saved rows (MLP input 4·s·b·h, gate, SiLU, up and down 4·s·b·f each,
+    norm2's input 4·s·b·h and rstd 4·s·b) and the net MLP gradients 3·4·s·b·f − 4·s·b·f."""
+    c = Config.from_dict({"model": TINY, "cluster": {"preset": "local-cpu", "gpus": 2, "gpus_per_node": 2},
+                          "parallel": {"cp": 2},
+                          "training": {"micro_batch_size": 2, "precision": "fp32", "recompute": "full"}})
+    r = memory_per_rank(c).per_rank[0]
+    s, b, h, f = 32, 2, 128, 352
+    saved = 4 * s * b * h + 4 * 4 * s * b * f + 4 * s * b * h + 4 * s * b
+    net = 3 * 4 * s * b * f - 4 * s * b * f
+    cp = _terms(r, "temporaries")["cp_attention"]
+    off = [t.bytes for t in r.catalogue("temporaries") if t.kind == "mlp_backward_freed"]
+    assert off == [-min(cp, net + saved)]
+    assert LIFETIMES["mlp_backward_freed"] == "full_backward"  # B moments only
+    plain = c.replace(training={"recompute": "none"})
+    assert not [t for t in memory_per_rank(plain).per_rank[0].catalogue("temporaries") if t.kind == "mlp_backward_freed"]
