@@ -606,9 +606,34 @@ class Peak(NamedTuple):
     fr: tuple[int, ...] = ()  # per local stage: a W's gradients in the parameter dtype alive
 
 
+#: the optimizer step's transient among a signature's ``transient_bytes``
+_OPTIMIZER_STEP = TRANSIENT.index("optimizer_step")
+
+
 @lru_cache(maxsize=4096)
 def peak_of(sig: Signature) -> Peak:
-    """The first moment with the most live tracked bytes (cached on the signature)."""
+    """The first moment with the most live tracked bytes (cached on the signature). The bytes at every moment
+    but the all-step ones and the optimizer step's are computed once for the ranks that differ only in those
+    (a dp share's optimizer states: ``engine.memory.per_rank``)."""
+    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    tb = sig.transient_bytes
+    opt = tb[_OPTIMIZER_STEP] if len(tb) > _OPTIMIZER_STEP else 0
+    live = _live_bytes(sig._replace(step_bytes=0, transient_bytes=tb[:_OPTIMIZER_STEP] + (0,) + tb[_OPTIMIZER_STEP + 1:])
+                       if opt or sig.step_bytes else sig)
+    if opt:
+        live = live + mo.masks[:, _OPTIMIZER_STEP].astype(np.int64) * opt
+    i = int(np.argmax(live))
+    return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
+                tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
+                int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
+                tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
+                tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()))
+
+
+@lru_cache(maxsize=256)
+def _live_bytes(sig: Signature) -> np.ndarray:
+    """The live tracked bytes at every moment of ``sig`` but its all-step bytes (``peak_of``; not to be changed
+    in place: cached)."""
     mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
     head = sig.head_bytes or (0,) * len(sig.unit_bytes)
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
@@ -626,12 +651,7 @@ def peak_of(sig: Signature) -> Peak:
         live = live - np.where(mo.phase >= END, sig.end_freed, 0)
     if sig.step_freed:
         live = live - np.where(mo.phase == STEP, sig.step_freed, 0)
-    i = int(np.argmax(live))
-    return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
-                tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
-                int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
-                tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
-                tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()))
+    return live
 
 
 class _Laid:

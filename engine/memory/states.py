@@ -38,7 +38,9 @@ and trainable adapters (fp32 under "pytorch").
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from functools import lru_cache
 
 import numpy as np
 
@@ -114,13 +116,20 @@ def fsdp2_optimizer_shares(cfg: Config, rp: RankParams) -> tuple[int, ...] | Non
     d = par.shard_degree
     if d == 1 or par.cp > 1:
         return None
-    experts = {u for u, _ in rp.expert_units} if expert_degree(cfg) not in (None, d) else set()
+    return _fsdp2_shares(rp.unit_groups, rp.expert_units, d, expert_degree(cfg), par.replicate)
+
+
+@lru_cache(maxsize=64)
+def _fsdp2_shares(unit_groups, expert_units, d: int, e_deg: int | None, replicate: int) -> tuple[int, ...] | None:
+    """``fsdp2_optimizer_shares`` of a rank's units, once per distinct rank (one tuple of dp entries, which
+    ``_share_summary`` then counts once)."""
+    experts = {u for u, _ in expert_units} if e_deg not in (None, d) else set()
     rows: dict[int, int] = {}  # dim 0 of an uneven tensor -> its elements per row, summed
     even = 0
-    for u, count in rp.unit_groups:
+    for u, count in unit_groups:
         for a, b in u:
             if u in experts:
-                even += ceil_div(a, expert_degree(cfg)) * b * count
+                even += ceil_div(a, e_deg) * b * count
             elif a % d:
                 rows[a] = rows.get(a, 0) + b * count
             else:
@@ -132,7 +141,7 @@ def fsdp2_optimizer_shares(cfg: Config, rp: RankParams) -> tuple[int, ...] | Non
     for a, b in rows.items():  # torch.chunk's piece s (engine.model.params.chunk_sizes), in closed form
         c = -(-a // d)
         per_shard += np.clip(a - shard * c, 0, c) * b
-    return tuple(per_shard.tolist()) * par.replicate  # HSDP: dp-rank r·d + s holds shard s
+    return tuple(per_shard.tolist()) * replicate  # HSDP: dp-rank r·d + s holds shard s
 
 
 def _zero1_share(sizes: tuple[int, ...], dp_rank: int, what: str) -> tuple[int, str]:
@@ -163,9 +172,7 @@ def _share_summary(sizes: tuple[int, ...]) -> tuple[dict[int, int], int, int]:
     last = _last_summary[0]
     if last[0] is sizes:
         return last[1]
-    alike: dict[int, int] = {}
-    for n in sizes:
-        alike[n] = alike.get(n, 0) + 1
+    alike = dict(Counter(sizes))
     summary = (alike, min(alike), max(alike))
     _last_summary[0] = (sizes, summary)
     return summary
