@@ -179,22 +179,6 @@ class Router(nn.Module):
         return scores * self.scale, ids, probs
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, scale):
-        ctx.scale = scale
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def _scale_grad(w: torch.Tensor, scale: float) -> torch.Tensor:
-    """``w`` whose gradient is multiplied by ``scale`` (``w`` itself when 1)."""
-    return w if scale == 1.0 else _ScaleGrad.apply(w, scale)
-
-
 class GroupedExperts(nn.Module):
     """``experts`` SwiGLU (or GELU) experts as 3-D weights, torchtitan's GroupedExperts layout:
     ``w1``, ``w3`` (E, f, h), ``w2`` (E, h, f); with ``model.bias`` ``b1``, ``b3`` (E, f), ``b2`` (E, h).
@@ -207,7 +191,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, spec: ModelSpec, experts: int):
         super().__init__()
-        self.grad_scale = 1.0  # what the weights' gradients are multiplied by (set under FSDP2)
+        self.grad_scale = 1.0  # what the weights' gradients are multiplied by (set under FSDP2: scale_expert_grads)
         h, f = spec.hidden, spec.expert_hidden
         self.swiglu = spec.mlp == "swiglu"
         self.num_experts = experts
@@ -227,7 +211,7 @@ class GroupedExperts(nn.Module):
         self.num_experts = count
 
     def forward(self, x_RD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        w = {name: _scale_grad(p, self.grad_scale) for name, p in self.named_parameters(recurse=False)}
+        w = dict(self.named_parameters(recurse=False))
         w1, w2, w3 = w["w1"], w["w2"], w.get("w3")
         b1, b2, b3 = w.get("b1"), w.get("b2"), w.get("b3")
         outs = []

@@ -107,18 +107,35 @@ def build_optimizer(params: list[nn.Parameter], plan: WrappingPlan, dims: Parall
 
 def expert_grad_sync(modules: list[nn.Module], cfg: Config, plan: WrappingPlan,
                      dims: ParallelDims) -> Callable[[], None] | None:
-    """What must run between the backward and the optimizer step for the routed experts' gradients
-    when no FSDP2 ``fully_shard`` reduces them (DDP, ``replicate`` and no wrapper leave them out):
-    a sum over their efsdp replicas and a division by dp. None when nothing is needed."""
+    """What must run between the backward and the optimizer step for the routed experts' gradients:
+    where no FSDP2 ``fully_shard`` reduces them (DDP, ``replicate`` and no wrapper leave them out), a sum
+    over their efsdp replicas and a division by dp; where it does over their own mesh, the sharded
+    gradients rescaled to the mean over dp (``scale_expert_grads``). None when nothing is needed."""
     params = [p for m in modules for p in expert_params(m)]
     par = cfg.parallel
+    if plan.data_parallel == "fully_shard":
+        scaled = [(moe.experts.grad_scale, list(moe.experts.parameters())) for m in modules for moe in moe_modules(m)
+                  if moe.experts.grad_scale != 1.0]
+        return (lambda: scale_expert_grads(scaled)) if scaled else None
     # ranks holding the same experts: efsdp (with the HSDP replicas) under expert parallelism, else dp;
     # with tp > 1 and dp = 1 they may be TP ranks that routed different slices of the same batch
     replicas = par.dp * par.tp // par.ep if par.ep > 1 else par.dp
-    if not params or plan.data_parallel == "fully_shard" or (replicas == 1 and par.dp == 1):
+    if not params or (replicas == 1 and par.dp == 1):
         return None
     group = (dims.expert_dp_group() if par.ep > 1 else dims.dp_group()) if replicas > 1 else None
     return lambda: sync_expert_grads(params, group, replicas, par.dp)
+
+
+def scale_expert_grads(scaled: list[tuple[float, list[nn.Parameter]]]) -> None:
+    """FSDP2 averages the routed experts' gradients over their own (efsdp) mesh; the mean over the data
+    replicas divides by dp instead: each expert unit's sharded gradients times its ``grad_scale``, in place,
+    once the backward has reduced them. (torchtitan's ``set_gradient_divide_factor`` does it inside the
+    reduce-scatter with ReduceOp.PREMUL_SUM, which gloo lacks; scaling the unsharded gradient in the
+    autograd graph instead made a full-size copy of every expert weight's gradient.)"""
+    for scale, params in scaled:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
 
 
 @contextlib.contextmanager
