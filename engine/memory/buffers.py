@@ -195,19 +195,28 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
                   f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
     else:
-        big = max(n for n, _ in train_units)
-        what = f"largest FSDP unit's trainable elements ({big:,})"
-        if not lora_on:  # each dim 0 padded to a multiple of the shard degree, as FSDP2 reduce-scatters it
-            padded = max(padded_numel(u, gather_degree(cfg, plan, rp, u)) for u, _ in rp.unit_groups)
-            if padded != big:
-                big, what = padded, f"largest FSDP unit's elements, each dim 0 padded to a multiple of the shard degree ({padded:,})"
-        T.add("comm_buffers", f"reduce-scatter input (one unit's unsharded gradients, in {plan.reduce_dtype}"
-              + (", adapters only)" if lora_on else ")"), gacc * big, f"{gacc} B × {what}", kind="reduce_scatter_input")
+        _reduce_scatter_input(cfg, plan, rp, T, train_units, lora_on)
         if emb_full:
             pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
             T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "
                   "embeddings' post-backward redistributes it to the row shard (TP: it comes back replicated)",
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
+
+
+def _reduce_scatter_input(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms,
+                          train_units: tuple[tuple[int, int], ...], lora_on: bool) -> None:
+    """One unit's reduce-scatter input, in the reduce dtype (``fsdp2_buffers`` where gradients do not
+    accumulate unsharded): the largest unit's, each dim 0 padded to a multiple of its shard degree as
+    ``foreach_reduce`` allocates it (the adapters' under LoRA)."""
+    gacc = plan.grad_accumulation_bytes
+    big = max(n for n, _ in train_units)
+    what = f"largest FSDP unit's trainable elements ({big:,})"
+    if not lora_on:
+        padded = max(padded_numel(u, gather_degree(cfg, plan, rp, u)) for u, _ in rp.unit_groups)
+        if padded != big:
+            big, what = padded, f"largest FSDP unit's elements, each dim 0 padded to a multiple of the shard degree ({padded:,})"
+    T.add("comm_buffers", f"reduce-scatter input (one unit's unsharded gradients, in {plan.reduce_dtype}"
+          + (", adapters only)" if lora_on else ")"), gacc * big, f"{gacc} B × {what}", kind="reduce_scatter_input")
 
 
 def replicated_embedding_gradient(cfg: Config, rp: RankParams) -> tuple[int, int]:
