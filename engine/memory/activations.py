@@ -809,7 +809,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
-    if blocks.moe and torch_acc and tr.recompute in ("none", "full", "selective"):
+    if blocks.moe and torch_acc and tr.recompute in ("none", "full", "selective", "selective-layer"):
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
         # gradients, the later blocks having kept only their inputs (measured with plain parameters: CPU runs
         # s31#03, s2026#13 MoE GPipe full 14.2 -> 0.6 %, 12.5 -> 1.2 %; measure --fake Qwen3 30B GPipe ZeRO-1 full
@@ -818,7 +818,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # of the MoE half, whose backward runs on its saved tensors as under "none": the combine's backward is
         # laid the same (measure --fake, seed 20261208 #03, Qwen3 30B pp8 ZeRO-2: the fake's 6.0 GiB of fp32
         # n·k·h temporaries; allocated −15 … −23 → −5 … +3 % on its 8 ranks), and under FSDP2 as under full
-        # recompute only that (with the expert-gradient moment too, seed 20261206 #29 ZeRO-3 ep2 went −3 → +8 %)
+        # recompute only that (with the expert-gradient moment too, seed 20261206 #29 ZeRO-3 ep2 went −3 → +8 %).
+        # Per-layer recompute ("selective-layer") runs each block's backward as "none" or "full" does, on its saved
+        # or recomputed tensors: the same moment (seed 20261209 #15 Qwen3 30B tp4 pp4 ep4: −20 … −22 → −9 … −17 %,
+        # seed 20261211 #17 ep8 ZeRO-2: −11 … −14 → −2 … −5 %; no row of five seeds leaves its bounds)
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.kept if tr.recompute == "full" else blocks.per_layer,
                            # (FSDP2's replicate ignores the routed experts: their gradients are plain there)
                            moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads
