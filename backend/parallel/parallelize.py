@@ -111,7 +111,6 @@ def expert_grad_sync(modules: list[nn.Module], cfg: Config, plan: WrappingPlan,
     where no FSDP2 ``fully_shard`` reduces them (DDP, ``replicate`` and no wrapper leave them out), a sum
     over their efsdp replicas and a division by dp; where it does over their own mesh, the sharded
     gradients rescaled to the mean over dp (``scale_expert_grads``). None when nothing is needed."""
-    params = [p for m in modules for p in expert_params(m)]
     par = cfg.parallel
     if plan.data_parallel == "fully_shard":
         scaled = [(moe.experts.grad_scale, list(moe.experts.parameters())) for m in modules for moe in moe_modules(m)
@@ -120,6 +119,7 @@ def expert_grad_sync(modules: list[nn.Module], cfg: Config, plan: WrappingPlan,
     # ranks holding the same experts: efsdp (with the HSDP replicas) under expert parallelism, else dp;
     # with tp > 1 and dp = 1 they may be TP ranks that routed different slices of the same batch
     replicas = par.dp * par.tp // par.ep if par.ep > 1 else par.dp
+    params = [p for m in modules for p in expert_params(m)]
     if not params or (replicas == 1 and par.dp == 1):
         return None
     group = (dims.expert_dp_group() if par.ep > 1 else dims.dp_group()) if replicas > 1 else None

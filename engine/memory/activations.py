@@ -64,6 +64,7 @@ from functools import lru_cache
 from engine.config import Config
 from engine.memory.lifetimes import moments
 from engine.memory.report import Term, Terms, ceil_div
+from engine.memory.states import replicate_expert_grads
 from engine.model import lora
 from engine.model.recompute import checkpointed_per_stage, sac_saved_matmuls, sac_saved_moe
 from engine.model.routing import (
@@ -823,9 +824,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # or recomputed tensors: the same moment (seed 20261209 #15 Qwen3 30B tp4 pp4 ep4: −20 … −22 → −9 … −17 %,
         # seed 20261211 #17 ep8 ZeRO-2: −11 … −14 → −2 … −5 %; no row of five seeds leaves its bounds)
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.kept if tr.recompute == "full" else blocks.per_layer,
-                           # (FSDP2's replicate ignores the routed experts: their gradients are plain there)
                            moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads
-                           or (wrapping_plan(cfg).data_parallel == "replicate" and par.microbatches > 1))
+                           or replicate_expert_grads(cfg, wrapping_plan(cfg)))
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)

@@ -29,7 +29,7 @@ import math
 from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
-from engine.model.params import RankParams, Tensors, largest_numels
+from engine.model.params import RankParams, Tensors, largest_numels, sharded_numel
 from engine.model.routing import moe_tokens
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
@@ -54,8 +54,8 @@ def float8_weight_numel(unit: Tensors, block: Tensors) -> tuple[int, int]:
 def padded_numel(tensors: Tensors, degree: int) -> int:
     """Elements of ``tensors`` with each dim 0 padded to a multiple of ``degree``: what FSDP2 gathers into
     and reduces from (``FSDPParam``'s padded sharded size × the shard degree: its all-gather output, the
-    unsharded parameter's storage, the reduce-scatter input)."""
-    return sum(ceil_div(a, degree) * degree * b for a, b in tensors)
+    unsharded parameter's storage, the reduce-scatter input): ``degree`` × each rank's padded shard."""
+    return degree * sharded_numel(tensors, degree)
 
 
 def gathered_unit_bytes(plan: WrappingPlan, rp: RankParams, unit: Tensors, degree: int = 1) -> int:

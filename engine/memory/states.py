@@ -293,6 +293,14 @@ def _local_groups(rp: RankParams, shard: int, e_deg: int | None = None, units=No
     return out
 
 
+def replicate_expert_grads(cfg: Config, plan: WrappingPlan) -> bool:
+    """Whether the routed experts' gradients are autograd's plain ones, alive from the first backward on: FSDP2's
+    replicate ignores the experts (backend.parallel.data_parallel.apply_replicate), so their .grad is made by the
+    first backward and added to by every later one. With one microbatch it is made block by block during the only
+    backward, and is laid as the sharded gradients are, at its end."""
+    return plan.data_parallel == "replicate" and cfg.parallel.microbatches > 1
+
+
 def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:
     """params / grads / optimizer as torch keeps them ("pytorch" accounting)."""
     par, tr, model = cfg.parallel, cfg.training, cfg.model
@@ -308,10 +316,7 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         T.add("params", f"parameters ({where}), FSDP2 fp32 sharded parameter (the master)", 4 * psi_d,
               f"4 B × {how}", kind="parameters")
         split_expert_params(T, expert_elements(cfg, rp, shard, e_deg), 4)
-        # replicate ignores the routed experts: their .grad is autograd's, made in the first backward and
-        # added to in every later one (with one microbatch it is made block by block during the only backward,
-        # as the sharded gradients are laid: at its end)
-        plain = rp.experts if plan.data_parallel == "replicate" and par.microbatches > 1 else 0
+        plain = rp.experts if replicate_expert_grads(cfg, plan) else 0
         add_sharded_grads(T, plan, rp, "gradients, FSDP2 sharded, in the parameter dtype (fp32)"
                           + (", without the routed experts" if plain else ""), 4 * (psi_d - plain),
                           f"4 B × {how}" + (f" − 4 B × {plain:,} expert elements" if plain else ""))
