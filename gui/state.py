@@ -1,9 +1,9 @@
-"""The window's Qt side of the session: signals, the recompute timer, the run's child process.
+"""The window's Qt side of the session: signals, the coalesced recomputation, the run's child process.
 
 :class:`gui.session.Session` holds the model (the config being edited and the last valid one,
 the prediction, the runs) in plain Python. :class:`State` is the QObject the widgets talk to:
 it forwards reads and writes to the session, turns the session's notifications into Qt
-signals, coalesces recomputation with a zero-delay timer (a burst of slider moves costs one
+signals, coalesces recomputation with one queued call (a burst of slider moves costs one
 prediction) and runs it on a worker thread, one at a time, the latest request winning (the GUI
 thread never waits for the engine; a prediction longer than a frame emits ``predictingChanged``),
 and owns the :class:`QProcess` of a run, feeding its stdout and stderr lines to the session.
@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject, QProcess, QTimer, Signal
+from PySide6.QtCore import QObject, QProcess, Qt, QTimer, Signal
 
 from engine import Config
 from gui import runs as _runs
@@ -93,6 +93,7 @@ class State(QObject):
     baselineChanged = Signal(object)  # the pinned baseline Predicted, or None when cleared
     predictingChanged = Signal(bool)  # a prediction has been running longer than a frame (True), or is done
     _predicted = Signal(object)  # a worker thread's Predicted (queued to this object's thread)
+    _recompute_soon = Signal()  # queued to this object: the coalesced recomputation
 
     config = _forward("config")
     desired = _forward("desired")
@@ -111,10 +112,11 @@ class State(QObject):
 
     def __init__(self, config: Config | None = None, runs_dir: str | Path | None = None, parent=None):
         super().__init__(parent)
-        self._timer = QTimer(self)
-        self._timer.setSingleShot(True)
-        self._timer.setInterval(0)
-        self._timer.timeout.connect(self._recompute)
+        # a queued call, not a zero-delay timer: the event loop delivers posted calls before the window's
+        # repaint (Qt posts those at low priority) and timers after it, so the prediction starts first
+        # and the moved control repaints while the worker predicts
+        self._recompute_posted = False
+        self._recompute_soon.connect(self._recompute_if_posted, Qt.ConnectionType.QueuedConnection)
         # predictions run on a worker thread, one at a time; the latest request wins (a result whose
         # config is no longer the current one is dropped and the current one predicted next)
         self._working = False
@@ -144,7 +146,7 @@ class State(QObject):
         self.schedule_recompute()
 
     def _prediction_ready(self, pred: Predicted) -> None:
-        self._timer.stop()  # fresh: a recomputation still queued would repeat it
+        self._recompute_posted = False  # fresh: a recomputation still queued would repeat it
         self.predictionReady.emit(pred)
 
     # ------------------------------------------------------------------ config (the session's)
@@ -191,12 +193,19 @@ class State(QObject):
 
     def schedule_recompute(self) -> None:
         """Coalesce: however many edits arrive before the event loop turns, compute once."""
-        self._timer.start()
+        if not self._recompute_posted:
+            self._recompute_posted = True
+            self._recompute_soon.emit()
+
+    def _recompute_if_posted(self) -> None:
+        if self._recompute_posted:
+            self._recompute_posted = False
+            self._recompute()
 
     def recompute_now(self) -> Predicted:
         """Predict the current config on this thread, now (a prediction still running elsewhere is
         dropped when it arrives: its config has been predicted)."""
-        self._timer.stop()
+        self._recompute_posted = False
         return self.session.recompute()
 
     @property

@@ -17,7 +17,7 @@ from math import ceil
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QPen, QPicture
-from PySide6.QtWidgets import QGraphicsView
+from PySide6.QtWidgets import QGraphicsItem, QGraphicsView
 
 #: what ``LeanAxis.picture`` holds once its specifications are generated (they are drawn directly)
 _DIRECT = QPicture()
@@ -42,6 +42,11 @@ class LeanAxis(pg.AxisItem):
         # labelled and minor ticks, not pyqtgraph's third level between the minor ones: the timeline's
         # time axis had 62 ticks for 7 labels, each a pen and a line to draw on every new scale
         self.setStyle(maxTickLevel=1)
+        # drawn once into a pixmap and blitted until pyqtgraph asks for a new drawing (``update()``, on a new
+        # scale, ticks or size): the charts repaint their whole viewport on every prediction, and an axis
+        # whose scale did not move (the ranks; the memory scale below the card's capacity) then costs a
+        # blit instead of its texts again (pixels identical, compared)
+        self.setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
 
     def _updateLabel(self) -> None:  # noqa: N802 - pyqtgraph's name
         """pyqtgraph's, without laying out the axis title again when its text is what it was: a new scale

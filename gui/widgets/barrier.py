@@ -30,7 +30,9 @@ class LayoutBarrier(QWidget):
     def _needed_height(self) -> int:
         c = self.child
         if c.hasHeightForWidth() and self.width() > 0:
-            return max(c.heightForWidth(self.width()), c.minimumSizeHint().height())
+            # a wrapped label's height at this width; its minimumSizeHint (one line, at any width) is never
+            # taller, and laid out the text a second time on every change (~50 µs a label)
+            return max(c.heightForWidth(self.width()), c.minimumHeight())
         return c.sizeHint().height()
 
     def sizeHint(self) -> QSize:

@@ -349,14 +349,31 @@ class MetricsTable(QWidget):
         self.bold = QFont(self.font())
         self.bold.setBold(True)
         self._layout_cache: tuple[int, list, list, int] | None = None  # (width, rows, layout, height)
+        self._heights: dict[tuple[int, str], int] = {}  # a bold value's wrapped height per (value width, text)
         self._names: dict[str, QStaticText] = {}  # the rows' names, laid out once (the values change)
 
     def set_rows(self, rows: list[tuple[str, str]]) -> bool:
-        """New rows; True when they changed (the holder then fits the height again)."""
+        """New rows; True when they changed (the holder then fits the height again). Only the rows whose
+        text changed are repainted, and from the first row whose height changed (a value that now wraps)
+        down (a slider move changes a few numbers: the model size, 6 of 15 rows)."""
         if rows == self.rows:
             return False
+        before, (old_layout, old_height) = self.rows, self._row_heights(self.width())
         self.rows = list(rows)
-        self.update()
+        new_layout, new_height = self._row_heights(self.width())
+        y = 2
+        for i, (old, new, (key_w, value_w, h)) in enumerate(zip(before, self.rows, new_layout)):
+            if old_layout[i][:2] != (key_w, value_w):  # the columns moved: every row
+                self.update()
+                return True
+            if old_layout[i][2] != h:  # a row's height changed: it and every row below it
+                self.update(0, y, self.width(), max(old_height, new_height) - y)
+                return True
+            if old != new:
+                self.update(0, y, self.width(), h)
+            y += h + 3
+        if len(before) != len(self.rows):  # rows added or removed at the end
+            self.update(0, y, self.width(), max(old_height, new_height) - y)
         return True
 
     def _row_heights(self, width: int) -> tuple[list[tuple[int, int, int]], int]:
@@ -370,9 +387,15 @@ class MetricsTable(QWidget):
         key_w = max(fm.horizontalAdvance(k) for k, _ in self.rows) + 12
         value_w = max(40, width - key_w - 4)
         wrap = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop | Qt.TextFlag.TextWordWrap
-        out, y = [], 2
+        measured = self._heights
+        if len(measured) > 512:  # values of a long session; the rows of the last few predictions recur
+            measured.clear()
+        out, y, line = [], 2, fm.height()
         for _, v in self.rows:
-            h = max(fm.height(), bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height())
+            h = measured.get((value_w, v))  # the bold value's height (``self.bold`` is fixed)
+            if h is None:  # only a value not seen at this width is laid out (most rows keep their text)
+                h = measured[value_w, v] = bfm.boundingRect(QRect(0, 0, value_w, 10_000), wrap, v).height()
+            h = max(line, h)
             out.append((key_w, value_w, h))
             y += h + 3
         self._layout_cache = (width, self.rows, out, y)
@@ -411,7 +434,11 @@ class MetricsTable(QWidget):
         key_color, value_color = QColor("#555"), self.palette().windowText().color()
         y = 2
         layout, _ = self._row_heights(self.width())
+        region = event.region()
         for (k, v), (key_w, value_w, h) in zip(self.rows, layout):
+            if not region.intersects(QRect(0, y, self.width(), h)):  # a row not repainted: unchanged
+                y += h + 3
+                continue
             p.setFont(self.font())
             p.setPen(key_color)
             p.drawStaticText(0, y, self._name(k))

@@ -72,6 +72,25 @@ def test_dragging_model_size_changes_memory_chart(window, qtbot):
     assert f"{window.state.config.model.layers} layers" in window.controls.size_label.text()
 
 
+def test_metrics_repaint_only_changed_rows_and_the_screen_shows_every_new_number(window, qtbot):
+    """A slider move repaints only the metrics rows whose text changed; what the window shows (its backing
+    store, grabbed from the screen) must then equal the table drawn afresh, row for row."""
+    table = window.metrics.table
+    for steps in (1, 1, -1):
+        rows = list(table.rows)
+        drag_slider(window.controls.size.slider, steps)
+        qtbot.waitUntil(lambda rows=rows: table.rows != rows, timeout=2000)
+        for _ in range(3):
+            QApplication.processEvents()
+        changed = sum(a != b for a, b in zip(rows, table.rows))
+        assert 0 < changed < len(table.rows)  # some rows keep their text: the partial repaint is exercised
+        shown = window.screen().grabWindow(window.winId())
+        pos = table.mapTo(window, QPoint(0, 0))
+        on_screen = shown.copy(pos.x(), pos.y(), table.width(), table.height()).toImage()
+        fresh = table.grab().toImage()
+        assert on_screen.convertToFormat(QImage.Format.Format_RGB32) == fresh.convertToFormat(QImage.Format.Format_RGB32)
+
+
 def test_invalid_tp_is_explained_next_to_tp_and_charts_keep_last_valid(window, qtbot):
     valid = window.state.config
     boxes = window.timeline.boxes.box_count()
@@ -265,8 +284,11 @@ def test_predictions_run_off_the_gui_thread_and_the_latest_request_wins(window, 
     state.predictionReady.connect(lambda p: shown.append(p.config))
     real = state._predict_in_worker
 
+    release = threading.Event()
+
     def traced(cfg, calibration):
         threads.append(threading.current_thread())
+        release.wait(5)  # the first request stays in flight until the second one has been made
         real(cfg, calibration)
 
     state._predict_in_worker = traced
@@ -274,8 +296,10 @@ def test_predictions_run_off_the_gui_thread_and_the_latest_request_wins(window, 
     timer = window.startTimer(1)
     window.timerEvent = lambda ev: ticks.append(ev.timerId())
     state.edit("cluster.gpus", 8)  # a first request...
-    QApplication.processEvents()  # ...its worker starts
+    qtbot.waitUntil(lambda: len(threads) == 1, timeout=2000)  # ...its worker starts
     state.edit("parallel.microbatches", 8)  # ...and another while it runs
+    qtbot.wait(20)  # the event loop turns while the first is in flight
+    release.set()
     settle(state)
     window.killTimer(timer)
     # every prediction ran on the one worker thread (a thread started per prediction made the GUI thread
