@@ -382,7 +382,7 @@ class TimelineView(QWidget):
         head.addWidget(LayoutBarrier(self.header), 1)
         lay.addLayout(head)
         lay.addWidget(self._legend())
-        self.plot = lean_plot()
+        self.plot = lean_plot(steady_axes=("left",))  # the time axis moves with nearly every prediction
         pi = self.plot.getPlotItem()
         pi.getViewBox().invertY(True)
         pi.setLabel("bottom", "time", units="s")
