@@ -835,7 +835,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
     if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
             and not sh.compile:
-        weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast)
+        keeps = split_backward_group_grads(cfg, act, res, sbh_rep) if not lora_on else None
+        weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, keeps)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
@@ -1195,6 +1196,24 @@ def weight_op_outputs(model, t: int) -> int:
     return h // t + kv + h + mlp + h
 
 
+def split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int) -> dict[str, int]:
+    """What a split backward's I keeps of one dense block for its W, by parameter group (``weight_groups``):
+    each Linear's output gradient on the TP rank (wq h/t, wk and wv kv/t, wo h, w1 and w3 f/t, w2 h, the
+    matmuls seeing every token) and each norm's weight-multiply output gradient; they sum to
+    ``split_backward_terms``' block. (A Qwen-style q/k norm's group keeps none here.)"""
+    m, t = cfg.model, cfg.parallel.tp
+    sb = cfg.local_seq_len * cfg.training.micro_batch_size
+    h = m.hidden
+    kv = 2 * m.kv_heads * (h // m.heads) // t
+    f = m.ffn_hidden // t
+    grads = {"norm1": res * sbh_rep, "wq": act * sb * (h // t), "wk": act * sb * (kv // 2),
+             "wv": act * sb * (kv - kv // 2), "wo": act * sb * h, "norm2": res * sbh_rep, "w1": act * sb * f,
+             "w2": act * sb * h}
+    if m.mlp == "swiglu":
+        grads["w3"] = act * sb * f
+    return grads
+
+
 def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str) -> None:
     """What a split backward keeps of each stage-microbatch from its I to its W (lifetime
     ``input_to_weight``): torch.distributed.pipelining's ``stage_backward_input`` hooks every node where
@@ -1311,31 +1330,44 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
     return {lin.name: sh.act * lin.d_in * lin.d_out // sh.t for lin in lora.adapted_linears(cfg.model, "all")}
 
 
-def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None) -> tuple[int, str]:
+def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None,
+                      grads: dict[str, int] | None = None) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds k recomputes with every tensor not freed by an earlier group; with the
-    weight casts the groups so far made (``weight_pass_casts``)."""
+    weight casts the groups so far made (``weight_pass_casts``). Returns (bytes, formula, freed).
+
+    ``grads``: what the I kept of each block for this W, by group (``split_backward_group_grads``; every
+    block of the stage checkpointed). torch's ``stage_backward_weight`` drops a group's kept gradients once
+    its ``autograd.grad`` has run (``del param_group["grads"]``), so the pass's peak is where its recomputes
+    less the gradients already dropped are most: the first group (nothing dropped yet) or a group of the last
+    block (the earlier blocks' gradients all dropped); ``freed`` is what is dropped by then."""
     kept, frees = weight_pass_block(sh, res)
     casts = casts or {}
     groups = weight_groups(sh)
     order = {g: i for i, g in enumerate(groups)}
-    best, at, alive, made = 0, 0, 0, 0
+    per_block = len(groups) * kept + sum(casts.values())  # what each earlier block's recomputes keep
+    block_grads = sum(grads.values()) if grads else 0
+    # the peak is in the first block or in the last: each block adds per_block and drops block_grads
+    last = checkpointed - 1 if per_block >= block_grads else 0
+    best, at, alive, made, freed = None, 0, 0, 0, 0
     for k in range(1, len(groups) + 1):
         alive_k = kept + sum(n for g, n in frees if order[g] >= k - 1)
         made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
-        if k * alive_k + made_k > best:
-            best, at, alive, made = k * alive_k + made_k, k, alive_k, made_k
-    earlier = (checkpointed - 1) * (len(groups) * kept + sum(casts.values()))
-    formula = (f"{checkpointed - 1} earlier block(s) × ({len(groups)} groups × {kept:,} B (their input path)"
+        freed_k = last * block_grads + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
+        if best is None or k * alive_k + made_k - freed_k > best:
+            best, at, alive, made, freed = k * alive_k + made_k - freed_k, k, alive_k, made_k, freed_k
+    earlier = last * per_block
+    where = "last" if last == checkpointed - 1 else "first"
+    formula = (f"{last} earlier block(s) × ({len(groups)} groups × {kept:,} B (their input path)"
                f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at} × {alive:,} B (the "
-               f"last block at its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
+               f"{where} block at its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
                f"{f' + {made:,} B (weight casts)' if casts else ''}")
-    return earlier + best, formula
+    return earlier + (best or 0) + freed, formula, freed
 
 
 def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],
-                      res: int, autocast: bool) -> None:
+                      res: int, autocast: bool, keeps: dict[str, int] | None = None) -> None:
     """What each W of a local stage holds of its checkpointed blocks (lifetime ``stage_weight``: that stage's
     W moments). A later stage's W is ``stage_backward_weight``: a recompute per parameter group
     (``weight_pass_bytes``). The first stage's W is a full backward (torch's ``backward_weight_one_chunk``
@@ -1344,10 +1376,16 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     a stage's units unsharded from its first backward, so its weight pass runs on the same graph: measured
     in-process 1.07 × the rule; end to end a ZeRO-3 interleaved zero-bubble run on CPU ranks −3.3 / −5.2 %,
     ``measure --fake`` of Llama 3 8B ZBV ZeRO-3 +9.3 / +4.6 %).
-    A stage with experts is left as it was."""
+    A stage with experts is left as it was.
+
+    ``keeps``: what the I kept of each block for the W, by group (``split_backward_group_grads``; None where
+    ``split_backward_terms`` lays nothing). Where every block of the stage is checkpointed, the pass drops
+    each group's kept gradients as it goes, and its peak comes after most are dropped: what is dropped by
+    then comes off the I's keep at the W's moments (``fake`` Llama 3 70B DualPipeV tp8 SP ZeRO-3 full
+    recompute: the middle stages' W peak held 1.7 of the 10.0 GiB the I kept)."""
     shared = checkpoint_shared_bytes(sh, res)
     casts = weight_pass_casts(cfg, sh, autocast)
-    of_count: dict[int, tuple[int, str]] = {}  # checkpointed blocks -> the pass's bytes (stages alike share it)
+    of_count: dict[tuple[int, bool], tuple[int, str, int]] = {}  # (checkpointed, all) -> the pass (stages alike)
     for st in rp.stages:
         c = ckpt_of[st.stage]
         if not c or st.moe_layers:
@@ -1358,13 +1396,18 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                   "recomputed at a time", one, f"one block recomputed, less its kept input = {one:,} B",
                   stage=st.stage, kind="weight_pass")
             continue
-        if c not in of_count:
-            of_count[c] = weight_pass_bytes(sh, res, c, casts)
-        nbytes, formula = of_count[c]
+        key = (c, keeps is not None and c == st.layers)
+        if key not in of_count:
+            of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps if key[1] else None)
+        nbytes, formula, freed = of_count[key]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
               "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,
               kind="weight_pass")
+        if freed:
+            T.add("temporaries", f"stage {st.stage}: the output gradients its W has dropped by its peak (each "
+                  "group's, once its autograd.grad has run), of what the I kept for it", -freed,
+                  f"−{freed:,} B (weight_pass_bytes)", stage=st.stage, kind="split_backward_grads_freed")
 
 
 def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:

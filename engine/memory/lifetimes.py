@@ -178,6 +178,7 @@ LIFETIMES: dict[str, str] = {
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "weight_pass": "stage_weight",
+    "split_backward_grads_freed": "stage_weight",
     "cp_attention": "during_actions",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
@@ -674,7 +675,7 @@ class _Laid:
         step = out = end_freed = step_freed = 0
         self.varying = varying = {}  # category -> (index, lifetime) of the terms not alive all step
         self.rows = rows = []  # (lifetime, bytes, stream) of the blocks not per stage-microbatch, for the events
-        self.freed = freed = {}  # per transient lifetime, the bytes its negative terms free (saved tensors)
+        self.freed = freed = {}  # per transient lifetime (or per-stage row key), what its negative terms free
         add_row = rows.append
         gather = ALL_GATHER_STREAM_KINDS
         for c in categories:
@@ -710,6 +711,8 @@ class _Laid:
                     if nbytes > 0:
                         add_row(((_STAGE_TAG[life], col), nbytes,
                                  REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
+                    elif nbytes < 0:  # taken off that stage's blocks of the same lifetime (``_net_rows``)
+                        freed[(_STAGE_TAG[life], col)] = freed.get((_STAGE_TAG[life], col), 0) - nbytes
                     continue
                 if life in STAGE_LIFETIMES:  # a rank-wide term of a per-stage kind: from the first backward
                     life = "after_first_backward"
