@@ -836,7 +836,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
             and not sh.compile:
         keeps = split_backward_group_grads(cfg, act, res, sbh_rep) if not lora_on else None
-        weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, keeps)
+        weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, keeps, ep_rank)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
 
@@ -1267,7 +1267,7 @@ _LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 _READERS = {"qkv_in": ("wq", "wk", "wv"), "mlp_in": ("w1", "w3"), "wo": ("wo",), "w2": ("w2",)}
 
 
-def weight_pass_block(sh: _Shape, res: int) -> tuple[int, list[tuple[str, int]]]:
+def weight_pass_block(sh: _Shape, res: int, mlp: bool = True) -> tuple[int, list[tuple[str, int]]]:
     """One checkpointed block under a split backward's weight pass: (what every recompute of it keeps to the
     pass's end, [(group, bytes its node frees), ...]).
 
@@ -1286,12 +1286,13 @@ def weight_pass_block(sh: _Shape, res: int) -> tuple[int, list[tuple[str, int]]]
     the frozen weights' nodes never run in the pass). Measured on the backend's blocks
     (tests/backend/test_weight_pass.py): exact per group with every weight training, fp32 LoRA on every
     Linear too; LoRA on the attention only keeps less than this (the MLP's tensors go: 0.45 of it), bf16
-    LoRA more (1.3 of it) — not analysed."""
+    LoRA more (1.3 of it) — not analysed. ``mlp`` False: without the dense MLP's rows (a block with
+    experts: ``moe_weight_pass_block``)."""
     autocast = res > sh.act
     kept, frees = 0, []
 
     for row in SAVED_TENSORS:
-        if row.block_input or not row.applies(sh):
+        if row.block_input or not row.applies(sh) or (not mlp and row.part == "mlp"):
             continue
         count = len(sh.lora_mods) if row.count == "adapters" else row.count
         nbytes = count * (res if row.elem == "res" else _ELEM[row.elem](sh)) * _NUMEL[row.numel][0](sh)
@@ -1314,10 +1315,56 @@ def weight_pass_block(sh: _Shape, res: int) -> tuple[int, list[tuple[str, int]]]
     if autocast and not (sh.recompute == "selective-op" or sh.compile or sh.float8_uncast):
         # each further reader's cast of its norm's output (``_block_bytes``: the first is the row above)
         cast = sh.act * sh.s * sh.b * sh.h
-        for linears in (("wq", "wk", "wv"), ("w1", "w3") if sh.swiglu else ()):
+        for linears in (("wq", "wk", "wv"), ("w1", "w3") if sh.swiglu and mlp else ()):
             readers = [n for n in linears if not sh.lora or n in sh.lora_mods]
             frees += [(f"{n}.A" if sh.lora else n, cast) for n in readers[1:]]
     return kept, frees
+
+
+def moe_weight_pass_block(cfg: Config, sh: _Shape, res: int,
+                          ep_rank: int | None = None) -> tuple[int, list[tuple[str, int]], tuple[str, ...]]:
+    """A block with experts under a split backward's weight pass, by ``weight_pass_block``'s rule: (kept,
+    frees, groups). Its attention half and norms are a dense block's. Of its MoE rows (``moe_layer_terms``)
+    the I leaves only what some weight's node still reaches: ``stage_backward_input`` detaches the stage's
+    output, and the graph above every node it keeps for the W (each weight's matmul) goes, and with it what
+    those nodes saved: the router's scores, top-k and gate weights, the combine's expert outputs and weighted
+    outputs, the un-permute's. What stays: the router input (the router's matmul frees it, in its group after
+    norm2's), the dispatched tokens (the experts' last reader frees them: w3 under SwiGLU, w1 otherwise;
+    under autocast each reader's own cast, freed by it), the token index the dispatch gathered with, the
+    experts' internals below w2 (w2 frees the down input; the gate, SiLU and up outputs are kept), the
+    shared experts' as a dense MLP's; under autocast each recompute's casts of the local experts' weights. Groups in ``backend.model.MoE``'s parameter order: the router, the grouped experts'
+    w1, w2 (, w3), the shared experts'. Measured on the backend's tiny MoE block (4 experts, top-2): the live
+    bytes after each group exactly these (tests/backend/test_weight_pass.py)."""
+    kept, frees = weight_pass_block(sh, res, mlp=False)
+    m = cfg.model
+    autocast = res > sh.act
+    readers = ("w1", "w3") if sh.swiglu else ("w1",)
+    inner = 4 if sh.swiglu else 2  # the experts' internals row: gate, SiLU, up outputs and down input
+    for label, nbytes, _ in moe_layer_terms(cfg, ep_rank)[0]:
+        if label.startswith("MoE: router input"):  # the router's matmul runs in fp32 (its input the residual's)
+            frees.append(("router", nbytes * res // sh.act))
+        elif label.startswith("MoE: dispatched tokens"):
+            frees += [(r, nbytes) for r in readers] if autocast else [(readers[-1], nbytes)]
+        elif label.startswith("MoE: token index"):  # of token index (8), sort order (8), gate weights (4)
+            kept += nbytes * 8 // 20
+        elif label.startswith("MoE: experts' "):
+            frees.append(("w2", nbytes // inner))
+            kept += nbytes - nbytes // inner
+        elif label.startswith("MoE: shared experts' input"):
+            frees.append(("shared.w1" if autocast or not sh.swiglu else "shared.w3", nbytes))
+        elif label.startswith("MoE: shared experts"):  # its internals, as the experts'
+            frees.append(("shared.w2", nbytes // inner))
+            kept += nbytes - nbytes // inner
+    if autocast:
+        # each expert's weight is a slice of its grouped parameter, not a leaf: autocast caches no cast of
+        # it, so every recompute casts each local expert's w1, w2 (, w3) anew, saved by its matmul
+        f_loc = m.expert_hidden // (cfg.parallel.tp if cfg.parallel.ep == 1 else 1)
+        cast = sh.act * (m.experts // cfg.parallel.ep) * f_loc * m.hidden
+        frees += [(w, cast) for w in ("w1", "w2") + readers[1:]]
+    dense = weight_groups(sh)
+    groups = dense[:dense.index("norm2") + 1] + ("router",) + readers[:1] + ("w2",) + readers[1:] + (
+        ("shared.w1", "shared.w2") + (("shared.w3",) if sh.swiglu else ()) if m.shared_experts else ())
+    return kept, frees, groups
 
 
 def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]:
@@ -1331,7 +1378,8 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
 
 
 def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None,
-                      grads: dict[str, int] | None = None) -> tuple[int, str, int]:
+                      grads: dict[str, int] | None = None,
+                      block: tuple[int, list[tuple[str, int]], tuple[str, ...]] | None = None) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds k recomputes with every tensor not freed by an earlier group; with the
@@ -1341,10 +1389,10 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     block of the stage checkpointed). torch's ``stage_backward_weight`` drops a group's kept gradients once
     its ``autograd.grad`` has run (``del param_group["grads"]``), so the pass's peak is where its recomputes
     less the gradients already dropped are most: the first group (nothing dropped yet) or a group of the last
-    block (the earlier blocks' gradients all dropped); ``freed`` is what is dropped by then."""
-    kept, frees = weight_pass_block(sh, res)
+    block (the earlier blocks' gradients all dropped); ``freed`` is what is dropped by then. ``block``: the
+    block's (kept, frees, groups) where it is not a dense one (``moe_weight_pass_block``)."""
+    kept, frees, groups = block if block is not None else (*weight_pass_block(sh, res), weight_groups(sh))
     casts = casts or {}
-    groups = weight_groups(sh)
     order = {g: i for i, g in enumerate(groups)}
     per_block = len(groups) * kept + sum(casts.values())  # what each earlier block's recomputes keep
     block_grads = sum(grads.values()) if grads else 0
@@ -1367,7 +1415,8 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
 
 
 def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],
-                      res: int, autocast: bool, keeps: dict[str, int] | None = None) -> None:
+                      res: int, autocast: bool, keeps: dict[str, int] | None = None,
+                      ep_rank: int | None = None) -> None:
     """What each W of a local stage holds of its checkpointed blocks (lifetime ``stage_weight``: that stage's
     W moments). A later stage's W is ``stage_backward_weight``: a recompute per parameter group
     (``weight_pass_bytes``). The first stage's W is a full backward (torch's ``backward_weight_one_chunk``
@@ -1376,7 +1425,9 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     a stage's units unsharded from its first backward, so its weight pass runs on the same graph: measured
     in-process 1.07 × the rule; end to end a ZeRO-3 interleaved zero-bubble run on CPU ranks −3.3 / −5.2 %,
     ``measure --fake`` of Llama 3 8B ZBV ZeRO-3 +9.3 / +4.6 %).
-    A stage with experts is left as it was.
+    A stage of blocks with experts only, each checkpointed, recomputes them the same way, per
+    ``moe_weight_pass_block`` (``measure --fake`` Qwen3 235B DualPipeV tp2 ep2 full recompute: the W held
+    29 GiB of the experts' recomputes where nothing was laid); a stage that mixes both is left as it was.
 
     ``keeps``: what the I kept of each block for the W, by group (``split_backward_group_grads``; None where
     ``split_backward_terms`` lays nothing). Where every block of the stage is checkpointed, the pass drops
@@ -1385,10 +1436,23 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     recompute: the middle stages' W peak held 1.7 of the 10.0 GiB the I kept)."""
     shared = checkpoint_shared_bytes(sh, res)
     casts = weight_pass_casts(cfg, sh, autocast)
-    of_count: dict[tuple[int, bool], tuple[int, str, int]] = {}  # (checkpointed, all) -> the pass (stages alike)
+    of_count: dict[tuple[int, bool | str], tuple[int, str, int]] = {}  # (checkpointed, kind) -> the pass
+    moe_block = None
     for st in rp.stages:
         c = ckpt_of[st.stage]
-        if not c or st.moe_layers:
+        moe = bool(st.moe_layers)
+        if not c or (moe and (st.moe_layers != st.layers or c != st.layers or st.stage == 0)):
+            continue
+        if moe:
+            key = (c, "moe")
+            if key not in of_count:
+                moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
+                of_count[key] = weight_pass_bytes(sh, res, c, casts, None, moe_block)
+            nbytes, formula, _ = of_count[key]
+            T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
+                  f"{'s' if c != 1 else ''} with experts, one per parameter group (torch's stage_backward_weight: "
+                  "a graph task per group, the checkpoint recomputes per graph task)", nbytes, formula,
+                  stage=st.stage, kind="weight_pass")
             continue
         one = blocks.per_layer - shared
         if st.stage == 0:
