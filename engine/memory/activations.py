@@ -832,10 +832,12 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         if par.cp > 1 and tr.recompute == "full":
             _cp_attention_after_mlp(T, sh)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
-            split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs)
+            split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, ep_rank=ep_rank)
     if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
             and not sh.compile:
-        keeps = split_backward_group_grads(cfg, act, res, sbh_rep) if not lora_on else None
+        keeps = None if lora_on else (split_backward_group_grads(cfg, act, res, sbh_rep),
+                                      moe_split_backward_group_grads(cfg, act, res, sbh_rep, ep_rank) if blocks.moe
+                                      else None)
         weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, keeps, ep_rank)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
 
@@ -1214,14 +1216,39 @@ def split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int) ->
     return grads
 
 
-def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str) -> None:
+def moe_split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int,
+                                   ep_rank: int | None = None) -> dict[str, int]:
+    """``split_backward_group_grads`` of a block with experts: its attention half's and norms' as a dense
+    block's, the router's output gradient (fp32, n·E), each expert matmul's output gradient for its routed
+    copies (w1 and w3 n_r·f, w2 n_r·h: ``moe_tokens``), the shared experts' as a dense MLP's. Measured on the
+    backend's tiny MoE block (fp32 and autocast): what the I keeps is exactly these and the input's gradient."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    grads = {g: n for g, n in split_backward_group_grads(cfg, act, res, sbh_rep).items() if g not in ("w1", "w2", "w3")}
+    n, n_r = moe_tokens(cfg, ep_rank, routed_factor(cfg, ep_rank))
+    rep = par.tp if par.sequence_parallel and par.ep == 1 else 1
+    f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
+    swiglu = m.mlp == "swiglu"
+    grads |= {"router": 4 * n * m.experts // rep, "w1": act * n_r * f_loc, "w2": act * n_r * m.hidden}
+    if swiglu:
+        grads["w3"] = act * n_r * f_loc
+    if m.shared_experts:
+        f_s = m.shared_experts * m.expert_hidden // par.tp
+        n_s = m.seq_len * tr.micro_batch_size
+        grads |= {"shared.w1": act * n_s * f_s, "shared.w2": act * n_s * m.hidden}
+        if swiglu:
+            grads["shared.w3"] = act * n_s * f_s
+    return grads
+
+
+def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
+                         ep_rank: int | None = None) -> None:
     """What a split backward keeps of each stage-microbatch from its I to its W (lifetime
     ``input_to_weight``): torch.distributed.pipelining's ``stage_backward_input`` hooks every node where
     a weight's path meets the stage input's (a Linear's matmul, a norm's weight multiply) and keeps the
     gradient flowing into it (``param_group["grads"]``) for ``stage_backward_weight``: each weight op's
     output gradient, in its output's dtype. And it sets the stage input's ``.grad`` (the gradient it
-    sends). The first stage runs no I (its W runs the whole backward): nothing. Dense blocks only (a
-    MoE block's experts are not modelled here). Measured op by op on the tiny model's
+    sends). The first stage runs no I (its W runs the whole backward): nothing. A block with experts keeps
+    ``moe_split_backward_group_grads``. Measured op by op on the tiny model's
     InterleavedZeroBubble pp4 (fp32): one block keeps 753,664 B (4 B × s·b × (h + 2·kv + h + 2·f + h
     + 2·h)), the last stage 327,680 B more (the final norm's and the head's output gradients)."""
 
@@ -1239,6 +1266,10 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         one = dense * per_block + res * sbh_rep  # the blocks and the stage input's gradient
         formula = (f"{dense} × ({act}·s·b·(h/t + 2·kv/t + h + {'2·' if m.mlp == 'swiglu' else ''}f/t + h) + "
                    f"2·{res}·s·b·{hs}) + {res}·s·b·{hs} (input gradient)")
+        if st.moe_layers:
+            moe = sum(moe_split_backward_group_grads(cfg, act, res, sbh_rep, ep_rank).values())
+            one += st.moe_layers * moe
+            formula += f" + {st.moe_layers} × {moe:,} B (blocks with experts: router, expert and attention matmuls)"
         if st.stage == n_stages - 1:
             extra = res * sbh_rep + act * s * b * ceil_div(m.vocab, t)
             one += extra
@@ -1415,7 +1446,8 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
 
 
 def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],
-                      res: int, autocast: bool, keeps: dict[str, int] | None = None,
+                      res: int, autocast: bool,
+                      keeps: tuple[dict[str, int], dict[str, int] | None] | None = None,
                       ep_rank: int | None = None) -> None:
     """What each W of a local stage holds of its checkpointed blocks (lifetime ``stage_weight``: that stage's
     W moments). A later stage's W is ``stage_backward_weight``: a recompute per parameter group
@@ -1429,8 +1461,9 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     ``moe_weight_pass_block`` (``measure --fake`` Qwen3 235B DualPipeV tp2 ep2 full recompute: the W held
     29 GiB of the experts' recomputes where nothing was laid); a stage that mixes both is left as it was.
 
-    ``keeps``: what the I kept of each block for the W, by group (``split_backward_group_grads``; None where
-    ``split_backward_terms`` lays nothing). Where every block of the stage is checkpointed, the pass drops
+    ``keeps``: what the I kept of each block for the W, by group (``split_backward_group_grads``, and
+    ``moe_split_backward_group_grads`` for a block with experts; None where ``split_backward_terms`` lays
+    nothing). Where every block of the stage is checkpointed, the pass drops
     each group's kept gradients as it goes, and its peak comes after most are dropped: what is dropped by
     then comes off the I's keep at the W's moments (``fake`` Llama 3 70B DualPipeV tp8 SP ZeRO-3 full
     recompute: the middle stages' W peak held 1.7 of the 10.0 GiB the I kept)."""
@@ -1447,12 +1480,13 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
             key = (c, "moe")
             if key not in of_count:
                 moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
-                of_count[key] = weight_pass_bytes(sh, res, c, casts, None, moe_block)
-            nbytes, formula, _ = of_count[key]
+                of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block)
+            nbytes, formula, freed = of_count[key]
             T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
                   f"{'s' if c != 1 else ''} with experts, one per parameter group (torch's stage_backward_weight: "
                   "a graph task per group, the checkpoint recomputes per graph task)", nbytes, formula,
                   stage=st.stage, kind="weight_pass")
+            _dropped(T, st.stage, freed)
             continue
         one = blocks.per_layer - shared
         if st.stage == 0:
@@ -1462,16 +1496,21 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
             continue
         key = (c, keeps is not None and c == st.layers)
         if key not in of_count:
-            of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps if key[1] else None)
+            of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None)
         nbytes, formula, freed = of_count[key]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
               "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,
               kind="weight_pass")
-        if freed:
-            T.add("temporaries", f"stage {st.stage}: the output gradients its W has dropped by its peak (each "
-                  "group's, once its autograd.grad has run), of what the I kept for it", -freed,
-                  f"−{freed:,} B (weight_pass_bytes)", stage=st.stage, kind="split_backward_grads_freed")
+        _dropped(T, st.stage, freed)
+
+
+def _dropped(T: Terms, stage: int, freed: int) -> None:
+    """What a stage's W has dropped of the I's kept gradients by its peak (``weight_pass_bytes``' freed)."""
+    if freed:
+        T.add("temporaries", f"stage {stage}: the output gradients its W has dropped by its peak (each "
+              "group's, once its autograd.grad has run), of what the I kept for it", -freed,
+              f"−{freed:,} B (weight_pass_bytes)", stage=stage, kind="split_backward_grads_freed")
 
 
 def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:

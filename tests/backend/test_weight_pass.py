@@ -231,7 +231,7 @@ def test_a_block_with_experts_holds_what_the_engine_says(bf16):
     but the last (where the graph goes) the live recomputed tensors are exactly ``moe_weight_pass_block``'s —
     the graph above the weights' nodes gone with the I (router scores, the combine's tensors), the experts'
     weights cast anew by every recompute under autocast — and the peak within a few per cent."""
-    from engine.memory.activations import moe_weight_pass_block
+    from engine.memory.activations import moe_split_backward_group_grads, moe_weight_pass_block
 
     cfg = _cfg(bf16, 1, hidden=64, heads=4, kv_heads=2, ffn_hidden=160, seq_len=64, experts=4,
                experts_per_token=2, expert_ffn_hidden=96)
@@ -245,3 +245,10 @@ def test_a_block_with_experts_holds_what_the_engine_says(bf16):
     assert after[:-1] == predicted[:-1]
     total, _, _ = weight_pass_bytes(sh, res, 1, None, None, (kept, frees, groups))
     assert 0.94 <= peak / total <= 1.1, (peak, total)  # measured 1.05 (fp32), 1.08 (bf16)
+    # what the I keeps for it: each group's output gradient (router, experts' matmuls) and the input's
+    sbh = cfg.local_seq_len * cfg.training.micro_batch_size * cfg.model.hidden
+    keeps = moe_split_backward_group_grads(cfg, sh.act, res, sbh)
+    i_kept, peak_with = _measured_with_keeps(cfg)
+    assert i_kept == sum(keeps.values()) + res * sbh
+    total, _, freed = weight_pass_bytes(sh, res, 1, None, keeps, (kept, frees, groups))
+    assert freed > 0 and 0.94 <= peak_with / (i_kept + total - freed) <= 1.1, (peak_with, i_kept + total - freed)
