@@ -547,7 +547,7 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
 
 
 def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None = None,
-                    recompute: str | None = None) -> tuple[list[tuple[str, int, str]], str]:
+                    recompute: str | None = None, autocast: bool | None = None) -> tuple[list[tuple[str, int, str]], str]:
     """What one block's experts save for backward per microbatch on one rank, in place of the dense
     MLP's rows — every tensor autograd keeps of ``backend.model.MoE`` (a saved-tensor census of one
     block, ``tests/backend/test_moe_saved_tensors.py``, holds these rows to it byte for byte):
@@ -583,8 +583,10 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
     inner = 4 if m.mlp == "swiglu" else 2
     # norm_topk_prob's division keeps the unnormalised top-k weights and their sum
     topk_norm = 4 * n * k + 4 * n if m.norm_topk_prob and k > 1 else 0
+    autocast = _moe_autocast(cfg) if autocast is None else autocast  # the planner's bound: False (a lower bound)
     out = [
-        ("MoE: router input (norm2 output)", act * n * h // rep, "mlp"),
+        ("MoE: router input (norm2 output" + (", fp32: the router runs outside autocast)" if autocast else ")"),
+         (4 if autocast else act) * n * h // rep, "mlp"),
         (f"MoE: router scores ({m.router_score}, fp32)", 4 * n * e // rep, "mlp"),
         ("MoE: top-k expert indices (int64)" + (", the unnormalised weights and their sum (fp32)" if topk_norm else ""),
          (8 * n * k + topk_norm) // rep, "mlp"),
@@ -595,6 +597,16 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
         (f"MoE: experts' {'gate, SiLU, up outputs and down input' if inner == 4 else 'GeLU input and output'} "
          f"for their tokens", inner * act * n_r * f_loc, "experts"),
     ]
+    if autocast:
+        # each expert's weights are slices of the grouped parameters, not leaves: autocast caches no cast of
+        # them, so every forward casts each local expert's matrices anew and its matmuls save them; and
+        # each Linear casts its input itself (w3's beside w1's)
+        mats = 3 if inner == 4 else 2
+        e_loc = e // par.ep
+        out.append((f"MoE: the local experts' 16-bit weight casts ({e_loc} × {mats} matrices; slices, which "
+                    "autocast does not cache)", act * e_loc * mats * f_loc * h, "experts"))
+        if inner == 4:
+            out.append(("MoE: w3's own 16-bit cast of the dispatched tokens", act * n_r * h, "experts"))
     if par.ep > 1:
         out.append(("MoE: permutation index (int64) and the expert outputs in expert order (the un-permute's "
                     "index_copy source)", (8 + act * h) * n_r, "experts"))
@@ -612,6 +624,9 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
             shared_in = act * (n_s - n) * h
             out.append(("MoE: shared experts' input, the whole norm output (beyond the router's 1/t slice)",
                         shared_in, "mlp"))
+        if autocast:  # each of its input Linears casts the (fp32) norm output itself
+            out.append(("MoE: shared experts' 16-bit casts of their input (one per input Linear)",
+                        (2 if inner == 4 else 1) * act * n_s * h, "mlp"))
     if m.dropout > 0:
         out.append(("MLP residual-dropout mask", n * h // rep, "mlp"))
     tp_note = "/t" if par.ep > 1 and par.tp > 1 else ""
@@ -622,6 +637,12 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
                + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else "")
                + (f" + {act}·(s·b − n)·h" if shared_in else ""))
     return out, formula
+
+
+def _moe_autocast(cfg: Config) -> bool:
+    """Whether the backend runs the blocks under ``torch.autocast`` (torch's accounting): the routed
+    experts' weight slices are then cast on every forward (``moe_layer_terms``)."""
+    return cfg.conventions.state_accounting == "pytorch" and wrapping_plan(cfg).autocast
 
 
 def _even_expert_share(cfg: Config, ep_rank: int | None, local: int) -> float:
@@ -1102,7 +1123,9 @@ def _autocast_cast_terms(cfg: Config, rp, T: Terms, act: int, psi_train: int) ->
     # torchao's Float8Linear passes its weight uncast (it casts to float8 itself and saves the
     # high-precision weight by reference): only the head's weight is cast and cached then
     float8 = tr.float8 != "none"
-    cast = 0 if float8 else rp.block_weight_numel
+    # the routed experts' weights are sliced per expert, and slices are cast on every forward instead
+    # (``moe_layer_terms``)
+    cast = 0 if float8 else rp.block_weight_numel - (rp.experts if _moe_autocast(cfg) else 0)
     cast += sum(st.head for st in rp.stages)
     T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
           f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
@@ -1372,26 +1395,26 @@ def moe_weight_pass_block(cfg: Config, sh: _Shape, res: int,
     readers = ("w1", "w3") if sh.swiglu else ("w1",)
     inner = 4 if sh.swiglu else 2  # the experts' internals row: gate, SiLU, up outputs and down input
     for label, nbytes, _ in moe_layer_terms(cfg, ep_rank)[0]:
-        if label.startswith("MoE: router input"):  # the router's matmul runs in fp32 (its input the residual's)
-            frees.append(("router", nbytes * res // sh.act))
-        elif label.startswith("MoE: dispatched tokens"):
-            frees += [(r, nbytes) for r in readers] if autocast else [(readers[-1], nbytes)]
+        if label.startswith("MoE: router input"):
+            frees.append(("router", nbytes))
+        elif label.startswith("MoE: dispatched tokens"):  # under autocast w1's own cast (w3's: its row)
+            frees.append((readers[0] if autocast else readers[-1], nbytes))
+        elif label.startswith("MoE: w3's own"):
+            frees.append(("w3", nbytes))
+        elif label.startswith("MoE: the local experts' 16-bit weight casts"):  # cast anew by every recompute
+            frees += [(w, nbytes // (len(readers) + 1)) for w in ("w1", "w2") + readers[1:]]
         elif label.startswith("MoE: token index"):  # of token index (8), sort order (8), gate weights (4)
             kept += nbytes * 8 // 20
         elif label.startswith("MoE: experts' "):
             frees.append(("w2", nbytes // inner))
             kept += nbytes - nbytes // inner
+        elif label.startswith("MoE: shared experts' 16-bit casts"):  # w1's and w3's own
+            frees += [(w, nbytes // len(readers)) for w in ("shared.w1", "shared.w3")[:len(readers)]]
         elif label.startswith("MoE: shared experts' input"):
             frees.append(("shared.w1" if autocast or not sh.swiglu else "shared.w3", nbytes))
         elif label.startswith("MoE: shared experts"):  # its internals, as the experts'
             frees.append(("shared.w2", nbytes // inner))
             kept += nbytes - nbytes // inner
-    if autocast:
-        # each expert's weight is a slice of its grouped parameter, not a leaf: autocast caches no cast of
-        # it, so every recompute casts each local expert's w1, w2 (, w3) anew, saved by its matmul
-        f_loc = m.expert_hidden // (cfg.parallel.tp if cfg.parallel.ep == 1 else 1)
-        cast = sh.act * (m.experts // cfg.parallel.ep) * f_loc * m.hidden
-        frees += [(w, cast) for w in ("w1", "w2") + readers[1:]]
     dense = weight_groups(sh)
     groups = dense[:dense.index("norm2") + 1] + ("router",) + readers[:1] + ("w2",) + readers[1:] + (
         ("shared.w1", "shared.w2") + (("shared.w3",) if sh.swiglu else ()) if m.shared_experts else ())

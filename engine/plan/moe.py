@@ -108,7 +108,7 @@ class _MoeGrid:
                 return None
             terms, _ = layer_activation_terms(shape_of(cfg))
             dense = sum(x for _, x, _ in terms)
-            rows, _ = moe_layer_terms(cfg)
+            rows, _ = moe_layer_terms(cfg, autocast=False)  # autocast's casts: not under FSDP2's policy
             moe = dense - sum(x for _, x, part in terms if part == "mlp") + sum(x for _, x, _ in rows)
             kept = self.act * self.s_len * b * self.base.model.hidden // tp  # sequence parallel whenever tp > 1
             self._per_layer[key] = (dense, moe, kept)

@@ -148,3 +148,24 @@ def test_moe_block_under_per_op_recompute_keeps_the_policy_stash(model, ep, one_
     rows, _ = moe_layer_terms(cfg)
     assert kept == attention_half + sum(b for _, b, _ in rows)
     y.sum().backward()  # the stash is what the backward needs: it runs
+
+
+@pytest.mark.parametrize("model", [{"shared_experts": 0}, {"shared_experts": 0, "mlp": "gelu"}, {}])
+def test_moe_rows_under_autocast_are_what_autograd_saves(model):
+    """Under ``torch.autocast`` (the backend's bf16-mixed on plain parameters) the router runs in fp32 on an
+    fp32 copy of its input, each expert Linear casts its input itself, and each expert's weights, slices of
+    the grouped parameters and not leaves, are cast on every forward (autocast caches casts of leaves only):
+    the rows hold the census byte for byte. The shared experts' cached weight casts are counted once a step
+    (``_autocast_cast_terms``); the census of a block with them holds two 16-bit s·b·h tensors more than
+    the rows (not analysed)."""
+    spec = {**MOE, **model}
+    cfg = default_config().replace(model=spec, cluster={"gpus": 1}, training={"precision": "bf16-mixed"},
+                                   parallel={"dp": 1, "ep": 1, "tp": 1, "pp": 1, "zero": 0, "microbatches": 2})
+    torch.manual_seed(0)
+    moe = moe_modules(Transformer(cfg.model))[0]
+    x = torch.randn(cfg.training.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        census = saved_bytes(moe, x)
+    rows, _ = moe_layer_terms(cfg)
+    gap = 2 * 2 * cfg.model.seq_len * cfg.training.micro_batch_size * cfg.model.hidden if cfg.model.shared_experts else 0
+    assert census == sum(b for _, b, _ in rows) + gap

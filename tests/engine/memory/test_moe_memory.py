@@ -67,8 +67,9 @@ def test_routed_activations_scale_with_the_imbalance_convention():
     n = 64  # s·b tokens, tp 1
     routed = n * 2  # n·k balanced
     act = 2  # bf16-mixed by default
-    # dispatched token + SwiGLU internals + (EP) its permutation index and expert output kept by index_copy
-    per_copy = act * 128 + 4 * act * 96 + 8 + act * 128
+    # dispatched token (w1's and, under autocast, w3's own casts) + SwiGLU internals + (EP) its permutation
+    # index and expert output kept by index_copy
+    per_copy = 2 * act * 128 + 4 * act * 96 + 8 + act * 128
     (a,) = terms(base, "activations", "moe_layers")
     (b,) = terms(skewed, "activations", "moe_layers")
     assert b.bytes - a.bytes == 6 * (int(routed * 1.5) - routed) * per_copy  # 6 MoE blocks, 1 microbatch
@@ -84,9 +85,12 @@ def test_moe_block_rows_by_hand():
     assert "2 dense layers" in dense.label and "6 MoE layers" in moe.label
     act, n, h, e, k, f = 2, 64, 128, 4, 2, 96
     n_r = n * k  # balanced
-    moe_rows = (act * n * h + 4 * n * e + 12 * n * k + 4 * n  # router input, probabilities, top-k, weights' sum
+    # bf16-mixed: autocast; the router runs in fp32 on an fp32 copy of its input, each expert Linear casts
+    # its input itself (w1 and w3), and the local experts' weights (slices, not leaves) are cast per forward
+    moe_rows = (4 * n * h + 4 * n * e + 12 * n * k + 4 * n  # router input, probabilities, top-k, weights' sum
                 + 20 * n * k  # token index, sort order (int64), gathered gate weights (fp32)
-                + act * n_r * h + 4 * act * n_r * f  # dispatched tokens, SwiGLU internals
+                + 2 * act * n_r * h + 4 * act * n_r * f  # dispatched tokens (w1's and w3's casts), SwiGLU internals
+                + act * (e // 2) * 3 * f * h  # the 2 local experts' w1, w2, w3 casts
                 + (8 + act * h) * n_r  # EP: permutation index, expert outputs kept by index_copy
                 + 4 * n * k * h + act * n * k * h)  # combine: fp32 outputs, weighted outputs
     mlp_rows_dense = act * n * h + 4 * act * n * 352  # MLP input + SwiGLU internals of the dense FFN

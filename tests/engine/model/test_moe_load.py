@@ -41,7 +41,7 @@ def test_each_ep_rank_routes_the_copies_of_its_experts_by_hand():
     mem = memory_per_rank(c)
     n, k, h, f, act = 64, 2, 128, 96, 2  # s·b tokens, top-k, hidden, expert ffn, bf16
     # the dispatched token, its SwiGLU internals, its permutation index and the expert output index_copy keeps
-    per_copy = act * h + 4 * act * f + 8 + act * h
+    per_copy = 2 * act * h + 4 * act * f + 8 + act * h  # autocast: w1's and w3's own casts of each copy
     # the ep group's 2·n·k = 256 routed copies: rank 0 gets 0.7 of them (180 after rounding up
     # 179.2), rank 1 0.3 (77 from 76.8); balanced is n·k = 128 each
     routed = {0: 180, 1: 77}
