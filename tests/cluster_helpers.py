@@ -62,6 +62,14 @@ class NetnsPair:
 
     def close(self) -> None:
         for n in self.created:
+            # what still runs in it first: a job step's slurmstepd outlives its slurmd (its own session), and
+            # one left behind (a cancelled job's) kept the next run's 2-node jobs PENDING until they timed out
+            pids = _run("ip", "netns", "pids", n, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             _run("ip", "netns", "del", n, check=False)  # deleting a namespace deletes its veth end
         self.created = []
 
