@@ -650,7 +650,9 @@ class Conventions:
     )
     fsdp_prefetch: bool = knob(
         True,
-        doc="FSDP holds the next unit unsharded while computing this one",
+        doc="FSDP holds the next unit unsharded while computing this one (the zero-paper accounting; FSDP2 under "
+            "pipelining). Unpipelined, FSDP2's prefetch is the next unit's all-gather output beside the current unit, "
+            "which a unit's own gather holds as much of at its copy-out: the same bytes either way",
         group="conventions",
     )
     bubble: str = knob(

@@ -29,8 +29,9 @@ import math
 from engine.config import Config
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
-from engine.model.params import RankParams, Tensors, largest_numels, sharded_numel
+from engine.model.params import RankParams, Tensors, largest_numels, mlp_tensors, sharded_numel, unit_numel
 from engine.model.routing import moe_tokens
+from engine.memory.lifetimes import BLOCK_KINDS
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
@@ -118,7 +119,15 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     all_bytes = sum(b * count for b, count in groups) - (pd * left_out if left_out and not ignored else 0)
     two = largest_numels(groups, 2)
     after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
-    if plan.sharded and plan.reshard_after_forward and not after_backward:
+    # unpipelined, FSDP2's root (embeddings, final norm, head: one fully_shard on the model) is a unit of
+    # its own that stays gathered through each forward and backward (``_root_and_current_unit``). (Not yet
+    # under expert parallelism: a block's experts are a unit nested in it, gathered and reduced in an order
+    # of their own, and the current + prefetched units stand for both)
+    root_split = (plan.sharded and plan.reshard_after_forward and not plan.pipelined and bool(rp.root_units)
+                  and not rp.expert_units)
+    if root_split:
+        two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
+    elif plan.sharded and plan.reshard_after_forward and not after_backward:
         n_units = 2 if conv.fsdp_prefetch and len(two) > 1 else 1
         T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
               + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
@@ -142,7 +151,9 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
               kind="fsdp_unsharded_params")
     if z in (2, 3):
-        T.add("comm_buffers", "all-gather output of one unit (largest)" + f8, two[0], f"{two[0]:,} B",
+        what = "the next block's (prefetched), or the current one's before its copy-out; the largest" \
+            if root_split else "largest"
+        T.add("comm_buffers", f"all-gather output of one unit ({what})" + f8, two[0], f"{two[0]:,} B",
               kind="all_gather_output")
     gacc = plan.grad_accumulation_bytes
     emb_full, emb_extra = replicated_embedding_gradient(cfg, rp)
@@ -195,12 +206,162 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
                   f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
     else:
-        _reduce_scatter_input(cfg, plan, rp, T, train_units, lora_on)
+        if plan.sharded and not plan.pipelined and not lora_on:
+            _unit_by_unit_reduce(cfg, plan, rp, T, psi_train, root_split, emb_full)
+        else:
+            _reduce_scatter_input(cfg, plan, rp, T, train_units, lora_on)
         if emb_full:
             pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
             T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "
                   "embeddings' post-backward redistributes it to the row shard (TP: it comes back replicated)",
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
+
+
+def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, f8: str) -> int:
+    """Unpipelined ZeRO-3 resharding after forward: FSDP2's root unit and the current block's unit, gathered;
+    returns the largest other unit's gathered bytes (the all-gather output the caller lays).
+
+    The root (``fully_shard(model)``, given its flag explicitly: torch's ``_lazy_init`` keeps a root gathered
+    after forward only when the flag was left to it) is gathered in its pre-forward and resharded in its
+    post-forward, so it is gathered through every block's forward; its pre-backward hook, on the logits, gathers
+    it again before the head's backward, and its post-backward runs in the backward's final callback (its
+    inputs, the token ids, take no gradient), so it stays gathered through every block's backward too. A
+    block's unit is gathered from its own pre-forward (pre-backward) to its post-forward (post-backward); the
+    next unit's all-gather lands beside it (the backward's prefetch, issued in the pre-backward) and is copied
+    out into its parameters only in that unit's own pre-backward (``wait_for_unshard``), after the current unit
+    resharded: measured on a fake Llama 3 405B step (dp8 cp2): the root, one block's parameters and one
+    block's all-gather output at once."""
+    root = rp.root_units
+    root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
+    others = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count - (u in root))
+              for u, count in rp.unit_groups]
+    cur = (largest_numels(others, 1) or [0])[0]
+    what = " + ".join(name for name, on in (("embeddings", any(st.stage == 0 for st in rp.stages)),
+                                            ("final norm + head", len(root) > 1 or not any(st.stage == 0
+                                                                                         for st in rp.stages)))
+                      if on)
+    T.add("comm_buffers", f"FSDP2 unsharded parameters: the root unit (fully_shard(model): {what}), gathered "
+          "through the forward and through the backward", root_b, f"{plan.gathered_bytes} B × its elements, "
+          f"each dim 0 padded to a multiple of the shard degree = {root_b:,} B", kind="fsdp_root_params")
+    T.add("comm_buffers", "FSDP2 unsharded parameters: the current block's unit" + f8, cur, f"{cur:,} B (the largest)",
+          kind="fsdp_unsharded_params")
+    return cur
+
+
+def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int,
+                         root_split: bool, emb_full: int) -> None:
+    """Unpipelined FSDP2 (ZeRO-2 / -3) with one microbatch: each unit's post-backward takes autograd's
+    gradients, reshards, drops the previous unit's reduce-scatter input (``reduce_scatter_max_input_buffers``
+    = 1) and copies them into its own (``foreach_reduce``), in the reduce dtype. Through a block's backward:
+    its gradients as autograd makes them (the parameter dtype), the previous unit's reduce-scatter input,
+    and the root's first gradients — the head's and final norm's, made before any block's and reduced only
+    with the embeddings' at the backward's end. At the end: the root's gradients (the embeddings' too) and
+    its reduce-scatter input, or, just before it, the root still gathered beside the last block's input.
+    The B's own moment is its first block's backward: no unit has reduced yet, and that block's MLP backward
+    has made few of its gradients. ZeRO-3 resharding after forward (``root_split``): late in the backward
+    (``late_backward``, the second block's backward, made before its post-backward) a block's gradients, the
+    previous block's reduce-scatter input, the sharded gradients of every later block, and the saved tensors
+    of the first block (``_late_backward``). (Under ZeRO-2 every block stays gathered until its post-backward:
+    what each frees then outweighs what it adds, so the B's start holds the most.)"""
+    gacc, pgrad = plan.grad_accumulation_bytes, PLAN_DTYPE_BYTES[plan.compute_dtype]
+    root = rp.root_units
+    degree = cfg.parallel.shard_degree
+    rest = [(u, count - (u in root)) for u, count in rp.unit_groups]
+    rs = max((padded_numel(u, gather_degree(cfg, plan, rp, u)) for u, c in rest if c > 0), default=0)
+    grads = max((unit_numel(u) for u, c in rest if c > 0), default=0)
+    if root_split:  # (under ZeRO-2 every block stays gathered to its post-backward: the B's start is the most)
+        made, how = _block_grads_made(cfg, T, grads, pgrad)
+        T.add("temporaries", f"a block's gradients made by autograd in {plan.compute_dtype} (its post-backward copies "
+              "them into its reduce-scatter input)", made, how, kind="fsdp_unit_grads")
+    has_head = any(st.final_norm or st.head for st in rp.stages)
+    has_emb = any(st.stage == 0 for st in rp.stages)
+    if has_head:
+        head = unit_numel(root[-1])
+        T.add("temporaries", f"the final norm's and head's gradients in {plan.compute_dtype}, made first and reduced "
+              "with the root unit at the backward's end", pgrad * head, f"{pgrad} B × {head:,}", kind="fsdp_head_grad")
+    if has_emb and not emb_full:  # (under TP its full-size gradient is a term of its own: embedding_full_gradient)
+        emb = unit_numel(root[0])
+        T.add("temporaries", f"the embeddings' gradients in {plan.compute_dtype}, made last", pgrad * emb,
+              f"{pgrad} B × {emb:,}", kind="fsdp_root_reduce")
+    # the end: the root's post-backward, in the backward's final callback. Before it the root is still gathered,
+    # the last block's reduce-scatter input kept and the root's sharded gradients not yet made; after its
+    # reshard and the drop of that input, its own reduce-scatter input. The end-of-backward moment holds every
+    # sharded gradient and (ZeRO-3: ``fsdp_root_params``) the gathered root: this term makes it the larger
+    # of the two
+    root_rs = gacc * sum(padded_numel(u, degree) for u in root)
+    root_b = sum(gathered_unit_bytes(plan, rp, u, degree) for u in root)
+    root_el = sum(unit_numel(u) for u in root)
+    shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
+    s_root = shard * root_el // psi_train if psi_train else 0
+    laid = root_b if root_split else 0
+    end = max(root_b + gacc * rs - s_root, root_rs) - laid
+    if end:
+        T.add("comm_buffers", "the root's post-backward at the end of the backward: the larger of before it (the root "
+              "gathered, the last block's reduce-scatter input, the root's sharded gradients not yet made) and "
+              "after it (its own reduce-scatter input), beyond what the moment holds", end,
+              f"max({root_b:,} + {gacc * rs:,} − {s_root:,}, {root_rs:,}) − {laid:,} B", kind="fsdp_root_reduce")
+    if root_split:
+        _early_and_late_backward(plan, rp, T, psi_train, unit_numel(root[0]) * has_emb
+                                 + (unit_numel(root[-1]) if has_head else 0), grads, gacc * rs, rs)
+
+
+def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[int, str]:
+    """(bytes, formula) of a block's weight gradients alive at a backward moment beside the block's transients
+    (what its backward recomputes and its MLP's backward holds: ``recomputed_block``, ``mlp_backward``). Autograd
+    runs the block's MLP first, its down projection's weight first: in the MLP's backward the block holds that
+    gradient; in its attention's backward, the MLP's transients freed, every MLP weight's. The larger of the two
+    beside the transients of the first. (A block with experts: all its gradients, its MLP being its experts.)"""
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.experts:
+        return pgrad * grads, f"{pgrad} B × the largest block unit's elements ({grads:,})"
+    weights, _ = mlp_tensors(m, m.ffn_hidden, tp)
+    down, mlp = pgrad * weights[-1][0] * weights[-1][1], pgrad * sum(a * b for a, b in weights)
+    transients = sum(t.bytes for c in ("activations", "temporaries") for t in T[c]
+                     if t.kind in ("recomputed_block", "mlp_backward", "mlp_backward_freed"))
+    made = max(down, mlp - transients)
+    return made, f"max(down projection's {down:,} B, the MLP weights' {mlp:,} B − the MLP backward's transients {transients:,} B)"
+
+
+def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int, root: int, block: int,
+                             rs_bytes: int, rs: int) -> None:
+    """The one B of an unpipelined ZeRO-3 step walks its blocks last to first. Each block's post-backward adds
+    its sharded gradients and keeps its reduce-scatter input until the next one's, while the block's backward
+    has freed its saved tensors; the current block's gathered unit, the next one's all-gather output and the
+    gradients autograd is making (``fsdp_unit_grads``) are there at every block. So the most is at one end of
+    the walk: at its start (the B's own moment), early (the second block's backward), or late (the
+    second-to-last's).
+
+    Early (``early_backward``, at the B's own moment, only where it is more than the start): the last block's
+    sharded gradients and reduce-scatter input, less its saved tensors. Late (``late_backward``): the sharded
+    gradients of every unit reduced by layer 1's backward (all but the root and layers 0 and 1: their share by
+    elements), layer 2's reduce-scatter input, and layer 0's saved tensors (layer 1's are the B's own transients,
+    as at its own moment: its recomputed tensors, its MLP's backward). Measured on fake steps: Llama 3 70B
+    full-recompute peaks late, Llama 2 7B and the tiny model without recompute early."""
+    sharded = [t for t in T["grads"] if t.kind == "fsdp_sharded_grads"]
+    done = max(0, psi_train - root - 2 * block)
+    one = min(block, max(0, psi_train - root))
+    layers = rp.layers
+    saved = sum(t.bytes // t.in_flight // layers for t in T["activations"]
+                if t.kind in BLOCK_KINDS and t.in_flight and layers)
+    rs_how = f"{plan.grad_accumulation_bytes} B × the largest block unit's elements, padded ({rs:,})"
+    early = [(t, t.bytes * one // psi_train if psi_train else 0) for t in sharded]
+    if sum(x for _, x in early) + rs_bytes > saved:
+        for t, x in early:
+            T.add("grads", f"{t.label}: the last block's, reduced before the second block's backward", x,
+                  f"{one:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_early_reduce")
+        T.add("comm_buffers", f"reduce-scatter input of the last block (in {plan.reduce_dtype}), kept through the "
+              "second block's backward", rs_bytes, rs_how, kind="fsdp_early_reduce")
+        T.add("activations", "the last block's saved tensors, freed by its backward", -saved,
+              f"−1 / {layers} of one microbatch's blocks", kind="fsdp_early_reduce")
+    for t in sharded:
+        x = t.bytes * done // psi_train if psi_train else 0
+        T.add("grads", f"{t.label}: those of every unit but the root and layers 0-1, reduced before layer 1's backward",
+              x, f"{done:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_reduced_grads")
+    T.add("comm_buffers", f"reduce-scatter input of layer 2 (in {plan.reduce_dtype}), kept through layer 1's backward",
+          rs_bytes, rs_how, kind="fsdp_late_reduce")
+    if saved:
+        T.add("activations", "the first block's saved tensors, still alive late in the backward", saved,
+              f"1 / {layers} of one microbatch's blocks", kind="late_block_activations")
 
 
 def _reduce_scatter_input(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms,

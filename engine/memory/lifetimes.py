@@ -40,8 +40,10 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        gradient (its first B, or the first I after a W) through its REDUCE_GRAD
   stage_fresh          there, one stage's weight gradients in the parameter dtype, in ``.grad``: from each
                        W (its own moment included) to the I that adds them in, or to the REDUCE_GRAD
-  every_action         transient during every F, B, I and W: FSDP2's current (+ prefetched) unit and
-                       the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
+  every_action         transient during every F, B, I and W and at the end of the backward: FSDP2's root
+                       unit unpipelined (gathered through the forward and through the backward to its
+                       post-backward in the final callback), under pipelining its current (+ prefetched)
+                       unit and the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
   backward_input       transient during B and I: the block recomputed in its backward; a MoE stage's
                        routed-experts backward (its weight gradients; what the backward freed by then)
@@ -69,7 +71,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        post-backward (``reshard_after_backward``, True by default)
   during_actions       at every action's own moment only (not at a loss moment, not at the end of the
                        backward): what a block's attention holds while it runs, forward or backward
-                       (context parallelism's ring workspace)
+                       (context parallelism's ring workspace), expert parallelism's all-to-all buffers,
+                       unpipelined FSDP2's current block unit and the next one's all-gather output
   forwards             at every F's own moment only: FSDP2's all-gather output where each unit is gathered
                        once per forward and kept to its backward (no pipeline; ZeRO-2, ZeRO-3 not
                        resharded after forward): the backward gathers nothing
@@ -84,6 +87,12 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        ``conventions.pipeline_outputs = "kept"`` the last stage's merged output (``step()``'s
                        ``torch.cat`` of every microbatch's logits: pipelined, so never beside that gradient,
                        which only an unpipelined single-microbatch step makes)
+  late_backward        at the late-backward moment only (an unpipelined step of one microbatch under ZeRO-3
+                       resharding after forward): the sharded gradients FSDP2 has reduced by the second
+                       block's backward, and the saved tensors of the first block, still to run
+  early_backward       at a B's own moment only (not at the late-backward moment): what the B holds once its
+                       first block has reduced (its sharded gradients, less its saved tensors), where
+                       that exceeds the start
   after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
                        parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
                        assigns ``.grad``; the I computes input gradients only); laid anew at each moment
@@ -103,6 +112,11 @@ moment no longer holds the loss. After the rank's last action comes the *end-of-
 every stage-microbatch freed, the kept outputs, the step terms, ``after_first_backward`` and
 ``end_of_backward``, and the transients of the last unit's post-backward (``every_action``,
 ``backward``: the root unit gathered, its gradient being reduced); no loss, no recomputed block.
+Where the rank has something of the ``late_backward`` lifetime, a *late-backward moment* comes between
+its one B and the end of the backward: the B's transients as at its own moment, the microbatch's saved
+tensors freed (the B has walked its blocks), and ``late_backward``. It is where FSDP2's sharded gradients,
+made block by block as each unit's post-backward reduces it, outweigh the saved tensors the backward has
+freed by then; the B's own moment is its start, where every saved tensor is alive and no gradient is made.
 Then the *optimizer-step moment*: what the end of the backward holds but the last unit's
 transients, with ``optimizer_step`` (the training loop's ``zero_grad(set_to_none=True)`` comes after
 the step, so every gradient is still there).
@@ -141,7 +155,11 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
-             "post_backward", "after_first_weight", "after_first_backward")
+             "post_backward", "late_backward", "early_backward", "after_first_weight", "after_first_backward")
+
+#: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
+_LATE_BACKWARD = TRANSIENT.index("late_backward")
+_EARLY_BACKWARD = TRANSIENT.index("early_backward")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
@@ -183,6 +201,13 @@ LIFETIMES: dict[str, str] = {
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step",
+    "fsdp_root_params": "every_action", "fsdp_unit_grads": "backward_input", "fsdp_late_reduce": "late_backward",
+    "fsdp_head_grad": "backward",
+    "fsdp_root_reduce": "post_backward", "fsdp_reduced_grads": "late_backward",
+    "late_block_activations": "late_backward", "fsdp_early_reduce": "early_backward",
+    # expert parallelism's all-to-all buffers: one MoE layer's, while it runs (a fake Qwen3 235B step, ep8,
+    # holds none at its loss moment)
+    "moe_all_to_all": "during_actions",
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
 
@@ -231,18 +256,26 @@ INPUT_TO_WEIGHT_KINDS = frozenset({"split_backward_grads"})
 
 #: the term kinds whose buffers FSDP2 allocates on its all-gather stream
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
-                                     "unsharded_params"})
+                                     "unsharded_params", "fsdp_root_params"})
+
+#: the term kinds whose buffers FSDP2 allocates on its reduce-scatter stream: the sharded gradients
+REDUCE_SCATTER_STREAM_KINDS = frozenset({"fsdp_sharded_grads", "fsdp_reduced_grads"})
 
 
 def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, after_backward: bool,
                          pipelined: bool = True) -> str:
     """The lifetime of FSDP2's unsharded-parameters term, as ``engine.memory.buffers`` chose it:
-    current (+ prefetched) unit → every action; every unit kept from the first backward on under
+    unpipelined, the current block's unit → during every action, not at the end of the backward (the
+    root unit, a term of its own, is gathered then); pipelined, current (+ prefetched) unit → every
+    action; every unit kept from the first backward on under
     pipelining (resharded after each forward before it) → after the first backward; every unit
     gathered between forward and backward (ZeRO-2, replicate, ZeRO-3 not resharding after forward)
     → all step under pipelining (the schedule sets ``set_reshard_after_backward(False)`` until its
     REDUCE_GRAD); without it, from each forward to the unit's post-backward → every action and loss
     moment, not the end of the backward."""
+    if sharded and reshard_after_forward and not pipelined:
+        # the current block's unit: the root unit (``fsdp_root_params``) is the one gathered at the end
+        return "during_actions"
     if sharded and reshard_after_forward:
         return "after_first_backward" if after_backward else "every_action"
     if sharded and not pipelined:
@@ -301,6 +334,10 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
         out["fsdp_stage_fresh_grads"] = "stage_fresh"
         if split_backward and converts:  # a later stage's W makes the whole stage's (``stage_fresh``), its I none
             out["fsdp_fresh_grad"] = "full_backward"
+    if not pipelined and sharded and reshard_after_forward:
+        # the all-gather output of the unit prefetched (or being copied out): none at the end of the backward,
+        # where only the root unit is gathered
+        out["all_gather_output"] = "during_actions"
     if not pipelined and sharded and reshard_after_forward is False:
         # each unit all-gathered in its forward and kept to its post-backward: a backward gathers
         # nothing (FSDP2's pre_backward unshard finds it unsharded), so no all-gather output then
@@ -312,7 +349,7 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
 
 
 #: the phases of a moment (``Moments.phase``)
-ACTION, LOSS, END, STEP = 0, 1, 2, 3
+ACTION, LOSS, LATE, END, STEP = 0, 1, 2, 3, 4
 
 
 class Moments(NamedTuple):
@@ -357,9 +394,18 @@ class Moments(NamedTuple):
                                 self.outputs, self.masks])
 
 
+def sig_moments(sig: Signature) -> Moments:
+    """The moments of a rank's signature: :func:`moments`, with the late-backward moment where the rank
+    has something of the ``late_backward`` lifetime."""
+    return moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches,
+                   bool(sig.transient_bytes[_LATE_BACKWARD]))
+
+
 @lru_cache(maxsize=512)
-def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatches: int) -> Moments:
-    """The moments of ``pp_rank``'s step (read-only arrays, cached): see :class:`Moments`."""
+def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatches: int,
+            late: bool = False) -> Moments:
+    """The moments of ``pp_rank``'s step (read-only arrays, cached): see :class:`Moments`. ``late``: an
+    unpipelined single-microbatch step gets the late-backward moment before its end (``_with_late_moment``)."""
     m = microbatches
     if pp == 1:
         plan, stages = single_rank_plan(schedule, m), [0]
@@ -415,6 +461,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         is_f,
         np.zeros(n, dtype=bool),
         np.zeros(n, dtype=bool),
+        np.zeros(n, dtype=bool),
+        kind == _B,
         np.arange(n) > first_grad,
         np.arange(n) > first_bwd,
     ]).astype(np.int64)
@@ -473,6 +521,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr)
+    if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
+        out = _with_late_moment(out)
     if len(bwd_idx):
         out = _with_step_moment(out)
     for x in out:
@@ -530,6 +580,23 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     conv = np.array(conv_at)
     cv[:] = ((idx > conv) & (idx <= reduce_at)).astype(np.int64)
     return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr)
+
+
+def _with_late_moment(mo: Moments) -> Moments:
+    """``mo`` with the late-backward moment before its last (the end of the backward): an unpipelined
+    step's one B at its second block (layer 1), where FSDP2 has reduced every later block's gradient
+    (``late_backward``: their sharded gradients, and the saved tensors of the two blocks still to run)
+    and the microbatch's other saved tensors are freed; the B's transients as at its own moment."""
+    n = len(mo.kind) - 1  # the END row: what is alive once the B has freed its microbatch
+    row = {}
+    for f, x in zip(Moments._fields, mo):
+        row[f] = np.insert(x, n, x[n], axis=0)
+    masks = mo.masks[n - 1].copy()  # the B's own transients, but what only its second block holds
+    masks[_LATE_BACKWARD] = 1
+    masks[_EARLY_BACKWARD] = 0
+    row["masks"] = np.insert(mo.masks, n, masks, axis=0)
+    row["phase"] = np.insert(mo.phase, n, LATE)
+    return Moments(**row)
 
 
 def _with_step_moment(mo: Moments) -> Moments:
@@ -616,7 +683,7 @@ def peak_of(sig: Signature) -> Peak:
     """The first moment with the most live tracked bytes (cached on the signature). The bytes at every moment
     but the all-step ones and the optimizer step's are computed once for the ranks that differ only in those
     (a dp share's optimizer states: ``engine.memory.per_rank``)."""
-    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    mo = sig_moments(sig)
     tb = sig.transient_bytes
     opt = tb[_OPTIMIZER_STEP] if len(tb) > _OPTIMIZER_STEP else 0
     live = _live_bytes(sig._replace(step_bytes=0, transient_bytes=tb[:_OPTIMIZER_STEP] + (0,) + tb[_OPTIMIZER_STEP + 1:])
@@ -635,7 +702,7 @@ def peak_of(sig: Signature) -> Peak:
 def _live_bytes(sig: Signature) -> np.ndarray:
     """The live tracked bytes at every moment of ``sig`` but its all-step bytes (``peak_of``; not to be changed
     in place: cached)."""
-    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    mo = sig_moments(sig)
     head = sig.head_bytes or (0,) * len(sig.unit_bytes)
     body = tuple(u - h for u, h in zip(sig.unit_bytes, head))
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
@@ -710,7 +777,7 @@ class _Laid:
                     var.append((i, life))
                     if nbytes > 0:
                         add_row(((_STAGE_TAG[life], col), nbytes,
-                                 REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
+                                 REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
                     elif nbytes < 0:  # taken off that stage's blocks of the same lifetime (``_net_rows``)
                         freed[(_STAGE_TAG[life], col)] = freed.get((_STAGE_TAG[life], col), 0) - nbytes
                     continue
@@ -732,7 +799,7 @@ class _Laid:
                 end_freed += nbytes if freed_at_end else 0
                 if nbytes > 0:
                     add_row(("accumulated" if freed_at_end else life, nbytes, ALL_GATHER_STREAM if kind in gather
-                             else REDUCE_SCATTER_STREAM if kind == "fsdp_sharded_grads" else 0))
+                             else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
                 elif nbytes < 0:
                     freed[life] = freed.get(life, 0) - nbytes
             if var:
@@ -865,7 +932,7 @@ class RankTimeline:
         """The peak moment (or moment ``pk``) in words: "stage 3 B of microbatch 2 (action 17 of 40)", or
         "stage 7 B of microbatch 0, at its start: the loss (action 9 of 64)" at a loss moment."""
         pk, sig = pk or self.peak, self.signature
-        mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+        mo = sig_moments(sig)
         extra = mo.phase != ACTION
         n = int(len(mo.kind) - extra.sum())
         action = int(pk.moment - extra[:pk.moment].sum()) + 1  # the loss and end moments are not actions
@@ -875,6 +942,9 @@ class RankTimeline:
         if mo.phase[pk.moment] == END:
             return f"the end of the backward, after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} " \
                    f"(action {action - 1} of {n})"
+        if mo.phase[pk.moment] == LATE:
+            return f"late in stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}: its second block, every later " \
+                   f"block's gradient reduced (action {action - 1} of {n})"
         at = ", at its start: the loss" if mo.phase[pk.moment] == LOSS else ""
         return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}{at} (action {action} of {n})"
 
@@ -1111,7 +1181,7 @@ def without_step_rows(event_signature: tuple) -> tuple:
 
 def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     """``allocation_events`` without a :class:`Grain`: one block per term."""
-    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    mo = sig_moments(sig)
     ev: list[tuple] = []
     for j, (life, nbytes, stream) in enumerate(rows):
         if life == "step":
@@ -1324,7 +1394,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     the peak with all the periods' outputs), every later period lays the same events with its keys
     shifted; the window becomes one ``("cycle", chunk, count, shift, MicrobatchKeys)`` of the first
     period's events, which ``engine.memory.allocator.replay`` runs until the allocator loops."""
-    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    mo = sig_moments(sig)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
     accs, reds = mo.acc.tolist(), mo.red.tolist()
     cvs, frs = mo.cv.tolist(), mo.fr.tolist()

@@ -32,7 +32,7 @@ from engine.memory.activations import (
 from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
-from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, moments
+from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, sig_moments
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body
 from engine.memory.states import ACCOUNTINGS, fsdp2_optimizer_shares, lora_states, lora_unit_groups, zero1_shares
@@ -129,7 +129,7 @@ def microbatches_alive_at(tl: RankTimeline) -> dict[int, tuple[int, ...]]:
     actions' own moments free: a loss moment opens its B (nothing freed yet), and at the end-of-backward
     moment nothing is alive (the MoE blocks then follow every microbatch)."""
     sig, pk = tl.signature, tl.peak
-    mo = moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches)
+    mo = sig_moments(sig)
     stages = sig.stages if sig.pp > 1 else (sig.stages[0],)
     out: dict[int, tuple[int, ...]] = {}
     for st in stages:

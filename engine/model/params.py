@@ -417,6 +417,18 @@ class RankParams:
             return self.matmul_weights
         return sum(a * c for a, c in self.block_tensors if c > 1) * self.layers
 
+    @cached_property
+    def root_units(self) -> tuple[Tensors, ...]:
+        """The units of FSDP2's root on this rank (``fully_shard(model)`` after the blocks): the embeddings
+        where it holds the first stage, the final norm + head where it holds the last; none on a middle
+        stage. They lead and end ``unit_groups`` (stage order)."""
+        out = []
+        if any(st.stage == 0 for st in self.stages):
+            out.append(self.unit_groups[0][0])
+        if any(st.final_norm or st.head for st in self.stages) and len(self.unit_groups) > len(out):
+            out.append(self.unit_groups[-1][0])
+        return tuple(out)
+
     def largest_unit_numels(self, n: int) -> list[int]:
         """The element counts of the ``n`` largest units, largest first (fewer when it holds fewer)."""
         return largest_numels(((unit_numel(u), count) for u, count in self.unit_groups), n)

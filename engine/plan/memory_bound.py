@@ -279,6 +279,11 @@ class MemoryBound:
         # gradient in the parameter dtype where it accumulates in another (until post-backward adds it in)
         synced = ~on | ((pp == 1) & (gm == 1))
         unit_grad = np.where(synced, float(g_b), float(pd) if gacc != pd else 0.0)
+        if base.training.finetune != "lora":
+            # FSDP2 (ZeRO-2/3) reducing unit by unit, one microbatch, no pipeline: the B's own moment is its start,
+            # before any post-backward, where no reduce-scatter input exists yet (engine.memory.buffers'
+            # ``_unit_by_unit_reduce``: the inputs are laid at later moments of the walk, where they are)
+            unit_grad = np.where(on & (gz >= 2) & (pp == 1) & (gm == 1), 0.0, unit_grad)
         # some moment after the rank's first backward (B or I) and before the end of the backward: a later
         # microbatch, a second local stage, or a split backward's W
         grads_unsharded = on & ((gm > 1) | (pp > 1 and (v > 1 or sc in names.SPLIT_BACKWARD_SCHEDULES)))

@@ -54,8 +54,13 @@ def test_unsharded_after_first_backward():
     # the last stage runs one forward before its first backward, so it is there too
     last = term(cfg(m=4, reshard="always"), "fsdp_unsharded_params", rank=2)
     assert last.bytes == 2 * (4 * BLOCK + 128 + EMB)  # 4 blocks + final norm and head
-    # without pipelining ZeRO-3 "always" holds current + prefetched
-    assert term(cfg(dp=4, pp=1, m=4, reshard="always"), "fsdp_unsharded_params").bytes == 2 * 2 * BLOCK
+    # without pipelining ZeRO-3 "always" holds the current block's unit, the next one's all-gather output
+    # and the root unit (fully_shard(model): embeddings, final norm, head), gathered through
+    # the forward and the backward
+    unpiped = cfg(dp=4, pp=1, m=4, reshard="always")
+    assert term(unpiped, "fsdp_unsharded_params").bytes == 2 * BLOCK
+    assert term(unpiped, "all_gather_output").bytes == 2 * BLOCK
+    assert term(unpiped, "fsdp_root_params").bytes == 2 * (EMB + 128 + EMB)
 
 
 def test_always_gathers_until_the_first_backward():
@@ -74,8 +79,9 @@ def test_grad_accumulation_dtype(grad, nbytes):
     assert t.bytes == nbytes * STAGE0 and (("fp32" if grad == "fp32" else "bf16") in t.label)
     # without pipelining, gradient accumulation (m > 1) accumulates in the reduce dtype too
     assert term(cfg(dp=4, pp=1, m=4, grad=grad), "fsdp_unsharded_grads").bytes == nbytes * (EMB + 8 * BLOCK + 128 + EMB)
-    # m = 1 without pipelining: one unit's reduce-scatter input, in the reduce dtype
-    assert term(cfg(dp=4, pp=1, m=1, grad=grad), "reduce_scatter_input").bytes == nbytes * BLOCK
+    # m = 1 without pipelining: a block's reduce-scatter input (the last block's, kept through the next one's
+    # backward: the peak here), in the reduce dtype
+    assert term(cfg(dp=4, pp=1, m=1, grad=grad), "fsdp_early_reduce").bytes == nbytes * BLOCK
 
 
 def test_pipelined_fsdp2_accumulates_every_unit_even_with_one_microbatch():
@@ -88,8 +94,9 @@ def test_float8_all_gather_bytes():
     block8 = 2 * (BLOCK - LINEAR) + LINEAR + 4 * 7  # norms in bf16, 7 Linear weights in 1 B + an fp32 scale
     assert block8 == 184_860
     c = cfg(dp=4, pp=1, m=1, float8="tensorwise", f8ag=True)
-    assert term(c, "fsdp_unsharded_params").bytes == 2 * block8  # current + prefetched block
+    assert term(c, "fsdp_unsharded_params").bytes == block8  # the current block; the next one's all-gather output
     assert term(c, "all_gather_output").bytes == block8
+    assert term(c, "fsdp_root_params").bytes == 2 * (EMB + 128 + EMB)  # the root unit stays in bf16
     # every unit: embeddings and norm + head stay in bf16
     c = cfg(dp=2, pp=2, m=4, float8="tensorwise", f8ag=True)
     assert term(c, "fsdp_unsharded_params").bytes == 2 * EMB + 4 * block8
@@ -196,3 +203,39 @@ def test_split_backward_trains_later_stages_only_without_resharding_after_forwar
         "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4, "schedule": "ZBVZeroBubble", "virtual_stages": 2,
                      "fsdp_reshard_after_forward": "always" if reshard else "default"}}))
     assert any("no block of a later stage ever gets a weight gradient" in w for w in why) == reshard
+
+
+def test_unpipelined_zero3_reduces_unit_by_unit_with_the_root_gathered_throughout():
+    """dp 4, one microbatch, bf16 gradients: Ψ = 2·EMB + 8·BLOCK + 128 = 1,607,808 (the head is not tied).
+    Hand-worked from torch's FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, post_backward):
+    each block's post-backward reshards, drops the previous reduce-scatter input and reduces its own; the root's
+    runs in the backward's final callback."""
+    psi, root = 2 * EMB + 8 * BLOCK + 128, EMB + 128 + EMB
+    assert psi == 1_607_808
+    r = memory_per_rank(cfg(dp=4, pp=1, m=1)).per_rank[0]
+    terms = {}
+    for c in ("grads", "activations", "comm_buffers", "temporaries"):
+        for t in r.catalogue(c):
+            terms.setdefault(t.kind, []).append(t.bytes)
+    assert terms["fsdp_root_params"] == [2 * root]  # bf16, through the forward and the backward
+    assert terms["fsdp_unsharded_params"] == [2 * BLOCK] and terms["all_gather_output"] == [2 * BLOCK]
+    assert terms["fsdp_late_reduce"] == [2 * BLOCK]  # the previous block's reduce-scatter input, bf16
+    assert terms["fsdp_head_grad"] == [2 * (128 + EMB)]  # the final norm's and head's, made first
+    # the sharded gradients (fp32, 4 B × Ψ / 4) — all at the end; late in the backward all but the root's and
+    # layers 0-1's; early, the last block's
+    assert terms["fsdp_sharded_grads"] == [psi]
+    assert terms["fsdp_reduced_grads"] == [psi - root - 2 * BLOCK]
+    # early (the B's own moment, after the last block's post-backward: more than its start here, as a fake step of
+    # this config measures): that block's sharded gradients and reduce-scatter input, less its saved tensors
+    share, freed, rs = terms["fsdp_early_reduce"]  # (grads, activations, comm_buffers)
+    assert (share, rs) == (BLOCK, 2 * BLOCK) and -freed < share + rs
+    # the end: the embeddings' gradient, and the larger of the root's post-backward's two sides beyond what the
+    # moment holds (the gathered root): before it the last block's input without the root's sharded gradients
+    # (2·root + 2·BLOCK − root), after it the root's own input (2·root)
+    end = max(2 * root + 2 * BLOCK - root, 2 * root) - 2 * root
+    assert sorted(terms["fsdp_root_reduce"]) == sorted([2 * EMB, end])
+    # it peaks at the B's own moment: the tiny model's saved tensors outweigh what the reductions add
+    assert r.peak_moment.startswith("stage 0 B of microbatch 0 (")
+    # pipelined, the root is one of the stage's units (every unit gathered, no late moment)
+    assert not [t for t in memory_per_rank(cfg(m=4)).per_rank[0].catalogue("comm_buffers")
+                if t.kind == "fsdp_root_params"]

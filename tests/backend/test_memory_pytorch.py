@@ -61,20 +61,28 @@ def test_fsdp2_zero3_keeps_the_fp32_shard_as_master():
     psi = param_counts(c.model).total
     assert psi % d == 0
     r = memory_per_rank(c).per_rank[0]
-    # the sharded gradient is in the parameter dtype, fp32; it is not alive at the peak (m = 1: the
-    # first backward's own moment, before any post-backward): FSDP2 makes a sharded gradient only in its
-    # post-backward (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce:
-    # "new_sharded_grad = torch.as_strided(reduce_output, ...)" ... "fsdp_param.sharded_param.grad =
-    # new_sharded_dtensor_grad"), and zero_grad(set_to_none=True) drops it after the step
-    assert (r.params, r.grads, r.optimizer) == (4 * psi // d, 0, 8 * psi // d)
-    assert [t.bytes for t in r.catalogue("grads")] == [4 * psi // d]
+    # the sharded gradient is in the parameter dtype, fp32; FSDP2 makes a unit's only in its post-backward
+    # (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce: "new_sharded_grad =
+    # torch.as_strided(reduce_output, ...)" ... "fsdp_param.sharded_param.grad = new_sharded_dtensor_grad"), and
+    # zero_grad(set_to_none=True) drops it after the step. m = 1: the peak is the B's own moment after its last
+    # block's post-backward (that block's sharded gradients and reduce-scatter input outweigh its saved tensors:
+    # measured so on a fake step of the tiny preset), so that block's are alive
     rp = params_per_rank(c)[0][0]
-    sizes = sorted((sum(a * b for a, b in u) for u in rp.units), reverse=True)
-    # bf16 unsharded current + prefetched unit, the all-gather output, one unit's unsharded grads (m = 1)
-    assert r.comm_buffers == 2 * (sizes[0] + sizes[1]) + 2 * sizes[0] + 2 * sizes[0]
+    block = max(sum(a * b for a, b in u) for u in rp.units if u not in rp.root_units)
+    assert (r.params, r.grads, r.optimizer) == (4 * psi // d, 4 * block // d, 8 * psi // d)
+    # (late in the backward, past the peak here, those of every unit reduced by then: all but the root
+    # unit and the first two blocks)
+    root = sum(a * b for u in rp.root_units for a, b in u)
+    assert root == 2 * 1024 * 256 + 2 * 256  # the embeddings, the final LayerNorm and the head: fully_shard(model)
+    assert [(t.kind, t.bytes) for t in r.catalogue("grads")] == [
+        ("fsdp_sharded_grads", 4 * psi // d), ("fsdp_early_reduce", 4 * block // d),
+        ("fsdp_reduced_grads", 4 * psi // d * (psi - root - 2 * block) // psi)]
+    # bf16: the root unit gathered, the current block's unit, the next one's all-gather output, the last block's
+    # reduce-scatter input (m = 1)
+    assert r.comm_buffers == 2 * root + 2 * block + 2 * block + 2 * block
     # with gradient accumulation FSDP2 keeps every unit's unsharded gradient until the synced microbatch
     r4 = memory_per_rank(cfg(EVEN, MIXED, dp=d, zero=3, microbatches=4)).per_rank[0]
-    assert r4.comm_buffers == 2 * (sizes[0] + sizes[1]) + 2 * sizes[0] + 2 * psi
+    assert r4.comm_buffers == 2 * root + 2 * block + 2 * block + 2 * psi
 
 
 def test_fsdp2_zero2_params_are_sharded_the_gathered_copy_is_a_buffer():

@@ -29,7 +29,9 @@ def colour_rows(chart, colour: str) -> int:
 
 
 def test_over_the_step_shows_the_gradients_the_peak_moment_does_not_hold(window, qtbot):
-    cfg = default_config().replace(parallel={"dp": 4, "pp": 1, "zero": 3, "microbatches": 1}, cluster={"gpus": 4})
+    # two microbatches: the peak is the last backward's, before any unit's post-backward reduces (with one, the B's
+    # own moment comes after its last block's post-backward, which made that block's sharded gradients)
+    cfg = default_config().replace(parallel={"dp": 4, "pp": 1, "zero": 3, "microbatches": 2}, cluster={"gpus": 4})
     window.resize(1600, 1000)
     window.state.set_config(cfg)
     window.state.recompute_now()

@@ -91,6 +91,10 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
                 if t.kind == "fsdp_sharded_grads":
                     assert life == ("stage_reduced" if several else "end_of_backward")
                     assert (t.stage is not None) == several
+                elif t.kind == "fsdp_reduced_grads":  # those reduced by the late-backward moment (m = 1)
+                    assert life == "late_backward"
+                elif t.kind == "fsdp_early_reduce":  # the last block's, reduced by the second block's backward
+                    assert life == "early_backward"
                 elif t.kind == "gradients":  # made by a B, or under a split backward by the W
                     split = par.get("schedule") in ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV")
                     assert life == ("after_first_weight" if split else "after_first_backward")
@@ -126,7 +130,9 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
                         b[tl.lifetime(c, i)] = b.get(tl.lifetime(c, i), 0) + t.bytes
             g = b.get
             base, act, late = g("step", 0), g("microbatch", 0), g("after_first_backward", 0)
-            unit, bwd = g("every_action", 0), g("backward", 0) + g("backward_input", 0)
+            # unpipelined ZeRO-3: the root unit at every action and at the end, the current block's unit and the
+            # next one's all-gather output at the actions only
+            unit, bwd = g("every_action", 0) + g("during_actions", 0), g("backward", 0) + g("backward_input", 0)
             assert g("loss", 0) > 0
             head = sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c) if t.kind in HEAD_KINDS)
             assert head > 0
@@ -135,9 +141,16 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
                 before = late if k else 0
                 moments_bytes += [base + unit + act - head + before, base + g("loss", 0) + act + before,
                                   base + unit + bwd + g("full_backward", 0) + act - head + before]
-            # by the end, the reducing post-backward has dropped FSDP2's accumulated unsharded gradients
+            # one microbatch under ZeRO-3: late in the B (its second block), the B's transients, no saved tensor
+            # but what the late-backward lifetime holds (the first block's), the sharded gradients reduced by then
+            if g("late_backward", 0):
+                assert m == 1
+                moments_bytes.append(base + unit + bwd + g("full_backward", 0) + g("late_backward", 0))
+            # by the end, the reducing post-backward has dropped FSDP2's accumulated unsharded gradients; the
+            # root's post-backward (post_backward) beside the root unit, still gathered
             acc = sum(t.bytes for c in MEMORY_CATEGORIES for t in r.catalogue(c) if t.kind in END_FREED_KINDS)
-            moments_bytes.append(base + unit + g("backward", 0) + late - acc + g("end_of_backward", 0))
+            moments_bytes.append(base + g("every_action", 0) + g("backward", 0) + late - acc + g("end_of_backward", 0)
+                                 + g("post_backward", 0))
             # the optimizer step: what the end holds but the last unit's transients and autocast's cached
             # casts (its context has exited), with AdamW's temporaries
             assert g("optimizer_step", 0) > 0
@@ -145,7 +158,9 @@ def test_without_a_pipeline_the_peak_is_the_largest_of_the_moments_of_each_micro
             moments_bytes.append(base - casts + late - acc + g("end_of_backward", 0) + g("optimizer_step", 0))
             assert r.allocated == max(moments_bytes)
             i = moments_bytes.index(max(moments_bytes))
-            what = ("the end of the backward" if i == 3 * m else "the optimizer step" if i == 3 * m + 1
+            extra = len(moments_bytes) - 3 * m - 2  # the late-backward moment
+            what = ("late in stage 0 B" if extra and i == 3 * m else
+                    "the end of the backward" if i == 3 * m + extra else "the optimizer step" if i == 3 * m + 1 + extra
                     else ("F", "B", "B")[i % 3] + f" of microbatch {i // 3}")
             assert what in r.peak_moment
             assert ("at its start: the loss" in r.peak_moment) == (i < 3 * m and i % 3 == 1)
@@ -309,7 +324,9 @@ def test_all_gathers_are_on_their_own_stream():
     # then "new_sharded_grad = torch.as_strided(reduce_output, ...)"): stream 2, every byte of them
     assert streams == {1, 2}
     on_rs = sum(e[2] for e in r._body.timeline.events() if e[0] == "alloc" and len(e) > 3 and e[3] == 2)
-    assert on_rs == sum(t.bytes for t in r.catalogue("grads") if t.kind == "fsdp_sharded_grads") > 0
+    # (and the late-backward moment's: those reduced by then, the same tensors)
+    assert on_rs == sum(t.bytes for t in r.catalogue("grads")
+                        if t.kind in ("fsdp_sharded_grads", "fsdp_reduced_grads")) > 0
 
 
 def test_cpu_ranks_reserve_what_they_allocate():
@@ -1056,9 +1073,11 @@ def test_each_category_peaks_over_the_step_at_least_where_the_rank_peaks(seed):
 
 
 def test_zero3_gradients_are_zero_at_the_peak_but_not_over_the_step():
-    """ZeRO-3 on 4 ranks (the tiny preset): the rank peaks in the forward, before any gradient; over the step
-    the gradients peak at the sharded gradients' full size (the end of the backward, the optimizer step)."""
-    c = _cfg({"dp": 4, "zero": 3}, gpus=4)
+    """ZeRO-3 on 4 ranks (the tiny preset) with two microbatches: the rank peaks in the last backward, before any
+    unit's post-backward has reduced (FSDP2 accumulates unsharded until the synced microbatch's); over the step the
+    gradients peak at the sharded gradients' full size (the end of the backward, the optimizer step). (With one
+    microbatch the B's own moment is after its last block's post-backward, which made that block's.)"""
+    c = _cfg({"dp": 4, "zero": 3, "microbatches": 2}, gpus=4)
     r = memory_per_rank(c).per_rank[0]
     assert r.grads == 0
     sharded = sum(t.bytes for t in r.catalogue("grads") if t.kind == "fsdp_sharded_grads")
