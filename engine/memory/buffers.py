@@ -27,11 +27,11 @@ from __future__ import annotations
 import math
 
 from engine.config import Config
+from engine.memory.lifetimes import BLOCK_KINDS
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
 from engine.model.params import RankParams, Tensors, largest_numels, mlp_tensors, sharded_numel, unit_numel
 from engine.model.routing import moe_tokens
-from engine.memory.lifetimes import BLOCK_KINDS
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
@@ -236,10 +236,8 @@ def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
     others = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count - (u in root))
               for u, count in rp.unit_groups]
     cur = (largest_numels(others, 1) or [0])[0]
-    what = " + ".join(name for name, on in (("embeddings", any(st.stage == 0 for st in rp.stages)),
-                                            ("final norm + head", len(root) > 1 or not any(st.stage == 0
-                                                                                         for st in rp.stages)))
-                      if on)
+    has_emb = any(st.stage == 0 for st in rp.stages)
+    what = " + ".join(name for name, on in (("embeddings", has_emb), ("final norm + head", len(root) > has_emb)) if on)
     T.add("comm_buffers", f"FSDP2 unsharded parameters: the root unit (fully_shard(model): {what}), gathered "
           "through the forward and through the backward", root_b, f"{plan.gathered_bytes} B × its elements, "
           f"each dim 0 padded to a multiple of the shard degree = {root_b:,} B", kind="fsdp_root_params")
@@ -257,12 +255,10 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     and the root's first gradients — the head's and final norm's, made before any block's and reduced only
     with the embeddings' at the backward's end. At the end: the root's gradients (the embeddings' too) and
     its reduce-scatter input, or, just before it, the root still gathered beside the last block's input.
-    The B's own moment is its first block's backward: no unit has reduced yet, and that block's MLP backward
-    has made few of its gradients. ZeRO-3 resharding after forward (``root_split``): late in the backward
-    (``late_backward``, the second block's backward, made before its post-backward) a block's gradients, the
-    previous block's reduce-scatter input, the sharded gradients of every later block, and the saved tensors
-    of the first block (``_late_backward``). (Under ZeRO-2 every block stays gathered until its post-backward:
-    what each frees then outweighs what it adds, so the B's start holds the most.)"""
+    ZeRO-3 resharding after forward (``root_split``): the block's gradients made at a backward moment
+    (``_block_grads_made``) and the walk's early and late moments (``_early_and_late_backward``). (Under ZeRO-2
+    every block stays gathered until its post-backward: what each frees then outweighs what it adds, so the B's
+    start, before any post-backward, holds the most.)"""
     gacc, pgrad = plan.grad_accumulation_bytes, PLAN_DTYPE_BYTES[plan.compute_dtype]
     root = rp.root_units
     degree = cfg.parallel.shard_degree
