@@ -132,24 +132,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
               + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
     else:
-        if not plan.sharded:
-            why = "replicate"
-        elif after_backward:
-            why = ("pipelined: every unit stays unsharded from the stage's first backward on "
-                   "(set_reshard_after_backward(False)), and the rank runs forwards after it")
-        elif z == 2:
-            why = "ZeRO-2: not resharded after forward"
-        else:
-            why = (f"ZeRO-3 not resharded after forward (policy {plan.reshard_policy}"
-                   + (": the default under pipelining" if plan.pipelined and plan.reshard_policy == "default" else "")
-                   + "): every unit gathered between forward and backward")
-        how = (f"{pd} B × Ψ = {pd} × {psi:,}" if not plan.float8_all_gather and not left_out and all_bytes == pd * psi
-               else f"{pd} B × Ψ with each dim 0 padded to a multiple of the shard degree = {all_bytes:,} B"
-               if not plan.float8_all_gather and not left_out
-               else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if left_out
-               else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
-        T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
-              kind="fsdp_unsharded_params")
+        _every_unit_gathered(plan, rp, T, all_bytes, psi, z, after_backward, bool(left_out), f8)
     if z in (2, 3):
         what = "the next block's (prefetched), or the current one's before its copy-out; the largest" \
             if root_split else "largest"
@@ -215,6 +198,31 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "
                   "embeddings' post-backward redistributes it to the row shard (TP: it comes back replicated)",
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
+
+
+def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes: int, psi: int, zero: int,
+                         after_backward: bool, left_out: bool, f8: str) -> None:
+    """FSDP2's unsharded parameters where every unit stays gathered (``fsdp2_buffers``): replicate, ZeRO-2,
+    ZeRO-3 not resharded after forward, or pipelined from the stage's first backward on."""
+    pd = plan.gathered_bytes
+    if not plan.sharded:
+        why = "replicate"
+    elif after_backward:
+        why = ("pipelined: every unit stays unsharded from the stage's first backward on "
+               "(set_reshard_after_backward(False)), and the rank runs forwards after it")
+    elif zero == 2:
+        why = "ZeRO-2: not resharded after forward"
+    else:
+        why = (f"ZeRO-3 not resharded after forward (policy {plan.reshard_policy}"
+               + (": the default under pipelining" if plan.pipelined and plan.reshard_policy == "default" else "")
+               + "): every unit gathered between forward and backward")
+    how = (f"{pd} B × Ψ = {pd} × {psi:,}" if not plan.float8_all_gather and not left_out and all_bytes == pd * psi
+           else f"{pd} B × Ψ with each dim 0 padded to a multiple of the shard degree = {all_bytes:,} B"
+           if not plan.float8_all_gather and not left_out
+           else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if left_out
+           else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
+    T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
+          kind="fsdp_unsharded_params")
 
 
 def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, f8: str) -> int:

@@ -439,7 +439,6 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     last_stage = plan.num_stages - 1
     outputs = np.cumsum(is_f & (stage == last_stage))
     is_bwd_input = (kind == _B) | (kind == _I)
-    backward = is_bwd_input | (kind == _W)
     bwd_idx = np.flatnonzero(is_bwd_input)
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
@@ -448,25 +447,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
     first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
-    masks = np.column_stack([
-        np.ones(n, dtype=bool),
-        backward,
-        is_bwd_input,
-        np.zeros(n, dtype=bool),
-        (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward (stage.py)
-        first_f,
-        np.zeros(n, dtype=bool),
-        np.ones(n, dtype=bool),
-        np.ones(n, dtype=bool),
-        is_f,
-        np.zeros(n, dtype=bool),
-        np.zeros(n, dtype=bool),
-        np.zeros(n, dtype=bool),
-        kind == _B,
-        np.arange(n) > first_grad,
-        np.arange(n) > first_bwd,
-    ]).astype(np.int64)
-    assert masks.shape[1] == len(TRANSIENT)
+    masks = _action_masks(kind, stage, first_f, first_grad, first_bwd)
     # A last-stage B or I starts with the loss's backward: the fp32 logits and their gradient exist
     # before any unit of the stage is gathered for backward (FSDP2's pre-backward hook fires when the
     # logits' gradient reaches the root), before any gradient (each unit makes its gradient in its
@@ -580,6 +561,20 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     conv = np.array(conv_at)
     cv[:] = ((idx > conv) & (idx <= reduce_at)).astype(np.int64)
     return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr)
+
+
+def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, first_grad: int,
+                  first_bwd: int) -> np.ndarray:
+    """Per action, the transient lifetimes alive at its own moment (``TRANSIENT``'s columns, 0 or 1)."""
+    n = len(kind)
+    is_bwd_input = (kind == _B) | (kind == _I)
+    every = np.ones(n, dtype=bool)
+    on = {"every_action": every, "backward": is_bwd_input | (kind == _W), "backward_input": is_bwd_input,
+          "full_backward": (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward
+          "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
+          "early_backward": kind == _B, "after_first_weight": np.arange(n) > first_grad,
+          "after_first_backward": np.arange(n) > first_bwd}
+    return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)
 
 
 def _with_late_moment(mo: Moments) -> Moments:
