@@ -123,8 +123,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     # its own that stays gathered through each forward and backward (``_root_and_current_unit``). (Not yet
     # under expert parallelism: a block's experts are a unit nested in it, gathered and reduced in an order
     # of their own, and the current + prefetched units stand for both)
-    root_split = (plan.sharded and plan.reshard_after_forward and not plan.pipelined and bool(rp.root_units)
-                  and not rp.expert_units)
+    root_split = plan.sharded and plan.reshard_after_forward and not plan.pipelined and bool(rp.root_units)
     if root_split:
         two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
     elif plan.sharded and plan.reshard_after_forward and not after_backward:
@@ -241,16 +240,21 @@ def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
     block's all-gather output at once."""
     root = rp.root_units
     root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
-    others = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count - (u in root))
+    experts = {u for u, _ in rp.expert_units}
+    others = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count - (u in root), u in experts)
               for u, count in rp.unit_groups]
-    cur = (largest_numels(others, 1) or [0])[0]
+    # under expert parallelism a block's experts are a unit nested in it: gathered beside it in their backward, when
+    # the prefetched all-gather is the previous block's own unit (FSDP2's post-forward order: experts, block); their
+    # post-backward may hold more (``_unit_by_unit_reduce``)
+    cur = (largest_numels([(b, c) for b, c, e in others if not e], 1) or [0])[0]
+    moe = (largest_numels([(b, c) for b, c, e in others if e], 1) or [0])[0]
     has_emb = any(st.stage == 0 for st in rp.stages)
     what = " + ".join(name for name, on in (("embeddings", has_emb), ("final norm + head", len(root) > has_emb)) if on)
     T.add("comm_buffers", f"FSDP2 unsharded parameters: the root unit (fully_shard(model): {what}), gathered "
           "through the forward and through the backward", root_b, f"{plan.gathered_bytes} B × its elements, "
           f"each dim 0 padded to a multiple of the shard degree = {root_b:,} B", kind="fsdp_root_params")
-    T.add("comm_buffers", "FSDP2 unsharded parameters: the current block's unit" + f8, cur, f"{cur:,} B (the largest)",
-          kind="fsdp_unsharded_params")
+    T.add("comm_buffers", "FSDP2 unsharded parameters: the current block's unit" + (" and its experts' unit" if moe else "")
+          + f8, cur + moe, f"{cur:,} B" + (f" + {moe:,} B" if moe else "") + " (the largest)", kind="fsdp_unsharded_params")
     return cur
 
 
@@ -270,13 +274,30 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     gacc, pgrad = plan.grad_accumulation_bytes, PLAN_DTYPE_BYTES[plan.compute_dtype]
     root = rp.root_units
     degree = cfg.parallel.shard_degree
-    rest = [(u, count - (u in root)) for u, count in rp.unit_groups]
+    experts = {u for u, _ in rp.expert_units}
+    rest = [(u, count - (u in root)) for u, count in rp.unit_groups if u not in experts]
+    # the reduce-scatter input kept across a block's backward is the last reduced unit's: a block's own (under
+    # expert parallelism its experts reduce first, in their post-backward, before the rest of the block's)
     rs = max((padded_numel(u, gather_degree(cfg, plan, rp, u)) for u, c in rest if c > 0), default=0)
     grads = max((unit_numel(u) for u, c in rest if c > 0), default=0)
+    moe = max((unit_numel(u) for u in experts), default=0)  # a block's experts' gradients, made in their backward
     if root_split:  # (under ZeRO-2 every block stays gathered to its post-backward: the B's start is the most)
-        made, how = _block_grads_made(cfg, T, grads, pgrad)
+        made, how = _block_grads_made(cfg, T, moe or grads, pgrad)
         T.add("temporaries", f"a block's gradients made by autograd in {plan.compute_dtype} (its post-backward copies "
               "them into its reduce-scatter input)", made, how, kind="fsdp_unit_grads")
+        if moe:
+            # the experts' post-backward: their gradients beside their own reduce-scatter input, the experts
+            # resharded and their backward's transients gone; more than their backward where that input outweighs
+            # them and the block's kept input
+            big = max(experts, key=unit_numel)
+            x = gacc * padded_numel(big, gather_degree(cfg, plan, rp, big))
+            held = gathered_unit_bytes(plan, rp, big, gather_degree(cfg, plan, rp, big)) + gacc * rs + sum(
+                t.bytes for c in ("activations", "temporaries", "comm_buffers") for t in T[c]
+                if t.kind in ("moe_backward", "moe_backward_freed"))
+            if x > held:
+                T.add("comm_buffers", f"the experts' reduce-scatter input (in {plan.reduce_dtype}) at their "
+                      "post-backward, beyond what their backward holds (the experts gathered, the block's kept input, "
+                      "the backward's transients)", x - held, f"{x:,} − {held:,} B", kind="fsdp_expert_reduce")
     has_head = any(st.final_norm or st.head for st in rp.stages)
     has_emb = any(st.stage == 0 for st in rp.stages)
     if has_head:
@@ -306,7 +327,7 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
               f"max({root_b:,} + {gacc * rs:,} − {s_root:,}, {root_rs:,}) − {laid:,} B", kind="fsdp_root_reduce")
     if root_split:
         _early_and_late_backward(plan, rp, T, psi_train, unit_numel(root[0]) * has_emb
-                                 + (unit_numel(root[-1]) if has_head else 0), grads, gacc * rs, rs)
+                                 + (unit_numel(root[-1]) if has_head else 0), grads + moe, gacc * rs, rs)
 
 
 def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[int, str]:

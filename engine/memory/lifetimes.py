@@ -202,7 +202,7 @@ LIFETIMES: dict[str, str] = {
     "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step",
     "fsdp_root_params": "every_action", "fsdp_unit_grads": "backward_input", "fsdp_late_reduce": "late_backward",
-    "fsdp_head_grad": "backward",
+    "fsdp_head_grad": "backward", "fsdp_expert_reduce": "backward_input",
     "fsdp_root_reduce": "post_backward", "fsdp_reduced_grads": "late_backward",
     "late_block_activations": "late_backward", "fsdp_early_reduce": "early_backward",
     # expert parallelism's all-to-all buffers: one MoE layer's, while it runs (a fake Qwen3 235B step, ep8,
