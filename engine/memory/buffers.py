@@ -267,10 +267,9 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     and the root's first gradients — the head's and final norm's, made before any block's and reduced only
     with the embeddings' at the backward's end. At the end: the root's gradients (the embeddings' too) and
     its reduce-scatter input, or, just before it, the root still gathered beside the last block's input.
-    ZeRO-3 resharding after forward (``root_split``): the block's gradients made at a backward moment
-    (``_block_grads_made``) and the walk's early and late moments (``_early_and_late_backward``). (Under ZeRO-2
-    every block stays gathered until its post-backward: what each frees then outweighs what it adds, so the B's
-    start, before any post-backward, holds the most.)"""
+    The block's gradients made at a backward moment (``_block_grads_made``) and the walk's early and late
+    moments (``_early_and_late_backward``; under ZeRO-2, where every block stays gathered until its post-backward,
+    early frees the last block's unit and late is never the most)."""
     gacc, pgrad = plan.grad_accumulation_bytes, PLAN_DTYPE_BYTES[plan.compute_dtype]
     root = rp.root_units
     degree = cfg.parallel.shard_degree
@@ -281,23 +280,22 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     rs = max((padded_numel(u, gather_degree(cfg, plan, rp, u)) for u, c in rest if c > 0), default=0)
     grads = max((unit_numel(u) for u, c in rest if c > 0), default=0)
     moe = max((unit_numel(u) for u in experts), default=0)  # a block's experts' gradients, made in their backward
-    if root_split:  # (under ZeRO-2 every block stays gathered to its post-backward: the B's start is the most)
-        made, how = _block_grads_made(cfg, T, moe or grads, pgrad)
-        T.add("temporaries", f"a block's gradients made by autograd in {plan.compute_dtype} (its post-backward copies "
-              "them into its reduce-scatter input)", made, how, kind="fsdp_unit_grads")
-        if moe:
-            # the experts' post-backward: their gradients beside their own reduce-scatter input, the experts
-            # resharded and their backward's transients gone; more than their backward where that input outweighs
-            # them and the block's kept input
-            big = max(experts, key=unit_numel)
-            x = gacc * padded_numel(big, gather_degree(cfg, plan, rp, big))
-            held = gathered_unit_bytes(plan, rp, big, gather_degree(cfg, plan, rp, big)) + gacc * rs + sum(
-                t.bytes for c in ("activations", "temporaries", "comm_buffers") for t in T[c]
-                if t.kind in ("moe_backward", "moe_backward_freed"))
-            if x > held:
-                T.add("comm_buffers", f"the experts' reduce-scatter input (in {plan.reduce_dtype}) at their "
-                      "post-backward, beyond what their backward holds (the experts gathered, the block's kept input, "
-                      "the backward's transients)", x - held, f"{x:,} − {held:,} B", kind="fsdp_expert_reduce")
+    made, how = _block_grads_made(cfg, T, moe or grads, pgrad)
+    T.add("temporaries", f"a block's gradients made by autograd in {plan.compute_dtype} (its post-backward copies "
+          "them into its reduce-scatter input)", made, how, kind="fsdp_unit_grads")
+    if root_split and moe:
+        # the experts' post-backward: their gradients beside their own reduce-scatter input, the experts
+        # resharded and their backward's transients gone; more than their backward where that input outweighs
+        # them and the block's kept input
+        big = max(experts, key=unit_numel)
+        x = gacc * padded_numel(big, gather_degree(cfg, plan, rp, big))
+        held = gathered_unit_bytes(plan, rp, big, gather_degree(cfg, plan, rp, big)) + gacc * rs + sum(
+            t.bytes for c in ("activations", "temporaries", "comm_buffers") for t in T[c]
+            if t.kind in ("moe_backward", "moe_backward_freed"))
+        if x > held:
+            T.add("comm_buffers", f"the experts' reduce-scatter input (in {plan.reduce_dtype}) at their "
+                  "post-backward, beyond what their backward holds (the experts gathered, the block's kept input, "
+                  "the backward's transients)", x - held, f"{x:,} − {held:,} B", kind="fsdp_expert_reduce")
     has_head = any(st.final_norm or st.head for st in rp.stages)
     has_emb = any(st.stage == 0 for st in rp.stages)
     if has_head:
@@ -325,9 +323,15 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
               "gathered, the last block's reduce-scatter input, the root's sharded gradients not yet made) and "
               "after it (its own reduce-scatter input), beyond what the moment holds", end,
               f"max({root_b:,} + {gacc * rs:,} − {s_root:,}, {root_rs:,}) − {laid:,} B", kind="fsdp_root_reduce")
-    if root_split:
-        _early_and_late_backward(plan, rp, T, psi_train, unit_numel(root[0]) * has_emb
-                                 + (unit_numel(root[-1]) if has_head else 0), grads + moe, gacc * rs, rs)
+    # ZeRO-2 (every unit gathered to its post-backward): the last block's post-backward also frees its unit
+    one_unit = 0
+    if not root_split:
+        one_unit = max((gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u, c in rest if c > 0),
+                       default=0)
+        one_unit += max((gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in experts), default=0)
+    _early_and_late_backward(plan, rp, T, psi_train, unit_numel(root[0]) * has_emb
+                             + (unit_numel(root[-1]) if has_head else 0), grads + moe, gacc * rs, rs, one_unit,
+                             late=root_split)
 
 
 def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[int, str]:
@@ -348,7 +352,7 @@ def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[in
 
 
 def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int, root: int, block: int,
-                             rs_bytes: int, rs: int) -> None:
+                             rs_bytes: int, rs: int, one_unit: int = 0, late: bool = True) -> None:
     """The one B of an unpipelined ZeRO-3 step walks its blocks last to first. Each block's post-backward adds
     its sharded gradients and keeps its reduce-scatter input until the next one's, while the block's backward
     has freed its saved tensors; the current block's gathered unit, the next one's all-gather output and the
@@ -361,7 +365,9 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
     gradients of every unit reduced by layer 1's backward (all but the root and layers 0 and 1: their share by
     elements), layer 2's reduce-scatter input, and layer 0's saved tensors (layer 1's are the B's own transients,
     as at its own moment: its recomputed tensors, its MLP's backward). Measured on fake steps: Llama 3 70B
-    full-recompute peaks late, Llama 2 7B and the tiny model without recompute early."""
+    full-recompute peaks late, Llama 2 7B and the tiny model without recompute early. Under ZeRO-2 (``one_unit``:
+    every unit is gathered until its post-backward, which reshards it) early also frees the last block's unit,
+    and late is never the most (``late`` False)."""
     sharded = [t for t in T["grads"] if t.kind == "fsdp_sharded_grads"]
     done = max(0, psi_train - root - 2 * block)
     one = min(block, max(0, psi_train - root))
@@ -370,7 +376,7 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
                 if t.kind in BLOCK_KINDS and t.in_flight and layers)
     rs_how = f"{plan.grad_accumulation_bytes} B × the largest block unit's elements, padded ({rs:,})"
     early = [(t, t.bytes * one // psi_train if psi_train else 0) for t in sharded]
-    if sum(x for _, x in early) + rs_bytes > saved:
+    if sum(x for _, x in early) + rs_bytes > saved + one_unit:
         for t, x in early:
             T.add("grads", f"{t.label}: the last block's, reduced before the second block's backward", x,
                   f"{one:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_early_reduce")
@@ -378,6 +384,11 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
               "second block's backward", rs_bytes, rs_how, kind="fsdp_early_reduce")
         T.add("activations", "the last block's saved tensors, freed by its backward", -saved,
               f"−1 / {layers} of one microbatch's blocks", kind="fsdp_early_reduce")
+        if one_unit:
+            T.add("comm_buffers", "the last block's gathered unit, resharded in its post-backward", -one_unit,
+                  f"−{one_unit:,} B", kind="fsdp_early_reduce")
+    if not late:
+        return
     for t in sharded:
         x = t.bytes * done // psi_train if psi_train else 0
         T.add("grads", f"{t.label}: those of every unit but the root and layers 0-1, reduced before layer 1's backward",

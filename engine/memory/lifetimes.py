@@ -211,6 +211,10 @@ LIFETIMES: dict[str, str] = {
     # "fsdp_unsharded_params" depends on the wrapping plan: ``lifetime_of``
 }
 
+#: terms that are part of another term at an earlier moment (the sharded gradients some units have made by
+#: then), not more of it: a rank's whole states are its catalogue without them
+PARTIAL_STATE_KINDS = frozenset({"fsdp_early_reduce", "fsdp_reduced_grads"})
+
 #: the stream FSDP2's all-gathers allocate on (the default stream is 0)
 ALL_GATHER_STREAM = 1
 

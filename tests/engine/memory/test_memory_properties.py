@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from engine import MEMORY_CATEGORIES, Config, ConfigError
 from engine.memory import memory_per_rank
+from engine.memory.lifetimes import PARTIAL_STATE_KINDS
 from engine.names import SCHEDULES
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -91,8 +92,11 @@ def held_states(r) -> int:
     snapshot may lack FSDP2's sharded gradients: FSDP2 makes them only in each unit's post-backward
     (torch 2.13, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce:
     "fsdp_param.sharded_param.grad = new_sharded_dtensor_grad") and zero_grad(set_to_none=True) drops
-    them after the step, so a peak before the first post-backward holds none."""
-    return sum(t.bytes for c in ("params", "grads", "optimizer") for t in r.catalogue(c))
+    them after the step, so a peak before the first post-backward holds none. (Those some units have made by an
+    earlier moment of an unpipelined backward — ``fsdp_early_reduce``, ``fsdp_reduced_grads`` — are part of them,
+    not more.)"""
+    return sum(t.bytes for c in ("params", "grads", "optimizer") for t in r.catalogue(c)
+               if t.kind not in PARTIAL_STATE_KINDS)
 
 
 @SETTINGS
