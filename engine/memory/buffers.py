@@ -287,15 +287,18 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
         # the experts' post-backward: their gradients beside their own reduce-scatter input, the experts
         # resharded and their backward's transients gone; more than their backward where that input outweighs
         # them and the block's kept input
+        # (their backward holds the experts gathered, the block's kept input, its transients and the gradients made
+        # by then; their post-backward every expert gradient and the experts' own input)
         big = max(experts, key=unit_numel)
-        x = gacc * padded_numel(big, gather_degree(cfg, plan, rp, big))
-        held = gathered_unit_bytes(plan, rp, big, gather_degree(cfg, plan, rp, big)) + gacc * rs + sum(
+        x = gacc * padded_numel(big, gather_degree(cfg, plan, rp, big)) + pgrad * moe
+        held = gathered_unit_bytes(plan, rp, big, gather_degree(cfg, plan, rp, big)) + gacc * rs + made + sum(
             t.bytes for c in ("activations", "temporaries", "comm_buffers") for t in T[c]
             if t.kind in ("moe_backward", "moe_backward_freed"))
         if x > held:
-            T.add("comm_buffers", f"the experts' reduce-scatter input (in {plan.reduce_dtype}) at their "
-                  "post-backward, beyond what their backward holds (the experts gathered, the block's kept input, "
-                  "the backward's transients)", x - held, f"{x:,} − {held:,} B", kind="fsdp_expert_reduce")
+            T.add("comm_buffers", f"the experts' post-backward: their reduce-scatter input (in {plan.reduce_dtype}) "
+                  "beside all their gradients, beyond what their backward holds (the experts gathered, the block's kept "
+                  "input, the backward's transients, the gradients made by then)", x - held, f"{x:,} − {held:,} B",
+                  kind="fsdp_expert_reduce")
     has_head = any(st.final_norm or st.head for st in rp.stages)
     has_emb = any(st.stage == 0 for st in rp.stages)
     if has_head:
@@ -339,15 +342,16 @@ def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[in
     (what its backward recomputes and its MLP's backward holds: ``recomputed_block``, ``mlp_backward``). Autograd
     runs the block's MLP first, its down projection's weight first: in the MLP's backward the block holds that
     gradient; in its attention's backward, the MLP's transients freed, every MLP weight's. The larger of the two
-    beside the transients of the first. (A block with experts: all its gradients, its MLP being its experts.)"""
-    m, tp = cfg.model, cfg.parallel.tp
+    beside the transients of the first. (A block with experts: none here, the MoE backward's term holding them.)"""
+    m, par = cfg.model, cfg.parallel
     if m.experts:
-        return pgrad * grads, f"{pgrad} B × the largest block unit's elements ({grads:,})"
-    weights, _ = mlp_tensors(m, m.ffn_hidden, tp)
+        # the MoE backward's own term (engine.memory.activations' moe_backward) holds the experts' weight gradients
+        return 0, "0 B: the MoE backward's term holds the experts' weight gradients"
+    weights, _ = mlp_tensors(m, m.ffn_hidden, par.tp)
     down, mlp = pgrad * weights[-1][0] * weights[-1][1], pgrad * sum(a * b for a, b in weights)
-    transients = sum(t.bytes for c in ("activations", "temporaries") for t in T[c]
-                     if t.kind in ("recomputed_block", "mlp_backward", "mlp_backward_freed"))
-    made = max(down, mlp - transients)
+    kinds = ("recomputed_block", "mlp_backward", "mlp_backward_freed")
+    transients = sum(t.bytes for c in ("activations", "temporaries") for t in T[c] if t.kind in kinds)
+    made = min(pgrad * grads, max(down, mlp - transients))
     return made, f"max(down projection's {down:,} B, the MLP weights' {mlp:,} B − the MLP backward's transients {transients:,} B)"
 
 

@@ -271,4 +271,7 @@ def test_fake_measure_runs_a_mixture_of_experts(tmp_path):
               if r.rank == 0)
     for cat in ("params", "grads", "optimizer"):
         assert rc.categories[cat].error == 0
-    assert abs(rc.categories["activations"].relative_tracked) < 0.03  # −1.0 % when measured
+    # the tracked peak (its activations are the moment's: here the engine's B of the second microbatch and the
+    # fake's loss moment before it, 0.2 % apart in the engine — the all-to-all buffers live only while a MoE layer
+    # runs, so the loss moment no longer holds them)
+    assert rc.allocated is not None and abs(rc.allocated.relative_tracked) < 0.03
