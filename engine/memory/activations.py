@@ -1606,6 +1606,12 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             # copy and the float8 bytes, beside the down input's gradient and the output gradient's
             # two float8 casts (one per gradient matmul); compiled, inductor fuses them
             cast = ((4 if x_b != 4 else 0) + 4 + 1) * sbf_e + 2 * s * b * m.hidden
+            # or, where larger, the output gradient's second cast (for w2's weight gradient, along the other
+            # axis): its scaled fp32 copy and its saturated fp32 copy (float8_utils.to_fp8_saturated) beside the
+            # first cast's float8 bytes (a local of Float8Linear's backward until it returns), measured on a fake
+            # Llama 3 70B TP8 step (two fp32 tokens × h tensors at its peak): under TP the output gradient is the
+            # whole h wide, the down input f/t
+            cast = max(cast, (4 + 4 + 1) * s * b * m.hidden)
         if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             T.add("temporaries", "the first block's MLP backward under float8: the down input's gradient, and "
                   "the down input cast to float8 for w2's weight gradient (fp32 upcast, scaled copy, float8) "
