@@ -75,19 +75,18 @@ def _cfg(bf16: bool, blocks: int, lora: str = "", **model):
                                  **({"precision": "bf16-mixed"} if bf16 else {"precision": "fp32"})})
 
 
-def _measured(cfg) -> tuple[list[int], int]:
-    """The weight pass of a stage of ``cfg``'s blocks fed a hidden state that needs a gradient (a later
-    stage): the live bytes it made after each parameter group, and at its peak (the weights' gradients left
-    out, and what existed before it: the weights, the stage input the checkpoint keeps)."""
-    import torch.distributed.pipelining._backward as pipelining_backward
-
+def _stage(cfg):
+    """``cfg``'s blocks under full recompute and their parameters (peft's adapters first under LoRA, as the
+    backend builds it), a stage input that needs a gradient, the live-bytes tracker counting from what exists
+    now (the weights, the input), and the autocast context that spans the step, backward included, as the
+    training loop has it."""
     from backend.model import Transformer
     from backend.parallel.recompute import apply_recompute
 
     spec = cfg.model
     torch.manual_seed(0)
     model = Transformer(spec)
-    if cfg.training.finetune == "lora":  # peft's adapters first, as the backend builds it
+    if cfg.training.finetune == "lora":
         from backend.parallel.lora import apply_lora
 
         model = apply_lora(model, spec, cfg.training)
@@ -96,8 +95,17 @@ def _measured(cfg) -> tuple[list[int], int]:
     params = [p for blk in blocks for p in blk.parameters()]
     x = torch.randn(cfg.training.micro_batch_size, spec.seq_len, spec.hidden, requires_grad=True)
     live = _Live({t.untyped_storage().data_ptr() for t in [*params, x]})
-    # autocast spans the step, backward included, as the backend's training loop has it
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.training.precision != "fp32")
+    return blocks, params, x, live, autocast
+
+
+def _measured(cfg) -> tuple[list[int], int]:
+    """The weight pass of a stage of ``cfg``'s blocks fed a hidden state that needs a gradient (a later
+    stage): the live bytes it made after each parameter group, and at its peak (the weights' gradients left
+    out, and what existed before it: the weights, the stage input the checkpoint keeps)."""
+    import torch.distributed.pipelining._backward as pipelining_backward
+
+    blocks, params, x, live, autocast = _stage(cfg)
     with live:
         with autocast:
             h = x
@@ -171,18 +179,7 @@ def _measured_with_keeps(cfg) -> tuple[int, int]:
     weights' gradients left out)."""
     import torch.distributed.pipelining._backward as pipelining_backward
 
-    from backend.model import Transformer
-    from backend.parallel.recompute import apply_recompute
-
-    spec = cfg.model
-    torch.manual_seed(0)
-    model = Transformer(spec)
-    apply_recompute(model, "full")
-    blocks = list(model.layers.values())
-    params = [p for blk in blocks for p in blk.parameters()]
-    x = torch.randn(cfg.training.micro_batch_size, spec.seq_len, spec.hidden, requires_grad=True)
-    live = _Live({t.untyped_storage().data_ptr() for t in [*params, x]})
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.training.precision != "fp32")
+    blocks, params, x, live, autocast = _stage(cfg)
     with live, autocast:
         h = x
         for blk in blocks:
