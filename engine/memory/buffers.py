@@ -272,7 +272,6 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     early frees the last block's unit and late is never the most)."""
     gacc, pgrad = plan.grad_accumulation_bytes, PLAN_DTYPE_BYTES[plan.compute_dtype]
     root = rp.root_units
-    degree = cfg.parallel.shard_degree
     experts = {u for u, _ in rp.expert_units}
     rest = [(u, count - (u in root)) for u, count in rp.unit_groups if u not in experts]
     # the reduce-scatter input kept across a block's backward is the last reduced unit's: a block's own (under
@@ -314,8 +313,8 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     # reshard and the drop of that input, its own reduce-scatter input. The end-of-backward moment holds every
     # sharded gradient and (ZeRO-3: ``fsdp_root_params``) the gathered root: this term makes it the larger
     # of the two
-    root_rs = gacc * sum(padded_numel(u, degree) for u in root)
-    root_b = sum(gathered_unit_bytes(plan, rp, u, degree) for u in root)
+    root_rs = gacc * sum(padded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root)
+    root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
     root_el = sum(unit_numel(u) for u in root)
     shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
     s_root = shard * root_el // psi_train if psi_train else 0
