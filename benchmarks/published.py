@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine import Config  # noqa: E402
 from engine.predict import predict  # noqa: E402
+from engine.time.ops import device_profile  # noqa: E402
 
 CONFIGS = ROOT / "assets" / "examples" / "published"
 _NOTE = re.compile(r"^#\s*published\.(\w+)\s*=\s*(.*?)\s*$")
@@ -129,24 +130,27 @@ def main() -> None:
             "The same configs with `clock = \"ops\"` (`engine/time/ops.py`): every op of the blocks, the head and the "
             "loss a roofline on the `h100-96g` device profile (`assets/presets/devices.toml`: achieved GEMM, "
             "attention and HBM fractions with their sources); `compute_efficiency` is not read. One figure is "
-            "fitted: the profile's `power_factor` (the 500 W card's share of the tensor-core rates, 0.64), on the "
-            "first row only; every other row is a prediction.",
+            "fitted: the profile's `power_factor` (the 500 W card's share of the tensor-core rates, "
+            f"{device_profile('h100-96g').power_factor:g}), on the first row only; every other row is a prediction. "
+            "One convention says what code the rows ran: `conventions.rms_norm = \"fp32-composite\"` in every "
+            "config — the benchmark's torchtitan (commit 9dec370, 2024/12/26) built its own RMSNorm, "
+            "`self._norm(x.float()).type_as(x) * self.weight` (torchtitan/models/norms.py; torch's fused "
+            "`nn.RMSNorm` replaced it in torchtitan#985, 2025/03): in eager blocks 8 kernels and 36 bytes an "
+            "element through fp32 where a fused norm reads and writes 4; compiled blocks fuse it either way. "
+            "Without it the eager rows took the norm as one kernel and the fit on row 1 left the compile rows "
+            "at −8 % and the float8 rows at −11 … −12 %.",
             "",
             *ops_lines,
             "",
-            f"Worst predicted row: {worst['config']} {worst['tps_error']:+.1%}: outside 10 %, so `clock = \"ops\"` is "
-            "not yet the default. The compile rows miss by about −8 %: compile's gain beyond the fused elementwise "
-            "chains of `engine/time/ops.py` is not in its op lists (unexplained); the float8 rows by −11 to −12 %: "
-            "float8's GEMM fractions (0.60 / 0.50 of the fp8 peak) are public ballparks, not fitted, and the casts' "
-            "kernels are counted as separate passes — either may be what is off. What the op lists leave out is in "
+            f"Worst predicted row: {worst['config']} {worst['tps_error']:+.1%} "
+            f"({'within' if abs(worst['tps_error']) <= 0.10 else 'outside'} 10 %). What the op lists leave out is in "
             "`engine/time/ops.py`'s docstring.",
             "",
             "What is modelled and what is not: Tables 1 and 3 use torchtitan's per-op selective activation "
             "checkpointing (`recompute = \"selective-op\"`: its save list replayed over the block's matmuls, "
             "`engine/memory/activations.py`); torch.compile's saved tensors follow the partitioner convention of "
-            "`engine/memory/activations.py` and its speed only the `fused-elementwise` convention of "
-            "`engine/time/step.py` (the rest of compile's gain is not modelled: the compile rows' TPS miss by about "
-            "−8 %); Table 5 runs torchtitan's default of that commit, microbatches = the PP degree (8 of 4 "
+            "`engine/memory/activations.py` and its speed the fused elementwise chains of `engine/time/ops.py` "
+            "(under the efficiency clock only the `fused-elementwise` convention of `engine/time/step.py`); Table 5 runs torchtitan's default of that commit, microbatches = the PP degree (8 of 4 "
             "samples: see the configs). Its 1F1B row is within 10 % but still the lower of the two rows "
             "(torchtitan measured 1F1B ~10 GiB above interleaved): the block-by-block replay raised both by "
             "about 5 GiB of fragmentation and does not explain the difference; 1F1B's stage 0 holds all 8 "

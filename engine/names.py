@@ -83,6 +83,13 @@ PIPELINE_OUTPUTS = ("released", "kept")
 #: conventions.clock: how compute is timed (engine.time.step.analytic_durations)
 CLOCKS = {"efficiency": "every FLOP at conventions.compute_efficiency × the peak",
           "ops": "each op a roofline on the device profile (engine.time.ops)"}
+#: conventions.rms_norm: the kernels an eager RMSNorm runs (the clock from ops times them; under
+#: torch.compile every norm is one fused kernel whatever this says)
+RMS_NORMS = {"fused": "one kernel reading and writing its tensor: torch's F.rms_norm / nn.RMSNorm since its "
+                      "fused kernel (pytorch#153666, 2025), what this backend runs",
+             "fp32-composite": "torchtitan's own RMSNorm before March 2025 (torchtitan#985) (torchtitan/models/norms.py: x.float(), "
+                               "pow, mean, + eps, rsqrt, mul, type_as, × weight: 8 kernels through fp32), "
+                               "what its published H100 benchmarks of December 2024 ran"}
 #: How context parallelism moves K and V between the cp ranks (parallel.cp_rotate), as torch's
 #: ``torch.distributed.tensor.experimental._attention.set_rotate_method`` names them: "allgather" =
 #: one all-gather of every rank's K, V per attention call (the full-sequence K, V alive while it

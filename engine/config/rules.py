@@ -99,6 +99,7 @@ def check(
     _choice(p, "conventions.bubble", c.bubble)
     _choice(p, "conventions.state_accounting", c.state_accounting)
     _choice(p, "conventions.pipeline_outputs", c.pipeline_outputs)
+    _choice(p, "conventions.rms_norm", c.rms_norm)
     _check_clock(p, model, training, c)
     return p
 

@@ -673,6 +673,13 @@ class Conventions:
         choices=names.CLOCKS,
         group="conventions",
     )
+    rms_norm: str = knob(
+        "fused",
+        doc="the kernels an eager RMSNorm runs, for the clock from ops (compiled blocks fuse every norm into one kernel; "
+            "memory does not read it)",
+        choices=names.RMS_NORMS,
+        group="conventions",
+    )
     state_accounting: str = knob(
         "pytorch",
         doc="how model states split into params / grads / optimizer",

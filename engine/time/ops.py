@@ -25,7 +25,8 @@ The ops of one dense block for one microbatch on one rank (T tokens: micro-batch
   its tensor (2·T'·h·a bytes: ``torch.rms_norm`` runs its fused kernel when input and weight share a
   dtype, as under FSDP2's bf16 parameters; its warning "Mismatch dtype between input and weight ...
   Cannot dispatch to fused implementation" from aten/src/ATen/native/layer_norm.cpp says when it does
-  not), each residual add 1 (3·T'·h·a), RoPE on q and k 14 kernels each
+  not; ``conventions.rms_norm = "fp32-composite"``: torchtitan's own norm of 2024, 8 kernels through
+  fp32, :func:`rms_norm_op`), each residual add 1 (3·T'·h·a), RoPE on q and k 14 kernels each
   (backend/model.py's ``rope``: its angles' cos and sin, four products, a difference, a sum and a cat:
   9·a bytes an element),
   SwiGLU's silu and product 2 (5·T·f·a), float8's casts (``engine.time.durations.float8_cast_bytes``;
@@ -247,6 +248,20 @@ def _gemm(name: str, phase: str, tokens: int, d_in: int, d_out: int, dtype: str,
     return Op(f"{name}.{phase}", phase, "gemm", 2.0 * tokens * d_in * d_out, nbytes, 1, dtype)
 
 
+def rms_norm_op(name: str, elems: int, act: int, cfg: Config) -> Op:
+    """One eager RMSNorm's forward over ``elems`` elements of an ``act``-byte activation
+    (``conventions.rms_norm``). Fused: one kernel reading and writing its tensor, 2·act bytes an element.
+    fp32-composite (torchtitan/models/norms.py's RMSNorm before March 2025, torchtitan#985: ``self._norm(x.float()).type_as(x)
+    * self.weight``, ``_norm`` = ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)``): x.float()
+    (act + 4 bytes an element; no kernel in fp32), pow (8), mean (4), + eps and rsqrt (one value a row), the
+    product (8), type_as (4 + act; none in fp32), × weight (2·act): 36 bytes an element and 8 kernels in bf16,
+    28 and 6 in fp32. A LayerNorm (``model.norm``) is one kernel either way."""
+    if cfg.conventions.rms_norm == "fused" or cfg.model.norm != "rmsnorm":
+        return Op(name, "F", "memory", 0.0, 2 * elems * act, 1)
+    casts = 2 * (act + 4) if act < 4 else 0
+    return Op(name, "F", "memory", 0.0, elems * (20 + 2 * act + casts), 8 if act < 4 else 6)
+
+
 def _forward_memory_ops(cfg: Config) -> list[Op]:
     """The memory-bound ops of one block's forward (module docstring), eager or compiled."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
@@ -259,7 +274,8 @@ def _forward_memory_ops(cfg: Config) -> list[Op]:
     if c:
         ops.append(Op("residual add + norm ×2", "F", "memory", 0.0, 2 * 4 * Ts * h * a, 2))
     else:
-        ops.append(Op("RMSNorm ×2", "F", "memory", 0.0, 2 * 2 * Ts * h * a, 2))
+        norm = rms_norm_op("RMSNorm", Ts * h, a, cfg)
+        ops.append(Op("RMSNorm ×2", "F", "memory", 0.0, 2 * norm.bytes, 2 * norm.kernels))
         ops.append(Op("residual add ×2", "F", "memory", 0.0, 2 * 3 * Ts * h * a, 2))
     if m.position == "rope":  # backend/model.py's rope: 4 products, a difference, a sum, a cat (and its cos, sin)
         ops.append(Op("RoPE (q, k)", "F", "memory", 0.0, (2 if c else 9) * a * T * (q + kv), 1 if c else 2 * 14))
@@ -354,7 +370,7 @@ def head_ops(cfg: Config) -> dict[str, list[Op]]:
     a = 4 if tr.precision == "fp32" else 2
     v = m.vocab // par.tp  # loss_parallel / the head's column shard
     dtype = "fp32" if tr.precision == "fp32" else "bf16"
-    norm = Op("final RMSNorm", "F", "memory", 0.0, 2 * Ts * m.hidden * a, 1)
+    norm = rms_norm_op("final RMSNorm", Ts * m.hidden, a, cfg)  # outside the compiled blocks: eager
     loss = Op("loss (fp32 logits, log-softmax)", "F", "memory", 0.0, (a + 4 + 8) * T * v, 3, exp_bound=True)
     return {"F": [norm, _gemm("output", "F", T, m.hidden, v, dtype, a), loss],
             "I": [Op("loss backward", "I", "memory", 0.0, (8 + 4 + a) * T * v, 3, exp_bound=True),
