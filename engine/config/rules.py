@@ -105,18 +105,8 @@ def check(
 
 
 def _check_clock(p: list[Problem], model: ModelSpec, t: TrainingSpec, c: Conventions) -> None:
-    """``conventions.clock = "ops"`` times dense decoder blocks only (engine.time.ops): not experts, MLA,
-    head_size, sliding windows or LoRA yet."""
+    """``conventions.clock``: one of the clocks (the clock from ops times every block kind the engine has)."""
     _choice(p, "conventions.clock", c.clock)
-    if c.clock == "ops":
-        kinds = [what for what, on in (("experts", model.experts > 0), ("MLA attention", model.attention == "mla"),
-                                        ("head_size", bool(model.head_size)),
-                                        ("a sliding window", bool(model.sliding_window)),
-                                        ("LoRA", t.finetune == "lora")) if on]
-        if kinds:
-            p.append(Problem("conventions.clock", c.clock,
-                             f"the clock from ops times dense decoder blocks only; this job has {', '.join(kinds)}: "
-                             "use clock = \"efficiency\" (allowed: efficiency | ops)"))
 
 
 def _check_model(p: list[Problem], model: ModelSpec, parallel: ParallelSpec, training: TrainingSpec,

@@ -669,7 +669,7 @@ class Conventions:
     )
     clock: str = knob(
         "efficiency",
-        doc="how compute is timed: every FLOP at compute_efficiency × peak, or each op of the blocks as a roofline on the GPU kind's device profile (assets/presets/devices.toml; dense decoder blocks only, for now)",
+        doc="how compute is timed: every FLOP at compute_efficiency × peak, or each op of the blocks as a roofline on the GPU kind's device profile (assets/presets/devices.toml)",
         choices=names.CLOCKS,
         group="conventions",
     )

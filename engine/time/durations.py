@@ -429,15 +429,17 @@ def block_linears(cfg: Config) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h)] + ups + [(f, h)]
 
 
-def float8_cast_bytes(cfg: Config) -> tuple[float, float]:
+def float8_cast_bytes(cfg: Config, linears: list[tuple[int, int]] | None = None) -> tuple[float, float]:
     """Bytes the float8 casts of one block move for one microbatch on one rank: (forward, backward
-    without recompute; a recomputed forward casts its forward's again, :func:`with_float8_and_compile`)."""
+    without recompute; a recomputed forward casts its forward's again, :func:`with_float8_and_compile`).
+    ``linears``: the (d_in, d_out) of the block's float8 Linears on one TP rank (default: a dense
+    block's, :func:`block_linears`)."""
     tr, par = cfg.training, cfg.parallel
     if tr.float8 == "none":
         return 0.0, 0.0
     tokens = tr.micro_batch_size * cfg.local_seq_len
     per = FLOAT8_CAST_BYTES[bool(tr.compile)]
-    lin = block_linears(cfg)
+    lin = block_linears(cfg) if linears is None else linears
     inputs = tokens * sum(i for i, _ in lin)
     grads_out = tokens * sum(o for _, o in lin)
     weights = sum(i * o for i, o in lin) / (par.shard_degree if tr.float8_all_gather else 1)

@@ -42,8 +42,28 @@ The ops of one dense block for one microbatch on one rank (T tokens: micro-batch
   loss (the logits cast to fp32, log-softmax; the backward's softmax gradient and cast back); the
   first stage the embedding's gather.
 
-What this slice leaves out (the efficiency clock's terms stand there): MoE, MLA, sliding-window and
-LoRA blocks (validation refuses ``clock = "ops"`` for them); the async-TP and context-parallel
+Other block kinds (:func:`block_ops` with ``experts``; a stage adds its dense blocks and its blocks with
+experts, ``engine.time.durations.stage_block_counts``):
+
+* experts: the router's GEMM over the tokens the block routes (``h × E``, replicated), the local experts'
+  grouped GEMMs (E / ep of them; f split by TP only without expert parallelism) over the routed copies
+  (n·k × ``routed_factor``: the busiest EP rank's, which the all-to-all waits for), one kernel each at the
+  rate of one expert's share of its FLOPs; the shared experts as a dense MLP; the router's scores and
+  top-k (3 kernels over n × E) and the tokens' dispatch and weighted combine (gather 2, weight 2 and
+  scatter-add 1 passes over the copies, 2 over the n tokens: 4 kernels). Float8 leaves the grouped
+  experts alone (validation refuses float8 with experts). The all-to-all is communication
+  (``engine.time.comm``).
+* MLA: its latent and head-wise projections (``engine.model.params.attention_tensors``' layout), the
+  latents' norms, RoPE on the rope dimensions only (each head's query and the one shared key), the flash
+  kernel over QKᵀ at d_qk = d_nope + d_rope and AV at d_v.
+* head_size: the projections and the attention at a·d wide, not h.
+* sliding windows: the flash kernel executes min(i + 1, w) keys for query i, (w − w²/2s) / s of the
+  square, averaged over the blocks with the full ones (``_executed_share``).
+* LoRA: each adapted Linear's A and B GEMMs (engine.model.lora's TP layout) in F and I, their scale and
+  add; the frozen base keeps its input-gradient GEMMs but W holds the adapters' only (no base, head or
+  embedding weight gradient).
+
+What it leaves out (the efficiency clock's terms stand there): the async-TP and context-parallel
 overlap windows (``engine.time.step`` reads them off the efficiency clock); the optimizer step
 (memory-bound already, ``engine.time.step.optimizer_seconds``); gradient accumulation adds.
 """
@@ -62,14 +82,16 @@ import numpy as np
 
 from assets import PRESETS_DIR
 from engine.config import Config
+from engine.model.lora import adapted_linears
 from engine.model.recompute import checkpointed_blocks
-from engine.pipeline.layout import split_layers
+from engine.model.routing import routed_factor
 from engine.time.durations import (
     StageDurations,
     float8_cast_bytes,
     flops_per_token,
     p2p_seconds,
     per_op_recompute_flops_per_token,
+    stage_block_counts,
 )
 
 #: the dtypes a GEMM runs in, by the profile field naming its achieved fraction
@@ -207,6 +229,7 @@ class Op:
     kernels: int = 1
     dtype: str = "bf16"  # a GEMM's: one of GEMM_DTYPES
     exp_bound: bool = False  # a memory-bound kernel of exponentials (softmax, log-softmax): ``softmax_fraction``
+    groups: int = 1  # a grouped GEMM's experts: its rate is one group's size's
 
 
 def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
@@ -216,7 +239,7 @@ def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
                           * (prof.softmax_fraction if op.exp_bound else 1.0))
     if op.kind == "gemm" and op.flops > 0:
         peak = {"bf16": gpu.peak_bf16_tflops, "fp32": gpu.peak_fp32_tflops}.get(op.dtype, gpu.peak_fp8_tflops)
-        one = op.flops / op.kernels
+        one = op.flops / (op.kernels * op.groups)
         rate = peak * 1e12 * prof.gemm_fraction(op.dtype) * prof.power_factor * one / (one + prof.gemm_half_gflop * 1e9)
         seconds = max(seconds, op.flops / rate)
     elif op.kind == "attention" and op.flops > 0:
@@ -227,25 +250,100 @@ def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
     return seconds + op.kernels * launch * 1e-6
 
 
-def _linears(cfg: Config) -> list[tuple[str, int, int]]:
-    """(name, d_in, d_out) of each block Linear on one TP rank."""
+@dataclass(frozen=True)
+class _Linear:
+    """One matmul of a block on one TP rank: ``tokens`` rows times a ``d_in × d_out`` weight. ``groups``
+    > 1: a grouped GEMM over that many local experts (one kernel; its rate is one group's size's).
+    ``float8``: ``training.float8`` converts it (the blocks' nn.Linears, backend/parallel/float8.py; not
+    the experts' grouped weights, not the router)."""
+
+    name: str
+    d_in: int
+    d_out: int
+    tokens: int
+    groups: int = 1
+    float8: bool = True
+
+
+def _tokens(cfg: Config) -> int:
+    return cfg.training.micro_batch_size * cfg.local_seq_len
+
+
+def _attention_linears(cfg: Config) -> list[_Linear]:
+    """The attention's projections on one TP rank (engine.model.params.attention_tensors' layout): q, k,
+    v (column-parallel) and o (row-parallel); MLA's query and key-value latents (replicated) and their
+    head-wise up-projections (split), its o."""
     m, tp = cfg.model, cfg.parallel.tp
-    q, kv, f, h = m.heads * m.head_dim // tp, m.kv_dim // tp, m.ffn_hidden // tp, m.hidden
-    ups = [("w1", h, f), ("w3", h, f)] if m.mlp == "swiglu" else [("w1", h, f)]
-    return [("wq", h, q), ("wk", h, kv), ("wv", h, kv), ("wo", q, h)] + ups + [("w2", f, h)]
+    T, h = _tokens(cfg), m.hidden
+    if m.attention != "mla":
+        q, kv = m.heads * m.head_dim // tp, m.kv_dim // tp
+        return [_Linear("wq", h, q, T), _Linear("wk", h, kv, T), _Linear("wv", h, kv, T), _Linear("wo", q, h, T)]
+    a, qk = m.heads // tp, m.qk_nope_head_dim + m.qk_rope_head_dim
+    lin = ([_Linear("wq_a", h, m.q_lora_rank, T), _Linear("wq_b", m.q_lora_rank, a * qk, T)] if m.q_lora_rank
+           else [_Linear("wq", h, a * qk, T)])
+    return lin + [_Linear("wkv_a", h, m.kv_lora_rank + m.qk_rope_head_dim, T),
+                  _Linear("wkv_b", m.kv_lora_rank, a * (m.qk_nope_head_dim + m.v_head_dim), T),
+                  _Linear("wo", a * m.v_head_dim, h, T)]
 
 
-def _gemm(name: str, phase: str, tokens: int, d_in: int, d_out: int, dtype: str, act: int) -> Op:
-    """One Linear's GEMM in ``phase``: 2·T·d_in·d_out FLOPs; its operands' bytes (float8: 1-byte
-    inputs, the output in the activation dtype)."""
+def _moe_tokens(cfg: Config) -> tuple[int, int]:
+    """(tokens one MoE block routes on this rank per microbatch, routed copies its experts compute): under
+    expert parallelism each TP rank dispatches its 1/t of the tokens (engine.model.routing.moe_tokens),
+    the copies n·k × ``routed_factor`` (the busiest EP rank's, which the grouped GEMMs wait for)."""
+    m, par = cfg.model, cfg.parallel
+    n = _tokens(cfg) // (par.tp if par.ep > 1 else 1)
+    return n, int(-(-n * m.experts_per_token * routed_factor(cfg) // 1))
+
+
+def _mlp_linears(cfg: Config, experts: bool) -> list[_Linear]:
+    """The MLP's matmuls on one TP rank: the dense MLP (gate, up column-parallel; down row-parallel); or
+    the router (replicated), the local experts' grouped GEMMs (E / ep experts; f split by TP only
+    without expert parallelism) over the routed copies, and the shared experts as a dense MLP."""
+    m, par = cfg.model, cfg.parallel
+    T, h = _tokens(cfg), m.hidden
+
+    def mlp(prefix: str, width: int, tokens: int, groups: int = 1, float8: bool = True) -> list[_Linear]:
+        names = ("w1", "w3", "w2") if m.mlp == "swiglu" else ("w1", "w2")
+        return ([_Linear(prefix + n, h, width, tokens, groups, float8) for n in names[:-1]]
+                + [_Linear(prefix + names[-1], width, h, tokens, groups, float8)])
+
+    if not experts:
+        return mlp("", m.ffn_hidden // par.tp, T)
+    n, routed = _moe_tokens(cfg)
+    lin = [_Linear("router", h, m.experts, n, float8=False)]
+    lin += mlp("experts.", m.expert_hidden // (1 if par.ep > 1 else par.tp), routed, m.experts // par.ep, False)
+    if m.shared_experts:
+        lin += mlp("shared.", m.shared_experts * m.expert_hidden // par.tp, T)
+    return lin
+
+
+def _adapters(cfg: Config) -> list[_Linear]:
+    """LoRA's matmuls on one TP rank (engine.model.lora: A ``d_in → r``, B ``r → d_out``; on a
+    column-parallel Linear A is replicated and B split, on a row-parallel one A split and B replicated)."""
+    tr = cfg.training
+    if tr.finetune != "lora":
+        return []
+    T, tp, r = _tokens(cfg), cfg.parallel.tp, tr.lora_rank
+    out = []
+    for lin in adapted_linears(cfg.model, tr.lora_targets):
+        d_in, d_out = (lin.d_in, lin.d_out // tp) if lin.column_parallel else (lin.d_in // tp, lin.d_out)
+        out += [_Linear(lin.name + ".lora_A", d_in, r, T, float8=False),
+                _Linear(lin.name + ".lora_B", r, d_out, T, float8=False)]
+    return out
+
+
+def _gemm(lin: _Linear, phase: str, dtype: str, act: int) -> Op:
+    """One matmul in ``phase``: 2·T·d_in·d_out FLOPs; its operands' bytes (float8: 1-byte inputs, the
+    output in the activation dtype; a grouped GEMM reads each expert's weight)."""
     operand = 1 if dtype.startswith("fp8") else act
+    tokens, d_in, d_out, weight = lin.tokens, lin.d_in, lin.d_out, lin.groups * lin.d_in * lin.d_out
     if phase == "F":  # x (T × d_in) · Wᵀ -> y (T × d_out)
-        nbytes = operand * (tokens * d_in + d_in * d_out) + act * tokens * d_out
+        nbytes = operand * (tokens * d_in + weight) + act * tokens * d_out
     elif phase == "I":  # dy (T × d_out) · W -> dx (T × d_in)
-        nbytes = operand * (tokens * d_out + d_in * d_out) + act * tokens * d_in
+        nbytes = operand * (tokens * d_out + weight) + act * tokens * d_in
     else:  # dyᵀ · x -> dW (d_out × d_in)
-        nbytes = operand * tokens * (d_in + d_out) + act * d_in * d_out
-    return Op(f"{name}.{phase}", phase, "gemm", 2.0 * tokens * d_in * d_out, nbytes, 1, dtype)
+        nbytes = operand * tokens * (d_in + d_out) + act * weight
+    return Op(f"{lin.name}.{phase}", phase, "gemm", 2.0 * tokens * d_in * d_out, nbytes, 1, dtype, groups=lin.groups)
 
 
 def rms_norm_op(name: str, elems: int, act: int, cfg: Config) -> Op:
@@ -262,13 +360,14 @@ def rms_norm_op(name: str, elems: int, act: int, cfg: Config) -> Op:
     return Op(name, "F", "memory", 0.0, elems * (20 + 2 * act + casts), 8 if act < 4 else 6)
 
 
-def _forward_memory_ops(cfg: Config) -> list[Op]:
-    """The memory-bound ops of one block's forward (module docstring), eager or compiled."""
+def _forward_memory_ops(cfg: Config, experts: bool, lin: list[_Linear]) -> list[Op]:
+    """The memory-bound ops of one block's forward (module docstring), eager or compiled; ``lin``: the
+    block's matmuls (its MLPs' activations, LoRA's adds and float8's casts follow them)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
-    T = tr.micro_batch_size * cfg.local_seq_len
+    T = _tokens(cfg)
     Ts = T // par.tp if par.sequence_parallel else T
     a = 4 if tr.precision == "fp32" else 2
-    h, q, kv, f = m.hidden, m.heads * m.head_dim // par.tp, m.kv_dim // par.tp, m.ffn_hidden // par.tp
+    h, q, kv = m.hidden, m.heads * m.head_dim // par.tp, m.kv_dim // par.tp
     c = bool(tr.compile)
     ops = []
     if c:
@@ -277,85 +376,121 @@ def _forward_memory_ops(cfg: Config) -> list[Op]:
         norm = rms_norm_op("RMSNorm", Ts * h, a, cfg)
         ops.append(Op("RMSNorm ×2", "F", "memory", 0.0, 2 * norm.bytes, 2 * norm.kernels))
         ops.append(Op("residual add ×2", "F", "memory", 0.0, 2 * 3 * Ts * h * a, 2))
+    if m.attention == "mla":  # the query and key-value latents' norms
+        latents = 2 if m.q_lora_rank else 1
+        elems = T * (m.kv_lora_rank + m.q_lora_rank)
+        norm = rms_norm_op("latent RMSNorm", elems, a, cfg)
+        ops.append(Op("latent RMSNorm", "F", "memory", 0.0, 2 * elems * a if c else norm.bytes,
+                      latents * (1 if c else norm.kernels)))
     if m.position == "rope":  # backend/model.py's rope: 4 products, a difference, a sum, a cat (and its cos, sin)
-        ops.append(Op("RoPE (q, k)", "F", "memory", 0.0, (2 if c else 9) * a * T * (q + kv), 1 if c else 2 * 14))
+        rotated = T * ((m.heads // par.tp + 1) * m.qk_rope_head_dim if m.attention == "mla" else q + kv)
+        ops.append(Op("RoPE (q, k)", "F", "memory", 0.0, (2 if c else 9) * a * rotated, 1 if c else 2 * 14))
     if m.qk_norm:
         ops.append(Op("qk_norm", "F", "memory", 0.0, (2 if c else 6) * T * (q + kv) * a, 1 if c else 3))
-    if m.mlp == "swiglu":
-        ops.append(Op("silu · mul", "F", "memory", 0.0, (3 if c else 5) * T * f * a, 1 if c else 2))
-    else:
-        ops.append(Op("gelu", "F", "memory", 0.0, 2 * T * f * a, 1))
+    for up in (x for x in lin if x.name.endswith("w1")):  # each MLP's activation over its up projection's output
+        prefix, n = up.name[:-2], up.tokens * up.d_out
+        if m.mlp == "swiglu":
+            ops.append(Op(prefix + "silu · mul", "F", "memory", 0.0, (3 if c else 5) * n * a, 1 if c else 2))
+        else:
+            ops.append(Op(prefix + "gelu", "F", "memory", 0.0, 2 * n * a, 1))
+    if experts:
+        n, routed = _moe_tokens(cfg)
+        ops.append(Op("router scores, top-k", "F", "memory", 0.0, n * m.experts * (a + 8), 3, exp_bound=True))
+        ops.append(Op("dispatch, combine", "F", "memory", 0.0, (5 * routed + 2 * n) * h * a, 4))
+    lora = [x for x in lin if x.name.endswith(".lora_B")]
+    if lora:  # the base output plus scale · B A x
+        ops.append(Op("LoRA scale, add", "F", "memory", 0.0, sum(5 * x.tokens * x.d_out * a for x in lora), 2 * len(lora)))
     if tr.float8 != "none":
-        casts = 2 * len(_linears(cfg))  # each Linear's input and weight
-        ops.append(Op("float8 casts", "F", "memory", 0.0, float8_cast_bytes(cfg)[0], casts * (1 if c else 2)))
+        f8 = [(x.d_in, x.d_out) for x in lin if x.float8]
+        ops.append(Op("float8 casts", "F", "memory", 0.0, float8_cast_bytes(cfg, f8)[0], 2 * len(f8) * (1 if c else 2)))
     return ops
 
 
+def _executed_share(cfg: Config) -> float:
+    """The share of the full square a causal flash kernel executes, averaged over the blocks: 1/2 under
+    full attention; a sliding window of w < s keys (query i meets min(i + 1, w) of them): (w − w²/2s) / s."""
+    m = cfg.model
+    s, w = m.seq_len, m.sliding_window
+    if not w or w >= s:
+        return 0.5
+    full = m.layers // m.full_attention_every if m.full_attention_every else 0
+    return (full * 0.5 + (m.layers - full) * (w - w * w / (2 * s)) / s) / m.layers
+
+
 def _attention_ops(cfg: Config) -> tuple[list[Op], list[Op]]:
-    """The attention core's ops of one block (forward, backward for inputs). ``flash``: one SDPA kernel at
-    its executed causal FLOPs (half the full square), its backward 2.5 × that. ``eager`` (backend/model.py's
-    AttentionCore): K and V repeated for GQA, the scores' batched GEMM (the full square: the mask is
-    applied after), the scale, the mask, the softmax, the weighted sum's batched GEMM, the heads'
-    reshape copy; the backward's GEMMs twice the forward's and its elementwise ops twice their bytes and
-    kernels."""
+    """The attention core's ops of one block (forward, backward for inputs). ``flash`` (and MLA): one SDPA
+    kernel over the FLOPs it executes (QKᵀ at the query-key width, AV at the value width; causal: half the
+    full square; a sliding window its window, :func:`_executed_share`), its backward 2.5 × that.
+    ``eager`` (backend/model.py's AttentionCore): K and V repeated for GQA, the scores' batched GEMM (the
+    full square: the mask is applied after), the scale, the mask, the softmax, the weighted sum's batched
+    GEMM, the heads' reshape copy; the backward's GEMMs twice the forward's and its elementwise ops twice
+    their bytes and kernels."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
-    T = tr.micro_batch_size * cfg.local_seq_len
+    T = _tokens(cfg)
     a = 4 if tr.precision == "fp32" else 2
-    q, kv = m.heads * m.head_dim // par.tp, m.kv_dim // par.tp
-    full = T * flops_per_token(cfg).attention_core / par.tp  # QKᵀ and AV over the whole sequence
-    if m.attention != "eager":
-        nbytes = T * (2 * q + 2 * kv) * a
-        return ([Op("attention", "F", "attention", full / 2, nbytes, 1)],
-                [Op("attention backward", "I", "attention", 2.5 * full / 2, 2 * nbytes, 1)])
-    dtype = "fp32" if tr.precision == "fp32" else "bf16"
     heads = m.heads // par.tp
-    scores = T * m.seq_len * heads * a  # every local query against every key
+    mla = m.attention == "mla"
+    d_qk, d_v = m.head_dim, (m.v_head_dim if mla else m.head_dim)
+    q, kv = heads * d_qk, (heads * d_qk if mla else m.kv_dim // par.tp)
+    o = heads * d_v
+    qk_full = 2.0 * T * m.seq_len * heads * d_qk  # every local query against every key
+    av_full = 2.0 * T * m.seq_len * heads * d_v
+    if m.attention != "eager":
+        nbytes = T * (q + kv + kv * d_v // d_qk + o) * a
+        executed = _executed_share(cfg) * (qk_full + av_full)
+        return ([Op("attention", "F", "attention", executed, nbytes, 1)],
+                [Op("attention backward", "I", "attention", 2.5 * executed, 2 * nbytes, 1)])
+    dtype = "fp32" if tr.precision == "fp32" else "bf16"
+    scores = T * m.seq_len * heads * a
     fwd = []
     if m.heads != m.kv_heads:
         fwd.append(Op("repeat K, V (GQA)", "F", "memory", 0.0, 2 * T * (kv + q) * a, 2))
-    fwd += [Op("scores Q·Kᵀ", "F", "gemm", full / 2, T * 2 * q * a + scores, 1, dtype),
+    fwd += [Op("scores Q·Kᵀ", "F", "gemm", qk_full, T * 2 * q * a + scores, 1, dtype),
             Op("scale, mask", "F", "memory", 0.0, 2 * 2 * scores, 3),
             Op("softmax", "F", "memory", 0.0, 2 * scores, 2, exp_bound=True),
-            Op("probs · V", "F", "gemm", full / 2, scores + 2 * T * q * a, 1, dtype),
-            Op("heads reshape", "F", "memory", 0.0, 2 * T * q * a, 1)]
+            Op("probs · V", "F", "gemm", av_full, scores + 2 * T * o * a, 1, dtype),
+            Op("heads reshape", "F", "memory", 0.0, 2 * T * o * a, 1)]
     back = [Op(o.name + " backward", "I", o.kind, 2 * o.flops, 2 * o.bytes, 2 * o.kernels, o.dtype, o.exp_bound)
             for o in fwd]
     return fwd, back
 
 
-def block_ops(cfg: Config) -> dict[str, list[Op]]:
-    """The ops of one dense block for one microbatch on one rank: ``{"F": ..., "I": ..., "W": ...,
-    "R": ...}`` — R the forward ops a recomputing backward runs again in every block (full:
-    the whole forward; selective: the attention; selective-op: the unsaved matmuls' share of the
+def block_ops(cfg: Config, experts: bool = False) -> dict[str, list[Op]]:
+    """The ops of one block (``experts``: a block with experts) for one microbatch on one rank: ``{"F": ...,
+    "I": ..., "W": ..., "R": ...}`` — R the forward ops a recomputing backward runs again in every block
+    (full: the whole forward; selective: the attention; selective-op: the unsaved matmuls' share of the
     GEMMs and every memory-bound op; none and selective-layer: nothing in every block — the
-    checkpointed blocks of selective-layer rerun the whole forward, :func:`op_durations`)."""
+    checkpointed blocks of selective-layer rerun the whole forward, :func:`op_durations`). Under LoRA the
+    frozen base computes its input gradients but no weight gradient: W is the adapters'."""
     tr = cfg.training
-    T = tr.micro_batch_size * cfg.local_seq_len
     a = 4 if tr.precision == "fp32" else 2
-    dtype = f"fp8_{tr.float8}" if tr.float8 != "none" else ("fp32" if tr.precision == "fp32" else "bf16")
-    lin = _linears(cfg)
-    fwd = [_gemm(n, "F", T, i, o, dtype, a) for n, i, o in lin]
-    mem = _forward_memory_ops(cfg)
+    base = "fp32" if tr.precision == "fp32" else "bf16"
+    fp8 = f"fp8_{tr.float8}" if tr.float8 != "none" else base
+    lin = _attention_linears(cfg) + _mlp_linears(cfg, experts) + _adapters(cfg)
+    fwd = [_gemm(x, "F", fp8 if x.float8 else base, a) for x in lin]
+    mem = _forward_memory_ops(cfg, experts, lin)
     attention, attention_back = _attention_ops(cfg)
     fwd += attention + mem
-    bwd_in = [_gemm(n, "I", T, i, o, dtype, a) for n, i, o in lin] + attention_back
+    bwd_in = [_gemm(x, "I", fp8 if x.float8 else base, a) for x in lin] + attention_back
     for op in mem:
         if op.name == "float8 casts":
-            c = bool(tr.compile)
-            bwd = float8_cast_bytes(cfg)[1]
+            f8 = [(x.d_in, x.d_out) for x in lin if x.float8]
             again = 2 if tr.float8 == "rowwise" else 1
-            casts = len(lin) * (2 * again)  # output gradients (and, rowwise, inputs along the other axis) and weights
-            bwd_in.append(Op("float8 casts backward", "I", "memory", 0.0, bwd, casts * (1 if c else 2)))
+            casts = len(f8) * (2 * again)  # output gradients (and, rowwise, inputs along the other axis) and weights
+            bwd_in.append(Op("float8 casts backward", "I", "memory", 0.0, float8_cast_bytes(cfg, f8)[1],
+                             casts * (1 if tr.compile else 2)))
         else:
-            bwd_in.append(Op(op.name + " backward", "I", "memory", 0.0, 2 * op.bytes, 2 * op.kernels))
-    bwd_w = [_gemm(n, "W", T, i, o, dtype, a) for n, i, o in lin]
+            bwd_in.append(Op(op.name + " backward", "I", "memory", 0.0, 2 * op.bytes, 2 * op.kernels, exp_bound=op.exp_bound))
+    trained = [x for x in lin if ".lora_" in x.name] if tr.finetune == "lora" else lin
+    bwd_w = [_gemm(x, "W", fp8 if x.float8 else base, a) for x in trained]
     if tr.recompute == "full":
         redo = list(fwd)
     elif tr.recompute == "selective":
         redo = list(attention)
     elif tr.recompute == "selective-op":
         share = per_op_recompute_flops_per_token(cfg) / flops_per_token(cfg).matmuls
-        redo = [Op(g.name + " (recomputed share)", "F", "gemm", g.flops * share, g.bytes * share, 1, g.dtype)
+        redo = [Op(g.name + " (recomputed share)", "F", "gemm", g.flops * share, g.bytes * share, 1, g.dtype,
+                   groups=g.groups)
                 for g in fwd if g.kind == "gemm"] + mem
     else:
         redo = []
@@ -372,11 +507,12 @@ def head_ops(cfg: Config) -> dict[str, list[Op]]:
     dtype = "fp32" if tr.precision == "fp32" else "bf16"
     norm = rms_norm_op("final RMSNorm", Ts * m.hidden, a, cfg)  # outside the compiled blocks: eager
     loss = Op("loss (fp32 logits, log-softmax)", "F", "memory", 0.0, (a + 4 + 8) * T * v, 3, exp_bound=True)
-    return {"F": [norm, _gemm("output", "F", T, m.hidden, v, dtype, a), loss],
+    out = _Linear("output", m.hidden, v, T)
+    return {"F": [norm, _gemm(out, "F", dtype, a), loss],
             "I": [Op("loss backward", "I", "memory", 0.0, (8 + 4 + a) * T * v, 3, exp_bound=True),
-                  _gemm("output", "I", T, m.hidden, v, dtype, a),
+                  _gemm(out, "I", dtype, a),
                   Op("final RMSNorm backward", "I", "memory", 0.0, 2 * norm.bytes, 2 * norm.kernels)],
-            "W": [_gemm("output", "W", T, m.hidden, v, dtype, a)]}
+            "W": [] if tr.finetune == "lora" else [_gemm(out, "W", dtype, a)]}  # LoRA: the head is frozen
 
 
 def embedding_ops(cfg: Config) -> dict[str, list[Op]]:
@@ -385,7 +521,8 @@ def embedding_ops(cfg: Config) -> dict[str, list[Op]]:
     T = tr.micro_batch_size * cfg.local_seq_len
     a = 4 if tr.precision == "fp32" else 2
     return {"F": [Op("embedding gather", "F", "memory", 0.0, 2 * T * m.hidden * a, 1)], "I": [],
-            "W": [Op("embedding backward (scatter-add)", "W", "memory", 0.0, T * m.hidden * (a + 4), 2)]}
+            "W": [] if tr.finetune == "lora" else  # LoRA: the embedding is frozen
+            [Op("embedding backward (scatter-add)", "W", "memory", 0.0, T * m.hidden * (a + 4), 2)]}
 
 
 def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile) -> float:
@@ -393,19 +530,23 @@ def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile) -> float:
 
 
 def op_durations(cfg: Config) -> StageDurations:
-    """Per-stage F, I, W (B = I + W) seconds for one microbatch from the ops (module docstring); p2p
-    as engine.time.durations times it."""
+    """Per-stage F, I, W (B = I + W) seconds for one microbatch from the ops (module docstring): each stage's
+    dense blocks and blocks with experts, its head or embedding; p2p as engine.time.durations times it."""
     par = cfg.parallel
     n = 1 if par.pp == 1 else par.num_stages
     prof = device_profile(cfg.cluster.gpu.name)
-    blk = block_ops(cfg)
-    f1, i1, w1, r1 = (_seconds(blk[k], cfg, prof) for k in ("F", "I", "W", "R"))
-    layers = np.array([len(r) for r in split_layers(cfg.model.layers, n, par.pipeline_split)], dtype=np.float64)
-    f = layers * f1
-    i = layers * (i1 + r1)
-    w = layers * w1
-    if cfg.training.recompute == "selective-layer":
-        i = i + np.array(checkpointed_blocks(cfg), dtype=np.float64) * f1
+    f, i, w = np.zeros(n), np.zeros(n), np.zeros(n)
+    for count, experts in zip(stage_block_counts(cfg, n), (False, True)):
+        if not count.any():
+            continue
+        blk = block_ops(cfg, experts)
+        f1, i1, w1, r1 = (_seconds(blk[k], cfg, prof) for k in ("F", "I", "W", "R"))
+        f += count * f1
+        i += count * (i1 + r1)
+        w += count * w1
+    if cfg.training.recompute == "selective-layer":  # the checkpointed blocks' forward again, at the stage's mean block
+        blocks = np.maximum(sum(stage_block_counts(cfg, n)), 1)
+        i = i + np.array(checkpointed_blocks(cfg), dtype=np.float64) * f / blocks
     head, emb = head_ops(cfg), embedding_ops(cfg)
     for k, arr in (("F", f), ("I", i), ("W", w)):
         arr[-1] += _seconds(head[k], cfg, prof)
@@ -414,11 +555,15 @@ def op_durations(cfg: Config) -> StageDurations:
 
 
 def op_table(cfg: Config) -> list[tuple[str, str, str, float, float, int, float]]:
-    """Every op of one block (then the head's and the embedding's) for one microbatch: (where, phase,
-    name, GFLOP, MB, kernels, µs) — what ``clock = "ops"`` adds up, for a reader."""
+    """Every op of one block of each kind the model has (then the head's and the embedding's) for one
+    microbatch: (where, phase, name, GFLOP, MB, kernels, µs) — what ``clock = "ops"`` adds up, for a reader."""
     prof = device_profile(cfg.cluster.gpu.name)
+    m = cfg.model
+    tables = ([("block", block_ops(cfg))] if m.moe_layers < m.layers else []) \
+        + ([("MoE block", block_ops(cfg, experts=True))] if m.moe_layers else []) \
+        + [("head", head_ops(cfg)), ("embedding", embedding_ops(cfg))]
     rows = []
-    for where, table in (("block", block_ops(cfg)), ("head", head_ops(cfg)), ("embedding", embedding_ops(cfg))):
+    for where, table in tables:
         for phase, ops in table.items():
             for op in ops:
                 rows.append((where, phase, op.name, op.flops / 1e9, op.bytes / 1e6, op.kernels,

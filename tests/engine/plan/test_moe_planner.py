@@ -18,19 +18,24 @@ SMALL = ModelSpec(**{**model_presets()["tiny"], "experts": 64, "experts_per_toke
                      "dense_layers": 1, "seq_len": 1024, "hidden": 1024, "ffn_hidden": 2048, "vocab": 4096})
 
 
-def test_bounds_hold_for_every_layout_of_a_small_grid():
-    base = _base_config(SMALL, 16, "h100-sxm", 8, None, None)
+@pytest.mark.parametrize("clock", ["efficiency", "ops"])
+def test_bounds_hold_for_every_layout_of_a_small_grid(clock):
+    """Under either clock (the clock from ops times the experts' grouped GEMMs at one expert's size, the
+    router and the dispatch: none runs faster than the bound's rate)."""
+    base = _base_config(SMALL, 16, "h100-sxm", 8, None, {"clock": clock})
     cands, counts = moe_candidates(base, 32, (0, 1, 2, 3), ("none", "selective", "full"), None)
     assert counts["enumerated"] == len(cands) > 50
     assert {c[2]["ep"] for c in cands} >= {1, 2, 4, 8, 16}
     for step_lb, mem_lb, lay in cands[::9]:
         cfg = moe_layout_config(base, lay)
+        assert cfg.conventions.clock == clock
         assert mem_lb <= memory_per_rank(cfg).peak.total, lay
         assert step_lb <= step_time(cfg).seconds, lay
 
 
-def test_pruning_finds_what_the_exhaustive_search_finds():
-    grid = {"zero": (2, 3), "recompute": ("none", "full"), "micro_batch_sizes": (1,)}
+@pytest.mark.parametrize("clock", ["efficiency", "ops"])
+def test_pruning_finds_what_the_exhaustive_search_finds(clock):
+    grid = {"zero": (2, 3), "recompute": ("none", "full"), "micro_batch_sizes": (1,), "conventions": {"clock": clock}}
     fast = plan(SMALL, 16, "h100-sxm", top=5, global_batch=32, **grid)
     full = plan(SMALL, 16, "h100-sxm", top=5, global_batch=32, exhaustive=True, **grid)
     assert [(e.label(), e.seconds) for e in fast.entries] == [(e.label(), e.seconds) for e in full.entries]

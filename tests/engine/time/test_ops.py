@@ -154,16 +154,69 @@ def test_the_op_table_lists_every_op_with_its_time():
     assert "wq.F" not in prediction_table(predict(_cfg().replace(conventions={"clock": "efficiency"})), explain=True)
 
 
-@pytest.mark.parametrize("preset, training, kind", [("mixtral-8x7b", {}, "experts"),
-                                                    ("deepseek-v3", {}, "MLA attention"),
-                                                    ("llama3-8b", {"finetune": "lora"}, "LoRA")])
-def test_validation_refuses_the_ops_clock_where_it_has_no_op_list_yet(preset, training, kind):
-    d = {"model": {"preset": preset}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
-         "parallel": {"dp": 8}, "training": training, "conventions": {"clock": "ops"}}
-    with pytest.raises(ConfigError) as err:
-        Config.from_dict(d)
-    msg = str(err.value)
-    assert "conventions.clock" in msg and kind in msg and "efficiency | ops" in msg
+def _kind_cfg(preset: str, training: dict | None = None, **parallel) -> Config:
+    par = {"dp": 8, "zero": 3, **parallel}
+    gpus = par["dp"] * par.get("tp", 1) * par.get("pp", 1)
+    return Config.from_dict({"model": {"preset": preset}, "cluster": {"gpu": "h100-sxm", "gpus": gpus, "gpus_per_node": 8},
+                             "parallel": par, "training": {"precision": "bf16-mixed", "micro_batch_size": 1,
+                                                           **(training or {})},
+                             "conventions": {"clock": "ops"}})
+
+
+def test_experts_run_as_grouped_gemms_over_the_routed_copies_worked_by_hand():
+    """Qwen3 30B-A3B, ep 8: 128 experts, 16 on each rank, each token to 8 of them: the rank's grouped
+    GEMMs multiply T·8 routed copies (balanced), 2·T·8·h·f FLOPs each, at the rate of one expert's
+    share; the router multiplies the T tokens by h × E; a grouped GEMM runs below one GEMM of its FLOPs."""
+    cfg = _kind_cfg("qwen3-30b-a3b", ep=8)
+    T, h, f, E = 40960, 2048, 768, 128
+    ops = {o.name: o for o in block_ops(cfg, experts=True)["F"]}
+    w1 = ops["experts.w1.F"]
+    assert w1.flops == 2.0 * (T * 8) * h * f and w1.groups == E // 8 and w1.dtype == "bf16"
+    assert ops["router.F"].flops == 2.0 * T * h * E
+    assert "w1.F" not in ops and "router scores, top-k" in ops and "dispatch, combine" in ops
+    prof = device_profile("h100-sxm")
+    assert op_seconds(w1, cfg, prof) > op_seconds(dataclasses.replace(w1, groups=1), cfg, prof)
+    # an imbalance of 1.5 makes the busiest rank's copies (and its grouped GEMMs) 1.5 × the mean
+    hot = {o.name: o for o in block_ops(cfg.replace(conventions={"moe_imbalance": 1.5}), experts=True)["F"]}
+    assert hot["experts.w1.F"].flops == 1.5 * w1.flops
+
+
+def test_a_stage_adds_its_dense_blocks_and_its_blocks_with_experts():
+    """DeepSeek-V3's first 3 blocks are dense, the other 58 have experts: one stage's F is the sum."""
+    cfg = _kind_cfg("deepseek-v3", ep=8)
+    prof = device_profile("h100-sxm")
+    dense, moe = (sum(op_seconds(o, cfg, prof) for o in block_ops(cfg, e)["F"]) for e in (False, True))
+    from engine.time.ops import embedding_ops, head_ops
+
+    edges = sum(op_seconds(o, cfg, prof) for o in head_ops(cfg)["F"] + embedding_ops(cfg)["F"])
+    assert op_durations(cfg).forward_s[0] == pytest.approx(3 * dense + 58 * moe + edges, rel=1e-12)
+
+
+def test_latent_attention_and_sliding_windows_execute_what_their_kernels_execute_worked_by_hand():
+    """MLA (DeepSeek-V3, 128 heads, d_qk = 128 + 64, d_v = 128, s = 4096): the flash kernel executes half
+    of 2·T·s·a·(d_qk + d_v). gpt-oss-20b (s = 4096, window 128 on every other block): query i meets
+    min(i + 1, 128) keys, (128 − 128²/8192)/4096 of the square, half the blocks; the rest half of it."""
+    T, s = 4096, 4096
+    att = {o.name: o for o in block_ops(_kind_cfg("deepseek-v3", ep=8), True)["F"]}["attention"]
+    assert att.flops == 0.5 * 2.0 * T * s * 128 * (192 + 128)
+    share = (12 * 0.5 + 12 * (128 - 128 * 128 / 8192) / 4096) / 24
+    att = {o.name: o for o in block_ops(_kind_cfg("gpt-oss-20b", ep=8), True)["F"]}["attention"]
+    assert att.flops == pytest.approx(share * 2.0 * T * s * 64 * (64 + 64), rel=1e-12)
+
+
+def test_lora_trains_only_its_adapters_the_frozen_base_still_passes_its_input_gradients():
+    cfg = _kind_cfg("llama3-8b", {"finetune": "lora", "lora_rank": 16, "lora_targets": "attention"})
+    blk = block_ops(cfg)
+    w = [o.name for o in blk["W"]]
+    assert w == [f"{n}.lora_{x}.W" for n in ("wq", "wk", "wv", "wo") for x in "AB"]
+    assert {"wq.I", "w2.I", "wq.lora_A.I"} <= {o.name for o in blk["I"]}
+    a = {o.name: o for o in blk["F"]}["wq.lora_A.F"]
+    assert a.flops == 2.0 * 8192 * 4096 * 16  # T × h × r
+    from engine.time.ops import embedding_ops, head_ops
+
+    assert head_ops(cfg)["W"] == [] and embedding_ops(cfg)["W"] == []
+    full = _kind_cfg("llama3-8b")
+    assert op_durations(cfg).backward_weight_s[0] < op_durations(full).backward_weight_s[0] / 10
 
 
 def test_an_unknown_clock_is_refused_naming_the_allowed_ones():
