@@ -668,8 +668,10 @@ class Conventions:
         group="conventions",
     )
     clock: str = knob(
-        "efficiency",
-        doc="how compute is timed: every FLOP at compute_efficiency × peak, or each op of the blocks as a roofline on the GPU kind's device profile (assets/presets/devices.toml)",
+        "ops",
+        doc="how compute is timed: each op of the blocks as a roofline on the GPU kind's device profile "
+            "(assets/presets/devices.toml; the cpu's as shardscope calibrate --device measured it), or 'efficiency': "
+            "every FLOP at compute_efficiency × the peak (one fudge for every kernel)",
         choices=names.CLOCKS,
         group="conventions",
     )

@@ -73,6 +73,7 @@ class _Planner(MemoryBound, TimeBound):
         self._makespans: dict[tuple, float] = {}
         self._shapes: dict[tuple, dict[str, Any]] = {}
         self._cp_layer: dict[tuple, tuple[float, float]] = {}
+        self._ops_unit_cache: dict[tuple, np.ndarray] = {}  # (tp, cp, row key) -> unit_seconds by recompute
         self._k: _Consts | None = None  # grid(): what every struct's bounds read of the base config
 
     # ----------------------------------------------------------------- helpers

@@ -46,6 +46,7 @@ from engine.pipeline.layout import placement_style
 from engine.plan.results import PlanCancelled, PlanCounts, PlanResult, explain
 from engine.time.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
 from engine.time.durations import block_flops, stage_block_counts
+from engine.time.ops import unit_seconds
 from engine.time.step import step_time, tp_seconds_per_layer
 
 MOE_RECOMPUTE = ("none", "selective", "full")
@@ -79,6 +80,7 @@ class _MoeGrid:
         self._dp_probes: dict[tuple[int, int], Config] = {}
         self._tp: dict[tuple, tuple[float, float]] = {}
         self._ep: dict[tuple, tuple[float, float]] = {}
+        self._units: dict[tuple, tuple[np.ndarray, np.ndarray] | None] = {}
 
     def probe(self, tp: int, pp: int, ep: int, b: int, rc: str, mb: int = 1) -> Config | None:
         """The base with this layout (1F1B, ZeRO-0); None where validation refuses it."""
@@ -97,6 +99,15 @@ class _MoeGrid:
         if (tp, pp) not in self._dp_probes:
             self._dp_probes[tp, pp] = self.probe(tp, pp, 1, 1, "none", pp) or self.base
         return self._dp_probes[tp, pp]
+
+    def units(self, tp: int, ep: int, b: int, rc: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Under ``conventions.clock = "ops"``: engine.time.ops.unit_seconds with a dense block and with a block
+        with experts (each block's F, I with recompute, W; the head's F, I, W; the embedding's F, W)."""
+        key = (tp, ep, b, rc)
+        if key not in self._units:
+            cfg = self.probe(tp, 1, ep, b, rc)
+            self._units[key] = None if cfg is None else (np.array(unit_seconds(cfg)), np.array(unit_seconds(cfg, True)))
+        return self._units[key]
 
     def per_layer(self, tp: int, ep: int, b: int, rc: str) -> tuple[int, int, int] | None:
         """(dense block, MoE block, checkpointed block input) bytes per microbatch, lower bounds
@@ -241,6 +252,7 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
     overhead = runtime_context_bytes(base)
     fd = block_flops(base, False)
     rate1 = cl.gpu.peak_flops(base.training.precision) * base.conventions.compute_efficiency
+    ops_clock = base.conventions.clock == "ops"
     fm_cache: dict[float, Any] = {}
     cands: list[tuple[float, float, dict[str, Any]]] = []
     counts = {"enumerated": 0, "skipped_global_batch": 0, "memory_bound_rejected": 0}
@@ -256,6 +268,7 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
             stage_index = np.arange(pp, dtype=np.float64)
             p2p = ((stage_index > 0).astype(np.float64) + (stage_index < pp - 1)) if pp > 1 else np.zeros(1)
             last = (stage_index == pp - 1).astype(np.float64)
+            first = (stage_index == 0).astype(np.float64)
             head = last * fd.head
             for ep in _divisors(math.gcd(m.experts, dp * tp)):
                 if ep == 1 and m.expert_hidden % tp:
@@ -279,18 +292,28 @@ def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple
                             continue
                         d_b, m_b, kept = pl
                         tf, tb, ef, eb = cm
-                        rate = rate1 * tp
+                        nb = dn + mn
                         # per stage, as arrays: compute (F, B = I + W with recompute) and the critical-path
                         # collectives; the stage chain before each rank; the saved tensors in flight (1F1B)
-                        blk, nb = dn * fd.block + mn * fm.block, dn + mn
-                        mm = dn * fd.matmuls + mn * fm.matmuls
-                        core = dn * fd.attention_core + mn * fm.attention_core
-                        rec = blk if rc == "full" else core if rc == "selective" else 0.0
-                        stage_f = tokens * (blk + head) / rate + nb * tf + mn * ef
-                        stage_b = tokens * (2 * mm + 2 * core + rec + 2 * head) / rate + nb * tb + mn * eb
+                        if ops_clock:  # the blocks' ops exactly as engine.time.ops.op_durations adds them
+                            units = grid.units(tp, ep, b, rc)
+                            if units is None:
+                                continue
+                            (f_d, i_d, w_d, hf, hi, hw, emb_f, emb_w), (f_m, i_m, w_m, *_) = units
+                            stage_f = dn * f_d + mn * f_m + last * hf + first * emb_f + nb * tf + mn * ef
+                            stage_b = (dn * (i_d + w_d) + mn * (i_m + w_m) + last * (hi + hw) + first * emb_w
+                                       + nb * tb + mn * eb)
+                        else:
+                            rate = rate1 * tp
+                            blk = dn * fd.block + mn * fm.block
+                            mm = dn * fd.matmuls + mn * fm.matmuls
+                            core = dn * fd.attention_core + mn * fm.attention_core
+                            rec = blk if rc == "full" else core if rc == "selective" else 0.0
+                            stage_f = tokens * (blk + head) / rate + nb * tf + mn * ef
+                            stage_b = tokens * (2 * mm + 2 * core + rec + 2 * head) / rate + nb * tb + mn * eb
                         work = stage_f + stage_b
                         step_lb = float(np.max(np.cumsum(work) - work + mb * work))
-                        if base.training.compile:  # compile's fused-elementwise saving is not in this bound
+                        if base.training.compile and not ops_clock:  # compile's fused-elementwise saving: not here
                             step_lb = 0.0
                         in_flight = np.minimum(mb, pp - stage_index)
                         acts = in_flight * (nb * kept if rc == "full" else dn * d_b + mn * m_b)

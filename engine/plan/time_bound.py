@@ -7,9 +7,11 @@ one-microbatch critical path, the exact exposed DP communication and optimizer s
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
-from engine.config import Config
+from engine.config import Config, ConfigError
 from engine.plan.space import (
     _FLOAT8,
     _RECOMPUTE,
@@ -18,8 +20,28 @@ from engine.plan.space import (
 )
 from engine.time.comm import collective_seconds, group_span
 from engine.time.durations import FLOAT8_CAST_BYTES, block_linears, per_op_recompute_flops_per_token
-from engine.time.ops import bound_efficiency
+from engine.time.ops import DeviceProfile, bound_efficiency, device_profile, unit_seconds
 from engine.time.step import cp_seconds_per_layer
+
+
+@lru_cache(maxsize=4096)
+def _ops_units_of(base: Config, profile: DeviceProfile, tp: int, cp: int, key: tuple[int, int, int, int],
+                  recomputes: tuple[str, ...]) -> np.ndarray:
+    """TimeBound._ops_units, kept across plans (``profile``: the device profile it was timed on, so a new
+    ``calibrate --device`` is never read from a stale entry); zeros (a valid, loose bound) for a
+    combination validation refuses: its rows are refused when evaluated."""
+    b, sp, cmp, f8 = key
+    out = np.zeros((len(_RECOMPUTE), 8))
+    try:
+        cfg = base.replace(parallel={"dp": base.cluster.gpus // (tp * cp), "tp": tp, "pp": 1, "cp": cp,
+                                     "schedule": "GPipe", "microbatches": 1, "sequence_parallel": bool(sp)},
+                           training={"micro_batch_size": b, "compile": bool(cmp), "float8": _FLOAT8[f8]})
+    except ConfigError:
+        return out
+    for kind, terms in unit_seconds(cfg, recomputes=recomputes).items():
+        out[_RECOMPUTE.index(kind)] = terms
+    out.setflags(write=False)
+    return out
 
 
 class TimeBound:
@@ -46,26 +68,14 @@ class TimeBound:
     def _stage_seconds(self, st: _Struct, r: _Rows, gf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per candidate [rows] and stage [columns], one microbatch's F, I and W seconds: exactly
         engine.time.durations (CPU ranks sharing cores, float8, compile) + engine.time.step's TP and CP terms."""
-        k, fl, tp, cp, sh = self._k, self._k.fl, st.tp, st.cp, st.sh
-        L, head = sh["L"], sh["head"]
-        gb, gs, gr, gc = r.b, r.sp, r.rc, r.cmp
+        k, tp, cp, sh = self._k, st.tp, st.cp, st.sh
+        L = sh["L"]
+        gb, gs, gr = r.b, r.sp, r.rc
         n = len(gb)
-        tokens = r.bf * st.s_len
-        rate = k.peak_rate * tp
-        rc_flops = np.zeros(len(_RECOMPUTE))  # recomputed forward flops per token and layer, by recompute kind
-        rc_flops[_RECOMPUTE.index("full")], rc_flops[_RECOMPUTE.index("selective")] = fl.block, fl.attention_core
-        rc_flops[_RECOMPUTE.index("selective-op")] = per_op_recompute_flops_per_token(self.base)
-        rc_extra = rc_flops[gr]
-        # selective-layer: the checkpointed blocks of each stage recompute their whole forward
-        sl = gr == _RECOMPUTE.index("selective-layer")
-        ck_extra = np.where(sl, 1.0, 0.0)[:, None] * (sh["ckpt"][None, :] * fl.block)
-        f = tokens[:, None] * (L[None, :] * fl.block + head[None, :]) / rate
-        i_ = tokens[:, None] * (L[None, :] * (fl.matmuls + 2 * fl.attention_core + rc_extra[:, None])
-                                + ck_extra + head[None, :]) / rate
-        w_ = tokens[:, None] * (L[None, :] * fl.matmuls + head[None, :]) / rate
-        if len(self.float8) > 1 or len(self.compile) > 1 or _FLOAT8.index(self.float8[0]) or self.compile[0]:
-            f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, k.act_b,
-                                                 rate)
+        if self.base.conventions.clock == "ops":
+            f, i_, w_ = self._ops_stage_seconds(st, r, gf)
+        else:
+            f, i_, w_ = self._flop_stage_seconds(st, r, gf)
         if k.over != 1.0:  # CPU ranks sharing cores run each action that much longer (engine.time.step)
             f, i_, w_ = f * k.over, i_ * k.over, w_ * k.over
         one_tp = np.zeros(n)
@@ -87,10 +97,69 @@ class TimeBound:
                 cp_f[gb == b], cp_b[gb == b] = self._cp_per_layer(st.rep, b)
             # the blocks that recompute their forward repeat its exchange in the backward
             redo = np.where(np.isin(gr, [_RECOMPUTE.index("full"), _RECOMPUTE.index("selective")])[:, None],
-                            L[None, :], 0.0) + np.where(sl, 1.0, 0.0)[:, None] * sh["ckpt"][None, :]
+                            L[None, :], 0.0) + np.where(gr == _RECOMPUTE.index("selective-layer"), 1.0, 0.0)[:, None] \
+                * sh["ckpt"][None, :]
             f = f + L[None, :] * cp_f[:, None]
             i_ = i_ + L[None, :] * cp_b[:, None] + redo * cp_f[:, None]
         return f, i_, w_
+
+    def _flop_stage_seconds(self, st: _Struct, r: _Rows, gf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Under ``conventions.clock = "efficiency"``: engine.time.durations' FLOP-based stage seconds with
+        float8 and compile (engine.time.step.with_float8_and_compile), at the bound's rate."""
+        k, fl, tp, sh = self._k, self._k.fl, st.tp, st.sh
+        L, head = sh["L"], sh["head"]
+        gs, gr, gc = r.sp, r.rc, r.cmp
+        tokens = r.bf * st.s_len
+        rate = k.peak_rate * tp
+        rc_flops = np.zeros(len(_RECOMPUTE))  # recomputed forward flops per token and layer, by recompute kind
+        rc_flops[_RECOMPUTE.index("full")], rc_flops[_RECOMPUTE.index("selective")] = fl.block, fl.attention_core
+        rc_flops[_RECOMPUTE.index("selective-op")] = per_op_recompute_flops_per_token(self.base)
+        rc_extra = rc_flops[gr]
+        # selective-layer: the checkpointed blocks of each stage recompute their whole forward
+        sl = gr == _RECOMPUTE.index("selective-layer")
+        ck_extra = np.where(sl, 1.0, 0.0)[:, None] * (sh["ckpt"][None, :] * fl.block)
+        f = tokens[:, None] * (L[None, :] * fl.block + head[None, :]) / rate
+        i_ = tokens[:, None] * (L[None, :] * (fl.matmuls + 2 * fl.attention_core + rc_extra[:, None])
+                                + ck_extra + head[None, :]) / rate
+        w_ = tokens[:, None] * (L[None, :] * fl.matmuls + head[None, :]) / rate
+        if len(self.float8) > 1 or len(self.compile) > 1 or _FLOAT8.index(self.float8[0]) or self.compile[0]:
+            f, i_, w_ = self._float8_and_compile(f, i_, w_, tp, L, sh["ckpt"], tokens, gs, gr, gf, gc, fl, k.act_b,
+                                                 rate)
+        return f, i_, w_
+
+    def _ops_stage_seconds(self, st: _Struct, r: _Rows, gf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Under ``conventions.clock = "ops"``: each candidate's per-stage compute seconds exactly as
+        engine.time.ops.op_durations adds them — one block's, the head's and the embedding's ops for each
+        distinct (micro-batch size, sequence parallelism, recompute, compile, float8) of the rows, timed once
+        per mesh (tp, cp)."""
+        sh = st.sh
+        L, ckpt = sh["L"], sh["ckpt"]
+        last = (sh["head"] > 0).astype(np.float64)
+        first = np.zeros(len(L))
+        first[0] = 1.0
+        code = ((r.b * 2 + r.sp) * 2 + r.cmp) * len(_FLOAT8) + gf  # one integer per (b, sp, compile, float8)
+        uniq, inv = np.unique(code, return_inverse=True)
+        keys = [(c // (4 * len(_FLOAT8)), c // (2 * len(_FLOAT8)) % 2, c // len(_FLOAT8) % 2, c % len(_FLOAT8))
+                for c in uniq.tolist()]
+        table = np.stack([self._ops_units(st.rep, k) for k in keys])  # [key, recompute, term]
+        per = table[inv, r.rc]
+        f1, ir1, w1, hf, hi, hw, ef, ew = per.T
+        sl = np.where(r.rc == _RECOMPUTE.index("selective-layer"), 1.0, 0.0)
+        f = L[None, :] * f1[:, None] + last[None, :] * hf[:, None] + first[None, :] * ef[:, None]
+        i_ = L[None, :] * ir1[:, None] + (sl * f1)[:, None] * ckpt[None, :] + last[None, :] * hi[:, None]
+        w_ = L[None, :] * w1[:, None] + last[None, :] * hw[:, None] + first[None, :] * ew[:, None]
+        return f, i_, w_
+
+    def _ops_units(self, rep: Config, key: tuple[int, int, int, int]) -> np.ndarray:
+        """engine.time.ops.unit_seconds of the mesh ``rep`` with a row's (b, sp, compile, float8), one row per
+        recompute kind (``_RECOMPUTE``'s order)."""
+        par = rep.parallel
+        cache_key = (par.tp, par.cp, key)
+        out = self._ops_unit_cache.get(cache_key)
+        if out is None:
+            out = self._ops_unit_cache[cache_key] = _ops_units_of(
+                self.base, device_profile(self.base.cluster.gpu.name), par.tp, par.cp, key, tuple(self.recompute))
+        return out
 
     def _time_bounds(self, st: _Struct, r: _Rows, f: np.ndarray, i_: np.ndarray,
                      w_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

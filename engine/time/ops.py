@@ -455,13 +455,8 @@ def _attention_ops(cfg: Config) -> tuple[list[Op], list[Op]]:
     return fwd, back
 
 
-def block_ops(cfg: Config, experts: bool = False) -> dict[str, list[Op]]:
-    """The ops of one block (``experts``: a block with experts) for one microbatch on one rank: ``{"F": ...,
-    "I": ..., "W": ..., "R": ...}`` — R the forward ops a recomputing backward runs again in every block
-    (full: the whole forward; selective: the attention; selective-op: the unsaved matmuls' share of the
-    GEMMs and every memory-bound op; none and selective-layer: nothing in every block — the
-    checkpointed blocks of selective-layer rerun the whole forward, :func:`op_durations`). Under LoRA the
-    frozen base computes its input gradients but no weight gradient: W is the adapters'."""
+def _block_parts(cfg: Config, experts: bool) -> tuple[list[Op], list[Op], list[Op], list[Op], list[Op]]:
+    """:func:`block_ops`' F, I and W, and the forward's attention and memory-bound ops (what recompute repeats)."""
     tr = cfg.training
     a = 4 if tr.precision == "fp32" else 2
     base = "fp32" if tr.precision == "fp32" else "bf16"
@@ -483,18 +478,31 @@ def block_ops(cfg: Config, experts: bool = False) -> dict[str, list[Op]]:
             bwd_in.append(Op(op.name + " backward", "I", "memory", 0.0, 2 * op.bytes, 2 * op.kernels, exp_bound=op.exp_bound))
     trained = [x for x in lin if ".lora_" in x.name] if tr.finetune == "lora" else lin
     bwd_w = [_gemm(x, "W", fp8 if x.float8 else base, a) for x in trained]
-    if tr.recompute == "full":
-        redo = list(fwd)
-    elif tr.recompute == "selective":
-        redo = list(attention)
-    elif tr.recompute == "selective-op":
+    return fwd, bwd_in, bwd_w, attention, mem
+
+
+def _redo(cfg: Config, fwd: list[Op], attention: list[Op], mem: list[Op], recompute: str) -> list[Op]:
+    """The forward ops ``recompute`` runs again in every block (:func:`block_ops`)."""
+    if recompute == "full":
+        return list(fwd)
+    if recompute == "selective":
+        return list(attention)
+    if recompute == "selective-op":
         share = per_op_recompute_flops_per_token(cfg) / flops_per_token(cfg).matmuls
-        redo = [Op(g.name + " (recomputed share)", "F", "gemm", g.flops * share, g.bytes * share, 1, g.dtype,
-                   groups=g.groups)
-                for g in fwd if g.kind == "gemm"] + mem
-    else:
-        redo = []
-    return {"F": fwd, "I": bwd_in, "W": bwd_w, "R": redo}
+        return [Op(g.name + " (recomputed share)", "F", "gemm", g.flops * share, g.bytes * share, 1, g.dtype,
+                   groups=g.groups) for g in fwd if g.kind == "gemm"] + mem
+    return []
+
+
+def block_ops(cfg: Config, experts: bool = False) -> dict[str, list[Op]]:
+    """The ops of one block (``experts``: a block with experts) for one microbatch on one rank: ``{"F": ...,
+    "I": ..., "W": ..., "R": ...}`` — R the forward ops a recomputing backward runs again in every block
+    (full: the whole forward; selective: the attention; selective-op: the unsaved matmuls' share of the
+    GEMMs and every memory-bound op; none and selective-layer: nothing in every block — the
+    checkpointed blocks of selective-layer rerun the whole forward, :func:`op_durations`). Under LoRA the
+    frozen base computes its input gradients but no weight gradient: W is the adapters'."""
+    fwd, bwd_in, bwd_w, attention, mem = _block_parts(cfg, experts)
+    return {"F": fwd, "I": bwd_in, "W": bwd_w, "R": _redo(cfg, fwd, attention, mem, cfg.training.recompute)}
 
 
 def head_ops(cfg: Config) -> dict[str, list[Op]]:
@@ -529,28 +537,42 @@ def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile) -> float:
     return float(sum(op_seconds(op, cfg, prof) for op in ops))
 
 
+def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...] | None = None):
+    """Seconds of one microbatch's: a block's F, its I with the recompute every block runs (R), its W; the
+    head's F, I and W; the embedding's F and W — the terms :func:`op_durations` adds per stage. With
+    ``recomputes``: ``{kind: those terms}`` for each recompute kind, from one op list (the planner's time
+    bound reads them)."""
+    prof = device_profile(cfg.cluster.gpu.name)
+    fwd, bwd_in, bwd_w, attention, mem = _block_parts(cfg, experts)
+    head, emb = head_ops(cfg), embedding_ops(cfg)
+    f1, i1, w1 = (_seconds(x, cfg, prof) for x in (fwd, bwd_in, bwd_w))
+    edges = (*(_seconds(head[k], cfg, prof) for k in ("F", "I", "W")), _seconds(emb["F"], cfg, prof),
+             _seconds(emb["W"], cfg, prof))
+
+    def one(kind: str) -> tuple[float, ...]:
+        return (f1, i1 + _seconds(_redo(cfg, fwd, attention, mem, kind), cfg, prof), w1, *edges)
+
+    return one(cfg.training.recompute) if recomputes is None else {k: one(k) for k in recomputes}
+
+
 def op_durations(cfg: Config) -> StageDurations:
     """Per-stage F, I, W (B = I + W) seconds for one microbatch from the ops (module docstring): each stage's
     dense blocks and blocks with experts, its head or embedding; p2p as engine.time.durations times it."""
     par = cfg.parallel
     n = 1 if par.pp == 1 else par.num_stages
-    prof = device_profile(cfg.cluster.gpu.name)
     f, i, w = np.zeros(n), np.zeros(n), np.zeros(n)
     for count, experts in zip(stage_block_counts(cfg, n), (False, True)):
         if not count.any():
             continue
-        blk = block_ops(cfg, experts)
-        f1, i1, w1, r1 = (_seconds(blk[k], cfg, prof) for k in ("F", "I", "W", "R"))
+        f1, ir1, w1, hf, hi, hw, ef, ew = unit_seconds(cfg, experts)
         f += count * f1
-        i += count * (i1 + r1)
+        i += count * ir1
         w += count * w1
     if cfg.training.recompute == "selective-layer":  # the checkpointed blocks' forward again, at the stage's mean block
         blocks = np.maximum(sum(stage_block_counts(cfg, n)), 1)
         i = i + np.array(checkpointed_blocks(cfg), dtype=np.float64) * f / blocks
-    head, emb = head_ops(cfg), embedding_ops(cfg)
-    for k, arr in (("F", f), ("I", i), ("W", w)):
-        arr[-1] += _seconds(head[k], cfg, prof)
-        arr[0] += _seconds(emb[k], cfg, prof)
+    f[-1], i[-1], w[-1] = f[-1] + hf, i[-1] + hi, w[-1] + hw
+    f[0], w[0] = f[0] + ef, w[0] + ew
     return StageDurations.of(n, f, i + w, i, w, p2p_seconds(cfg, n), source="model")
 
 

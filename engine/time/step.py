@@ -83,6 +83,7 @@ from engine.time.comm import (
 )
 from engine.time.durations import (
     StageDurations,
+    block_flops,
     float8_cast_bytes,
     flops_per_token,
     model_flops_per_token,
@@ -384,6 +385,21 @@ def analytic_durations(cfg: Config) -> StageDurations:
                              d.backward_weight_s * over, d.p2p_s * over, source=d.source)
 
 
+def peak_for_mfu(cfg: Config, model_flops: float) -> float:
+    """One GPU's peak FLOP/s that MFU and HFU divide by: the precision's peak; under float8 the rate at which
+    the step's model FLOPs would run if each ran at the peak of the tensor cores it uses — the blocks'
+    Linears (3 × their forward FLOPs a token, every layer) at the fp8 peak, the attention, the head and the
+    rest at the precision's — so MFU stays a share of what the card can do (at most 1), not a ratio to a
+    peak the float8 GEMMs exceed."""
+    gpu, tr = cfg.cluster.gpu, cfg.training
+    peak = gpu.peak_flops(tr.precision)
+    if tr.float8 == "none" or model_flops <= 0:
+        return peak
+    linears = flops_per_token(cfg).matmuls if plain_blocks(cfg) else block_flops(cfg, False).matmuls
+    f8 = min(model_flops, cfg.tokens_per_step * 3 * cfg.model.layers * linears)
+    return model_flops / ((model_flops - f8) / peak + f8 / (gpu.peak_fp8_tflops * 1e12))
+
+
 def step_time(cfg: Config, durations: StageDurations | None = None,
               links: MeasuredLinks | None = None) -> StepTime:
     """Predicted step time for ``cfg`` (analytic durations unless measured ones are given;
@@ -446,7 +462,7 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
         fl = flops_per_token(cfg)
         model_flops = tokens * 3 * (model.layers * fl.block + fl.head)
     hardware_flops = model_flops + tokens * model.layers * recompute_flops_per_token(cfg)
-    peak = cfg.cluster.gpu.peak_flops(tr.precision) * cfg.cluster.gpus
+    peak = peak_for_mfu(cfg, model_flops) * cfg.cluster.gpus
     return StepTime(
         seconds=total, breakdown=breakdown, critical_pp_rank=pp_rank, tokens_per_s=tokens / total,
         model_flops=model_flops, hardware_flops=hardware_flops, mfu=model_flops / (total * peak),

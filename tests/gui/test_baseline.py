@@ -160,7 +160,7 @@ def test_a_calibration_retimes_the_baseline_once(session, tmp_path):
     run_dir.mkdir(parents=True)
     cfg = session.config
     cfg.save(run_dir / "config.toml")
-    slow = engine_predict(cfg.replace(conventions={"compute_efficiency": 0.05}))  # "the machine"
+    slow = engine_predict(cfg.replace(conventions={"clock": "efficiency", "compute_efficiency": 0.05}))  # "the machine"
     j = slow.to_json()
     rows = [{k: row[k] for k in ("rank", "stage", *MEMORY_CATEGORIES, "total")} for row in j["memory"]["per_rank"]]
     s = slow.step.seconds

@@ -8,6 +8,7 @@ from engine.names import MEMORY_CATEGORIES
 from engine.predict import predict
 
 TRUE_EFFICIENCY = 0.08  # "the machine": much slower than the config's analytic 0.5
+# a run calibrates the efficiency clock's one scalar (engine.compare.calibrate): these layouts are timed by it
 
 
 def _cfg(gpus=4, **par) -> Config:
@@ -17,6 +18,7 @@ def _cfg(gpus=4, **par) -> Config:
     p = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "schedule": "1F1B", "virtual_stages": 1, "microbatches": 4}
     p.update(par)
     raw["parallel"] = p
+    raw["conventions"] = {**raw.get("conventions", {}), "clock": "efficiency"}
     return Config.from_dict(raw)
 
 

@@ -24,7 +24,8 @@ TOKENS = S * B
 
 def tiny(zero=0, **training):
     return default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1, "microbatches": 1, "zero": zero},
-                                    training={"finetune": "lora", "lora_rank": 4, **training})
+                                    training={"finetune": "lora", "lora_rank": 4, **training},
+                                    conventions={"clock": "efficiency"})  # the FLOP clock, worked by hand
 
 
 def full(zero=0):

@@ -35,7 +35,7 @@ def test_tp16_across_an_ordinary_network_is_slower_than_tp8_in_a_node():
 
 
 def test_single_gpu_step_is_compute_plus_optimizer_hand_worked():
-    cfg = make(model="gpt2-124m", cluster="dgx-h100", gpus=1)
+    cfg = make(model="gpt2-124m", cluster="dgx-h100", gpus=1).replace(conventions={"clock": "efficiency"})
     st = step_time(cfg)
     assert st.breakdown["pipeline_bubble"] == pytest.approx(0.0, abs=1e-12)
     assert st.breakdown["dp_comm_exposed"] == 0.0 and st.breakdown["tp_comm"] == 0.0

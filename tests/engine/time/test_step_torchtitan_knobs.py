@@ -20,7 +20,8 @@ def cfg(tp=1, dp=8, zero=3, float8="none", compile=False, async_tp=False, sp=Fal
         "model": {"preset": "llama3-8b", "seq_len": 8192}, "cluster": {"gpu": "h100-sxm", "gpus": dp * tp},
         "parallel": {"dp": dp, "tp": tp, "zero": zero, "sequence_parallel": sp, "async_tp": async_tp},
         "training": {"precision": "bf16-mixed", "micro_batch_size": 2, "float8": float8, "compile": compile,
-                     "float8_all_gather": f8ag}})
+                     "float8_all_gather": f8ag},
+        "conventions": {"clock": "efficiency"}})  # the FLOP clock's float8 and compile conventions
 
 
 def test_float8_runs_linear_matmuls_at_fp8_rate_plus_casts():
