@@ -27,6 +27,7 @@ import numpy as np
 from engine.memory.lifetimes import PARTIAL_STATE_KINDS
 from engine.memory.per_rank import plain_grads_late
 from engine.names import MEMORY_CATEGORIES
+from engine.time.ops import clock_description
 from engine.wrapping import wrapping_plan
 
 #: Why the measurement (MemTracker) cannot see a term, by the term's ``kind``; every term with
@@ -455,10 +456,10 @@ def compare(pred, measurement) -> Comparison:
     # ---- step
     step_notes = []
     if cfg is not None and getattr(cfg.cluster.gpu, "name", "") == "cpu":
-        step_notes.append("CPU ranks: the analytic time uses the 'cpu' preset's rough peak FLOP/s × "
-                          f"compute_efficiency ({cfg.conventions.compute_efficiency:g}); ranks share the "
-                          "machine's cores, which no analytic model of a GPU cluster includes — calibrate "
-                          "(shardscope predict --calibration RUN_DIR)")
+        step_notes.append(f"CPU ranks: timed by the {clock_description(cfg)}, each action slowed by the ranks "
+                          "sharing the machine's cores; per-op overhead the op lists do not count (the modules' "
+                          "Python, small tensors' kernels) and gloo's collectives on shared cores are what it "
+                          "misses — calibrate (shardscope predict --calibration RUN_DIR)")
     step = Cell(float(pj["step"]["seconds"]), float(mj["step"]["seconds"]), tuple(step_notes))
     return Comparison(rows, step, makespan, bubble, timeline, notes)
 

@@ -26,8 +26,14 @@ Core sharing: CPU ranks beyond ``cluster.cpu_cores`` share the cores, so the ana
 p2p and optimizer times are multiplied by ``engine.time.comm.cpu_oversubscription`` (and the
 collectives' α and B scaled by it in engine.time.comm). Given durations are used as given.
 
-float8 (``training.float8``, torchao's Float8Linear on the blocks' Linears; the head stays bf16):
-the Linear matmuls of F, I and W (and the recomputed forward's: ``recomputed_linear_blocks``) run at ``cluster.gpu.peak_fp8_tflops``
+The stages' compute (:func:`analytic_durations`): by default (``conventions.clock = "ops"``) each op of the
+blocks, the head and the embedding a roofline on the GPU kind's device profile (engine.time.ops: float8's
+GEMMs and casts and compile's fused chains are in its op lists); under ``clock = "efficiency"`` every FLOP
+at ``conventions.compute_efficiency`` × the peak with the float8 and compile conventions below. MFU and HFU
+divide by the peak, under float8 by :func:`peak_for_mfu`.
+
+The efficiency clock's float8 (``training.float8``, torchao's Float8Linear on the blocks' Linears; the head
+stays bf16): the Linear matmuls of F, I and W (and the recomputed forward's: ``recomputed_linear_blocks``) run at ``cluster.gpu.peak_fp8_tflops``
 times the same ``conventions.compute_efficiency``; the casts are memory-bound time added to the
 stage (``engine.time.durations.float8_cast_bytes``: each Linear casts its input and its weight in the
 forward and its output gradient in the backward — rowwise casts input and output gradient once
@@ -35,7 +41,8 @@ more along the other axis for the weight gradient; each cast reads the 16-bit te
 its amax and to scale it, and writes 1 byte: 5 B per element; under float8 all-gather the weight
 is cast on its shard before the gather, 1/d of it).
 
-torch.compile (``training.compile``), convention ``COMPILE_CONVENTION`` = "fused-elementwise":
+The efficiency clock's torch.compile (``training.compile``), convention ``COMPILE_CONVENTION`` =
+"fused-elementwise":
 inductor fuses the elementwise chains between the matmuls, so each removes one write and one read
 of its intermediate per element — SwiGLU's silu·mul (f), each residual add + RMSNorm pair (2 · h),
 RoPE on q and k (q + kv dims) — in the forward and twice that in the backward, time at the HBM
