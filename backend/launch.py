@@ -54,6 +54,7 @@ from backend.records import (
 from backend.torchrun_loopback import AGENT_PRELOAD, forked_main
 from engine.backend_limits import predict_only
 from engine.config import Config, ConfigError
+from engine.time.ops import profile_record
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 5
@@ -384,6 +385,7 @@ class Run:
         from backend.records import write_json_atomic
 
         write_json_atomic(self.dir.measurement, meas.to_dict())
+        write_json_atomic(self.dir.device_profile, profile_record(self.cfg))  # the clock this machine's run is read by
         losses = meas.step.losses
         self._emit("measurement", path=str(self.dir.measurement), step_seconds=meas.step.seconds,
                    first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,

@@ -6,6 +6,7 @@
       config.toml          the Config that ran (Config.save: write-then-rename)
       events.jsonl         one JSON object per line, appended as it happens
       measurement.json     assembled when the run finishes (write-then-rename)
+      device-profile.json  beside it: the clock and device profile that time this config on this machine
       logs/torchrun.log    the launcher agent's output
       logs/rank{r}.log     each rank's stdout and stderr
       ranks/rank{r}.events.jsonl, ranks/rank{r}.measurement.json   what each rank reports
@@ -206,6 +207,7 @@ class RunDir:
     config = property(lambda self: self.path / "config.toml")
     events = property(lambda self: self.path / "events.jsonl")
     measurement = property(lambda self: self.path / "measurement.json")
+    device_profile = property(lambda self: self.path / "device-profile.json")  # what timed the run's prediction
     agent_log = property(lambda self: self.logs / "torchrun.log")
 
     def rank_log(self, rank: int) -> Path:

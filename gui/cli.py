@@ -137,6 +137,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from engine.compare.measured import compare
     from engine.predict import predict
+    from engine.time.ops import clock_description
     from gui.text import comparison_table
 
     d = _run_dir(args.run_dir)
@@ -146,12 +147,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
         cmp = compare(predict(cfg), meas)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CliError(f"{d / 'measurement.json'} is not a readable measurement ({exc})") from None
+    recorded = _recorded_clock(d)
     if args.json:
-        print(json.dumps(cmp.to_json(), indent=2))
+        print(json.dumps({**cmp.to_json(), "recorded_clock": recorded}, indent=2))
     else:
         print(_summary(cfg))
         print(comparison_table(cmp))
+        now = clock_description(cfg)
+        if recorded and recorded.get("description") != now:
+            print(f"note: timed now by the {now}; when it ran, by the {recorded.get('description')} "
+                  "(its device-profile.json)")
     return EXIT_OK
+
+
+def _recorded_clock(run_dir: Path) -> dict | None:
+    """The run's ``device-profile.json`` (what timed its prediction on the machine it ran on), if readable."""
+    import json
+
+    try:
+        doc = json.loads((run_dir / "device-profile.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -209,6 +209,18 @@ def clock_description(cfg: Config) -> str:
     return f"clock from ops: each op a roofline on the {prof.name} device profile ({where})"
 
 
+def profile_record(cfg: Config) -> dict:
+    """What timed ``cfg`` on this machine, for a run to keep beside its measurement (``device-profile.json``):
+    the clock, the device profile's name, where it came from and its figures (under the efficiency clock the
+    efficiency)."""
+    if cfg.conventions.clock != "ops":
+        return {"clock": cfg.conventions.clock, "compute_efficiency": cfg.conventions.compute_efficiency,
+                "description": clock_description(cfg)}
+    prof = device_profile(cfg.cluster.gpu.name)
+    return {"clock": "ops", "gpu": cfg.cluster.gpu.name, "profile": prof.name, "description": clock_description(cfg),
+            "figures": {f.name: getattr(prof, f.name) for f in fields(DeviceProfile) if f.name != "name"}}
+
+
 def clock_short(cfg: Config) -> str:
     """:func:`clock_description` in a few words, for a table cell: "efficiency 0.5" or "ops (h100-96g)"."""
     if cfg.conventions.clock != "ops":

@@ -137,6 +137,9 @@ def test_a_real_two_rank_pipeline_run_end_to_end(tmp_path):
     assert cmp.orders_identical is True and all(t.matched == 8 for t in cmp.timeline)
     assert cmp.bubble is not None and 0 <= cmp.bubble.measured < 1
     assert cmp.step.measured > 0
+    # the run keeps what timed its prediction on this machine: the clock from ops on the cpu device profile
+    recorded = json.loads((tmp_path / "run" / "device-profile.json").read_text())
+    assert recorded["clock"] == "ops" and recorded["gpu"] == "cpu" and recorded["figures"]["launch_us"] > 0
     out = shardscope("compare", str(tmp_path / "run"))
     assert out.returncode == 0 and "peak" in out.stdout and "bubble" in out.stdout, out.stderr
     out = shardscope("predict", str(tmp_path / "run" / "config.toml"), "--calibration", str(tmp_path / "run"),
