@@ -117,6 +117,20 @@ def _kind_codes(tl) -> np.ndarray:
     return np.array([_CODE.get(str(k)[:1], 0) for k in np.asarray(tl.kind).tolist()], dtype=int)
 
 
+def kind_errors(predicted: Actions, measured: Actions) -> list[tuple[str, float]]:
+    """Per action kind present in both: (kind, the predicted mean duration's error against the measured mean),
+    in KINDS order — how far the clock is off per kind of action, on one scale."""
+    out = []
+    for code, kind in enumerate(KINDS):
+        p, m = predicted.kind == code, measured.kind == code
+        if p.any() and m.any():
+            mean_m = float((measured.end_s[m] - measured.start_s[m]).mean())
+            if mean_m > 0:
+                mean_p = float((predicted.end_s[p] - predicted.start_s[p]).mean())
+                out.append((kind, (mean_p - mean_m) / mean_m))
+    return out
+
+
 def actions_from_timeline(tl) -> Actions:
     """The engine's Timeline as flat arrays (rows are pipeline ranks)."""
     row = np.asarray(tl.rank).astype(int)
@@ -589,6 +603,9 @@ class TimelineView(QWidget):
             text += f" · timed with the calibration of {Path(self.calibrated_from).name}"
         if has_measured:
             text += f" · measured makespan {fmt_seconds(float(self.measured.end_s.max()))}"
+            errors = kind_errors(self.predicted, self.measured)
+            if errors:
+                text += " (predicted vs measured: " + ", ".join(f"{k} {e * 100:+.0f}%" for k, e in errors) + ")"
         if self.baseline_makespan_s is not None:
             text += f" · baseline makespan {fmt_seconds(self.baseline_makespan_s)}"
         self.header.setText(text)

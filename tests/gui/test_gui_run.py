@@ -121,6 +121,12 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
     assert window.memory.plot.grab().toImage() != mem_before
     assert len(window.timeline.measured) == len(window.timeline.predicted)
     assert "measured makespan" in window.timeline.header.text()
+    # each action kind's predicted mean duration against the measured mean, on the header
+    tl = window.timeline
+    for code, kind in ((0, "F"), (1, "B")):
+        p, m = tl.predicted.kind == code, tl.measured.kind == code
+        mp, mm = (tl.predicted.end_s - tl.predicted.start_s)[p].mean(), (tl.measured.end_s - tl.measured.start_s)[m].mean()
+        assert f"{kind} {(mp - mm) / mm * 100:+.0f}%" in tl.header.text(), tl.header.text()
     # the comparison table is engine.compare.measured's: every rank × category, error -9.1 %, with the causes
     from engine.compare.measured import compare
     from engine.predict import predict
