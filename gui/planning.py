@@ -24,7 +24,9 @@ from gui.comparison import fmt_bytes, fmt_seconds
 
 GIB = 2**30
 DEFAULT_TOP = 10
-TABLE_HEADERS = ["#", "layout", "tokens/s", "step", "MFU", "peak", "vs #1 (select a row: why)"]
+#: the numbers first, so they stay in sight however long a layout's label (the table scrolls to the rest)
+TABLE_HEADERS = ["#", "tokens/s", "step", "MFU", "peak", "layout", "vs #1 (select a row: why)"]
+LAYOUT_COLUMN = TABLE_HEADERS.index("layout")
 
 
 
@@ -123,8 +125,8 @@ class PlanOutcome:
         out = []
         for e in self.entries:
             label = e["label"] + (" · predict only" if e.get("predict_only") else "")
-            out.append([str(e["position"]), label, f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
-                        f"{100 * e['mfu']:.1f}%", fmt_bytes(e["peak_bytes"]), self.versus_first(len(out))])
+            out.append([str(e["position"]), f"{e['tokens_per_s']:,.0f}", fmt_seconds(e["seconds"]),
+                        f"{100 * e['mfu']:.1f}%", fmt_bytes(e["peak_bytes"]), label, self.versus_first(len(out))])
         return out
 
     def versus_first(self, row: int) -> str:

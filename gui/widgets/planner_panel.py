@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QSpinBox,
     QSplitter,
     QTableWidget,
@@ -36,6 +37,7 @@ from engine.plan.search import FITTING_SECONDS
 from gui.child_process import start_child
 from gui.planning import (
     DEFAULT_TOP,
+    LAYOUT_COLUMN,
     TABLE_HEADERS,
     LineReader,
     PlanOutcome,
@@ -102,6 +104,11 @@ class PlannerPanel(QWidget):
         bar = QHBoxLayout()
         self.job = QLabel()
         self.job.setObjectName("chartTitle")
+        # a long job ("Plan for llama3-8b on 16 × h100-sxm (8 per node)") wraps instead of widening the window
+        # past 1280 px: its width is what the bar leaves it
+        self.job.setWordWrap(True)
+        self.job.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.job.setMinimumWidth(self.fontMetrics().horizontalAdvance("Plan for llama3-8b"))
         self.batch = QSpinBox()
         self.batch.setRange(1, 10_000_000)
         self.batch.setToolTip("Sequences per optimizer step, the same for every layout (so tokens/s compares "
@@ -119,7 +126,7 @@ class PlannerPanel(QWidget):
         self.progress = QProgressBar()
         self.progress.setRange(0, 1)
         self.progress.setValue(0)
-        bar.addWidget(self.job)
+        bar.addWidget(self.job, 3)
         bar.addWidget(QLabel("global batch"))
         bar.addWidget(self.batch)
         bar.addWidget(QLabel("top"))
@@ -162,6 +169,8 @@ class PlannerPanel(QWidget):
         """Every fitting layout: tokens/s against peak memory, the Pareto front, the card's capacity."""
         self.plot = pg.PlotWidget(background="w")
         self.plot.setMenuEnabled(False)
+        # its view at least as tall as the vertical "tokens/s" label is long (at 1280 × 800 it was shorter)
+        self.plot.setMinimumHeight(130)
         pi = self.plot.getPlotItem()
         pi.setLabel("bottom", "peak memory per GPU (GiB)")
         pi.getAxis("bottom").enableAutoSIPrefix(False)  # the unit is chosen per plan (PlanOutcome.memory_scale)
@@ -336,9 +345,9 @@ class PlannerPanel(QWidget):
             why = "\n".join(outcome.why(i))
             for j, text in enumerate(row):
                 item = QTableWidgetItem(text)
-                if j not in (1, len(row) - 1):  # numbers right-aligned; the layout and the reason read left to right
+                if j not in (LAYOUT_COLUMN, len(row) - 1):  # numbers right-aligned; layout and reason read left to right
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                item.setToolTip(f"{row[1]}\n{why}\nclick: make it the window's config")
+                item.setToolTip(f"{row[LAYOUT_COLUMN]}\n{why}\nclick: make it the window's config")
                 self.table.setItem(i, j, item)
         self.table.resizeColumnsToContents()
         self._verdict_width = self.table.horizontalHeader().sectionSize(len(TABLE_HEADERS) - 1)

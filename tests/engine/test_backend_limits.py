@@ -9,7 +9,7 @@ from engine import Config
 from engine.backend_limits import composition_problems, predict_only
 from engine.plan.search import plan
 from engine.predict import predict
-from gui.planning import PlanOutcome
+from gui.planning import LAYOUT_COLUMN, PlanOutcome
 from gui.runnable import runnable_version
 from gui.text import prediction_table
 
@@ -105,7 +105,7 @@ def test_predict_and_the_planner_say_predict_only_in_words():
     marked = [i for i, e in enumerate(result["entries"]) if e["predict_only"]]
     assert marked == list(range(10, 13))  # gpt-oss's attention sinks and sliding windows are not built
     for i, row in enumerate(outcome.rows()):
-        assert row[1].endswith(" · predict only") == (i in marked)
+        assert row[LAYOUT_COLUMN].endswith(" · predict only") == (i in marked)
         assert any(w.startswith("predict only") for w in outcome.why(i)) == (i in marked)
 
 

@@ -636,6 +636,25 @@ def test_nothing_is_clipped_in_the_planner_result_of_the_readme_screenshot(windo
     assert not problems, report(problems)
 
 
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_planners_numbers_are_in_sight_and_its_job_does_not_widen_the_window(window, size):
+    """Issue 27, item 6: at 1280 × 800 the planner table's tokens/s, step, MFU and peak columns were cut and the
+    job's title ("Plan for llama3-8b on 16 × h100-sxm (8 per node)") held the window 68 px wider than asked.
+    The numbers come before the layout (the table scrolls to the rest); the title wraps."""
+    at_size(window, *size)
+    show_readme_plan(window)
+    at_size(window, *size)
+    assert (window.width(), window.height()) == size
+    table = window.planner.table
+    assert table.horizontalScrollBar().value() == 0
+    view = table.viewport().width()
+    from gui.planning import TABLE_HEADERS
+
+    for name in ("tokens/s", "step", "MFU", "peak"):
+        col = TABLE_HEADERS.index(name)
+        assert table.columnViewportPosition(col) + table.columnWidth(col) <= view, (name, view)
+
+
 def test_a_barrier_keeps_the_tallest_height_its_label_needed(qtbot):
     """A hint that wraps to two lines on one slider step and one on the next must not re-lay out the
     window on every step: the barrier grows when its label needs more height and never shrinks."""

@@ -16,6 +16,7 @@ from engine import Config, default_config  # noqa: E402
 from engine.memory import memory_per_rank  # noqa: E402
 from engine.plan.results import layout_label  # noqa: E402
 from engine.time.step import step_time  # noqa: E402
+from gui.planning import LAYOUT_COLUMN  # noqa: E402
 
 pytestmark = pytest.mark.gui
 
@@ -63,7 +64,7 @@ def test_plan_shows_top_layouts_and_every_fitting_one_and_a_click_applies_it(win
 
     # the table: the top 10 with why each wins or loses
     assert panel.table.rowCount() == 10
-    assert panel.table.item(0, 1).text() == out.entries[0]["label"]
+    assert panel.table.item(0, LAYOUT_COLUMN).text() == out.entries[0]["label"]
     assert panel.table.item(0, 6).text() == "fastest"
     assert panel.table.item(1, 6).text().startswith("+")
     assert "slower than #1" in panel.table.item(1, 6).toolTip()  # every reason, in the tooltip

@@ -509,7 +509,7 @@ def test_cli_plan_option_errors_are_clean(args, words):
 
 def test_plan_outcome_rows_points_and_configs():
     """gui.planning turns a plan's JSON into the panel's rows and points, and each back into its Config."""
-    from gui.planning import LineReader, PlanOutcome, PlanRequest, fmt_seconds, progress_text
+    from gui.planning import LAYOUT_COLUMN, LineReader, PlanOutcome, PlanRequest, fmt_seconds, progress_text
 
     cfg = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8, "gpus_per_node": 8},
                             "parallel": {"dp": 8}})
@@ -525,7 +525,7 @@ def test_plan_outcome_rows_points_and_configs():
     assert progress_text(events[0]) == (3, 9, "evaluating every layout that may fit: 3 of 9")
     out = PlanOutcome(events[1]["result"])
     rows = out.rows()
-    assert len(rows) == 4 and rows[0][1] == result.entries[0].label() and rows[0][-1] == "fastest"
+    assert len(rows) == 4 and rows[0][LAYOUT_COLUMN] == result.entries[0].label() and rows[0][-1] == "fastest"
     assert rows[1][-1].startswith("+")
     for i, e in enumerate(result.entries):
         assert out.entry_config(i) == e.config and out.row_of(e.config) == i
