@@ -129,6 +129,10 @@ class RunPanel(QWidget):
         title.setObjectName("hint")
         ll.addWidget(title)
         self.runs = QListWidget()
+        # a run's name and its status ("20261204-191200 · finished · simulated") wrap in the narrow list
+        # instead of ending in "· fir" (the whole path in the tooltip)
+        self.runs.setWordWrap(True)
+        self.runs.setTextElideMode(Qt.TextElideMode.ElideNone)
         self.runs.setToolTip("Every run directory under runs/ and any opened with File → Open run…; "
                              "select one to load its config and draw its measurement")
         ll.addWidget(self.runs, 1)

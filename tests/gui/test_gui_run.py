@@ -266,6 +266,17 @@ def test_recent_runs_are_listed_with_status_and_selecting_one_shows_it(qtbot, tm
     w.state.recompute_now()
     labels = [w.run_panel.runs.item(i).text() for i in range(w.run_panel.runs.count())]
     assert labels == ["20260101-000000 · finished", "20260101-000100 · failed", "20260101-000200 · incomplete"]
+    # at 1280 × 800 each label is whole in the narrow list: it wraps where it does not fit (issue 27, item 6)
+    from PySide6.QtCore import Qt as _Qt
+
+    w.resize(1280, 800)
+    QApplication.processEvents()
+    lst = w.run_panel.runs
+    for i in range(lst.count()):
+        rect = lst.visualItemRect(lst.item(i))
+        room = min(rect.right(), lst.viewport().width()) - rect.left()
+        need = lst.fontMetrics().boundingRect(0, 0, room, 10_000, int(_Qt.TextFlag.TextWordWrap), labels[i])
+        assert need.width() <= room and need.height() <= rect.height() + 1, (labels[i], rect, room, need)
     w.run_panel.runs.setCurrentRow(1)  # a failed run: its log and reason, nothing drawn
     assert "rank 1 died" in w.run_panel.log.toPlainText()
     assert not w.memory.measured_by_rank
