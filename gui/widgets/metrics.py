@@ -192,7 +192,9 @@ def metric_rows(shown) -> list[tuple[str, str]]:
         rows.append(("Tokens/s", f"{cfg.tokens_per_step / seconds:,.0f}" if seconds > 0 else "—"))
         rows.append(("MFU", f"{step.mfu * 100:.1f}%"))
         if seconds > 0:
-            parts = [f"{k.replace('_', ' ')} {v / seconds * 100:.0f}%" for k, v in step.breakdown.items() if v > 0]
+            # the parts that round to a whole percent (predict prints every part to the millisecond)
+            parts = [f"{k.replace('_', ' ')} {v / seconds * 100:.0f}%" for k, v in step.breakdown.items()
+                     if round(v / seconds * 100) >= 1]
             rows.append(("Step breakdown", " · ".join(parts)))
         per_pp = step.comm.per_pp_rank
         if per_pp:
@@ -200,7 +202,7 @@ def metric_rows(shown) -> list[tuple[str, str]]:
             dims = sorted({i.dim for i in critical.items})
             for dim in dims:
                 rows.append((f"Comm · {dim}",
-                             f"{fmt_bytes(critical.bytes_sent(dim))} sent, {fmt_seconds(critical.seconds(dim))}"
+                             f"{fmt_bytes(critical.bytes_sent(dim))} in {fmt_seconds(critical.seconds(dim))}"
                              f" (rank {critical.rank})"))
     tl = None if pred is None else pred.pipeline  # engine.pipeline.timeline.Timeline
     if tl is not None:
@@ -248,7 +250,7 @@ def device_rows(mem, cfg) -> list[tuple[str, str]]:
     else:
         rows.append(("Reserved", f"{fmt_bytes(reserved)} (max_memory_reserved): +{fmt_bytes(reserved - allocated)} "
                                  "cached"))
-        rows.append(("Outside the allocator", f"{fmt_bytes(device - reserved)} (CUDA context, collective buffers)"))
+        rows.append(("Outside allocator", f"{fmt_bytes(device - reserved)} (CUDA context, collective buffers)"))
     head = mem.capacity_bytes - device
     rows.append(("Memory headroom", ("" if head >= 0 else "OVER by ") + fmt_bytes(abs(head))
                  + f" of {fmt_bytes(mem.capacity_bytes)}"))
@@ -266,7 +268,7 @@ ROW_CHANGES = {
     "Peak memory": ("peak.total", fmt_bytes),
 }
 #: rows shown with the baseline's value only when it differs (no single number to take a change of)
-ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Allocated", "Reserved", "Outside the allocator", "Memory headroom",
+ROWS_COMPARED_AS_TEXT = ("Global batch", "Layout", "Allocated", "Reserved", "Outside allocator", "Memory headroom",
                          "GPU 0 vs others", "Trainable (LoRA)", "Full fine-tune would need")
 
 
