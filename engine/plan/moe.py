@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from engine.pipeline.layout import placement_style
 from engine.plan.results import PlanCancelled, PlanCounts, PlanResult, explain
 from engine.time.comm import GroupSpan, all_to_all_seconds, collective_seconds, group_span
 from engine.time.durations import block_flops, stage_block_counts
-from engine.time.ops import unit_seconds
+from engine.time.ops import DeviceProfile, device_profile, unit_seconds
 from engine.time.step import step_time, tp_seconds_per_layer
 
 MOE_RECOMPUTE = ("none", "selective", "full")
@@ -105,8 +106,7 @@ class _MoeGrid:
         with experts (each block's F, I with recompute, W; the head's F, I, W; the embedding's F, W)."""
         key = (tp, ep, b, rc)
         if key not in self._units:
-            cfg = self.probe(tp, 1, ep, b, rc)
-            self._units[key] = None if cfg is None else (np.array(unit_seconds(cfg)), np.array(unit_seconds(cfg, True)))
+            self._units[key] = _units_of(self.base, device_profile(self.base.cluster.gpu.name), tp, ep, b, rc)
         return self._units[key]
 
     def per_layer(self, tp: int, ep: int, b: int, rc: str) -> tuple[int, int, int] | None:
@@ -237,6 +237,25 @@ class _MoeGrid:
         tf, tb = self._tp[tp, b, rc]
         ef, eb = self._ep[tp, ep, b, rc] if ep > 1 else (0.0, 0.0)
         return tf, tb, ef, eb
+
+
+@lru_cache(maxsize=4096)
+def _units_of(base: Config, profile: DeviceProfile, tp: int, ep: int, b: int,
+              rc: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """_MoeGrid.units, kept across plans (``profile``: the device profile it was timed on, so a new
+    ``calibrate --device`` is never read from a stale entry); None where validation refuses the probe
+    (_MoeGrid.probe's layout at pp = 1)."""
+    try:
+        cfg = base.replace(
+            parallel={"dp": base.cluster.gpus // tp, "tp": tp, "pp": 1, "ep": ep, "sequence_parallel": tp > 1,
+                      "microbatches": 1, "schedule": "1F1B", "zero": 0},
+            training={"micro_batch_size": b, "recompute": rc})
+    except ConfigError:
+        return None
+    dense, moe = np.array(unit_seconds(cfg)), np.array(unit_seconds(cfg, True))
+    dense.setflags(write=False)
+    moe.setflags(write=False)
+    return dense, moe
 
 
 def moe_candidates(base: Config, G: int, zero: tuple[int, ...], recompute: tuple[str, ...],
