@@ -569,7 +569,14 @@ def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...]
 
 def op_durations(cfg: Config) -> StageDurations:
     """Per-stage F, I, W (B = I + W) seconds for one microbatch from the ops (module docstring): each stage's
-    dense blocks and blocks with experts, its head or embedding; p2p as engine.time.durations times it."""
+    dense blocks and blocks with experts, its head or embedding; p2p as engine.time.durations times it.
+    Kept per config and device profile (a drag back and forth over a slider finds its positions here; a new
+    ``calibrate --device`` is a new profile); its arrays are read-only."""
+    return _op_durations(cfg, device_profile(cfg.cluster.gpu.name))
+
+
+@functools.lru_cache(maxsize=256)
+def _op_durations(cfg: Config, profile: DeviceProfile) -> StageDurations:
     par = cfg.parallel
     n = 1 if par.pp == 1 else par.num_stages
     f, i, w = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -585,7 +592,10 @@ def op_durations(cfg: Config) -> StageDurations:
         i = i + np.array(checkpointed_blocks(cfg), dtype=np.float64) * f / blocks
     f[-1], i[-1], w[-1] = f[-1] + hf, i[-1] + hi, w[-1] + hw
     f[0], w[0] = f[0] + ef, w[0] + ew
-    return StageDurations.of(n, f, i + w, i, w, p2p_seconds(cfg, n), source="model")
+    out = StageDurations.of(n, f, i + w, i, w, p2p_seconds(cfg, n), source="model")
+    for arr in (out.forward_s, out.backward_s, out.backward_input_s, out.backward_weight_s, out.p2p_s):
+        arr.setflags(write=False)
+    return out
 
 
 def op_table(cfg: Config) -> list[tuple[str, str, str, float, float, int, float]]:
