@@ -1,5 +1,6 @@
-"""ShardScope against torchtitan's published H100 benchmarks (Tables 1, 3 and 5 of
-pytorch/torchtitan's benchmarks/llama3_h100_202412_torchtitan.md).
+"""ShardScope against torchtitan's published H100 benchmarks (Tables 1 to 5 of
+pytorch/torchtitan's benchmarks/llama3_h100_202412_torchtitan.md; issue 26's bar is Tables 1, 3 and 5,
+``BAR_TABLES``: Tables 2 (context parallel) and 4 (FSDP × TP, async TP) are further predictions).
 
 Run:  .venv/bin/python benchmarks/published.py [--markdown benchmarks/published.md]
 
@@ -68,6 +69,9 @@ def _order(path: Path) -> tuple[int, int]:
     return int(notes["table"]), int(notes.get("position", 0))
 
 
+#: the tables whose rows the clock is held to within 10 % (issue 26); the others are shown as predictions too
+BAR_TABLES = (1, 3, 5)
+
 #: the efficiency clock's one number for this card (the module docstring says how it was chosen); the configs
 #: hold none: the default clock (from ops) needs none
 EFFICIENCY = 0.39
@@ -116,22 +120,24 @@ def main() -> None:
     args = ap.parse_args()
     ops = rows()
     lines = table(ops)
-    worst = max(ops[1:], key=lambda r: abs(r["tps_error"]))
+    worst = max((r for r in ops[1:] if r["table"] in BAR_TABLES), key=lambda r: abs(r["tps_error"]))
+    others = [r for r in ops if r["table"] not in BAR_TABLES]
     print("The default clock (from ops); predicted memory is the caching allocator's reserve (its allocated bytes "
           "beside it):\n" + "\n".join(lines))
-    print(f"fitted: h100-96g's power_factor on {ops[0]['config']} only; worst predicted row {worst['config']} "
-          f"{worst['tps_error']:+.1%}")
+    print(f"fitted: h100-96g's power_factor on {ops[0]['config']} only; worst predicted row of Tables "
+          f"{', '.join(map(str, BAR_TABLES))}: {worst['config']} {worst['tps_error']:+.1%}; Tables 2 and 4: "
+          + ", ".join(f"{r['tps_error']:+.1%}" for r in others))
     eff = rows("efficiency")
     eff_lines = table(eff)
     knob_default = Config.load(CONFIGS / ops[0]["config"]).conventions.compute_efficiency  # no config sets it
-    at_default = [r["tps_error"] for r in rows("efficiency", knob_default)]
+    at_default = [r["tps_error"] for r in rows("efficiency", knob_default) if r["table"] in BAR_TABLES]
     print(f"\nThe efficiency clock (every FLOP at {EFFICIENCY:g} × the peak, applied by this script):\n"
           + "\n".join(eff_lines))
     if args.markdown:
         doc = [
             "# ShardScope vs torchtitan's published H100 benchmarks",
             "",
-            "Source: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`, Tables 1, 3 and 5 "
+            "Source: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`, Tables 1 to 5 "
             "(H100 96 GB HBM2e at 500 W: preset `h100-96g`). Configs: `assets/examples/published/*.toml` "
             "(each states its assumptions; none holds a timing knob). Regenerate: `.venv/bin/python "
             "benchmarks/published.py --markdown benchmarks/published.md`.",
@@ -150,8 +156,14 @@ def main() -> None:
             "element through fp32 where a fused norm reads and writes 4; compiled blocks fuse it either way. "
             "Without it the eager rows took the norm as one kernel and the fit on row 1 left the compile rows "
             "at −8 % and the float8 rows at −11 … −12 %. "
-            f"Worst predicted row: {worst['config']} {worst['tps_error']:+.1%} "
-            f"({'within' if abs(worst['tps_error']) <= 0.10 else 'outside'} 10 %). What the op lists leave out is in "
+            f"Worst predicted row of Tables 1, 3 and 5 (issue 26's bar): {worst['config']} {worst['tps_error']:+.1%} "
+            f"({'within' if abs(worst['tps_error']) <= 0.10 else 'outside'} 10 %). Tables 2 and 4 were added after "
+            "the clock was made, as predictions it was never looked at against: "
+            + ", ".join(f"{r['config']} {r['tps_error']:+.1%}" for r in others)
+            + ". Context parallelism at 128K and 256K runs slower than predicted (+18, +22 %): the op lists time "
+            "each rank's share of the causal square at the flash kernel's rate and the K, V all-gather, not the "
+            "blockwise attention's per-chunk kernels and their merges; async TP's memory (+11 %) is not modelled "
+            "(torchtitan measured 4.3 GiB less with it). What the op lists leave out is in "
             "`engine/time/ops.py`'s docstring.",
             "",
             "## The efficiency clock, for comparison",
@@ -159,7 +171,7 @@ def main() -> None:
             f"Every FLOP at one `compute_efficiency` = {EFFICIENCY:g} × the peak (`conventions.clock = "
             "\"efficiency\"`, applied by the script to every row: a fudge chosen once from torchtitan's stated "
             "33–39 % MFU for 1-D 8B FSDP; see the script's docstring). At the knob's default "
-            f"({knob_default:g}) its tokens/s miss by "
+            f"({knob_default:g}) its tokens/s miss Tables 1, 3 and 5 by "
             f"{min(at_default):+.0%} … {max(at_default):+.0%}.",
             "",
             *eff_lines,
