@@ -101,7 +101,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(_summary(cfg))
         if calibration is not None:
             c = calibration
-            print(f"calibrated from {c.source}: compute efficiency {c.compute_efficiency:.3g} "
+            what = ("speed over the clock from ops" if c.config.conventions.clock == "ops"
+                    else "compute efficiency")
+            print(f"calibrated from {c.source}: {what} {c.compute_efficiency:.3g} "
                   f"(forward {c.forward_efficiency:.3g}, backward {c.backward_efficiency:.3g})"
                   + ("; same stages: measured per-stage durations" if c.same_stages(cfg) else ""))
         print(prediction_table(pred, explain=args.explain, over_step=args.over_step))

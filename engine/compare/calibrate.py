@@ -55,6 +55,7 @@ from engine.pipeline.layout import split_layers
 from engine.predict import Prediction, predict, predicted_step
 from engine.time.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_seconds, trainable_local
 from engine.time.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
+from engine.time.ops import op_durations
 from engine.time.step import optimizer_seconds, tp_stage_seconds
 from engine.wrapping import wrapping_plan
 
@@ -132,7 +133,8 @@ class Calibration:
                                                  hbm_bandwidth_gb_per_s=self.memory_bytes_per_s * k_all / 1e9)
         if self.link_bytes_per_s is not None:
             cluster["intra_node_bandwidth_gb_per_s"] = self.link_bytes_per_s * k_all / 1e9
-        return cfg.replace(conventions={"compute_efficiency": eff, "clock": "efficiency"}, cluster=cluster)
+        return cfg.replace(conventions={"compute_efficiency": eff, "clock": self.config.conventions.clock},
+                           cluster=cluster)
 
     def durations_for(self, cfg: Config, busy: float = 1.0) -> StageDurations:
         """Per-stage seconds for ``cfg`` at busy fraction ``busy``: measured when the stages match,
@@ -152,11 +154,13 @@ class Calibration:
             m = self.measured
             return StageDurations.of(m.num_stages, m.forward_s / k, m.backward_s / k, m.backward_input_s / k,
                                      m.backward_weight_s / k, p2p, source="calibrated: measured per stage")
-        base = stage_durations(cal.replace(conventions={"compute_efficiency": 1.0}))
+        # the clock's durations on the machine as the config describes it: the measured speeds already hold what
+        # the run's memory-bound ops took, so the bandwidth fitted to the optimizer's tail stays out of them
+        base = clock_durations(cfg.replace(cluster={"cpu_cores": 0}, conventions={"clock": self.config.conventions.clock}))
         ef, eb = self.forward_efficiency * k, self.backward_efficiency * k
         return StageDurations.of(base.num_stages, base.forward_s / ef, base.backward_s / eb,
                                  base.backward_input_s / eb, base.backward_weight_s / eb, p2p,
-                                 source="calibrated: analytic FLOPs / measured efficiency")
+                                 source=f"calibrated: the {cal.conventions.clock} clock's durations / measured speed")
 
     def predict(self, cfg: Config) -> Prediction:
         """``engine.predict`` for ``cfg`` with this calibration (and its measured links).
@@ -180,6 +184,7 @@ class Calibration:
     def to_json(self) -> dict:
         return {
             "source": self.source,
+            "clock": self.config.conventions.clock,  # what the efficiencies are over: the FLOPs at peak, or the ops
             "compute_efficiency": self.compute_efficiency,
             "forward_efficiency": self.forward_efficiency,
             "backward_efficiency": self.backward_efficiency,
@@ -317,9 +322,9 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     ``links`` (a link calibration of the same machine) the communication it takes out of the
     measured times, and the one it predicts, use the measured α and B."""
     meas = measurement if isinstance(measurement, dict) else measurement.to_dict()
-    # core sharing is scaled by the calibration itself; a run calibrates the efficiency clock's one scalar (the
-    # clock from ops reads device profiles, which no run corrects yet)
-    cfg = cfg.replace(cluster={"cpu_cores": 0}, conventions={"clock": "efficiency"})
+    # core sharing is scaled by the calibration itself; the run's clock stays (under "ops" the measured speeds
+    # are over the op lists' durations on the device profile, under "efficiency" over the FLOPs at the peak)
+    cfg = cfg.replace(cluster={"cpu_cores": 0})
     lk = None if links is None else links.links_for(cfg)
     step_s = float((meas.get("step") or {}).get("seconds") or 0.0)
     if not step_s > 0:
@@ -374,14 +379,17 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     else:
         measured = StageDurations.of(num_stages, f, backward_s=b, source="measured")
 
-    base = stage_durations(cfg.replace(conventions={"compute_efficiency": 1.0}))
+    base = clock_durations(cfg)
     eff_f = float(base.forward_s.sum() / measured.forward_s.sum())
     eff_b = float(base.backward_s.sum() / measured.backward_s.sum())
     eff = float((base.forward_s.sum() + base.backward_s.sum())
                 / (measured.forward_s.sum() + measured.backward_s.sum()))
-    if eff > 1:
+    if eff > 1 and cfg.conventions.clock != "ops":
         notes.append(f"achieved {eff:.2f}× the preset's peak FLOP/s: the GPU preset's peak is too low for this "
                      "machine (durations are used as measured)")
+    if cfg.conventions.clock == "ops":
+        notes.append(f"ran at {eff:.2f}× the speed of the clock from ops on its device profile (forward "
+                     f"{eff_f:.2f}, backward {eff_b:.2f}); other layouts: their ops' durations over these")
 
     # ---- optimizer tail -> memory bandwidth
     per_step = (meas.get("step") or {}).get("per_step") or [step_s]
@@ -434,9 +442,19 @@ def _stage_wrapping(cfg: Config) -> tuple[bool, str]:
     return plan.sharded, plan.mixed_precision
 
 
+def clock_durations(cfg: Config) -> StageDurations:
+    """The stages' durations the config's clock gives before any calibration: under ``clock = "ops"`` the ops on
+    the device profile (engine.time.ops.op_durations), under ``"efficiency"`` the FLOPs at the whole peak. A run's
+    measured durations over these are its speeds (``Calibration.forward_efficiency`` …): what corrects the
+    clock on this machine."""
+    if cfg.conventions.clock == "ops":
+        return op_durations(cfg)
+    return stage_durations(cfg.replace(conventions={"compute_efficiency": 1.0}))
+
+
 def _scaled(cfg: Config, eff: float) -> StageDurations:
-    """Analytic durations at an efficiency that may exceed 1 (the config field may not)."""
-    base = stage_durations(cfg.replace(conventions={"compute_efficiency": 1.0}))
+    """The clock's durations at a speed that may exceed 1 (the config field may not)."""
+    base = clock_durations(cfg)
     return StageDurations.of(base.num_stages, base.forward_s / eff, base.backward_s / eff,
                              base.backward_input_s / eff, base.backward_weight_s / eff, base.p2p_s,
                              source="calibrated")

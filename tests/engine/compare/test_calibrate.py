@@ -67,6 +67,37 @@ def test_calibration_beats_the_analytic_guess_on_other_layouts():
         assert calibrated < 0.05 < analytic, (target.parallel, analytic, calibrated)
 
 
+def _ops_machine(cfg: Config, speed: float = 0.4):
+    """ "The machine" under the clock from ops: every op's duration over ``speed`` (its profile too fast)."""
+    from engine.compare.calibrate import clock_durations
+    from engine.time.durations import StageDurations
+
+    c = cfg.replace(conventions={"clock": "ops"})
+    d = clock_durations(c)
+    slow = StageDurations.of(d.num_stages, d.forward_s / speed, d.backward_s / speed, d.backward_input_s / speed,
+                             d.backward_weight_s / speed, d.p2p_s)
+    return c, predict(c, slow)
+
+
+def test_under_the_clock_from_ops_a_run_corrects_the_ops_durations_of_other_layouts():
+    """The run's per-stage durations over the op lists' (on the device profile) are its speeds; another
+    layout's ops are timed over them, so its shapes (a GEMM of another size, another stage's blocks) carry
+    over where one FLOP efficiency cannot."""
+    source, machine = _ops_machine(_cfg(dp=2, pp=2, schedule="1F1B"))
+    meas = _measurement_of(source)
+    j = machine.to_json()
+    meas["pipeline"]["per_rank"] = [{"rank": r["rank"], "actions": j["pipeline"]["per_rank"][r["rank"] // 2]["actions"]}
+                                    for r in meas["pipeline"]["per_rank"]]
+    meas["step"] = {"seconds": machine.step.seconds, "per_step": [machine.step.seconds] * 2}
+    cal = calibrate(source, meas, cores=64)
+    assert cal.config.conventions.clock == "ops" and cal.to_json()["clock"] == "ops"
+    assert cal.forward_efficiency == pytest.approx(0.4, rel=1e-6) and cal.backward_efficiency == pytest.approx(0.4, rel=1e-6)
+    for target in (_cfg(dp=1, pp=4, schedule="GPipe"), _cfg(dp=1, pp=4, schedule="Interleaved1F1B", virtual_stages=2)):
+        t_ops, truth = _ops_machine(target)
+        assert cal.predict(target).step.seconds == pytest.approx(truth.step.seconds, rel=0.02), target.parallel
+        assert abs(predict(t_ops).step.seconds - truth.step.seconds) > 0.2 * truth.step.seconds  # uncalibrated: far
+
+
 def test_without_pipeline_actions_one_efficiency_is_fitted_to_the_step():
     cfg = _cfg(dp=4, microbatches=2)
     meas = _measurement_of(cfg)
