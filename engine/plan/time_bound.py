@@ -38,7 +38,7 @@ def _ops_units_of(base: Config, profile: DeviceProfile, tp: int, cp: int, key: t
                            training={"micro_batch_size": b, "compile": bool(cmp), "float8": _FLOAT8[f8]})
     except ConfigError:
         return out
-    for kind, terms in unit_seconds(cfg, recomputes=recomputes).items():
+    for kind, terms in unit_seconds(cfg, recomputes=recomputes, profile=profile).items():
         out[_RECOMPUTE.index(kind)] = terms
     out.setflags(write=False)
     return out

@@ -520,7 +520,7 @@ def block_ops(cfg: Config, experts: bool = False) -> dict[str, list[Op]]:
 def head_ops(cfg: Config) -> dict[str, list[Op]]:
     """The last stage's final norm, head GEMMs (bf16, or fp32 under fp32) and loss for one microbatch."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
-    T = tr.micro_batch_size * cfg.local_seq_len
+    T = _tokens(cfg)
     Ts = T // par.tp if par.sequence_parallel else T
     a = 4 if tr.precision == "fp32" else 2
     v = m.vocab // par.tp  # loss_parallel / the head's column shard
@@ -538,7 +538,7 @@ def head_ops(cfg: Config) -> dict[str, list[Op]]:
 def embedding_ops(cfg: Config) -> dict[str, list[Op]]:
     """The first stage's embedding gather for one microbatch (its backward's scatter-add, in W)."""
     tr, m = cfg.training, cfg.model
-    T = tr.micro_batch_size * cfg.local_seq_len
+    T = _tokens(cfg)
     a = 4 if tr.precision == "fp32" else 2
     return {"F": [Op("embedding gather", "F", "memory", 0.0, 2 * T * m.hidden * a, 1)], "I": [],
             "W": [] if tr.finetune == "lora" else  # LoRA: the embedding is frozen
@@ -549,22 +549,20 @@ def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile) -> float:
     return float(sum(op_seconds(op, cfg, prof) for op in ops))
 
 
-def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...] | None = None):
-    """Seconds of one microbatch's: a block's F, its I with the recompute every block runs (R), its W; the
-    head's F, I and W; the embedding's F and W — the terms :func:`op_durations` adds per stage. With
-    ``recomputes``: ``{kind: those terms}`` for each recompute kind, from one op list (the planner's time
-    bound reads them)."""
-    prof = device_profile(cfg.cluster.gpu.name)
+def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...] | None = None,
+                 profile: DeviceProfile | None = None) -> dict[str, tuple[float, ...]]:
+    """For each recompute kind of ``recomputes`` (default: the config's own), from one op list, the seconds of
+    one microbatch's: a block's F, its I with the recompute every block runs (R), its W; the head's F, I and
+    W; the embedding's F and W — the terms :func:`op_durations` adds per stage (the planner's time bound
+    reads every kind at once)."""
+    prof = profile or device_profile(cfg.cluster.gpu.name)
     fwd, bwd_in, bwd_w, attention, mem = _block_parts(cfg, experts)
     head, emb = head_ops(cfg), embedding_ops(cfg)
     f1, i1, w1 = (_seconds(x, cfg, prof) for x in (fwd, bwd_in, bwd_w))
     edges = (*(_seconds(head[k], cfg, prof) for k in ("F", "I", "W")), _seconds(emb["F"], cfg, prof),
              _seconds(emb["W"], cfg, prof))
-
-    def one(kind: str) -> tuple[float, ...]:
-        return (f1, i1 + _seconds(_redo(cfg, fwd, attention, mem, kind), cfg, prof), w1, *edges)
-
-    return one(cfg.training.recompute) if recomputes is None else {k: one(k) for k in recomputes}
+    return {kind: (f1, i1 + _seconds(_redo(cfg, fwd, attention, mem, kind), cfg, prof), w1, *edges)
+            for kind in (recomputes or (cfg.training.recompute,))}
 
 
 def op_durations(cfg: Config) -> StageDurations:
@@ -580,16 +578,16 @@ def _op_durations(cfg: Config, profile: DeviceProfile) -> StageDurations:
     par = cfg.parallel
     n = 1 if par.pp == 1 else par.num_stages
     f, i, w = np.zeros(n), np.zeros(n), np.zeros(n)
-    for count, experts in zip(stage_block_counts(cfg, n), (False, True)):
+    counts = stage_block_counts(cfg, n)  # (dense blocks, blocks with experts) of each stage
+    for count, experts in zip(counts, (False, True)):
         if not count.any():
             continue
-        f1, ir1, w1, hf, hi, hw, ef, ew = unit_seconds(cfg, experts)
+        f1, ir1, w1, hf, hi, hw, ef, ew = unit_seconds(cfg, experts, profile=profile)[cfg.training.recompute]
         f += count * f1
         i += count * ir1
         w += count * w1
     if cfg.training.recompute == "selective-layer":  # the checkpointed blocks' forward again, at the stage's mean block
-        blocks = np.maximum(sum(stage_block_counts(cfg, n)), 1)
-        i = i + np.array(checkpointed_blocks(cfg), dtype=np.float64) * f / blocks
+        i = i + np.array(checkpointed_blocks(cfg), dtype=np.float64) * f / np.maximum(sum(counts), 1)
     f[-1], i[-1], w[-1] = f[-1] + hf, i[-1] + hi, w[-1] + hw
     f[0], w[0] = f[0] + ef, w[0] + ew
     out = StageDurations.of(n, f, i + w, i, w, p2p_seconds(cfg, n), source="model")
