@@ -8,7 +8,13 @@ shared links are measured as the training sees them):
   over the whole world, for a sweep of buffer sizes S (S = the whole buffer, the gathered
   output for all-gather, the input for reduce-scatter: ``engine.time.comm``'s convention);
 * ``p2p``: one send from each even rank to the next odd rank (all pairs at once);
-* a matmul per rank, fp32 and bf16, at a small (model-like) and a large shape.
+* a matmul per rank, fp32 and bf16, at a small (model-like) and a large shape;
+* on CPU ranks, the same collectives *as training pays them* (``"mode": "busy"``): each call follows
+  ``--busy-work-ms`` of this rank's own CPU work, with no barrier, as a training step calls a
+  collective after its compute; a sample is the wall time of ``work + call`` less that of ``work``
+  alone, the two timed back to back over the same iterations. Idle ranks' gloo threads and a core
+  shared with other ranks' compute are then woken, where the barrier's samples find them awake: on a
+  2-core machine each ring step cost about 1.3 ms busy at 2, 4 and 8 ranks, against 0.15 ms synced.
 
 Each timed call is preceded by a barrier of its group; a sample is the slowest rank's time of
 that call, and the result per (collective, group size, S) is the median of the samples. Rank 0
@@ -109,6 +115,9 @@ def _bench(args) -> dict:
 
             samples.append({"kind": "p2p", "n": 2, "bytes": buf.numel() * 4, "seconds": timed(one, pair, reps)})
 
+    if device.type == "cpu" and args.busy_work_ms > 0:
+        samples += _busy_samples(args, groups, sizes, rank, world)
+
     # matmul FLOP/s per rank, every rank at once
     matmul = []
     shapes = [(128, 128, 352), (512, 512, 512)]
@@ -154,6 +163,64 @@ def _bench(args) -> dict:
     return result
 
 
+def _busy_samples(args, groups: dict, sizes: list[int], rank: int, world: int) -> list[dict]:
+    """The collectives as training pays them on CPU ranks (module docstring): per (collective, group, size),
+    ``reps`` samples, each the wall seconds per iteration of ``--busy-iters`` iterations of work then the
+    call, less the same iterations of work alone (run just before)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(128, 128)
+    work_s = args.busy_work_ms / 1e3
+
+    def work() -> None:
+        end = time.thread_time() + work_s  # this rank's CPU time: the same work however the cores are shared
+        while time.thread_time() < end:
+            torch.mm(a, a)
+
+    def per_iter(fn) -> float:
+        t0 = time.perf_counter()
+        for _ in range(args.busy_iters):
+            work()
+            fn()
+        return (time.perf_counter() - t0) / args.busy_iters
+
+    out = []
+    busy_sizes = [s for s in sizes if 2**13 <= s <= 2**21]
+    cases: list[tuple[str, int, object, int]] = []  # (collective, bytes, call, group size)
+    for n, group in sorted(groups.items()):
+        for size in busy_sizes:
+            elems = max(n, size // 4 // n * n)
+            full, part = torch.ones(elems), torch.empty(elems // n)
+            cases += [
+                ("all_reduce", elems * 4, lambda full=full, group=group: dist.all_reduce(full, group=group), n),
+                ("all_gather", elems * 4, lambda full=full, part=part, group=group:
+                 dist.all_gather_into_tensor(full, part, group=group), n),
+                ("reduce_scatter", elems * 4, lambda full=full, part=part, group=group:
+                 dist.reduce_scatter_tensor(part, full, group=group), n),
+            ]
+    if world % 2 == 0:
+        peer = rank + 1 if rank % 2 == 0 else rank - 1
+        for size in busy_sizes:
+            buf = torch.ones(max(1, size // 4))
+
+            def one(buf=buf):
+                if rank % 2 == 0:
+                    dist.send(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+            cases.append(("p2p", buf.numel() * 4, one, 2))
+    for kind, nbytes, fn, n in cases:
+        fn()  # warm
+        dist.barrier()
+        seconds = []
+        for _ in range(args.busy_reps):
+            alone = per_iter(lambda: None)
+            seconds.append(max(per_iter(fn) - alone, 1e-6))  # the fit divides by it
+        out.append({"kind": kind, "n": n, "bytes": nbytes, "seconds": seconds, "mode": "busy"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -161,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--matmul-seconds", type=float, default=0.3)
+    ap.add_argument("--busy-work-ms", type=float, default=3.0, help="CPU work before each busy call (0: none)")
+    ap.add_argument("--busy-iters", type=int, default=6)
+    ap.add_argument("--busy-reps", type=int, default=3)
     args = ap.parse_args(argv)
     _die_with_parent()
     result = _bench(args)

@@ -604,7 +604,7 @@ def _add_plan(sub) -> None:
 def _add_calibrate(sub) -> None:
     """``shardscope calibrate``'s arguments."""
     p = sub.add_parser("calibrate", help="measure this machine: collectives' latency and bandwidth and the "
-                                         "matmul FLOP/s per rank (torchrun micro-benchmark, ~15 s)")
+                                         "matmul FLOP/s per rank (torchrun micro-benchmark, 10–60 s)")
     p.add_argument("--links", action="store_true", help="time all-reduce / all-gather / reduce-scatter / send-recv "
                                                         "over a sweep of sizes and fit α and β per collective")
     p.add_argument("--device", action="store_true", help="time this machine's CPU as one rank sees it (GEMMs, "

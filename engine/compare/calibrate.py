@@ -506,10 +506,16 @@ def fit_alpha_beta(kind: str, n: int, sizes_bytes, seconds) -> tuple[float, floa
 
 def fit_links(samples: list[dict]) -> tuple[LinkFit, ...]:
     """One :class:`LinkFit` per (collective, group size) from benchmark samples
-    ``{"kind", "n", "bytes", "seconds": [...]}`` (the median of each sample's times is fitted)."""
+    ``{"kind", "n", "bytes", "seconds": [...]}`` (the median of each sample's times is fitted). Where CPU
+    ranks measured a (collective, group size) as training pays it (``"mode": "busy"``,
+    backend.linkbench_worker), those samples are the ones fitted: a step calls its collectives after its
+    compute, not after a barrier."""
+    busy = {(smp["kind"], int(smp["n"])) for smp in samples if smp.get("mode") == "busy"}
     groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for smp in samples:
         if smp["kind"] not in COLLECTIVES or not smp["seconds"]:
+            continue
+        if ((smp["kind"], int(smp["n"])) in busy) != (smp.get("mode") == "busy"):
             continue
         groups.setdefault((smp["kind"], int(smp["n"])), []).append((float(smp["bytes"]),
                                                                       float(np.median(smp["seconds"]))))

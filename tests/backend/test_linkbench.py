@@ -59,6 +59,17 @@ def test_one_fit_per_collective_and_group_size():
                for f in fits)
 
 
+def test_busy_samples_are_fitted_where_measured():
+    """CPU ranks' collectives as training pays them (after compute, no barrier) replace the synced samples of
+    the same (collective, group size); the others keep theirs."""
+    synced = _samples(100e-6, 1e9)
+    busy = [{**s, "mode": "busy"} for s in _samples(1.3e-3, 0.5e9) if s["kind"] in ("all_reduce", "p2p")]
+    fits = {(f.kind, f.group_size): f for f in fit_links(synced + busy)}
+    assert fits[("all_reduce", 4)].latency_s == pytest.approx(1.3e-3, rel=1e-3)
+    assert fits[("p2p", 2)].bytes_per_s == pytest.approx(0.5e9, rel=1e-3)
+    assert fits[("all_gather", 2)].latency_s == pytest.approx(100e-6, rel=1e-3)
+
+
 def _raw(alpha=500e-6, bw=1e9, world=4):
     return {"backend": "gloo", "world": world, "device": "cpu", "samples": _samples(alpha, bw),
             "matmul": [{"dtype": "float32", "shape": [512, 512, 512], "flops_per_s_per_rank": [5e10, 6e10, 7e10]},
@@ -135,6 +146,8 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(f.latency_s >= 0 and f.bytes_per_s > 0 for f in cal.fits)
     assert cal.flops_per_rank["fp32"] > 0
+    raw = json.loads((tmp_path / "links_raw.json").read_text())  # CPU ranks: each collective also as training pays it
+    assert {s["kind"] for s in raw["samples"] if s.get("mode") == "busy"} == kinds
     assert Config.load  # the engine stays importable beside it
 
 
