@@ -86,7 +86,8 @@ CLOCKS = {"efficiency": "every FLOP at conventions.compute_efficiency × the pea
 #: conventions.rms_norm: the kernels an eager RMSNorm runs (the clock from ops times them; under
 #: torch.compile every norm is one fused kernel whatever this says)
 RMS_NORMS = {"fused": "one kernel reading and writing its tensor: torch's F.rms_norm / nn.RMSNorm since its "
-                      "fused kernel (pytorch#153666, 2025), what this backend runs",
+                      "fused kernel (pytorch#153666, 2025), what this backend runs on GPUs (on CPU ranks torch decomposes it, "
+                      "and the clock counts the composite)",
              "fp32-composite": "torchtitan's own RMSNorm before March 2025 (torchtitan#985) (torchtitan/models/norms.py: x.float(), "
                                "pow, mean, + eps, rsqrt, mul, type_as, × weight: 8 kernels through fp32), "
                                "what its published H100 benchmarks of December 2024 ran"}

@@ -248,6 +248,7 @@ class _Planner(MemoryBound, TimeBound):
             out["ag"] = per_rank(lambda t: self._collective(rep, grad_group, "all_gather", t * w_b))
             out["rs"] = per_rank(lambda t: self._collective(rep, grad_group, "reduce_scatter", t * g_bytes))
             out["n_units"] = np.array([max(1, r.unit_count) for r in rows], dtype=np.float64)
+            out["ag_latency"] = self._collective(rep, grad_group, "all_gather", 0.0)  # one call's α terms
         self._shapes[key] = out
         return out
 

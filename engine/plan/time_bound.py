@@ -178,9 +178,11 @@ class TimeBound:
         if dpc > 1:
             nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
             if self.base.cluster.gpu.name == "cpu":  # CPU ranks: nothing overlaps (engine.time.comm._dp_items); FSDP
-                # gathers at least once a microbatch without pipelining, once a step with it
+                # gathers every unit at least once a microbatch without pipelining, once a step with it: the
+                # parameters' bytes once and each unit's call its latency (a ring's time is linear in the bytes)
                 rounds = gm[:, None] if st.pp == 1 else 1
-                exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag, rounds * ag + rs))
+                gathers = rounds * (ag + (n_units - 1) * sh["ag_latency"])
+                exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag, gathers + rs))
             else:  # the gradients' collectives hide behind the backward, FSDP's gathers behind F and B
                 back_one = b_ @ member.T  # [n, pp]
                 window = (f @ member.T + back_one) * gm[:, None]

@@ -19,7 +19,9 @@ consecutive ranks and the most likely to fit in a node, CP groups next; PP group
 Local CPU ranks (GPU kind "cpu") that outnumber ``cluster.cpu_cores`` share the cores: every
 hop of a ring waits for a descheduled peer and every copy runs on a shared core, so α is
 multiplied and B divided by the oversubscription ``world / cores`` (the ``local-cpu`` preset's
-α and B are per core, measured with ``shardscope calibrate --links``).
+α and B are per core, measured with ``shardscope calibrate --links``; its α as training pays it,
+each collective called after the rank's compute: gloo's threads and the shared cores have to wake,
+which a collective timed after a barrier never waits for).
 
 Expert parallelism (``parallel.ep`` > 1): each MoE block all-to-alls its tokens to the experts'
 ranks and back, forward and backward (:func:`ep_layer_collectives`), over ep consecutive ranks

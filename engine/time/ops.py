@@ -26,7 +26,7 @@ The ops of one dense block for one microbatch on one rank (T tokens: micro-batch
   dtype, as under FSDP2's bf16 parameters; its warning "Mismatch dtype between input and weight ...
   Cannot dispatch to fused implementation" from aten/src/ATen/native/layer_norm.cpp says when it does
   not; ``conventions.rms_norm = "fp32-composite"``: torchtitan's own norm of 2024, 8 kernels through
-  fp32, :func:`rms_norm_op`), each residual add 1 (3·T'·h·a), RoPE on q and k 14 kernels each
+  fp32, :func:`rms_norm_op`; on CPU ranks torch's own composite, whatever the convention), each residual add 1 (3·T'·h·a), RoPE on q and k 14 kernels each
   (backend/model.py's ``rope``: its angles' cos and sin, four products, a difference, a sum and a cat:
   9·a bytes an element),
   SwiGLU's silu and product 2 (5·T·f·a), float8's casts (``engine.time.durations.float8_cast_bytes``;
@@ -365,8 +365,11 @@ def rms_norm_op(name: str, elems: int, act: int, cfg: Config) -> Op:
     * self.weight``, ``_norm`` = ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)``): x.float()
     (act + 4 bytes an element; no kernel in fp32), pow (8), mean (4), + eps and rsqrt (one value a row), the
     product (8), type_as (4 + act; none in fp32), × weight (2·act): 36 bytes an element and 8 kernels in bf16,
-    28 and 6 in fp32. A LayerNorm (``model.norm``) is one kernel either way."""
-    if cfg.conventions.rms_norm == "fused" or cfg.model.norm != "rmsnorm":
+    28 and 6 in fp32. On CPU ranks torch has no fused kernel: ``nn.RMSNorm`` runs ``pow, mean, add_, rsqrt, mul,
+    mul`` (and a cast either side in bf16: a TorchDispatchMode trace of torch 2.13 on CPU), the composite count
+    whatever the convention. A LayerNorm (``model.norm``) is one kernel either way."""
+    composite = cfg.conventions.rms_norm != "fused" or cfg.cluster.gpu.name == "cpu"
+    if not composite or cfg.model.norm != "rmsnorm":
         return Op(name, "F", "memory", 0.0, 2 * elems * act, 1)
     casts = 2 * (act + 4) if act < 4 else 0
     return Op(name, "F", "memory", 0.0, elems * (20 + 2 * act + casts), 8 if act < 4 else 6)

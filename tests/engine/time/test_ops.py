@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from engine import Config, ConfigError
+from engine import Config, ConfigError, default_config
 from engine.predict import predict
 from engine.time.ops import (
     GEMM_DTYPES,
@@ -95,6 +95,16 @@ def test_torchtitans_2024_rms_norm_streams_its_tensor_through_fp32_eight_times_w
     assert op_durations(composite).backward_input_s[0] > op_durations(fused).backward_input_s[0]
     with pytest.raises(ConfigError, match="conventions.rms_norm.*fused"):
         fused.replace(conventions={"rms_norm": "apex"})
+
+
+def test_cpu_ranks_run_torchs_composite_rms_norm_whatever_the_convention():
+    """torch 2.13 has no fused RMSNorm on CPU: nn.RMSNorm runs pow, mean, add_, rsqrt, mul, mul (a cast either side
+    in bf16), as a TorchDispatchMode trace shows: fp32 28 bytes an element in 6 kernels."""
+    cpu = default_config()
+    assert cpu.cluster.gpu.name == "cpu" and cpu.conventions.rms_norm == "fused"
+    assert (rms_norm_op("n", 1000, 4, cpu).bytes, rms_norm_op("n", 1000, 4, cpu).kernels) == (28_000, 6)
+    assert rms_norm_op("n", 1000, 2, cpu).kernels == 8
+    assert rms_norm_op("n", 1000, 2, _cfg()).kernels == 1  # an H100: torch's fused kernel
 
 
 def test_float8_is_faster_on_large_gemms_but_far_from_the_peak_ratio():
