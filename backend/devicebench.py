@@ -6,9 +6,10 @@ process with ``OMP_NUM_THREADS=1``, the thread count a local rank runs with, bac
 in about 10–20 s:
 
 * GEMMs (``torch.mm``) of n × n by n × n for n = 16 … 512 in fp32 and bf16, and fits ``time = F / R +
-  c`` (F = 2n³): R is the large-GEMM rate, ``c`` a GEMM's fixed cost, which the op clock splits into the
-  per-op launch below and ``gemm_half_gflop = (c − launch) · R`` (its rate curve ``R · F / (F + F_half)``
-  costs exactly ``F / R + F_half / R``);
+  c`` (F = 2n³, n ≥ 32: ``FIT_FROM``) per dtype: R is the large-GEMM rate, ``c`` a GEMM's fixed cost, which
+  the op clock splits into the per-op launch below and ``gemm_half_gflop = (c − launch) · R`` (its rate curve
+  ``R · F / (F + F_half)`` costs exactly ``F / R + F_half / R``; bf16's ``gemm_half_gflop_bf16``: oneDNN's
+  AMX GEMM costs ~19 µs a call however small, fp32's ~1);
 * the bandwidth of an elementwise kernel: ``torch.add`` of two 32 MiB fp32 tensors into a third; and of a kernel of
   exponentials, ``torch.softmax`` over 4 Mi fp32 elements in rows of 64 (each read and written once: 8 B an
   element), as a fraction of the first (``softmax_fraction``: the op clock's softmax and the loss's log-softmax);
@@ -42,6 +43,9 @@ from engine.config import Config, default_config
 from engine.time.ops import block_ops
 
 SIZES = (16, 32, 64, 128, 256, 512)
+#: the smallest GEMM the rate line is fitted on: a 16³ GEMM takes another kernel path (bf16: 3 µs, against
+#: 19 µs at 32³ where oneDNN's AMX kernel starts), and a transformer block's GEMMs are wider
+FIT_FROM = 32
 
 
 def _seconds(fn, budget_s: float = 0.25, least: int = 5) -> float:
@@ -83,7 +87,8 @@ def measure() -> dict:
         for n in SIZES:
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             rows.append((2.0 * n**3, _seconds(lambda a=a, b=b: torch.mm(a, b))))
-        slope, fixed = _fit_line([f for f, _ in rows], [t for _, t in rows])
+        fitted = [(f, t) for f, t in rows if f >= 2.0 * FIT_FROM**3]
+        slope, fixed = _fit_line([f for f, _ in fitted], [t for _, t in fitted])
         out["gemm"][name] = {"sizes": list(SIZES), "seconds": [t for _, t in rows],
                              "rate_flops": 1.0 / slope, "fixed_s": max(fixed, 0.0)}
     x, y = torch.randn(2**23), torch.randn(2**23)
@@ -139,11 +144,12 @@ def profile(raw: dict) -> dict:
     f32 = g32["rate_flops"] / (gpu.peak_fp32_tflops * 1e12)
     f16 = g16["rate_flops"] / (gpu.peak_bf16_tflops * 1e12)
     half = max(0.0, g32["fixed_s"] - launch) * g32["rate_flops"] / 1e9
+    half16 = max(0.0, g16["fixed_s"] - launch) * g16["rate_flops"] / 1e9
     return {
         "gemm_fraction_bf16": f16, "gemm_fraction_fp32": f32,
         # torch._scaled_mm on the CPU is not measured faster than bf16 (gpus.toml): bf16's rate
         "gemm_fraction_fp8_tensorwise": f16, "gemm_fraction_fp8_rowwise": f16,
-        "gemm_half_gflop": max(half, 1e-6),
+        "gemm_half_gflop": max(half, 1e-6), "gemm_half_gflop_bf16": max(half16, 1e-6),
         # attention on CPU ranks is GEMMs (eager) or SDPA's CPU kernel: the GEMM fraction stands for it
         "attention_fraction_forward": f32, "attention_fraction_backward": f32,
         "hbm_fraction": raw["bandwidth_bytes_per_s"] / (gpu.hbm_bandwidth_gb_per_s * 1e9),

@@ -385,7 +385,7 @@ def _calibrate_device(args: argparse.Namespace) -> int:
         return EXIT_OK
     prof, raw = doc["profile"], doc["raw"]
     print(f"GEMM fp32 {raw['gemm']['fp32']['rate_flops'] / 1e9:.1f} GFLOP/s (large), bf16 "
-          f"{raw['gemm']['bf16']['rate_flops'] / 1e9:.1f}; half rate at {prof['gemm_half_gflop']:.4f} GFLOP; "
+          f"{raw['gemm']['bf16']['rate_flops'] / 1e9:.1f}; half rate at {prof['gemm_half_gflop']:.4f} GFLOP (bf16 {prof['gemm_half_gflop_bf16']:.4f}); "
           f"bandwidth {raw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (softmax {raw['softmax_bytes_per_s'] / 1e9:.1f}); "
           f"per-op cost {prof['launch_us']:.1f} µs forward, "
           f"{prof['launch_backward_us']:.1f} µs backward "

@@ -252,7 +252,7 @@ def _units_of(base: Config, profile: DeviceProfile, tp: int, ep: int, b: int,
             training={"micro_batch_size": b, "recompute": rc})
     except ConfigError:
         return None
-    dense, moe = (np.array(unit_seconds(cfg, e, profile=profile)[rc]) for e in (False, True))
+    dense, moe = (np.array(unit_seconds(cfg, e, profile=profile, casts=False)[rc]) for e in (False, True))
     dense.setflags(write=False)
     moe.setflags(write=False)
     return dense, moe

@@ -29,7 +29,8 @@ def _ops_units_of(base: Config, profile: DeviceProfile, tp: int, cp: int, key: t
                   recomputes: tuple[str, ...]) -> np.ndarray:
     """TimeBound._ops_units, kept across plans (``profile``: the device profile it was timed on, so a new
     ``calibrate --device`` is never read from a stale entry); zeros (a valid, loose bound) for a
-    combination validation refuses: its rows are refused when evaluated."""
+    combination validation refuses: its rows are refused when evaluated. Without autocast's casts (a row's
+    ZeRO stage decides whether it has them: FSDP2's policy has none), so a bound, exact where none are run."""
     b, sp, cmp, f8 = key
     out = np.zeros((len(_RECOMPUTE), 8))
     try:
@@ -38,7 +39,7 @@ def _ops_units_of(base: Config, profile: DeviceProfile, tp: int, cp: int, key: t
                            training={"micro_batch_size": b, "compile": bool(cmp), "float8": _FLOAT8[f8]})
     except ConfigError:
         return out
-    for kind, terms in unit_seconds(cfg, recomputes=recomputes, profile=profile).items():
+    for kind, terms in unit_seconds(cfg, recomputes=recomputes, profile=profile, casts=False).items():
         out[_RECOMPUTE.index(kind)] = terms
     out.setflags(write=False)
     return out

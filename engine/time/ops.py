@@ -30,7 +30,8 @@ The ops of one dense block for one microbatch on one rank (T tokens: micro-batch
   (backend/model.py's ``rope``: its angles' cos and sin, four products, a difference, a sum and a cat:
   9·a bytes an element),
   SwiGLU's silu and product 2 (5·T·f·a), float8's casts (``engine.time.durations.float8_cast_bytes``;
-  2 kernels a cast: amax, then scale). Under torch.compile the chains fuse: each residual add with the
+  2 kernels a cast: amax, then scale), and under ``torch.autocast`` (DDP, ZeRO-1/2 in bf16-mixed) each weight's
+  and each stream-reading input's cast to bf16 (:func:`autocast_casts`). Under torch.compile the chains fuse: each residual add with the
   norm after it 1 kernel (4·T'·h·a), RoPE 1 kernel (2a), silu·mul 1 (3·T·f·a), a cast 1 (amax fused).
 * backward for inputs (I): each Linear's input-gradient GEMM, the attention's backward (2.5 × its
   forward FLOPs), each memory-bound op's backward at twice its forward's bytes and kernels, the
@@ -93,6 +94,7 @@ from engine.time.durations import (
     per_op_recompute_flops_per_token,
     stage_block_counts,
 )
+from engine.wrapping import wrapping_plan
 
 #: the dtypes a GEMM runs in, by the profile field naming its achieved fraction
 GEMM_DTYPES = ("bf16", "fp32", "fp8_tensorwise", "fp8_rowwise")
@@ -117,13 +119,20 @@ class DeviceProfile:
     # the bandwidth a kernel of exponentials (softmax, log-softmax) achieves, as a fraction of ``hbm_fraction``'s
     # (optional in devices.toml: 1, a GPU's memory-bound kernels all stream; a CPU core computes each exp)
     softmax_fraction: float = 1.0
+    # the half-rate size of the 16-bit GEMMs where it differs from ``gemm_half_gflop``'s (optional: 0, the same; a CPU's
+    # bf16 GEMMs run oneDNN's AMX kernel, whose set-up costs ~19 µs a call where fp32's costs ~1)
+    gemm_half_gflop_bf16: float = 0.0
 
     def gemm_fraction(self, dtype: str) -> float:
         return getattr(self, f"gemm_fraction_{dtype}")
 
+    def gemm_half(self, dtype: str) -> float:
+        """GFLOP at which a ``dtype`` GEMM runs at half its large-GEMM rate."""
+        return self.gemm_half_gflop_bf16 if dtype != "fp32" and self.gemm_half_gflop_bf16 > 0 else self.gemm_half_gflop
+
 
 #: profile fields a table may leave out (their defaults: a GPU's)
-OPTIONAL_FIELDS = ("softmax_fraction",)
+OPTIONAL_FIELDS = ("softmax_fraction", "gemm_half_gflop_bf16")
 
 
 @functools.cache
@@ -252,7 +261,7 @@ def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
     if op.kind == "gemm" and op.flops > 0:
         peak = {"bf16": gpu.peak_bf16_tflops, "fp32": gpu.peak_fp32_tflops}.get(op.dtype, gpu.peak_fp8_tflops)
         one = op.flops / (op.kernels * op.groups)
-        rate = peak * 1e12 * prof.gemm_fraction(op.dtype) * prof.power_factor * one / (one + prof.gemm_half_gflop * 1e9)
+        rate = peak * 1e12 * prof.gemm_fraction(op.dtype) * prof.power_factor * one / (one + prof.gemm_half(op.dtype) * 1e9)
         seconds = max(seconds, op.flops / rate)
     elif op.kind == "attention" and op.flops > 0:
         frac = prof.attention_fraction_forward if op.phase == "F" else prof.attention_fraction_backward
@@ -418,7 +427,32 @@ def _forward_memory_ops(cfg: Config, experts: bool, lin: list[_Linear]) -> list[
     if tr.float8 != "none":
         f8 = [(x.d_in, x.d_out) for x in lin if x.float8]
         ops.append(Op("float8 casts", "F", "memory", 0.0, float8_cast_bytes(cfg, f8)[0], 2 * len(f8) * (1 if c else 2)))
+    ops += autocast_casts(cfg, lin)["F"]
     return ops
+
+
+#: the Linears that read the fp32 residual stream's norm output (autocast casts it for each of them)
+_STREAM_READERS = ("wq", "wk", "wv", "wq_a", "wkv_a", "w1", "w3")
+
+
+def autocast_casts(cfg: Config, lin: list[_Linear]) -> dict[str, list[Op]]:
+    """Under ``torch.autocast`` (bf16-mixed without FSDP2's policy: DDP, ZeRO-1/2; engine.wrapping) a block's
+    Linears keep fp32 weights and read the fp32 residual stream, so each forward casts every weight to bf16 (once:
+    autocast caches a leaf's cast for the forward) and the norm output once for each Linear that reads it; the
+    backward casts each of those inputs' gradients back to fp32, the stream's gradient to bf16 where it enters
+    the o and down projections, and each weight's gradient to fp32 (W). A cast reads 4 and writes 2 bytes an
+    element, or the reverse. Counted from a TorchDispatchMode trace of backend/model.py's block on torch 2.13:
+    16 ``_to_copy`` forward (7 weights, 5 inputs, RoPE's 4 small cos/sin casts, left out), 14 backward."""
+    if not wrapping_plan(cfg).autocast:
+        return {"F": [], "I": [], "W": []}
+    dense = [x for x in lin if x.name != "router"]  # the router computes in fp32 with autocast off
+    readers = [x for x in dense if x.name.split(".")[-1] in _STREAM_READERS]
+    weights = sum(x.groups * x.d_in * x.d_out for x in dense)
+    inputs = sum(x.tokens * x.d_in for x in readers)
+    stream = 2 * _tokens(cfg) * cfg.model.hidden  # into wo's and w2's bf16 backward
+    return {"F": [Op("autocast casts", "F", "memory", 0.0, 6 * (weights + inputs), len(dense) + len(readers))],
+            "I": [Op("autocast casts backward", "I", "memory", 0.0, 6 * (inputs + stream), len(readers) + 2)],
+            "W": [Op("autocast weight-gradient casts", "W", "memory", 0.0, 6 * weights, len(dense))]}
 
 
 def _executed_share(cfg: Config) -> float:
@@ -470,8 +504,9 @@ def _attention_ops(cfg: Config) -> tuple[list[Op], list[Op]]:
     return fwd, back
 
 
-def _block_parts(cfg: Config, experts: bool) -> tuple[list[Op], list[Op], list[Op], list[Op], list[Op]]:
-    """:func:`block_ops`' F, I and W, and the forward's attention and memory-bound ops (what recompute repeats)."""
+def _block_parts(cfg: Config, experts: bool, casts: bool = True) -> tuple[list[Op], list[Op], list[Op], list[Op], list[Op]]:
+    """:func:`block_ops`' F, I and W, and the forward's attention and memory-bound ops (what recompute repeats);
+    ``casts=False``: without autocast's casts (the planner's bound, which does not tell the ZeRO stages apart)."""
     tr = cfg.training
     a = 4 if tr.precision == "fp32" else 2
     base = "fp32" if tr.precision == "fp32" else "bf16"
@@ -479,20 +514,27 @@ def _block_parts(cfg: Config, experts: bool) -> tuple[list[Op], list[Op], list[O
     lin = _attention_linears(cfg) + _mlp_linears(cfg, experts) + _adapters(cfg)
     fwd = [_gemm(x, "F", fp8 if x.float8 else base, a) for x in lin]
     mem = _forward_memory_ops(cfg, experts, lin)
+    if not casts:
+        mem = [op for op in mem if op.name != "autocast casts"]
     attention, attention_back = _attention_ops(cfg)
     fwd += attention + mem
     bwd_in = [_gemm(x, "I", fp8 if x.float8 else base, a) for x in lin] + attention_back
     for op in mem:
+        if op.name == "autocast casts":
+            continue  # its backward is its own (autocast_casts)
         if op.name == "float8 casts":
             f8 = [(x.d_in, x.d_out) for x in lin if x.float8]
             again = 2 if tr.float8 == "rowwise" else 1
-            casts = len(f8) * (2 * again)  # output gradients (and, rowwise, inputs along the other axis) and weights
+            n_casts = len(f8) * (2 * again)  # output gradients (and, rowwise, inputs along the other axis) and weights
             bwd_in.append(Op("float8 casts backward", "I", "memory", 0.0, float8_cast_bytes(cfg, f8)[1],
-                             casts * (1 if tr.compile else 2)))
+                             n_casts * (1 if tr.compile else 2)))
         else:
             bwd_in.append(Op(op.name + " backward", "I", "memory", 0.0, 2 * op.bytes, 2 * op.kernels, exp_bound=op.exp_bound))
     trained = [x for x in lin if ".lora_" in x.name] if tr.finetune == "lora" else lin
     bwd_w = [_gemm(x, "W", fp8 if x.float8 else base, a) for x in trained]
+    if casts:
+        bwd_in += autocast_casts(cfg, lin)["I"]
+        bwd_w += autocast_casts(cfg, trained)["W"]
     return fwd, bwd_in, bwd_w, attention, mem
 
 
@@ -553,13 +595,13 @@ def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile) -> float:
 
 
 def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...] | None = None,
-                 profile: DeviceProfile | None = None) -> dict[str, tuple[float, ...]]:
+                 profile: DeviceProfile | None = None, casts: bool = True) -> dict[str, tuple[float, ...]]:
     """For each recompute kind of ``recomputes`` (default: the config's own), from one op list, the seconds of
     one microbatch's: a block's F, its I with the recompute every block runs (R), its W; the head's F, I and
     W; the embedding's F and W — the terms :func:`op_durations` adds per stage (the planner's time bound
     reads every kind at once)."""
     prof = profile or device_profile(cfg.cluster.gpu.name)
-    fwd, bwd_in, bwd_w, attention, mem = _block_parts(cfg, experts)
+    fwd, bwd_in, bwd_w, attention, mem = _block_parts(cfg, experts, casts)
     head, emb = head_ops(cfg), embedding_ops(cfg)
     f1, i1, w1 = (_seconds(x, cfg, prof) for x in (fwd, bwd_in, bwd_w))
     edges = (*(_seconds(head[k], cfg, prof) for k in ("F", "I", "W")), _seconds(emb["F"], cfg, prof),

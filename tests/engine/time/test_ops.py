@@ -97,6 +97,22 @@ def test_torchtitans_2024_rms_norm_streams_its_tensor_through_fp32_eight_times_w
         fused.replace(conventions={"rms_norm": "apex"})
 
 
+def test_autocast_casts_each_weight_once_and_the_stream_for_each_reader_worked_by_hand():
+    """bf16-mixed under DDP runs torch.autocast (engine.wrapping): a TorchDispatchMode trace of the backend's block
+    shows 7 weight casts and 5 casts of the norm outputs (q, k, v, gate, up) forward; backward 5 input-gradient casts
+    and 2 of the stream's gradient (into o and down), and 7 weight-gradient casts. 6 bytes an element each."""
+    cfg = default_config().replace(training={"precision": "bf16-mixed"})  # tiny: h 128, q 128, kv 64, f 352, T 128
+    ops = block_ops(cfg)
+    cast = {ph: [o for o in ops[ph] if o.name.startswith("autocast")] for ph in "FIW"}
+    weights = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 352
+    inputs = 128 * 128 * 3 + 128 * 128 * 2
+    assert [(o.kernels, o.bytes) for o in cast["F"]] == [(12, 6 * (weights + inputs))]
+    assert [(o.kernels, o.bytes) for o in cast["I"]] == [(7, 6 * (inputs + 2 * 128 * 128))]
+    assert [(o.kernels, o.bytes) for o in cast["W"]] == [(7, 6 * weights)]
+    for other in (default_config(), _cfg()):  # fp32; FSDP2's policy casts nothing per Linear
+        assert not [o for ph in "FIW" for o in block_ops(other)[ph] if o.name.startswith("autocast")]
+
+
 def test_cpu_ranks_run_torchs_composite_rms_norm_whatever_the_convention():
     """torch 2.13 has no fused RMSNorm on CPU: nn.RMSNorm runs pow, mean, add_, rsqrt, mul, mul (a cast either side
     in bf16), as a TorchDispatchMode trace shows: fp32 28 bytes an element in 6 kernels."""
