@@ -22,7 +22,8 @@ File format (the product's public contract; keys may be added, never renamed)::
                  v_head_dim
     [cluster]    preset, gpu (a preset name or a table), gpus, gpus_per_node,
                  intra_node_bandwidth_gb_per_s, intra_node_latency_us,
-                 inter_node_bandwidth_gb_per_s, inter_node_latency_us, cpu_cores
+                 inter_node_bandwidth_gb_per_s, inter_node_latency_us, cpu_cores,
+                 cpu_wake_latency_us
     [parallel]   dp, tp, pp, cp, cp_rotate ("allgather" | "alltoall"), zero (or fsdp =
                  "FULL_SHARD" | ...), replicate,
                  sequence_parallel, schedule, virtual_stages, microbatches,

@@ -296,6 +296,7 @@ _WRITTEN_WHEN_SET: dict[type, tuple[str, ...]] = {
                 "router_aux_loss", "router_groups", "router_topk_groups", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                 "v_head_dim"),
     ParallelSpec: ("ep",),
+    ClusterSpec: ("cpu_wake_latency_us",),
     Conventions: ("moe_imbalance", "moe_capacity_factor", "moe_expert_load"),
 }
 

@@ -357,6 +357,14 @@ class ClusterSpec:
         doc="the cluster preset the fields came from (assets/presets/clusters.toml)",
         group="cluster",
     )
+    cpu_wake_latency_us: float = knob(
+        0.0,
+        doc="local CPU ranks (gpu cpu) only: what a collective step costs beyond intra_node_latency_us when a rank "
+            "calls it after its own compute, as training does (gloo's threads and a shared core wake first; "
+            "shardscope calibrate --links times calls both ways); calls queued back to back (async_op) pay it once",
+        range=_LATENCY,
+        group="cluster",
+    )
     cpu_cores: int = knob(
         0,
         doc="physical cores local CPU ranks (gpu cpu) share; 0 = one core per rank",

@@ -183,7 +183,8 @@ class TimeBound:
                 # parameters' bytes once and each unit's call its latency (a ring's time is linear in the bytes)
                 rounds = gm[:, None] if st.pp == 1 else 1
                 gathers = rounds * (ag + (n_units - 1) * sh["ag_latency"])
-                exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag, gathers + rs))
+                # ZeRO-1's per-tensor broadcasts: their bytes at least (the queued ones skip the wake)
+                exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag - sh["ag_latency"], gathers + rs))
             else:  # the gradients' collectives hide behind the backward, FSDP's gathers behind F and B
                 back_one = b_ @ member.T  # [n, pp]
                 window = (f @ member.T + back_one) * gm[:, None]

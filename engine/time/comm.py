@@ -19,9 +19,10 @@ consecutive ranks and the most likely to fit in a node, CP groups next; PP group
 Local CPU ranks (GPU kind "cpu") that outnumber ``cluster.cpu_cores`` share the cores: every
 hop of a ring waits for a descheduled peer and every copy runs on a shared core, so α is
 multiplied and B divided by the oversubscription ``world / cores`` (the ``local-cpu`` preset's
-α and B are per core, measured with ``shardscope calibrate --links``; its α as training pays it,
-each collective called after the rank's compute: gloo's threads and the shared cores have to wake,
-which a collective timed after a barrier never waits for).
+α and B are per core, measured with ``shardscope calibrate --links``). Each step of a collective a
+rank calls after its compute, as training does, pays ``cluster.cpu_wake_latency_us`` more (gloo's
+threads and a shared core wake first, which a collective timed after a barrier never waits for;
+the benchmark's busy samples); ZeRO-1's broadcasts, issued back to back with async_op, pay it once.
 
 Expert parallelism (``parallel.ep`` > 1): each MoE block all-to-alls its tokens to the experts'
 ranks and back, forward and backward (:func:`ep_layer_collectives`), over ep consecutive ranks
@@ -225,13 +226,23 @@ def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str, cp: int = 1) -> G
     return worst
 
 
+def cpu_wake_s(cfg: Config) -> float:
+    """What a collective step costs more on CPU ranks when called after the rank's compute
+    (``cluster.cpu_wake_latency_us``; 0 on GPUs)."""
+    cl = cfg.cluster
+    return cl.cpu_wake_latency_us * 1e-6 if cl.gpu.name == "cpu" else 0.0
+
+
 def collective_seconds(cfg: Config, kind: str, size_bytes: float, span: GroupSpan,
-                       links: MeasuredLinks | None = None) -> float:
+                       links: MeasuredLinks | None = None, queued: bool = False) -> float:
     """Time of one collective over a group laid out as ``span`` on this cluster (intra-node
-    α and B from ``links`` where it measured the collective)."""
+    α and B from ``links`` where it measured the collective). On CPU ranks each intra-node step
+    also pays the wake (:func:`cpu_wake_s`) unless ``queued``: issued back to back after another
+    call (async_op), it finds gloo's threads awake."""
     cl = cfg.cluster
     over = cpu_oversubscription(cfg)
-    intra = (cl.intra_node_bytes_per_s / over, cl.intra_node_latency_us * 1e-6 * over)
+    wake = 0.0 if queued else cpu_wake_s(cfg)
+    intra = (cl.intra_node_bytes_per_s / over, (cl.intra_node_latency_us * 1e-6 + wake) * over)
     inter = (cl.inter_node_bytes_per_s / over, cl.inter_node_latency_us * 1e-6 * over)
     n = span.size
     if kind == "p2p":
@@ -648,8 +659,11 @@ def _dp_items(cfg: Config, rp, spans: dict[str, GroupSpan], links: MeasuredLinks
         # tensor's broadcast, each paying the broadcast's latency. Listed as one all-gather of the
         # parameters (its volume: calls and size_bytes), timed as the per-tensor broadcasts.
         tensors = zero1_broadcast_tensors(cfg, rp)
-        if span.size > 1:
-            secs = tensors * broadcast_seconds(cfg, weights / tensors, span, links)
+        if span.size > 1:  # issued with async_op=True and waited for at the end (torch's _sync_params): on CPU
+            # ranks the first wakes gloo's threads, the rest find them awake
+            one = weights / tensors
+            secs = (broadcast_seconds(cfg, one, span, links)
+                    + (tensors - 1) * broadcast_seconds(cfg, one, span, links, queued=True))
             items.append(CommItem("dp", f"ZeRO-1 parameter all-gather (timed as {tensors} per-tensor broadcasts "
                                         "after the step)", "all_gather", 1, weights, span.size, span.link,
                                   secs, False, "step"))
@@ -694,14 +708,15 @@ def zero1_broadcast_tensors(cfg: Config, rp) -> int:
     return max(1, rp.tensor_count)
 
 
-def broadcast_seconds(cfg: Config, size_bytes: float, span: GroupSpan, links: MeasuredLinks | None = None) -> float:
+def broadcast_seconds(cfg: Config, size_bytes: float, span: GroupSpan, links: MeasuredLinks | None = None,
+                      queued: bool = False) -> float:
     """One broadcast of ``size_bytes`` over a group laid out as ``span``: a binomial tree
     (gloo's and MPI's short-message algorithm), ⌈log₂ n⌉ rounds of one point-to-point send
-    (α + S/B of the p2p link, measured where ``links`` has it)."""
+    (α + S/B of the p2p link, measured where ``links`` has it; ``queued``: :func:`collective_seconds`)."""
     if span.size <= 1:
         return 0.0
     rounds = math.ceil(math.log2(span.size))
-    return rounds * collective_seconds(cfg, "p2p", size_bytes, span, links)
+    return rounds * collective_seconds(cfg, "p2p", size_bytes, span, links, queued)
 
 
 def _sub_span(span: GroupSpan, size: int) -> GroupSpan:

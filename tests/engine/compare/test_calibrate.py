@@ -86,7 +86,7 @@ def test_under_the_clock_from_ops_a_run_corrects_the_ops_durations_of_other_layo
     # "the machine" lays DDP's all-reduce after its last action, where the backend's runs inside the last backward
     # (calibrate reads the step's tail as the optimizer's): a link latency after a barrier keeps that tail small
     def lat(c: Config) -> Config:
-        return c.replace(cluster={"intra_node_latency_us": 150.0})
+        return c.replace(cluster={"intra_node_latency_us": 150.0, "cpu_wake_latency_us": 0.0})
     source, machine = _ops_machine(lat(_cfg(dp=2, pp=2, schedule="1F1B")))
     meas = _measurement_of(source)
     j = machine.to_json()

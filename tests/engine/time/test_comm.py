@@ -202,6 +202,35 @@ def test_zero1_broadcasts_every_parameter_tensor_separately():
     assert it.seconds == pytest.approx(tensors * broadcast_seconds(c, held / tensors, span))
 
 
+def test_cpu_ranks_pay_the_wake_on_each_step_called_after_compute_and_once_for_queued_broadcasts():
+    """The embedded default's cluster (local-cpu: α 150 µs, wake 1,210 µs a step, 1.8 GB/s, 4 ranks on 2 cores):
+    a step called after compute costs (α + wake) · 2, one queued behind another (ZeRO-1's async broadcasts) α · 2;
+    p2p pays the wake too (the receiver wakes first). Worked by hand."""
+    from engine import default_config
+    from engine.time.comm import broadcast_seconds
+    from engine.time.durations import p2p_seconds
+
+    c = default_config().replace(parallel={"dp": 4, "pp": 1, "zero": 1, "microbatches": 1})
+    assert (c.cluster.intra_node_latency_us, c.cluster.cpu_wake_latency_us, c.cluster.cpu_cores) == (150.0, 1210.0, 2)
+    span = group_span(c, "dp")
+    s = 1e6
+    assert collective_seconds(c, "all_reduce", s, span) == pytest.approx(6 * 2720e-6 + 1.5 * s / 0.9e9)
+    assert collective_seconds(c, "all_reduce", s, span, queued=True) == pytest.approx(6 * 300e-6 + 1.5 * s / 0.9e9)
+    first, queued = broadcast_seconds(c, s, span), broadcast_seconds(c, s, span, queued=True)
+    assert (first, queued) == (pytest.approx(2 * (2720e-6 + s / 0.9e9)), pytest.approx(2 * (300e-6 + s / 0.9e9)))
+    it = next(i for i in communication(c).per_pp_rank[0].items if i.what.startswith("ZeRO-1 parameter"))
+    tensors = int(it.what.split("timed as ")[1].split()[0])
+    one = it.size_bytes / tensors
+    assert it.seconds == pytest.approx(broadcast_seconds(c, one, span) + (tensors - 1) * broadcast_seconds(
+        c, one, span, queued=True))
+    pp = default_config()  # dp2 × pp2: p2p between the stages, before the core sharing's doubling
+    assert p2p_seconds(pp, 2)[0] == pytest.approx(1360e-6 + 2 * 64 * 128 * 4 / 1.8e9)
+    gpu = cfg(dp=4, zero=1, gpus=4)  # GPUs have no wake
+    assert gpu.cluster.cpu_wake_latency_us == 0.0
+    assert collective_seconds(gpu, "all_reduce", s, group_span(gpu, "dp")) == collective_seconds(
+        gpu, "all_reduce", s, group_span(gpu, "dp"), queued=True)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from([1, 2, 3, 4, 6, 8, 16]), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 3, 4, 8]),
        st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3, 4, 5, 7, 8, 12, 72]),
