@@ -14,7 +14,8 @@ shared links are measured as the training sees them):
   collective after its compute; a sample is the wall time of ``work + call`` less that of ``work``
   alone, the two timed back to back over the same iterations. Idle ranks' gloo threads and a core
   shared with other ranks' compute are then woken, where the barrier's samples find them awake: on a
-  2-core machine each ring step cost about 1.3 ms busy at 2, 4 and 8 ranks, against 0.15 ms synced.
+  2-core machine (2026-12-04) a ring step cost 0.7–2.1 ms busy at 2 ranks against 0.1–0.3 ms synced,
+  and 2–12 ms at 4 and 8 ranks sharing the cores.
 
 Each timed call is preceded by a barrier of its group; a sample is the slowest rank's time of
 that call, and the result per (collective, group size, S) is the median of the samples. Rank 0
