@@ -326,7 +326,7 @@ def _unparse(cfg) -> dict[str, Any]:
     if cl.preset is not None:
         cluster["preset"] = cl.preset
     cluster["gpu"] = gpu_value
-    cluster.update(_asdict_without_none(cl, drop=("gpu", "preset")))
+    cluster.update(_drop_defaults(cl, _asdict_without_none(cl, drop=("gpu", "preset"))))
     return {
         "schema_version": cfg.schema_version,
         "model": model,

@@ -250,3 +250,14 @@ def test_group_span_without_scanning_the_world_equals_the_scan(dp, tp, pp, cp, g
         if (span.nodes, -span.local) > (worst.nodes, -worst.local):
             worst = span
     assert _group_span.__wrapped__(dp, tp, pp, gpn, dim, cp) == worst
+
+
+def test_the_wake_field_is_written_only_where_a_cluster_sets_it():
+    """A GPU cluster's file reads as it did before cluster.cpu_wake_latency_us existed (the fake sweep's cache keys
+    and saved configs stay); the local-cpu preset's names it and reads back equal."""
+    from engine import default_config
+
+    assert "cpu_wake_latency_us" not in cfg(dp=4, zero=1, gpus=4).dumps_toml()
+    local = default_config()
+    assert "cpu_wake_latency_us = 1210.0" in local.dumps_toml()
+    assert Config.loads_toml(local.dumps_toml()) == local
