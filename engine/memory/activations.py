@@ -1612,6 +1612,15 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             # Llama 3 70B TP8 step (two fp32 tokens × h tensors at its peak): under TP the output gradient is the
             # whole h wide, the down input f/t
             cast = max(cast, (4 + 4 + 1) * s * b * m.hidden)
+            if not wrapping_plan(cfg).float8_all_gather:
+                # or, before the down input's gradient exists, w2's weight cast along its other axis for that
+                # gradient (the backward's ``hp_tensor_to_float8_dynamic(weight_hp_t, ...)``, torchao 0.18
+                # float8_linear.py): the same scaled and saturated fp32 copies and float8 bytes, over f/t·h
+                # elements, beside the output gradient's float8 cast; it outweighs the tokens' casts where a
+                # rank's tokens are few against the widths (a fake Llama 3 405B step at 2,048 tokens a rank:
+                # 9.25 GB of temporaries at its peak, one 16,384 × 53,248 weight's). Float8 all-gather
+                # brings the weight in float8 already
+                cast = max(cast, (4 + 4 + 1) * f_loc * m.hidden + s * b * m.hidden - sbf)
         if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             T.add("temporaries", "the first block's MLP backward under float8: the down input's gradient, and "
                   "the down input cast to float8 for w2's weight gradient (fp32 upcast, scaled copy, float8) "

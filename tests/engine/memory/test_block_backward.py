@@ -103,6 +103,23 @@ def test_float8_eager_casts_of_w2s_input_are_the_backwards_moment():
     assert _terms(compiled, "temporaries")["mlp_backward"] == 3 * 90_112  # SwiGLU's product backward
 
 
+def test_float8_casts_w2s_weight_for_its_input_gradient_which_dominates_when_tokens_are_few():
+    """torchao 0.18's Float8Linear backward casts its weight along the other axis for the input gradient
+    (``hp_tensor_to_float8_dynamic(weight_hp_t, ...)``: the scaled and saturated fp32 copies and the float8 bytes,
+    9 B an element) beside the output gradient's float8 cast, before the down input's gradient exists. A fake
+    Llama 3 405B step at 2,048 tokens a rank held 9.25 GB of temporaries at its peak: one 16,384 × 53,248
+    weight's. By hand, s·b = 16 tokens, h 128, f 2,048, rowwise (no float8 all-gather): 9·f·h + s·b·h."""
+    par = {"dp": 4, "zero": 3, "microbatches": 2}
+    fl8 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "rowwise", "micro_batch_size": 1}
+    small = {"seq_len": 16, "ffn_hidden": 2048}
+    r = memory_per_rank(_cfg(par, fl8, small)).per_rank[0]
+    assert _terms(r, "temporaries")["mlp_backward"] == 9 * 2048 * 128 + 16 * 128
+    # many tokens: the tokens' casts are the moment again (the tiny model's 2 × 64 tokens: the test above)
+    many = memory_per_rank(_cfg(par, fl8, {"seq_len": 1024, "ffn_hidden": 2048})).per_rank[0]
+    sbf = 2 * 1024 * 2048
+    assert _terms(many, "temporaries")["mlp_backward"] == sbf + (4 + 4 + 1) * 1024 * 2048 + 2 * 1024 * 128
+
+
 def test_a_split_backward_keeps_each_weight_ops_output_gradient_from_i_to_w():
     """InterleavedZeroBubble pp4 v2, fp32, one block per stage (the accuracy row), traced op by op:
     on the last rank (stages 3 and 7) MemTracker's Temp rose by exactly 1,146,880 B per I of stage 7
