@@ -69,7 +69,6 @@ def _bench(args) -> dict:
                 groups[2] = g
     if world >= 2:
         groups[world] = dist.group.WORLD
-
     sizes = [int(s) for s in args.sizes]
     samples: list[dict] = []
 
@@ -116,9 +115,8 @@ def _bench(args) -> dict:
 
             samples.append({"kind": "p2p", "n": 2, "bytes": buf.numel() * 4, "seconds": timed(one, pair, reps)})
 
-    if device.type == "cpu" and args.busy_work_ms > 0:
+    if device.type == "cpu" and args.busy_work_ms > 0:  # the same calls as training pays them
         samples += _busy_samples(args, groups, sizes, rank, world)
-
     # matmul FLOP/s per rank, every rank at once
     matmul = []
     shapes = [(128, 128, 352), (512, 512, 512)]
