@@ -57,7 +57,7 @@ from engine.model.params import params_per_rank
 from engine.model.recompute import checkpointed_blocks
 from engine.model.routing import moe_tokens, routed_factor
 from engine.pipeline.layout import placement_style, rank_coords, rank_of, split_layers, stage_to_pp_rank
-from engine.time.durations import adapter_elements_per_block
+from engine.time.durations import adapter_elements_per_block, cpu_wake_s
 from engine.wrapping import forwards_before_first_backward, wrapping_plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "p2p")
@@ -224,13 +224,6 @@ def _group_span(dp: int, tp: int, pp: int, gpn: int, dim: str, cp: int = 1) -> G
         if (nodes, -local) > (worst.nodes, -worst.local):
             worst = GroupSpan(worst.dim, size, nodes, local)
     return worst
-
-
-def cpu_wake_s(cfg: Config) -> float:
-    """What a collective step costs more on CPU ranks when called after the rank's compute
-    (``cluster.cpu_wake_latency_us``; 0 on GPUs)."""
-    cl = cfg.cluster
-    return cl.cpu_wake_latency_us * 1e-6 if cl.gpu.name == "cpu" else 0.0
 
 
 def collective_seconds(cfg: Config, kind: str, size_bytes: float, span: GroupSpan,

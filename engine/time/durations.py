@@ -395,6 +395,13 @@ def stage_durations(
     return StageDurations.of(num_stages, f, b, i, w, p, source="model+given" if given else "model")
 
 
+def cpu_wake_s(cfg: Config) -> float:
+    """What a collective step or a send costs more on CPU ranks when called after the rank's compute
+    (``cluster.cpu_wake_latency_us``; 0 on GPUs; engine.time.comm)."""
+    cl = cfg.cluster
+    return cl.cpu_wake_latency_us * 1e-6 if cl.gpu.name == "cpu" else 0.0
+
+
 def p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
     """Per stage boundary, the seconds one microbatch's activations (or their gradients) take between
     the two stages' ranks (0 where one rank holds both)."""
@@ -409,9 +416,8 @@ def p2p_seconds(cfg: Config, num_stages: int) -> np.ndarray:
         # the (dp=0, cp=0, tp=0) member of each pipeline rank; rank = pp_index * dp * cp * tp + ...
         node_a = a * par.dp * par.cp * par.tp // cl.gpus_per_node
         node_b = b * par.dp * par.cp * par.tp // cl.gpus_per_node
-        if node_a == node_b:  # on CPU ranks the receiver wakes first (engine.time.comm.cpu_wake_s)
-            wake = cl.cpu_wake_latency_us * 1e-6 if cl.gpu.name == "cpu" else 0.0
-            out[s] = cl.intra_node_latency_us * 1e-6 + wake + nbytes / cl.intra_node_bytes_per_s
+        if node_a == node_b:  # on CPU ranks the receiver wakes first
+            out[s] = cl.intra_node_latency_us * 1e-6 + cpu_wake_s(cfg) + nbytes / cl.intra_node_bytes_per_s
         else:
             out[s] = cl.inter_node_latency_us * 1e-6 + nbytes / cl.inter_node_bytes_per_s
     return out

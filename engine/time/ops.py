@@ -532,9 +532,9 @@ def _block_parts(cfg: Config, experts: bool, casts: bool = True) -> tuple[list[O
             bwd_in.append(Op(op.name + " backward", "I", "memory", 0.0, 2 * op.bytes, 2 * op.kernels, exp_bound=op.exp_bound))
     trained = [x for x in lin if ".lora_" in x.name] if tr.finetune == "lora" else lin
     bwd_w = [_gemm(x, "W", fp8 if x.float8 else base, a) for x in trained]
-    if casts:
+    if casts and wrapping_plan(cfg).autocast:
         bwd_in += autocast_casts(cfg, lin)["I"]
-        bwd_w += autocast_casts(cfg, trained)["W"]
+        bwd_w += autocast_casts(cfg, trained)["W"]  # LoRA: the adapters' weight gradients only
     return fwd, bwd_in, bwd_w, attention, mem
 
 

@@ -264,7 +264,7 @@ def test_p2p_intra_vs_inter_node_and_sequence_parallel():
     dtype_bytes = 4 if cfg.training.precision == "fp32" else 2
     assert nbytes == cfg.training.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * dtype_bytes
     p2p = stage_durations(cfg).p2p_s
-    # inside a node the receiver also wakes (local CPU ranks: engine.time.comm.cpu_wake_s)
+    # inside a node the receiver also wakes (local CPU ranks: engine.time.durations.cpu_wake_s)
     intra = (cl.intra_node_latency_us + cl.cpu_wake_latency_us) * 1e-6 + nbytes / cl.intra_node_bytes_per_s
     inter = cl.inter_node_latency_us * 1e-6 + nbytes / cl.inter_node_bytes_per_s
     # pp ranks sit at global ranks 0, 2, 4, 6; nodes hold 4 GPUs: 0-2 intra, 2-4 inter, 4-6 intra
