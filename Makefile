@@ -6,6 +6,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
+# The launchers' own config parsers judge ShardScope's importers and exporters in the tests (issue 28):
+# torchtitan 0.3.0 (with torchao, and triton, which its MoE kernels import) in a venv of their own, since
+# torchtitan pins packages (datasets, huggingface_hub) that the product's venv holds at other versions.
+JUDGES ?= .venv-judges
 
 .PHONY: run test test-fast install lint bench
 
@@ -16,13 +20,19 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+$(JUDGES)/.installed: Makefile
+	$(PYTHON) -m venv $(JUDGES)
+	$(JUDGES)/bin/python -m pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(JUDGES)/bin/python -m pip install -q 'torchtitan==0.3.0' 'torchao==0.18.0' triton
+	touch $@
+
 install: $(VENV)/.installed
 
 run: $(VENV)/.installed
 	$(VENV)/bin/shardscope
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q
+test: $(VENV)/.installed $(JUDGES)/.installed
+	SHARDSCOPE_JUDGES=$(JUDGES) $(PY) -m pytest -q
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m 'not integration and not gui'

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import Config  # noqa: E402
+from engine.interop.torchtitan import import_torchtitan  # noqa: E402
 from engine.predict import predict  # noqa: E402
 from engine.time.ops import device_profile  # noqa: E402
 
@@ -58,10 +59,30 @@ def published_notes(path: Path) -> dict[str, str]:
         m = _NOTE.match(line)
         if m:
             notes[m.group(1)] = m.group(2)
-    for key in ("source", "table", "row", "tps_per_gpu", "memory_gib"):
+    for key in ("source", "table", "row", "tps_per_gpu", "memory_gib", "command"):
         if key not in notes:
             raise ValueError(f"{path}: missing '# published.{key} = ...' line")
     return notes
+
+
+#: the benchmarks' card: "8 NVIDIA H100 GPUs ... 96GB HBM2e" on Grand Teton (assets/presets/gpus.toml [h100-96g]);
+#: torchtitan's configs do not name a card, so the import is told it
+CARD = "h100-96g"
+#: torchtitan's train_configs at the benchmarks' commit (9dec370), which the commands' --job.config_file name
+TORCHTITAN_ROOT = CONFIGS / "torchtitan-9dec370"
+
+
+def published_config(path: Path, notes: dict[str, str] | None = None) -> Config:
+    """The row's config as torchtitan's benchmark command (``# published.command``) imports
+    (``engine.interop.torchtitan``); the file's own body must be that same config (it is the runnable example)."""
+    notes = notes or published_notes(path)
+    got = import_torchtitan(notes["command"], base_dir=TORCHTITAN_ROOT, cluster={"gpu": CARD})
+    if got.not_expressed:
+        raise ValueError(f"{path}: the command's {', '.join(got.not_expressed)} did not carry over")
+    if got.config != Config.load(path):
+        raise ValueError(f"{path}: the file's config is not its command imported "
+                         "(benchmarks/published.py --regenerate writes it)")
+    return got.config
 
 
 def _order(path: Path) -> tuple[int, int]:
@@ -86,7 +107,7 @@ def rows(clock: str = "ops", efficiency: float = EFFICIENCY) -> list[dict]:
         timing = {"clock", "compute_efficiency"} & set(tomllib.loads(path.read_text()).get("conventions", {}))
         if timing:
             raise ValueError(f"{path}: a published config holds no timing knob, found conventions.{sorted(timing)}")
-        cfg = Config.load(path)
+        cfg = published_config(path, notes)
         if clock == "efficiency":
             cfg = cfg.replace(conventions={"clock": "efficiency", "compute_efficiency": efficiency})
         pred = predict(cfg)
@@ -114,10 +135,45 @@ def table(data: list[dict]) -> list[str]:
     return lines
 
 
+_GENERATED = ("# The config below is the command imported (engine/interop/torchtitan.py, as `shardscope import "
+              "torchtitan --gpu h100-96g`);\n# `benchmarks/published.py --regenerate` writes it again. From the "
+              "command's torchtitan (2024) the import sets\n# conventions.rms_norm = fp32-composite (model.norm_type = "
+              "\"rmsnorm\": its own RMSNorm, x.float() ... type_as, before\n# torchtitan#985) and, under pipelining, "
+              "conventions.pipeline_outputs = kept (pp_schedule.step() returned every\n# microbatch's output until "
+              "torchtitan 0.2.1).\n")
+
+
+def regenerate(path: Path) -> bool:
+    """Write the file's config as its ``# published.command`` imports, below its comment lines (kept); True if the
+    text changed."""
+    import tomli_w
+
+    from engine.interop import compact_dict
+
+    notes = published_notes(path)
+    got = import_torchtitan(notes["command"], base_dir=TORCHTITAN_ROOT, cluster={"gpu": CARD})
+    text = path.read_text()
+    head = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        head.append(line)
+    head = [ln for ln in head if ln + "\n" not in _GENERATED]
+    new = "\n".join(head) + "\n" + _GENERATED + tomli_w.dumps(compact_dict(got.config))
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--markdown", type=Path, help="also write the table as markdown here")
+    ap.add_argument("--regenerate", action="store_true",
+                    help="write each config file's body as its `# published.command` imports, then predict")
     args = ap.parse_args()
+    if args.regenerate:
+        for path in sorted(CONFIGS.glob("*.toml")):
+            print(f"{path.name}: {'rewritten' if regenerate(path) else 'unchanged'}")
     ops = rows()
     lines = table(ops)
     worst = max((r for r in ops[1:] if r["table"] in BAR_TABLES), key=lambda r: abs(r["tps_error"]))

@@ -550,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_plan(sub)
     _add_calibrate(sub)
+    from gui.cli_interop import add_parsers
+
+    add_parsers(sub)
 
     p = sub.add_parser("presets", help="list the model, GPU and cluster presets")
     p.set_defaults(func=cmd_presets)

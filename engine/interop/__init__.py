@@ -1,0 +1,73 @@
+"""The launchers' languages (issue 28): read the configs people already have, write the layout they chose.
+
+Each format is a module with ``import_*`` (text → :class:`Imported`: a ShardScope config plus every
+field it could not express, named) and ``export_*`` (config → text plus the same list the other
+way). Nothing here imports torch, Qt or the launchers themselves: the formats are read as text; the
+tests hold the launchers' own parsers up against these readers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import Config
+
+
+@dataclass(frozen=True)
+class Imported:
+    """What an importer made of a launcher's config: the ShardScope config and, field by field, what
+    did not carry over (``not_expressed``: it bears on memory or time and ShardScope has no equivalent;
+    ``ignored``: keys that bear on neither — logging, checkpoints, data, the learning rate)."""
+
+    config: Config
+    flavour: str
+    not_expressed: tuple[str, ...] = field(default_factory=tuple)
+    ignored: tuple[str, ...] = field(default_factory=tuple)
+    assumed: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A layout in a launcher's language: ``text`` (a file or a command line), and each config field the
+    format cannot express, named (also written into ``text`` as comments where the format has them)."""
+
+    text: str
+    not_expressed: tuple[str, ...] = field(default_factory=tuple)
+
+
+class InteropError(ValueError):
+    """A launcher's config that cannot become a ShardScope config: the message names the field, its value
+    and what is allowed."""
+
+
+def compact_dict(cfg: Config) -> dict:
+    """``cfg`` as a short file: the model by its preset (with the fields that differ from it), the cluster's card,
+    size and links, and of the other sections only what differs from their defaults (``dp`` and ``grad_dtype``
+    always). ``Config.from_dict(compact_dict(cfg)) == cfg``."""
+    import dataclasses
+
+    full = cfg.to_dict()
+    out: dict = {"schema_version": full["schema_version"]}
+    model = full["model"]
+    if cfg.model.preset is not None:
+        base = Config.from_dict({"model": {"preset": cfg.model.preset}, "cluster": {"gpu": "cpu", "gpus": 1}})
+        ref = base.to_dict()["model"]
+        model = {"preset": cfg.model.preset, **{k: v for k, v in model.items() if k != "preset" and ref.get(k) != v}}
+    out["model"] = model
+    cluster = full["cluster"]
+    ref_cluster = Config.from_dict({"model": {"preset": "tiny"}, "cluster": {
+        "gpu": cluster["gpu"], "gpus": cfg.cluster.gpus, "gpus_per_node": cfg.cluster.gpus_per_node}}).to_dict()["cluster"]
+    keep = ("gpu", "gpus", "gpus_per_node", "preset")
+    out["cluster"] = {k: v for k, v in cluster.items() if k in keep or ref_cluster.get(k) != v}
+    for section in ("parallel", "training", "conventions"):
+        spec = getattr(cfg, section)
+        defaults = {f.name: f.default for f in dataclasses.fields(spec)}
+        always = {"parallel": ("dp",), "training": ("grad_dtype",), "conventions": ()}[section]
+        table = {k: v for k, v in full[section].items() if k in always or v != _plain(defaults.get(k))}
+        if table:
+            out[section] = table
+    return out
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value

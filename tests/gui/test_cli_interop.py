@@ -1,0 +1,55 @@
+"""``shardscope import`` / ``shardscope export`` (gui/cli_interop.py, issue 28)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine import Config
+from gui.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TT = ROOT / "assets" / "examples" / "published" / "torchtitan-9dec370"
+
+
+def test_import_a_command_file_prints_a_config_that_loads(tmp_path, capsys):
+    cmd = tmp_path / "train.sh"
+    cmd.write_text("torchrun --nnodes 2 --nproc_per_node 8 \\\n  torchtitan/train.py \\\n"
+                   f"  --job.config_file {TT}/train_configs/llama3_8b.toml --metrics.enable_wandb\n")
+    assert main(["import", "torchtitan", "--gpu", "h100-96g", str(cmd), "--training.batch_size", "4"]) == 0
+    out, err = capsys.readouterr()
+    (tmp_path / "got.toml").write_text(out)
+    cfg = Config.load(tmp_path / "got.toml")
+    assert (cfg.cluster.gpus, cfg.parallel.dp, cfg.training.micro_batch_size) == (16, 16, 4)
+    assert "ignored (no bearing on memory or step time): " in err and "metrics.enable_wandb" in err
+
+
+def test_import_writes_a_file_but_never_over_one(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text((TT / "train_configs" / "llama3_70b.toml").read_text())
+    out = tmp_path / "mine.toml"
+    assert main(["import", "torchtitan", "--gpus", "64", "-o", str(out), str(job)]) == 0
+    assert Config.load(out).parallel.tp == 8
+    out.write_text("# mine\n")
+    assert main(["import", "torchtitan", "--gpus", "64", "-o", str(out), str(job)]) == 2
+    assert out.read_text() == "# mine\n"
+    assert "never writes over" in capsys.readouterr().err
+
+
+def test_import_refusals_name_the_field_and_exit_2(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text((TT / "train_configs" / "llama3_70b.toml").read_text())
+    assert main(["import", "torchtitan", str(job)]) == 2
+    assert "--gpus N" in capsys.readouterr().err
+    assert main(["import", "torchtitan", "--gpus", "64", str(job), "--activation_checkpoint.mode", "memory_budget"]) == 2
+    assert "activation_checkpoint.mode = 'memory_budget': allowed none, selective, full" in capsys.readouterr().err
+    assert main(["import", "torchtitan", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_export_prints_the_command_and_names_what_it_cannot_say(capsys):
+    assert main(["export", "torchtitan", str(ROOT / "assets" / "examples" / "llama3-8b-16gpu.toml")]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("torchrun --nnodes 2 --nproc_per_node 8 -m torchtitan.train --module llama3 "
+                                           "--config llama3_8b")
+    assert "# not expressed: parallel.zero = 2" in out and "not expressed: parallel.zero = 2" in err
+    assert main(["export", "torchtitan", "--as", "toml", str(ROOT / "assets" / "examples" / "mixtral-8x7b-ep8.toml")]) == 2
+    assert "model: mixtral-8x7b has no torchtitan model" in capsys.readouterr().err
