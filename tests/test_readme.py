@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-COMMANDS = ("predict", "plan")  # validate's example reads a file the README writes with cat
+COMMANDS = ("predict", "plan", "import", "export")  # validate's example reads a file the README writes with cat
 ELLIPSIS = re.compile(r"^\s*\.\.\.\s*$")
 TIME = re.compile(r"; \d+\.\d+ s$")
 
