@@ -7,8 +7,9 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 # The launchers' own config parsers judge ShardScope's importers and exporters in the tests (issue 28):
-# torchtitan 0.3.0 (with torchao, and triton, which its MoE kernels import) in a venv of their own, since
-# torchtitan pins packages (datasets, huggingface_hub) that the product's venv holds at other versions.
+# torchtitan 0.3.0 (with torchao, and triton, which its MoE kernels import) and DeepSpeed (an sdist built
+# against the torch already there) in a venv of their own, since torchtitan pins packages (datasets,
+# huggingface_hub) that the product's venv holds at other versions. accelerate judges from the product's venv.
 JUDGES ?= .venv-judges
 
 .PHONY: run test test-fast install lint bench
@@ -24,6 +25,7 @@ $(JUDGES)/.installed: Makefile
 	$(PYTHON) -m venv $(JUDGES)
 	$(JUDGES)/bin/python -m pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
 	$(JUDGES)/bin/python -m pip install -q 'torchtitan==0.3.0' 'torchao==0.18.0' triton
+	$(JUDGES)/bin/python -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
 	touch $@
 
 install: $(VENV)/.installed

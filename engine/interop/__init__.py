@@ -9,8 +9,9 @@ tests hold the launchers' own parsers up against these readers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine.config import Config
+from engine.config import Config, ConfigError
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,31 @@ def compact_dict(cfg: Config) -> dict:
 
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
+
+
+def build_config(parallel: dict[str, Any], training: dict[str, Any], gpus: int, per_node: int, cluster: dict[str, Any],
+           extra: dict[str, dict[str, Any]], flavour: str, notes: list[str], assumed: list[str],
+           ignored: tuple[str, ...]) -> Imported:
+    """The config from what a launcher's file said and what the user added (``extra``), naming each field that had
+    to be assumed because neither said it."""
+    raw: dict[str, Any] = {"model": {}, "cluster": {"gpus": gpus, "gpus_per_node": per_node, **cluster},
+                           "parallel": parallel, "training": training}
+    for section, fields in extra.items():
+        raw.setdefault(section, {}).update(fields)
+    if not raw["model"]:
+        raise InteropError(f"the model: {flavour}'s config does not hold it; give --model PRESET or --hf "
+                           "CONFIG.json")
+    if "gpu" not in raw["cluster"] and "preset" not in raw["cluster"]:
+        raw["cluster"]["gpu"] = "h100-sxm"
+        assumed.append(f"cluster.gpu = h100-sxm: {flavour}'s config does not name the card (--gpu names it)")
+    if "micro_batch_size" not in raw["training"]:
+        raw["training"]["micro_batch_size"] = 1
+        assumed.append(f"training.micro_batch_size = 1: the batch is the training script's, not {flavour}'s "
+                       "(--set training.micro_batch_size=N)")
+    if raw["model"].get("preset") and "seq_len" not in raw["model"]:
+        assumed.append("model.seq_len: the preset's (--set model.seq_len=N)")
+    try:
+        config = Config.from_dict(raw)
+    except ConfigError as exc:
+        raise InteropError(f"the imported layout is not a valid ShardScope config: {exc}") from None
+    return Imported(config, flavour, tuple(notes), ignored, tuple(assumed))

@@ -53,3 +53,30 @@ def test_export_prints_the_command_and_names_what_it_cannot_say(capsys):
     assert "# not expressed: parallel.zero = 2" in out and "not expressed: parallel.zero = 2" in err
     assert main(["export", "torchtitan", "--as", "toml", str(ROOT / "assets" / "examples" / "mixtral-8x7b-ep8.toml")]) == 2
     assert "model: mixtral-8x7b has no torchtitan model" in capsys.readouterr().err
+
+
+def test_accelerate_and_deepspeed_round_trip_through_the_cli(tmp_path, capsys):
+    src = ROOT / "assets" / "examples" / "published" / "t1-fsdp.toml"
+    for fmt, name in (("accelerate", "acc.yaml"), ("deepspeed", "ds.json")):
+        out = tmp_path / name
+        assert main(["export", fmt, str(src), "-o", str(out)]) == 0
+        cfg_out = tmp_path / f"{fmt}.toml"
+        gpus = [] if fmt == "accelerate" else ["--gpus", "8"]
+        assert main(["import", fmt, *gpus, "--model", "llama3-8b", "--gpu", "h100-96g",
+                     "--set", "training.micro_batch_size=2", "-o", str(cfg_out), str(out)]) == 0
+        cfg = Config.load(cfg_out)
+        assert (cfg.parallel.dp, cfg.parallel.zero, cfg.training.micro_batch_size) == (8, 3, 2)
+    capsys.readouterr()
+    assert main(["import", "accelerate", str(tmp_path / "acc.yaml")]) == 2
+    assert "--model PRESET" in capsys.readouterr().err
+    assert main(["import", "accelerate", "--model", "llama3-8b", "--set", "bogus=1", str(tmp_path / "acc.yaml")]) == 2
+    assert "--set bogus=1: allowed SECTION.FIELD=VALUE" in capsys.readouterr().err
+
+
+def test_import_hf_config_json_directly(capsys, tmp_path):
+    hf = ROOT / "assets" / "hf_configs" / "deepseek-v3" / "config.json"
+    assert main(["import", "hf", "--gpus", "64", "--set", "parallel.zero=3", str(hf)]) == 0
+    out = capsys.readouterr().out
+    (tmp_path / "c.toml").write_text(out)
+    cfg = Config.load(tmp_path / "c.toml")
+    assert (cfg.model.experts, cfg.model.attention, cfg.cluster.gpus, cfg.parallel.zero) == (256, "mla", 64, 3)

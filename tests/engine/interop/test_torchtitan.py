@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engine import Config, ConfigError
@@ -20,6 +20,7 @@ from engine.interop.torchtitan import (
     export_torchtitan_toml,
     import_torchtitan,
 )
+from engine.wrapping import reshard_after_forward, wrapping_plan
 from tests.config_space import random_config
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -189,11 +190,11 @@ def _expressible(rng: random.Random) -> Config | None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
-@given(st.randoms(use_true_random=False))
-def test_toml_round_trip_is_exact_where_torchtitan_expresses_the_layout(rng):
+@given(st.integers(0, 2**32))
+def test_toml_round_trip_is_exact_where_torchtitan_expresses_the_layout(seed):
+    rng = random.Random(seed)
     cfg = _expressible(rng)
-    if cfg is None:
-        return
+    assume(cfg is not None)
     out = export_torchtitan_toml(cfg)
     assert out.not_expressed == ()
     back = import_torchtitan(out.text, gpus=cfg.cluster.gpus, cluster={"gpu": "h100-sxm", "gpus_per_node": 8})
@@ -210,11 +211,13 @@ def _inert(cfg: Config) -> dict:
     LoRA's fields without LoRA, ...): no importer can know them."""
     d = cfg.to_dict()
     par, tr = d["parallel"], d["training"]
+    d["cluster"]["gpus_per_node"] = min(cfg.cluster.gpus, cfg.cluster.gpus_per_node)  # one node: its size is moot
     if par["pp"] == 1:
         par.update(schedule="1F1B", virtual_stages=1, pipeline_split="even")
     if par["cp"] == 1:
         par["cp_rotate"] = "allgather"
-    if par["zero"] != 3:
+    if par["zero"] != 3 or reshard_after_forward(3, par["fsdp_reshard_after_forward"], par["pp"] > 1) == \
+            reshard_after_forward(3, "default", par["pp"] > 1):
         par["fsdp_reshard_after_forward"] = "default"
     if par["zero"] == 0:
         par["replicate"] = 1
@@ -222,6 +225,8 @@ def _inert(cfg: Config) -> dict:
         tr["recompute"] = "full"
     if tr["recompute"] != "selective-layer":
         tr["recompute_every"] = 2
+    if wrapping_plan(cfg).mixed_precision != "fsdp2-policy":  # DDP and autocast reduce the gradients' own dtype
+        tr["grad_dtype"] = "fp32"
     if tr["finetune"] == "full":
         tr.update(lora_rank=16, lora_alpha=32.0, lora_targets="all", lora_base_dtype="fp32")
     return d
@@ -233,16 +238,18 @@ def _differing(a: Config, b: Config) -> set[str]:
             if da[s].get(k) != db[s].get(k)}
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.randoms(use_true_random=False))
-def test_every_field_an_export_changes_is_named(rng):
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(st.integers(0, 2**32))
+def test_every_field_an_export_changes_is_named(seed):
+    rng = random.Random(seed)  # the config space's own distribution (hypothesis' randoms draw mostly invalid layouts)
     raw = random_config(rng, junk=0.0)  # any layout, on a model torchtitan has
     raw["model"] = {"preset": rng.choice(sorted(MODELS.values())),
                     **{k: v for k, v in raw["model"].items() if k == "seq_len"}}
     try:
         cfg = Config.from_dict(raw)
     except ConfigError:
-        return
+        cfg = None
+    assume(cfg is not None)
     for export in (export_torchtitan_toml, export_torchtitan_command):
         try:
             out = export(cfg)

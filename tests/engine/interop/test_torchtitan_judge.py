@@ -8,36 +8,12 @@ compile, recomputation and float8.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-from pathlib import Path
-
-import pytest
 
 from engine import Config
 from engine.interop.torchtitan import _DEFAULTS, export_torchtitan_command, read_torchtitan
 from tests.engine.interop.test_torchtitan import PUBLISHED, _expressible
-
-ROOT = Path(__file__).resolve().parents[3]
-JUDGES = Path(os.environ.get("SHARDSCOPE_JUDGES") or ROOT / ".venv-judges")
-if not JUDGES.is_absolute():
-    JUDGES = ROOT / JUDGES
-PYTHON = JUDGES / "bin" / "python"
-
-
-def _judge(arg_lists: list[list[str]]) -> list[dict]:
-    if not PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"{PYTHON}: the judges' venv is missing (make test builds it)")
-        pytest.skip(f"{PYTHON}: no judges' venv (make test builds it)")
-    done = subprocess.run([str(PYTHON), str(ROOT / "tests" / "judges" / "torchtitan_judge.py")],
-                          input=json.dumps(arg_lists), capture_output=True, text=True, timeout=600,
-                          cwd=JUDGES, env={**os.environ, "PYTHONPATH": ""})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
+from tests.judges.run import run_judge
 
 #: torchtitan 0.3.0's llama3_405b builds its Float8LinearConverter when the config is loaded, and that refuses a
 #: machine without an SM89+ GPU ("float8 is only supported on NVIDIA SM89 or later"): the judge cannot read it here
@@ -62,7 +38,7 @@ def _ours(command: str) -> dict:
 
 def test_torchtitan_reads_every_exported_command_as_shardscope_does():
     commands = _commands()
-    theirs = _judge([c.split(" -m torchtitan.train ", 1)[1].split() for c in commands])
+    theirs = run_judge("torchtitan_judge.py", [c.split(" -m torchtitan.train ", 1)[1].split() for c in commands])
     for command, judged in zip(commands, theirs, strict=True):
         assert "error" not in judged, (command, judged.get("error"))
         ours = _ours(command)
