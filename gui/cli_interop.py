@@ -129,6 +129,40 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    from gui.cli import EXIT_OK, CliError, _load, _run_dir
+    from gui.report import build_report
+
+    cfg = _load(args.config)
+    comparison = plan = None
+    if args.run:
+        from engine.compare.measured import compare
+        from engine.predict import predict
+        from gui.text import comparison_table
+
+        d = _run_dir(args.run)
+        try:
+            meas = json.loads((d / "measurement.json").read_text(encoding="utf-8"))
+            comparison = comparison_table(compare(predict(cfg), meas))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CliError(f"{d / 'measurement.json'} is not a readable measurement ({exc})") from None
+    if args.plan:
+        from engine.plan.results import PlanError
+        from engine.plan.search import plan_config
+        from gui.text import plan_table
+
+        if args.top < 1:
+            raise CliError(f"--top {args.top}: must be at least 1")
+        try:
+            plan = plan_table(plan_config(cfg, top=args.top))
+        except PlanError as exc:
+            raise CliError(f"--plan: {exc}") from None
+    _write(build_report(cfg, comparison_text=comparison, plan_text=plan, source=args.config), args.out)
+    return EXIT_OK
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("import", help="a launcher's config (torchtitan, accelerate, DeepSpeed, a Hugging Face "
                                       "config.json) as a ShardScope config",
@@ -157,3 +191,12 @@ def add_parsers(sub) -> None:
                    help="torchtitan: 0.3's command line (default) or a 0.2 job config TOML")
     p.add_argument("-o", "--out", help="write here (never over an existing file); default: print it")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("report", help="one self-contained HTML file: layout, metrics, memory per rank, timeline, "
+                                      "the planner's top layouts, predicted vs measured")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("--run", metavar="RUN_DIR", help="a finished run of this config: predicted vs measured")
+    p.add_argument("--plan", action="store_true", help="also plan the config's job and list the top layouts")
+    p.add_argument("--top", type=int, default=5, help="with --plan: how many layouts (default 5)")
+    p.add_argument("-o", "--out", required=True, help="the HTML file to write (never over an existing file)")
+    p.set_defaults(func=cmd_report)

@@ -165,9 +165,11 @@ class MainWindow(QMainWindow):
             ("&Open config…", self.open_dialog, QKeySequence.StandardKey.Open),
             ("&Save config as…", self.save_dialog, QKeySequence.StandardKey.Save),
             ("Open &run…", self.open_run_dialog, None),
+            ("&Import a launcher's config…", self.import_dialog, "Ctrl+I"),
             ("Export memory chart as PNG…", lambda: self.export_dialog(self.memory.plot, "memory.png"), None),
             ("Export timeline as PNG…", lambda: self.export_dialog(self.timeline.plot, "timeline.png"), None),
             ("Export comparison table as CSV…", self.export_csv_dialog, None),
+            ("Export &report (HTML)…", self.report_dialog, None),
             ("&Quit", self.close, QKeySequence.StandardKey.Quit),
         ):
             action = QAction(text, self)
@@ -175,6 +177,8 @@ class MainWindow(QMainWindow):
             if key is not None:
                 action.setShortcut(key)
             file.addAction(action)
+            if text.startswith("Export comparison"):
+                self._export_layout_menu(file)
         edit = self.menuBar().addMenu("&Edit")
         self.undo_action = QAction("&Undo", self)
         self.undo_action.setShortcut(QKeySequence.StandardKey.Undo)
@@ -283,6 +287,103 @@ class MainWindow(QMainWindow):
         path, _ = QFileDialog.getSaveFileName(self, "Export table", "comparison.csv", "CSV (*.csv)")
         if path:
             self.run_panel.export_csv(path)
+
+    # ------------------------------------------------------------------ the launchers' languages (issue 28)
+
+    def _export_layout_menu(self, file) -> None:
+        from gui.interop_files import EXPORT_FORMS
+
+        menu = file.addMenu("Export &layout as…")
+        for fmt, forms in EXPORT_FORMS.items():
+            for form, suffix, description in forms:
+                action = QAction(f"{description} ({suffix})…", self)
+                action.triggered.connect(lambda _=False, f=fmt, k=form, x=suffix, d=description:
+                                         self.export_layout_dialog(f, k, x, d))
+                menu.addAction(action)
+
+    def import_dialog(self) -> None:
+        path, chosen = QFileDialog.getOpenFileName(
+            self, "Import a launcher's config", "",
+            "torchtitan job config or command (*.toml *.sh *.txt);;accelerate config (*.yaml *.yml);;"
+            "DeepSpeed config (*.json);;Hugging Face config.json (config.json)")
+        if path:
+            fmt = {"torchtitan": "torchtitan", "accelerate": "accelerate", "DeepSpeed": "deepspeed",
+                   "Hugging": "hf"}[chosen.split()[0]]
+            self.import_launcher(path, fmt)
+
+    def import_launcher(self, path: str | Path, fmt: str) -> list[str]:
+        """Make the launcher's file the window's config (undoable). What the file does not hold — accelerate's and
+        DeepSpeed's model, batch and sequence, every format's card — is the window's current one. Returns the
+        fields that did not carry over (also shown in a message box)."""
+        from engine.interop import InteropError
+        from gui.interop_files import import_text
+
+        cur = self.state.config
+        extra = {}
+        if fmt in ("accelerate", "deepspeed"):
+            extra = {"model": cur.to_dict()["model"], "training": {"micro_batch_size": cur.training.micro_batch_size}}
+        cluster = {"gpu": cur.to_dict()["cluster"]["gpu"]}
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+            got = import_text(fmt, text, path=path, base=Path(path).parent, cluster=cluster, extra=extra,
+                              gpus=cur.cluster.gpus if fmt in ("deepspeed", "hf") else None)
+        except (OSError, UnicodeDecodeError, InteropError) as exc:
+            QMessageBox.warning(self, "Cannot import", str(exc))
+            return []
+        self.state.set_config(got.config)
+        self.current_path = None
+        self._title()
+        lines = [f"not expressed: {n}" for n in got.not_expressed] + [f"assumed: {n}" for n in got.assumed]
+        self.statusBar().showMessage(f"imported {fmt}: {Path(path).name}"
+                                     + (f" — {len(lines)} field(s) did not carry over" if lines else ""))
+        if lines:
+            QMessageBox.information(self, f"Imported from {fmt}", "\n".join(lines))
+        return lines
+
+    def export_layout_dialog(self, fmt: str, form: str, suffix: str, description: str) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, f"Export layout as {description}", f"layout{suffix}",
+                                              f"{description} (*{suffix})")
+        if path:
+            self.export_layout(path, fmt, form)
+
+    def export_layout(self, path: str | Path, fmt: str, form: str = "command") -> list[str]:
+        """Write the window's layout in a launcher's language; returns (and shows) what it cannot express."""
+        from engine.interop import InteropError
+        from gui.interop_files import export_text
+
+        try:
+            got = export_text(fmt, self.state.config, form)
+            Path(path).write_text(got.text, encoding="utf-8")
+        except (OSError, InteropError) as exc:
+            QMessageBox.warning(self, "Cannot export", str(exc))
+            return []
+        self.statusBar().showMessage(f"exported {fmt}: {path}")
+        if got.not_expressed:
+            QMessageBox.information(self, f"Exported as {fmt}", "Not expressed:\n" + "\n".join(got.not_expressed))
+        return list(got.not_expressed)
+
+    def report_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Export report", "report.html", "HTML (*.html)")
+        if path:
+            self.export_report(path)
+
+    def export_report(self, path: str | Path) -> Path:
+        """The shareable report of the window's config, with the run on screen and the planner's last result."""
+        from gui.report import build_report
+        from gui.text import comparison_table
+
+        cmp = self.run_panel.comparison
+        outcome = self.planner.outcome
+        plan = None
+        if outcome is not None and outcome.entries:
+            plan = "\n".join(f"#{e['position']:<3} {e['label']:<60} {e['seconds'] * 1e3:10.2f} ms "
+                              f"{e['tokens_per_s']:12,.0f} tok/s  MFU {e['mfu']:.1%}" for e in outcome.entries)
+        text = build_report(self.state.config, comparison_text=comparison_table(cmp) if cmp is not None else None,
+                            plan_text=plan, source=str(self.current_path) if self.current_path else None)
+        path = Path(path)
+        path.write_text(text, encoding="utf-8")
+        self.statusBar().showMessage(f"report written: {path}")
+        return path
 
     # ------------------------------------------------------------------ screenshot
 

@@ -24,6 +24,7 @@ from PySide6.QtGui import QTransform
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from engine.names import MEMORY_CATEGORIES
+from gui.colors import CATEGORY_COLORS, OVER_COLOR, RESERVED_FILL, RESERVED_LINE
 from gui.comparison import explain_text, fmt_bytes
 from gui.predicted import describe_config, memory_of
 from gui.widgets.axis import lean_plot
@@ -35,18 +36,7 @@ from gui.widgets.hatched import HatchedBoxesItem
 from gui.widgets.timeline import BoxesItem
 
 GIB = float(2**30)
-CATEGORY_COLORS = {
-    "params": "#4C78A8",
-    "grads": "#72B7B2",
-    "optimizer": "#54A24B",
-    "activations": "#F58518",
-    "comm_buffers": "#B279A2",
-    "temporaries": "#FF9DA6",
-    "overhead": "#9D755D",
-}
-OVER_COLOR = "#D62728"
-RESERVED_FILL = "#DCDCDC"  # the cap from allocated up to reserved: a light grey, hatched darker
-RESERVED_LINE = "#4D4D4D"
+
 BASELINE_COLORS = {  # each category's colour, halfway to white: the same hue, lighter, never white itself
     c: "#" + "".join(f"{round(int(v[i:i + 2], 16) * 0.55 + 255 * 0.45):02X}" for i in (1, 3, 5))
     for c, v in CATEGORY_COLORS.items()}

@@ -20,14 +20,14 @@ from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QImage, QPen
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine.pipeline.schedules import ACTION_KINDS
+from gui.colors import IDLE_COLOR, KIND_COLORS
 from gui.comparison import fmt_seconds
 from gui.widgets.axis import lean_plot
 from gui.widgets.barrier import LayoutBarrier
 
 KINDS = ("F", "B", "I", "W")
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward (input grads)", "W": "backward (weight grads)"}
-KIND_COLORS = {"F": "#4C78A8", "B": "#F58518", "I": "#E45756", "W": "#54A24B"}
-IDLE_COLOR = "#E6E6E6"
+
 OUTLINE_MIN_PX = 4.0  # narrower boxes are painted without an outline
 OUTLINE_RGBA = (40, 40, 40, 170)  # a dark, translucent edge: the box's own colour shows through
 LABEL_MIN_PX = 18.0  # narrower boxes get no microbatch number

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from engine import Config
 from gui.cli import main
 
@@ -80,3 +82,34 @@ def test_import_hf_config_json_directly(capsys, tmp_path):
     (tmp_path / "c.toml").write_text(out)
     cfg = Config.load(tmp_path / "c.toml")
     assert (cfg.model.experts, cfg.model.attention, cfg.cluster.gpus, cfg.parallel.zero) == (256, "mla", 64, 3)
+
+
+def test_report_of_a_config_with_its_plan(tmp_path, capsys):
+    out = tmp_path / "r.html"
+    cfg = ROOT / "assets" / "examples" / "published" / "t5-interleaved-1f1b.toml"
+    assert main(["report", str(cfg), "--plan", "--top", "2", "-o", str(out)]) == 0
+    html = out.read_text()
+    assert html.count("<svg") == 2 and "The planner's top layouts" in html and "<script" not in html
+    assert "Interleaved1F1B" in html and "pp7" in html  # every pipeline rank has its lane
+    assert main(["report", str(cfg), "-o", str(out)]) == 2  # never over a file
+    assert "never writes over" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_report_with_a_real_run_shows_predicted_vs_measured(tmp_path):
+    pytest.importorskip("torch")
+    from backend.launch import launch
+    from engine import default_config
+
+    raw = default_config().to_dict()
+    raw["cluster"]["gpus"] = 2
+    raw["parallel"].update({"dp": 1, "pp": 2, "microbatches": 4})
+    cfg = Config.from_dict(raw)
+    path = tmp_path / "c.toml"
+    cfg.save(path)
+    run = launch(cfg, tmp_path / "run", steps=2, timeout_s=120)
+    assert run.wait(150)["event"] == "finished", run.result
+    out = tmp_path / "r.html"
+    assert main(["report", str(path), "--run", str(tmp_path / "run"), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert "Predicted vs measured" in html and "error" in html
