@@ -1,8 +1,8 @@
 """``shardscope import`` and ``shardscope export``: the launchers' languages (engine.interop, issue 28).
 
-    shardscope import torchtitan|accelerate|deepspeed|hf [--gpus N] [--gpu PRESET] [--cluster PRESET]
+    shardscope import torchtitan|accelerate|deepspeed|megatron|hf [--gpus N] [--gpu PRESET] [--cluster PRESET]
                       [--model PRESET | --hf CONFIG.json] [--set SECTION.FIELD=VALUE ...] [-o OUT.toml] FILE [ARGS...]
-    shardscope export torchtitan|accelerate|deepspeed CONFIG [--as command|toml] [-o OUT]
+    shardscope export torchtitan|accelerate|deepspeed|megatron CONFIG [--as command|toml] [-o OUT]
 
 ``import`` reads FILE (``-``: standard input) — a torchtitan TOML job config, or a file holding a command
 line (torchrun ... train.py ..., run_train.sh with NGPU=) — applies torchtitan's own command-line ARGS after
@@ -164,8 +164,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("import", help="a launcher's config (torchtitan, accelerate, DeepSpeed, a Hugging Face "
-                                      "config.json) as a ShardScope config",
+    p = sub.add_parser("import", help="a launcher's config (torchtitan, accelerate, DeepSpeed, Megatron-LM, a "
+                                      "Hugging Face config.json) as a ShardScope config",
                        description="Read a launcher's config; torchtitan arguments after FILE apply on top. What the "
                                    "file does not hold (accelerate's and DeepSpeed's model and batch) comes from "
                                    "--model / --hf / --set; fields that do not carry over are named.")
@@ -184,7 +184,8 @@ def add_parsers(sub) -> None:
                    help="torchtitan's own command-line arguments, applied after FILE")
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("export", help="a ShardScope config in a launcher's language (torchtitan, accelerate, DeepSpeed)")
+    p = sub.add_parser("export", help="a ShardScope config in a launcher's language (torchtitan, accelerate, DeepSpeed, "
+                                      "Megatron-LM)")
     p.add_argument("format", choices=EXPORT_FORMATS)
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("--as", dest="form", choices=("command", "toml"), default="command",

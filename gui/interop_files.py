@@ -15,15 +15,17 @@ from engine.config import Config, ConfigError
 from engine.interop import Exported, Imported, InteropError
 from engine.interop.accelerate import export_accelerate, import_accelerate
 from engine.interop.deepspeed import export_deepspeed, import_deepspeed
+from engine.interop.megatron import export_megatron, import_megatron
 from engine.interop.torchtitan import export_torchtitan_command, export_torchtitan_toml, import_torchtitan
 
-IMPORT_FORMATS = ("torchtitan", "accelerate", "deepspeed", "hf")
-EXPORT_FORMATS = ("torchtitan", "accelerate", "deepspeed")
+IMPORT_FORMATS = ("torchtitan", "accelerate", "deepspeed", "megatron", "hf")
+EXPORT_FORMATS = ("torchtitan", "accelerate", "deepspeed", "megatron")
 #: what each export writes: (form, file suffix, description)
 EXPORT_FORMS = {"torchtitan": (("command", ".sh", "torchtitan 0.3 command line"),
                                ("toml", ".toml", "torchtitan 0.2 job config")),
                 "accelerate": (("command", ".yaml", "accelerate config"),),
-                "deepspeed": (("command", ".json", "DeepSpeed config"),)}
+                "deepspeed": (("command", ".json", "DeepSpeed config"),),
+                "megatron": (("command", ".sh", "Megatron-LM command line"),)}
 
 
 def read_accelerate(text: str) -> dict[str, Any]:
@@ -63,6 +65,8 @@ def import_text(fmt: str, text: str, *, path: str | Path | None = None, base: Pa
                                  read_file=lambda p: (base / p).read_text(encoding="utf-8"))
     if fmt == "deepspeed":
         return import_deepspeed(text, gpus=gpus, extra=extra, cluster=cluster)
+    if fmt == "megatron":
+        return import_megatron(text, gpus=gpus, extra=extra, cluster=cluster)
     if fmt == "hf":
         return _import_hf(Path(path) if path else None, gpus, cluster, extra)
     raise InteropError(f"format {fmt!r}: allowed {', '.join(IMPORT_FORMATS)}")
@@ -93,4 +97,6 @@ def export_text(fmt: str, cfg: Config, form: str = "command") -> Exported:
         return accelerate_yaml(cfg)
     if fmt == "deepspeed":
         return export_deepspeed(cfg)
+    if fmt == "megatron":
+        return export_megatron(cfg)
     raise InteropError(f"format {fmt!r}: allowed {', '.join(EXPORT_FORMATS)}")

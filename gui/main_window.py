@@ -305,10 +305,10 @@ class MainWindow(QMainWindow):
         path, chosen = QFileDialog.getOpenFileName(
             self, "Import a launcher's config", "",
             "torchtitan job config or command (*.toml *.sh *.txt);;accelerate config (*.yaml *.yml);;"
-            "DeepSpeed config (*.json);;Hugging Face config.json (config.json)")
+            "DeepSpeed config (*.json);;Megatron-LM command line (*.sh *.txt);;Hugging Face config.json (config.json)")
         if path:
             fmt = {"torchtitan": "torchtitan", "accelerate": "accelerate", "DeepSpeed": "deepspeed",
-                   "Hugging": "hf"}[chosen.split()[0]]
+                   "Megatron-LM": "megatron", "Hugging": "hf"}[chosen.split()[0]]
             self.import_launcher(path, fmt)
 
     def import_launcher(self, path: str | Path, fmt: str) -> list[str]:

@@ -183,6 +183,8 @@ def export_deepspeed(cfg: Config) -> Exported:
             ("parallel.replicate", par.replicate, "DeepSpeed's hpZ is not HSDP")):
         if value > 1:
             notes.append(f"{field} = {value}: {why}")
+    if par.dp_mode != "ddp":
+        notes.append(f"parallel.dp_mode = {par.dp_mode}: DeepSpeed runs one process a GPU")
     if par.zero == 3 and par.fsdp_reshard_after_forward == "never":
         notes.append("parallel.fsdp_reshard_after_forward = never: DeepSpeed's stage 3 reshards")
     if tr.recompute != "none":

@@ -113,3 +113,15 @@ def test_report_with_a_real_run_shows_predicted_vs_measured(tmp_path):
     assert main(["report", str(path), "--run", str(tmp_path / "run"), "-o", str(out)]) == 0
     html = out.read_text()
     assert "Predicted vs measured" in html and "error" in html
+
+
+def test_megatron_round_trip_through_the_cli(tmp_path):
+    src = ROOT / "assets" / "examples" / "llama3-70b-3d.toml"
+    cmd = tmp_path / "pretrain.sh"
+    assert main(["export", "megatron", str(src), "-o", str(cmd)]) == 0
+    out = tmp_path / "back.toml"
+    assert main(["import", "megatron", "--gpu", "h100-sxm", "-o", str(out), str(cmd)]) == 0
+    back, cfg = Config.load(out), Config.load(src)
+    assert back.model == cfg.model and back.model.preset == "llama3-70b"  # the numbers are the preset's
+    assert (back.parallel.tp, back.parallel.pp, back.parallel.virtual_stages, back.parallel.zero) == \
+        (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.zero)

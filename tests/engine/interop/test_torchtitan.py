@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -210,7 +211,21 @@ def _inert(cfg: Config) -> dict:
     """``cfg``'s file with the fields that change nothing in it set to their defaults (a schedule without a pipeline,
     LoRA's fields without LoRA, ...): no importer can know them."""
     d = cfg.to_dict()
-    par, tr = d["parallel"], d["training"]
+    par, tr, model = d["parallel"], d["training"], d["model"]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg.model)}
+    inert = []
+    if not cfg.model.experts:  # a dense model: the mixture-of-experts fields mean nothing
+        inert += ["experts_per_token", "expert_ffn_hidden", "shared_experts", "dense_layers", "router_score",
+                  "router_bias", "router_balance_bias", "norm_topk_prob", "routed_scaling_factor", "router_aux_loss",
+                  "router_groups", "router_topk_groups"]
+    if cfg.model.attention != "mla":
+        inert += ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"]
+    if not cfg.model.sliding_window:
+        inert += ["full_attention_every"]
+    for k in inert:
+        model.pop(k, None)
+        if defaults.get(k) is not dataclasses.MISSING:
+            model[k] = defaults[k]
     d["cluster"]["gpus_per_node"] = min(cfg.cluster.gpus, cfg.cluster.gpus_per_node)  # one node: its size is moot
     if par["pp"] == 1:
         par.update(schedule="1F1B", virtual_stages=1, pipeline_split="even")
