@@ -33,6 +33,14 @@ SCREEN_FRACTION = 0.9  # a first open fills this much of the screen's available 
 MIN_ON_SCREEN_PX = (200, 100)  # a saved geometry must show at least this much on some screen
 
 
+
+#: the file dialogs' filters for the launchers' configs, and the format each imports as (gui/interop_files.py)
+_LAUNCHER_FILTERS = (("torchtitan job config or command (*.toml *.sh *.txt)", "torchtitan"),
+                     ("accelerate config (*.yaml *.yml)", "accelerate"),
+                     ("DeepSpeed config (*.json)", "deepspeed"),
+                     ("Megatron-LM command line (*.sh *.txt)", "megatron"),
+                     ("Hugging Face config.json (config.json)", "hf"))
+
 class MainWindow(QMainWindow):
     """``settings``: where the window keeps its geometry and splitter positions between opens
     (restored here, saved on close); None keeps nothing (tests, benchmarks, screenshots)."""
@@ -255,12 +263,19 @@ class MainWindow(QMainWindow):
         self._title()
 
     def open_dialog(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open config", "", "Configs (*.toml *.json)")
-        if path:
-            try:
-                self.open_config(path)
-            except ConfigError as exc:
-                QMessageBox.warning(self, "Not a valid config", str(exc))
+        """File → Open: a ShardScope config, or (by the filter chosen) a launcher's config, imported."""
+        path, chosen = QFileDialog.getOpenFileName(self, "Open config", "", "Configs (*.toml *.json);;"
+                                                   + ";;".join(f for f, _ in _LAUNCHER_FILTERS))
+        if not path:
+            return
+        fmt = dict(_LAUNCHER_FILTERS).get(chosen)
+        if fmt is not None:
+            self.import_launcher(path, fmt)
+            return
+        try:
+            self.open_config(path)
+        except ConfigError as exc:
+            QMessageBox.warning(self, "Not a valid config", str(exc))
 
     def open_run_dialog(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Open run directory", str(self.state.runs_dir))
@@ -302,14 +317,10 @@ class MainWindow(QMainWindow):
                 menu.addAction(action)
 
     def import_dialog(self) -> None:
-        path, chosen = QFileDialog.getOpenFileName(
-            self, "Import a launcher's config", "",
-            "torchtitan job config or command (*.toml *.sh *.txt);;accelerate config (*.yaml *.yml);;"
-            "DeepSpeed config (*.json);;Megatron-LM command line (*.sh *.txt);;Hugging Face config.json (config.json)")
+        path, chosen = QFileDialog.getOpenFileName(self, "Import a launcher's config", "",
+                                                   ";;".join(f for f, _ in _LAUNCHER_FILTERS))
         if path:
-            fmt = {"torchtitan": "torchtitan", "accelerate": "accelerate", "DeepSpeed": "deepspeed",
-                   "Megatron-LM": "megatron", "Hugging": "hf"}[chosen.split()[0]]
-            self.import_launcher(path, fmt)
+            self.import_launcher(path, dict(_LAUNCHER_FILTERS).get(chosen, "torchtitan"))
 
     def import_launcher(self, path: str | Path, fmt: str) -> list[str]:
         """Make the launcher's file the window's config (undoable). What the file does not hold — accelerate's and
@@ -320,8 +331,10 @@ class MainWindow(QMainWindow):
 
         cur = self.state.config
         extra = {}
-        if fmt in ("accelerate", "deepspeed"):
-            extra = {"model": cur.to_dict()["model"], "training": {"micro_batch_size": cur.training.micro_batch_size}}
+        if fmt in ("accelerate", "deepspeed"):  # their files hold no model; accelerate's no batch either
+            extra = {"model": cur.to_dict()["model"]}
+            if fmt == "accelerate":
+                extra["training"] = {"micro_batch_size": cur.training.micro_batch_size}
         cluster = {"gpu": cur.to_dict()["cluster"]["gpu"]}
         try:
             text = Path(path).read_text(encoding="utf-8")

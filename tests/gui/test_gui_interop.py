@@ -76,3 +76,19 @@ def test_export_layout_as_each_format_and_the_report(window, monkeypatch, tmp_pa
     assert html.count("<svg") == 2 and "<script" not in html  # self-contained: nothing fetched, nothing run
     assert not any(s in html for s in ('src="http', "<link", "@import", "url(http"))
     assert "llama3-8b" in html and "Pipeline timeline" in html
+
+
+def test_file_open_takes_a_launcher_config_by_its_filter(window, monkeypatch):
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: (
+        str(ROOT / "assets" / "examples" / "interop" / "deepspeed-zero3.json"), "DeepSpeed config (*.json)"))
+    monkeypatch.setattr(QMessageBox, "information", lambda *a: None)
+    warned = []
+    monkeypatch.setattr(QMessageBox, "warning", lambda *a: warned.append(a[2]))
+    _action(window, "Open config").trigger()  # the window's 4 ranks cannot hold its 256-sequence batch of 4 × 2
+    assert "train_batch_size = 256" in warned[0]
+    window.state.set_config(Config.load(ROOT / "assets" / "examples" / "llama3-8b-16gpu.toml").replace(
+        cluster={"gpus": 32}, parallel={"dp": 32, "tp": 1, "pp": 1, "sequence_parallel": False, "virtual_stages": 1,
+                                        "schedule": "1F1B"}))
+    _action(window, "Open config").trigger()
+    cfg = window.state.config
+    assert (cfg.parallel.zero, cfg.training.micro_batch_size, cfg.parallel.microbatches) == (3, 4, 2)
