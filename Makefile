@@ -26,6 +26,7 @@ $(JUDGES)/.installed: Makefile
 	$(JUDGES)/bin/python -m pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
 	$(JUDGES)/bin/python -m pip install -q 'torchtitan==0.3.0' 'torchao==0.18.0' triton
 	$(JUDGES)/bin/python -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
+	$(JUDGES)/bin/python -m pip install -q --no-deps --target $(JUDGES)/torchtitan-0.2.2 'torchtitan==0.2.2'
 	touch $@
 
 install: $(VENV)/.installed

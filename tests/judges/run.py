@@ -19,7 +19,9 @@ def judges_python() -> Path:
     return (venv if venv.is_absolute() else ROOT / venv) / "bin" / "python"
 
 
-def run_judge(script: str, payload) -> list:
+def run_judge(script: str, payload, path: str = "") -> list:
+    """Run ``script`` with ``payload`` (JSON) on its standard input; ``path``: a folder of the judges' venv put on
+    PYTHONPATH (a second torchtitan beside the first)."""
     python = judges_python()
     if not python.exists():
         if os.environ.get("CI"):
@@ -27,6 +29,6 @@ def run_judge(script: str, payload) -> list:
         pytest.skip(f"{python}: no judges' venv (make test builds it)")
     done = subprocess.run([str(python), str(ROOT / "tests" / "judges" / script)], input=json.dumps(payload),
                           capture_output=True, text=True, timeout=900, cwd=python.parent.parent,
-                          env={**os.environ, "PYTHONPATH": ""})
+                          env={**os.environ, "PYTHONPATH": str(python.parent.parent / path) if path else ""})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
