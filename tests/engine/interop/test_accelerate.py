@@ -19,7 +19,7 @@ from engine.interop import InteropError
 from engine.interop.accelerate import import_accelerate as _import_table
 from gui.interop_files import accelerate_yaml, read_accelerate
 from tests.config_space import random_config
-from tests.engine.interop.test_torchtitan import _differing, _named
+from tests.engine.interop.test_torchtitan import _differing, assert_moves_named
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -141,17 +141,10 @@ def test_every_field_an_export_changes_is_named(seed):
         assert out.not_expressed, str(exc)
         return
     moved = {f for f in _differing(cfg, back.config) if not f.startswith("conventions.")}
-    named = _named(out.not_expressed) | _named(back.not_expressed)
-    dependents = {"parallel.pp": {"parallel.dp", "parallel.schedule", "parallel.virtual_stages",
-                                  "parallel.pipeline_split", "parallel.fsdp_reshard_after_forward"},
-                  "parallel.zero": {"parallel.replicate", "parallel.fsdp_reshard_after_forward",
-                                    "training.float8_all_gather", "training.grad_dtype"},
-                  "training.float8": {"training.float8_all_gather"},
-                  "training.recompute": {"training.recompute_every"},
-                  "training.finetune": {"training.lora_rank", "training.lora_alpha", "training.lora_targets",
-                                        "training.lora_base_dtype"}}
-    explained = named | {d for n in named for d in dependents.get(n, ())}
-    assert moved <= explained, (moved - explained, out.not_expressed)
+    assert_moves_named(moved, out.not_expressed + back.not_expressed, {
+        "parallel.pp": {"parallel.dp", "parallel.schedule", "parallel.virtual_stages", "parallel.pipeline_split",
+                        "parallel.fsdp_reshard_after_forward"},
+        "parallel.zero": {"training.grad_dtype"}})
 
 
 def _accelerate_reads(text: str, tmp: Path) -> dict:
