@@ -83,6 +83,7 @@ KEYS: dict[str, tuple[type, tuple[str, ...]]] = {
     "float8.enable_float8_linear": (bool, ()),
     "float8.enable_fsdp_float8_all_gather": (bool, ("quantize.linear.float8.enable_fsdp_float8_all_gather",)),
     "float8.recipe_name": (str, ("quantize.linear.float8.recipe_name",)),
+    "float8.force_recompute_fp8_weight_in_bwd": (bool, ("quantize.linear.float8.force_recompute_fp8_weight_in_bwd",)),
     "float8.scaling_type_input": (str, ()),
     "float8.scaling_type_weight": (str, ()),
     "float8.scaling_type_grad_output": (str, ()),
@@ -94,7 +95,7 @@ _ALIAS = {alias: key for key, (_, aliases) in KEYS.items() for alias in (key, *a
 _KEYS_2024 = {"training.batch_size", "training.data_parallel_shard_degree", "training.tensor_parallel_degree",
               "training.data_parallel_replicate_degree", "experimental.pipeline_parallel_degree",
               "experimental.context_parallel_degree", "float8.enable_float8_linear", "model.norm_type",
-              "training.compile", "experimental.pipeline_parallel_microbatches"}
+              "experimental.pipeline_parallel_microbatches"}
 #: sections and keys that bear on neither memory nor step time
 _IGNORED_SECTIONS = ("job", "profiling", "profiler", "metrics", "checkpoint", "comm", "lr_scheduler", "dataloader",
                      "validation", "validator", "fault_tolerance", "memory_estimation", "debug", "override", "ft")
@@ -105,8 +106,6 @@ _IGNORED_KEYS = {"optimizer.lr", "optimizer.eps", "optimizer.weight_decay", "opt
                  "training.gc_debug", "model.tokenizer_path", "model.hf_assets_path", "hf_assets_path",
                  "compile.backend", "float8.precompute_float8_dynamic_scale_for_fsdp",
                  "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
-                 "float8.force_recompute_fp8_weight_in_bwd",
-                 "quantize.linear.float8.force_recompute_fp8_weight_in_bwd",
                  "quantize.linear.float8.filter_fqns", "float8.filter_fqns",
                  "activation_checkpoint.preserve_rng_state", "activation_checkpoint.determinism_check",
                  "activation_checkpoint.debug", "experimental.custom_import", "experimental.custom_args_module"}
@@ -237,6 +236,8 @@ def _torchrun_world(tokens: list[str]) -> tuple[int | None, int | None, list[str
     while tokens and "=" in tokens[0] and tokens[0].split("=", 1)[0].isupper():
         name, val = tokens.pop(0).split("=", 1)
         env[name] = val
+    for name, val in env.items():  # the shell's $NAME and ${NAME} of the assignments before the command
+        tokens = [t.replace("${" + name + "}", val).replace("$" + name, val) for t in tokens]
     script = next((i for i, tok in enumerate(tokens) if tok.endswith(_SCRIPTS)), None)
     before, args = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
     opts: dict[str, str] = {}
@@ -441,6 +442,9 @@ def _float8(s: dict[str, Any], flavour: str, zero: int, notes: list[str]) -> dic
     if recipe not in names.FLOAT8_KINDS:
         raise InteropError(f"torchtitan float8.recipe_name = {recipe!r}: allowed tensorwise, rowwise, "
                            "rowwise_with_gw_hp")
+    if s.get("float8.force_recompute_fp8_weight_in_bwd"):
+        notes.append("float8.force_recompute_fp8_weight_in_bwd = true: ShardScope does not model which float8 weights "
+                     "the backward keeps or casts again")
     gather = bool(s.get("float8.enable_fsdp_float8_all_gather")) and recipe == "tensorwise" and zero == 3
     return {"float8": recipe, "float8_all_gather": gather}
 

@@ -22,7 +22,8 @@ def test_every_row_of_tables_1_3_5_is_a_config():
     assert sorted((r["table"], r["row"]) for r in data) == sorted(
         [(t, row) for t in (1, 3) for row in ("FSDP", "FSDP + torch.compile", "FSDP + torch.compile + Float8")]
         + [(5, "1F1B"), (5, "Interleaved 1F1B"), (4, "2D"), (4, "2D + AsyncTP")]
-        + [(2, f"FSDP {8 // cp}, CP {cp}, sequence {32768 * cp}") for cp in (1, 2, 4, 8)])
+        + [(2, f"FSDP {8 // cp}, CP {cp}, sequence {32768 * cp}") for cp in (1, 2, 4, 8)]
+        + [(7, "NUM_NODES = 4"), (7, "NUM_NODES = 8")])  # the H200 file's rows
     assert {r["clock"] for r in data} == {"ops"} and {r["clock"] for r in mod.rows("efficiency")} == {"efficiency"}
     assert all(r["tps"] > 0 and r["gib"] > 0 for r in data)
     assert len(mod.table(data)) == 2 + len(data)
