@@ -339,7 +339,7 @@ def _degrees(s: dict[str, Any], world: int | None) -> dict[str, int]:
     return deg
 
 
-def _pipeline(s: dict[str, Any], deg: dict[str, int], layers: int, flavour: str, notes: list[str]) -> dict[str, Any]:
+def _pipeline(s: dict[str, Any], deg: dict[str, int], layers: int, notes: list[str]) -> dict[str, Any]:
     pp = deg["pipeline_parallel"]
     if pp == 1:
         return {}
@@ -515,7 +515,7 @@ def _to_config(reader: _Reader, flavour: str, world: int | None, cluster: dict[s
     if s.get("parallelism.disable_loss_parallel") and tp > 1:
         notes.append("parallelism.disable_loss_parallel = true: ShardScope keeps the logits vocabulary-parallel")
     layers_hint = Config.from_dict({"model": {"preset": model["preset"]}, "cluster": {"gpu": "cpu", "gpus": 1}})
-    parallel.update(_pipeline(s, deg, layers_hint.model.layers, flavour, notes))
+    parallel.update(_pipeline(s, deg, layers_hint.model.layers, notes))
     size, micro = _batches(s, deg, flavour, notes)
     parallel["microbatches"] = micro
     training: dict[str, Any] = {"micro_batch_size": size, **_precision(s, notes), **_recompute(s, notes)}
