@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
-# The launchers' own config parsers judge ShardScope's importers and exporters in the tests (issue 28):
+# The launchers' own config parsers judge ShardScope's importers and exporters in the tests:
 # torchtitan 0.3.0 (with torchao, and triton, which its MoE kernels import) and DeepSpeed (an sdist built
 # against the torch already there) in a venv of their own, since torchtitan pins packages (datasets,
 # huggingface_hub) that the product's venv holds at other versions. accelerate judges from the product's venv.

@@ -1,4 +1,4 @@
-"""``shardscope import`` and ``shardscope export``: the launchers' languages (engine.interop, issue 28).
+"""``shardscope import`` and ``shardscope export``: the launchers' languages (engine.interop).
 
     shardscope import torchtitan|accelerate|deepspeed|megatron|hf [--gpus N] [--gpu PRESET] [--cluster PRESET]
                       [--model PRESET | --hf CONFIG.json] [--set SECTION.FIELD=VALUE ...] [-o OUT.toml] FILE [ARGS...]

@@ -1,4 +1,4 @@
-"""The launchers' files as text, for the CLI and the window (issue 28): engine.interop reads and writes their
+"""The launchers' files as text, for the CLI and the window: engine.interop reads and writes their
 contents (dicts, JSON, TOML, command lines); YAML, which the engine does not parse, is read and written here.
 
 ``import_text(fmt, text, ...)`` → :class:`engine.interop.Imported`; ``export_text(fmt, cfg, form)`` →

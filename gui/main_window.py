@@ -303,7 +303,7 @@ class MainWindow(QMainWindow):
         if path:
             self.run_panel.export_csv(path)
 
-    # ------------------------------------------------------------------ the launchers' languages (issue 28)
+    # ------------------------------------------------------------------ the launchers' languages
 
     def _export_layout_menu(self, file) -> None:
         from gui.interop_files import EXPORT_FORMS

@@ -1,4 +1,4 @@
-"""A shareable report (issue 28): one self-contained HTML file — no script, no network, the charts as inline SVG —
+"""A shareable report: one self-contained HTML file — no script, no network, the charts as inline SVG —
 with the layout, the metrics, the memory per rank against the card, the pipeline timeline, the planner's top layouts
 (if asked) and, with a run, predicted vs measured with the errors.
 

@@ -1,4 +1,4 @@
-"""``shardscope import`` / ``shardscope export`` (gui/cli_interop.py, issue 28)."""
+"""``shardscope import`` / ``shardscope export`` (gui/cli_interop.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The window's File → Import a launcher's config, Export layout as…, Export report (issue 28), driven offscreen
+"""The window's File → Import a launcher's config, Export layout as…, Export report, driven offscreen
 through the menus' own actions (the file dialogs answered)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DeepSpeed's own config class as the judge of ShardScope's DeepSpeed reader (issue 28).
+"""DeepSpeed's own config class as the judge of ShardScope's DeepSpeed reader.
 
 Run with the judges' Python (``.venv-judges``, made by ``make test``; DeepSpeed 0.19.8 there):
 

@@ -1,5 +1,5 @@
 """torchtitan 0.2.2's own ConfigManager as the judge of ShardScope's torchtitan job configs (the TOML flavour of
-the 0.1-0.2 releases; issue 28). ``make test`` installs torchtitan 0.2.2 beside 0.3.0 in the judges' venv, in its
+the 0.1-0.2 releases). ``make test`` installs torchtitan 0.2.2 beside 0.3.0 in the judges' venv, in its
 own folder (``.venv-judges/torchtitan-0.2.2``, on PYTHONPATH for this script only).
 
 Reads a JSON list of TOML texts; parses each as ``--job.config_file`` and prints the fields ShardScope reads under

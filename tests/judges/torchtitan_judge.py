@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's own ConfigManager as the judge of ShardScope's torchtitan reader (issue 28).
+"""torchtitan 0.3.0's own ConfigManager as the judge of ShardScope's torchtitan reader.
 
 Run with the judges' Python (``.venv-judges``, made by ``make test``: torchtitan 0.3.0 and what it imports):
 

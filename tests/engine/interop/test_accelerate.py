@@ -1,4 +1,4 @@
-"""accelerate's config YAML ↔ ShardScope (engine.interop.accelerate, issue 28), judged by accelerate itself: its
+"""accelerate's config YAML ↔ ShardScope (engine.interop.accelerate), judged by accelerate itself: its
 launcher reads every exported file (``_validate_launch_command``), turns it into the environment its processes get
 (``prepare_multi_gpu_env``), and its plugins (``FullyShardedDataParallelPlugin``, ``ParallelismConfig``,
 ``AORecipeKwargs``) are built from that environment, as a training script's ``Accelerator`` builds them."""

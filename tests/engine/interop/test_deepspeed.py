@@ -1,4 +1,4 @@
-"""DeepSpeed's JSON config ↔ ShardScope (engine.interop.deepspeed, issue 28), judged by DeepSpeed's own
+"""DeepSpeed's JSON config ↔ ShardScope (engine.interop.deepspeed), judged by DeepSpeed's own
 ``DeepSpeedConfig`` (tests/judges/deepspeed_judge.py, in the judges' venv)."""
 
 from __future__ import annotations

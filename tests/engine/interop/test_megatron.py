@@ -1,4 +1,4 @@
-"""Megatron-LM's command line ↔ ShardScope (engine.interop.megatron, issue 28). Megatron-LM's argument parser is
+"""Megatron-LM's command line ↔ ShardScope (engine.interop.megatron). Megatron-LM's argument parser is
 not installable here (megatron/training is not in the megatron-core wheel), so its documented semantics
 (``validate_args`` in megatron/training/arguments.py) are checked by hand below, and the round trip over the config
 space by the property test."""

@@ -1,4 +1,4 @@
-"""torchtitan's configs and command lines ↔ ShardScope (engine.interop.torchtitan, issue 28)."""
+"""torchtitan's configs and command lines ↔ ShardScope (engine.interop.torchtitan)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's own ConfigManager judges ShardScope's torchtitan command lines (issue 28).
+"""torchtitan 0.3.0's own ConfigManager judges ShardScope's torchtitan command lines.
 
 The judge runs in the judges' venv (``make test`` builds ``.venv-judges``: torchtitan 0.3.0, torchao, triton;
 ``SHARDSCOPE_JUDGES`` names another). Every exported command must parse there, and torchtitan must read from it
