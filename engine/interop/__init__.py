@@ -1,4 +1,4 @@
-"""The launchers' languages (issue 28): read the configs people already have, write the layout they chose.
+"""The launchers' languages: read the configs people already have, write the layout they chose.
 
 Each format is a module with ``import_*`` (text → :class:`Imported`: a ShardScope config plus every
 field it could not express, named) and ``export_*`` (config → text plus the same list the other
@@ -8,6 +8,7 @@ tests hold the launchers' own parsers up against these readers.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,3 +101,37 @@ def build_config(parallel: dict[str, Any], training: dict[str, Any], gpus: int, 
     except ConfigError as exc:
         raise InteropError(f"the imported layout is not a valid ShardScope config: {exc}") from None
     return Imported(config, flavour, tuple(notes), ignored, tuple(assumed))
+
+
+def split_command(text: str) -> list[str]:
+    """A shell command line as its words: backslash continuations joined, ``#`` comments dropped."""
+    try:
+        return shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise InteropError(f"the command line cannot be split into words: {exc}") from None
+
+
+def launch_world(tokens: list[str], scripts: tuple[str, ...]) -> tuple[int | None, int | None, list[str],
+                                                                        dict[str, str]]:
+    """From a launch command's words: the world size and GPUs a node (torchrun's ``--nnodes`` ×
+    ``--nproc_per_node``, or ``NGPU=`` / ``NNODES=`` assigned before the command), the arguments after the script
+    (the first word ending in one of ``scripts``; all of them where there is none) and the ``NAME=value``
+    assignments before the command, whose ``$NAME`` / ``${NAME}`` the later words have expanded."""
+    env: dict[str, str] = {}
+    while tokens and "=" in tokens[0] and tokens[0].split("=", 1)[0].isupper():
+        name, val = tokens.pop(0).split("=", 1)
+        env[name] = val
+    for name, val in env.items():
+        tokens = [t.replace("${" + name + "}", val).replace("$" + name, val) for t in tokens]
+    script = next((i for i, tok in enumerate(tokens) if tok.endswith(scripts)), None)
+    before, args = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
+    opts: dict[str, str] = {}
+    for i, tok in enumerate(before):
+        name, eq, val = tok.partition("=")
+        if name.startswith("--"):
+            opts[name.replace("-", "_")] = val if eq else (before[i + 1] if i + 1 < len(before) else "")
+    per_node = opts.get("__nproc_per_node") or env.get("NGPU")
+    nnodes = (opts.get("__nnodes") or env.get("NNODES") or "1").split(":")[-1]
+    if not (per_node and per_node.isdigit() and nnodes.isdigit()):
+        return None, None, args, env
+    return int(nnodes) * int(per_node), int(per_node), args, env

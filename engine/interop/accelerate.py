@@ -1,4 +1,4 @@
-"""Hugging Face accelerate's config file (``accelerate config`` → ``default_config.yaml``) ↔ ShardScope (issue 28).
+"""Hugging Face accelerate's config file (``accelerate config`` → ``default_config.yaml``) ↔ ShardScope.
 
 accelerate's file says how the processes run — ``distributed_type`` (NO, MULTI_GPU, MULTI_CPU, FSDP, DEEPSPEED),
 ``num_processes`` over ``num_machines``, ``mixed_precision``, ``fsdp_config`` (version 1 or 2),

@@ -1,4 +1,4 @@
-"""DeepSpeed's JSON config ↔ ShardScope (issue 28).
+"""DeepSpeed's JSON config ↔ ShardScope.
 
 Read as DeepSpeed documents it (deepspeed.ai/docs/config-json, ``deepspeed/runtime/config.py``): the batch
 (``train_batch_size`` = ``train_micro_batch_size_per_gpu`` × ``gradient_accumulation_steps`` × data-parallel ranks),

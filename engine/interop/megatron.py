@@ -1,4 +1,4 @@
-"""Megatron-LM's command line (``pretrain_gpt.py`` and its arguments) ↔ ShardScope (issue 28).
+"""Megatron-LM's command line (``pretrain_gpt.py`` and its arguments) ↔ ShardScope.
 
 The arguments as ``megatron/training/arguments.py`` names them (NVIDIA/Megatron-LM, 2026; argparse, so ``--a-b v``
 or ``--a-b=v``, flags bare). Megatron has no model presets: the architecture is in the arguments (``--num-layers``,
@@ -24,7 +24,7 @@ import shlex
 from typing import Any
 
 from engine.config import Config
-from engine.interop import Exported, Imported, InteropError, build_config
+from engine.interop import Exported, Imported, InteropError, build_config, launch_world, split_command
 from engine.model.presets import model_presets
 
 _SCRIPTS = ("pretrain_gpt.py", "pretrain_mamba.py", "pretrain_bert.py", "pretrain_t5.py", "train.py")
@@ -77,17 +77,6 @@ def _int(a: dict[str, Any], name: str, default: int | None) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         raise InteropError(f"Megatron --{name} = {value!r}: allowed an integer") from None
-
-
-def _world(tokens: list[str]) -> tuple[int | None, int | None, list[str]]:
-    script = next((i for i, t in enumerate(tokens) if t.endswith(_SCRIPTS)), None)
-    before, after = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
-    opts, _ = _args([t for t in before if t != "torchrun"])
-    per_node = opts.get("nproc_per_node") or opts.get("nproc-per-node")
-    nodes = str(opts.get("nnodes", "1")).split(":")[-1]
-    if per_node and str(per_node).isdigit() and nodes.isdigit():
-        return int(nodes) * int(per_node), int(per_node), after
-    return None, None, after
 
 
 def _model(a: dict[str, Any], notes: list[str]) -> dict[str, Any]:
@@ -173,11 +162,7 @@ def _sharding(a: dict[str, Any], notes: list[str]) -> int:
 def import_megatron(text: str, *, gpus: int | None = None, cluster: dict[str, Any] | None = None,
                     extra: dict[str, dict[str, Any]] | None = None) -> Imported:
     """A Megatron-LM command line (``torchrun ... pretrain_gpt.py --args``, or the arguments alone) as a config."""
-    try:
-        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
-    except ValueError as exc:
-        raise InteropError(f"the command line cannot be split into words: {exc}") from None
-    world, per_node, rest = _world(tokens)
+    world, per_node, rest, _ = launch_world(split_command(text), _SCRIPTS)
     a, stray = _args(rest)
     notes = [f"argument {s!r}: not an option" for s in stray]
     world = gpus or world

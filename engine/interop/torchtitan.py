@@ -1,4 +1,4 @@
-"""torchtitan's configs and command lines ↔ ShardScope (issue 28).
+"""torchtitan's configs and command lines ↔ ShardScope.
 
 Three flavours, told apart by their keys (every key is read under all its names):
 
@@ -37,7 +37,8 @@ from typing import Any
 
 from engine import names
 from engine.config import Config, ConfigError
-from engine.interop import Exported, Imported, InteropError
+from engine.interop import Exported, Imported, InteropError, launch_world, split_command
+from engine.model.presets import model_presets
 
 FLAVOUR_2024, FLAVOUR_02, FLAVOUR_03 = "2024", "0.1-0.2", "0.3"
 
@@ -221,37 +222,12 @@ class _Reader:
                 self.set(name, raw)
 
 
-def _split_command(text: str) -> list[str]:
-    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    try:
-        return shlex.split(text.replace("\\\n", " "))
-    except ValueError as exc:
-        raise InteropError(f"the command line cannot be split into words: {exc}") from None
-
-
 def _torchrun_world(tokens: list[str]) -> tuple[int | None, int | None, list[str]]:
-    """The world size and GPUs a node (torchrun's ``--nnodes`` × ``--nproc_per_node``, or ``NGPU=`` /
-    ``NNODES=`` before ``run_train.sh``) and torchtitan's own arguments (after the script, or all of them)."""
-    env: dict[str, str] = {}
-    while tokens and "=" in tokens[0] and tokens[0].split("=", 1)[0].isupper():
-        name, val = tokens.pop(0).split("=", 1)
-        env[name] = val
-    for name, val in env.items():  # the shell's $NAME and ${NAME} of the assignments before the command
-        tokens = [t.replace("${" + name + "}", val).replace("$" + name, val) for t in tokens]
-    script = next((i for i, tok in enumerate(tokens) if tok.endswith(_SCRIPTS)), None)
-    before, args = (tokens[:script], tokens[script + 1:]) if script is not None else ([], tokens)
-    opts: dict[str, str] = {}
-    for i, tok in enumerate(before):
-        name, eq, val = tok.partition("=")
-        if name.startswith("--"):
-            opts[name.replace("-", "_")] = val if eq else (before[i + 1] if i + 1 < len(before) else "")
-    per_node = opts.get("__nproc_per_node") or env.get("NGPU")
-    nnodes = (opts.get("__nnodes") or env.get("NNODES") or "1").split(":")[-1]
+    """``launch_world`` for torchtitan's scripts; ``CONFIG_FILE=`` before ``run_train.sh`` names the job config."""
+    world, per_node, args, env = launch_world(tokens, _SCRIPTS)
     if "CONFIG_FILE" in env:
         args = [f"--job.config_file={env['CONFIG_FILE']}", *args]
-    if not (per_node and per_node.isdigit() and nnodes.isdigit()):
-        return None, None, args
-    return int(nnodes) * int(per_node), int(per_node), args
+    return world, per_node, args
 
 
 def _read_args(reader: _Reader, args: list[str], read_file: Callable[[str], str]) -> str | None:
@@ -514,8 +490,7 @@ def _to_config(reader: _Reader, flavour: str, world: int | None, cluster: dict[s
         parallel["fsdp_reshard_after_forward"] = s["parallelism.fsdp_reshard_after_forward"]
     if s.get("parallelism.disable_loss_parallel") and tp > 1:
         notes.append("parallelism.disable_loss_parallel = true: ShardScope keeps the logits vocabulary-parallel")
-    layers_hint = Config.from_dict({"model": {"preset": model["preset"]}, "cluster": {"gpu": "cpu", "gpus": 1}})
-    parallel.update(_pipeline(s, deg, layers_hint.model.layers, notes))
+    parallel.update(_pipeline(s, deg, int(model_presets()[model["preset"]]["layers"]), notes))
     size, micro = _batches(s, deg, flavour, notes)
     parallel["microbatches"] = micro
     training: dict[str, Any] = {"micro_batch_size": size, **_precision(s, notes), **_recompute(s, notes)}
@@ -573,7 +548,7 @@ def read_torchtitan(text: str, args: list[str] | None = None,
         reader.toml(text, "the config")
         tokens = list(args or [])
     else:
-        world, per_node, tokens = _torchrun_world(_split_command(text))
+        world, per_node, tokens = _torchrun_world(split_command(text))
         tokens += list(args or [])
     function = _read_args(reader, tokens, read_file)
     return reader, _flavour(reader, function), world, per_node
