@@ -1008,13 +1008,21 @@ class Grain(NamedTuple):
     and the head: the sizes one block's forward saves (in order; the per-rank model gives them as one
     piece) and the transient tensors it makes (in order; the per-rank model gives its two largest), the
     blocks of each local stage, and the head's output (the logits) in the compute dtype before the loss
-    casts it to fp32 (0: the logits are fp32 already, no cast)."""
+    casts it to fp32 (0: the logits are fp32 already, no cast). Under tensor parallelism without
+    loss_parallel the head's vocabulary-sharded output reaches the loss through DTensor's
+    Shard(-1) → Replicate: ``funcol.all_gather_single(gather_dim=2)`` gathers along dim 0 and, the
+    sequence lying between dim 0 and the vocabulary, copies the result into place
+    (``torch._utils._maybe_view_chunk_cat``: a view only when every dim before the gather dim is 1), so
+    the local shard (``head_shard``), the gathered buffer (``head_gather``) and the copy, the logits,
+    are alive at once before the buffer is freed (0, 0: no such redistribution)."""
 
     kept: tuple[int, ...]  # what one block saves, one microbatch, in forward order (proportions)
     work: tuple[int, ...]  # tensors one block's forward makes, one microbatch, in order
     blocks: tuple[int, ...]  # blocks per local stage
     logits_bytes: int  # the last stage's logits in the compute dtype, one microbatch (0: no fp32 cast)
     loss_piece: int = 0  # one fp32 tensor of the loss's vocabulary shard, one microbatch (0: not known)
+    head_shard: int = 0  # the head's local output under TP without loss_parallel, one microbatch
+    head_gather: int = 0  # its all-gather's dim-0 output, the whole vocabulary, one microbatch
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -1670,8 +1678,20 @@ class _Laying:
             alloc(("mb", stage, mb, "so"), so)
             keys.append([("mb", stage, mb, "so")])  # a B frees it with the rest; an I at its end
         if logprob_b > 0:
-            lgt = self.transient(("logits", i), grain.logits_bytes, 2 * logprob_b)  # its fp32 copy, the log-probs
-            f32 = lgt and self.transient(("logits_fp32", i), logprob_b, logprob_b)
+            # the logits as the loss reads them: its fp32 cast's source, or (fp32) the gathered logits themselves
+            logits_b = grain.logits_bytes or grain.head_gather
+            shard = grain.head_shard and self.transient(("head_shard", i), grain.head_shard,
+                                                        grain.head_gather + logits_b)
+            gather = shard and self.transient(("head_gather", i), grain.head_gather, logits_b)
+            # its fp32 copy and the log-probabilities come once the gathered buffer and the shard are freed
+            lgt = self.transient(("logits", i), logits_b,
+                                 max(2 * logprob_b - (grain.head_gather if gather else 0)
+                                     - (grain.head_shard if shard else 0), 0))
+            if gather:
+                free(("head_gather", i))
+            if shard:
+                free(("head_shard", i))
+            f32 = lgt and grain.logits_bytes and self.transient(("logits_fp32", i), logprob_b, logprob_b)
             alloc(("mb", stage, mb, "logprob"), logprob_b)
             self.heads.setdefault((stage, mb), []).append(("mb", stage, mb, "logprob"))
             if f32:

@@ -34,7 +34,7 @@ from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, sig_moments
 from engine.memory.overhead import overhead, reserved_bytes
-from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body
+from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body, ceil_div
 from engine.memory.states import ACCOUNTINGS, fsdp2_optimizer_shares, lora_states, lora_unit_groups, zero1_shares
 from engine.model.params import RankParams, params_per_rank, unit_numel
 from engine.names import SPLIT_BACKWARD_SCHEDULES
@@ -161,11 +161,16 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
     sh = shape_of(cfg)
     kept, work = _block_tensors(sh, cfg.training.recompute)
     blocks = tuple(st.layers for st in sorted(rp.stages, key=lambda st: st.stage))
-    logits = piece = 0
+    logits = piece = shard = gather = 0
     if cfg.conventions.state_accounting == "pytorch":
-        piece = 4 * cfg.local_seq_len * cfg.training.micro_batch_size * loss_vocab(cfg, sp=sh.sp, torch_acc=True)
+        tokens = cfg.local_seq_len * cfg.training.micro_batch_size
+        piece = 4 * tokens * loss_vocab(cfg, sp=sh.sp, torch_acc=True)
         logits = 0 if sh.act == 4 else piece // 4 * sh.act
-    return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits, piece)
+        t = cfg.parallel.tp
+        if t > 1 and not sh.sp:  # the head's output gathered for the loss (Grain: Shard(-1) → Replicate)
+            shard = sh.act * tokens * ceil_div(cfg.model.vocab, t)
+            gather = t * shard
+    return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits, piece, shard, gather)
 
 
 #: how many of the tensors a block's forward makes the events lay as its transients (the largest)

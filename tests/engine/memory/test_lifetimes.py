@@ -1143,3 +1143,49 @@ def test_fsdp2_gradients_of_a_split_backward_follow_torchs_post_backward():
     # a full backward: made and added in by the B, as before
     acc, red, cv, fr = columns("FBFB")
     assert acc == cv == [0, 0, 1, 1] and fr == [0] * 4
+
+
+def _head_events(cfg: Config) -> list[tuple]:
+    """The loss side of rank 0's first forward: the events between the head's saved tensors and the saved
+    log-probabilities, (kind, key name, bytes) in order."""
+    events = memory_per_rank(cfg).per_rank[0]._body.timeline.events()
+    size, out, on = {}, [], False
+    for e in events:
+        key = e[1]
+        if e[0] == "alloc":
+            size[key] = e[2]
+        if key[:1] == ("mb",) and key[-1] == "head":
+            on = True
+            continue
+        if on and key[:1] == ("mb",) and key[-1] == "logprob":
+            return out
+        if on:
+            out.append((e[0], key[0], size[key]))
+    raise AssertionError("no loss side in the events")
+
+
+def test_the_heads_output_gathered_for_the_loss_lays_the_shard_the_buffer_and_its_copy():
+    """Tensor parallelism without loss_parallel: the head's vocabulary-sharded output is redistributed
+    Shard(-1) → Replicate for the loss; ``funcol.all_gather_single`` gathers along dim 0 and, the sequence lying
+    between dim 0 and the vocabulary, copies it into place (``torch._utils._maybe_view_chunk_cat``: a view only
+    where every dim before the gather dim is 1). The local shard, the gathered buffer and the copy are alive at
+    once; the buffer and the shard are freed before the loss casts the copy to fp32 (``measure --fake``: Llama 3
+    70B tp8, 16,384 tokens a rank — 0.49, 3.91 and 3.91 GB, then 7.83 GB twice). Llama 3 70B, 2 blocks, tp 8
+    (no SP), cp 2, 8 × 4,096 tokens: 16,384 tokens on a rank, 16,032 vocabulary columns a TP rank, bf16."""
+    base = {"model": {"preset": "llama3-70b", "seq_len": 4096, "layers": 2},
+            "cluster": {"gpu": "h100-96g", "gpus": 32, "gpus_per_node": 8},
+            "training": {"micro_batch_size": 8, "precision": "bf16-mixed", "recompute": "full"}}
+    shard = 2 * 16_384 * 16_032
+    cfg = Config.from_dict({**base, "parallel": {"dp": 2, "tp": 8, "cp": 2, "zero": 3}})
+    assert _head_events(cfg) == [("alloc", "head_shard", shard), ("alloc", "head_gather", 8 * shard),
+                                 ("alloc", "logits", 8 * shard), ("free", "head_gather", 8 * shard),
+                                 ("free", "head_shard", shard), ("alloc", "logits_fp32", 16 * shard)]
+    # under sequence parallelism the loss runs on the shard (loss_parallel): no gather, its fp32 copy of the shard
+    sp = Config.from_dict({**base, "parallel": {"dp": 2, "tp": 8, "cp": 2, "zero": 3, "sequence_parallel": True}})
+    assert _head_events(sp) == [("alloc", "logits", shard), ("alloc", "logits_fp32", 2 * shard)]
+    # fp32: the gathered copy is the logits the loss reads, no cast
+    fp32 = Config.from_dict({**base, "parallel": {"dp": 2, "tp": 8, "cp": 2, "zero": 3},
+                             "training": {**base["training"], "precision": "fp32"}})
+    assert _head_events(fp32) == [("alloc", "head_shard", 2 * shard), ("alloc", "head_gather", 16 * shard),
+                                  ("alloc", "logits", 16 * shard), ("free", "head_gather", 16 * shard),
+                                  ("free", "head_shard", 2 * shard)]
