@@ -1598,6 +1598,11 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         w_extra = f_loc * m.hidden * wb if plain_grads and par.microbatches > 1 else 0
         swiglu = m.mlp == "swiglu"
         dims = f"s={s}, b={b}, f={m.ffn_hidden}, t={t}"
+        # under sequence parallelism w2's output gradient comes in sequence-sharded and is all-gathered
+        # (RowwiseParallel's Shard(1) output: the backward of its reduce-scatter) into a whole s·b·h tensor in
+        # the compute dtype, alive through w2's backward (measure --fake, Llama 3 70B TP8 SP: 0.5 GiB at
+        # 32,768 tokens a rank); without it that gradient is the residual stream's, counted where it arrives
+        gathered = act * s * b * m.hidden if t > 1 and par.sequence_parallel else 0
         cast = 0
         if tr.float8 != "none" and not tr.compile:
             # torchao's eager cast of w2's saved input for its weight gradient
@@ -1611,7 +1616,9 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             # first cast's float8 bytes (a local of Float8Linear's backward until it returns), measured on a fake
             # Llama 3 70B TP8 step (two fp32 tokens × h tensors at its peak): under TP the output gradient is the
             # whole h wide, the down input f/t
-            cast = max(cast, (4 + 4 + 1) * s * b * m.hidden)
+            # (to_fp8_saturated: the clamp's fp32 output and its float8 result, with the scaled fp32 input
+            # still held: 4 + 4 + 1 bytes an element, and the first cast's float8 byte)
+            cast = max(cast, (4 + 4 + 1 + 1) * s * b * m.hidden) + gathered
             if not wrapping_plan(cfg).float8_all_gather:
                 # or, before the down input's gradient exists, w2's weight cast along its other axis for that
                 # gradient (the backward's ``hp_tensor_to_float8_dynamic(weight_hp_t, ...)``, torchao 0.18
@@ -1620,13 +1627,18 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                 # rank's tokens are few against the widths (a fake Llama 3 405B step at 2,048 tokens a rank:
                 # 9.25 GB of temporaries at its peak, one 16,384 × 53,248 weight's). Float8 all-gather
                 # brings the weight in float8 already
+                # (the weight casts peak in the backward of w1 or w3, the same size, by when w2's gathered
+                # output gradient is freed: measure --fake of Llama 3 405B TP2 SP tensorwise, line 131 of
+                # float8_linear.py beside an f/t-wide output gradient's float8 cast)
                 cast = max(cast, (4 + 4 + 1) * f_loc * m.hidden + s * b * m.hidden - sbf)
         if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             T.add("temporaries", "the first block's MLP backward under float8: the down input's gradient, and "
                   "the down input cast to float8 for w2's weight gradient (fp32 upcast, scaled copy, float8) "
-                  "with the output gradient's two float8 casts", sbf + cast,
-                  f"{sbf:,} B + {cast:,} B ({dims}; torchao's eager casts)", kind="mlp_backward")
-        elif swiglu and 2 * sbf > sbf + w_extra:
+                  "with the output gradient's two float8 casts"
+                  + (" and the output gradient all-gathered (SP)" if gathered else ""), sbf + cast,
+                  f"{sbf:,} B + {cast:,} B ({dims}; torchao's eager casts"
+                  + (f"; the gathered output gradient {gathered:,} B" if gathered else "") + ")", kind="mlp_backward")
+        elif swiglu and 2 * sbf > sbf + w_extra + gathered:
             T.add("temporaries", "the first block's MLP backward: the down input's, the gate activation's and "
                   "the up projection's gradients", 3 * sbf, f"3 × {x_b}·s·b·f/t = 3 × {sbf:,} B ({dims})",
                   kind="mlp_backward")
@@ -1634,9 +1646,11 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                   f"−{x_b}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
         else:
             T.add("temporaries", "the first block's MLP backward: the down input's gradient"
-                  + (" and w2's fresh weight gradient (added to the one accumulated)" if w_extra else ""),
-                  sbf + w_extra, f"{x_b}·s·b·f/t" + (f" + f/t·h·{wb}" if w_extra else "")
-                  + f" = {sbf + w_extra:,} B ({dims})", kind="mlp_backward")
+                  + (" and w2's fresh weight gradient (added to the one accumulated)" if w_extra else "")
+                  + (" beside the output gradient all-gathered (SP)" if gathered else ""),
+                  sbf + w_extra + gathered, f"{x_b}·s·b·f/t" + (f" + f/t·h·{wb}" if w_extra else "")
+                  + (f" + {act}·s·b·h" if gathered else "") + f" = {sbf + w_extra + gathered:,} B ({dims})",
+                  kind="mlp_backward")
     if holds_last:
         T.add("temporaries", "the blocks' output gradient (the final norm's input gradient)", res * sbh_rep,
               f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="blocks_output_gradient")

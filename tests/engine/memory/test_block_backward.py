@@ -163,3 +163,23 @@ def test_under_full_recompute_a_bs_mlp_backward_and_its_cp_attention_are_not_at_
     assert LIFETIMES["mlp_backward_freed"] == "full_backward"  # B moments only
     plain = c.replace(training={"recompute": "none"})
     assert not [t for t in memory_per_rank(plain).per_rank[0].catalogue("temporaries") if t.kind == "mlp_backward_freed"]
+
+
+def test_under_sequence_parallel_w2s_backward_holds_its_gathered_output_gradient_and_both_float8_casts():
+    """RowwiseParallel's output is reduce-scattered over the sequence, so w2's output gradient comes in sharded
+    and is all-gathered into a whole s·b·h tensor that lives through w2's backward (a fake Llama 3 70B TP8 SP
+    step: 0.5 GiB at 32,768 tokens a rank, beside the down input's gradient). Under float8 the output
+    gradient's second cast (for w2's weight gradient) holds its scaled fp32 copy, the clamp's fp32 output and
+    its own float8 result (``to_fp8_saturated``), with the first cast's float8 bytes: 10 B an element (the same
+    fake: 1.0 + 1.0 + 0.25 + 0.25 GiB). By hand, tp 4 with SP, s·b = 128 tokens, h 128, f/t = 88, rowwise:
+    the down input's gradient 4·128·88 = 45,056 B (fp32 here: CPU autocast, torchao's Linears take fp32
+    inputs), the casts 10·128·128 = 163,840 B, the gathered gradient 2·128·128 = 32,768 B; without float8
+    the down input's gradient (bf16: 22,528 B) and the gathered gradient."""
+    par = {"tp": 4, "sequence_parallel": True}
+    fl8 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "rowwise"}
+    r = memory_per_rank(_cfg(par, fl8)).per_rank[0]
+    assert _terms(r, "temporaries")["mlp_backward"] == 45_056 + 163_840 + 32_768
+    plain = memory_per_rank(_cfg(par, {"precision": "bf16-mixed", "grad_dtype": "bf16"})).per_rank[0]
+    assert _terms(plain, "temporaries")["mlp_backward"] == 22_528 + 32_768
+    no_sp = memory_per_rank(_cfg({"tp": 4}, fl8)).per_rank[0]
+    assert _terms(no_sp, "temporaries")["mlp_backward"] == 45_056 + 163_840
