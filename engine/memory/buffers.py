@@ -25,6 +25,7 @@ Conventions:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from engine.config import Config
 from engine.memory.lifetimes import BLOCK_KINDS
@@ -124,6 +125,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     # under expert parallelism: a block's experts are a unit nested in it, gathered and reduced in an order
     # of their own, and the current + prefetched units stand for both)
     root_split = plan.sharded and plan.reshard_after_forward and not plan.pipelined and bool(rp.root_units)
+    every_unit = False
     if root_split:
         two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
     elif plan.sharded and plan.reshard_after_forward and not after_backward:
@@ -132,7 +134,21 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
               + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
     else:
         _every_unit_gathered(plan, rp, T, all_bytes, psi, z, after_backward, bool(left_out), f8)
-    if z in (2, 3):
+        every_unit = True
+    # unpipelined, with units that stay gathered: a forward's all-gather outputs are the blocks' (FSDP2 keeps
+    # each unit's until the next one's copy-out, and the root's post-forward frees the last block's), the
+    # root's only before the first block's
+    blocks = groups[1:-1] if (every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
+                              and len(groups) >= 3) else []
+    if z in (2, 3) and blocks:
+        last = max(b for b, _ in blocks)
+        T.add("comm_buffers", "all-gather output of the last block a forward gathers (kept until the root's "
+              "post-forward; the largest block)" + f8, last, f"{last:,} B", kind="all_gather_output")
+        if conv.fsdp_prefetch:
+            n_blocks = sum(count for _, count in blocks)
+            prev = last if n_blocks > 1 else groups[0][0] + groups[-1][0]
+            _kept_all_gather_result(cfg, rp, T, prev, f8)
+    elif z in (2, 3):
         what = "the next block's (prefetched), or the current one's before its copy-out; the largest" \
             if root_split else "largest"
         T.add("comm_buffers", f"all-gather output of one unit ({what})" + f8, two[0], f"{two[0]:,} B",
@@ -222,6 +238,40 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
            else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
     T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
           kind="fsdp_unsharded_params")
+
+
+def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, f8: str) -> None:
+    """Where a forward gathers units that stay gathered (unpipelined ZeRO-2, ZeRO-3 not resharded after
+    forward): FSDP2's implicit forward prefetch keeps each unit's all-gather result
+    (``comm_ctx.all_gather_state``) until the next unit's ``wait_for_unshard``, which starts after that
+    unit's all-gather has landed, so two all-gather outputs are alive at each unshard; the root's
+    post-forward frees the last (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, _fsdp_state.py).
+    The most such a moment holds is at the last block's unshard: every unit gathered, and of the forward's
+    saved tensors all but those the last block saves besides its input (which exists: it is the argument).
+    The forward's own moment counts one output and every block's tensors, so the second output counts less
+    those (a CPU run of ZeRO-2 dp4 m4 full recompute: MemTracker's All Gather at the peak, in a later
+    microbatch's forward, is two blocks' outputs, beside every block's input and nothing of the head).
+    Dense blocks only (a MoE block's experts are a unit of their own)."""
+    if any(st.moe_layers for st in rp.stages) or not any(st.layers for st in rp.stages):
+        return
+    from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, shape_of
+
+    sh = shape_of(cfg)
+    policy = cfg.training.recompute
+    plain = [x for _, x, _ in layer_activation_terms(replace(sh, recompute="none"))[0]]
+    if policy in TABLE_RECOMPUTE:
+        saved = sum(x for _, x, _ in layer_activation_terms(sh)[0])
+    elif policy == "full":
+        saved = plain[0]  # the block input alone
+    else:  # selective-layer: the larger, a plain block's
+        saved = sum(plain)
+    after = max(saved - plain[0], 0)
+    extra = second - after
+    if extra > 0:
+        T.add("comm_buffers", "the previous unit's all-gather output at the last block's unshard (FSDP2's implicit "
+              "forward prefetch frees it after that unit's copy-out), less what the last block saves after it" + f8,
+              extra, f"{second:,} B − {after:,} B (the last block's saved tensors but its input)",
+              kind="all_gather_output")
 
 
 def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, f8: str) -> int:

@@ -340,3 +340,31 @@ def test_autocasts_cached_weight_casts_are_gone_at_the_optimizer_step():
     assert "autocast_weight_casts" in {t.kind for t in r.catalogue("activations")}
     assert "autocast_weight_casts" not in {t.kind for t in r.explain("activations")}
     assert r.allocated == r.total  # no overhead terms here: the snapshot is the peak
+
+
+def test_a_zero2_forward_gathers_each_block_beside_the_previous_ones_all_gather_result():
+    """FSDP2's implicit forward prefetch keeps each unit's all-gather result until the next unit's
+    ``wait_for_unshard`` (``comm_ctx.all_gather_state``), which runs after that unit's all-gather has landed;
+    the root's post-forward frees the last. Under ZeRO-2 with 4 microbatches the units are resharded after
+    each backward and gathered again in the next forward, with the unsharded gradients accumulated: the peak
+    is the last block's unshard, every unit gathered and two blocks' all-gather outputs (a CPU run of this
+    layout: MemTracker's All Gather 2,509,824 B = 2 × 1,254,912). Full recompute: the last block saves
+    nothing after its input, so the second output counts whole. By hand, fp32 (h 192, 8 heads over 4 KV,
+    f 352): one block's parameters 2·192² + 2·192·96 + 3·192·352 + 2·192 (its norms) = 313,728 elements,
+    1,254,912 B gathered."""
+    shape = {"preset": "tiny", "layers": 3, "hidden": 192, "heads": 8, "kv_heads": 4, "ffn_hidden": 352,
+             "vocab": 512, "seq_len": 48}
+    c = Config.from_dict({
+        "model": shape, "cluster": {"preset": "local-cpu", "gpus": 4, "gpus_per_node": 4},
+        "parallel": {"dp": 4, "zero": 2, "microbatches": 4},
+        "training": {"micro_batch_size": 2, "precision": "fp32", "recompute": "full"}})
+    r = memory_per_rank(c).per_rank[0]
+    block = 4 * 313_728
+    gathered = [t.bytes for t in r.catalogue("comm_buffers") if t.kind == "all_gather_output"]
+    assert gathered == [block, block]
+    assert r.peak_moment.startswith("stage 0 F of microbatch 1")
+    # where the blocks save more after their input, the second output counts less that (per-op selective:
+    # the block's tensors but its input are made after its unshard)
+    sel = memory_per_rank(c.replace(training={"recompute": "selective-op"})).per_rank[0]
+    second = [t.bytes for t in sel.catalogue("comm_buffers") if t.kind == "all_gather_output"][1:]
+    assert not second or second[0] < block
