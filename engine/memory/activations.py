@@ -1147,9 +1147,17 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
         big = max(per_layer, per_moe) if moe_here else per_layer
         shared = checkpoint_shared_bytes(sh, res)
         redo = big - shared
+        formula = (f"{blocks.moe_formula if blocks.moe and big != per_layer else blocks.layer_formula}"
+                   f" − the kept block input = {big:,} − {shared:,}")
+        trailing = _plain_blocks_after_last_checkpoint(cfg, rp, ckpt_of) if not moe_here else 0
+        if trailing:
+            # torchtitan's layer-selective AC: the stage's last checkpointed block is recomputed when the backward
+            # reaches it, after the plain blocks behind it have run theirs and freed their saved tensors
+            freed = trailing * per_layer
+            formula += f" − the {trailing} plain block{'s' if trailing > 1 else ''} after it, freed by then {freed:,}"
+            redo = max(redo - freed, 0)
         T.add("activations", f"one block recomputed during backward ({cfg.training.recompute} recompute), less "
-              "its kept input", redo, f"{blocks.moe_formula if blocks.moe and big != per_layer else blocks.layer_formula}"
-              f" − the kept block input = {big:,} − {shared:,} = {redo:,} B ({dims})", kind="recomputed_block")
+              "its kept input", redo, f"{formula} = {redo:,} B ({dims})", kind="recomputed_block")
     elif sh.recompute == "selective-op":
         # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
         # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE
@@ -1174,6 +1182,21 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
         T.add("activations", f"{what}'s recomputed tensors during its backward (per-op selective recompute)",
               redo, f"what {what} keeps under recompute = 'none' − its per-op stash = {plain_bytes:,} − "
               f"{stash:,} = {redo:,} B ({dims})", kind="recomputed_block")
+
+
+def _plain_blocks_after_last_checkpoint(cfg: Config, rp, ckpt_of: dict[int, int]) -> int:
+    """Under "selective-layer": the fewest plain blocks that follow the last checkpointed block of a stage of the
+    rank that has one (torchtitan's counter: block k of the rank, 1-based over its stages in order, is
+    checkpointed when k % recompute_every == 0, ``checkpointed_per_stage``); 0 under the other policies."""
+    if cfg.training.recompute != "selective-layer":
+        return 0
+    every, pos, out = cfg.training.recompute_every, 0, []
+    for st in sorted(rp.stages, key=lambda st: st.stage):
+        end = pos + st.layers
+        if ckpt_of[st.stage]:
+            out.append(end % every)
+        pos = end
+    return min(out, default=0)
 
 
 def loss_vocab(cfg: Config, *, sp: bool, torch_acc: bool) -> int:

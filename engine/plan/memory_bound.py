@@ -134,7 +134,12 @@ class MemoryBound:
         # a peak holds either the loss (the moment that opens a last-stage backward) or a backward's
         # own transients (the recomputed block — activations, alive in its backward —, a unit's
         # gradient, the gathered unit), never both
-        backward = np.where(c.full | (c.sl & (sum(ckpt_units) > 0)), bf * c.per_layer1, 0.0)
+        # (under layer-selective AC a stage's last checkpointed block is recomputed after the plain blocks behind
+        # it freed theirs: where every such stage has one, the recompute never tops the backward's start,
+        # ``activations._plain_blocks_after_last_checkpoint``)
+        every, ends = self.base.training.recompute_every, np.cumsum(units)
+        trailing = min((int(e) % every for e, n in zip(ends, ckpt_units) if n), default=0)
+        backward = np.where(c.full | (c.sl & (sum(ckpt_units) > 0) & (trailing == 0)), bf * c.per_layer1, 0.0)
         loss = np.zeros(len(r.b))
         if n_stages - 1 in stages:  # fp32 logits and their gradient at the loss
             loss = loss + bf * st.s_len * st.vocab_t * (act_b + (4 if act_b != 4 else 0))
