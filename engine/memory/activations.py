@@ -1692,10 +1692,12 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     ``index_add_``) runs first in the block's backward: ``index_add_``'s backward gathers the output
     gradient per routed copy (n·k·h in the activation dtype), the cast's backward makes it fp32, and the
     multiply's backward makes the fp32 gradient of the expert outputs and, for the scores' gradient, the fp32
-    product with the saved outputs before its row sum: three fp32 n·k·h tensors (and the 16-bit gradient; in
-    fp32 training the casts are no-ops and the gathered gradient is the first fp32 one) beside the two the block saved
+    product with the saved outputs before its row sum: three fp32 n·k·h tensors beside the two the block saved
     (measured in ``measure --fake`` of Qwen3 30B-A3B, pp8 ZeRO-3 full recompute: four 1 GiB fp32 n·k·h tensors
-    at a middle stage's peak); nothing of the block is freed yet, only the later blocks.
+    at a middle stage's peak); nothing of the block is freed yet, only the later blocks. The gathered 16-bit
+    gradient is gone by then: the cast's backward node was its only holder (two more fakes of Qwen3 30B-A3B,
+    pp8 ZeRO-2 full recompute b8 and pp8 ZeRO-3 b2 at 16K: three 2 GiB fp32 Temps at the peak and no 1 GiB
+    16-bit one; in fp32 training the casts are no-ops and the gathered gradient is the first fp32 one).
 
     Each expert's weights are a slice ``w[i]`` of a 3-D parameter, so autograd's select_backward
     gives every expert a full-size (E_loc, f, h) gradient, summed in the parameter's input buffer:
@@ -1751,8 +1753,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         gain = temp - freed
         if expert_grads and gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine)
-        cast = act * n * k * h if act != 4 else 0  # fp32 training: .float() and .to() are no-ops, no copy
-        c_temp = 3 * 4 * n * k * h + cast + grads // 2
+        c_temp = 3 * 4 * n * k * h + grads // 2
         if c_temp - after > 0 and (best is None or c_temp - after > best[0]):
             best = (c_temp - after, st.stage, c_temp, None, grads // 2, 0, after, after, 0, 0)
     if best is None:
@@ -1760,11 +1761,9 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine = best
     if w_grads is None:
         T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block, its combine: the routed copies' output "
-              f"gradient in {act} B and, in fp32, its cast, the expert outputs' gradient and the scores' product",
-              temp, (f"3 × 4·n·k·h + {act}·n·k·h + s·b·h·{act} = 3 × 4·{n}·{k}·{h} + {act}·{n}·{k}·{h} + {grads:,} B "
-                     "(block output gradient)" if act != 4 else
-                     f"3 × 4·n·k·h + s·b·h·4 = 3 × 4·{n}·{k}·{h} + {grads:,} B (block output gradient; fp32: no casts)"),
-              kind="moe_backward")
+              "gradient cast to fp32, the expert outputs' gradient and the scores' product",
+              temp, f"3 × 4·n·k·h + s·b·h·{act} = 3 × 4·{n}·{k}·{h} + {grads:,} B (block output gradient"
+              + ("; fp32: no casts)" if act == 4 else ")"), kind="moe_backward")
         if after:
             T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks)",
                   -after, f"−{after:,} B later blocks", kind="moe_backward_freed")

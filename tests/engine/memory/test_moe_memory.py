@@ -192,3 +192,15 @@ def test_replicate_leaves_the_experts_gradients_to_autograd():
     assert acc.bytes == wrapping_plan(many).grad_accumulation_bytes * (rp.total - rp.experts)  # the dense part only
     one = cfg({"tp": 2, "ep": 2, "dp": 2, "microbatches": 1})  # made block by block in the only backward
     assert not terms(one, "grads", "gradients")
+
+
+def test_the_combines_backward_holds_three_fp32_routed_gradients_not_the_16_bit_one():
+    """The combine's backward (``(out.float() * scores).to(dtype)`` then ``index_add_``): index_add_'s backward
+    gathers the output gradient per routed copy in 16 bits, the cast's backward makes it fp32 and frees the
+    16-bit one (its only holder), the multiply's backward makes the expert outputs' gradient and the scores'
+    product: three fp32 n·k·h tensors (fakes of Qwen3 30B-A3B pp8: three 2 GiB fp32 Temps at the peak, no
+    1 GiB 16-bit one). By hand, bf16 ZeRO-3 dp4 (the combine's moment under FSDP2), n = 64 tokens, k = 2, h 128:
+    3 × 4·64·2·128 + the block output gradient 64·128·2."""
+    (moe,) = terms(cfg({"dp": 4, "zero": 3}, training={"precision": "bf16-mixed"}), "temporaries", "moe_backward")
+    assert "combine" in moe.label
+    assert moe.bytes == 3 * 4 * 64 * 2 * 128 + 64 * 128 * 2
