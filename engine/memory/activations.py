@@ -612,7 +612,10 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
                     "index_copy source)", (8 + act * h) * n_r, "experts"))
     out += [
         ("MoE: expert outputs in fp32, kept by the combine's weighting multiply", 4 * n * k * h, "experts"),
-        ("MoE: weighted expert outputs, kept by the combine's index_add_ (its source)", act * n * k * h, "experts"),
+        # in the block input's dtype (``.to(x.dtype)``): the fp32 residual stream under autocast (measure --fake of
+        # Qwen3 30B-A3B under autocast: the combine keeps two fp32 n·k·h tensors)
+        ("MoE: weighted expert outputs, kept by the combine's index_add_ (its source)",
+         (4 if autocast else act) * n * k * h, "experts"),
     ]
     shared_in = 0
     if m.shared_experts:
@@ -633,7 +636,7 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
     formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: {act}·n·h + 4·n·E + 8·n·k"
                + (" + 4·n·k + 4·n" if topk_norm else "") + " + 20·n·k"
                + f" + {act}·n_r·h + {inner * act}·n_r·f_e{'/t' if par.ep == 1 and par.tp > 1 else ''}"
-               + (f" + (8 + {act}·h)·n_r" if par.ep > 1 else "") + f" + (4 + {act})·n·k·h"
+               + (f" + (8 + {act}·h)·n_r" if par.ep > 1 else "") + f" + (4 + {4 if autocast else act})·n·k·h"
                + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else "")
                + (f" + {act}·(s·b − n)·h" if shared_in else ""))
     return out, formula
@@ -1748,7 +1751,8 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
             shared = (4 if m.mlp == "swiglu" else 2) * act * n_s * f_s
             if par.ep > 1 and par.tp > 1:
                 shared += act * (n_s - n) * h
-        combine = 4 * n * k * h + 12 * n * k + act * n * k * h + (act * n_r * h if par.ep > 1 else 0)
+        combine = (4 * n * k * h + 12 * n * k + (4 if autocast else act) * n * k * h
+                   + (act * n_r * h if par.ep > 1 else 0))
         freed = after + shared + combine
         gain = temp - freed
         if expert_grads and gain > 0 and (best is None or gain > best[0]):
@@ -1783,4 +1787,5 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks, the "
           "block's shared experts and combine)", -freed,
           f"−({after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
-          f"(4 + {act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")", kind="moe_backward_freed")
+          f"(4 + {4 if autocast else act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")",
+          kind="moe_backward_freed")

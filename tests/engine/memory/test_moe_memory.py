@@ -92,7 +92,7 @@ def test_moe_block_rows_by_hand():
                 + 2 * act * n_r * h + 4 * act * n_r * f  # dispatched tokens (w1's and w3's casts), SwiGLU internals
                 + act * (e // 2) * 3 * f * h  # the 2 local experts' w1, w2, w3 casts
                 + (8 + act * h) * n_r  # EP: permutation index, expert outputs kept by index_copy
-                + 4 * n * k * h + act * n * k * h)  # combine: fp32 outputs, weighted outputs
+                + 4 * n * k * h + 4 * n * k * h)  # combine: fp32 outputs, weighted outputs in the (fp32) input's dtype
     mlp_rows_dense = act * n * h + 4 * act * n * 352  # MLP input + SwiGLU internals of the dense FFN
     per_dense = dense.bytes // 2
     assert moe.bytes // 6 == per_dense - mlp_rows_dense + moe_rows

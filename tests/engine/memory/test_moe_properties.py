@@ -73,4 +73,7 @@ def test_more_imbalance_never_costs_less(raw):
     worse = cfg.replace(conventions={"moe_imbalance": min(float(cfg.model.experts), 2 * cfg.conventions.moe_imbalance)})
     a, b = predict(cfg), predict(worse)
     assert b.step.seconds >= a.step.seconds * (1 - 1e-12)  # (float sums in another order)
-    assert all(y.activations >= x.activations for x, y in zip(a.memory.per_rank, b.memory.per_rank))
+    # each category at its own worst moment (the snapshot at the peak is another moment's once the peak moves: more
+    # imbalance can move a ZeRO-2 rank's peak from a B, where its activations are, to an F with fewer)
+    assert all(y.category_peaks()["activations"] >= x.category_peaks()["activations"] and y.allocated >= x.allocated
+               for x, y in zip(a.memory.per_rank, b.memory.per_rank))
