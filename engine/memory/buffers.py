@@ -28,6 +28,7 @@ import math
 from dataclasses import replace
 
 from engine.config import Config
+from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, shape_of
 from engine.memory.lifetimes import BLOCK_KINDS
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
@@ -254,8 +255,6 @@ def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, 
     Dense blocks only (a MoE block's experts are a unit of their own)."""
     if any(st.moe_layers for st in rp.stages) or not any(st.layers for st in rp.stages):
         return
-    from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, shape_of
-
     sh = shape_of(cfg)
     policy = cfg.training.recompute
     plain = [x for _, x, _ in layer_activation_terms(replace(sh, recompute="none"))[0]]
