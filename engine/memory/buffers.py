@@ -136,24 +136,9 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     else:
         _every_unit_gathered(plan, rp, T, all_bytes, psi, z, after_backward, bool(left_out), f8)
         every_unit = True
-    # unpipelined, with units that stay gathered: a forward's all-gather outputs are the blocks' (FSDP2 keeps
-    # each unit's until the next one's copy-out, and the root's post-forward frees the last block's), the
-    # root's only before the first block's
-    blocks = groups[1:-1] if (every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
-                              and len(groups) >= 3) else []
-    if z in (2, 3) and blocks:
-        last = max(b for b, _ in blocks)
-        T.add("comm_buffers", "all-gather output of the last block a forward gathers (kept until the root's "
-              "post-forward; the largest block)" + f8, last, f"{last:,} B", kind="all_gather_output")
-        if conv.fsdp_prefetch:
-            n_blocks = sum(count for _, count in blocks)
-            prev = last if n_blocks > 1 else groups[0][0] + groups[-1][0]
-            _kept_all_gather_result(cfg, rp, T, prev, f8)
-    elif z in (2, 3):
-        what = "the next block's (prefetched), or the current one's before its copy-out; the largest" \
-            if root_split else "largest"
-        T.add("comm_buffers", f"all-gather output of one unit ({what})" + f8, two[0], f"{two[0]:,} B",
-              kind="all_gather_output")
+    if z in (2, 3):
+        unpipelined_blocks = every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
+        _all_gather_outputs(cfg, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
     gacc = plan.grad_accumulation_bytes
     emb_full, emb_extra = replicated_embedding_gradient(cfg, rp)
     if plan.unsharded_after_first_backward or m > 1:
@@ -239,6 +224,28 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
            else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
     T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
           kind="fsdp_unsharded_params")
+
+
+def _all_gather_outputs(cfg: Config, rp: RankParams, T: Terms, groups: list, largest: int, root_split: bool,
+                        f8: str) -> None:
+    """FSDP2's all-gather outputs at the rank's moments (ZeRO-2/3). ``groups``: the unit groups (embeddings,
+    blocks, head) where the rank runs unpipelined with units that stay gathered, else empty: a forward's
+    outputs are then the blocks' (FSDP2 keeps each unit's until the next one's copy-out, and the root's
+    post-forward frees the last block's), the root's only before the first block's. Otherwise one unit's
+    (``largest``)."""
+    blocks = groups[1:-1]
+    if not blocks:
+        what = "the next block's (prefetched), or the current one's before its copy-out; the largest" \
+            if root_split else "largest"
+        T.add("comm_buffers", f"all-gather output of one unit ({what})" + f8, largest, f"{largest:,} B",
+              kind="all_gather_output")
+        return
+    last = max(b for b, _ in blocks)
+    T.add("comm_buffers", "all-gather output of the last block a forward gathers (kept until the root's "
+          "post-forward; the largest block)" + f8, last, f"{last:,} B", kind="all_gather_output")
+    if cfg.conventions.fsdp_prefetch:
+        prev = last if sum(count for _, count in blocks) > 1 else groups[0][0] + groups[-1][0]
+        _kept_all_gather_result(cfg, rp, T, prev, f8)
 
 
 def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, f8: str) -> None:
