@@ -56,7 +56,7 @@ from engine.predict import Prediction, predict, predicted_step
 from engine.time.comm import COLLECTIVES, LinkFit, MeasuredLinks, bus_factor, ring_seconds, trainable_local
 from engine.time.durations import StageDurations, activation_bytes_per_microbatch, stage_durations
 from engine.time.ops import op_durations
-from engine.time.step import optimizer_seconds, tp_stage_seconds
+from engine.time.step import optimizer_seconds, optimizer_tensors, tp_stage_seconds
 from engine.wrapping import wrapping_plan
 
 LINKS_FILE = "links.json"
@@ -396,7 +396,8 @@ def calibrate(cfg: Config, measurement: dict, source: str = "given", cores: int 
     last_end = max((a[4] for r in meas["pipeline"]["per_rank"] for a in r.get("actions", [])), default=0.0)
     tail = float(per_step[-1]) - float(last_end)
     held = params_per_rank(cfg)
-    opt = max(optimizer_seconds(cfg, trainable_local(cfg, held[p][0])) for p in range(par.pp))
+    opt = max(optimizer_seconds(cfg, trainable_local(cfg, held[p][0]), optimizer_tensors(cfg, held[p][0]))
+              for p in range(par.pp))
     mem_bw = None
     if tail > 0 and opt > 0:
         mem_bw = cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9 * opt / tail

@@ -36,7 +36,7 @@ from engine.plan.space import (
     _Struct,
 )
 from engine.plan.time_bound import TimeBound
-from engine.time.comm import cpu_oversubscription
+from engine.time.comm import cpu_oversubscription, zero1_broadcast_tensors
 from engine.time.durations import flops_per_token
 from engine.time.ops import bound_efficiency
 from engine.time.step import (
@@ -95,9 +95,10 @@ class _Planner(MemoryBound, TimeBound):
         w_b, g_b = tr.param_bytes, tr.grad_bytes
         o_b = (4 if tr.master_weights else 0) + 4 * names.OPTIMIZER_STATES[tr.optimizer]
         opt_per_param = optimizer_seconds(base, 1.0)  # base has zero 0: seconds per local parameter
+        opt_per_tensor = optimizer_seconds(base, 0.0, 1)  # ... and per tensor it steps (0 where torch steps them all at once)
         ctx, buf = runtime_context_bytes(base), collective_buffer_bytes(base)
         peak_rate = cl.gpu.peak_flops(tr.precision) * bound_efficiency(base)
-        self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, ctx, buf, peak_rate,
+        self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, opt_per_tensor, ctx, buf, peak_rate,
                           cpu_oversubscription(base))
         tps = [t for t in _divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
                and model.ffn_hidden % t == 0]
@@ -226,7 +227,8 @@ class _Planner(MemoryBound, TimeBound):
             for s_, c_ in zip(mine, checkpointed_per_stage([len(layers_of[x]) for x in mine],
                                                            self.base.training.recompute_every)):
                 ckpt[s_] = c_
-        out = {"psi": psi, "layers_of": layers_of, "L": np.array([len(x) for x in layers_of], dtype=np.float64),
+        out = {"psi": psi, "tensors": np.array([zero1_broadcast_tensors(self.base, r) for r in rows], dtype=np.float64),
+               "layers_of": layers_of, "L": np.array([len(x) for x in layers_of], dtype=np.float64),
                "head": head, "member": member, "ckpt": ckpt,
                "fwd_prefix_mask": (np.arange(n_stages)[None, :] < first_stage[:, None]).astype(np.float64),
                "ends": [(ri, rows[ri].stage_indices,

@@ -49,6 +49,7 @@ class _Consts(NamedTuple):
     g_b: int
     o_b: int
     opt_per_param: float  # optimizer seconds per local parameter (ZeRO-0)
+    opt_per_tensor: float  # and per parameter tensor it steps (its aten calls where torch steps one at a time)
     ctx: int  # runtime context bytes
     buf: int  # bytes of one communicator's buffers
     peak_rate: float  # achieved FLOP/s of one rank

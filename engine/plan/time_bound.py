@@ -175,7 +175,8 @@ class TimeBound:
         head_wait = f @ fwd_prefix_mask.T  # [n, pp]
         mk = np.maximum((busy + head_wait).max(axis=1), f.sum(axis=1) + chain_back.sum(axis=1))
         zc = gz[:, None]
-        opt = self._k.opt_per_param * sh["psi"][None, :] / np.where(zc >= 1, dpc, 1)
+        opt = (self._k.opt_per_param * sh["psi"][None, :] / np.where(zc >= 1, dpc, 1)
+               + self._k.opt_per_tensor * sh["tensors"][None, :] / np.where(zc == 1, dpc, 1))
         if dpc > 1:
             nb, one_bucket, ar, ag, rs, n_units = (sh[k] for k in ("nb", "one_bucket", "ar", "ag", "rs", "n_units"))
             if self.base.cluster.gpu.name == "cpu":  # CPU ranks: nothing overlaps (engine.time.comm._dp_items); FSDP

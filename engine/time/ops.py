@@ -66,7 +66,8 @@ experts, ``engine.time.durations.stage_block_counts``):
 
 What it leaves out (the efficiency clock's terms stand there): the async-TP and context-parallel
 overlap windows (``engine.time.step`` reads them off the efficiency clock); the optimizer step
-(memory-bound already, ``engine.time.step.optimizer_seconds``); gradient accumulation adds.
+(``engine.time.step.optimizer_seconds``: memory-bound; on CPU ranks torch's one-tensor step as an op list of its own,
+its aten calls at the per-op cost); gradient accumulation adds.
 """
 
 from __future__ import annotations

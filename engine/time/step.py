@@ -4,7 +4,8 @@ The step is composed as::
 
     step = pipeline makespan (compute with TP communication on the critical path, p2p waits, bubble)
          + exposed data-parallel communication (what the backward / forward cannot hide)
-         + optimizer step (memory-bound: bytes touched per local parameter / HBM bandwidth)
+         + optimizer step (memory-bound: bytes touched per local parameter / HBM bandwidth; on CPU ranks
+           under the clock from ops torch's one-tensor step, its aten calls at the per-op cost too)
 
 for the pipeline rank whose step ends last. TP collectives (and EP's all-to-alls, breakdown
 ``ep_comm`` when ep > 1) run inside each F/B (Megatron TP does not overlap them), so they lengthen
@@ -87,6 +88,7 @@ from engine.time.comm import (
     tp_recomputed_blocks,
     tp_recomputed_collectives,
     trainable_local,
+    zero1_broadcast_tensors,
 )
 from engine.time.durations import (
     StageDurations,
@@ -100,7 +102,7 @@ from engine.time.durations import (
     stage_block_counts,
     stage_durations,
 )
-from engine.time.ops import op_durations
+from engine.time.ops import Op, device_profile, op_durations, op_seconds
 from engine.wrapping import wrapping_plan
 
 BREAKDOWN_KEYS = ("compute", "tp_comm", "cp_comm", "pipeline_bubble", "dp_comm_exposed", "optimizer")
@@ -311,18 +313,51 @@ def with_ep_communication(cfg: Config, d: StageDurations, links: MeasuredLinks |
                              d.backward_input_s + bwd, d.backward_weight_s, d.p2p_s, source=d.source)
 
 
-def optimizer_seconds(cfg: Config, local_params: int) -> float:
+#: torch's optimizers as they step one parameter tensor at a time (torch/optim/adam.py ``_single_tensor_adam``,
+#: sgd.py ``_single_tensor_sgd``, with the backend's arguments: no weight decay, no amsgrad): per tensor, the aten
+#: calls, and per element the bytes they move for a parameter (and its gradient) of ``p`` bytes and fp32 states.
+#: AdamW: ``step += 1``, ``exp_avg.lerp_(grad)`` (8 + p), ``exp_avg_sq.mul_`` (8) ``.addcmul_(grad, grad)`` (8 + p),
+#: ``step.item()``, ``exp_avg_sq.sqrt()`` (8) ``/ bias_correction2_sqrt`` (8) ``.add_(eps)`` (8),
+#: ``param.addcdiv_(exp_avg, denom)`` (8 + 2p); SGD with momentum: ``buf.mul_`` (8) ``.add_(grad)`` (4 + 4 + p),
+#: ``param.add_(buf)`` (4 + 2p); SGD: ``param.add_(grad)`` (3p)
+FOR_LOOP_OPTIMIZER: dict[str, tuple[int, int, int]] = {"adamw": (9, 56, 4), "sgd-momentum": (3, 20, 3), "sgd": (1, 0, 3)}
+
+
+def optimizer_tensors(cfg: Config, rp) -> int:
+    """Parameter tensors one rank's optimizer steps: every local one (FSDP2 steps each tensor's shard), under
+    LoRA the blocks' adapters; ZeroRedundancyOptimizer gives each rank of the shard group whole tensors, its
+    share of them."""
+    n = zero1_broadcast_tensors(cfg, rp)
+    if wrapping_plan(cfg).zero_redundancy_optimizer:
+        n = -(-n // cfg.parallel.shard_degree)
+    return n
+
+
+def optimizer_seconds(cfg: Config, local_params: int, tensors: int = 0) -> float:
     """Optimizer step over the local shard: memory-bound, bytes read + written per parameter / HBM.
 
     ``local_params`` are the parameters the optimizer steps before DP sharding (under LoRA the
     adapters only: :func:`engine.time.comm.trainable_local`). LoRA's adapters are fp32 with fp32
     gradients and no master copy under PyTorch state accounting, as engine.memory counts them.
+
+    Under the clock from ops on CPU ranks, where torch steps one tensor at a time (torch/optim/optimizer.py
+    ``_default_to_fused_or_foreach``: no foreach kernels on the CPU; ``engine.memory.states.optimizer_foreach``),
+    the step is its op list (:data:`FOR_LOOP_OPTIMIZER`), timed as the clock times a memory-bound op: its bytes at
+    the profile's bandwidth and each of its aten calls (``tensors`` × the calls per tensor) at the profile's per-op
+    cost. GPU ranks (the multi-tensor step; the one-tensor step of ranks that mix DTensors, not yet measured there)
+    and the efficiency clock keep one pass over the bytes the step must touch.
     """
     par, tr = cfg.parallel, cfg.training
     shard = local_params / (par.shard_degree if wrapping_plan(cfg).optimizer_sharded else 1)
     states = OPTIMIZER_STATES[tr.optimizer]
     master = 4 if tr.master_weights else 0
-    if tr.finetune == "lora" and cfg.conventions.state_accounting == "pytorch":
+    lora_fp32 = tr.finetune == "lora" and cfg.conventions.state_accounting == "pytorch"
+    if cfg.conventions.clock == "ops" and cfg.cluster.gpu.name == "cpu":
+        calls, fixed, per_p = FOR_LOOP_OPTIMIZER[tr.optimizer]
+        p = 4 if lora_fp32 else (master or tr.param_bytes)
+        op = Op("optimizer step", "F", "memory", 0.0, shard * (fixed + per_p * p), calls * tensors)
+        return op_seconds(op, cfg, device_profile(cfg.cluster.gpu.name)) * cpu_oversubscription(cfg)
+    if lora_fp32:
         per_param = 4 + 4 + 8 * states + 4  # read grad + param + states; write param + states
         return shard * per_param / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9) * cpu_oversubscription(cfg)
     # read grad + param (master or compute copy) + states; write param (+ compute copy) + states
@@ -442,7 +477,8 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
             else:  # FSDP gathers (one call per unit): the first is exposed, the rest hide behind compute
                 window = (fwd_one + back_one) * par.microbatches
                 exposed += max(one_call, item.seconds - window)
-        opt = optimizer_seconds(cfg, trainable_local(cfg, held[pp_rank][0]))
+        opt = optimizer_seconds(cfg, trainable_local(cfg, held[pp_rank][0]),
+                                optimizer_tensors(cfg, held[pp_rank][0]))
         busy = float(timeline.busy_s[pp_rank])
         tp_here = float(sum(tp_f[s] + tp_b[s] for s in stages)) * par.microbatches
         cp_here = float(sum(cp_f[s] + cp_b[s] for s in stages)) * par.microbatches

@@ -61,3 +61,48 @@ def test_sgd_steps_in_place(optimizer):
                             "training": {"precision": "fp32", "optimizer": optimizer}})
     assert not [t for t in memory_per_rank(cfg).per_rank[0].catalogue("temporaries") if t.kind == "optimizer_step"]
     assert _measured_step_temporaries(cfg, optimizer, False) == 0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum", "sgd"])
+def test_the_clocks_one_tensor_step_is_torchs(optimizer):
+    """engine.time.step.FOR_LOOP_OPTIMIZER against torch's own for-loop step with the backend's arguments: its
+    aten calls per parameter tensor, and the bytes they move per element (each call's distinct tensors read,
+    its output written; 0-d step counters move none), for fp32 parameters."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from backend.train import _optimizer_cls_and_kwargs
+    from engine.time.step import FOR_LOOP_OPTIMIZER
+
+    cls, kw = _optimizer_cls_and_kwargs(optimizer, foreach=False)
+    params = [torch.nn.Parameter(torch.randn(48, 32)), torch.nn.Parameter(torch.randn(32))]
+    opt = cls(params, **kw)
+
+    def grads():
+        for p in params:
+            p.grad = torch.randn_like(p)
+    grads()
+    opt.step()  # the first step makes the states (SGD's momentum buffer is a clone of the gradient)
+    grads()
+    calls, moved = [], []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__.startswith("_record_function") or "record_function" in str(func):
+                return out
+            calls.append(str(func))
+            seen, nbytes = set(), 0
+            for a in [*args, *(kwargs or {}).values()]:
+                if isinstance(a, torch.Tensor) and a.dim() > 0 and a.untyped_storage().data_ptr() not in seen:
+                    seen.add(a.untyped_storage().data_ptr())
+                    nbytes += a.nbytes
+            if isinstance(out, torch.Tensor) and out.dim() > 0:
+                nbytes += out.nbytes
+            moved.append(nbytes)
+            return out
+    with Count():
+        opt.step()
+    n_calls, fixed, per_p = FOR_LOOP_OPTIMIZER[optimizer]
+    elements = sum(p.numel() for p in params)
+    assert len(calls) == n_calls * len(params), calls
+    assert sum(moved) == elements * (fixed + per_p * 4), calls

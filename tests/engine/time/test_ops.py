@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from engine import Config, ConfigError, default_config
+from engine.model.params import params_per_rank
 from engine.predict import predict
 from engine.time.ops import (
     GEMM_DTYPES,
@@ -18,7 +19,7 @@ from engine.time.ops import (
     op_table,
     rms_norm_op,
 )
-from engine.time.step import analytic_durations
+from engine.time.step import FOR_LOOP_OPTIMIZER, analytic_durations, optimizer_seconds, optimizer_tensors, step_time
 
 
 def _cfg(preset: str = "llama3-8b", gpu: str = "h100-sxm", **training) -> Config:
@@ -322,3 +323,31 @@ def test_a_softmax_streams_at_the_profiles_softmax_fraction_of_the_bandwidth(tmp
     doc["profile"].pop("softmax_fraction", None)
     (tmp_path / "device-cpu.json").write_text(json.dumps(doc))
     assert device_profile("cpu").softmax_fraction == 1.0 and device_profile("cpu").name.startswith("cpu (measured")
+
+
+def test_the_cpu_optimizer_is_torchs_one_tensor_step_worked_by_hand():
+    # the tiny preset on one CPU rank: 8 blocks of 9 tensors (wq 128², wk and wv 128 × 64, wo 128², w1, w3 and w2
+    # 128 × 352, two norms of 128) + the embedding and the head (512 × 128) + the final norm = 75 tensors,
+    # 8 · 184,576 + 131,200 = 1,607,808 elements
+    cfg = default_config().replace(cluster={"gpus": 1}, parallel={"dp": 1, "pp": 1, "microbatches": 1},
+                                   training={"precision": "fp32"}, conventions={"clock": "ops"})
+    rp = params_per_rank(cfg)[0][0]
+    assert (rp.total, optimizer_tensors(cfg, rp)) == (1_607_808, 75)
+    prof = device_profile("cpu")
+    bw = cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9 * prof.hbm_fraction
+    # AdamW, fp32: 9 aten calls a tensor; 72 B an element (lerp_ 12, mul_ 8, addcmul_ 12, sqrt 8, div 8, add_ 8,
+    # addcdiv_ 16)
+    assert FOR_LOOP_OPTIMIZER["adamw"] == (9, 56, 4)
+    expected = 1_607_808 * 72 / bw + 75 * 9 * prof.launch_us * 1e-6
+    assert step_time(cfg).optimizer_s == pytest.approx(expected, rel=1e-12)
+    # ZeRO-1 over 4 ranks on 2 cores: a quarter of the elements, ⌈75 / 4⌉ = 19 whole tensors, twice the time a core
+    z1 = cfg.replace(cluster={"gpus": 4, "cpu_cores": 2}, parallel={"dp": 4, "zero": 1})
+    assert step_time(z1).optimizer_s == pytest.approx(2 * (1_607_808 / 4 * 72 / bw + 19 * 9 * prof.launch_us * 1e-6),
+                                                      rel=1e-12)
+    # SGD with momentum: buf.mul_ (8), buf.add_(grad) (12), param.add_(buf) (12): 32 B, 3 calls a tensor
+    sgd = cfg.replace(training={"optimizer": "sgd-momentum"})
+    assert step_time(sgd).optimizer_s == pytest.approx(1_607_808 * 32 / bw + 75 * 3 * prof.launch_us * 1e-6,
+                                                       rel=1e-12)
+    # GPUs step every tensor at once (foreach): one pass over the bytes the step must touch, no per-tensor term
+    gpu = _cfg()
+    assert optimizer_seconds(gpu, 1000, 10) == optimizer_seconds(gpu, 1000, 0)
