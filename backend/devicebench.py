@@ -17,7 +17,9 @@ in about 10–20 s:
   (backend/model.py) at a size where its kernels take no time (hidden 16, 8 tokens): its forward over
   the forward kernels the op clock counts for that block (``engine.time.ops.block_ops``), its backward
   over the backward's (``launch_backward_us``): the dispatcher, autograd and the modules' Python per kernel (a bare multiplication's is kept beside it,
-  ``tiny_op_s``, for comparison).
+  ``tiny_op_s``, for comparison); and the same block wrapped as each recompute kind wraps the blocks
+  (``launch_us_full`` … ``launch_backward_us_selective_op``: torch's checkpoint and its saved-tensor hooks, per-op
+  selective checkpointing's dispatch mode in Python on every op — 35 µs a forward kernel here against 6 unwrapped).
 
 It writes the profile as fractions of the ``cpu`` GPU preset's figures (``assets/presets/gpus.toml``:
 its fp32 / bf16 peaks and memory bandwidth, themselves a dev machine's measurements), as
@@ -38,9 +40,10 @@ from pathlib import Path
 
 import torch
 
-from backend.model import TransformerBlock
+from backend.model import Transformer, TransformerBlock
+from backend.parallel.recompute import apply_recompute
 from engine.config import Config, default_config
-from engine.time.ops import block_ops
+from engine.time.ops import RECOMPUTE_LAUNCH, block_ops
 
 SIZES = (16, 32, 64, 128, 256, 512)
 #: the smallest GEMM the rate line is fitted on: a 16³ GEMM takes another kernel path (bf16: 3 µs, against
@@ -123,7 +126,29 @@ def measure() -> dict:
     out["probe_kernels"] = {"forward": f_kernels, "backward": b_kernels}
     out["launch_s"] = out["probe_forward_s"] / f_kernels
     out["launch_backward_s"] = max(out["probe_block_s"] - out["probe_forward_s"], 0.0) / b_kernels
+    out["recompute"] = {kind: _recompute_probe(kind) for kind in RECOMPUTE_LAUNCH}
     return out
+
+
+def _recompute_probe(kind: str) -> dict:
+    """The probe block wrapped as ``training.recompute = kind`` wraps the blocks (backend.parallel.recompute):
+    its forward over the forward kernels the op clock counts (``launch_s``: each forward and recomputed kernel),
+    its backward less the recomputed forward's kernels at that cost over the backward's (``launch_backward_s``)."""
+    cfg = probe_config().replace(training={"recompute": kind})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    apply_recompute(model, kind)
+    block = next(iter(model.layers.values()))
+    x = torch.randn(cfg.training.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
+    ops = block_ops(cfg)
+    f_k = sum(o.kernels for o in ops["F"])
+    r_k = sum(o.kernels for o in ops["R"])
+    b_k = sum(o.kernels for phase in ("I", "W") for o in ops[phase])
+    forward_s = _seconds(lambda: block(x).sum())
+    step_s = _seconds(lambda: block(x).sum().backward())
+    launch = forward_s / f_k
+    return {"forward_s": forward_s, "block_s": step_s, "kernels": {"forward": f_k, "recomputed": r_k, "backward": b_k},
+            "launch_s": launch, "launch_backward_s": max(step_s - forward_s - r_k * launch, 0.0) / b_k}
 
 
 def probe_config() -> Config:
@@ -157,6 +182,9 @@ def profile(raw: dict) -> dict:
         "launch_backward_us": raw["launch_backward_s"] * 1e6,
         "power_factor": 1.0,
         "softmax_fraction": raw["softmax_bytes_per_s"] / raw["bandwidth_bytes_per_s"],
+        **{f"{field}_{suffix}": raw["recompute"][kind][key] * 1e6 for kind, suffix in RECOMPUTE_LAUNCH.items()
+           for field, key in (("launch_us", "launch_s"), ("launch_backward_us", "launch_backward_s"))
+           if kind in raw.get("recompute", {})},
     }
 
 

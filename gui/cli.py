@@ -364,7 +364,7 @@ def _calibrate_device(args: argparse.Namespace) -> int:
     import os
     import subprocess
 
-    from engine.time.ops import measured_profile_path
+    from engine.time.ops import RECOMPUTE_LAUNCH, measured_profile_path
 
     out = Path(args.out) / "device-cpu.json" if args.out else measured_profile_path()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -388,8 +388,11 @@ def _calibrate_device(args: argparse.Namespace) -> int:
           f"{raw['gemm']['bf16']['rate_flops'] / 1e9:.1f}; half rate at {prof['gemm_half_gflop']:.4f} GFLOP (bf16 {prof['gemm_half_gflop_bf16']:.4f}); "
           f"bandwidth {raw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (softmax {raw['softmax_bytes_per_s'] / 1e9:.1f}); "
           f"per-op cost {prof['launch_us']:.1f} µs forward, "
-          f"{prof['launch_backward_us']:.1f} µs backward "
-          f"({doc['seconds']:.0f} s)")
+          f"{prof['launch_backward_us']:.1f} µs backward"
+          + "".join(f"; under recompute = {kind}: {prof[f'launch_us_{suffix}']:.1f} / "
+                    f"{prof[f'launch_backward_us_{suffix}']:.1f}" for kind, suffix in RECOMPUTE_LAUNCH.items()
+                    if f"launch_us_{suffix}" in prof)
+          + f" ({doc['seconds']:.0f} s)")
     print(f"written: {out} — predictions with gpu = \"cpu\" and conventions.clock = \"ops\" on this machine use it")
     return EXIT_OK
 

@@ -123,6 +123,27 @@ class DeviceProfile:
     # the half-rate size of the 16-bit GEMMs where it differs from ``gemm_half_gflop``'s (optional: 0, the same; a CPU's
     # bf16 GEMMs run oneDNN's AMX kernel, whose set-up costs ~19 µs a call where fp32's costs ~1)
     gemm_half_gflop_bf16: float = 0.0
+    # a block's kernels as training pays them under each recompute kind's wrapper (``training.recompute``: torch's
+    # checkpoint, its saved-tensor hooks, per-op selective checkpointing's dispatch mode), forward and recomputed
+    # ops (``launch_us_*``) and backward ones (``launch_backward_us_*``); optional: 0, the plain figures
+    launch_us_full: float = 0.0
+    launch_backward_us_full: float = 0.0
+    launch_us_selective: float = 0.0
+    launch_backward_us_selective: float = 0.0
+    launch_us_selective_op: float = 0.0
+    launch_backward_us_selective_op: float = 0.0
+
+    def launch(self, phase: str, recompute: str = "none") -> float:
+        """µs one kernel of a block costs beyond its roofline under ``recompute``'s wrapper: a forward or recomputed
+        one (``phase`` "F") or a backward one; the plain figure where the profile has none for the kind (none and
+        selective-layer use the plain ones)."""
+        forward = phase == "F"
+        plain = self.launch_us if forward else self.launch_backward_us
+        kind = RECOMPUTE_LAUNCH.get(recompute)
+        if kind is None:
+            return plain
+        got = getattr(self, f"launch_us_{kind}" if forward else f"launch_backward_us_{kind}")
+        return got if got > 0 else plain
 
     def gemm_fraction(self, dtype: str) -> float:
         return getattr(self, f"gemm_fraction_{dtype}")
@@ -132,8 +153,12 @@ class DeviceProfile:
         return self.gemm_half_gflop_bf16 if dtype != "fp32" and self.gemm_half_gflop_bf16 > 0 else self.gemm_half_gflop
 
 
+#: the recompute kinds whose wrappers a profile may time on their own (:meth:`DeviceProfile.launch`), by field suffix
+RECOMPUTE_LAUNCH = {"full": "full", "selective": "selective", "selective-op": "selective_op"}
+
 #: profile fields a table may leave out (their defaults: a GPU's)
-OPTIONAL_FIELDS = ("softmax_fraction", "gemm_half_gflop_bf16")
+OPTIONAL_FIELDS = ("softmax_fraction", "gemm_half_gflop_bf16",
+                   *(f"{p}_{k}" for k in RECOMPUTE_LAUNCH.values() for p in ("launch_us", "launch_backward_us")))
 
 
 @functools.cache
@@ -254,8 +279,9 @@ class Op:
     groups: int = 1  # a grouped GEMM's experts: its rate is one group's size's
 
 
-def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
-    """The roofline time of one op on ``cfg``'s GPU kind (module docstring)."""
+def op_seconds(op: Op, cfg: Config, prof: DeviceProfile, recompute: str = "none") -> float:
+    """The roofline time of one op on ``cfg``'s GPU kind (module docstring); ``recompute``: the kind whose wrapper
+    the op runs in (a block's ops: ``training.recompute``; the head's, the embedding's and the optimizer's none)."""
     gpu = cfg.cluster.gpu
     seconds = op.bytes / (gpu.hbm_bandwidth_gb_per_s * 1e9 * prof.hbm_fraction
                           * (prof.softmax_fraction if op.exp_bound else 1.0))
@@ -268,8 +294,7 @@ def op_seconds(op: Op, cfg: Config, prof: DeviceProfile) -> float:
         frac = prof.attention_fraction_forward if op.phase == "F" else prof.attention_fraction_backward
         rate = gpu.peak_flops(cfg.training.precision) * frac * prof.power_factor
         seconds = max(seconds, op.flops / rate)
-    launch = prof.launch_us if op.phase == "F" else prof.launch_backward_us
-    return seconds + op.kernels * launch * 1e-6
+    return seconds + op.kernels * prof.launch(op.phase, recompute) * 1e-6
 
 
 @dataclass(frozen=True)
@@ -591,8 +616,8 @@ def embedding_ops(cfg: Config) -> dict[str, list[Op]]:
             [Op("embedding backward (scatter-add)", "W", "memory", 0.0, T * m.hidden * (a + 4), 2)]}
 
 
-def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile) -> float:
-    return float(sum(op_seconds(op, cfg, prof) for op in ops))
+def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile, recompute: str = "none") -> float:
+    return float(sum(op_seconds(op, cfg, prof, recompute) for op in ops))
 
 
 def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...] | None = None,
@@ -604,11 +629,17 @@ def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...]
     prof = profile or device_profile(cfg.cluster.gpu.name)
     fwd, bwd_in, bwd_w, attention, mem = _block_parts(cfg, experts, casts)
     head, emb = head_ops(cfg), embedding_ops(cfg)
-    f1, i1, w1 = (_seconds(x, cfg, prof) for x in (fwd, bwd_in, bwd_w))
     edges = (*(_seconds(head[k], cfg, prof) for k in ("F", "I", "W")), _seconds(emb["F"], cfg, prof),
              _seconds(emb["W"], cfg, prof))
-    return {kind: (f1, i1 + _seconds(_redo(cfg, fwd, attention, mem, kind), cfg, prof), w1, *edges)
-            for kind in (recomputes or (cfg.training.recompute,))}
+    out, timed = {}, {}
+    for kind in (recomputes or (cfg.training.recompute,)):
+        # the block's ops at the kernel costs of the kind's wrapper: one timing per distinct pair of costs
+        costs = (prof.launch("F", kind), prof.launch("I", kind))
+        if costs not in timed:
+            timed[costs] = tuple(_seconds(x, cfg, prof, kind) for x in (fwd, bwd_in, bwd_w))
+        f1, i1, w1 = timed[costs]
+        out[kind] = (f1, i1 + _seconds(_redo(cfg, fwd, attention, mem, kind), cfg, prof, kind), w1, *edges)
+    return out
 
 
 def op_durations(cfg: Config) -> StageDurations:
@@ -624,16 +655,22 @@ def _op_durations(cfg: Config, profile: DeviceProfile) -> StageDurations:
     par = cfg.parallel
     n = 1 if par.pp == 1 else par.num_stages
     f, i, w = np.zeros(n), np.zeros(n), np.zeros(n)
+    extra = np.zeros((3, n))  # selective-layer: a checkpointed block's F, I (its forward again) and W beyond a plain one's
     counts = stage_block_counts(cfg, n)  # (dense blocks, blocks with experts) of each stage
+    kinds = ("selective-layer", "full") if cfg.training.recompute == "selective-layer" else (cfg.training.recompute,)
     for count, experts in zip(counts, (False, True)):
         if not count.any():
             continue
-        f1, ir1, w1, hf, hi, hw, ef, ew = unit_seconds(cfg, experts, profile=profile)[cfg.training.recompute]
+        units = unit_seconds(cfg, experts, recomputes=kinds, profile=profile)
+        f1, ir1, w1, hf, hi, hw, ef, ew = units[kinds[0]]
         f += count * f1
         i += count * ir1
         w += count * w1
-    if cfg.training.recompute == "selective-layer":  # the checkpointed blocks' forward again, at the stage's mean block
-        i = i + np.array(checkpointed_blocks(cfg), dtype=np.float64) * f / np.maximum(sum(counts), 1)
+        if len(kinds) > 1:  # checkpoint_wrapper's blocks: the whole forward again, every kernel at full's costs
+            extra += count * (np.array(units["full"][:3]) - (f1, ir1, w1))[:, None]
+    if len(kinds) > 1:  # the checkpointed blocks, at the stage's mean block
+        share = np.array(checkpointed_blocks(cfg), dtype=np.float64) / np.maximum(sum(counts), 1)
+        f, i, w = f + share * extra[0], i + share * extra[1], w + share * extra[2]
     f[-1], i[-1], w[-1] = f[-1] + hf, i[-1] + hi, w[-1] + hw
     f[0], w[0] = f[0] + ef, w[0] + ew
     out = StageDurations.of(n, f, i + w, i, w, p2p_seconds(cfg, n), source="model")
@@ -652,8 +689,9 @@ def op_table(cfg: Config) -> list[tuple[str, str, str, float, float, int, float]
         + [("head", head_ops(cfg)), ("embedding", embedding_ops(cfg))]
     rows = []
     for where, table in tables:
+        wrapper = cfg.training.recompute if "block" in where else "none"
         for phase, ops in table.items():
             for op in ops:
                 rows.append((where, phase, op.name, op.flops / 1e9, op.bytes / 1e6, op.kernels,
-                             op_seconds(op, cfg, prof) * 1e6))
+                             op_seconds(op, cfg, prof, wrapper) * 1e6))
     return rows

@@ -177,5 +177,10 @@ def test_calibrate_device_measures_this_cpu_and_the_engine_uses_it(tmp_path, mon
     assert device_profile("cpu").launch_us == pytest.approx(prof["launch_us"])
     # a softmax computes an exp per element: it streams below the elementwise add on a CPU core
     assert 0 < prof["softmax_fraction"] < 1 and device_profile("cpu").softmax_fraction == prof["softmax_fraction"]
+    # the blocks' kernels under each recompute wrapper: per-op selective checkpointing's dispatch mode runs in Python
+    # on every op, well above the plain and checkpoint-wrapped blocks' costs
+    assert prof["launch_us_selective_op"] > 2 * prof["launch_us_full"] > 2 * prof["launch_us"]
+    assert device_profile("cpu").launch("F", "selective-op") == pytest.approx(prof["launch_us_selective_op"])
+    assert "under recompute = selective-op" in out
     cfg = default_config().replace(conventions={"clock": "ops"})
     assert predict(cfg).step.seconds > 0
