@@ -850,9 +850,12 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.kept if tr.recompute == "full" else blocks.per_layer,
                            moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads
                            or replicate_expert_grads(cfg, wrapping_plan(cfg)))
+    if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc:
+        _autocast_waiting_gradients(cfg, rp, T, act)
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
-                             plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast)
+                             plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast,
+                             autocast=autocast)
         if par.cp > 1 and tr.recompute == "full":
             _cp_attention_after_mlp(T, sh)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
@@ -1133,6 +1136,36 @@ def _autocast_cast_terms(cfg: Config, rp, T: Terms, act: int, psi_train: int) ->
     T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
           f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
           kind="autocast_weight_casts")
+
+
+def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
+    """Under pipelining the backend runs the whole schedule step in one autocast context, so the weight casts
+    autocast caches are made in a stage's first forward and their backward nodes (``ToCopyBackward0``) are older
+    than every node of a later microbatch's graph; autograd's ready queue runs the highest sequence number first
+    (torch/csrc/autograd/engine.cpp, ``CompareNodeTaskTime``; ``AccumulateGrad`` at the highest of all), so each
+    later B ends with every cast weight's 16-bit gradient waiting for its cast, then the casts one by one: the
+    first makes its fp32 gradient beside all of them (the head's on the last stage, the first to run), and on
+    the first stage the token embedding's backward, a node of the microbatch's own graph, makes its fp32 V·h
+    gradient before them (``backward_end``: the B's microbatch freed by then). Measured on a real CPU run
+    (hidden 512, f 2048, V 4096, pp2 m4 bf16-mixed, no wrapper): 23.03 and 27.06 MiB of temporaries at the peak,
+    15 + 8 and 19 + 8 MiB here; measure --fake Llama 3 70B pp4 ZeRO-1: 7.23 GiB of temporaries on the first
+    stage (3.19 GiB of bf16 block weight gradients, 3.91 of the embedding's fp32 one)."""
+    tr = cfg.training
+    per_block = [a * c for a, c in rp.block_tensors if c > 1]
+    best, what = 0, ""
+    for st in rp.stages:
+        weights = rp.block_weight_numel * st.layers // max(rp.layers, 1) + st.head
+        if _moe_autocast(cfg) and rp.layers:
+            weights -= rp.experts * st.layers // rp.layers  # sliced per expert, cast anew each forward
+        fp32 = max([4 * st.head, 4 * st.embedding] + ([4 * max(per_block)] if st.layers and per_block else []))
+        nbytes = act * weights + fp32
+        if nbytes > best:
+            best, what = nbytes, f"{act} B × {weights:,} cast weights of stage {st.stage} + {fp32:,} B (its largest fp32 gradient)"
+    if best and tr.float8 == "none" and tr.finetune != "lora":
+        T.add("temporaries", "at the end of each later B: every autocast-cast weight's 16-bit gradient waiting for "
+              "its cast's backward (run last: the casts are cached from the stage's first forward), with the "
+              "largest fp32 gradient made beside them (the first stage's token embedding's, the last's head's)",
+              best, what, kind="autocast_cast_gradients")
 
 
 def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],
@@ -1589,7 +1622,7 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
-                         holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool) -> None:
+                         holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool, autocast: bool = False) -> None:
     """What a full backward B holds inside the first block it runs (the stage's last), over the saved
     tensors: the gradients its MLP's backward makes, the tensor it frees, the gradient coming in; and
     the input gradient a later stage keeps for its send (measured op by op with MemTracker on the
@@ -1622,6 +1655,13 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # autocast, whose bf16 gradient is cast back to the fp32 weight), 16-bit under FSDP2's bf16
         wb = res
         w_extra = f_loc * m.hidden * wb if plain_grads and par.microbatches > 1 else 0
+        w16 = f_loc * m.hidden * act if autocast and plain_grads and tr.float8 == "none" else 0
+        if w16:
+            # under autocast w2's weight gradient comes out of its matmul in the compute dtype and the weight
+            # cast's backward (ToCopyBackward0) makes the fp32 one from it: both alive at the cast, the 16-bit
+            # one freed after (measure --fake, Llama 3 70B pp4 ZeRO-1 full recompute, stage 1: a 0.44 GiB bf16
+            # w2 gradient alive as its 0.88 GiB fp32 cast is made)
+            w_extra += w16
         swiglu = m.mlp == "swiglu"
         dims = f"s={s}, b={b}, f={m.ffn_hidden}, t={t}"
         # under sequence parallelism w2's output gradient comes in sequence-sharded and is all-gathered
@@ -1672,9 +1712,11 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                   f"−{x_b}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
         else:
             T.add("temporaries", "the first block's MLP backward: the down input's gradient"
-                  + (" and w2's fresh weight gradient (added to the one accumulated)" if w_extra else "")
+                  + (" and w2's fresh weight gradient (added to the one accumulated)" if w_extra > w16 else "")
+                  + (f" and w2's {act * 8}-bit weight gradient beside its fp32 cast (autocast)" if w16 else "")
                   + (" beside the output gradient all-gathered (SP)" if gathered else ""),
-                  sbf + w_extra + gathered, f"{x_b}·s·b·f/t" + (f" + f/t·h·{wb}" if w_extra else "")
+                  sbf + w_extra + gathered, f"{x_b}·s·b·f/t" + (f" + f/t·h·{wb}" if w_extra > w16 else "")
+                  + (f" + f/t·h·{act}" if w16 else "")
                   + (f" + {act}·s·b·h" if gathered else "") + f" = {sbf + w_extra + gathered:,} B ({dims})",
                   kind="mlp_backward")
     if holds_last:

@@ -90,6 +90,13 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   late_backward        at the late-backward moment only (an unpipelined step of one microbatch under ZeRO-3
                        resharding after forward): the sharded gradients FSDP2 has reduced by the second
                        block's backward, and the saved tensors of the first block, still to run
+  backward_end         at the end of each full backward B but a stage's first (its own moment, after the B's
+                       microbatch is freed), where the rank has a term of it: under pipelining with autocast and
+                       plain gradients, the 16-bit weight gradients waiting for their cast's backward. Autocast
+                       caches its weight casts for the whole step (one context around the schedule's step), so
+                       their ``ToCopyBackward0`` nodes were made in the stage's first forward, and autograd's
+                       ready queue runs the highest sequence number first (torch/csrc/autograd/engine.cpp,
+                       ``CompareNodeTaskTime``): every later microbatch's backward runs them last
   early_backward       at a B's own moment only (not at the late-backward moment): what the B holds once its
                        first block has reduced (its sharded gradients, less its saved tensors), where
                        that exceeds the start
@@ -155,11 +162,13 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
-             "post_backward", "late_backward", "early_backward", "after_first_weight", "after_first_backward")
+             "post_backward", "late_backward", "early_backward", "backward_end", "after_first_weight",
+             "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
 _EARLY_BACKWARD = TRANSIENT.index("early_backward")
+_BACKWARD_END = TRANSIENT.index("backward_end")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
@@ -194,6 +203,7 @@ LIFETIMES: dict[str, str] = {
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "loss": "loss",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
+    "autocast_cast_gradients": "backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "weight_pass": "stage_weight",
     "split_backward_grads_freed": "stage_weight",
@@ -353,7 +363,7 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
 
 
 #: the phases of a moment (``Moments.phase``)
-ACTION, LOSS, LATE, END, STEP = 0, 1, 2, 3, 4
+ACTION, LOSS, LATE, END, STEP, B_END = 0, 1, 2, 3, 4, 5
 
 
 class Moments(NamedTuple):
@@ -363,7 +373,8 @@ class Moments(NamedTuple):
     stage j alive at moment i; ``outputs[i]``: the last stage's forwards done by moment i;
     ``masks[i, c]``: transient lifetime ``TRANSIENT[c]`` alive at moment i; ``phase[i]``: ``ACTION``
     for an action's own moment, ``LOSS`` for the loss moment that opens a last-stage B or I (the next
-    moment is that action's own), ``END`` for the end of the backward, ``STEP`` for the optimizer step after it;
+    moment is that action's own), ``END`` for the end of the backward, ``STEP`` for the optimizer step after it,
+    ``B_END`` for the end of a B (``backward_end``);
     ``head[i, j]``: stage-microbatches of local stage j whose loss side (``HEAD_KINDS``) is alive at
     moment i — as ``counts``, but an F's own moment (its blocks' forward, their units gathered) comes
     before the final norm and the head make them, and a full backward B's own moment (its blocks'
@@ -402,14 +413,16 @@ def sig_moments(sig: Signature) -> Moments:
     """The moments of a rank's signature: :func:`moments`, with the late-backward moment where the rank
     has something of the ``late_backward`` lifetime."""
     return moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches,
-                   bool(sig.transient_bytes[_LATE_BACKWARD]))
+                   bool(sig.transient_bytes[_LATE_BACKWARD]), bool(sig.transient_bytes[_BACKWARD_END]))
 
 
 @lru_cache(maxsize=512)
 def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatches: int,
-            late: bool = False) -> Moments:
+            late: bool = False, b_end: bool = False) -> Moments:
     """The moments of ``pp_rank``'s step (read-only arrays, cached): see :class:`Moments`. ``late``: an
-    unpipelined single-microbatch step gets the late-backward moment before its end (``_with_late_moment``)."""
+    unpipelined single-microbatch step gets the late-backward moment before its end (``_with_late_moment``);
+    ``b_end``: each full backward B but its stage's first gets the moment of its end after it
+    (``_with_backward_ends``)."""
     m = microbatches
     if pp == 1:
         plan, stages = single_rank_plan(schedule, m), [0]
@@ -508,6 +521,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
+    if b_end:
+        out = _with_backward_ends(out, column)
     if len(bwd_idx):
         out = _with_step_moment(out)
     for x in out:
@@ -595,6 +610,29 @@ def _with_late_moment(mo: Moments) -> Moments:
     masks[_EARLY_BACKWARD] = 0
     row["masks"] = np.insert(mo.masks, n, masks, axis=0)
     row["phase"] = np.insert(mo.phase, n, LATE)
+    return Moments(**row)
+
+
+def _with_backward_ends(mo: Moments, column: np.ndarray) -> Moments:
+    """``mo`` with a moment after each full backward B but its stage's first: the B's microbatch freed (its
+    saved tensors and its loss side), none of the B's own transients, what lives from the first backward on,
+    and ``backward_end``. ``column``: local stage column of each global stage."""
+    at = [i for i in range(len(mo.kind))
+          if mo.kind[i] == _B and mo.phase[i] == ACTION
+          and np.any((mo.kind[:i] == _B) & (mo.stage[:i] == mo.stage[i]) & (mo.phase[:i] == ACTION))]
+    if not at:
+        return mo
+    rows = np.array(at)
+    col = column[mo.stage[rows]]
+    counts = mo.counts[rows].copy()
+    counts[np.arange(len(rows)), col] -= 1
+    masks = np.zeros((len(rows), mo.masks.shape[1]), dtype=np.int64)
+    for life in ("after_first_weight", "after_first_backward"):
+        masks[:, TRANSIENT.index(life)] = mo.masks[rows, TRANSIENT.index(life)]
+    masks[:, _BACKWARD_END] = 1
+    new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks,
+           "wr": np.zeros_like(mo.wr[rows]), "phase": np.full(len(rows), B_END)}
+    row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
     return Moments(**row)
 
 
@@ -715,7 +753,7 @@ def _live_bytes(sig: Signature) -> np.ndarray:
     big = max(map(abs, w), default=0) > 2**40
     live = mo.matrix @ np.array(w, dtype=object if big else np.int64)
     if sig.end_freed:
-        live = live - np.where(mo.phase >= END, sig.end_freed, 0)
+        live = live - np.where((mo.phase == END) | (mo.phase == STEP), sig.end_freed, 0)
     if sig.step_freed:
         live = live - np.where(mo.phase == STEP, sig.step_freed, 0)
     return live
@@ -883,7 +921,7 @@ class RankTimeline:
         pk = pk or self.peak
         alive = dict(zip(TRANSIENT, pk.alive))
         pp = self.signature.pp
-        at_end = pk.phase >= END
+        at_end = pk.phase in (END, STEP)
         out: dict[str, list[Term]] = {}
         for c in MEMORY_CATEGORIES:
             terms = self.terms[c]
@@ -940,6 +978,9 @@ class RankTimeline:
                    f"(action {action - 1} of {n})"
         if mo.phase[pk.moment] == END:
             return f"the end of the backward, after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} " \
+                   f"(action {action - 1} of {n})"
+        if mo.phase[pk.moment] == B_END:
+            return f"the end of stage {pk.stage} B of microbatch {pk.microbatch}, its microbatch freed " \
                    f"(action {action - 1} of {n})"
         if mo.phase[pk.moment] == LATE:
             return f"late in stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}: its second block, every later " \
@@ -1585,10 +1626,12 @@ class _Laying:
             alloc(("t", j2, i), nbytes, stream)
         if kind == _F and phase == ACTION and sig.unit_bytes[j] > 0:
             whole = self._forward(i, stage, mb, j, whole)
-        if walk_b:
-            self._backward_walk(i, stage, mb, j, per_block)
+        leftover = self._backward_walk(i, stage, mb, j, per_block) if walk_b else []
         for _life, (j2, _, _) in whole:
             free(("t", j2, i))
+        for key, x, stream in leftover:  # what lives from the first backward on beyond the freed tensors: at its end
+            if x:
+                alloc(key, x, stream)
         for key in reversed(weight_pass):
             free(key)
         if kind == _I and phase == ACTION and ("mb", stage, mb, "so") in size:  # the stage output, at the I's end
@@ -1703,9 +1746,10 @@ class _Laying:
                 alloc(("out", j2, mb), nbytes)
         return whole
 
-    def _backward_walk(self, i: int, stage: int, mb: int, j: int, per_block: list) -> None:
+    def _backward_walk(self, i: int, stage: int, mb: int, j: int, per_block: list) -> list:
         """A B over its blocks, last to first: each block's backward transients, then its saved tensors freed;
-        in the rank's first backward, what lives from then on laid as the freed tensors make room."""
+        in the rank's first backward, what lives from then on laid as the freed tensors make room. Returns what
+        of it they did not make room for, laid at the B's end (its transients freed: ``_Laying.moment``)."""
         alloc, free, size = self.alloc, self.free, self.size
         blocks, _ = self._blocks(j)
         keys = self.held.pop((stage, mb))
@@ -1732,10 +1776,8 @@ class _Laying:
                 if x:
                     alloc(key, x, stream)
                 made += x
-        for key, x, stream in pending:
-            if x:
-                alloc(key, x, stream)
         self.late_done = self.late_done or first
+        return pending
 
 
 def _generator_state(live: int, size: dict, late_done: bool, held: dict, heads: dict) -> tuple:

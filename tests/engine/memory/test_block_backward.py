@@ -174,13 +174,14 @@ def test_under_sequence_parallel_w2s_backward_holds_its_gathered_output_gradient
     fake: 1.0 + 1.0 + 0.25 + 0.25 GiB). By hand, tp 4 with SP, s·b = 128 tokens, h 128, f/t = 88, rowwise:
     the down input's gradient 4·128·88 = 45,056 B (fp32 here: CPU autocast, torchao's Linears take fp32
     inputs), the casts 10·128·128 = 163,840 B, the gathered gradient 2·128·128 = 32,768 B; without float8
-    the down input's gradient (bf16: 22,528 B) and the gathered gradient."""
+    the down input's gradient (bf16: 22,528 B), the gathered gradient, and w2's bf16 weight gradient beside its
+    fp32 cast (autocast on plain gradients: 88·128·2 = 22,528 B)."""
     par = {"tp": 4, "sequence_parallel": True}
     fl8 = {"precision": "bf16-mixed", "grad_dtype": "bf16", "float8": "rowwise"}
     r = memory_per_rank(_cfg(par, fl8)).per_rank[0]
     assert _terms(r, "temporaries")["mlp_backward"] == 45_056 + 163_840 + 32_768
     plain = memory_per_rank(_cfg(par, {"precision": "bf16-mixed", "grad_dtype": "bf16"})).per_rank[0]
-    assert _terms(plain, "temporaries")["mlp_backward"] == 22_528 + 32_768
+    assert _terms(plain, "temporaries")["mlp_backward"] == 22_528 + 32_768 + 22_528
     no_sp = memory_per_rank(_cfg({"tp": 4}, fl8)).per_rank[0]
     assert _terms(no_sp, "temporaries")["mlp_backward"] == 45_056 + 163_840
 

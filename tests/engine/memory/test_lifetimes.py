@@ -1189,3 +1189,31 @@ def test_the_heads_output_gathered_for_the_loss_lays_the_shard_the_buffer_and_it
     assert _head_events(fp32) == [("alloc", "head_shard", 2 * shard), ("alloc", "head_gather", 16 * shard),
                                   ("alloc", "logits", 16 * shard), ("free", "head_gather", 16 * shard),
                                   ("free", "head_shard", 2 * shard)]
+
+
+def test_a_later_bs_end_is_a_moment_where_autocast_casts_leave_their_gradients_waiting():
+    """The end of each full B but a stage's first is a moment (``backward_end``) where the rank has a term of it:
+    pipelined autocast on plain gradients (the casts cached from the step's first forward run their backward
+    last). Its microbatch is freed; none of the B's own transients; what lives from the first backward on."""
+    from engine.memory.lifetimes import B_END, moments
+
+    mo = moments("1F1B", 0, 2, 1, 4, b_end=True)
+    plain = moments("1F1B", 0, 2, 1, 4)
+    ends = [i for i, ph in enumerate(mo.phase.tolist()) if ph == B_END]
+    assert len(ends) == 3 and len(mo.kind) == len(plain.kind) + 3  # the 2nd, 3rd and 4th B of stage 0
+    for i in ends:
+        assert mo.kind[i - 1] == mo.kind[i] and mo.microbatch[i - 1] == mo.microbatch[i] and mo.phase[i - 1] == 0
+        assert mo.counts[i][0] == mo.counts[i - 1][0] - 1
+        alive = {life for life, on in zip(TRANSIENT, mo.masks[i]) if on}
+        assert alive == {"backward_end", "after_first_backward", "after_first_weight"}
+    wide = {"preset": "tiny", "layers": 4, "hidden": 512, "ffn_hidden": 2048, "vocab": 4096, "seq_len": 16}
+
+    def waiting(par, training=None):
+        cfg = Config.from_dict({"model": wide, "cluster": {"preset": "local-cpu", "gpus": 2}, "parallel": par,
+                                "training": {"precision": "bf16-mixed", **(training or {})}})
+        return [t.bytes for r in memory_per_rank(cfg).per_rank for t in r.catalogue("temporaries")
+                if t.kind == "autocast_cast_gradients"]
+    assert waiting({"dp": 1, "pp": 2, "microbatches": 4})  # pipelined autocast, plain gradients
+    assert not waiting({"dp": 2, "microbatches": 4})  # unpipelined: one autocast context a microbatch
+    assert not waiting({"dp": 2, "pp": 1, "zero": 3, "microbatches": 4})  # FSDP2: no autocast
+    assert not waiting({"dp": 1, "pp": 2, "microbatches": 4}, {"precision": "fp32"})
