@@ -90,9 +90,12 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   late_backward        at the late-backward moment only (an unpipelined step of one microbatch under ZeRO-3
                        resharding after forward): the sharded gradients FSDP2 has reduced by the second
                        block's backward, and the saved tensors of the first block, still to run
-  backward_end         at the end of each full backward B but a stage's first (its own moment, after the B's
-                       microbatch is freed), where the rank has a term of it: under pipelining with autocast and
-                       plain gradients, the 16-bit weight gradients waiting for their cast's backward. Autocast
+  backward_end         at the end of each full backward B (a moment of its own after the B's, its microbatch
+                       freed), where the rank has a term of it or of ``later_backward_end``: under pipelining,
+                       FSDP2's fresh gradient of the token embedding's unit, whose backward is the first stage's
+                       last op (its blocks' transients freed by then)
+  later_backward_end   there, but not at the end of a stage's first B: under pipelining with autocast and plain
+                       gradients, the 16-bit weight gradients waiting for their cast's backward. Autocast
                        caches its weight casts for the whole step (one context around the schedule's step), so
                        their ``ToCopyBackward0`` nodes were made in the stage's first forward, and autograd's
                        ready queue runs the highest sequence number first (torch/csrc/autograd/engine.cpp,
@@ -162,13 +165,14 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
-             "post_backward", "late_backward", "early_backward", "backward_end", "after_first_weight",
-             "after_first_backward")
+             "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
+             "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
 _EARLY_BACKWARD = TRANSIENT.index("early_backward")
 _BACKWARD_END = TRANSIENT.index("backward_end")
+_LATER_BACKWARD_END = TRANSIENT.index("later_backward_end")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
@@ -203,7 +207,7 @@ LIFETIMES: dict[str, str] = {
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "loss": "loss",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
-    "autocast_cast_gradients": "backward_end",
+    "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "weight_pass": "stage_weight",
     "split_backward_grads_freed": "stage_weight",
@@ -413,7 +417,8 @@ def sig_moments(sig: Signature) -> Moments:
     """The moments of a rank's signature: :func:`moments`, with the late-backward moment where the rank
     has something of the ``late_backward`` lifetime."""
     return moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches,
-                   bool(sig.transient_bytes[_LATE_BACKWARD]), bool(sig.transient_bytes[_BACKWARD_END]))
+                   bool(sig.transient_bytes[_LATE_BACKWARD]),
+                   bool(sig.transient_bytes[_BACKWARD_END] or sig.transient_bytes[_LATER_BACKWARD_END]))
 
 
 @lru_cache(maxsize=512)
@@ -421,8 +426,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
             late: bool = False, b_end: bool = False) -> Moments:
     """The moments of ``pp_rank``'s step (read-only arrays, cached): see :class:`Moments`. ``late``: an
     unpipelined single-microbatch step gets the late-backward moment before its end (``_with_late_moment``);
-    ``b_end``: each full backward B but its stage's first gets the moment of its end after it
-    (``_with_backward_ends``)."""
+    ``b_end``: each full backward B gets the moment of its end after it (``_with_backward_ends``)."""
     m = microbatches
     if pp == 1:
         plan, stages = single_rank_plan(schedule, m), [0]
@@ -614,23 +618,27 @@ def _with_late_moment(mo: Moments) -> Moments:
 
 
 def _with_backward_ends(mo: Moments, column: np.ndarray) -> Moments:
-    """``mo`` with a moment after each full backward B but its stage's first: the B's microbatch freed (its
-    saved tensors and its loss side), none of the B's own transients, what lives from the first backward on,
-    and ``backward_end``. ``column``: local stage column of each global stage."""
-    at = [i for i in range(len(mo.kind))
-          if mo.kind[i] == _B and mo.phase[i] == ACTION
-          and np.any((mo.kind[:i] == _B) & (mo.stage[:i] == mo.stage[i]) & (mo.phase[:i] == ACTION))]
+    """``mo`` with a moment after each full backward B: the B's microbatch freed (its saved tensors and its loss
+    side), none of the B's own transients, what lives from the first backward on (made during it), and
+    ``backward_end`` (with ``later_backward_end`` but after a stage's first B). ``column``: local stage column of
+    each global stage."""
+    at = [i for i in range(len(mo.kind)) if mo.kind[i] == _B and mo.phase[i] == ACTION]
     if not at:
         return mo
     rows = np.array(at)
+    later = np.array([bool(np.any((mo.kind[:i] == _B) & (mo.stage[:i] == mo.stage[i]) & (mo.phase[:i] == ACTION)))
+                      for i in at])
     col = column[mo.stage[rows]]
     counts = mo.counts[rows].copy()
     counts[np.arange(len(rows)), col] -= 1
     masks = np.zeros((len(rows), mo.masks.shape[1]), dtype=np.int64)
-    for life in ("after_first_weight", "after_first_backward"):
-        masks[:, TRANSIENT.index(life)] = mo.masks[rows, TRANSIENT.index(life)]
+    masks[:, TRANSIENT.index("after_first_weight")] = 1  # a full B makes weight gradients
+    masks[:, TRANSIENT.index("after_first_backward")] = 1
     masks[:, _BACKWARD_END] = 1
-    new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks,
+    masks[:, _LATER_BACKWARD_END] = later
+    acc = mo.acc[rows].copy()  # the stage's unsharded gradients: made during its first B, held until its REDUCE_GRAD
+    acc[np.arange(len(rows)), col] = 1  # (after the B, which its end is not yet)
+    new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc,
            "wr": np.zeros_like(mo.wr[rows]), "phase": np.full(len(rows), B_END)}
     row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
     return Moments(**row)

@@ -1192,20 +1192,22 @@ def test_the_heads_output_gathered_for_the_loss_lays_the_shard_the_buffer_and_it
 
 
 def test_a_later_bs_end_is_a_moment_where_autocast_casts_leave_their_gradients_waiting():
-    """The end of each full B but a stage's first is a moment (``backward_end``) where the rank has a term of it:
-    pipelined autocast on plain gradients (the casts cached from the step's first forward run their backward
-    last). Its microbatch is freed; none of the B's own transients; what lives from the first backward on."""
+    """The end of each full B is a moment where the rank has a term of it (``backward_end``: FSDP2's fresh gradient
+    of the token embeddings' unit, made by the first stage's last op); ``later_backward_end`` there but after a
+    stage's first B (pipelined autocast on plain gradients: the casts cached from the step's first forward run their
+    backward last). Its microbatch is freed; none of the B's own transients; what lives from the first backward on."""
     from engine.memory.lifetimes import B_END, moments
 
     mo = moments("1F1B", 0, 2, 1, 4, b_end=True)
     plain = moments("1F1B", 0, 2, 1, 4)
     ends = [i for i, ph in enumerate(mo.phase.tolist()) if ph == B_END]
-    assert len(ends) == 3 and len(mo.kind) == len(plain.kind) + 3  # the 2nd, 3rd and 4th B of stage 0
-    for i in ends:
+    assert len(ends) == 4 and len(mo.kind) == len(plain.kind) + 4  # after each of stage 0's four Bs
+    for n, i in enumerate(ends):
         assert mo.kind[i - 1] == mo.kind[i] and mo.microbatch[i - 1] == mo.microbatch[i] and mo.phase[i - 1] == 0
-        assert mo.counts[i][0] == mo.counts[i - 1][0] - 1
+        assert mo.counts[i][0] == mo.counts[i - 1][0] - 1 and mo.acc[i][0] == 1
         alive = {life for life, on in zip(TRANSIENT, mo.masks[i]) if on}
-        assert alive == {"backward_end", "after_first_backward", "after_first_weight"}
+        assert alive == {"backward_end", "after_first_backward", "after_first_weight"} | (
+            {"later_backward_end"} if n else set())
     wide = {"preset": "tiny", "layers": 4, "hidden": 512, "ffn_hidden": 2048, "vocab": 4096, "seq_len": 16}
 
     def waiting(par, training=None):
@@ -1217,3 +1219,21 @@ def test_a_later_bs_end_is_a_moment_where_autocast_casts_leave_their_gradients_w
     assert not waiting({"dp": 2, "microbatches": 4})  # unpipelined: one autocast context a microbatch
     assert not waiting({"dp": 2, "pp": 1, "zero": 3, "microbatches": 4})  # FSDP2: no autocast
     assert not waiting({"dp": 1, "pp": 2, "microbatches": 4}, {"precision": "fp32"})
+
+
+def test_fsdp2s_embedding_gradient_is_made_at_the_end_of_the_first_stages_b():
+    """Under pipelining the token embedding's backward is the first stage's last op: its unit's fresh bf16 gradient
+    (before FSDP2's post-backward adds it into the fp32 accumulation) lies at the end of each B, and the B's own
+    moment holds the largest block unit's. By hand: V 8192 × h 512 = 4,194,304 elements, 2 B each."""
+    cfg = Config.from_dict({
+        "model": {"preset": "tiny", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn_hidden": 1024,
+                  "vocab": 8192, "seq_len": 16},
+        "cluster": {"preset": "local-cpu", "gpus": 4}, "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4},
+        "training": {"precision": "bf16-mixed", "grad_dtype": "fp32", "micro_batch_size": 1}})
+    first, last = (memory_per_rank(cfg).per_rank[r] for r in (0, 2))
+    emb = [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_embedding_fresh_grad"]
+    assert emb == [2 * 8192 * 512] and LIFETIMES["fsdp_embedding_fresh_grad"] == "backward_end"
+    block = 2 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1024 + 2 * 512)  # wq, wo; wk, wv; w1-3; two norms
+    assert [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad"] == [block]
+    assert not [t for t in last.catalogue("comm_buffers") if t.kind == "fsdp_embedding_fresh_grad"]
+    assert "the end of stage 0 B" in first.peak_moment
