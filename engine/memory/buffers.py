@@ -178,30 +178,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
                   stage=first)
         if plan.converts_gradients:
-            # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
-            # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
-            # (the embeddings' unit: its token embedding at full V × h under TP)
-            pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
-            # under pipelining the token embedding's backward is the first stage's last op: its unit's fresh gradient
-            # comes after the blocks' backward freed their tensors, at the end of each B (``backward_end``; measure
-            # --fake Llama 3 8B tp4 pp4 ZeRO-3: the peak there, not at the first block's backward)
-            emb_unit = (unit_numel(rp.root_units[0]) if plan.pipelined and not lora_on and rp.root_units
-                        and any(st.embedding for st in rp.stages) else 0)
-            units = [n for i, (n, _) in enumerate(train_units) if not (emb_unit and i == 0)] or [0]
-            big = max(units)
-            what = f"largest FSDP unit's trainable elements ({big:,})"
-            if emb_full > big and not emb_unit:
-                big, what = emb_full, f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
-            T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
-                  f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
-                  f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
-            if emb_unit:
-                emb = max(emb_unit, emb_full)
-                T.add("comm_buffers", f"the token embeddings' unit's fresh gradient in {plan.compute_dtype} at the end of "
-                      f"each B (its backward is the first stage's last op), before FSDP2's post-backward adds it into "
-                      f"the {plan.grad_accumulation_dtype} accumulation", pgrad * emb,
-                      f"{pgrad} B × {emb:,}" + (" (TP: the full V·h, replicated)" if emb_full > emb_unit else ""),
-                      kind="fsdp_embedding_fresh_grad")
+            _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on)
     else:
         if plan.sharded and not plan.pipelined and not lora_on:
             _unit_by_unit_reduce(cfg, plan, rp, T, psi_train, root_split, emb_full)
@@ -212,6 +189,35 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "
                   "embeddings' post-backward redistributes it to the row shard (TP: it comes back replicated)",
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
+
+
+def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...],
+                     emb_full: int, lora_on: bool) -> None:
+    """Where FSDP2 accumulates in another dtype than the parameters': a unit's fresh gradient beside the accumulation."""
+    # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
+    # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
+    # (the embeddings' unit: its token embedding at full V × h under TP)
+    pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+    # under pipelining the token embedding's backward is the first stage's last op: its unit's fresh gradient
+    # comes after the blocks' backward freed their tensors, at the end of each B (``backward_end``; measure
+    # --fake Llama 3 8B tp4 pp4 ZeRO-3: the peak there, not at the first block's backward)
+    emb_unit = (unit_numel(rp.root_units[0]) if plan.pipelined and not lora_on and rp.root_units
+                and any(st.embedding for st in rp.stages) else 0)
+    units = [n for i, (n, _) in enumerate(train_units) if not (emb_unit and i == 0)] or [0]
+    big = max(units)
+    what = f"largest FSDP unit's trainable elements ({big:,})"
+    if emb_full > big and not emb_unit:
+        big, what = emb_full, f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
+    T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
+          f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
+          f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
+    if emb_unit:
+        emb = max(emb_unit, emb_full)
+        T.add("comm_buffers", f"the token embeddings' unit's fresh gradient in {plan.compute_dtype} at the end of "
+              f"each B (its backward is the first stage's last op), before FSDP2's post-backward adds it into "
+              f"the {plan.grad_accumulation_dtype} accumulation", pgrad * emb,
+              f"{pgrad} B × {emb:,}" + (" (TP: the full V·h, replicated)" if emb_full > emb_unit else ""),
+              kind="fsdp_embedding_fresh_grad")
 
 
 def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes: int, psi: int, zero: int,
