@@ -177,8 +177,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
                   f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
                   stage=first)
-        if plan.converts_gradients:
-            _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on)
+        _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on)
     else:
         if plan.sharded and not plan.pipelined and not lora_on:
             _unit_by_unit_reduce(cfg, plan, rp, T, psi_train, root_split, emb_full)
@@ -193,7 +192,9 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
 
 def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...],
                      emb_full: int, lora_on: bool) -> None:
-    """Where FSDP2 accumulates in another dtype than the parameters': a unit's fresh gradient beside the accumulation."""
+    """A unit's fresh gradient beside FSDP2's accumulation of the unsharded gradients: where it accumulates in another
+    dtype than the parameters', the largest unit's; under pipelining, the token embeddings' at the end of each B
+    (in any dtype: its backward makes the whole V·h gradient before it is added in)."""
     # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
     # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
     # (the embeddings' unit: its token embedding at full V × h under TP)
@@ -203,21 +204,27 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     # --fake Llama 3 8B tp4 pp4 ZeRO-3: the peak there, not at the first block's backward)
     emb_unit = (unit_numel(rp.root_units[0]) if plan.pipelined and not lora_on and rp.root_units
                 and any(st.embedding for st in rp.stages) else 0)
+    if not plan.converts_gradients and not emb_unit:
+        return
     units = [n for i, (n, _) in enumerate(train_units) if not (emb_unit and i == 0)] or [0]
     big = max(units)
     what = f"largest FSDP unit's trainable elements ({big:,})"
     if emb_full > big and not emb_unit:
         big, what = emb_full, f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
-    T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
-          f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
-          f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
+    if plan.converts_gradients:
+        T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
+              f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
+              f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
     if emb_unit:
         emb = max(emb_unit, emb_full)
+        # converting, the first B's post-backward makes the accumulation from it (both alive); in the same dtype its
+        # first gradient is the accumulation, and only a later B's fresh one is a second tensor (measure --fake
+        # Llama 3 405B tp8 pp2 ZeRO-3 bf16 gradients, m = 2: the peak at the second B's end, none at the first's)
         T.add("comm_buffers", f"the token embeddings' unit's fresh gradient in {plan.compute_dtype} at the end of "
-              f"each B (its backward is the first stage's last op), before FSDP2's post-backward adds it into "
-              f"the {plan.grad_accumulation_dtype} accumulation", pgrad * emb,
+              f"each {'' if plan.converts_gradients else 'later '}B (its backward is the first stage's last op), before "
+              f"FSDP2's post-backward adds it into the {plan.grad_accumulation_dtype} accumulation", pgrad * emb,
               f"{pgrad} B × {emb:,}" + (" (TP: the full V·h, replicated)" if emb_full > emb_unit else ""),
-              kind="fsdp_embedding_fresh_grad")
+              kind="fsdp_embedding_fresh_grad" if plan.converts_gradients else "fsdp_embedding_added_grad")
 
 
 def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes: int, psi: int, zero: int,

@@ -93,8 +93,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   backward_end         at the end of each full backward B (a moment of its own after the B's, its microbatch
                        freed), where the rank has a term of it or of ``later_backward_end``: under pipelining,
                        FSDP2's fresh gradient of the token embedding's unit, whose backward is the first stage's
-                       last op (its blocks' transients freed by then)
-  later_backward_end   there, but not at the end of a stage's first B: under pipelining with autocast and plain
+                       last op (its blocks' transients freed by then), where it is converted into another dtype
+  later_backward_end   there, but not at the end of a stage's first B: that fresh gradient where it is added in the
+                       same dtype (the first is the accumulation); under pipelining with autocast and plain
                        gradients, the 16-bit weight gradients waiting for their cast's backward. Autocast
                        caches its weight casts for the whole step (one context around the schedule's step), so
                        their ``ToCopyBackward0`` nodes were made in the stage's first forward, and autograd's
@@ -208,6 +209,7 @@ LIFETIMES: dict[str, str] = {
     "loss": "loss",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
+    "fsdp_embedding_added_grad": "later_backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "weight_pass": "stage_weight",
     "split_backward_grads_freed": "stage_weight",

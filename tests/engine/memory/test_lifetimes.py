@@ -195,7 +195,8 @@ _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "mlp_backward
     # one stage per rank: the steady state's forwards hold the warm-up's microbatches again, now with the
     # unsharded gradients: every rank's peak holds every term but those alive only apart from the steady
     # state (None): the loss (its own moments) and FSDP2's all-gather output (units never resharded: the
-    # first forwards only), the sharded gradients (the end of the backward) and AdamW's step temporaries
+    # first forwards only), the sharded gradients (the end of the backward), AdamW's step temporaries and the
+    # token embedding's fresh gradient (the ends of the first stage's Bs)
     ({"dp": 2, "pp": 4, "zero": 3, "schedule": "1F1B", "microbatches": 8}, None),
 ])
 def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
@@ -226,7 +227,7 @@ def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_pe
             tl = r._body.timeline
             apart = sum(t.bytes for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))
                         if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards", "stage_reduced",
-                                                   "optimizer_step")
+                                                   "optimizer_step", "backward_end", "later_backward_end")
                         or (tl.lifetime(cat, i) == "stage_accumulated" and not pk.acc[local.index(t.stage)]))
             every = sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
             assert every - apart <= r.total < every, r.rank  # the loss moment can be above the rest
@@ -1237,3 +1238,18 @@ def test_fsdp2s_embedding_gradient_is_made_at_the_end_of_the_first_stages_b():
     assert [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad"] == [block]
     assert not [t for t in last.catalogue("comm_buffers") if t.kind == "fsdp_embedding_fresh_grad"]
     assert "the end of stage 0 B" in first.peak_moment
+
+
+def test_in_the_same_dtype_the_embeddings_first_gradient_is_the_accumulation():
+    """Reduced in bf16 (no conversion) FSDP2's first gradient of the token embedding is its accumulation: only a later
+    B's fresh one is a second tensor, at that B's end (``later_backward_end``)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "tiny", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn_hidden": 1024,
+                  "vocab": 8192, "seq_len": 16},
+        "cluster": {"preset": "local-cpu", "gpus": 4}, "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4},
+        "training": {"precision": "bf16-mixed", "grad_dtype": "bf16", "micro_batch_size": 1}})
+    first = memory_per_rank(cfg).per_rank[0]
+    kinds = {t.kind: t.bytes for t in first.catalogue("comm_buffers")}
+    assert kinds.get("fsdp_embedding_added_grad") == 2 * 8192 * 512 and "fsdp_embedding_fresh_grad" not in kinds
+    assert "fsdp_fresh_grad" not in kinds  # the blocks add theirs in as made
+    assert LIFETIMES["fsdp_embedding_added_grad"] == "later_backward_end"
