@@ -624,12 +624,12 @@ def _with_backward_ends(mo: Moments, column: np.ndarray) -> Moments:
     side), none of the B's own transients, what lives from the first backward on (made during it), and
     ``backward_end`` (with ``later_backward_end`` but after a stage's first B). ``column``: local stage column of
     each global stage."""
-    at = [i for i in range(len(mo.kind)) if mo.kind[i] == _B and mo.phase[i] == ACTION]
-    if not at:
+    rows = np.flatnonzero((mo.kind == _B) & (mo.phase == ACTION))
+    if not len(rows):
         return mo
-    rows = np.array(at)
-    later = np.array([bool(np.any((mo.kind[:i] == _B) & (mo.stage[:i] == mo.stage[i]) & (mo.phase[:i] == ACTION)))
-                      for i in at])
+    first = np.unique(mo.stage[rows], return_index=True)[1]  # each stage's first B
+    later = np.ones(len(rows), dtype=bool)
+    later[first] = False
     col = column[mo.stage[rows]]
     counts = mo.counts[rows].copy()
     counts[np.arange(len(rows)), col] -= 1
