@@ -214,14 +214,22 @@ class GroupedExperts(nn.Module):
         w = dict(self.named_parameters(recurse=False))
         w1, w2, w3 = w["w1"], w["w2"], w.get("w3")
         b1, b2, b3 = w.get("b1"), w.get("b2"), w.get("b3")
+        dt = x_RD.dtype
+
+        def sl(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
+            # experts FSDP2's replicate leaves out of its mixed-precision policy stay fp32 beside its 16-bit tokens:
+            # each matmul casts its expert's slice, as autocast would (a no-op where the dtypes agree)
+            if t is None:
+                return None
+            return t[i] if t.dtype == dt or not dt.is_floating_point else t[i].to(dt)
         outs = []
         for i, x in enumerate(torch.split(x_RD, counts)):
-            h = F.linear(x, w1[i], b1[i] if b1 is not None else None)
+            h = F.linear(x, sl(w1, i), sl(b1, i))
             if self.swiglu:
-                h = F.silu(h) * F.linear(x, w3[i], b3[i] if b3 is not None else None)
+                h = F.silu(h) * F.linear(x, sl(w3, i), sl(b3, i))
             else:
                 h = F.gelu(h, approximate="tanh")
-            outs.append(F.linear(h, w2[i], b2[i] if b2 is not None else None))
+            outs.append(F.linear(h, sl(w2, i), sl(b2, i)))
         return torch.cat(outs) if outs else x_RD.new_zeros(0, w2.shape[1])
 
 

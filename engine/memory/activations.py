@@ -583,6 +583,9 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
     inner = 4 if m.mlp == "swiglu" else 2
     # norm_topk_prob's division keeps the unnormalised top-k weights and their sum
     topk_norm = 4 * n * k + 4 * n if m.norm_topk_prob and k > 1 else 0
+    # routed experts FSDP2's replicate leaves out (their replicas are the efsdp ranks) keep fp32 weights beside the
+    # policy's 16-bit tokens: each matmul casts its expert's slices, as autocast does (backend.model.GroupedExperts)
+    slices_cast = autocast is None and _replicate_leaves_experts_fp32(cfg)
     autocast = _moe_autocast(cfg) if autocast is None else autocast  # the planner's bound: False (a lower bound)
     out = [
         ("MoE: router input (norm2 output" + (", fp32: the router runs outside autocast)" if autocast else ")"),
@@ -597,7 +600,7 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
         (f"MoE: experts' {'gate, SiLU, up outputs and down input' if inner == 4 else 'GeLU input and output'} "
          f"for their tokens", inner * act * n_r * f_loc, "experts"),
     ]
-    if autocast:
+    if autocast or slices_cast:
         # each expert's weights are slices of the grouped parameters, not leaves: autocast caches no cast of
         # them, so every forward casts each local expert's matrices anew and its matmuls save them; and
         # each Linear casts its input itself (w3's beside w1's)
@@ -605,7 +608,7 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
         e_loc = e // par.ep
         out.append((f"MoE: the local experts' 16-bit weight casts ({e_loc} × {mats} matrices; slices, which "
                     "autocast does not cache)", act * e_loc * mats * f_loc * h, "experts"))
-        if inner == 4:
+        if inner == 4 and autocast:
             out.append(("MoE: w3's own 16-bit cast of the dispatched tokens", act * n_r * h, "experts"))
     if par.ep > 1:
         out.append(("MoE: permutation index (int64) and the expert outputs in expert order (the un-permute's "
@@ -640,6 +643,15 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
                + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else "")
                + (f" + {act}·(s·b − n)·h" if shared_in else ""))
     return out, formula
+
+
+def _replicate_leaves_experts_fp32(cfg: Config) -> bool:
+    """FSDP2's ``replicate`` (DDP semantics for DTensor parameters) leaves the routed experts out of its mixed-precision
+    policy (``backend.parallel.data_parallel.apply_replicate``: their replicas are the efsdp ranks), so they stay fp32
+    beside the policy's 16-bit tokens."""
+    plan = wrapping_plan(cfg)
+    return (bool(cfg.model.experts) and plan.data_parallel == "replicate" and plan.compute_dtype != "fp32"
+            and cfg.conventions.state_accounting == "pytorch")
 
 
 def _moe_autocast(cfg: Config) -> bool:

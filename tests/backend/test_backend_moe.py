@@ -275,3 +275,34 @@ def test_fake_measure_runs_a_mixture_of_experts(tmp_path):
     # fake's loss moment before it, 0.2 % apart in the engine — the all-to-all buffers live only while a MoE layer
     # runs, so the loss moment no longer holds them)
     assert rc.allocated is not None and abs(rc.allocated.relative_tracked) < 0.03
+
+
+@pytest.mark.integration
+def test_bf16_replicate_with_tp_and_ep_runs_its_fp32_experts(tmp_path):
+    """FSDP2's ``replicate`` (ZeRO-0 with TP) leaves the routed experts out of its mixed-precision policy, so they
+    stay fp32 beside its bf16 tokens: each expert matmul casts its slices (it raised "expected m1 and m2 to have the
+    same dtype" before; tiny sweep seed 20261207 #07), and the engine lays those casts as under autocast."""
+    from backend.launch import launch
+    from engine.compare.measured import compare
+    from engine.predict import predict
+
+    cfg = Config.from_dict({
+        "model": {"preset": "tiny", "layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "ffn_hidden": 864,
+                  "vocab": 384, "seq_len": 48, "mlp": "gelu", "experts": 8, "experts_per_token": 1,
+                  "expert_ffn_hidden": 64, "shared_experts": 1},
+        "cluster": {"preset": "local-cpu", "gpus": 4},
+        "parallel": {"dp": 2, "tp": 2, "ep": 2, "microbatches": 2},
+        "training": {"precision": "bf16-mixed", "grad_dtype": "bf16", "micro_batch_size": 1}})
+    run = launch(cfg, tmp_path / "run", steps=2, timeout_s=150)
+    res = run.wait()
+    assert res["event"] == "finished", f"{res.get('reason')}\n{res.get('log_tail')}"
+    pred = predict(cfg)
+    from engine.memory.activations import moe_layer_terms
+
+    casts = [x for label, x, _ in moe_layer_terms(cfg)[0] if "weight casts" in label]
+    assert casts == [2 * 4 * 2 * 64 * 256]  # 4 local experts × 2 matrices (GeLU) × f·h in bf16, each forward
+    from engine.compare.measured import states_exact
+
+    measured = json.loads((tmp_path / "run" / "measurement.json").read_text())
+    assert states_exact(pred, measured)  # parameters, gradients and optimizer states at their exact sizes
+    assert abs(compare(pred, measured).summary()["allocated"]) <= 0.05
