@@ -862,7 +862,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.kept if tr.recompute == "full" else blocks.per_layer,
                            moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads
                            or replicate_expert_grads(cfg, wrapping_plan(cfg)))
-    if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc:
+    if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
+            and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
@@ -1162,7 +1163,6 @@ def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
     (hidden 512, f 2048, V 4096, pp2 m4 bf16-mixed, no wrapper): 23.03 and 27.06 MiB of temporaries at the peak,
     15 + 8 and 19 + 8 MiB here; measure --fake Llama 3 70B pp4 ZeRO-1: 7.23 GiB of temporaries on the first
     stage (3.19 GiB of bf16 block weight gradients, 3.91 of the embedding's fp32 one)."""
-    tr = cfg.training
     per_block = [a * c for a, c in rp.block_tensors if c > 1]
     best, what = 0, ""
     for st in rp.stages:
@@ -1173,7 +1173,7 @@ def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
         nbytes = act * weights + fp32
         if nbytes > best:
             best, what = nbytes, f"{act} B × {weights:,} cast weights of stage {st.stage} + {fp32:,} B (its largest fp32 gradient)"
-    if best and tr.float8 == "none" and tr.finetune != "lora":
+    if best:
         T.add("temporaries", "at the end of each later B: every autocast-cast weight's 16-bit gradient waiting for "
               "its cast's backward (run last: the casts are cached from the stage's first forward), with the "
               "largest fp32 gradient made beside them (the first stage's token embedding's, the last's head's)",
