@@ -127,6 +127,14 @@ class _Shape:
     # context parallelism: ``s`` is the rank's tokens (seq_len / cp); eager attention's scores and the
     # K, V it multiplies span every key of the sequence (``kv_len`` = seq_len; 0: s, no cp)
     kv_len: int = 0
+    # the query width heads · head_dim where it is not the hidden size (Qwen3: 64 × 128 over h = 4096; the
+    # backend's wq is h → heads·head_dim, wo back, backend/model.py's Attention); 0: h
+    q: int = 0
+
+    @property
+    def qd(self) -> int:
+        """The query (and attention output) width: heads · head_dim."""
+        return self.q or self.h
 
     @property
     def keys(self) -> int:
@@ -174,19 +182,21 @@ _NUMEL = {
     # the column-parallel Linears' input: gathered to full s·b·h by torch's SP, else like the norm output
     "linear_input": (lambda sh: sh.s * sh.b * sh.h if sh.torch_ops else sh.s * sh.b * sh.h // sh.rep,
                      lambda sh: "h" if sh.torch_ops else ("h/t" if sh.sp else "h")),
-    "sbh_t": (lambda sh: sh.s * sh.b * sh.h // sh.t, lambda sh: "h/t"),
+    # the queries and the attention output: heads · head_dim wide (h unless model.head_size says otherwise)
+    "sbq_t": (lambda sh: sh.s * sh.b * sh.qd // sh.t, lambda sh: "q/t" if sh.q else "h/t"),
     # a row-parallel Linear's local output: the full s·b·h partial sum before its all-reduce / reduce-scatter
     "sbh": (lambda sh: sh.s * sh.b * sh.h, lambda sh: "h"),
     "sbkv_t": (lambda sh: sh.s * sh.b * sh.kv // sh.t, lambda sh: "kv/t"),
     # what SDPA (flash) saves of K and V: torch's, the model's K and V repeated to every query head (at h/t);
     # the paper's accounting, latent attention (a K and V per head) and context parallelism (its own
     # exchange, engine.memory.activations.context_parallel_workspace): the kv heads
-    "flash_kv_t": (lambda sh: sh.s * sh.b * (sh.h if _repeats_kv(sh) else sh.kv) // sh.t,
-                   lambda sh: "h/t" if _repeats_kv(sh) else "kv/t"),
+    "flash_kv_t": (lambda sh: sh.s * sh.b * (sh.qd if _repeats_kv(sh) else sh.kv) // sh.t,
+                   lambda sh: ("q/t" if sh.q else "h/t") if _repeats_kv(sh) else "kv/t"),
     "sbf_t": (lambda sh: sh.s * sh.b * sh.f // sh.t, lambda sh: "f/t"),
     "as2b_t": (lambda sh: sh.a * sh.s * sh.keys * sh.b // sh.t, lambda sh: "aS/t" if sh.cp else "as/t"),
     # eager attention's K, V repeated to all heads: under context parallelism gathered to every key
-    "keys_bh_t": (lambda sh: sh.keys * sh.b * sh.h // sh.t, lambda sh: "(S/s)h/t" if sh.cp else "h/t"),
+    "keys_bh_t": (lambda sh: sh.keys * sh.b * sh.qd // sh.t,
+                  lambda sh: ("(S/s)" if sh.cp else "") + ("q/t" if sh.q else "h/t")),
     "asb_t": (lambda sh: sh.a * sh.s * sh.b // sh.t, lambda sh: "a/t"),
     # one row per query head and per key head (the qk norms' rstd): a + g heads, g = kv / head_dim
     "qk_rows_t": (lambda sh: (sh.a + sh.kv // max(sh.head_dim, 1)) * sh.s * sh.b // sh.t, lambda sh: "(a+g)/t"),
@@ -199,7 +209,7 @@ def _repeats_kv(sh) -> bool:
 
 
 #: order of the bases in the formula string
-_BASIS_ORDER = ("h", "h/t", "(S/s)h/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "(a+g)/t", "1", "1/t", "d/2b", "s/b",
+_BASIS_ORDER = ("h", "h/t", "q/t", "(S/s)h/t", "(S/s)q/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "(a+g)/t", "1", "1/t", "d/2b", "s/b",
                 "S/b", "r")
 #: element-bytes rule name -> bytes
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
@@ -274,7 +284,7 @@ _PER_OP = frozenset({_SAC})
 _ATTENTION_CORE = frozenset({"selective", _SAC})
 
 #: each Linear's output numel rule: column-parallel ones /t, row-parallel ones the full partial sum
-_MM_OUTPUT = {"wq": "sbh_t", "wk": "sbkv_t", "wv": "sbkv_t", "wo": "sbh", "w1": "sbf_t", "w3": "sbf_t", "w2": "sbh"}
+_MM_OUTPUT = {"wq": "sbq_t", "wk": "sbkv_t", "wv": "sbkv_t", "wo": "sbh", "w1": "sbf_t", "w3": "sbf_t", "w2": "sbh"}
 _MM_PART = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention", "w1": "mlp", "w3": "mlp",
             "w2": "mlp"}
 
@@ -328,7 +338,7 @@ def _qk_norms() -> tuple[SavedTensor, ...]:
     (the compute-dtype Linear outputs) the composite saves the fp32 upcast and an fp32 x̂ instead
     (measured in tests/backend/test_saved_tensors.py: 202,752 B per tiny layer, fp32 and bf16 alike)."""
     out: list[SavedTensor] = []
-    for x, numel in (("q", "sbh_t"), ("k", "sbkv_t")):
+    for x, numel in (("q", "sbq_t"), ("k", "sbkv_t")):
         out += [
             SavedTensor(f"{x}_norm input (the w{x} output; qk_norm)", "act", numel, "attention",
                         only=("qk_norm", "torch_ops", "!qk_upcast"), recomputed_by=_PER_OP, weight_node=f"{x}_norm",
@@ -357,7 +367,7 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
                 recomputed_by=_PER_OP, weight_node="qkv_in"),
     *_stashed_matmul("wq"), *_stashed_matmul("wk"), *_stashed_matmul("wv"),
     *_qk_norms(),
-    SavedTensor("Q", "act", "sbh_t", "attention", recomputed_by=_PER_OP),
+    SavedTensor("Q", "act", "sbq_t", "attention", recomputed_by=_PER_OP),
     # inductor recomputes the tables (arange, cos, sin) in the backward instead of saving them
     SavedTensor("rope cos and sin for Q and K (saved by their multiplies)", "act", "s_half_d", "attention", count=4,
                 only=("rope", "torch_ops", "!compile"), recomputed_by=_PER_OP),
@@ -378,16 +388,16 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
     SavedTensor("attention-dropout output", "act", "as2b_t", "attention", only=("!flash", "dropout"),
                 recomputed_by=_ATTENTION_CORE),
     # the per-op policy saves the attention op's outputs: SDPA's output and log-sum-exp, eager's two bmms
-    SavedTensor("SDPA output (saved by the per-op policy)", "act", "sbh_t", "attention", only=("flash",),
+    SavedTensor("SDPA output (saved by the per-op policy)", "act", "sbq_t", "attention", only=("flash",),
                 only_under=_PER_OP),
     SavedTensor("SDPA log-sum-exp (fp32, saved by the per-op policy)", "fp32", "asb_t", "attention", only=("flash",),
                 only_under=_PER_OP),
     SavedTensor("QKᵀ scores (bmm saved by the per-op policy)", "act", "as2b_t", "attention", only=("!flash",),
                 only_under=_PER_OP),
-    SavedTensor("attention output (the AV bmm, saved by the per-op policy)", "act", "sbh_t", "attention",
+    SavedTensor("attention output (the AV bmm, saved by the per-op policy)", "act", "sbq_t", "attention",
                 only=("!flash",), only_under=_PER_OP),
     # the flash kernel saves its output (the o-proj input) itself
-    SavedTensor("o-proj input (attention output)", "act", "sbh_t", "attention", for_weight_grad_of=("wo",),
+    SavedTensor("o-proj input (attention output)", "act", "sbq_t", "attention", for_weight_grad_of=("wo",),
                 kernel_keeps="flash", recomputed_by=_PER_OP, weight_node="wo"),
     *_stashed_matmul("wo"),
     SavedTensor("o-proj reduce-scatter output (sequence parallel; saved by the per-op policy)", "act", "sbh_rep",
@@ -462,6 +472,13 @@ def layer_activation_terms(sh: _Shape) -> tuple[tuple[tuple[str, int, str], ...]
     return tuple(out), "s·b·(" + " + ".join(parts) + ")"
 
 
+def _query_width(model) -> int:
+    """heads · head_dim where it differs from the hidden size (``_Shape.q``), else 0; multi-head latent
+    attention keeps its own accounting (h)."""
+    q = model.heads * model.head_dim
+    return q if q != model.hidden and model.attention != "mla" else 0
+
+
 def shape_of(cfg: Config) -> _Shape:
     model, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
@@ -469,7 +486,7 @@ def shape_of(cfg: Config) -> _Shape:
                 f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
                 flash=model.attention in ("flash", "mla"), mla=model.attention == "mla", swiglu=model.mlp == "swiglu",
                 recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none", bias=model.bias,
-                compile=tr.compile)
+                compile=tr.compile, q=_query_width(model))
     if tr.finetune == "lora":
         base.update(lora_r=tr.lora_rank, lora_mods=tuple(lora.target_modules(model, tr.lora_targets)),
                     lora_fp32_base=tr.lora_base_dtype == "fp32" and tr.float8 == "none")
@@ -521,7 +538,7 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
     gather only) keeps the gathered K, V as its saved rows; here only their gathered form before
     the repeat to all heads (forward) and its gradient before the reduce-scatter (backward).
     """
-    s, S, b, h, kv, t, a, e = sh.s, sh.keys, sh.b, sh.h, sh.kv, sh.t, sh.a, sh.act
+    s, S, b, h, kv, t, a, e = sh.s, sh.keys, sh.b, sh.qd, sh.kv, sh.t, sh.a, sh.act  # h: the query width
     gathered = 2 * S * b * kv // t * e
     if not sh.flash:
         fwd, bwd = gathered, 2 * S * b * h // t * e
@@ -888,8 +905,8 @@ def _v_symbol(model, v_loss: int) -> str:
 
 
 #: the numel of each of a dense block's Linears (``_LINEARS``) on a TP rank
-_LINEAR_NUMEL = {"wq": lambda sh: sh.h * sh.h // sh.t, "wk": lambda sh: sh.h * sh.kv // sh.t,
-                 "wv": lambda sh: sh.h * sh.kv // sh.t, "wo": lambda sh: sh.h * sh.h // sh.t,
+_LINEAR_NUMEL = {"wq": lambda sh: sh.h * sh.qd // sh.t, "wk": lambda sh: sh.h * sh.kv // sh.t,
+                 "wv": lambda sh: sh.h * sh.kv // sh.t, "wo": lambda sh: sh.qd * sh.h // sh.t,
                  "w1": lambda sh: sh.h * sh.f // sh.t, "w2": lambda sh: sh.h * sh.f // sh.t,
                  "w3": lambda sh: sh.h * sh.f // sh.t}
 
@@ -1286,23 +1303,23 @@ def _loss_terms(cfg: Config, T: Terms, act: int, *, torch_acc: bool, sp: bool, v
 def weight_op_outputs(model, t: int) -> int:
     """Elements per token of a dense block's Linear outputs on a rank of tp ``t`` — wq, wk + wv, wo, w1 (+ w3
     under SwiGLU), w2 (the matmuls see every token): the gradients a split backward keeps of them."""
-    h = model.hidden
-    kv = 2 * model.kv_heads * (h // model.heads) // t
+    h, q = model.hidden, _query_width(model) or model.hidden
+    kv = 2 * model.kv_heads * (q // model.heads) // t
     mlp = (2 if model.mlp == "swiglu" else 1) * model.ffn_hidden // t
-    return h // t + kv + h + mlp + h
+    return q // t + kv + h + mlp + h
 
 
 def split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int) -> dict[str, int]:
     """What a split backward's I keeps of one dense block for its W, by parameter group (``weight_groups``):
-    each Linear's output gradient on the TP rank (wq h/t, wk and wv kv/t, wo h, w1 and w3 f/t, w2 h, the
-    matmuls seeing every token) and each norm's weight-multiply output gradient; they sum to
+    each Linear's output gradient on the TP rank (wq q/t — heads · head_dim, h unless ``model.head_size``
+    says otherwise —, wk and wv kv/t, wo h, w1 and w3 f/t, w2 h, the matmuls seeing every token) and each norm's weight-multiply output gradient; they sum to
     ``split_backward_terms``' block. (A Qwen-style q/k norm's group keeps none here.)"""
     m, t = cfg.model, cfg.parallel.tp
     sb = cfg.local_seq_len * cfg.training.micro_batch_size
-    h = m.hidden
-    kv = 2 * m.kv_heads * (h // m.heads) // t
+    h, q = m.hidden, _query_width(m) or m.hidden
+    kv = 2 * m.kv_heads * (q // m.heads) // t
     f = m.ffn_hidden // t
-    grads = {"norm1": res * sbh_rep, "wq": act * sb * (h // t), "wk": act * sb * (kv // 2),
+    grads = {"norm1": res * sbh_rep, "wq": act * sb * (q // t), "wk": act * sb * (kv // 2),
              "wv": act * sb * (kv - kv // 2), "wo": act * sb * h, "norm2": res * sbh_rep, "w1": act * sb * f,
              "w2": act * sb * h}
     if m.mlp == "swiglu":

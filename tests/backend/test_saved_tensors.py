@@ -144,6 +144,20 @@ def test_the_engine_predicts_what_qwen3s_qk_norm_saves(training, zero):
     assert _predicted_activations(with_norms) - _predicted_activations(cfg) == 8 * 202_752
 
 
+@pytest.mark.parametrize("training", [{"precision": "fp32"}, {"precision": "bf16-mixed", "grad_dtype": "bf16"}],
+                         ids=["fp32", "bf16-autocast"])
+def test_the_engine_predicts_what_a_query_wider_than_the_hidden_size_saves(training):
+    """Qwen3's heads · head_dim is twice its hidden size (235B: 64 × 128 over 4096): Q, its norm's input, K and
+    V repeated to every query head, the attention output and the o-proj input are that wide, not h; the
+    engine's rows at ``_Shape.q``, exactly."""
+    cfg = _cfg(**training)
+    m = cfg.model
+    wide = cfg.replace(model={"head_size": 2 * m.hidden // m.heads, "qk_norm": True})
+    saved, loss_inputs = _saved_by_the_model(wide)
+    assert saved - loss_inputs == _predicted_activations(wide)
+    assert _predicted_activations(wide) > _predicted_activations(cfg.replace(model={"qk_norm": True}))
+
+
 @pytest.mark.parametrize("training", [
     {"precision": "bf16-mixed", "grad_dtype": "bf16"},
     {"precision": "fp16-mixed", "grad_dtype": "fp16"},
@@ -189,7 +203,7 @@ def test_the_engine_predicts_what_the_compiled_blocks_save(qk_norm):
 # --------------------------------------------------------------------------- a recomputed block's backward
 
 
-def _block_backward_growth(kind: str, qk_norm: bool = False) -> int:
+def _block_backward_growth(kind: str, qk_norm: bool | str = False) -> int:
     """MemTracker on the 2-block tiny model (fp32, one microbatch, this process): how much the tracker's
     activations grow from the last block's pre-backward moment to its backward's peak."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -216,8 +230,13 @@ def _block_backward_growth(kind: str, qk_norm: bool = False) -> int:
     return act("Peak-Backward") - act("Pre-Backward")
 
 
-def _two_blocks(recompute: str, qk_norm: bool = False) -> Config:
-    return _cfg(precision="fp32", recompute=recompute).replace(model={"layers": 2, "qk_norm": qk_norm})
+def _two_blocks(recompute: str, qk_norm: bool | str = False) -> Config:
+    """The tiny model's 2 blocks; ``qk_norm`` "wide": with the q/k norms and heads · head_dim twice the hidden
+    size (Qwen3's shape)."""
+    cfg = _cfg(precision="fp32", recompute=recompute).replace(model={"layers": 2, "qk_norm": bool(qk_norm)})
+    if qk_norm == "wide":
+        cfg = cfg.replace(model={"head_size": 2 * cfg.model.hidden // cfg.model.heads})
+    return cfg
 
 
 def _row_bytes(cfg: Config, label: str) -> int:
@@ -231,7 +250,7 @@ def _recomputed_term(cfg: Config) -> int:
     return next(t.bytes for t in rank.catalogue("activations") if t.kind == "recomputed_block")
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("qk_norm", [False, True, "wide"], ids=["plain", "qk_norm", "wide-query"])
 def test_per_op_recompute_holds_the_none_set_instead_of_its_stash(qk_norm):
     """The replay of a per-op checkpointed block re-saves what no recompute keeps and consumes the
     block's stash; at the backward's peak its first op (w2's) has freed the down input already, which
@@ -241,7 +260,7 @@ def test_per_op_recompute_holds_the_none_set_instead_of_its_stash(qk_norm):
     assert _block_backward_growth("selective-op", qk_norm) == _recomputed_term(cfg) - down
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("qk_norm", [False, True, "wide"], ids=["plain", "qk_norm", "wide-query"])
 @pytest.mark.parametrize("kind", ["full", "selective-layer"])
 def test_a_checkpointed_block_counts_its_kept_input_once(kind, qk_norm):
     """Measured: a fully checkpointed block's backward (every block under "full", the second under
