@@ -1464,13 +1464,20 @@ def weight_pass_block(sh: _Shape, res: int, mlp: bool = True) -> tuple[int, list
 
 
 def moe_weight_pass_block(cfg: Config, sh: _Shape, res: int,
-                          ep_rank: int | None = None) -> tuple[int, list[tuple[str, int]], tuple[str, ...]]:
+                          ep_rank: int | None = None) -> tuple[int, list[tuple[str, int]], tuple[str, ...], int]:
     """A block with experts under a split backward's weight pass, by ``weight_pass_block``'s rule: (kept,
-    frees, groups). Its attention half and norms are a dense block's. Of its MoE rows (``moe_layer_terms``)
-    the I leaves only what some weight's node still reaches: ``stage_backward_input`` detaches the stage's
-    output, and the graph above every node it keeps for the W (each weight's matmul) goes, and with it what
-    those nodes saved: the router's scores, top-k and gate weights, the combine's expert outputs and weighted
-    outputs, the un-permute's. What stays: the router input (the router's matmul frees it, in its group after
+    frees, groups, above). Its attention half and norms are a dense block's. Of its MoE rows
+    (``moe_layer_terms``) the I leaves only what some weight's node still reaches: ``stage_backward_input``
+    detaches the stage's output, and the graph above every node it keeps for the W (each weight's matmul)
+    goes, and with it what those nodes saved: the router's scores, top-k and gate weights, the combine's
+    expert outputs and weighted outputs, the un-permute's (``above``, per recompute). That holds for the
+    stage's last block only where its output is the stage's: a later block's checkpoint keeps its input
+    with its graph (torch/utils/checkpoint.py ``_CheckpointFrame.save_inputs``: ``_make_saved_tensor(arg,
+    is_output=False)`` holds the input's ``grad_fn``), and so does the last stage's final norm, so there
+    every recompute keeps ``above`` too — its nodes never run in the pass (``weight_pass_bytes``'
+    ``above``; exact on two tiny blocks, tests/backend/test_weight_pass.py; ``measure --fake`` of Qwen3
+    235B ZBV tp4 ep32 ZeRO-3 full recompute, 3 blocks a stage: 24 recomputes of the earlier blocks each
+    holding their 1.0 GiB of combine tensors, allocated −52 → −3 % with the query width). What stays: the router input (the router's matmul frees it, in its group after
     norm2's), the dispatched tokens (the experts' last reader frees them: w3 under SwiGLU, w1 otherwise;
     under autocast each reader's own cast, freed by it), the token index the dispatch gathered with, the
     experts' internals below w2 (w2 frees the down input; the gate, SiLU and up outputs are kept), the
@@ -1482,7 +1489,9 @@ def moe_weight_pass_block(cfg: Config, sh: _Shape, res: int,
     autocast = res > sh.act
     readers = ("w1", "w3") if sh.swiglu else ("w1",)
     inner = 4 if sh.swiglu else 2  # the experts' internals row: gate, SiLU, up outputs and down input
-    for label, nbytes, _ in moe_layer_terms(cfg, ep_rank)[0]:
+    rows = moe_layer_terms(cfg, ep_rank)[0]
+    base = kept + sum(n for _, n in frees)
+    for label, nbytes, _ in rows:
         if label.startswith("MoE: router input"):
             frees.append(("router", nbytes))
         elif label.startswith("MoE: dispatched tokens"):  # under autocast w1's own cast (w3's: its row)
@@ -1506,7 +1515,9 @@ def moe_weight_pass_block(cfg: Config, sh: _Shape, res: int,
     dense = weight_groups(sh)
     groups = dense[:dense.index("norm2") + 1] + ("router",) + readers[:1] + ("w2",) + readers[1:] + (
         ("shared.w1", "shared.w2") + (("shared.w3",) if sh.swiglu else ()) if m.shared_experts else ())
-    return kept, frees, groups
+    # the rows above the weights' nodes: every MoE row's bytes the loop laid neither as kept nor as freed
+    above = sum(n for _, n, _ in rows) - (kept + sum(n for _, n in frees) - base)
+    return kept, frees, groups, above
 
 
 def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]:
@@ -1521,7 +1532,8 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
 
 def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None,
                       grads: dict[str, int] | None = None,
-                      block: tuple[int, list[tuple[str, int]], tuple[str, ...]] | None = None) -> tuple[int, str, int]:
+                      block: tuple[int, list[tuple[str, int]], tuple[str, ...], int] | None = None,
+                      last_graph_kept: bool = False) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds k recomputes with every tensor not freed by an earlier group; with the
@@ -1532,24 +1544,28 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     its ``autograd.grad`` has run (``del param_group["grads"]``), so the pass's peak is where its recomputes
     less the gradients already dropped are most: the first group (nothing dropped yet) or a group of the last
     block (the earlier blocks' gradients all dropped); ``freed`` is what is dropped by then. ``block``: the
-    block's (kept, frees, groups) where it is not a dense one (``moe_weight_pass_block``)."""
-    kept, frees, groups = block if block is not None else (*weight_pass_block(sh, res), weight_groups(sh))
+    block's (kept, frees, groups, above) where it is not a dense one (``moe_weight_pass_block``): each
+    earlier block's recomputes keep ``above`` too (the next block's checkpoint holds their graph), and the
+    last block's where ``last_graph_kept`` (the last stage: its final norm holds it)."""
+    kept, frees, groups, above = block if block is not None else (*weight_pass_block(sh, res), weight_groups(sh), 0)
     casts = casts or {}
     order = {g: i for i, g in enumerate(groups)}
-    per_block = len(groups) * kept + sum(casts.values())  # what each earlier block's recomputes keep
+    per_block = len(groups) * (kept + above) + sum(casts.values())  # what each earlier block's recomputes keep
+    last_kept = kept + (above if last_graph_kept else 0)
     block_grads = sum(grads.values()) if grads else 0
     # the peak is in the first block or in the last: each block adds per_block and drops block_grads
     last = checkpointed - 1 if per_block >= block_grads else 0
     best, at, alive, made, freed = None, 0, 0, 0, 0
     for k in range(1, len(groups) + 1):
-        alive_k = kept + sum(n for g, n in frees if order[g] >= k - 1)
+        alive_k = last_kept + sum(n for g, n in frees if order[g] >= k - 1)
         made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
         freed_k = last * block_grads + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
         if best is None or k * alive_k + made_k - freed_k > best:
             best, at, alive, made, freed = k * alive_k + made_k - freed_k, k, alive_k, made_k, freed_k
     earlier = last * per_block
     where = "last" if last == checkpointed - 1 else "first"
-    formula = (f"{last} earlier block(s) × ({len(groups)} groups × {kept:,} B (their input path)"
+    formula = (f"{last} earlier block(s) × ({len(groups)} groups × {kept + above:,} B (their input path"
+               f"{f' and the {above:,} B above their weights' if above else ''})"
                f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at} × {alive:,} B (the "
                f"{where} block at its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
                f"{f' + {made:,} B (weight casts)' if casts else ''}")
@@ -1588,10 +1604,11 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
         if not c or (moe and (st.moe_layers != st.layers or c != st.layers or st.stage == 0)):
             continue
         if moe:
-            key = (c, "moe")
+            key = (c, "moe", bool(st.final_norm or st.head))
             if key not in of_count:
                 moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
-                of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block)
+                of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
+                                                  last_graph_kept=key[2])
             nbytes, formula, freed = of_count[key]
             T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
                   f"{'s' if c != 1 else ''} with experts, one per parameter group (torch's stage_backward_weight: "

@@ -234,18 +234,44 @@ def test_a_block_with_experts_holds_what_the_engine_says(bf16):
                experts_per_token=2, expert_ffn_hidden=96)
     sh = shape_of(cfg)
     res = 4 if bf16 else sh.act
-    kept, frees, groups = moe_weight_pass_block(cfg, sh, res)
-    assert groups[-4:] == ("router", "w1", "w2", "w3")
+    kept, frees, groups, above = moe_weight_pass_block(cfg, sh, res)
+    assert groups[-4:] == ("router", "w1", "w2", "w3") and above > 0
     after, peak = _measured(cfg)
     order = {g: i for i, g in enumerate(groups)}
     predicted = [k * (kept + sum(n for g, n in frees if order[g] >= k)) for k in range(1, len(groups) + 1)]
     assert after[:-1] == predicted[:-1]
-    total, _, _ = weight_pass_bytes(sh, res, 1, None, None, (kept, frees, groups))
+    total, _, _ = weight_pass_bytes(sh, res, 1, None, None, (kept, frees, groups, above))
     assert 0.94 <= peak / total <= 1.1, (peak, total)  # measured 1.05 (fp32), 1.08 (bf16)
     # what the I keeps for it: each group's output gradient (router, experts' matmuls) and the input's
     sbh = cfg.local_seq_len * cfg.training.micro_batch_size * cfg.model.hidden
     keeps = moe_split_backward_group_grads(cfg, sh.act, res, sbh)
     i_kept, peak_with = _measured_with_keeps(cfg)
     assert i_kept == sum(keeps.values()) + res * sbh
-    total, _, freed = weight_pass_bytes(sh, res, 1, None, keeps, (kept, frees, groups))
+    total, _, freed = weight_pass_bytes(sh, res, 1, None, keeps, (kept, frees, groups, above))
     assert freed > 0 and 0.94 <= peak_with / (i_kept + total - freed) <= 1.1, (peak_with, i_kept + total - freed)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_an_earlier_block_with_experts_keeps_its_graph_above_the_weights(bf16):
+    """Two checkpointed blocks with experts: the second block's checkpoint holds its input with its ``grad_fn``
+    (``_CheckpointFrame.save_inputs``), so the first block's graph outlives the I whole, and each of its
+    recomputes in the W also keeps what the nodes above its weights saved (the router's scores, the combine's
+    tensors: ``moe_weight_pass_block``'s ``above``) — exactly, after each of its groups; the pass's peak within a
+    few per cent of ``weight_pass_bytes``."""
+    from engine.memory.activations import moe_weight_pass_block
+
+    cfg = _cfg(bf16, 2, hidden=64, heads=4, kv_heads=2, ffn_hidden=160, seq_len=64, experts=4,
+               experts_per_token=2, expert_ffn_hidden=96)
+    sh = shape_of(cfg)
+    res = 4 if bf16 else sh.act
+    kept, frees, groups, above = moe_weight_pass_block(cfg, sh, res)
+    after, peak = _measured(cfg)
+    order = {g: i for i, g in enumerate(groups)}
+    first = [k * (kept + above + sum(n for g, n in frees if order[g] >= k)) for k in range(1, len(groups) + 1)]
+    assert after[:len(groups)] == first
+    # the last block's recomputes, beside the first block's (its graph above the weights gone with the I)
+    last = [len(groups) * (kept + above) + k * (kept + sum(n for g, n in frees if order[g] >= k))
+            for k in range(1, len(groups))]
+    assert after[len(groups):-1] == last
+    total, _, _ = weight_pass_bytes(sh, res, 2, None, None, (kept, frees, groups, above))
+    assert 0.94 <= peak / total <= 1.1, (peak, total)
