@@ -1783,9 +1783,11 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     ``index_add_``) runs first in the block's backward: ``index_add_``'s backward gathers the output
     gradient per routed copy (n·k·h in the activation dtype), the cast's backward makes it fp32, and the
     multiply's backward makes the fp32 gradient of the expert outputs and, for the scores' gradient, the fp32
-    product with the saved outputs before its row sum: three fp32 n·k·h tensors beside the two the block saved
+    product with the saved outputs before its row sum: three fp32 n·k·h tensors beside the fp32 outputs saved
     (measured in ``measure --fake`` of Qwen3 30B-A3B, pp8 ZeRO-3 full recompute: four 1 GiB fp32 n·k·h tensors
-    at a middle stage's peak); nothing of the block is freed yet, only the later blocks. The gathered 16-bit
+    at a middle stage's peak: the saved fp32 outputs and the three); of the block only the weighted outputs are
+    freed by then (``index_add_``'s node, the first to run, releases the source it saved; the fake's peak holds
+    the fp32 outputs and not them), and the later blocks. The gathered 16-bit
     gradient is gone by then: the cast's backward node was its only holder (two more fakes of Qwen3 30B-A3B,
     pp8 ZeRO-2 full recompute b8 and pp8 ZeRO-3 b2 at 16K: three 2 GiB fp32 Temps at the peak and no 1 GiB
     16-bit one; in fp32 training the casts are no-ops and the gathered gradient is the first fp32 one).
@@ -1846,8 +1848,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         if expert_grads and gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine)
         c_temp = 3 * 4 * n * k * h + grads // 2
-        if c_temp - after > 0 and (best is None or c_temp - after > best[0]):
-            best = (c_temp - after, st.stage, c_temp, None, grads // 2, 0, after, after, 0, 0)
+        # index_add_'s node runs first and frees the weighted outputs it saved (not a row the per-op policy saves)
+        weighted = (4 if autocast else act) * n * k * h if tr.recompute != "selective-op" else 0
+        if c_temp - after - weighted > 0 and (best is None or c_temp - after - weighted > best[0]):
+            best = (c_temp - after - weighted, st.stage, c_temp, None, grads // 2, 0, after + weighted, after, 0, 0)
     if best is None:
         return
     _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine = best
@@ -1856,9 +1860,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
               "gradient cast to fp32, the expert outputs' gradient and the scores' product",
               temp, f"3 × 4·n·k·h + s·b·h·{act} = 3 × 4·{n}·{k}·{h} + {grads:,} B (block output gradient"
               + ("; fp32: no casts)" if act == 4 else ")"), kind="moe_backward")
-        if after:
-            T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks)",
-                  -after, f"−{after:,} B later blocks", kind="moe_backward_freed")
+        if freed:
+            T.add("activations", f"MoE backward of stage {stage}'s last MoE block, its combine: freed by then (later "
+                  "blocks; the weighted outputs index_add_ saved, its node the first to run)", -freed,
+                  f"−({after:,} B later blocks + {freed - after:,} B weighted outputs)", kind="moe_backward_freed")
         if par.ep > 1:
             # the all-to-all buffers (engine.memory.buffers.moe_dispatch_buffers, counted all step) are one
             # layer's at a time, and the combine's backward runs before its all-to-all's: none is alive then

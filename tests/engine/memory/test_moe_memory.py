@@ -204,3 +204,8 @@ def test_the_combines_backward_holds_three_fp32_routed_gradients_not_the_16_bit_
     (moe,) = terms(cfg({"dp": 4, "zero": 3}, training={"precision": "bf16-mixed"}), "temporaries", "moe_backward")
     assert "combine" in moe.label
     assert moe.bytes == 3 * 4 * 64 * 2 * 128 + 64 * 128 * 2
+    # index_add_'s node runs first and frees the weighted outputs it saved (in the block input's dtype, bf16
+    # under FSDP2's policy): at the combine's moment they are gone (the fakes' peaks hold the fp32 outputs only)
+    (freed,) = terms(cfg({"dp": 4, "zero": 3}, training={"precision": "bf16-mixed"}), "activations",
+                     "moe_backward_freed")
+    assert freed.bytes == -2 * 64 * 2 * 128
