@@ -22,7 +22,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        side (``HEAD_KINDS``: what the final norm, the head and the loss save) is not
                        alive at the F's own moment (the blocks' forward, before the head runs) nor at
                        a B's own moment (the blocks' backward, after the head's backward freed it);
-                       the loss moment holds it, and a split backward keeps it until the W
+                       the loss moment holds it, and a split backward keeps it until the W, but for the
+                       loss's log-probabilities, freed after the I (``LOSS_AT_INPUT_KINDS``)
   to_step_end          the last stage's kept outputs (logits) under ``conventions.pipeline_outputs = "kept"``:
                        from the microbatch's F to the step's end
   input_to_weight      a split backward's retained gradients of a stage-microbatch (``INPUT_TO_WEIGHT_KINDS``):
@@ -261,6 +262,12 @@ STEP_FREED_KINDS = frozenset({"autocast_weight_casts"})
 #: node saved once it has run, so they are gone by the blocks' backward: the B's own moment. A split
 #: backward's I retains the graph for its W (``stage_backward_input``), so there they live until the W
 HEAD_KINDS = frozenset({"final_norm", "head_input", "log_probabilities"})
+#: of the loss side, what a split backward frees after the I rather than the W: the loss's nodes are above the
+#: head's matmul (the head weight's group keeps that node, and with it what lies below: the final norm's and the
+#: head's saved inputs), and ``stage_backward_input`` detaches the loss after its autograd.grad, so the graph
+#: above goes (torch/distributed/pipelining/_backward.py; ``measure --fake`` of Llama 3 70B interleaved zero
+#: bubble: one microbatch's log-probabilities alive at the last stage's W peak, not the four in flight)
+LOSS_AT_INPUT_KINDS = frozenset({"log_probabilities"})
 
 #: a pipeline's last stage's output (its logits), which torch.distributed.pipelining's stage keeps in ``fwd_cache``
 #: from the forward and holds to the end of the microbatch's ``backward_one_chunk``: a full backward's B, or a
@@ -451,7 +458,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     counts[np.arange(n), col] += frees
     # the loss side: freed by the time a full backward B reaches its blocks (its own moment no longer
     # holds it; the loss moment does). A split backward keeps it: its I runs autograd with the graph
-    # retained for the W, so what the head saved lives until the W frees the microbatch
+    # retained for the W, so what the head saved lives until the W frees the microbatch (the loss's
+    # log-probabilities go after the I: ``LOSS_AT_INPUT_KINDS``, taken off through ``iw``)
     head = counts.copy()
     head[np.arange(n), col] -= (kind == _B) | is_f  # an F's own moment is its blocks' forward: not made yet
     # a split backward's retained gradients: made by each I (not yet at its own moment), freed after its W
@@ -691,6 +699,9 @@ class Signature(NamedTuple):
     so_bytes: tuple[int, ...] = ()
     cv_bytes: tuple[int, ...] = ()  # per local stage: FSDP2's accumulation in another dtype (``stage_converted``)
     fr_bytes: tuple[int, ...] = ()  # per local stage: a W's gradients in the parameter dtype (``stage_fresh``)
+    # per local stage, one microbatch: the loss's log-probabilities (part of head_bytes) where the backward is
+    # split: freed after the I, not kept to the W (``LOSS_AT_INPUT_KINDS``)
+    lp_bytes: tuple[int, ...] = ()
 
 
 @lru_cache(maxsize=256)
@@ -755,6 +766,8 @@ def _live_bytes(sig: Signature) -> np.ndarray:
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
     if sig.so_bytes:  # the stage output is freed after the I: a stage-microbatch between I and W no longer holds it
         iwb = tuple(x - so for x, so in zip(iwb, sig.so_bytes))
+    if sig.lp_bytes:  # and so are the loss's log-probabilities
+        iwb = tuple(x - lp for x, lp in zip(iwb, sig.lp_bytes))
     none = (0,) * len(sig.unit_bytes)
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
          + (sig.cv_bytes or none) + (sig.fr_bytes or none)
@@ -884,14 +897,16 @@ class RankTimeline:
     def _signature(self, laid: _Laid) -> Signature:
         schedule, pp_rank, pp, virtual_stages, microbatches, stages, local, _, _ = self._laying
         head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
+        lp = tuple(a[1] for a in laid.acts)  # of it the log-probabilities
+        splits = _splits_backward(schedule, pp, microbatches, virtual_stages)
         acc, red, wr, cv, fr = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
         return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
                          tuple(laid.iw) if any(laid.iw) else (), acc if any(acc) else (), red if any(red) else (),
                          laid.step_freed, wr if any(wr) else (),
-                         tuple(laid.so) if any(laid.so) and _splits_backward(schedule, pp, microbatches, virtual_stages)
-                         else (), cv if any(cv) else (), fr if any(fr) else ())
+                         tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
+                         lp if any(lp) and splits else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -949,7 +964,9 @@ class RankTimeline:
                         drop[i] = _rescaled(t, k, n) if k and n else None
                 elif life == "microbatch" or life == "to_step_end":
                     col = self._column[t.stage if pp > 1 else 0] if life == "microbatch" else 0
-                    k = ((pk.head[col] if t.kind in HEAD_KINDS and pk.head
+                    k = ((pk.head[col] - (pk.iw[col] if pk.iw and self.signature.lp_bytes else 0)
+                          if t.kind in LOSS_AT_INPUT_KINDS and pk.head
+                          else pk.head[col] if t.kind in HEAD_KINDS and pk.head
                           else pk.counts[col] - (pk.iw[col] if pk.iw else 0) if t.kind in STAGE_OUTPUT_KINDS
                           else pk.counts[col])
                          if life == "microbatch" else pk.outputs)
@@ -1260,16 +1277,19 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
     sob = sig.so_bytes or (0,) * len(sig.unit_bytes)
+    lpb = sig.lp_bytes or (0,) * len(sig.unit_bytes)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         if phase == STEP:
             break  # the optimizer step is not laid (``RankTimeline._event_signature``)
         col = local[stage if sig.pp > 1 else 0]
-        hd = heads[col]
+        hd, lp = heads[col] - lpb[col], lpb[col]  # the loss side to the W, the log-probabilities to the I
         if phase == END and late_done:
             for j, _, _ in accumulated:  # reduced and dropped by the end of the backward
                 ev.append(("free", ("late", j)))
         if kind == _B and phase == ACTION and hd > 0:
             ev.append(("free", ("head", stage, mb)))  # the loss side, before the blocks' backward
+        if kind == _B and phase == ACTION and lp > 0:
+            ev.append(("free", ("lp", stage, mb)))
         transient = []
         for c, life in enumerate(PER_MOMENT):
             if mask[c]:
@@ -1311,6 +1331,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             ev.append(("free", ("iw", stage, mb)))
         if kind == _F and phase == ACTION and hd > 0:  # the loss side, after the blocks' forward
             ev.append(("alloc", ("head", stage, mb), hd))
+        if kind == _F and phase == ACTION and lp > 0:
+            ev.append(("alloc", ("lp", stage, mb), lp))
+        if kind == _I and phase == ACTION and lp > 0:  # the log-probabilities, at the I's end
+            ev.append(("free", ("lp", stage, mb)))
         if (kind == _B or kind == _W) and unit > 0 and phase == ACTION:
             ev.append(("free", ("mb", stage, mb)))
         if (kind == _B or kind == _I) and so > 0 and phase == ACTION:
@@ -1647,6 +1671,9 @@ class _Laying:
         if kind == _I and phase == ACTION and ("mb", stage, mb, "so") in size:  # the stage output, at the I's end
             free(("mb", stage, mb, "so"))
             self.held[(stage, mb)] = [[k for k in g if k != ("mb", stage, mb, "so")] for g in self.held[(stage, mb)]]
+        if kind == _I and phase == ACTION and sig.lp_bytes and ("mb", stage, mb, "logprob") in size:  # and the loss's
+            free(("mb", stage, mb, "logprob"))
+            self.heads[(stage, mb)] = [k for k in self.heads[(stage, mb)] if k != ("mb", stage, mb, "logprob")]
         if kind == _I and phase == ACTION and self.iwb[j] > 0:  # what the I keeps for its W
             alloc(("iw", stage, mb), self.iwb[j])
         if kind == _W and phase == ACTION and ("iw", stage, mb) in size:

@@ -275,3 +275,34 @@ def test_an_earlier_block_with_experts_keeps_its_graph_above_the_weights(bf16):
     assert after[len(groups):-1] == last
     total, _, _ = weight_pass_bytes(sh, res, 2, None, None, (kept, frees, groups, above))
     assert 0.94 <= peak / total <= 1.1, (peak, total)
+
+
+def test_the_loss_log_probabilities_go_with_the_input_pass():
+    """A last stage's split backward: ``stage_backward_input`` runs the loss's backward with the graph retained,
+    then detaches the loss, so the graph above the head's matmul (the node the head weight's group keeps) goes,
+    and with it the log-probabilities cross_entropy saved; what stays for the W is the head matmul's output
+    gradient (its group's ``grads``). The engine frees them after the I (``lifetimes.LOSS_AT_INPUT_KINDS``)."""
+    import torch.distributed.pipelining._backward as pipelining_backward
+
+    from engine.memory.lifetimes import LOSS_AT_INPUT_KINDS
+
+    assert "log_probabilities" in LOSS_AT_INPUT_KINDS
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 64, 16, 4096
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    head = torch.nn.Linear(hidden, vocab)
+    target = torch.randint(0, vocab, (tokens,))
+    live = _Live({t.untyped_storage().data_ptr() for t in [x, target, *head.parameters()]})
+    sheet = tokens * vocab * 4  # one fp32 tokens × vocabulary tensor
+    with live:
+        live.start()
+        logits = head(x)
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        del logits  # the stage's own reference; the log-probabilities stay, saved by log_softmax
+        gc.collect()
+        assert sheet <= live.bytes < sheet + 4096
+        _, groups = pipelining_backward.stage_backward_input([loss], None, [x], iter(head.parameters()))
+        gc.collect()
+        # the logits' gradient kept for the W and the input's gradient: no log-probabilities beside them
+        assert sheet <= live.bytes < sheet + 4096 + x.numel() * 4
+        pipelining_backward.stage_backward_weight(iter(head.parameters()), groups)
