@@ -77,6 +77,7 @@ from engine.model.routing import (
 )
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.layout import split_layers
+from engine.pipeline.schedules import pipeline_actions
 from engine.wrapping import wrapping_plan
 
 
@@ -1818,7 +1819,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
     n_w = 3 if m.mlp == "swiglu" else 2
     split = split_layers(m.layers, par.num_stages, par.pipeline_split)
-    best = None
+    best = best_c = None  # the larger moment of either kind; the combine's alone
     for st in rp.stages:
         layers = split[st.stage]
         moe_idx = [i for i in layers if m.is_moe_layer(i)]
@@ -1850,35 +1851,57 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         c_temp = 3 * 4 * n * k * h + grads // 2
         # index_add_'s node runs first and frees the weighted outputs it saved (not a row the per-op policy saves)
         weighted = (4 if autocast else act) * n * k * h if tr.recompute != "selective-op" else 0
-        if c_temp - after - weighted > 0 and (best is None or c_temp - after - weighted > best[0]):
-            best = (c_temp - after - weighted, st.stage, c_temp, None, grads // 2, 0, after + weighted, after, 0, 0)
-    if best is None:
-        return
+        c = (c_temp - after - weighted, st.stage, c_temp, None, grads // 2, 0, after + weighted, after, 0, 0)
+        if c[0] > 0 and (best is None or c[0] > best[0]):
+            best = c
+        if c[0] > 0 and (best_c is None or c[0] > best_c[0]):
+            best_c = c
+    if par.pp > 1 and pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages).splits_backward:
+        # an I computes input gradients only (stage_backward_input): its moment is the combine's backward; the
+        # experts' weight gradients come in the W, and where they outweigh it, at a full B (ZBV's and DualPipeV's
+        # first stage, DualPipeV's overlapped B) (measure --fake: Mixtral ZBV tp4 ep2, Qwen3 30B-A3B ZBV ep2)
+        if best_c is not None:
+            _lay_moe_backward(cfg, T, best_c, "moe_input_backward", autocast, n, n_r)
+        if best is not None:
+            _lay_moe_backward(cfg, T, best, "moe_full_backward", autocast, n, n_r)
+    elif best is not None:
+        _lay_moe_backward(cfg, T, best, "moe_backward", autocast, n, n_r)
+
+
+def _lay_moe_backward(cfg: Config, T: Terms, best: tuple, kind: str, autocast: bool, n: int, n_r: int) -> None:
+    """``moe_backward_terms``' chosen moment as terms of ``kind`` (its freed tensors ``kind``_freed)."""
+    m, par = cfg.model, cfg.parallel
+    act = 4 if cfg.training.precision == "fp32" else 2
+    wb = 4 if cfg.training.precision == "fp32" or autocast else 2
+    h, k = m.hidden, m.experts_per_token
+    e_loc = m.experts // par.ep if par.ep > 1 else m.experts
+    f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
+    n_w = 3 if m.mlp == "swiglu" else 2
     _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine = best
     if w_grads is None:
         T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block, its combine: the routed copies' output "
               "gradient cast to fp32, the expert outputs' gradient and the scores' product",
               temp, f"3 × 4·n·k·h + s·b·h·{act} = 3 × 4·{n}·{k}·{h} + {grads:,} B (block output gradient"
-              + ("; fp32: no casts)" if act == 4 else ")"), kind="moe_backward")
+              + ("; fp32: no casts)" if act == 4 else ")"), kind=kind)
         if freed:
             T.add("activations", f"MoE backward of stage {stage}'s last MoE block, its combine: freed by then (later "
                   "blocks; the weighted outputs index_add_ saved, its node the first to run)", -freed,
-                  f"−({after:,} B later blocks + {freed - after:,} B weighted outputs)", kind="moe_backward_freed")
+                  f"−({after:,} B later blocks + {freed - after:,} B weighted outputs)", kind=f"{kind}_freed")
         if par.ep > 1:
             # the all-to-all buffers (engine.memory.buffers.moe_dispatch_buffers, counted all step) are one
             # layer's at a time, and the combine's backward runs before its all-to-all's: none is alive then
             a2a = act * n * k * h + act * n_r * h
             T.add("comm_buffers", f"MoE backward of stage {stage}'s last MoE block, its combine: no all-to-all buffer "
                   "alive yet (the combine's all-to-all backward comes after)", -a2a,
-                  f"−({act}·n·k·h + {act}·n_r·h) = −{a2a:,} B", kind="moe_backward_freed")
+                  f"−({act}·n·k·h + {act}·n_r·h) = −{a2a:,} B", kind=f"{kind}_freed")
         return
     T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block: the experts' full-size weight gradients "
           "(select_backward of each expert's slice, summed in autograd's input buffers) and the activation gradients",
           temp, f"({n_w} + 2) × E_loc·f·h·{wb} = ({n_w} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
           f"= {grads:,} B (block output, input)" + (f" + n_r·h·{act} = {routed_grad:,} B (routed outputs)"
-                                                   if routed_grad else ""), kind="moe_backward")
+                                                   if routed_grad else ""), kind=kind)
     T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks, the "
           "block's shared experts and combine)", -freed,
           f"−({after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
           f"(4 + {4 if autocast else act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")",
-          kind="moe_backward_freed")
+          kind=f"{kind}_freed")

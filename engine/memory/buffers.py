@@ -374,7 +374,7 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
         x = gacc * padded_numel(big, gather_degree(cfg, plan, rp, big)) + pgrad * moe
         held = gathered_unit_bytes(plan, rp, big, gather_degree(cfg, plan, rp, big)) + gacc * rs + made + sum(
             t.bytes for c in ("activations", "temporaries", "comm_buffers") for t in T[c]
-            if t.kind in ("moe_backward", "moe_backward_freed"))
+            if t.kind in ("moe_backward", "moe_backward_freed", "moe_full_backward", "moe_full_backward_freed"))
         if x > held:
             T.add("comm_buffers", f"the experts' post-backward: their reduce-scatter input (in {plan.reduce_dtype}) "
                   "beside all their gradients, beyond what their backward holds (the experts gathered, the block's kept "

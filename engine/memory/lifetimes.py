@@ -104,7 +104,11 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        ``CompareNodeTaskTime``): every later microbatch's backward runs them last
   early_backward       at a B's own moment only (not at the late-backward moment): what the B holds once its
                        first block has reduced (its sharded gradients, less its saved tensors), where
-                       that exceeds the start
+                       that exceeds the start; under a split backward the MoE backward's moment of a full B
+                       (the experts' weight gradients where they outweigh the combine's backward)
+  input_backward       at an I's own moment only: under a split backward the MoE backward's moment of an I,
+                       which computes input gradients only (the combine's backward; no expert weight gradient:
+                       those come in the W)
   after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
                        parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
                        assigns ``.grad``; the I computes input gradients only); laid anew at each moment
@@ -168,7 +172,7 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
-             "after_first_weight", "after_first_backward")
+             "input_backward", "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
@@ -207,6 +211,8 @@ LIFETIMES: dict[str, str] = {
     "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward", "embedding_full_gradient": "post_backward",
     "recomputed_block": "backward_input",
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
+    "moe_full_backward": "early_backward", "moe_full_backward_freed": "early_backward",
+    "moe_input_backward": "input_backward", "moe_input_backward_freed": "input_backward",
     "loss": "loss",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
@@ -605,7 +611,7 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
     on = {"every_action": every, "backward": is_bwd_input | (kind == _W), "backward_input": is_bwd_input,
           "full_backward": (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward
           "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
-          "early_backward": kind == _B, "after_first_weight": np.arange(n) > first_grad,
+          "early_backward": kind == _B, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
           "after_first_backward": np.arange(n) > first_bwd}
     return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)
 

@@ -209,3 +209,18 @@ def test_the_combines_backward_holds_three_fp32_routed_gradients_not_the_16_bit_
     (freed,) = terms(cfg({"dp": 4, "zero": 3}, training={"precision": "bf16-mixed"}), "activations",
                      "moe_backward_freed")
     assert freed.bytes == -2 * 64 * 2 * 128
+
+
+def test_an_input_pass_lays_the_combines_backward_not_the_experts_weight_gradients():
+    """Under a split backward an I computes input gradients only (torch's ``stage_backward_input``): its MoE
+    moment is the combine's backward; the experts' full-size weight gradients come with the W, and at a full B
+    (ZBV's first stage) the larger of the two moments. Without a split both kinds stay one term of every B."""
+    zbv = cfg({"pp": 2, "virtual_stages": 2, "schedule": "ZBVZeroBubble", "microbatches": 4, "dp": 2}, gpus=4)
+    (i_temp,) = terms(zbv, "temporaries", "moe_input_backward")
+    assert "combine" in i_temp.label
+    (b_temp,) = terms(zbv, "temporaries", "moe_full_backward")
+    assert "weight gradients" in b_temp.label  # fp32, 4 tiny experts: their gradients outweigh the combine
+    assert not terms(zbv, "temporaries", "moe_backward")
+    one_f_one_b = cfg({"pp": 2, "schedule": "1F1B", "microbatches": 4, "dp": 2}, gpus=4)
+    assert terms(one_f_one_b, "temporaries", "moe_backward")
+    assert not terms(one_f_one_b, "temporaries", "moe_input_backward")
