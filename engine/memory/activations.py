@@ -66,7 +66,7 @@ from engine.memory.lifetimes import moments
 from engine.memory.report import Term, Terms, ceil_div
 from engine.memory.states import replicate_expert_grads
 from engine.model import lora
-from engine.model.recompute import checkpointed_per_stage, sac_saved_matmuls, sac_saved_moe
+from engine.model.recompute import block_linears_addmm, checkpointed_per_stage, sac_saved_matmuls, sac_saved_moe
 from engine.model.routing import (
     load_shares,
     mean_expert_load,
@@ -99,7 +99,7 @@ class _Shape:
     swiglu: bool
     recompute: str = "none"
     mla: bool = False  # multi-head latent attention (no repeat of K and V: each head has its own)  # the policy the table is evaluated under ("full", "selective-layer": per block)
-    bias: bool = False  # Linears with a bias (aten.addmm: saved by the per-op policy, not counted as an mm)
+    bias: bool = False  # Linears run as one aten.addmm (a bias, no float8): saved by the per-op policy, not counted as an mm
     compile: bool = False  # torch.compile per block: what inductor's min-cut partitioner saves
     # torchao's Float8Linear saves its input as it arrives (matmul_with_hp_or_float8_args saves input_hp):
     # it casts it to the autocast dtype only under CUDA's autocast (torch.is_autocast_enabled() and
@@ -486,7 +486,8 @@ def shape_of(cfg: Config) -> _Shape:
     base = dict(s=cfg.local_seq_len, kv_len=model.seq_len if par.cp > 1 else 0, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
                 f=model.ffn_hidden, t=par.tp, sp=par.sequence_parallel, act=act, dropout=model.dropout > 0,
                 flash=model.attention in ("flash", "mla"), mla=model.attention == "mla", swiglu=model.mlp == "swiglu",
-                recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none", bias=model.bias,
+                recompute=tr.recompute if tr.recompute in TABLE_RECOMPUTE else "none",
+                bias=block_linears_addmm(model, tr),
                 compile=tr.compile, q=_query_width(model))
     if tr.finetune == "lora":
         base.update(lora_r=tr.lora_rank, lora_mods=tuple(lora.target_modules(model, tr.lora_targets)),

@@ -48,6 +48,22 @@ def sac_saved_matmuls(swiglu: bool, bias: bool, lora_mods: tuple[str, ...] = ())
     return frozenset(saved)
 
 
+def block_linears_addmm(model, training) -> bool:
+    """Whether a block's Linears run as one ``aten.addmm`` each (a bias inside the matmul), which the per-op
+    policy saves without counting (``sac_saved_matmuls``' ``bias``). torchao's Float8Linear computes its
+    matmul bias-free and adds the bias after (torchao/float8/float8_linear.py: ``output = output +
+    self.bias.to(output.dtype)``), so under float8 the block's matmuls are plain ``aten.mm`` the counter
+    counts — where the backend converts them all (``backend.parallel.float8.converts``: every dimension a
+    multiple of 16; ``measure --fake`` of GPT-2 Interleaved1F1B ZeRO-3 tensorwise, per-op recompute: wq, wv
+    and w1's outputs stashed, wk, wo and w2's recomputed)."""
+    if not model.bias:
+        return False
+    if training.float8 == "none":
+        return True
+    dims = (model.hidden, model.heads * model.head_dim, model.kv_dim, model.ffn_hidden)
+    return not all(d % 16 == 0 for d in dims)
+
+
 #: The Linears of a MoE block's experts in the order ``backend.model.GroupedExperts.forward`` calls them
 #: for each local expert (w1, then w3 inside the SwiGLU product, then w2), and of its shared experts
 #: (``FeedForward``, after the routed ones).

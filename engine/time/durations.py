@@ -50,7 +50,7 @@ import numpy as np
 from engine.config import Config
 from engine.model.lora import adapter_block_tensors, target_modules
 from engine.model.params import attention_tensors, mlp_tensors
-from engine.model.recompute import checkpointed_blocks, sac_saved_matmuls
+from engine.model.recompute import block_linears_addmm, checkpointed_blocks, sac_saved_matmuls
 from engine.model.routing import routed_factor
 from engine.pipeline.layout import split_layers, stage_placement
 
@@ -271,7 +271,7 @@ def per_op_recompute_flops_per_token(cfg: Config) -> float:
     saved, elementwise ops are not counted (the FLOP convention)."""
     m, tr = cfg.model, cfg.training
     mods = tuple(target_modules(m, tr.lora_targets)) if tr.finetune == "lora" else ()
-    saved = sac_saved_matmuls(m.mlp == "swiglu", m.bias, mods)
+    saved = sac_saved_matmuls(m.mlp == "swiglu", block_linears_addmm(m, tr), mods)
     width = {"h": m.hidden, "kv": m.kv_dim, "f": m.ffn_hidden}
     total = 0.0
     for name, fl in linear_flops_per_token(cfg).items():

@@ -278,3 +278,44 @@ def test_a_checkpointed_block_counts_its_kept_input_once(kind, qk_norm):
     whole = activation_bytes_per_layer(_two_blocks("none", qk_norm))
     assert _recomputed_term(cfg) == whole - kept
     assert _block_backward_growth(kind, qk_norm) == _recomputed_term(cfg) - down
+
+
+@pytest.mark.parametrize("float8", ["none", "tensorwise"])
+def test_the_per_op_counter_counts_float8_linears_with_a_bias(float8):
+    """A Linear with a bias is one ``aten.addmm`` — saved by the per-op policy and not counted — but torchao's
+    Float8Linear runs a bias-free mm and adds the bias after: under float8 the block's matmuls are plain mms the
+    policy's counter counts, every second one recomputed. The policy's decisions on one block's forward (the
+    backend's ``op_sac_policy``) against the engine's ``sac_saved_matmuls`` at ``block_linears_addmm``."""
+    if float8 != "none":
+        pytest.importorskip("torchao")
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from backend.model import Transformer
+    from backend.parallel.float8 import apply_float8
+    from backend.parallel.recompute import MM_OPS, op_sac_policy
+    from engine.model.recompute import block_linears_addmm, sac_saved_matmuls
+
+    cfg = _cfg(precision="bf16-mixed", grad_dtype="bf16", float8=float8).replace(model={**SMALL_F8, "bias": True})
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_float8(model, float8)
+    block = model.layers["0"]
+    policy, matmuls = op_sac_policy(), []
+
+    def recording(ctx, func, *args, **kwargs):
+        decision = policy(ctx, func, *args, **kwargs)
+        if (func in MM_OPS or func == torch.ops.aten.addmm.default) and not ctx.is_recompute:
+            matmuls.append((func, decision == CheckpointPolicy.MUST_SAVE))
+        return decision
+
+    x = torch.randn(cfg.training.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        checkpoint(block, x, use_reentrant=False,
+                   context_fn=lambda: create_selective_checkpoint_contexts(recording)).sum().backward()
+    addmm = block_linears_addmm(cfg.model, cfg.training)
+    assert addmm == (float8 == "none")
+    assert all((f == torch.ops.aten.addmm.default) == addmm for f, _ in matmuls)
+    saved = sac_saved_matmuls(cfg.model.mlp == "swiglu", addmm)
+    assert len(matmuls) == 7 and sum(s for _, s in matmuls) == len(saved) == (7 if addmm else 4)
