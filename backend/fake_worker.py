@@ -171,6 +171,7 @@ class _FakeTrainer:
         parameters at construction are built in the same mode."""
         with self.fake_mode, _ddp_without_init_checks(), _device_mesh_outside_fake_mode():
             m.to_empty(device=self.device)
+            _retie_head(m, self.cfg.model)
             yield
 
     def _parallelize(self, parts) -> None:
@@ -561,6 +562,24 @@ class _NoRebuildReducer:
 
     def __getattr__(self, name):
         return getattr(self._reducer, name)
+
+
+def _retie_head(module, spec) -> None:
+    """A tied head shares the token embedding's weight (``backend.model.Transformer``). ``to_empty`` gives each
+    module a new tensor of its own (torch 2.13: a meta model's tied weights come back as two), so a stage that
+    holds both, wrapped without FSDP2 (whose ``to_empty`` keeps the one parameter it registered), gets its head
+    tied again, as the real build (on real tensors) has it: ``measure --fake`` of GPT-2 under DDP counted a second
+    V·h parameter, gradient and AdamW state."""
+    if not spec.tied_embeddings:
+        return
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    for mod in module.modules():
+        emb, out = getattr(mod, "tok_embeddings", None), getattr(mod, "output", None)
+        if isinstance(emb, nn.Embedding) and isinstance(out, nn.Linear) and out.weight is not emb.weight \
+                and not isinstance(emb.weight, DTensor) and out.weight.shape == emb.weight.shape:
+            out._parameters["weight"] = emb._parameters["weight"]  # the same tensor, as the tie before to_empty
 
 
 @contextlib.contextmanager
