@@ -54,7 +54,8 @@ class MemoryBound:
             # a plain mm the policy's counter counts: ``block_linears_addmm``): the least over the float8 axis
             kinds = {self.base.training.float8} | (set(getattr(self, "float8", ())) if table == "selective-op"
                                                    and self.base.model.bias else set())
-            out = self._act1[key] = min(min(at(1, f), at(2, f) - at(1, f)) for f in sorted(kinds))
+            ones = {f: at(1, f) for f in kinds}
+            out = self._act1[key] = min(min(one, at(2, f) - one) for f, one in sorted(ones.items()))
         return out
 
     def _per_layer_vec(self, tp, gs, gr, cp=1, gc=None) -> np.ndarray:
