@@ -77,7 +77,6 @@ from engine.model.routing import (
 )
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.layout import split_layers
-from engine.pipeline.schedules import pipeline_actions
 from engine.wrapping import wrapping_plan
 
 
@@ -1811,14 +1810,9 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     microbatch, the block's routed copies are its own, averaged over ``microbatches[stage]`` (those in
     flight at the peak; every microbatch when not given)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
-    act = 4 if tr.precision == "fp32" else 2
-    wb = 4 if tr.precision == "fp32" or autocast else 2  # the experts' compute weights (FSDP2: param_dtype)
-    h, k = m.hidden, m.experts_per_token
+    act, wb, h, k, e_loc, f_loc, n_w = _moe_backward_dims(cfg, autocast)
     n, n_r = moe_tokens(cfg, ep_rank)
     n_s = m.seq_len * tr.micro_batch_size
-    e_loc = m.experts // par.ep if par.ep > 1 else m.experts
-    f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
-    n_w = 3 if m.mlp == "swiglu" else 2
     split = split_layers(m.layers, par.num_stages, par.pipeline_split)
     best = best_c = None  # the larger moment of either kind; the combine's alone
     for st in rp.stages:
@@ -1857,7 +1851,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
             best = c
         if c[0] > 0 and (best_c is None or c[0] > best_c[0]):
             best_c = c
-    if par.pp > 1 and pipeline_actions(par.schedule, par.pp, par.microbatches, par.virtual_stages).splits_backward:
+    if par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES:  # as split_backward_terms' condition
         # an I computes input gradients only (stage_backward_input): its moment is the combine's backward; the
         # experts' weight gradients come in the W, and where they outweigh it, at a full B (ZBV's and DualPipeV's
         # first stage, DualPipeV's overlapped B) (measure --fake: Mixtral ZBV tp4 ep2, Qwen3 30B-A3B ZBV ep2)
@@ -1869,15 +1863,19 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         _lay_moe_backward(cfg, T, best, "moe_backward", autocast, n, n_r)
 
 
+def _moe_backward_dims(cfg: Config, autocast: bool) -> tuple[int, int, int, int, int, int, int]:
+    """(activation bytes, the experts' compute-weight bytes — FSDP2: param_dtype —, h, k, local experts, their
+    f on this rank, weight matrices per expert) of ``moe_backward_terms``' moments."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    return (4 if tr.precision == "fp32" else 2, 4 if tr.precision == "fp32" or autocast else 2, m.hidden,
+            m.experts_per_token, m.experts // par.ep if par.ep > 1 else m.experts,
+            m.expert_hidden // (par.tp if par.ep == 1 else 1), 3 if m.mlp == "swiglu" else 2)
+
+
 def _lay_moe_backward(cfg: Config, T: Terms, best: tuple, kind: str, autocast: bool, n: int, n_r: int) -> None:
     """``moe_backward_terms``' chosen moment as terms of ``kind`` (its freed tensors ``kind``_freed)."""
-    m, par = cfg.model, cfg.parallel
-    act = 4 if cfg.training.precision == "fp32" else 2
-    wb = 4 if cfg.training.precision == "fp32" or autocast else 2
-    h, k = m.hidden, m.experts_per_token
-    e_loc = m.experts // par.ep if par.ep > 1 else m.experts
-    f_loc = m.expert_hidden // (par.tp if par.ep == 1 else 1)
-    n_w = 3 if m.mlp == "swiglu" else 2
+    par = cfg.parallel
+    act, wb, h, k, e_loc, f_loc, n_w = _moe_backward_dims(cfg, autocast)
     _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine = best
     if w_grads is None:
         T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block, its combine: the routed copies' output "
