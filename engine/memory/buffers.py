@@ -32,7 +32,15 @@ from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, s
 from engine.memory.lifetimes import BLOCK_KINDS
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
-from engine.model.params import RankParams, Tensors, largest_numels, mlp_tensors, sharded_numel, unit_numel
+from engine.model.params import (
+    RankParams,
+    Tensors,
+    attention_tensors,
+    largest_numels,
+    mlp_tensors,
+    sharded_numel,
+    unit_numel,
+)
 from engine.model.routing import moe_tokens
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
@@ -177,7 +185,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
                   f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
                   stage=first)
-        _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on)
+        _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on, _made_by_the_b_moment(cfg, rp, lora_on))
     else:
         if plan.sharded and not plan.pipelined and not lora_on:
             _unit_by_unit_reduce(cfg, plan, rp, T, psi_train, root_split, emb_full)
@@ -190,11 +198,41 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
 
 
+def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool) -> int:
+    """Elements of the gradients a dense block's backward has made by the moment a B's own moment stands for, where
+    that holds fewer than the whole unit's (autograd runs the block's backward from its last op). Without context
+    parallelism that moment is the first block's MLP backward (``engine.memory.activations.block_backward_terms``):
+    the down projection's weight (and bias) gradient, made by the backward's first matmul; under float8 the MLP's
+    moment is the weight casts of the second up projection's backward (torchao's Float8Linear), by when the first
+    one's weight gradient is made too (measure --fake of Llama 3 405B tp2 SP tensorwise: two 0.81 GiB bf16 gradients
+    alive at its peak, in that cast). Under context parallelism it is the ring attention's backward (its workspace,
+    ``cp_attention``, the B's largest transient), which runs after the MLP's backward and the output projection's:
+    their weight gradients (measure --fake of Llama 3 405B tp2 cp2, full recompute: w1, w2, w3 and wo's bf16
+    gradients alive at its peak inside the attention backward). 0 where it is not modelled so: LoRA (adapters only),
+    experts and split backwards (the first stage's W, run whole, was not checked against the fake)."""
+    tr, m, par = cfg.training, cfg.model, cfg.parallel
+    if lora_on or m.experts or par.schedule in SPLIT_BACKWARD_SCHEDULES:
+        return 0
+    weights, biases = mlp_tensors(m, m.ffn_hidden, par.tp)
+    if par.cp == 1:
+        made = weights[-1:] + (weights[:1] if tr.float8 != "none" and m.mlp == "swiglu" else ())
+        return sum(a * b for a, b in made) + (biases[-1][0] if biases else 0)
+    out_proj = [w for w in attention_tensors(m, par.tp)[0] if w[0] == m.hidden][-1]
+    return sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0)
+
+
 def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...],
-                     emb_full: int, lora_on: bool) -> None:
+                     emb_full: int, lora_on: bool, made: int = 0) -> None:
     """A unit's fresh gradient beside FSDP2's accumulation of the unsharded gradients: where it accumulates in another
     dtype than the parameters', the largest unit's; under pipelining, the token embeddings' at the end of each B
-    (in any dtype: its backward makes the whole V·h gradient before it is added in)."""
+    (in any dtype: its backward makes the whole V·h gradient before it is added in).
+
+    ``made`` (:func:`_made_by_the_b_moment`): where the largest unit is a dense block, a B's own moment holds only the
+    gradients its backward has made by then (the down projection's, at the first block's MLP backward); the whole
+    unit's are alive only when its backward ends, before its post-backward adds them in — at the end-of-backward
+    moment here (``post_backward``). A fake Llama 3 70B pp8 GPipe step (dp4 tp4 SP, bf16 parameters, fp32 gradient
+    accumulation) peaks in the second B's MLP backward with w2's bf16 gradient (112 MiB) and none of the block's others
+    (296 MiB more)."""
     # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
     # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
     # (the embeddings' unit: its token embedding at full V × h under TP)
@@ -206,15 +244,33 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
                 and any(st.embedding for st in rp.stages) else 0)
     if not plan.converts_gradients and not emb_unit:
         return
-    units = [n for i, (n, _) in enumerate(train_units) if not (emb_unit and i == 0)] or [0]
+    # under pipelining the last stage's root unit (final norm + head) makes its gradient first, at the head's
+    # backward, and keeps it to the root's post-backward at the B's end: beside every block's (``fsdp_head_fresh_grad``)
+    head_unit = len(train_units) - 1 if (made and plan.pipelined and plan.converts_gradients and rp.root_units
+                                         and any(st.final_norm or st.head for st in rp.stages)) else -1
+    units = [n for i, (n, _) in enumerate(train_units) if not (emb_unit and i == 0) and i != head_unit] or [0]
     big = max(units)
     what = f"largest FSDP unit's trainable elements ({big:,})"
     if emb_full > big and not emb_unit:
         big, what = emb_full, f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
-    if plan.converts_gradients:
+    block = made and big == unit_numel(rp.block_tensors) and emb_full <= big
+    if plan.converts_gradients and block:
+        T.add("comm_buffers", f"the largest unit's fresh gradient in {plan.compute_dtype} made by a B's own moment: "
+              "the down projection's (float8: and an up projection's; context parallelism: the MLP's and the output "
+              "projection's, at the ring attention's backward), the unit's others later", pgrad * made,
+              f"{pgrad} B × {made:,} elements", kind="fsdp_fresh_grad_made")
+        T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype} at the end of the backward, before "
+              f"FSDP2's post-backward adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)",
+              pgrad * big, f"{pgrad} B × {what}", kind="fsdp_fresh_grad_end")
+    elif plan.converts_gradients:
         T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype}, before FSDP2's post-backward "
               f"adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)", pgrad * big,
               f"{pgrad} B × {what}", kind="fsdp_fresh_grad")
+    if head_unit >= 0:
+        head = train_units[head_unit][0]
+        T.add("comm_buffers", f"the final norm's and head's fresh gradient in {plan.compute_dtype}, made at the head's "
+              "backward and added into the accumulation by the root unit's post-backward at the B's end", pgrad * head,
+              f"{pgrad} B × {head:,}", kind="fsdp_head_fresh_grad")
     if emb_unit:
         emb = max(emb_unit, emb_full)
         # converting, the first B's post-backward makes the accumulation from it (both alive); in the same dtype its

@@ -45,7 +45,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        unit unpipelined (gathered through the forward and through the backward to its
                        post-backward in the final callback), under pipelining its current (+ prefetched)
                        unit and the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
-  backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input
+  backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input, the last
+                       stage's final norm and head's fresh gradient (made first, reduced at the B's end)
   backward_input       transient during B and I: the block recomputed in its backward; a MoE stage's
                        routed-experts backward (its weight gradients; what the backward freed by then)
   loss                 transient at the loss moment that opens each B or I of the last stage: the fp32
@@ -53,8 +54,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   full_backward        transient during a full backward only (a B; the first stage's W, which stage.py runs
                        as one): the first block's MLP backward
                        (``engine.memory.activations.block_backward_terms``: the gradients it makes, and
-                       the down input w2's backward frees) and, on the last stage, the blocks' output
-                       gradient
+                       the down input w2's backward frees; FSDP2's fresh weight gradients made by then, w2's)
+                       and, on the last stage, the blocks' output gradient
   first_forwards       transient during the first F of each local stage: under pipelining with units
                        never resharded (``set_reshard_after_backward(False)`` and no resharding after
                        forward) FSDP2 all-gathers each unit once, at its stage's first forward
@@ -79,7 +80,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        resharded after forward): the backward gathers nothing
   optimizer_step       at the optimizer-step moment only: what ``optimizer.step()`` allocates while it runs
                        (AdamW's denominators: ``engine.memory.states.optimizer_step_bytes``)
-  post_backward        at the end-of-backward moment only: what the root unit's backward makes after every
+  post_backward        at the end-of-backward moment only: a dense block unit's whole fresh gradient (FSDP2
+                       converting: its post-backward adds it in); what the root unit's backward makes after every
                        block's backward has freed its saved tensors — under TP the token embedding's
                        gradient at full V × h (DTensor's ``embedding_dense_backward`` strategies,
                        torch/distributed/tensor/_ops/_embedding_ops.py, have no vocab-sharded output: the
@@ -208,7 +210,8 @@ LIFETIMES: dict[str, str] = {
     "pipeline_outputs": "to_step_end", "pipeline_output_merge": "post_backward",
     "p2p_gradient_receive": "step", "autocast_weight_casts": "step", "none": "step",
     "all_gather_output": "every_action", "all_gather_input": "every_action", "unsharded_params": "every_action",
-    "fsdp_fresh_grad": "backward", "reduce_scatter_input": "backward", "embedding_full_gradient": "post_backward",
+    "fsdp_fresh_grad": "backward", "fsdp_fresh_grad_made": "full_backward", "fsdp_fresh_grad_end": "post_backward",
+    "fsdp_head_fresh_grad": "backward", "reduce_scatter_input": "backward", "embedding_full_gradient": "post_backward",
     "recomputed_block": "backward_input",
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "moe_full_backward": "early_backward", "moe_full_backward_freed": "early_backward",

@@ -319,3 +319,24 @@ def test_the_per_op_counter_counts_float8_linears_with_a_bias(float8):
     assert all((f == torch.ops.aten.addmm.default) == addmm for f, _ in matmuls)
     saved = sac_saved_matmuls(cfg.model.mlp == "swiglu", addmm)
     assert len(matmuls) == 7 and sum(s for _, s in matmuls) == len(saved) == (7 if addmm else 4)
+
+
+def test_a_blocks_backward_makes_the_down_projections_weight_gradient_first():
+    """The premise of FSDP2's fresh gradient at a B's own moment (engine.memory.buffers._made_by_the_b_moment): autograd runs a
+    block's backward from its last op, so w2's weight gradient is made first and the block's other weight gradients
+    only after the MLP backward's gradients of the gate and the up projection (recorded as each is accumulated)."""
+    import torch
+
+    from backend.model import TransformerBlock
+
+    cfg = default_config()
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg.model)
+    order: list[str] = []
+    for name, p in block.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, name=name: order.append(name))
+    x = torch.randn(2, cfg.model.seq_len, cfg.model.hidden, requires_grad=True)
+    block(x).sum().backward()
+    assert order[0] == "feed_forward.w2.weight"
+    assert set(order[1:3]) == {"feed_forward.w1.weight", "feed_forward.w3.weight"}
+    assert len(order) == len(list(block.parameters()))

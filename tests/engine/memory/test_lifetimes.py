@@ -1235,7 +1235,7 @@ def test_fsdp2s_embedding_gradient_is_made_at_the_end_of_the_first_stages_b():
     emb = [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_embedding_fresh_grad"]
     assert emb == [2 * 8192 * 512] and LIFETIMES["fsdp_embedding_fresh_grad"] == "backward_end"
     block = 2 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1024 + 2 * 512)  # wq, wo; wk, wv; w1-3; two norms
-    assert [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad"] == [block]
+    assert [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad_end"] == [block]
     assert not [t for t in last.catalogue("comm_buffers") if t.kind == "fsdp_embedding_fresh_grad"]
     assert "the end of stage 0 B" in first.peak_moment
 
@@ -1253,3 +1253,30 @@ def test_in_the_same_dtype_the_embeddings_first_gradient_is_the_accumulation():
     assert kinds.get("fsdp_embedding_added_grad") == 2 * 8192 * 512 and "fsdp_embedding_fresh_grad" not in kinds
     assert "fsdp_fresh_grad" not in kinds  # the blocks add theirs in as made
     assert LIFETIMES["fsdp_embedding_added_grad"] == "later_backward_end"
+
+
+def test_a_bs_mlp_backward_holds_only_the_down_projections_fresh_gradient():
+    """Converting gradients (bf16 parameters, fp32 accumulation), FSDP2's fresh gradient of the largest unit (a dense
+    block) is, at a B's own moment (its first block's MLP backward), the down projection's alone: autograd runs w2's
+    matmul first and the block's other weight gradients come later; the whole unit's waits for the post-backward at
+    the end of the backward. (A fake Llama 3 70B pp8 GPipe step: w2's 112 MiB at its peak, not the block's 408.)"""
+    raw = {"model": {"preset": "tiny", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn_hidden": 1024,
+                     "vocab": 1024, "seq_len": 64},
+           "cluster": {"preset": "local-cpu", "gpus": 4},
+           "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4, "schedule": "GPipe"},
+           "training": {"precision": "bf16-mixed", "grad_dtype": "fp32", "micro_batch_size": 1}}
+    last = memory_per_rank(Config.from_dict(raw)).per_rank[2]
+    kinds = {t.kind: t.bytes for t in last.catalogue("comm_buffers")}
+    block = 2 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1024 + 2 * 512)
+    assert kinds["fsdp_fresh_grad_made"] == 2 * 512 * 1024 and kinds["fsdp_fresh_grad_end"] == block
+    assert "fsdp_fresh_grad" not in kinds
+    assert LIFETIMES["fsdp_fresh_grad_made"] == "full_backward" and LIFETIMES["fsdp_fresh_grad_end"] == "post_backward"
+    # under float8 the MLP's moment is the second up projection's weight cast: w2's and the first up projection's
+    f8 = memory_per_rank(Config.from_dict({**raw, "training": {**raw["training"], "float8": "tensorwise"}})).per_rank[2]
+    assert [t.bytes for t in f8.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad_made"] == [2 * 2 * 512 * 1024]
+    # the last stage's final norm and head: their fresh gradient through the B
+    assert kinds["fsdp_head_fresh_grad"] == 2 * (1024 * 512 + 512) and LIFETIMES["fsdp_head_fresh_grad"] == "backward"
+    # a split backward: the whole unit's as before (not checked against the fake there)
+    zbv = {"parallel": {**raw["parallel"], "schedule": "ZBVZeroBubble", "virtual_stages": 2}}
+    other = memory_per_rank(Config.from_dict({**raw, **zbv})).per_rank[0]
+    assert [t.bytes for t in other.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad"] == [block]
