@@ -883,6 +883,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
+    if torch_acc and lora_on and autocast and any(st.layers for st in rp.stages):
+        lora_forward_casts(cfg, T)
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast,
@@ -1666,6 +1668,33 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
           "workspace comes after the MLP's gradients and with the MLP's saved tensors gone", -off,
           f"−min(workspace {cp:,} B, MLP gradients net {mlp:,} B + MLP and norm2 saved {saved:,} B)",
           kind="mlp_backward_freed")
+
+
+def lora_forward_casts(cfg: Config, T: Terms) -> None:
+    """What an adapted Linear's forward holds beyond what it saves, under autocast with fp32 adapters (peft's
+    ``autocast_adapter_dtype``): peft's LoRA ``Linear.forward`` casts its input to the adapters' dtype
+    (``_cast_input_dtype``: an fp32 copy of the 16-bit input), autocast casts that back to 16 bits for lora_A's
+    matmul, and lora_B's output and its scaled copy exist before they are added to the base output; all freed when
+    the Linear returns. The widest adapted Linear's (the down projection's f/t-wide input where the MLP is adapted),
+    at an F's own moment (``forwards``). measure --fake of GPT-2 pp2 1F1B (LoRA r8 on every Linear, bf16 base,
+    bf16-mixed), stage 0 in the third F: 0.164 GiB at s·b = 8,192 beyond the saved tensors, 4 + 2 B × s·b·f and
+    2 × 2 B × s·b·h."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    t, tokens = par.tp, cfg.local_seq_len * tr.micro_batch_size
+    act = 2  # autocast's 16-bit dtype
+
+    def held(lin) -> int:
+        d_in = lin.d_in if lin.column_parallel else lin.d_in // t
+        d_out = lin.d_out // t if lin.column_parallel else lin.d_out
+        return tokens * ((4 + act) * d_in + 2 * act * d_out)
+    lins = lora.adapted_linears(m, tr.lora_targets)
+    if not lins:
+        return
+    widest = max(lins, key=held)
+    T.add("activations", f"LoRA under autocast: {widest.name}'s forward, peft's fp32 cast of its input, autocast's "
+          "16-bit copy of that for lora_A, lora_B's output and its scaled copy (freed when it returns)", held(widest),
+          f"s·b·(6·d_in + 4·d_out) = {tokens:,} × (6 × {widest.d_in} + 4 × {widest.d_out})"
+          + (" (local TP widths)" if t > 1 else ""), kind="lora_forward_casts")
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
