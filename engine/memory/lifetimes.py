@@ -239,7 +239,7 @@ LIFETIMES: dict[str, str] = {
 
 #: terms that are part of another term at an earlier moment (the sharded gradients some units have made by
 #: then), not more of it: a rank's whole states are its catalogue without them
-PARTIAL_STATE_KINDS = frozenset({"fsdp_early_reduce", "fsdp_reduced_grads"})
+PARTIAL_STATE_KINDS = frozenset({"fsdp_early_reduce", "fsdp_reduced_grads", "plain_grads_accumulating"})
 
 #: the stream FSDP2's all-gathers allocate on (the default stream is 0)
 ALL_GATHER_STREAM = 1
@@ -360,7 +360,10 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
     rank of several stages under a split backward that accumulation exists only from the first I after a W
     (``stage_converted``), the W's gradients in the parameter dtype before (``stage_fresh``)."""
     out: dict[str, str] = {}
-    if plain_grads_late:
+    if plain_grads_late and pipelined and local_stages > 1 and not split_backward:  # each stage's from its first B on
+        out["gradients"] = "stage_reduced"
+        out["plain_grads_accumulating"] = "stage_accumulated"
+    elif plain_grads_late:
         out["gradients"] = "after_first_weight" if split_backward else "after_first_backward"
     if pipelined_fsdp2 and sharded and reshard_after_forward is False:
         out["all_gather_output"] = "first_forwards"

@@ -59,7 +59,7 @@ from engine.model.params import (
     zero_redundancy_largest,
     zero_redundancy_shares,
 )
-from engine.names import OPTIMIZER_STATES
+from engine.names import OPTIMIZER_STATES, SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import WrappingPlan, wrapping_plan
 
 
@@ -81,6 +81,35 @@ def stage_shares(nbytes: int, rp: RankParams) -> list[tuple[int, int]]:
         out.append((st.stage, x))
         given += x
     return out
+
+
+def stage_plain_gradients(cfg: Config, plan: WrappingPlan, rp: RankParams) -> bool:
+    """Whether a rank's plain gradients (no FSDP2, torch's accounting, not DDP's ``gradient_as_bucket_view``) are laid
+    per local stage: a pipeline rank of several stages, where autograd makes each stage's at that stage's first
+    backward (``_plain_gradients_by_stage``)."""
+    return (cfg.parallel.pp > 1 and len(rp.stages) > 1 and not plan.fsdp2
+            and cfg.parallel.schedule not in SPLIT_BACKWARD_SCHEDULES and cfg.conventions.state_accounting == "pytorch"
+            and not getattr(cfg.conventions, "ddp_gradient_as_bucket_view", False))
+
+
+def _plain_gradients_by_stage(T: Terms, rp: RankParams, label: str, nbytes: int, extra: int, how: str) -> None:
+    """A pipeline rank's plain gradients, per local stage. Autograd's AccumulateGrad makes a parameter's ``.grad`` the
+    first time a backward reaches it (a new tensor where it is undefined: ``zero_grad(set_to_none=True)`` dropped the
+    last step's), and a rank of several stages runs each stage's first backward at its own time: before it, none of that
+    stage's gradients exist (measure --fake of Qwen3 30B interleaved pp2 v3, DDP: 3.48 GiB of gradients at the last
+    stage's second loss, that stage's own, not the rank's 8.12). Each stage's are laid from the end of its first B (or W,
+    under a split backward) to the step's end, as two terms of the same bytes on the per-stage lifetimes
+    (``stage_accumulated`` through its last backward, ``stage_reduced`` after it); the second,
+    ``plain_grads_accumulating``, is a part of the gradients (``PARTIAL_STATE_KINDS``), not more of them. ``extra``: the
+    TP token embedding's full-size gradient beyond its rows, the first stage's."""
+    for stage, x in stage_shares(nbytes, rp):
+        x += extra if stage == 0 else 0
+        what = f"its share by elements of {how}" + (f" (+{extra:,} B: the embedding at full V × h)"
+                                                    if stage == 0 and extra else "")
+        T.add("grads", f"{label}: stage {stage}'s, from its last backward on", x, what, kind="gradients",
+              stage=stage)
+        T.add("grads", f"{label}: stage {stage}'s, from its first backward through its last (the same tensors)", x, what,
+              kind="plain_grads_accumulating", stage=stage)
 
 
 def add_sharded_grads(T: Terms, plan: WrappingPlan, rp: RankParams, label: str, nbytes: int, how: str) -> None:
@@ -346,8 +375,11 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
             extra = model.vocab * model.hidden - local_rows
             grads += extra
             gterm += f" + token-embedding gradient at full V × h on every TP rank (+{extra:,})"
-        T.add("grads", "gradients, fp32 (autocast gradients take the parameter dtype)"
-              if tr.precision != "fp32" else "gradients", 4 * grads, gterm, kind="gradients")
+        label = "gradients, fp32 (autocast gradients take the parameter dtype)" if tr.precision != "fp32" else "gradients"
+        if stage_plain_gradients(cfg, plan, rp):
+            _plain_gradients_by_stage(T, rp, label, 4 * psi, 4 * (grads - psi), gterm)
+        else:
+            T.add("grads", label, 4 * grads, gterm, kind="gradients")
         if z == 1 and par.dp > 1:
             opt_numel, rule = _zero1_share(zero1_shares(cfg, rp), dp_rank, "elements")
         else:

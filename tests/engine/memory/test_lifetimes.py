@@ -1280,3 +1280,28 @@ def test_a_bs_mlp_backward_holds_only_the_down_projections_fresh_gradient():
     zbv = {"parallel": {**raw["parallel"], "schedule": "ZBVZeroBubble", "virtual_stages": 2}}
     other = memory_per_rank(Config.from_dict({**raw, **zbv})).per_rank[0]
     assert [t.bytes for t in other.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad"] == [block]
+
+
+def test_a_pipeline_ranks_plain_gradients_appear_stage_by_stage():
+    """Plain gradients (DDP, no FSDP2) are made by AccumulateGrad at a stage's first backward: on a rank of several
+    stages, before the others' first backward only the last stage's exist (measure --fake of Qwen3 30B interleaved
+    pp2 v3: 3.48 GiB at the last stage's second loss, its own, not the rank's 8.12). Laid per stage, as two terms of the
+    same bytes (``stage_accumulated`` then ``stage_reduced``); the catalogue counts the gradients once."""
+    from engine.memory.lifetimes import PARTIAL_STATE_KINDS
+
+    raw = {"model": {"preset": "tiny", "layers": 6, "vocab": 65536, "seq_len": 256},
+           "cluster": {"preset": "local-cpu", "gpus": 4},
+           "parallel": {"dp": 2, "pp": 2, "schedule": "Interleaved1F1B", "virtual_stages": 3, "microbatches": 2},
+           "training": {"precision": "bf16-mixed", "micro_batch_size": 2}}
+    rank = memory_per_rank(Config.from_dict(raw)).per_rank[2]  # pp rank 1: stages 1, 3, 5, the last with the head
+    grads = [t for t in rank.catalogue("grads") if t.kind == "gradients"]
+    early = [t for t in rank.catalogue("grads") if t.kind == "plain_grads_accumulating"]
+    assert sorted(t.stage for t in grads) == [1, 3, 5] and [t.bytes for t in grads] == [t.bytes for t in early]
+    assert "plain_grads_accumulating" in PARTIAL_STATE_KINDS
+    assert "stage 5 B of microbatch 1, at its start: the loss" in rank.peak_moment
+    at_peak = [t for t in rank.explain("grads")]
+    assert [(t.kind, t.stage) for t in at_peak] == [("plain_grads_accumulating", 5)]
+    # one stage per rank, or a split backward: the rank's gradients from its first backward on, as before
+    one = memory_per_rank(Config.from_dict({**raw, "parallel": {**raw["parallel"], "schedule": "1F1B",
+                                                                 "virtual_stages": 1}})).per_rank[2]
+    assert [t.stage for t in one.catalogue("grads") if t.kind == "gradients"] == [None]
