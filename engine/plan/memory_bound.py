@@ -130,6 +130,12 @@ class MemoryBound:
         # FSDP2's sharded gradient is in the parameter dtype, fp32 (``states.pytorch_states``)
         sharded_grads = np.array([4 * p_, 4 * p_, 4 * p_ / dpc, 4 * p_ / dpc])
         states = np.maximum(states_by_zero[gz] - c.fsdp2_grads * sharded_grads[gz], 0.0)
+        if c.torch_acc:
+            # torch's accounting before any gradient: the fp32 parameters (FSDP2's sharded master under ZeRO-2/3) and
+            # the optimizer states (ZeRO-1 and up: a share), whatever the gradients' dtype (the paper's w_b + g_b + o_b
+            # less the sharded gradients matched it only with 16-bit gradients: a bound above the engine with fp32
+            # ones); ZeRO-2's gathered 16-bit units are FSDP2's (``_fsdp2_bytes``' all_units)
+            states = np.minimum(states, 4 * p_ / np.where(gz >= 2, dpc, 1) + c.k_opt * p_ / np.where(gz >= 1, dpc, 1))
         if c.plain.any():
             before = 0.0 if c.lora else 4 * p_ + c.k_opt * p_ / np.where(gz == 1, dpc, 1)
             states = np.where(c.plain, before, states)
@@ -283,14 +289,17 @@ class MemoryBound:
         gacc = PLAN_DTYPE_BYTES["fp32" if compute == "fp32" else base.training.grad_dtype]
         if base.training.finetune == "lora":  # only the adapters' gradients: none counted
             gacc = 0
-        # every unit unsharded all step (lifetime "step"): replicate, and ZeRO-3 not resharded after forward;
-        # ZeRO-2's are the states' w_b·Ψ already (the paper's accounting of the states)
-        all_units = np.where(on & ((gz <= 1) | ((gz == 3) & ~z3_reshards)), float(pd), 0.0)
+        # every unit unsharded from its forward through the backward: replicate, ZeRO-2, and ZeRO-3 not resharded
+        # after forward (the states hold torch's fp32 master and optimizer shares only: ``_rank_held_bytes``)
+        all_units = np.where(on & ((gz <= 2) | ((gz == 3) & ~z3_reshards)), float(pd), 0.0)
         # a backward's gradient of one unit: the reduce-scatter input (in the reduce dtype) where each backward
         # syncs (FSDP2: one microbatch, no pipeline; the paper's accounting: always), else FSDP2's fresh
         # gradient in the parameter dtype where it accumulates in another (until post-backward adds it in)
         synced = ~on | ((pp == 1) & (gm == 1))
-        unit_grad = np.where(synced, float(g_b), float(pd) if gacc != pd else 0.0)
+        # (outside a split backward a B's own moment holds only what its first block's MLP backward made of a dense
+        # unit's, engine.memory.buffers._made_by_the_b_moment: the bound counts none of it there)
+        split = sc in names.SPLIT_BACKWARD_SCHEDULES
+        unit_grad = np.where(synced, float(g_b), float(pd) if gacc != pd and split else 0.0)
         if base.training.finetune != "lora":
             # FSDP2 (ZeRO-2/3) reducing unit by unit, one microbatch, no pipeline: the B's own moment is its start,
             # before any post-backward, where no reduce-scatter input exists yet (engine.memory.buffers'
@@ -300,7 +309,7 @@ class MemoryBound:
         # microbatch, a second local stage, or a split backward's W
         grads_unsharded = on & ((gm > 1) | (pp > 1 and (v > 1 or sc in names.SPLIT_BACKWARD_SCHEDULES)))
         return {"on": on, "all_units": all_units, "unit_grad": unit_grad, "grads_unsharded": grads_unsharded,
-                "gacc": gacc, "split": sc in names.SPLIT_BACKWARD_SCHEDULES}
+                "gacc": gacc, "split": split}
 
 
 @lru_cache(maxsize=8192)
