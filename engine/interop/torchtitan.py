@@ -620,7 +620,10 @@ def _common(cfg: Config, notes: list[str]) -> dict[str, Any]:
         if par.virtual_stages != default_v:
             stages = par.pp * par.virtual_stages
             lps = next((n for n in range(1, m.layers + 3) if math.ceil((m.layers + 2) / n) == stages), None)
-            if lps is None:
+            if par.virtual_stages < default_v:  # a multi-stage schedule with one stage a rank
+                notes.append(f"parallel.virtual_stages = {par.virtual_stages} under {par.schedule}: torchtitan gives "
+                             "a multi-stage schedule 2 or more stages a rank (written with its default, 2)")
+            elif lps is None:
                 notes.append(f"parallel.virtual_stages = {par.virtual_stages}: no torchtitan "
                              f"pipeline_parallel_layers_per_stage makes {stages} stages of {m.layers} layers")
             else:

@@ -327,3 +327,17 @@ def test_export_refuses_a_model_torchtitan_has_not():
 def test_the_models_map_names_presets_that_exist():
     for preset in MODELS.values():
         Config.from_dict({"model": {"preset": preset}, "cluster": {"gpu": "cpu", "gpus": 1}})
+
+
+def test_a_multi_stage_schedule_with_one_stage_a_rank_is_named_not_written():
+    """ShardScope runs Interleaved1F1B with one stage a rank; torchtitan gives a multi-stage schedule two or more.
+    The export wrote pipeline_parallel_layers_per_stage = 7 for Qwen3 30B's 48 layers over pp 8 (8 stages, one a
+    rank), a file torchtitan (and the importer) refuse; it now names the field and keeps torchtitan's default
+    (hypothesis found it: seed 99334)."""
+    cfg = Config.from_dict({"model": {"preset": "qwen3-30b-a3b"}, "cluster": {"gpu": "a100-40g", "gpus": 512},
+                            "parallel": {"dp": 64, "pp": 8, "zero": 3, "schedule": "Interleaved1F1B",
+                                         "virtual_stages": 1, "microbatches": 32}})
+    out = export_torchtitan_toml(cfg)
+    assert "pipeline_parallel_layers_per_stage" not in out.text
+    assert any(n.startswith("parallel.virtual_stages = 1 under Interleaved1F1B") for n in out.not_expressed)
+    import_torchtitan(out.text, gpus=512, cluster={"gpu": "a100-40g"})
