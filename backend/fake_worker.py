@@ -279,6 +279,7 @@ class _FakeTrainer:
         import torch
 
         from backend.parallel.precision import compute_dtype
+        from engine.memory.activations import frozen_16bit_stream
 
         cfg, par, tr = self.cfg, self.cfg.parallel, self.cfg.training
         seq = cfg.local_seq_len  # the rank's tokens (cp)
@@ -286,8 +287,10 @@ class _FakeTrainer:
             mbs=tr.micro_batch_size, seq=seq, hidden=cfg.model.hidden,
             sp_seq=seq // par.tp if par.sequence_parallel else seq,
             # an FSDP2 policy casts the parameters, so the residual stream is in the compute dtype; autocast
-            # (and fp32) leave it in fp32
-            act_dtype=compute_dtype(self.plan) if self.plan.mixed_precision == "fsdp2-policy" else torch.float32,
+            # (and fp32) leave it in fp32, but for LoRA's base frozen in bf16 (its embedding's output is bf16:
+            # engine.memory.activations.frozen_16bit_stream), as torch's shape inference finds it
+            act_dtype=(compute_dtype(self.plan) if self.plan.mixed_precision == "fsdp2-policy"
+                       else torch.bfloat16 if frozen_16bit_stream(cfg) else torch.float32),
             first=0, last=par.num_stages - 1)
 
     def _stage_forward_backward(self) -> tuple[float, int]:

@@ -399,6 +399,11 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
     # the flash kernel saves its output (the o-proj input) itself
     SavedTensor("o-proj input (attention output)", "act", "sbq_t", "attention", for_weight_grad_of=("wo",),
                 kernel_keeps="flash", recomputed_by=_PER_OP, weight_node="wo"),
+    # an adapted wo's lora_A saves its own input apart from what the flash kernel keeps: the heads' reshape of the
+    # transposed output is a copy (and under autocast peft's fp32 cast and autocast's cast back another); the frozen
+    # base saves none (measured: LoRA on wo with SDPA, one s·b·q tensor a block more than the kernel's output)
+    SavedTensor("o-proj input: an adapted wo's lora_A copy (the flash kernel keeps its output apart)", "act", "sbq_t",
+                "attention", only=("flash", "lora"), for_weight_grad_of=("wo",), recomputed_by=_ATTENTION_CORE),
     *_stashed_matmul("wo"),
     SavedTensor("o-proj reduce-scatter output (sequence parallel; saved by the per-op policy)", "act", "sbh_rep",
                 "attention", only=("sp",), only_under=_PER_OP),
@@ -804,6 +809,21 @@ def moe_stage_block_bytes(cfg: Config, rp, per_moe_of, ep_rank: int,
     return out
 
 
+def frozen_16bit_stream(cfg: Config) -> bool:
+    """Whether the residual stream is 16-bit under autocast because LoRA's frozen base is (``training.lora_base_dtype
+    = "bf16"``): backend.parallel.lora casts every frozen parameter, the token embedding and the norms included, so
+    the embedding's output is bf16 and autocast leaves the residual adds and the norms in it. A CPU run of the tiny
+    preset (pp2, LoRA bf16 base) receives bf16 activations: its receive buffers are half the fp32 ones."""
+    tr = cfg.training
+    return tr.finetune == "lora" and tr.lora_base_dtype == "bf16" and tr.precision != "fp32"
+
+
+def lora_copies(cfg: Config, res: int, act: int) -> bool:
+    """Autocast over the 16-bit stream of a LoRA base frozen in bf16 (``res`` = ``act``: the residual stream's bytes
+    were not widened by autocast though autocast runs): its adapters' casts (``_block_bytes``)."""
+    return res == act == 2 and frozen_16bit_stream(cfg) and wrapping_plan(cfg).autocast
+
+
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
                            in_flight, ep_rank: int | None = None,
                            moe_microbatches: dict[int, tuple[int, ...]] | None = None,
@@ -822,13 +842,15 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     s, b, h = cfg.local_seq_len, tr.micro_batch_size, model.hidden  # the rank's tokens (seq_len / cp)
     lora_on = tr.finetune == "lora"
     sh = shape_of(cfg)
-    if sh.composite_norm and not sh.compile and not autocast and sh.act == 2:
+    if sh.composite_norm and not sh.compile and (not autocast or frozen_16bit_stream(cfg)) and sh.act == 2:
         # 16-bit compute without autocast is FSDP2's MixedPrecisionPolicy (engine.wrapping): the blocks
-        # run on 16-bit parameters, so the residual stream, and every norm's input, is 16-bit
+        # run on 16-bit parameters, so the residual stream, and every norm's input, is 16-bit; so it is under
+        # autocast over LoRA's base frozen in bf16
         sh = dataclasses.replace(sh, norm_upcast=True)
     act, sp = sh.act, sh.sp
-    # residual stream: stage inputs/outputs, p2p buffers (autocast keeps it, and the norms, in fp32)
-    res = 4 if autocast else act
+    # residual stream: stage inputs/outputs, p2p buffers (autocast keeps it, and the norms, in fp32; a LoRA base
+    # frozen in bf16 makes it 16-bit: ``frozen_16bit_stream``)
+    res = 4 if autocast and not frozen_16bit_stream(cfg) else act
     sbh_rep = s * b * h // sh.rep
     hs = "h/t" if sp else "h"
     v_loss = loss_vocab(cfg, sp=sp, torch_acc=torch_acc)
@@ -884,7 +906,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
     if torch_acc and lora_on and autocast and any(st.layers for st in rp.stages):
-        lora_forward_casts(cfg, T)
+        lora_forward_casts(cfg, T, res)
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast,
@@ -929,17 +951,20 @@ def frozen_casts_saved(shape: _Shape, linears: tuple[str, ...] | None = None) ->
     return shape.act * sum(_LINEAR_NUMEL[n](shape) for n in names)
 
 
-def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool) -> tuple[int, str]:
+def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool,
+                 lora_copies: bool = False) -> tuple[int, str]:
     """One block's saved bytes for one microbatch under ``shape`` (``terms``: its activation table, summed
     in ``formula``), with autocast's fp32 norms and casts where the residual stream (``res`` bytes an
-    element) is wider than the compute dtype."""
+    element) is wider than the compute dtype. ``lora_copies``: autocast over a 16-bit stream (LoRA's base frozen
+    in bf16, ``frozen_16bit_stream``): no fp32 norm, but each adapted Linear's lora_A still saves its own 16-bit copy
+    of the input (peft casts it to the fp32 adapters' dtype, autocast back: the frozen base's matmul saves none)."""
     act, s, b, h = shape.act, shape.s, shape.b, shape.h
     total = sum(x for _, x, _ in terms)
-    if res <= act:
+    if res <= act and not lora_copies:
         return total, formula
     hs = "h/t" if shape.sp else "h"
     # the kept tensors of the residual stream's dtype: the norm inputs (and x̂ of composite RMSNorm)
-    fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(shape)]
+    fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(shape)] if res > act else []
     n_fp32 = sum(row.count for row in fp32_rows)
     total += sum(row.count * (res - act) * _NUMEL[row.numel][0](shape) for row in fp32_rows)
     # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
@@ -954,8 +979,9 @@ def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool) ->
         # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
         n_casts = 0
     total += n_casts * act * s * b * h
-    formula += (f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)"
-                f" + {n_casts}·{act}·s·b·h (autocast: one input cast per Linear)")
+    formula += ((f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)" if res > act else "")
+                + f" + {n_casts}·{act}·s·b·h (autocast: one input cast per " + ("adapted " if res <= act else "")
+                + "Linear)")
     casts = frozen_casts_saved(shape) if lora_on else 0
     if casts:
         total += casts
@@ -996,7 +1022,8 @@ def _block_sizes(cfg: Config, rp, sh: _Shape, res: int, ep_rank: int | None,
     residual stream is ``res`` bytes wide, the experts' rows for a MoE block."""
     lora_on = cfg.training.finetune == "lora"
     layer_terms, layer_formula = layer_activation_terms(sh)
-    per_layer, layer_formula = _block_bytes(sh, layer_terms, layer_formula, res, lora_on)
+    copies = lora_copies(cfg, res, sh.act)
+    per_layer, layer_formula = _block_bytes(sh, layer_terms, layer_formula, res, lora_on, copies)
     hs = "h/t" if sh.sp else "h"
     kept = res * (sh.s * sh.b * sh.h // sh.rep)
     common = dict(layer_terms=layer_terms, per_layer=per_layer, layer_formula=layer_formula, kept=kept,
@@ -1238,7 +1265,7 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
         # input its first backward op frees)
         plain = dataclasses.replace(sh, recompute="none")
         plain_terms, _ = layer_activation_terms(plain)
-        plain_bytes, _ = _block_bytes(plain, plain_terms, "", res, blocks.lora_on)
+        plain_bytes, _ = _block_bytes(plain, plain_terms, "", res, blocks.lora_on, lora_copies(cfg, res, sh.act))
         redo, stash, what = max(0, plain_bytes - per_layer), per_layer, "one block"
         if moe_here:
             # a MoE block replays its experts too: its "none" set (the dense attention half and the
@@ -1670,15 +1697,16 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
           kind="mlp_backward_freed")
 
 
-def lora_forward_casts(cfg: Config, T: Terms) -> None:
-    """What an adapted Linear's forward holds beyond what it saves, under autocast with fp32 adapters (peft's
-    ``autocast_adapter_dtype``): peft's LoRA ``Linear.forward`` casts its input to the adapters' dtype
-    (``_cast_input_dtype``: an fp32 copy of the 16-bit input), autocast casts that back to 16 bits for lora_A's
-    matmul, and lora_B's output and its scaled copy exist before they are added to the base output; all freed when
-    the Linear returns. The widest adapted Linear's (the down projection's f/t-wide input where the MLP is adapted),
-    at an F's own moment (``forwards``). measure --fake of GPT-2 pp2 1F1B (LoRA r8 on every Linear, bf16 base,
-    bf16-mixed), stage 0 in the third F: 0.164 GiB at s·b = 8,192 beyond the saved tensors, 4 + 2 B × s·b·f and
-    2 × 2 B × s·b·h."""
+def lora_forward_casts(cfg: Config, T: Terms, res: int) -> None:
+    """What an adapted Linear's forward holds beyond what the microbatch saves, under autocast with fp32 adapters
+    (peft's ``autocast_adapter_dtype``): peft's LoRA ``Linear.forward`` casts its input to the adapters' dtype
+    (``_cast_input_dtype``: an fp32 copy where the input is 16-bit; autocast casts that back for lora_A, the copy the
+    microbatch saves), the 16-bit input itself where only lora_A's copy is saved (the frozen base's matmul saves none),
+    the base's output, lora_B's output and its scaled copy before the add, and the norm output the block part (attention
+    or MLP) reads, freed when the part returns (``res`` bytes: the residual stream's). The widest adapted Linear's
+    (the down projection's f/t-wide input where the MLP is adapted), at an F's own moment (``forwards``). measure
+    --fake of GPT-2 pp2 1F1B (LoRA r8 on every Linear, bf16 base, bf16-mixed), stage 0 in the third F's down
+    projection: 6 B × s·b·f + 8 B × s·b·h beyond the saved tensors (0.188 GiB at 8,192 tokens)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t, tokens = par.tp, cfg.local_seq_len * tr.micro_batch_size
     act = 2  # autocast's 16-bit dtype
@@ -1686,15 +1714,19 @@ def lora_forward_casts(cfg: Config, T: Terms) -> None:
     def held(lin) -> int:
         d_in = lin.d_in if lin.column_parallel else lin.d_in // t
         d_out = lin.d_out // t if lin.column_parallel else lin.d_out
-        return tokens * ((4 + act) * d_in + 2 * act * d_out)
+        # a norm output's readers (q, k, v; gate, up) take the stream's dtype: cast to fp32 only from 16 bits
+        reads_norm = lin.name in ("wq", "wk", "wv", "w1", "w3")
+        cast = (4 if res == act else 0) if reads_norm else 4 + act
+        return tokens * (cast * d_in + 3 * act * d_out + res * m.hidden)
     lins = lora.adapted_linears(m, tr.lora_targets)
     if not lins:
         return
     widest = max(lins, key=held)
-    T.add("activations", f"LoRA under autocast: {widest.name}'s forward, peft's fp32 cast of its input, autocast's "
-          "16-bit copy of that for lora_A, lora_B's output and its scaled copy (freed when it returns)", held(widest),
-          f"s·b·(6·d_in + 4·d_out) = {tokens:,} × (6 × {widest.d_in} + 4 × {widest.d_out})"
-          + (" (local TP widths)" if t > 1 else ""), kind="lora_forward_casts")
+    T.add("activations", f"LoRA under autocast: {widest.name}'s forward, peft's fp32 cast of its input, the 16-bit input "
+          "its frozen base does not save, the base's and lora_B's outputs and its scaled copy, the part's norm output "
+          "(freed when it returns)", held(widest), f"s·b·(cast·d_in + 6·d_out + {res}·h) = {tokens:,} × "
+          f"(cast × {widest.d_in} + 6 × {widest.d_out} + {res} × {m.hidden})" + (" (local TP widths)" if t > 1 else ""),
+          kind="lora_forward_casts")
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
