@@ -906,7 +906,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
     if torch_acc and lora_on and autocast and any(st.layers for st in rp.stages):
-        lora_forward_casts(cfg, T, res)
+        lora_forward_casts(cfg, T, res, recomputed=tr.recompute in ("full", "selective-layer")
+                           and any(ckpt_of[st.stage] for st in rp.stages))
     if torch_acc and not lora_on:
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast,
@@ -1697,7 +1698,7 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
           kind="mlp_backward_freed")
 
 
-def lora_forward_casts(cfg: Config, T: Terms, res: int) -> None:
+def lora_forward_casts(cfg: Config, T: Terms, res: int, recomputed: bool = False) -> None:
     """What an adapted Linear's forward holds beyond what the microbatch saves, under autocast with fp32 adapters
     (peft's ``autocast_adapter_dtype``): peft's LoRA ``Linear.forward`` casts its input to the adapters' dtype
     (``_cast_input_dtype``: an fp32 copy where the input is 16-bit; autocast casts that back for lora_A, the copy the
@@ -1727,6 +1728,12 @@ def lora_forward_casts(cfg: Config, T: Terms, res: int) -> None:
           "(freed when it returns)", held(widest), f"s·b·(cast·d_in + 6·d_out + {res}·h) = {tokens:,} × "
           f"(cast × {widest.d_in} + 6 × {widest.d_out} + {res} × {m.hidden})" + (" (local TP widths)" if t > 1 else ""),
           kind="lora_forward_casts")
+    if recomputed:
+        # a block recomputed whole in its backward runs its forward again, peft's casts and all, beside the recomputed
+        # block's tensors (``backward_input``; measure --fake of Llama 2 7B LoRA bf16 base, full recompute, pp2 v4:
+        # 0.35 GiB more at the B than the recomputed block's saved tensors, this term's 0.38)
+        T.add("activations", f"LoRA under autocast: {widest.name}'s forward again in a block's recompute (as above)",
+              held(widest), "as the forward's", kind="lora_recompute_casts")
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
