@@ -813,9 +813,10 @@ def frozen_16bit_stream(cfg: Config) -> bool:
     """Whether the residual stream is 16-bit under autocast because LoRA's frozen base is (``training.lora_base_dtype
     = "bf16"``): backend.parallel.lora casts every frozen parameter, the token embedding and the norms included, so
     the embedding's output is bf16 and autocast leaves the residual adds and the norms in it. A CPU run of the tiny
-    preset (pp2, LoRA bf16 base) receives bf16 activations: its receive buffers are half the fp32 ones."""
+    preset (pp2, LoRA bf16 base) receives bf16 activations: its receive buffers are half the fp32 ones. Not under
+    fp16 autocast: its fp16 block outputs added to the bf16 stream promote the sum to fp32 (torch's type promotion)."""
     tr = cfg.training
-    return tr.finetune == "lora" and tr.lora_base_dtype == "bf16" and tr.precision != "fp32"
+    return tr.finetune == "lora" and tr.lora_base_dtype == "bf16" and tr.precision == "bf16-mixed"
 
 
 def lora_copies(cfg: Config, res: int, act: int) -> bool:
