@@ -819,12 +819,6 @@ def frozen_16bit_stream(cfg: Config) -> bool:
     return tr.finetune == "lora" and tr.lora_base_dtype == "bf16" and tr.precision == "bf16-mixed"
 
 
-def lora_copies(cfg: Config, res: int, act: int) -> bool:
-    """Autocast over the 16-bit stream of a LoRA base frozen in bf16 (``res`` = ``act``: the residual stream's bytes
-    were not widened by autocast though autocast runs): its adapters' casts (``_block_bytes``)."""
-    return res == act == 2 and frozen_16bit_stream(cfg) and wrapping_plan(cfg).autocast
-
-
 def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autocast: bool, psi_train: int,
                            in_flight, ep_rank: int | None = None,
                            moe_microbatches: dict[int, tuple[int, ...]] | None = None,
@@ -843,7 +837,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     s, b, h = cfg.local_seq_len, tr.micro_batch_size, model.hidden  # the rank's tokens (seq_len / cp)
     lora_on = tr.finetune == "lora"
     sh = shape_of(cfg)
-    if sh.composite_norm and not sh.compile and (not autocast or frozen_16bit_stream(cfg)) and sh.act == 2:
+    stream16 = autocast and frozen_16bit_stream(cfg)  # autocast over LoRA's bf16 base: a 16-bit residual stream
+    if sh.composite_norm and not sh.compile and (not autocast or stream16) and sh.act == 2:
         # 16-bit compute without autocast is FSDP2's MixedPrecisionPolicy (engine.wrapping): the blocks
         # run on 16-bit parameters, so the residual stream, and every norm's input, is 16-bit; so it is under
         # autocast over LoRA's base frozen in bf16
@@ -851,7 +846,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     act, sp = sh.act, sh.sp
     # residual stream: stage inputs/outputs, p2p buffers (autocast keeps it, and the norms, in fp32; a LoRA base
     # frozen in bf16 makes it 16-bit: ``frozen_16bit_stream``)
-    res = 4 if autocast and not frozen_16bit_stream(cfg) else act
+    res = 4 if autocast and not stream16 else act
     sbh_rep = s * b * h // sh.rep
     hs = "h/t" if sp else "h"
     v_loss = loss_vocab(cfg, sp=sp, torch_acc=torch_acc)
@@ -859,7 +854,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     ckpt_of = _checkpointed_of_stages(cfg, rp)
     n_stages = par.num_stages
     holds_last = any(st.stage == n_stages - 1 for st in rp.stages)
-    blocks = _block_sizes(cfg, rp, sh, res, ep_rank, moe_microbatches)
+    blocks = _block_sizes(cfg, rp, sh, res, ep_rank, moe_microbatches, lora_copies=stream16)
     extras = [_stage_extras(cfg, st, sh, blocks.layer_terms, ckpt_of, torch_acc=torch_acc, res=res, v_loss=v_loss)
               for st in rp.stages]
     unit_bytes = []
@@ -1008,6 +1003,7 @@ class _Blocks:
     moe_formula: str = ""
     per_moe_of_stage: dict = dataclasses.field(default_factory=dict)
     lora_on: bool = False
+    lora_copies: bool = False  # autocast over a LoRA base frozen in bf16 (``_block_bytes``)
 
     def plain_split(self, st, c: int) -> tuple[int, int]:
         """(dense, MoE) blocks among a stage's blocks not checkpointed whole (the checkpointed
@@ -1019,17 +1015,17 @@ class _Blocks:
 
 
 def _block_sizes(cfg: Config, rp, sh: _Shape, res: int, ep_rank: int | None,
-                 moe_microbatches: dict[int, tuple[int, ...]] | None) -> _Blocks:
+                 moe_microbatches: dict[int, tuple[int, ...]] | None, lora_copies: bool = False) -> _Blocks:
     """The rank's :class:`_Blocks`: the activation table under ``sh``, autocast's additions where the
     residual stream is ``res`` bytes wide, the experts' rows for a MoE block."""
     lora_on = cfg.training.finetune == "lora"
     layer_terms, layer_formula = layer_activation_terms(sh)
-    copies = lora_copies(cfg, res, sh.act)
-    per_layer, layer_formula = _block_bytes(sh, layer_terms, layer_formula, res, lora_on, copies)
+    per_layer, layer_formula = _block_bytes(sh, layer_terms, layer_formula, res, lora_on, lora_copies)
     hs = "h/t" if sh.sp else "h"
     kept = res * (sh.s * sh.b * sh.h // sh.rep)
     common = dict(layer_terms=layer_terms, per_layer=per_layer, layer_formula=layer_formula, kept=kept,
-                  kept_formula=f"{res}·s·b·{hs} (checkpointed block input)", lora_on=lora_on)
+                  kept_formula=f"{res}·s·b·{hs} (checkpointed block input)", lora_on=lora_on,
+                  lora_copies=lora_copies)
     if cfg.model.experts == 0:
         return _Blocks(**common)
     # a block with experts: the dense MLP's rows give way to the experts'
@@ -1267,7 +1263,7 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
         # input its first backward op frees)
         plain = dataclasses.replace(sh, recompute="none")
         plain_terms, _ = layer_activation_terms(plain)
-        plain_bytes, _ = _block_bytes(plain, plain_terms, "", res, blocks.lora_on, lora_copies(cfg, res, sh.act))
+        plain_bytes, _ = _block_bytes(plain, plain_terms, "", res, blocks.lora_on, blocks.lora_copies)
         redo, stash, what = max(0, plain_bytes - per_layer), per_layer, "one block"
         if moe_here:
             # a MoE block replays its experts too: its "none" set (the dense attention half and the
