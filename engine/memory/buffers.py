@@ -187,8 +187,12 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   stage=first)
         _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on, _made_by_the_b_moment(cfg, rp, lora_on))
     else:
-        if plan.sharded and not plan.pipelined and not lora_on:
-            _unit_by_unit_reduce(cfg, plan, rp, T, psi_train, root_split, emb_full)
+        # replicate walks its units as ZeRO-2 does (FSDP2's machinery with a shard degree of 1), its sharded
+        # gradients the whole parameters' (not yet with routed experts: replicate leaves them out)
+        replicated = plan.data_parallel == "replicate" and not rp.experts
+        if (plan.sharded or replicated) and not plan.pipelined and not lora_on:
+            _unit_by_unit_reduce(cfg, plan, rp, T, psi_train, root_split, emb_full,
+                                 all_bytes if replicated else 0)
         else:
             _reduce_scatter_input(cfg, plan, rp, T, train_units, lora_on)
         if emb_full:
@@ -397,7 +401,7 @@ def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
 
 
 def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int,
-                         root_split: bool, emb_full: int) -> None:
+                         root_split: bool, emb_full: int, replicated: int = 0) -> None:
     """Unpipelined FSDP2 (ZeRO-2 / -3) with one microbatch: each unit's post-backward takes autograd's
     gradients, reshards, drops the previous unit's reduce-scatter input (``reduce_scatter_max_input_buffers``
     = 1) and copies them into its own (``foreach_reduce``), in the reduce dtype. Through a block's backward:
@@ -471,7 +475,8 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
         one_unit += max((gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in experts), default=0)
     _early_and_late_backward(plan, rp, T, psi_train, unit_numel(root[0]) * has_emb
                              + (unit_numel(root[-1]) if has_head else 0), grads + moe, gacc * rs, rs, one_unit,
-                             late=root_split)
+                             late=root_split,
+                             resharded=replicated - root_b - one_unit if replicated else 0)
 
 
 def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[int, str]:
@@ -493,7 +498,7 @@ def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[in
 
 
 def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int, root: int, block: int,
-                             rs_bytes: int, rs: int, one_unit: int = 0, late: bool = True) -> None:
+                             rs_bytes: int, rs: int, one_unit: int = 0, late: bool = True, resharded: int = 0) -> None:
     """The one B of an unpipelined ZeRO-3 step walks its blocks last to first. Each block's post-backward adds
     its sharded gradients and keeps its reduce-scatter input until the next one's, while the block's backward
     has freed its saved tensors; the current block's gathered unit, the next one's all-gather output and the
@@ -508,9 +513,16 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
     as at its own moment: its recomputed tensors, its MLP's backward). Measured on fake steps: Llama 3 70B
     full-recompute peaks late, Llama 2 7B and the tiny model without recompute early. Under ZeRO-2 (``one_unit``:
     every unit is gathered until its post-backward, which reshards it) early also frees the last block's unit,
-    and late is never the most (``late`` False)."""
+    and late is never the most (``late`` False).
+
+    Under replicate (``resharded``: the gathered bytes of every unit but the root and layer 0) the sharded
+    gradients are whole (fp32 where the gathered copy is 16-bit), so each block's post-backward adds more than it
+    frees and the walk's most is at its last block: late is layer 0's backward, every later unit's gradients reduced
+    and its gathered copy resharded, layer 1's reduce input kept (measure --fake of Llama 3 405B dp16 tp4 ZeRO-1
+    full recompute, m = 1: 7 of 8 blocks' fp32 gradients, the root and layer 0 gathered)."""
     sharded = [t for t in T["grads"] if t.kind == "fsdp_sharded_grads"]
-    done = max(0, psi_train - root - 2 * block)
+    at = 0 if resharded else 1  # the late moment's layer
+    done = max(0, psi_train - root - (at + 1) * block)
     one = min(block, max(0, psi_train - root))
     layers = rp.layers
     saved = sum(t.bytes // t.in_flight // layers for t in T["activations"]
@@ -528,17 +540,21 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
         if one_unit:
             T.add("comm_buffers", "the last block's gathered unit, resharded in its post-backward", -one_unit,
                   f"−{one_unit:,} B", kind="fsdp_early_reduce")
-    if not late:
+    if not (late or resharded):
         return
+    layers_done = "layers 0-1" if at else "layer 0"
     for t in sharded:
         x = t.bytes * done // psi_train if psi_train else 0
-        T.add("grads", f"{t.label}: those of every unit but the root and layers 0-1, reduced before layer 1's backward",
-              x, f"{done:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_reduced_grads")
-    T.add("comm_buffers", f"reduce-scatter input of layer 2 (in {plan.reduce_dtype}), kept through layer 1's backward",
-          rs_bytes, rs_how, kind="fsdp_late_reduce")
+        T.add("grads", f"{t.label}: those of every unit but the root and {layers_done}, reduced before layer {at}'s "
+              "backward", x, f"{done:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_reduced_grads")
+    T.add("comm_buffers", f"reduce-scatter input of layer {at + 1} (in {plan.reduce_dtype}), kept through layer {at}'s "
+          "backward", rs_bytes, rs_how, kind="fsdp_late_reduce")
+    if resharded:
+        T.add("comm_buffers", "every unit but the root and layer 0, resharded in its post-backward by layer 0's "
+              "backward", -resharded, f"−{resharded:,} B", kind="fsdp_late_reduce")
     if saved:
-        T.add("activations", "the first block's saved tensors, still alive late in the backward", saved,
-              f"1 / {layers} of one microbatch's blocks", kind="late_block_activations")
+        T.add("activations", f"the first block's saved tensors, still alive {'late in' if at else 'at the end of'} "
+              "the backward", saved, f"1 / {layers} of one microbatch's blocks", kind="late_block_activations")
 
 
 def _reduce_scatter_input(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms,

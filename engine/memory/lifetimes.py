@@ -68,7 +68,7 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        ``zero_grad(set_to_none)`` drops them after the optimizer step
   until_end_of_backward at every action and loss moment, not at the end of the backward: FSDP2's unsharded
                        parameters of every unit where no unit reshards after forward (ZeRO-2, ZeRO-3
-                       not resharded after forward) and no pipeline schedule keeps them past the
+                       not resharded after forward, replicate) and no pipeline schedule keeps them past the
                        backward: each unit is gathered in its forward and resharded in its
                        post-backward (``reshard_after_backward``, True by default)
   during_actions       at every action's own moment only (not at a loss moment, not at the end of the
@@ -92,7 +92,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        which only an unpipelined single-microbatch step makes)
   late_backward        at the late-backward moment only (an unpipelined step of one microbatch under ZeRO-3
                        resharding after forward): the sharded gradients FSDP2 has reduced by the second
-                       block's backward, and the saved tensors of the first block, still to run
+                       block's backward, and the saved tensors of the first block, still to run; under
+                       replicate by the last block's (layer 0's), every other unit resharded
   backward_end         at the end of each full backward B (a moment of its own after the B's, its microbatch
                        freed), where the rank has a term of it or of ``later_backward_end``: under pipelining,
                        FSDP2's fresh gradient of the token embedding's unit, whose backward is the first stage's
@@ -315,7 +316,7 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
         return "during_actions"
     if sharded and reshard_after_forward:
         return "after_first_backward" if after_backward else "every_action"
-    if sharded and not pipelined:
+    if not pipelined:
         # gathered in each forward, kept to the unit's backward, resharded in its post-backward
         # (FSDP2's reshard_after_backward, True unless a pipeline schedule sets it False: torch's
         # _fsdp_param_group.post_backward): at every action and loss moment, gone at the end of the
@@ -625,7 +626,7 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
 
 def _with_late_moment(mo: Moments) -> Moments:
     """``mo`` with the late-backward moment before its last (the end of the backward): an unpipelined
-    step's one B at its second block (layer 1), where FSDP2 has reduced every later block's gradient
+    step's one B at its second block (layer 1; replicate: its last), where FSDP2 has reduced every later block's gradient
     (``late_backward``: their sharded gradients, and the saved tensors of the two blocks still to run)
     and the microbatch's other saved tensors are freed; the B's transients as at its own moment."""
     n = len(mo.kind) - 1  # the END row: what is alive once the B has freed its microbatch
@@ -1023,8 +1024,8 @@ class RankTimeline:
             return f"the end of stage {pk.stage} B of microbatch {pk.microbatch}, its microbatch freed " \
                    f"(action {action - 1} of {n})"
         if mo.phase[pk.moment] == LATE:
-            return f"late in stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}: its second block, every later " \
-                   f"block's gradient reduced (action {action - 1} of {n})"
+            return f"late in stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}: near its last block, every " \
+                   f"later block's gradient reduced (action {action - 1} of {n})"
         at = ", at its start: the loss" if mo.phase[pk.moment] == LOSS else ""
         return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}{at} (action {action} of {n})"
 
