@@ -450,23 +450,34 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
         emb = unit_numel(root[0])
         T.add("temporaries", f"the embeddings' gradients in {plan.compute_dtype}, made last", pgrad * emb,
               f"{pgrad} B × {emb:,}", kind="fsdp_root_reduce")
-    # the end: the root's post-backward, in the backward's final callback. Before it the root is still gathered,
-    # the last block's reduce-scatter input kept and the root's sharded gradients not yet made; after its
-    # reshard and the drop of that input, its own reduce-scatter input. The end-of-backward moment holds every
-    # sharded gradient and (ZeRO-3: ``fsdp_root_params``) the gathered root: this term makes it the larger
-    # of the two
+    # the end: the root's post-backward, in the backward's final callback (torch's FSDPParamGroup.post_backward and
+    # foreach_reduce). Before it the root is still gathered, the last block's reduce-scatter input kept, the root's
+    # sharded gradients not yet made and (TP) the embeddings' full-size gradient beside the row shard its
+    # redistribution makes; at its copy-in it has resharded and the root's reduce-scatter input takes the root's
+    # gradients (the row shard for the full one); once they are copied the list holding them is cleared and the
+    # sharded gradients are made (ZeRO-3: a 1 / dp share; replicate: whole), one of those gradients still held
+    # then. The end-of-backward moment holds every sharded gradient, the head's and the embeddings' gradients and
+    # (ZeRO-3: ``fsdp_root_params``) the gathered root: this term makes it the largest of the three
     root_rs = gacc * sum(padded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root)
     root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
     root_el = sum(unit_numel(u) for u in root)
     shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
     s_root = shard * root_el // psi_train if psi_train else 0
     laid = root_b if root_split else 0
-    end = max(root_b + gacc * rs - s_root, root_rs) - laid
+    u_head = pgrad * unit_numel(root[-1]) if has_head else 0
+    row = pgrad * unit_numel(root[0]) if has_emb else 0  # the embeddings' gradient, its row shard
+    u_emb = pgrad * emb_full if has_emb and emb_full else row  # what the moment holds of it
+    before = root_b + gacc * rs - s_root + (row if emb_full else 0)
+    copy_in = root_rs - s_root + row - u_emb
+    after = root_rs + max(u_head, row) - u_head - u_emb
+    end = max(before, copy_in, after) - laid
     if end:
-        T.add("comm_buffers", "the root's post-backward at the end of the backward: the larger of before it (the root "
-              "gathered, the last block's reduce-scatter input, the root's sharded gradients not yet made) and "
-              "after it (its own reduce-scatter input), beyond what the moment holds", end,
-              f"max({root_b:,} + {gacc * rs:,} − {s_root:,}, {root_rs:,}) − {laid:,} B", kind="fsdp_root_reduce")
+        T.add("comm_buffers", "the root's post-backward at the end of the backward: the largest of before it (the root "
+              "gathered, the last block's reduce-scatter input, the root's sharded gradients not yet made"
+              + (", the embeddings' gradient's row shard beside the full one" if emb_full else "") + "), at its "
+              "copy-in (its own reduce-scatter input beside its gradients) and after it (beside the sharded gradients, "
+              "one of its gradients still held), beyond what the moment holds", end,
+              f"max({before:,}, {copy_in:,}, {after:,}) − {laid:,} B", kind="fsdp_root_reduce")
     # ZeRO-2 (every unit gathered to its post-backward): the last block's post-backward also frees its unit
     one_unit = 0
     if not root_split:

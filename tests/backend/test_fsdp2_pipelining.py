@@ -230,10 +230,12 @@ def test_unpipelined_zero3_reduces_unit_by_unit_with_the_root_gathered_throughou
     # this config measures): that block's sharded gradients and reduce-scatter input, less its saved tensors
     share, freed, rs = terms["fsdp_early_reduce"]  # (grads, activations, comm_buffers)
     assert (share, rs) == (BLOCK, 2 * BLOCK) and -freed < share + rs
-    # the end: the embeddings' gradient, and the larger of the root's post-backward's two sides beyond what the
-    # moment holds (the gathered root): before it the last block's input without the root's sharded gradients
-    # (2·root + 2·BLOCK − root), after it the root's own input (2·root)
-    end = max(2 * root + 2 * BLOCK - root, 2 * root) - 2 * root
+    # the end: the embeddings' gradient, and the largest of the root's post-backward's three sides beyond what the
+    # moment holds (the gathered root, every sharded gradient, the head's and embeddings' bf16 gradients): before
+    # it the last block's input without the root's sharded gradients (2·root + 2·BLOCK − root); at its copy-in its
+    # own input (2·root), the root resharded and its sharded gradients not yet made (− root); after it beside them,
+    # the gradients' list cleared but for the larger, the head's (2·root − 2·EMB)
+    end = max(2 * root + 2 * BLOCK - root, 2 * root - root, 2 * root - 2 * EMB) - 2 * root
     assert sorted(terms["fsdp_root_reduce"]) == sorted([2 * EMB, end])
     # it peaks at the B's own moment: the tiny model's saved tensors outweigh what the reductions add
     assert r.peak_moment.startswith("stage 0 B of microbatch 0 (")

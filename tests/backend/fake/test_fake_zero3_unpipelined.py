@@ -75,6 +75,8 @@ def test_the_heads_gathered_output_is_in_the_reserve(tmp_path):
 REPLICATE = {
     # the walk's last block: Llama 3 405B cut to 6 blocks, 16 × 2,048 tokens (the recomputed block outweighs the end)
     "late": ("llama3-405b", 6, 16),
+    # the root's post-backward: Llama 3 70B cut to 4 blocks, 2 × 2,048 tokens
+    "end": ("llama3-70b", 4, 2),
 }
 
 
@@ -85,7 +87,10 @@ def test_replicate_walks_its_units_as_zero2_with_whole_gradients(tmp_path, name)
     resharded in its post-backward, which makes its whole fp32 gradient — twice the bf16 copy it frees. So the
     walk's most is at its last block (layer 0): every later block's gradient made, only the root and layer 0
     still gathered (``measure --fake`` of Llama 3 405B dp16 tp4 ZeRO-1, full recompute: the engine read −4.1 %
-    with every unit gathered to the end of the backward and no gradient made before it)."""
+    with every unit gathered to the end of the backward and no gradient made before it). At the end the root's
+    post-backward (torch's ``foreach_reduce``) peaks before its reduce, where DTensor has redistributed the
+    embeddings' full-size gradient to its row shard beside it (the engine read +10.5 %, the root's reduce input
+    beside its whole sharded gradients, which are made only after the copy-in)."""
     preset, layers, batch = REPLICATE[name]
     cfg = Config.from_dict({
         "model": {"preset": preset, "seq_len": 2048, "layers": layers},
