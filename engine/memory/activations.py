@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config
-from engine.memory.lifetimes import moments
+from engine.memory.lifetimes import ACTION, moments
 from engine.memory.report import Term, Terms, ceil_div
 from engine.memory.states import replicate_expert_grads
 from engine.model import lora
@@ -77,6 +77,7 @@ from engine.model.routing import (
 )
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.layout import split_layers
+from engine.pipeline.schedules import ACTION_KINDS
 from engine.wrapping import wrapping_plan
 
 
@@ -1379,6 +1380,9 @@ def moe_split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int
     return grads
 
 
+_I_KIND = ACTION_KINDS.index("I")
+
+
 def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
                          ep_rank: int | None = None) -> None:
     """What a split backward keeps of each stage-microbatch from its I to its W (lifetime
@@ -1386,7 +1390,11 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     a weight's path meets the stage input's (a Linear's matmul, a norm's weight multiply) and keeps the
     gradient flowing into it (``param_group["grads"]``) for ``stage_backward_weight``: each weight op's
     output gradient, in its output's dtype. And it sets the stage input's ``.grad`` (the gradient it
-    sends). The first stage runs no I (its W runs the whole backward): nothing. A block with experts keeps
+    sends) on the stage's receive buffer of that microbatch, which nothing clears before the next step's
+    ``clear_runtime_states`` (``stage_backward``, a full B, sets it back to None once read): those are kept
+    from each I to the step's end (``input_gradients_kept``, lifetime ``after_input``; measure --fake of GPT-2
+    ZBVZeroBubble pp4 m8: every I's input gradient alive at the cooldown's peak, 14 on pp rank 2). The first
+    stage runs no I (its W runs the whole backward): nothing. A block with experts keeps
     ``moe_split_backward_group_grads``. Measured op by op on the tiny model's
     InterleavedZeroBubble pp4 (fp32): one block keeps 753,664 B (4 B × s·b × (h + 2·kv + h + 2·f + h
     + 2·h)), the last stage 327,680 B more (the final norm's and the head's output gradients)."""
@@ -1402,9 +1410,9 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         if st.stage == 0:
             continue
         dense = st.layers - st.moe_layers
-        one = dense * per_block + res * sbh_rep  # the blocks and the stage input's gradient
+        one = dense * per_block  # the blocks (the stage input's gradient: ``input_gradients_kept``)
         formula = (f"{dense} × ({act}·s·b·(h/t + 2·kv/t + h + {'2·' if m.mlp == 'swiglu' else ''}f/t + h) + "
-                   f"2·{res}·s·b·{hs}) + {res}·s·b·{hs} (input gradient)")
+                   f"2·{res}·s·b·{hs})")
         if st.moe_layers:
             moe = sum(moe_split_backward_group_grads(cfg, act, res, sbh_rep, ep_rank).values())
             one += st.moe_layers * moe
@@ -1418,6 +1426,13 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
                   f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
                   f"{n} × ({formula}) = {n} × {one:,} B", stage=st.stage, in_flight=n, kind="split_backward_grads")
+        n_i = int(((mo.kind == _I_KIND) & (mo.stage == st.stage) & (mo.phase == ACTION)).sum())
+        if n_i:
+            T.add("temporaries", f"stage {st.stage}: its input gradients, one per I ({n_i}), each kept on its receive "
+                  "buffer's .grad to the step's end (stage_backward_input sets it; the next step's "
+                  "clear_runtime_states drops it)", n_i * res * sbh_rep,
+                  f"{n_i} × {res}·s·b·{hs} = {n_i} × {res * sbh_rep:,} B", stage=st.stage, in_flight=n_i,
+                  kind="input_gradients_kept")
 
 
 def weight_groups(sh: _Shape) -> tuple[str, ...]:

@@ -28,6 +28,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        from the microbatch's F to the step's end
   input_to_weight      a split backward's retained gradients of a stage-microbatch (``INPUT_TO_WEIGHT_KINDS``):
                        made by its I, freed after its W
+  after_input          a split backward's input gradient of a stage-microbatch (``INPUT_GRADIENT_KINDS``): made
+                       by its I, kept to the step's end (the optimizer step included)
   stage_accumulated    on a rank of several pipeline stages (FSDP2), one stage's unsharded gradients:
                        from the end of its first B or W (made during it: a split backward's I makes no
                        weight gradient) through its m-th B or W, after which torch's REDUCE_GRAD for that
@@ -200,7 +202,7 @@ _STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight"
               "stage_fresh": "fr"}
 
 #: every lifetime (see the module docstring)
-LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight") + TRANSIENT
+LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after_input") + TRANSIENT
 
 #: term kind -> lifetime; activation terms of a stage with microbatches in flight are "microbatch"
 #: whatever their kind (``lifetime_of``). Kinds not listed are alive all step (the safe side: a
@@ -222,7 +224,7 @@ LIFETIMES: dict[str, str] = {
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "fsdp_embedding_added_grad": "later_backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
-    "split_backward_grads": "input_to_weight", "weight_pass": "stage_weight",
+    "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "split_backward_grads_freed": "stage_weight",
     "cp_attention": "during_actions",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
@@ -291,6 +293,13 @@ STAGE_OUTPUT_KINDS = frozenset({"stage_logits"})
 #: weight's path meets the input's and keeps the gradients flowing into them (``param_group["grads"]``)
 #: for ``stage_backward_weight``, and sets the stage input's ``.grad``
 INPUT_TO_WEIGHT_KINDS = frozenset({"split_backward_grads"})
+
+#: a stage's input gradients a split backward makes, one per I (``after_input``: per stage, ``in_flight`` the I's of
+#: the stage): torch's ``stage_backward_input`` sets each on the stage input's ``.grad`` — a receive buffer, one
+#: per microbatch, kept by the stage across steps — and nothing drops it before the next step's
+#: ``clear_runtime_states`` (``stage_backward``, a full B, sets it back to None once read:
+#: torch/distributed/pipelining/_backward.py)
+INPUT_GRADIENT_KINDS = frozenset({"input_gradients_kept"})
 
 #: the term kinds whose buffers FSDP2 allocates on its all-gather stream
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
@@ -429,11 +438,12 @@ class Moments(NamedTuple):
     wr: np.ndarray
     cv: np.ndarray
     fr: np.ndarray
+    ig: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
         return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
-                                self.outputs, self.masks])
+                                self.ig, self.outputs, self.masks])
 
 
 def sig_moments(sig: Signature) -> Moments:
@@ -481,6 +491,9 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     d_iw[np.arange(n), col] = np.where(kind == _I, 1, np.where(kind == _W, -1, 0))
     iw = np.cumsum(d_iw, axis=0)
     iw[np.arange(n), col] += (kind == _W).astype(np.int64) - (kind == _I)
+    # a split backward's input gradients (``after_input``): made by each I (not yet at its own moment), kept
+    ig = np.cumsum(np.where(d_iw > 0, d_iw, 0), axis=0)
+    ig[np.arange(n), col] -= (kind == _I)
     last_stage = plan.num_stages - 1
     outputs = np.cumsum(is_f & (stage == last_stage))
     is_bwd_input = (kind == _B) | (kind == _I)
@@ -511,6 +524,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
+        ig = np.insert(ig, loss_at, ig[loss_at], axis=0)
         acc = np.insert(acc, loss_at, acc[loss_at], axis=0)  # the loss moment precedes its action: alike
         red = np.insert(red, loss_at, red[loss_at], axis=0)
         wr = np.insert(wr, loss_at, 0, axis=0)  # a loss moment opens a B or an I, never a W
@@ -538,6 +552,9 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         end_iw = iw[last:].copy()
         end_iw[0, col_of_last] -= int(kind[last] == _W)
         iw = np.append(iw, end_iw, axis=0)
+        end_ig = ig[last:].copy()
+        end_ig[0, col_of_last] += int(kind[last] == _I)
+        ig = np.append(ig, end_ig, axis=0)
         acc = np.append(acc, np.zeros((1, v), dtype=np.int64), axis=0)  # every stage reduced by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
         wr = np.append(wr, np.zeros((1, v), dtype=np.int64), axis=0)
@@ -546,7 +563,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
-    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr)
+    out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr,
+                  ig)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     if b_end:
@@ -716,6 +734,7 @@ class Signature(NamedTuple):
     # per local stage, one microbatch: the loss's log-probabilities (part of head_bytes) where the backward is
     # split: freed after the I, not kept to the W (``LOSS_AT_INPUT_KINDS``)
     lp_bytes: tuple[int, ...] = ()
+    ig_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: a split backward's input gradient (``after_input``)
 
 
 @lru_cache(maxsize=256)
@@ -744,6 +763,7 @@ class Peak(NamedTuple):
     wr: tuple[int, ...] = ()  # per local stage: the moment is one of its W (1) or not (0)
     cv: tuple[int, ...] = ()  # per local stage: its accumulation in another dtype alive
     fr: tuple[int, ...] = ()  # per local stage: a W's gradients in the parameter dtype alive
+    ig: tuple[int, ...] = ()  # per local stage: its input gradients kept (the I's run by then)
 
 
 #: the optimizer step's transient among a signature's ``transient_bytes``
@@ -767,7 +787,7 @@ def peak_of(sig: Signature) -> Peak:
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
                 int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
-                tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()))
+                tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()))
 
 
 @lru_cache(maxsize=256)
@@ -784,7 +804,7 @@ def _live_bytes(sig: Signature) -> np.ndarray:
         iwb = tuple(x - lp for x, lp in zip(iwb, sig.lp_bytes))
     none = (0,) * len(sig.unit_bytes)
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
-         + (sig.cv_bytes or none) + (sig.fr_bytes or none)
+         + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -801,7 +821,7 @@ class _Laid:
     per local stage the stage-microbatch bytes (``unit``; of them ``acts``: blocks, log-probabilities, the rest of
     the loss side), what an I keeps for its W, the per-stage lifetimes' bytes, the transients', the step's."""
 
-    __slots__ = ("unit", "acts", "iw", "so", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
+    __slots__ = ("unit", "acts", "iw", "ig", "so", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
                  "varying", "rows", "freed")
 
     def __init__(self, terms: dict[str, list[Term]], categories, column: dict[int, int], pp: int, rules: dict,
@@ -810,6 +830,7 @@ class _Laid:
         self.unit = unit = [0] * v
         self.acts = acts = [[0, 0, 0] for _ in range(v)]
         self.iw = iw = [0] * v
+        self.ig = ig = [0] * v
         self.so = so = [0] * v
         self.stage_grads = stage_grads = {life: [0] * v for life in STAGE_LIFETIMES}
         self.trans = trans = dict.fromkeys(TRANSIENT, 0)
@@ -829,6 +850,11 @@ class _Laid:
                     if n:
                         iw[column[stage if pp > 1 else 0]] += nbytes // n
                     var.append((i, "input_to_weight"))
+                    continue
+                if kind in INPUT_GRADIENT_KINDS and stage is not None:
+                    if n:
+                        ig[column[stage if pp > 1 else 0]] += nbytes // n
+                    var.append((i, "after_input"))
                     continue
                 if acts_c and n is not None and stage is not None and kind != "pipeline_outputs":
                     if n:
@@ -920,7 +946,7 @@ class RankTimeline:
                          tuple(laid.iw) if any(laid.iw) else (), acc if any(acc) else (), red if any(red) else (),
                          laid.step_freed, wr if any(wr) else (),
                          tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
-                         lp if any(lp) and splits else ())
+                         lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -971,8 +997,9 @@ class RankTimeline:
             drop: dict[int, Term | None] = {}
             for i, life in var:
                 t = terms[i]
-                if life == "input_to_weight":
-                    k = pk.iw[self._column[t.stage if pp > 1 else 0]] if pk.iw else 0
+                if life == "input_to_weight" or life == "after_input":
+                    k = ((pk.iw if life == "input_to_weight" else pk.ig) or (0,) * len(self._column))[
+                        self._column[t.stage if pp > 1 else 0]]
                     n = t.in_flight or 0
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
@@ -1290,6 +1317,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
+    igb = sig.ig_bytes or (0,) * len(sig.unit_bytes)
     sob = sig.so_bytes or (0,) * len(sig.unit_bytes)
     lpb = sig.lp_bytes or (0,) * len(sig.unit_bytes)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
@@ -1341,6 +1369,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             ev.append(("free", ("t", j, i)))
         if kind == _I and phase == ACTION and iwb[col] > 0:  # what the I keeps for its W
             ev.append(("alloc", ("iw", stage, mb), iwb[col]))
+        if kind == _I and phase == ACTION and igb[col] > 0:  # its input gradient, kept to the step's end
+            ev.append(("alloc", ("ig", stage, mb), igb[col]))
         if kind == _W and phase == ACTION and iwb[col] > 0:
             ev.append(("free", ("iw", stage, mb)))
         if kind == _F and phase == ACTION and hd > 0:  # the loss side, after the blocks' forward
@@ -1361,6 +1391,9 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             ev.append(("free", ("late", j)))
     for j, _, _ in per_life.get("after_first_weight", ()) if weight_late_done else ():
         ev.append(("free", ("wlate", j)))
+    for stage, mb in ((s_, m_) for k_, s_, m_, ph in zip(kinds, stages, mbs, phases)
+                      if k_ == _I and ph == ACTION and igb[local[s_ if sig.pp > 1 else 0]] > 0):
+        ev.append(("free", ("ig", stage, mb)))
     for (what, c), on in stage_on.items():
         for j, _, _ in per_life.get((what, c), ()) if on else ():
             ev.append(("free", (what, c, j)))
@@ -1374,11 +1407,11 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
 class MicrobatchKeys:
     """How ``_fine_events`` names what a microbatch allocates, for the allocator's ``("cycle", ...)``:
     the keys tagged "mb" (a stage-microbatch's saved tensors), "iw" (what an I keeps for its W), "so" (a
-    last stage's output, ``_coarse_events``) and "out" (the last stage's kept outputs) carry the microbatch at
-    index 2; every other key is either
+    last stage's output, ``_coarse_events``), "out" (the last stage's kept outputs) and "ig" (an I's input gradient,
+    kept to the step's end) carry the microbatch at index 2; every other key is either
     freed within its moment (named by the moment: a period's own) or the step's (never shifted)."""
 
-    TAGS = frozenset({"mb", "iw", "out", "so"})
+    TAGS = frozenset({"mb", "iw", "out", "so", "ig"})
 
     @staticmethod
     def shift(key, d: int):
@@ -1542,7 +1575,7 @@ class _Laying:
 
     __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads",
                  "stage_on", "plans", "sig",
-                 "acts", "grain", "iwb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
+                 "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
                  "first_backward")
 
     def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
@@ -1557,6 +1590,7 @@ class _Laying:
         self.plans: dict[tuple, tuple] = {}  # (local stage, first block, last block) -> a block's forward
         self.sig, self.acts, self.grain, self.first_backward = sig, acts, grain, first_backward
         self.iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
+        self.igb = sig.ig_bytes or (0,) * len(sig.unit_bytes)
         per_life: dict = {}
         for j, (life, nbytes, stream) in enumerate(rows):
             if life == "step":
@@ -1611,7 +1645,7 @@ class _Laying:
 
     def finish(self) -> None:
         """The step's end: what lives from the first backward on, the stages' gradients, the kept outputs."""
-        for key in [k for k in self.size if k[0] in ("late", "wlate", "acc", "red", "cv", "fr", "out")]:
+        for key in [k for k in self.size if k[0] in ("late", "wlate", "acc", "red", "cv", "fr", "out", "ig")]:
             self.free(key)
 
     def _blocks(self, j: int) -> tuple[int, int]:
@@ -1690,6 +1724,8 @@ class _Laying:
             self.heads[(stage, mb)] = [k for k in self.heads[(stage, mb)] if k != ("mb", stage, mb, "logprob")]
         if kind == _I and phase == ACTION and self.iwb[j] > 0:  # what the I keeps for its W
             alloc(("iw", stage, mb), self.iwb[j])
+        if kind == _I and phase == ACTION and self.igb[j] > 0:  # its input gradient, kept to the step's end
+            alloc(("ig", stage, mb), self.igb[j])
         if kind == _W and phase == ACTION and ("iw", stage, mb) in size:
             free(("iw", stage, mb))
         if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in self.held:
@@ -1831,11 +1867,16 @@ class _Laying:
         return pending
 
 
+#: the event keys only added until the step's end: the last stage's kept outputs, a split backward's input gradients
+_KEPT_TAGS = ("out", "ig")
+
+
 def _generator_state(live: int, size: dict, late_done: bool, held: dict, heads: dict) -> tuple:
     """``_fine_events``' state: live bytes, the live keys (the last stage's kept outputs apart), the
     kept outputs, whether what lives from the first backward on is laid, the stage-microbatches'
     saved tensors and loss sides (copied)."""
-    return (live, {k: n for k, n in size.items() if k[0] != "out"}, {k: n for k, n in size.items() if k[0] == "out"},
+    return (live, {k: n for k, n in size.items() if k[0] not in _KEPT_TAGS},
+            {k: n for k, n in size.items() if k[0] in _KEPT_TAGS},
             late_done, {k: [list(x) for x in v] for k, v in held.items()}, {k: list(v) for k, v in heads.items()})
 
 
