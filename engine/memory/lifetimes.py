@@ -181,6 +181,7 @@ TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backwar
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
+_FULL_BACKWARD = TRANSIENT.index("full_backward")
 _EARLY_BACKWARD = TRANSIENT.index("early_backward")
 _BACKWARD_END = TRANSIENT.index("backward_end")
 _LATER_BACKWARD_END = TRANSIENT.index("later_backward_end")
@@ -244,6 +245,17 @@ LIFETIMES: dict[str, str] = {
 #: terms that are part of another term at an earlier moment (the sharded gradients some units have made by
 #: then), not more of it: a rank's whole states are its catalogue without them
 PARTIAL_STATE_KINDS = frozenset({"fsdp_early_reduce", "fsdp_reduced_grads", "plain_grads_accumulating"})
+
+#: a unit's whole fresh gradient at its post-backward: a term of the end of the backward (``post_backward``), and in
+#: the events also made by every block's backward in a B's walk, after its transients, before its post-backward adds
+#: it in (an event-only transient, laid where it stays within the peak: the allocator sees each one)
+UNIT_FRESH_KINDS = frozenset({"fsdp_fresh_grad_end"})
+_UNIT_FRESH = "unit_fresh"
+
+#: what a unit's backward has made of its fresh gradient by a B's own moment (``full_backward``): in the events made
+#: by every block of a B's walk, as the moment's other per-block transients are (``_UNIT_MADE`` rows)
+UNIT_MADE_KINDS = frozenset({"fsdp_fresh_grad_made"})
+_UNIT_MADE = "unit_made"
 
 #: the stream FSDP2's all-gathers allocate on (the default stream is 0)
 ALL_GATHER_STREAM = 1
@@ -897,9 +909,13 @@ class _Laid:
                     var.append((i, life))
                 freed_at_end = life == "after_first_backward" and kind in END_FREED_KINDS
                 end_freed += nbytes if freed_at_end else 0
-                if nbytes > 0:
+                if nbytes > 0 and kind in UNIT_MADE_KINDS:
+                    add_row((_UNIT_MADE, nbytes, 0))
+                elif nbytes > 0:
                     add_row(("accumulated" if freed_at_end else life, nbytes, ALL_GATHER_STREAM if kind in gather
                              else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
+                    if kind in UNIT_FRESH_KINDS:  # and, for the events only, in each block of a B's walk
+                        add_row((_UNIT_FRESH, nbytes, 0))
                 elif nbytes < 0:
                     freed[life] = freed.get(life, 0) - nbytes
             if var:
@@ -1336,6 +1352,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
         for c, life in enumerate(PER_MOMENT):
             if mask[c]:
                 transient.extend(per_life.get(life, ()))
+        if mask[_FULL_BACKWARD]:
+            transient.extend(per_life.get(_UNIT_MADE, ()))
         if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs
             transient.extend(per_life.get(("wr", col), ()))
         if mask[-1] and not late_done:
@@ -1670,6 +1688,8 @@ class _Laying:
             if mask[c]:
                 (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
                     (life, r) for r in self.per_life.get(life, ()))
+        if mask[_FULL_BACKWARD]:
+            (per_block if walk_b else whole).extend((_UNIT_MADE, r) for r in self.per_life.get(_UNIT_MADE, ()))
         weight_pass = []
         if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs: its recomputes,
             # in pieces the size of a block's largest tensors (the grain's ``work``: what recompute = "none"
@@ -1855,6 +1875,9 @@ class _Laying:
                         tmp.append(("bw", j2, i, b, q))
             for key in reversed(tmp):
                 free(key)
+            for j2, nbytes, _ in self.per_life.get(_UNIT_FRESH, ()):  # the block's post-backward: its fresh gradient
+                if self.transient(("uf", j2, i, b), nbytes):
+                    free(("uf", j2, i, b))
             for key in keys[b] + (sum(tail, []) if b == blocks - 1 else []):
                 freed += size[key]
                 free(key)
