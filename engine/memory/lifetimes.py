@@ -273,8 +273,10 @@ BLOCK_KINDS = frozenset({"layers", "moe_layers"})
 #: (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, post_backward:
 #: "fsdp_param.unsharded_accumulated_grad = None"), so the end-of-backward moment, which holds the
 #: sharded gradients, no longer holds them; and a later stage's input gradient, held for its send to
-#: the previous stage (measured: gone once the last backward's send completes)
-END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "held_input_gradient"})
+#: the previous stage (measured: gone once the last backward's send completes); and under pipelining FSDP2's unsharded
+#: parameters kept from the stage's first backward: the schedule's REDUCE_GRAD (stage.py's perform_reduce_grad) sets
+#: set_reshard_after_backward(True) and runs each group's post_backward, which reshards them
+END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "held_input_gradient", "fsdp_unsharded_params"})
 
 #: what is alive all step but not at the optimizer step: autocast's cached weight casts. The training
 #: loop runs each forward and its backward inside ``torch.autocast``, whose exit clears the cache
@@ -329,21 +331,20 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
     action; every unit kept from the first backward on under
     pipelining (resharded after each forward before it) → after the first backward; every unit
     gathered between forward and backward (ZeRO-2, replicate, ZeRO-3 not resharding after forward)
-    → all step under pipelining (the schedule sets ``set_reshard_after_backward(False)`` until its
-    REDUCE_GRAD); without it, from each forward to the unit's post-backward → every action and loss
-    moment, not the end of the backward."""
+    → every action and loss moment, not the end of the backward: without pipelining from each forward to the
+    unit's post-backward; under pipelining the schedule sets ``set_reshard_after_backward(False)`` until its
+    REDUCE_GRAD, whose post-backward reshards them (``perform_reduce_grad`` sets it True first). (Kept from the
+    first backward on: ``END_FREED_KINDS`` takes them off the end of the backward likewise.)"""
     if sharded and reshard_after_forward and not pipelined:
         # the current block's unit: the root unit (``fsdp_root_params``) is the one gathered at the end
         return "during_actions"
     if sharded and reshard_after_forward:
         return "after_first_backward" if after_backward else "every_action"
-    if not pipelined:
-        # gathered in each forward, kept to the unit's backward, resharded in its post-backward
-        # (FSDP2's reshard_after_backward, True unless a pipeline schedule sets it False: torch's
-        # _fsdp_param_group.post_backward): at every action and loss moment, gone at the end of the
-        # backward (and the all-gather output then lives in the forwards only: ``lifetime_overrides``)
-        return "until_end_of_backward"
-    return "step"
+    # gathered in each forward, kept to the unit's backward, resharded in its post-backward (FSDP2's
+    # reshard_after_backward, True unless a pipeline schedule sets it False until its REDUCE_GRAD: torch's
+    # _fsdp_param_group.post_backward): at every action and loss moment, gone at the end of the backward
+    # (and unpipelined the all-gather output then lives in the forwards only: ``lifetime_overrides``)
+    return "until_end_of_backward"
 
 
 def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str] | None = None) -> str:
@@ -580,7 +581,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     if b_end:
-        out = _with_backward_ends(out, column)
+        out = _with_backward_ends(out, column, pp > 1)
     if len(bwd_idx):
         out = _with_step_moment(out)
     for x in out:
@@ -671,7 +672,7 @@ def _with_late_moment(mo: Moments) -> Moments:
     return Moments(**row)
 
 
-def _with_backward_ends(mo: Moments, column: np.ndarray) -> Moments:
+def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True) -> Moments:
     """``mo`` with a moment after each full backward B: the B's microbatch freed (its saved tensors and its loss
     side), none of the B's own transients, what lives from the first backward on (made during it), and
     ``backward_end`` (with ``later_backward_end`` but after a stage's first B). ``column``: local stage column of
@@ -690,6 +691,8 @@ def _with_backward_ends(mo: Moments, column: np.ndarray) -> Moments:
     masks[:, TRANSIENT.index("after_first_backward")] = 1
     masks[:, _BACKWARD_END] = 1
     masks[:, _LATER_BACKWARD_END] = later
+    # under pipelining FSDP2's units kept gathered stay so to the stage's REDUCE_GRAD, past the B's end
+    masks[:, TRANSIENT.index("until_end_of_backward")] = int(pipelined)
     acc = mo.acc[rows].copy()  # the stage's unsharded gradients: made during its first B, held until its REDUCE_GRAD
     acc[np.arange(len(rows)), col] = 1  # (after the B, which its end is not yet)
     new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc,
