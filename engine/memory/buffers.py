@@ -470,9 +470,11 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     # (ZeRO-3: ``fsdp_root_params``) the gathered root: this term makes it the largest of the three
     root_rs = gacc * sum(padded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root)
     root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
-    root_el = sum(unit_numel(u) for u in root)
     shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
-    s_root = shard * root_el // psi_train if psi_train else 0
+    # the root's share of the sharded gradients, by sharded elements (under expert parallelism the routed experts'
+    # units shard over another degree than the root's)
+    sh_el = sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) * count for u, count in rp.unit_groups)
+    s_root = shard * sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root) // sh_el if sh_el else 0
     laid = root_b if root_split else 0
     u_head = pgrad * unit_numel(root[-1]) if has_head else 0
     row = pgrad * unit_numel(root[0]) if has_emb else 0  # the embeddings' gradient, its row shard

@@ -242,3 +242,20 @@ def test_unpipelined_zero3_reduces_unit_by_unit_with_the_root_gathered_throughou
     # pipelined, the root is one of the stage's units (every unit gathered, no late moment)
     assert not [t for t in memory_per_rank(cfg(m=4)).per_rank[0].catalogue("comm_buffers")
                 if t.kind == "fsdp_root_params"]
+
+
+def test_the_roots_share_of_the_sharded_gradients_is_by_its_own_shard_degree_under_expert_parallelism():
+    """The root's post-backward at the copy-in holds its reduce-scatter input, its sharded gradients not yet made: their
+    bytes are the root's own shards (dp 4: a quarter of each of its tensors, fp32), not its share by elements of every
+    unit's sharded gradients — under expert parallelism the routed experts shard over efsdp (dp / ep = 2), which made
+    that share twice too large (measure --fake of Qwen3 235B dp16 ep8 ZeRO-3: −4.4 → −1.1 %). Qwen3 30B-A3B cut to 2
+    blocks: the embeddings 151,936 × 2,048 and the head with its norm 151,936 × 2,048 + 2,048, each split in 4."""
+    c = Config.from_dict({"model": {"preset": "qwen3-30b-a3b", "layers": 2, "seq_len": 1024},
+                          "cluster": {"gpu": "h100-sxm", "gpus": 4},
+                          "parallel": {"dp": 4, "ep": 2, "zero": 3, "microbatches": 1},
+                          "training": {"precision": "bf16-mixed", "grad_dtype": "fp32"}})
+    emb, head = 151_936 * 2_048, 151_936 * 2_048 + 2_048
+    root_rs = 4 * (emb + head)  # the fp32 reduce-scatter input, unsharded
+    s_root = 4 * (emb // 4 + head // 4)
+    (t,) = [t for t in memory_per_rank(c).per_rank[0].catalogue("comm_buffers") if t.kind == "fsdp_root_reduce"]
+    assert f"{root_rs - s_root:,}" in t.formula  # the copy-in side
