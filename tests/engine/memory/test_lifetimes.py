@@ -1267,16 +1267,21 @@ def test_in_the_same_dtype_the_embeddings_first_gradient_is_the_accumulation():
     assert LIFETIMES["fsdp_embedding_added_grad"] == "later_backward_end"
 
 
+def _wide_gpipe(cluster: dict) -> dict:
+    """The tiny model widened (h 512, f 1,024), dp2 × pp2 GPipe ZeRO-3 m4, bf16 parameters with fp32 accumulation."""
+    return {"model": {"preset": "tiny", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn_hidden": 1024,
+                      "vocab": 1024, "seq_len": 64},
+            "cluster": cluster,
+            "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4, "schedule": "GPipe"},
+            "training": {"precision": "bf16-mixed", "grad_dtype": "fp32", "micro_batch_size": 1}}
+
+
 def test_a_bs_mlp_backward_holds_only_the_down_projections_fresh_gradient():
     """Converting gradients (bf16 parameters, fp32 accumulation), FSDP2's fresh gradient of the largest unit (a dense
     block) is, at a B's own moment (its first block's MLP backward), the down projection's alone: autograd runs w2's
     matmul first and the block's other weight gradients come later; the whole unit's waits for the post-backward at
     the end of the backward. (A fake Llama 3 70B pp8 GPipe step: w2's 112 MiB at its peak, not the block's 408.)"""
-    raw = {"model": {"preset": "tiny", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn_hidden": 1024,
-                     "vocab": 1024, "seq_len": 64},
-           "cluster": {"preset": "local-cpu", "gpus": 4},
-           "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4, "schedule": "GPipe"},
-           "training": {"precision": "bf16-mixed", "grad_dtype": "fp32", "micro_batch_size": 1}}
+    raw = _wide_gpipe({"preset": "local-cpu", "gpus": 4})
     last = memory_per_rank(Config.from_dict(raw)).per_rank[2]
     kinds = {t.kind: t.bytes for t in last.catalogue("comm_buffers")}
     block = 2 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1024 + 2 * 512)
@@ -1302,12 +1307,7 @@ def test_the_events_make_each_blocks_fresh_gradient_in_a_bs_walk():
     (on the cached fakes of eleven seeds, reserved within 5 % 443 -> 447 of 883 ranks)."""
     from engine.memory.lifetimes import allocation_events
 
-    raw = {"model": {"preset": "tiny", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "ffn_hidden": 1024,
-                     "vocab": 1024, "seq_len": 64},
-           "cluster": {"gpu": "h100-sxm", "gpus": 4},
-           "parallel": {"dp": 2, "pp": 2, "zero": 3, "microbatches": 4, "schedule": "GPipe"},
-           "training": {"precision": "bf16-mixed", "grad_dtype": "fp32", "micro_batch_size": 1}}
-    rank = memory_per_rank(Config.from_dict(raw)).per_rank[0]
+    rank = memory_per_rank(Config.from_dict(_wide_gpipe({"gpu": "h100-sxm", "gpus": 4}))).per_rank[0]
     tl = rank._body.timeline
     sig = tl._event_signature()
     assert sig[2] is not None  # a Grain: the B walks its blocks
