@@ -236,7 +236,10 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     unit's are alive only when its backward ends, before its post-backward adds them in — at the end-of-backward
     moment here (``post_backward``). A fake Llama 3 70B pp8 GPipe step (dp4 tp4 SP, bf16 parameters, fp32 gradient
     accumulation) peaks in the second B's MLP backward with w2's bf16 gradient (112 MiB) and none of the block's others
-    (296 MiB more)."""
+    (296 MiB more). The final norm's and head's, made first, live through the B to the root's post-backward
+    (``fsdp_head_fresh_grad``); unpipelined, the token embeddings' (under TP at full V·h), made by the backward's last
+    op, only at its end, where it is the largest then (a fake Llama 3 70B tp8 cp4 ZeRO-3 m2 holds the head's at its B,
+    not the embedding's 1.96 GiB)."""
     # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
     # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
     # (the embeddings' unit: its token embedding at full V × h under TP)
