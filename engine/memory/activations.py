@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config
-from engine.memory.lifetimes import ACTION, moments
+from engine.memory.lifetimes import moments
 from engine.memory.report import Term, Terms, ceil_div
 from engine.memory.states import replicate_expert_grads
 from engine.model import lora
@@ -77,7 +77,6 @@ from engine.model.routing import (
 )
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.layout import split_layers
-from engine.pipeline.schedules import ACTION_KINDS
 from engine.wrapping import wrapping_plan
 
 
@@ -1380,9 +1379,6 @@ def moe_split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int
     return grads
 
 
-_I_KIND = ACTION_KINDS.index("I")
-
-
 def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
                          ep_rank: int | None = None) -> None:
     """What a split backward keeps of each stage-microbatch from its I to its W (lifetime
@@ -1426,7 +1422,7 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
                   f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
                   f"{n} × ({formula}) = {n} × {one:,} B", stage=st.stage, in_flight=n, kind="split_backward_grads")
-        n_i = int(((mo.kind == _I_KIND) & (mo.stage == st.stage) & (mo.phase == ACTION)).sum())
+        n_i = int(mo.ig[-1, local.index(st.stage)])  # the stage's I's: all run by the step's end
         if n_i:
             T.add("temporaries", f"stage {st.stage}: its input gradients, one per I ({n_i}), each kept on its receive "
                   "buffer's .grad to the step's end (stage_backward_input sets it; the next step's "
