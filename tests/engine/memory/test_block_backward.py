@@ -228,3 +228,32 @@ def test_layer_selective_recompute_comes_after_the_plain_blocks_behind_it_freed_
         return sum(t.bytes for t in r.catalogue("activations") if t.kind == "recomputed_block")
     assert recomputed(3) == 0
     assert recomputed(2) > 0
+
+
+def test_per_op_selective_recompute_holds_the_replay_of_the_forward_at_its_last_op():
+    """Under per-op selective recompute (no early stop) a block's backward replays its whole forward; at its last
+    op w2's output (stashed or made anew) is alive beside what its redistribution makes of it. Llama 3 8B s16K
+    b16 tp8 SP (measure --fake, pp stage 0 of 4, 1F1B: 2 + 2 GiB at w2 and the reduce-scatter's contiguous
+    copy (funcol.reduce_scatter_single, scatter dim 1), 0.25 + 0.25 GiB the reduce-scatter's stashed output and
+    the MLP's sequence-sharded input, beside the 2 GiB output gradient all-gathered): more than the MLP's
+    backward (the down input's gradient, 0.875 GiB, beside the gathered gradient)."""
+    base = {"preset": "llama3-8b", "layers": 8, "seq_len": 16_384}
+    par = {"dp": 32, "tp": 8, "pp": 4, "zero": 3, "sequence_parallel": True, "schedule": "1F1B", "microbatches": 4}
+    tr = {"micro_batch_size": 16, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "selective-op"}
+    c = Config.from_dict({"model": base, "cluster": {"gpu": "h100-96g", "gpus": 1024, "gpus_per_node": 8},
+                          "parallel": par, "training": tr})
+    r = next(r for r in memory_per_rank(c).per_rank if r.pp_rank == 0)
+    sbh = 16_384 * 16 * 4096 * 2
+    assert _terms(r, "temporaries")["mlp_backward"] == 2 * sbh + 2 * sbh // 8 + sbh
+    # without SP the all-reduce's output stands beside w2's: 2 whole s·b·h tensors (no gathered gradient)
+    nosp = c.replace(parallel={"sequence_parallel": False}, training={"micro_batch_size": 4})
+    r = next(r for r in memory_per_rank(nosp).per_rank if r.pp_rank == 0)
+    assert _terms(r, "temporaries")["mlp_backward"] == 2 * sbh // 4
+    # without TP the MLP's backward (SwiGLU: 3·s·b·f of gradients, the down input freed) is the larger moment
+    notp = c.replace(parallel={"tp": 1, "dp": 256, "sequence_parallel": False}, training={"micro_batch_size": 2})
+    r = next(r for r in memory_per_rank(notp).per_rank if r.pp_rank == 0)
+    assert _terms(r, "temporaries")["mlp_backward"] == 3 * 16_384 * 2 * 14_336 * 2
+    # another policy holds no replay: full recompute stops at the last saved tensor (early stop)
+    full = c.replace(training={"recompute": "full"})
+    r = next(r for r in memory_per_rank(full).per_rank if r.pp_rank == 0)
+    assert _terms(r, "temporaries")["mlp_backward"] == 16_384 * 16 * 14_336 // 8 * 2 + sbh
