@@ -110,3 +110,26 @@ def test_replicate_walks_its_units_as_zero2_with_whole_gradients(tmp_path, name)
         assert rec["memory"]["tracker_peak"]["Unsharded Param"] == gathered
     else:
         assert rank.peak_moment.startswith("the end of the backward")
+
+
+@pytest.mark.integration
+def test_the_roots_pre_backward_gathers_it_again_after_the_losss_backward(tmp_path):
+    """fp32, few tokens a rank against a large vocabulary: the root's pre-backward hook on the logits gathers
+    it again once the loss's backward has freed its temporaries and log-probabilities; the all-gather output
+    and the root's parameters (FSDP2's copy-out) beside the logits' gradient are the step's peak (engine:
+    the loss moment's ``fsdp_root_regather`` term over the loss's own)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "llama3-8b", "layers": 2, "seq_len": 4096},
+        "cluster": {"gpu": "h100-96g", "gpus": 32, "gpus_per_node": 8},
+        "parallel": {"dp": 8, "tp": 4, "zero": 3, "sequence_parallel": True, "microbatches": 2},
+        "training": {"micro_batch_size": 1, "precision": "fp32", "recompute": "none"}})
+    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
+    (row,) = reserved_rows(res)
+    rank = predict(cfg).memory.per_rank[0]
+    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.005)
+    v, h, t = cfg.model.vocab, cfg.model.hidden, 4
+    root = sum(x.bytes for x in rank.catalogue("comm_buffers") if x.kind == "fsdp_root_params")
+    assert root >= 2 * 4 * v * h // t  # the embedding's and the head's shards, fp32
+    (extra,) = [x.bytes for x in rank.catalogue("temporaries") if x.kind == "fsdp_root_regather"]
+    sbv = 4096 * v // t * 4  # one fp32 tensor of the loss's vocabulary shard
+    assert extra == 2 * root + sbv - sbv - 3 * sbv  # the logits' gradient, the log-probabilities, the loss's three
