@@ -1777,7 +1777,13 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # the weight gradient's dtype is the parameter's: fp32 where the residual stream is (fp32, or
         # autocast, whose bf16 gradient is cast back to the fp32 weight), 16-bit under FSDP2's bf16
         wb = res
-        w_extra = f_loc * m.hidden * wb if plain_grads and par.microbatches > 1 else 0
+        # FSDP2 accumulating across microbatches in the parameters' dtype keeps the sum on the unsharded parameter's
+        # .grad (FSDPParam.to_accumulated_grad_if_needed moves it only to convert it), so autograd's AccumulateGrad
+        # adds the fresh one in place as it does a plain gradient (measure --fake, Llama 3 405B pp8 cp4 HSDP ZeRO-2,
+        # bf16 gradients, a later microbatch's B: w2's fresh 1.625 GiB gradient beside the down input's, −8.0 → 0.0 %)
+        plan = wrapping_plan(cfg)
+        added = plain_grads or (plan.fsdp2 and not plan.converts_gradients)
+        w_extra = f_loc * m.hidden * wb if added and par.microbatches > 1 else 0
         w16 = f_loc * m.hidden * act if autocast and plain_grads and tr.float8 == "none" else 0
         if w16:
             # under autocast w2's weight gradient comes out of its matmul in the compute dtype and the weight
@@ -1839,6 +1845,9 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             T.add("activations", "the first block's MLP backward: its down input, freed by w2's backward", -sbf,
                   f"−{x_b}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
         else:
+            # FSDP2's fresh gradient its own term (the allocation events lay it apart from the down input's)
+            fresh = w_extra if not plain_grads else 0
+            w_extra -= fresh
             T.add("temporaries", "the first block's MLP backward: the down input's gradient"
                   + (" and w2's fresh weight gradient (added to the one accumulated)" if w_extra > w16 else "")
                   + (f" and w2's {act * 8}-bit weight gradient beside its fp32 cast (autocast)" if w16 else "")
@@ -1847,6 +1856,10 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                   + (f" + f/t·h·{act}" if w16 else "")
                   + (f" + {act}·s·b·h" if gathered else "") + f" = {sbf + w_extra + gathered:,} B ({dims})",
                   kind="mlp_backward")
+            if fresh:
+                T.add("temporaries", "the first block's MLP backward: w2's fresh weight gradient, added in place to the "
+                      "one FSDP2 accumulates on the unsharded parameter", fresh, f"f/t·h·{wb} = {fresh:,} B ({dims})",
+                      kind="mlp_backward")
     if holds_last:
         T.add("temporaries", "the blocks' output gradient (the final norm's input gradient)", res * sbh_rep,
               f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="blocks_output_gradient")

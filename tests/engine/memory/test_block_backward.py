@@ -100,7 +100,9 @@ def test_float8_eager_casts_of_w2s_input_are_the_backwards_moment():
     assert "B of microbatch" in r.peak_moment and "loss" not in r.peak_moment
     assert r.temporaries == 561_152
     compiled = memory_per_rank(_cfg(par, {**fl8, "compile": True})).per_rank[0]
-    assert _terms(compiled, "temporaries")["mlp_backward"] == 3 * 90_112  # SwiGLU's product backward
+    # w2's moment: the down input's gradient and w2's fresh gradient (FSDP2 accumulates the two microbatches' in
+    # bf16 on .grad: added in place), 2·90,112 B, ties SwiGLU's product backward (3·90,112 − the freed down input)
+    assert _terms(compiled, "temporaries")["mlp_backward"] == 90_112 + 352 * 128 * 2
 
 
 def test_float8_casts_w2s_weight_for_its_input_gradient_which_dominates_when_tokens_are_few():
@@ -256,4 +258,25 @@ def test_per_op_selective_recompute_holds_the_replay_of_the_forward_at_its_last_
     # another policy holds no replay: full recompute stops at the last saved tensor (early stop)
     full = c.replace(training={"recompute": "full"})
     r = next(r for r in memory_per_rank(full).per_rank if r.pp_rank == 0)
-    assert _terms(r, "temporaries")["mlp_backward"] == 16_384 * 16 * 14_336 // 8 * 2 + sbh
+    # (and w2's fresh gradient, added in place to the one FSDP2 accumulates in bf16 over the 4 microbatches)
+    assert _terms(r, "temporaries")["mlp_backward"] == 16_384 * 16 * 14_336 // 8 * 2 + sbh + 14_336 // 8 * 4096 * 2
+
+
+def test_fsdp2_accumulating_in_the_parameters_dtype_adds_w2s_fresh_gradient_in_place():
+    """FSDP2 accumulating across microbatches in the parameters' dtype keeps the sum on the unsharded parameter's
+    .grad (FSDPParam.to_accumulated_grad_if_needed moves it only to convert it): autograd's AccumulateGrad adds
+    w2's fresh gradient into it, a transient beside the down input's gradient, as for plain gradients. A fake
+    Llama 3 405B pp8 cp4 HSDP ZeRO-2 1F1B step (bf16 gradients, stage 2, a later microbatch's B): w2's fresh
+    16,384 × 53,248 bf16 gradient (1.625 GiB) beside the down input's. With fp32 gradients FSDP2 converts each
+    fresh one at the post-backward instead (no in-place add: no such term)."""
+    par = {"dp": 64, "replicate": 2, "pp": 8, "cp": 4, "zero": 2, "schedule": "1F1B", "microbatches": 16}
+    tr = {"micro_batch_size": 2, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}
+    c = Config.from_dict({"model": {"preset": "llama3-405b", "layers": 8, "seq_len": 4096},
+                          "cluster": {"gpu": "h100-96g", "gpus": 2048, "gpus_per_node": 8},
+                          "parallel": par, "training": tr})
+    r = next(r for r in memory_per_rank(c).per_rank if r.pp_rank == 2)
+    fresh = [t.bytes for t in r.catalogue("temporaries") if t.kind == "mlp_backward" and "fresh" in t.label]
+    assert fresh == [53_248 * 16_384 * 2]
+    fp32 = c.replace(training={"grad_dtype": "fp32"})
+    r = next(r for r in memory_per_rank(fp32).per_rank if r.pp_rank == 2)
+    assert not [t for t in r.catalogue("temporaries") if t.kind == "mlp_backward" and "fresh" in t.label]
