@@ -536,9 +536,12 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
       hand, its copy being sent and the one arriving (3 · 2·s·b·kv/t);
     * the merger of the blockwise results in fp32 (``convert_to_f32``): the running output and
       log-sum-exp, and one block's output and log-sum-exp;
-    * backward: the K, V again (re-gathered, or rotated), fp32 accumulators of dQ, dK, dV, one
-      block's gradients, and the dK, dV ring (always all-to-all, fp32: the one sent and the one
-      arriving).
+    * backward: the K, V again (re-gathered, or rotated), fp32 accumulators of dQ, dK, dV, two
+      blocks' gradients (``grad_query_, grad_key_, grad_value_, *rest = op(...)`` rebinds the last
+      block's only once the next block's op has made its own), the output gradient made contiguous
+      (``grad_out.contiguous()``), and the dK, dV ring (always all-to-all, fp32: the one sent and the
+      one arriving). Measured with ``measure --fake`` of Llama 2 7B s2K b8 cp2 fp32: 2,560.5 MiB at
+      the attention's backward, the formula's 2,560 MiB.
     The layer's peak is the larger of its forward and backward. The head-tail layout (chunks i and
     2·cp−1−i of 2·cp on rank i) balances the causal work and changes no size. Eager attention (all-
     gather only) keeps the gathered K, V as its saved rows; here only their gathered form before
@@ -558,9 +561,10 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
     merger = s * b * h // t * (4 + e) + 8 * (a // t) * s * b
     fwd = kv_bytes + merger
     grads = s * b * (h + 2 * kv) // t
-    bwd = kv_bytes + 4 * grads + e * grads + 2 * 4 * 2 * s * b * kv // t
+    bwd = kv_bytes + 4 * grads + 2 * e * grads + 2 * 4 * 2 * s * b * kv // t + e * s * b * h // t
     formula = (f"max(forward {kv_f} + s·b·h/t·{4 + e} + 8·s·b·a/t (fp32 merger) = {fwd:,} B, backward the same K, V "
-               f"+ {4 + e}·s·b·(h + 2kv)/t (fp32 dQ, dK, dV and one block's) + 2 × 4·2·s·b·kv/t (dK, dV ring) = "
+               f"+ (4 + 2·{e})·s·b·(h + 2kv)/t (fp32 dQ, dK, dV and two blocks') + 2 × 4·2·s·b·kv/t (dK, dV ring) "
+               f"+ {e}·s·b·h/t (the output gradient made contiguous) = "
                f"{bwd:,} B) with S = {S}, s = S/{cp} = {s}, b = {b}, h = {h}, kv = {kv}, a = {a}, t = {t}")
     return max(fwd, bwd), formula
 
@@ -908,7 +912,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast,
                              autocast=autocast)
-        if par.cp > 1 and tr.recompute == "full":
+        if par.cp > 1:
             _cp_attention_after_mlp(T, sh)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, ep_rank=ep_rank)
@@ -1690,8 +1694,12 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
     comes off, at B moments only. Under full recompute, where the block's tensors at a B are its recomputed
     ones, the table at recompute = "none" (on the cached fakes of four seeds, 15 full-recompute CP ranks
     moved: Llama 2 7B s64K cp2 float8 +33 → +1 %, s16K cp4 rowwise +12.4 → 0.0 %; one layout overshoots,
-    Llama 2 7B s32K fp32 GPipe +19 / +10 → −10 / −6 %). Under the other policies the same order holds, but
-    laying it left ranks 2–7 % low (some term of their B moment the double count had hidden): not laid there."""
+    Llama 2 7B s32K fp32 GPipe +19 / +10 → −10 / −6 %). Under the other policies the same order holds (the
+    MLP's saved tensors are the "none" table's too): laid there it left ranks 2–7 % low until the workspace's
+    backward held what it holds (two blocks' gradients, the contiguous output gradient:
+    ``context_parallel_workspace``); with both, thirteen cached seeds' mean |allocated error| 1.48 → 1.41 %
+    (GPT-2 s128K pp8 cp2 per-op selective +13.5 → +5.5 %, Llama 2 7B s32K cp +4.0 → +1.4 %; lower: Llama 2 7B
+    selective-layer pp cp −2.1 → −4.0 %, a split-backward selective row −2.9 → −5.8 %)."""
     cp = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
     mlp = sum(t.bytes for c in ("temporaries", "activations") for t in T[c]
               if t.kind in ("mlp_backward", "mlp_backward_freed"))

@@ -179,13 +179,30 @@ def test_cp_workspace_is_the_gathered_kv_or_the_ring_chunks():
     merger = s * h * 6 + 8 * a * s
     grads = s * (h + 2 * kv)
     ring_dkv = 2 * 4 * 2 * s * kv
+    # backward: fp32 dQ, dK, dV accumulators, two blocks' gradients (torch's loop rebinds the last block's only once
+    # the next op has made its own), the output gradient made contiguous, the fp32 dK, dV ring
+    bwd = 4 * grads + 2 * 2 * grads + ring_dkv + 2 * s * h
     gathered, _ = context_parallel_workspace(sh, 2, "allgather")
-    assert gathered == max(2 * S * kv * 2 + chunk + merger, 2 * S * kv * 2 + chunk + 6 * grads + ring_dkv)
+    assert gathered == max(2 * S * kv * 2 + chunk + merger, 2 * S * kv * 2 + chunk + bwd)
     ring, _ = context_parallel_workspace(sh, 2, "alltoall")
-    assert ring == max(3 * chunk + merger, 3 * chunk + 6 * grads + ring_dkv)
+    assert ring == max(3 * chunk + merger, 3 * chunk + bwd)
     # a longer context with more cp ranks: the gathered K, V (whole sequence) outgrow the three chunks
     big = shape_of(small(8, model={"seq_len": 4096}))
     assert context_parallel_workspace(big, 8, "allgather")[0] > context_parallel_workspace(big, 8, "alltoall")[0]
+
+
+def test_cp_backward_workspace_as_the_fake_measured_it():
+    """measure --fake of Llama 2 7B s2K b8 cp2 fp32 (allgather): 2,560.5 MiB of the ring attention's backward at
+    its peak — K, V gathered (512 MiB) and the sent copy (256), fp32 dQ, dK, dV accumulators (384), two blocks'
+    gradients (384 + 384), the dK, dV ring (2 × 256), the output gradient made contiguous (128)."""
+    from engine.memory.activations import context_parallel_workspace, shape_of
+
+    cfg = Config.from_dict({"model": {"preset": "llama2-7b", "layers": 8, "seq_len": 2048},
+                            "cluster": {"gpu": "h100-96g", "gpus": 4, "gpus_per_node": 4},
+                            "parallel": {"dp": 2, "cp": 2, "zero": 3},
+                            "training": {"micro_batch_size": 8, "precision": "fp32", "recompute": "selective-op"}})
+    ws, _ = context_parallel_workspace(shape_of(cfg), 2, "allgather")
+    assert ws == (512 + 256 + 384 + 2 * 384 + 2 * 256 + 128) * 2**20
 
 
 def test_the_workspace_is_a_temporary_of_every_cp_rank_and_absent_without_cp():
