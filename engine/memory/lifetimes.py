@@ -173,6 +173,12 @@ from engine.pipeline.schedules import ACTION_KINDS, pipeline_actions, single_ran
 
 _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
+#: what the late-backward moment holds of plain gradients (DDP, ZeRO-1: ``buffers._plain_late_backward``) and of the
+#: first block's saved tensors there: moments only, no event rows — the allocation events' first backward walk lays
+#: the plain gradients as its blocks free their saved tensors (``after_first_backward``, ``_Laying.late``) and holds
+#: layer 0's saved tensors until its own backward
+MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations"})
+
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
@@ -235,7 +241,8 @@ LIFETIMES: dict[str, str] = {
     "fsdp_root_params": "every_action", "fsdp_unit_grads": "backward_input", "fsdp_late_reduce": "late_backward",
     "fsdp_head_grad": "backward", "fsdp_expert_reduce": "backward_input",
     "fsdp_root_reduce": "post_backward", "fsdp_reduced_grads": "late_backward",
-    "late_block_activations": "late_backward", "fsdp_early_reduce": "early_backward",
+    "late_block_activations": "late_backward", "plain_late_grads": "late_backward",
+    "plain_late_activations": "late_backward", "fsdp_early_reduce": "early_backward",
     # expert parallelism's all-to-all buffers: one MoE layer's, while it runs (a fake Qwen3 235B step, ep8,
     # holds none at its loss moment)
     "moe_all_to_all": "during_actions",
@@ -750,6 +757,7 @@ class Signature(NamedTuple):
     # split: freed after the I, not kept to the W (``LOSS_AT_INPUT_KINDS``)
     lp_bytes: tuple[int, ...] = ()
     ig_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: a split backward's input gradient (``after_input``)
+    moment_only: int = 0  # bytes of ``late_backward`` no event lays (``MOMENT_ONLY_KINDS``): left out of the events' peak
 
 
 @lru_cache(maxsize=256)
@@ -837,7 +845,7 @@ class _Laid:
     the loss side), what an I keeps for its W, the per-stage lifetimes' bytes, the transients', the step's."""
 
     __slots__ = ("unit", "acts", "iw", "ig", "so", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
-                 "varying", "rows", "freed")
+                 "varying", "rows", "freed", "moment_only")
 
     def __init__(self, terms: dict[str, list[Term]], categories, column: dict[int, int], pp: int, rules: dict,
                  fsdp_params: str):
@@ -849,7 +857,7 @@ class _Laid:
         self.so = so = [0] * v
         self.stage_grads = stage_grads = {life: [0] * v for life in STAGE_LIFETIMES}
         self.trans = trans = dict.fromkeys(TRANSIENT, 0)
-        step = out = end_freed = step_freed = 0
+        step = out = end_freed = step_freed = moment_only = 0
         self.varying = varying = {}  # category -> (index, lifetime) of the terms not alive all step
         self.rows = rows = []  # (lifetime, bytes, stream) of the blocks not per stage-microbatch, for the events
         self.freed = freed = {}  # per transient lifetime (or per-stage row key), what its negative terms free
@@ -912,7 +920,9 @@ class _Laid:
                     var.append((i, life))
                 freed_at_end = life == "after_first_backward" and kind in END_FREED_KINDS
                 end_freed += nbytes if freed_at_end else 0
-                if nbytes > 0 and kind in UNIT_MADE_KINDS:
+                if kind in MOMENT_ONLY_KINDS:  # the events lay these tensors otherwise (the walk's gradients)
+                    moment_only += nbytes
+                elif nbytes > 0 and kind in UNIT_MADE_KINDS:
                     add_row((_UNIT_MADE, nbytes, 0))
                 elif nbytes > 0:
                     add_row(("accumulated" if freed_at_end else life, nbytes, ALL_GATHER_STREAM if kind in gather
@@ -924,6 +934,7 @@ class _Laid:
             if var:
                 varying[c] = var
         self.step, self.out, self.end_freed, self.step_freed = step, out, end_freed, step_freed
+        self.moment_only = moment_only
 
 
 class RankTimeline:
@@ -965,7 +976,7 @@ class RankTimeline:
                          tuple(laid.iw) if any(laid.iw) else (), acc if any(acc) else (), red if any(red) else (),
                          laid.step_freed, wr if any(wr) else (),
                          tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
-                         lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else ())
+                         lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only)
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -1070,8 +1081,9 @@ class RankTimeline:
             return f"the end of stage {pk.stage} B of microbatch {pk.microbatch}, its microbatch freed " \
                    f"(action {action - 1} of {n})"
         if mo.phase[pk.moment] == LATE:
+            made = "made" if self.signature.moment_only else "reduced"  # plain gradients, or FSDP2's reduced
             return f"late in stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}: near its last block, every " \
-                   f"later block's gradient reduced (action {action - 1} of {n})"
+                   f"later block's gradient {made} (action {action - 1} of {n})"
         at = ", at its start: the loss" if mo.phase[pk.moment] == LOSS else ""
         return f"stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}{at} (action {action} of {n})"
 
@@ -1533,6 +1545,16 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
     return sorted(kept)
 
 
+def _events_peak(sig: Signature) -> int:
+    """The peak the events stay within: the timeline's, less what the late-backward moment holds that no event lays
+    (``MOMENT_ONLY_KINDS``: the walk lays those gradients as its blocks free their saved tensors)."""
+    if not sig.moment_only:
+        return peak_of(sig).bytes
+    t = list(sig.transient_bytes)
+    t[_LATE_BACKWARD] -= sig.moment_only
+    return peak_of(sig._replace(transient_bytes=tuple(t), moment_only=0)).bytes
+
+
 def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compress: bool = False) -> tuple:
     """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
     saved bytes of its blocks, its log-probabilities and the rest of its loss side, one microbatch each.
@@ -1550,7 +1572,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     cvs, frs = mo.cv.tolist(), mo.fr.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
-    lay = _Laying(sig, rows, acts, grain, peak_of(sig).bytes, first_backward)
+    lay = _Laying(sig, rows, acts, grain, _events_peak(sig), first_backward)
     n_moments = len(kinds)
     windows = _steady_windows(mo, first_backward, sig.pp) if compress else []
     steady = trial = None  # the window being tried; (its first event, the generator's state at its start)
@@ -1681,6 +1703,8 @@ class _Laying:
         if phase == STEP:
             return False
         sig, size, alloc, free = self.sig, self.size, self.alloc, self.free
+        if phase == LATE and sig.moment_only and sig.transient_bytes[_LATE_BACKWARD] == sig.moment_only:
+            return True  # a late moment of plain gradients only: the B's walk laid them as autograd makes them
         if phase == END and self.accumulated:  # reduced and dropped by the end of the backward
             for key in [k for k in size if k[0] == "late" and k[1] in self.accumulated]:
                 free(key)

@@ -24,7 +24,7 @@ ATTN, MLP = 3_584, 5_760
 def _grads(row) -> int:
     """A rank's gradients whole: plain ``.grad`` (no FSDP2) exists from the first backward on, so a
     peak before it holds none (``engine.memory.lifetimes.lifetime_overrides``)."""
-    return sum(t.bytes for t in row.catalogue("grads"))
+    return sum(t.bytes for t in row.catalogue("grads") if t.kind != "plain_late_grads")  # (a moment's share of them)
 
 def tiny(**training):
     return default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1, "microbatches": 1},
