@@ -226,7 +226,7 @@ LIFETIMES: dict[str, str] = {
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "moe_full_backward": "early_backward", "moe_full_backward_freed": "early_backward",
     "moe_input_backward": "input_backward", "moe_input_backward_freed": "input_backward",
-    "loss": "loss", "fsdp_root_regather": "loss",
+    "loss": "loss", "fsdp_root_regather": "loss", "head_backward": "loss",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "fsdp_embedding_added_grad": "later_backward_end",

@@ -282,3 +282,23 @@ def test_fsdp2_accumulating_in_the_parameters_dtype_adds_w2s_fresh_gradient_in_p
     fp32 = c.replace(training={"grad_dtype": "fp32"})
     r = next(r for r in memory_per_rank(fp32).per_rank if r.pp_rank == 2)
     assert not [t for t in r.catalogue("temporaries") if t.kind == "mlp_backward" and "fresh" in t.label]
+
+
+def test_the_heads_backward_after_the_loss_adds_its_fresh_gradient_to_the_accumulated_one():
+    """A later microbatch's head backward, right after the loss's: the loss's temporaries and the log-probabilities
+    freed, the logits' gradient beside the head weight's fresh gradient, added into the one FSDP2 accumulates in
+    bf16. A fake Llama 3 405B pp8 cp4 HSDP ZeRO-2 1F1B step (last stage, 1,024 tokens × 2 a microbatch): 3.91 GiB
+    fresh head gradient beside the 0.49 GiB bf16 logits' gradient — over the loss's 2 × 0.98 GiB fp32 tensors and
+    the 0.98 GiB log-probabilities by 1.47 GiB. With fp32 gradients FSDP2 converts at the post-backward instead."""
+    par = {"dp": 64, "replicate": 2, "pp": 8, "cp": 4, "zero": 2, "schedule": "1F1B", "microbatches": 16}
+    tr = {"micro_batch_size": 2, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}
+    c = Config.from_dict({"model": {"preset": "llama3-405b", "layers": 8, "seq_len": 4096},
+                          "cluster": {"gpu": "h100-96g", "gpus": 2048, "gpus_per_node": 8},
+                          "parallel": par, "training": tr})
+    r = next(r for r in memory_per_rank(c).per_rank if r.pp_rank == 7)
+    sv, vh = 1024 * 2 * 128_256, 128_256 * 16_384
+    assert _terms(r, "temporaries")["head_backward"] == 2 * sv + 2 * vh - 4 * sv - 2 * 4 * sv
+    assert r.peak_moment.endswith("at its start: the loss (action 4 of 32)")
+    fp32 = c.replace(training={"grad_dtype": "fp32"})
+    r = next(r for r in memory_per_rank(fp32).per_rank if r.pp_rank == 7)
+    assert "head_backward" not in _terms(r, "temporaries")
