@@ -50,6 +50,7 @@ from dataclasses import replace as dc_replace
 
 from engine.config import Config
 from engine.memory import GIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
+from engine.memory.lifetimes import PARTIAL_STATE_KINDS
 from engine.memory.overhead import collective_buffer_bytes
 from engine.model.lora import adapter_params
 from engine.model.params import param_counts
@@ -106,8 +107,8 @@ def memory(cfg: Config) -> MemoryReport:
     act = 4 if tr.precision == "fp32" else 2
     # the gradients whole, alive at the single GPU's peak or not (there they come with its first backward):
     # this model sums GPU 0's terms as one moment, with .grad (plain lifetimes are not followed here)
-    # (the late-backward moment's share of them, ``plain_late_grads``, is the same tensors: left out)
-    grads_whole = [t for t in base.catalogue["grads"] if t.kind != "plain_late_grads"]
+    # (a moment's share of them, ``PARTIAL_STATE_KINDS``, is the same tensors: left out)
+    grads_whole = [t for t in base.catalogue["grads"] if t.kind not in PARTIAL_STATE_KINDS]
     # its terms at the single GPU's forward and backward peak: the optimizer step's temporaries (AdamW's,
     # engine.memory.states.optimizer_step_term) are another moment, which this one-moment sum leaves out
     snap = base.timeline.snapshot(base.timeline.peak_before_step) if base.timeline is not None else base.terms
@@ -199,7 +200,7 @@ def transfers(cfg: Config, links: MeasuredLinks | None = None) -> list[Transfer]
         bw, lat = links.lookup("p2p", 2) or (bw, lat)
     body = memory_per_rank(single_gpu_config(cfg)).per_rank[0]
     params_b = body.params
-    grads_b = sum(t.bytes for t in body.catalogue("grads") if t.kind != "plain_late_grads")  # whole, peak or not
+    grads_b = sum(t.bytes for t in body.catalogue("grads") if t.kind not in PARTIAL_STATE_KINDS)  # whole, peak or not
     model, tr = cfg.model, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     ids = 8 * model.seq_len * tr.micro_batch_size

@@ -637,6 +637,16 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
               "the backward", saved, f"1 / {layers} of one microbatch's blocks", kind="late_block_activations")
 
 
+def plain_grads_late(cfg: Config, plan: WrappingPlan) -> bool:
+    """Whether this rank's plain gradients (``kind="gradients"``: no FSDP2) live from its first
+    backward on (``lifetimes.lifetime_overrides``): torch's accounting, and not DDP's
+    ``gradient_as_bucket_view``, where ``.grad`` is a view of the Reducer's buckets, which live all
+    step."""
+    conv = cfg.conventions
+    return (conv.state_accounting == "pytorch" and not plan.fsdp2
+            and not getattr(conv, "ddp_gradient_as_bucket_view", False))
+
+
 def _plain_late_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int) -> None:
     """Plain gradients (DDP, ZeRO-1, one rank) in an unpipelined step of one microbatch: autograd makes each
     parameter's ``.grad`` as the backward reaches it (the head's and final norm's first, each block's in its
@@ -645,8 +655,6 @@ def _plain_late_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     layer 0's saved tensors (the rest freed) and the B's transients as at its own moment. Measured with
     ``measure --fake`` of Mixtral 8x7B s32K ep8 DDP full recompute (8 blocks): 6.18 GiB of fp32 gradients at
     the step's peak, layer 0's recompute and MoE backward beside them."""
-    from engine.memory.per_rank import plain_grads_late
-
     if cfg.training.finetune == "lora" or not plain_grads_late(cfg, plan) or not rp.layers or not psi_train:
         return
     grads = sum(t.bytes for t in T["grads"] if t.kind == "gradients")

@@ -251,7 +251,8 @@ LIFETIMES: dict[str, str] = {
 
 #: terms that are part of another term at an earlier moment (the sharded gradients some units have made by
 #: then), not more of it: a rank's whole states are its catalogue without them
-PARTIAL_STATE_KINDS = frozenset({"fsdp_early_reduce", "fsdp_reduced_grads", "plain_grads_accumulating"})
+PARTIAL_STATE_KINDS = frozenset({"fsdp_early_reduce", "fsdp_reduced_grads", "plain_grads_accumulating",
+                                 "plain_late_grads"})
 
 #: a unit's whole fresh gradient at its post-backward: a term of the end of the backward (``post_backward``), and in
 #: the events also made by every block's backward in a B's walk, after its transients, before its post-backward adds

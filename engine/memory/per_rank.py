@@ -29,7 +29,7 @@ from engine.memory.activations import (
     shape_of,
     stage_activation_terms,
 )
-from engine.memory.buffers import comm_buffers
+from engine.memory.buffers import comm_buffers, plain_grads_late
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, sig_moments
@@ -40,16 +40,6 @@ from engine.model.params import RankParams, params_per_rank, unit_numel
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.schedules import ACTION_KINDS
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
-
-
-def plain_grads_late(cfg: Config, plan: WrappingPlan) -> bool:
-    """Whether this rank's plain gradients (``kind="gradients"``: no FSDP2) live from its first
-    backward on (``lifetimes.lifetime_overrides``): torch's accounting, and not DDP's
-    ``gradient_as_bucket_view``, where ``.grad`` is a view of the Reducer's buckets, which live all
-    step."""
-    conv = cfg.conventions
-    return (conv.state_accounting == "pytorch" and not plan.fsdp2
-            and not getattr(conv, "ddp_gradient_as_bucket_view", False))
 
 
 def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan | None = None,

@@ -11,6 +11,7 @@ import pytest
 from engine import ConfigError, default_config
 from engine.config import Config
 from engine.memory import memory_per_rank
+from engine.memory.lifetimes import PARTIAL_STATE_KINDS
 from engine.model.lora import adapter_params, adapter_params_per_layer, nf4_bytes, nf4_bytes_per_param, target_modules
 from engine.model.params import param_counts
 
@@ -23,8 +24,9 @@ ATTN, MLP = 3_584, 5_760
 
 def _grads(row) -> int:
     """A rank's gradients whole: plain ``.grad`` (no FSDP2) exists from the first backward on, so a
-    peak before it holds none (``engine.memory.lifetimes.lifetime_overrides``)."""
-    return sum(t.bytes for t in row.catalogue("grads") if t.kind != "plain_late_grads")  # (a moment's share of them)
+    peak before it holds none (``engine.memory.lifetimes.lifetime_overrides``); without a moment's share of
+    them (``PARTIAL_STATE_KINDS``)."""
+    return sum(t.bytes for t in row.catalogue("grads") if t.kind not in PARTIAL_STATE_KINDS)
 
 def tiny(**training):
     return default_config().replace(cluster={"gpus": 2}, parallel={"dp": 2, "pp": 1, "microbatches": 1},
