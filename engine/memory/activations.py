@@ -1788,20 +1788,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # the weight gradient's dtype is the parameter's: fp32 where the residual stream is (fp32, or
         # autocast, whose bf16 gradient is cast back to the fp32 weight), 16-bit under FSDP2's bf16
         wb = res
-        # FSDP2 accumulating across microbatches in the parameters' dtype keeps the sum on the unsharded parameter's
-        # .grad (FSDPParam.to_accumulated_grad_if_needed moves it only to convert it), so autograd's AccumulateGrad
-        # adds the fresh one in place as it does a plain gradient (measure --fake, Llama 3 405B pp8 cp4 HSDP ZeRO-2,
-        # bf16 gradients, a later microbatch's B: w2's fresh 1.625 GiB gradient beside the down input's, −8.0 → 0.0 %)
-        plan = wrapping_plan(cfg)
-        added = plain_grads or (plan.fsdp2 and not plan.converts_gradients)
-        w_extra = f_loc * m.hidden * wb if added and par.microbatches > 1 else 0
-        w16 = f_loc * m.hidden * act if autocast and plain_grads and tr.float8 == "none" else 0
-        if w16:
-            # under autocast w2's weight gradient comes out of its matmul in the compute dtype and the weight
-            # cast's backward (ToCopyBackward0) makes the fp32 one from it: both alive at the cast, the 16-bit
-            # one freed after (measure --fake, Llama 3 70B pp4 ZeRO-1 full recompute, stage 1: a 0.44 GiB bf16
-            # w2 gradient alive as its 0.88 GiB fp32 cast is made)
-            w_extra += w16
+        w_extra, w16 = _w2_fresh_gradient(cfg, f_loc, act=act, wb=wb, plain_grads=plain_grads, autocast=autocast)
         swiglu = m.mlp == "swiglu"
         dims = f"s={s}, b={b}, f={m.ffn_hidden}, t={t}"
         # under sequence parallelism w2's output gradient comes in sequence-sharded and is all-gathered
@@ -1877,6 +1864,24 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     if par.pp > 1 and any(st.stage > 0 for st in rp.stages):
         T.add("temporaries", "the input gradient of the last backward, kept for its send to the previous stage",
               res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="held_input_gradient")
+
+
+def _w2_fresh_gradient(cfg: Config, f_loc: int, *, act: int, wb: int, plain_grads: bool, autocast: bool) -> tuple[int, int]:
+    """(bytes beside the down input's gradient in w2's backward, of them the 16-bit cast under autocast): w2's fresh
+    weight gradient where autograd adds it to one accumulated over earlier microbatches. FSDP2 accumulating in the
+    parameters' dtype keeps the sum on the unsharded parameter's .grad (FSDPParam.to_accumulated_grad_if_needed
+    moves it only to convert it), so AccumulateGrad adds the fresh one in place as for a plain gradient (measure
+    --fake, Llama 3 405B pp8 cp4 HSDP ZeRO-2, bf16 gradients, a later microbatch's B: w2's fresh 1.625 GiB gradient
+    beside the down input's, −8.0 → 0.0 %). Under autocast w2's weight gradient comes out of its matmul in the
+    compute dtype and the weight cast's backward (ToCopyBackward0) makes the fp32 one from it: both alive at the
+    cast, the 16-bit one freed after (measure --fake, Llama 3 70B pp4 ZeRO-1 full recompute, stage 1: a 0.44 GiB
+    bf16 w2 gradient alive as its 0.88 GiB fp32 cast is made)."""
+    par, h = cfg.parallel, cfg.model.hidden
+    plan = wrapping_plan(cfg)
+    added = plain_grads or (plan.fsdp2 and not plan.converts_gradients)
+    w_extra = f_loc * h * wb if added and par.microbatches > 1 else 0
+    w16 = f_loc * h * act if autocast and plain_grads and cfg.training.float8 == "none" else 0
+    return w_extra + w16, w16
 
 
 def _replay_end_bytes(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int) -> int:
