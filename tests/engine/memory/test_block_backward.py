@@ -264,6 +264,15 @@ def test_per_op_selective_recompute_holds_the_replay_of_the_forward_at_its_last_
     assert _terms(r, "temporaries")["mlp_backward"] == 16_384 * 16 * 14_336 // 8 * 2 + sbh + 14_336 // 8 * 4096 * 2
 
 
+def _hsdp_405b_pp8_cp4() -> Config:
+    """The fake's layout of the two tests below: Llama 3 405B (8 blocks) pp8 cp4 HSDP ZeRO-2 1F1B, bf16 gradients."""
+    par = {"dp": 64, "replicate": 2, "pp": 8, "cp": 4, "zero": 2, "schedule": "1F1B", "microbatches": 16}
+    tr = {"micro_batch_size": 2, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}
+    return Config.from_dict({"model": {"preset": "llama3-405b", "layers": 8, "seq_len": 4096},
+                             "cluster": {"gpu": "h100-96g", "gpus": 2048, "gpus_per_node": 8},
+                             "parallel": par, "training": tr})
+
+
 def test_fsdp2_accumulating_in_the_parameters_dtype_adds_w2s_fresh_gradient_in_place():
     """FSDP2 accumulating across microbatches in the parameters' dtype keeps the sum on the unsharded parameter's
     .grad (FSDPParam.to_accumulated_grad_if_needed moves it only to convert it): autograd's AccumulateGrad adds
@@ -271,11 +280,7 @@ def test_fsdp2_accumulating_in_the_parameters_dtype_adds_w2s_fresh_gradient_in_p
     Llama 3 405B pp8 cp4 HSDP ZeRO-2 1F1B step (bf16 gradients, stage 2, a later microbatch's B): w2's fresh
     16,384 × 53,248 bf16 gradient (1.625 GiB) beside the down input's. With fp32 gradients FSDP2 converts each
     fresh one at the post-backward instead (no in-place add: no such term)."""
-    par = {"dp": 64, "replicate": 2, "pp": 8, "cp": 4, "zero": 2, "schedule": "1F1B", "microbatches": 16}
-    tr = {"micro_batch_size": 2, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}
-    c = Config.from_dict({"model": {"preset": "llama3-405b", "layers": 8, "seq_len": 4096},
-                          "cluster": {"gpu": "h100-96g", "gpus": 2048, "gpus_per_node": 8},
-                          "parallel": par, "training": tr})
+    c = _hsdp_405b_pp8_cp4()
     r = next(r for r in memory_per_rank(c).per_rank if r.pp_rank == 2)
     fresh = [t.bytes for t in r.catalogue("temporaries") if t.kind == "mlp_backward" and "fresh" in t.label]
     assert fresh == [53_248 * 16_384 * 2]
@@ -290,11 +295,7 @@ def test_the_heads_backward_after_the_loss_adds_its_fresh_gradient_to_the_accumu
     bf16. A fake Llama 3 405B pp8 cp4 HSDP ZeRO-2 1F1B step (last stage, 1,024 tokens × 2 a microbatch): 3.91 GiB
     fresh head gradient beside the 0.49 GiB bf16 logits' gradient — over the loss's 2 × 0.98 GiB fp32 tensors and
     the 0.98 GiB log-probabilities by 1.47 GiB. With fp32 gradients FSDP2 converts at the post-backward instead."""
-    par = {"dp": 64, "replicate": 2, "pp": 8, "cp": 4, "zero": 2, "schedule": "1F1B", "microbatches": 16}
-    tr = {"micro_batch_size": 2, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}
-    c = Config.from_dict({"model": {"preset": "llama3-405b", "layers": 8, "seq_len": 4096},
-                          "cluster": {"gpu": "h100-96g", "gpus": 2048, "gpus_per_node": 8},
-                          "parallel": par, "training": tr})
+    c = _hsdp_405b_pp8_cp4()
     r = next(r for r in memory_per_rank(c).per_rank if r.pp_rank == 7)
     sv, vh = 1024 * 2 * 128_256, 128_256 * 16_384
     assert _terms(r, "temporaries")["head_backward"] == 2 * sv + 2 * vh - 4 * sv - 2 * 4 * sv
