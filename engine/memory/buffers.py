@@ -797,7 +797,8 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
     if torch_acc and not plan.fsdp2 and par.pp == 1 and par.microbatches == 1 and par.dp_mode != "dataparallel":
         # (legacy nn.DataParallel's GPU 0 sums its terms whole: engine.legacy_dp)
         _plain_late_backward(cfg, plan, rp, T, psi_train)
-    if torch_acc and par.microbatches > 1 and cfg.training.finetune != "lora":
+    if torch_acc and par.microbatches > 1 and cfg.training.finetune != "lora" and not (
+            par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):  # a split backward's I makes no weight gradient
         _head_backward_at_loss(cfg, plan, rp, T, res)
     if par.ep > 1 and any(st.moe_layers for st in rp.stages):
         moe_dispatch_buffers(cfg, T, ep_rank)

@@ -303,3 +303,7 @@ def test_the_heads_backward_after_the_loss_adds_its_fresh_gradient_to_the_accumu
     fp32 = c.replace(training={"grad_dtype": "fp32"})
     r = next(r for r in memory_per_rank(fp32).per_rank if r.pp_rank == 7)
     assert "head_backward" not in _terms(r, "temporaries")
+    # a split backward's I, which opens the last stage's backward after the loss, makes no weight gradient (its W does)
+    zbv = c.replace(parallel={"schedule": "ZBVZeroBubble", "virtual_stages": 2, "pp": 4, "dp": 128})
+    r = next(r for r in memory_per_rank(zbv).per_rank if r.pp_rank == 0)  # the V's last stage is on pp rank 0
+    assert "head_backward" not in _terms(r, "temporaries")
