@@ -1824,11 +1824,14 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                 # output gradient is freed: measure --fake of Llama 3 405B TP2 SP tensorwise, line 131 of
                 # float8_linear.py beside an f/t-wide output gradient's float8 cast)
                 cast = max(cast, (4 + 4 + 1) * f_loc * m.hidden + s * b * m.hidden - sbf)
-        replay = _replay_end_bytes(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered)
+        replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered)
+        replay = sum(x for _, x, _ in replay_parts)
         chosen = sbf + cast if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf) else (
             2 * sbf if swiglu and 2 * sbf > sbf + w_extra + gathered else sbf + w_extra + gathered)
-        if replay > chosen:
-            _replay_end_terms(cfg, T, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered, dims=dims)
+        if replay > chosen:  # each tensor its own term: the allocation events lay them apart
+            for what, nbytes, formula in replay_parts:
+                T.add("temporaries", "the first block's replay of its forward (per-op selective recompute) at its last "
+                      f"op: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})", kind="mlp_backward")
         elif cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             T.add("temporaries", "the first block's MLP backward under float8: the down input's gradient, and "
                   "the down input cast to float8 for w2's weight gradient (fp32 upcast, scaled copy, float8) "
@@ -1884,10 +1887,10 @@ def _w2_fresh_gradient(cfg: Config, f_loc: int, *, act: int, wb: int, plain_grad
     return w_extra + w16, w16
 
 
-def _replay_end_bytes(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int) -> int:
+def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int) -> list[tuple[str, int, str]]:
     """Under per-op selective recompute (``early_stop=False``, backend.parallel.recompute): what the first block's
-    backward holds beyond the tensors recompute = "none" keeps when the replay of its forward reaches its last op;
-    0 under the other policies. The whole forward runs again (torch.utils.checkpoint without early stop), and
+    backward holds beyond the tensors recompute = "none" keeps when the replay of its forward reaches its last op,
+    as (what, bytes, formula) per tensor; none under the other policies. The whole forward runs again (torch.utils.checkpoint without early stop), and
     the down projection's output, handed back from the stash or made anew, is alive beside what is made of it:
     under SP DTensor's Partial → Shard(1) reduce-scatter (``funcol.reduce_scatter_single`` with a scatter dim
     ≠ 0) cats the chunks into a contiguous s·b·h copy, with the reduce-scatter's stashed s·b·h/t output and the
@@ -1896,20 +1899,11 @@ def _replay_end_bytes(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     down projection's backward asked for the replay is alive through it. Measured with ``measure --fake`` of
     Llama 3 8B s16K b16 tp8 SP pp4 1F1B (stage 2): 2 + 2 GiB at w2 and its copy, 0.25 + 0.25 GiB, beside the
     2 GiB gathered gradient, at the step's allocated peak."""
-    tr, par = cfg.training, cfg.parallel
+    par, tr = cfg.parallel, cfg.training
     if tr.recompute != "selective-op":
-        return 0
+        return []
     sbh = cfg.local_seq_len * tr.micro_batch_size * cfg.model.hidden
     sp = par.tp > 1 and par.sequence_parallel
-    return 2 * act * sbh + ((act + res) * sbh_rep if sp else 0) + gathered
-
-
-def _replay_end_terms(cfg: Config, T: Terms, *, act: int, res: int, sbh_rep: int, gathered: int, dims: str) -> None:
-    """The terms of :func:`_replay_end_bytes`, one per tensor (the allocation events lay each as its own)."""
-    par = cfg.parallel
-    sbh = cfg.local_seq_len * cfg.training.micro_batch_size * cfg.model.hidden
-    sp = par.tp > 1 and par.sequence_parallel
-    head = "the first block's replay of its forward (per-op selective recompute) at its last op: "
     copy = ("the contiguous copy its reduce-scatter makes (scatter dim 1)" if sp else
             "the all-reduce's output" if par.tp > 1 else "the residual add's output")
     parts = [("w2's output (handed back from the stash or made anew)", act * sbh, f"{act}·s·b·h"),
@@ -1920,8 +1914,7 @@ def _replay_end_terms(cfg: Config, T: Terms, *, act: int, res: int, sbh_rep: int
     if gathered:
         parts.append(("the output gradient all-gathered (SP) before w2's backward asked for the replay", gathered,
                       f"{act}·s·b·h"))
-    for what, nbytes, formula in parts:
-        T.add("temporaries", head + what, nbytes, f"{formula} = {nbytes:,} B ({dims})", kind="mlp_backward")
+    return parts
 
 
 def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int,

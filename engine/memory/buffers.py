@@ -414,6 +414,17 @@ def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
     return cur
 
 
+def _after_the_loss(cfg: Config, plan: WrappingPlan, T: Terms) -> tuple[int, int, int]:
+    """What the loss moment holds of the loss (its temporaries, one microbatch's log-probabilities), both freed once
+    the loss's backward has run, and the logits' gradient that backward hands on (the compute dtype; the loss's
+    vocabulary: sharded under loss_parallel, else whole): (loss, log-probabilities, logits' gradient) bytes."""
+    loss = sum(t.bytes for t in T["temporaries"] if t.kind == "loss")
+    logp = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "log_probabilities")
+    sp = cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel
+    v = ceil_div(cfg.model.vocab, cfg.parallel.tp) if sp else cfg.model.vocab
+    return loss, logp, PLAN_DTYPE_BYTES[plan.compute_dtype] * cfg.local_seq_len * cfg.training.micro_batch_size * v
+
+
 def _root_regather_at_loss(cfg: Config, plan: WrappingPlan, T: Terms, root_b: int) -> None:
     """The root's pre-backward, right after the loss's backward: its hook on the logits fires with their gradient
     (the compute dtype, the loss's vocabulary), the loss's temporaries and the log-probabilities it saved freed,
@@ -424,13 +435,9 @@ def _root_regather_at_loss(cfg: Config, plan: WrappingPlan, T: Terms, root_b: in
     0.489 GiB over the loss's backward (1.468 GiB of temporaries, 0.489 GiB of log-probabilities)."""
     if cfg.conventions.state_accounting != "pytorch":
         return
-    loss = sum(t.bytes for t in T["temporaries"] if t.kind == "loss")
+    loss, logp, grad = _after_the_loss(cfg, plan, T)
     if not loss:
         return
-    logp = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "log_probabilities")
-    sp = cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel
-    v = ceil_div(cfg.model.vocab, cfg.parallel.tp) if sp else cfg.model.vocab
-    grad = PLAN_DTYPE_BYTES[plan.compute_dtype] * cfg.local_seq_len * cfg.training.micro_batch_size * v
     extra = 2 * root_b + grad - logp - loss
     if extra > 0:
         T.add("temporaries", "FSDP2's root gathered again in its pre-backward, after the loss's backward: its all-gather "
@@ -449,13 +456,9 @@ def _head_backward_at_loss(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
     stage, a later microbatch: the head's 3.91 GiB fresh gradient beside the 0.49 GiB logits' gradient, −5.5 %."""
     added = not plan.fsdp2 or not plan.converts_gradients
     head = sum(st.head for st in rp.stages)
-    loss = sum(t.bytes for t in T["temporaries"] if t.kind == "loss")
+    loss, logp, grad = _after_the_loss(cfg, plan, T)
     if not (added and head and loss):
         return
-    logp = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "log_probabilities")
-    sp = cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel
-    v = ceil_div(cfg.model.vocab, cfg.parallel.tp) if sp else cfg.model.vocab
-    grad = PLAN_DTYPE_BYTES[plan.compute_dtype] * cfg.local_seq_len * cfg.training.micro_batch_size * v
     fresh = res * head
     root = sum(t.bytes for t in T["temporaries"] if t.kind == "fsdp_root_regather")
     extra = grad + fresh - logp - loss - root

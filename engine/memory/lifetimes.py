@@ -758,7 +758,7 @@ class Signature(NamedTuple):
     # split: freed after the I, not kept to the W (``LOSS_AT_INPUT_KINDS``)
     lp_bytes: tuple[int, ...] = ()
     ig_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: a split backward's input gradient (``after_input``)
-    moment_only: int = 0  # bytes of ``late_backward`` no event lays (``MOMENT_ONLY_KINDS``): left out of the events' peak
+    moment_only: int = 0  # bytes of ``late_backward`` no event lays (``MOMENT_ONLY_KINDS``): the events skip that moment
 
 
 @lru_cache(maxsize=256)
@@ -1546,16 +1546,6 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
     return sorted(kept)
 
 
-def _events_peak(sig: Signature) -> int:
-    """The peak the events stay within: the timeline's, less what the late-backward moment holds that no event lays
-    (``MOMENT_ONLY_KINDS``: the walk lays those gradients as its blocks free their saved tensors)."""
-    if not sig.moment_only:
-        return peak_of(sig).bytes
-    t = list(sig.transient_bytes)
-    t[_LATE_BACKWARD] -= sig.moment_only
-    return peak_of(sig._replace(transient_bytes=tuple(t), moment_only=0)).bytes
-
-
 def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compress: bool = False) -> tuple:
     """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
     saved bytes of its blocks, its log-probabilities and the rest of its loss side, one microbatch each.
@@ -1573,7 +1563,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     cvs, frs = mo.cv.tolist(), mo.fr.tolist()
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
-    lay = _Laying(sig, rows, acts, grain, _events_peak(sig), first_backward)
+    lay = _Laying(sig, rows, acts, grain, peak_of(sig).bytes, first_backward)
     n_moments = len(kinds)
     windows = _steady_windows(mo, first_backward, sig.pp) if compress else []
     steady = trial = None  # the window being tried; (its first event, the generator's state at its start)
