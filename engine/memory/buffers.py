@@ -297,7 +297,9 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
               f"each {'' if plan.converts_gradients else 'later '}B (its backward is the first stage's last op), before "
               f"FSDP2's post-backward adds it into the {plan.grad_accumulation_dtype} accumulation", pgrad * emb,
               f"{pgrad} B × {emb:,}" + (" (TP: the full V·h, replicated)" if emb_full > emb_unit else ""),
-              kind="fsdp_embedding_fresh_grad" if plan.converts_gradients else "fsdp_embedding_added_grad")
+              kind="fsdp_embedding_fresh_grad" if plan.converts_gradients else "fsdp_embedding_added_grad",
+              # on a rank of several stages only the first stage's B ends hold it (``stage_backward_end``)
+              stage=min(st.stage for st in rp.stages if st.embedding) if per_stage_gradients(plan, rp) else None)
 
 
 def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes: int, psi: int, zero: int,
@@ -321,6 +323,14 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
            if not plan.float8_all_gather and not left_out
            else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if left_out
            else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
+    if per_stage_gradients(plan, rp) and not after_backward:
+        # each stage's units gathered at its first forward and resharded at its REDUCE_GRAD
+        # (``engine.memory.lifetimes.fsdp_params_lifetime``: ``stage_gathered``)
+        for stage, x in stage_shares(all_bytes, rp):
+            T.add("comm_buffers", f"FSDP2 unsharded parameters, stage {stage}'s units ({why}; from its first forward "
+                  f"to its REDUCE_GRAD){f8}", x, f"its share by elements of {how}", kind="fsdp_unsharded_params",
+                  stage=stage)
+        return
     T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
           kind="fsdp_unsharded_params")
 

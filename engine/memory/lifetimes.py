@@ -202,11 +202,18 @@ _WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 #: per local stage, from the moments' ``acc``, ``red``, ``wr``, ``cv`` and ``fr`` (each term's ``stage``): on a rank
 #: of several pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
-STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh")
+STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh",
+                   "stage_gathered", "stage_backward_end", "stage_later_backward_end")
 
 #: the event rows' tag of each per-stage lifetime
 _STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr", "stage_converted": "cv",
-              "stage_fresh": "fr"}
+              "stage_fresh": "fr", "stage_gathered": "ga", "stage_backward_end": "be", "stage_later_backward_end": "lbe"}
+
+#: the moments' per-stage columns of ``STAGE_LIFETIMES``, in order (``Moments``' fields of those names)
+_STAGE_COLUMNS = tuple(_STAGE_TAG[life] for life in STAGE_LIFETIMES)
+#: of them, the columns of a stage's B ends: the events lay their rows as the moment's transients (allocated and
+#: freed within it, named by it), not kept from one moment to the next as the other per-stage rows are
+_STAGE_END_COLUMNS = ("be", "lbe")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after_input") + TRANSIENT
@@ -332,7 +339,7 @@ REDUCE_SCATTER_STREAM_KINDS = frozenset({"fsdp_sharded_grads", "fsdp_reduced_gra
 
 
 def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, after_backward: bool,
-                         pipelined: bool = True) -> str:
+                         pipelined: bool = True, per_stage: bool = False) -> str:
     """The lifetime of FSDP2's unsharded-parameters term, as ``engine.memory.buffers`` chose it:
     unpipelined, the current block's unit → during every action, not at the end of the backward (the
     root unit, a term of its own, is gathered then); pipelined, current (+ prefetched) unit → every
@@ -342,7 +349,13 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
     → every action and loss moment, not the end of the backward: without pipelining from each forward to the
     unit's post-backward; under pipelining the schedule sets ``set_reshard_after_backward(False)`` until its
     REDUCE_GRAD, whose post-backward reshards them (``perform_reduce_grad`` sets it True first). (Kept from the
-    first backward on: ``END_FREED_KINDS`` takes them off the end of the backward likewise.)"""
+    first backward on: ``END_FREED_KINDS`` takes them off the end of the backward likewise.) ``per_stage``: a
+    rank of several pipeline stages, whose units stay gathered: each stage's are a term of their own, gathered at its
+    first forward and resharded at its own REDUCE_GRAD (``stage_gathered``), which on a looped schedule comes long
+    before the rank's last backward (measure --fake of Llama 3 405B LoopedBFS pp4 v2 ZeRO-3: rank 0's stage 4 units,
+    2.97 GiB, no longer gathered while stage 0 runs its backwards)."""
+    if per_stage and not (sharded and reshard_after_forward):
+        return "stage_gathered"
     if sharded and reshard_after_forward and not pipelined:
         # the current block's unit: the root unit (``fsdp_root_params``) is the one gathered at the end
         return "during_actions"
@@ -403,6 +416,9 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
         out["fsdp_unsharded_grads"] = "stage_converted" if split_backward and converts else "stage_accumulated"
         out["fsdp_sharded_grads"] = "stage_reduced"
         out["fsdp_stage_fresh_grads"] = "stage_fresh"
+        # the token embeddings' fresh gradient: at the end of the first stage's B only (``stage`` set on the term)
+        out["fsdp_embedding_fresh_grad"] = "stage_backward_end"
+        out["fsdp_embedding_added_grad"] = "stage_later_backward_end"
         if split_backward and converts:  # a later stage's W makes the whole stage's (``stage_fresh``), its I none
             out["fsdp_fresh_grad"] = "full_backward"
     if not pipelined and sharded and reshard_after_forward:
@@ -460,11 +476,14 @@ class Moments(NamedTuple):
     cv: np.ndarray
     fr: np.ndarray
     ig: np.ndarray
+    ga: np.ndarray
+    be: np.ndarray
+    lbe: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
         return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
-                                self.ig, self.outputs, self.masks])
+                                self.ig, self.ga, self.be, self.lbe, self.outputs, self.masks])
 
 
 def sig_moments(sig: Signature) -> Moments:
@@ -472,7 +491,8 @@ def sig_moments(sig: Signature) -> Moments:
     has something of the ``late_backward`` lifetime."""
     return moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches,
                    bool(sig.transient_bytes[_LATE_BACKWARD]),
-                   bool(sig.transient_bytes[_BACKWARD_END] or sig.transient_bytes[_LATER_BACKWARD_END]))
+                   bool(sig.transient_bytes[_BACKWARD_END] or sig.transient_bytes[_LATER_BACKWARD_END]
+                        or any(sig.be_bytes) or any(sig.lbe_bytes)))
 
 
 @lru_cache(maxsize=512)
@@ -522,7 +542,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
     first_grad = int(grad_idx[0]) if len(grad_idx) else n
-    acc, red, wr, cv, fr = _stage_columns(kind, col, v, m, stage == 0)
+    acc, red, wr, cv, fr, ga = _stage_columns(kind, col, v, m, stage == 0)
+    be = np.zeros((n, v), dtype=np.int64)  # a stage's B ends: ``_with_backward_ends``
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
     first_f[f_idx[np.unique(stage[f_idx], return_index=True)[1]]] = True
@@ -551,6 +572,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         wr = np.insert(wr, loss_at, 0, axis=0)  # a loss moment opens a B or an I, never a W
         cv = np.insert(cv, loss_at, cv[loss_at], axis=0)
         fr = np.insert(fr, loss_at, fr[loss_at], axis=0)
+        ga = np.insert(ga, loss_at, ga[loss_at], axis=0)
+        be = np.insert(be, loss_at, 0, axis=0)
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -581,11 +604,13 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         wr = np.append(wr, np.zeros((1, v), dtype=np.int64), axis=0)
         cv = np.append(cv, np.zeros((1, v), dtype=np.int64), axis=0)
         fr = np.append(fr, np.zeros((1, v), dtype=np.int64), axis=0)
+        ga = np.append(ga, np.zeros((1, v), dtype=np.int64), axis=0)  # every stage resharded by then
+        be = np.append(be, np.zeros((1, v), dtype=np.int64), axis=0)
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr,
-                  ig)
+                  ig, ga, be, be.copy())
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     if b_end:
@@ -598,8 +623,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
 
 
 def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
-                   first_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per action and local stage (``Moments``' ``acc``, ``red``, ``wr``, ``cv``, ``fr``): its unsharded gradients
+                   first_stage: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per action and local stage (``Moments``' ``acc``, ``red``, ``wr``, ``cv``, ``fr``, ``ga``): its unsharded gradients
     alive (after its first B or W, through its REDUCE_GRAD right after its m-th backward-like action, B or W), its
     sharded gradients alive (after that), the action being one of its W; and where FSDP2 accumulates in another
     dtype than the parameters', that accumulation (``cv``: after the first post-backward that finds a gradient —
@@ -607,7 +632,9 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     torch's ``FSDPParam.to_accumulated_grad_if_needed``) and the parameter-dtype gradients in ``.grad`` (``fr``:
     from each W, its own moment included, to the next I or B that adds them in, or to the REDUCE_GRAD). The
     first stage's W is a full backward (stage.py's ``backward_weight_one_chunk``: its I ran nothing), which adds
-    them in itself, as a B does (``first_stage``: per action, the action is the pipeline's stage 0's)."""
+    them in itself, as a B does (``first_stage``: per action, the action is the pipeline's stage 0's). ``ga``: its
+    FSDP2 units gathered and kept so (no resharding after forward; the schedule's ``set_reshard_after_backward(False)``),
+    from its first F through its REDUCE_GRAD, whose post-backward reshards them."""
     n = len(kind)
     rows = np.arange(n)
     done = np.zeros((n, v), dtype=np.int64)
@@ -646,7 +673,12 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
             fr[since:last + 1, j] = 1
     conv = np.array(conv_at)
     cv[:] = ((idx > conv) & (idx <= reduce_at)).astype(np.int64)
-    return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr)
+    forwards = np.zeros((n, v), dtype=bool)
+    forwards[rows, col] = kind == _F
+    first_f = np.where(forwards.any(axis=0), forwards.argmax(axis=0), n)
+    ga = ((idx >= first_f) & (idx <= reduce_at)).astype(np.int64)
+    return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr,
+            ga)
 
 
 def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, first_grad: int,
@@ -683,9 +715,12 @@ def _with_late_moment(mo: Moments) -> Moments:
 def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True) -> Moments:
     """``mo`` with a moment after each full backward B: the B's microbatch freed (its saved tensors and its loss
     side), none of the B's own transients, what lives from the first backward on (made during it), and
-    ``backward_end`` (with ``later_backward_end`` but after a stage's first B). ``column``: local stage column of
-    each global stage."""
-    rows = np.flatnonzero((mo.kind == _B) & (mo.phase == ACTION))
+    ``backward_end`` (with ``later_backward_end`` but after a stage's first B). The first stage's W under a split
+    backward is such a B (stage.py's ``backward_weight_one_chunk``: its I ran nothing, the W runs the whole backward,
+    the token embedding's last: measure --fake of GPT-2 InterleavedZeroBubble pp4 ZeRO-2 peaks at the end of stage
+    0's first W, its fp32 accumulation made beside the embeddings' fresh gradient). ``column``: local stage column
+    of each global stage."""
+    rows = np.flatnonzero(((mo.kind == _B) | ((mo.kind == _W) & (mo.stage == 0))) & (mo.phase == ACTION))
     if not len(rows):
         return mo
     first = np.unique(mo.stage[rows], return_index=True)[1]  # each stage's first B
@@ -703,8 +738,15 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     masks[:, TRANSIENT.index("until_end_of_backward")] = int(pipelined)
     acc = mo.acc[rows].copy()  # the stage's unsharded gradients: made during its first B, held until its REDUCE_GRAD
     acc[np.arange(len(rows)), col] = 1  # (after the B, which its end is not yet)
-    new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc,
-           "wr": np.zeros_like(mo.wr[rows]), "phase": np.full(len(rows), B_END)}
+    be = np.zeros_like(mo.be[rows])  # the stage's own B ends (``stage_backward_end``), and its later ones
+    be[np.arange(len(rows)), col] = 1
+    lbe = be * later[:, None]
+    iw = mo.iw[rows].copy()  # a W frees what its I kept
+    iw[np.arange(len(rows)), col] -= mo.kind[rows] == _W
+    cv = mo.cv[rows].copy()  # the accumulation in another dtype: made by the post-backwards before the end, as ``acc``
+    cv[np.arange(len(rows)), col] = 1
+    new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc, "iw": iw, "cv": cv,
+           "wr": np.zeros_like(mo.wr[rows]), "phase": np.full(len(rows), B_END), "be": be, "lbe": lbe}
     row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
     return Moments(**row)
 
@@ -759,6 +801,9 @@ class Signature(NamedTuple):
     lp_bytes: tuple[int, ...] = ()
     ig_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: a split backward's input gradient (``after_input``)
     moment_only: int = 0  # bytes of ``late_backward`` no event lays (``MOMENT_ONLY_KINDS``): the events skip that moment
+    ga_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 units kept gathered (``stage_gathered``)
+    be_bytes: tuple[int, ...] = ()  # per local stage: at the end of each of its B (``stage_backward_end``)
+    lbe_bytes: tuple[int, ...] = ()  # per local stage: at the end of each of its B but the first
 
 
 @lru_cache(maxsize=256)
@@ -788,6 +833,9 @@ class Peak(NamedTuple):
     cv: tuple[int, ...] = ()  # per local stage: its accumulation in another dtype alive
     fr: tuple[int, ...] = ()  # per local stage: a W's gradients in the parameter dtype alive
     ig: tuple[int, ...] = ()  # per local stage: its input gradients kept (the I's run by then)
+    ga: tuple[int, ...] = ()  # per local stage: its units kept gathered
+    be: tuple[int, ...] = ()  # per local stage: the moment is the end of one of its B
+    lbe: tuple[int, ...] = ()  # per local stage: the moment is the end of one of its B but the first
 
 
 #: the optimizer step's transient among a signature's ``transient_bytes``
@@ -811,7 +859,8 @@ def peak_of(sig: Signature) -> Peak:
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
                 int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
-                tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()))
+                tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()), tuple(mo.ga[i].tolist()),
+                tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()))
 
 
 @lru_cache(maxsize=256)
@@ -828,7 +877,8 @@ def _live_bytes(sig: Signature) -> np.ndarray:
         iwb = tuple(x - lp for x, lp in zip(iwb, sig.lp_bytes))
     none = (0,) * len(sig.unit_bytes)
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
-         + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none)
+         + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none) + (sig.ga_bytes or none)
+         + (sig.be_bytes or none) + (sig.lbe_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -900,8 +950,8 @@ class _Laid:
                     stage_grads[life][col] += nbytes
                     var.append((i, life))
                     if nbytes > 0:
-                        add_row(((_STAGE_TAG[life], col), nbytes,
-                                 REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
+                        add_row(((_STAGE_TAG[life], col), nbytes, ALL_GATHER_STREAM if kind in gather
+                                 else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
                     elif nbytes < 0:  # taken off that stage's blocks of the same lifetime (``_net_rows``)
                         freed[(_STAGE_TAG[life], col)] = freed.get((_STAGE_TAG[life], col), 0) - nbytes
                     continue
@@ -970,14 +1020,15 @@ class RankTimeline:
         head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
         lp = tuple(a[1] for a in laid.acts)  # of it the log-probabilities
         splits = _splits_backward(schedule, pp, microbatches, virtual_stages)
-        acc, red, wr, cv, fr = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
+        acc, red, wr, cv, fr, ga, be, lbe = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
         return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
                          tuple(laid.iw) if any(laid.iw) else (), acc if any(acc) else (), red if any(red) else (),
                          laid.step_freed, wr if any(wr) else (),
                          tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
-                         lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only)
+                         lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only,
+                         ga if any(ga) else (), be if any(be) else (), lbe if any(lbe) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -1046,8 +1097,7 @@ class RankTimeline:
                     if k != n:
                         drop[i] = _rescaled(t, k, n) if k and n else None
                 elif life in STAGE_LIFETIMES:
-                    on = {"stage_accumulated": pk.acc, "stage_reduced": pk.red, "stage_weight": pk.wr,
-                          "stage_converted": pk.cv, "stage_fresh": pk.fr}[life]
+                    on = getattr(pk, _STAGE_TAG[life])
                     if not (on and on[self._column[t.stage if pp > 1 else 0]]):
                         drop[i] = None
                 elif life == "step":
@@ -1344,7 +1394,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
-    accs, reds, cvs, frs = mo.acc.tolist(), mo.red.tolist(), mo.cv.tolist(), mo.fr.tolist()
+    per_stage = {what: getattr(mo, what).tolist() for what in _STAGE_COLUMNS if what != "wr"}
     phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
@@ -1372,6 +1422,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             transient.extend(per_life.get(_UNIT_MADE, ()))
         if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs
             transient.extend(per_life.get(("wr", col), ()))
+        for what in _STAGE_END_COLUMNS:  # a stage's B end
+            for c, x in enumerate(per_stage[what][i]):
+                if x:
+                    transient.extend(per_life.get((what, c), ()))
         if mask[-1] and not late_done:
             for j, nbytes, stream in late:
                 ev.append(("alloc", ("late", j), nbytes) + ((stream,) if stream else ()))
@@ -1380,8 +1434,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             for j, nbytes, stream in per_life.get("after_first_weight", ()):
                 ev.append(("alloc", ("wlate", j), nbytes) + ((stream,) if stream else ()))
             weight_late_done = True
-        for what, on in (("acc", accs[i]), ("red", reds[i]), ("cv", cvs[i]), ("fr", frs[i])):
-            for c, x in enumerate(on):
+        for what, column in per_stage.items():
+            if what in _STAGE_END_COLUMNS:
+                continue
+            for c, x in enumerate(column[i]):
                 if bool(x) != stage_on.get((what, c), False):
                     stage_on[(what, c)] = bool(x)
                     for j, nbytes, stream in per_life.get((what, c), ()):
@@ -1508,7 +1564,8 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
                                                             int(counts.max()))
     bits = masks @ (1 << np.arange(masks.shape[1], dtype=np.int64))
     sig = ((kind.astype(np.int64) * 8 + phase) << 32) + (stage.astype(np.int64) << 16) + bits
-    grads = np.column_stack([mo.acc, mo.red, mo.cv, mo.fr])
+    # (a stage's B-end columns follow the moments' kind, phase, stage and masks, which the periods repeat)
+    grads = np.column_stack([getattr(mo, what) for what in _STAGE_COLUMNS if what not in ("wr", "be", "lbe")])
     changes = np.flatnonzero((grads[1:] != grads[:-1]).any(axis=1)) + 1
     windows, tried = [], set()
     for (period, shift), _ in sorted(candidates.items(), key=lambda c: -c[1]):
@@ -1559,8 +1616,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     period's events, which ``engine.memory.allocator.replay`` runs until the allocator loops."""
     mo = sig_moments(sig)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
-    accs, reds = mo.acc.tolist(), mo.red.tolist()
-    cvs, frs = mo.cv.tolist(), mo.fr.tolist()
+    per_stage = {what: getattr(mo, what).tolist() for what in _STAGE_COLUMNS if what != "wr"}
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
     lay = _Laying(sig, rows, acts, grain, peak_of(sig).bytes, first_backward)
@@ -1591,7 +1647,8 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             steady = None
             lay.most = max(most_before, lay.most)
         nxt = i + 1
-        if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i], accs[i], reds[i], cvs[i], frs[i]):
+        if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i],
+                          {what: column[i] for what, column in per_stage.items()}):
             break  # the optimizer step is not laid (``RankTimeline._event_signature``)
     if steady is not None:  # a window still on trial when the step ended
         lay.most = max(most_before, lay.most)
@@ -1679,7 +1736,7 @@ class _Laying:
 
     def finish(self) -> None:
         """The step's end: what lives from the first backward on, the stages' gradients, the kept outputs."""
-        for key in [k for k in self.size if k[0] in ("late", "wlate", "acc", "red", "cv", "fr", "out", "ig")]:
+        for key in [k for k in self.size if k[0] in ("late", "wlate", "out", "ig") + _STAGE_COLUMNS]:
             self.free(key)
 
     def _blocks(self, j: int) -> tuple[int, int]:
@@ -1688,8 +1745,7 @@ class _Laying:
         blocks = self.grain.blocks[j] if layer_b > 0 else 0
         return blocks, layer_b if blocks else 0
 
-    def moment(self, i: int, kind: int, stage: int, mb: int, mask: list, phase: int, acc: list, red: list,
-               cv: list = (), fr: list = ()) -> bool:
+    def moment(self, i: int, kind: int, stage: int, mb: int, mask: list, phase: int, per_stage: dict) -> bool:
         """Lay moment ``i``'s events; False at the optimizer step, which is not laid."""
         if phase == STEP:
             return False
@@ -1708,6 +1764,10 @@ class _Laying:
                     (life, r) for r in self.per_life.get(life, ()))
         if mask[_FULL_BACKWARD]:
             (per_block if walk_b else whole).extend((_UNIT_MADE, r) for r in self.per_life.get(_UNIT_MADE, ()))
+        for what in _STAGE_END_COLUMNS:  # a stage's B end
+            for c, x in enumerate(per_stage[what]):
+                if x:
+                    whole.extend((what, r) for r in self.per_life.get((what, c), ()))
         weight_pass = []
         if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs: its recomputes,
             # in pieces the size of a block's largest tensors (the grain's ``work``: what recompute = "none"
@@ -1727,7 +1787,9 @@ class _Laying:
             for j2, nbytes, stream in self.per_life.get("after_first_weight", ()):
                 alloc(("wlate", j2), nbytes, stream)
             self.weight_late_done = True
-        for what, on in (("acc", acc), ("red", red), ("cv", cv), ("fr", fr)):  # a stage's gradients
+        for what, on in per_stage.items():  # a stage's gradients, its gathered units
+            if what in _STAGE_END_COLUMNS:
+                continue
             for c, x in enumerate(on):
                 if bool(x) != self.stage_on.get((what, c), False):
                     self.stage_on[(what, c)] = bool(x)

@@ -35,7 +35,14 @@ from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, sig_moments
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body, ceil_div
-from engine.memory.states import ACCOUNTINGS, fsdp2_optimizer_shares, lora_states, lora_unit_groups, zero1_shares
+from engine.memory.states import (
+    ACCOUNTINGS,
+    fsdp2_optimizer_shares,
+    lora_states,
+    lora_unit_groups,
+    per_stage_gradients,
+    zero1_shares,
+)
 from engine.model.params import RankParams, params_per_rank, unit_numel
 from engine.names import SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.schedules import ACTION_KINDS
@@ -76,7 +83,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     timeline = dict(schedule=par.schedule, pp_rank=rp.pp_rank, pp=par.pp, virtual_stages=par.virtual_stages,
                     microbatches=par.microbatches, stages=rp.stage_indices,
                     fsdp_params=fsdp_params_lifetime(plan.sharded, plan.reshard_after_forward, after_backward,
-                                                       plan.pipelined),
+                                                       plan.pipelined, per_stage_gradients(plan, rp)),
                     overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
                                                  plan.reshard_after_forward, len(rp.stages), plan.pipelined,
                                                  plain_grads_late(cfg, plan),

@@ -1138,7 +1138,7 @@ def test_fsdp2_gradients_of_a_split_backward_follow_torchs_post_backward():
 
     def columns(actions, first=False, m=2):
         kind = np.array([ACTION_KINDS.index(a) for a in actions])
-        acc, red, wr, cv, fr = _stage_columns(kind, np.zeros(len(kind), dtype=np.int64), 1, m,
+        acc, red, wr, cv, fr, _ = _stage_columns(kind, np.zeros(len(kind), dtype=np.int64), 1, m,
                                               np.full(len(kind), first))
         return [x[:, 0].tolist() for x in (acc, red, cv, fr)]
 
