@@ -893,18 +893,22 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
         # gradients, the later blocks having kept only their inputs (measured with plain parameters: CPU runs
         # s31#03, s2026#13 MoE GPipe full 14.2 -> 0.6 %, 12.5 -> 1.2 %; measure --fake Qwen3 30B GPipe ZeRO-1 full
-        # -12.3 -> +5.9 %. Under FSDP2 the expert-gradient moment over-predicts, s31#22 ZeRO-3 full 1.6 -> 13.9 %:
-        # there only the combine's backward is laid). Attention-core recompute ("selective") recomputes nothing
+        # -12.3 -> +5.9 %). Under FSDP2 accumulating in another dtype the input buffers are the unit's fresh .grad,
+        # which its own term counts (``fresh_buffers``: counted twice, s31#22 ZeRO-3 full read 1.6 -> 13.9 % and
+        # seed 20261206 #29 −3 → +8 %, so only the combine's backward was laid under FSDP2; that left the experts'
+        # moment out where it is the peak: measure --fake seed 20261227 #00 Qwen3 235B LoopedBFS ZeRO-3 ep2 bf16
+        # gradients −14.0 → +0.7 %, seed 20261225 Mixtral LoopedBFS ZeRO-3 ep2 fp32 gradients −6.9 → +0.2 %).
+        # Attention-core recompute ("selective") recomputes nothing
         # of the MoE half, whose backward runs on its saved tensors as under "none": the combine's backward is
         # laid the same (measure --fake, seed 20261208 #03, Qwen3 30B pp8 ZeRO-2: the fake's 6.0 GiB of fp32
-        # n·k·h temporaries; allocated −15 … −23 → −5 … +3 % on its 8 ranks), and under FSDP2 as under full
-        # recompute only that (with the expert-gradient moment too, seed 20261206 #29 ZeRO-3 ep2 went −3 → +8 %).
+        # n·k·h temporaries; allocated −15 … −23 → −5 … +3 % on its 8 ranks).
         # Per-layer recompute ("selective-layer") runs each block's backward as "none" or "full" does, on its saved
         # or recomputed tensors: the same moment (seed 20261209 #15 Qwen3 30B tp4 pp4 ep4: −20 … −22 → −9 … −17 %,
         # seed 20261211 #17 ep8 ZeRO-2: −11 … −14 → −2 … −5 %; no row of five seeds leaves its bounds)
+        plan = wrapping_plan(cfg)
         moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.kept if tr.recompute == "full" else blocks.per_layer,
-                           moe_microbatches, expert_grads=tr.recompute == "none" or plain_grads
-                           or replicate_expert_grads(cfg, wrapping_plan(cfg)))
+                           moe_microbatches, fresh_buffers=not plain_grads and plan.converts_gradients
+                           and not replicate_expert_grads(cfg, plan))
     if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
@@ -1918,9 +1922,9 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
 
 
 def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int,
-                       microbatches: dict[int, tuple[int, ...]] | None = None, expert_grads: bool = True) -> None:
+                       microbatches: dict[int, tuple[int, ...]] | None = None, fresh_buffers: bool = False) -> None:
     """The moment inside a backward where a stage with experts peaks, the larger of two in its last MoE block:
-    the combine's backward, or (``expert_grads``) the routed experts' backward (measured with MemTracker on
+    the combine's backward, or the routed experts' backward (measured with MemTracker on
     CPU: ``benchmarks/accuracy.md``'s MoE note).
 
     The combine (backend/model.py ``scatter_combine``: ``(out.float() * scores).to(dtype)`` then
@@ -1968,8 +1972,11 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
             phi = sum(routed_factor_of(cfg, ep_rank, mb, moe_idx[-1] - m.dense_layers) for mb in mbs) / len(mbs)
             n_r = moe_tokens(cfg, ep_rank, phi)[1]
         # the n_w buffers are separate tensors only beside an existing .grad (a later microbatch): in a step's
-        # only backward AccumulateGrad takes each buffer as the .grad itself (no copy), counted in grads
-        w_grads = ((n_w if par.microbatches > 1 else 0) + 2) * e_loc * f_loc * h * wb
+        # only backward AccumulateGrad takes each buffer as the .grad itself (no copy), counted in grads; and
+        # where FSDP2 accumulates in another dtype (``fresh_buffers``) its post-backward has moved the sum off .grad
+        # (FSDPParam.to_accumulated_grad_if_needed), so every microbatch's buffers become the unit's fresh .grad,
+        # the engine's fresh-gradient term (``engine.memory.buffers``)
+        w_grads = ((n_w if par.microbatches > 1 and not fresh_buffers else 0) + 2) * e_loc * f_loc * h * wb
         grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
         routed_grad = act * n_r * h if par.ep == 1 else 0
         temp = w_grads + grads + routed_grad
@@ -1984,7 +1991,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
                    + (act * n_r * h if par.ep > 1 else 0))
         freed = after + shared + combine
         gain = temp - freed
-        if expert_grads and gain > 0 and (best is None or gain > best[0]):
+        if gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine)
         c_temp = 3 * 4 * n * k * h + grads // 2
         # index_add_'s node runs first and frees the weighted outputs it saved (not a row the per-op policy saves)
@@ -2037,9 +2044,11 @@ def _lay_moe_backward(cfg: Config, T: Terms, best: tuple, kind: str, autocast: b
                   "alive yet (the combine's all-to-all backward comes after)", -a2a,
                   f"−({act}·n·k·h + {act}·n_r·h) = −{a2a:,} B", kind=f"{kind}_freed")
         return
+    bufs = w_grads // (e_loc * f_loc * h * wb) - 2  # the input buffers counted here (none where they are .grad)
     T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block: the experts' full-size weight gradients "
-          "(select_backward of each expert's slice, summed in autograd's input buffers) and the activation gradients",
-          temp, f"({n_w} + 2) × E_loc·f·h·{wb} = ({n_w} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
+          "(select_backward of each expert's slice, summed in autograd's input buffers"
+          + ("" if bufs else ": the .grad itself, counted with the gradients") + ") and the activation gradients",
+          temp, f"({bufs} + 2) × E_loc·f·h·{wb} = ({bufs} + 2) × {e_loc}·{f_loc}·{h}·{wb} = {w_grads:,} B + 2·s·b·h·{act} "
           f"= {grads:,} B (block output, input)" + (f" + n_r·h·{act} = {routed_grad:,} B (routed outputs)"
                                                    if routed_grad else ""), kind=kind)
     T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks, the "
