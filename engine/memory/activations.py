@@ -1960,6 +1960,8 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     act, wb, h, k, e_loc, f_loc, n_w = _moe_backward_dims(cfg, autocast)
     n, n_r = moe_tokens(cfg, ep_rank)
     n_s = m.seq_len * tr.micro_batch_size
+    inner = 4 if m.mlp == "swiglu" else 2
+    casts = autocast or _replicate_leaves_experts_fp32(cfg)  # each expert's weight slices cast anew, saved
     split = split_layers(m.layers, par.num_stages, par.pipeline_split)
     best = best_c = None  # the larger moment of either kind; the combine's alone
     for st in rp.stages:
@@ -1989,14 +1991,19 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
                 shared += act * (n_s - n) * h
         combine = (4 * n * k * h + 12 * n * k + (4 if autocast else act) * n * k * h
                    + (act * n_r * h if par.ep > 1 else 0))
-        freed = after + shared + combine
+        # the experts run one after another, the last one first in the backward: by the time the buffers and two fresh
+        # gradients are alive at once (the second expert's), the first's chain has run and freed its own saved
+        # tensors (its gate, SiLU, up outputs; its weight slices' casts) — measure --fake Mixtral ep4, 2 local experts:
+        # half of the block's expert rows gone at that moment
+        first = (inner * act * n_r * f_loc + (act * n_w * f_loc * h if casts else 0)) // e_loc if e_loc > 1 else 0
+        freed = after + shared + combine + first
         gain = temp - freed
         if gain > 0 and (best is None or gain > best[0]):
-            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine)
+            best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, first)
         c_temp = 3 * 4 * n * k * h + grads // 2
         # index_add_'s node runs first and frees the weighted outputs it saved (not a row the per-op policy saves)
         weighted = (4 if autocast else act) * n * k * h if tr.recompute != "selective-op" else 0
-        c = (c_temp - after - weighted, st.stage, c_temp, None, grads // 2, 0, after + weighted, after, 0, 0)
+        c = (c_temp - after - weighted, st.stage, c_temp, None, grads // 2, 0, after + weighted, after, 0, 0, 0)
         if c[0] > 0 and (best is None or c[0] > best[0]):
             best = c
         if c[0] > 0 and (best_c is None or c[0] > best_c[0]):
@@ -2015,9 +2022,13 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
 
 def _moe_backward_dims(cfg: Config, autocast: bool) -> tuple[int, int, int, int, int, int, int]:
     """(activation bytes, the experts' compute-weight bytes — FSDP2: param_dtype —, h, k, local experts, their
-    f on this rank, weight matrices per expert) of ``moe_backward_terms``' moments."""
+    f on this rank, weight matrices per expert) of ``moe_backward_terms``' moments. The weight gradients' buffers are
+    in the dtype of the tensor each expert's slice is taken from: the fp32 parameter under autocast, and under FSDP2's
+    replicate, which leaves the routed experts out of its mixed-precision policy (backend/model.py's ``sl``: the slice
+    first, its cast after; measure --fake Mixtral ep4 tp4 replicate: 448 MiB fp32 buffers, 2 experts × 14336 × 4096)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
-    return (4 if tr.precision == "fp32" else 2, 4 if tr.precision == "fp32" or autocast else 2, m.hidden,
+    left_out = wrapping_plan(cfg).data_parallel == "replicate"
+    return (4 if tr.precision == "fp32" else 2, 4 if tr.precision == "fp32" or autocast or left_out else 2, m.hidden,
             m.experts_per_token, m.experts // par.ep if par.ep > 1 else m.experts,
             m.expert_hidden // (par.tp if par.ep == 1 else 1), 3 if m.mlp == "swiglu" else 2)
 
@@ -2026,7 +2037,7 @@ def _lay_moe_backward(cfg: Config, T: Terms, best: tuple, kind: str, autocast: b
     """``moe_backward_terms``' chosen moment as terms of ``kind`` (its freed tensors ``kind``_freed)."""
     par = cfg.parallel
     act, wb, h, k, e_loc, f_loc, n_w = _moe_backward_dims(cfg, autocast)
-    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine = best
+    _, stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, first = best
     if w_grads is None:
         T.add("temporaries", f"MoE backward of stage {stage}'s last MoE block, its combine: the routed copies' output "
               "gradient cast to fp32, the expert outputs' gradient and the scores' product",
@@ -2052,7 +2063,7 @@ def _lay_moe_backward(cfg: Config, T: Terms, best: tuple, kind: str, autocast: b
           f"= {grads:,} B (block output, input)" + (f" + n_r·h·{act} = {routed_grad:,} B (routed outputs)"
                                                    if routed_grad else ""), kind=kind)
     T.add("activations", f"MoE backward of stage {stage}'s last MoE block: freed by then (later blocks, the "
-          "block's shared experts and combine)", -freed,
+          "block's shared experts and combine, the first expert's own tensors)", -freed,
           f"−({after:,} B later blocks + {shared:,} B shared experts + {combine:,} B combine: "
-          f"(4 + {4 if autocast else act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "") + ")",
-          kind=f"{kind}_freed")
+          f"(4 + {4 if autocast else act})·n·k·h + 12·n·k" + (f" + {act}·n_r·h" if par.ep > 1 else "")
+          + f" + {first:,} B one of {e_loc} experts' rows and weight casts)", kind=f"{kind}_freed")

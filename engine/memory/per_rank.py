@@ -41,6 +41,7 @@ from engine.memory.states import (
     lora_states,
     lora_unit_groups,
     per_stage_gradients,
+    replicate_expert_grads,
     zero1_shares,
 )
 from engine.model.params import RankParams, params_per_rank, unit_numel
@@ -86,7 +87,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                                        plan.pipelined, per_stage_gradients(plan, rp)),
                     overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
                                                  plan.reshard_after_forward, len(rp.stages), plan.pipelined,
-                                                 plain_grads_late(cfg, plan),
+                                                 plain_grads_late(cfg, plan) or replicate_expert_grads(cfg, plan),
                                                  par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES,
                                                  plan.converts_gradients))
     if ep_rank is not None and _load_per_microbatch(cfg):
