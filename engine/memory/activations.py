@@ -1978,7 +1978,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         # where FSDP2 accumulates in another dtype (``fresh_buffers``) its post-backward has moved the sum off .grad
         # (FSDPParam.to_accumulated_grad_if_needed), so every microbatch's buffers become the unit's fresh .grad,
         # the engine's fresh-gradient term (``engine.memory.buffers``)
-        w_grads = ((n_w if par.microbatches > 1 and not fresh_buffers else 0) + 2) * e_loc * f_loc * h * wb
+        # (one local expert: its weights' input buffers take a single gradient each, nothing to sum, and AccumulateGrad
+        # takes or adds each before the next weight's: the select_backward output beside its source, one weight's at
+        # a time — measure --fake Mixtral ep8, 224 MiB fp32 tensors two at a time)
+        w_grads = ((n_w if par.microbatches > 1 and not fresh_buffers and e_loc > 1 else 0) + 2) * e_loc * f_loc * h * wb
         grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
         routed_grad = act * n_r * h if par.ep == 1 else 0
         temp = w_grads + grads + routed_grad

@@ -349,10 +349,20 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         add_sharded_grads(T, plan, rp, "gradients, FSDP2 sharded, in the parameter dtype (fp32)"
                           + (", without the routed experts" if plain else ""), 4 * (psi_d - plain),
                           f"4 B × {how}" + (f" − 4 B × {plain:,} expert elements" if plain else ""))
-        if plain:
-            T.add("grads", "routed experts' gradients, plain fp32 tensors (FSDP2's replicate ignores the experts: "
-                  "autograd accumulates their .grad, the backend syncs them over the expert replicas)", 4 * plain,
-                  f"4 B × {plain:,}", kind="gradients")
+        label = ("routed experts' gradients, plain fp32 tensors (FSDP2's replicate ignores the experts: autograd "
+                 "accumulates their .grad, the backend syncs them over the expert replicas)")
+        if plain and par.pp > 1 and len(rp.stages) > 1 and par.schedule not in SPLIT_BACKWARD_SCHEDULES:
+            # made at each stage's own first backward, as a rank's plain gradients are (``_plain_gradients_by_stage``;
+            # measure --fake Mixtral LoopedBFS pp2 v2 ep8: rank 0 peaks in stage 2's first B with no expert gradient)
+            for st in sorted(rp.stages, key=lambda st: st.stage):
+                if st.experts:
+                    T.add("grads", f"{label}: stage {st.stage}'s, from its last backward on", 4 * st.experts,
+                          f"4 B × {st.experts:,}", kind="gradients", stage=st.stage)
+                    T.add("grads", f"{label}: stage {st.stage}'s, from its first backward through its last (the same "
+                          "tensors)", 4 * st.experts, f"4 B × {st.experts:,}", kind="plain_grads_accumulating",
+                          stage=st.stage)
+        elif plain:
+            T.add("grads", label, 4 * plain, f"4 B × {plain:,}", kind="gradients")
         opt_numel, rule = psi_d, how
         shares = fsdp2_optimizer_shares(cfg, rp) if shard > 1 else None
         if shares is not None and shares[dp_rank] != psi_d:
