@@ -567,13 +567,9 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
         ig = np.insert(ig, loss_at, ig[loss_at], axis=0)
-        acc = np.insert(acc, loss_at, acc[loss_at], axis=0)  # the loss moment precedes its action: alike
-        red = np.insert(red, loss_at, red[loss_at], axis=0)
-        wr = np.insert(wr, loss_at, 0, axis=0)  # a loss moment opens a B or an I, never a W
-        cv = np.insert(cv, loss_at, cv[loss_at], axis=0)
-        fr = np.insert(fr, loss_at, fr[loss_at], axis=0)
-        ga = np.insert(ga, loss_at, ga[loss_at], axis=0)
-        be = np.insert(be, loss_at, 0, axis=0)
+        # the loss moment precedes its action: the stages' columns alike; it opens a B or an I, never a W or a B's end
+        acc, red, cv, fr, ga = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga))
+        wr, be = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be))
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -599,13 +595,10 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         end_ig = ig[last:].copy()
         end_ig[0, col_of_last] += int(kind[last] == _I)
         ig = np.append(ig, end_ig, axis=0)
-        acc = np.append(acc, np.zeros((1, v), dtype=np.int64), axis=0)  # every stage reduced by then
+        # every stage reduced (its sharded gradients alive) and resharded by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
-        wr = np.append(wr, np.zeros((1, v), dtype=np.int64), axis=0)
-        cv = np.append(cv, np.zeros((1, v), dtype=np.int64), axis=0)
-        fr = np.append(fr, np.zeros((1, v), dtype=np.int64), axis=0)
-        ga = np.append(ga, np.zeros((1, v), dtype=np.int64), axis=0)  # every stage resharded by then
-        be = np.append(be, np.zeros((1, v), dtype=np.int64), axis=0)
+        acc, wr, cv, fr, ga, be = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
+                                   for x in (acc, wr, cv, fr, ga, be))
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)

@@ -10,6 +10,15 @@ from engine.config import Config
 from engine.predict import predict
 
 
+def _rank0_as_the_fake_holds_it(cfg: Config, tmp_path, rel: float = 0.01):
+    """The engine's rank 0, its allocated peak checked against ``measure --fake`` of the same rank within ``rel``."""
+    rank = predict(cfg).memory.per_rank[0]
+    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
+    (row,) = reserved_rows(res)
+    assert rank.allocated == pytest.approx(row["max_allocated"], rel=rel)
+    return rank
+
+
 def _cfg(preset: str, schedule: str, zero: int, grad_dtype: str, seq: int, microbatches: int) -> Config:
     return Config.from_dict({
         "model": {"preset": preset, "layers": 8, "seq_len": seq},
@@ -27,10 +36,7 @@ def test_a_looped_schedule_reshards_each_stage_at_its_own_reduce_grad(tmp_path):
     where the rank peaks with only stage 0's units gathered (engine: ``stage_gathered``; with every unit gathered to
     the end of the backward it read +5.4 %). The token embeddings' fresh gradient at the ends of stage 0's B only."""
     cfg = _cfg("llama3-8b", "LoopedBFS", 3, "bf16", 2048, 8)
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (row,) = reserved_rows(res)
-    rank = predict(cfg).memory.per_rank[0]
-    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.01)
+    rank = _rank0_as_the_fake_holds_it(cfg, tmp_path)
     assert rank.peak_moment.startswith("the end of stage 0 B")
     gathered = {t.stage: t.bytes for t in rank.explain("comm_buffers") if t.kind == "fsdp_unsharded_params"}
     assert set(gathered) == {0}
@@ -43,10 +49,7 @@ def test_the_first_stages_w_ends_as_a_b_does(tmp_path):
     last: its end holds the embeddings' fresh gradient beside the fp32 accumulation FSDP2's post-backward makes from
     it, the rank's peak for GPT-2 (a large vocabulary for its blocks); without that moment the engine read −4.2 %."""
     cfg = _cfg("gpt2-124m", "InterleavedZeroBubble", 2, "fp32", 1024, 4)
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (row,) = reserved_rows(res)
-    rank = predict(cfg).memory.per_rank[0]
-    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.01)
+    rank = _rank0_as_the_fake_holds_it(cfg, tmp_path)
     assert rank.peak_moment.startswith("the end of stage 0 B of microbatch 0")
     fresh = [t for t in rank.explain("comm_buffers") if t.kind == "fsdp_embedding_fresh_grad"]
     assert len(fresh) == 1 and fresh[0].stage == 0
@@ -71,9 +74,7 @@ def test_fsdp2_experts_backward_holds_their_input_buffers_beside_the_accumulatio
     rank = predict(cfg).memory.per_rank[0]
     (term,) = [t for t in rank.catalogue("temporaries") if t.kind == "moe_backward"]
     assert term.formula.startswith(f"({buffers} + 2) × E_loc")
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (row,) = reserved_rows(res)
-    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.01)
+    _rank0_as_the_fake_holds_it(cfg, tmp_path, rel=0.01)
 
 
 @pytest.mark.integration
@@ -94,9 +95,7 @@ def test_experts_that_replicate_leaves_out_make_their_gradients_in_the_first_bac
     assert not [t for t in rank.explain("grads") if t.kind == "gradients"]
     (term,) = [t for t in rank.catalogue("temporaries") if t.kind == "moe_backward"]
     assert "(3 + 2) × 2·14336·4096·4 =" in term.formula  # two local experts' fp32 (f, h) slices
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (row,) = reserved_rows(res)
-    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.03)
+    _rank0_as_the_fake_holds_it(cfg, tmp_path, rel=0.03)
 
 
 @pytest.mark.integration
@@ -118,6 +117,4 @@ def test_left_out_experts_gradients_are_made_stage_by_stage_one_weight_at_a_time
     assert held == {2}
     (term,) = [t for t in rank.catalogue("temporaries") if t.kind == "moe_backward"]
     assert term.formula.startswith("(0 + 2) × E_loc")
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (row,) = reserved_rows(res)
-    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.04)
+    _rank0_as_the_fake_holds_it(cfg, tmp_path, rel=0.04)
