@@ -889,7 +889,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
-    if blocks.moe and torch_acc and tr.recompute in ("none", "full", "selective", "selective-layer"):
+    if blocks.moe and torch_acc:
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
         # gradients, the later blocks having kept only their inputs (measured with plain parameters: CPU runs
         # s31#03, s2026#13 MoE GPipe full 14.2 -> 0.6 %, 12.5 -> 1.2 %; measure --fake Qwen3 30B GPipe ZeRO-1 full
@@ -2007,6 +2007,8 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         # index_add_'s node runs first and frees the weighted outputs it saved (not a row the per-op policy saves)
         weighted = (4 if autocast else act) * n * k * h if tr.recompute != "selective-op" else 0
         c = (c_temp - after - weighted, st.stage, c_temp, None, grads // 2, 0, after + weighted, after, 0, 0, 0)
+        if tr.recompute == "selective-op":  # the block's backward runs on its replay (``recomputed_block``): only
+            continue  # the experts' gradients are laid beside it (measure --fake seed 20261226: +2.7 -> +4.9 % with it)
         if c[0] > 0 and (best is None or c[0] > best[0]):
             best = c
         if c[0] > 0 and (best_c is None or c[0] > best_c[0]):
