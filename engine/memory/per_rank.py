@@ -87,7 +87,8 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                                        plan.pipelined, per_stage_gradients(plan, rp)),
                     overrides=lifetime_overrides(plan.unsharded_after_first_backward, plan.sharded,
                                                  plan.reshard_after_forward, len(rp.stages), plan.pipelined,
-                                                 plain_grads_late(cfg, plan) or replicate_expert_grads(cfg, plan),
+                                                 plain_grads_late(cfg, plan)
+                                                 or (replicate_expert_grads(cfg, plan) and rp.experts > 0),
                                                  par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES,
                                                  plan.converts_gradients))
     if ep_rank is not None and _load_per_microbatch(cfg):
