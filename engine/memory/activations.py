@@ -2032,7 +2032,7 @@ def _moe_backward_dims(cfg: Config, autocast: bool) -> tuple[int, int, int, int,
     replicate, which leaves the routed experts out of its mixed-precision policy (backend/model.py's ``sl``: the slice
     first, its cast after; measure --fake Mixtral ep4 tp4 replicate: 448 MiB fp32 buffers, 2 experts × 14336 × 4096)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
-    left_out = wrapping_plan(cfg).data_parallel == "replicate"
+    left_out = _replicate_leaves_experts_fp32(cfg)
     return (4 if tr.precision == "fp32" else 2, 4 if tr.precision == "fp32" or autocast or left_out else 2, m.hidden,
             m.experts_per_token, m.experts // par.ep if par.ep > 1 else m.experts,
             m.expert_hidden // (par.tp if par.ep == 1 else 1), 3 if m.mlp == "swiglu" else 2)

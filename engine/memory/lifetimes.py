@@ -1640,8 +1640,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             steady = None
             lay.most = max(most_before, lay.most)
         nxt = i + 1
-        if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i],
-                          {what: column[i] for what, column in per_stage.items()}):
+        if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i], per_stage):
             break  # the optimizer step is not laid (``RankTimeline._event_signature``)
     if steady is not None:  # a window still on trial when the step ended
         lay.most = max(most_before, lay.most)
@@ -1739,7 +1738,8 @@ class _Laying:
         return blocks, layer_b if blocks else 0
 
     def moment(self, i: int, kind: int, stage: int, mb: int, mask: list, phase: int, per_stage: dict) -> bool:
-        """Lay moment ``i``'s events; False at the optimizer step, which is not laid."""
+        """Lay moment ``i``'s events; False at the optimizer step, which is not laid. ``per_stage``: each per-stage
+        column (``_STAGE_COLUMNS`` but ``wr``) by its tag, as a list per moment."""
         if phase == STEP:
             return False
         sig, size, alloc, free = self.sig, self.size, self.alloc, self.free
@@ -1758,7 +1758,7 @@ class _Laying:
         if mask[_FULL_BACKWARD]:
             (per_block if walk_b else whole).extend((_UNIT_MADE, r) for r in self.per_life.get(_UNIT_MADE, ()))
         for what in _STAGE_END_COLUMNS:  # a stage's B end
-            for c, x in enumerate(per_stage[what]):
+            for c, x in enumerate(per_stage[what][i]):
                 if x:
                     whole.extend((what, r) for r in self.per_life.get((what, c), ()))
         weight_pass = []
@@ -1780,10 +1780,10 @@ class _Laying:
             for j2, nbytes, stream in self.per_life.get("after_first_weight", ()):
                 alloc(("wlate", j2), nbytes, stream)
             self.weight_late_done = True
-        for what, on in per_stage.items():  # a stage's gradients, its gathered units
+        for what, column in per_stage.items():  # a stage's gradients, its gathered units
             if what in _STAGE_END_COLUMNS:
                 continue
-            for c, x in enumerate(on):
+            for c, x in enumerate(column[i]):
                 if bool(x) != self.stage_on.get((what, c), False):
                     self.stage_on[(what, c)] = bool(x)
                     for j2, nbytes, stream in self.per_life.get((what, c), ()):

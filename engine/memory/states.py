@@ -102,10 +102,19 @@ def _plain_gradients_by_stage(T: Terms, rp: RankParams, label: str, nbytes: int,
     (``stage_accumulated`` through its last backward, ``stage_reduced`` after it); the second,
     ``plain_grads_accumulating``, is a part of the gradients (``PARTIAL_STATE_KINDS``), not more of them. ``extra``: the
     TP token embedding's full-size gradient beyond its rows, the first stage's."""
+    shares = []
     for stage, x in stage_shares(nbytes, rp):
-        x += extra if stage == 0 else 0
         what = f"its share by elements of {how}" + (f" (+{extra:,} B: the embedding at full V × h)"
                                                     if stage == 0 and extra else "")
+        shares.append((stage, x + (extra if stage == 0 else 0), what))
+    _stage_gradient_terms(T, label, shares)
+
+
+def _stage_gradient_terms(T: Terms, label: str, shares: list[tuple[int, int, str]]) -> None:
+    """Plain gradients of several stages, each (stage, bytes, formula) as two terms of the same bytes on the per-stage
+    lifetimes: ``stage_accumulated`` through its last backward (``plain_grads_accumulating``, a part of the gradients,
+    ``PARTIAL_STATE_KINDS``) and ``stage_reduced`` after it."""
+    for stage, x, what in shares:
         T.add("grads", f"{label}: stage {stage}'s, from its last backward on", x, what, kind="gradients",
               stage=stage)
         T.add("grads", f"{label}: stage {stage}'s, from its first backward through its last (the same tensors)", x, what,
@@ -354,13 +363,8 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
         if plain and par.pp > 1 and len(rp.stages) > 1 and par.schedule not in SPLIT_BACKWARD_SCHEDULES:
             # made at each stage's own first backward, as a rank's plain gradients are (``_plain_gradients_by_stage``;
             # measure --fake Mixtral LoopedBFS pp2 v2 ep8: rank 0 peaks in stage 2's first B with no expert gradient)
-            for st in sorted(rp.stages, key=lambda st: st.stage):
-                if st.experts:
-                    T.add("grads", f"{label}: stage {st.stage}'s, from its last backward on", 4 * st.experts,
-                          f"4 B × {st.experts:,}", kind="gradients", stage=st.stage)
-                    T.add("grads", f"{label}: stage {st.stage}'s, from its first backward through its last (the same "
-                          "tensors)", 4 * st.experts, f"4 B × {st.experts:,}", kind="plain_grads_accumulating",
-                          stage=st.stage)
+            _stage_gradient_terms(T, label, [(st.stage, 4 * st.experts, f"4 B × {st.experts:,}")
+                                             for st in sorted(rp.stages, key=lambda st: st.stage) if st.experts])
         elif plain:
             T.add("grads", label, 4 * plain, f"4 B × {plain:,}", kind="gradients")
         opt_numel, rule = psi_d, how
