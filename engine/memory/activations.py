@@ -915,12 +915,14 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     if torch_acc and lora_on and autocast and any(st.layers for st in rp.stages):
         lora_forward_casts(cfg, T, res, recomputed=tr.recompute in ("full", "selective-layer")
                            and any(ckpt_of[st.stage] for st in rp.stages))
+    mlp_phase, before_weight_gradients = 0, False
     if torch_acc and not lora_on:
-        block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last,
+        before_weight_gradients = block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs,
+                                                       holds_last=holds_last,
                              plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast,
                              autocast=autocast)
         if par.cp > 1:
-            _cp_attention_after_mlp(T, sh)
+            mlp_phase = _cp_attention_after_mlp(T, sh)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, ep_rank=ep_rank)
     if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
@@ -929,7 +931,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                                       moe_split_backward_group_grads(cfg, act, res, sbh_rep, ep_rank) if blocks.moe
                                       else None)
         weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, keeps, ep_rank)
-    return {"res": res, "sbh_rep": sbh_rep, "hs": hs}
+    return {"res": res, "sbh_rep": sbh_rep, "hs": hs, "mlp_phase": mlp_phase,
+            "before_weight_gradients": before_weight_gradients}
 
 
 def _v_symbol(model, v_loss: int) -> str:
@@ -1691,7 +1694,7 @@ def _dropped(T: Terms, stage: int, freed: int) -> None:
               f"−{freed:,} B (weight_pass_bytes)", stage=stage, kind="split_backward_grads_freed")
 
 
-def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
+def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
     """A full backward runs a block's MLP before its attention: autograd frees what the MLP and its norm
     saved as their nodes run, so the context-parallel attention's workspace (its backward, and under full
     recompute the recomputed forward, which rebuilds the attention before the MLP) never meets the MLP's
@@ -1706,12 +1709,16 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
     backward held what it holds (two blocks' gradients, the contiguous output gradient:
     ``context_parallel_workspace``); with both, thirteen cached seeds' mean |allocated error| 1.48 → 1.41 %
     (GPT-2 s128K pp8 cp2 per-op selective +13.5 → +5.5 %, Llama 2 7B s32K cp +4.0 → +1.4 %; lower: Llama 2 7B
-    selective-layer pp cp −2.1 → −4.0 %, a split-backward selective row −2.9 → −5.8 %)."""
+    selective-layer pp cp −2.1 → −4.0 %, a split-backward selective row −2.9 → −5.8 %).
+
+    Returns what the MLP's phase holds that the attention's does not (MLP net + saved; 0 where nothing was laid): FSDP2's
+    fresh weight gradients made by the attention's phase but not by the MLP's take their place in the attention's side
+    (``engine.memory.buffers._fresh_gradients``)."""
     cp = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
     mlp = sum(t.bytes for c in ("temporaries", "activations") for t in T[c]
               if t.kind in ("mlp_backward", "mlp_backward_freed"))
     if not cp or not mlp:
-        return
+        return 0
     table = layer_activation_terms(dataclasses.replace(sh, recompute="none"))[0]
     saved = sum(x for _, x, group in table if group in ("mlp", "norm2"))
     off = min(cp, mlp + saved)
@@ -1719,6 +1726,7 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> None:
           "workspace comes after the MLP's gradients and with the MLP's saved tensors gone", -off,
           f"−min(workspace {cp:,} B, MLP gradients net {mlp:,} B + MLP and norm2 saved {saved:,} B)",
           kind="mlp_backward_freed")
+    return mlp + saved
 
 
 def lora_forward_casts(cfg: Config, T: Terms, res: int, recomputed: bool = False) -> None:
@@ -1760,7 +1768,7 @@ def lora_forward_casts(cfg: Config, T: Terms, res: int, recomputed: bool = False
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
-                         holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool, autocast: bool = False) -> None:
+                         holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool, autocast: bool = False) -> bool:
     """What a full backward B holds inside the first block it runs (the stage's last), over the saved
     tensors: the gradients its MLP's backward makes, the tensor it frees, the gradient coming in; and
     the input gradient a later stage keeps for its send (measured op by op with MemTracker on the
@@ -1779,10 +1787,14 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     (comm_buffers). A stage after the first keeps the input gradient its backward sent until the next
     backward makes the next one. Only where the stage's last block is dense (a MoE block's backward
     is ``moe_backward_terms``'). ``fp32_linear_inputs``: torchao's float8 Linears receive fp32 inputs
-    (CPU autocast: torchao casts to the autocast dtype under CUDA's only), so the down input is fp32."""
+    (CPU autocast: torchao casts to the autocast dtype under CUDA's only), so the down input is fp32.
+
+    Returns whether the moment laid is one before any weight gradient of the block exists: float8's casts of the
+    tokens for w2's weight gradient (``engine.memory.buffers._made_by_the_b_moment``)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t = par.tp
     s, b = cfg.local_seq_len, tr.micro_batch_size
+    before_weight_gradients = False
     # MoE blocks follow the dense ones: a stage's last block is dense where it holds no MoE block
     if any(st.layers and not st.moe_layers for st in rp.stages):
         f_loc = m.ffn_hidden // t
@@ -1800,7 +1812,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # the compute dtype, alive through w2's backward (measure --fake, Llama 3 70B TP8 SP: 0.5 GiB at
         # 32,768 tokens a rank); without it that gradient is the residual stream's, counted where it arrives
         gathered = act * s * b * m.hidden if t > 1 and par.sequence_parallel else 0
-        cast = 0
+        cast = token_casts = 0
         if tr.float8 != "none" and not tr.compile:
             # torchao's eager cast of w2's saved input for its weight gradient
             # (hp_tensor_and_scale_to_float8: ``tensor.to(torch.float32) * scale``, then to float8):
@@ -1816,6 +1828,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             # (to_fp8_saturated: the clamp's fp32 output and its float8 result, with the scaled fp32 input
             # still held: 4 + 4 + 1 bytes an element, and the first cast's float8 byte)
             cast = max(cast, (4 + 4 + 1 + 1) * s * b * m.hidden) + gathered
+            token_casts = cast
             if not wrapping_plan(cfg).float8_all_gather:
                 # or, before the down input's gradient exists, w2's weight cast along its other axis for that
                 # gradient (the backward's ``hp_tensor_to_float8_dynamic(weight_hp_t, ...)``, torchao 0.18
@@ -1837,6 +1850,8 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                 T.add("temporaries", "the first block's replay of its forward (per-op selective recompute) at its last "
                       f"op: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})", kind="mlp_backward")
         elif cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
+            # the tokens' casts for w2's weight gradient come before it: no weight gradient of the block is made by then
+            before_weight_gradients = cast == token_casts
             T.add("temporaries", "the first block's MLP backward under float8: the down input's gradient, and "
                   "the down input cast to float8 for w2's weight gradient (fp32 upcast, scaled copy, float8) "
                   "with the output gradient's two float8 casts"
@@ -1871,6 +1886,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     if par.pp > 1 and any(st.stage > 0 for st in rp.stages):
         T.add("temporaries", "the input gradient of the last backward, kept for its send to the previous stage",
               res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="held_input_gradient")
+    return before_weight_gradients
 
 
 def _w2_fresh_gradient(cfg: Config, f_loc: int, *, act: int, wb: int, plain_grads: bool, autocast: bool) -> tuple[int, int]:

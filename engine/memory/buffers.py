@@ -98,7 +98,8 @@ def _explain_units(sizes: list[int]) -> str:
 
 
 def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi: int, psi_train: int,
-                  train_units: tuple[tuple[int, int], ...]) -> None:
+                  train_units: tuple[tuple[int, int], ...], mlp_phase: int = 0,
+                  before_weight_gradients: bool = False) -> None:
     """What FSDP2 (fully_shard / replicate + MixedPrecisionPolicy) gathers and reduces on this rank,
     held at the rank's peak as ``plan`` says (engine.wrapping):
 
@@ -185,7 +186,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
                   f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
                   stage=first)
-        _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on, _made_by_the_b_moment(cfg, rp, lora_on))
+        _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on,
+                         _made_by_the_b_moment(cfg, rp, lora_on, before_weight_gradients), mlp_phase)
     else:
         # replicate walks its units as ZeRO-2 does (FSDP2's machinery with a shard degree of 1), its sharded
         # gradients the whole parameters' (not yet with routed experts: replicate leaves them out)
@@ -202,36 +204,57 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
 
 
-def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool) -> int:
+def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int) -> None:
+    """Under context parallelism the rest of the largest unit's fresh gradients a B's moment holds in its attention's
+    phase (the MLP's and the output projection's, :func:`_made_by_the_b_moment`): beside the ring attention's workspace,
+    not beside the MLP's backward. They join the workspace in ``_cp_attention_after_mlp``'s choice of the larger phase:
+    what comes off grows from min(workspace, MLP phase) to min(workspace + these, MLP phase)."""
+    ws = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
+    T.add("comm_buffers", f"the largest unit's fresh gradients in {dtype} made by the ring attention's backward: the "
+          "MLP's others and the output projection's", nbytes, f"{nbytes:,} B", kind="fsdp_fresh_grad_made")
+    if ws and mlp_phase:
+        off = min(ws + nbytes, mlp_phase) - min(ws, mlp_phase)
+        if off:
+            T.add("temporaries", "the attention phase's fresh gradients are not beside the MLP's backward (the larger "
+                  "phase's)", -off, f"−(min({ws:,} + {nbytes:,}, {mlp_phase:,}) − min({ws:,}, {mlp_phase:,})) B",
+                  kind="mlp_backward_freed")
+
+
+def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bool = False) -> tuple[int, int] | None:
     """Elements of the gradients a dense block's backward has made by the moment a B's own moment stands for, where
-    that holds fewer than the whole unit's (autograd runs the block's backward from its last op). Without context
-    parallelism that moment is the first block's MLP backward (``engine.memory.activations.block_backward_terms``):
-    the down projection's weight (and bias) gradient, made by the backward's first matmul; under float8 the MLP's
-    moment is the weight casts of the second up projection's backward (torchao's Float8Linear), by when the first
-    one's weight gradient is made too (measure --fake of Llama 3 405B tp2 SP tensorwise: two 0.81 GiB bf16 gradients
-    alive at its peak, in that cast). Under context parallelism it is the ring attention's backward (its workspace,
-    ``cp_attention``, the B's largest transient), which runs after the MLP's backward and the output projection's:
-    their weight gradients (measure --fake of Llama 3 405B tp2 cp2, full recompute: w1, w2, w3 and wo's bf16
-    gradients alive at its peak inside the attention backward). 0 where it is not modelled so: LoRA (adapters only),
-    experts and split backwards (the first stage's W, run whole, was not checked against the fake)."""
+    that holds fewer than the whole unit's (autograd runs the block's backward from its last op): (made by the MLP's
+    backward, made more by the context-parallel attention's). The first block's MLP backward
+    (``engine.memory.activations.block_backward_terms``) has made the down projection's weight (and bias) gradient,
+    by the backward's first matmul; under float8 the MLP's moment is the weight casts of the second up projection's
+    backward (torchao's Float8Linear), by when the first one's weight gradient is made too (measure --fake of Llama 3
+    405B tp2 SP tensorwise: two 0.81 GiB bf16 gradients alive at its peak, in that cast); where the tokens' casts for
+    w2's weight gradient outweigh that cast (``before``), the MLP's moment comes before w2's weight gradient: none is
+    made (measure --fake of Llama 3 8B pp8 cp4 ZeRO-3 full tensorwise: at its peak in those casts, 448, 448 and 112 MiB
+    beside the down input's 224 MiB gradient, no weight gradient of the block). Under context parallelism
+    the B's moment holds the larger of two phases (``_cp_attention_after_mlp``): the MLP's, with those, and the ring
+    attention's backward (its workspace, ``cp_attention``), which runs after the MLP's backward and the output
+    projection's, with their weight gradients too (measure --fake of Llama 3 405B tp2 cp2, full recompute: w1, w2,
+    w3 and wo's bf16 gradients alive at its peak inside the attention backward). None where it is not modelled so: LoRA (adapters only), experts and split backwards (the first
+    stage's W, run whole, was not checked against the fake)."""
     tr, m, par = cfg.training, cfg.model, cfg.parallel
     if lora_on or m.experts or par.schedule in SPLIT_BACKWARD_SCHEDULES:
-        return 0
+        return None
     weights, biases = mlp_tensors(m, m.ffn_hidden, par.tp)
+    made = weights[-1:] + (weights[:1] if tr.float8 != "none" and m.mlp == "swiglu" else ())
+    mlp = 0 if before else sum(a * b for a, b in made) + (biases[-1][0] if biases else 0)
     if par.cp == 1:
-        made = weights[-1:] + (weights[:1] if tr.float8 != "none" and m.mlp == "swiglu" else ())
-        return sum(a * b for a, b in made) + (biases[-1][0] if biases else 0)
+        return mlp, 0
     out_proj = [w for w in attention_tensors(m, par.tp)[0] if w[0] == m.hidden][-1]
-    return sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0)
+    return mlp, sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0) - mlp
 
 
 def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...],
-                     emb_full: int, lora_on: bool, made: int = 0) -> None:
+                     emb_full: int, lora_on: bool, made_by: tuple[int, int] | None = None, mlp_phase: int = 0) -> None:
     """A unit's fresh gradient beside FSDP2's accumulation of the unsharded gradients: where it accumulates in another
     dtype than the parameters', the largest unit's; under pipelining, the token embeddings' at the end of each B
     (in any dtype: its backward makes the whole V·h gradient before it is added in).
 
-    ``made`` (:func:`_made_by_the_b_moment`): where the largest unit is a dense block, a B's own moment holds only the
+    ``made_by`` (:func:`_made_by_the_b_moment`): where the largest unit is a dense block, a B's own moment holds only the
     gradients its backward has made by then (the down projection's, at the first block's MLP backward); the whole
     unit's are alive only when its backward ends, before its post-backward adds them in — at the end-of-backward
     moment here (``post_backward``). A fake Llama 3 70B pp8 GPipe step (dp4 tp4 SP, bf16 parameters, fp32 gradient
@@ -240,6 +263,8 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     (``fsdp_head_fresh_grad``); unpipelined, the token embeddings' (under TP at full V·h), made by the backward's last
     op, only at its end, where it is the largest then (a fake Llama 3 70B tp8 cp4 ZeRO-3 m2 holds the head's at its B,
     not the embedding's 1.96 GiB)."""
+    made = made_by is not None  # the B's moment laid with what the block's backward has made by then
+    made_mlp, made_attention = made_by or (0, 0)
     # autograd writes each unit's gradient in the parameter dtype; FSDP2's post-backward then
     # converts it to (first backward) or adds it into (later ones) the reduce-dtype accumulation
     # (the embeddings' unit: its token embedding at full V × h under TP)
@@ -272,10 +297,12 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     elif emb_full > big and not emb_unit:
         big, what = emb_full, f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
     if plan.converts_gradients and block:
-        T.add("comm_buffers", f"the largest unit's fresh gradient in {plan.compute_dtype} made by a B's own moment: "
-              "the down projection's (float8: and an up projection's; context parallelism: the MLP's and the output "
-              "projection's, at the ring attention's backward), the unit's others later", pgrad * made,
-              f"{pgrad} B × {made:,} elements", kind="fsdp_fresh_grad_made")
+        if made_mlp:
+            T.add("comm_buffers", f"the largest unit's fresh gradient in {plan.compute_dtype} made by a B's own moment: "
+                  "the down projection's (float8: and an up projection's), the unit's others later", pgrad * made_mlp,
+                  f"{pgrad} B × {made_mlp:,} elements", kind="fsdp_fresh_grad_made")
+        if made_attention:
+            _attention_phase_gradients(T, pgrad * made_attention, plan.compute_dtype, mlp_phase)
         T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype} at the end of the backward, before "
               f"FSDP2's post-backward adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)",
               pgrad * big, f"{pgrad} B × {what}", kind="fsdp_fresh_grad_end")
@@ -792,14 +819,17 @@ def moe_dispatch_buffers(cfg: Config, T: Terms, ep_rank: int | None = None) -> N
 
 def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, psi: int, psi_train: int,
                  train_units: tuple[tuple[int, int], ...], res: int, sbh_rep: int, hs: str,
-                 ep_rank: int | None = None) -> None:
+                 ep_rank: int | None = None, mlp_phase: int = 0, before_weight_gradients: bool = False) -> None:
     """Every communication buffer of this rank (and the temporaries that go with them); ``ep_rank``
-    sizes the MoE receive buffers under a measured expert load."""
+    sizes the MoE receive buffers under a measured expert load; ``mlp_phase``: what a B's MLP phase holds that its
+    context-parallel attention's does not (``engine.memory.activations._cp_attention_after_mlp``);
+    ``before_weight_gradients``: a B's MLP moment comes before the block's first weight gradient (float8's casts of
+    the tokens, ``engine.memory.activations.block_backward_terms``)."""
     par = cfg.parallel
     torch_acc = cfg.conventions.state_accounting == "pytorch"
     z = par.zero
     if torch_acc and plan.fsdp2 and par.dp_cp > 1:
-        fsdp2_buffers(cfg, plan, rp, T, psi, psi_train, train_units)
+        fsdp2_buffers(cfg, plan, rp, T, psi, psi_train, train_units, mlp_phase, before_weight_gradients)
     elif z in (0, 1) and par.dp_cp > 1:
         # DDP leaves the routed experts out (their replicas are the efsdp ranks; sync_expert_grads)
         ddp_buffers(cfg, rp, T, psi_train - (rp.experts if cfg.model.experts else 0), torch_acc)
