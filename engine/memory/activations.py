@@ -889,6 +889,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
+    moe_combine = False
     if blocks.moe and torch_acc:
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
         # gradients, the later blocks having kept only their inputs (measured with plain parameters: CPU runs
@@ -906,9 +907,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # or recomputed tensors: the same moment (seed 20261209 #15 Qwen3 30B tp4 pp4 ep4: −20 … −22 → −9 … −17 %,
         # seed 20261211 #17 ep8 ZeRO-2: −11 … −14 → −2 … −5 %; no row of five seeds leaves its bounds)
         plan = wrapping_plan(cfg)
-        moe_backward_terms(cfg, rp, T, ep_rank, autocast, blocks.kept if tr.recompute == "full" else blocks.per_layer,
-                           moe_microbatches, fresh_buffers=not plain_grads and plan.converts_gradients
-                           and not replicate_expert_grads(cfg, plan))
+        moe_combine = moe_backward_terms(cfg, rp, T, ep_rank, autocast,
+                                         blocks.kept if tr.recompute == "full" else blocks.per_layer, moe_microbatches,
+                                         fresh_buffers=not plain_grads and plan.converts_gradients
+                                         and not replicate_expert_grads(cfg, plan))
     if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
@@ -932,7 +934,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                                       else None)
         weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, keeps, ep_rank)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs, "mlp_phase": mlp_phase,
-            "before_weight_gradients": before_weight_gradients}
+            "before_weight_gradients": before_weight_gradients or moe_combine}
 
 
 def _v_symbol(model, v_loss: int) -> str:
@@ -1938,7 +1940,7 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
 
 
 def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int,
-                       microbatches: dict[int, tuple[int, ...]] | None = None, fresh_buffers: bool = False) -> None:
+                       microbatches: dict[int, tuple[int, ...]] | None = None, fresh_buffers: bool = False) -> bool:
     """The moment inside a backward where a stage with experts peaks, the larger of two in its last MoE block:
     the combine's backward, or the routed experts' backward (measured with MemTracker on
     CPU: ``benchmarks/accuracy.md``'s MoE note).
@@ -1971,7 +1973,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     terms are laid as transients of every backward (B, I) of the rank. The loss's logits and gradient
     are not among them: the loss moment that opens a B holds those (``engine.memory.lifetimes``). Under a measured load given per block or
     microbatch, the block's routed copies are its own, averaged over ``microbatches[stage]`` (those in
-    flight at the peak; every microbatch when not given)."""
+    flight at the peak; every microbatch when not given).
+
+    Returns whether the moment laid (of a full backward) is the combine's, before any weight gradient of the block
+    exists (``engine.memory.buffers._made_by_the_b_moment``)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     act, wb, h, k, e_loc, f_loc, n_w = _moe_backward_dims(cfg, autocast)
     n, n_r = moe_tokens(cfg, ep_rank)
@@ -2016,7 +2021,11 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         # half of the block's expert rows gone at that moment
         first = (inner * act * n_r * f_loc + (act * n_w * f_loc * h if casts else 0)) // e_loc if e_loc > 1 else 0
         freed = after + shared + combine + first
-        gain = temp - freed
+        # against the combine's moment the experts' holds the unit's fresh .grad too where the buffers become it
+        # (``fresh_buffers``: the fresh-gradient term's bytes, laid at this moment and not at the combine's, before any
+        # weight gradient — measure --fake of Qwen3 235B pp4 ep8 ZeRO-2 full, stage 1: five 192 MiB bf16 expert
+        # gradients at its peak, the two summed and w1, w2, w3's)
+        gain = temp - freed + (n_w * e_loc * f_loc * h * wb if fresh_buffers else 0)
         if gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, first)
         c_temp = 3 * 4 * n * k * h + grads // 2
@@ -2037,8 +2046,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
             _lay_moe_backward(cfg, T, best_c, "moe_input_backward", autocast, n, n_r)
         if best is not None:
             _lay_moe_backward(cfg, T, best, "moe_full_backward", autocast, n, n_r)
-    elif best is not None:
+        return False
+    if best is not None:
         _lay_moe_backward(cfg, T, best, "moe_backward", autocast, n, n_r)
+    return best is not None and best[3] is None
 
 
 def _moe_backward_dims(cfg: Config, autocast: bool) -> tuple[int, int, int, int, int, int, int]:

@@ -230,15 +230,21 @@ def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bo
     405B tp2 SP tensorwise: two 0.81 GiB bf16 gradients alive at its peak, in that cast); where the tokens' casts for
     w2's weight gradient outweigh that cast (``before``), the MLP's moment comes before w2's weight gradient: none is
     made (measure --fake of Llama 3 8B pp8 cp4 ZeRO-3 full tensorwise: at its peak in those casts, 448, 448 and 112 MiB
-    beside the down input's 224 MiB gradient, no weight gradient of the block). Under context parallelism
+    beside the down input's 224 MiB gradient, no weight gradient of the block); where the stage's last block has
+    experts and its B's moment is the combine's backward (``before``: ``moe_backward_terms``), the block's backward has
+    made none either (the combine has no weights; the experts' gradients come after it, the attention's later: measure
+    --fake of Mixtral pp8 ep2 ZeRO-3 full at 64K tokens, stage 1: no fresh gradient beside the combine's backward, whose
+    unit, the experts', 1.31 GiB in bf16). Under context parallelism
     the B's moment holds the larger of two phases (``_cp_attention_after_mlp``): the MLP's, with those, and the ring
     attention's backward (its workspace, ``cp_attention``), which runs after the MLP's backward and the output
     projection's, with their weight gradients too (measure --fake of Llama 3 405B tp2 cp2, full recompute: w1, w2,
     w3 and wo's bf16 gradients alive at its peak inside the attention backward). None where it is not modelled so: LoRA (adapters only), experts and split backwards (the first
     stage's W, run whole, was not checked against the fake)."""
     tr, m, par = cfg.training, cfg.model, cfg.parallel
-    if lora_on or m.experts or par.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if lora_on or par.schedule in SPLIT_BACKWARD_SCHEDULES:
         return None
+    if m.experts:  # a stage whose last block has experts: its B's moment is the combine's backward, before any
+        return (0, 0) if before else None  # weight gradient (``moe_backward_terms``), or the experts' (not modelled so)
     weights, biases = mlp_tensors(m, m.ffn_hidden, par.tp)
     made = weights[-1:] + (weights[:1] if tr.float8 != "none" and m.mlp == "swiglu" else ())
     mlp = 0 if before else sum(a * b for a, b in made) + (biases[-1][0] if biases else 0)
@@ -289,7 +295,7 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     # (pipelined, a rank whose token embedding's full-size TP gradient outweighs a block keeps the whole block's at its
     # B: laying only the part made, as the fakes hold it, moved the published Table 5 1F1B row's replayed reserve out
     # of its 10 % bar, -8.4 -> -10.7 %, through the replay's fragmentation; left so until the replay lays it)
-    block = made and big == unit_numel(rp.block_tensors) and (emb_full <= big or emb_last)
+    block = made and (big == unit_numel(rp.block_tensors) or bool(rp.expert_units)) and (emb_full <= big or emb_last)
     emb_end = max(emb_full, train_units[0][0]) if emb_last else 0
     if emb_end > big:  # the embeddings' gradient, made at the end of the backward: the largest then
         big, what = emb_end, (f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
