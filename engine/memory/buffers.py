@@ -661,8 +661,11 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
                   f"{one:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_early_reduce")
         T.add("comm_buffers", f"reduce-scatter input of the last block (in {plan.reduce_dtype}), kept through the "
               "second block's backward", rs_bytes, rs_how, kind="fsdp_early_reduce")
-        T.add("activations", "the last block's saved tensors, freed by its backward", -saved,
-              f"−1 / {layers} of one microbatch's blocks", kind="fsdp_early_reduce")
+        # (less what the B's moment already takes off of them: its MLP backward's freed down input, laid there too)
+        gone = -sum(t.bytes for t in T["activations"] if t.kind == "mlp_backward_freed")
+        T.add("activations", "the last block's saved tensors, freed by its backward", -max(0, saved - gone),
+              f"−1 / {layers} of one microbatch's blocks" + (f", less the {gone:,} B its MLP backward freed" if gone
+                                                             else ""), kind="fsdp_early_reduce")
         if one_unit:
             T.add("comm_buffers", "the last block's gathered unit, resharded in its post-backward", -one_unit,
                   f"−{one_unit:,} B", kind="fsdp_early_reduce")

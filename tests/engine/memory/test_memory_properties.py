@@ -87,6 +87,22 @@ def test_totals_are_sums_and_every_rank_reported(raw):
     assert len(j["per_rank"]) == par.world_size
 
 
+
+def test_the_early_reduce_frees_the_last_blocks_tensors_once():
+    """Found by the property above: an unpipelined FSDP2 backward's early moment (the last block's tensors freed, its
+    sharded gradients made) sits beside the B's MLP moment, whose freed down input is one of those tensors — taken
+    off twice, a one-block fp32 model's activations read −64 B."""
+    raw = {"model": {"layers": 1, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn_hidden": 4, "vocab": 16, "seq_len": 8,
+                     "mlp": "swiglu", "norm": "layernorm", "attention": "eager", "position": "rope"},
+           "cluster": {"gpu": "h100-sxm", "gpus": 2},
+           "parallel": {"dp": 2, "zero": 3, "replicate": 2, "microbatches": 1},
+           "training": {"micro_batch_size": 1, "precision": "fp32", "recompute": "none"},
+           "conventions": {"allocator_slack_fraction": 0.0, "state_accounting": "pytorch"}}
+    for r in memory_per_rank(Config.from_dict(raw)).per_rank:
+        assert min(getattr(r, c) for c in MEMORY_CATEGORIES) >= 0
+        early = [t for t in r.explain("activations") if t.kind == "fsdp_early_reduce"]
+        assert early and "less the" in early[0].formula
+
 def held_states(r) -> int:
     """params + grads + optimizer a rank holds, each term at its largest (the catalogue). The peak's
     snapshot may lack FSDP2's sharded gradients: FSDP2 makes them only in each unit's post-backward
