@@ -602,7 +602,8 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     _early_and_late_backward(plan, rp, T, psi_train, unit_numel(root[0]) * has_emb
                              + (unit_numel(root[-1]) if has_head else 0), grads + moe, gacc * rs, rs, one_unit,
                              late=root_split,
-                             resharded=replicated - root_b - one_unit if replicated else 0)
+                             resharded=replicated - root_b - one_unit if replicated else 0,
+                             mlp_saved=cfg.training.recompute in ("none", "selective"))
 
 
 def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[int, str]:
@@ -624,7 +625,8 @@ def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[in
 
 
 def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int, root: int, block: int,
-                             rs_bytes: int, rs: int, one_unit: int = 0, late: bool = True, resharded: int = 0) -> None:
+                             rs_bytes: int, rs: int, one_unit: int = 0, late: bool = True, resharded: int = 0,
+                             mlp_saved: bool = True) -> None:
     """The one B of an unpipelined ZeRO-3 step walks its blocks last to first. Each block's post-backward adds
     its sharded gradients and keeps its reduce-scatter input until the next one's, while the block's backward
     has freed its saved tensors; the current block's gathered unit, the next one's all-gather output and the
@@ -661,8 +663,10 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
                   f"{one:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_early_reduce")
         T.add("comm_buffers", f"reduce-scatter input of the last block (in {plan.reduce_dtype}), kept through the "
               "second block's backward", rs_bytes, rs_how, kind="fsdp_early_reduce")
-        # (less what the B's moment already takes off of them: its MLP backward's freed down input, laid there too)
-        gone = -sum(t.bytes for t in T["activations"] if t.kind == "mlp_backward_freed")
+        # (less what the B's moment already takes off of them: its MLP backward's freed down input, laid there too,
+        # where the block saved it — ``mlp_saved``: no recompute, or the attention core's only; a recomputing block's
+        # down input is one of its recomputed tensors, not of these)
+        gone = -sum(t.bytes for t in T["activations"] if t.kind == "mlp_backward_freed") if mlp_saved else 0
         T.add("activations", "the last block's saved tensors, freed by its backward", -max(0, saved - gone),
               f"−1 / {layers} of one microbatch's blocks" + (f", less the {gone:,} B its MLP backward freed" if gone
                                                              else ""), kind="fsdp_early_reduce")
