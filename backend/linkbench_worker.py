@@ -40,6 +40,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def pair_exchange(buf, rank: int) -> None:
+    """One point-to-point transfer within a pair of consecutive ranks: the even rank sends ``buf`` to the next one,
+    which receives it (every pair at once)."""
+    import torch.distributed as dist
+
+    if rank % 2 == 0:
+        dist.send(buf, rank + 1)
+    else:
+        dist.recv(buf, rank - 1)
+
+
 def _bench(args) -> dict:
     import torch
     import torch.distributed as dist
@@ -105,13 +116,9 @@ def _bench(args) -> dict:
         for size in sizes:
             reps = args.reps if size <= 2**20 else max(3, args.reps // 2)
             buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-            peer = rank + 1 if rank % 2 == 0 else rank - 1
 
-            def one(buf=buf, peer=peer):
-                if rank % 2 == 0:
-                    dist.send(buf, peer)
-                else:
-                    dist.recv(buf, peer)
+            def one(buf=buf):
+                pair_exchange(buf, rank)
 
             samples.append({"kind": "p2p", "n": 2, "bytes": buf.numel() * 4, "seconds": timed(one, pair, reps)})
 
@@ -199,15 +206,11 @@ def _busy_samples(args, groups: dict, sizes: list[int], rank: int, world: int) -
                  dist.reduce_scatter_tensor(part, full, group=group), n),
             ]
     if world % 2 == 0:
-        peer = rank + 1 if rank % 2 == 0 else rank - 1
         for size in busy_sizes:
             buf = torch.ones(max(1, size // 4))
 
             def one(buf=buf):
-                if rank % 2 == 0:
-                    dist.send(buf, peer)
-                else:
-                    dist.recv(buf, peer)
+                pair_exchange(buf, rank)
             cases.append(("p2p", buf.numel() * 4, one, 2))
     for kind, nbytes, fn, n in cases:
         fn()  # warm

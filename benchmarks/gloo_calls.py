@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from backend.linkbench_worker import pair_exchange  # noqa: E402
 
 
 def main() -> None:
@@ -45,20 +50,13 @@ def main() -> None:
         for n, g in sorted(groups.items()):
             full, part = torch.ones(elems // n * n), torch.empty(elems // n)
             a2a_out = torch.empty_like(full)
-            peer = rank + 1 if rank % 2 == 0 else rank - 1
-
-            def p2p(part=part, peer=peer):
-                if rank % 2 == 0:
-                    dist.send(part, peer)
-                else:
-                    dist.recv(part, peer)
             calls = {"none": lambda: None,
                      "all_reduce": lambda full=full, g=g: dist.all_reduce(full, group=g),
                      "all_gather": lambda full=full, part=part, g=g: dist.all_gather_into_tensor(full, part, group=g),
                      "reduce_scatter": lambda full=full, part=part, g=g: dist.reduce_scatter_tensor(part, full, group=g),
                      "all_to_all": lambda full=full, out=a2a_out, g=g: dist.all_to_all_single(out, full, group=g)}
             if n == 2:
-                calls["p2p"] = p2p
+                calls["p2p"] = lambda part=part: pair_exchange(part, rank)
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(repeats):
                 for name, fn in calls.items():
