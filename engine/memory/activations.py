@@ -919,10 +919,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                            and any(ckpt_of[st.stage] for st in rp.stages))
     mlp_phase, before_weight_gradients = 0, False
     if torch_acc and not lora_on:
-        before_weight_gradients = block_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs,
-                                                       holds_last=holds_last,
-                             plain_grads=plain_grads, fp32_linear_inputs=autocast and sh.float8_uncast,
-                             autocast=autocast)
+        before_weight_gradients = block_backward_terms(
+            cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last, plain_grads=plain_grads,
+            fp32_linear_inputs=autocast and sh.float8_uncast, autocast=autocast)
         if par.cp > 1:
             mlp_phase = _cp_attention_after_mlp(T, sh)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
