@@ -238,8 +238,9 @@ def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bo
     the B's moment holds the larger of two phases (``_cp_attention_after_mlp``): the MLP's, with those, and the ring
     attention's backward (its workspace, ``cp_attention``), which runs after the MLP's backward and the output
     projection's, with their weight gradients too (measure --fake of Llama 3 405B tp2 cp2, full recompute: w1, w2,
-    w3 and wo's bf16 gradients alive at its peak inside the attention backward). None where it is not modelled so: LoRA (adapters only), experts and split backwards (the first
-    stage's W, run whole, was not checked against the fake)."""
+    w3 and wo's bf16 gradients alive at its peak inside the attention backward). None where it is not modelled so:
+    LoRA (adapters only), a block with experts whose moment is the experts' backward (their moment holds the unit's
+    fresh gradient) and split backwards (the first stage's W, run whole, was not checked against the fake)."""
     tr, m, par = cfg.training, cfg.model, cfg.parallel
     if lora_on or par.schedule in SPLIT_BACKWARD_SCHEDULES:
         return None
