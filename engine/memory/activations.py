@@ -617,9 +617,17 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
     # policy's 16-bit tokens: each matmul casts its expert's slices, as autocast does (backend.model.GroupedExperts)
     slices_cast = autocast is None and _replicate_leaves_experts_fp32(cfg)
     autocast = _moe_autocast(cfg) if autocast is None else autocast  # the planner's bound: False (a lower bound)
+    # the router saves ``x_TD.float()``: a 16-bit norm output's fp32 copy (and ``w.float()``, its gate's on 16-bit
+    # parameters), an fp32 one itself (autocast's residual stream). Under TP with ep each TP rank routes its 1/t slice of the sequence (``SequenceShard.split``: dim 1's
+    # chunk, ``.contiguous()``); with one sample a microbatch that chunk is contiguous already, so an fp32 norm
+    # output's slice is a view whose storage is the whole (``measure --fake`` of Qwen3 30B tp4 ep4 under autocast,
+    # b = 1: 128 MiB a recompute, not 32)
+    whole = par.ep > 1 and par.tp > 1 and tr.micro_batch_size == 1 and (autocast or act == 4)
     out = [
-        ("MoE: router input (norm2 output" + (", fp32: the router runs outside autocast)" if autocast else ")"),
-         (4 if autocast else act) * n * h // rep, "mlp"),
+        ("MoE: router input (norm2 output, fp32" + (": the router runs outside autocast" if autocast else "")
+         + ("; its 1/t slice is a view of the whole: one sample a microbatch" if whole else "") + ")",
+         4 * (m.seq_len * tr.micro_batch_size if whole else n) * h // rep
+         + (4 * h * e if act == 2 and not autocast else 0), "mlp"),  # 16-bit parameters: the gate's fp32 copy too
         (f"MoE: router scores ({m.router_score}, fp32)", 4 * n * e // rep, "mlp"),
         ("MoE: top-k expert indices (int64)" + (", the unnormalised weights and their sum (fp32)" if topk_norm else ""),
          (8 * n * k + topk_norm) // rep, "mlp"),
@@ -656,9 +664,14 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
         n_s = m.seq_len * tr.micro_batch_size
         out.append((f"MoE: shared experts ({m.shared_experts} × f_e as one MLP) internals", inner * act * n_s * f_s,
                     "mlp"))
-        if par.ep > 1 and par.tp > 1:  # the router saw the rank's slice; the shared experts read it whole
-            shared_in = act * (n_s - n) * h
-            out.append(("MoE: shared experts' input, the whole norm output (beyond the router's 1/t slice)",
+        split = par.ep > 1 and par.tp > 1
+        if autocast:  # the router saw the rank's slice; the shared experts read it whole
+            shared_in = act * (n_s - n) * h if split and not whole else 0
+        else:  # they save the norm output itself: the router's own storage only where that is an fp32 view of it
+            shared_in = 0 if whole or (act == 4 and not split) else act * n_s * h
+        if shared_in:
+            out.append(("MoE: shared experts' input, the whole norm output"
+                        + (" (beyond the router's 1/t slice)" if autocast else " (the router keeps its own copy)"),
                         shared_in, "mlp"))
         if autocast:  # each of its input Linears casts the (fp32) norm output itself
             out.append(("MoE: shared experts' 16-bit casts of their input (one per input Linear)",
@@ -666,12 +679,13 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
     if m.dropout > 0:
         out.append(("MLP residual-dropout mask", n * h // rep, "mlp"))
     tp_note = "/t" if par.ep > 1 and par.tp > 1 else ""
-    formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: {act}·n·h + 4·n·E + 8·n·k"
+    formula = (f"MoE rows: n = s·b{tp_note} = {n:,} tokens, n_r = {n_r:,} routed copies: "
+               f"{'4·s·b·h' if whole else '4·n·h'} + 4·n·E + 8·n·k"
                + (" + 4·n·k + 4·n" if topk_norm else "") + " + 20·n·k"
                + f" + {act}·n_r·h + {inner * act}·n_r·f_e{'/t' if par.ep == 1 and par.tp > 1 else ''}"
                + (f" + (8 + {act}·h)·n_r" if par.ep > 1 else "") + f" + (4 + {4 if autocast else act})·n·k·h"
                + (f" + {inner * act}·s·b·S·f_e/t" if m.shared_experts else "")
-               + (f" + {act}·(s·b − n)·h" if shared_in else ""))
+               + (f" + {act}·({'s·b − n' if autocast else 's·b'})·h" if shared_in else ""))
     return out, formula
 
 

@@ -70,6 +70,32 @@ def test_moe_rows_are_the_tensors_autograd_saves(model, ep, planned, one_rank_gr
     assert saved_bytes(moe, x) + router_input == sum(b for _, b, _ in rows)
 
 
+@pytest.mark.parametrize("model", [{}, {"shared_experts": 0, "mlp": "gelu"}])
+def test_moe_rows_on_16_bit_parameters_are_the_tensors_autograd_saves(model):
+    """FSDP2's mixed precision runs the blocks on 16-bit parameters without autocast: the norm output reaches the
+    router in bf16, and ``x_TD.float()`` is a copy — the router keeps its fp32 copy (4 B an element, not the
+    norm output's 2) and its gate weight's, the shared experts the norm output itself."""
+    spec = {**MOE, **model}
+    par = {"dp": 2, "ep": 1, "tp": 1, "pp": 1, "zero": 3, "microbatches": 1}
+    cfg = default_config().replace(model=spec, cluster={"gpus": 2}, parallel=par, training={"precision": "bf16-mixed"})
+    from engine.memory.activations import _moe_autocast
+
+    assert not _moe_autocast(cfg)
+    torch.manual_seed(0)
+    moe = moe_modules(Transformer(cfg.model))[0].to(torch.bfloat16)
+    tr = cfg.training
+    x = torch.randn(tr.micro_batch_size, cfg.model.seq_len, cfg.model.hidden, dtype=torch.bfloat16,
+                    requires_grad=True)
+    rows, _ = moe_layer_terms(cfg)
+    (router_input,) = [b for label, b, _ in rows if label.startswith("MoE: router input")]
+    gate = 4 * cfg.model.hidden * cfg.model.experts  # ``w.float()`` of the 16-bit gate weight: a copy too
+    assert router_input == 4 * tr.micro_batch_size * cfg.model.seq_len * cfg.model.hidden + gate
+    shared_input = [b for label, b, _ in rows if label.startswith("MoE: shared experts' input")]
+    # the census leaves the block's input out: the shared experts' row is that storage
+    assert saved_bytes(moe, x) + sum(shared_input) == sum(b for _, b, _ in rows)
+    assert bool(shared_input) == bool(spec["shared_experts"])
+
+
 class _LiveStorages:
     """Bytes of the storages made while it is active and still alive (weak references): what a
     forward keeps, whoever holds it (autograd's saved tensors, a selective checkpoint's stash)."""
@@ -173,3 +199,21 @@ def test_moe_rows_under_autocast_are_what_autograd_saves(model):
     (router_input,) = [b for label, b, _ in rows if label.startswith("MoE: router input")]
     gap = 2 * 2 * cfg.model.seq_len * cfg.training.micro_batch_size * cfg.model.hidden if cfg.model.shared_experts else 0
     assert census + router_input == sum(b for _, b, _ in rows) + gap
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_tp_ranks_router_input_is_the_whole_norm_output_with_one_sample(batch):
+    """Under TP with ep each TP rank routes its 1/t slice of the sequence (``SequenceShard.split``: dim 1's chunk,
+    ``.contiguous()``). With one sample a microbatch that chunk is contiguous already — a view — so the router's
+    saved fp32 input (``x_TD.float()`` of it, itself) keeps the whole norm output's storage alive: the engine's row
+    is 4·s·b·h then, 4·(s·b/t)·h with more samples (the slice a copy)."""
+    from backend.parallel.expert_parallel import _SplitSequence
+
+    cfg = default_config().replace(model=MOE, cluster={"gpus": 2}, training={"micro_batch_size": batch},
+                                   parallel={"dp": 1, "tp": 2, "ep": 2, "pp": 1, "zero": 0, "microbatches": 1})
+    s, h = cfg.model.seq_len, cfg.model.hidden
+    x = torch.randn(batch, s, h)
+    part = _SplitSequence.apply(x, None, 1, 2).reshape(-1, h).float()
+    assert (part.untyped_storage().nbytes() == x.untyped_storage().nbytes()) == (batch == 1)
+    (router_input,) = [b for label, b, _ in moe_layer_terms(cfg)[0] if label.startswith("MoE: router input")]
+    assert router_input == part.untyped_storage().nbytes()
