@@ -1604,8 +1604,12 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                       last_graph_kept: bool = False) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
-    last block's k-th group holds k recomputes with every tensor not freed by an earlier group; with the
-    weight casts the groups so far made (``weight_pass_casts``). Returns (bytes, formula, freed).
+    last block's k-th group holds, at the end of its recompute, the k − 1 earlier recomputes with every tensor
+    not freed by an earlier group beside the whole block's saved tensors (the recompute's own graph holds them
+    until torch's early stop unwinds it: ``_recomputation_hook`` stops only once it has packed as many tensors as
+    the forward saved), then in its backward k such recomputes and the weight casts the groups so far made
+    (``weight_pass_casts``); SwiGLU's w3, last, holds less (``_up_projection_tail``). Returns (bytes, formula,
+    freed).
 
     ``grads``: what the I kept of each block for this W, by group (``split_backward_group_grads``; every
     block of the stage checkpointed). torch's ``stage_backward_weight`` drops a group's kept gradients once
@@ -1623,21 +1627,42 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     block_grads = sum(grads.values()) if grads else 0
     # the peak is in the first block or in the last: each block adds per_block and drops block_grads
     last = checkpointed - 1 if per_block >= block_grads else 0
+    # the k-th group's recompute, at its end, holds every tensor the block saved (its graph's nodes hold what the
+    # pack hook returns until the early stop unwinds it), beside the k − 1 earlier recomputes' stored tensors; then
+    # its backward, k recomputes' stored tensors and the weight casts made so far
+    full = kept + above + sum(n for _, n in frees)
+    # SwiGLU's up projection w3 comes last in the parameter order though its node lies above w2's: its group (under
+    # LoRA its adapter's two) finds the other recomputes' copies gone and holds far less (measured on the backend's
+    # blocks: tests/backend/test_weight_pass.py), so the last block's pass peaks before it
+    tail = _up_projection_tail(groups) if last == checkpointed - 1 else 0
     best, at, alive, made, freed = None, 0, 0, 0, 0
-    for k in range(1, len(groups) + 1):
+    for k in range(1, max(len(groups) - tail, 1) + 1):
         alive_k = last_kept + sum(n for g, n in frees if order[g] >= k - 1)
         made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
         freed_k = last * block_grads + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
-        if best is None or k * alive_k + made_k - freed_k > best:
-            best, at, alive, made, freed = k * alive_k + made_k - freed_k, k, alive_k, made_k, freed_k
+        held = max((k - 1) * alive_k + full, k * alive_k + made_k) - freed_k
+        if best is None or held > best:
+            best, at, alive, made, freed = held, k, alive_k, made_k, freed_k
     earlier = last * per_block
     where = "last" if last == checkpointed - 1 else "first"
     formula = (f"{last} earlier block(s) × ({len(groups)} groups × {kept + above:,} B (their input path"
                f"{f' and the {above:,} B above their weights' if above else ''})"
-               f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at} × {alive:,} B (the "
-               f"{where} block at its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
+               f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at - 1} × {alive:,} B (the "
+               f"{where} block's recomputes before its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
+               f" + {full:,} B (that group's recompute at its end: everything the block saves)"
                f"{f' + {made:,} B (weight casts)' if casts else ''}")
     return earlier + (best or 0) + freed, formula, freed
+
+
+def _up_projection_tail(groups: tuple[str, ...]) -> int:
+    """How many of the last parameter groups are SwiGLU's up projection's (w3; under LoRA its adapter's A and B; a
+    block with experts: the routed or the shared experts' w3), leaving at least one group before them."""
+    n = 0
+    for g in reversed(groups[1:]):
+        if (g[:-2] if g.endswith((".A", ".B")) else g).rsplit(".", 1)[-1] != "w3":
+            break
+        n += 1
+    return n
 
 
 def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],

@@ -158,6 +158,57 @@ def test_the_weight_pass_holds_what_the_engine_says(model, bf16):
         assert 0.94 <= peak / predicted <= 1.06, (blocks, peak, predicted)  # measured: 0.957 ... 1.049
 
 
+@pytest.mark.parametrize("model", [
+    {"hidden": 128, "heads": 4, "kv_heads": 2, "ffn_hidden": 352, "seq_len": 64},
+    {"hidden": 96, "heads": 6, "kv_heads": 3, "ffn_hidden": 264, "seq_len": 48, "mlp": "gelu"},
+    {"hidden": 64, "heads": 4, "kv_heads": 4, "ffn_hidden": 160, "seq_len": 32, "qk_norm": True},
+], ids=["swiglu-gqa", "gelu", "qk_norm"])
+def test_each_groups_recompute_ends_holding_everything_the_block_saved(model, monkeypatch):
+    """A non-reentrant checkpoint stops its recompute only once it has packed as many tensors as the forward saved
+    (torch/utils/checkpoint.py's early stop counts every position, a released holder's too), and until that stop
+    unwinds it the recompute's own graph holds what the pack hook returned: at the end of the k-th group's recompute
+    the pass holds the k − 1 earlier recomputes' stored tensors and the whole block's saved tensors — exactly
+    ``weight_pass_bytes``' (k − 1) × alive + full on one fp32 block (the weights' gradients left out)."""
+    import torch.distributed.pipelining._backward as pipelining_backward
+    import torch.utils.checkpoint as checkpoint
+
+    cfg = _cfg(False, 1, **model)
+    sh = shape_of(cfg)
+    kept, frees = weight_pass_block(sh, sh.act)
+    groups = weight_groups(sh)
+    order = {g: i for i, g in enumerate(groups)}
+    full = kept + sum(n for _, n in frees)
+    blocks, params, x, live, autocast = _stage(cfg)
+    ends = []
+
+    class Stop(checkpoint._StopRecomputationError):
+        def __init__(self, *args):
+            super().__init__(*args)
+            if live.counting:  # not the I's own recompute
+                ends.append(live.bytes - sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None))
+
+    monkeypatch.setattr(checkpoint, "_StopRecomputationError", Stop)
+    with live, autocast:
+        h = x
+        for blk in blocks:
+            h = blk(h)
+        _, param_groups = pipelining_backward.stage_backward_input([h], [torch.randn_like(h)], [x], iter(params))
+        live.start()
+        gc.collect()
+        gc.disable()
+        try:
+            pipelining_backward.stage_backward_weight(iter(params), param_groups)
+        finally:
+            gc.enable()
+    assert len(ends) == len(groups)
+    for k, end in enumerate(ends, start=1):
+        alive = kept + sum(n for g, n in frees if order[g] >= k - 1)
+        if groups[k - 1] == "w3":  # SwiGLU's up projection, last though its node lies above w2's: far less
+            assert end < 0.7 * ((k - 1) * alive + full), (end, (k - 1) * alive + full)
+        else:
+            assert end == (k - 1) * alive + full, (groups[k - 1], end, (k - 1) * alive + full)
+
+
 def test_lora_on_every_linear_holds_what_the_engine_says():
     """Under LoRA the groups are the adapters' (each A, then B); fp32, every Linear adapted: after the first
     group exactly the engine's, the peak within a few per cent. (Attention-only LoRA keeps less, bf16 LoRA
