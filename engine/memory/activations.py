@@ -885,7 +885,13 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         moe_bytes = blocks.per_moe_of_stage.get(st.stage, (blocks.per_moe, ""))[0] if blocks.moe else 0
         unit_bytes.append(c * blocks.kept + d_plain * blocks.per_layer + m_plain * moe_bytes
                           + sum(x for _, x, _, _ in ex))
+    # each stage's terms carry its bytes per microbatch (the timeline splits them by their count, and lays the stage
+    # at every moment by the microbatches alive then): a stage the weighted peak state leaves empty counts the most
+    # it ever holds, or its microbatches would weigh nothing at the moments that do hold them
     counts = in_flight(unit_bytes)
+    if 0 in counts:
+        counts = tuple(n or max(in_flight([int(k == j) for k in range(len(counts))])[j], 1)
+                       for j, n in enumerate(counts))
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
     if par.cp > 1:
         dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"

@@ -1087,8 +1087,8 @@ class RankTimeline:
                           else pk.counts[col])
                          if life == "microbatch" else pk.outputs)
                     n = t.in_flight or 0
-                    if k != n:
-                        drop[i] = _rescaled(t, k, n) if k and n else None
+                    if k != n:  # a stage's blocks stay listed with none alive (its other terms go)
+                        drop[i] = _rescaled(t, k, n) if n and (k or t.kind == "layers") else None
                 elif life in STAGE_LIFETIMES:
                     on = getattr(pk, _STAGE_TAG[life])
                     if not (on and on[self._column[t.stage if pp > 1 else 0]]):
