@@ -222,7 +222,8 @@ LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after
 #: whatever their kind (``lifetime_of``). Kinds not listed are alive all step (the safe side: a
 #: term never drops out of a peak for want of a rule).
 LIFETIMES: dict[str, str] = {
-    "parameters": "step", "gradients": "step", "optimizer_states": "step", "master_weights": "step",
+    "parameters": "step", "gradients": "step", "plain_grads_accumulating": "stage_accumulated",
+    "optimizer_states": "step", "master_weights": "step",
     "frozen_base": "step", "adapters": "step", "ddp_buckets": "step", "p2p_activation_receive": "step",
     "pipeline_outputs": "to_step_end", "pipeline_output_merge": "post_backward",
     "p2p_gradient_receive": "step", "autocast_weight_casts": "step", "none": "step",
@@ -405,7 +406,7 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
     rank of several stages under a split backward that accumulation exists only from the first I after a W
     (``stage_converted``), the W's gradients in the parameter dtype before (``stage_fresh``)."""
     out: dict[str, str] = {}
-    if plain_grads_late and pipelined and local_stages > 1 and not split_backward:  # each stage's from its first B on
+    if plain_grads_late and pipelined and local_stages > 1:  # each stage's from its first B (or W) on
         out["gradients"] = "stage_reduced"
         out["plain_grads_accumulating"] = "stage_accumulated"
     elif plain_grads_late:

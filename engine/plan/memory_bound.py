@@ -211,9 +211,9 @@ class MemoryBound:
             steady + np.where(grads_unsharded & (r.m > 1) & (not c.fsdp2["split"]), gacc * last_psi, 0.0)
         # plain gradients: each stage's from that stage's first backward on (``states.stage_plain_gradients``): on a
         # rank of several stages at least those of the stage whose backward came first, the rank's last; under a split
-        # backward every one of the rank's from its first backward on
+        # backward its W makes them, and a forward may come between the rank's first I and that W: none counted
         plain_late = c.plain & (not c.lora)
-        late = late + np.where(plain_late, 4 * (p_ if len(stages) == 1 or st.split else last_psi), 0.0)
+        late = late + np.where(plain_late, 4 * (p_ if len(stages) == 1 else 0 if st.split else last_psi), 0.0)
         return mem, {"fixed": fixed, "late": late, "after_on": grads_unsharded | plain_late, "head_up": head_up,
                      "units": units, "ckpt_units": ckpt_units}
 

@@ -13,6 +13,7 @@ from engine.compare.measured import compare
 from engine.memory import memory_per_rank
 from engine.memory.allocator import AllocatorOutOfMemory, replay, round_size
 from engine.memory.lifetimes import (
+    ACTION_KINDS,
     END_FREED_KINDS,
     HEAD_KINDS,
     LIFETIMES,
@@ -24,6 +25,7 @@ from engine.memory.lifetimes import (
     moments,
     peak_of,
     replay_events,
+    sig_moments,
 )
 from engine.names import MEMORY_CATEGORIES
 from engine.pipeline.schedules import microbatches_in_flight, schedule_problems
@@ -95,12 +97,17 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
                     assert life == "late_backward"
                 elif t.kind == "fsdp_early_reduce":  # the last block's, reduced by the second block's backward
                     assert life == "early_backward"
-                elif t.kind == "gradients":  # made by a B, or under a split backward by the W
+                elif t.kind == "gradients":  # made by a B, or under a split backward by the W; per stage on several
                     split = par.get("schedule") in ("ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV")
-                    assert life == ("after_first_weight" if split else "after_first_backward")
+                    assert life == ("stage_reduced" if several else "after_first_weight" if split
+                                    else "after_first_backward")
+                    assert (t.stage is not None) == several
+                elif t.kind == "plain_grads_accumulating":  # the same tensors, from that stage's first B or W
+                    assert several and life == "stage_accumulated"
                 else:
                     assert life == "step"
-                if life == "step" or (pk.red[local.index(t.stage)] if life == "stage_reduced" else alive[life]):
+                if life == "step" or (pk.red[local.index(t.stage)] if life == "stage_reduced"
+                                      else pk.acc[local.index(t.stage)] if life == "stage_accumulated" else alive[life]):
                     want.append(t)
             got = [t for t in r.explain(c) if t.bytes or t.kind != "none"]
             assert got == want
@@ -250,6 +257,27 @@ def test_per_microbatch_terms_are_rescaled_to_the_microbatches_alive_at_the_peak
                     orig = next(o for o in full.values() if o.stage == t.stage and o.kind == t.kind
                                 and o.bytes // o.in_flight * t.in_flight == t.bytes)
                     assert orig.in_flight > t.in_flight
+
+
+@pytest.mark.parametrize("sc", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_a_split_backwards_plain_gradients_exist_per_stage_from_its_first_w(sc):
+    """Plain ``.grad`` is made by AccumulateGrad the first time a backward reaches a parameter, and under a split
+    backward that is the stage's W (its I computes input gradients only; stage 0's I runs nothing): on a rank of
+    several stages each stage's gradients are alive from the end of its own first W, not the rank's (``measure
+    --fake`` of Llama 3 8B InterleavedZeroBubble pp2 v2 tp8: rank 0 peaks in stage 2's second W with none of
+    stage 0's 2.2 GiB). At every rank's peak the gradients are those of the stages whose first W (or full B) has ended."""
+    par = {"pp": 2, "schedule": sc, "virtual_stages": 2, "microbatches": 4}
+    c = _cfg(par, gpus=2, training={"precision": "bf16-mixed"})
+    for r in memory_per_rank(c).per_rank:
+        tl = r._body.timeline
+        mo = sig_moments(tl.signature)
+        pk = tl.peak
+        local = sorted(r.stages)
+        done = {int(mo.stage[i]) for i in range(pk.moment) if ACTION_KINDS[int(mo.kind[i])] in ("B", "W")}
+        assert done <= set(local)
+        grads = {t.stage for t in r.explain("grads") if t.kind in ("gradients", "plain_grads_accumulating")}
+        assert grads == done, (r.rank, pk, grads, done)
+        assert {t.stage for t in r.catalogue("grads") if t.kind == "gradients"} == set(local)
 
 
 def test_a_stage_the_weighted_in_flight_state_leaves_empty_still_weighs_its_microbatches():
