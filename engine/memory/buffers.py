@@ -594,6 +594,11 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
               "copy-in (its own reduce-scatter input beside its gradients) and after it (beside the sharded gradients, "
               "one of its gradients still held), beyond what the moment holds", end,
               f"max({before:,}, {copy_in:,}, {after:,}) − {laid:,} B", kind="fsdp_root_reduce")
+    held = held_all_reduce_bytes(plan)
+    if held and shard > s_root:  # every other unit's all-reduce input, held to finalize_backward after the root's
+        T.add("comm_buffers", f"the all-reduce inputs (in {plan.reduce_dtype}) of every unit but the root, each kept by "
+              "its group to the end of the backward", (shard - s_root) * held // 4,
+              f"{held} / 4 of {shard - s_root:,} B", kind="fsdp_root_reduce")
     # ZeRO-2 (every unit gathered to its post-backward): the last block's post-backward also frees its unit
     one_unit = 0
     if not root_split:
@@ -623,6 +628,20 @@ def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[in
     transients = sum(t.bytes for c in ("activations", "temporaries") for t in T[c] if t.kind in kinds)
     made = min(pgrad * grads, max(down, mlp - transients))
     return made, f"max(down projection's {down:,} B, the MLP weights' {mlp:,} B − the MLP backward's transients {transients:,} B)"
+
+
+def held_all_reduce_bytes(plan: WrappingPlan) -> int:
+    """Bytes per element of a unit's gradient that FSDP2 keeps after its post-backward beside the fp32 sharded
+    gradient, 0 if none: with an all-reduce group (HSDP's replicate dimension, or ``replicate``) torch's
+    ``foreach_reduce`` all-reduces the reduce-dtype output and hands it back as ``all_reduce_input``, which the
+    unit's ``FSDPParamGroup._all_reduce_state`` holds (torch 2.13: "keeps the buffer off the caching allocator's free
+    list", PR #140044) until the unit's next unshard or ``finalize_backward``; where that dtype is the parameters'
+    it is the sharded gradient's own storage, else a buffer of its own (``measure --fake`` of Llama 3 405B dp8 tp8
+    replicate, bf16 gradients: seven 760 MiB bf16 buffers beside the 1,520 MiB fp32 gradients late in the B)."""
+    if not (plan.hsdp or plan.data_parallel == "replicate"):
+        return 0
+    rb = PLAN_DTYPE_BYTES.get(plan.reduce_dtype, 4)
+    return rb if rb < 4 else 0
 
 
 def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int, root: int, block: int,
@@ -677,10 +696,16 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
     if not (late or resharded):
         return
     layers_done = "layers 0-1" if at else "layer 0"
+    reduced = 0
     for t in sharded:
         x = t.bytes * done // psi_train if psi_train else 0
+        reduced += x
         T.add("grads", f"{t.label}: those of every unit but the root and {layers_done}, reduced before layer {at}'s "
               "backward", x, f"{done:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_reduced_grads")
+    held = held_all_reduce_bytes(plan)
+    if held and reduced:
+        T.add("comm_buffers", f"the all-reduce inputs (in {plan.reduce_dtype}) of those units, each kept by its group to "
+              "the end of the backward", reduced * held // 4, f"{held} / 4 of {reduced:,} B", kind="fsdp_late_reduce")
     T.add("comm_buffers", f"reduce-scatter input of layer {at + 1} (in {plan.reduce_dtype}), kept through layer {at}'s "
           "backward", rs_bytes, rs_how, kind="fsdp_late_reduce")
     if resharded:
