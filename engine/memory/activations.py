@@ -909,6 +909,15 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
+    f8_cast = float8_weight_cast_bytes(cfg) if torch_acc and any(st.layers for st in rp.stages) else 0
+    if f8_cast:
+        # a forward's moment holds its microbatch's saved tensors; its last block cast its largest weight before its
+        # MLP saved its own (none under full recompute)
+        mlp = 0 if tr.recompute == "full" else sum(x for _, x, part in layer_activation_terms(sh)[0] if part == "mlp")
+        if f8_cast > mlp:
+            T.add("temporaries", "float8: a forward's cast of its largest Linear weight (fp32 upcast, scaled copy, "
+                  "float8), beyond the last block's MLP tensors not yet saved", f8_cast - mlp,
+                  f"9 B × the largest block weight's elements / t − {mlp:,} B", kind="float8_forward_cast")
     moe_combine = False
     if blocks.moe and torch_acc:
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
@@ -1594,6 +1603,22 @@ def moe_weight_pass_block(cfg: Config, sh: _Shape, res: int,
     return kept, frees, groups, above
 
 
+def float8_weight_cast_bytes(cfg: Config) -> int:
+    """The transient of a float8 Linear's forward casting its weight (torchao's ``hp_tensor_and_scale_to_float8``:
+    ``tensor.to(torch.float32) * scale``, then ``to_fp8_saturated``'s clamp and the float8 result: 4 + 4 + 1 B an
+    element at once, of the block's largest Linear weight, its TP shard), in every forward and every recompute of
+    one; none where FSDP2 gathers the weights in float8 already or where inductor fuses the casts (compile), and
+    none without float8 (``measure --fake`` of Llama 3 405B ZBV pp2 cp4 rowwise: 3.25 + 3.25 + 0.8 GiB of w1's cast
+    at the peak of a W's recompute)."""
+    tr, m = cfg.training, cfg.model
+    if tr.float8 == "none" or tr.compile or wrapping_plan(cfg).float8_all_gather:
+        return 0
+    # (a block with experts: its attention's; the grouped experts are no Float8Linear)
+    dense = not m.experts or getattr(m, "dense_layers", 0)
+    return 9 * max(lin.d_in * lin.d_out for lin in lora.adapted_linears(m, "all")
+                   if dense or lin.name in ("wq", "wk", "wv", "wo")) // cfg.parallel.tp
+
+
 def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]:
     """Under autocast, the 16-bit weight cast each Linear's own group makes anew in a split backward's weight
     pass (its TP shard), kept by autocast's cache to the step's end beside the forward's: measured on the
@@ -1607,7 +1632,7 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
 def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None,
                       grads: dict[str, int] | None = None,
                       block: tuple[int, list[tuple[str, int]], tuple[str, ...], int] | None = None,
-                      last_graph_kept: bool = False) -> tuple[int, str, int]:
+                      last_graph_kept: bool = False, f8_cast: int = 0) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds, at the end of its recompute, the k − 1 earlier recomputes with every tensor
@@ -1637,6 +1662,7 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     # pack hook returns until the early stop unwinds it), beside the k − 1 earlier recomputes' stored tensors; then
     # its backward, k recomputes' stored tensors and the weight casts made so far
     full = kept + above + sum(n for _, n in frees)
+    mlp = sum(n for g, n in frees if g.rsplit(".", 1)[-1] in ("w1", "w2", "w3"))
     # SwiGLU's up projection w3 comes last in the parameter order though its node lies above w2's: its group (under
     # LoRA its adapter's two) finds the other recomputes' copies gone and holds far less (measured on the backend's
     # blocks: tests/backend/test_weight_pass.py), so the last block's pass peaks before it
@@ -1646,7 +1672,8 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
         alive_k = last_kept + sum(n for g, n in frees if order[g] >= k - 1)
         made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
         freed_k = last * block_grads + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
-        held = max((k - 1) * alive_k + full, k * alive_k + made_k) - freed_k
+        # (float8: a recompute casts each MLP weight in its forward, its MLP's saved tensors not yet made)
+        held = max((k - 1) * alive_k + full + max(f8_cast - mlp, 0), k * alive_k + made_k) - freed_k
         if best is None or held > best:
             best, at, alive, made, freed = held, k, alive_k, made_k, freed_k
     earlier = last * per_block
@@ -1655,7 +1682,9 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                f"{f' and the {above:,} B above their weights' if above else ''})"
                f"{f' + {sum(casts.values()):,} B (weight casts)' if casts else ''}) + {at - 1} × {alive:,} B (the "
                f"{where} block's recomputes before its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
-               f" + {full:,} B (that group's recompute at its end: everything the block saves)"
+               f" + {full:,} B (that group's recompute at its end: everything the block saves"
+               + (f"; under float8 its forward's weight cast, {f8_cast:,} B, beyond the MLP's {mlp:,} B" if f8_cast else "")
+               + ")"
                f"{f' + {made:,} B (weight casts)' if casts else ''}")
     return earlier + (best or 0) + freed, formula, freed
 
@@ -1695,6 +1724,7 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     recompute: the middle stages' W peak held 1.7 of the 10.0 GiB the I kept)."""
     shared = checkpoint_shared_bytes(sh, res)
     casts = weight_pass_casts(cfg, sh, autocast)
+    f8_cast = float8_weight_cast_bytes(cfg)
     of_count: dict[tuple[int, bool | str], tuple[int, str, int]] = {}  # (checkpointed, kind) -> the pass
     moe_block = None
     for st in rp.stages:
@@ -1707,7 +1737,7 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
             if key not in of_count:
                 moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
                 of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
-                                                  last_graph_kept=key[2])
+                                                  last_graph_kept=key[2], f8_cast=f8_cast)
             nbytes, formula, freed = of_count[key]
             T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
                   f"{'s' if c != 1 else ''} with experts, one per parameter group (torch's stage_backward_weight: "
@@ -1723,7 +1753,7 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
             continue
         key = (c, keeps is not None and c == st.layers)
         if key not in of_count:
-            of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None)
+            of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast)
         nbytes, formula, freed = of_count[key]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
