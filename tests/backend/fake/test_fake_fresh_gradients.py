@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.fake import reserved_rows, simulate
 from engine.config import Config
-from engine.predict import predict
+from tests.fake_helpers import rank_as_the_fake_holds_it
 
 
 def _cfg(seq: int, micro_batch: int, microbatches: int, schedule: str, float8: str) -> Config:
@@ -22,11 +21,7 @@ def _cfg(seq: int, micro_batch: int, microbatches: int, schedule: str, float8: s
 
 
 def _stage1_as_the_fake_holds_it(cfg: Config, tmp_path):
-    rank = next(r for r in predict(cfg).memory.per_rank if r.rank == 4)  # stage 1: a B peaks in its block's backward
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[4], timeout_s=300)
-    (row,) = reserved_rows(res)
-    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.01)
-    return rank
+    return rank_as_the_fake_holds_it(cfg, 4, tmp_path, rel=0.01)  # stage 1: a B peaks in its block's backward
 
 
 @pytest.mark.integration
@@ -57,20 +52,12 @@ def _moe(preset: str, gpus: int, parallel: dict, recompute: str, seq: int) -> Co
         "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "fp32", "recompute": recompute}})
 
 
-def _rank_as_the_fake_holds_it(cfg: Config, rank: int, tmp_path, rel: float):
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == rank)
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[rank], timeout_s=300)
-    (row,) = reserved_rows(res)
-    assert r.allocated == pytest.approx(row["max_allocated"], rel=rel)
-    return r
-
-
 @pytest.mark.integration
 def test_a_moe_blocks_combine_backward_comes_before_any_weight_gradient(tmp_path):
     """A middle stage whose last block has experts peaks in the combine's backward (no weights): the experts' unit's
     fresh gradient is not made yet (laid there, the engine read +3.0 %)."""
     cfg = _moe("qwen3-30b-a3b", 16, {"dp": 4, "ep": 2, "zero": 3}, "none", 8192)
-    rank = _rank_as_the_fake_holds_it(cfg, 4, tmp_path, rel=0.02)
+    rank = rank_as_the_fake_holds_it(cfg, 4, tmp_path, rel=0.02)
     assert any("its combine" in t.label for t in rank.explain("temporaries") if t.kind == "moe_backward")
     assert not [t for t in rank.explain("comm_buffers") if t.kind.startswith("fsdp_fresh_grad")]
 
@@ -81,7 +68,7 @@ def test_the_experts_moment_holds_their_units_fresh_gradient(tmp_path):
     fresh .grad the select_backward buffers become under an fp32 accumulation (measure --fake: five 192 MiB bf16 expert
     gradients at the peak of the full-size Qwen3 235B): chosen without it, the combine's moment read −5.4 %."""
     cfg = _moe("qwen3-235b-a22b", 128, {"dp": 8, "tp": 4, "ep": 8, "zero": 2, "replicate": 4}, "full", 4096)
-    rank = _rank_as_the_fake_holds_it(cfg, 32, tmp_path, rel=0.025)
+    rank = rank_as_the_fake_holds_it(cfg, 32, tmp_path, rel=0.025)
     assert any("the experts' full-size weight gradients" in t.label
                for t in rank.explain("temporaries") if t.kind == "moe_backward")
     assert [t for t in rank.explain("comm_buffers") if t.kind == "fsdp_fresh_grad"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.fake import reserved_rows, simulate
 from engine.config import Config
 from engine.predict import predict
+from tests.fake_helpers import rank_as_the_fake_holds_it
 
 
 def _cfg(preset: str, seq: int, micro_batch: int, grad_dtype: str, float8: str = "none") -> Config:
@@ -23,11 +23,7 @@ def _cfg(preset: str, seq: int, micro_batch: int, grad_dtype: str, float8: str =
 
 
 def _rank0_as_the_fake_holds_it(cfg: Config, tmp_path):
-    rank = next(r for r in predict(cfg).memory.per_rank if r.rank == 0)
-    res = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (row,) = reserved_rows(res)
-    assert rank.allocated == pytest.approx(row["max_allocated"], rel=0.005)
-    return rank
+    return rank_as_the_fake_holds_it(cfg, 0, tmp_path, rel=0.005)
 
 
 @pytest.mark.integration
