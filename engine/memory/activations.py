@@ -618,10 +618,10 @@ def moe_layer_terms(cfg: Config, ep_rank: int | None = None, phi: float | None =
     slices_cast = autocast is None and _replicate_leaves_experts_fp32(cfg)
     autocast = _moe_autocast(cfg) if autocast is None else autocast  # the planner's bound: False (a lower bound)
     # the router saves ``x_TD.float()``: a 16-bit norm output's fp32 copy (and ``w.float()``, its gate's on 16-bit
-    # parameters), an fp32 one itself (autocast's residual stream). Under TP with ep each TP rank routes its 1/t slice of the sequence (``SequenceShard.split``: dim 1's
-    # chunk, ``.contiguous()``); with one sample a microbatch that chunk is contiguous already, so an fp32 norm
-    # output's slice is a view whose storage is the whole (``measure --fake`` of Qwen3 30B tp4 ep4 under autocast,
-    # b = 1: 128 MiB a recompute, not 32)
+    # parameters), an fp32 one itself (autocast's residual stream). Under TP with ep each TP rank routes its 1/t
+    # slice of the sequence (``SequenceShard.split``: dim 1's chunk, ``.contiguous()``); with one sample a
+    # microbatch that chunk is contiguous already, so an fp32 norm output's slice is a view whose storage is the
+    # whole (``measure --fake`` of Qwen3 30B tp4 ep4 under autocast, b = 1: 128 MiB a recompute, not 32)
     whole = par.ep > 1 and par.tp > 1 and tr.micro_batch_size == 1 and (autocast or act == 4)
     out = [
         ("MoE: router input (norm2 output, fp32" + (": the router runs outside autocast" if autocast else "")
