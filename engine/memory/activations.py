@@ -885,13 +885,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         moe_bytes = blocks.per_moe_of_stage.get(st.stage, (blocks.per_moe, ""))[0] if blocks.moe else 0
         unit_bytes.append(c * blocks.kept + d_plain * blocks.per_layer + m_plain * moe_bytes
                           + sum(x for _, x, _, _ in ex))
-    # each stage's terms carry its bytes per microbatch (the timeline splits them by their count, and lays the stage
-    # at every moment by the microbatches alive then): a stage the weighted peak state leaves empty counts the most
-    # it ever holds, or its microbatches would weigh nothing at the moments that do hold them
-    counts = in_flight(unit_bytes)
-    if 0 in counts:
-        counts = tuple(n or max(in_flight([int(k == j) for k in range(len(counts))])[j], 1)
-                       for j, n in enumerate(counts))
+    counts = _stage_counts(in_flight, unit_bytes)
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
     if par.cp > 1:
         dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
@@ -909,15 +903,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
-    f8_cast = float8_weight_cast_bytes(cfg) if torch_acc and any(st.layers for st in rp.stages) else 0
-    if f8_cast:
-        # a forward's moment holds its microbatch's saved tensors; its last block cast its largest weight before its
-        # MLP saved its own (none under full recompute)
-        mlp = 0 if tr.recompute == "full" else sum(x for _, x, part in layer_activation_terms(sh)[0] if part == "mlp")
-        if f8_cast > mlp:
-            T.add("temporaries", "float8: a forward's cast of its largest Linear weight (fp32 upcast, scaled copy, "
-                  "float8), beyond the last block's MLP tensors not yet saved", f8_cast - mlp,
-                  f"9 B × the largest block weight's elements / t − {mlp:,} B", kind="float8_forward_cast")
+    if torch_acc:
+        _float8_forward_cast_term(cfg, rp, T, sh)
     moe_combine = False
     if blocks.moe and torch_acc:
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
@@ -1601,6 +1588,32 @@ def moe_weight_pass_block(cfg: Config, sh: _Shape, res: int,
     # the rows above the weights' nodes: every MoE row's bytes the loop laid neither as kept nor as freed
     above = sum(n for _, n, _ in rows) - (kept + sum(n for _, n in frees) - base)
     return kept, frees, groups, above
+
+
+def _stage_counts(in_flight, unit_bytes: list[int]) -> tuple[int, ...]:
+    """The microbatches each local stage's terms are laid at: the rank's heaviest in-flight state. The terms carry a
+    stage's bytes per microbatch (the timeline splits them by this count and lays the stage at every moment by the
+    microbatches alive then), so a stage that state leaves empty counts the most it ever holds, or its microbatches
+    would weigh nothing at the moments that do hold them."""
+    counts = in_flight(unit_bytes)
+    if 0 in counts:
+        counts = tuple(n or max(in_flight([int(k == j) for k in range(len(counts))])[j], 1)
+                       for j, n in enumerate(counts))
+    return counts
+
+
+def _float8_forward_cast_term(cfg: Config, rp, T: Terms, sh: _Shape) -> None:
+    """A forward's moment holds its microbatch's saved tensors; its last block cast its largest float8 weight
+    (``float8_weight_cast_bytes``) before its MLP saved its own (none under full recompute): the cast beyond them."""
+    f8_cast = float8_weight_cast_bytes(cfg) if any(st.layers for st in rp.stages) else 0
+    if not f8_cast:
+        return
+    mlp = 0 if cfg.training.recompute == "full" else sum(x for _, x, part in layer_activation_terms(sh)[0]
+                                                         if part == "mlp")
+    if f8_cast > mlp:
+        T.add("temporaries", "float8: a forward's cast of its largest Linear weight (fp32 upcast, scaled copy, "
+              "float8), beyond the last block's MLP tensors not yet saved", f8_cast - mlp,
+              f"9 B × the largest block weight's elements / t − {mlp:,} B", kind="float8_forward_cast")
 
 
 def float8_weight_cast_bytes(cfg: Config) -> int:
