@@ -41,6 +41,7 @@ from backend.records import (
     write_json_atomic,
 )
 from engine.config import Config
+from engine.memory.activations import cp_ranks_differ
 from engine.names import MEMORY_CATEGORIES
 from engine.pipeline.layout import rank_of
 
@@ -67,9 +68,12 @@ class SimulatedRun:
 
 
 def default_ranks(cfg: Config) -> list[int]:
-    """One rank per pipeline rank (its first DP replica and TP shard): each distinct stage set."""
+    """One rank per pipeline rank (its first DP replica and TP shard): each distinct stage set; and where
+    the cp-ranks differ (the per-op policy over the ring attention, ``engine.memory.activations.cp_ranks_differ``)
+    the last cp-rank of each too, the one that saves the most."""
     par = cfg.parallel
-    return [rank_of(p, 0, 0, par.dp, par.tp, 0, par.cp) for p in range(par.pp)]
+    cps = (0, par.cp - 1) if cp_ranks_differ(cfg) else (0,)
+    return [rank_of(p, 0, 0, par.dp, par.tp, c, par.cp) for p in range(par.pp) for c in cps]
 
 
 def _default_run_dir() -> Path:

@@ -130,6 +130,12 @@ class _Shape:
     # the query width heads · head_dim where it is not the hidden size (Qwen3: 64 × 128 over h = 4096; the
     # backend's wq is h → heads·head_dim, wo back, backend/model.py's Attention); 0: h
     q: int = 0
+    # context parallelism's ring attention (flash): the query halves its cp steps' outputs span on this
+    # cp-rank r, cp + 1 + r (0: no ring). torch's ``_templated_ring_attention`` calls the flash op once a
+    # step: step 0 and the r steps whose keys come before the rank's own take every query, the cp − 1 − r
+    # others the tail half (head-tail load balancing); the per-op policy saves every call's output and
+    # log-sum-exp (the op is in its save list), so cp-ranks differ
+    ring_halves: int = 0
 
     @property
     def qd(self) -> int:
@@ -148,6 +154,10 @@ class _Shape:
     @property
     def lora(self) -> bool:
         return self.lora_r > 0
+
+    @property
+    def ring(self) -> bool:
+        return self.ring_halves > 0
 
     @property
     def rep(self) -> int:
@@ -198,6 +208,10 @@ _NUMEL = {
     "keys_bh_t": (lambda sh: sh.keys * sh.b * sh.qd // sh.t,
                   lambda sh: ("(S/s)" if sh.cp else "") + ("q/t" if sh.q else "h/t")),
     "asb_t": (lambda sh: sh.a * sh.s * sh.b // sh.t, lambda sh: "a/t"),
+    # the ring's cp steps together: ρ = ring_halves / 2 times the rank's queries (``_Shape.ring_halves``)
+    "sbq_ring_t": (lambda sh: sh.s // 2 * sh.ring_halves * sh.b * sh.qd // sh.t,
+                   lambda sh: "ρq/t" if sh.q else "ρh/t"),
+    "asb_ring_t": (lambda sh: sh.a * (sh.s // 2 * sh.ring_halves) * sh.b // sh.t, lambda sh: "ρa/t"),
     # one row per query head and per key head (the qk norms' rstd): a + g heads, g = kv / head_dim
     "qk_rows_t": (lambda sh: (sh.a + sh.kv // max(sh.head_dim, 1)) * sh.s * sh.b // sh.t, lambda sh: "(a+g)/t"),
     "ss": (lambda sh: sh.s * sh.keys, lambda sh: "S/b" if sh.cp else "s/b"),
@@ -209,13 +223,14 @@ def _repeats_kv(sh) -> bool:
 
 
 #: order of the bases in the formula string
-_BASIS_ORDER = ("h", "h/t", "q/t", "(S/s)h/t", "(S/s)q/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "(a+g)/t", "1", "1/t", "d/2b", "s/b",
+_BASIS_ORDER = ("h", "h/t", "q/t", "(S/s)h/t", "(S/s)q/t", "ρh/t", "ρq/t", "kv/t", "f/t", "as/t", "aS/t", "a/t", "ρa/t",
+                "(a+g)/t", "1", "1/t", "d/2b", "s/b",
                 "S/b", "r")
 #: element-bytes rule name -> bytes
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
 _FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile",
-          "float8_uncast", "norm_upcast", "qk_norm", "qk_composite", "qk_upcast")
+          "float8_uncast", "norm_upcast", "qk_norm", "qk_composite", "qk_upcast", "ring")
 
 
 @dataclass(frozen=True)
@@ -388,10 +403,18 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
     SavedTensor("attention-dropout output", "act", "as2b_t", "attention", only=("!flash", "dropout"),
                 recomputed_by=_ATTENTION_CORE),
     # the per-op policy saves the attention op's outputs: SDPA's output and log-sum-exp, eager's two bmms
-    SavedTensor("SDPA output (saved by the per-op policy)", "act", "sbq_t", "attention", only=("flash",),
+    SavedTensor("SDPA output (saved by the per-op policy)", "act", "sbq_t", "attention", only=("flash", "!ring"),
                 only_under=_PER_OP),
-    SavedTensor("SDPA log-sum-exp (fp32, saved by the per-op policy)", "fp32", "asb_t", "attention", only=("flash",),
+    SavedTensor("SDPA log-sum-exp (fp32, saved by the per-op policy)", "fp32", "asb_t", "attention",
+                only=("flash", "!ring"), only_under=_PER_OP),
+    # context parallelism's ring: one flash call a cp step, each call's output and log-sum-exp saved (measure
+    # --fake, Llama 3 70B s64K b2 cp4 pp8: cp-rank 0 keeps 512 + 3 × 256 MiB of outputs a microbatch, cp-rank 3
+    # 4 × 512)
+    SavedTensor("SDPA outputs of the ring's cp steps (the per-op policy saves each flash call's; ρ = (cp + 1 + "
+                "cp-rank)/2 of the rank's queries)", "act", "sbq_ring_t", "attention", only=("flash", "ring"),
                 only_under=_PER_OP),
+    SavedTensor("SDPA log-sum-exps of the ring's cp steps (fp32, saved by the per-op policy)", "fp32", "asb_ring_t",
+                "attention", only=("flash", "ring"), only_under=_PER_OP),
     SavedTensor("QKᵀ scores (bmm saved by the per-op policy)", "act", "as2b_t", "attention", only=("!flash",),
                 only_under=_PER_OP),
     SavedTensor("attention output (the AV bmm, saved by the per-op policy)", "act", "sbq_t", "attention",
@@ -484,7 +507,9 @@ def _query_width(model) -> int:
     return q if q != model.hidden and model.attention != "mla" else 0
 
 
-def shape_of(cfg: Config) -> _Shape:
+def shape_of(cfg: Config, cp_rank: int = 0) -> _Shape:
+    """The activation table's shape of ``cfg`` on a rank of context-parallel rank ``cp_rank`` (it matters to
+    the ring attention's saved outputs under the per-op policy only; cp-rank 0 saves the least)."""
     model, par, tr = cfg.model, cfg.parallel, cfg.training
     act = 4 if tr.precision == "fp32" else 2
     base = dict(s=cfg.local_seq_len, kv_len=model.seq_len if par.cp > 1 else 0, b=tr.micro_batch_size, h=model.hidden, a=model.heads, kv=model.kv_dim,
@@ -504,7 +529,21 @@ def shape_of(cfg: Config) -> _Shape:
     cpu = cfg.cluster.gpu.name == "cpu"
     return _Shape(**base, torch_ops=True, resid=act, float8_uncast=tr.float8 != "none" and cpu,
                   composite_norm=model.norm == "rmsnorm" and cpu,
-                  rope=model.position == "rope", head_dim=model.head_dim, qk_norm=model.qk_norm, qk_composite=cpu)
+                  rope=model.position == "rope", head_dim=model.head_dim, qk_norm=model.qk_norm, qk_composite=cpu,
+                  ring_halves=par.cp + 1 + cp_rank if ring_attention(cfg) else 0)
+
+
+def ring_attention(cfg: Config) -> bool:
+    """Context parallelism runs torch's ring attention, a flash call per cp step (the backend's "torch" and
+    "ring" methods, ``backend.parallel.context_parallel``; eager attention all-gathers K, V instead)."""
+    return cfg.parallel.cp > 1 and cfg.model.attention == "flash"
+
+
+def cp_ranks_differ(cfg: Config) -> bool:
+    """Whether ranks of one pipeline rank differ by their cp-rank: the per-op policy saves every cp step's
+    flash output, and the steps' query spans depend on the cp-rank (``_Shape.ring_halves``)."""
+    return (ring_attention(cfg) and cfg.training.recompute == "selective-op"
+            and cfg.conventions.state_accounting == "pytorch")
 
 
 def activation_terms_per_layer(cfg: Config) -> tuple[list[Term], str]:
@@ -857,7 +896,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     t = par.tp
     s, b, h = cfg.local_seq_len, tr.micro_batch_size, model.hidden  # the rank's tokens (seq_len / cp)
     lora_on = tr.finetune == "lora"
-    sh = shape_of(cfg)
+    sh = shape_of(cfg, rp.cp_rank)
     stream16 = autocast and frozen_16bit_stream(cfg)  # autocast over LoRA's bf16 base: a 16-bit residual stream
     if sh.composite_norm and not sh.compile and (not autocast or stream16) and sh.act == 2:
         # 16-bit compute without autocast is FSDP2's MixedPrecisionPolicy (engine.wrapping): the blocks
@@ -889,6 +928,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     dims = f"s={s}, b={b}, h={h}, a={model.heads}, f={model.ffn_hidden}, t={t}"
     if par.cp > 1:
         dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
+        if sh.ring and sh.recompute == _SAC:
+            dims += f", ρ = (cp + 1 + {rp.cp_rank})/2 = {sh.ring_halves / 2:g}"
     for st, ex, n in zip(rp.stages, extras, counts):
         _add_stage_terms(T, st, ex, n, ckpt_of[st.stage], blocks, dims, tr.recompute_every)
     if torch_acc and par.pp > 1 and holds_last and cfg.conventions.pipeline_outputs == "kept":

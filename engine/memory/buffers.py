@@ -405,7 +405,7 @@ def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, 
     Dense blocks only (a MoE block's experts are a unit of their own)."""
     if any(st.moe_layers for st in rp.stages) or not any(st.layers for st in rp.stages):
         return
-    sh = shape_of(cfg)
+    sh = shape_of(cfg, rp.cp_rank)
     policy = cfg.training.recompute
     plain = [x for _, x, _ in layer_activation_terms(replace(sh, recompute="none"))[0]]
     if policy in TABLE_RECOMPUTE:

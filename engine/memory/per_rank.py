@@ -24,6 +24,7 @@ import numpy as np
 from engine.config import Config
 from engine.memory.activations import (
     TABLE_RECOMPUTE,
+    cp_ranks_differ,
     layer_activation_terms,
     loss_vocab,
     shape_of,
@@ -157,7 +158,7 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
     caching allocator replays their events)."""
     if cfg.cluster.gpu.name == "cpu":
         return None
-    sh = shape_of(cfg)
+    sh = shape_of(cfg, rp.cp_rank)
     kept, work = _block_tensors(sh, cfg.training.recompute)
     blocks = tuple(st.layers for st in sorted(rp.stages, key=lambda st: st.stage))
     logits = piece = shard = gather = 0
@@ -211,7 +212,8 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     Only the distinct bodies are computed, and ``per_rank`` makes each rank's RankMemory when asked
     (``report.LazyRanks``): the cost does not grow with the world. A pipeline rank's ranks differ
     by their TP shard (its vocabulary chunk), under torch's ZeroRedundancyOptimizer by their dp-rank's
-    optimizer share, and under a measured expert load by their ep-rank (``rank mod ep``)."""
+    optimizer share, under a measured expert load by their ep-rank (``rank mod ep``), and under the per-op
+    policy over the ring attention by their cp-rank."""
     par = cfg.parallel
     capacity = cfg.cluster.gpu.memory_bytes
     grid = params_per_rank(cfg)
@@ -225,9 +227,12 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     # a measured expert load: EP ranks route different token counts, so each ep-rank gets its own body
     # (the sparse mesh puts ep innermost over the dense region: ep-rank = rank mod ep)
     by_ep = bool(cfg.conventions.moe_expert_load) and par.ep > 1
+    # the per-op policy over the ring attention: each cp-rank its own body (``activations.cp_ranks_differ``)
+    by_cp = cp_ranks_differ(cfg)
     row = par.cp * par.tp  # the ranks of one dp index inside a pipeline rank's block
     block = par.dp * row
-    period = math.lcm(par.tp, par.ep) if by_ep else par.tp  # offsets x ≡ j (mod period) share a body
+    # offsets x ≡ j (mod period) share a body (x = dp index · row + cp index · tp + tp index)
+    period = math.lcm(row if by_cp else par.tp, par.ep if by_ep else 1)
     bodies: dict[tuple[int, int, int], _Body] = {}  # (pp rank, offset residue j, share class) -> body
     # per pp rank, per offset residue j: each dp index's share class (ZeroRedundancyOptimizer partitions
     # each TP shard's own tensors)
@@ -236,11 +241,12 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
     for pp_rank, rps in enumerate(grid):
         share_class.append({})
         # TP shards differ only by their vocabulary chunk; EP ranks by their rank mod ep
-        residues: dict[tuple[int, int], list[int]] = {}
+        residues: dict[tuple[int, int, int], list[int]] = {}
         for j in range(period):
-            residues.setdefault((grid[pp_rank][j % par.tp].total, j % par.ep if by_ep else -1), []).append(j)
-        for (_, ep_rank), js in residues.items():
-            rp = rps[js[0] % par.tp]
+            residues.setdefault((grid[pp_rank][j % par.tp].total, j % par.ep if by_ep else -1,
+                                 j // par.tp % par.cp if by_cp else 0), []).append(j)
+        for (_, ep_rank, cp_rank), js in residues.items():
+            rp = replace(rps[js[0] % par.tp], cp_rank=cp_rank)
             shares = zero1_shares(cfg, rp) if per_dp else fsdp2_optimizer_shares(cfg, rp) if fsdp_dp else None
             if shares is not None:
                 share, dp_sets = _share_classes(shares)

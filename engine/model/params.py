@@ -368,6 +368,9 @@ class RankParams:
     # unit_groups), sharded over efsdp instead of dp_shard; empty without experts or with ep = 1
     expert_units: tuple[tuple[Tensors, int], ...] = ()
     matmul_weights: int = -1  # elements of the blocks' weight matrices (-1: block_tensors × layers)
+    # the context-parallel rank of the ranks it stands for: it holds the same parameters on every cp-rank, but the
+    # ring attention's saved outputs differ by it (``engine.memory.activations.cp_ranks_differ``); 0 elsewhere
+    cp_rank: int = 0
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
