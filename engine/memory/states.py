@@ -336,8 +336,9 @@ def replicate_expert_grads(cfg: Config, plan: WrappingPlan) -> bool:
     """Whether the routed experts' gradients are autograd's plain ones, alive from the first backward on: FSDP2's
     replicate ignores the experts (backend.parallel.data_parallel.apply_replicate), so their .grad is made by the
     first backward and added to by every later one. With one microbatch it is made block by block during the only
-    backward, and is laid as the sharded gradients are, at its end."""
-    return plan.data_parallel == "replicate" and cfg.parallel.microbatches > 1
+    backward: the unpipelined walk's late moment holds every block's but layer 0's
+    (``engine.memory.buffers._unit_by_unit_reduce``)."""
+    return plan.data_parallel == "replicate"
 
 
 def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T: Terms, where: str) -> None:

@@ -190,8 +190,17 @@ def test_replicate_leaves_the_experts_gradients_to_autograd():
     assert sharded.bytes == 4 * (rp.total - rp.experts)
     acc = next(t for t in terms(many, "comm_buffers", "fsdp_unsharded_grads") if t.label.startswith("FSDP2"))
     assert acc.bytes == wrapping_plan(many).grad_accumulation_bytes * (rp.total - rp.experts)  # the dense part only
-    one = cfg({"tp": 2, "ep": 2, "dp": 2, "microbatches": 1})  # made block by block in the only backward
-    assert not terms(one, "grads", "gradients")
+    # one microbatch: made block by block in the only backward, so its late moment (layer 0's backward) holds every
+    # MoE block's but layer 0's: all six here (layers 0 and 1 dense), five of eight without dense layers
+    one = cfg({"tp": 2, "ep": 2, "dp": 2, "microbatches": 1})
+    (plain,) = terms(one, "grads", "gradients")
+    assert plain.bytes == 4 * rp.experts
+    (late,) = terms(one, "grads", "plain_late_grads")
+    assert late.bytes == plain.bytes
+    all_moe = cfg({"tp": 2, "ep": 2, "dp": 2, "microbatches": 1}, model={"dense_layers": 0})
+    (plain,) = terms(all_moe, "grads", "gradients")
+    (late,) = terms(all_moe, "grads", "plain_late_grads")
+    assert late.bytes == plain.bytes * 7 // 8
 
 
 def test_the_combines_backward_holds_three_fp32_routed_gradients_not_the_16_bit_one():
