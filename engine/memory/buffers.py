@@ -188,6 +188,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   stage=first)
         _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on,
                          _made_by_the_b_moment(cfg, rp, lora_on, before_weight_gradients), mlp_phase)
+        if not plan.pipelined and not lora_on and rp.root_units:
+            _root_post_backward_after_accumulation(cfg, plan, rp, T, psi_train, emb_full, emb_extra)
     else:
         # replicate walks its units as ZeRO-2 does (FSDP2's machinery with a shard degree of 1), its sharded
         # gradients the whole parameters' (the routed experts' are plain ones: replicate leaves them out)
@@ -488,6 +490,43 @@ def _root_regather_at_loss(cfg: Config, plan: WrappingPlan, T: Terms, root_b: in
               "output beside the copy-out, and the logits' gradient (over the loss's backward, the log-probabilities "
               "freed)", extra, f"2 × {root_b:,} B + {grad:,} B − {logp:,} B − {loss:,} B = {extra:,} B",
               kind="fsdp_root_regather")
+
+
+def _root_post_backward_after_accumulation(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int,
+                                           emb_full: int, emb_extra: int) -> None:
+    """Unpipelined FSDP2 over several microbatches: the last one's backward reduces unit by unit as the walk reaches
+    each, and the root unit (embeddings, final norm, head) last, in the backward's final callback. The end of the
+    backward, before that post-backward, holds every other unit's sharded gradients (and, with an all-reduce group in a
+    16-bit reduce dtype, their all-reduce outputs: ``held_all_reduce_bytes``), the last block's reduce-scatter input,
+    the root still gathered with its accumulated unsharded gradients (under TP the token embedding's at full V·h) and,
+    under TP, the token embedding's fresh full V·h gradient from the last backward (a new tensor: the accumulated one
+    has another placement; where the accumulation converts dtypes ``fsdp_fresh_grad_end`` is it) — not yet the root's
+    sharded gradients. measure --fake, Llama 3 405B dp4 tp4 SP replicate m2, bf16 reduce (8 blocks): at the token
+    embedding's fresh gradient 8 × 3,040 MiB fp32 gradients and 8 × 1,520 MiB all-reduce outputs, the last block's
+    1,520 MiB input, the root's 2 × 1,002 MiB gathered and its 4,008 + 1,002 MiB accumulated, the 4,008 MiB fresh one;
+    the end laid the whole sharded gradients alone (−11.3 %). The moment only: the allocation events do not lay it
+    (laid as one piece at the step's end it split the replay's segments: reserved +10 … +38 % on nine layouts whose
+    peak is elsewhere)."""
+    gacc, pgrad = plan.grad_accumulation_bytes, PLAN_DTYPE_BYTES[plan.compute_dtype]
+    root = rp.root_units
+    experts = {u for u, _ in rp.expert_units} if plan.data_parallel == "replicate" else set()
+    rest = [u for u, count in rp.unit_groups if u not in experts and count - (u in root) > 0]
+    rs = max((padded_numel(u, gather_degree(cfg, plan, rp, u)) for u in rest), default=0)
+    root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
+    shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
+    sh_el = sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) * count for u, count in rp.unit_groups
+                if u not in experts)
+    s_root = shard * sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root) // sh_el if sh_el else 0
+    accumulated = gacc * (sum(unit_numel(u) for u in root) + emb_extra)
+    fresh = pgrad * emb_full if emb_full and not plan.converts_gradients else 0
+    held = (shard - s_root) * held_all_reduce_bytes(plan) // 4
+    end = root_b + accumulated + fresh + gacc * rs + held - s_root
+    T.add("comm_buffers", "the end of the last microbatch's backward, before the root's post-backward: the root gathered "
+          "with its accumulated gradients" + (" and the token embedding's fresh full V·h one" if fresh else "")
+          + ", the last block's reduce-scatter input" + (", every other unit's all-reduce output" if held else "")
+          + "; the root's sharded gradients not yet made", end,
+          f"{root_b:,} + {accumulated:,} + {fresh:,} + {gacc} × {rs:,} + {held:,} − {s_root:,} B",
+          kind="fsdp_root_reduce_accumulated")
 
 
 def _head_backward_at_loss(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, res: int) -> None:

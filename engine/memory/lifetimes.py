@@ -176,8 +176,9 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: what the late-backward moment holds of plain gradients (DDP, ZeRO-1: ``buffers._plain_late_backward``) and of the
 #: first block's saved tensors there: moments only, no event rows — the allocation events' first backward walk lays
 #: the plain gradients as its blocks free their saved tensors (``after_first_backward``, ``_Laying.late``) and holds
-#: layer 0's saved tensors until its own backward
-MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations"})
+#: layer 0's saved tensors until its own backward; and what the end of an unpipelined step's last backward holds over
+#: several microbatches before the root's post-backward (``buffers._root_post_backward_after_accumulation``)
+MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated"})
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
@@ -248,7 +249,8 @@ LIFETIMES: dict[str, str] = {
     "lora_recompute_casts": "backward_input",
     "fsdp_root_params": "every_action", "fsdp_unit_grads": "backward_input", "fsdp_late_reduce": "late_backward",
     "fsdp_head_grad": "backward", "fsdp_expert_reduce": "backward_input",
-    "fsdp_root_reduce": "post_backward", "fsdp_reduced_grads": "late_backward",
+    "fsdp_root_reduce": "post_backward", "fsdp_root_reduce_accumulated": "post_backward",
+    "fsdp_reduced_grads": "late_backward",
     "late_block_activations": "late_backward", "plain_late_grads": "late_backward",
     "plain_late_activations": "late_backward", "fsdp_early_reduce": "early_backward",
     # expert parallelism's all-to-all buffers: one MoE layer's, while it runs (a fake Qwen3 235B step, ep8,
