@@ -33,6 +33,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils.checkpoint import checkpoint
 
 #: the words of a run's record (``memory.notes``) for each way of running attention
 NOTES = {
@@ -209,6 +211,11 @@ class ContextParallel:
                 k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
             return core(q, k, v)
         if self.method == "ring":
+            if isinstance(core, CheckpointWrapper):
+                # "selective" checkpoints the attention core; on CUDA torch's context_parallel runs its ring inside
+                # that core, so the ring runs inside the same checkpoint here (Q, K, V kept, the ring recomputed)
+                return checkpoint(RingFlashAttention.apply, q, k, v, self, n_rep, use_reentrant=False,
+                                  preserve_rng_state=False)
             return RingFlashAttention.apply(q, k, v, self, n_rep)
         k, v = GatherSequence.apply(k, self.group, 2), GatherSequence.apply(v, self.group, 2)
         if n_rep > 1:

@@ -162,6 +162,8 @@ CASES = {
     "cp2 flash ring": ({"cp": 2, "cp_rotate": "alltoall"}, {"attention": "flash"}),
     "cp2 + FSDP dp2": ({"cp": 2, "dp": 2, "zero": 3}, {}),
     "cp2 + TP2": ({"cp": 2, "tp": 2}, {}),
+    # the attention core's checkpoint ("selective") around the ring, as torch's context_parallel runs it on CUDA
+    "cp2 flash selective": ({"cp": 2}, {"attention": "flash"}, {"recompute": "selective"}),
 }
 
 
@@ -171,10 +173,11 @@ def test_context_parallel_run_matches_cp1_loss_and_engine_states(tmp_path, case)
     from backend.launch import launch
     from engine.predict import predict
 
-    par, model = CASES[case]
+    par, model, *training = CASES[case]
     p = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "microbatches": 1, **par}
     gpus = p["dp"] * p["cp"] * p["tp"]
-    cfg = default_config().replace(cluster={"gpus": gpus}, parallel=p, model={**SMALL, **model})
+    cfg = default_config().replace(cluster={"gpus": gpus}, parallel=p, model={**SMALL, **model},
+                                   **({"training": training[0]} if training else {}))
     run = launch(cfg, tmp_path / "run", steps=1, timeout_s=150)
     list(run.events())
     res = run.wait()
