@@ -1465,7 +1465,11 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     stage runs no I (its W runs the whole backward): nothing. A block with experts keeps
     ``moe_split_backward_group_grads``. Measured op by op on the tiny model's
     InterleavedZeroBubble pp4 (fp32): one block keeps 753,664 B (4 B × s·b × (h + 2·kv + h + 2·f + h
-    + 2·h)), the last stage 327,680 B more (the final norm's and the head's output gradients)."""
+    + 2·h)), the last stage 327,680 B more (the final norm's and the head's output gradients).
+
+    Under context parallelism an I's moment also holds its own microbatch's of them made by its first block's
+    attention, where the ring's backward workspace is (``split_backward_grads_made``, I moments only): measure
+    --fake of Llama 2 7B ZBV pp2 cp2 s8K b8 selective, the last stage's I peaks there with 8 GiB of them."""
 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t = par.tp
@@ -1474,6 +1478,7 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     per_block = act * s * b * weight_op_outputs(m, t) + 2 * res * sbh_rep  # and the two norms' weight multiplies
     mo = moments(par.schedule, rp.pp_rank, par.pp, par.virtual_stages, par.microbatches)
     local = sorted(st.stage for st in rp.stages)
+    I_made = 0
     for st in rp.stages:
         if st.stage == 0:
             continue
@@ -1490,6 +1495,11 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             one += extra
             formula += f" + {res}·s·b·{hs} + {act}·s·b·⌈V/t⌉ (final norm, head)"
         n = int(mo.iw[:, local.index(st.stage)].max())
+        if par.cp > 1 and one:
+            # the ring attention's backward workspace comes at each block's attention: at the first block's, the I
+            # has made every weight op's output gradient but that block's Q, K, V projections' and its norm's
+            made = one - act * s * b * (m.heads * m.head_dim + 2 * m.kv_dim) // t - res * sbh_rep
+            I_made = max(I_made, made)
         if n and one:
             T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
                   f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
@@ -1501,6 +1511,10 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                   "clear_runtime_states drops it)", n_i * res * sbh_rep,
                   f"{n_i} × {res}·s·b·{hs} = {n_i} × {res * sbh_rep:,} B", stage=st.stage, in_flight=n_i,
                   kind="input_gradients_kept")
+    if I_made:
+        T.add("temporaries", "an I's own weight-op output gradients, made by its first block's context-parallel "
+              "attention (every one but that block's Q, K, V projections' and norm's), beside the ring's workspace",
+              I_made, f"{I_made:,} B (the largest stage's)", kind="split_backward_grads_made")
 
 
 def weight_groups(sh: _Shape) -> tuple[str, ...]:

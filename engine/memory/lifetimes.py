@@ -177,8 +177,11 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: first block's saved tensors there: moments only, no event rows — the allocation events' first backward walk lays
 #: the plain gradients as its blocks free their saved tensors (``after_first_backward``, ``_Laying.late``) and holds
 #: layer 0's saved tensors until its own backward; and what the end of an unpipelined step's last backward holds over
-#: several microbatches before the root's post-backward (``buffers._root_post_backward_after_accumulation``)
-MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated"})
+#: several microbatches before the root's post-backward (``buffers._root_post_backward_after_accumulation``) and an I's
+#: own weight-op output gradients under context parallelism (``activations.split_backward_terms``): laid by the events
+#: as one piece each, they split the replay's segments where the real step makes them one by one
+MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
+                               "split_backward_grads_made"})
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
@@ -241,7 +244,7 @@ LIFETIMES: dict[str, str] = {
     "fsdp_embedding_added_grad": "later_backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
-    "split_backward_grads_freed": "stage_weight",
+    "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "during_actions",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
