@@ -369,6 +369,14 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
         return
     T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
           kind="fsdp_unsharded_params")
+    last = max(st.stage for st in rp.stages)
+    if after_backward and plan.sharded and plan.reshard_after_forward and any(st.head for st in rp.stages):
+        # resharding after forward, the last stage's forward reshards its units (kept gathered since a backward):
+        # a loss moment right after it holds none of them (measure --fake of Qwen3 235B pp8 ZeRO-3 reshard "always",
+        # last stage: the loss of each later microbatch with no unit gathered, +10.1 %)
+        x = dict(stage_shares(all_bytes, rp)).get(last, all_bytes) if len(rp.stages) > 1 else all_bytes
+        T.add("comm_buffers", "the last stage's units, resharded by its forward just before a loss", -x, f"−{x:,} B",
+              kind="fsdp_params_resharded_at_loss")
 
 
 def _all_gather_outputs(cfg: Config, rp: RankParams, T: Terms, groups: list, largest: int, root_split: bool,

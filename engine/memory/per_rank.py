@@ -91,7 +91,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                                  plain_grads_late(cfg, plan)
                                                  or (replicate_expert_grads(cfg, plan) and rp.experts > 0),
                                                  par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES,
-                                                 plan.converts_gradients))
+                                                 plan.converts_gradients, all(st.layers <= 1 for st in rp.stages)))
     if ep_rank is not None and _load_per_microbatch(cfg):
         # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
         # flight at the peak (the moment found at the load averaged over microbatches; the allocation
