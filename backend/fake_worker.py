@@ -633,6 +633,33 @@ def _fake_scalars_read_as_zero():
 
 
 @contextlib.contextmanager
+def _float8_inputs_cast_as_on_cuda(cfg):
+    """torchao's ``Float8Linear.forward`` casts its input to the autocast dtype only under CUDA's autocast
+    (``torch.is_autocast_enabled()`` and ``get_autocast_gpu_dtype()``); the fake steps of a GPU config run CPU autocast
+    in its place, where the input would stay fp32 and be saved so for the weight gradient (fp32 norm outputs and
+    float8 casts from fp32: 2× the saved Linear inputs of a GPU run). The cast the GPU run makes, made here too; a
+    ``gpu = "cpu"`` config keeps the CPU's own behaviour."""
+    if cfg.training.float8 == "none" or cfg.cluster.gpu.name == "cpu":
+        yield
+        return
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+
+    forward = Float8Linear.forward
+
+    def cast_first(self, input):
+        if torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled():
+            input = input.to(torch.get_autocast_dtype("cpu"))
+        return forward(self, input)
+
+    Float8Linear.forward = cast_first
+    try:
+        yield
+    finally:
+        Float8Linear.forward = forward
+
+
+@contextlib.contextmanager
 def _device_mesh_outside_fake_mode():
     """DeviceMesh finds a rank in its mesh tensor with ``(mesh == rank).nonzero()``
     (``_get_mesh_tensor_from_full_mesh``). FSDP2's ``replicate`` (ZeRO-0 with TP) concatenates the dp
@@ -838,7 +865,7 @@ def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments
     trainer = _build(cfg, rank, fake_tensors)
     t_build = time.perf_counter() - t0
     own = _dtensor_propagation_in_own_fake_mode() if fake_tensors else contextlib.nullcontext()
-    with own, trainer.fake_mode, _fake_scalars_read_as_zero():
+    with own, trainer.fake_mode, _fake_scalars_read_as_zero(), _float8_inputs_cast_as_on_cuda(cfg):
         _create_optimizer_state(trainer)
         t_warm = time.perf_counter() - t0
         with AllocationRecorder(fsdp_stream_index([m for _, m in trainer.modules])) as recorder:
