@@ -186,6 +186,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
                   f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
                   stage=first)
+        if ignored and not lora_on:  # replicate: the routed experts' gradients are plain ones, no unit's
+            train_units = tuple((unit_numel(u), count) for u, count in rp.unit_groups if u not in ignored)
         _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on,
                          _made_by_the_b_moment(cfg, rp, lora_on, before_weight_gradients), mlp_phase)
         if not plan.pipelined and not lora_on and rp.root_units:

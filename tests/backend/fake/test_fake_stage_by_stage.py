@@ -84,8 +84,8 @@ def test_experts_that_replicate_leaves_out_make_their_gradients_in_the_first_bac
     Mixtral 1F1B ep4 tp4 layout peaks in its first B with none of them yet (+7.9 % when they were). Their buffers are
     fp32 (the slice is taken of the fp32 parameter, cast after), and by the time two fresh ones are alive beside
     them the first expert's chain has freed its own tensors. (+2.1 % before the router's saved input was its fp32
-    copy, 4 B an element on these 16-bit parameters; +3.2 % since: the fake keeps that copy, so the rest of the
-    over-count lies elsewhere — the experts' backward moment is the lead.)"""
+    copy, 4 B an element on these 16-bit parameters; +3.2 % since, until FSDP2's fresh gradient of its largest
+    unit stopped being the experts' — replicate leaves them out, their gradients are plain: +1.8 %.)"""
     cfg = Config.from_dict({
         "model": {"preset": "mixtral-8x7b", "layers": 8, "seq_len": 2048},
         "cluster": {"gpu": "h100-96g", "gpus": 64, "gpus_per_node": 8},
@@ -97,7 +97,7 @@ def test_experts_that_replicate_leaves_out_make_their_gradients_in_the_first_bac
     assert not [t for t in rank.explain("grads") if t.kind == "gradients"]
     (term,) = [t for t in rank.catalogue("temporaries") if t.kind == "moe_backward"]
     assert "(3 + 2) × 2·14336·4096·4 =" in term.formula  # two local experts' fp32 (f, h) slices
-    _rank0_as_the_fake_holds_it(cfg, tmp_path, rel=0.035)
+    _rank0_as_the_fake_holds_it(cfg, tmp_path, rel=0.02)
 
 
 @pytest.mark.integration
@@ -107,7 +107,8 @@ def test_left_out_experts_gradients_are_made_stage_by_stage_one_weight_at_a_time
     With one local expert (ep8 of 8) nothing is summed in autograd's input buffers: each weight's select_backward
     output goes to AccumulateGrad before the next weight's, two full-size tensors at a time. Since the router keeps its
     fp32 input copy (16-bit parameters) the rank peaks in stage 2's first B, where no gradient of either stage exists
-    yet (+3.5 → +3.9 %)."""
+    yet (+3.5 → +3.9 %); since FSDP2's fresh gradient is its largest unit's, not the experts' (replicate leaves them
+    out), in stage 2's second B, +2.1 %."""
     cfg = Config.from_dict({
         "model": {"preset": "mixtral-8x7b", "layers": 8, "seq_len": 2048},
         "cluster": {"gpu": "h100-96g", "gpus": 64, "gpus_per_node": 8},
@@ -121,7 +122,7 @@ def test_left_out_experts_gradients_are_made_stage_by_stage_one_weight_at_a_time
     assert held <= {2}  # never stage 0's, whose first backward comes later
     (term,) = [t for t in rank.catalogue("temporaries") if t.kind == "moe_backward"]
     assert term.formula.startswith("(0 + 2) × E_loc")
-    _rank0_as_the_fake_holds_it(cfg, tmp_path, rel=0.04)
+    _rank0_as_the_fake_holds_it(cfg, tmp_path, rel=0.025)
 
 
 @pytest.mark.integration
