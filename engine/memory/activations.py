@@ -942,6 +942,11 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate, on_cpu=cfg.cluster.gpu.name == "cpu")
         T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
+        # the same at a forward's moment; a split backward's W runs no attention backward (stage_backward_weight asks
+        # for the weights' gradients, the I made the attention's), and its recompute's forward workspace is gone by
+        # the end of a group's recompute, where the W peaks (measure --fake of GPT-2 DualPipeV pp2 cp4: none there)
+        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}) in a forward", ws, formula,
+              kind="cp_attention_forward")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
     if torch_acc:

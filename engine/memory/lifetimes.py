@@ -246,7 +246,7 @@ LIFETIMES: dict[str, str] = {
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
-    "cp_attention": "during_actions",
+    "cp_attention": "backward_input", "cp_attention_forward": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step", "lora_forward_casts": "forwards", "float8_forward_cast": "forwards",
