@@ -1,8 +1,8 @@
 """Measure huge configurations without the hardware: simulate ranks in child processes (no torch here).
 
 ``simulate(cfg)`` runs ``backend.fake_worker --run-dir D --rank R`` once per chosen rank (by
-default one rank per pipeline stage: dp = 0, tp = 0), each in a process of its own forked from a
-fork server (backend.forkserver: multiprocessing's "forkserver", started once per process, which imports
+default one rank per pipeline stage: dp = 0, tp = 0, and its last cp-rank where they differ), each in a
+process of its own forked from a fork server (backend.forkserver: multiprocessing's "forkserver", started once per process, which imports
 torch and the backend once: ``RANK_PRELOAD``), and stores what they report as
 a run directory with the same ``measurement.json`` as a real run, marked ``"simulated": true``.
 Each worker runs the real backend code path (model, apply_* strategies, Trainer's step and

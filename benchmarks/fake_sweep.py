@@ -16,8 +16,10 @@ at most L layers (a multiple of pp·virtual stages; full width kept): fake runs 
 Llama 3 8B and 300 s for 70B on two shared cores, 4–63 s at 4–8 layers.
 
 Each layout runs ``python -m gui.cli measure CONFIG --fake --json`` (``fake_vs_engine.simulate``: one
-simulated rank per pipeline rank, dp = tp = cp = 0: the engine's distinct rank groups differ by stage;
-ranks of one stage that it also tells apart, such as ZeRO-1's uneven optimizer shares, are not run) and
+simulated rank per pipeline rank, dp = tp = cp = 0: the engine's distinct rank groups differ by stage; and
+each one's last cp-rank where the per-op policy over the ring attention makes cp-ranks differ,
+``backend.fake.default_ranks``; other ranks of one stage that it tells apart, such as ZeRO-1's uneven
+optimizer shares, are not run) and
 is compared with ``engine.predict`` (``fake_vs_engine.rows_of``) per simulated rank: allocated (the
 engine's tracked bytes at its peak vs the modelled caching allocator's max_allocated), reserved (vs
 max_reserved) and each category but ``overhead`` (runtime context and NCCL buffers: no fake run has
