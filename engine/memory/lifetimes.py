@@ -578,8 +578,11 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
         lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
         # the stage's action before it was a forward (whose post-forward resharded what FSDP2 kept gathered)
-        prev = np.array([next((kind[j] for j in range(i - 1, -1, -1) if stage[j] == stage[i]), -1) for i in loss_at])
-        lm[:, TRANSIENT.index("loss_after_forward")] = (prev == _F) & (loss_at > first_bwd)
+        order = np.lexsort((np.arange(n), stage))  # each stage's actions in order
+        same = stage[order][1:] == stage[order][:-1]
+        prev = np.full(n, -1, dtype=np.int64)
+        prev[order[1:][same]] = kind[order[:-1][same]]
+        lm[:, TRANSIENT.index("loss_after_forward")] = (prev[loss_at] == _F) & (loss_at > first_bwd)
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)

@@ -246,7 +246,9 @@ def memory_per_rank(cfg: Config) -> MemoryReport:
             residues.setdefault((grid[pp_rank][j % par.tp].total, j % par.ep if by_ep else -1,
                                  j // par.tp % par.cp if by_cp else 0), []).append(j)
         for (_, ep_rank, cp_rank), js in residues.items():
-            rp = replace(rps[js[0] % par.tp], cp_rank=cp_rank)
+            rp = rps[js[0] % par.tp]
+            if by_cp:  # (a new RankParams only then: its cached sums start afresh)
+                rp = replace(rp, cp_rank=cp_rank)
             shares = zero1_shares(cfg, rp) if per_dp else fsdp2_optimizer_shares(cfg, rp) if fsdp_dp else None
             if shares is not None:
                 share, dp_sets = _share_classes(shares)
