@@ -530,12 +530,14 @@ def _root_post_backward_after_accumulation(cfg: Config, plan: WrappingPlan, rp: 
     accumulated = gacc * (sum(unit_numel(u) for u in root) + emb_extra)
     fresh = pgrad * emb_full if emb_full and not plan.converts_gradients else 0
     held = (shard - s_root) * held_all_reduce_bytes(plan) // 4
-    end = root_b + accumulated + fresh + gacc * rs + held - s_root
+    # (ZeRO-3 resharding after forward lays the gathered root as a term of its own, ``fsdp_root_params``)
+    laid = root_b if plan.sharded and plan.reshard_after_forward else 0
+    end = root_b + accumulated + fresh + gacc * rs + held - s_root - laid
     T.add("comm_buffers", "the end of the last microbatch's backward, before the root's post-backward: the root gathered "
           "with its accumulated gradients" + (" and the token embedding's fresh full V·h one" if fresh else "")
           + ", the last block's reduce-scatter input" + (", every other unit's all-reduce output" if held else "")
           + "; the root's sharded gradients not yet made", end,
-          f"{root_b:,} + {accumulated:,} + {fresh:,} + {gacc} × {rs:,} + {held:,} − {s_root:,} B",
+          f"{root_b:,} + {accumulated:,} + {fresh:,} + {gacc} × {rs:,} + {held:,} − {s_root:,} − {laid:,} B",
           kind="fsdp_root_reduce_accumulated")
 
 
