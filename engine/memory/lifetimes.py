@@ -577,12 +577,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         lm[:, TRANSIENT.index("until_end_of_backward")] = 1
         lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
         lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
-        # the stage's action before it was a forward (whose post-forward resharded what FSDP2 kept gathered)
-        order = np.lexsort((np.arange(n), stage))  # each stage's actions in order
-        same = stage[order][1:] == stage[order][:-1]
-        prev = np.full(n, -1, dtype=np.int64)
-        prev[order[1:][same]] = kind[order[:-1][same]]
-        lm[:, TRANSIENT.index("loss_after_forward")] = (prev[loss_at] == _F) & (loss_at > first_bwd)
+        lm[:, TRANSIENT.index("loss_after_forward")] = _after_a_forward(kind, stage, loss_at) & (loss_at > first_bwd)
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
@@ -633,6 +628,16 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     for x in out:
         x.setflags(write=False)
     return out
+
+
+def _after_a_forward(kind: np.ndarray, stage: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Whether the action before each of ``at`` on the same stage was a forward (whose post-forward resharded what
+    FSDP2 had kept gathered)."""
+    order = np.lexsort((np.arange(len(kind)), stage))  # each stage's actions in order
+    same = stage[order][1:] == stage[order][:-1]
+    prev = np.full(len(kind), -1, dtype=np.int64)
+    prev[order[1:][same]] = kind[order[:-1][same]]
+    return prev[at] == _F
 
 
 def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
