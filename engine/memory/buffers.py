@@ -371,11 +371,11 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
         return
     T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
           kind="fsdp_unsharded_params")
-    last = max(st.stage for st in rp.stages)
     if after_backward and plan.sharded and plan.reshard_after_forward and any(st.head for st in rp.stages):
         # resharding after forward, the last stage's forward reshards its units (kept gathered since a backward):
         # a loss moment right after it holds none of them (measure --fake of Qwen3 235B pp8 ZeRO-3 reshard "always",
         # last stage: the loss of each later microbatch with no unit gathered, +10.1 %)
+        last = max(st.stage for st in rp.stages)
         x = dict(stage_shares(all_bytes, rp)).get(last, all_bytes) if len(rp.stages) > 1 else all_bytes
         T.add("comm_buffers", "the last stage's units, resharded by its forward just before a loss", -x, f"−{x:,} B",
               kind="fsdp_params_resharded_at_loss")
@@ -522,11 +522,7 @@ def _root_post_backward_after_accumulation(cfg: Config, plan: WrappingPlan, rp: 
     experts = {u for u, _ in rp.expert_units} if plan.data_parallel == "replicate" else set()
     rest = [u for u, count in rp.unit_groups if u not in experts and count - (u in root) > 0]
     rs = max((padded_numel(u, gather_degree(cfg, plan, rp, u)) for u in rest), default=0)
-    root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
-    shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
-    sh_el = sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) * count for u, count in rp.unit_groups
-                if u not in experts)
-    s_root = shard * sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root) // sh_el if sh_el else 0
+    root_b, shard, s_root = _root_at_the_end(cfg, plan, rp, T)
     accumulated = gacc * (sum(unit_numel(u) for u in root) + emb_extra)
     fresh = pgrad * emb_full if emb_full and not plan.converts_gradients else 0
     held = (shard - s_root) * held_all_reduce_bytes(plan) // 4
@@ -539,6 +535,21 @@ def _root_post_backward_after_accumulation(cfg: Config, plan: WrappingPlan, rp: 
           + "; the root's sharded gradients not yet made", end,
           f"{root_b:,} + {accumulated:,} + {fresh:,} + {gacc} × {rs:,} + {held:,} − {s_root:,} − {laid:,} B",
           kind="fsdp_root_reduce_accumulated")
+
+
+def _root_at_the_end(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms) -> tuple[int, int, int]:
+    """(the root's gathered bytes, every sharded gradient's bytes, the root's share of them) for the end of an
+    unpipelined backward, before the root's post-backward: the share by sharded elements (under expert parallelism the
+    routed experts' units shard over another degree than the root's; replicate leaves them out, their gradients
+    plain ones)."""
+    ignored = {u for u, _ in rp.expert_units} if plan.data_parallel == "replicate" else set()
+    root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units)
+    shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
+    sh_el = sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) * count for u, count in rp.unit_groups
+                if u not in ignored)
+    s_root = (shard * sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units) // sh_el
+              if sh_el else 0)
+    return root_b, shard, s_root
 
 
 def _head_backward_at_loss(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, res: int) -> None:
@@ -579,7 +590,7 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     early frees the last block's unit and late is never the most). ``psi_train``: the elements FSDP2 reduces (under
     replicate not the routed experts, whose plain gradients autograd makes as the walk reaches each block: the late
     moment holds those of every block but layer 0, ``plain_late_grads``; measure --fake of Mixtral 8x7B s16K dp16 tp2
-    ep8 replicate full recompute peaks in layer 0's recompute beside 5.25 GiB of them: −8.3 → +1.5 %)."""
+    ep8 replicate full recompute peaks in layer 0's recompute beside 5.25 GiB of them: −8.3 → +0.4 %)."""
     gacc, pgrad = plan.grad_accumulation_bytes, PLAN_DTYPE_BYTES[plan.compute_dtype]
     root = rp.root_units
     experts = {u for u, _ in rp.expert_units}
@@ -627,12 +638,7 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     # then. The end-of-backward moment holds every sharded gradient, the head's and the embeddings' gradients and
     # (ZeRO-3: ``fsdp_root_params``) the gathered root: this term makes it the largest of the three
     root_rs = gacc * sum(padded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root)
-    root_b = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in root)
-    shard = sum(t.bytes for t in T["grads"] if t.kind == "fsdp_sharded_grads")
-    # the root's share of the sharded gradients, by sharded elements (under expert parallelism the routed experts'
-    # units shard over another degree than the root's)
-    sh_el = sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) * count for u, count in rp.unit_groups)
-    s_root = shard * sum(sharded_numel(u, gather_degree(cfg, plan, rp, u)) for u in root) // sh_el if sh_el else 0
+    root_b, shard, s_root = _root_at_the_end(cfg, plan, rp, T)
     laid = root_b if root_split else 0
     u_head = pgrad * unit_numel(root[-1]) if has_head else 0
     row = pgrad * unit_numel(root[0]) if has_emb else 0  # the embeddings' gradient, its row shard
@@ -664,10 +670,10 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
             one_unit += max((gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in experts),
                             default=0)
     for t in plain:  # the experts' gradients: every MoE block's but layer 0's by its backward
-        experts = sum(unit_numel(u) * c for u, c in rp.expert_units)
-        done = experts - (moe if cfg.model.dense_layers == 0 else 0)  # (the first blocks dense: layer 0 has none)
-        T.add("grads", f"{t.label}: every block's but layer 0's, made by layer 0's backward", t.bytes * done // experts,
-              f"{done:,} / {experts:,} of {t.bytes:,} B", kind="plain_late_grads")
+        all_experts = sum(unit_numel(u) * c for u, c in rp.expert_units)
+        done = all_experts - (moe if cfg.model.dense_layers == 0 else 0)  # (the first blocks dense: layer 0 has none)
+        T.add("grads", f"{t.label}: every block's but layer 0's, made by layer 0's backward",
+              t.bytes * done // all_experts, f"{done:,} / {all_experts:,} of {t.bytes:,} B", kind="plain_late_grads")
     _early_and_late_backward(plan, rp, T, psi_train, unit_numel(root[0]) * has_emb
                              + (unit_numel(root[-1]) if has_head else 0), grads + (0 if plain else moe), gacc * rs, rs,
                              one_unit,
