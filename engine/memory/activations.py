@@ -1025,6 +1025,21 @@ def frozen_casts_saved(shape: _Shape, linears: tuple[str, ...] | None = None) ->
     return shape.act * sum(_LINEAR_NUMEL[n](shape) for n in names)
 
 
+def _norm_output_casts(shape: _Shape, lora_on: bool) -> tuple[int, int]:
+    """The 16-bit casts of a norm's fp32 output that a block's Linears save under autocast beyond the table's one
+    row per norm output, (the attention's, the MLP's): autocast casts an activation once per Linear that reads it
+    (it caches only weights), so q, k, v each save their own copy, gate and up too under SwiGLU. Under LoRA only
+    the adapted Linears save their input (their A); none under the per-op policy (aten._to_copy is not in its save
+    list), torch.compile (AOTAutograd's CSE merges the identical casts of one norm output) or torchao's
+    Float8Linear under CPU autocast (it casts nothing: its fp32 input row)."""
+    if shape.recompute == "selective-op" or shape.compile or shape.float8_uncast:
+        return 0, 0
+    if lora_on:
+        return (max(0, sum(x in shape.lora_mods for x in ("wq", "wk", "wv")) - 1),
+                max(0, sum(x in shape.lora_mods for x in ("w1", "w3")) - 1))
+    return 2, 1 if shape.swiglu else 0
+
+
 def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool,
                  lora_copies: bool = False) -> tuple[int, str]:
     """One block's saved bytes for one microbatch under ``shape`` (``terms``: its activation table, summed
@@ -1041,17 +1056,7 @@ def _block_bytes(shape: _Shape, terms, formula: str, res: int, lora_on: bool,
     fp32_rows = [row for row in SAVED_TENSORS if row.elem == "res" and row.applies(shape)] if res > act else []
     n_fp32 = sum(row.count for row in fp32_rows)
     total += sum(row.count * (res - act) * _NUMEL[row.numel][0](shape) for row in fp32_rows)
-    # autocast casts a norm's fp32 output once per Linear that reads it (activations are not
-    # cached, only weights): q, k, v each save their own copy; gate and up too under SwiGLU
-    n_casts = 2 + (1 if shape.swiglu else 0)
-    if lora_on:  # only the Linears whose input is saved (adapted ones: their A) keep a cast
-        n_casts = (max(0, sum(x in shape.lora_mods for x in ("wq", "wk", "wv")) - 1)
-                   + max(0, sum(x in shape.lora_mods for x in ("w1", "w3")) - 1))
-    if shape.recompute == "selective-op" or shape.compile or shape.float8_uncast:
-        # the per-op policy recomputes the casts (aten._to_copy is not in its save list); under
-        # torch.compile AOTAutograd's CSE merges the identical casts of one norm output; torchao's
-        # Float8Linear under CPU autocast casts nothing (its fp32 input row above)
-        n_casts = 0
+    n_casts = sum(_norm_output_casts(shape, lora_on))
     total += n_casts * act * s * b * h
     formula += ((f" + {n_fp32}·{res - act}·s·b·{hs} (autocast: norms in fp32)" if res > act else "")
                 + f" + {n_casts}·{act}·s·b·h (autocast: one input cast per " + ("adapted " if res <= act else "")
@@ -1107,7 +1112,9 @@ def _block_sizes(cfg: Config, rp, sh: _Shape, res: int, ep_rank: int | None,
         return _Blocks(**common)
     # a block with experts: the dense MLP's rows give way to the experts'
     moe_rows, moe_formula = moe_layer_terms(cfg, ep_rank)
-    attn_half = per_layer - sum(x for _, x, part in layer_terms if part == "mlp")
+    # (and the dense MLP's autocast cast of its input, which the experts' rows hold as their own)
+    mlp_casts = _norm_output_casts(sh, lora_on)[1] if res > sh.act or lora_copies else 0
+    attn_half = per_layer - sum(x for _, x, part in layer_terms if part == "mlp") - mlp_casts * sh.act * sh.s * sh.b * sh.h
     per_moe_of_stage: dict[int, tuple[int, str]] = {}
     if ep_rank is not None and cfg.parallel.ep > 1 and varying_expert_load(cfg):
         per_moe_of_stage = moe_stage_block_bytes(
@@ -1266,7 +1273,7 @@ def _autocast_cast_terms(cfg: Config, rp, T: Terms, act: int, psi_train: int) ->
     float8 = tr.float8 != "none"
     # the routed experts' weights are sliced per expert, and slices are cast on every forward instead
     # (``moe_layer_terms``)
-    cast = 0 if float8 else rp.block_weight_numel - (rp.experts if _moe_autocast(cfg) else 0)
+    cast = 0 if float8 else rp.block_weight_numel - (rp.expert_matmul_weights if _moe_autocast(cfg) else 0)
     cast += sum(st.head for st in rp.stages)
     T.add("activations", "autocast's 16-bit weight casts (cached for the whole step)", act * cast,
           f"{act} B × {cast:,} matmul weights ({'the head; float8 blocks cast none' if float8 else 'blocks and head'})",
@@ -1290,7 +1297,7 @@ def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
     for st in rp.stages:
         weights = rp.block_weight_numel * st.layers // max(rp.layers, 1) + st.head
         if _moe_autocast(cfg) and rp.layers:
-            weights -= rp.experts * st.layers // rp.layers  # sliced per expert, cast anew each forward
+            weights -= rp.expert_matmul_weights * st.layers // rp.layers  # sliced per expert, cast anew each forward
         fp32 = max([4 * st.head, 4 * st.embedding] + ([4 * max(per_block)] if st.layers and per_block else []))
         nbytes = act * weights + fp32
         if nbytes > best:
@@ -2163,10 +2170,13 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         combine = (4 * n * k * h + 12 * n * k + (4 if autocast else act) * n * k * h
                    + (act * n_r * h if par.ep > 1 else 0))
         # the experts run one after another, the last one first in the backward: by the time the buffers and two fresh
-        # gradients are alive at once (the second expert's), the first's chain has run and freed its own saved
-        # tensors (its gate, SiLU, up outputs; its weight slices' casts) — measure --fake Mixtral ep4, 2 local experts:
-        # half of the block's expert rows gone at that moment
-        first = (inner * act * n_r * f_loc + (act * n_w * f_loc * h if casts else 0)) // e_loc if e_loc > 1 else 0
+        # gradients are alive at once (the second expert's w1 or w3), the first's chain has run and freed its own saved
+        # tensors (its gate, SiLU, up outputs; each of its weight slices' casts, one expert's n_w matrices) and the
+        # second's down projection has run and freed what it saved (its input; its w2 slice's cast) — measure --fake
+        # Mixtral ep4, 2 local experts: half of the block's expert rows gone at that moment; Mixtral tp8 ep2 pp8 under
+        # autocast, 4 local experts: the first's three 112 MiB casts and the second's w2 cast gone
+        first = (inner * act * n_r * f_loc // e_loc + act * (n_r // e_loc) * f_loc
+                 + (act * (n_w + 1) * f_loc * h if casts else 0)) if e_loc > 1 else 0
         freed = after + shared + combine + first
         # against the combine's moment the experts' holds the unit's fresh .grad too where the buffers become it
         # (``fresh_buffers``: the fresh-gradient term's bytes, laid at this moment and not at the combine's, before any

@@ -218,6 +218,13 @@ def _numel(tensors) -> int:
     return sum(a * b for a, b in tensors)
 
 
+def expert_weight_numel(model: ModelSpec, experts: int, tp: int = 1) -> int:
+    """Elements of the weight matrices of ``experts`` routed experts (w1, w2, and w3 under SwiGLU; ``tp``
+    splits f), their biases left out: ``_weight_numel`` cannot tell a grouped weight of one expert, (1, f·h),
+    from a norm, nor a grouped bias, (E, f), from a matrix."""
+    return (3 if model.mlp == "swiglu" else 2) * experts * (model.expert_hidden // tp) * model.hidden
+
+
 def _block_params(model: ModelSpec, with_experts: bool) -> LayerParams:
     att_w, att_b = attention_tensors(model)
     if with_experts:
@@ -368,6 +375,7 @@ class RankParams:
     # unit_groups), sharded over efsdp instead of dp_shard; empty without experts or with ep = 1
     expert_units: tuple[tuple[Tensors, int], ...] = ()
     matmul_weights: int = -1  # elements of the blocks' weight matrices (-1: block_tensors × layers)
+    expert_matmul_weights: int = 0  # of them, the routed experts' (``expert_weight_numel``)
     # the context-parallel rank of the ranks it stands for: it holds the same parameters on every cp-rank, but the
     # ring attention's saved outputs differ by it (``engine.memory.activations.cp_ranks_differ``); 0 elsewhere
     cp_rank: int = 0
@@ -485,7 +493,11 @@ def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
     norm = norm_tensors(model, h)
     norm_numel = _norm_params(model)
     head_is_copy = model.tied_embeddings and n_stages > 1
-    w_dense, w_moe = _weight_numel(dense), _weight_numel(moe) + _weight_numel(experts_unit)
+    # the routed experts' matrices counted by ``expert_weight_numel`` (in ``moe`` without ep, in their own unit with it)
+    w_experts = (expert_weight_numel(model, model.experts, tp) if ep == 1
+                 else expert_weight_numel(model, model.experts // ep))
+    w_dense = _weight_numel(dense)
+    w_moe = _weight_numel(moe) - (_weight_numel(routed_tp) if ep == 1 else 0) + w_experts
     n_moe_of = [sum(1 for i in split[s] if model.is_moe_layer(i)) for s in range(n_stages)]
     out = []
     for pp_rank, stages in enumerate(owners):
@@ -498,7 +510,7 @@ def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
                 continue
             per_stage: list[StageParams] = []
             groups: list[tuple[Tensors, int]] = []
-            weights = 0
+            weights = expert_weights = 0
             for s in stages:
                 first, last = s == 0, s == n_stages - 1
                 layers = split[s]
@@ -512,6 +524,7 @@ def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
                                              final_norm=norm_numel if last else 0, head=head,
                                              experts=n_moe * expert_numel, moe_layers=n_moe))
                 weights += n_dense * w_dense + n_moe * w_moe
+                expert_weights += n_moe * w_experts
                 if first:
                     _append_units(groups, ((rows, h),) + (((model.seq_len, h),) if pos else ()), 1)
                 _append_units(groups, dense, n_dense)  # the dense blocks lead
@@ -524,7 +537,7 @@ def _moe_params_per_rank(model: ModelSpec, tp: int, pp: int, v: int, style: str,
             built[rows] = RankParams(pp_rank=pp_rank, tp_rank=tp_rank, stages=tuple(per_stage), block_tensors=dense,
                                      unit_groups=_merge_alternating(groups),
                                      expert_units=((experts_unit, n_moe_rank),) if ep > 1 and n_moe_rank else (),
-                                     matmul_weights=weights)
+                                     matmul_weights=weights, expert_matmul_weights=expert_weights)
             row.append(built[rows])
         out.append(tuple(row))
     return tuple(out)

@@ -93,7 +93,9 @@ def test_moe_block_rows_by_hand():
                 + act * (e // 2) * 3 * f * h  # the 2 local experts' w1, w2, w3 casts
                 + (8 + act * h) * n_r  # EP: permutation index, expert outputs kept by index_copy
                 + 4 * n * k * h + 4 * n * k * h)  # combine: fp32 outputs, weighted outputs in the (fp32) input's dtype
-    mlp_rows_dense = act * n * h + 4 * act * n * 352  # MLP input + SwiGLU internals of the dense FFN
+    # the dense FFN's MLP input (w1's cast of the norm output), w3's own cast of it and its SwiGLU internals: the experts'
+    # rows hold their own (measure --fake of Mixtral tp8 ep2 pp8 under autocast: no third norm-output cast per block)
+    mlp_rows_dense = act * n * h + act * n * h + 4 * act * n * 352
     per_dense = dense.bytes // 2
     assert moe.bytes // 6 == per_dense - mlp_rows_dense + moe_rows
 
@@ -246,3 +248,22 @@ def test_an_input_pass_lays_the_combines_backward_not_the_experts_weight_gradien
     one_f_one_b = cfg({"pp": 2, "schedule": "1F1B", "microbatches": 4, "dp": 2}, gpus=4)
     assert terms(one_f_one_b, "temporaries", "moe_backward")
     assert not terms(one_f_one_b, "temporaries", "moe_input_backward")
+
+
+def test_autocast_caches_the_dense_weights_of_a_rank_with_one_local_expert():
+    """With one local expert (ep = E) its grouped weights are (1, f·h): the cached casts are the attention's, the
+    router's and the head's, never fewer than none (they read −2.5 GiB on Mixtral tp8 ep8 before: the experts were
+    subtracted from a count that had never held them)."""
+    from engine.model.params import params_per_rank
+
+    c = Config.from_dict({"model": {"preset": "mixtral-8x7b", "layers": 8, "seq_len": 4096},
+                          "cluster": {"gpu": "h100-96g", "gpus": 8}, "parallel": {"tp": 8, "ep": 8},
+                          "training": {"precision": "bf16-mixed"}})
+    (cast,) = terms(c, "activations", "autocast_weight_casts")
+    rp = params_per_rank(c)[0][0]
+    m, t = c.model, 8
+    attention = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim // t + m.heads * m.head_dim * m.hidden // t
+    router = m.experts * m.hidden
+    head = -(-m.vocab // t) * m.hidden
+    assert cast.bytes == 2 * (8 * (attention + router) + head)
+    assert rp.expert_matmul_weights == 8 * 3 * m.expert_hidden * m.hidden
