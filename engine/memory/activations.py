@@ -968,11 +968,17 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # Per-layer recompute ("selective-layer") runs each block's backward as "none" or "full" does, on its saved
         # or recomputed tensors: the same moment (seed 20261209 #15 Qwen3 30B tp4 pp4 ep4: −20 … −22 → −9 … −17 %,
         # seed 20261211 #17 ep8 ZeRO-2: −11 … −14 → −2 … −5 %; no row of five seeds leaves its bounds)
+        # (where FSDP2 walks its units once, one microbatch unpipelined, no fresh-gradient term is laid: the buffers
+        # are the unsharded parameters' .grad, which no gradient term counts either — ``unit_grads``; measure --fake
+        # of Qwen3 30B dp32 ZeRO-3 per-op recompute m1, seed 20261234 #20: its peak holds w1's, w2's, w3's 384 MiB
+        # bf16 buffers beside two fresh ones, −9.1 % without them)
         plan = wrapping_plan(cfg)
+        unit_grads = not plain_grads and not replicate_expert_grads(cfg, plan)
+        fresh_term = plan.unsharded_after_first_backward or par.microbatches > 1
         moe_combine = moe_backward_terms(cfg, rp, T, ep_rank, autocast,
                                          blocks.kept if tr.recompute == "full" else blocks.per_layer, moe_microbatches,
-                                         fresh_buffers=not plain_grads and plan.converts_gradients
-                                         and not replicate_expert_grads(cfg, plan))
+                                         fresh_buffers=unit_grads and plan.converts_gradients and fresh_term,
+                                         unit_grads=unit_grads and not fresh_term)
     if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
@@ -2094,7 +2100,8 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
 
 
 def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast: bool, per_layer: int,
-                       microbatches: dict[int, tuple[int, ...]] | None = None, fresh_buffers: bool = False) -> bool:
+                       microbatches: dict[int, tuple[int, ...]] | None = None, fresh_buffers: bool = False,
+                       unit_grads: bool = False) -> bool:
     """The moment inside a backward where a stage with experts peaks, the larger of two in its last MoE block:
     the combine's backward, or the routed experts' backward (measured with MemTracker on
     CPU: ``benchmarks/accuracy.md``'s MoE note).
@@ -2156,7 +2163,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         # (one local expert: its weights' input buffers take a single gradient each, nothing to sum, and AccumulateGrad
         # takes or adds each before the next weight's: the select_backward output beside its source, one weight's at
         # a time — measure --fake Mixtral ep8, 224 MiB fp32 tensors two at a time)
-        w_grads = ((n_w if par.microbatches > 1 and not fresh_buffers and e_loc > 1 else 0) + 2) * e_loc * f_loc * h * wb
+        # (``unit_grads``: FSDP2's units walked once, one microbatch: the buffers become the unsharded parameters' .grad,
+        # counted by no term of the gradients, so they count here as with a later microbatch)
+        w_grads = ((n_w if (par.microbatches > 1 or unit_grads) and not fresh_buffers and e_loc > 1 else 0) + 2
+                   ) * e_loc * f_loc * h * wb
         grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
         routed_grad = act * n_r * h if par.ep == 1 else 0
         temp = w_grads + grads + routed_grad
