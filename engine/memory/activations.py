@@ -1705,6 +1705,22 @@ def float8_weight_cast_bytes(cfg: Config) -> int:
                    if dense or lin.name in ("wq", "wk", "wv", "wo")) // cfg.parallel.tp
 
 
+def float8_input_cast_bytes(cfg: Config, sh: _Shape, mlp: bool = True) -> int:
+    """The transient of a float8 Linear's forward casting its input (torchao's ``hp_tensor_and_scale_to_float8`` of
+    ``input_hp``: its fp32 upcast — none where it is fp32 already, CPU autocast's ``float8_uncast`` —, the scaled fp32
+    copy and the float8 result), at its largest: the down projection's input, the tokens × f/t (``mlp`` False: a
+    block whose MLP is experts, not Float8Linear: the attention's output projection's, tokens × heads·head_dim / t).
+    It comes at the end of a forward (or a recompute), every tensor the block saves but the down projection's own made.
+    Measured on the backend's GELU block under a split backward's weight pass, 2,048 tokens, f = 512: every group's
+    recompute peaks 9 B × 2,048 × 512 above its bf16 twin (a tensorwise step's tests/backend/test_weight_pass.py).
+    None without float8 or under torch.compile (inductor fuses the casts)."""
+    tr = cfg.training
+    if tr.float8 == "none" or tr.compile:
+        return 0
+    width = sh.f // sh.t if mlp else (sh.q or sh.h) // sh.t
+    return ((0 if sh.float8_uncast else 4) + 4 + 1) * sh.s * sh.b * width
+
+
 def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]:
     """Under autocast, the 16-bit weight cast each Linear's own group makes anew in a split backward's weight
     pass (its TP shard), kept by autocast's cache to the step's end beside the forward's: measured on the
@@ -1718,7 +1734,7 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
 def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None,
                       grads: dict[str, int] | None = None,
                       block: tuple[int, list[tuple[str, int]], tuple[str, ...], int] | None = None,
-                      last_graph_kept: bool = False, f8_cast: int = 0) -> tuple[int, str, int]:
+                      last_graph_kept: bool = False, f8_cast: int = 0, f8_in: int = 0) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds, at the end of its recompute, the k − 1 earlier recomputes with every tensor
@@ -1759,7 +1775,8 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
         made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
         freed_k = last * block_grads + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
         # (float8: a recompute casts each MLP weight in its forward, its MLP's saved tensors not yet made)
-        held = max((k - 1) * alive_k + full + max(f8_cast - mlp, 0), k * alive_k + made_k) - freed_k
+        # (and at its end, the down projection's cast of its input: ``float8_input_cast_bytes``)
+        held = max((k - 1) * alive_k + full + max(f8_cast - mlp, f8_in, 0), k * alive_k + made_k) - freed_k
         if best is None or held > best:
             best, at, alive, made, freed = held, k, alive_k, made_k, freed_k
     earlier = last * per_block
@@ -1770,6 +1787,7 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                f"{where} block's recomputes before its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
                f" + {full:,} B (that group's recompute at its end: everything the block saves"
                + (f"; under float8 its forward's weight cast, {f8_cast:,} B, beyond the MLP's {mlp:,} B" if f8_cast else "")
+               + (f", or its input cast at its end, {f8_in:,} B" if f8_in else "")
                + ")"
                f"{f' + {made:,} B (weight casts)' if casts else ''}")
     return earlier + (best or 0) + freed, formula, freed
@@ -1823,7 +1841,8 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
             if key not in of_count:
                 moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
                 of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
-                                                  last_graph_kept=key[2], f8_cast=f8_cast)
+                                                  last_graph_kept=key[2], f8_cast=f8_cast,
+                                                  f8_in=float8_input_cast_bytes(cfg, sh, mlp=False))
             nbytes, formula, freed = of_count[key]
             T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
                   f"{'s' if c != 1 else ''} with experts, one per parameter group (torch's stage_backward_weight: "
@@ -1837,9 +1856,10 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                   "recomputed at a time", one, f"one block recomputed, less its kept input = {one:,} B",
                   stage=st.stage, kind="weight_pass")
             continue
-        key = (c, keeps is not None and c == st.layers)
+        key = (c, keeps is not None)
         if key not in of_count:
-            of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast)
+            of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast,
+                                              f8_in=float8_input_cast_bytes(cfg, sh))
         nbytes, formula, freed = of_count[key]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
