@@ -1705,20 +1705,20 @@ def float8_weight_cast_bytes(cfg: Config) -> int:
                    if dense or lin.name in ("wq", "wk", "wv", "wo")) // cfg.parallel.tp
 
 
-def float8_input_cast_bytes(cfg: Config, sh: _Shape, mlp: bool = True) -> int:
-    """The transient of a float8 Linear's forward casting its input (torchao's ``hp_tensor_and_scale_to_float8`` of
-    ``input_hp``: its fp32 upcast — none where it is fp32 already, CPU autocast's ``float8_uncast`` —, the scaled fp32
-    copy and the float8 result), at its largest: the down projection's input, the tokens × f/t (``mlp`` False: a
-    block whose MLP is experts, not Float8Linear: the attention's output projection's, tokens × heads·head_dim / t).
-    It comes at the end of a forward (or a recompute), every tensor the block saves but the down projection's own made.
-    Measured on the backend's GELU block under a split backward's weight pass, 2,048 tokens, f = 512: every group's
-    recompute peaks 9 B × 2,048 × 512 above its bf16 twin (a tensorwise step's tests/backend/test_weight_pass.py).
-    None without float8 or under torch.compile (inductor fuses the casts)."""
+def float8_input_cast_bytes(cfg: Config, sh: _Shape) -> tuple[int, int]:
+    """The transients of a dense block's float8 Linears casting their inputs in a forward (torchao's
+    ``hp_tensor_and_scale_to_float8`` of ``input_hp``: its fp32 upcast — none where it is fp32 already, CPU autocast's
+    ``float8_uncast`` —, the scaled fp32 copy and the float8 result): (the down projection's, over the tokens × f/t,
+    at the end of the forward with every tensor the block saves but its own made; the up projections', over the
+    tokens × h, at the MLP's start, before the MLP saves anything). Measured in-process on the backend's GELU block
+    under a split backward's weight pass, 2,048 tokens, f = 512: every group's recompute peaks 9 B × 2,048 × 512 above
+    its bf16 twin; end to end tests/backend/fake/test_fake_float8_weight_pass.py. None without float8 or under
+    torch.compile (inductor fuses the casts); a block with experts (no Float8Linear in its MLP) is not analysed."""
     tr = cfg.training
     if tr.float8 == "none" or tr.compile:
-        return 0
-    width = sh.f // sh.t if mlp else (sh.q or sh.h) // sh.t
-    return ((0 if sh.float8_uncast else 4) + 4 + 1) * sh.s * sh.b * width
+        return 0, 0
+    per_element = (0 if sh.float8_uncast else 4) + 4 + 1
+    return per_element * sh.s * sh.b * sh.f // sh.t, per_element * sh.s * sh.b * sh.h
 
 
 def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]:
@@ -1734,7 +1734,8 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
 def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None,
                       grads: dict[str, int] | None = None,
                       block: tuple[int, list[tuple[str, int]], tuple[str, ...], int] | None = None,
-                      last_graph_kept: bool = False, f8_cast: int = 0, f8_in: int = 0) -> tuple[int, str, int]:
+                      last_graph_kept: bool = False, f8_cast: int = 0,
+                      f8_in: tuple[int, int] = (0, 0)) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds, at the end of its recompute, the k − 1 earlier recomputes with every tensor
@@ -1775,8 +1776,10 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
         made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
         freed_k = last * block_grads + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
         # (float8: a recompute casts each MLP weight in its forward, its MLP's saved tensors not yet made)
-        # (and at its end, the down projection's cast of its input: ``float8_input_cast_bytes``)
-        held = max((k - 1) * alive_k + full + max(f8_cast - mlp, f8_in, 0), k * alive_k + made_k) - freed_k
+        # (and its Linears' casts of their inputs: ``float8_input_cast_bytes``, the down projection's at its end, the up
+        # projections' before the MLP's saved tensors)
+        f8 = max(f8_cast - mlp, f8_in[0], f8_in[1] - mlp, 0)
+        held = max((k - 1) * alive_k + full + f8, k * alive_k + made_k) - freed_k
         if best is None or held > best:
             best, at, alive, made, freed = held, k, alive_k, made_k, freed_k
     earlier = last * per_block
@@ -1787,7 +1790,7 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                f"{where} block's recomputes before its group {groups[at - 1] if groups else '-'}: what is not freed yet)"
                f" + {full:,} B (that group's recompute at its end: everything the block saves"
                + (f"; under float8 its forward's weight cast, {f8_cast:,} B, beyond the MLP's {mlp:,} B" if f8_cast else "")
-               + (f", or its input cast at its end, {f8_in:,} B" if f8_in else "")
+               + (f", or its input casts: {f8_in[0]:,} B at its end, {f8_in[1]:,} B at its MLP's start" if f8_in[0] else "")
                + ")"
                f"{f' + {made:,} B (weight casts)' if casts else ''}")
     return earlier + (best or 0) + freed, formula, freed
@@ -1841,8 +1844,7 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
             if key not in of_count:
                 moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
                 of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
-                                                  last_graph_kept=key[2], f8_cast=f8_cast,
-                                                  f8_in=float8_input_cast_bytes(cfg, sh, mlp=False))
+                                                  last_graph_kept=key[2], f8_cast=f8_cast)
             nbytes, formula, freed = of_count[key]
             T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
                   f"{'s' if c != 1 else ''} with experts, one per parameter group (torch's stage_backward_weight: "
