@@ -968,17 +968,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # Per-layer recompute ("selective-layer") runs each block's backward as "none" or "full" does, on its saved
         # or recomputed tensors: the same moment (seed 20261209 #15 Qwen3 30B tp4 pp4 ep4: −20 … −22 → −9 … −17 %,
         # seed 20261211 #17 ep8 ZeRO-2: −11 … −14 → −2 … −5 %; no row of five seeds leaves its bounds)
-        # (where FSDP2 walks its units once, one microbatch unpipelined, no fresh-gradient term is laid: the buffers
-        # are the unsharded parameters' .grad, which no gradient term counts either — ``unit_grads``; measure --fake
-        # of Qwen3 30B dp32 ZeRO-3 per-op recompute m1, seed 20261234 #20: its peak holds w1's, w2's, w3's 384 MiB
-        # bf16 buffers beside two fresh ones, −9.1 % without them)
-        plan = wrapping_plan(cfg)
-        unit_grads = not plain_grads and not replicate_expert_grads(cfg, plan)
-        fresh_term = plan.unsharded_after_first_backward or par.microbatches > 1
+        fresh_buffers, unit_grads = _expert_buffers_held(cfg, plain_grads)
         moe_combine = moe_backward_terms(cfg, rp, T, ep_rank, autocast,
                                          blocks.kept if tr.recompute == "full" else blocks.per_layer, moe_microbatches,
-                                         fresh_buffers=unit_grads and plan.converts_gradients and fresh_term,
-                                         unit_grads=unit_grads and not fresh_term)
+                                         fresh_buffers=fresh_buffers, unit_grads=unit_grads)
     if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
@@ -1029,6 +1022,20 @@ def frozen_casts_saved(shape: _Shape, linears: tuple[str, ...] | None = None) ->
         return 0
     names = linears if linears is not None else tuple(n for n in _LINEARS if shape.swiglu or n != "w3")
     return shape.act * sum(_LINEAR_NUMEL[n](shape) for n in names)
+
+
+def _expert_buffers_held(cfg: Config, plain_grads: bool) -> tuple[bool, bool]:
+    """Where the experts' input buffers (the sums of their select_backward outputs) are counted, for
+    ``moe_backward_terms``: (``fresh_buffers``: FSDP2 accumulating in another dtype over microbatches or pipelined, its
+    fresh-gradient term holds them; ``unit_grads``: FSDP2 walking its units once, one microbatch unpipelined, where no
+    fresh-gradient term is laid and the buffers are the unsharded parameters' .grad, which no gradient term counts
+    either). measure --fake of Qwen3 30B dp32 ZeRO-3 per-op recompute m1 (seed 20261234 #20): its peak holds w1's,
+    w2's, w3's 384 MiB bf16 buffers beside two fresh ones, −9.1 % without them. Neither with plain gradients or
+    replicate's left-out experts (their gradients are plain ones)."""
+    plan = wrapping_plan(cfg)
+    unit = not plain_grads and not replicate_expert_grads(cfg, plan)
+    fresh_term = plan.unsharded_after_first_backward or cfg.parallel.microbatches > 1
+    return unit and plan.converts_gradients and fresh_term, unit and not fresh_term
 
 
 def _norm_output_casts(shape: _Shape, lora_on: bool) -> tuple[int, int]:
