@@ -994,7 +994,10 @@ class _Laid:
                 elif nbytes > 0 and kind in UNIT_MADE_KINDS:
                     add_row((_UNIT_MADE, nbytes, 0))
                 elif nbytes > 0:
-                    add_row(("accumulated" if freed_at_end else life, nbytes, ALL_GATHER_STREAM if kind in gather
+                    # (autocast's casts: alive all step but at the optimizer step, freed before the events lay it)
+                    row_life = ("accumulated" if freed_at_end
+                                else "until_step" if life == "step" and kind in STEP_FREED_KINDS else life)
+                    add_row((row_life, nbytes, ALL_GATHER_STREAM if kind in gather
                              else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
                     if kind in UNIT_FRESH_KINDS:  # and, for the events only, in each block of a B's walk
                         add_row((_UNIT_FRESH, nbytes, 0))
@@ -1078,7 +1081,8 @@ class RankTimeline:
     @property
     def peak_before_step(self) -> Peak:
         """The peak of the moments up to the end of the backward (the optimizer step left out)."""
-        return peak_of(self._event_signature()[0])
+        t = self.signature.transient_bytes
+        return peak_of(self.signature._replace(transient_bytes=t[:_OPTIMIZER_STEP] + (0,) + t[_OPTIMIZER_STEP + 1:]))
 
     def snapshot(self, pk: Peak | None = None) -> dict[str, list[Term]]:
         """The terms alive at the peak (or at moment ``pk``), by category (per-microbatch terms at the
@@ -1165,14 +1169,15 @@ class RankTimeline:
         not per stage-microbatch (one microbatch's for the kept outputs), and with a :class:`Grain` the
         grain and the blocks' and log-probabilities' bytes per local stage: identical ranks share one replay.
 
-        Without the optimizer step's temporaries (``optimizer_step``): the events end with the backward.
-        The step's tensors come after every activation is freed, one per parameter, and the
-        allocator serves them from what the backward left cached; replaying them would make every
-        dp-rank of a ZeroRedundancyOptimizer share its own replay (their sizes differ). The reserve is
-        never below the allocated peak (``overhead.reserved_bytes``), which holds them."""
+        With the optimizer step's temporaries (``optimizer_step``) where the grain lays them tensor by tensor
+        (``Grain.step``: AdamW on a GPU rank, one per parameter, after every activation is freed, served from
+        what the backward left cached or from new segments); else without them, the events ending with the
+        backward: a ZeroRedundancyOptimizer's share (every dp-rank's differs, and each would replay on its own;
+        a dp-th of the states) and the CPU's ranks (no replay). The reserve is never below the allocated peak
+        (``overhead.reserved_bytes``), which holds them."""
         sig, rows = self.signature, self._rows
         k = TRANSIENT.index("optimizer_step")
-        if sig.transient_bytes[k]:
+        if sig.transient_bytes[k] and not (self._grain is not None and self._grain.step):
             t = sig.transient_bytes
             sig = sig._replace(transient_bytes=t[:k] + (0,) + t[k + 1:])
             rows = tuple(r for r in rows if r[0] != "optimizer_step")
@@ -1232,6 +1237,7 @@ class Grain(NamedTuple):
     loss_piece: int = 0  # one fp32 tensor of the loss's vocabulary shard, one microbatch (0: not known)
     head_shard: int = 0  # the head's local output under TP without loss_parallel, one microbatch
     head_gather: int = 0  # its all-gather's dim-0 output, the whole vocabulary, one microbatch
+    step: tuple = ()  # what the optimizer step allocates tensor by tensor (``Terms.optimizer_step``); () none
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -1321,7 +1327,9 @@ def allocation_events(event_signature: tuple) -> tuple:
     in the rank's first backward allocates its share of what lives from the first backward on once
     the freed tensors cover it. The forward's transients and the logits' casts are not terms (a
     moment does not hold them): they are laid only where the live bytes stay within the rank's peak,
-    so the events' most live bytes are the peak's.
+    so the events' most live bytes are the peak's. Where the grain carries the optimizer step's tensors
+    (``Grain.step``) the end of the backward keeps the last unit's sharded gradients, and the step frees
+    autocast's cached casts and allocates its tensors one by one (``_Laying._optimizer_step``).
     """
     sig, rows = event_signature[:2]
     grain: Grain | None = event_signature[2] if len(event_signature) > 2 else None
@@ -1392,7 +1400,8 @@ def without_step_rows(event_signature: tuple) -> tuple:
     """The event signature of what a rank allocates after its step tensors (which come first, are never
     freed, and change nothing else the events lay): its rows without the step rows, no step bytes."""
     sig, rows = event_signature[:2]
-    return (sig._replace(step_bytes=0), tuple(r for r in rows if r[0] != "step")) + tuple(event_signature[2:])
+    casts = sum(n for life, n, _ in rows if life == "until_step")  # laid with the rest, and freed before the step
+    return (sig._replace(step_bytes=casts), tuple(r for r in rows if r[0] != "step")) + tuple(event_signature[2:])
 
 
 def _coarse_events(sig: Signature, rows: tuple) -> tuple:
@@ -1400,7 +1409,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     mo = sig_moments(sig)
     ev: list[tuple] = []
     for j, (life, nbytes, stream) in enumerate(rows):
-        if life == "step":
+        if life == "step" or life == "until_step":
             ev.append(("alloc", ("step", j), nbytes) + ((stream,) if stream else ()))
     per_life: dict[str, list[tuple[int, int, str]]] = {}
     for j, (life, nbytes, stream) in enumerate(rows):
@@ -1422,7 +1431,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     lpb = sig.lp_bytes or (0,) * len(sig.unit_bytes)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         if phase == STEP:
-            break  # the optimizer step is not laid (``RankTimeline._event_signature``)
+            break  # the optimizer step is not laid without a grain (``RankTimeline._event_signature``)
         col = local[stage if sig.pp > 1 else 0]
         hd, lp = heads[col] - lpb[col], lpb[col]  # the loss side to the W, the log-probabilities to the I
         if phase == END and late_done:
@@ -1666,7 +1675,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
             lay.most = max(most_before, lay.most)
         nxt = i + 1
         if not lay.moment(i, kinds[i], stages[i], mbs[i], masks[i], phases[i], per_stage):
-            break  # the optimizer step is not laid (``RankTimeline._event_signature``)
+            break  # the optimizer step (``_Laying._optimizer_step``) ends the events
     if steady is not None:  # a window still on trial when the step ended
         lay.most = max(most_before, lay.most)
     lay.finish()
@@ -1704,6 +1713,8 @@ class _Laying:
             if life == "step":
                 self.alloc(("step", j), nbytes, stream)
             per_life.setdefault(life, []).append((j, nbytes, stream))
+        for j, nbytes, stream in per_life.get("until_step", ()):  # after every step tensor (``replay_events``)
+            self.alloc(("cast", j), nbytes, stream)
         self.per_life = per_life
         self.outputs = per_life.get("to_step_end", [])
         self.accumulated = {j for j, _, _ in per_life.get("accumulated", [])}
@@ -1763,9 +1774,10 @@ class _Laying:
         return blocks, layer_b if blocks else 0
 
     def moment(self, i: int, kind: int, stage: int, mb: int, mask: list, phase: int, per_stage: dict) -> bool:
-        """Lay moment ``i``'s events; False at the optimizer step, which is not laid. ``per_stage``: each per-stage
+        """Lay moment ``i``'s events; False at the optimizer step, the last. ``per_stage``: each per-stage
         column (``_STAGE_COLUMNS`` but ``wr``) by its tag, as a list per moment."""
         if phase == STEP:
+            self._optimizer_step()
             return False
         sig, size, alloc, free = self.sig, self.size, self.alloc, self.free
         if phase == LATE and sig.moment_only and sig.transient_bytes[_LATE_BACKWARD] == sig.moment_only:
@@ -1822,13 +1834,16 @@ class _Laying:
         if kind == _B and phase == ACTION:
             for key in self.heads.pop((stage, mb), ()):  # the loss side, before the blocks' backward
                 free(key)
+        # the end of the backward's sharded gradients stay for an optimizer step the events lay (``_optimizer_step``)
+        kept = phase == END and bool(self.grain.step)
         for _life, (j2, nbytes, stream) in whole:
-            alloc(("t", j2, i), nbytes, stream)
+            alloc(("eob", j2) if kept and _life == "end_of_backward" else ("t", j2, i), nbytes, stream)
         if kind == _F and phase == ACTION and sig.unit_bytes[j] > 0:
             whole = self._forward(i, stage, mb, j, whole)
         leftover = self._backward_walk(i, stage, mb, j, per_block) if walk_b else []
         for _life, (j2, _, _) in whole:
-            free(("t", j2, i))
+            if not (kept and _life == "end_of_backward"):
+                free(("t", j2, i))
         for key, x, stream in leftover:  # what lives from the first backward on beyond the freed tensors: at its end
             if x:
                 alloc(key, x, stream)
@@ -1850,6 +1865,35 @@ class _Laying:
             for key in sum(self.held.pop((stage, mb)), []) + self.heads.pop((stage, mb), []):
                 free(key)
         return True
+
+    def _optimizer_step(self) -> None:
+        """The optimizer step's tensors (the grain's ``step``), one by one. AdamW's multi-tensor step
+        (torch/optim/adam.py ``_multi_tensor_adam``): ``torch._foreach_sqrt`` makes the square root of every second
+        moment, one tensor each, in order, all alive to the step's end; its for-loop step (``_single_tensor_adam``):
+        per parameter ``denom = (exp_avg_sq.sqrt() / c).add_(eps)`` makes the root and the quotient, frees the
+        root, and the assignment frees the previous parameter's denominator. The multi-tensor step's roots are
+        freed after every allocation of the step: the events leave them live (what the step's end frees changes
+        no peak), at half the events. (The last unit's sharded gradients, which the end of the backward made and
+        the step still holds, are not laid again: the end-of-backward moment laid and freed them.)"""
+        if not self.grain.step:
+            return
+        for j, _, _ in self.per_life.get("until_step", ()):  # autocast's cache, cleared as its context exits
+            self.free(("cast", j))
+        loop, groups = self.grain.step
+        q, prev = 0, None
+        for sizes, count in groups:
+            for _ in range(count):
+                for n in sizes:
+                    self.alloc(("sqrt", q), n)
+                    if loop:
+                        self.alloc(("denom", q), n)
+                        self.free(("sqrt", q))
+                        if prev is not None:
+                            self.free(prev)
+                        prev = ("denom", q)
+                    q += 1
+        if prev is not None:
+            self.free(prev)
 
     def _loss(self, i: int, whole: list) -> None:
         """The loss moment: its transients, the loss's tensors (its fp32 vocabulary shards where the grain

@@ -170,7 +170,8 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
         if t > 1 and not sh.sp:  # the head's output gathered for the loss (Grain: Shard(-1) → Replicate)
             shard = sh.act * tokens * ceil_div(cfg.model.vocab, t)
             gather = t * shard
-    return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits, piece, shard, gather)
+    return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits, piece, shard, gather,
+                 T.optimizer_step)
 
 
 #: how many of the tensors a block's forward makes the events lay as its transients (the largest)

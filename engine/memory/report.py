@@ -53,6 +53,10 @@ class Terms(dict):
 
     def __init__(self) -> None:
         super().__init__((c, []) for c in MEMORY_CATEGORIES)
+        #: what ``optimizer.step()`` allocates tensor by tensor (``engine.memory.states.optimizer_step_term``): whether
+        #: it steps parameter by parameter (for-loop) or all at once (foreach), and the fp32 tensors' bytes as
+        #: (bytes of one unit's tensors in order, count) groups; () where it allocates nothing
+        self.optimizer_step: tuple = ()
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:

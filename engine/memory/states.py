@@ -279,7 +279,12 @@ def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups
     ``_partition_parameters``' order), None without ZeRO-1."""
     if cfg.training.optimizer != "adamw" or opt_numel <= 0:
         return
-    if optimizer_foreach(cfg):
+    loop = not optimizer_foreach(cfg)
+    if cfg.cluster.gpu.name != "cpu" and zero1_rank is None:
+        # the step's tensors one by one, for the allocator replay (gloo ranks replay nothing); not a
+        # ZeroRedundancyOptimizer's share: a dp-th of the states, which would give every dp-rank a replay of its own
+        T.optimizer_step = (loop, tuple((tuple(4 * a for a in numels), c) for numels, c in groups() if numels and c > 0))
+    if not loop:
         T.add("temporaries", "AdamW step (foreach, torch's default on GPUs): √ of every second moment at once",
               4 * opt_numel, f"4 B × {rule}", kind="optimizer_step")
         return
