@@ -116,7 +116,7 @@ def test_a_run_listens_on_loopback_only_and_a_cancel_stops_every_process(tmp_pat
 
 
 def test_a_run_that_fills_its_disk_says_so(tmp_path):
-    from test_safety import tiny_filesystem
+    from tests.gui.test_safety import tiny_filesystem
 
     with tiny_filesystem(tmp_path, "32k") as fs:  # room for the config and the first records only
         run = launch(TWO_RANKS, fs / "run", steps=3, timeout_s=90)
