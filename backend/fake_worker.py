@@ -908,8 +908,8 @@ def cross_check(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict:
     """The tracker's params / grads / optimizer at its peak beside the exact local bytes.
 
     Gradients may legitimately be lower at the peak (it can fall before the backward ends);
-    more than exact is an over-count. The reported categories use the exact bytes, but FSDP2's sharded
-    gradients where FSDPMemTracker tags them (what it saw at its peak: backend.measure.categories_from); a
+    more than exact is an over-count. The reported categories use the exact bytes, but the gradients where a
+    tracker tags them (what it saw at its peak: backend.measure.categories_from); a
     disagreement means the tracker's peak snapshot is off for that category (seen with TP:
     short-lived optimizer-step buffers counted as state), so the other categories of that
     peak deserve doubt too.

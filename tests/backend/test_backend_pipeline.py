@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 torch = pytest.importorskip("torch")
 
-from test_backend_strategies import FULL, NORM_PARAMS, col, run_ok  # noqa: E402
+from test_backend_strategies import FULL, NORM_PARAMS, col, exact, run_ok  # noqa: E402
 
 KIND = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
@@ -97,7 +97,7 @@ def test_ddp_stages_run_two_backwards_in_a_row(tmp_path):
     recorded every parameter twice and the second step's forward failed torch's bucket-rebuild assertion."""
     _, meas, _ = run_ok(tmp_path, steps=2, cluster={"gpus": 4},
                         parallel={"dp": 2, "tp": 1, "pp": 2, "zero": 0, "schedule": "GPipe", "microbatches": 2})
-    assert col(meas, "grads") == col(meas, "params")  # fp32 DDP: a full gradient beside each parameter
+    assert exact(meas, "grads") == col(meas, "params")  # fp32 DDP: a full gradient beside each parameter
     assert meas.step.losses[1] < meas.step.losses[0]
     # what the tracker saw that predates it: DDP's bucket (the Reducer writes each gradient into it, first
     # seen in the backward) and those of the stage's p2p receive buffers an op's output views; out of its

@@ -60,9 +60,12 @@ def _lora_run(tmp_path, zero: int):
 
 @pytest.mark.integration
 def test_lora_ddp_two_ranks_matches_prediction_to_the_byte(tmp_path):
+    from test_backend_strategies import exact
+
     _, meas, pred = _lora_run(tmp_path, zero=0)
     lora = adapter_params(TINY, 4, "all")
-    assert [r.grads for r in meas.memory.per_rank] == [4 * lora] * 2  # the base has no gradient
+    assert exact(meas, "grads") == [4 * lora] * 2  # the base has no gradient
+    assert [r.grads for r in meas.memory.per_rank] == [r.grads for r in pred]  # at the peak
     assert [r.optimizer for r in meas.memory.per_rank] == [8 * lora] * 2  # nor optimizer state
     assert [r.comm_buffers for r in meas.memory.per_rank] == [r.comm_buffers for r in pred]  # buckets: adapters
 

@@ -7,11 +7,27 @@ from backend.measure import categories_from
 EXACT = {"params": 1000, "grads": 1000, "optimizer": 2000}
 
 
-def test_states_are_the_exact_sizes_under_plain_memtracker():
-    raw = {"Parameter": 1000, "Gradient": 0, "Activation": 500, "Temp": 10, "Optstate": 2000, "Total": 3510}
+def test_states_are_the_exact_sizes_under_plain_memtracker_but_the_gradients_it_saw():
+    # a peak after the backward: every gradient exists
+    raw = {"Parameter": 1000, "Gradient": 1000, "Activation": 500, "Temp": 10, "Optstate": 2000, "Total": 4510}
     cats = categories_from(raw, EXACT)
     assert (cats["params"], cats["grads"], cats["optimizer"]) == (1000, 1000, 2000)
-    assert cats["activations"] == 500
+    assert cats["activations"] == 500 and cats["comm_buffers"] == 0
+    # a peak in the forward, before the backward makes them (a fake Llama 3 405B tp8 step, selective-op: none of
+    # its 20.7 GiB of fp32 gradients at the peak, which the record had filed at their exact size anyway)
+    assert categories_from({**raw, "Gradient": 0, "Total": 3510}, EXACT)["grads"] == 0
+    assert sum(categories_from({**raw, "Gradient": 300, "Total": 3810}, EXACT).values()) == 3810
+
+
+def test_fsdp2_unsharded_copies_under_plain_memtracker_are_comm_buffers():
+    """A pipelined FSDP2 rank (several stage modules: the general MemTracker) tags the unsharded parameters FSDP2
+    swaps in as "Parameter" and their gradients as "Gradient": beyond the exact (sharded) sizes they are the
+    unsharded copies (fake Llama 3 70B pp2 v3 cp2 ZeRO-3: Parameter 10.1 GiB beside 3.4 exact, Gradient 6.7 GiB
+    beside 3.4, which the record had dropped)."""
+    raw = {"Parameter": 3000, "Gradient": 2000, "Activation": 500, "Temp": 10, "Optstate": 2000, "Total": 7510}
+    cats = categories_from(raw, EXACT)
+    assert (cats["params"], cats["grads"], cats["comm_buffers"]) == (1000, 1000, 3000)
+    assert sum(cats.values()) == 7510
 
 
 def test_fsdp2_sharded_gradients_are_what_fsdpmemtracker_saw_at_its_peak():
