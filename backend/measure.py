@@ -143,6 +143,7 @@ def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer, inpu
     else:
         tracker = _without_pre_existing(MemTracker, inputs)()
         tracker.track_external(*modules, inner)
+        _filing_fsdp_groups(tracker, modules)
     _allow_repeated_root_calls(tracker)
     tracker._param_to_grad_hook_handles = _FrozenReadAsHooked()
     return tracker
@@ -230,6 +231,14 @@ def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> ty
             self._skipped: dict[int, tuple[str, int]] = {}  # storage key -> (first op, bytes)
             super().__init__(*a, **k)
 
+        def __exit__(self, *exc):
+            try:
+                return super().__exit__(*exc)
+            finally:
+                restore = self.__dict__.pop("_shardscope_restore", None)
+                if restore is not None:
+                    restore()
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self._op = (func, args, kwargs)
             try:
@@ -278,18 +287,9 @@ def _filing_fsdp_buffers(base: type) -> type:
     ``unsharded_param.grad``) and each unit's all-gather outputs, the unsharded parameters' storage ("Unsharded
     Param": made by the all-gather's copy-out before the tracker's pre-forward relabels the parameter, and kept
     under the label the first op gave them)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
     class Filing(base):
         def _relabel_unsharded(self, fsdp_mod) -> None:
-            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
-            for fp in group.fsdp_params if group else ():
-                for t in getattr(fp, "all_gather_outputs", None) or ():
-                    if t.untyped_storage().nbytes():
-                        self._update_and_maybe_create_winfos(t, _FSDPRefType.UNSHARDED_PARAM)
-                g = fp.unsharded_accumulated_grad
-                if g is not None:
-                    self._update_and_maybe_create_winfos(g, _FSDPRefType.UNSHARDED_GRAD)
+            _file_unsharded(self, fsdp_mod._get_fsdp_state()._fsdp_param_group)
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig):
             inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
@@ -319,6 +319,74 @@ def _filing_fsdp_buffers(base: type) -> type:
             return post_backward
 
     return Filing
+
+
+def _file_unsharded(tracker, group, sharded_grads: bool = False) -> None:
+    """File FSDP param group ``group``'s all-gather outputs (the unsharded parameters' storage) as "Unsharded
+    Param", its unsharded gradients (autograd's, and the accumulation in the reduce dtype) as "Unsharded Grad" and,
+    where ``sharded_grads``, the sharded gradients its reduce-scatter made as "Sharded Grad"."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    for fp in group.fsdp_params if group else ():
+        for t in getattr(fp, "all_gather_outputs", None) or ():
+            if t.untyped_storage().nbytes():
+                tracker._update_and_maybe_create_winfos(t, _FSDPRefType.UNSHARDED_PARAM)
+        for g in (fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None, fp.unsharded_accumulated_grad):
+            if g is not None:
+                tracker._update_and_maybe_create_winfos(g, _FSDPRefType.UNSHARDED_GRAD)
+        g = fp.sharded_param.grad if sharded_grads else None
+        if g is not None:
+            tracker._update_and_maybe_create_winfos(local_tensor(g), _FSDPRefType.SHARDED_GRAD)
+
+
+def _filing_fsdp_groups(tracker, modules) -> None:
+    """The general MemTracker (a rank of several modules: pipeline stages, each fully_shard'ed) filing FSDP2's
+    buffers as FSDPMemTracker does (:func:`_filing_fsdp_buffers`): left to itself it tags the unsharded parameters
+    "Parameter" or, made in a forward, "Activation" (ZeRO-2 keeps them), the unsharded gradients "Gradient" and the
+    sharded ones "Temp" (a fake Mixtral 8x7B pp2 ZeRO-2 stage: 5.7 GiB of unsharded parameters as activations). After
+    each FSDP module's pre-forward (a forward pre-hook behind FSDP2's own), its param group's pre-backward and
+    post-backward, the group's buffers are filed by what they are; the hooks go when the tracker exits."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for mod in modules:
+        for m in mod.modules():
+            g = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+            if g is not None:
+                groups.append((m, g))
+    if not groups:
+        return
+    # the snapshots' keys: its own reference types and FSDP2's three
+    fsdp_kinds = [_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.SHARDED_GRAD]
+    tracker._ref_class = list(tracker._ref_class) + fsdp_kinds
+    for dev_snap in tracker._curr_mem_snap.values():  # the snapshots it began with (its parameters')
+        for k in fsdp_kinds:
+            dev_snap.setdefault(k, 0)
+    undo = []
+    for m, g in groups:
+        h = m.register_forward_pre_hook(lambda _m, _a, g=g: _file_unsharded(tracker, g))
+        pre, post = g.pre_backward, g.post_backward
+
+        def pre_backward(*a, _f=pre, _g=g, **k):
+            out = _f(*a, **k)
+            _file_unsharded(tracker, _g)
+            return out
+
+        def post_backward(*a, _f=post, _g=g, **k):
+            _file_unsharded(tracker, _g)
+            out = _f(*a, **k)
+            _file_unsharded(tracker, _g, sharded_grads=True)
+            return out
+
+        g.pre_backward, g.post_backward = pre_backward, post_backward
+        undo.append((h, g, pre, post))
+
+    def restore() -> None:
+        for h, g, pre, post in undo:
+            h.remove()
+            g.pre_backward, g.post_backward = pre, post
+    tracker._shardscope_restore = restore
 
 
 _STEP_PARENT = "<shardscope step>"
@@ -427,11 +495,10 @@ def categories_from(tracker_raw: dict[str, int], exact: dict[str, int]) -> dict[
     # as FSDPMemTracker files them ("Unsharded Param", "Unsharded Grad": comm_buffers)
     unsharded = max(0, int(tracker_raw.get("Parameter", 0)) - int(exact["params"]))
     cats.update({k: exact[k] for k in ("params", "grads", "optimizer")})
-    if "Sharded Grad" in tracker_raw:
-        cats["grads"] = min(int(exact["grads"]), int(tracker_raw["Sharded Grad"]))
-    if "Gradient" in tracker_raw:  # (as "Sharded Grad": what the tracker saw of them at its peak)
-        unsharded += max(0, int(tracker_raw["Gradient"]) - int(exact["grads"]))
-        cats["grads"] = min(int(exact["grads"]), int(tracker_raw["Gradient"]))
+    if "Sharded Grad" in tracker_raw or "Gradient" in tracker_raw:  # what the tracker saw of them at its peak
+        seen = int(tracker_raw.get("Sharded Grad", 0)) + int(tracker_raw.get("Gradient", 0))
+        unsharded += max(0, seen - int(exact["grads"]))
+        cats["grads"] = min(int(exact["grads"]), seen)
     cats["comm_buffers"] += unsharded
     return cats
 

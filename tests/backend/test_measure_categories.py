@@ -131,3 +131,45 @@ def test_a_parameter_replicate_ignores_is_counted():
         assert isinstance(tracker_for([only], torch.optim.SGD(only.parameters())), FSDPMemTracker)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_buffers_of_a_rank_of_several_modules_are_filed_by_what_they_are():
+    """A pipelined FSDP2 rank (one fully_shard'ed module per stage: the general MemTracker) files the unsharded
+    parameters, the unsharded gradients and the sharded ones as FSDPMemTracker does: left to itself it tagged the
+    first "Parameter" or "Activation", the second "Gradient" and the third "Temp" (a fake Mixtral 8x7B pp2 ZeRO-2
+    stage: 5.7 GiB of unsharded parameters as activations). The hooks go with the tracker."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from backend.measure import tracker_for
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        a, b = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+        for m in (a, b):
+            fully_shard(m, mesh=mesh, reshard_after_forward=False)
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in (a, b)]
+        before = [(g.pre_backward, g.post_backward) for g in groups]
+        tracker = tracker_for([a, b], torch.optim.SGD(list(a.parameters()) + list(b.parameters())))
+        assert not isinstance(tracker, FSDPMemTracker)
+        def now():
+            return {getattr(k, "value", k): n for dev in tracker.get_tracker_snapshot("current").values()
+                    for k, n in dev.items()}
+
+        weight = 64 * 64 * 4
+        with tracker:
+            loss = b(a(torch.ones(4, 64))).sum()
+            forward = now()
+            loss.backward()
+            backward = now()
+        # after the forward: kept unsharded (ZeRO-2), not "Parameter" (only the sharded ones are) or "Activation"
+        assert forward["Unsharded Param"] == 2 * weight and forward["Parameter"] == 2 * weight
+        # after the backward: resharded, the sharded gradients made by the reduce-scatter
+        assert backward["Unsharded Param"] == 0 and backward["Sharded Grad"] == 2 * weight
+        assert [(g.pre_backward, g.post_backward) for g in groups] == before
+    finally:
+        dist.destroy_process_group()
