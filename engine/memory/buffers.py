@@ -184,7 +184,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             T.add("comm_buffers", f"token-embedding gradient accumulated at full V × h, in {plan.grad_accumulation_dtype} "
                   "(TP: the vocab-parallel embedding's gradient comes back replicated; FSDP2 keeps it so until "
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
-                  f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_embedding_grad",
+                  f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
                   stage=first)
         if ignored and not lora_on:  # replicate: the routed experts' gradients are plain ones, no unit's
             train_units = tuple((unit_numel(u), count) for u, count in rp.unit_groups if u not in ignored)

@@ -183,12 +183,6 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
                                "split_backward_grads_made"})
 
-#: of the kinds the first backward makes and the end of the backward frees (``END_FREED_KINDS``), those one tensor
-#: made after every block's backward: the events lay them whole at the first B's end, not block by block as the
-#: blocks' gradients (the token embeddings' replicated gradient under TP: one V × h tensor, the lookup's backward
-#: running last; measured in a fake Llama 3 70B dp8 tp8 ZeRO-3 step, a 2,004 MiB block made at the backward's end)
-WHOLE_KINDS = frozenset({"fsdp_embedding_grad"})
-
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
@@ -253,8 +247,7 @@ LIFETIMES: dict[str, str] = {
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "backward_input", "cp_attention_forward": "forwards",
-    "fsdp_unsharded_grads": "after_first_backward", "fsdp_embedding_grad": "after_first_backward",
-    "fsdp_sharded_grads": "end_of_backward",
+    "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step", "lora_forward_casts": "forwards", "float8_forward_cast": "forwards",
     "lora_recompute_casts": "backward_input",
@@ -305,7 +298,7 @@ BLOCK_KINDS = frozenset({"layers", "moe_layers"})
 #: the previous stage (measured: gone once the last backward's send completes); and under pipelining FSDP2's unsharded
 #: parameters kept from the stage's first backward: the schedule's REDUCE_GRAD (stage.py's perform_reduce_grad) sets
 #: set_reshard_after_backward(True) and runs each group's post_backward, which reshards them
-END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "fsdp_embedding_grad", "held_input_gradient", "fsdp_unsharded_params"})
+END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "held_input_gradient", "fsdp_unsharded_params"})
 
 #: what is alive all step but not at the optimizer step: autocast's cached weight casts. The training
 #: loop runs each forward and its backward inside ``torch.autocast``, whose exit clears the cache
@@ -433,7 +426,6 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
         out["all_gather_output"] = "first_forwards"
     if pipelined_fsdp2 and local_stages > 1:
         out["fsdp_unsharded_grads"] = "stage_converted" if split_backward and converts else "stage_accumulated"
-        out["fsdp_embedding_grad"] = out["fsdp_unsharded_grads"]
         out["fsdp_sharded_grads"] = "stage_reduced"
         out["fsdp_stage_fresh_grads"] = "stage_fresh"
         # the token embeddings' fresh gradient: at the end of the first stage's B only (``stage`` set on the term)
@@ -1003,7 +995,7 @@ class _Laid:
                     add_row((_UNIT_MADE, nbytes, 0))
                 elif nbytes > 0:
                     # (autocast's casts: alive all step but at the optimizer step, freed before the events lay it)
-                    row_life = (("accumulated_whole" if kind in WHOLE_KINDS else "accumulated") if freed_at_end
+                    row_life = ("accumulated" if freed_at_end
                                 else "until_step" if life == "step" and kind in STEP_FREED_KINDS else life)
                     add_row((row_life, nbytes, ALL_GATHER_STREAM if kind in gather
                              else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
@@ -1423,7 +1415,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     for j, (life, nbytes, stream) in enumerate(rows):
         per_life.setdefault(life, []).append((j, nbytes, stream))
     outputs = per_life.get("to_step_end", [])
-    accumulated = per_life.get("accumulated", []) + per_life.get("accumulated_whole", [])
+    accumulated = per_life.get("accumulated", [])
     late = per_life.get("after_first_backward", []) + accumulated
     late_done = weight_late_done = False
     stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
@@ -1700,8 +1692,7 @@ class _Laying:
 
     __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads",
                  "stage_on", "plans", "sig",
-                 "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "late_whole", "local",
-                 "last_stage", "walk",
+                 "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
                  "first_backward")
 
     def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
@@ -1726,8 +1717,7 @@ class _Laying:
             self.alloc(("cast", j), nbytes, stream)
         self.per_life = per_life
         self.outputs = per_life.get("to_step_end", [])
-        self.late_whole = per_life.get("accumulated_whole", [])
-        self.accumulated = {j for j, _, _ in per_life.get("accumulated", []) + self.late_whole}
+        self.accumulated = {j for j, _, _ in per_life.get("accumulated", [])}
         self.late = per_life.get("after_first_backward", []) + per_life.get("accumulated", [])
         self.local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
         self.last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
@@ -1820,7 +1810,7 @@ class _Laying:
                         alloc(("wp", j2, i, q), x, stream)
                         weight_pass.append(("wp", j2, i, q))
         if mask[-1] and not self.late_done:
-            for j2, nbytes, stream in self.late + self.late_whole:
+            for j2, nbytes, stream in self.late:
                 alloc(("late", j2), nbytes, stream)
             self.late_done = True
         if mask[_WEIGHT_LATE] and not self.weight_late_done:  # what the first W (or B) makes, kept
@@ -2039,8 +2029,7 @@ class _Laying:
                     alloc(key, x, stream)
                 made += x
         self.late_done = self.late_done or first
-        # a tensor the backward makes whole after the blocks' (the token embeddings' gradient): at the B's end
-        return pending + ([(("late", j2, 0), nbytes, stream) for j2, nbytes, stream in self.late_whole] if first else [])
+        return pending
 
 
 #: the event keys only added until the step's end: the last stage's kept outputs, a split backward's input gradients

@@ -183,7 +183,7 @@ def test_fsdp2_tp_embedding_gradient_is_full_size_until_its_post_backward():
     piped = memory_per_rank(cfg(None, fp32_reduce, dp=2, tp=2, pp=2, zero=3, microbatches=4, schedule="1F1B"))
     for r in piped.per_rank:
         extra = term(r, "token-embedding gradient accumulated at full V × h, in fp32")
-        assert [(t.bytes, t.kind) for t in extra] == ([(131_072, "fsdp_embedding_grad")] if r.pp_rank == 0 else [])
+        assert [(t.bytes, t.kind) for t in extra] == ([(131_072, "fsdp_unsharded_grads")] if r.pp_rank == 0 else [])
     # no TP: the gradient is the shard's own size, no extra term
     assert not any(term(r, "token-embedding gradient") for r in
                    memory_per_rank(cfg(None, fp32_reduce, dp=2, zero=3)).per_rank)

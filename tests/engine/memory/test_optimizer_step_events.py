@@ -78,22 +78,3 @@ def test_a_zero1_share_is_not_laid_and_cpu_ranks_lay_no_step():
         _, r = _rank(par, gpu)
         assert _step_term(r) > 0
         assert not any(e[1][0] in ("sqrt", "denom") for e in r._body.timeline.events())
-
-
-def test_the_replicated_token_embedding_gradient_is_laid_whole_after_the_blocks():
-    """Under TP with FSDP2 the lookup's backward, the last op of the first backward, makes the token embeddings'
-    gradient at full V × h in one tensor (a fake Llama 3 70B dp8 tp8 ZeRO-3 step: one 2,004 MiB block at the
-    backward's end); the blocks' unsharded gradients are laid block by block as their saved tensors are freed."""
-    cfg = Config.from_dict({"model": {"preset": "llama3-8b", "layers": 4, "seq_len": 2048},
-                            "cluster": {"gpu": "h100-sxm", "gpus": 16},
-                            "parallel": {"dp": 8, "tp": 2, "zero": 3, "sequence_parallel": True, "microbatches": 2},
-                            "training": {"precision": "bf16-mixed"}})
-    r = memory_per_rank(cfg).distinct()[0][0]
-    (emb,) = [t for t in r.catalogue("comm_buffers") if t.kind == "fsdp_embedding_grad"]
-    ev = r._body.timeline.events()
-    late = [(i, e) for i, e in enumerate(ev) if e[0] == "alloc" and e[1][0] == "late"]
-    whole = [i for i, e in late if e[2] == emb.bytes]
-    assert len(whole) == 1 and emb.bytes > 0
-    assert whole[0] == max(i for i, _ in late)  # after every block's piece
-    last_block_free = max(i for i, e in enumerate(ev[:whole[0]]) if e[0] == "free" and e[1][0] == "mb")
-    assert whole[0] > last_block_free
