@@ -288,35 +288,21 @@ def _filing_fsdp_buffers(base: type) -> type:
     Param": made by the all-gather's copy-out before the tracker's pre-forward relabels the parameter, and kept
     under the label the first op gave them)."""
     class Filing(base):
-        def _relabel_unsharded(self, fsdp_mod) -> None:
-            _file_unsharded(self, fsdp_mod._get_fsdp_state()._fsdp_param_group)
+        def _then_file(self, inner, fsdp_mod):
+            def hooked(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                _file_unsharded(self, fsdp_mod._get_fsdp_state()._fsdp_param_group)
+                return out
+            return hooked
 
         def _fsdp_state_pre_forward(self, fsdp_mod, orig):
-            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
-
-            def pre_forward(*args, **kwargs):
-                out = inner(*args, **kwargs)
-                self._relabel_unsharded(fsdp_mod)
-                return out
-            return pre_forward
+            return self._then_file(super()._fsdp_state_pre_forward(fsdp_mod, orig), fsdp_mod)
 
         def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
-            inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
-
-            def pre_backward(*args, **kwargs):
-                out = inner(*args, **kwargs)
-                self._relabel_unsharded(fsdp_mod)
-                return out
-            return pre_backward
+            return self._then_file(super()._fsdp_param_group_pre_backward(fsdp_mod, orig), fsdp_mod)
 
         def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-            inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
-
-            def post_backward(*args, **kwargs):
-                out = inner(*args, **kwargs)
-                self._relabel_unsharded(fsdp_mod)
-                return out
-            return post_backward
+            return self._then_file(super()._fsdp_param_group_post_backward(fsdp_mod, orig), fsdp_mod)
 
     return Filing
 

@@ -6,6 +6,7 @@ quotient is still bound; autocast's cached weight casts are gone before either (
 from __future__ import annotations
 
 from engine.config import Config
+from engine.memory.lifetimes import most_live
 from engine.memory.per_rank import memory_per_rank
 from engine.memory.states import optimizer_foreach
 
@@ -24,17 +25,7 @@ def _step_term(r) -> int:
 
 def _live_step_bytes(events) -> int:
     """The most bytes the step's own tensors hold at once."""
-    live, most, size = 0, 0, {}
-    for e in events:
-        if e[1][0] not in ("sqrt", "denom"):
-            continue
-        if e[0] == "alloc":
-            size[e[1]] = e[2]
-            live += e[2]
-            most = max(most, live)
-        else:
-            live -= size.pop(e[1])
-    return most
+    return most_live(e for e in events if e[1][0] in ("sqrt", "denom"))
 
 
 def test_the_multi_tensor_step_makes_one_root_per_parameter_after_the_backward():
