@@ -285,8 +285,8 @@ def _filing_fsdp_buffers(base: type) -> type:
     the reduce-scatter; ``FSDPParam.to_accumulated_grad_if_needed`` makes it in the post-backward of a microbatch that
     does not reduce, with ``.to(reduce_dtype)``, which the tracker files as a temporary — it relabels only
     ``unsharded_param.grad``) and each unit's all-gather outputs, the unsharded parameters' storage ("Unsharded
-    Param": made by the all-gather's copy-out before the tracker's pre-forward relabels the parameter, and kept
-    under the label the first op gave them)."""
+    Param", as its pre-forward files the parameter; after the pre-backward too, where the backward gathers them
+    again), after each of the three hooks it wraps."""
     class Filing(base):
         def _then_file(self, inner, fsdp_mod):
             def hooked(*args, **kwargs):

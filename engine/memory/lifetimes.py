@@ -1874,7 +1874,7 @@ class _Laying:
         root, and the assignment frees the previous parameter's denominator. The multi-tensor step's roots are
         freed after every allocation of the step: the events leave them live (what the step's end frees changes
         no peak), at half the events. (The last unit's sharded gradients, which the end of the backward made and
-        the step still holds, are not laid again: the end-of-backward moment laid and freed them.)"""
+        the step still holds, the end-of-backward moment kept: ``moment``'s ``kept``.)"""
         if not self.grain.step:
             return
         for j, _, _ in self.per_life.get("until_step", ()):  # autocast's cache, cleared as its context exits
