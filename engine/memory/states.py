@@ -273,27 +273,29 @@ def optimizer_step_term(cfg: Config, T: Terms, opt_numel: int, rule: str, groups
     for-loop (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt() / c).add_(eps)``,
     the square root and the quotient both alive while the previous parameter's ``denom`` is still
     bound: 4 B × max over the parameters in the optimizer's order of (previous + 2 × this).
-    ``groups()``: (local numels of one unit in parameter order, count), in parameter order (called
-    for the for-loop step only: a GPU prediction, on every slider move, never walks the tensors);
+    ``groups()``: (local numels of one unit in parameter order, count), in parameter order, walked once: for
+    a GPU rank's allocator replay (``Terms.optimizer_step``, the step's tensors one by one; a few groups of
+    a unit's tensors, not every tensor) and for the for-loop step's peak;
     ``zero1_rank``: the dp-rank whose ZeroRedundancyOptimizer share steps (its tensors largest first,
     ``_partition_parameters``' order), None without ZeRO-1."""
     if cfg.training.optimizer != "adamw" or opt_numel <= 0:
         return
     loop = not optimizer_foreach(cfg)
+    walked = groups() if loop or (cfg.cluster.gpu.name != "cpu" and zero1_rank is None) else []
     if cfg.cluster.gpu.name != "cpu" and zero1_rank is None:
         # the step's tensors one by one, for the allocator replay (gloo ranks replay nothing); not a
         # ZeroRedundancyOptimizer's share: a dp-th of the states, which would give every dp-rank a replay of its own
-        T.optimizer_step = (loop, tuple((tuple(4 * a for a in numels), c) for numels, c in groups() if numels and c > 0))
+        T.optimizer_step = (loop, tuple((tuple(4 * a for a in numels), c) for numels, c in walked if numels and c > 0))
     if not loop:
         T.add("temporaries", "AdamW step (foreach, torch's default on GPUs): √ of every second moment at once",
               4 * opt_numel, f"4 B × {rule}", kind="optimizer_step")
         return
     if zero1_rank is not None:
-        top = zero_redundancy_largest([(a, c) for numels, c in groups() for a in numels], cfg.parallel.dp,
+        top = zero_redundancy_largest([(a, c) for numels, c in walked for a in numels], cfg.parallel.dp,
                                       zero1_rank)
         peak, order = _adjacent_peak([(tuple(top), 1)]), "its ZeroRedundancyOptimizer share, largest first"
     else:
-        peak, order = _adjacent_peak(groups()), "parameter order"
+        peak, order = _adjacent_peak(walked), "parameter order"
     why = ("torch's default on CPU" if cfg.cluster.gpu.name == "cpu"
            else "the rank's parameters mix DTensors and plain tensors, which foreach refuses")
     T.add("temporaries", f"AdamW step (for-loop, {why}): one parameter's √v and its quotient, "
