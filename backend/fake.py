@@ -273,7 +273,8 @@ def render(cfg: Config, res: SimulatedRun) -> str:
         alloc = rec.get("allocator")
         if alloc:
             mode = "expandable segments" if alloc["expandable_segments"] else "default segments"
-            lines.append(f"  caching allocator (modelled, {mode}): allocated {alloc['max_allocated'] / scale:.3f}, "
+            need = " without the device's capacity" if alloc.get("oom") else ""
+            lines.append(f"  caching allocator (modelled, {mode}){need}: allocated {alloc['max_allocated'] / scale:.3f}, "
                          f"reserved {alloc['max_reserved'] / scale:.3f} {unit} at most; "
                          f"{alloc['segments']} segments at the end")
             if alloc.get("oom"):

@@ -838,18 +838,23 @@ def allocator_capacity(cfg) -> int | None:
 def replay_allocations(events, *, expandable_segments: bool = False, capacity: int | None = None) -> dict:
     """The recorded events through the modelled caching allocator: its stats, as the record's
     ``allocator`` field (``oom``: torch's out-of-memory message when a request does not fit in
-    ``capacity``; the stats are then those at that moment)."""
+    ``capacity``). A job that runs out of memory reports what it would need: the stats of the replay
+    without a capacity, as the engine reports its reserve where it predicts an out-of-memory
+    (``engine.memory.overhead._replayed_reserve``); ``at_oom`` keeps the capped replay's stats at the
+    failing request (a torch run stops there, and its ``max_memory_allocated`` says those)."""
     from engine.memory.allocator import AllocatorOutOfMemory, replay
 
-    oom = None
+    oom = at_oom = None
     try:
         stats = replay(events, expandable_segments=expandable_segments, capacity=capacity)
     except AllocatorOutOfMemory as exc:
-        stats, oom = exc.stats, str(exc)
+        oom = str(exc)
+        at_oom = {"max_allocated": exc.stats.max_allocated, "max_reserved": exc.stats.max_reserved}
+        stats = replay(events, expandable_segments=expandable_segments, capacity=None)
     return {"max_allocated": stats.max_allocated, "max_reserved": stats.max_reserved,
             "reserved_end": stats.reserved_end, "segments": stats.segments,
             "expandable_segments": bool(expandable_segments), "capacity": capacity, "oom": oom,
-            "events": len(events), "streams": sorted({e[3] for e in events if e[0] == "alloc"})}
+            "at_oom": at_oom, "events": len(events), "streams": sorted({e[3] for e in events if e[0] == "alloc"})}
 
 
 def simulate_rank(cfg, rank: int, fake_tensors: bool = True, expandable_segments: bool = False) -> dict:

@@ -70,7 +70,10 @@ def test_recorder_turns_the_trackers_view_into_allocator_events():
 def test_replay_reports_out_of_memory_instead_of_failing():
     events = [["alloc", 0, 30 * MIB, 0], ["alloc", 1, 30 * MIB, 0]]
     out = replay_allocations(events, capacity=40 * MIB)
-    assert out["oom"] and "out of memory" in out["oom"] and out["max_reserved"] == 30 * MIB
+    assert out["oom"] and "out of memory" in out["oom"]
+    # what the job would need (as the engine reports a reserve it predicts out of memory), and where it stopped
+    assert (out["max_allocated"], out["max_reserved"]) == (60 * MIB, 60 * MIB)
+    assert out["at_oom"] == {"max_allocated": 30 * MIB, "max_reserved": 30 * MIB}
     assert replay_allocations(events, expandable_segments=True)["max_reserved"] == 60 * MIB
 
 
