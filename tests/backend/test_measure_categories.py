@@ -173,3 +173,48 @@ def test_fsdp2_buffers_of_a_rank_of_several_modules_are_filed_by_what_they_are()
         assert [(g.pre_backward, g.post_backward) for g in groups] == before
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_tracker_files_a_recomputation_inside_the_unit_as_activations():
+    """A block checkpoint-wrapped inside its FSDP2 unit (``fully_shard(checkpoint_wrapper(block))``, as this backend
+    and torchtitan wrap blocks) recomputes in the backward without FSDP2's pre-forward, the only place
+    FSDPMemTracker marks an activation-checkpointing region: what the recomputation makes was filed as temporaries
+    (a fake Llama 2 7B pp4 cp2 full-recompute stage: 2.5 GiB). MemTracker files it as activations (its module
+    pre-forward hook in the backward); so does the FSDPMemTracker the backend measures with."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from backend.measure import tracker_for
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            if torch._C._current_graph_task_id() != -1:  # the recomputation, in the backward
+                seen.append({getattr(k, "value", k): n for dev in tracker.get_tracker_snapshot("current").values()
+                             for k, n in dev.items()})
+            return x
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        wide = 4096
+        model = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Sequential(torch.nn.Linear(64, wide, bias=False),
+                                                                           Probe(), torch.nn.Linear(wide, 1))))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        tracker = tracker_for([model], torch.optim.SGD(model.parameters()))
+        assert isinstance(tracker, FSDPMemTracker)
+        with tracker:
+            model(torch.ones(4, 64)).sum().backward()
+        recomputed = 4 * wide * 4  # the first Linear's output, made again
+        assert len(seen) == 1
+        assert seen[0]["Activation"] >= recomputed and seen[0]["Temp"] < recomputed
+        # the region ends with the wrapped module's forward: what its backward makes is a temporary again
+        assert not tracker._in_ac
+    finally:
+        dist.destroy_process_group()
