@@ -108,8 +108,10 @@ def _flash_block_backward(*, grad_out, query, key, value, out, logsumexp, is_cau
     k, v = key, value
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    # the output gradient as it comes (the attention output's transposed view): the CPU kernel reads it by its strides
+    # as CUDA's flash backward does, so no copy of it is made here that a GPU run does not make
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.contiguous(), query, k, v, out, logsumexp, 0.0, is_causal, scale=scale)
+        grad_out, query, k, v, out, logsumexp, 0.0, is_causal, scale=scale)
     if n_rep > 1:
         dk = dk.unflatten(1, (-1, n_rep)).sum(2)
         dv = dv.unflatten(1, (-1, n_rep)).sum(2)
@@ -158,7 +160,7 @@ class RingFlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with _ring_options(ctx.cp.rotate) as ring:
             dq, dk, dv = ring._templated_ring_attention_backward(
-                ctx.cp.group, 2, functools.partial(_flash_block_backward, n_rep=ctx.n_rep), grad_out.contiguous(),
+                ctx.cp.group, 2, functools.partial(_flash_block_backward, n_rep=ctx.n_rep), grad_out,
                 "grad_out", q, k, v, out, lse, is_causal=True, scale=ctx.scale)
         return dq, dk, dv, None, None
 

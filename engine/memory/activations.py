@@ -564,7 +564,7 @@ def activation_bytes_per_layer(cfg: Config) -> int:
 # --------------------------------------------------------------------------- context parallel
 
 
-def context_parallel_workspace(sh: _Shape, cp: int, rotate: str, on_cpu: bool = False) -> tuple[int, str]:
+def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, str]:
     """The attention tensors of one layer that context parallelism does not shard, at their peak:
     (bytes, formula). Torch's ring attention (``_templated_ring_attention`` and its backward) saves
     only the rank's own Q, K, V, output and log-sum-exp (the table's rows at s = S/cp); while a
@@ -578,11 +578,11 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str, on_cpu: bool = 
     * backward: the K, V again (re-gathered, or rotated), fp32 accumulators of dQ, dK, dV, two
       blocks' gradients (``grad_query_, grad_key_, grad_value_, *rest = op(...)`` rebinds the last
       block's only once the next block's op has made its own), and the dK, dV ring (always all-to-all,
-      fp32: the one sent and the one arriving); ``on_cpu``, the backend's own ring on the CPU flash kernel
-      (``backend.parallel.context_parallel.RingFlashAttention``) makes the output gradient contiguous too
-      (the attention's transposed output: a copy), where CUDA's flash backward takes it as it comes.
-      Measured with ``measure --fake`` (the CPU ring) of Llama 2 7B s2K b8 cp2 fp32: 2,560.5 MiB at the
-      attention's backward, the formula's 2,560 MiB with ``on_cpu``.
+      fp32: the one sent and the one arriving). The output gradient is read as it comes (the attention
+      output's transposed view) by CUDA's flash backward and by the backend's ring on the CPU flash kernel
+      (``backend.parallel.context_parallel.RingFlashAttention``), which had made it contiguous (a copy no GPU
+      run makes). Measured with ``measure --fake`` (the CPU ring, still copying it) of Llama 2 7B s2K b8 cp2
+      fp32: 2,560.5 MiB at the attention's backward, the formula's 2,432 MiB and the 128 MiB copy.
     The layer's peak is the larger of its forward and backward. The head-tail layout (chunks i and
     2·cp−1−i of 2·cp on rank i) balances the causal work and changes no size. Eager attention (all-
     gather only) keeps the gathered K, V as its saved rows; here only their gathered form before
@@ -602,11 +602,9 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str, on_cpu: bool = 
     merger = s * b * h // t * (4 + e) + 8 * (a // t) * s * b
     fwd = kv_bytes + merger
     grads = s * b * (h + 2 * kv) // t
-    copy = e * s * b * h // t if on_cpu else 0
-    bwd = kv_bytes + 4 * grads + 2 * e * grads + 2 * 4 * 2 * s * b * kv // t + copy
+    bwd = kv_bytes + 4 * grads + 2 * e * grads + 2 * 4 * 2 * s * b * kv // t
     formula = (f"max(forward {kv_f} + s·b·h/t·{4 + e} + 8·s·b·a/t (fp32 merger) = {fwd:,} B, backward the same K, V "
-               f"+ (4 + 2·{e})·s·b·(h + 2kv)/t (fp32 dQ, dK, dV and two blocks') + 2 × 4·2·s·b·kv/t (dK, dV ring) "
-               + (f"+ {e}·s·b·h/t (the output gradient made contiguous: the CPU ring) " if copy else "") + "= "
+               f"+ (4 + 2·{e})·s·b·(h + 2kv)/t (fp32 dQ, dK, dV and two blocks') + 2 × 4·2·s·b·kv/t (dK, dV ring) = "
                f"{bwd:,} B) with S = {S}, s = S/{cp} = {s}, b = {b}, h = {h}, kv = {kv}, a = {a}, t = {t}")
     return max(fwd, bwd), formula
 
@@ -939,7 +937,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         _autocast_cast_terms(cfg, rp, T, act, psi_train)
     _recomputed_block_terms(cfg, rp, T, sh, blocks, ckpt_of, res, dims, ep_rank)
     if par.cp > 1:
-        ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate, on_cpu=cfg.cluster.gpu.name == "cpu")
+        ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
         T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
         # the same at a forward's moment; a split backward's W runs no attention backward (stage_backward_weight asks
