@@ -653,7 +653,10 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
               + (", the embeddings' gradient's row shard beside the full one" if emb_full else "") + "), at its "
               "copy-in (its own reduce-scatter input beside its gradients) and after it (beside the sharded gradients, "
               "one of its gradients still held), beyond what the moment holds", end,
-              f"max({before:,}, {copy_in:,}, {after:,}) − {laid:,} B", kind="fsdp_root_reduce")
+              f"max({before:,}, {copy_in:,}, {after:,}) − {laid:,} B",
+              kind="fsdp_root_end")
+        # the allocation events lay the sides in torch's order (``Grain.root_end``)
+        T.root_end = (root_rs, laid, copy_in >= max(before, after))
     held = held_all_reduce_bytes(plan)
     if held and shard > s_root:  # every other unit's all-reduce input, held to finalize_backward after the root's
         T.add("comm_buffers", f"the all-reduce inputs (in {plan.reduce_dtype}) of every unit but the root, each kept by "

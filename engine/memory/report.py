@@ -57,6 +57,10 @@ class Terms(dict):
         #: it steps parameter by parameter (for-loop) or all at once (foreach), and the fp32 tensors' bytes as
         #: (bytes of one unit's tensors in order, count) groups; () where it allocates nothing
         self.optimizer_step: tuple = ()
+        #: FSDP2's root post-backward at the end of an unpipelined backward (``engine.memory.buffers._unit_by_unit_reduce``,
+        #: the ``fsdp_root_end`` term): the bytes of its reduce-scatter input, of the gathered root laid as a term of its
+        #: own (``fsdp_root_params``) and whether the copy-in is the end's largest side; () without such an end
+        self.root_end: tuple = ()
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:

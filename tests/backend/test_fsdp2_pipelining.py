@@ -236,7 +236,7 @@ def test_unpipelined_zero3_reduces_unit_by_unit_with_the_root_gathered_throughou
     # own input (2·root), the root resharded and its sharded gradients not yet made (− root); after it beside them,
     # the gradients' list cleared but for the larger, the head's (2·root − 2·EMB)
     end = max(2 * root + 2 * BLOCK - root, 2 * root - root, 2 * root - 2 * EMB) - 2 * root
-    assert sorted(terms["fsdp_root_reduce"]) == sorted([2 * EMB, end])
+    assert terms["fsdp_root_reduce"] == [2 * EMB] and terms["fsdp_root_end"] == [end]
     # it peaks at the B's own moment: the tiny model's saved tensors outweigh what the reductions add
     assert r.peak_moment.startswith("stage 0 B of microbatch 0 (")
     # pipelined, the root is one of the stage's units (every unit gathered, no late moment)
@@ -257,5 +257,5 @@ def test_the_roots_share_of_the_sharded_gradients_is_by_its_own_shard_degree_und
     emb, head = 151_936 * 2_048, 151_936 * 2_048 + 2_048
     root_rs = 4 * (emb + head)  # the fp32 reduce-scatter input, unsharded
     s_root = 4 * (emb // 4 + head // 4)
-    (t,) = [t for t in memory_per_rank(c).per_rank[0].catalogue("comm_buffers") if t.kind == "fsdp_root_reduce"]
+    (t,) = [t for t in memory_per_rank(c).per_rank[0].catalogue("comm_buffers") if t.kind == "fsdp_root_end"]
     assert f"{root_rs - s_root:,}" in t.formula  # the copy-in side
