@@ -1042,7 +1042,8 @@ class RankTimeline:
         laid = _Laid(terms, MEMORY_CATEGORIES, column, pp, rules, fsdp_params)
         self.varying = laid.varying
         self._rows = _net_rows(laid.rows, laid.freed)
-        self._acts = tuple(tuple(x) for x in laid.acts)
+        # (and the stage's kept output, the logits on a pipeline's last stage: ``_Laying._forward``)
+        self._acts = tuple(tuple(x) + (laid.so[k],) for k, x in enumerate(laid.acts))
         self.signature = self._signature(laid)
         self._category_peaks: dict[str, int] | None = None  # computed when first asked (a tooltip asks per move)
 
@@ -1647,7 +1648,8 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
 
 def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compress: bool = False) -> tuple:
     """``allocation_events`` tensor by tensor (its docstring says how); ``acts``: per local stage, the
-    saved bytes of its blocks, its log-probabilities and the rest of its loss side, one microbatch each.
+    saved bytes of its blocks, its log-probabilities, the rest of its loss side and its kept output (the
+    logits), one microbatch each.
 
     ``compress``: the rank's steady state (``_steady_window``: periods of moments that repeat the
     first with every microbatch shifted) is laid once. Where the generator's state at the end of the
@@ -1978,7 +1980,7 @@ class _Laying:
         """A forward of local stage ``j``: its blocks' saved tensors and transients, block by block, the rest,
         the loss side and (on the last stage) the kept outputs. Returns the moment's transients still to free."""
         alloc, free, fits, grain = self.alloc, self.free, self.fits, self.grain
-        _, logprob_b, head_b = self.acts[j]
+        _, logprob_b, head_b, kept_logits = self.acts[j]
         blocks, layer_b = self._blocks(j)
         keys = self.held[stage, mb] = []
         so = self.sig.so_bytes[j] if self.sig.so_bytes else 0
@@ -2026,10 +2028,14 @@ class _Laying:
             shard = grain.head_shard and self.transient(("head_shard", i), grain.head_shard,
                                                         grain.head_gather + logits_b)
             gather = shard and self.transient(("head_gather", i), grain.head_gather, logits_b)
-            # its fp32 copy and the log-probabilities come once the gathered buffer and the shard are freed
-            lgt = self.transient(("logits", i), logits_b,
-                                 max(2 * logprob_b - (grain.head_gather if gather else 0)
-                                     - (grain.head_shard if shard else 0), 0))
+            # its fp32 copy and the log-probabilities come once the gathered buffer and the shard are freed. Where
+            # the pipeline's last stage keeps its output, that output is the logits the loss reads (one tensor:
+            # laid with the stage's microbatch, the rest or ``so``), no second one (measure --fake of GPT-2 s128K
+            # pp8 cp2, last stage: one 6,284 MiB logits tensor before the loss's fp32 ones; the events laid two)
+            kept = bool(kept_logits) and not grain.head_shard
+            lgt = kept or self.transient(("logits", i), logits_b,
+                                         max(2 * logprob_b - (grain.head_gather if gather else 0)
+                                             - (grain.head_shard if shard else 0), 0))
             if gather:
                 free(("head_gather", i))
             if shard:
@@ -2039,7 +2045,7 @@ class _Laying:
             self.heads.setdefault((stage, mb), []).append(("mb", stage, mb, "logprob"))
             if f32:
                 free(("logits_fp32", i))
-            if lgt:
+            if lgt and not kept:
                 free(("logits", i))
         if stage == self.last_stage:
             for j2, nbytes, _ in self.outputs:

@@ -1445,3 +1445,26 @@ def test_a_lora_blocks_recompute_holds_peft_casts_again_at_the_b():
     assert "lora_recompute_casts" in {t.kind for t in rank.explain("activations")}
     none = memory_per_rank(Config.from_dict({**raw, "training": {**raw["training"], "recompute": "none"}})).per_rank[1]
     assert "lora_recompute_casts" not in {t.kind for t in none.catalogue("activations")}
+
+
+def test_a_pipelines_last_stage_lays_its_kept_logits_once():
+    """torch.distributed.pipelining's last stage keeps its output, the logits, to the microbatch's backward
+    (``stage_logits``): that output is the tensor the loss casts to fp32, one tensor, laid with the stage's
+    microbatch; the events laid the logits a second time before the cast (measure --fake of GPT-2 s128K pp8 cp2,
+    last stage: one 6,284 MiB logits tensor before the loss's fp32 ones). Unpipelined, the logits are laid as the
+    head makes them and freed once cast. GPT-2 (2 blocks) pp2 1F1B, bf16 autocast, rank 1 (the last stage)."""
+    def events(pp):
+        cfg = Config.from_dict({"model": {"preset": "gpt2-124m", "layers": 2, "seq_len": 1024},
+                                "cluster": {"gpu": "h100-96g", "gpus": pp, "gpus_per_node": pp},
+                                "parallel": {"pp": pp, "microbatches": 2},
+                                "training": {"micro_batch_size": 2, "precision": "bf16-mixed"}})
+        r = memory_per_rank(cfg).per_rank[-1]
+        kept = sum(t.bytes for t in r.catalogue("activations") if t.kind == "stage_logits")
+        return kept, [e for e in r._body.timeline.events() if e[0] == "alloc"]
+    kept, ev = events(2)
+    logits = 2 * 2 * 1024 * 50_257  # bf16 · s · b · V
+    assert kept == logits  # one microbatch in flight on the last stage
+    assert not [e for e in ev if e[1][0] == "logits"]
+    assert [e[2] for e in ev if e[1][0] == "logits_fp32"] == [2 * logits, 2 * logits]
+    _, ev1 = events(1)
+    assert [e[2] for e in ev1 if e[1][0] == "logits"] == [logits, logits]
