@@ -1507,15 +1507,19 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             continue
         dense = st.layers - st.moe_layers
         one = dense * per_block  # the blocks (the stage input's gradient: ``input_gradients_kept``)
+        pieces = list(split_backward_group_grads(cfg, act, res, sbh_rep).values()) * dense
         formula = (f"{dense} × ({act}·s·b·(h/t + 2·kv/t + h + {'2·' if m.mlp == 'swiglu' else ''}f/t + h) + "
                    f"2·{res}·s·b·{hs})")
         if st.moe_layers:
-            moe = sum(moe_split_backward_group_grads(cfg, act, res, sbh_rep, ep_rank).values())
+            moe_pieces = list(moe_split_backward_group_grads(cfg, act, res, sbh_rep, ep_rank).values())
+            moe = sum(moe_pieces)
             one += st.moe_layers * moe
+            pieces += moe_pieces * st.moe_layers
             formula += f" + {st.moe_layers} × {moe:,} B (blocks with experts: router, expert and attention matmuls)"
         if st.stage == n_stages - 1:
             extra = res * sbh_rep + act * s * b * ceil_div(m.vocab, t)
             one += extra
+            pieces += [res * sbh_rep, act * s * b * ceil_div(m.vocab, t)]
             formula += f" + {res}·s·b·{hs} + {act}·s·b·⌈V/t⌉ (final norm, head)"
         elif dense and not st.moe_layers and t == 1 and res == act:
             # the stage's last block's down projection: its output is the stage output (out = h + mlp(h)), so its
@@ -1524,6 +1528,7 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             # (measure --fake of GPT-2 s32K pp4 cp2 ZBV fp32: a pending I keeps 7 h-wide and one f-wide tensors, its
             # input gradient among them — 192 MiB less each than the formula's, seed 20261236)
             one -= res * sbh_rep
+            pieces.pop(len(pieces) - 1 - pieces[::-1].index(res * sbh_rep))  # its w2 group's (the last h-wide one)
             formula += f" − {res}·s·b·h (the last block's down projection's: the received gradient)"
         n = int(mo.iw[:, local.index(st.stage)].max())
         if par.cp > 1 and one:
@@ -1532,6 +1537,7 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             made = one - act * s * b * (m.heads * m.head_dim + 2 * m.kv_dim) // t - res * sbh_rep
             I_made = max(I_made, made)
         if n and one:
+            T.split_backward_pieces[st.stage] = tuple(x for x in pieces if x > 0)
             T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
                   f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
                   f"{n} × ({formula}) = {n} × {one:,} B", stage=st.stage, in_flight=n, kind="split_backward_grads")

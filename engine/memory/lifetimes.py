@@ -1252,6 +1252,9 @@ class Grain(NamedTuple):
     # FSDP2's root post-backward (``Terms.root_end``): its reduce-scatter input's bytes, the gathered root's, whether
     # the copy-in is the end's largest side; (): none
     root_end: tuple = ()
+    # per local stage, the tensors a split backward's I keeps for its W, in order (``Terms.split_backward_pieces``);
+    # (): one piece
+    iw_pieces: tuple = ()
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -1885,12 +1888,19 @@ class _Laying:
         if kind == _I and phase == ACTION and sig.lp_bytes and ("mb", stage, mb, "logprob") in size:  # and the loss's
             free(("mb", stage, mb, "logprob"))
             self.heads[(stage, mb)] = [k for k in self.heads[(stage, mb)] if k != ("mb", stage, mb, "logprob")]
-        if kind == _I and phase == ACTION and self.iwb[j] > 0:  # what the I keeps for its W
-            alloc(("iw", stage, mb), self.iwb[j])
+        if kind == _I and phase == ACTION and self.iwb[j] > 0:  # what the I keeps for its W: each weight op's
+            # output gradient, a tensor of its own (one piece, the events carved a large cached block per I and the
+            # next moment's transients grew a segment each: measure --fake of GPT-2 s32K pp4 cp2 ZBV fp32, 192 and
+            # 768 MiB tensors where the events laid 1,920 MiB)
+            weights = self.grain.iw_pieces[j] if self.grain.iw_pieces and self.grain.iw_pieces[j] else (1,)
+            for q, x in enumerate(_pieces(self.iwb[j], weights)):
+                if x:
+                    alloc(("iw", stage, mb, q), x)
         if kind == _I and phase == ACTION and self.igb[j] > 0:  # its input gradient, kept to the step's end
             alloc(("ig", stage, mb), self.igb[j])
-        if kind == _W and phase == ACTION and ("iw", stage, mb) in size:
-            free(("iw", stage, mb))
+        if kind == _W and phase == ACTION:
+            for key in [k for k in size if k[0] == "iw" and k[1] == stage and k[2] == mb]:
+                free(key)
         if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in self.held:
             for key in sum(self.held.pop((stage, mb)), []) + self.heads.pop((stage, mb), []):
                 free(key)

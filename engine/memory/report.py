@@ -61,6 +61,9 @@ class Terms(dict):
         #: the ``fsdp_root_end`` term): the bytes of its reduce-scatter input, of the gathered root laid as a term of its
         #: own (``fsdp_root_params``) and whether the copy-in is the end's largest side; () without such an end
         self.root_end: tuple = ()
+        #: what a split backward's I keeps for its W, per stage: the tensors' bytes in order (``engine.memory.
+        #: activations.split_backward_terms``: each weight op's output gradient), for the allocation events
+        self.split_backward_pieces: dict[int, tuple[int, ...]] = {}
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:
