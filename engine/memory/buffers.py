@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from engine.config import Config
 from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, shape_of
-from engine.memory.lifetimes import BLOCK_KINDS
+from engine.memory.lifetimes import BLOCK_KINDS, HEAD_KINDS, STAGE_OUTPUT_KINDS
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
 from engine.model.params import (
@@ -148,6 +148,21 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     if z in (2, 3):
         unpipelined_blocks = every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
         _all_gather_outputs(cfg, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
+        if every_unit and plan.pipelined and conv.fsdp_prefetch and not ignored:
+            # a stage's first forward gathers its blocks one by one, and FSDP2's implicit forward prefetch keeps the
+            # previous block's all-gather result to the next one's copy-out, as unpipelined (measure --fake of Llama
+            # 3 70B pp4 cp4 ZeRO-3 LoRA, seed 20261237, stage 2: both blocks' all-gather outputs beside both blocks'
+            # parameters at the second one's copy-out, the first forward's peak: allocated -17.5 %). Two blocks'
+            # outputs there, where the one laid is the largest unit's (a first stage's root, embeddings: larger); on
+            # the last stage before its head and loss, whose saved tensors the forward's moment holds (Llama 3 405B
+            # pp4 cp2 LoRA, seed 20261233 #6c7555c1, last stage: +5.0 % with them)
+            blocks = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count)
+                      for u, count in rp.unit_groups if u not in rp.root_units]
+            if sum(count for _, count in blocks) > 1:
+                block = max(b for b, _ in blocks)
+                head = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"]
+                           if t.kind in HEAD_KINDS or t.kind in STAGE_OUTPUT_KINDS)
+                _kept_all_gather_result(cfg, rp, T, 2 * block - two[0], f8, head=head, at_end=block - two[0])
     gacc = plan.grad_accumulation_bytes
     emb_full, emb_extra = replicated_embedding_gradient(cfg, rp)
     if plan.unsharded_after_first_backward or m > 1:
@@ -403,7 +418,8 @@ def _all_gather_outputs(cfg: Config, rp: RankParams, T: Terms, groups: list, lar
         _kept_all_gather_result(cfg, rp, T, prev, f8)
 
 
-def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, f8: str) -> None:
+def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, f8: str, head: int = 0,
+                            at_end: int = 0) -> None:
     """Where a forward gathers units that stay gathered (unpipelined ZeRO-2, ZeRO-3 not resharded after
     forward): FSDP2's implicit forward prefetch keeps each unit's all-gather result
     (``comm_ctx.all_gather_state``) until the next unit's ``wait_for_unshard``, which starts after that
@@ -414,7 +430,10 @@ def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, 
     The forward's own moment counts one output and every block's tensors, so the second output counts less
     those (a CPU run of ZeRO-2 dp4 m4 full recompute: MemTracker's All Gather at the peak, in a later
     microbatch's forward, is two blocks' outputs, beside every block's input and nothing of the head).
-    Dense blocks only (a MoE block's experts are a unit of their own)."""
+    Dense blocks only (a MoE block's experts are a unit of their own). ``head``: the loss side the forward's moment
+    holds, made after the last block (a pipeline's last stage: not yet there at its unshard); ``at_end``: what the
+    forward's end holds beyond the output laid, the last block's result still kept (the stage's root post-forward
+    frees it) — the larger of the two moments counts."""
     if any(st.moe_layers for st in rp.stages) or not any(st.layers for st in rp.stages):
         return
     sh = shape_of(cfg, rp.cp_rank)
@@ -427,7 +446,7 @@ def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, 
     else:  # selective-layer: the larger, a plain block's
         saved = sum(plain)
     after = max(saved - plain[0], 0)
-    extra = second - after
+    extra = max(second - after - head, at_end)
     if extra > 0:
         T.add("comm_buffers", "the previous unit's all-gather output at the last block's unshard (FSDP2's implicit "
               "forward prefetch frees it after that unit's copy-out), less what the last block saves after it" + f8,
