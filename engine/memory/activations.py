@@ -1309,7 +1309,13 @@ def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
         weights = rp.block_weight_numel * st.layers // max(rp.layers, 1) + st.head
         if _moe_autocast(cfg) and rp.layers:
             weights -= rp.expert_matmul_weights * st.layers // rp.layers  # sliced per expert, cast anew each forward
-        fp32 = max([4 * st.head, 4 * st.embedding] + ([4 * max(per_block)] if st.layers and per_block else []))
+        # the token embedding's gradient under TP comes back replicated, V·h on every TP rank, where its weight is
+        # a row shard (``engine.memory.buffers.replicated_embedding_gradient``: measure --fake of Llama 3 70B tp4 SP
+        # pp4, seed 20261237 #15, first stage: embedding_dense_backward's 4,008 MiB fp32 output at a later B's end,
+        # the row shard 1,002: allocated -15.1 %)
+        emb = cfg.model.vocab * cfg.model.hidden if st.embedding and cfg.parallel.tp > 1 \
+            and not cfg.model.tied_embeddings else st.embedding
+        fp32 = max([4 * st.head, 4 * emb] + ([4 * max(per_block)] if st.layers and per_block else []))
         nbytes = act * weights + fp32
         if nbytes > best:
             best, what = nbytes, f"{act} B × {weights:,} cast weights of stage {st.stage} + {fp32:,} B (its largest fp32 gradient)"
