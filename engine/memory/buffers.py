@@ -762,6 +762,8 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
     full recompute, m = 1: 7 of 8 blocks' fp32 gradients, the root and layer 0 gathered)."""
     sharded = [t for t in T["grads"] if t.kind == "fsdp_sharded_grads"]
     at = 0 if resharded else 1  # the late moment's layer
+    experts = {u for u, _ in rp.expert_units}
+    blocks = sum(count - (u in rp.root_units) for u, count in rp.unit_groups if u not in experts)
     done = max(0, psi_train - root - (at + 1) * block)
     one = min(block, max(0, psi_train - root))
     layers = rp.layers
@@ -785,7 +787,15 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
         if one_unit:
             T.add("comm_buffers", "the last block's gathered unit, resharded in its post-backward", -one_unit,
                   f"−{one_unit:,} B", kind="fsdp_early_reduce")
-    if not (late or resharded):
+        prefetched = sum(t.bytes for t in T["comm_buffers"] if t.kind == "all_gather_output")
+        if blocks <= 2 and prefetched and not one_unit:
+            # the second block is the walk's last (the root stays gathered): its pre-backward has no unit left to
+            # prefetch, so no all-gather output is alive there (a real CPU run of a 2-block model, dp4 ZeRO-3 full
+            # recompute, tiny sweep seed 20261220 #06: tracked peak +15.4 % with one, the reduce-scatter input and
+            # the recomputed block alone in the measured peak)
+            T.add("comm_buffers", "no all-gather output in the second block's backward: the last block of the walk, "
+                  "nothing left to prefetch", -prefetched, f"−{prefetched:,} B", kind="fsdp_early_reduce")
+    if not (late or resharded) or blocks <= at + 1:  # (no layer at + 1: the late moment is the walk's start)
         return
     layers_done = "layers 0-1" if at else "layer 0"
     reduced = 0
