@@ -149,20 +149,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         unpipelined_blocks = every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
         _all_gather_outputs(cfg, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
         if every_unit and plan.pipelined and conv.fsdp_prefetch and not ignored:
-            # a stage's first forward gathers its blocks one by one, and FSDP2's implicit forward prefetch keeps the
-            # previous block's all-gather result to the next one's copy-out, as unpipelined (measure --fake of Llama
-            # 3 70B pp4 cp4 ZeRO-3 LoRA, seed 20261237, stage 2: both blocks' all-gather outputs beside both blocks'
-            # parameters at the second one's copy-out, the first forward's peak: allocated -17.5 %). Two blocks'
-            # outputs there, where the one laid is the largest unit's (a first stage's root, embeddings: larger); on
-            # the last stage before its head and loss, whose saved tensors the forward's moment holds (Llama 3 405B
-            # pp4 cp2 LoRA, seed 20261233 #6c7555c1, last stage: +5.0 % with them)
-            blocks = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count)
-                      for u, count in rp.unit_groups if u not in rp.root_units]
-            if sum(count for _, count in blocks) > 1:
-                block = max(b for b, _ in blocks)
-                head = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"]
-                           if t.kind in HEAD_KINDS or t.kind in STAGE_OUTPUT_KINDS)
-                _kept_all_gather_result(cfg, rp, T, 2 * block - two[0], f8, head=head, at_end=block - two[0])
+            _pipelined_kept_all_gather(cfg, plan, rp, T, two[0], f8)
     gacc = plan.grad_accumulation_bytes
     emb_full, emb_extra = replicated_embedding_gradient(cfg, rp)
     if plan.unsharded_after_first_backward or m > 1:
@@ -416,6 +403,23 @@ def _all_gather_outputs(cfg: Config, rp: RankParams, T: Terms, groups: list, lar
     if cfg.conventions.fsdp_prefetch:
         prev = last if sum(count for _, count in blocks) > 1 else groups[0][0] + groups[-1][0]
         _kept_all_gather_result(cfg, rp, T, prev, f8)
+
+
+def _pipelined_kept_all_gather(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, laid: int, f8: str) -> None:
+    """A pipelined stage's first forward gathers its blocks one by one, and FSDP2's implicit forward prefetch keeps
+    the previous block's all-gather result to the next one's copy-out, as unpipelined (:func:`_kept_all_gather_result`;
+    measure --fake of Llama 3 70B pp4 cp4 ZeRO-3 LoRA, seed 20261237, stage 2: both blocks' all-gather outputs beside
+    both blocks' parameters at the second one's copy-out, the first forward's peak: allocated −17.5 %). Two blocks'
+    outputs there, where the one laid (``laid``) is the largest unit's (a first stage's root, embeddings: larger); on
+    the last stage before its head and loss, whose saved tensors the forward's moment holds (Llama 3 405B pp4 cp2
+    LoRA, seed 20261233 #6c7555c1, last stage: +5.0 % with them)."""
+    blocks = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count)
+              for u, count in rp.unit_groups if u not in rp.root_units]
+    if sum(count for _, count in blocks) > 1:
+        block = max(b for b, _ in blocks)
+        head = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"]
+                   if t.kind in HEAD_KINDS or t.kind in STAGE_OUTPUT_KINDS)
+        _kept_all_gather_result(cfg, rp, T, 2 * block - laid, f8, head=head, at_end=block - laid)
 
 
 def _kept_all_gather_result(cfg: Config, rp: RankParams, T: Terms, second: int, f8: str, head: int = 0,
