@@ -1875,8 +1875,9 @@ class _Laying:
             gathered += nbytes if _life == "every_action" else 0
         if root_end:
             self._root_end(i, gathered)
-        for key in [k for k in size if k[0] == "rci"]:
-            free(key)
+        if mask[_POST_BACKWARD]:
+            for key in [k for k in size if k[0] == "rci"]:
+                free(key)
         for key, x, stream in leftover:  # what lives from the first backward on beyond the freed tensors: at its end
             if x:
                 alloc(key, x, stream)
@@ -1899,8 +1900,10 @@ class _Laying:
         if kind == _I and phase == ACTION and self.igb[j] > 0:  # its input gradient, kept to the step's end
             alloc(("ig", stage, mb), self.igb[j])
         if kind == _W and phase == ACTION:
-            for key in [k for k in size if k[0] == "iw" and k[1] == stage and k[2] == mb]:
-                free(key)
+            pieces = self.grain.iw_pieces[j] if self.grain.iw_pieces and self.grain.iw_pieces[j] else (1,)
+            for q in range(len(pieces)):
+                if ("iw", stage, mb, q) in size:
+                    free(("iw", stage, mb, q))
         if (kind == _B or kind == _W) and phase == ACTION and (stage, mb) in self.held:
             for key in sum(self.held.pop((stage, mb)), []) + self.heads.pop((stage, mb), []):
                 free(key)
