@@ -1504,7 +1504,9 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     t = par.tp
     s, b = cfg.local_seq_len, tr.micro_batch_size
     n_stages = par.num_stages
-    per_block = act * s * b * weight_op_outputs(m, t) + 2 * res * sbh_rep  # and the two norms' weight multiplies
+    # each weight op's output gradient of one dense block, by parameter group (the matmuls' and the norms' weight
+    # multiplies): the I keeps each as a tensor of its own (the allocation events lay them so: Grain.iw_pieces)
+    block = list(split_backward_group_grads(cfg, act, res, sbh_rep).values())
     mo = moments(par.schedule, rp.pp_rank, par.pp, par.virtual_stages, par.microbatches)
     local = sorted(st.stage for st in rp.stages)
     I_made = 0
@@ -1512,19 +1514,15 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         if st.stage == 0:
             continue
         dense = st.layers - st.moe_layers
-        one = dense * per_block  # the blocks (the stage input's gradient: ``input_gradients_kept``)
-        pieces = list(split_backward_group_grads(cfg, act, res, sbh_rep).values()) * dense
+        pieces = block * dense  # the blocks (the stage input's gradient: ``input_gradients_kept``)
         formula = (f"{dense} × ({act}·s·b·(h/t + 2·kv/t + h + {'2·' if m.mlp == 'swiglu' else ''}f/t + h) + "
                    f"2·{res}·s·b·{hs})")
         if st.moe_layers:
             moe_pieces = list(moe_split_backward_group_grads(cfg, act, res, sbh_rep, ep_rank).values())
             moe = sum(moe_pieces)
-            one += st.moe_layers * moe
             pieces += moe_pieces * st.moe_layers
             formula += f" + {st.moe_layers} × {moe:,} B (blocks with experts: router, expert and attention matmuls)"
         if st.stage == n_stages - 1:
-            extra = res * sbh_rep + act * s * b * ceil_div(m.vocab, t)
-            one += extra
             pieces += [res * sbh_rep, act * s * b * ceil_div(m.vocab, t)]
             formula += f" + {res}·s·b·{hs} + {act}·s·b·⌈V/t⌉ (final norm, head)"
         elif dense and not st.moe_layers and t == 1 and res == act:
@@ -1533,9 +1531,9 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             # of its own; not where autocast casts it to the matmul's dtype (res ≠ act) or TP redistributes it
             # (measure --fake of GPT-2 s32K pp4 cp2 ZBV fp32: a pending I keeps 7 h-wide and one f-wide tensors, its
             # input gradient among them — 192 MiB less each than the formula's, seed 20261236)
-            one -= res * sbh_rep
             pieces.pop(len(pieces) - 1 - pieces[::-1].index(res * sbh_rep))  # its w2 group's (the last h-wide one)
             formula += f" − {res}·s·b·h (the last block's down projection's: the received gradient)"
+        one = sum(pieces)
         n = int(mo.iw[:, local.index(st.stage)].max())
         if par.cp > 1 and one:
             # the ring attention's backward workspace comes at each block's attention: at the first block's, the I
