@@ -1754,11 +1754,29 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
     return {lin.name: sh.act * lin.d_in * lin.d_out // sh.t for lin in lora.adapted_linears(cfg.model, "all")}
 
 
+def weight_pass_fresh(cfg: Config, sh: _Shape, wb: int, cast16: int = 0) -> dict[str, tuple[int, int]]:
+    """Per parameter group of a dense block (``weight_groups``), the fresh weight gradient ``stage_backward_weight``
+    holds where the weight has a gradient already (a stage's W after its first: ``weight.grad += dw``, so ``dw`` is a
+    tensor of its own, not the ``.grad``): (its bytes in the parameter's dtype, ``wb``; under autocast over plain
+    parameters the matmul's ``cast16``-byte output before the cast's backward, else 0). Its TP shard; the norms'
+    weights whole. None under LoRA (the adapters' gradients are small)."""
+    if sh.lora:
+        return {}
+    lins = {lin.name: lin for lin in lora.adapted_linears(cfg.model, "all")}
+    out = {}
+    for g in weight_groups(sh):
+        numel = (sh.h if g in ("norm1", "norm2") else sh.head_dim if g in ("q_norm", "k_norm")
+                 else lins[g].d_in * lins[g].d_out // sh.t)
+        out[g] = (numel * wb, numel * cast16)
+    return out
+
+
 def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, int] | None = None,
                       grads: dict[str, int] | None = None,
                       block: tuple[int, list[tuple[str, int]], tuple[str, ...], int] | None = None,
                       last_graph_kept: bool = False, f8_cast: int = 0,
-                      f8_in: tuple[int, int] = (0, 0)) -> tuple[int, str, int]:
+                      f8_in: tuple[int, int] = (0, 0),
+                      fresh: dict[str, tuple[int, int]] | None = None) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds, at the end of its recompute, the k − 1 earlier recomputes with every tensor
@@ -1793,6 +1811,7 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     # LoRA its adapter's two) finds the other recomputes' copies gone and holds far less (measured on the backend's
     # blocks: tests/backend/test_weight_pass.py), so the last block's pass peaks before it
     tail = _up_projection_tail(groups) if last == checkpointed - 1 else 0
+    fresh = fresh or {}
     best, at, alive, made, freed = None, 0, 0, 0, 0
     for k in range(1, max(len(groups) - tail, 1) + 1):
         alive_k = last_kept + sum(n for g, n in frees if order[g] >= k - 1)
@@ -1802,7 +1821,16 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
         # (and its Linears' casts of their inputs: ``float8_input_cast_bytes``, the down projection's at its end, the up
         # projections' before the MLP's saved tensors)
         f8 = max(f8_cast - mlp, f8_in[0], f8_in[1] - mlp, 0)
-        held = max((k - 1) * alive_k + full + f8, k * alive_k + made_k) - freed_k
+        # weights that hold a gradient already (``fresh``): the previous group's fresh gradients stay through this
+        # group's autograd.grad (``dweights`` is rebound only when it returns), and this group's are made at its
+        # node (the matmul's output; under autocast its 16-bit output, then the cast's backward to the parameter's
+        # dtype once the node has released what it saved)
+        prev = fresh.get(groups[k - 2] if k > 1 else groups[-1] if last else "", (0, 0))[0]
+        kept_k, made16 = fresh.get(groups[k - 1], (0, 0))
+        own = sum(n for g, n in frees if order[g] == k - 1)
+        held = max((k - 1) * alive_k + full + f8 + prev,
+                   k * alive_k + made_k + prev + (made16 or kept_k),
+                   k * alive_k - own + made_k + prev + made16 + kept_k if made16 else 0) - freed_k
         if best is None or held > best:
             best, at, alive, made, freed = held, k, alive_k, made_k, freed_k
     earlier = last * per_block
@@ -1854,6 +1882,11 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     recompute: the middle stages' W peak held 1.7 of the 10.0 GiB the I kept)."""
     shared = checkpoint_shared_bytes(sh, res)
     casts = weight_pass_casts(cfg, sh, autocast)
+    plan = wrapping_plan(cfg)
+    # the W's fresh weight gradients where the weights hold one already; not analysed under autocast over plain
+    # parameters (its casts' backward) nor where FSDP2 converts (an I's post-backward moves .grad away first)
+    fresh = (weight_pass_fresh(cfg, sh, plan.gathered_bytes if plan.fsdp2 else sh.act)
+             if not autocast and not plan.converts_gradients else {})
     f8_cast = float8_weight_cast_bytes(cfg)
     of_count: dict[tuple[int, bool | str], tuple[int, str, int]] = {}  # (checkpointed, kind) -> the pass
     moe_block = None
@@ -1885,12 +1918,22 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
         if key not in of_count:
             of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast,
                                               f8_in=float8_input_cast_bytes(cfg, sh))
+            if fresh:
+                with_fresh = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast,
+                                               f8_in=float8_input_cast_bytes(cfg, sh), fresh=fresh)
+                of_count[(c, key[1], "fresh")] = (with_fresh[0] - with_fresh[2]) - (of_count[key][0] - of_count[key][2])
         nbytes, formula, freed = of_count[key]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
               "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,
               kind="weight_pass")
         _dropped(T, st.stage, freed)
+        extra = of_count.get((c, key[1], "fresh"), 0)
+        if extra > 0:
+            T.add("temporaries", f"stage {st.stage}: at each W but its first, the fresh weight gradients "
+                  "stage_backward_weight holds beside its recomputes (its weights hold a gradient already: "
+                  "weight.grad += dw; the previous group's dw stays until the next autograd.grad returns)", extra,
+                  f"the pass's peak with them less without = {extra:,} B", stage=st.stage, kind="weight_pass_fresh")
 
 
 def _dropped(T: Terms, stage: int, freed: int) -> None:

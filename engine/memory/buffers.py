@@ -97,6 +97,26 @@ def _explain_units(sizes: list[int]) -> str:
     return " + ".join(f"{x:,} B" for x in sizes)
 
 
+def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: bool, prefetch: bool, f8: str) -> None:
+    """ZeRO-3 resharding after forward (``fsdp2_buffers``): the current (+ prefetched) unit at every action; on a
+    pipelined rank of one stage that runs forwards after its first backward, the rest at a backward right after a
+    backward. A backward leaves every unit it gathered so (set_reshard_after_backward(False)) and the stage's next
+    forward reshards each in its post-forward (reshard_after_forward): every unit is gathered at a backward right
+    after a backward (1F1B's cool-down), and nothing is left to all-gather there; at one after a forward the current
+    unit and the next one's all-gather output (measure --fake of Llama 3 8B pp4 1F1B ZeRO-3 reshard "always", a
+    3-block stage's B of its second microbatch: one block's parameters and one block's all-gather output, +4.6 % with
+    all three blocks; pp2, stage 0's last B: every unit, no all-gather output)."""
+    n_units = 2 if prefetch and len(two) > 1 else 1
+    T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
+          + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
+    rest = all_bytes - sum(two[:n_units]) - two[0]  # (the all-gather output: one unit, the largest)
+    if after_backward and rest:
+        T.add("comm_buffers", "FSDP2 unsharded parameters, the stage's other units: gathered since a backward with "
+              "no forward since (its post-forward reshards them), less the all-gather output (nothing left to "
+              "gather)" + f8, rest, f"{all_bytes:,} B (all units) − {sum(two[:n_units]):,} B − {two[0]:,} B",
+              kind="fsdp_units_kept_after_backward")
+
+
 def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi: int, psi_train: int,
                   train_units: tuple[tuple[int, int], ...], mlp_phase: int = 0,
                   before_weight_gradients: bool = False) -> None:
@@ -138,10 +158,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     every_unit = False
     if root_split:
         two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
-    elif plan.sharded and plan.reshard_after_forward and not after_backward:
-        n_units = 2 if conv.fsdp_prefetch and len(two) > 1 else 1
-        T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
-              + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
+    elif plan.sharded and plan.reshard_after_forward and (not after_backward or len(rp.stages) == 1):
+        _current_units(T, two, all_bytes, after_backward, conv.fsdp_prefetch, f8)
     else:
         _every_unit_gathered(plan, rp, T, all_bytes, psi, z, after_backward, bool(left_out), f8)
         every_unit = True

@@ -114,6 +114,10 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   input_backward       at an I's own moment only: under a split backward the MoE backward's moment of an I,
                        which computes input gradients only (the combine's backward; no expert weight gradient:
                        those come in the W)
+  after_a_backward     at a B, I or W whose stage ran a backward just before it (no forward between), at a B's end, and
+                       at a loss moment after such a backward: under pipelining with ZeRO-3 resharding after forward
+                       on a rank of one stage, the stage's units that its backward left gathered
+                       (``set_reshard_after_backward(False)``) and no forward resharded since
   after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
                        parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
                        assigns ``.grad``; the I computes input gradients only); laid anew at each moment
@@ -187,7 +191,7 @@ MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fs
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
-             "input_backward", "loss_after_forward", "after_first_weight", "after_first_backward")
+             "input_backward", "loss_after_forward", "after_a_backward", "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
@@ -196,6 +200,7 @@ _POST_BACKWARD = TRANSIENT.index("post_backward")
 _EARLY_BACKWARD = TRANSIENT.index("early_backward")
 _BACKWARD_END = TRANSIENT.index("backward_end")
 _LATER_BACKWARD_END = TRANSIENT.index("later_backward_end")
+_AFTER_A_BACKWARD = TRANSIENT.index("after_a_backward")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
@@ -208,17 +213,20 @@ _WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 #: of several pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
 STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh",
-                   "stage_gathered", "stage_backward_end", "stage_later_backward_end")
+                   "stage_gathered", "stage_backward_end", "stage_later_backward_end", "stage_later_weight")
 
 #: the event rows' tag of each per-stage lifetime
 _STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr", "stage_converted": "cv",
-              "stage_fresh": "fr", "stage_gathered": "ga", "stage_backward_end": "be", "stage_later_backward_end": "lbe"}
+              "stage_fresh": "fr", "stage_gathered": "ga", "stage_backward_end": "be", "stage_later_backward_end": "lbe",
+              "stage_later_weight": "lw"}
 
 #: the moments' per-stage columns of ``STAGE_LIFETIMES``, in order (``Moments``' fields of those names)
 _STAGE_COLUMNS = tuple(_STAGE_TAG[life] for life in STAGE_LIFETIMES)
 #: of them, the columns of a stage's B ends: the events lay their rows as the moment's transients (allocated and
 #: freed within it, named by it), not kept from one moment to the next as the other per-stage rows are
 _STAGE_END_COLUMNS = ("be", "lbe")
+#: the columns of a stage's W (its own moment): laid as the W's transients with its weight pass (``wr``, ``lw``)
+_STAGE_W_COLUMNS = ("wr", "lw")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after_input") + TRANSIENT
@@ -240,12 +248,13 @@ LIFETIMES: dict[str, str] = {
     "moe_full_backward": "early_backward", "moe_full_backward_freed": "early_backward",
     "moe_input_backward": "input_backward", "moe_input_backward_freed": "input_backward",
     "loss": "loss", "fsdp_root_regather": "loss", "head_backward": "loss",
-    "fsdp_params_resharded_at_loss": "loss_after_forward",
+    "fsdp_params_resharded_at_loss": "loss_after_forward", "fsdp_units_kept_after_backward": "after_a_backward",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "fsdp_embedding_added_grad": "later_backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
+    "weight_pass_fresh": "stage_later_weight",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "backward_input", "cp_attention_forward": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
@@ -375,7 +384,9 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
         # the current block's unit: the root unit (``fsdp_root_params``) is the one gathered at the end
         return "during_actions"
     if sharded and reshard_after_forward:
-        return "after_first_backward" if after_backward else "every_action"
+        # a rank of one stage: the current (+ prefetched) unit; the others kept since a backward are their own term
+        # (``fsdp_units_kept_after_backward``: ``after_a_backward``)
+        return "after_first_backward" if after_backward and per_stage else "every_action"
     # gathered in each forward, kept to the unit's backward, resharded in its post-backward (FSDP2's
     # reshard_after_backward, True unless a pipeline schedule sets it False until its REDUCE_GRAD: torch's
     # _fsdp_param_group.post_backward): at every action and loss moment, gone at the end of the backward
@@ -501,11 +512,12 @@ class Moments(NamedTuple):
     ga: np.ndarray
     be: np.ndarray
     lbe: np.ndarray
+    lw: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
         return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
-                                self.ig, self.ga, self.be, self.lbe, self.outputs, self.masks])
+                                self.ig, self.ga, self.be, self.lbe, self.lw, self.outputs, self.masks])
 
 
 def sig_moments(sig: Signature) -> Moments:
@@ -565,6 +577,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
     first_grad = int(grad_idx[0]) if len(grad_idx) else n
     acc, red, wr, cv, fr, ga = _stage_columns(kind, col, v, m, stage == 0)
+    lw = wr * acc  # a W after the stage's first: its weights hold a gradient (``acc`` from the end of its first B or W)
     be = np.zeros((n, v), dtype=np.int64)  # a stage's B ends: ``_with_backward_ends``
     first_f = np.zeros(n, dtype=bool)
     f_idx = np.flatnonzero(is_f)
@@ -586,13 +599,14 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
         lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
         lm[:, TRANSIENT.index("loss_after_forward")] = _after_a_forward(kind, stage, loss_at) & (loss_at > first_bwd)
+        lm[:, _AFTER_A_BACKWARD] = np.isin(_previous_kind(kind, stage)[loss_at], (_B, _I, _W))
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
         ig = np.insert(ig, loss_at, ig[loss_at], axis=0)
         # the loss moment precedes its action: the stages' columns alike; it opens a B or an I, never a W or a B's end
         acc, red, cv, fr, ga = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga))
-        wr, be = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be))
+        wr, be, lw = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw))
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -620,13 +634,13 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         ig = np.append(ig, end_ig, axis=0)
         # every stage reduced (its sharded gradients alive) and resharded by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
-        acc, wr, cv, fr, ga, be = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
-                                   for x in (acc, wr, cv, fr, ga, be))
+        acc, wr, cv, fr, ga, be, lw = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
+                                       for x in (acc, wr, cv, fr, ga, be, lw))
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr,
-                  ig, ga, be, be.copy())
+                  ig, ga, be, be.copy(), lw)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     if b_end:
@@ -641,11 +655,16 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
 def _after_a_forward(kind: np.ndarray, stage: np.ndarray, at: np.ndarray) -> np.ndarray:
     """Whether the action before each of ``at`` on the same stage was a forward (whose post-forward resharded what
     FSDP2 had kept gathered)."""
+    return _previous_kind(kind, stage)[at] == _F
+
+
+def _previous_kind(kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """Per action, the kind of the action before it on the same stage (−1 for a stage's first)."""
     order = np.lexsort((np.arange(len(kind)), stage))  # each stage's actions in order
     same = stage[order][1:] == stage[order][:-1]
     prev = np.full(len(kind), -1, dtype=np.int64)
     prev[order[1:][same]] = kind[order[:-1][same]]
-    return prev[at] == _F
+    return prev
 
 
 def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
@@ -717,6 +736,7 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
           "full_backward": (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward
           "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
           "early_backward": kind == _B, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
+          "after_a_backward": np.isin(kind, (_B, _I, _W)) & np.isin(_previous_kind(kind, stage), (_B, _I, _W)),
           "after_first_backward": np.arange(n) > first_bwd}
     return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)
 
@@ -760,6 +780,7 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     masks[:, TRANSIENT.index("after_first_backward")] = 1
     masks[:, _BACKWARD_END] = 1
     masks[:, _LATER_BACKWARD_END] = later
+    masks[:, _AFTER_A_BACKWARD] = 1  # the units the B gathered stay so (set_reshard_after_backward(False))
     # under pipelining FSDP2's units kept gathered stay so to the stage's REDUCE_GRAD, past the B's end
     masks[:, TRANSIENT.index("until_end_of_backward")] = int(pipelined)
     acc = mo.acc[rows].copy()  # the stage's unsharded gradients: made during its first B, held until its REDUCE_GRAD
@@ -772,7 +793,8 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     cv = mo.cv[rows].copy()  # the accumulation in another dtype: made by the post-backwards before the end, as ``acc``
     cv[np.arange(len(rows)), col] = 1
     new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc, "iw": iw, "cv": cv,
-           "wr": np.zeros_like(mo.wr[rows]), "phase": np.full(len(rows), B_END), "be": be, "lbe": lbe}
+           "wr": np.zeros_like(mo.wr[rows]), "lw": np.zeros_like(mo.lw[rows]), "phase": np.full(len(rows), B_END),
+           "be": be, "lbe": lbe}
     row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
     return Moments(**row)
 
@@ -788,6 +810,7 @@ def _with_step_moment(mo: Moments) -> Moments:
     row = {f: np.append(x, x[-1:], axis=0) for f, x in zip(Moments._fields, mo)}
     row["masks"] = np.append(mo.masks, sm, axis=0)
     row["wr"] = np.append(mo.wr, np.zeros_like(mo.wr[-1:]), axis=0)
+    row["lw"] = np.append(mo.lw, np.zeros_like(mo.lw[-1:]), axis=0)
     row["fr"] = np.append(mo.fr, np.zeros_like(mo.fr[-1:]), axis=0)
     row["phase"] = np.append(mo.phase, STEP)
     return Moments(**row)
@@ -830,6 +853,7 @@ class Signature(NamedTuple):
     ga_bytes: tuple[int, ...] = ()  # per local stage: its FSDP2 units kept gathered (``stage_gathered``)
     be_bytes: tuple[int, ...] = ()  # per local stage: at the end of each of its B (``stage_backward_end``)
     lbe_bytes: tuple[int, ...] = ()  # per local stage: at the end of each of its B but the first
+    lw_bytes: tuple[int, ...] = ()  # per local stage: at each of its W but the first (``stage_later_weight``)
 
 
 @lru_cache(maxsize=256)
@@ -862,6 +886,7 @@ class Peak(NamedTuple):
     ga: tuple[int, ...] = ()  # per local stage: its units kept gathered
     be: tuple[int, ...] = ()  # per local stage: the moment is the end of one of its B
     lbe: tuple[int, ...] = ()  # per local stage: the moment is the end of one of its B but the first
+    lw: tuple[int, ...] = ()  # per local stage: the moment is one of its W but the first
 
 
 #: the optimizer step's transient among a signature's ``transient_bytes``
@@ -886,7 +911,7 @@ def peak_of(sig: Signature) -> Peak:
                 int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
                 tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()), tuple(mo.ga[i].tolist()),
-                tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()))
+                tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()), tuple(mo.lw[i].tolist()))
 
 
 @lru_cache(maxsize=256)
@@ -904,7 +929,7 @@ def _live_bytes(sig: Signature) -> np.ndarray:
     none = (0,) * len(sig.unit_bytes)
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
          + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none) + (sig.ga_bytes or none)
-         + (sig.be_bytes or none) + (sig.lbe_bytes or none)
+         + (sig.be_bytes or none) + (sig.lbe_bytes or none) + (sig.lw_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -1052,7 +1077,7 @@ class RankTimeline:
         head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
         lp = tuple(a[1] for a in laid.acts)  # of it the log-probabilities
         splits = _splits_backward(schedule, pp, microbatches, virtual_stages)
-        acc, red, wr, cv, fr, ga, be, lbe = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
+        acc, red, wr, cv, fr, ga, be, lbe, lw = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
         return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
@@ -1060,7 +1085,8 @@ class RankTimeline:
                          laid.step_freed, wr if any(wr) else (),
                          tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
                          lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only,
-                         ga if any(ga) else (), be if any(be) else (), lbe if any(lbe) else ())
+                         ga if any(ga) else (), be if any(be) else (), lbe if any(lbe) else (),
+                         lw if any(lw) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -1438,7 +1464,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
-    per_stage = {what: getattr(mo, what).tolist() for what in _STAGE_COLUMNS if what != "wr"}
+    per_stage = {what: getattr(mo, what).tolist() for what in _STAGE_COLUMNS if what not in _STAGE_W_COLUMNS}
     phases = mo.phase.tolist()
     last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
@@ -1468,6 +1494,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             transient.extend(per_life.get(_ROOT_END, ()))
         if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs
             transient.extend(per_life.get(("wr", col), ()))
+            if mo.lw[i, col]:
+                transient.extend(per_life.get(("lw", col), ()))
         for what in _STAGE_END_COLUMNS:  # a stage's B end
             for c, x in enumerate(per_stage[what][i]):
                 if x:
@@ -1611,7 +1639,8 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
     bits = masks @ (1 << np.arange(masks.shape[1], dtype=np.int64))
     sig = ((kind.astype(np.int64) * 8 + phase) << 32) + (stage.astype(np.int64) << 16) + bits
     # (a stage's B-end columns follow the moments' kind, phase, stage and masks, which the periods repeat)
-    grads = np.column_stack([getattr(mo, what) for what in _STAGE_COLUMNS if what not in ("wr", "be", "lbe")])
+    grads = np.column_stack([getattr(mo, what) for what in _STAGE_COLUMNS
+                             if what not in _STAGE_W_COLUMNS + _STAGE_END_COLUMNS])
     changes = np.flatnonzero((grads[1:] != grads[:-1]).any(axis=1)) + 1
     windows, tried = [], set()
     for (period, shift), _ in sorted(candidates.items(), key=lambda c: -c[1]):
@@ -1663,7 +1692,7 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     period's events, which ``engine.memory.allocator.replay`` runs until the allocator loops."""
     mo = sig_moments(sig)
     kinds, stages, mbs, masks = mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist(), mo.masks.tolist()
-    per_stage = {what: getattr(mo, what).tolist() for what in _STAGE_COLUMNS if what != "wr"}
+    per_stage = {what: getattr(mo, what).tolist() for what in _STAGE_COLUMNS if what not in _STAGE_W_COLUMNS}
     phases = mo.phase.tolist()
     first_backward = _first_backward(kinds, phases)
     lay = _Laying(sig, rows, acts, grain, peak_of(sig).bytes, first_backward)
@@ -1713,7 +1742,7 @@ class _Laying:
     __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads",
                  "stage_on", "plans", "sig",
                  "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
-                 "first_backward")
+                 "first_backward", "later_w")
 
     def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
         self.ev: list[tuple] = []
@@ -1742,6 +1771,7 @@ class _Laying:
         self.local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
         self.last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
         self.walk = _forward_walk(grain.kept, grain.work)
+        self.later_w = sig_moments(sig).lw.tolist() if sig.lw_bytes else None  # per moment: a W after the stage's first
 
     def alloc(self, key, n: int, stream: int = 0) -> None:
         self.ev.append(("alloc", key, n, stream) if stream else ("alloc", key, n))
@@ -1829,6 +1859,10 @@ class _Laying:
                     if x:
                         alloc(("wp", j2, i, q), x, stream)
                         weight_pass.append(("wp", j2, i, q))
+            if self.later_w and self.later_w[i][j]:  # and, its weights holding a gradient already, the fresh ones beside it
+                for j2, nbytes, stream in self.per_life.get(("lw", j), ()):
+                    alloc(("wp", j2, i, "lw"), nbytes, stream)
+                    weight_pass.append(("wp", j2, i, "lw"))
         if mask[-1] and not self.late_done:
             for j2, nbytes, stream in self.late:
                 alloc(("late", j2), nbytes, stream)

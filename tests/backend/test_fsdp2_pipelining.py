@@ -48,12 +48,23 @@ def test_zero3_pp2_default_holds_every_unit_always_reshards():
 
 
 def test_unsharded_after_first_backward():
-    # m = 4 > p − r: rank 0 runs forwards after its first backward, when every unit stays unsharded
-    # (set_reshard_after_backward(False)) even though each resharded after its forward
-    assert term(cfg(m=4, reshard="always"), "fsdp_unsharded_params").bytes == 2 * STAGE0
-    # the last stage runs one forward before its first backward, so it is there too
-    last = term(cfg(m=4, reshard="always"), "fsdp_unsharded_params", rank=2)
-    assert last.bytes == 2 * (4 * BLOCK + 128 + EMB)  # 4 blocks + final norm and head
+    # m = 4 > p − r: rank 0 runs forwards after its first backward. A backward leaves every unit it gathered so
+    # (set_reshard_after_backward(False)), but the stage's next forward reshards each in its post-forward
+    # (reshard_after_forward): a backward after a forward holds the current + prefetched units and one all-gather
+    # output, a backward after a backward (the cool-down) every unit and nothing left to all-gather
+    c = cfg(m=4, reshard="always")
+    terms = {t.kind: t for t in memory_per_rank(c).per_rank[0].catalogue("comm_buffers")}
+    current, output = terms["fsdp_unsharded_params"].bytes, terms["all_gather_output"].bytes
+    assert current == 2 * (BLOCK + BLOCK) and output == 2 * BLOCK
+    assert current + output + terms["fsdp_units_kept_after_backward"].bytes == 2 * STAGE0
+    rank0 = memory_per_rank(c).per_rank[0]
+    laid = rank0._body.timeline
+    kept = [i for i, t in enumerate(laid.terms["comm_buffers"]) if t.kind == "fsdp_units_kept_after_backward"]
+    assert [laid.lifetime("comm_buffers", i) for i in kept] == ["after_a_backward"]
+    # the last stage alternates F and B from its first backward on: never a backward right after a backward
+    last = {t.kind: t for t in memory_per_rank(c).per_rank[2].catalogue("comm_buffers")}
+    assert last["fsdp_unsharded_params"].bytes + last["all_gather_output"].bytes \
+        + last["fsdp_units_kept_after_backward"].bytes == 2 * (4 * BLOCK + 128 + EMB)  # 4 blocks + final norm, head
     # without pipelining ZeRO-3 "always" holds the current block's unit, the next one's all-gather output
     # and the root unit (fully_shard(model): embeddings, final norm, head), gathered through
     # the forward and the backward
