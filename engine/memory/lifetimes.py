@@ -118,6 +118,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        at a loss moment after such a backward: under pipelining with ZeRO-3 resharding after forward
                        on a rank of one stage, the stage's units that its backward left gathered
                        (``set_reshard_after_backward(False)``) and no forward resharded since
+  reduce_grad          at the REDUCE_GRAD moment only (a pipelined FSDP2 rank of one stage, before the end of the
+                       backward): what its first units' reduce-scatters hold beside every accumulated gradient and
+                       gathered unit (``engine.memory.buffers._reduce_grad``)
   after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
                        parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
                        assigns ``.grad``; the I computes input gradients only); laid anew at each moment
@@ -191,7 +194,8 @@ MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fs
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
-             "input_backward", "loss_after_forward", "after_a_backward", "after_first_weight", "after_first_backward")
+             "input_backward", "loss_after_forward", "after_a_backward", "reduce_grad", "after_first_weight",
+             "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
@@ -201,6 +205,7 @@ _EARLY_BACKWARD = TRANSIENT.index("early_backward")
 _BACKWARD_END = TRANSIENT.index("backward_end")
 _LATER_BACKWARD_END = TRANSIENT.index("later_backward_end")
 _AFTER_A_BACKWARD = TRANSIENT.index("after_a_backward")
+_REDUCE_GRAD = TRANSIENT.index("reduce_grad")
 
 #: the transient lifetimes laid anew at each moment they are alive (the last, ``after_first_backward``, is
 #: laid once, when it starts, and kept)
@@ -249,6 +254,7 @@ LIFETIMES: dict[str, str] = {
     "moe_input_backward": "input_backward", "moe_input_backward_freed": "input_backward",
     "loss": "loss", "fsdp_root_regather": "loss", "head_backward": "loss",
     "fsdp_params_resharded_at_loss": "loss_after_forward", "fsdp_units_kept_after_backward": "after_a_backward",
+    "fsdp_reduce_grad": "reduce_grad",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "fsdp_embedding_added_grad": "later_backward_end",
@@ -469,7 +475,7 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
 
 
 #: the phases of a moment (``Moments.phase``)
-ACTION, LOSS, LATE, END, STEP, B_END = 0, 1, 2, 3, 4, 5
+ACTION, LOSS, LATE, END, STEP, B_END, REDUCE = 0, 1, 2, 3, 4, 5, 6
 
 
 class Moments(NamedTuple):
@@ -526,15 +532,17 @@ def sig_moments(sig: Signature) -> Moments:
     return moments(sig.schedule, sig.pp_rank, sig.pp, sig.virtual_stages, sig.microbatches,
                    bool(sig.transient_bytes[_LATE_BACKWARD]),
                    bool(sig.transient_bytes[_BACKWARD_END] or sig.transient_bytes[_LATER_BACKWARD_END]
-                        or any(sig.be_bytes) or any(sig.lbe_bytes)))
+                        or any(sig.be_bytes) or any(sig.lbe_bytes)),
+                   bool(sig.transient_bytes[_REDUCE_GRAD]))
 
 
 @lru_cache(maxsize=512)
 def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatches: int,
-            late: bool = False, b_end: bool = False) -> Moments:
+            late: bool = False, b_end: bool = False, reduce: bool = False) -> Moments:
     """The moments of ``pp_rank``'s step (read-only arrays, cached): see :class:`Moments`. ``late``: an
     unpipelined single-microbatch step gets the late-backward moment before its end (``_with_late_moment``);
-    ``b_end``: each full backward B gets the moment of its end after it (``_with_backward_ends``)."""
+    ``b_end``: each full backward B gets the moment of its end after it (``_with_backward_ends``); ``reduce``: a
+    pipelined rank of one stage gets the moment of its REDUCE_GRAD before its end (``_with_reduce_moment``)."""
     m = microbatches
     if pp == 1:
         plan, stages = single_rank_plan(schedule, m), [0]
@@ -645,6 +653,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         out = _with_late_moment(out)
     if b_end:
         out = _with_backward_ends(out, column, pp > 1)
+    if reduce and pp > 1 and v == 1 and len(bwd_idx):
+        out = _with_reduce_moment(out)
     if len(bwd_idx):
         out = _with_step_moment(out)
     for x in out:
@@ -796,6 +806,24 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
            "wr": np.zeros_like(mo.wr[rows]), "lw": np.zeros_like(mo.lw[rows]), "phase": np.full(len(rows), B_END),
            "be": be, "lbe": lbe}
     row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
+    return Moments(**row)
+
+
+def _with_reduce_moment(mo: Moments) -> Moments:
+    """``mo`` with the schedule's REDUCE_GRAD before its last moment (the end of the backward): a pipelined rank of one
+    stage reduces its FSDP2 units after its last backward (torch's ``_add_reduce_grad``: ``perform_reduce_grad``,
+    each unit's post-backward in turn), where every microbatch is freed, the accumulated unsharded gradients and the
+    gathered units are all still there, and no sharded gradient yet (``reduce_grad``: the first units'
+    reduce-scatters, ``engine.memory.buffers._reduce_grad``); none of the last action's own transients."""
+    n = len(mo.kind) - 1  # the END row
+    row = {f: np.insert(x, n, x[n], axis=0) for f, x in zip(Moments._fields, mo)}
+    masks = np.zeros(mo.masks.shape[1], dtype=np.int64)
+    for life in ("reduce_grad", "until_end_of_backward", "every_action", "after_a_backward", "after_first_weight",
+                 "after_first_backward"):
+        masks[TRANSIENT.index(life)] = 1
+    row["masks"] = np.insert(mo.masks, n, masks, axis=0)
+    row["red"] = np.insert(mo.red, n, 0, axis=0)
+    row["phase"] = np.insert(mo.phase, n, REDUCE)
     return Moments(**row)
 
 
@@ -1187,6 +1215,9 @@ class RankTimeline:
         if mo.phase[pk.moment] == END:
             return f"the end of the backward, after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch} " \
                    f"(action {action - 1} of {n})"
+        if mo.phase[pk.moment] == REDUCE:
+            return f"the schedule's REDUCE_GRAD after stage {pk.stage} {pk.kind} of microbatch {pk.microbatch}: its " \
+                   f"first units' reduce-scatters (action {action - 1} of {n})"
         if mo.phase[pk.moment] == B_END:
             return f"the end of stage {pk.stage} B of microbatch {pk.microbatch}, its microbatch freed " \
                    f"(action {action - 1} of {n})"

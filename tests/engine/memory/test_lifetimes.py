@@ -236,7 +236,8 @@ def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_pe
             tl = r._body.timeline
             apart = sum(t.bytes for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))
                         if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards", "stage_reduced",
-                                                   "optimizer_step", "backward_end", "later_backward_end")
+                                                   "optimizer_step", "backward_end", "later_backward_end",
+                                                   "reduce_grad")
                         or (tl.lifetime(cat, i) == "stage_accumulated" and not pk.acc[local.index(t.stage)]))
             every = sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
             assert every - apart <= r.total < every, r.rank  # the loss moment can be above the rest
@@ -1314,7 +1315,14 @@ def test_fsdp2s_embedding_gradient_is_made_at_the_end_of_the_first_stages_b():
     block = 2 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1024 + 2 * 512)  # wq, wo; wk, wv; w1-3; two norms
     assert [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad_end"] == [block]
     assert not [t for t in last.catalogue("comm_buffers") if t.kind == "fsdp_embedding_fresh_grad"]
-    assert "the end of stage 0 B" in first.peak_moment
+    # (its REDUCE_GRAD, the embeddings' reduce-scatter beside every accumulated gradient, is its peak; without it,
+    # the end of a B)
+    sig = first._body.timeline.signature
+    tb = list(sig.transient_bytes)
+    tb[TRANSIENT.index("reduce_grad")] = 0
+    assert "REDUCE_GRAD" in first.peak_moment
+    assert first._body.timeline.peak_moment(peak_of(sig._replace(transient_bytes=tuple(tb)))).startswith(
+        "the end of stage 0 B")
 
 
 def test_in_the_same_dtype_the_embeddings_first_gradient_is_the_accumulation():
@@ -1504,3 +1512,24 @@ def test_a_zero3_zero_bubble_stages_later_w_holds_its_fresh_weight_gradients():
     pk = peak_of(sig)
     assert pk.kind == "W" and any(pk.lw)
     assert peak_of(sig._replace(lw_bytes=())).bytes < pk.bytes
+
+
+def test_a_one_stage_pipelined_rank_reduces_its_units_at_a_moment_before_the_end():
+    """``_with_reduce_moment``: where the rank has something of ``reduce_grad`` (a pipelined FSDP2 rank of one stage),
+    the schedule's REDUCE_GRAD is a moment of its own right before the end of the backward: every microbatch freed,
+    the accumulated gradients and gathered units still there (what lives from the first backward on, and
+    ``until_end_of_backward``), no sharded gradient yet (``end_of_backward``), none of the last B's transients."""
+    import numpy as np
+
+    from engine.memory.lifetimes import END, REDUCE
+
+    plain, mo = moments("1F1B", 0, 2, 1, 4), moments("1F1B", 0, 2, 1, 4, reduce=True)
+    assert len(mo.kind) == len(plain.kind) + 1
+    at = int(np.flatnonzero(mo.phase == REDUCE)[0])
+    assert mo.phase[at + 1] == END and mo.counts[at].sum() == 0
+    alive = {life for life, on in zip(TRANSIENT, mo.masks[at]) if on}
+    assert {"reduce_grad", "until_end_of_backward", "after_first_backward"} <= alive
+    assert not alive & {"end_of_backward", "post_backward", "backward", "full_backward", "loss"}
+    # not on a rank of several stages (each reduces right after its own last backward), nor unpipelined
+    assert REDUCE not in moments("Interleaved1F1B", 0, 2, 2, 4, reduce=True).phase
+    assert REDUCE not in moments("1F1B", 0, 1, 1, 4, reduce=True).phase
