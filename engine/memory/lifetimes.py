@@ -601,13 +601,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     loss_at = np.flatnonzero(is_bwd_input & (stage == last_stage))
     is_loss = np.zeros(n, dtype=bool)
     if len(loss_at):
-        lm = np.zeros((len(loss_at), masks.shape[1]), dtype=np.int64)
-        lm[:, TRANSIENT.index("loss")] = 1
-        lm[:, TRANSIENT.index("until_end_of_backward")] = 1
-        lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
-        lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
-        lm[:, TRANSIENT.index("loss_after_forward")] = _after_a_forward(kind, stage, loss_at) & (loss_at > first_bwd)
-        lm[:, _AFTER_A_BACKWARD] = np.isin(_previous_kind(kind, stage)[loss_at], (_B, _I, _W))
+        lm = _loss_masks(kind, stage, loss_at, first_bwd, first_grad)
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
@@ -660,6 +654,20 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     for x in out:
         x.setflags(write=False)
     return out
+
+
+def _loss_masks(kind: np.ndarray, stage: np.ndarray, loss_at: np.ndarray, first_bwd: int, first_grad: int) -> np.ndarray:
+    """The transient lifetimes alive at the loss moments before the actions ``loss_at`` (``TRANSIENT``'s columns): the
+    loss, the units kept to the end of the backward, what lives from the first backward (or weight gradient) on if one
+    ran before, the units a forward just resharded (``loss_after_forward``) or a backward left gathered."""
+    lm = np.zeros((len(loss_at), len(TRANSIENT)), dtype=np.int64)
+    lm[:, TRANSIENT.index("loss")] = 1
+    lm[:, TRANSIENT.index("until_end_of_backward")] = 1
+    lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
+    lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
+    lm[:, TRANSIENT.index("loss_after_forward")] = _after_a_forward(kind, stage, loss_at) & (loss_at > first_bwd)
+    lm[:, _AFTER_A_BACKWARD] = np.isin(_previous_kind(kind, stage)[loss_at], (_B, _I, _W))
+    return lm
 
 
 def _after_a_forward(kind: np.ndarray, stage: np.ndarray, at: np.ndarray) -> np.ndarray:
