@@ -1776,7 +1776,8 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                       block: tuple[int, list[tuple[str, int]], tuple[str, ...], int] | None = None,
                       last_graph_kept: bool = False, f8_cast: int = 0,
                       f8_in: tuple[int, int] = (0, 0),
-                      fresh: dict[str, tuple[int, int]] | None = None) -> tuple[int, str, int]:
+                      fresh: dict[str, tuple[int, int]] | None = None,
+                      node: dict[str, int] | None = None) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds, at the end of its recompute, the k − 1 earlier recomputes with every tensor
@@ -1828,8 +1829,9 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
         prev = fresh.get(groups[k - 2] if k > 1 else groups[-1] if last else "", (0, 0))[0]
         kept_k, made16 = fresh.get(groups[k - 1], (0, 0))
         own = sum(n for g, n in frees if order[g] == k - 1)
+        at_node = (node or {}).get(groups[k - 1], 0)  # what the group's node makes beside its saved tensors
         held = max((k - 1) * alive_k + full + f8 + prev,
-                   k * alive_k + made_k + prev + (made16 or kept_k),
+                   k * alive_k + made_k + prev + (made16 or kept_k) + at_node,
                    k * alive_k - own + made_k + prev + made16 + kept_k if made16 else 0) - freed_k
         if best is None or held > best:
             best, at, alive, made, freed = held, k, alive_k, made_k, freed_k
@@ -1901,7 +1903,17 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                 moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
                 of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
                                                   last_graph_kept=key[2], f8_cast=f8_cast)
+                node = _experts_weight_grads(cfg, autocast)
+                with_grads = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
+                                               last_graph_kept=key[2], f8_cast=f8_cast, node=node)
+                of_count[key + ("grads",)] = (with_grads[0] - with_grads[2]) - (of_count[key][0] - of_count[key][2])
             nbytes, formula, freed = of_count[key]
+            extra = of_count[key + ("grads",)]
+            if extra > 0:
+                T.add("temporaries", f"stage {st.stage}: its W's experts' weight gradients at their group's node "
+                      "(select_backward of each expert's slice, a full-size gradient each, summed in the input "
+                      "buffer: two beside the sum)", extra, f"the pass's peak with them less without = {extra:,} B",
+                      stage=st.stage, kind="weight_pass_grads")
             T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
                   f"{'s' if c != 1 else ''} with experts, one per parameter group (torch's stage_backward_weight: "
                   "a graph task per group, the checkpoint recomputes per graph task)", nbytes, formula,
@@ -1934,6 +1946,18 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                   "stage_backward_weight holds beside its recomputes (its weights hold a gradient already: "
                   "weight.grad += dw; the previous group's dw stays until the next autograd.grad returns)", extra,
                   f"the pass's peak with them less without = {extra:,} B", stage=st.stage, kind="weight_pass_fresh")
+
+
+def _experts_weight_grads(cfg: Config, autocast: bool) -> dict[str, int]:
+    """Per parameter group of the grouped experts (``moe_weight_pass_block``: w1, w2, w3), what its node holds beside its
+    recomputes in a weight pass: each expert's weights are a slice of a 3-D parameter, so autograd's select_backward
+    makes a full-size (E_loc, f, h) gradient per expert, summed in the parameter's input buffer — two beside the sum,
+    as in a B (``moe_backward_terms``; one local expert: two, nothing to sum). measure --fake of Qwen3 30B-A3B pp4
+    DualPipeV DDP full recompute, autocast (seed 20261229): its peak in a W's experts, one 768 MiB fp32 sum and two
+    select_backward outputs."""
+    _, wb, h, _, e_loc, f_loc, n_w = _moe_backward_dims(cfg, autocast)
+    one = e_loc * f_loc * h * wb
+    return {w: (3 if e_loc > 1 else 2) * one for w in ("w1", "w2", "w3")[:n_w]}
 
 
 def _dropped(T: Terms, stage: int, freed: int) -> None:

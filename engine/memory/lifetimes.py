@@ -260,7 +260,7 @@ LIFETIMES: dict[str, str] = {
     "fsdp_embedding_added_grad": "later_backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
-    "weight_pass_fresh": "stage_later_weight",
+    "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "backward_input", "cp_attention_forward": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
