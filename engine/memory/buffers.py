@@ -220,7 +220,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         replicated = plan.data_parallel == "replicate"
         if (plan.sharded or replicated) and not plan.pipelined and not lora_on:
             _unit_by_unit_reduce(cfg, plan, rp, T, psi_train - left_out, root_split, emb_full,
-                                 all_bytes if replicated else 0)
+                                 all_bytes if replicated else 0,
+                                 (_made_by_the_b_moment(cfg, rp, lora_on, before_weight_gradients), mlp_phase))
         else:
             _reduce_scatter_input(cfg, plan, rp, T, train_units, lora_on)
         if emb_full:
@@ -230,14 +231,15 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
 
 
-def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int) -> None:
+def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int, category: str = "comm_buffers",
+                               kind: str = "fsdp_fresh_grad_made") -> None:
     """Under context parallelism the rest of the largest unit's fresh gradients a B's moment holds in its attention's
     phase (the MLP's and the output projection's, :func:`_made_by_the_b_moment`): beside the ring attention's workspace,
     not beside the MLP's backward. They join the workspace in ``_cp_attention_after_mlp``'s choice of the larger phase:
     what comes off grows from min(workspace, MLP phase) to min(workspace + these, MLP phase)."""
     ws = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
-    T.add("comm_buffers", f"the largest unit's fresh gradients in {dtype} made by the ring attention's backward: the "
-          "MLP's others and the output projection's", nbytes, f"{nbytes:,} B", kind="fsdp_fresh_grad_made")
+    T.add(category, f"the largest unit's fresh gradients in {dtype} made by the ring attention's backward: the "
+          "MLP's others and the output projection's", nbytes, f"{nbytes:,} B", kind=kind)
     if ws and mlp_phase:
         off = min(ws + nbytes, mlp_phase) - min(ws, mlp_phase)
         if off:
@@ -633,7 +635,8 @@ def _head_backward_at_loss(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
 
 
 def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int,
-                         root_split: bool, emb_full: int, replicated: int = 0) -> None:
+                         root_split: bool, emb_full: int, replicated: int = 0,
+                         phases: tuple[tuple[int, int] | None, int] = (None, 0)) -> None:
     """Unpipelined FSDP2 (ZeRO-2 / -3, replicate) with one microbatch: each unit's post-backward takes autograd's
     gradients, reshards, drops the previous unit's reduce-scatter input (``reduce_scatter_max_input_buffers``
     = 1) and copies them into its own (``foreach_reduce``), in the reduce dtype. Through a block's backward:
@@ -657,8 +660,15 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     grads = max((unit_numel(u) for u, c in rest if c > 0), default=0)
     moe = max((unit_numel(u) for u in experts), default=0)  # a block's experts' gradients, made in their backward
     made, how = _block_grads_made(cfg, T, moe or grads, pgrad)
+    by_b, mlp_phase = phases
+    ring = bool(by_b and by_b[1] and not moe)  # context parallelism: the B's moment is the larger of two phases
+    if ring:
+        made, how = pgrad * by_b[0], f"{pgrad} B × {by_b[0]:,} (the down projection's, by the MLP's backward)"
     T.add("temporaries", f"a block's gradients made by autograd in {plan.compute_dtype} (its post-backward copies "
           "them into its reduce-scatter input)", made, how, kind="fsdp_unit_grads")
+    if ring:  # the MLP's others and the output projection's, beside the ring attention's backward (measure --fake of
+        # Llama 2 7B tp4 SP cp4 ZeRO-2 fp32: w1's, w2's and w3's 43 MiB fp32 gradients inside the attention's backward)
+        _attention_phase_gradients(T, pgrad * by_b[1], plan.compute_dtype, mlp_phase, "temporaries", "fsdp_unit_grads")
     if root_split and moe:
         # the experts' post-backward: their gradients beside their own reduce-scatter input, the experts
         # resharded and their backward's transients gone; more than their backward where that input outweighs
