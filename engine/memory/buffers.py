@@ -920,9 +920,13 @@ def _reduce_grad(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, igno
         shard = sum(sharded_numel(u, d) for u, d in zip(units, deg))
         out, conv = rb * shard, (4 * shard if rb != 4 else 0)
         gathered = sum(gathered_unit_bytes(plan, rp, u, d) for u, d in zip(units, deg))  # resharded first
-        best = max(best, held - gathered + rb * sum(padded_numel(u, d) for u, d in zip(units, deg)) + out + conv)
+        acc = gacc * sum(unit_numel(u) for u in units)
+        rs_in = rb * sum(padded_numel(u, d) for u, d in zip(units, deg))
+        # foreach_reduce drops the accumulation once copied in (``unsharded_grads.clear()``) before it allocates the
+        # output; the root's outlives it (measured: the token embeddings' 2,004 MiB beside the output)
+        best = max(best, held - gathered + rs_in + max(0, out + conv - (0 if units is root else acc)))
         # each keeps its sharded gradient and drops its parameters and its accumulation
-        held += count * ((conv or out) - gathered - gacc * sum(unit_numel(u) for u in units))
+        held += count * ((conv or out) - gathered - acc)
     if best:
         T.add("comm_buffers", "the schedule's REDUCE_GRAD: the first units' reduce-scatter input and output (and the "
               "output in fp32) beside the other units' accumulated gradients and gathered parameters, less what they "

@@ -30,7 +30,9 @@ def test_a_one_block_stage_holds_no_all_gather_output_in_its_backward(tmp_path):
 @pytest.mark.integration
 def test_the_last_stages_loss_follows_a_forward_that_resharded_its_units(tmp_path):
     """The last stage peaks at a later microbatch's loss, right after its forward resharded every unit the backward
-    before had kept gathered (the engine laid them all there: +7.1 %)."""
+    before had kept gathered (the engine laid them all there: +7.1 %): no unit is gathered at that loss (the units a
+    backward keeps live only to the stage's next forward, ``after_a_backward``)."""
     rank = rank_as_the_fake_holds_it(CFG, 6, tmp_path, rel=0.01)
     assert rank.peak_moment.endswith("the loss (action 4 of 16)")
-    assert "fsdp_params_resharded_at_loss" in {t.kind for t in rank.explain("comm_buffers")}
+    kinds = {t.kind for t in rank.explain("comm_buffers")}
+    assert not kinds & {"fsdp_unsharded_params", "fsdp_units_kept_after_backward", "fsdp_units_kept_in_a_backward"}
