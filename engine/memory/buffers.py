@@ -97,7 +97,51 @@ def _explain_units(sizes: list[int]) -> str:
     return " + ".join(f"{x:,} B" for x in sizes)
 
 
-def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: bool, prefetch: bool, f8: str) -> None:
+def _stage_walk(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms) -> tuple[int, int, int, int] | None:
+    """(the stage's root units' gathered bytes, a block's, the stage's blocks, a block's saved bytes for one
+    microbatch) for ``_current_units``' walk: a pipelined rank of one stage of two dense blocks or more; else None."""
+    if not plan.pipelined or len(rp.stages) != 1 or rp.expert_units or any(st.moe_layers for st in rp.stages):
+        return None
+    st = rp.stages[0]
+    if st.layers < 2:
+        return None
+    root = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units)
+    block = max(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u))
+                for u, _ in rp.unit_groups if u not in rp.root_units)
+    saved = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "layers") // st.layers
+    return root, block, st.layers, saved
+
+
+#: the transients a B's moment (its first block's MLP backward) holds that its start does not
+_B_MOMENT_KINDS = ("recomputed_block", "mlp_backward", "mlp_backward_freed", "fsdp_fresh_grad_made",
+                   "blocks_output_gradient")
+
+
+def _backward_walk_units(T: Terms, walk: tuple[int, int, int, int], f8: str) -> None:
+    """What a B after a forward holds of a one-stage pipelined rank's units beyond its moment's (``_current_units``: the
+    stage's root, the current block and the next one's all-gather output), at its most: at its start, the root's
+    all-gather output kept to the first block's copy-out (FSDP2's implicit prefetch, as in a forward: the root's and
+    the block's outputs beside both units), before any transient of the block's backward (measure --fake of Llama 3 8B
+    pp2 1F1B ZeRO-3 reshard "always", selective recompute, stage 0's B of microbatch 1: 2 × 1,418 MiB); or at its
+    i-th block, i more blocks kept gathered (set_reshard_after_backward(False)) and i blocks' saved tensors freed, and
+    no output at the stage's last (full recompute: a unit outweighs a block's saved tensors, the 3rd block of 4 holds
+    the most). Lifetime ``backward_after_forward``."""
+    root, block, blocks, saved = walk
+    moment = sum(t.bytes for c in ("activations", "temporaries", "comm_buffers") for t in T[c] if t.kind in _B_MOMENT_KINDS)
+    start = root - max(moment, 0) if root else 0
+    later = max(i * (block - saved) - (block if i == blocks - 1 else 0) for i in range(1, blocks))
+    extra = max(start, later)
+    if extra > 0:
+        T.add("comm_buffers", "FSDP2 unsharded parameters in a B after a forward: " + (
+              "at its start, the root's all-gather output kept to the first block's copy-out, before the block's "
+              "transients" if start >= later else "the blocks it has run, kept gathered, beyond their saved tensors "
+              "it freed (a later block of the B holds the most)") + f8, extra,
+              f"max(the root's {root:,} B − the B moment's transients {moment:,} B, over its i-th block "
+              f"i × ({block:,} B − {saved:,} B) less the last block's output)", kind="fsdp_units_kept_in_a_backward")
+
+
+def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: bool, prefetch: bool, f8: str,
+                   walk: tuple[int, int, int, int] | None = None) -> None:
     """ZeRO-3 resharding after forward (``fsdp2_buffers``): the current (+ prefetched) unit at every action; on a
     pipelined rank of one stage that runs forwards after its first backward, the rest at a backward right after a
     backward. A backward leaves every unit it gathered so (set_reshard_after_backward(False)) and the stage's next
@@ -106,14 +150,31 @@ def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: boo
     unit and the next one's all-gather output (measure --fake of Llama 3 8B pp4 1F1B ZeRO-3 reshard "always", a
     3-block stage's B of its second microbatch: one block's parameters and one block's all-gather output, +4.6 % with
     all three blocks; pp2, stage 0's last B: every unit, no all-gather output)."""
-    n_units = 2 if prefetch and len(two) > 1 else 1
-    T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
-          + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
-    rest = all_bytes - sum(two[:n_units]) - two[0]  # (the all-gather output: one unit, the largest)
-    if after_backward and rest:
+    if walk:
+        # a pipeline stage's root (its embeddings, final norm and head: the stage module's own fully_shard) is gathered
+        # through each forward and each backward; a block's unit from its pre-forward (pre-backward) on, the next
+        # block's all-gather output beside it, copied out only in that block's own pre-backward: the stage's root, one
+        # block and one block's output at a B's first block. A backward leaves each block it ran gathered
+        # (set_reshard_after_backward(False)) while it frees that block's saved tensors: at its i-th block i more units
+        # and i blocks' saved tensors fewer (and no output at the stage's last block) — where a unit outweighs a
+        # block's saved tensors (full recompute) a later block holds the most (measure --fake of Llama 3 8B pp4 1F1B
+        # ZeRO-3 reshard "always", selective recompute: a 2- and a 3-block stage's B at its first block, one block's
+        # parameters and one block's output beside them, +4.4 % with the current and prefetched units and an output)
+        root, block, blocks, saved = walk
+        current = root + block
+        T.add("comm_buffers", "FSDP2 unsharded parameters: the stage's root (gathered through each forward and backward) "
+              "and the current block's unit" + f8, current, f"{root:,} B + {block:,} B", kind="fsdp_unsharded_params")
+        rest = all_bytes - current - block
+        two = [block]
+    else:
+        n_units = 2 if prefetch and len(two) > 1 else 1
+        T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
+              + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
+        rest = all_bytes - sum(two[:n_units]) - two[0]  # (the all-gather output: one unit, the largest)
+    if (after_backward or walk) and rest:  # (GPipe too: its later Bs find every unit the first gathered)
         T.add("comm_buffers", "FSDP2 unsharded parameters, the stage's other units: gathered since a backward with "
               "no forward since (its post-forward reshards them), less the all-gather output (nothing left to "
-              "gather)" + f8, rest, f"{all_bytes:,} B (all units) − {sum(two[:n_units]):,} B − {two[0]:,} B",
+              "gather)" + f8, rest, f"{all_bytes:,} B (all units) less the current ones and the output",
               kind="fsdp_units_kept_after_backward")
 
 
@@ -156,11 +217,16 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     # of their own, and the current + prefetched units stand for both)
     root_split = plan.sharded and plan.reshard_after_forward and not plan.pipelined and bool(rp.root_units)
     every_unit = False
+    walk = None
     if root_split:
         two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
     elif plan.sharded and plan.reshard_after_forward and (not after_backward or len(rp.stages) == 1):
-        _current_units(T, two, all_bytes, after_backward, conv.fsdp_prefetch, f8)
+        walk = _stage_walk(cfg, plan, rp, T) if conv.fsdp_prefetch else None
+        _current_units(T, two, all_bytes, after_backward, conv.fsdp_prefetch, f8, walk)
+        if walk:
+            two = [walk[1]]  # the all-gather output: the next block's
     else:
+        walk = None
         _every_unit_gathered(plan, rp, T, all_bytes, psi, z, after_backward, bool(left_out), f8)
         every_unit = True
     if z in (2, 3):
@@ -229,6 +295,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             T.add("comm_buffers", f"token-embedding gradient at full V × h in {plan.compute_dtype}, until the "
                   "embeddings' post-backward redistributes it to the row shard (TP: it comes back replicated)",
                   pgrad * emb_full, f"{pgrad} B × V·h = {pgrad} × {emb_full:,}", kind="embedding_full_gradient")
+    if walk:
+        _backward_walk_units(T, walk, f8)
 
 
 def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int, category: str = "comm_buffers",

@@ -121,6 +121,9 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   reduce_grad          at the REDUCE_GRAD moment only (a pipelined FSDP2 rank of one stage, before the end of the
                        backward): what its first units' reduce-scatters hold beside every accumulated gradient and
                        gathered unit (``engine.memory.buffers._reduce_grad``)
+  backward_after_forward at a B or I whose stage ran a forward just before it: under pipelining with ZeRO-3
+                       resharding after forward on a rank of one stage, the blocks such a backward has run, kept
+                       gathered beyond what it freed (``fsdp_units_kept_in_a_backward``)
   after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
                        parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
                        assigns ``.grad``; the I computes input gradients only); laid anew at each moment
@@ -194,8 +197,8 @@ MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fs
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
-             "input_backward", "loss_after_forward", "after_a_backward", "reduce_grad", "after_first_weight",
-             "after_first_backward")
+             "input_backward", "loss_after_forward", "after_a_backward", "backward_after_forward", "reduce_grad",
+             "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
@@ -254,6 +257,7 @@ LIFETIMES: dict[str, str] = {
     "moe_input_backward": "input_backward", "moe_input_backward_freed": "input_backward",
     "loss": "loss", "fsdp_root_regather": "loss", "head_backward": "loss",
     "fsdp_params_resharded_at_loss": "loss_after_forward", "fsdp_units_kept_after_backward": "after_a_backward",
+    "fsdp_units_kept_in_a_backward": "backward_after_forward",
     "fsdp_reduce_grad": "reduce_grad",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
@@ -755,6 +759,7 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
           "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
           "early_backward": kind == _B, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
           "after_a_backward": np.isin(kind, (_B, _I, _W)) & np.isin(_previous_kind(kind, stage), (_B, _I, _W)),
+          "backward_after_forward": np.isin(kind, (_B, _I)) & (_previous_kind(kind, stage) == _F),
           "after_first_backward": np.arange(n) > first_bwd}
     return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)
 
@@ -799,6 +804,7 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     masks[:, _BACKWARD_END] = 1
     masks[:, _LATER_BACKWARD_END] = later
     masks[:, _AFTER_A_BACKWARD] = 1  # the units the B gathered stay so (set_reshard_after_backward(False))
+    masks[:, TRANSIENT.index("every_action")] = int(pipelined)  # (and with them the current ones)
     # under pipelining FSDP2's units kept gathered stay so to the stage's REDUCE_GRAD, past the B's end
     masks[:, TRANSIENT.index("until_end_of_backward")] = int(pipelined)
     acc = mo.acc[rows].copy()  # the stage's unsharded gradients: made during its first B, held until its REDUCE_GRAD

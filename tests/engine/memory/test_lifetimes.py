@@ -1283,9 +1283,9 @@ def test_a_later_bs_end_is_a_moment_where_autocast_casts_leave_their_gradients_w
         assert mo.counts[i][0] == mo.counts[i - 1][0] - 1 and mo.acc[i][0] == 1
         alive = {life for life, on in zip(TRANSIENT, mo.masks[i]) if on}
         # (and FSDP2's units kept gathered: under pipelining to the stage's REDUCE_GRAD, past the B's end)
-        # (and the units a B leaves gathered: ``after_a_backward``)
+        # (and the units a B leaves gathered: ``after_a_backward``, the current ones with them: ``every_action``)
         assert alive == {"backward_end", "after_first_backward", "after_first_weight", "until_end_of_backward",
-                         "after_a_backward"} | (
+                         "after_a_backward", "every_action"} | (
             {"later_backward_end"} if n else set())
     wide = {"preset": "tiny", "layers": 4, "hidden": 512, "ffn_hidden": 2048, "vocab": 4096, "seq_len": 16}
 
