@@ -170,7 +170,6 @@ def test_each_groups_recompute_ends_holding_everything_the_block_saved(model, mo
     unwinds it the recompute's own graph holds what the pack hook returned: at the end of the k-th group's recompute
     the pass holds the k − 1 earlier recomputes' stored tensors and the whole block's saved tensors — exactly
     ``weight_pass_bytes``' (k − 1) × alive + full on one fp32 block (the weights' gradients left out)."""
-    import torch.distributed.pipelining._backward as pipelining_backward
     import torch.utils.checkpoint as checkpoint
 
     cfg = _cfg(False, 1, **model)
@@ -190,17 +189,7 @@ def test_each_groups_recompute_ends_holding_everything_the_block_saved(model, mo
 
     monkeypatch.setattr(checkpoint, "_StopRecomputationError", Stop)
     with live, autocast:
-        h = x
-        for blk in blocks:
-            h = blk(h)
-        _, param_groups = pipelining_backward.stage_backward_input([h], [torch.randn_like(h)], [x], iter(params))
-        live.start()
-        gc.collect()
-        gc.disable()
-        try:
-            pipelining_backward.stage_backward_weight(iter(params), param_groups)
-        finally:
-            gc.enable()
+        _forward_input_weight(blocks, params, x, live)
     assert len(ends) == len(groups)
     for k, end in enumerate(ends, start=1):
         alive = kept + sum(n for g, n in frees if order[g] >= k - 1)
@@ -278,25 +267,32 @@ def _measured_later(cfg) -> int:
     """The weight pass's peak as ``_measured``'s, but at a W after the stage's first: every weight holds a gradient
     already, so ``stage_backward_weight`` adds each fresh ``dw`` in (``weight.grad += dw``) and ``dw`` is a tensor of
     its own, counted here (the ``.grad``s existed before: not the pass's)."""
+    blocks, params, x, live, autocast = _stage(cfg)
+    with live, autocast:
+        _forward_input_weight(blocks, params, x, live, grads_first=True)
+    return live.peak
+
+
+def _forward_input_weight(blocks, params, x, live, grads_first: bool = False) -> None:
+    """The blocks' forward, ``stage_backward_input`` and, counted from its start, ``stage_backward_weight`` (the
+    cyclic collector paused: the checkpoint's frames are freed by reference counts). ``grads_first``: every weight
+    holds a gradient before the pass (a W after the stage's first)."""
     import torch.distributed.pipelining._backward as pipelining_backward
 
-    blocks, params, x, live, autocast = _stage(cfg)
-    with live:
-        with autocast:
-            h = x
-            for blk in blocks:
-                h = blk(h)
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            _, groups = pipelining_backward.stage_backward_input([h], [torch.randn_like(h)], [x], iter(params))
-            live.start()
-            gc.collect()
-            gc.disable()
-            try:
-                pipelining_backward.stage_backward_weight(iter(params), groups)
-            finally:
-                gc.enable()
-    return live.peak
+    h = x
+    for blk in blocks:
+        h = blk(h)
+    if grads_first:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    _, groups = pipelining_backward.stage_backward_input([h], [torch.randn_like(h)], [x], iter(params))
+    live.start()
+    gc.collect()
+    gc.disable()
+    try:
+        pipelining_backward.stage_backward_weight(iter(params), groups)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("model", [

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.fake import reserved_rows, simulate
 from engine.config import Config
-from engine.predict import predict
+from tests.fake_helpers import rank_as_the_fake_holds_it
 
 
 @pytest.mark.integration
@@ -23,8 +22,6 @@ def test_a_later_w_holds_the_fresh_weight_gradients(tmp_path):
         "parallel": {"dp": 2, "pp": 2, "zero": 3, "schedule": "ZBVZeroBubble", "virtual_stages": 2,
                      "microbatches": 4},
         "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}})
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 2)
+    r = rank_as_the_fake_holds_it(cfg, 2, tmp_path, rel=0.01)
     assert r.peak_moment.startswith("stage 1 W of microbatch 2")
     assert "weight_pass_fresh" in [t.kind for t in r.catalogue("temporaries")]
-    (row,) = reserved_rows(simulate(cfg, out_dir=tmp_path / "run", ranks=[2], timeout_s=300))
-    assert r.allocated == pytest.approx(row["max_allocated"], rel=0.01)

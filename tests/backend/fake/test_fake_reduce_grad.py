@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.fake import reserved_rows, simulate
 from engine.config import Config
-from engine.predict import predict
+from tests.fake_helpers import rank_as_the_fake_holds_it
 
 
 @pytest.mark.integration
@@ -22,8 +21,6 @@ def test_the_reduce_grad_holds_the_roots_reduce_scatter_beside_every_accumulated
         "cluster": {"gpu": "h100-96g", "gpus": 4, "gpus_per_node": 4},
         "parallel": {"dp": 2, "pp": 2, "zero": 3, "schedule": "1F1B", "microbatches": 4},
         "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "fp32", "recompute": "full"}})
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
+    r = rank_as_the_fake_holds_it(cfg, 0, tmp_path, rel=0.005)
     assert r.peak_moment.startswith("the schedule's REDUCE_GRAD")
     assert "fsdp_reduce_grad" in [t.kind for t in r.explain("comm_buffers")]
-    (row,) = reserved_rows(simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300))
-    assert r.allocated == pytest.approx(row["max_allocated"], rel=0.005)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.fake import reserved_rows, simulate
 from engine.config import Config
-from engine.predict import predict
+from tests.fake_helpers import rank_as_the_fake_holds_it
 
 
 @pytest.mark.integration
@@ -25,8 +24,6 @@ def test_only_a_backward_after_a_backward_finds_every_unit_gathered(tmp_path):
         "parallel": {"dp": 2, "pp": 2, "zero": 3, "schedule": "1F1B", "microbatches": 4,
                      "fsdp_reshard_after_forward": "always"},
         "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "selective"}})
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
+    r = rank_as_the_fake_holds_it(cfg, 0, tmp_path, rel=0.01)
     assert r.peak_moment.startswith("stage 0 B of microbatch 1")
     assert "fsdp_units_kept_after_backward" in [t.kind for t in r.catalogue("comm_buffers")]
-    (row,) = reserved_rows(simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300))
-    assert r.allocated == pytest.approx(row["max_allocated"], rel=0.01)
