@@ -1754,12 +1754,11 @@ def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]
     return {lin.name: sh.act * lin.d_in * lin.d_out // sh.t for lin in lora.adapted_linears(cfg.model, "all")}
 
 
-def weight_pass_fresh(cfg: Config, sh: _Shape, wb: int, cast16: int = 0) -> dict[str, tuple[int, int]]:
+def weight_pass_fresh(cfg: Config, sh: _Shape, wb: int) -> dict[str, int]:
     """Per parameter group of a dense block (``weight_groups``), the fresh weight gradient ``stage_backward_weight``
     holds where the weight has a gradient already (a stage's W after its first: ``weight.grad += dw``, so ``dw`` is a
-    tensor of its own, not the ``.grad``): (its bytes in the parameter's dtype, ``wb``; under autocast over plain
-    parameters the matmul's ``cast16``-byte output before the cast's backward, else 0). Its TP shard; the norms'
-    weights whole. None under LoRA (the adapters' gradients are small)."""
+    tensor of its own, not the ``.grad``), in the parameter's dtype (``wb`` bytes). Its TP shard; the norms' weights
+    whole. None under LoRA (the adapters' gradients are small)."""
     if sh.lora:
         return {}
     lins = {lin.name: lin for lin in lora.adapted_linears(cfg.model, "all")}
@@ -1767,7 +1766,7 @@ def weight_pass_fresh(cfg: Config, sh: _Shape, wb: int, cast16: int = 0) -> dict
     for g in weight_groups(sh):
         numel = (sh.h if g in ("norm1", "norm2") else sh.head_dim if g in ("q_norm", "k_norm")
                  else lins[g].d_in * lins[g].d_out // sh.t)
-        out[g] = (numel * wb, numel * cast16)
+        out[g] = numel * wb
     return out
 
 
@@ -1776,7 +1775,7 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                       block: tuple[int, list[tuple[str, int]], tuple[str, ...], int] | None = None,
                       last_graph_kept: bool = False, f8_cast: int = 0,
                       f8_in: tuple[int, int] = (0, 0),
-                      fresh: dict[str, tuple[int, int]] | None = None,
+                      fresh: dict[str, int] | None = None,
                       node: dict[str, int] | None = None) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
@@ -1823,16 +1822,11 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
         # projections' before the MLP's saved tensors)
         f8 = max(f8_cast - mlp, f8_in[0], f8_in[1] - mlp, 0)
         # weights that hold a gradient already (``fresh``): the previous group's fresh gradients stay through this
-        # group's autograd.grad (``dweights`` is rebound only when it returns), and this group's are made at its
-        # node (the matmul's output; under autocast its 16-bit output, then the cast's backward to the parameter's
-        # dtype once the node has released what it saved)
-        prev = fresh.get(groups[k - 2] if k > 1 else groups[-1] if last else "", (0, 0))[0]
-        kept_k, made16 = fresh.get(groups[k - 1], (0, 0))
-        own = sum(n for g, n in frees if order[g] == k - 1)
-        at_node = (node or {}).get(groups[k - 1], 0)  # what the group's node makes beside its saved tensors
-        held = max((k - 1) * alive_k + full + f8 + prev,
-                   k * alive_k + made_k + prev + (made16 or kept_k) + at_node,
-                   k * alive_k - own + made_k + prev + made16 + kept_k if made16 else 0) - freed_k
+        # group's autograd.grad (``dweights`` is rebound only when it returns), and this group's are made at its node,
+        # beside what else that node makes (``node``)
+        prev = fresh.get(groups[k - 2] if k > 1 else groups[-1] if last else "", 0)
+        at_node = fresh.get(groups[k - 1], 0) + (node or {}).get(groups[k - 1], 0)
+        held = max((k - 1) * alive_k + full + f8 + prev, k * alive_k + made_k + prev + at_node) - freed_k
         if best is None or held > best:
             best, at, alive, made, freed = held, k, alive_k, made_k, freed_k
     earlier = last * per_block
@@ -1931,11 +1925,12 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
             continue
         key = (c, keeps is not None)
         if key not in of_count:
+            f8_in = float8_input_cast_bytes(cfg, sh)
             of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast,
-                                              f8_in=float8_input_cast_bytes(cfg, sh))
+                                              f8_in=f8_in)
             if fresh:
                 with_fresh = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast,
-                                               f8_in=float8_input_cast_bytes(cfg, sh), fresh=fresh)
+                                               f8_in=f8_in, fresh=fresh)
                 of_count[(c, key[1], "fresh")] = (with_fresh[0] - with_fresh[2]) - (of_count[key][0] - of_count[key][2])
         nbytes, formula, freed = of_count[key]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"

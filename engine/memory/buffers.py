@@ -151,21 +151,14 @@ def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: boo
     3-block stage's B of its second microbatch: one block's parameters and one block's all-gather output, +4.6 % with
     all three blocks; pp2, stage 0's last B: every unit, no all-gather output)."""
     if walk:
-        # a pipeline stage's root (its embeddings, final norm and head: the stage module's own fully_shard) is gathered
-        # through each forward and each backward; a block's unit from its pre-forward (pre-backward) on, the next
-        # block's all-gather output beside it, copied out only in that block's own pre-backward: the stage's root, one
-        # block and one block's output at a B's first block. A backward leaves each block it ran gathered
-        # (set_reshard_after_backward(False)) while it frees that block's saved tensors: at its i-th block i more units
-        # and i blocks' saved tensors fewer (and no output at the stage's last block) — where a unit outweighs a
-        # block's saved tensors (full recompute) a later block holds the most (measure --fake of Llama 3 8B pp4 1F1B
-        # ZeRO-3 reshard "always", selective recompute: a 2- and a 3-block stage's B at its first block, one block's
-        # parameters and one block's output beside them, +4.4 % with the current and prefetched units and an output)
-        root, block, blocks, saved = walk
+        # a pipeline stage's root (the stage module's own fully_shard) is gathered through each forward and backward,
+        # a block's unit from its pre-forward (pre-backward) on, the next block's all-gather output beside it (the
+        # caller lays that output at a block's size; a B's later blocks: ``_backward_walk_units``)
+        root, block, _, _ = walk
         current = root + block
         T.add("comm_buffers", "FSDP2 unsharded parameters: the stage's root (gathered through each forward and backward) "
               "and the current block's unit" + f8, current, f"{root:,} B + {block:,} B", kind="fsdp_unsharded_params")
         rest = all_bytes - current - block
-        two = [block]
     else:
         n_units = 2 if prefetch and len(two) > 1 else 1
         T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
@@ -226,7 +219,6 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         if walk:
             two = [walk[1]]  # the all-gather output: the next block's
     else:
-        walk = None
         _every_unit_gathered(plan, rp, T, all_bytes, psi, z, after_backward, bool(left_out), f8)
         every_unit = True
     if z in (2, 3):
@@ -972,8 +964,9 @@ def _reduce_grad(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, igno
     """A pipelined rank of one stage, at the schedule's REDUCE_GRAD (torch's ``_add_reduce_grad``, after its last
     backward: ``perform_reduce_grad`` runs each FSDP2 unit's post-backward, the root's first, then the blocks' in
     module order): each reshards its unit, allocates its reduce-scatter input (every rank's padded shard, in the reduce
-    dtype) and output (its own shard), converts the output to the sharded parameter's fp32 where the reduce dtype is
-    another, and only then drops its accumulated gradient; its input goes before the next unit's. Beside every other
+    dtype), copies its accumulated gradient in and drops it (``unsharded_grads.clear()``; a stage root's outlives the
+    output, as the fake holds it), allocates the output (its own shard) and converts it to the sharded parameter's fp32
+    where the reduce dtype is another; its input goes before the next unit's. Beside every other
     unit's accumulated gradients and gathered parameters, the first units hold the most: measure --fake of Llama 3 8B
     pp2 1F1B ZeRO-3 fp32 reduce, stage 0 at 2,048 tokens (its peak): the root's 2,004 MiB input and 250.5 MiB output
     beside 5,332 MiB of accumulated gradients and four gathered blocks. What the REDUCE_GRAD moment holds beyond every
