@@ -801,15 +801,16 @@ def test_a_step_tensor_that_fits_an_earlier_ones_cached_rest_is_replayed():
 
 
 def test_a_steady_state_that_never_loops_spends_at_most_a_quarter_of_its_replay_reading_states():
-    """Qwen3 30B-A3B, DualPipeV over 8 ranks, 128 microbatches, fp32: the allocator's state after each period
+    """Llama 3 8B, DualPipeV over 8 ranks, 128 microbatches, fp32: the allocator's state after each period
     never equals an earlier one (each period keeps its I's input gradients to the step's end), so every state
     read is wasted. They may cost at most a quarter of replaying every period (a block read about as dear as an
-    event replayed): 1,614 block reads for 6,660 events of periods, the same reserve. (Llama 3 8B on ZBV over 16
+    event replayed): 1,293 block reads for 5,600 events of periods, the same reserve. (Llama 3 8B on ZBV over 16
     stages was this case until a split backward's input gradients were kept: its states now grow too fast to
-    be worth reading.)"""
+    be worth reading; Qwen3 30B-A3B on DualPipeV until a MoE block's forward was laid in pieces of its largest
+    tensor, ``per_rank._moe_block_pieces``: its periods now differ from the first, no state read at all.)"""
     import engine.memory.allocator as allocator
 
-    c = Config.from_dict({"model": {"preset": "qwen3-30b-a3b", "seq_len": 4096},
+    c = Config.from_dict({"model": {"preset": "llama3-8b", "seq_len": 4096},
                           "cluster": {"gpu": "h100-sxm", "gpus": 16},
                           "parallel": {"dp": 2, "pp": 8, "zero": 2, "schedule": "DualPipeV", "virtual_stages": 2,
                                        "microbatches": 128},
@@ -1055,15 +1056,15 @@ def test_ranks_whose_steps_differ_only_in_their_stage_numbers_replay_once(schedu
 
 
 def test_a_loop_as_long_as_the_keys_lives_or_a_period_more_is_found_and_skipped():
-    """Qwen3 30B-A3B, DualPipeV over 8 ranks, 256 microbatches, fp32: rank 0's allocator loops (a block freed in
+    """Llama 3 8B, DualPipeV over 8 ranks, 256 microbatches, fp32: rank 0's allocator loops (a block freed in
     a period handed out again in the next) and the states are read at the first two periods of every 15, so
     the loop is seen and the runs after it skipped (47 of 239 periods run; at 128 microbatches, since each
     period keeps its I's input gradients, the loop comes too late to skip a run); the stats are those of every
-    period written out. (Under bf16 autocast, since the I's MoE moment is its combine's backward and a full B's the
-    experts' gradients, no loop is seen in the budget: every period runs.)"""
+    period written out. (Qwen3 30B-A3B was this case until a MoE block's forward was laid in pieces of its largest
+    tensor, ``per_rank._moe_block_pieces``: no loop is seen in the budget, every period runs.)"""
     import engine.memory.allocator as allocator
 
-    c = Config.from_dict({"model": {"preset": "qwen3-30b-a3b"}, "cluster": {"gpu": "h100-sxm", "gpus": 8},
+    c = Config.from_dict({"model": {"preset": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "gpus": 8},
                           "parallel": {"dp": 1, "pp": 8, "schedule": "DualPipeV", "virtual_stages": 2,
                                        "microbatches": 256},
                           "training": {"precision": "fp32", "optimizer": "sgd"}})
