@@ -371,6 +371,10 @@ ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params
 #: the term kinds whose buffers FSDP2 allocates on its reduce-scatter stream: the sharded gradients
 REDUCE_SCATTER_STREAM_KINDS = frozenset({"fsdp_sharded_grads", "fsdp_reduced_grads"})
 
+#: FSDP2's sharded gradients (the grads category's terms of these kinds), which the allocation events lay a unit at a
+#: time (``Terms.grad_piece``): each unit's post-backward allocates its reduce-scatter output
+SHARDED_GRAD_KINDS = frozenset({"fsdp_sharded_grads", "fsdp_reduced_grads", "fsdp_early_reduce"})
+
 
 def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, after_backward: bool,
                          pipelined: bool = True, per_stage: bool = False) -> str:
@@ -1007,6 +1011,7 @@ class _Laid:
         self.freed = freed = {}  # per transient lifetime (or per-stage row key), what its negative terms free
         add_row = rows.append
         gather = ALL_GATHER_STREAM_KINDS
+        piece = getattr(terms, "grad_piece", 0)
         for c in categories:
             var = []
             acts_c = c == "activations"
@@ -1074,8 +1079,12 @@ class _Laid:
                     # (autocast's casts: alive all step but at the optimizer step, freed before the events lay it)
                     row_life = ("accumulated" if freed_at_end
                                 else "until_step" if life == "step" and kind in STEP_FREED_KINDS else life)
-                    add_row((row_life, nbytes, ALL_GATHER_STREAM if kind in gather
-                             else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
+                    stream = (ALL_GATHER_STREAM if kind in gather
+                              else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0)
+                    # FSDP2's sharded gradients, a reduce-scatter output a unit (``Terms.grad_piece``)
+                    whole = piece if piece and c == "grads" and kind in SHARDED_GRAD_KINDS else nbytes
+                    for x in [whole] * (nbytes // whole) + ([nbytes % whole] if nbytes % whole else []):
+                        add_row((row_life, x, stream))
                     if kind in UNIT_FRESH_KINDS:  # and, for the events only, in each block of a B's walk
                         add_row((_UNIT_FRESH, nbytes, 0))
                 elif nbytes < 0:

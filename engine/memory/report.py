@@ -64,6 +64,9 @@ class Terms(dict):
         #: what a split backward's I keeps for its W, per stage: the tensors' bytes in order (``engine.memory.
         #: activations.split_backward_terms``: each weight op's output gradient), for the allocation events
         self.split_backward_pieces: dict[int, tuple[int, ...]] = {}
+        #: FSDP2's sharded gradients as the reduce-scatters make them: the largest unit's bytes (each unit's
+        #: post-backward allocates its own output), for the allocation events; 0: one piece
+        self.grad_piece: int = 0
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:

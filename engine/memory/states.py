@@ -56,6 +56,7 @@ from engine.model.params import (
     norm_tensors,
     rank_tensor_groups,
     sharded_numel,
+    unit_numel,
     zero_redundancy_largest,
     zero_redundancy_shares,
 )
@@ -123,7 +124,13 @@ def _stage_gradient_terms(T: Terms, label: str, shares: list[tuple[int, int, str
 
 
 def add_sharded_grads(T: Terms, plan: WrappingPlan, rp: RankParams, label: str, nbytes: int, how: str) -> None:
-    """FSDP2's sharded gradients: one term, or one per stage (``per_stage_gradients``)."""
+    """FSDP2's sharded gradients: one term, or one per stage (``per_stage_gradients``). Each unit's post-backward makes
+    its own (``foreach_reduce``'s reduce-scatter output): the largest unit's share is the piece the allocation events
+    lay them in (``Terms.grad_piece``)."""
+    units = [(unit_numel(u), count) for u, count in rp.unit_groups if count]
+    total = sum(n * c for n, c in units)
+    if total:
+        T.grad_piece = nbytes * max(n for n, _ in units) // total
     if not per_stage_gradients(plan, rp):
         T.add("grads", label, nbytes, how, kind="fsdp_sharded_grads")
         return

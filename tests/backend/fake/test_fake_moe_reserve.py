@@ -1,7 +1,7 @@
 """A MoE rank's reserve against ``measure --fake`` of it (seconds): its blocks' forward makes many tensors (the experts'
 internals and weight casts, one per local expert), each smaller than what the backward's expert gradients and the
-optimizer step then ask for, so their freed segments serve none of those requests
-(``engine.memory.per_rank._moe_block_pieces``)."""
+optimizer step then ask for, so their freed segments serve none of those requests, and each FSDP2 unit's
+post-backward makes its own sharded gradient (``engine.memory.per_rank._moe_block_pieces``, ``Terms.grad_piece``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,22 @@ def test_a_moe_blocks_forward_leaves_segments_the_expert_gradients_do_not_fit(tm
         "cluster": {"gpu": "h100-96g", "gpus": 16, "gpus_per_node": 8},
         "parallel": {"dp": 16, "ep": 4, "zero": 0},
         "training": {"micro_batch_size": 4, "precision": "bf16-mixed", "recompute": "none"}})
+    r, row = _rank_and_fake(cfg, tmp_path)
+    assert r.allocated == pytest.approx(row["max_allocated"], rel=0.01)
+    assert r.reserved == pytest.approx(row["max_reserved"], rel=0.04)
+
+
+@pytest.mark.integration
+def test_a_zero3_moe_ranks_sharded_gradients_are_made_a_unit_at_a_time(tmp_path):
+    """Mixtral 8x7B (4 blocks) s2K dp8 ep8 ZeRO-3: beside the blocks' pieces, the sharded gradients laid a unit's at a
+    time, so the late moment's and the end's reuse the same blocks as the post-backwards' outputs do: −5.6 % with one
+    piece a block and one tensor of sharded gradients, −1.6 % (seed 20261236's 8-block layout +11.6 % with the pieces
+    alone, +1.4 % with both)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "mixtral-8x7b", "layers": 4, "seq_len": 2048},
+        "cluster": {"gpu": "h100-96g", "gpus": 8, "gpus_per_node": 8},
+        "parallel": {"dp": 8, "ep": 8, "zero": 3},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "recompute": "none"}})
     r, row = _rank_and_fake(cfg, tmp_path)
     assert r.allocated == pytest.approx(row["max_allocated"], rel=0.01)
     assert r.reserved == pytest.approx(row["max_reserved"], rel=0.04)
