@@ -422,6 +422,16 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
     # the flash kernel saves its output (the o-proj input) itself
     SavedTensor("o-proj input (attention output)", "act", "sbq_t", "attention", for_weight_grad_of=("wo",),
                 kernel_keeps="flash", recomputed_by=_PER_OP, weight_node="wo"),
+    # context parallelism's ring attention keeps its merged output for its backward in the heads' layout (b, a, s, d),
+    # so the heads' reshape of its transpose for wo is a copy, saved by wo apart (measure --fake of GPT-2 s8K cp2 pp4,
+    # a block: _templated_ring_attention's results and the reshape's copy, 24 MiB each; the flash kernel's output
+    # without the ring comes transposed already, the reshape a view). Both sizes are the row above's: this one counts
+    # the second tensor, wo's (a W's recompute frees it with wo's group); under the selective policies the attention
+    # core's own output is recomputed (the per-op one keeps its cp steps' outputs instead), and an adapted wo's row
+    # below is that copy.
+    SavedTensor("o-proj input: the heads' reshape of the context-parallel attention's output, a copy (which it keeps)",
+                "act", "sbq_t", "attention", only=("flash", "ring", "!lora"), recomputed_by=_ATTENTION_CORE,
+                weight_node="wo"),
     # an adapted wo's lora_A saves its own input apart from what the flash kernel keeps: the heads' reshape of the
     # transposed output is a copy (and under autocast peft's fp32 cast and autocast's cast back another); the frozen
     # base saves none (measured: LoRA on wo with SDPA, one s·b·q tensor a block more than the kernel's output)
@@ -607,6 +617,35 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
                f"+ (4 + 2·{e})·s·b·(h + 2kv)/t (fp32 dQ, dK, dV and two blocks') + 2 × 4·2·s·b·kv/t (dK, dV ring) = "
                f"{bwd:,} B) with S = {S}, s = S/{cp} = {s}, b = {b}, h = {h}, kv = {kv}, a = {a}, t = {t}")
     return max(fwd, bwd), formula
+
+
+def context_parallel_backward_tensors(sh: _Shape, rotate: str) -> tuple[int, ...]:
+    """The tensors of :func:`context_parallel_workspace`'s backward one by one (bytes), for the allocation events: the
+    K, V gathered (or the ring's three chunks) and the sent copy, the fp32 dQ, dK, dV accumulators, two blocks' dQ, dK,
+    dV, the dK, dV ring's two fp32 buffers (torch's ``_templated_ring_attention_backward``); () without the flash
+    ring."""
+    if not sh.flash:
+        return ()
+    s, S, b, h, kv, t, e = sh.s, sh.keys, sh.b, sh.qd, sh.kv, sh.t, sh.act
+    chunk = 2 * s * b * kv // t * e
+    kv_t = (2 * S * b * kv // t * e, chunk) if rotate == "allgather" else (chunk,) * 3
+    grads = (s * b * h // t, s * b * kv // t, s * b * kv // t)
+    return kv_t + tuple(4 * g for g in grads) + tuple(e * g for g in grads) * 2 + (4 * 2 * s * b * kv // t,) * 2
+
+
+def context_parallel_forward_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, str]:
+    """The forward's part of :func:`context_parallel_workspace` (bytes, formula): what one layer's ring attention
+    holds beyond its saved rows while its forward runs — the K, V it gathers or rotates and the fp32 merger of the
+    blockwise results; the backward's accumulators and dK, dV ring are not there yet."""
+    s, S, b, h, kv, t, a, e = sh.s, sh.keys, sh.b, sh.qd, sh.kv, sh.t, sh.a, sh.act
+    if not sh.flash:
+        fwd = 2 * S * b * kv // t * e
+        return fwd, f"2·S·b·kv/t·{e} = {fwd:,} B (gathered K, V) with S = {S}, s = S/{cp}"
+    chunk = 2 * s * b * kv // t * e
+    kv_bytes = 2 * S * b * kv // t * e + chunk if rotate == "allgather" else 3 * chunk
+    merger = s * b * h // t * (4 + e) + 8 * (a // t) * s * b
+    return kv_bytes + merger, (f"{kv_bytes:,} B of K, V ({'gathered + the sent copy' if rotate == 'allgather' else 'the ring'}"
+                               f"'s three chunks) + s·b·h/t·{4 + e} + 8·s·b·a/t (fp32 merger) = {kv_bytes + merger:,} B")
 
 
 # --------------------------------------------------------------------------- mixture of experts
@@ -940,10 +979,13 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
         T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
               "at the peak of its forward and backward", ws, formula, kind="cp_attention")
+        pieces = context_parallel_backward_tensors(sh, par.cp_rotate)
+        T.cp_pieces = pieces if sum(pieces) == ws else ()
         # the same at a forward's moment; a split backward's W runs no attention backward (stage_backward_weight asks
         # for the weights' gradients, the I made the attention's), and its recompute's forward workspace is gone by
         # the end of a group's recompute, where the W peaks (measure --fake of GPT-2 DualPipeV pp2 cp4: none there)
-        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}) in a forward", ws, formula,
+        ws_f, formula_f = context_parallel_forward_workspace(sh, par.cp, par.cp_rotate)
+        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}) in a forward", ws_f, formula_f,
               kind="cp_attention_forward")
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)

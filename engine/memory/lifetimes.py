@@ -1012,6 +1012,7 @@ class _Laid:
         add_row = rows.append
         gather = ALL_GATHER_STREAM_KINDS
         piece = getattr(terms, "grad_piece", 0)
+        cp_pieces = getattr(terms, "cp_pieces", ())
         for c in categories:
             var = []
             acts_c = c == "activations"
@@ -1083,7 +1084,9 @@ class _Laid:
                               else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0)
                     # FSDP2's sharded gradients, a reduce-scatter output a unit (``Terms.grad_piece``)
                     whole = piece if piece and c == "grads" and kind in SHARDED_GRAD_KINDS else nbytes
-                    for x in [whole] * (nbytes // whole) + ([nbytes % whole] if nbytes % whole else []):
+                    parts = ([whole] * (nbytes // whole) + ([nbytes % whole] if nbytes % whole else [])
+                             if kind != "cp_attention" or not cp_pieces else cp_pieces)
+                    for x in parts:
                         add_row((row_life, x, stream))
                     if kind in UNIT_FRESH_KINDS:  # and, for the events only, in each block of a B's walk
                         add_row((_UNIT_FRESH, nbytes, 0))

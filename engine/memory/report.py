@@ -67,6 +67,9 @@ class Terms(dict):
         #: FSDP2's sharded gradients as the reduce-scatters make them: the largest unit's bytes (each unit's
         #: post-backward allocates its own output), for the allocation events; 0: one piece
         self.grad_piece: int = 0
+        #: the context-parallel attention's backward workspace tensor by tensor (``activations.
+        #: context_parallel_backward_tensors``), for the allocation events; (): one piece
+        self.cp_pieces: tuple[int, ...] = ()
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:
