@@ -35,7 +35,7 @@ run: $(VENV)/.installed
 	$(VENV)/bin/shardscope
 
 test: $(VENV)/.installed $(JUDGES)/.installed
-	SHARDSCOPE_JUDGES=$(JUDGES) $(PY) -m pytest -q
+	SHARDSCOPE_JUDGES=$(JUDGES) $(PY) -m pytest -q --durations=20
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m 'not integration and not gui'
