@@ -975,7 +975,7 @@ def _reduce_grad(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, igno
     root = rp.root_units
     groups = [(root, 1)] if root else []  # the root's units are one FSDP2 group (``fully_shard(model)``)
     groups += [((u,), count - (u in root)) for u, count in rp.unit_groups if u not in ignored and count - (u in root) > 0]
-    best = held = 0
+    best = held = gross = 0
     for units, count in groups:  # (a run of identical units holds the most at its first: each drops more than it keeps)
         deg = [gather_degree(cfg, plan, rp, u) for u in units]
         shard = sum(sharded_numel(u, d) for u, d in zip(units, deg))
@@ -985,10 +985,14 @@ def _reduce_grad(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, igno
         rs_in = rb * sum(padded_numel(u, d) for u, d in zip(units, deg))
         # foreach_reduce drops the accumulation once copied in (``unsharded_grads.clear()``) before it allocates the
         # output; the root's outlives it (measured: the token embeddings' 2,004 MiB beside the output)
-        best = max(best, held - gathered + rs_in + max(0, out + conv - (0 if units is root else acc)))
+        here = held - gathered + rs_in + max(0, out + conv - (0 if units is root else acc))
+        if here > best:  # the allocation events lay that unit's input whole where it fits (``Terms.reduce_gross``)
+            best, gross = here, rs_in
+
         # each keeps its sharded gradient and drops its parameters and its accumulation
         held += count * ((conv or out) - gathered - acc)
     if best:
+        T.reduce_gross = gross
         T.add("comm_buffers", "the schedule's REDUCE_GRAD: the first units' reduce-scatter input and output (and the "
               "output in fp32) beside the other units' accumulated gradients and gathered parameters, less what they "
               "dropped", best, f"the most over the units in turn = {best:,} B", kind="fsdp_reduce_grad")

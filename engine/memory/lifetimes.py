@@ -1338,6 +1338,7 @@ class Grain(NamedTuple):
     # per local stage, the tensors a split backward's I keeps for its W, in order (``Terms.split_backward_pieces``);
     # (): one piece
     iw_pieces: tuple = ()
+    reduce_gross: int = 0  # the REDUCE_GRAD moment's whole reduce-scatter input (``Terms.reduce_gross``); 0: the net
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -1947,7 +1948,10 @@ class _Laying:
                 free(key)
         # the end of the backward's sharded gradients stay for an optimizer step the events lay (``_optimizer_step``)
         kept = phase == END and bool(self.grain.step)
+        gross = self.grain.reduce_gross
         for _life, (j2, nbytes, stream) in whole:
+            if _life == "reduce_grad" and gross > nbytes and self.fits(gross, 0):
+                nbytes = gross  # torch's whole input beside what the moment's net takes off (laid where it fits)
             alloc(("eob", j2) if kept and _life == "end_of_backward" else ("t", j2, i), nbytes, stream)
         if kind == _F and phase == ACTION and sig.unit_bytes[j] > 0:
             whole = self._forward(i, stage, mb, j, whole)

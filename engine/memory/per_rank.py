@@ -175,7 +175,8 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
             gather = t * shard
     return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits, piece, shard, gather,
                  T.optimizer_step, T.root_end,
-                 tuple(T.split_backward_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)))
+                 tuple(T.split_backward_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)),
+                 T.reduce_gross)
 
 
 #: how many of the tensors a block's forward makes the events lay as its transients (the largest)

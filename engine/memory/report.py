@@ -70,6 +70,9 @@ class Terms(dict):
         #: the context-parallel attention's backward workspace tensor by tensor (``activations.
         #: context_parallel_backward_tensors``), for the allocation events; (): one piece
         self.cp_pieces: tuple[int, ...] = ()
+        #: the REDUCE_GRAD moment's unit's whole reduce-scatter input (``buffers._reduce_grad``), which torch allocates
+        #: beside that unit's accumulation and gathered parameters: the events lay it whole where it fits; 0: none
+        self.reduce_gross: int = 0
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:
