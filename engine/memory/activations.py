@@ -604,13 +604,9 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
         fwd, bwd = gathered, 2 * S * b * h // t * e
         return max(fwd, bwd), (f"max(forward 2·S·b·kv/t·{e} = {fwd:,} B (gathered K, V), backward 2·S·b·h/t·{e} = "
                                f"{bwd:,} B (their gradient at all heads)) with S = {S}, s = S/{cp}")
-    chunk = 2 * s * b * kv // t * e
-    if rotate == "allgather":
-        kv_bytes, kv_f = gathered + chunk, f"2·S·b·kv/t·{e} + 2·s·b·kv/t·{e} (gathered K, V + the sent copy)"
-    else:
-        kv_bytes, kv_f = 3 * chunk, f"3 × 2·s·b·kv/t·{e} (ring: chunk in hand, sent, arriving)"
-    merger = s * b * h // t * (4 + e) + 8 * (a // t) * s * b
-    fwd = kv_bytes + merger
+    kv_t, kv_f = _ring_kv(sh, rotate)
+    kv_bytes = sum(kv_t)
+    fwd = kv_bytes + _ring_merger(sh)
     grads = s * b * (h + 2 * kv) // t
     bwd = kv_bytes + 4 * grads + 2 * e * grads + 2 * 4 * 2 * s * b * kv // t
     formula = (f"max(forward {kv_f} + s·b·h/t·{4 + e} + 8·s·b·a/t (fp32 merger) = {fwd:,} B, backward the same K, V "
@@ -619,33 +615,43 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
     return max(fwd, bwd), formula
 
 
+def _ring_kv(sh: _Shape, rotate: str) -> tuple[tuple[int, ...], str]:
+    """The K, V tensors one layer's flash ring holds while it runs (bytes each, formula): "allgather" the gathered
+    K, V and the sent copy of its own chunk, "alltoall" three chunks (in hand, sent, arriving)."""
+    chunk = 2 * sh.s * sh.b * sh.kv // sh.t * sh.act
+    if rotate == "allgather":
+        return ((2 * sh.keys * sh.b * sh.kv // sh.t * sh.act, chunk),
+                f"2·S·b·kv/t·{sh.act} + 2·s·b·kv/t·{sh.act} (gathered K, V + the sent copy)")
+    return (chunk,) * 3, f"3 × 2·s·b·kv/t·{sh.act} (ring: chunk in hand, sent, arriving)"
+
+
+def _ring_merger(sh: _Shape) -> int:
+    """The fp32 merger of the ring's blockwise outputs and log-sum-exps (bytes)."""
+    return sh.s * sh.b * sh.qd // sh.t * (4 + sh.act) + 8 * (sh.a // sh.t) * sh.s * sh.b
+
+
 def context_parallel_backward_tensors(sh: _Shape, rotate: str) -> tuple[int, ...]:
     """The tensors of :func:`context_parallel_workspace`'s backward one by one (bytes), for the allocation events: the
-    K, V gathered (or the ring's three chunks) and the sent copy, the fp32 dQ, dK, dV accumulators, two blocks' dQ, dK,
-    dV, the dK, dV ring's two fp32 buffers (torch's ``_templated_ring_attention_backward``); () without the flash
-    ring."""
+    K, V (``_ring_kv``), the fp32 dQ, dK, dV accumulators, two blocks' dQ, dK, dV, the dK, dV ring's two fp32 buffers
+    (torch's ``_templated_ring_attention_backward``); () without the flash ring."""
     if not sh.flash:
         return ()
-    s, S, b, h, kv, t, e = sh.s, sh.keys, sh.b, sh.qd, sh.kv, sh.t, sh.act
-    chunk = 2 * s * b * kv // t * e
-    kv_t = (2 * S * b * kv // t * e, chunk) if rotate == "allgather" else (chunk,) * 3
-    grads = (s * b * h // t, s * b * kv // t, s * b * kv // t)
-    return kv_t + tuple(4 * g for g in grads) + tuple(e * g for g in grads) * 2 + (4 * 2 * s * b * kv // t,) * 2
+    s, b, kv, t = sh.s, sh.b, sh.kv, sh.t
+    grads = (s * b * sh.qd // t, s * b * kv // t, s * b * kv // t)
+    return (_ring_kv(sh, rotate)[0] + tuple(4 * g for g in grads) + tuple(sh.act * g for g in grads) * 2
+            + (4 * 2 * s * b * kv // t,) * 2)
 
 
 def context_parallel_forward_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, str]:
     """The forward's part of :func:`context_parallel_workspace` (bytes, formula): what one layer's ring attention
     holds beyond its saved rows while its forward runs — the K, V it gathers or rotates and the fp32 merger of the
     blockwise results; the backward's accumulators and dK, dV ring are not there yet."""
-    s, S, b, h, kv, t, a, e = sh.s, sh.keys, sh.b, sh.qd, sh.kv, sh.t, sh.a, sh.act
     if not sh.flash:
-        fwd = 2 * S * b * kv // t * e
-        return fwd, f"2·S·b·kv/t·{e} = {fwd:,} B (gathered K, V) with S = {S}, s = S/{cp}"
-    chunk = 2 * s * b * kv // t * e
-    kv_bytes = 2 * S * b * kv // t * e + chunk if rotate == "allgather" else 3 * chunk
-    merger = s * b * h // t * (4 + e) + 8 * (a // t) * s * b
-    return kv_bytes + merger, (f"{kv_bytes:,} B of K, V ({'gathered + the sent copy' if rotate == 'allgather' else 'the ring'}"
-                               f"'s three chunks) + s·b·h/t·{4 + e} + 8·s·b·a/t (fp32 merger) = {kv_bytes + merger:,} B")
+        fwd = 2 * sh.keys * sh.b * sh.kv // sh.t * sh.act
+        return fwd, f"2·S·b·kv/t·{sh.act} = {fwd:,} B (gathered K, V) with S = {sh.keys}, s = S/{cp}"
+    kv_t, kv_f = _ring_kv(sh, rotate)
+    fwd = sum(kv_t) + _ring_merger(sh)
+    return fwd, f"{kv_f} + s·b·h/t·{4 + sh.act} + 8·s·b·a/t (fp32 merger) = {fwd:,} B"
 
 
 # --------------------------------------------------------------------------- mixture of experts

@@ -988,7 +988,6 @@ def _reduce_grad(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, igno
         here = held - gathered + rs_in + max(0, out + conv - (0 if units is root else acc))
         if here > best:  # the allocation events lay that unit's input whole where it fits (``Terms.reduce_gross``)
             best, gross = here, rs_in
-
         # each keeps its sharded gradient and drops its parameters and its accumulation
         held += count * ((conv or out) - gathered - acc)
     if best:

@@ -1011,7 +1011,7 @@ class _Laid:
         self.freed = freed = {}  # per transient lifetime (or per-stage row key), what its negative terms free
         add_row = rows.append
         gather = ALL_GATHER_STREAM_KINDS
-        piece = getattr(terms, "grad_piece", 0)
+        grad_piece = getattr(terms, "grad_piece", 0)
         cp_pieces = getattr(terms, "cp_pieces", ())
         for c in categories:
             var = []
@@ -1082,10 +1082,14 @@ class _Laid:
                                 else "until_step" if life == "step" and kind in STEP_FREED_KINDS else life)
                     stream = (ALL_GATHER_STREAM if kind in gather
                               else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0)
-                    # FSDP2's sharded gradients, a reduce-scatter output a unit (``Terms.grad_piece``)
-                    whole = piece if piece and c == "grads" and kind in SHARDED_GRAD_KINDS else nbytes
-                    parts = ([whole] * (nbytes // whole) + ([nbytes % whole] if nbytes % whole else [])
-                             if kind != "cp_attention" or not cp_pieces else cp_pieces)
+                    # tensor by tensor where torch allocates several: FSDP2's sharded gradients a unit's reduce-scatter
+                    # output at a time (``Terms.grad_piece``), the CP attention's backward workspace (``cp_pieces``)
+                    if kind == "cp_attention" and cp_pieces:
+                        parts = cp_pieces
+                    elif grad_piece and c == "grads" and kind in SHARDED_GRAD_KINDS:
+                        parts = [grad_piece] * (nbytes // grad_piece) + ([nbytes % grad_piece] if nbytes % grad_piece else [])
+                    else:
+                        parts = (nbytes,)
                     for x in parts:
                         add_row((row_life, x, stream))
                     if kind in UNIT_FRESH_KINDS:  # and, for the events only, in each block of a B's walk
@@ -1948,11 +1952,7 @@ class _Laying:
                 free(key)
         # the end of the backward's sharded gradients stay for an optimizer step the events lay (``_optimizer_step``)
         kept = phase == END and bool(self.grain.step)
-        gross = self.grain.reduce_gross
-        for _life, (j2, nbytes, stream) in whole:
-            if _life == "reduce_grad" and gross > nbytes and self.fits(gross, 0):
-                nbytes = gross  # torch's whole input beside what the moment's net takes off (laid where it fits)
-            alloc(("eob", j2) if kept and _life == "end_of_backward" else ("t", j2, i), nbytes, stream)
+        self._lay_whole(i, whole, kept)
         if kind == _F and phase == ACTION and sig.unit_bytes[j] > 0:
             whole = self._forward(i, stage, mb, j, whole)
         leftover = self._backward_walk(i, stage, mb, j, per_block) if walk_b else []
@@ -2159,6 +2159,16 @@ class _Laying:
             for j2, nbytes, _ in self.outputs:
                 alloc(("out", j2, mb), nbytes)
         return whole
+
+    def _lay_whole(self, i: int, whole: list, kept: bool) -> None:
+        """The moment's tensors laid whole (``kept``: the end of the backward's sharded gradients stay for the
+        optimizer step). The REDUCE_GRAD moment's row is its net: torch allocates the unit's whole reduce-scatter
+        input beside what the net takes off, laid so where the live bytes stay within the peak."""
+        gross = self.grain.reduce_gross
+        for life, (j2, nbytes, stream) in whole:
+            if life == "reduce_grad" and gross > nbytes and self.fits(gross, 0):
+                nbytes = gross
+            self.alloc(("eob", j2) if kept and life == "end_of_backward" else ("t", j2, i), nbytes, stream)
 
     def _backward_walk(self, i: int, stage: int, mb: int, j: int, per_block: list) -> list:
         """A B over its blocks, last to first: each block's backward transients, then its saved tensors freed;

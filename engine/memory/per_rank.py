@@ -34,7 +34,15 @@ from engine.memory.activations import (
 from engine.memory.buffers import comm_buffers, plain_grads_late
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
-from engine.memory.lifetimes import ACTION, Grain, RankTimeline, fsdp_params_lifetime, lifetime_overrides, sig_moments
+from engine.memory.lifetimes import (
+    ACTION,
+    Grain,
+    RankTimeline,
+    _pieces,
+    fsdp_params_lifetime,
+    lifetime_overrides,
+    sig_moments,
+)
 from engine.memory.overhead import overhead, reserved_bytes
 from engine.memory.report import LazyRanks, MemoryReport, RankGroup, RankMemory, RankSet, Terms, _Body, ceil_div
 from engine.memory.states import (
@@ -217,10 +225,7 @@ def _moe_block_pieces(cfg: Config, sh) -> tuple[int, ...]:
             mats * e_loc if label.startswith("MoE: the local experts' 16-bit weight casts") else 1)
         largest = max(largest, x // n)
     total = sum(attention) + sum(x for _, x, _ in experts)
-    if not largest:
-        return (total,)
-    n = -(-total // largest)
-    return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
+    return tuple(_pieces(total, (1,) * -(-total // largest))) if largest else (total,)
 
 
 def _share_classes(sizes) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
