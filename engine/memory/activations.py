@@ -2162,13 +2162,16 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                 # float8_linear.py beside an f/t-wide output gradient's float8 cast)
                 cast = max(cast, (4 + 4 + 1) * f_loc * m.hidden + s * b * m.hidden - sbf)
         replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered)
-        replay = sum(x for _, x, _ in replay_parts)
+        replay = sum(x for _, x, _, _ in replay_parts)
         chosen = sbf + cast if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf) else (
             2 * sbf if swiglu and 2 * sbf > sbf + w_extra + gathered else sbf + w_extra + gathered)
         if replay > chosen:  # each tensor its own term: the allocation events lay them apart
-            for what, nbytes, formula in replay_parts:
-                T.add("temporaries", "the first block's replay of its forward (per-op selective recompute) at its last "
-                      f"op: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})", kind="mlp_backward")
+            for what, nbytes, formula, made_by_forward in replay_parts:
+                # the replay's own tensors are its forward's (MemTracker: "ACT: tensors produced during the forward
+                # pass and recomputation in activation checkpointing"); the output gradient is the backward's
+                T.add("activations" if made_by_forward else "temporaries", "the first block's replay of its forward "
+                      f"(per-op selective recompute) at its last op: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})",
+                      kind="mlp_backward")
         elif cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             # the tokens' casts for w2's weight gradient come before it: no weight gradient of the block is made by then
             before_weight_gradients = cast == token_casts
@@ -2227,10 +2230,11 @@ def _w2_fresh_gradient(cfg: Config, f_loc: int, *, act: int, wb: int, plain_grad
     return w_extra + w16, w16
 
 
-def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int) -> list[tuple[str, int, str]]:
+def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int) -> list[tuple[str, int, str, bool]]:
     """Under per-op selective recompute (``early_stop=False``, backend.parallel.recompute): what the first block's
     backward holds beyond the tensors recompute = "none" keeps when the replay of its forward reaches its last op,
-    as (what, bytes, formula) per tensor; none under the other policies. The whole forward runs again (torch.utils.checkpoint without early stop), and
+    as (what, bytes, formula, made by the forward's replay) per tensor; none under the other policies. The whole
+    forward runs again (torch.utils.checkpoint without early stop), and
     the down projection's output, handed back from the stash or made anew, is alive beside what is made of it:
     under SP DTensor's Partial → Shard(1) reduce-scatter (``funcol.reduce_scatter_single`` with a scatter dim
     ≠ 0) cats the chunks into a contiguous s·b·h copy, with the reduce-scatter's stashed s·b·h/t output and the
@@ -2246,14 +2250,14 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     sp = par.tp > 1 and par.sequence_parallel
     copy = ("the contiguous copy its reduce-scatter makes (scatter dim 1)" if sp else
             "the all-reduce's output" if par.tp > 1 else "the residual add's output")
-    parts = [("w2's output (handed back from the stash or made anew)", act * sbh, f"{act}·s·b·h"),
-             (copy, act * sbh, f"{act}·s·b·h")]
+    parts = [("w2's output (handed back from the stash or made anew)", act * sbh, f"{act}·s·b·h", True),
+             (copy, act * sbh, f"{act}·s·b·h", True)]
     if sp:
-        parts += [("the reduce-scatter's stashed output", act * sbh_rep, f"{act}·s·b·h/t"),
-                  ("the MLP's sequence-sharded input (the caller's argument)", res * sbh_rep, f"{res}·s·b·h/t")]
+        parts += [("the reduce-scatter's stashed output", act * sbh_rep, f"{act}·s·b·h/t", True),
+                  ("the MLP's sequence-sharded input (the caller's argument)", res * sbh_rep, f"{res}·s·b·h/t", True)]
     if gathered:
         parts.append(("the output gradient all-gathered (SP) before w2's backward asked for the replay", gathered,
-                      f"{act}·s·b·h"))
+                      f"{act}·s·b·h", False))
     return parts
 
 

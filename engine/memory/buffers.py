@@ -415,7 +415,10 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
         # converting, the first B's post-backward makes the accumulation from it (both alive); in the same dtype its
         # first gradient is the accumulation, and only a later B's fresh one is a second tensor (measure --fake
         # Llama 3 405B tp8 pp2 ZeRO-3 bf16 gradients, m = 2: the peak at the second B's end, none at the first's)
-        T.add("comm_buffers", f"the token embeddings' unit's fresh gradient in {plan.compute_dtype} at the end of "
+        # converting, it is the parameter's .grad (FSDP2 names it an unsharded gradient); in the same dtype autograd
+        # adds it into the .grad there (AccumulateGrad): a temporary of the backward
+        T.add("comm_buffers" if plan.converts_gradients else "temporaries",
+              f"the token embeddings' unit's fresh gradient in {plan.compute_dtype} at the end of "
               f"each {'' if plan.converts_gradients else 'later '}B (its backward is the first stage's last op), before "
               f"FSDP2's post-backward adds it into the {plan.grad_accumulation_dtype} accumulation", pgrad * emb,
               f"{pgrad} B × {emb:,}" + (" (TP: the full V·h, replicated)" if emb_full > emb_unit else ""),
@@ -613,10 +616,12 @@ def _root_regather_at_loss(cfg: Config, plan: WrappingPlan, T: Terms, root_b: in
     if not loss:
         return
     extra = 2 * root_b + grad - logp - loss
-    if extra > 0:
-        T.add("temporaries", "FSDP2's root gathered again in its pre-backward, after the loss's backward: its all-gather "
-              "output beside the copy-out, and the logits' gradient (over the loss's backward, the log-probabilities "
-              "freed)", extra, f"2 × {root_b:,} B + {grad:,} B − {logp:,} B − {loss:,} B = {extra:,} B",
+    if extra > 0:  # each part in its category: the gathered root a comm buffer, the freed log-probabilities activations
+        T.add("comm_buffers", "FSDP2's root gathered again in its pre-backward, after the loss's backward: its "
+              "all-gather output beside the copy-out", 2 * root_b, f"2 × {root_b:,} B", kind="fsdp_root_regather")
+        T.add("temporaries", "the loss's backward done: the logits' gradient, the loss's temporaries freed",
+              grad - loss, f"{grad:,} B − {loss:,} B", kind="fsdp_root_regather")
+        T.add("activations", "the loss's backward done: the log-probabilities it saved freed", -logp, f"−{logp:,} B",
               kind="fsdp_root_regather")
 
 
@@ -684,7 +689,7 @@ def _head_backward_at_loss(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
     if not (added and head and loss):
         return
     fresh = res * head
-    root = sum(t.bytes for t in T["temporaries"] if t.kind == "fsdp_root_regather")
+    root = sum(t.bytes for c in ("comm_buffers", "temporaries", "activations") for t in T[c] if t.kind == "fsdp_root_regather")
     extra = grad + fresh - logp - loss - root
     if extra > 0:
         T.add("temporaries", "the head's backward after the loss's: the logits' gradient and the head weight's fresh "
@@ -724,11 +729,11 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     ring = bool(by_b and by_b[1] and not moe)  # context parallelism: the B's moment is the larger of two phases
     if ring:
         made, how = pgrad * by_b[0], f"{pgrad} B × {by_b[0]:,} (the down projection's, by the MLP's backward)"
-    T.add("temporaries", f"a block's gradients made by autograd in {plan.compute_dtype} (its post-backward copies "
+    T.add("comm_buffers", f"a block's gradients made by autograd in {plan.compute_dtype} (its post-backward copies "
           "them into its reduce-scatter input)", made, how, kind="fsdp_unit_grads")
     if ring:  # the MLP's others and the output projection's, beside the ring attention's backward (measure --fake of
         # Llama 2 7B tp4 SP cp4 ZeRO-2 fp32: w1's, w2's and w3's 43 MiB fp32 gradients inside the attention's backward)
-        _attention_phase_gradients(T, pgrad * by_b[1], plan.compute_dtype, mlp_phase, "temporaries", "fsdp_unit_grads")
+        _attention_phase_gradients(T, pgrad * by_b[1], plan.compute_dtype, mlp_phase, "comm_buffers", "fsdp_unit_grads")
     if root_split and moe:
         # the experts' post-backward: their gradients beside their own reduce-scatter input, the experts
         # resharded and their backward's transients gone; more than their backward where that input outweighs
@@ -749,11 +754,11 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     has_emb = any(st.stage == 0 for st in rp.stages)
     if has_head:
         head = unit_numel(root[-1])
-        T.add("temporaries", f"the final norm's and head's gradients in {plan.compute_dtype}, made first and reduced "
+        T.add("comm_buffers", f"the final norm's and head's gradients in {plan.compute_dtype}, made first and reduced "
               "with the root unit at the backward's end", pgrad * head, f"{pgrad} B × {head:,}", kind="fsdp_head_grad")
     if has_emb and not emb_full:  # (under TP its full-size gradient is a term of its own: embedding_full_gradient)
         emb = unit_numel(root[0])
-        T.add("temporaries", f"the embeddings' gradients in {plan.compute_dtype}, made last", pgrad * emb,
+        T.add("comm_buffers", f"the embeddings' gradients in {plan.compute_dtype}, made last", pgrad * emb,
               f"{pgrad} B × {emb:,}", kind="fsdp_root_reduce")
     # the end: the root's post-backward, in the backward's final callback (torch's FSDPParamGroup.post_backward and
     # foreach_reduce). Before it the root is still gathered, the last block's reduce-scatter input kept, the root's

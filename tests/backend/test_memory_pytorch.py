@@ -79,8 +79,10 @@ def test_fsdp2_zero3_keeps_the_fp32_shard_as_master():
         ("fsdp_sharded_grads", 4 * psi // d), ("fsdp_early_reduce", 4 * block // d),
         ("fsdp_reduced_grads", 4 * psi // d * (psi - root - 2 * block) // psi)]
     # bf16: the root unit gathered, the current block's unit, the next one's all-gather output, the last block's
-    # reduce-scatter input (m = 1)
-    assert r.comm_buffers == 2 * root + 2 * block + 2 * block + 2 * block
+    # reduce-scatter input (m = 1), and the unsharded gradients autograd has made by then (FSDP2's, which its
+    # post-backward reduces): the block's and the final norm's and head's, made first
+    made = sum(t.bytes for t in r.catalogue("comm_buffers") if t.kind == "fsdp_unit_grads")
+    assert r.comm_buffers == 2 * root + 2 * block + 2 * block + 2 * block + made + 2 * (2 * 256 + 1024 * 256)
     # with gradient accumulation FSDP2 keeps every unit's unsharded gradient until the synced microbatch
     r4 = memory_per_rank(cfg(EVEN, MIXED, dp=d, zero=3, microbatches=4)).per_rank[0]
     assert r4.comm_buffers == 2 * root + 2 * block + 2 * block + 2 * psi

@@ -24,6 +24,6 @@ def test_the_ring_attentions_backward_holds_the_mlps_weight_gradients(tmp_path):
         "parallel": {"dp": 2, "tp": 4, "cp": 4, "sequence_parallel": True, "zero": 2, "microbatches": 1},
         "training": {"micro_batch_size": 8, "precision": "fp32", "recompute": "full"}})
     r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
-    assert [t.kind for t in r.catalogue("temporaries")].count("fsdp_unit_grads") == 2
+    assert [t.kind for t in r.catalogue("comm_buffers")].count("fsdp_unit_grads") == 2  # FSDP2's unsharded gradients
     (row,) = reserved_rows(simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300))
     assert -0.035 <= r.allocated / row["max_allocated"] - 1 <= 0.0

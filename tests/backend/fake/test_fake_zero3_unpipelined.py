@@ -130,9 +130,11 @@ def test_the_roots_pre_backward_gathers_it_again_after_the_losss_backward(tmp_pa
     v, h, t = cfg.model.vocab, cfg.model.hidden, 4
     root = sum(x.bytes for x in rank.catalogue("comm_buffers") if x.kind == "fsdp_root_params")
     assert root >= 2 * 4 * v * h // t  # the embedding's and the head's shards, fp32
-    (extra,) = [x.bytes for x in rank.catalogue("temporaries") if x.kind == "fsdp_root_regather"]
+    parts = {c: [x.bytes for x in rank.catalogue(c) if x.kind == "fsdp_root_regather"]
+             for c in ("comm_buffers", "temporaries", "activations")}
     sbv = 4096 * v // t * 4  # one fp32 tensor of the loss's vocabulary shard
-    assert extra == 2 * root + sbv - sbv - 3 * sbv  # the logits' gradient, the log-probabilities, the loss's three
+    # the root's all-gather output and copy-out; the logits' gradient less the loss's three; the log-probabilities
+    assert parts == {"comm_buffers": [2 * root], "temporaries": [sbv - 3 * sbv], "activations": [-sbv]}
 
 
 @pytest.mark.integration
