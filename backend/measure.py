@@ -213,7 +213,7 @@ except ImportError:  # pragma: no cover - torch without fake tensors
 #: ``__torch_dispatch__``), before any hook names what it is
 _AS_MADE = ("Activation", "Temp")
 #: what FSDPMemTracker's hooks and this backend's filing (``_file_unsharded``) name FSDP2's buffers
-_FSDP_NAMES = ("Unsharded Param", "Unsharded Grad", "Sharded Grad")
+_FSDP_NAMES = ("Unsharded Param", "Unsharded Grad", "Sharded Grad", "Reduce Scatter")
 
 
 def _without_pre_existing(base: type, inputs: Iterable[torch.Tensor] = ()) -> type:
@@ -380,8 +380,9 @@ def _filing_fsdp_buffers(base: type) -> type:
 
 def _file_unsharded(tracker, group, sharded_grads: bool = False) -> None:
     """File FSDP param group ``group``'s all-gather outputs (the unsharded parameters' storage) as "Unsharded
-    Param", its unsharded gradients (autograd's, and the accumulation in the reduce dtype) as "Unsharded Grad" and,
-    where ``sharded_grads``, the sharded gradients its reduce-scatter made as "Sharded Grad"."""
+    Param", its unsharded gradients (autograd's, and the accumulation in the reduce dtype) as "Unsharded Grad",
+    where ``sharded_grads``, the sharded gradients its reduce-scatter made as "Sharded Grad", and HSDP's kept
+    all-reduce input as "Reduce Scatter" (a communication buffer)."""
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
     for fp in group.fsdp_params if group else ():
@@ -394,6 +395,13 @@ def _file_unsharded(tracker, group, sharded_grads: bool = False) -> None:
         g = fp.sharded_param.grad if sharded_grads else None
         if g is not None:
             tracker._update_and_maybe_create_winfos(local_tensor(g), _FSDPRefType.SHARDED_GRAD)
+    # HSDP's all-reduce input in the reduce dtype, which the group keeps to its next unshard or the backward's end
+    # (torch 2.13 FSDPParamGroup._all_reduce_state, PR #140044): a communication buffer, not a temporary — where the
+    # reduce dtype is the parameters' it is the sharded gradients' own storage, filed as those above
+    held = getattr(getattr(group, "_all_reduce_state", None), "all_reduce_input", None)
+    winfo = tracker._WINFO.get(held.untyped_storage(), (None, None))[0] if held is not None else None
+    if winfo is not None and getattr(winfo.reftype, "value", None) in _AS_MADE:
+        tracker._update_and_maybe_create_winfos(held, _FSDPRefType.REDUCE_SCATTER)
 
 
 def _filing_fsdp_groups(tracker, modules) -> None:
