@@ -2166,12 +2166,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         chosen = sbf + cast if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf) else (
             2 * sbf if swiglu and 2 * sbf > sbf + w_extra + gathered else sbf + w_extra + gathered)
         if replay > chosen:  # each tensor its own term: the allocation events lay them apart
-            for what, nbytes, formula, made_by_forward in replay_parts:
-                # the replay's own tensors are its forward's (MemTracker: "ACT: tensors produced during the forward
-                # pass and recomputation in activation checkpointing"); the output gradient is the backward's
-                T.add("activations" if made_by_forward else "temporaries", "the first block's replay of its forward "
-                      f"(per-op selective recompute) at its last op: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})",
-                      kind="mlp_backward")
+            _add_replay_parts(T, replay_parts, dims)
         elif cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             # the tokens' casts for w2's weight gradient come before it: no weight gradient of the block is made by then
             before_weight_gradients = cast == token_casts
@@ -2228,6 +2223,16 @@ def _w2_fresh_gradient(cfg: Config, f_loc: int, *, act: int, wb: int, plain_grad
     w_extra = f_loc * h * wb if added and par.microbatches > 1 else 0
     w16 = f_loc * h * act if autocast and plain_grads and cfg.training.float8 == "none" else 0
     return w_extra + w16, w16
+
+
+def _add_replay_parts(T: Terms, parts: list[tuple[str, int, str, bool]], dims: str) -> None:
+    """The replay's tensors at its last op (``_replay_end_parts``), each its own term: what the forward's replay makes
+    are activations (MemTracker: "ACT: tensors produced during the forward pass and recomputation in activation
+    checkpointing"), the output gradient the backward's (a temporary)."""
+    for what, nbytes, formula, made_by_forward in parts:
+        T.add("activations" if made_by_forward else "temporaries", "the first block's replay of its forward (per-op "
+              f"selective recompute) at its last op: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})",
+              kind="mlp_backward")
 
 
 def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int) -> list[tuple[str, int, str, bool]]:
