@@ -422,8 +422,9 @@ def _filing_fsdp_groups(tracker, modules) -> None:
                 groups.append((m, g))
     if not groups:
         return
-    # the snapshots' keys: its own reference types and FSDP2's three
-    fsdp_kinds = [_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.SHARDED_GRAD]
+    # the snapshots' keys: its own reference types and the four of FSDP2's it files
+    fsdp_kinds = [_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.UNSHARDED_GRAD, _FSDPRefType.SHARDED_GRAD,
+                  _FSDPRefType.REDUCE_SCATTER]
     tracker._ref_class = list(tracker._ref_class) + fsdp_kinds
     for dev_snap in tracker._curr_mem_snap.values():  # the snapshots it began with (its parameters')
         for k in fsdp_kinds:
