@@ -588,7 +588,30 @@ def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
     T.add("comm_buffers", "FSDP2 unsharded parameters: the current block's unit" + (" and its experts' unit" if moe else "")
           + f8, cur + moe, f"{cur:,} B" + (f" + {moe:,} B" if moe else "") + " (the largest)", kind="fsdp_unsharded_params")
     _root_regather_at_loss(cfg, plan, T, root_b)
+    if not moe:
+        _kept_all_gather_at_copy_out(T, root_b, cur, sum(st.layers for st in rp.stages), f8)
     return cur
+
+
+def _kept_all_gather_at_copy_out(T: Terms, root_b: int, block_b: int, blocks: int, f8: str) -> None:
+    """Unpipelined ZeRO-3 resharding after forward: in a forward FSDP2 keeps a unit's all-gather result to the next
+    unit's ``wait_for_unshard`` (implicit prefetch: ``comm_ctx.all_gather_state``), which drops it before its copy-out
+    but holds it in a local (``prev_all_gather_state``) to its return — so at the first block's copy-out the root's
+    all-gather output, the root's parameters, the block's output and its parameters are alive at once, and at a later
+    block's the previous block's output with the current one's (torch 2.13 _fsdp_param_group.py wait_for_unshard;
+    measure --fake of a LoRA Llama 3 405B dp8 cp2 step, its peak there: the root's 8,016 MiB and a block's 6,090 MiB
+    outputs beside both units' parameters). The forward's moment counts one output, the units, the blocks' saved
+    tensors and the forward's transients; a copy-out holds none of the first, and the last block's saved tensors not
+    yet: beyond it the larger of the root's output less every block's saved tensors and a block's output less one
+    block's (dense blocks: a MoE block's experts are a unit of their own)."""
+    saved = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "layers")
+    fwd = sum(t.bytes for c in ("activations", "temporaries") for t in T[c] if LIFETIMES.get(t.kind) == "forwards")
+    extra = max(root_b - saved, block_b - saved // max(blocks, 1)) - fwd
+    if extra > 0:
+        T.add("comm_buffers", "the previous unit's all-gather output kept to the next one's copy-out (FSDP2's implicit "
+              "forward prefetch), the root's at the first block's: beyond the forward's moment" + f8, extra,
+              f"max(the root's {root_b:,} B − the {blocks} blocks' saved {saved:,} B, a block's {block_b:,} B − one "
+              f"block's saved) − the forward's transients {fwd:,} B", kind="fsdp_kept_all_gather")
 
 
 def _after_the_loss(cfg: Config, plan: WrappingPlan, T: Terms) -> tuple[int, int, int]:

@@ -266,7 +266,7 @@ LIFETIMES: dict[str, str] = {
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
-    "cp_attention": "backward_input", "cp_attention_forward": "forwards",
+    "cp_attention": "backward_input", "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step", "lora_forward_casts": "forwards", "float8_forward_cast": "forwards",
