@@ -518,7 +518,7 @@ def _overall_peak_only(tracker) -> None:
             if tracker._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 tracker._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 tracker._peak_mem_snap[dev] = deepcopy(dev_snap)
-                tracker._peak_at = getattr(tracker, "_clock", 0)
+                tracker._peak_at = tracker._clock  # (the clock of _without_pre_existing's trackers)
 
     tracker._update_peak_stats = update_overall_peak
 
