@@ -189,6 +189,9 @@ def test_new_kinds_lie_between_full_and_none(raw, kind, every):
     # recomputing backward rebuilds (transient: one block in a B or I; a split backward's weight pass, once per
     # parameter group, which can exceed what no recompute keeps)
     rebuilt = {"recomputed_block", "weight_pass",
+               # (and the per-op replay's own tensors at its last op, activations since 203b988: MemTracker files
+               # what a recompute makes as ACT; the only activations of kind "mlp_backward")
+               "mlp_backward",
                # and the saved tensors an unpipelined ZeRO-2/3 B has freed by its early-backward moment (its first
                # block reduced): a B moment's, which selective-layer at every = 1 (all blocks checkpointed) peaks
                # at where full peaks at its forward
