@@ -1025,13 +1025,14 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         lora_forward_casts(cfg, T, res, recomputed=tr.recompute in ("full", "selective-layer")
                            and any(ckpt_of[st.stage] for st in rp.stages))
     mlp_phase, before_weight_gradients = 0, False
-    if torch_acc and not lora_on:
+    if torch_acc:
         before_weight_gradients = block_backward_terms(
             cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last, plain_grads=plain_grads,
-            fp32_linear_inputs=autocast and sh.float8_uncast, autocast=autocast)
+            fp32_linear_inputs=autocast and sh.float8_uncast, autocast=autocast, lora_mods=sh.lora_mods if lora_on else None)
         if par.cp > 1:
             mlp_phase = _cp_attention_after_mlp(T, sh)
-        if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla":
+        _recompute_forward_before_mlp(T)  # (LoRA)
+        if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" and not lora_on:
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, ep_rank=ep_rank)
     if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
             and not sh.compile:
@@ -1430,15 +1431,37 @@ def _plain_blocks_after_last_checkpoint(cfg: Config, rp, ckpt_of: dict[int, int]
     """Under "selective-layer": the fewest plain blocks that follow the last checkpointed block of a stage of the
     rank that has one (torchtitan's counter: block k of the rank, 1-based over its stages in order, is
     checkpointed when k % recompute_every == 0, ``checkpointed_per_stage``); 0 under the other policies."""
+    return min(_plain_after_checkpoint_of_stages(cfg, rp, ckpt_of).values(), default=0)
+
+
+def _plain_before_checkpoints_of_stages(cfg: Config, rp, ckpt_of: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """Each of the rank's stages with a checkpointed block: the plain blocks before its first and before its last
+    checkpointed block (torchtitan's counter, ``_checkpointed_of_stages``; (0, 0) under "full")."""
     if cfg.training.recompute != "selective-layer":
-        return 0
-    every, pos, out = cfg.training.recompute_every, 0, []
+        return {st.stage: (0, 0) for st in rp.stages if ckpt_of[st.stage]}
+    every, pos, out = cfg.training.recompute_every, 0, {}
+    for st in sorted(rp.stages, key=lambda st: st.stage):
+        c = ckpt_of[st.stage]
+        if c:
+            first = (every - pos % every) % every or every  # the stage's first checkpointed block, 1-based
+            trailing = (pos + st.layers) % every
+            out[st.stage] = (first - 1, st.layers - trailing - c)
+        pos += st.layers
+    return out
+
+
+def _plain_after_checkpoint_of_stages(cfg: Config, rp, ckpt_of: dict[int, int]) -> dict[int, int]:
+    """Each of the rank's stages with a checkpointed block: the plain blocks after its last one (torchtitan's
+    counter, ``_checkpointed_of_stages``; 0 under "full")."""
+    if cfg.training.recompute != "selective-layer":
+        return {st.stage: 0 for st in rp.stages if ckpt_of[st.stage]}
+    every, pos, out = cfg.training.recompute_every, 0, {}
     for st in sorted(rp.stages, key=lambda st: st.stage):
         end = pos + st.layers
         if ckpt_of[st.stage]:
-            out.append(end % every)
+            out[st.stage] = end % every
         pos = end
-    return min(out, default=0)
+    return out
 
 
 def loss_vocab(cfg: Config, *, sp: bool, torch_acc: bool) -> int:
@@ -1824,7 +1847,8 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                       last_graph_kept: bool = False, f8_cast: int = 0,
                       f8_in: tuple[int, int] = (0, 0),
                       fresh: dict[str, int] | None = None,
-                      node: dict[str, int] | None = None) -> tuple[int, str, int]:
+                      node: dict[str, int] | None = None,
+                      plain_before: tuple[int, int] = (0, 0), plain_saved: int = 0) -> tuple[int, str, int]:
     """What a W holds of its stage's ``checkpointed`` blocks (``weight_pass_block``): the groups run block
     after block, so the earlier blocks' recomputes (one per group) keep their input path's tensors, and the
     last block's k-th group holds, at the end of its recompute, the k − 1 earlier recomputes with every tensor
@@ -1841,7 +1865,12 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     block (the earlier blocks' gradients all dropped); ``freed`` is what is dropped by then. ``block``: the
     block's (kept, frees, groups, above) where it is not a dense one (``moe_weight_pass_block``): each
     earlier block's recomputes keep ``above`` too (the next block's checkpoint holds their graph), and the
-    last block's where ``last_graph_kept`` (the last stage: its final norm holds it)."""
+    last block's where ``last_graph_kept`` (the last stage's final norm, or a plain block after it, holds it).
+    ``plain_before``: the stage's plain blocks (selective-layer) before its first and before its last checkpointed
+    block: their groups come first in the parameter order and run no recompute, so their kept gradients are dropped by
+    the pass's peak (measure --fake, seed 20261244 #22, Llama 3 405B ZBV selective-layer every 2: stage 3's W dropped
+    the plain block's 3 GiB before the checkpointed block's first recompute), and with them what their weights' nodes
+    saved (``plain_saved`` a block: the groups' frees of ``weight_pass_block``; 2.7 of its 4.3 GiB there)."""
     kept, frees, groups, above = block if block is not None else (*weight_pass_block(sh, res), weight_groups(sh), 0)
     casts = casts or {}
     order = {g: i for i, g in enumerate(groups)}
@@ -1850,6 +1879,8 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     block_grads = sum(grads.values()) if grads else 0
     # the peak is in the first block or in the last: each block adds per_block and drops block_grads
     last = checkpointed - 1 if per_block >= block_grads else 0
+    n_plain = plain_before[1 if last == checkpointed - 1 else 0]
+    plain_freed = n_plain * block_grads
     # the k-th group's recompute, at its end, holds every tensor the block saved (its graph's nodes hold what the
     # pack hook returns until the early stop unwinds it), beside the k − 1 earlier recomputes' stored tensors; then
     # its backward, k recomputes' stored tensors and the weight casts made so far
@@ -1864,7 +1895,7 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     for k in range(1, max(len(groups) - tail, 1) + 1):
         alive_k = last_kept + sum(n for g, n in frees if order[g] >= k - 1)
         made_k = sum(n for g, n in casts.items() if order[g] <= k - 1)
-        freed_k = last * block_grads + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
+        freed_k = last * block_grads + plain_freed + (sum(grads.get(g, 0) for g in groups[:k - 1]) if grads else 0)
         # (float8: a recompute casts each MLP weight in its forward, its MLP's saved tensors not yet made)
         # (and its Linears' casts of their inputs: ``float8_input_cast_bytes``, the down projection's at its end, the up
         # projections' before the MLP's saved tensors)
@@ -1888,7 +1919,10 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
                + (f", or its input casts: {f8_in[0]:,} B at its end, {f8_in[1]:,} B at its MLP's start" if f8_in[0] else "")
                + ")"
                f"{f' + {made:,} B (weight casts)' if casts else ''}")
-    return earlier + (best or 0) + freed, formula, freed
+    gone = min(n_plain * plain_saved, earlier + (best or 0) + freed)
+    if gone:
+        formula += f" − {n_plain} plain block(s) before it × {plain_saved:,} B (what their weights' nodes saved)"
+    return earlier + (best or 0) + freed - gone, formula, freed
 
 
 def _up_projection_tail(groups: tuple[str, ...]) -> int:
@@ -1937,20 +1971,28 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     f8_cast = float8_weight_cast_bytes(cfg)
     of_count: dict[tuple[int, bool | str], tuple[int, str, int]] = {}  # (checkpointed, kind) -> the pass
     moe_block = None
+    trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
+    before = _plain_before_checkpoints_of_stages(cfg, rp, ckpt_of)
     for st in rp.stages:
         c = ckpt_of[st.stage]
         moe = bool(st.moe_layers)
         if not c or (moe and (st.moe_layers != st.layers or st.stage == 0)):
             continue
         if moe:
-            key = (c, "moe", bool(st.final_norm or st.head))
+            # the last checkpointed block's graph is held past the pass where the stage's final norm, or a plain block
+            # after it (selective-layer), saved its output: that norm's node keeps the tensor with its grad_fn (torch's
+            # SavedVariable keeps an input's graph) — measure --fake, seed 20261244 #00 (Qwen3 235B ZBV selective-layer
+            # every 4, stage 2 = a checkpointed block and a plain one): each of the W's 12 recomputes held its
+            # 1.29 GiB input path and above (allocated −10.9 % with the last block's rule)
+            key = (c, "moe", bool(st.final_norm or st.head or trailing.get(st.stage)), before[st.stage])
             if key not in of_count:
                 moe_block = moe_block or moe_weight_pass_block(cfg, sh, res, ep_rank)
                 of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
-                                                  last_graph_kept=key[2], f8_cast=f8_cast)
+                                                  last_graph_kept=key[2], f8_cast=f8_cast, plain_before=key[3])
                 node = _experts_weight_grads(cfg, autocast)
                 with_grads = weight_pass_bytes(sh, res, c, casts, keeps[1] if keeps else None, moe_block,
-                                               last_graph_kept=key[2], f8_cast=f8_cast, node=node)
+                                               last_graph_kept=key[2], f8_cast=f8_cast, node=node,
+                                               plain_before=key[3])
                 of_count[key + ("grads",)] = (with_grads[0] - with_grads[2]) - (of_count[key][0] - of_count[key][2])
             nbytes, formula, freed = of_count[key]
             extra = of_count[key + ("grads",)]
@@ -1971,22 +2013,23 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                   "recomputed at a time", one, f"one block recomputed, less its kept input = {one:,} B",
                   stage=st.stage, kind="weight_pass")
             continue
-        key = (c, keeps is not None)
+        key = (c, keeps is not None, before[st.stage])
         if key not in of_count:
             f8_in = float8_input_cast_bytes(cfg, sh)
+            plain_saved = sum(n for _, n in weight_pass_block(sh, res)[1])
             of_count[key] = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast,
-                                              f8_in=f8_in)
+                                              f8_in=f8_in, plain_before=key[2], plain_saved=plain_saved)
             if fresh:
                 with_fresh = weight_pass_bytes(sh, res, c, casts, keeps[0] if key[1] else None, f8_cast=f8_cast,
-                                               f8_in=f8_in, fresh=fresh)
-                of_count[(c, key[1], "fresh")] = (with_fresh[0] - with_fresh[2]) - (of_count[key][0] - of_count[key][2])
+                                               f8_in=f8_in, fresh=fresh, plain_before=key[2], plain_saved=plain_saved)
+                of_count[key + ("fresh",)] = (with_fresh[0] - with_fresh[2]) - (of_count[key][0] - of_count[key][2])
         nbytes, formula, freed = of_count[key]
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
               "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,
               kind="weight_pass")
         _dropped(T, st.stage, freed)
-        extra = of_count.get((c, key[1], "fresh"), 0)
+        extra = of_count.get(key + ("fresh",), 0)
         if extra > 0:
             T.add("temporaries", f"stage {st.stage}: at each W but its first, the fresh weight gradients "
                   "stage_backward_weight holds beside its recomputes (its weights hold a gradient already: "
@@ -2037,16 +2080,49 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
     cp = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
     mlp = sum(t.bytes for c in ("temporaries", "activations") for t in T[c]
               if t.kind in ("mlp_backward", "mlp_backward_freed"))
-    if not cp or not mlp:
+    again = _lora_forward_again(T)
+    if not cp or not (mlp or again):
         return 0
-    table = layer_activation_terms(dataclasses.replace(sh, recompute="none"))[0]
-    saved = sum(x for _, x, group in table if group in ("mlp", "norm2"))
-    off = min(cp, mlp + saved)
+    plain = dataclasses.replace(sh, recompute="none")
+    table = layer_activation_terms(plain)[0]
+    # (LoRA over a frozen fp32 base: the MLP's matmuls also saved their weights' 16-bit casts)
+    saved = sum(x for _, x, group in table if group in ("mlp", "norm2")) + frozen_casts_saved(
+        plain, tuple(n for n in ("w1", "w3", "w2") if sh.swiglu or n != "w3"))
+    off = min(cp, max(mlp, again) + saved)
     T.add("temporaries", "a B's MLP backward and its context-parallel attention are not at once: the attention's "
           "workspace comes after the MLP's gradients and with the MLP's saved tensors gone", -off,
-          f"−min(workspace {cp:,} B, MLP gradients net {mlp:,} B + MLP and norm2 saved {saved:,} B)",
+          f"−min(workspace {cp:,} B, MLP gradients net {mlp:,} B"
+          + (f" (or, LoRA, the recompute's forward again {again:,} B, the larger)" if again else "")
+          + f" + MLP and norm2 saved {saved:,} B)",
           kind="mlp_backward_freed")
     return mlp + saved
+
+
+def _lora_forward_again(T: Terms) -> int:
+    """LoRA: the adapted Linear's forward again in a block's recompute (``lora_recompute_casts``)."""
+    return sum(t.bytes for t in T["activations"] if t.kind == "lora_recompute_casts")
+
+
+def _recompute_forward_before_mlp(T: Terms) -> None:
+    """LoRA under a recompute: the block's forward again (``lora_recompute_casts``) has returned before its MLP's
+    backward makes its gradients (``mlp_backward``), so the B moment holds the larger of the two, not both
+    (autograd runs the checkpoint's recompute on the first unpack, to its end, before the node that asked)."""
+    again = _lora_forward_again(T)
+    parts = {c: sum(t.bytes for t in T[c] if t.kind in ("mlp_backward", "mlp_backward_freed"))
+             for c in ("temporaries", "activations")}
+    mlp = sum(parts.values())
+    if again <= 0 or mlp <= 0:
+        return
+    what = "LoRA: a recompute's forward again and its MLP's backward are not at once"
+    if again >= mlp:  # the forward's moment, the earlier (MemTracker keeps its first peak where they tie)
+        for c, x in parts.items():
+            if x:
+                T.add(c, f"{what}: the forward's moment, without the MLP's gradients", -x,
+                      f"−{x:,} B (the MLP's backward terms in this category; forward again {again:,} B ≥ {mlp:,} B)",
+                      kind="mlp_backward_freed")
+    else:
+        T.add("activations", f"{what}: the MLP's moment, without the forward again", -again,
+              f"−{again:,} B (forward again; the MLP's gradients net {mlp:,} B are more)", kind="mlp_backward_freed")
 
 
 def lora_forward_casts(cfg: Config, T: Terms, res: int, recomputed: bool = False) -> None:
@@ -2088,7 +2164,8 @@ def lora_forward_casts(cfg: Config, T: Terms, res: int, recomputed: bool = False
 
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
-                         holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool, autocast: bool = False) -> bool:
+                         holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool, autocast: bool = False,
+                         lora_mods: tuple[str, ...] | None = None) -> bool:
     """What a full backward B holds inside the first block it runs (the stage's last), over the saved
     tensors: the gradients its MLP's backward makes, the tensor it frees, the gradient coming in; and
     the input gradient a later stage keeps for its send (measured op by op with MemTracker on the
@@ -2109,6 +2186,12 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     is ``moe_backward_terms``'). ``fp32_linear_inputs``: torchao's float8 Linears receive fp32 inputs
     (CPU autocast: torchao casts to the autocast dtype under CUDA's only), so the down input is fp32.
 
+    ``lora_mods``: the adapted Linears where LoRA freezes the base: w2 makes no weight gradient (its adapter's
+    r-wide one is left out), and its input is saved, to be freed by its backward, only where w2 is adapted (its
+    lora_A keeps it; the frozen matmul saves none). measure --fake of Llama 3 8B s128K cp4 LoRA on every Linear,
+    full recompute (pool of seeds 20261200–43, #38): the peak in the first block's MLP backward, three s·b·f
+    gradients beside the recomputed block.
+
     Returns whether the moment laid is one before any weight gradient of the block exists: float8's casts of the
     tokens for w2's weight gradient (``engine.memory.buffers._made_by_the_b_moment``)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
@@ -2124,7 +2207,9 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # the weight gradient's dtype is the parameter's: fp32 where the residual stream is (fp32, or
         # autocast, whose bf16 gradient is cast back to the fp32 weight), 16-bit under FSDP2's bf16
         wb = res
-        w_extra, w16 = _w2_fresh_gradient(cfg, f_loc, act=act, wb=wb, plain_grads=plain_grads, autocast=autocast)
+        w_extra, w16 = _w2_fresh_gradient(cfg, f_loc, act=act, wb=wb, plain_grads=plain_grads, autocast=autocast) \
+            if lora_mods is None else (0, 0)
+        down_saved = lora_mods is None or "w2" in lora_mods
         swiglu = m.mlp == "swiglu"
         dims = f"s={s}, b={b}, f={m.ffn_hidden}, t={t}"
         # under sequence parallelism w2's output gradient comes in sequence-sharded and is all-gathered
@@ -2132,35 +2217,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # the compute dtype, alive through w2's backward (measure --fake, Llama 3 70B TP8 SP: 0.5 GiB at
         # 32,768 tokens a rank); without it that gradient is the residual stream's, counted where it arrives
         gathered = act * s * b * m.hidden if t > 1 and par.sequence_parallel else 0
-        cast = token_casts = 0
-        if tr.float8 != "none" and not tr.compile:
-            # torchao's eager cast of w2's saved input for its weight gradient
-            # (hp_tensor_and_scale_to_float8: ``tensor.to(torch.float32) * scale``, then to float8):
-            # the fp32 upcast (none where the input is fp32 already: CPU autocast), the scaled fp32
-            # copy and the float8 bytes, beside the down input's gradient and the output gradient's
-            # two float8 casts (one per gradient matmul); compiled, inductor fuses them
-            cast = ((4 if x_b != 4 else 0) + 4 + 1) * sbf_e + 2 * s * b * m.hidden
-            # or, where larger, the output gradient's second cast (for w2's weight gradient, along the other
-            # axis): its scaled fp32 copy and its saturated fp32 copy (float8_utils.to_fp8_saturated) beside the
-            # first cast's float8 bytes (a local of Float8Linear's backward until it returns), measured on a fake
-            # Llama 3 70B TP8 step (two fp32 tokens × h tensors at its peak): under TP the output gradient is the
-            # whole h wide, the down input f/t
-            # (to_fp8_saturated: the clamp's fp32 output and its float8 result, with the scaled fp32 input
-            # still held: 4 + 4 + 1 bytes an element, and the first cast's float8 byte)
-            cast = max(cast, (4 + 4 + 1 + 1) * s * b * m.hidden) + gathered
-            token_casts = cast
-            if not wrapping_plan(cfg).float8_all_gather:
-                # or, before the down input's gradient exists, w2's weight cast along its other axis for that
-                # gradient (the backward's ``hp_tensor_to_float8_dynamic(weight_hp_t, ...)``, torchao 0.18
-                # float8_linear.py): the same scaled and saturated fp32 copies and float8 bytes, over f/t·h
-                # elements, beside the output gradient's float8 cast; it outweighs the tokens' casts where a
-                # rank's tokens are few against the widths (a fake Llama 3 405B step at 2,048 tokens a rank:
-                # 9.25 GB of temporaries at its peak, one 16,384 × 53,248 weight's). Float8 all-gather
-                # brings the weight in float8 already
-                # (the weight casts peak in the backward of w1 or w3, the same size, by when w2's gathered
-                # output gradient is freed: measure --fake of Llama 3 405B TP2 SP tensorwise, line 131 of
-                # float8_linear.py beside an f/t-wide output gradient's float8 cast)
-                cast = max(cast, (4 + 4 + 1) * f_loc * m.hidden + s * b * m.hidden - sbf)
+        cast, token_casts = _float8_w2_casts(cfg, sbf_e=sbf_e, sbf=sbf, x_b=x_b, f_loc=f_loc, gathered=gathered)
         replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered)
         replay = sum(x for _, x, _, _ in replay_parts)
         chosen = sbf + cast if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf) else (
@@ -2180,8 +2237,9 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             T.add("temporaries", "the first block's MLP backward: the down input's, the gate activation's and "
                   "the up projection's gradients", 3 * sbf, f"3 × {x_b}·s·b·f/t = 3 × {sbf:,} B ({dims})",
                   kind="mlp_backward")
-            T.add("activations", "the first block's MLP backward: its down input, freed by w2's backward", -sbf,
-                  f"−{x_b}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
+            if down_saved:
+                T.add("activations", "the first block's MLP backward: its down input, freed by w2's backward", -sbf,
+                      f"−{x_b}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
         else:
             # FSDP2's fresh gradient its own term (the allocation events lay it apart from the down input's)
             fresh = w_extra if not plain_grads else 0
@@ -2205,6 +2263,43 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         T.add("temporaries", "the input gradient of the last backward, kept for its send to the previous stage",
               res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="held_input_gradient")
     return before_weight_gradients
+
+
+def _float8_w2_casts(cfg: Config, *, sbf_e: int, sbf: int, x_b: int, f_loc: int, gathered: int) -> tuple[int, int]:
+    """(the float8 casts beside w2's backward, those of the tokens): ``block_backward_terms``' float8 moment (0, 0
+    compiled or without float8)."""
+    m, tr = cfg.model, cfg.training
+    s, b = cfg.local_seq_len, tr.micro_batch_size
+    cast = token_casts = 0
+    if tr.float8 != "none" and not tr.compile:
+        # torchao's eager cast of w2's saved input for its weight gradient
+        # (hp_tensor_and_scale_to_float8: ``tensor.to(torch.float32) * scale``, then to float8):
+        # the fp32 upcast (none where the input is fp32 already: CPU autocast), the scaled fp32
+        # copy and the float8 bytes, beside the down input's gradient and the output gradient's
+        # two float8 casts (one per gradient matmul); compiled, inductor fuses them
+        cast = ((4 if x_b != 4 else 0) + 4 + 1) * sbf_e + 2 * s * b * m.hidden
+        # or, where larger, the output gradient's second cast (for w2's weight gradient, along the other
+        # axis): its scaled fp32 copy and its saturated fp32 copy (float8_utils.to_fp8_saturated) beside the
+        # first cast's float8 bytes (a local of Float8Linear's backward until it returns), measured on a fake
+        # Llama 3 70B TP8 step (two fp32 tokens × h tensors at its peak): under TP the output gradient is the
+        # whole h wide, the down input f/t
+        # (to_fp8_saturated: the clamp's fp32 output and its float8 result, with the scaled fp32 input
+        # still held: 4 + 4 + 1 bytes an element, and the first cast's float8 byte)
+        cast = max(cast, (4 + 4 + 1 + 1) * s * b * m.hidden) + gathered
+        token_casts = cast
+        if not wrapping_plan(cfg).float8_all_gather:
+            # or, before the down input's gradient exists, w2's weight cast along its other axis for that
+            # gradient (the backward's ``hp_tensor_to_float8_dynamic(weight_hp_t, ...)``, torchao 0.18
+            # float8_linear.py): the same scaled and saturated fp32 copies and float8 bytes, over f/t·h
+            # elements, beside the output gradient's float8 cast; it outweighs the tokens' casts where a
+            # rank's tokens are few against the widths (a fake Llama 3 405B step at 2,048 tokens a rank:
+            # 9.25 GB of temporaries at its peak, one 16,384 × 53,248 weight's). Float8 all-gather
+            # brings the weight in float8 already
+            # (the weight casts peak in the backward of w1 or w3, the same size, by when w2's gathered
+            # output gradient is freed: measure --fake of Llama 3 405B TP2 SP tensorwise, line 131 of
+            # float8_linear.py beside an f/t-wide output gradient's float8 cast)
+            cast = max(cast, (4 + 4 + 1) * f_loc * m.hidden + s * b * m.hidden - sbf)
+    return cast, token_casts
 
 
 def _w2_fresh_gradient(cfg: Config, f_loc: int, *, act: int, wb: int, plain_grads: bool, autocast: bool) -> tuple[int, int]:

@@ -247,3 +247,49 @@ def test_float8_keeps_high_precision_activations_and_no_block_weight_casts():
     assert casts(fp8) == [head]  # the head's cast only: Float8Linear passes its fp32 weight uncast
     assert casts(bf16)[0] > head
     assert "high-precision" in conventions_of(fp8)["float8"]
+
+
+# --------------------------------------------------------------------------- plain blocks beside the checkpointed
+
+
+def test_the_plain_blocks_around_a_stages_checkpointed_ones():
+    """torchtitan's counter over the rank's stages in order (block k checkpointed where k % every == 0): the plain
+    blocks before a stage's first and last checkpointed block, and after its last (worked by hand)."""
+    from types import SimpleNamespace as NS
+
+    from engine.memory.activations import _plain_after_checkpoint_of_stages, _plain_before_checkpoints_of_stages
+
+    def stages(*layers):
+        return NS(stages=[NS(stage=i, layers=n) for i, n in layers])
+
+    every2 = NS(training=NS(recompute="selective-layer", recompute_every=2))
+    rp = stages((0, 2), (3, 2))  # a ZBV rank 0: blocks 1, 2 | 3, 4 -> 2 and 4 checkpointed
+    assert _plain_before_checkpoints_of_stages(every2, rp, {0: 1, 3: 1}) == {0: (1, 1), 3: (1, 1)}
+    assert _plain_after_checkpoint_of_stages(every2, rp, {0: 1, 3: 1}) == {0: 0, 3: 0}
+    every4 = NS(training=NS(recompute="selective-layer", recompute_every=4))
+    rp = stages((1, 3), (2, 2))  # blocks 1-3 | 4, 5 -> 4 checkpointed, 5 plain after it
+    assert _plain_before_checkpoints_of_stages(every4, rp, {1: 0, 2: 1}) == {2: (0, 0)}
+    assert _plain_after_checkpoint_of_stages(every4, rp, {1: 0, 2: 1}) == {2: 1}
+    rp = stages((0, 5), (3, 6))  # blocks 1-5 | 6-11 -> 4 | 8 checkpointed
+    assert _plain_before_checkpoints_of_stages(every4, rp, {0: 1, 3: 1}) == {0: (3, 3), 3: (2, 2)}
+    assert _plain_after_checkpoint_of_stages(every4, rp, {0: 1, 3: 1}) == {0: 1, 3: 3}
+    full = NS(training=NS(recompute="full", recompute_every=1))
+    assert _plain_before_checkpoints_of_stages(full, rp, {0: 5, 3: 6}) == {0: (0, 0), 3: (0, 0)}
+
+
+def test_a_weight_pass_drops_the_plain_blocks_run_before_it():
+    """The groups of the plain blocks before the checkpointed one come first in the parameter order: by the pass's
+    peak their kept gradients are dropped (``freed``) and what their weights' nodes saved is gone."""
+    from engine.memory.activations import shape_of, split_backward_group_grads, weight_pass_block, weight_pass_bytes
+
+    cfg = build({"model": {"preset": "llama3-8b", "layers": 4, "seq_len": 1024},
+                 "cluster": {"gpu": "h100-sxm", "gpus": 2},
+                 "parallel": {"pp": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2, "microbatches": 2},
+                 "training": {"precision": "fp32", "recompute": "selective-layer", "recompute_every": 2}})
+    sh = shape_of(cfg)
+    keeps = split_backward_group_grads(cfg, sh.act, sh.act, sh.s * sh.b * sh.h)
+    saved = sum(n for _, n in weight_pass_block(sh, sh.act)[1])
+    alone, _, freed0 = weight_pass_bytes(sh, sh.act, 1, None, keeps)
+    after, _, freed1 = weight_pass_bytes(sh, sh.act, 1, None, keeps, plain_before=(1, 1), plain_saved=saved)
+    assert freed1 - freed0 == sum(keeps.values())
+    assert after - alone == -saved  # (the pass's peak is the same group's, its gradients' drop inside its bytes)
