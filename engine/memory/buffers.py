@@ -262,12 +262,13 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             T.add("comm_buffers", f"token-embedding gradient accumulated at full V × h, in {plan.grad_accumulation_dtype} "
                   "(TP: the vocab-parallel embedding's gradient comes back replicated; FSDP2 keeps it so until "
                   "the reduce-scatter redistributes it to the row shard)", gacc * emb_extra,
-                  f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_unsharded_grads",
+                  f"{gacc} B × (V·h − local rows × h) = {gacc} × {emb_extra:,}", kind="fsdp_embedding_full_grad",
                   stage=first)
         if ignored and not lora_on:  # replicate: the routed experts' gradients are plain ones, no unit's
             train_units = tuple((unit_numel(u), count) for u, count in rp.unit_groups if u not in ignored)
         _fresh_gradients(plan, rp, T, train_units, emb_full, lora_on,
-                         _made_by_the_b_moment(cfg, rp, lora_on, before_weight_gradients), mlp_phase)
+                         _made_by_the_b_moment(cfg, rp, lora_on, before_weight_gradients), mlp_phase,
+                         microbatches=m)
         if not plan.pipelined and not lora_on and rp.root_units:
             _root_post_backward_after_accumulation(cfg, plan, rp, T, psi_train, emb_full, emb_extra)
         if plan.unsharded_after_first_backward and len(rp.stages) == 1 and not lora_on:
@@ -344,7 +345,8 @@ def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bo
 
 
 def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...],
-                     emb_full: int, lora_on: bool, made_by: tuple[int, int] | None = None, mlp_phase: int = 0) -> None:
+                     emb_full: int, lora_on: bool, made_by: tuple[int, int] | None = None, mlp_phase: int = 0,
+                     microbatches: int = 1) -> None:
     """A unit's fresh gradient beside FSDP2's accumulation of the unsharded gradients: where it accumulates in another
     dtype than the parameters', the largest unit's; under pipelining, the token embeddings' at the end of each B
     (in any dtype: its backward makes the whole V·h gradient before it is added in).
@@ -367,8 +369,11 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     # under pipelining the token embedding's backward is the first stage's last op: its unit's fresh gradient
     # comes after the blocks' backward freed their tensors, at the end of each B (``backward_end``; measure
     # --fake Llama 3 8B tp4 pp4 ZeRO-3: the peak there, not at the first block's backward)
-    emb_unit = (unit_numel(rp.root_units[0]) if plan.pipelined and not lora_on and rp.root_units
-                and any(st.embedding for st in rp.stages) else 0)
+    # unpipelined, over microbatches in the same dtype, the same at the end of each later B: the backward's last op makes
+    # it and AccumulateGrad adds it into the .grad (measure --fake, seed 20261244 #26, Llama 3 8B tp4 SP ZeRO-2 fp32,
+    # m = 2: the second microbatch's 2,004 MiB full V × h gradient at its backward's end, a new segment for it)
+    emb_unit = (unit_numel(rp.root_units[0]) if (plan.pipelined or (microbatches > 1 and not plan.converts_gradients))
+                and not lora_on and rp.root_units and any(st.embedding for st in rp.stages) else 0)
     if not plan.converts_gradients and not emb_unit:
         return
     # under pipelining the last stage's root unit (final norm + head) makes its gradient first, at the head's

@@ -267,7 +267,8 @@ LIFETIMES: dict[str, str] = {
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "backward_input", "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards",
-    "fsdp_unsharded_grads": "after_first_backward", "fsdp_sharded_grads": "end_of_backward",
+    "fsdp_unsharded_grads": "after_first_backward", "fsdp_embedding_full_grad": "after_first_backward",
+    "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step", "lora_forward_casts": "forwards", "float8_forward_cast": "forwards",
     "lora_recompute_casts": "backward_input",
@@ -325,7 +326,14 @@ BLOCK_KINDS = frozenset({"layers", "moe_layers"})
 #: the previous stage (measured: gone once the last backward's send completes); and under pipelining FSDP2's unsharded
 #: parameters kept from the stage's first backward: the schedule's REDUCE_GRAD (stage.py's perform_reduce_grad) sets
 #: set_reshard_after_backward(True) and runs each group's post_backward, which reshards them
-END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "held_input_gradient", "fsdp_unsharded_params"})
+END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "fsdp_embedding_full_grad", "held_input_gradient",
+                             "fsdp_unsharded_params"})
+
+#: of those, what the events lay as one tensor made at the end of the rank's first backward, not a piece per block as
+#: autograd makes the units' gradients: the token embedding's gradient at full V × h under TP (its unit's backward is
+#: the step's last; measure --fake of Llama 3 8B tp4 SP cp2 ZeRO-2 fp32, seed 20261244 #26: one 2,004 MiB
+#: allocation where the cache held 3.8 GiB free in smaller blocks, a new segment)
+WHOLE_KINDS = frozenset({"fsdp_embedding_full_grad"})
 
 #: what is alive all step but not at the optimizer step: autocast's cached weight casts. The training
 #: loop runs each forward and its backward inside ``torch.autocast``, whose exit clears the cache
@@ -459,6 +467,7 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
         out["all_gather_output"] = "first_forwards"
     if pipelined_fsdp2 and local_stages > 1:
         out["fsdp_unsharded_grads"] = "stage_converted" if split_backward and converts else "stage_accumulated"
+        out["fsdp_embedding_full_grad"] = out["fsdp_unsharded_grads"]
         out["fsdp_sharded_grads"] = "stage_reduced"
         out["fsdp_stage_fresh_grads"] = "stage_fresh"
         # the token embeddings' fresh gradient: at the end of the first stage's B only (``stage`` set on the term)
@@ -1078,7 +1087,7 @@ class _Laid:
                     add_row((_ROOT_END, nbytes, 0))
                 elif nbytes > 0:
                     # (autocast's casts: alive all step but at the optimizer step, freed before the events lay it)
-                    row_life = ("accumulated" if freed_at_end
+                    row_life = (("accumulated_whole" if kind in WHOLE_KINDS else "accumulated") if freed_at_end
                                 else "until_step" if life == "step" and kind in STEP_FREED_KINDS else life)
                     stream = (ALL_GATHER_STREAM if kind in gather
                               else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0)
@@ -1520,7 +1529,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     for j, (life, nbytes, stream) in enumerate(rows):
         per_life.setdefault(life, []).append((j, nbytes, stream))
     outputs = per_life.get("to_step_end", [])
-    accumulated = per_life.get("accumulated", [])
+    accumulated = per_life.get("accumulated", []) + per_life.get("accumulated_whole", [])
     late = per_life.get("after_first_backward", []) + accumulated
     late_done = weight_late_done = False
     stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
@@ -1803,7 +1812,7 @@ class _Laying:
 
     __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads",
                  "stage_on", "plans", "sig",
-                 "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "local", "last_stage", "walk",
+                 "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "whole", "local", "last_stage", "walk",
                  "first_backward", "later_w")
 
     def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
@@ -1828,8 +1837,10 @@ class _Laying:
             self.alloc(("cast", j), nbytes, stream)
         self.per_life = per_life
         self.outputs = per_life.get("to_step_end", [])
-        self.accumulated = {j for j, _, _ in per_life.get("accumulated", [])}
-        self.late = per_life.get("after_first_backward", []) + per_life.get("accumulated", [])
+        whole = per_life.get("accumulated_whole", [])
+        self.accumulated = {j for j, _, _ in per_life.get("accumulated", []) + whole}
+        self.late = per_life.get("after_first_backward", []) + per_life.get("accumulated", []) + whole
+        self.whole = {j for j, _, _ in whole}
         self.local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
         self.last_stage = sig.pp * sig.virtual_stages - 1 if sig.pp > 1 else 0
         self.walk = _forward_walk(grain.kept, grain.work)
@@ -2179,8 +2190,11 @@ class _Laying:
         keys = self.held.pop((stage, mb))
         tail = keys[blocks:]  # the rest, freed with the first (last) block
         first = i == self.first_backward and not self.late_done
-        pending = [(("late", j2, q), piece, stream) for j2, nbytes, stream in self.late
-                   for q, piece in enumerate(_pieces(nbytes, (1,) * max(blocks, 1)))] if first else []
+        # (a piece a block, as autograd makes the units' gradients; a whole tensor, after the blocks: ``WHOLE_KINDS``)
+        pending = ([(("late", j2, q), piece, stream) for j2, nbytes, stream in self.late if j2 not in self.whole
+                    for q, piece in enumerate(_pieces(nbytes, (1,) * max(blocks, 1)))]
+                   + [(("late", j2, 0), nbytes, stream) for j2, nbytes, stream in self.late if j2 in self.whole]
+                   ) if first else []
         freed = made = 0
         for b in reversed(range(blocks)):
             tmp = []

@@ -185,10 +185,28 @@ def test_fsdp2_tp_embedding_gradient_is_full_size_until_its_post_backward():
     piped = memory_per_rank(cfg(None, fp32_reduce, dp=2, tp=2, pp=2, zero=3, microbatches=4, schedule="1F1B"))
     for r in piped.per_rank:
         extra = term(r, "token-embedding gradient accumulated at full V × h, in fp32")
-        assert [(t.bytes, t.kind) for t in extra] == ([(131_072, "fsdp_unsharded_grads")] if r.pp_rank == 0 else [])
+        assert [(t.bytes, t.kind) for t in extra] == ([(131_072, "fsdp_embedding_full_grad")] if r.pp_rank == 0 else [])
     # no TP: the gradient is the shard's own size, no extra term
     assert not any(term(r, "token-embedding gradient") for r in
                    memory_per_rank(cfg(None, fp32_reduce, dp=2, zero=3)).per_rank)
+
+
+def test_an_unpipelined_later_microbatch_makes_the_embeddings_gradient_afresh():
+    """Unpipelined FSDP2 over two microbatches in one dtype (fp32): the first backward's token-embedding gradient is
+    the accumulation; a later one's backward ends making a fresh one (full V × h under TP) that AccumulateGrad adds in
+    (a temporary at each later B's end), and the events lay the accumulation's replicated part as one tensor."""
+    from engine.memory.lifetimes import LIFETIMES
+    from engine.memory.per_rank import rank_body
+
+    fp32 = {"precision": "fp32", "optimizer": "adamw"}
+    c = cfg(None, fp32, dp=2, tp=2, zero=2, microbatches=2)
+    for r in memory_per_rank(c).per_rank:
+        (fresh,) = [t for t in r.catalogue("temporaries") if t.kind == "fsdp_embedding_added_grad"]
+        assert fresh.bytes == 4 * 65_536 and LIFETIMES[fresh.kind] == "later_backward_end"
+    rows = rank_body(c, params_per_rank(c)[0][0]).timeline._rows
+    assert [n for life, n, _ in rows if life == "accumulated_whole"] == [4 * (65_536 - 32_768)]
+    one = memory_per_rank(cfg(None, fp32, dp=2, tp=2, zero=2, microbatches=1))
+    assert not any(t.kind == "fsdp_embedding_added_grad" for r in one.per_rank for t in r.catalogue("temporaries"))
 
 
 @pytest.mark.parametrize("training, measured", [
