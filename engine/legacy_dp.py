@@ -50,7 +50,7 @@ from dataclasses import replace as dc_replace
 
 from engine.config import Config
 from engine.memory import GIB, MemoryReport, RankMemory, Term, _Body, memory_per_rank
-from engine.memory.lifetimes import PARTIAL_STATE_KINDS
+from engine.memory.lifetimes import LOSS, PARTIAL_STATE_KINDS
 from engine.memory.overhead import collective_buffer_bytes
 from engine.model.lora import adapter_params
 from engine.model.params import param_counts
@@ -113,7 +113,10 @@ def memory(cfg: Config) -> MemoryReport:
     # engine.memory.states.optimizer_step_term) are another moment, which this one-moment sum leaves out
     snap = base.timeline.snapshot(base.timeline.peak_before_step) if base.timeline is not None else base.terms
     snap = {c: [t for t in snap[c] if t.kind != "optimizer_step"] for c in MEMORY_CATEGORIES}
-    logp, loss_tmp = _loss_terms(snap)
+    # GPU 0 at the single GPU's loss moment too, where the whole batch's loss adds to it: the larger of the two
+    at_loss = base.timeline.peak_in_phase(LOSS) if base.timeline is not None else None
+    loss_snap = {c: [t for t in base.timeline.snapshot(at_loss)[c] if t.kind != "optimizer_step"]
+                 for c in MEMORY_CATEGORIES} if at_loss is not None else snap
     params_b, grads_b = base.values["params"], sum(t.bytes for t in grads_whole)
     logits = act * s * b * model.vocab
     conv = cfg.conventions
@@ -124,23 +127,26 @@ def memory(cfg: Config) -> MemoryReport:
                          per, f"1 × {conv.collective_buffer_mib:g} MiB (conventions.collective_buffer_mib)",
                          "overhead", tracked=False, kind="collective_buffers")
 
-    def copy_terms() -> dict[str, list[Term]]:
-        return {c: list(snap[c]) if c != "grads" else list(grads_whole) for c in MEMORY_CATEGORIES}
+    def gpu0(moment: dict[str, list[Term]]) -> dict[str, list[Term]]:
+        """GPU 0 at one of the single GPU's moments: the module, its state, and the whole batch's loss."""
+        t0 = {c: list(moment[c]) if c != "grads" else list(grads_whole) for c in MEMORY_CATEGORIES}
+        logp, loss_tmp = _loss_terms(moment)
+        if n > 1:
+            t0["activations"].append(Term(f"GPU 0: the other {n - 1} replicas' log-probabilities (the loss of the "
+                                          "whole batch is computed here)", (n - 1) * logp, f"(N − 1) × {logp:,} B",
+                                          "activations", kind="log_probabilities"))
+            t0["temporaries"].append(Term(f"GPU 0: gathered outputs of the other {n - 1} replicas and their loss "
+                                          "gradient", (n - 1) * loss_tmp, f"(N − 1) × {loss_tmp:,} B",
+                                          "temporaries", kind="loss"))
+            t0["temporaries"].append(Term("GPU 0: its replica's gradients before ReduceAddCoalesced sums every "
+                                          "replica's into .grad", grads_b, f"{grads_b:,} B (the gradients' size)",
+                                          "temporaries", kind="gradients_before_reduce"))
+        if comm_term:
+            t0["overhead"].append(comm_term)
+        return t0
 
-    # GPU 0: the module, its state, and the whole batch's loss
-    t0 = copy_terms()
-    if n > 1:
-        t0["activations"].append(Term(f"GPU 0: the other {n - 1} replicas' log-probabilities (the loss of the whole "
-                                      "batch is computed here)", (n - 1) * logp, f"(N − 1) × {logp:,} B",
-                                      "activations", kind="log_probabilities"))
-        t0["temporaries"].append(Term(f"GPU 0: gathered outputs of the other {n - 1} replicas and their loss "
-                                      "gradient", (n - 1) * loss_tmp, f"(N − 1) × {loss_tmp:,} B",
-                                      "temporaries", kind="loss"))
-        t0["temporaries"].append(Term("GPU 0: its replica's gradients before ReduceAddCoalesced sums every "
-                                      "replica's into .grad", grads_b, f"{grads_b:,} B (the gradients' size)",
-                                      "temporaries", kind="gradients_before_reduce"))
-    if comm_term:
-        t0["overhead"].append(comm_term)
+    t0 = max((gpu0(snap), gpu0(loss_snap)), key=lambda t: sum(x.bytes for c in MEMORY_CATEGORIES for x in t[c]
+                                                              if x.tracked))
     bodies = [_Body(t0, (0,), 0)]
     if n > 1:
         ti = {c: [] for c in MEMORY_CATEGORIES}

@@ -960,7 +960,11 @@ def peak_of(sig: Signature) -> Peak:
                        if opt or sig.step_bytes else sig)
     if opt:
         live = live + mo.masks[:, _OPTIMIZER_STEP].astype(np.int64) * opt
-    i = int(np.argmax(live))
+    return _peak_at(sig, mo, live, int(np.argmax(live)))
+
+
+def _peak_at(sig: Signature, mo: Moments, live: np.ndarray, i: int) -> Peak:
+    """Moment ``i`` of ``sig`` as a :class:`Peak` (``live``: the live bytes at every moment but the all-step ones)."""
     return Peak(i, int(live[i]) + sig.step_bytes, tuple(mo.counts[i].tolist()), int(mo.outputs[i]),
                 tuple(bool(x) for x in mo.masks[i]), ACTION_KINDS[int(mo.kind[i])], int(mo.stage[i]),
                 int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
@@ -1187,6 +1191,18 @@ class RankTimeline:
         """The peak of the moments up to the end of the backward (the optimizer step left out)."""
         t = self.signature.transient_bytes
         return peak_of(self.signature._replace(transient_bytes=t[:_OPTIMIZER_STEP] + (0,) + t[_OPTIMIZER_STEP + 1:]))
+
+    def peak_in_phase(self, phase: int) -> Peak | None:
+        """The first moment of ``phase`` (``LOSS``, ...) with the most live tracked bytes, the optimizer step's
+        transient left out; None where the step has no such moment."""
+        t = self.signature.transient_bytes
+        sig = self.signature._replace(transient_bytes=t[:_OPTIMIZER_STEP] + (0,) + t[_OPTIMIZER_STEP + 1:])
+        mo = sig_moments(sig)
+        at = np.flatnonzero(mo.phase == phase)
+        if not at.size:
+            return None
+        live = _live_bytes(sig)
+        return _peak_at(sig, mo, live, int(at[np.argmax(live[at])]))
 
     def snapshot(self, pk: Peak | None = None) -> dict[str, list[Term]]:
         """The terms alive at the peak (or at moment ``pk``), by category (per-microbatch terms at the

@@ -89,3 +89,21 @@ def test_step_breakdown_sums_and_stops_scaling():
     comm = [predict(cfg.replace(cluster={"gpus": n}, parallel={"dp": n})).step.breakdown["dp_comm_exposed"]
             for n in (2, 4, 8)]
     assert comm[0] < comm[1] < comm[2]
+
+
+def test_gpu0_takes_the_whole_batchs_loss_where_one_gpu_peaks_in_its_backward():
+    """Where the single GPU peaks in a backward (LoRA's MLP backward over a long sequence and a short vocabulary),
+    GPU 0 still peaks at the loss, the other replicas' log-probabilities and loss gradients on it: the larger of
+    its two moments (golden entry 353, Llama 3 405B LoRA dp8: GPU 0's loss terms read 0 when the one-GPU peak moved)."""
+    from engine.memory.lifetimes import LOSS
+
+    cfg = legacy(n=4).replace(model={"seq_len": 128}, training={"finetune": "lora", "lora_targets": "mlp",
+                                                                 "recompute": "full"})
+    one = memory_per_rank(cfg.replace(cluster={"gpus": 1}, parallel={"dp": 1, "dp_mode": "ddp"})).per_rank[0]
+    tl = one._body.timeline
+    assert tl.peak.phase != LOSS  # the one GPU's peak is not the loss's moment
+    at_loss = tl.snapshot(tl.peak_in_phase(LOSS))
+    logp = sum(t.bytes for t in at_loss["activations"] if t.kind == "log_probabilities")
+    g0 = predict(cfg).memory.per_rank[0]
+    extra = [t for t in g0.explain("activations") if t.kind == "log_probabilities" and "other 3 replicas" in t.label]
+    assert logp > 0 and [t.bytes for t in extra] == [3 * logp]
