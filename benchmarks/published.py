@@ -237,8 +237,11 @@ def main() -> None:
             + ", ".join(f"{r['config']} {r['tps_error']:+.1%}" for r in others)
             + ". Context parallelism at 128K and 256K runs slower than predicted (+18, +22 %): the op lists time "
             "each rank's share of the causal square at the flash kernel's rate and the K, V all-gather, not the "
-            "blockwise attention's per-chunk kernels and their merges; async TP's memory (+11 %) is not modelled "
-            "(torchtitan measured 4.3 GiB less with it). What the op lists leave out is in "
+            "blockwise attention's per-chunk kernels and their merges; async TP's memory is not modelled "
+            "(torchtitan measured 4.3 GiB less with it: both 2-D rows are predicted alike, −7.5 % and −1.7 %; "
+            "before session 47 laid a recomputed block as the tensors it is outside the backward's walk, +3.4 % and "
+            "+10.0 %; `measure --fake` of the 2-D row in eager mode without float8 all-gather reserves 71.5 GiB, "
+            "predicted 79.8, 92.7 before). What the op lists leave out is in "
             "`engine/time/ops.py`'s docstring.",
             "",
             "## The efficiency clock, for comparison",

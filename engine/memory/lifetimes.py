@@ -1826,7 +1826,7 @@ class _Laying:
     what lives from the first backward on is laid, each stage-microbatch's saved tensors (block by
     block) and loss side; with the rank's constants (its rows by lifetime, its local stages)."""
 
-    __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads",
+    __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads", "pieces",
                  "stage_on", "plans", "sig",
                  "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "whole", "local", "last_stage", "walk",
                  "first_backward", "later_w")
@@ -1837,6 +1837,7 @@ class _Laying:
         self.live = self.most = 0
         self.peak = self.slack = peak
         self.late_done = self.weight_late_done = False
+        self.pieces: dict[tuple[int, int], int] = {}  # (row, moment) -> the pieces a moment's row is laid in
         self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, by block
         self.heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at B, W)
         self.stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
@@ -1872,6 +1873,12 @@ class _Laying:
     def free(self, key) -> None:
         self.ev.append(("free", key))
         self.live -= self.size.pop(key)
+
+    def free_t(self, j2: int, i: int) -> None:
+        """A moment's row freed, and the pieces it was laid in (``_lay_whole``)."""
+        self.free(("t", j2, i))
+        for q in range(1, self.pieces.pop((j2, i), 1)):
+            self.free(("t", j2, i, q))
 
     def fits(self, n: int, ahead: int) -> bool:
         """Whether an event-only tensor of ``n`` bytes (with ``ahead`` bytes allocated while it lives)
@@ -1993,7 +2000,7 @@ class _Laying:
                 self._root_end(i, gathered)
                 root_end = False
             if not (kept and _life == "end_of_backward"):
-                free(("t", j2, i))
+                self.free_t(j2, i)
             gathered += nbytes if _life == "every_action" else 0
         if root_end:
             self._root_end(i, gathered)
@@ -2149,7 +2156,7 @@ class _Laying:
             keys.append([("mb", stage, mb, "rest")])
         if head_b or logprob_b:  # the loss side comes after the blocks' forward and its transients
             for _life, (j2, _, _) in whole:
-                free(("t", j2, i))
+                self.free_t(j2, i)
             whole = []
         if head_b > 0:  # the final norm's and the head's saved tensors
             alloc(("mb", stage, mb, "head"), head_b)
@@ -2195,6 +2202,15 @@ class _Laying:
         for life, (j2, nbytes, stream) in whole:
             if life == "reduce_grad" and gross > nbytes and self.fits(gross, 0):
                 nbytes = gross
+            if life == "backward_input" and self.grain.work and nbytes > max(self.grain.work):
+                # a recomputed block is its tensors, as the B's walk lays it (``_backward_walk``), not one allocation
+                # (measure --fake of seed 20261245 #38, Llama 2 7B s64K b2 ZeRO-3 full recompute: none larger than
+                # 2,752 MiB; laid whole at the late-backward moment, an 18,225 MiB request)
+                parts = [x for x in _pieces(nbytes, self.grain.work) if x]
+                self.pieces[(j2, i)] = len(parts)
+                for q, x in enumerate(parts):
+                    self.alloc(("t", j2, i) if q == 0 else ("t", j2, i, q), x, stream)
+                continue
             self.alloc(("eob", j2) if kept and life == "end_of_backward" else ("t", j2, i), nbytes, stream)
 
     def _backward_walk(self, i: int, stage: int, mb: int, j: int, per_block: list) -> list:
