@@ -2078,8 +2078,7 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
     fresh weight gradients made by the attention's phase but not by the MLP's take their place in the attention's side
     (``engine.memory.buffers._fresh_gradients``)."""
     cp = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
-    mlp = sum(t.bytes for c in ("temporaries", "activations") for t in T[c]
-              if t.kind in ("mlp_backward", "mlp_backward_freed"))
+    mlp = sum(_mlp_phase_parts(T).values())
     again = _lora_forward_again(T)
     if not cp or not (mlp or again):
         return 0
@@ -2098,6 +2097,12 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
     return mlp + saved
 
 
+def _mlp_phase_parts(T: Terms) -> dict[str, int]:
+    """A B's MLP backward as laid (``mlp_backward`` and what it frees), by category: its gradients net."""
+    return {c: sum(t.bytes for t in T[c] if t.kind in ("mlp_backward", "mlp_backward_freed"))
+            for c in ("temporaries", "activations")}
+
+
 def _lora_forward_again(T: Terms) -> int:
     """LoRA: the adapted Linear's forward again in a block's recompute (``lora_recompute_casts``)."""
     return sum(t.bytes for t in T["activations"] if t.kind == "lora_recompute_casts")
@@ -2108,8 +2113,7 @@ def _recompute_forward_before_mlp(T: Terms) -> None:
     backward makes its gradients (``mlp_backward``), so the B moment holds the larger of the two, not both
     (autograd runs the checkpoint's recompute on the first unpack, to its end, before the node that asked)."""
     again = _lora_forward_again(T)
-    parts = {c: sum(t.bytes for t in T[c] if t.kind in ("mlp_backward", "mlp_backward_freed"))
-             for c in ("temporaries", "activations")}
+    parts = _mlp_phase_parts(T)
     mlp = sum(parts.values())
     if again <= 0 or mlp <= 0:
         return

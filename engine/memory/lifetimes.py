@@ -1186,17 +1186,19 @@ class RankTimeline:
             return "untracked"
         return dict(self.varying.get(category, ())).get(index, "step")
 
+    def _without_optimizer_step(self) -> Signature:
+        t = self.signature.transient_bytes
+        return self.signature._replace(transient_bytes=t[:_OPTIMIZER_STEP] + (0,) + t[_OPTIMIZER_STEP + 1:])
+
     @property
     def peak_before_step(self) -> Peak:
         """The peak of the moments up to the end of the backward (the optimizer step left out)."""
-        t = self.signature.transient_bytes
-        return peak_of(self.signature._replace(transient_bytes=t[:_OPTIMIZER_STEP] + (0,) + t[_OPTIMIZER_STEP + 1:]))
+        return peak_of(self._without_optimizer_step())
 
     def peak_in_phase(self, phase: int) -> Peak | None:
         """The first moment of ``phase`` (``LOSS``, ...) with the most live tracked bytes, the optimizer step's
         transient left out; None where the step has no such moment."""
-        t = self.signature.transient_bytes
-        sig = self.signature._replace(transient_bytes=t[:_OPTIMIZER_STEP] + (0,) + t[_OPTIMIZER_STEP + 1:])
+        sig = self._without_optimizer_step()
         mo = sig_moments(sig)
         at = np.flatnonzero(mo.phase == phase)
         if not at.size:
