@@ -973,8 +973,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
         if sh.ring and sh.recompute == _SAC:
             dims += f", ρ = (cp + 1 + {rp.cp_rank})/2 = {sh.ring_halves / 2:g}"
+    tops = _moe_top_of_stages(cfg, rp, T, sh, res, ckpt_of, ep_rank)
     for st, ex, n in zip(rp.stages, extras, counts):
-        _add_stage_terms(T, st, ex, n, ckpt_of[st.stage], blocks, dims, tr.recompute_every)
+        _add_stage_terms(T, st, ex, n, ckpt_of[st.stage], blocks, dims, tr.recompute_every, tops.get(st.stage, 0))
     if torch_acc and par.pp > 1 and holds_last and cfg.conventions.pipeline_outputs == "kept":
         pipeline_output_terms(T, act * s * b * v_loss, par.microbatches, n_stages - 1,
                               f"{act}·s·b·{_v_symbol(model, v_loss)}")
@@ -1273,9 +1274,45 @@ def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, i
     return ex
 
 
-def _add_stage_terms(T: Terms, st, ex: list, n: int, c: int, blocks: _Blocks, dims: str, recompute_every: int) -> None:
+def _moe_top_of_stages(cfg: Config, rp, T: Terms, sh: _Shape, res: int, ckpt_of: dict[int, int],
+                       ep_rank: int | None) -> dict[int, int]:
+    """Per stage whose backward a split schedule runs as an I and a W: what its last block, one with experts whose
+    saved tensors are the microbatch's (not checkpointed), saved above every weight's node — the router's scores and
+    gate weights, the un-permute's expert outputs, the combine's fp32 and weighted outputs (``moe_weight_pass_block``'s
+    ``above``). ``stage_backward_input`` detaches the stage's output at the I's end, and the graph above the nodes it
+    keeps for the W goes with what those nodes saved: they are freed at the I, not at the W. Only where the block's
+    output is the stage's (no final norm or head after it: not the last stage; and not the first, whose I is its W).
+    measure --fake of Qwen3 30B-A3B ZBV pp4 ep4 ZeRO-3, seed 20261246 #24, stages 3 and 4 of one MoE block: each I
+    freed 2,048 MiB of its own forward (a 1,024 MiB fp32 and two 512 MiB n·k·h tensors); with them held to the W the
+    cooldown's I's peaked at +6.0 %. Not analysed under torch.compile, per-op selective recompute, MLA or LoRA. Its
+    tensors' sizes go to ``T.freed_at_input_pieces`` (the allocation events lay them so)."""
+    par, tr = cfg.parallel, cfg.training
+    if (not cfg.model.experts or cfg.conventions.state_accounting != "pytorch" or par.schedule not in
+            SPLIT_BACKWARD_SCHEDULES or par.pp < 2 or cfg.model.attention == "mla" or sh.compile
+            or tr.finetune == "lora" or tr.recompute not in ("none", "selective", "selective-layer")):
+        return {}
+    trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
+    out, above = {}, None
+    for st in rp.stages:
+        if st.stage in (0, par.num_stages - 1) or not st.moe_layers or (ckpt_of[st.stage] and not trailing[st.stage]):
+            continue  # (dense blocks lead: a stage with experts ends with a block of them)
+        if above is None:
+            above = moe_weight_pass_block(cfg, sh, res, ep_rank)[3]
+            # its tensors, for the allocation events: the combine's and the un-permute's, the rest (scores) as one
+            big = [x for label, x, _ in moe_layer_terms(cfg, ep_rank)[0]
+                   if label.startswith(("MoE: expert outputs in fp32", "MoE: weighted expert outputs",
+                                        "MoE: permutation index"))]
+            pieces = tuple(x for x in big + [above - sum(big)] if x > 0) if 0 < sum(big) <= above else (above,)
+        out[st.stage] = above
+        T.freed_at_input_pieces[st.stage] = pieces
+    return out
+
+
+def _add_stage_terms(T: Terms, st, ex: list, n: int, c: int, blocks: _Blocks, dims: str, recompute_every: int,
+                     top: int = 0) -> None:
     """A local stage's activations with ``n`` microbatches in flight: its blocks (``c`` of them
-    checkpointed whole, keeping their input) and its extras ``ex``."""
+    checkpointed whole, keeping their input) and its extras ``ex``; ``top``: of its last block with experts, what
+    an I frees (``_moe_top_of_stages``), a term of its own."""
     mb = f"{n} microbatch{'es' if n != 1 else ''} in flight"
     kept, kept_formula = blocks.kept, blocks.kept_formula
     per_layer, layer_formula = blocks.per_layer, blocks.layer_formula
@@ -1292,9 +1329,14 @@ def _add_stage_terms(T: Terms, st, ex: list, n: int, c: int, blocks: _Blocks, di
         if m_plain:
             one, how = blocks.per_moe_of_stage.get(st.stage, (blocks.per_moe, ""))
             how = f"; n_r from {how}" if how else ""
-            T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * m_plain * one,
-                  f"{n} × {m_plain} × ({blocks.moe_formula}{how}) = {n} × {m_plain} × {one:,} B ({dims})",
+            T.add("activations", f"stage {st.stage}: {mb} × {m_plain} MoE layers", n * (m_plain * one - top),
+                  f"{n} × ({m_plain} × ({blocks.moe_formula}{how}){f' − {top:,} B' if top else ''}) = "
+                  f"{n} × ({m_plain} × {one:,} B{f' − {top:,} B' if top else ''}) ({dims})",
                   stage=st.stage, in_flight=n, kind="moe_layers")
+            if top:
+                T.add("activations", f"stage {st.stage}: {mb} × its last MoE layer's tensors above its weights' nodes "
+                      "(router scores, un-permuted and combined expert outputs), freed at an I", n * top,
+                      f"{n} × {top:,} B", stage=st.stage, in_flight=n, kind="moe_top_saved")
     elif c and c == st.layers:
         T.add("activations", f"stage {st.stage}: {mb} × {st.layers} layers", n * st.layers * kept,
               f"{n} × {st.layers} × {kept_formula} = {n} × {st.layers} × {kept:,} B ({dims})",
@@ -1877,8 +1919,7 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     per_block = len(groups) * (kept + above) + sum(casts.values())  # what each earlier block's recomputes keep
     last_kept = kept + (above if last_graph_kept else 0)
     block_grads = sum(grads.values()) if grads else 0
-    # the peak is in the first block or in the last: each block adds per_block and drops block_grads
-    last = checkpointed - 1 if per_block >= block_grads else 0
+    last = _weight_pass_peak_block(per_block, grads, checkpointed)
     n_plain = plain_before[1 if last == checkpointed - 1 else 0]
     plain_freed = n_plain * block_grads
     # the k-th group's recompute, at its end, holds every tensor the block saved (its graph's nodes hold what the
@@ -1923,6 +1964,12 @@ def weight_pass_bytes(sh: _Shape, res: int, checkpointed: int, casts: dict[str, 
     if gone:
         formula += f" − {n_plain} plain block(s) before it × {plain_saved:,} B (what their weights' nodes saved)"
     return earlier + (best or 0) + freed - gone, formula, freed
+
+
+def _weight_pass_peak_block(per_block: int, grads: dict[str, int] | None, checkpointed: int) -> int:
+    """Which checkpointed block a weight pass peaks in (``weight_pass_bytes``): each block adds ``per_block`` (its
+    recomputes) and drops the gradients the I kept for it, so the first block (0) or the last."""
+    return checkpointed - 1 if per_block >= (sum(grads.values()) if grads else 0) else 0
 
 
 def _up_projection_tail(groups: tuple[str, ...]) -> int:
@@ -1976,6 +2023,8 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     for st in rp.stages:
         c = ckpt_of[st.stage]
         moe = bool(st.moe_layers)
+        if not c and fresh and st.stage:
+            _plain_weight_pass_fresh(cfg, T, st, fresh, autocast)
         if not c or (moe and (st.moe_layers != st.layers or st.stage == 0)):
             continue
         if moe:
@@ -1995,6 +2044,8 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                                                plain_before=key[3])
                 of_count[key + ("grads",)] = (with_grads[0] - with_grads[2]) - (of_count[key][0] - of_count[key][2])
             nbytes, formula, freed = of_count[key]
+            T.weight_peak_blocks[st.stage] = _blocks_before_weight_peak(sh, res, c, casts, keeps[1] if keeps else None,
+                                                                        moe_block, before[st.stage], st.layers)
             extra = of_count[key + ("grads",)]
             if extra > 0:
                 T.add("temporaries", f"stage {st.stage}: its W's experts' weight gradients at their group's node "
@@ -2024,6 +2075,8 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                                                f8_in=f8_in, fresh=fresh, plain_before=key[2], plain_saved=plain_saved)
                 of_count[key + ("fresh",)] = (with_fresh[0] - with_fresh[2]) - (of_count[key][0] - of_count[key][2])
         nbytes, formula, freed = of_count[key]
+        T.weight_peak_blocks[st.stage] = _blocks_before_weight_peak(sh, res, c, casts, keeps[0] if key[1] else None,
+                                                                    None, before[st.stage], st.layers)
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
               "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,
@@ -2037,6 +2090,32 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                   f"the pass's peak with them less without = {extra:,} B", stage=st.stage, kind="weight_pass_fresh")
 
 
+def _plain_weight_pass_fresh(cfg: Config, T: Terms, st, fresh: dict[str, int], autocast: bool) -> None:
+    """A W of a stage that recomputes nothing, after the stage's first (its weights hold a gradient already): each
+    group's ``autograd.grad`` makes its weights' gradients fresh, added into ``.grad`` and dropped before the next
+    group, so the W holds the largest group's: a dense weight's (``weight_pass_fresh``) or the grouped experts', whose
+    select_backward makes a full-size gradient per expert summed in the input buffer — two beside the sum
+    (``_experts_weight_grads``). measure --fake of Qwen3 235B-A22B InterleavedZeroBubble tp2 ep4 ZeRO-3 bf16 gradients,
+    no recompute (seed 20261215 #37, rank 16, one block a stage): each W 1.12 GiB over what it started with, three
+    384 MiB expert gradients."""
+    largest = max(fresh.values(), default=0)
+    if st.moe_layers:
+        largest = max(largest, max(_experts_weight_grads(cfg, autocast).values()))
+    if largest:
+        T.add("temporaries", f"stage {st.stage}: at each W but its first, the fresh gradients of its largest parameter "
+              "group (its weights hold a gradient already: weight.grad += dw)", largest, f"{largest:,} B", stage=st.stage,
+              kind="weight_pass_fresh")
+
+
+def _blocks_before_weight_peak(sh: _Shape, res: int, c: int, casts: dict[str, int], grads: dict[str, int] | None,
+                               block, plain_before: tuple[int, int], layers: int) -> tuple[int, int]:
+    """(blocks whose parameter groups have all run by a stage's weight-pass peak, the stage's blocks): the plain
+    blocks before the checkpointed block it peaks in, and the checkpointed ones before it (``weight_pass_bytes``)."""
+    kept, _, groups, above = block if block is not None else (*weight_pass_block(sh, res), weight_groups(sh), 0)
+    last = _weight_pass_peak_block(len(groups) * (kept + above) + sum((casts or {}).values()), grads, c)
+    return last + plain_before[1 if last == c - 1 else 0], layers
+
+
 def _experts_weight_grads(cfg: Config, autocast: bool) -> dict[str, int]:
     """Per parameter group of the grouped experts (``moe_weight_pass_block``: w1, w2, w3), what its node holds beside its
     recomputes in a weight pass: each expert's weights are a slice of a 3-D parameter, so autograd's select_backward
@@ -2047,6 +2126,43 @@ def _experts_weight_grads(cfg: Config, autocast: bool) -> dict[str, int]:
     _, wb, h, _, e_loc, f_loc, n_w = _moe_backward_dims(cfg, autocast)
     one = e_loc * f_loc * h * wb
     return {w: (3 if e_loc > 1 else 2) * one for w in ("w1", "w2", "w3")[:n_w]}
+
+
+def first_weight_end_terms(cfg: Config, rp, T: Terms, grads_of: dict[int, int], autocast: bool) -> None:
+    """A stage's first W under a split backward, where FSDP2's unsharded gradients of the stage are made by it
+    (``stage_accumulated``: alive from that W's end) and the stage recomputes nothing: torch's
+    ``stage_backward_weight`` runs its parameter groups in turn, each freeing what its weights' nodes saved and the
+    output gradients the I kept for it, and making its weights' gradients, so the W peaks at its end — the stage's
+    gradients made (``grads_of``), the microbatch's activations and kept gradients gone, beside the last group's
+    transients (the grouped experts' w3: select_backward's two full-size gradients beside the sum,
+    ``_experts_weight_grads``). What that end holds beyond the W's moment (its start) is laid at the stage's first W
+    only (``stage_weight`` less ``stage_later_weight``). measure --fake of Qwen3 235B ZBV tp4 ep8 ZeRO-3 selective,
+    seed 20261247 #21, stage 1 (three blocks with experts): its first W peaked at its end with the 9 experts'
+    gradients of 192 MiB made and two more beside the last sum (−14 % at that W without it)."""
+    par = cfg.parallel
+    if par.schedule not in SPLIT_BACKWARD_SCHEDULES or par.pp < 2:
+        return
+    ckpt_of = _checkpointed_of_stages(cfg, rp)
+    for st in rp.stages:
+        g = grads_of.get(st.stage, 0)
+        if st.stage == 0 or ckpt_of[st.stage] or not g:
+            continue  # (stage 0's W is a full backward; a checkpointed stage's W peaks in its recomputes)
+        acts = sum(t.bytes // t.in_flight for t in T["activations"]
+                   if t.stage == st.stage and t.in_flight and t.kind not in ("moe_top_saved", "stage_logits"))
+        kept = sum(t.bytes // t.in_flight for t in T["temporaries"]
+                   if t.stage == st.stage and t.in_flight and t.kind == "split_backward_grads")
+        last = 0
+        if st.moe_layers and not cfg.model.shared_experts:
+            last = _experts_weight_grads(cfg, autocast)["w3" if cfg.model.mlp == "swiglu" else "w2"] * 2 // 3
+        extra = g + last - acts - kept
+        if extra <= 0:
+            continue
+        how = (f"{g:,} B (its gradients) + {last:,} B (the last group's transients) − {acts:,} B (a microbatch's "
+               f"activations) − {kept:,} B (what the I kept)")
+        T.add("temporaries", f"stage {st.stage}: its first W's end (its gradients made, the microbatch's tensors freed)",
+              extra, how, stage=st.stage, kind="first_weight_end")
+        T.add("temporaries", f"stage {st.stage}: (not at its later W's: their gradients were made before)", -extra,
+              f"−{extra:,} B", stage=st.stage, kind="first_weight_end_later")
 
 
 def _dropped(T: Terms, stage: int, freed: int) -> None:
@@ -2433,10 +2549,12 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         # counted by no term of the gradients, so they count here as with a later microbatch)
         w_grads = ((n_w if (par.microbatches > 1 or unit_grads) and not fresh_buffers and e_loc > 1 else 0) + 2
                    ) * e_loc * f_loc * h * wb
-        grads = 2 * n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
+        after = sum(1 for i in layers if i > moe_idx[-1]) * per_layer
+        received = _output_gradient_received(cfg, st, after)
+        one_grad = n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
+        grads = (1 if received else 2) * one_grad
         routed_grad = act * n_r * h if par.ep == 1 else 0
         temp = w_grads + grads + routed_grad
-        after = sum(1 for i in layers if i > moe_idx[-1]) * per_layer
         shared = 0
         if m.shared_experts:
             f_s = m.shared_experts * m.expert_hidden // par.tp
@@ -2461,10 +2579,10 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         gain = temp - freed + (n_w * e_loc * f_loc * h * wb if fresh_buffers else 0)
         if gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, first)
-        c_temp = 3 * 4 * n * k * h + grads // 2
+        c_temp = 3 * 4 * n * k * h + (0 if received else one_grad)
         # index_add_'s node runs first and frees the weighted outputs it saved (not a row the per-op policy saves)
         weighted = (4 if autocast else act) * n * k * h if tr.recompute != "selective-op" else 0
-        c = (c_temp - after - weighted, st.stage, c_temp, None, grads // 2, 0, after + weighted, after, 0, 0, 0)
+        c = (c_temp - after - weighted, st.stage, c_temp, None, 0 if received else one_grad, 0, after + weighted, after, 0, 0, 0)
         if tr.recompute == "selective-op":  # the block's backward runs on its replay (``recomputed_block``): only
             continue  # the experts' gradients are laid beside it (measure --fake seed 20261226: +2.7 -> +4.9 % with it)
         if c[0] > 0 and (best is None or c[0] > best[0]):
@@ -2483,6 +2601,16 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
     if best is not None:
         _lay_moe_backward(cfg, T, best, "moe_backward", autocast, n, n_r)
     return best is not None and best[3] is None
+
+
+def _output_gradient_received(cfg: Config, st, after: int) -> bool:
+    """Whether a stage's last MoE block's output gradient is the gradient the stage received, the receive buffer
+    itself (comm_buffers), no tensor of its own: the block is the stage's last (nothing ``after`` it) and its output
+    the stage's (an earlier stage; sequence parallel redistributes it). measure --fake of Mixtral 8x7B s64K 1F1B pp8 tp2
+    ep8 full recompute, seed 20261247 #10, one block a stage: three 1 GiB fp32 temporaries at the combine's backward,
+    no 512 MiB output gradient beside them (allocated +3.7 % on six ranks with one)."""
+    par = cfg.parallel
+    return par.pp > 1 and st.stage != par.num_stages - 1 and not par.sequence_parallel and not after
 
 
 def _moe_backward_dims(cfg: Config, autocast: bool) -> tuple[int, int, int, int, int, int, int]:

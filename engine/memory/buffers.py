@@ -28,7 +28,7 @@ import math
 from dataclasses import replace
 
 from engine.config import Config
-from engine.memory.activations import TABLE_RECOMPUTE, layer_activation_terms, shape_of
+from engine.memory.activations import TABLE_RECOMPUTE, first_weight_end_terms, layer_activation_terms, shape_of
 from engine.memory.lifetimes import BLOCK_KINDS, HEAD_KINDS, LIFETIMES, STAGE_OUTPUT_KINDS
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
@@ -171,6 +171,28 @@ def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: boo
               kind="fsdp_units_kept_after_backward")
 
 
+def _stage_fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int) -> None:
+    """A split backward's W writes the stage's weight gradients into .grad in the parameter dtype; FSDP2 adds them into
+    its accumulation only at the next post-backward that finds them (an I's or a B's:
+    FSDPParam.to_accumulated_grad_if_needed), so until then they are the parameters' dtype, whole. A W that recomputes
+    peaks in its recomputes, before its later groups have made theirs: at a W that makes them afresh (none pending
+    from an earlier W: ``stage_fresh_start``) its moment holds those of the blocks whose groups have run by then
+    (``Terms.weight_peak_blocks``; measure --fake of Qwen3 235B ZBV tp4 ep4 ZeRO-2 selective-layer every 2, seed
+    20261247 #17, one block a stage: its W's peak short of the stage's 1,187 MiB, +5.1 % on two ranks with them)."""
+    pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+    for stage, x in stage_shares(pgrad * psi_train, rp):
+        T.add("comm_buffers", f"stage {stage}'s weight gradients in {plan.compute_dtype}, from each W to the "
+              "next I that adds them into the accumulation (or its REDUCE_GRAD)", x,
+              f"its share by elements of {pgrad} B × Ψ = {pgrad} × {psi_train:,}",
+              kind="fsdp_stage_fresh_grads", stage=stage)
+        made, blocks = T.weight_peak_blocks.get(stage, (0, 0))
+        if blocks:
+            unmade = x - x * made // blocks
+            T.add("comm_buffers", f"stage {stage}: of them, not yet made at its W's peak (in its recomputes, {made} of "
+                  f"its {blocks} blocks' groups run)", -unmade, f"−{unmade:,} B", kind="fsdp_stage_fresh_unmade",
+                  stage=stage)
+
+
 def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi: int, psi_train: int,
                   train_units: tuple[tuple[int, int], ...], mlp_phase: int = 0,
                   before_weight_gradients: bool = False) -> None:
@@ -242,19 +264,14 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
             split_converts = cfg.parallel.schedule in SPLIT_BACKWARD_SCHEDULES and plan.converts_gradients
             when = ("from its first I after a W to its REDUCE_GRAD" if split_converts
                     else "from its first backward to its REDUCE_GRAD")
-            for stage, x in stage_shares(gacc * psi_train, rp):
+            shares = dict(stage_shares(gacc * psi_train, rp))
+            for stage, x in shares.items():
                 T.add("comm_buffers", f"{label}: stage {stage}'s ({when})", x,
                       f"its share by elements of {how}", kind="fsdp_unsharded_grads", stage=stage)
+            if not split_converts and cfg.conventions.state_accounting == "pytorch":
+                first_weight_end_terms(cfg, rp, T, shares, plan.autocast)
             if split_converts:
-                # a split backward's W writes the stage's weight gradients into .grad in the parameter dtype; FSDP2
-                # adds them into its accumulation only at the next post-backward that finds them (an I's or a B's:
-                # FSDPParam.to_accumulated_grad_if_needed), so until then they are the parameters' dtype, whole
-                pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
-                for stage, x in stage_shares(pgrad * psi_train, rp):
-                    T.add("comm_buffers", f"stage {stage}'s weight gradients in {plan.compute_dtype}, from each W to the "
-                          "next I that adds them into the accumulation (or its REDUCE_GRAD)", x,
-                          f"its share by elements of {pgrad} B × Ψ = {pgrad} × {psi_train:,}",
-                          kind="fsdp_stage_fresh_grads", stage=stage)
+                _stage_fresh_gradients(plan, rp, T, psi_train)
         else:
             T.add("comm_buffers", label, gacc * psi_train, how, kind="fsdp_unsharded_grads")
         if emb_extra:

@@ -193,6 +193,10 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
                                "split_backward_grads_made"})
 
+#: what a W's own moment does not hold yet of the stage's weight gradients it makes (its recomputes peak first): moments
+#: only; the events lay those gradients (``stage_fresh``) after the W's recomputes are freed (``_Laying.moment``)
+UNMADE_AT_WEIGHT_KINDS = frozenset({"fsdp_stage_fresh_unmade"})
+
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
@@ -221,20 +225,22 @@ _WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 #: of several pipeline stages FSDP2's unsharded gradients of a stage accumulate from its first backward to its
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
 STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh",
-                   "stage_gathered", "stage_backward_end", "stage_later_backward_end", "stage_later_weight")
+                   "stage_gathered", "stage_backward_end", "stage_later_backward_end", "stage_later_weight",
+                   "stage_fresh_start")
 
 #: the event rows' tag of each per-stage lifetime
 _STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr", "stage_converted": "cv",
               "stage_fresh": "fr", "stage_gathered": "ga", "stage_backward_end": "be", "stage_later_backward_end": "lbe",
-              "stage_later_weight": "lw"}
+              "stage_later_weight": "lw", "stage_fresh_start": "fs"}
 
 #: the moments' per-stage columns of ``STAGE_LIFETIMES``, in order (``Moments``' fields of those names)
 _STAGE_COLUMNS = tuple(_STAGE_TAG[life] for life in STAGE_LIFETIMES)
 #: of them, the columns of a stage's B ends: the events lay their rows as the moment's transients (allocated and
 #: freed within it, named by it), not kept from one moment to the next as the other per-stage rows are
 _STAGE_END_COLUMNS = ("be", "lbe")
-#: the columns of a stage's W (its own moment): laid as the W's transients with its weight pass (``wr``, ``lw``)
-_STAGE_W_COLUMNS = ("wr", "lw")
+#: the columns of a stage's W (its own moment): laid as the W's transients with its weight pass (``wr``, ``lw``), or
+#: moments only (``fs``: ``UNMADE_AT_WEIGHT_KINDS``)
+_STAGE_W_COLUMNS = ("wr", "lw", "fs")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after_input") + TRANSIENT
@@ -265,6 +271,8 @@ LIFETIMES: dict[str, str] = {
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
+    "first_weight_end": "stage_weight", "first_weight_end_later": "stage_later_weight",
+    "fsdp_stage_fresh_unmade": "stage_fresh_start",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "backward_input", "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_embedding_full_grad": "after_first_backward",
@@ -358,6 +366,11 @@ LOSS_AT_INPUT_KINDS = frozenset({"log_probabilities"})
 #: split backward's I (stage.py: the last stage keeps only the loss in ``backward_state`` for the W, and
 #: detaches its output). An earlier stage's output stays in ``backward_state`` to the W: the body's lifetime
 STAGE_OUTPUT_KINDS = frozenset({"stage_logits"})
+
+#: what a stage-microbatch frees at its I's end, laid as its own tensor after the blocks (``so``): the last stage's
+#: kept logits, and the tensors a stage's last block with experts saved above every weight's node (``stage_backward_input``
+#: detaches the stage's output; ``engine.memory.activations._moe_top_of_stages``)
+FREED_AT_INPUT_KINDS = STAGE_OUTPUT_KINDS | {"moe_top_saved"}
 
 #: what a split backward keeps of a stage-microbatch from its I to its W, per stage (term ``stage`` and
 #: ``in_flight``): torch.distributed.pipelining's ``stage_backward_input`` hooks the nodes where each
@@ -536,11 +549,12 @@ class Moments(NamedTuple):
     be: np.ndarray
     lbe: np.ndarray
     lw: np.ndarray
+    fs: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
         return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
-                                self.ig, self.ga, self.be, self.lbe, self.lw, self.outputs, self.masks])
+                                self.ig, self.ga, self.be, self.lbe, self.lw, self.fs, self.outputs, self.masks])
 
 
 def sig_moments(sig: Signature) -> Moments:
@@ -601,7 +615,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
     first_grad = int(grad_idx[0]) if len(grad_idx) else n
-    acc, red, wr, cv, fr, ga = _stage_columns(kind, col, v, m, stage == 0)
+    acc, red, wr, cv, fr, ga, fs = _stage_columns(kind, col, v, m, stage == 0)
     lw = wr * acc  # a W after the stage's first: its weights hold a gradient (``acc`` from the end of its first B or W)
     be = np.zeros((n, v), dtype=np.int64)  # a stage's B ends: ``_with_backward_ends``
     first_f = np.zeros(n, dtype=bool)
@@ -625,7 +639,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         ig = np.insert(ig, loss_at, ig[loss_at], axis=0)
         # the loss moment precedes its action: the stages' columns alike; it opens a B or an I, never a W or a B's end
         acc, red, cv, fr, ga = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga))
-        wr, be, lw = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw))
+        wr, be, lw, fs = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw, fs))
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -653,13 +667,13 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         ig = np.append(ig, end_ig, axis=0)
         # every stage reduced (its sharded gradients alive) and resharded by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
-        acc, wr, cv, fr, ga, be, lw = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
-                                       for x in (acc, wr, cv, fr, ga, be, lw))
+        acc, wr, cv, fr, ga, be, lw, fs = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
+                                           for x in (acc, wr, cv, fr, ga, be, lw, fs))
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr,
-                  ig, ga, be, be.copy(), lw)
+                  ig, ga, be, be.copy(), lw, fs)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     if b_end:
@@ -710,7 +724,8 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     dtype than the parameters', that accumulation (``cv``: after the first post-backward that finds a gradient —
     the first B, or the first I after a W; before it the W's gradients stay in ``.grad`` in the parameter dtype,
     torch's ``FSDPParam.to_accumulated_grad_if_needed``) and the parameter-dtype gradients in ``.grad`` (``fr``:
-    from each W, its own moment included, to the next I or B that adds them in, or to the REDUCE_GRAD). The
+    from each W, its own moment included, to the next I or B that adds them in, or to the REDUCE_GRAD; ``fs``: the W
+    makes them afresh, none pending from an earlier W). The
     first stage's W is a full backward (stage.py's ``backward_weight_one_chunk``: its I ran nothing), which adds
     them in itself, as a B does (``first_stage``: per action, the action is the pipeline's stage 0's). ``ga``: its
     FSDP2 units gathered and kept so (no resharding after forward; the schedule's ``set_reshard_after_backward(False)``),
@@ -731,6 +746,7 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     wr[rows, col] = kind == _W
     cv = np.zeros((n, v), dtype=np.int64)
     fr = np.zeros((n, v), dtype=np.int64)
+    fs = np.zeros((n, v), dtype=np.int64)
     conv_at = [n] * v
     backward = (kind == _B) | (kind == _I) | (kind == _W)
     for j in range(v):  # each stage's own backward-like actions, in order
@@ -742,6 +758,7 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
             if k == _W and bool(first_stage[i]):
                 conv_at[j] = min(conv_at[j], i)
             elif k == _W:
+                fs[i, j] = since is None and i <= last  # its groups make the .grad afresh
                 since = i if since is None else since
             else:  # a B, or an I: its post-backward adds in what a W left (at its own moment they still exist)
                 if k == _B or since is not None:
@@ -758,7 +775,7 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     first_f = np.where(forwards.any(axis=0), forwards.argmax(axis=0), n)
     ga = ((idx >= first_f) & (idx <= reduce_at)).astype(np.int64)
     return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr,
-            ga)
+            ga, fs)
 
 
 def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, first_grad: int,
@@ -830,7 +847,8 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     cv = mo.cv[rows].copy()  # the accumulation in another dtype: made by the post-backwards before the end, as ``acc``
     cv[np.arange(len(rows)), col] = 1
     new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc, "iw": iw, "cv": cv,
-           "wr": np.zeros_like(mo.wr[rows]), "lw": np.zeros_like(mo.lw[rows]), "phase": np.full(len(rows), B_END),
+           "wr": np.zeros_like(mo.wr[rows]), "lw": np.zeros_like(mo.lw[rows]), "fs": np.zeros_like(mo.fs[rows]),
+           "phase": np.full(len(rows), B_END),
            "be": be, "lbe": lbe}
     row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
     return Moments(**row)
@@ -866,6 +884,7 @@ def _with_step_moment(mo: Moments) -> Moments:
     row["masks"] = np.append(mo.masks, sm, axis=0)
     row["wr"] = np.append(mo.wr, np.zeros_like(mo.wr[-1:]), axis=0)
     row["lw"] = np.append(mo.lw, np.zeros_like(mo.lw[-1:]), axis=0)
+    row["fs"] = np.append(mo.fs, np.zeros_like(mo.fs[-1:]), axis=0)
     row["fr"] = np.append(mo.fr, np.zeros_like(mo.fr[-1:]), axis=0)
     row["phase"] = np.append(mo.phase, STEP)
     return Moments(**row)
@@ -909,6 +928,7 @@ class Signature(NamedTuple):
     be_bytes: tuple[int, ...] = ()  # per local stage: at the end of each of its B (``stage_backward_end``)
     lbe_bytes: tuple[int, ...] = ()  # per local stage: at the end of each of its B but the first
     lw_bytes: tuple[int, ...] = ()  # per local stage: at each of its W but the first (``stage_later_weight``)
+    fs_bytes: tuple[int, ...] = ()  # per local stage: at each of its W that starts a run of ``fr`` (``stage_fresh_start``)
 
 
 @lru_cache(maxsize=256)
@@ -942,6 +962,7 @@ class Peak(NamedTuple):
     be: tuple[int, ...] = ()  # per local stage: the moment is the end of one of its B
     lbe: tuple[int, ...] = ()  # per local stage: the moment is the end of one of its B but the first
     lw: tuple[int, ...] = ()  # per local stage: the moment is one of its W but the first
+    fs: tuple[int, ...] = ()  # per local stage: the moment is one of its W that makes its .grad afresh
 
 
 #: the optimizer step's transient among a signature's ``transient_bytes``
@@ -970,7 +991,8 @@ def _peak_at(sig: Signature, mo: Moments, live: np.ndarray, i: int) -> Peak:
                 int(mo.microbatch[i]), tuple(mo.head[i].tolist()), int(mo.phase[i]), tuple(mo.iw[i].tolist()),
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
                 tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()), tuple(mo.ga[i].tolist()),
-                tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()), tuple(mo.lw[i].tolist()))
+                tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()), tuple(mo.lw[i].tolist()),
+                tuple(mo.fs[i].tolist()))
 
 
 @lru_cache(maxsize=256)
@@ -988,7 +1010,7 @@ def _live_bytes(sig: Signature) -> np.ndarray:
     none = (0,) * len(sig.unit_bytes)
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
          + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none) + (sig.ga_bytes or none)
-         + (sig.be_bytes or none) + (sig.lbe_bytes or none) + (sig.lw_bytes or none)
+         + (sig.be_bytes or none) + (sig.lbe_bytes or none) + (sig.lw_bytes or none) + (sig.fs_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -1052,7 +1074,7 @@ class _Laid:
                             acts[col][1] += nbytes // n
                         elif kind in HEAD_KINDS:
                             acts[col][2] += nbytes // n
-                        elif kind in STAGE_OUTPUT_KINDS:
+                        elif kind in FREED_AT_INPUT_KINDS:
                             so[col] += nbytes // n
                     var.append((i, "microbatch"))
                     continue
@@ -1064,7 +1086,8 @@ class _Laid:
                     if nbytes > 0:
                         add_row(((_STAGE_TAG[life], col), nbytes, ALL_GATHER_STREAM if kind in gather
                                  else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
-                    elif nbytes < 0:  # taken off that stage's blocks of the same lifetime (``_net_rows``)
+                    elif nbytes < 0 and kind not in UNMADE_AT_WEIGHT_KINDS:  # taken off that stage's blocks of the
+                        # same lifetime (``_net_rows``)
                         freed[(_STAGE_TAG[life], col)] = freed.get((_STAGE_TAG[life], col), 0) - nbytes
                     continue
                 if life in STAGE_LIFETIMES:  # a rank-wide term of a per-stage kind: from the first backward
@@ -1148,7 +1171,7 @@ class RankTimeline:
         head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
         lp = tuple(a[1] for a in laid.acts)  # of it the log-probabilities
         splits = _splits_backward(schedule, pp, microbatches, virtual_stages)
-        acc, red, wr, cv, fr, ga, be, lbe, lw = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
+        acc, red, wr, cv, fr, ga, be, lbe, lw, fs = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
         return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
@@ -1157,7 +1180,7 @@ class RankTimeline:
                          tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
                          lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only,
                          ga if any(ga) else (), be if any(be) else (), lbe if any(lbe) else (),
-                         lw if any(lw) else ())
+                         lw if any(lw) else (), fs if any(fs) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -1234,7 +1257,7 @@ class RankTimeline:
                     k = ((pk.head[col] - (pk.iw[col] if pk.iw and self.signature.lp_bytes else 0)
                           if t.kind in LOSS_AT_INPUT_KINDS and pk.head
                           else pk.head[col] if t.kind in HEAD_KINDS and pk.head
-                          else pk.counts[col] - (pk.iw[col] if pk.iw else 0) if t.kind in STAGE_OUTPUT_KINDS
+                          else pk.counts[col] - (pk.iw[col] if pk.iw else 0) if t.kind in FREED_AT_INPUT_KINDS
                           else pk.counts[col])
                          if life == "microbatch" else pk.outputs)
                     n = t.in_flight or 0
@@ -1370,6 +1393,12 @@ class Grain(NamedTuple):
     # (): one piece
     iw_pieces: tuple = ()
     reduce_gross: int = 0  # the REDUCE_GRAD moment's whole reduce-scatter input (``Terms.reduce_gross``); 0: the net
+    # per local stage, the tensors of what its stage-microbatch frees at an I's end (``FREED_AT_INPUT_KINDS``) beyond
+    # the kept logits, in order (``Terms.freed_at_input_pieces``); (): one piece
+    so_pieces: tuple = ()
+    # a recomputed block's (``backward_input``) pieces: (size,) pieces of that size where its tensors are not the
+    # dense block's (a block with experts); (): in proportion to ``work``
+    recomputed: tuple = ()
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -1950,7 +1979,7 @@ class _Laying:
         if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs: its recomputes,
             # in pieces the size of a block's largest tensors (the grain's ``work``: what recompute = "none"
             # saves), at most WEIGHT_PASS_PIECES of them
-            largest = max(self.grain.work, default=0)
+            largest = self.grain.recomputed[0] if self.grain.recomputed else max(self.grain.work, default=0)
             for j2, nbytes, stream in self.per_life.get(("wr", j), ()):
                 n = max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1)))
                 for q, x in enumerate(_pieces(nbytes, (1,) * n)):
@@ -1969,17 +1998,7 @@ class _Laying:
             for j2, nbytes, stream in self.per_life.get("after_first_weight", ()):
                 alloc(("wlate", j2), nbytes, stream)
             self.weight_late_done = True
-        for what, column in per_stage.items():  # a stage's gradients, its gathered units
-            if what in _STAGE_END_COLUMNS:
-                continue
-            for c, x in enumerate(column[i]):
-                if bool(x) != self.stage_on.get((what, c), False):
-                    self.stage_on[(what, c)] = bool(x)
-                    for j2, nbytes, stream in self.per_life.get((what, c), ()):
-                        if x:
-                            alloc((what, c, j2), nbytes, stream)
-                        else:
-                            free((what, c, j2))
+        after_pass = self._stage_rows(i, per_stage, bool(weight_pass))
         if phase == LOSS:
             self._loss(i, whole)
             return True
@@ -2014,9 +2033,13 @@ class _Laying:
                 alloc(key, x, stream)
         for key in reversed(weight_pass):
             free(key)
-        if kind == _I and phase == ACTION and ("mb", stage, mb, "so") in size:  # the stage output, at the I's end
-            free(("mb", stage, mb, "so"))
-            self.held[(stage, mb)] = [[k for k in g if k != ("mb", stage, mb, "so")] for g in self.held[(stage, mb)]]
+        for key, nbytes, stream in after_pass:
+            alloc(key, nbytes, stream)
+        if kind == _I and phase == ACTION and ("mb", stage, mb, "so", 0) in size:  # the stage output, at the I's end
+            so_keys = [k for g in self.held[(stage, mb)] for k in g if k[3:4] == ("so",)]
+            for key in so_keys:
+                free(key)
+            self.held[(stage, mb)] = [[k for k in g if k not in so_keys] for g in self.held[(stage, mb)]]
         if kind == _I and phase == ACTION and sig.lp_bytes and ("mb", stage, mb, "logprob") in size:  # and the loss's
             free(("mb", stage, mb, "logprob"))
             self.heads[(stage, mb)] = [k for k in self.heads[(stage, mb)] if k != ("mb", stage, mb, "logprob")]
@@ -2163,9 +2186,13 @@ class _Laying:
         if head_b > 0:  # the final norm's and the head's saved tensors
             alloc(("mb", stage, mb, "head"), head_b)
             self.heads.setdefault((stage, mb), []).append(("mb", stage, mb, "head"))
-        if so > 0:  # the stage's output (the logits), kept by the stage for the microbatch's backward
-            alloc(("mb", stage, mb, "so"), so)
-            keys.append([("mb", stage, mb, "so")])  # a B frees it with the rest; an I at its end
+        if so > 0:  # the stage's output (the logits), kept by the stage for the microbatch's backward; or what else
+            # an I frees (its tensors: ``Grain.so_pieces``)
+            weights = grain.so_pieces[j] if grain.so_pieces and grain.so_pieces[j] else (1,)
+            so_keys = [("mb", stage, mb, "so", q) for q, x in enumerate(_pieces(so, weights)) if x]
+            for key, x in zip(so_keys, [x for x in _pieces(so, weights) if x]):
+                alloc(key, x)
+            keys.append(so_keys)  # a B frees it with the rest; an I at its end
         if logprob_b > 0:
             # the logits as the loss reads them: its fp32 cast's source, or (fp32) the gathered logits themselves
             logits_b = grain.logits_bytes or grain.head_gather
@@ -2208,12 +2235,41 @@ class _Laying:
                 # a recomputed block is its tensors, as the B's walk lays it (``_backward_walk``), not one allocation
                 # (measure --fake of seed 20261245 #38, Llama 2 7B s64K b2 ZeRO-3 full recompute: none larger than
                 # 2,752 MiB; laid whole at the late-backward moment, an 18,225 MiB request)
-                parts = [x for x in _pieces(nbytes, self.grain.work) if x]
+                parts = [x for x in self._recomputed_pieces(nbytes) if x]
                 self.pieces[(j2, i)] = len(parts)
                 for q, x in enumerate(parts):
                     self.alloc(("t", j2, i) if q == 0 else ("t", j2, i, q), x, stream)
                 continue
             self.alloc(("eob", j2) if kept and life == "end_of_backward" else ("t", j2, i), nbytes, stream)
+
+    def _stage_rows(self, i: int, per_stage: dict, weight_pass: bool) -> list:
+        """Moment ``i``'s per-stage rows that start or end (a stage's gradients, its gathered units). A W's fresh
+        gradients (``fr``) are made as its groups run, after its recomputes (``weight_pass``): returned, to be laid once
+        those are freed."""
+        after_pass = []
+        for what, column in per_stage.items():
+            if what in _STAGE_END_COLUMNS:
+                continue
+            for c, x in enumerate(column[i]):
+                if bool(x) != self.stage_on.get((what, c), False):
+                    self.stage_on[(what, c)] = bool(x)
+                    for j2, nbytes, stream in self.per_life.get((what, c), ()):
+                        if x and what == "fr" and weight_pass:
+                            after_pass.append(((what, c, j2), nbytes, stream))
+                        elif x:
+                            self.alloc((what, c, j2), nbytes, stream)
+                        else:
+                            self.free((what, c, j2))
+        return after_pass
+
+    def _recomputed_pieces(self, nbytes: int) -> list[int]:
+        """A recomputed block's bytes as the events lay them: pieces of ``Grain.recomputed``'s size (a block with
+        experts: measure --fake of Mixtral 8x7B s64K 1F1B pp8 tp2 ep8 full recompute, seed 20261247 #10, 1,792 MiB
+        expert tensors where the dense block's two largest had made 5,396 MiB pieces), else in proportion to the
+        block's two largest tensors."""
+        if self.grain.recomputed and self.grain.recomputed[0] > 0:
+            return _pieces(nbytes, (1,) * max(1, -(-nbytes // self.grain.recomputed[0])))
+        return _pieces(nbytes, self.grain.work)
 
     def _backward_walk(self, i: int, stage: int, mb: int, j: int, per_block: list) -> list:
         """A B over its blocks, last to first: each block's backward transients, then its saved tensors freed;
@@ -2233,7 +2289,7 @@ class _Laying:
         for b in reversed(range(blocks)):
             tmp = []
             for life, (j2, nbytes, stream) in per_block:
-                parts = _pieces(nbytes, self.grain.work) if life == "backward_input" else [nbytes]
+                parts = self._recomputed_pieces(nbytes) if life == "backward_input" else [nbytes]
                 for q, x in enumerate(parts):
                     if x:
                         alloc(("bw", j2, i, b, q), x, stream)
@@ -2305,6 +2361,12 @@ def _block_plan(share: int, walk: list, grain: Grain) -> tuple:
     """One block's forward as (saved, bytes, ahead, index) steps: its ``share`` of saved bytes in
     pieces, the transients with the saved bytes allocated while each lives (the two steps after it)."""
     pieces = _pieces(share, grain.kept)
+    k = len(grain.kept)
+    if k > 1 and len(set(grain.kept)) == 1 and 0 < share < sum(grain.kept):
+        # equal pieces of a block's largest tensor (a block with experts): a smaller share is fewer of them, not
+        # smaller ones (a share less what an I frees, ``FREED_AT_INPUT_KINDS``: smaller pieces served no later request)
+        full = share // grain.kept[0]
+        pieces = ([grain.kept[0]] * full + [share - full * grain.kept[0]] + [0] * k)[:k]
     out = []
     for pos, (saved, idx) in enumerate(walk):
         if saved:

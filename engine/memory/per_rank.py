@@ -169,8 +169,13 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
         return None
     sh = shape_of(cfg, rp.cp_rank)
     kept, work = _block_tensors(sh, cfg.training.recompute)
-    if cfg.model.experts and cfg.training.recompute in TABLE_RECOMPUTE:
-        kept = _moe_block_pieces(cfg, sh)
+    recomputed = ()
+    if cfg.model.experts:
+        moe = _moe_block_pieces(cfg, sh)
+        if cfg.training.recompute in TABLE_RECOMPUTE:
+            kept = moe
+        # a recomputed block with experts is its tensors, the largest an expert's internals, not the dense block's
+        recomputed = (max(moe),)
     blocks = tuple(st.layers for st in sorted(rp.stages, key=lambda st: st.stage))
     logits = piece = shard = gather = 0
     if cfg.conventions.state_accounting == "pytorch":
@@ -184,7 +189,9 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
     return Grain(kept, work, blocks if cfg.parallel.pp > 1 else (sum(blocks),), logits, piece, shard, gather,
                  T.optimizer_step, T.root_end,
                  tuple(T.split_backward_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)),
-                 T.reduce_gross)
+                 T.reduce_gross,
+                 tuple(T.freed_at_input_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)),
+                 recomputed)
 
 
 #: how many of the tensors a block's forward makes the events lay as its transients (the largest)

@@ -64,6 +64,9 @@ class Terms(dict):
         #: what a split backward's I keeps for its W, per stage: the tensors' bytes in order (``engine.memory.
         #: activations.split_backward_terms``: each weight op's output gradient), for the allocation events
         self.split_backward_pieces: dict[int, tuple[int, ...]] = {}
+        self.freed_at_input_pieces: dict[int, tuple[int, ...]] = {}  # per stage: what an I frees, as its tensors
+        # per stage with a weight pass that recomputes: (blocks whose gradients it has made by its peak, its blocks)
+        self.weight_peak_blocks: dict[int, tuple[int, int]] = {}
         #: FSDP2's sharded gradients as the reduce-scatters make them: the largest unit's bytes (each unit's
         #: post-backward allocates its own output), for the allocation events; 0: one piece
         self.grad_piece: int = 0

@@ -1,4 +1,4 @@
-"""Three rules of a backward's phases in the engine, each against ``measure --fake`` of one rank (seconds):
+"""Seven rules of a backward's phases in the engine, each against ``measure --fake`` of one rank (seconds):
 
 * LoRA under context parallelism: a B's MLP backward (its three s·b·f gradients), the recompute's forward again and
   the ring attention's backward workspace are three phases, not one moment (``activations.block_backward_terms``
@@ -8,7 +8,14 @@
   checkpointed block's recomputes (``weight_pass_bytes``' ``plain_before``, ``plain_saved``);
 * the same over a stage of blocks with experts whose checkpointed block is followed by a plain one: that block's
   saved input keeps the checkpointed block's graph, so every recompute of the pass keeps what lies above the weights'
-  nodes too (``weight_pass_terms``' ``last_graph_kept``)."""
+  nodes too (``weight_pass_terms``' ``last_graph_kept``);
+* a split backward's I over a stage whose last block has experts and keeps its saved tensors: the I's end detaches the
+  stage's output, and the combine's tensors above every weight's node go with it (``_moe_top_of_stages``);
+* a stage's first W that recomputes nothing peaks at its end, its FSDP2 unsharded gradients made and the microbatch's
+  tensors freed (``first_weight_end_terms``);
+* a W that recomputes peaks before its later groups make their gradients in the parameter dtype
+  (``buffers._stage_fresh_gradients``, the moments' ``fs``);
+* a stage's last MoE block's output gradient is the gradient the stage received (``_output_gradient_received``)."""
 
 from __future__ import annotations
 
@@ -69,3 +76,66 @@ def test_a_weight_pass_keeps_the_graph_a_plain_block_after_it_holds(tmp_path):
     engine, fake, moment = _allocated(cfg, 8, tmp_path)
     assert " W of microbatch" in moment
     assert abs(engine / fake - 1) <= 0.03
+
+
+@pytest.mark.integration
+def test_an_input_backward_frees_what_a_last_block_with_experts_saved_above_its_weights(tmp_path):
+    """Qwen3 30B-A3B (8 blocks) ZBV pp4 ep4 ZeRO-3, no recompute, s8K b2: rank 24's stages 3 and 4, one block with
+    experts each; each I frees its own microbatch's 2 GiB of combine tensors (+6.0 % with them held to the W)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "qwen3-30b-a3b", "layers": 8, "seq_len": 8192},
+        "cluster": {"gpu": "h100-96g", "gpus": 32, "gpus_per_node": 8},
+        "parallel": {"dp": 8, "pp": 4, "ep": 4, "zero": 3, "schedule": "ZBVZeroBubble", "virtual_stages": 2,
+                     "microbatches": 8},
+        "training": {"micro_batch_size": 2, "precision": "bf16-mixed", "grad_dtype": "fp32", "recompute": "none"}})
+    engine, fake, moment = _allocated(cfg, 24, tmp_path)
+    assert " I of microbatch" in moment
+    assert abs(engine / fake - 1) <= 0.02
+
+
+@pytest.mark.integration
+def test_a_first_weight_pass_without_recompute_peaks_at_its_end(tmp_path):
+    """Qwen3 235B-A22B (8 blocks, torchtitan's split) ZBV pp2 tp4 ep8 ZeRO-3, bf16 gradients, attention-core
+    recompute: rank 128's stage 1 (three blocks with experts) peaks at the end of its first W, and each later W holds
+    the experts' fresh gradients (``_plain_weight_pass_fresh``): −6.7 % at an I without either rule."""
+    cfg = Config.from_dict({
+        "model": {"preset": "qwen3-235b-a22b", "layers": 8, "seq_len": 2048},
+        "cluster": {"gpu": "h100-96g", "gpus": 256, "gpus_per_node": 8},
+        "parallel": {"dp": 32, "tp": 4, "pp": 2, "ep": 8, "zero": 3, "schedule": "ZBVZeroBubble",
+                     "virtual_stages": 2, "microbatches": 2, "pipeline_split": "torchtitan"},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "selective"}})
+    engine, fake, moment = _allocated(cfg, 128, tmp_path)
+    assert " W of microbatch" in moment
+    assert abs(engine / fake - 1) <= 0.03
+
+
+@pytest.mark.integration
+def test_a_recomputing_weight_pass_peaks_before_its_gradients_are_made(tmp_path):
+    """Qwen3 235B-A22B (8 blocks) ZBV pp4 tp4 ep4 ZeRO-2 fp32 gradients (FSDP2 converts), selective-layer every 2: rank
+    64's stage 6 block is checkpointed; its W peaks in its recomputes with none of the stage's 1,187 MiB of bf16
+    gradients made yet (+5.1 % with them)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "qwen3-235b-a22b", "layers": 8, "seq_len": 4096},
+        "cluster": {"gpu": "h100-96g", "gpus": 256, "gpus_per_node": 8},
+        "parallel": {"dp": 16, "tp": 4, "pp": 4, "ep": 4, "zero": 2, "schedule": "ZBVZeroBubble", "virtual_stages": 2,
+                     "microbatches": 8},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "fp32",
+                     "recompute": "selective-layer", "recompute_every": 2}})
+    engine, fake, moment = _allocated(cfg, 64, tmp_path)
+    assert " W of microbatch" in moment
+    assert abs(engine / fake - 1) <= 0.02
+
+
+@pytest.mark.integration
+def test_a_last_moe_blocks_output_gradient_is_the_received_one(tmp_path):
+    """Mixtral 8x7B (8 blocks) s64K 1F1B pp8 tp2 ep8 HSDP, full recompute: one block a stage; at the combine's backward
+    rank 64 holds three 1 GiB fp32 tensors and no 512 MiB output gradient of its own (+3.7 % with one)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "mixtral-8x7b", "layers": 8, "seq_len": 65536},
+        "cluster": {"gpu": "h100-96g", "gpus": 256, "gpus_per_node": 8},
+        "parallel": {"dp": 16, "tp": 2, "pp": 8, "ep": 8, "zero": 2, "replicate": 2, "schedule": "1F1B",
+                     "microbatches": 8},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}})
+    engine, fake, moment = _allocated(cfg, 64, tmp_path)
+    assert " B of microbatch" in moment
+    assert abs(engine / fake - 1) <= 0.025

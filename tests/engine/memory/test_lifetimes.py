@@ -1181,11 +1181,11 @@ def test_the_last_stage_frees_its_logits_at_the_i_of_a_split_backward(schedule):
     freed_at = {}
     for i, e in enumerate(tl.events()):
         key = e[1]
-        if e[0] == "free" and key[:2] == ("mb", last) and key[-1] == "so":
+        if e[0] == "free" and key[:2] == ("mb", last) and key[3:4] == ("so",):
             freed_at[key[2]] = i
         if e[0] == "alloc" and key[:2] == ("iw", last):
             assert freed_at.get(key[2], len(freed_at) + 10**9) < i  # the logits went before the I's gradients
-        if e[0] == "free" and key[:2] == ("mb", last) and key[-1] != "so" and split:
+        if e[0] == "free" and key[:2] == ("mb", last) and key[3:4] != ("so",) and split:
             assert key[2] in freed_at  # the saved tensors wait for the W
     assert len(freed_at) == (4 if split else 0)
 
@@ -1203,17 +1203,22 @@ def test_fsdp2_gradients_of_a_split_backward_follow_torchs_post_backward():
 
     def columns(actions, first=False, m=2):
         kind = np.array([ACTION_KINDS.index(a) for a in actions])
-        acc, red, wr, cv, fr, _ = _stage_columns(kind, np.zeros(len(kind), dtype=np.int64), 1, m,
-                                              np.full(len(kind), first))
+        acc, red, wr, cv, fr, _, fs = _stage_columns(kind, np.zeros(len(kind), dtype=np.int64), 1, m,
+                                                     np.full(len(kind), first))
+        fresh_start.append(fs[:, 0].tolist())
         return [x[:, 0].tolist() for x in (acc, red, cv, fr)]
+
+    fresh_start = []  # each W that makes the .grad afresh (none pending from an earlier W)
 
     # every I before the W's (a zero-bubble warm-up): no accumulation ever, the gradients stay in .grad
     acc, red, cv, fr = columns("FFIIWW")
     assert acc == [0, 0, 0, 0, 0, 1] and red == [0] * 6
     assert cv == [0] * 6 and fr == [0, 0, 0, 0, 1, 1]
+    assert fresh_start[-1] == [0, 0, 0, 0, 1, 0]  # the second W adds into the first's .grad
     # an I after a W adds them in (at that I's moment they still exist), the next W makes them again
     acc, red, cv, fr = columns("FIWFIW")
     assert acc == [0, 0, 0, 1, 1, 1] and cv == [0, 0, 0, 0, 0, 1] and fr == [0, 0, 1, 1, 1, 1]
+    assert fresh_start[-1] == [0, 0, 1, 0, 0, 1]
     # the first stage: its W adds them in itself
     acc, red, cv, fr = columns("FIWFIW", first=True)
     assert cv == [0, 0, 0, 1, 1, 1] and fr == [0] * 6
