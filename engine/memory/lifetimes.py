@@ -2035,11 +2035,6 @@ class _Laying:
             free(key)
         for key, nbytes, stream in after_pass:
             alloc(key, nbytes, stream)
-        if kind == _I and phase == ACTION and ("mb", stage, mb, "so", 0) in size:  # the stage output, at the I's end
-            so_keys = [k for g in self.held[(stage, mb)] for k in g if k[3:4] == ("so",)]
-            for key in so_keys:
-                free(key)
-            self.held[(stage, mb)] = [[k for k in g if k not in so_keys] for g in self.held[(stage, mb)]]
         if kind == _I and phase == ACTION and sig.lp_bytes and ("mb", stage, mb, "logprob") in size:  # and the loss's
             free(("mb", stage, mb, "logprob"))
             self.heads[(stage, mb)] = [k for k in self.heads[(stage, mb)] if k != ("mb", stage, mb, "logprob")]
@@ -2053,6 +2048,12 @@ class _Laying:
                     alloc(("iw", stage, mb, q), x)
         if kind == _I and phase == ACTION and self.igb[j] > 0:  # its input gradient, kept to the step's end
             alloc(("ig", stage, mb), self.igb[j])
+        if kind == _I and phase == ACTION and ("mb", stage, mb, "so", 0) in size:  # the stage output, at the I's end
+            # (after the gradients it keeps, made before stage_backward_input detaches the output)
+            so_keys = [k for g in self.held[(stage, mb)] for k in g if k[3:4] == ("so",)]
+            for key in so_keys:
+                free(key)
+            self.held[(stage, mb)] = [[k for k in g if k not in so_keys] for g in self.held[(stage, mb)]]
         if kind == _W and phase == ACTION:
             pieces = self.grain.iw_pieces[j] if self.grain.iw_pieces and self.grain.iw_pieces[j] else (1,)
             for q in range(len(pieces)):
@@ -2362,7 +2363,7 @@ def _block_plan(share: int, walk: list, grain: Grain) -> tuple:
     pieces, the transients with the saved bytes allocated while each lives (the two steps after it)."""
     pieces = _pieces(share, grain.kept)
     k = len(grain.kept)
-    if k > 1 and len(set(grain.kept)) == 1 and 0 < share < sum(grain.kept):
+    if k > 1 and max(grain.kept) - min(grain.kept) <= k and 0 < share < sum(grain.kept):
         # equal pieces of a block's largest tensor (a block with experts): a smaller share is fewer of them, not
         # smaller ones (a share less what an I frees, ``FREED_AT_INPUT_KINDS``: smaller pieces served no later request)
         full = share // grain.kept[0]
