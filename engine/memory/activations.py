@@ -973,9 +973,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         dims += f", S={model.seq_len}: s = S/cp, cp={par.cp}"
         if sh.ring and sh.recompute == _SAC:
             dims += f", ρ = (cp + 1 + {rp.cp_rank})/2 = {sh.ring_halves / 2:g}"
-    tops = _moe_top_of_stages(cfg, rp, T, sh, res, ckpt_of, ep_rank)
-    for st, ex, n in zip(rp.stages, extras, counts):
-        _add_stage_terms(T, st, ex, n, ckpt_of[st.stage], blocks, dims, tr.recompute_every, tops.get(st.stage, 0))
+    for st, ex, n, top in zip(rp.stages, extras, counts, _moe_top_of_stages(cfg, rp, T, sh, res, ckpt_of, ep_rank)):
+        _add_stage_terms(T, st, ex, n, ckpt_of[st.stage], blocks, dims, tr.recompute_every, top)
     if torch_acc and par.pp > 1 and holds_last and cfg.conventions.pipeline_outputs == "kept":
         pipeline_output_terms(T, act * s * b * v_loss, par.microbatches, n_stages - 1,
                               f"{act}·s·b·{_v_symbol(model, v_loss)}")
@@ -1275,8 +1274,8 @@ def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, i
 
 
 def _moe_top_of_stages(cfg: Config, rp, T: Terms, sh: _Shape, res: int, ckpt_of: dict[int, int],
-                       ep_rank: int | None) -> dict[int, int]:
-    """Per stage whose backward a split schedule runs as an I and a W: what its last block, one with experts whose
+                       ep_rank: int | None) -> list[int]:
+    """Per local stage (0 for each but those) whose backward a split schedule runs as an I and a W: what its last block, one with experts whose
     saved tensors are the microbatch's (not checkpointed), saved above every weight's node — the router's scores and
     gate weights, the un-permute's expert outputs, the combine's fp32 and weighted outputs (``moe_weight_pass_block``'s
     ``above``). ``stage_backward_input`` detaches the stage's output at the I's end, and the graph above the nodes it
@@ -1290,7 +1289,7 @@ def _moe_top_of_stages(cfg: Config, rp, T: Terms, sh: _Shape, res: int, ckpt_of:
     if (not cfg.model.experts or cfg.conventions.state_accounting != "pytorch" or par.schedule not in
             SPLIT_BACKWARD_SCHEDULES or par.pp < 2 or cfg.model.attention == "mla" or sh.compile
             or tr.finetune == "lora" or tr.recompute not in ("none", "selective", "selective-layer")):
-        return {}
+        return [0] * len(rp.stages)
     trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
     out, above = {}, None
     for st in rp.stages:
@@ -1305,7 +1304,7 @@ def _moe_top_of_stages(cfg: Config, rp, T: Terms, sh: _Shape, res: int, ckpt_of:
             pieces = tuple(x for x in big + [above - sum(big)] if x > 0) if 0 < sum(big) <= above else (above,)
         out[st.stage] = above
         T.freed_at_input_pieces[st.stage] = pieces
-    return out
+    return [out.get(st.stage, 0) for st in rp.stages]
 
 
 def _add_stage_terms(T: Terms, st, ex: list, n: int, c: int, blocks: _Blocks, dims: str, recompute_every: int,
@@ -1443,6 +1442,13 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
             redo = max(redo - freed, 0)
         T.add("activations", f"one block recomputed during backward ({cfg.training.recompute} recompute), less "
               "its kept input", redo, f"{formula} = {redo:,} B ({dims})", kind="recomputed_block")
+        for st in rp.stages:
+            if not ckpt_of[st.stage] and redo:
+                # a stage none of whose blocks torchtitan's counter checkpoints recomputes nothing in its B or I
+                # (measure --fake, seed 20261248 #33, Llama 2 7B LoopedBFS pp2 v3 selective-layer every 2, stages 0,
+                # 2 and 4 of one block, the second checkpointed: stage 4's B held no recomputed block)
+                T.add("activations", f"stage {st.stage}: none of its blocks checkpointed, its backward recomputes "
+                      "nothing", -redo, f"−{redo:,} B", stage=st.stage, kind="recomputed_block_plain")
     elif sh.recompute == "selective-op":
         # During one block's backward the replay of its forward re-saves what recompute = "none" keeps,
         # and the block's stash goes into it: torch's selective checkpoint hands each cached MUST_SAVE

@@ -195,7 +195,7 @@ MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fs
 
 #: what a W's own moment does not hold yet of the stage's weight gradients it makes (its recomputes peak first): moments
 #: only; the events lay those gradients (``stage_fresh``) after the W's recomputes are freed (``_Laying.moment``)
-UNMADE_AT_WEIGHT_KINDS = frozenset({"fsdp_stage_fresh_unmade"})
+UNMADE_AT_WEIGHT_KINDS = frozenset({"fsdp_stage_fresh_unmade", "recomputed_block_plain"})
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
@@ -226,21 +226,21 @@ _WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
 STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh",
                    "stage_gathered", "stage_backward_end", "stage_later_backward_end", "stage_later_weight",
-                   "stage_fresh_start")
+                   "stage_fresh_start", "stage_backward_action")
 
 #: the event rows' tag of each per-stage lifetime
 _STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr", "stage_converted": "cv",
               "stage_fresh": "fr", "stage_gathered": "ga", "stage_backward_end": "be", "stage_later_backward_end": "lbe",
-              "stage_later_weight": "lw", "stage_fresh_start": "fs"}
+              "stage_later_weight": "lw", "stage_fresh_start": "fs", "stage_backward_action": "bi"}
 
 #: the moments' per-stage columns of ``STAGE_LIFETIMES``, in order (``Moments``' fields of those names)
 _STAGE_COLUMNS = tuple(_STAGE_TAG[life] for life in STAGE_LIFETIMES)
 #: of them, the columns of a stage's B ends: the events lay their rows as the moment's transients (allocated and
 #: freed within it, named by it), not kept from one moment to the next as the other per-stage rows are
 _STAGE_END_COLUMNS = ("be", "lbe")
-#: the columns of a stage's W (its own moment): laid as the W's transients with its weight pass (``wr``, ``lw``), or
-#: moments only (``fs``: ``UNMADE_AT_WEIGHT_KINDS``)
-_STAGE_W_COLUMNS = ("wr", "lw", "fs")
+#: the columns of a stage's own actions: a W's, laid as the W's transients with its weight pass (``wr``, ``lw``), or
+#: moments only (``fs``, and ``bi``: a B's or an I's own moment; ``MOMENT_ONLY_STAGE_KINDS``)
+_STAGE_W_COLUMNS = ("wr", "lw", "fs", "bi")
 
 #: every lifetime (see the module docstring)
 LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after_input") + TRANSIENT
@@ -272,7 +272,7 @@ LIFETIMES: dict[str, str] = {
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
     "first_weight_end": "stage_weight", "first_weight_end_later": "stage_later_weight",
-    "fsdp_stage_fresh_unmade": "stage_fresh_start",
+    "fsdp_stage_fresh_unmade": "stage_fresh_start", "recomputed_block_plain": "stage_backward_action",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "backward_input", "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_embedding_full_grad": "after_first_backward",
@@ -550,11 +550,13 @@ class Moments(NamedTuple):
     lbe: np.ndarray
     lw: np.ndarray
     fs: np.ndarray
+    bi: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
         return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
-                                self.ig, self.ga, self.be, self.lbe, self.lw, self.fs, self.outputs, self.masks])
+                                self.ig, self.ga, self.be, self.lbe, self.lw, self.fs, self.bi, self.outputs,
+                                self.masks])
 
 
 def sig_moments(sig: Signature) -> Moments:
@@ -616,6 +618,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
     first_grad = int(grad_idx[0]) if len(grad_idx) else n
     acc, red, wr, cv, fr, ga, fs = _stage_columns(kind, col, v, m, stage == 0)
+    bi = np.zeros((n, v), dtype=np.int64)  # a B's or an I's own moment, of its stage
+    bi[np.arange(n), col] = (kind == _B) | (kind == _I)
     lw = wr * acc  # a W after the stage's first: its weights hold a gradient (``acc`` from the end of its first B or W)
     be = np.zeros((n, v), dtype=np.int64)  # a stage's B ends: ``_with_backward_ends``
     first_f = np.zeros(n, dtype=bool)
@@ -639,7 +643,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         ig = np.insert(ig, loss_at, ig[loss_at], axis=0)
         # the loss moment precedes its action: the stages' columns alike; it opens a B or an I, never a W or a B's end
         acc, red, cv, fr, ga = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga))
-        wr, be, lw, fs = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw, fs))
+        wr, be, lw, fs, bi = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw, fs, bi))
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -667,13 +671,13 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         ig = np.append(ig, end_ig, axis=0)
         # every stage reduced (its sharded gradients alive) and resharded by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
-        acc, wr, cv, fr, ga, be, lw, fs = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
-                                           for x in (acc, wr, cv, fr, ga, be, lw, fs))
+        acc, wr, cv, fr, ga, be, lw, fs, bi = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
+                                               for x in (acc, wr, cv, fr, ga, be, lw, fs, bi))
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr,
-                  ig, ga, be, be.copy(), lw, fs)
+                  ig, ga, be, be.copy(), lw, fs, bi)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     if b_end:
@@ -848,6 +852,7 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     cv[np.arange(len(rows)), col] = 1
     new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc, "iw": iw, "cv": cv,
            "wr": np.zeros_like(mo.wr[rows]), "lw": np.zeros_like(mo.lw[rows]), "fs": np.zeros_like(mo.fs[rows]),
+           "bi": np.zeros_like(mo.bi[rows]),
            "phase": np.full(len(rows), B_END),
            "be": be, "lbe": lbe}
     row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
@@ -885,6 +890,7 @@ def _with_step_moment(mo: Moments) -> Moments:
     row["wr"] = np.append(mo.wr, np.zeros_like(mo.wr[-1:]), axis=0)
     row["lw"] = np.append(mo.lw, np.zeros_like(mo.lw[-1:]), axis=0)
     row["fs"] = np.append(mo.fs, np.zeros_like(mo.fs[-1:]), axis=0)
+    row["bi"] = np.append(mo.bi, np.zeros_like(mo.bi[-1:]), axis=0)
     row["fr"] = np.append(mo.fr, np.zeros_like(mo.fr[-1:]), axis=0)
     row["phase"] = np.append(mo.phase, STEP)
     return Moments(**row)
@@ -929,6 +935,7 @@ class Signature(NamedTuple):
     lbe_bytes: tuple[int, ...] = ()  # per local stage: at the end of each of its B but the first
     lw_bytes: tuple[int, ...] = ()  # per local stage: at each of its W but the first (``stage_later_weight``)
     fs_bytes: tuple[int, ...] = ()  # per local stage: at each of its W that starts a run of ``fr`` (``stage_fresh_start``)
+    bi_bytes: tuple[int, ...] = ()  # per local stage: at each of its B and I (``stage_backward_action``)
 
 
 @lru_cache(maxsize=256)
@@ -963,6 +970,7 @@ class Peak(NamedTuple):
     lbe: tuple[int, ...] = ()  # per local stage: the moment is the end of one of its B but the first
     lw: tuple[int, ...] = ()  # per local stage: the moment is one of its W but the first
     fs: tuple[int, ...] = ()  # per local stage: the moment is one of its W that makes its .grad afresh
+    bi: tuple[int, ...] = ()  # per local stage: the moment is one of its B or I
 
 
 #: the optimizer step's transient among a signature's ``transient_bytes``
@@ -992,7 +1000,7 @@ def _peak_at(sig: Signature, mo: Moments, live: np.ndarray, i: int) -> Peak:
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
                 tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()), tuple(mo.ga[i].tolist()),
                 tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()), tuple(mo.lw[i].tolist()),
-                tuple(mo.fs[i].tolist()))
+                tuple(mo.fs[i].tolist()), tuple(mo.bi[i].tolist()))
 
 
 @lru_cache(maxsize=256)
@@ -1011,6 +1019,7 @@ def _live_bytes(sig: Signature) -> np.ndarray:
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
          + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none) + (sig.ga_bytes or none)
          + (sig.be_bytes or none) + (sig.lbe_bytes or none) + (sig.lw_bytes or none) + (sig.fs_bytes or none)
+         + (sig.bi_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -1171,7 +1180,7 @@ class RankTimeline:
         head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
         lp = tuple(a[1] for a in laid.acts)  # of it the log-probabilities
         splits = _splits_backward(schedule, pp, microbatches, virtual_stages)
-        acc, red, wr, cv, fr, ga, be, lbe, lw, fs = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
+        acc, red, wr, cv, fr, ga, be, lbe, lw, fs, bi = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
         return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
@@ -1180,7 +1189,7 @@ class RankTimeline:
                          tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
                          lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only,
                          ga if any(ga) else (), be if any(be) else (), lbe if any(lbe) else (),
-                         lw if any(lw) else (), fs if any(fs) else ())
+                         lw if any(lw) else (), fs if any(fs) else (), bi if any(bi) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it

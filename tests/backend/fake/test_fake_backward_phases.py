@@ -1,4 +1,4 @@
-"""Seven rules of a backward's phases in the engine, each against ``measure --fake`` of one rank (seconds):
+"""Eight rules of a backward's phases in the engine, each against ``measure --fake`` of one rank (seconds):
 
 * LoRA under context parallelism: a B's MLP backward (its three s·b·f gradients), the recompute's forward again and
   the ring attention's backward workspace are three phases, not one moment (``activations.block_backward_terms``
@@ -15,7 +15,9 @@
   tensors freed (``first_weight_end_terms``);
 * a W that recomputes peaks before its later groups make their gradients in the parameter dtype
   (``buffers._stage_fresh_gradients``, the moments' ``fs``);
-* a stage's last MoE block's output gradient is the gradient the stage received (``_output_gradient_received``)."""
+* a stage's last MoE block's output gradient is the gradient the stage received (``_output_gradient_received``);
+* a stage none of whose blocks is checkpointed recomputes nothing in its B (``recomputed_block_plain``, the moments'
+  ``bi``)."""
 
 from __future__ import annotations
 
@@ -138,4 +140,21 @@ def test_a_last_moe_blocks_output_gradient_is_the_received_one(tmp_path):
         "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}})
     engine, fake, moment = _allocated(cfg, 64, tmp_path)
     assert " B of microbatch" in moment
+    assert abs(engine / fake - 1) <= 0.025
+
+
+@pytest.mark.integration
+def test_a_plain_stage_recomputes_nothing_in_its_backward(tmp_path):
+    """Llama 2 7B (6 blocks) LoopedBFS pp2 v3 tp2 SP cp4 HSDP, selective-layer every 2: rank 0 holds stages 0, 2 and 4
+    of one block each, the second checkpointed; its peak is stage 4's B, which recomputes nothing (+5.3 % with the
+    rank's recomputed block laid there)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "llama2-7b", "layers": 6, "seq_len": 2048},
+        "cluster": {"gpu": "h100-96g", "gpus": 256, "gpus_per_node": 8},
+        "parallel": {"dp": 16, "tp": 2, "pp": 2, "cp": 4, "zero": 2, "replicate": 2, "sequence_parallel": True,
+                     "schedule": "LoopedBFS", "virtual_stages": 3, "microbatches": 4},
+        "training": {"micro_batch_size": 2, "precision": "bf16-mixed", "grad_dtype": "fp32",
+                     "recompute": "selective-layer", "recompute_every": 2}})
+    engine, fake, moment = _allocated(cfg, 0, tmp_path)
+    assert moment.startswith("stage 4 B of microbatch")
     assert abs(engine / fake - 1) <= 0.025
