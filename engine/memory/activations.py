@@ -1275,10 +1275,10 @@ def _stage_extras(cfg: Config, st, sh: _Shape, layer_terms, ckpt_of: dict[int, i
 
 def _moe_top_of_stages(cfg: Config, rp, T: Terms, sh: _Shape, res: int, ckpt_of: dict[int, int],
                        ep_rank: int | None) -> list[int]:
-    """Per local stage (0 for each but those) whose backward a split schedule runs as an I and a W: what its last block, one with experts whose
-    saved tensors are the microbatch's (not checkpointed), saved above every weight's node — the router's scores and
-    gate weights, the un-permute's expert outputs, the combine's fp32 and weighted outputs (``moe_weight_pass_block``'s
-    ``above``). ``stage_backward_input`` detaches the stage's output at the I's end, and the graph above the nodes it
+    """Per local stage: where a split schedule runs its backward as an I and a W, what its last block — one with experts
+    whose saved tensors are the microbatch's (not checkpointed) — saved above every weight's node (0 elsewhere): the
+    router's scores and gate weights, the un-permute's expert outputs, the combine's fp32 and weighted outputs
+    (``moe_weight_pass_block``'s ``above``). ``stage_backward_input`` detaches the stage's output at the I's end, and the graph above the nodes it
     keeps for the W goes with what those nodes saved: they are freed at the I, not at the W. Only where the block's
     output is the stage's (no final norm or head after it: not the last stage; and not the first, whose I is its W).
     measure --fake of Qwen3 30B-A3B ZBV pp4 ep4 ZeRO-3, seed 20261246 #24, stages 3 and 4 of one MoE block: each I

@@ -193,9 +193,11 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
                                "split_backward_grads_made"})
 
-#: what a W's own moment does not hold yet of the stage's weight gradients it makes (its recomputes peak first): moments
-#: only; the events lay those gradients (``stage_fresh``) after the W's recomputes are freed (``_Laying.moment``)
-UNMADE_AT_WEIGHT_KINDS = frozenset({"fsdp_stage_fresh_unmade", "recomputed_block_plain"})
+#: per-stage terms of the moments only, no event rows: what a W's own moment does not hold yet of the stage's weight
+#: gradients it makes (its recomputes peak first; the events lay those gradients, ``stage_fresh``, after the W's
+#: recomputes are freed: ``_Laying.moment``), and the recomputed block a plain stage's B or I does not make (the
+#: events lay it at every B's walk)
+MOMENT_ONLY_STAGE_KINDS = frozenset({"fsdp_stage_fresh_unmade", "recomputed_block_plain"})
 
 #: the transient lifetimes, in the order of their columns in the moment matrix
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
@@ -1095,7 +1097,7 @@ class _Laid:
                     if nbytes > 0:
                         add_row(((_STAGE_TAG[life], col), nbytes, ALL_GATHER_STREAM if kind in gather
                                  else REDUCE_SCATTER_STREAM if kind in REDUCE_SCATTER_STREAM_KINDS else 0))
-                    elif nbytes < 0 and kind not in UNMADE_AT_WEIGHT_KINDS:  # taken off that stage's blocks of the
+                    elif nbytes < 0 and kind not in MOMENT_ONLY_STAGE_KINDS:  # taken off that stage's blocks of the
                         # same lifetime (``_net_rows``)
                         freed[(_STAGE_TAG[life], col)] = freed.get((_STAGE_TAG[life], col), 0) - nbytes
                     continue
