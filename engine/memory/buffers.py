@@ -522,7 +522,10 @@ def _pipelined_kept_all_gather(cfg: Config, plan: WrappingPlan, rp: RankParams, 
     LoRA, seed 20261233 #6c7555c1, last stage: +5.0 % with them)."""
     blocks = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count)
               for u, count in rp.unit_groups if u not in rp.root_units]
-    n = sum(count for _, count in blocks)
+    # the prefetch chains a stage's own blocks: each stage module is an FSDP2 root of its own, whose post-forward frees
+    # its last block's result (measure --fake, seed 20261249 #27, Llama 3 405B ZBV pp4 ZeRO-3 LoRA, stages 3 and 4 of
+    # one block each: one all-gather output at the first forward's peak, +26.6 % with a second one laid)
+    n = min(sum(count for _, count in blocks), max((st.layers for st in rp.stages), default=0))
     # the stage's root (fully_shard of the stage's module: its embeddings or its final norm and head) is gathered
     # first, in its pre-forward, and its result kept to the first block's copy-out: there the root's and the first
     # block's outputs beside those two units alone (measure --fake of Llama 3 70B pp4 cp4 ZeRO-3 LoRA, seed 20261237,
