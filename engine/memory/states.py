@@ -60,7 +60,7 @@ from engine.model.params import (
     zero_redundancy_largest,
     zero_redundancy_shares,
 )
-from engine.names import OPTIMIZER_STATES, SPLIT_BACKWARD_SCHEDULES
+from engine.names import OPTIMIZER_STATES
 from engine.wrapping import WrappingPlan, wrapping_plan
 
 
@@ -376,9 +376,11 @@ def pytorch_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int
                           f"4 B × {how}" + (f" − 4 B × {plain:,} expert elements" if plain else ""))
         label = ("routed experts' gradients, plain fp32 tensors (FSDP2's replicate ignores the experts: autograd "
                  "accumulates their .grad, the backend syncs them over the expert replicas)")
-        if plain and par.pp > 1 and len(rp.stages) > 1 and par.schedule not in SPLIT_BACKWARD_SCHEDULES:
+        if plain and par.pp > 1 and len(rp.stages) > 1:
             # made at each stage's own first backward, as a rank's plain gradients are (``_plain_gradients_by_stage``;
-            # measure --fake Mixtral LoopedBFS pp2 v2 ep8: rank 0 peaks in stage 2's first B with no expert gradient)
+            # measure --fake Mixtral LoopedBFS pp2 v2 ep8: rank 0 peaks in stage 2's first B with no expert gradient),
+            # under a split backward at its first W (seed 20261250 #27, Qwen3 235B ZBV ep4 ZeRO-0: stage 6's W's peak
+            # before stage 1's first, +7.3 % with stage 1's laid from the rank's first I)
             _stage_gradient_terms(T, label, [(st.stage, 4 * st.experts, f"4 B × {st.experts:,}")
                                              for st in sorted(rp.stages, key=lambda st: st.stage) if st.experts])
         elif plain:
