@@ -2556,7 +2556,7 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         w_grads = ((n_w if (par.microbatches > 1 or unit_grads) and not fresh_buffers and e_loc > 1 else 0) + 2
                    ) * e_loc * f_loc * h * wb
         after = sum(1 for i in layers if i > moe_idx[-1]) * per_layer
-        received = _output_gradient_received(cfg, st, after)
+        received = _output_gradient_received(cfg, st, after) and len(moe_idx) == 1
         one_grad = n_s * h * act // (par.tp if par.sequence_parallel and par.ep == 1 else 1)
         grads = (1 if received else 2) * one_grad
         routed_grad = act * n_r * h if par.ep == 1 else 0
@@ -2614,7 +2614,10 @@ def _output_gradient_received(cfg: Config, st, after: int) -> bool:
     itself (comm_buffers), no tensor of its own: the block is the stage's last (nothing ``after`` it) and its output
     the stage's (an earlier stage; sequence parallel redistributes it). measure --fake of Mixtral 8x7B s64K 1F1B pp8 tp2
     ep8 full recompute, seed 20261247 #10, one block a stage: three 1 GiB fp32 temporaries at the combine's backward,
-    no 512 MiB output gradient beside them (allocated +3.7 % on six ranks with one)."""
+    no 512 MiB output gradient beside them (allocated +3.7 % on six ranks with one). Only where the block is the stage's
+    one MoE block: with more, an earlier one's combine, whose output gradient is a tensor of its own, holds as much less
+    what the later block kept (its input under full recompute; seed 20261250 #04, Mixtral pp2 four blocks a stage:
+    −5.0 % with the last block's moment alone)."""
     par = cfg.parallel
     return par.pp > 1 and st.stage != par.num_stages - 1 and not par.sequence_parallel and not after
 
