@@ -2022,7 +2022,7 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     fresh = (weight_pass_fresh(cfg, sh, plan.gathered_bytes if plan.fsdp2 else sh.act)
              if not autocast and not plan.converts_gradients else {})
     f8_cast = float8_weight_cast_bytes(cfg)
-    of_count: dict[tuple[int, bool | str], tuple[int, str, int]] = {}  # (checkpointed, kind) -> the pass
+    of_count: dict[tuple, tuple[int, str, int] | int] = {}  # (checkpointed, kind) -> the pass; + ("peak",): its peak block
     moe_block = None
     trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
     before = _plain_before_checkpoints_of_stages(cfg, rp, ckpt_of)
@@ -2050,8 +2050,10 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                                                plain_before=key[3])
                 of_count[key + ("grads",)] = (with_grads[0] - with_grads[2]) - (of_count[key][0] - of_count[key][2])
             nbytes, formula, freed = of_count[key]
-            T.weight_peak_blocks[st.stage] = _blocks_before_weight_peak(sh, res, c, casts, keeps[1] if keeps else None,
-                                                                        moe_block, before[st.stage], st.layers)
+            if key + ("peak",) not in of_count:
+                of_count[key + ("peak",)] = _blocks_before_weight_peak(sh, res, c, casts, keeps[1] if keeps else None,
+                                                                       moe_block, key[3])
+            T.weight_peak_blocks[st.stage] = (of_count[key + ("peak",)], st.layers)
             extra = of_count[key + ("grads",)]
             if extra > 0:
                 T.add("temporaries", f"stage {st.stage}: its W's experts' weight gradients at their group's node "
@@ -2081,8 +2083,10 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                                                f8_in=f8_in, fresh=fresh, plain_before=key[2], plain_saved=plain_saved)
                 of_count[key + ("fresh",)] = (with_fresh[0] - with_fresh[2]) - (of_count[key][0] - of_count[key][2])
         nbytes, formula, freed = of_count[key]
-        T.weight_peak_blocks[st.stage] = _blocks_before_weight_peak(sh, res, c, casts, keeps[0] if key[1] else None,
-                                                                    None, before[st.stage], st.layers)
+        if key + ("peak",) not in of_count:
+            of_count[key + ("peak",)] = _blocks_before_weight_peak(sh, res, c, casts, keeps[0] if key[1] else None, None,
+                                                                   key[2])
+        T.weight_peak_blocks[st.stage] = (of_count[key + ("peak",)], st.layers)
         T.add("activations", f"stage {st.stage}: its W's recomputes of its {c} checkpointed block"
               f"{'s' if c != 1 else ''}, one per parameter group (torch's stage_backward_weight: a graph task "
               "per group, the checkpoint recomputes per graph task)", nbytes, formula, stage=st.stage,
@@ -2114,12 +2118,12 @@ def _plain_weight_pass_fresh(cfg: Config, T: Terms, st, fresh: dict[str, int], a
 
 
 def _blocks_before_weight_peak(sh: _Shape, res: int, c: int, casts: dict[str, int], grads: dict[str, int] | None,
-                               block, plain_before: tuple[int, int], layers: int) -> tuple[int, int]:
-    """(blocks whose parameter groups have all run by a stage's weight-pass peak, the stage's blocks): the plain
-    blocks before the checkpointed block it peaks in, and the checkpointed ones before it (``weight_pass_bytes``)."""
+                               block, plain_before: tuple[int, int]) -> int:
+    """The blocks whose parameter groups have all run by a stage's weight-pass peak: the plain blocks before the
+    checkpointed block it peaks in, and the checkpointed ones before it (``weight_pass_bytes``)."""
     kept, _, groups, above = block if block is not None else (*weight_pass_block(sh, res), weight_groups(sh), 0)
     last = _weight_pass_peak_block(len(groups) * (kept + above) + sum((casts or {}).values()), grads, c)
-    return last + plain_before[1 if last == c - 1 else 0], layers
+    return last + plain_before[1 if last == c - 1 else 0]
 
 
 def _experts_weight_grads(cfg: Config, autocast: bool) -> dict[str, int]:
