@@ -615,6 +615,42 @@ def context_parallel_workspace(sh: _Shape, cp: int, rotate: str) -> tuple[int, s
     return max(fwd, bwd), formula
 
 
+def attention_phase_of_fresh_gradients(cfg: Config) -> bool:
+    """Without context parallelism, whether a B's moment is the larger of its first block's MLP phase and its
+    attention's (the workspace ``attention_backward``, :func:`_cp_attention_after_mlp`): where FSDP2 accumulates the
+    unsharded gradients over microbatches in another dtype than the parameters' (``buffers._fresh_gradients``), a dense
+    block's backward writes each weight gradient fresh into .grad in the parameter dtype and the block's post-backward
+    adds them in only at the block's end (``FSDPParam.accumulate_unsharded_grad_if_needed``), so by its attention's
+    backward the MLP's and the output projection's are alive beside the attention's workspace, the MLP's and its norm's
+    saved tensors gone. measure --fake of seed 20261252 #17 (Llama 3 70B pp8 1F1B HSDP ZeRO-2, bf16 parameters, fp32
+    gradients, one block a stage): each later B peaks in ``_scaled_dot_product_flash_attention_for_cpu_backward`` with
+    w1's, w2's, w3's and wo's bf16 gradients (3 × 448 + 128 MiB) and five 32 MiB s·b·h tensors, 448 MiB above the MLP's
+    phase. Not under LoRA (adapters only), experts, MLA, a split backward (no B; its I's and W's are their own), or
+    eager attention."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    if (par.cp > 1 or m.experts or m.attention != "flash" or tr.finetune != "full"
+            or par.schedule in SPLIT_BACKWARD_SCHEDULES):
+        return False
+    plan = wrapping_plan(cfg)
+    return plan.fsdp2 and plan.converts_gradients and (plan.unsharded_after_first_backward or par.microbatches > 1)
+
+
+def attention_backward_workspace(sh: _Shape) -> tuple[int, int, str]:
+    """A block's flash attention backward without context parallelism, at its op (bytes, the MLP's and its norm's saved
+    bytes it no longer holds, formula; where it outweighs the MLP's phase): the residual stream's
+    gradient (the attention's branch not yet added in: under SP sequence-sharded), the attention output's gradient
+    (wo's backward), and the op's dQ, dK, dV — at every query head where the backend repeated K and V for grouped
+    queries (``backend/model.py``: ``repeat_interleave`` before the SDPA call). measure --fake of Llama 3 70B pp8 (h =
+    8,192, 2,048 tokens, 8 KV heads): five 32 MiB tensors at the op."""
+    s, b, t, e = sh.s, sh.b, sh.t, sh.act
+    res = sh.resid or e
+    rows = s * b // t if sh.sp else s * b
+    kv = sh.qd // t if sh.kv != sh.qd and not sh.mla else sh.kv // t
+    ws = res * rows * sh.h + e * s * b * (2 * (sh.qd // t) + 2 * kv)
+    return ws, _mlp_and_norm2_saved(sh), (f"{res}·s·b·h{'/t' if sh.sp else ''} (residual gradient) + {e}·s·b·(2·q/t + 2·{'q' if kv == sh.qd // t else 'kv'}/t)"
+                f" (attention output's gradient, dQ, dK, dV) = {ws:,} B")
+
+
 def _ring_kv(sh: _Shape, rotate: str) -> tuple[tuple[int, ...], str]:
     """The K, V tensors one layer's flash ring holds while it runs (bytes each, formula): "allgather" the gathered
     K, V and the sent copy of its own chunk, "alltoall" three chunks (in hand, sent, arriving)."""
@@ -981,18 +1017,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     if autocast:
         _autocast_cast_terms(cfg, rp, T, act, psi_train)
     _recomputed_block_terms(cfg, rp, T, sh, blocks, ckpt_of, res, dims, ep_rank)
-    if par.cp > 1:
-        ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
-        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
-              "at the peak of its forward and backward", ws, formula, kind="cp_attention")
-        pieces = context_parallel_backward_tensors(sh, par.cp_rotate)
-        T.cp_pieces = pieces if sum(pieces) == ws else ()
-        # the same at a forward's moment; a split backward's W runs no attention backward (stage_backward_weight asks
-        # for the weights' gradients, the I made the attention's), and its recompute's forward workspace is gone by
-        # the end of a group's recompute, where the W peaks (measure --fake of GPT-2 DualPipeV pp2 cp4: none there)
-        ws_f, formula_f = context_parallel_forward_workspace(sh, par.cp, par.cp_rotate)
-        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}) in a forward", ws_f, formula_f,
-              kind="cp_attention_forward")
+    _attention_workspace_terms(cfg, T, sh, torch_acc)
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
     if torch_acc:
@@ -1042,6 +1067,27 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         weight_pass_terms(cfg, rp, T, sh, blocks, ckpt_of, res, autocast, keeps, ep_rank)
     return {"res": res, "sbh_rep": sbh_rep, "hs": hs, "mlp_phase": mlp_phase,
             "before_weight_gradients": before_weight_gradients or moe_combine}
+
+
+def _attention_workspace_terms(cfg: Config, T: Terms, sh: _Shape, torch_acc: bool) -> None:
+    """What a block's attention holds beyond its saved tensors while it runs: the context-parallel ring's workspace
+    (forward and backward), or without it the flash backward's where a B's attention phase may hold FSDP2's fresh
+    gradients (``Terms.attention_phase``, laid by ``engine.memory.buffers._fresh_gradients``)."""
+    par = cfg.parallel
+    if par.cp == 1 and torch_acc and attention_phase_of_fresh_gradients(cfg):  # laid by ``buffers._fresh_gradients``
+        T.attention_phase = attention_backward_workspace(sh)
+    if par.cp > 1:
+        ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)
+        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}): what is not sharded, "
+              "at the peak of its forward and backward", ws, formula, kind="cp_attention")
+        pieces = context_parallel_backward_tensors(sh, par.cp_rotate)
+        T.cp_pieces = pieces if sum(pieces) == ws else ()
+        # the same at a forward's moment; a split backward's W runs no attention backward (stage_backward_weight asks
+        # for the weights' gradients, the I made the attention's), and its recompute's forward workspace is gone by
+        # the end of a group's recompute, where the W peaks (measure --fake of GPT-2 DualPipeV pp2 cp4: none there)
+        ws_f, formula_f = context_parallel_forward_workspace(sh, par.cp, par.cp_rotate)
+        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}) in a forward", ws_f, formula_f,
+              kind="cp_attention_forward")
 
 
 def _v_symbol(model, v_loss: int) -> str:
@@ -2204,15 +2250,11 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
     fresh weight gradients made by the attention's phase but not by the MLP's take their place in the attention's side
     (``engine.memory.buffers._fresh_gradients``)."""
     cp = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
-    mlp = sum(_mlp_phase_parts(T).values())
+    mlp = sum(mlp_phase_parts(T).values())
     again = _lora_forward_again(T)
     if not cp or not (mlp or again):
         return 0
-    plain = dataclasses.replace(sh, recompute="none")
-    table = layer_activation_terms(plain)[0]
-    # (LoRA over a frozen fp32 base: the MLP's matmuls also saved their weights' 16-bit casts)
-    saved = sum(x for _, x, group in table if group in ("mlp", "norm2")) + frozen_casts_saved(
-        plain, tuple(n for n in ("w1", "w3", "w2") if sh.swiglu or n != "w3"))
+    saved = _mlp_and_norm2_saved(sh)
     off = min(cp, max(mlp, again) + saved)
     T.add("temporaries", "a B's MLP backward and its context-parallel attention are not at once: the attention's "
           "workspace comes after the MLP's gradients and with the MLP's saved tensors gone", -off,
@@ -2223,7 +2265,17 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
     return mlp + saved
 
 
-def _mlp_phase_parts(T: Terms) -> dict[str, int]:
+def _mlp_and_norm2_saved(sh: _Shape) -> int:
+    """What a block's MLP and its norm saved for one microbatch, gone by its attention's backward: the table at
+    recompute = "none" (under full recompute the block's tensors at a B are its recomputed ones, the same), with, LoRA
+    over a frozen fp32 base, the 16-bit casts of the MLP's weights its matmuls saved."""
+    plain = dataclasses.replace(sh, recompute="none")
+    table = layer_activation_terms(plain)[0]
+    return sum(x for _, x, group in table if group in ("mlp", "norm2")) + frozen_casts_saved(
+        plain, tuple(n for n in ("w1", "w3", "w2") if sh.swiglu or n != "w3"))
+
+
+def mlp_phase_parts(T: Terms) -> dict[str, int]:
     """A B's MLP backward as laid (``mlp_backward`` and what it frees), by category: its gradients net."""
     return {c: sum(t.bytes for t in T[c] if t.kind in ("mlp_backward", "mlp_backward_freed"))
             for c in ("temporaries", "activations")}
@@ -2239,7 +2291,7 @@ def _recompute_forward_before_mlp(T: Terms) -> None:
     backward makes its gradients (``mlp_backward``), so the B moment holds the larger of the two, not both
     (autograd runs the checkpoint's recompute on the first unpack, to its end, before the node that asked)."""
     again = _lora_forward_again(T)
-    parts = _mlp_phase_parts(T)
+    parts = mlp_phase_parts(T)
     mlp = sum(parts.values())
     if again <= 0 or mlp <= 0:
         return

@@ -28,7 +28,14 @@ import math
 from dataclasses import replace
 
 from engine.config import Config
-from engine.memory.activations import TABLE_RECOMPUTE, first_weight_end_terms, layer_activation_terms, shape_of
+from engine.memory.activations import (
+    TABLE_RECOMPUTE,
+    attention_phase_of_fresh_gradients,
+    first_weight_end_terms,
+    layer_activation_terms,
+    mlp_phase_parts,
+    shape_of,
+)
 from engine.memory.lifetimes import BLOCK_KINDS, HEAD_KINDS, LIFETIMES, STAGE_OUTPUT_KINDS
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
@@ -326,6 +333,31 @@ def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int
                   kind="mlp_backward_freed")
 
 
+def _attention_phase_without_cp(T: Terms, made: int, more: int, dtype: str) -> None:
+    """Without context parallelism, where a B's first block's attention backward outweighs its MLP's
+    (``activations.attention_phase_of_fresh_gradients``, ``Terms.attention_phase``): the moment is the attention's —
+    the flash backward's workspace, the MLP's and the output projection's fresh gradients (``more`` bytes beyond the
+    ``made`` the MLP's phase holds), the MLP's and its norm's saved tensors and the MLP's backward gone, and on the last
+    stage the blocks' output gradient (the residual add's backward has summed it into the residual stream's gradient,
+    the workspace's). Laid only where it is the larger, so the categories stay the MLP phase's elsewhere."""
+    ws, saved, formula = T.attention_phase
+    parts = mlp_phase_parts(T)
+    out_grad = sum(t.bytes for t in T["temporaries"] if t.kind == "blocks_output_gradient")
+    gain = ws + more - saved - out_grad - sum(parts.values())
+    if gain <= 0:
+        return
+    T.add("comm_buffers", f"the largest unit's fresh gradients in {dtype} made by its attention's backward: the MLP's "
+          "others and the output projection's", more, f"{more:,} B", kind="fsdp_fresh_grad_made")
+    T.add("temporaries", "a B's first block's attention backward (flash; the larger phase): the residual stream's "
+          "gradient, the attention output's, dQ, dK, dV, in place of the MLP's backward" + (
+              " and the blocks' output gradient" if out_grad else ""),
+          ws - parts["temporaries"] - out_grad, f"{formula} − the MLP phase's {parts['temporaries']:,} B"
+          + (f" − {out_grad:,} B" if out_grad else ""), kind="attention_backward")
+    T.add("activations", "a B's attention backward: the first block's MLP and norm saved tensors freed by then",
+          -saved - parts["activations"], f"−{saved:,} B (MLP and norm2 rows) − the MLP phase's {parts['activations']:,} B",
+          kind="mlp_backward_freed")
+
+
 def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bool = False) -> tuple[int, int] | None:
     """Elements of the gradients a dense block's backward has made by the moment a B's own moment stands for, where
     that holds fewer than the whole unit's (autograd runs the block's backward from its last op): (made by the MLP's
@@ -355,7 +387,7 @@ def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bo
     weights, biases = mlp_tensors(m, m.ffn_hidden, par.tp)
     made = weights[-1:] + (weights[:1] if tr.float8 != "none" and m.mlp == "swiglu" else ())
     mlp = 0 if before else sum(a * b for a, b in made) + (biases[-1][0] if biases else 0)
-    if par.cp == 1:
+    if par.cp == 1 and not attention_phase_of_fresh_gradients(cfg):
         return mlp, 0
     out_proj = [w for w in attention_tensors(m, par.tp)[0] if w[0] == m.hidden][-1]
     return mlp, sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0) - mlp
@@ -418,7 +450,9 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
             T.add("comm_buffers", f"the largest unit's fresh gradient in {plan.compute_dtype} made by a B's own moment: "
                   "the down projection's (float8: and an up projection's), the unit's others later", pgrad * made_mlp,
                   f"{pgrad} B × {made_mlp:,} elements", kind="fsdp_fresh_grad_made")
-        if made_attention:
+        if made_attention and T.attention_phase:
+            _attention_phase_without_cp(T, pgrad * made_mlp, pgrad * made_attention, plan.compute_dtype)
+        elif made_attention:
             _attention_phase_gradients(T, pgrad * made_attention, plan.compute_dtype, mlp_phase)
         T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype} at the end of the backward, before "
               f"FSDP2's post-backward adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)",

@@ -73,6 +73,10 @@ class Terms(dict):
         #: the context-parallel attention's backward workspace tensor by tensor (``activations.
         #: context_parallel_backward_tensors``), for the allocation events; (): one piece
         self.cp_pieces: tuple[int, ...] = ()
+        #: without context parallelism, a B's attention phase where it may hold FSDP2's fresh gradients (``engine.
+        #: memory.activations.attention_phase_of_fresh_gradients``): (its workspace, the MLP's and norm's saved bytes,
+        #: the workspace's formula), laid by ``engine.memory.buffers`` where it outweighs the MLP's; (): none
+        self.attention_phase: tuple = ()
         #: the REDUCE_GRAD moment's unit's whole reduce-scatter input (``buffers._reduce_grad``), which torch allocates
         #: beside that unit's accumulation and gathered parameters: the events lay it whole where it fits; 0: none
         self.reduce_gross: int = 0
