@@ -66,6 +66,7 @@ from engine.memory.lifetimes import moments
 from engine.memory.report import Term, Terms, ceil_div
 from engine.memory.states import replicate_expert_grads
 from engine.model import lora
+from engine.model.params import attention_tensors, mlp_tensors
 from engine.model.recompute import block_linears_addmm, checkpointed_per_stage, sac_saved_matmuls, sac_saved_moe
 from engine.model.routing import (
     load_shares,
@@ -1056,6 +1057,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
             fp32_linear_inputs=autocast and sh.float8_uncast, autocast=autocast, lora_mods=sh.lora_mods if lora_on else None)
         if par.cp > 1:
             mlp_phase = _cp_attention_after_mlp(T, sh)
+        _autocast_waiting_phases(cfg, rp, T, sh, act, plain_grads=plain_grads, autocast=autocast)
         _recompute_forward_before_mlp(T)  # (LoRA)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" and not lora_on:
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, ep_rank=ep_rank)
@@ -1460,6 +1462,46 @@ def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
               "its cast's backward (run last: the casts are cached from the stage's first forward), with the "
               "largest fp32 gradient made beside them (the first stage's token embedding's, the last's head's)",
               best, what, kind="autocast_cast_gradients")
+
+
+def _autocast_waiting_phases(cfg: Config, rp, T: Terms, sh: _Shape, act: int, *, plain_grads: bool,
+                             autocast: bool) -> None:
+    """A later B's attention phase under pipelining with autocast and plain gradients: each cast weight's 16-bit
+    gradient waits for its cast's backward, run last (``_autocast_waiting_gradients``), so by its first block's
+    attention backward the MLP's and the output projection's are all alive beside the attention's workspace (the
+    ring's under context parallelism, the flash backward's without), the MLP's and its norm's saved tensors gone; a
+    stage's first B casts each at once (its casts' nodes are the microbatch's own). measure --fake of seed 20261252
+    #03 (Llama 2 7B pp8 cp4 DDP, fp32 parameters, bf16-mixed), a middle stage's second B: w1's, w2's, w3's and wo's
+    bf16 gradients (3 × 86 + 32 MiB) inside the ring attention's backward, −3.2 … −4.1 % without them. Laid
+    (``later_full_backward``) where that phase outweighs what the B's moment holds (the larger of the MLP's and the
+    attention's without them)."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    if not (autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and tr.float8 == "none"
+            and tr.finetune == "full" and not m.experts and m.attention == "flash"
+            and par.schedule not in SPLIT_BACKWARD_SCHEDULES and any(st.layers for st in rp.stages)):
+        return
+    parts = mlp_phase_parts(T)
+    mlp = sum(parts.values())
+    if par.cp > 1:
+        ws = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
+        saved = _mlp_and_norm2_saved(sh)
+        out_grad = 0  # (the ring's workspace formula counts no residual gradient)
+        laid = max(mlp, ws - saved)
+    else:
+        ws, saved, _ = attention_backward_workspace(sh)
+        out_grad = sum(t.bytes for t in T["temporaries"] if t.kind == "blocks_output_gradient")
+        laid = mlp
+    weights, biases = mlp_tensors(m, m.ffn_hidden, par.tp)
+    out_proj = [w for w in attention_tensors(m, par.tp)[0] if w[0] == m.hidden][-1]
+    waiting = act * (sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0))
+    extra = ws + waiting - saved - out_grad - laid
+    if extra > 0:
+        T.add("temporaries", "a later B's attention backward under autocast: the MLP's and the output projection's "
+              "16-bit weight gradients waiting for their casts' backward beside the workspace, the MLP's saved "
+              "tensors gone (more than the B's moment as laid)", extra,
+              f"{ws:,} B workspace + {waiting:,} B gradients − {saved:,} B saved"
+              + (f" − {out_grad:,} B output gradient" if out_grad else "") + f" − {laid:,} B laid",
+              kind="autocast_waiting_attention")
 
 
 def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ckpt_of: dict[int, int],

@@ -107,6 +107,10 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        their ``ToCopyBackward0`` nodes were made in the stage's first forward, and autograd's
                        ready queue runs the highest sequence number first (torch/csrc/autograd/engine.cpp,
                        ``CompareNodeTaskTime``): every later microbatch's backward runs them last
+  later_full_backward  at a B's own moment, but not at a stage's first B: under pipelining with autocast and plain
+                       gradients, what its phases hold differently from the first's — the 16-bit weight gradients
+                       waiting for their casts' backward (see ``later_backward_end``) beside the attention's
+                       backward, and none of their fp32 casts at the MLP's (``activations._autocast_waiting_phases``)
   early_backward       at a B's own moment only (not at the late-backward moment): what the B holds once its
                        first block has reduced (its sharded gradients, less its saved tensors), where
                        that exceeds the start; under a split backward the MoE backward's moment of a full B
@@ -204,7 +208,7 @@ TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backwar
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
              "input_backward", "loss_after_forward", "after_a_backward", "backward_after_forward", "reduce_grad",
-             "after_first_weight", "after_first_backward")
+             "later_full_backward", "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
@@ -276,7 +280,8 @@ LIFETIMES: dict[str, str] = {
     "first_weight_end": "stage_weight", "first_weight_end_later": "stage_later_weight",
     "fsdp_stage_fresh_unmade": "stage_fresh_start", "recomputed_block_plain": "stage_backward_action",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
-    "cp_attention": "backward_input", "attention_backward": "full_backward", "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards",
+    "cp_attention": "backward_input", "attention_backward": "full_backward", "autocast_waiting_attention": "later_full_backward",
+    "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_embedding_full_grad": "after_first_backward",
     "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
@@ -792,12 +797,22 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
     every = np.ones(n, dtype=bool)
     on = {"every_action": every, "backward": is_bwd_input | (kind == _W), "backward_input": is_bwd_input,
           "full_backward": (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward
+          "later_full_backward": _later_bs(kind, stage),
           "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
           "early_backward": kind == _B, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
           "after_a_backward": np.isin(kind, (_B, _I, _W)) & np.isin(_previous_kind(kind, stage), (_B, _I, _W)),
           "backward_after_forward": np.isin(kind, (_B, _I)) & (_previous_kind(kind, stage) == _F),
           "after_first_backward": np.arange(n) > first_bwd}
     return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)
+
+
+def _later_bs(kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """Per action, whether it is a B of a stage that ran a B before it."""
+    out = np.zeros(len(kind), dtype=bool)
+    b = np.flatnonzero(kind == _B)
+    out[b] = True
+    out[b[np.unique(stage[b], return_index=True)[1]]] = False
+    return out
 
 
 def _with_late_moment(mo: Moments) -> Moments:
