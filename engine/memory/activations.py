@@ -2119,6 +2119,8 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
         moe = bool(st.moe_layers)
         if not c and fresh and st.stage:
             _plain_weight_pass_fresh(cfg, T, st, fresh, autocast)
+        if not c and st.stage and keeps is not None and not st.moe_layers:
+            _float8_plain_weight_pass(cfg, T, st, sh, res, keeps[0])
         if not c or (moe and (st.moe_layers != st.layers or st.stage == 0)):
             continue
         if moe:
@@ -2203,6 +2205,43 @@ def _plain_weight_pass_fresh(cfg: Config, T: Terms, st, fresh: dict[str, int], a
         T.add("temporaries", f"stage {st.stage}: at each W but its first, the fresh gradients of its largest parameter "
               "group (its weights hold a gradient already: weight.grad += dw)", largest, f"{largest:,} B", stage=st.stage,
               kind="weight_pass_fresh")
+
+
+def _float8_plain_weight_pass(cfg: Config, T: Terms, st, sh: _Shape, res: int, kept: dict[str, int]) -> None:
+    """A split backward's W over a stage that recomputes nothing, under eager float8: torchao's Float8Linear backward
+    (``matmul_with_hp_or_float8_args.backward``) makes grad_input as well as grad_weight, whichever the caller asked
+    for (``stage_backward_weight`` asks for the weights'): the output gradient cast along its last axis (its float8
+    bytes kept), the weight's cast, grad_input (the compute dtype), then the output gradient's and the input's casts
+    along the tokens, each at its peak 9 B an element (the fp32 upcast and scaled copy, then the saturated clamp and
+    the float8 bytes), the function's locals alive until it returns. The pass runs the groups in parameter order
+    (``weight_groups``), each dropping its kept output gradient and what its weights' nodes saved
+    (``weight_pass_block``'s frees) once its ``autograd.grad`` returns, so it holds the most at the group whose casts,
+    less what the groups before it dropped, are the most. measure --fake of seed 20261252 #29 (GPT-2 ZBV pp4 rowwise,
+    attention-core recompute): each later stage's W 168 MiB above its start at w1's group (its output gradient's cast
+    along the tokens, 2 × 192 + 48 MiB, beside the first cast's 48 and grad_input's 24), −3.1 … −3.4 % with nothing
+    laid. None without float8, compiled (inductor fuses the casts) or where FSDP2 gathers the weights in float8."""
+    tr = cfg.training
+    if tr.float8 == "none" or tr.compile:
+        return
+    n, t = sh.s * sh.b, sh.t
+    weight_cast = not wrapping_plan(cfg).float8_all_gather
+    frees = weight_pass_block(sh, res)[1]
+    lins = {lin.name: lin for lin in lora.adapted_linears(cfg.model, "all")}
+    best, at, dropped = 0, "", 0
+    for g in weight_groups(sh):
+        lin = lins.get(g)
+        if lin is not None and lin.d_in % 16 == 0 and lin.d_out % 16 == 0:  # (backend.parallel.float8.converts)
+            d_in = lin.d_in if lin.column_parallel else lin.d_in // t
+            d_out = lin.d_out // t if lin.column_parallel else lin.d_out
+            go, x, w = n * d_out, n * d_in, d_in * d_out if weight_cast else 0
+            peak = max(go + 9 * w, go + w + sh.act * x + 9 * go, 2 * go + w + sh.act * x + 9 * x)
+            if peak - dropped > best:
+                best, at = peak - dropped, g
+        dropped += kept.get(g, 0) + sum(nb for gg, nb in frees if gg == g)
+    if best:
+        T.add("temporaries", f"stage {st.stage}: its W's float8 casts at group {at} (torchao's backward makes grad_input "
+              "too; the casts along the tokens), less what the groups before it dropped", best, f"{best:,} B",
+              stage=st.stage, kind="weight_pass_float8")
 
 
 def _blocks_before_weight_peak(sh: _Shape, res: int, c: int, casts: dict[str, int], grads: dict[str, int] | None,

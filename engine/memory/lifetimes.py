@@ -277,6 +277,7 @@ LIFETIMES: dict[str, str] = {
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
+    "weight_pass_float8": "stage_weight",
     "first_weight_end": "stage_weight", "first_weight_end_later": "stage_later_weight",
     "fsdp_stage_fresh_unmade": "stage_fresh_start", "recomputed_block_plain": "stage_backward_action",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
