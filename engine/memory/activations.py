@@ -648,8 +648,10 @@ def attention_backward_workspace(sh: _Shape) -> tuple[int, int, str]:
     rows = s * b // t if sh.sp else s * b
     kv = sh.qd // t if sh.kv != sh.qd and not sh.mla else sh.kv // t
     ws = res * rows * sh.h + e * s * b * (2 * (sh.qd // t) + 2 * kv)
-    return ws, _mlp_and_norm2_saved(sh), (f"{res}·s·b·h{'/t' if sh.sp else ''} (residual gradient) + {e}·s·b·(2·q/t + 2·{'q' if kv == sh.qd // t else 'kv'}/t)"
-                f" (attention output's gradient, dQ, dK, dV) = {ws:,} B")
+    kv_name = "q" if kv == sh.qd // t else "kv"
+    formula = (f"{res}·s·b·h{'/t' if sh.sp else ''} (residual gradient) + {e}·s·b·(2·q/t + 2·{kv_name}/t) (attention "
+               f"output's gradient, dQ, dK, dV) = {ws:,} B")
+    return ws, _mlp_and_norm2_saved(sh), formula
 
 
 def _ring_kv(sh: _Shape, rotate: str) -> tuple[tuple[int, ...], str]:
@@ -1076,7 +1078,7 @@ def _attention_workspace_terms(cfg: Config, T: Terms, sh: _Shape, torch_acc: boo
     (forward and backward), or without it the flash backward's where a B's attention phase may hold FSDP2's fresh
     gradients (``Terms.attention_phase``, laid by ``engine.memory.buffers._fresh_gradients``)."""
     par = cfg.parallel
-    if par.cp == 1 and torch_acc and attention_phase_of_fresh_gradients(cfg):  # laid by ``buffers._fresh_gradients``
+    if par.cp == 1 and torch_acc and attention_phase_of_fresh_gradients(cfg):
         T.attention_phase = attention_backward_workspace(sh)
     if par.cp > 1:
         ws, formula = context_parallel_workspace(sh, par.cp, par.cp_rotate)

@@ -333,11 +333,11 @@ def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int
                   kind="mlp_backward_freed")
 
 
-def _attention_phase_without_cp(T: Terms, made: int, more: int, dtype: str) -> None:
+def _attention_phase_without_cp(T: Terms, more: int, dtype: str) -> None:
     """Without context parallelism, where a B's first block's attention backward outweighs its MLP's
     (``activations.attention_phase_of_fresh_gradients``, ``Terms.attention_phase``): the moment is the attention's —
-    the flash backward's workspace, the MLP's and the output projection's fresh gradients (``more`` bytes beyond the
-    ``made`` the MLP's phase holds), the MLP's and its norm's saved tensors and the MLP's backward gone, and on the last
+    the flash backward's workspace, the MLP's and the output projection's fresh gradients (``more`` bytes beyond those
+    the MLP's phase holds, which both phases hold), the MLP's and its norm's saved tensors and the MLP's backward gone, and on the last
     stage the blocks' output gradient (the residual add's backward has summed it into the residual stream's gradient,
     the workspace's). Laid only where it is the larger, so the categories stay the MLP phase's elsewhere."""
     ws, saved, formula = T.attention_phase
@@ -451,8 +451,8 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
                   "the down projection's (float8: and an up projection's), the unit's others later", pgrad * made_mlp,
                   f"{pgrad} B × {made_mlp:,} elements", kind="fsdp_fresh_grad_made")
         if made_attention and T.attention_phase:
-            _attention_phase_without_cp(T, pgrad * made_mlp, pgrad * made_attention, plan.compute_dtype)
-        elif made_attention:
+            _attention_phase_without_cp(T, pgrad * made_attention, plan.compute_dtype)
+        elif made_attention and any(t.kind == "cp_attention" for t in T["temporaries"]):
             _attention_phase_gradients(T, pgrad * made_attention, plan.compute_dtype, mlp_phase)
         T.add("comm_buffers", f"one unit's fresh gradient in {plan.compute_dtype} at the end of the backward, before "
               f"FSDP2's post-backward adds it into the {plan.grad_accumulation_dtype} accumulation (largest unit)",
