@@ -96,6 +96,18 @@ def moe_problem(cfg: Config) -> str | None:
                 "ranks: dp 4 with ep 4, dp 2 with ep 2 and dp 1 failed, dp 4 with ep 2 ran); use an ep that leaves "
                 "each expert on at least two data-parallel ranks (efsdp ≥ 2), parallel.zero = 0, or "
                 "training.recompute = 'full', 'selective-layer', 'selective' or 'none'")
+    if (tr.recompute == "selective-op" and par.pp > 1 and par.zero in (2, 3) and par.ep > 1
+            and par.schedule in ("1F1B", "Interleaved1F1B")):
+        return ("model.experts with training.recompute = 'selective-op', parallel.ep > 1 and parallel.schedule = "
+                f"'{par.schedule}' over FSDP experts (parallel.zero = {par.zero}): a stage's backward runs after a "
+                "later microbatch's forward, so the recompute finds the expert-parallel experts' FSDP unit in "
+                "another state than the forward did and all-gathers it a different number of times, which torch's "
+                "selective checkpoint replays by their count (torch/utils/checkpoint.py: \"invocation index ... "
+                "encountered during backward but not found in storage\"; PyTorch's fix keeps FSDP2's all-gather "
+                "internals out of the replay, pytorch/pytorch#196862; measured on CPU ranks: dp 4 ep 2 pp 2 ZeRO-3 "
+                "resharding 'always' failed under 1F1B and Interleaved1F1B, ran under GPipe and LoopedBFS); use "
+                "parallel.schedule = 'GPipe' or 'LoopedBFS', or training.recompute = 'full', 'selective-layer', "
+                "'selective' or 'none'")
     return None
 
 

@@ -193,6 +193,20 @@ def test_per_op_recompute_of_gathered_fsdp_experts_under_a_pipeline_is_predict_o
     assert predict_only(dense) == []  # a dense block is one FSDP unit outside its checkpoint
 
 
+def test_per_op_recompute_of_expert_parallel_fsdp_experts_under_a_one_f_one_b_schedule_is_predict_only():
+    """Found by benchmarks/fake_sweep.py --seed 20261253 (#08, Qwen3 30B-A3B 1F1B pp4 ep2 HSDP ZeRO-3 resharding
+    'always') and run again on eight CPU ranks of this model (dp 4, ep 2, pp 2, ZeRO-3 'always'): 1F1B failed in its
+    recompute with torch's "invocation index ... not found in storage", GPipe ran (the fake: Interleaved1F1B failed,
+    LoopedBFS ran, ep 1 ran under 1F1B)."""
+    (why,) = predict_only(_moe_pp(ep=2, dp=4, schedule="1F1B", fsdp_reshard_after_forward="always"))
+    assert why.startswith("model.experts with training.recompute = 'selective-op', parallel.ep > 1")
+    assert "invocation index" in why and "'GPipe'" in why
+    assert predict_only(_moe_pp(ep=2, dp=4, fsdp_reshard_after_forward="always")) == []  # GPipe
+    assert predict_only(_moe_pp(schedule="1F1B", fsdp_reshard_after_forward="always")) == []  # ep 1
+    assert predict_only(_moe_pp(ep=2, dp=4, schedule="Interleaved1F1B", virtual_stages=2,
+                                fsdp_reshard_after_forward="always")) == [why.replace("'1F1B'", "'Interleaved1F1B'")]
+
+
 def _moe_ep(**parallel):
     par = {"dp": 4, "ep": 4, "zero": 3, "microbatches": 2, **parallel}
     return Config.from_dict({"model": SMALL_MOE, "cluster": {"gpu": "cpu", "gpus": par["dp"]},
