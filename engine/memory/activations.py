@@ -1466,6 +1466,14 @@ def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
               best, what, kind="autocast_cast_gradients")
 
 
+def mlp_and_out_proj_elements(m, tp: int) -> int:
+    """A dense block's MLP and output projection's parameter elements on a TP rank (weights and biases): the gradients
+    its backward has made by its attention's backward."""
+    weights, biases = mlp_tensors(m, m.ffn_hidden, tp)
+    out_proj = [w for w in attention_tensors(m, tp)[0] if w[0] == m.hidden][-1]
+    return sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0)
+
+
 def _autocast_waiting_phases(cfg: Config, rp, T: Terms, sh: _Shape, act: int, *, plain_grads: bool,
                              autocast: bool) -> None:
     """A later B's attention phase under pipelining with autocast and plain gradients: each cast weight's 16-bit
@@ -1493,9 +1501,7 @@ def _autocast_waiting_phases(cfg: Config, rp, T: Terms, sh: _Shape, act: int, *,
         ws, saved, _ = attention_backward_workspace(sh)
         out_grad = sum(t.bytes for t in T["temporaries"] if t.kind == "blocks_output_gradient")
         laid = mlp
-    weights, biases = mlp_tensors(m, m.ffn_hidden, par.tp)
-    out_proj = [w for w in attention_tensors(m, par.tp)[0] if w[0] == m.hidden][-1]
-    waiting = act * (sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0))
+    waiting = act * mlp_and_out_proj_elements(m, par.tp)
     extra = ws + waiting - saved - out_grad - laid
     if extra > 0:
         T.add("temporaries", "a later B's attention backward under autocast: the MLP's and the output projection's "

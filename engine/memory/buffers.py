@@ -33,6 +33,7 @@ from engine.memory.activations import (
     attention_phase_of_fresh_gradients,
     first_weight_end_terms,
     layer_activation_terms,
+    mlp_and_out_proj_elements,
     mlp_phase_parts,
     shape_of,
 )
@@ -42,7 +43,6 @@ from engine.memory.states import per_stage_gradients, stage_shares
 from engine.model.params import (
     RankParams,
     Tensors,
-    attention_tensors,
     largest_numels,
     mlp_tensors,
     sharded_numel,
@@ -389,8 +389,7 @@ def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bo
     mlp = 0 if before else sum(a * b for a, b in made) + (biases[-1][0] if biases else 0)
     if par.cp == 1 and not attention_phase_of_fresh_gradients(cfg):
         return mlp, 0
-    out_proj = [w for w in attention_tensors(m, par.tp)[0] if w[0] == m.hidden][-1]
-    return mlp, sum(a * b for a, b in (*weights, *biases, out_proj)) + (m.hidden if m.bias else 0) - mlp
+    return mlp, mlp_and_out_proj_elements(m, par.tp) - mlp
 
 
 def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: tuple[tuple[int, int], ...],
