@@ -1617,6 +1617,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     igb = sig.ig_bytes or (0,) * len(sig.unit_bytes)
     sob = sig.so_bytes or (0,) * len(sig.unit_bytes)
     lpb = sig.lp_bytes or (0,) * len(sig.unit_bytes)
+    laid_lives = [(c, per_life[life]) for c, life in enumerate(PER_MOMENT) if per_life.get(life)]  # (the rest lay none)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
         if phase == STEP:
             break  # the optimizer step is not laid without a grain (``RankTimeline._event_signature``)
@@ -1630,9 +1631,9 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
         if kind == _B and phase == ACTION and lp > 0:
             ev.append(("free", ("lp", stage, mb)))
         transient = []
-        for c, life in enumerate(PER_MOMENT):
+        for c, laid in laid_lives:
             if mask[c]:
-                transient.extend(per_life.get(life, ()))
+                transient.extend(laid)
         if mask[_FULL_BACKWARD]:
             transient.extend(per_life.get(_UNIT_MADE, ()))
         if mask[_POST_BACKWARD]:
@@ -1884,7 +1885,7 @@ class _Laying:
     what lives from the first backward on is laid, each stage-microbatch's saved tensors (block by
     block) and loss side; with the rank's constants (its rows by lifetime, its local stages)."""
 
-    __slots__ = ("ev", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads", "pieces",
+    __slots__ = ("ev", "laid_lives", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads", "pieces",
                  "stage_on", "plans", "sig",
                  "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "whole", "local", "last_stage", "walk",
                  "first_backward", "later_w")
@@ -1911,6 +1912,8 @@ class _Laying:
         for j, nbytes, stream in per_life.get("until_step", ()):  # after every step tensor (``replay_events``)
             self.alloc(("cast", j), nbytes, stream)
         self.per_life = per_life
+        # the per-moment lifetimes that have rows, with their column (a moment lays only these)
+        self.laid_lives = [(c, life, per_life[life]) for c, life in enumerate(PER_MOMENT) if per_life.get(life)]
         self.outputs = per_life.get("to_step_end", [])
         whole = per_life.get("accumulated_whole", [])
         self.accumulated = {j for j, _, _ in per_life.get("accumulated", []) + whole}
@@ -1992,10 +1995,10 @@ class _Laying:
         j = self.local[stage if sig.pp > 1 else 0]
         walk_b = kind == _B and phase == ACTION and (stage, mb) in self.held
         whole, per_block = [], []
-        for c, life in enumerate(PER_MOMENT):
+        for c, life, laid in self.laid_lives:
             if mask[c]:
                 (per_block if walk_b and life in ("backward", "backward_input") else whole).extend(
-                    (life, r) for r in self.per_life.get(life, ()))
+                    (life, r) for r in laid)
         if mask[_FULL_BACKWARD]:
             (per_block if walk_b else whole).extend((_UNIT_MADE, r) for r in self.per_life.get(_UNIT_MADE, ()))
         for what in _STAGE_END_COLUMNS:  # a stage's B end
