@@ -2489,12 +2489,16 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # 32,768 tokens a rank); without it that gradient is the residual stream's, counted where it arrives
         gathered = act * s * b * m.hidden if t > 1 and par.sequence_parallel else 0
         cast, token_casts = _float8_w2_casts(cfg, sbf_e=sbf_e, sbf=sbf, x_b=x_b, f_loc=f_loc, gathered=gathered)
-        replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered)
+        replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered,
+                                         unsaved_input=autocast and lora_mods is None and not cast)
         replay = sum(x for _, x, _, _ in replay_parts)
         chosen = sbf + cast if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf) else (
             2 * sbf if swiglu and 2 * sbf > sbf + w_extra + gathered else sbf + w_extra + gathered)
         if replay > chosen:  # each tensor its own term: the allocation events lay them apart
-            _add_replay_parts(T, replay_parts, dims)
+            if tr.recompute == "selective-op":
+                _add_replay_parts(T, replay_parts, dims)
+            else:
+                _add_replay_parts(T, replay_parts, dims, f"{tr.recompute} recompute", "as w2 saves its input")
         elif cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf):
             # the tokens' casts for w2's weight gradient come before it: no weight gradient of the block is made by then
             before_weight_gradients = cast == token_casts
@@ -2591,18 +2595,20 @@ def _w2_fresh_gradient(cfg: Config, f_loc: int, *, act: int, wb: int, plain_grad
     return w_extra + w16, w16
 
 
-def _add_replay_parts(T: Terms, parts: list[tuple[str, int, str, bool]], dims: str) -> None:
+def _add_replay_parts(T: Terms, parts: list[tuple[str, int, str, bool]], dims: str,
+                      policy: str = "per-op selective recompute", where: str = "at its last op") -> None:
     """The replay's tensors at its last op (``_replay_end_parts``), each its own term: what the forward's replay makes
     are activations (MemTracker: "ACT: tensors produced during the forward pass and recomputation in activation
     checkpointing"), the output gradient the backward's (a temporary)."""
     for what, nbytes, formula, made_by_forward in parts:
-        T.add("activations" if made_by_forward else "temporaries", "the first block's replay of its forward (per-op "
-              f"selective recompute) at its last op: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})",
+        T.add("activations" if made_by_forward else "temporaries", "the first block's replay of its forward "
+              f"({policy}) {where}: {what}", nbytes, f"{formula} = {nbytes:,} B ({dims})",
               kind="mlp_backward")
 
 
-def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int) -> list[tuple[str, int, str, bool]]:
-    """Under per-op selective recompute (``early_stop=False``, backend.parallel.recompute): what the first block's
+def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int,
+                      unsaved_input: bool = False) -> list[tuple[str, int, str, bool]]:
+    """Under full recompute (``_early_stop_replay_parts``, where ``unsaved_input``) and per-op selective recompute (``early_stop=False``, backend.parallel.recompute): what the first block's
     backward holds beyond the tensors recompute = "none" keeps when the replay of its forward reaches its last op,
     as (what, bytes, formula, made by the forward's replay) per tensor; none under the other policies. The whole
     forward runs again (torch.utils.checkpoint without early stop), and
@@ -2615,6 +2621,8 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     Llama 3 8B s16K b16 tp8 SP pp4 1F1B (stage 2): 2 + 2 GiB at w2 and its copy, 0.25 + 0.25 GiB, beside the
     2 GiB gathered gradient, at the step's allocated peak."""
     par, tr = cfg.parallel, cfg.training
+    if tr.recompute == "full" and unsaved_input:
+        return _early_stop_replay_parts(cfg, res=res, act=act, gathered=gathered)
     if tr.recompute != "selective-op":
         return []
     sbh = cfg.local_seq_len * tr.micro_batch_size * cfg.model.hidden
@@ -2626,6 +2634,28 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     if sp:
         parts += [("the reduce-scatter's stashed output", act * sbh_rep, f"{act}·s·b·h/t", True),
                   ("the MLP's sequence-sharded input (the caller's argument)", res * sbh_rep, f"{res}·s·b·h/t", True)]
+    if gathered:
+        parts.append(("the output gradient all-gathered (SP) before w2's backward asked for the replay", gathered,
+                      f"{act}·s·b·h", False))
+    return parts
+
+
+def _early_stop_replay_parts(cfg: Config, *, res: int, act: int, gathered: int) -> list[tuple[str, int, str, bool]]:
+    """Under full recompute with autocast: the first block's replay of its forward (torch.utils.checkpoint with
+    early stop, backend.parallel.recompute) ends as w2 saves its input — the pack hook raises before the matmul
+    makes its output (VariableType records an input's SavedVariable before the redispatch) — so the whole block's
+    recomputed tensors are alive beside the MLP's input: the norm's output in the residual stream's dtype, under SP
+    the all-gathered s·b·h copy (torchtitan's PrepareModuleInput), an argument of the MLP's forward alive in its frame
+    until the early stop unwinds it. Autocast's Linears save their 16-bit casts of it, not it (counted in the block),
+    so it is beyond the block's saved tensors; without autocast it is what w1 and w3 save. The output gradient SP
+    all-gathered before w2's backward asked for the replay is alive through it. ``measure --fake`` of Llama 3 70B
+    s8K b4 tp8 SP pp4 1F1B full recompute, bf16-mixed under torch.autocast (seed 20261251 #27, stage 1): the peak
+    at the replay's SwiGLU product, a 1 GiB fp32 s·b·h activation and the 0.5 GiB gathered gradient beside the
+    recomputed block."""
+    sbh = cfg.local_seq_len * cfg.training.micro_batch_size * cfg.model.hidden
+    parts = [("the MLP's input in the residual stream's dtype" + (", all-gathered (SP)" if gathered else "")
+              + ", which autocast's Linears cast and do not save, alive in its forward's frame until the early stop",
+              res * sbh, f"{res}·s·b·h", True)]
     if gathered:
         parts.append(("the output gradient all-gathered (SP) before w2's backward asked for the replay", gathered,
                       f"{act}·s·b·h", False))
