@@ -125,6 +125,9 @@ class _Shape:
     lora_mods: tuple[str, ...] = ()
     # the frozen base is stored in fp32 (training.lora_base_dtype): autocast casts it anew in every forward
     lora_fp32_base: bool = False
+    # autocast over LoRA's fp32 adapters: peft casts an adapted Linear's input to the adapters' dtype and autocast
+    # casts that back for the matmul (set by ``stage_activation_terms`` only, as ``norm_upcast``)
+    adapter_cast: bool = False
     # context parallelism: ``s`` is the rank's tokens (seq_len / cp); eager attention's scores and the
     # K, V it multiplies span every key of the sequence (``kv_len`` = seq_len; 0: s, no cp)
     kv_len: int = 0
@@ -159,6 +162,16 @@ class _Shape:
     @property
     def ring(self) -> bool:
         return self.ring_halves > 0
+
+    @property
+    def lora_input_copy(self) -> bool:
+        """An adapted wo's lora_A gets its input apart from the attention output the flash kernel keeps: the ring's
+        heads' reshape is a copy, and under autocast peft casts the input to the fp32 adapters' dtype and autocast
+        casts that back, a new 16-bit tensor (``adapter_cast``). Otherwise (FSDP2's 16-bit unsharded adapters, or fp32
+        training) no cast applies and the reshape of the transposed output is a view: lora_A saves the kernel's own
+        output (measure --fake of GPT-2 s32K pp2 ZeRO-3 bf16, LoRA on attention: seven s·b·h tensors a block, the
+        kernel's output one of them)."""
+        return self.ring or self.adapter_cast
 
     @property
     def rep(self) -> int:
@@ -231,7 +244,7 @@ _BASIS_ORDER = ("h", "h/t", "q/t", "(S/s)h/t", "(S/s)q/t", "ρh/t", "ρq/t", "kv
 _ELEM = {"act": lambda sh: sh.act, "res": lambda sh: sh.res, "fp32": lambda sh: 4, "bool": lambda sh: 1}
 #: shape flags a row's ``only`` may name ("!flag" negates)
 _FLAGS = ("flash", "dropout", "swiglu", "torch_ops", "rope", "composite_norm", "lora", "sp", "compile",
-          "float8_uncast", "norm_upcast", "qk_norm", "qk_composite", "qk_upcast", "ring")
+          "float8_uncast", "norm_upcast", "qk_norm", "qk_composite", "qk_upcast", "ring", "lora_input_copy")
 
 
 @dataclass(frozen=True)
@@ -437,7 +450,8 @@ SAVED_TENSORS: tuple[SavedTensor, ...] = (
     # transposed output is a copy (and under autocast peft's fp32 cast and autocast's cast back another); the frozen
     # base saves none (measured: LoRA on wo with SDPA, one s·b·q tensor a block more than the kernel's output)
     SavedTensor("o-proj input: an adapted wo's lora_A copy (the flash kernel keeps its output apart)", "act", "sbq_t",
-                "attention", only=("flash", "lora"), for_weight_grad_of=("wo",), recomputed_by=_ATTENTION_CORE),
+                "attention", only=("flash", "lora", "lora_input_copy"), for_weight_grad_of=("wo",),
+                recomputed_by=_ATTENTION_CORE),
     *_stashed_matmul("wo"),
     SavedTensor("o-proj reduce-scatter output (sequence parallel; saved by the per-op policy)", "act", "sbh_rep",
                 "attention", only=("sp",), only_under=_PER_OP),
@@ -985,6 +999,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         # run on 16-bit parameters, so the residual stream, and every norm's input, is 16-bit; so it is under
         # autocast over LoRA's base frozen in bf16
         sh = dataclasses.replace(sh, norm_upcast=True)
+    if lora_on and autocast:
+        sh = dataclasses.replace(sh, adapter_cast=True)
     act, sp = sh.act, sh.sp
     # residual stream: stage inputs/outputs, p2p buffers (autocast keeps it, and the norms, in fp32; a LoRA base
     # frozen in bf16 makes it 16-bit: ``frozen_16bit_stream``)
@@ -1054,9 +1070,15 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                            and any(ckpt_of[st.stage] for st in rp.stages))
     mlp_phase, before_weight_gradients = 0, False
     if torch_acc:
+        # a B's first block (each stage's last) is a checkpointed one whose replay stops early (full recompute;
+        # selective-layer where no plain block follows a stage's last checkpointed one)
+        trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
+        early_stop = tr.recompute in ("full", "selective-layer") and any(st.layers for st in rp.stages) and all(
+            trailing.get(st.stage, 1) == 0 for st in rp.stages if st.layers)
         before_weight_gradients = block_backward_terms(
             cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last, plain_grads=plain_grads,
-            fp32_linear_inputs=autocast and sh.float8_uncast, autocast=autocast, lora_mods=sh.lora_mods if lora_on else None)
+            fp32_linear_inputs=autocast and sh.float8_uncast, autocast=autocast, lora_mods=sh.lora_mods if lora_on else None,
+            early_stop=early_stop)
         if par.cp > 1:
             mlp_phase = _cp_attention_after_mlp(T, sh)
         _autocast_waiting_phases(cfg, rp, T, sh, act, plain_grads=plain_grads, autocast=autocast)
@@ -2436,7 +2458,7 @@ def lora_forward_casts(cfg: Config, T: Terms, res: int, recomputed: bool = False
 
 def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
                          holds_last: bool, plain_grads: bool, fp32_linear_inputs: bool, autocast: bool = False,
-                         lora_mods: tuple[str, ...] | None = None) -> bool:
+                         lora_mods: tuple[str, ...] | None = None, early_stop: bool = False) -> bool:
     """What a full backward B holds inside the first block it runs (the stage's last), over the saved
     tensors: the gradients its MLP's backward makes, the tensor it frees, the gradient coming in; and
     the input gradient a later stage keeps for its send (measured op by op with MemTracker on the
@@ -2490,10 +2512,16 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         gathered = act * s * b * m.hidden if t > 1 and par.sequence_parallel else 0
         cast, token_casts = _float8_w2_casts(cfg, sbf_e=sbf_e, sbf=sbf, x_b=x_b, f_loc=f_loc, gathered=gathered)
         replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered,
-                                         unsaved_input=autocast and lora_mods is None and not cast)
+                                         unsaved_input=early_stop and autocast and lora_mods is None and not cast)
         replay = sum(x for _, x, _, _ in replay_parts)
+        # the activation's backward: SwiGLU's makes the gate activation's and the up projection's gradients, GeLU's its
+        # input's, beside the down input's gradient, the down input freed by then where w2 saved it. With it saved a
+        # GeLU's phase is never the larger; without (LoRA leaves w2 frozen) it is the down input's gradient and the
+        # GeLU input's (measure --fake of GPT-2 s32K pp2 LoRA on attention: two s·b·f Temps at gelu_backward)
+        act_grads = 2 if swiglu else 1
+        act_phase = (1 + act_grads) * sbf - (sbf if down_saved else 0)
         chosen = sbf + cast if cast and cast > w_extra and (not swiglu or sbf + cast >= 2 * sbf) else (
-            2 * sbf if swiglu and 2 * sbf > sbf + w_extra + gathered else sbf + w_extra + gathered)
+            act_phase if act_phase > sbf + w_extra + gathered else sbf + w_extra + gathered)
         if replay > chosen:  # each tensor its own term: the allocation events lay them apart
             if tr.recompute == "selective-op":
                 _add_replay_parts(T, replay_parts, dims)
@@ -2508,10 +2536,11 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                   + (" and the output gradient all-gathered (SP)" if gathered else ""), sbf + cast,
                   f"{sbf:,} B + {cast:,} B ({dims}; torchao's eager casts"
                   + (f"; the gathered output gradient {gathered:,} B" if gathered else "") + ")", kind="mlp_backward")
-        elif swiglu and 2 * sbf > sbf + w_extra + gathered:
-            T.add("temporaries", "the first block's MLP backward: the down input's, the gate activation's and "
-                  "the up projection's gradients", 3 * sbf, f"3 × {x_b}·s·b·f/t = 3 × {sbf:,} B ({dims})",
-                  kind="mlp_backward")
+        elif act_phase > sbf + w_extra + gathered:
+            T.add("temporaries", "the first block's MLP backward: the down input's" + (
+                ", the gate activation's and the up projection's gradients" if swiglu else " and the GeLU input's gradients"),
+                (1 + act_grads) * sbf, f"{1 + act_grads} × {x_b}·s·b·f/t = {1 + act_grads} × {sbf:,} B ({dims})",
+                kind="mlp_backward")
             if down_saved:
                 T.add("activations", "the first block's MLP backward: its down input, freed by w2's backward", -sbf,
                       f"−{x_b}·s·b·f/t = −{sbf:,} B ({dims})", kind="mlp_backward_freed")
@@ -2608,7 +2637,8 @@ def _add_replay_parts(T: Terms, parts: list[tuple[str, int, str, bool]], dims: s
 
 def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int,
                       unsaved_input: bool = False) -> list[tuple[str, int, str, bool]]:
-    """Under full recompute (``_early_stop_replay_parts``, where ``unsaved_input``) and per-op selective recompute (``early_stop=False``, backend.parallel.recompute): what the first block's
+    """Where a B's first block replays with early stop (``_early_stop_replay_parts``, where ``unsaved_input``) and
+    under per-op selective recompute (``early_stop=False``, backend.parallel.recompute): what the first block's
     backward holds beyond the tensors recompute = "none" keeps when the replay of its forward reaches its last op,
     as (what, bytes, formula, made by the forward's replay) per tensor; none under the other policies. The whole
     forward runs again (torch.utils.checkpoint without early stop), and
@@ -2621,7 +2651,7 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     Llama 3 8B s16K b16 tp8 SP pp4 1F1B (stage 2): 2 + 2 GiB at w2 and its copy, 0.25 + 0.25 GiB, beside the
     2 GiB gathered gradient, at the step's allocated peak."""
     par, tr = cfg.parallel, cfg.training
-    if tr.recompute == "full" and unsaved_input:
+    if unsaved_input and tr.recompute != "selective-op":
         return _early_stop_replay_parts(cfg, res=res, act=act, gathered=gathered)
     if tr.recompute != "selective-op":
         return []
@@ -2641,7 +2671,8 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
 
 
 def _early_stop_replay_parts(cfg: Config, *, res: int, act: int, gathered: int) -> list[tuple[str, int, str, bool]]:
-    """Under full recompute with autocast: the first block's replay of its forward (torch.utils.checkpoint with
+    """Under full recompute (or selective-layer, its stages' last blocks checkpointed) with autocast: the first
+    block's replay of its forward (torch.utils.checkpoint with
     early stop, backend.parallel.recompute) ends as w2 saves its input — the pack hook raises before the matmul
     makes its output (VariableType records an input's SavedVariable before the redispatch) — so the whole block's
     recomputed tensors are alive beside the MLP's input: the norm's output in the residual stream's dtype, under SP
