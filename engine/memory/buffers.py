@@ -112,7 +112,9 @@ def _stage_walk(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms) -> tu
     st = rp.stages[0]
     if st.layers < 2:
         return None
-    root = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units)
+    # (a rank of the first and the last stage, a V schedule's, gathers each root at its own stage's first forward: the
+    # larger one's moment)
+    root = max((gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units), default=0)
     block = max(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u))
                 for u, _ in rp.unit_groups if u not in rp.root_units)
     saved = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "layers") // st.layers
@@ -487,9 +489,12 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
     """FSDP2's unsharded parameters where every unit stays gathered (``fsdp2_buffers``): replicate, ZeRO-2,
     ZeRO-3 not resharded after forward, or pipelined from the stage's first backward on."""
     pd = plan.gathered_bytes
+    # not resharded after forward, a stage's units are gathered from its first forward on, whatever comes after its
+    # first backward (``lifetimes.fsdp_params_lifetime``: "stage_gathered" on a rank of several stages)
+    gathered_from_forward = not (plan.sharded and plan.reshard_after_forward)
     if not plan.sharded:
         why = "replicate"
-    elif after_backward:
+    elif after_backward and not gathered_from_forward:
         why = ("pipelined: every unit stays unsharded from the stage's first backward on "
                "(set_reshard_after_backward(False)), and the rank runs forwards after it")
     elif zero == 2:
@@ -503,7 +508,7 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
            if not plan.float8_all_gather and not left_out
            else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if left_out
            else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
-    if per_stage_gradients(plan, rp) and not after_backward:
+    if per_stage_gradients(plan, rp) and (not after_backward or gathered_from_forward):
         # each stage's units gathered at its first forward and resharded at its REDUCE_GRAD
         # (``engine.memory.lifetimes.fsdp_params_lifetime``: ``stage_gathered``)
         for stage, x in stage_shares(all_bytes, rp):
@@ -563,7 +568,9 @@ def _pipelined_kept_all_gather(cfg: Config, plan: WrappingPlan, rp: RankParams, 
     # first, in its pre-forward, and its result kept to the first block's copy-out: there the root's and the first
     # block's outputs beside those two units alone (measure --fake of Llama 3 70B pp4 cp4 ZeRO-3 LoRA, seed 20261237,
     # the last stage of one block: the head's 2,004 MiB output and the block's 1,634 MiB beside both, −13.5 %)
-    root = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units)
+    # (a rank of the first and the last stage, a V schedule's, gathers each root at its own stage's first forward: the
+    # larger one's moment)
+    root = max((gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units), default=0)
     if n > 1 or (n and root):
         block = max(b for b, _ in blocks)
         head = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"]

@@ -26,7 +26,9 @@
   alive beside the recomputed block (``activations._early_stop_replay_parts``);
 * a GeLU block whose w2 saved nothing (LoRA leaves it frozen) holds two s·b·f gradients in its MLP backward
   (``block_backward_terms``' ``act_phase``);
-* and a forward's: FSDP2's implicit prefetch keeps a stage's previous block's all-gather output, not another stage's."""
+* and a forward's: FSDP2's implicit prefetch keeps a stage's previous block's all-gather output, not another stage's;
+  on a rank of several stages whose units are not resharded after forward, each stage's stay gathered from its own
+  first forward (``buffers._every_unit_gathered``), and each first forward gathers its own stage's root."""
 
 from __future__ import annotations
 
@@ -294,4 +296,22 @@ def test_a_lora_gelu_blocks_backward_holds_two_ffn_gradients_where_w2_saved_noth
                      "finetune": "lora", "lora_rank": 16, "lora_targets": "attention", "lora_base_dtype": "fp32"}})
     engine, fake, moment = _allocated(cfg, 0, tmp_path)
     assert " B of microbatch" in moment
+    assert abs(engine / fake - 1) <= 0.01
+
+
+@pytest.mark.integration
+def test_a_v_ranks_units_not_resharded_stay_gathered_from_each_stages_first_forward(tmp_path):
+    """Llama 3 405B (4 blocks) s4K cp4 ZBV pp2 ZeRO-3 (not resharded after forward: the default under pipelining), LoRA
+    on every Linear over an fp32 base: rank 0 holds stages 0 and 3, and stage 0's units, gathered at its first forward,
+    are still gathered when stage 3's first forward gathers its own (its peak); each stage's first forward gathers its
+    own root only. The engine laid the units from the first backward on (−22.8 %)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "llama3-405b", "layers": 4, "seq_len": 4096},
+        "cluster": {"gpu": "h100-96g", "gpus": 64, "gpus_per_node": 8},
+        "parallel": {"dp": 8, "cp": 4, "pp": 2, "zero": 3, "schedule": "ZBVZeroBubble", "virtual_stages": 2,
+                     "microbatches": 4},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "selective",
+                     "finetune": "lora", "lora_rank": 16, "lora_targets": "all", "lora_base_dtype": "fp32"}})
+    engine, fake, moment = _allocated(cfg, 0, tmp_path)
+    assert "stage 3 F of microbatch 0" in moment
     assert abs(engine / fake - 1) <= 0.01
