@@ -176,6 +176,7 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
             kept = moe
         # a recomputed block with experts is its tensors, the largest an expert's internals, not the dense block's
         recomputed = (max(moe),)
+        work = _moe_block_work(cfg, sh)
     blocks = tuple(st.layers for st in sorted(rp.stages, key=lambda st: st.stage))
     logits = piece = shard = gather = 0
     if cfg.conventions.state_accounting == "pytorch":
@@ -213,6 +214,30 @@ def _block_tensors(sh, recompute: str) -> tuple[tuple[int, ...], tuple[int, ...]
     return (kept,), tuple(sorted(work, reverse=True)[:TRANSIENTS])
 
 
+def _moe_tensor_sizes(cfg: Config, sh, recompute: str | None = None) -> list[int]:
+    """The size of one tensor of each row of a MoE block's experts (``moe_layer_terms``): a row of one tensor per local
+    expert (and matrix, or internal) holds that many."""
+    e_loc = max(1, cfg.model.experts // max(cfg.parallel.ep, 1))
+    mats = 3 if sh.swiglu else 2
+    out = []
+    for label, x, _ in moe_layer_terms(cfg, recompute=recompute)[0]:
+        n = (2 * mats - 2) * e_loc if label.startswith("MoE: experts' ") else (
+            mats * e_loc if label.startswith("MoE: the local experts' 16-bit weight casts") else 1)
+        out.append(x // n)
+    return out
+
+
+def _moe_block_work(cfg: Config, sh) -> tuple[int, ...]:
+    """The two largest tensors a block with experts makes in its forward (``allocation_grain``'s transients): of its
+    attention half's (the dense table at recompute = "none") and its experts' (``moe_layer_terms`` at "none": the
+    dispatched tokens, the fp32 expert outputs the combine keeps), not the dense table's MLP rows, which such a block
+    does not make. (measure --fake of Qwen3 235B-A22B ep32 full recompute: each block's forward allocates 512 MiB
+    dispatched tokens and 1 GiB fp32 outputs, where the dense rows gave 256 and 192 MiB)"""
+    attention = [x for _, x, part in layer_activation_terms(replace(sh, recompute="none"))[0]
+                 if part in ("norm1", "attention", "norm2")]
+    return tuple(sorted(attention + _moe_tensor_sizes(cfg, sh, "none"), reverse=True)[:TRANSIENTS])
+
+
 def _moe_block_pieces(cfg: Config, sh) -> tuple[int, ...]:
     """What one MoE block's forward saves, one microbatch, for the allocation events (``allocation_grain``): equal
     pieces the size of its largest tensor, not one piece as a dense block's. Its tensors are many (the experts'
@@ -222,16 +247,9 @@ def _moe_block_pieces(cfg: Config, sh) -> tuple[int, ...]:
     64–256 MiB segments, the experts' 448 MiB gradients and AdamW's temporaries each a new segment; reserved −15.8 %
     with one piece a block). Pieces of the largest tensor rather than each tensor: what a later request can reuse is
     decided by the largest freed blocks, and a pipelined rank's replay stays as cheap as its steady state allows."""
-    e_loc = max(1, cfg.model.experts // max(cfg.parallel.ep, 1))
-    mats = 3 if sh.swiglu else 2
     attention = [x for _, x, part in layer_activation_terms(sh)[0] if part in ("norm1", "attention", "norm2")]
-    experts = moe_layer_terms(cfg)[0]
-    largest = max(attention, default=0)
-    for label, x, _ in experts:  # a row of one tensor per local expert (and matrix, or internal) holds that many
-        n = (2 * mats - 2) * e_loc if label.startswith("MoE: experts' ") else (
-            mats * e_loc if label.startswith("MoE: the local experts' 16-bit weight casts") else 1)
-        largest = max(largest, x // n)
-    total = sum(attention) + sum(x for _, x, _ in experts)
+    largest = max(attention + _moe_tensor_sizes(cfg, sh), default=0)
+    total = sum(attention) + sum(x for _, x, _ in moe_layer_terms(cfg)[0])
     return tuple(_pieces(total, (1,) * -(-total // largest))) if largest else (total,)
 
 

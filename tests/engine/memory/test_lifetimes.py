@@ -1566,3 +1566,20 @@ def test_a_recomputed_block_laid_outside_the_walk_is_its_tensors():
     assert recomputed > largest
     sizes = [e[2] for e in allocation_events(canonical_event_signature(tl._event_signature())) if e[0] == "alloc"]
     assert recomputed not in sizes
+
+
+def test_a_moe_blocks_forward_transients_are_its_experts_tensors():
+    """The two largest tensors a block with experts makes in its forward (the allocation events' transients) are the
+    experts': the fp32 outputs the combine weights (n·k·h·4) and the outputs in expert order (n·k·h·2, with the
+    un-permute's int64 index), not the dense table's MLP rows (Qwen3 235B-A22B s4K b2 ep32: measure --fake's forward
+    allocates 1 GiB and 512 MiB tensors in each block; the dense rows said 256 and 192 MiB)."""
+    from engine.memory.activations import shape_of
+    from engine.memory.per_rank import _moe_block_work
+
+    cfg = Config.from_dict({
+        "model": {"preset": "qwen3-235b-a22b", "layers": 2, "seq_len": 4096},
+        "cluster": {"gpu": "h100-96g", "gpus": 32, "gpus_per_node": 8},
+        "parallel": {"dp": 32, "ep": 32, "zero": 2},
+        "training": {"micro_batch_size": 2, "precision": "bf16-mixed", "recompute": "full"}})
+    n_k = 4096 * 2 * 8  # tokens × experts per token
+    assert _moe_block_work(cfg, shape_of(cfg, 0)) == (n_k * 4096 * 4, n_k * 4096 * 2 + n_k * 8)
