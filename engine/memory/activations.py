@@ -1068,6 +1068,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     if torch_acc and lora_on and autocast and any(st.layers for st in rp.stages):
         lora_forward_casts(cfg, T, res, recomputed=tr.recompute in ("full", "selective-layer")
                            and any(ckpt_of[st.stage] for st in rp.stages))
+    if torch_acc and par.pp > 1 and par.schedule not in SPLIT_BACKWARD_SCHEDULES \
+            and any(st.stage == 0 for st in rp.stages):
+        _embedding_backward_terms(T, res=res, sbh=s * b * h, sbh_rep=sbh_rep, hs=hs)
     mlp_phase, before_weight_gradients = 0, False
     if torch_acc:
         # a B's first block (each stage's last) is a checkpointed one whose replay stops early (full recompute;
@@ -2668,6 +2671,23 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
         parts.append(("the output gradient all-gathered (SP) before w2's backward asked for the replay", gathered,
                       f"{act}·s·b·h", False))
     return parts
+
+
+def _embedding_backward_terms(T: Terms, *, res: int, sbh: int, sbh_rep: int, hs: str) -> None:
+    """The first pipeline stage's B ends with the token embeddings' backward (embedding_dense_backward reads the
+    gradient of their output), which makes their weight's fresh gradient: the output's gradient is alive there,
+    whole (under SP the embeddings' Shard(1) output gradient all-gathered; without SP replicated), in the residual
+    stream's dtype, and so, measured, is one residual-stream tensor of the microbatch the B has otherwise freed, at
+    its own layout (sequence-sharded under SP). measure --fake, the end of stage 0's B at its peak: Llama 3 8B pp4
+    GPipe DDP-less autocast (seed 20261244 #15) one 64 MiB fp32 s·b·h Temp and one Activation beyond the engine's;
+    Llama 3 405B tp8 SP pp8 ZeRO-2 (seed 20261248 #35) a 512 MiB s·b·h Temp and a 64 MiB s·b·h/t Activation; Llama 3
+    405B tp8 pp2 cp2 ZeRO-3 (#16) 256 MiB each; on 25 such ranks of ten seeds the engine was under by about these.
+    Not under a split backward, whose first stage's W runs that backward: the fakes' and a CPU run's (seed 20261226 #00,
+    IZB pp2 ZeRO-1: activations +2.9 → +16.6 % with them) ends hold no such pair."""
+    T.add("temporaries", "the first stage's B at its end: the token embeddings' output gradient, whole, which their "
+          "backward reads", res * sbh, f"{res}·s·b·h = {res * sbh:,} B", kind="embedding_output_gradient", stage=0)
+    T.add("activations", "the first stage's B at its end: one residual-stream tensor of the microbatch still alive "
+          "(measured)", res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="embedding_output_kept", stage=0)
 
 
 def _early_stop_replay_parts(cfg: Config, *, res: int, act: int, gathered: int) -> list[tuple[str, int, str, bool]]:

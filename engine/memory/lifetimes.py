@@ -274,6 +274,7 @@ LIFETIMES: dict[str, str] = {
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "fsdp_embedding_added_grad": "later_backward_end",
+    "embedding_output_gradient": "backward_end", "embedding_output_kept": "backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
@@ -486,6 +487,8 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
         out["gradients"] = "after_first_weight" if split_backward else "after_first_backward"
     if pipelined_fsdp2 and sharded and reshard_after_forward is False:
         out["all_gather_output"] = "first_forwards"
+    if pipelined and local_stages > 1:  # the first stage's B ends only (``stage`` 0 on the terms)
+        out["embedding_output_gradient"] = out["embedding_output_kept"] = "stage_backward_end"
     if pipelined_fsdp2 and local_stages > 1:
         out["fsdp_unsharded_grads"] = "stage_converted" if split_backward and converts else "stage_accumulated"
         out["fsdp_embedding_full_grad"] = out["fsdp_unsharded_grads"]

@@ -24,6 +24,8 @@
 * a W that recomputes nothing, under eager float8, holds one Linear's casts of its backward (``_float8_plain_weight_pass``);
 * under full recompute with autocast, a B's replay stops as w2 saves its input, the MLP's input (all-gathered under SP)
   alive beside the recomputed block (``activations._early_stop_replay_parts``);
+* the first stage's B ends with the embeddings' backward, their whole output gradient alive
+  (``_embedding_backward_terms``);
 * a GeLU block whose w2 saved nothing (LoRA leaves it frozen) holds two s·b·f gradients in its MLP backward
   (``block_backward_terms``' ``act_phase``);
 * and a forward's: FSDP2's implicit prefetch keeps a stage's previous block's all-gather output, not another stage's;
@@ -314,4 +316,19 @@ def test_a_v_ranks_units_not_resharded_stay_gathered_from_each_stages_first_forw
                      "finetune": "lora", "lora_rank": 16, "lora_targets": "all", "lora_base_dtype": "fp32"}})
     engine, fake, moment = _allocated(cfg, 0, tmp_path)
     assert "stage 3 F of microbatch 0" in moment
+    assert abs(engine / fake - 1) <= 0.01
+
+
+@pytest.mark.integration
+def test_the_first_stages_backward_ends_with_the_embeddings_output_gradient(tmp_path):
+    """Llama 3 405B (4 blocks) s4K b4 tp8 cp2 pp2 1F1B ZeRO-3, full recompute: stage 0 peaks at the end of a B, the
+    token embeddings' backward, which reads their whole output gradient (256 MiB) beside one residual-stream tensor of
+    the microbatch (``activations._embedding_backward_terms``; −3.0 % without them)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "llama3-405b", "layers": 4, "seq_len": 4096},
+        "cluster": {"gpu": "h100-96g", "gpus": 64, "gpus_per_node": 8},
+        "parallel": {"dp": 2, "tp": 8, "cp": 2, "pp": 2, "zero": 3, "schedule": "1F1B", "microbatches": 4},
+        "training": {"micro_batch_size": 4, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}})
+    engine, fake, moment = _allocated(cfg, 0, tmp_path)
+    assert moment.startswith("the end of stage 0 B")
     assert abs(engine / fake - 1) <= 0.01

@@ -51,7 +51,8 @@ def test_the_tiny_pipelines_backward_moment_as_measured_op_by_op():
     assert _terms(last, "temporaries") == {"mlp_backward": 2 * 180_224, "blocks_output_gradient": 65_536,
                                            "held_input_gradient": 65_536, "loss": 2 * 4 * 64 * 2 * 512}
     assert last.temporaries == 491_520  # the peak: the loss's own moment is not the B's
-    assert _terms(first, "temporaries") == {"mlp_backward": 360_448}
+    # (and the embeddings' output gradient at the end of each of its B's, 4·64·2·128: another moment than the peak)
+    assert _terms(first, "temporaries") == {"mlp_backward": 360_448, "embedding_output_gradient": 65_536}
     assert first.temporaries == 360_448
     for r in ranks:
         assert "ddp_backward_temporary" not in _terms(r, "temporaries")
