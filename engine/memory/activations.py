@@ -1073,15 +1073,10 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         _embedding_backward_terms(T, res=res, sbh=s * b * h, sbh_rep=sbh_rep, hs=hs)
     mlp_phase, before_weight_gradients = 0, False
     if torch_acc:
-        # a B's first block (each stage's last) is a checkpointed one whose replay stops early (full recompute;
-        # selective-layer where no plain block follows a stage's last checkpointed one)
-        trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
-        early_stop = tr.recompute in ("full", "selective-layer") and any(st.layers for st in rp.stages) and all(
-            trailing.get(st.stage, 1) == 0 for st in rp.stages if st.layers)
         before_weight_gradients = block_backward_terms(
             cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, holds_last=holds_last, plain_grads=plain_grads,
             fp32_linear_inputs=autocast and sh.float8_uncast, autocast=autocast, lora_mods=sh.lora_mods if lora_on else None,
-            early_stop=early_stop)
+            early_stop=_first_block_replays(cfg, rp, ckpt_of))
         if par.cp > 1:
             mlp_phase = _cp_attention_after_mlp(T, sh)
         _autocast_waiting_phases(cfg, rp, T, sh, act, plain_grads=plain_grads, autocast=autocast)
@@ -1594,6 +1589,15 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
         T.add("activations", f"{what}'s recomputed tensors during its backward (per-op selective recompute)",
               redo, f"what {what} keeps under recompute = 'none' − its per-op stash = {plain_bytes:,} − "
               f"{stash:,} = {redo:,} B ({dims})", kind="recomputed_block")
+
+
+def _first_block_replays(cfg: Config, rp, ckpt_of: dict[int, int]) -> bool:
+    """A B's first block (each stage's last) is a checkpointed one whose replay stops early: full recompute, or
+    selective-layer where no plain block follows a stage's last checkpointed one."""
+    if cfg.training.recompute not in ("full", "selective-layer") or not any(st.layers for st in rp.stages):
+        return False
+    trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
+    return all(trailing.get(st.stage, 1) == 0 for st in rp.stages if st.layers)
 
 
 def _plain_blocks_after_last_checkpoint(cfg: Config, rp, ckpt_of: dict[int, int]) -> int:
