@@ -112,9 +112,7 @@ def _stage_walk(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms) -> tu
     st = rp.stages[0]
     if st.layers < 2:
         return None
-    # (a rank of the first and the last stage, a V schedule's, gathers each root at its own stage's first forward: the
-    # larger one's moment)
-    root = max((gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units), default=0)
+    root = sum(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u in rp.root_units)
     block = max(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u))
                 for u, _ in rp.unit_groups if u not in rp.root_units)
     saved = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "layers") // st.layers
