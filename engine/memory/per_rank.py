@@ -214,13 +214,13 @@ def _block_tensors(sh, recompute: str) -> tuple[tuple[int, ...], tuple[int, ...]
     return (kept,), tuple(sorted(work, reverse=True)[:TRANSIENTS])
 
 
-def _moe_tensor_sizes(cfg: Config, sh, recompute: str | None = None) -> list[int]:
-    """The size of one tensor of each row of a MoE block's experts (``moe_layer_terms``): a row of one tensor per local
-    expert (and matrix, or internal) holds that many."""
+def _moe_tensor_sizes(cfg: Config, sh, rows: list) -> list[int]:
+    """The size of one tensor of each of a MoE block's experts' ``rows`` (``moe_layer_terms``): a row of one tensor per
+    local expert (and matrix, or internal) holds that many."""
     e_loc = max(1, cfg.model.experts // max(cfg.parallel.ep, 1))
     mats = 3 if sh.swiglu else 2
     out = []
-    for label, x, _ in moe_layer_terms(cfg, recompute=recompute)[0]:
+    for label, x, _ in rows:
         n = (2 * mats - 2) * e_loc if label.startswith("MoE: experts' ") else (
             mats * e_loc if label.startswith("MoE: the local experts' 16-bit weight casts") else 1)
         out.append(x // n)
@@ -235,7 +235,8 @@ def _moe_block_work(cfg: Config, sh) -> tuple[int, ...]:
     dispatched tokens and 1 GiB fp32 outputs, where the dense rows gave 256 and 192 MiB)"""
     attention = [x for _, x, part in layer_activation_terms(replace(sh, recompute="none"))[0]
                  if part in ("norm1", "attention", "norm2")]
-    return tuple(sorted(attention + _moe_tensor_sizes(cfg, sh, "none"), reverse=True)[:TRANSIENTS])
+    experts = _moe_tensor_sizes(cfg, sh, moe_layer_terms(cfg, recompute="none")[0])
+    return tuple(sorted(attention + experts, reverse=True)[:TRANSIENTS])
 
 
 def _moe_block_pieces(cfg: Config, sh) -> tuple[int, ...]:
@@ -248,8 +249,9 @@ def _moe_block_pieces(cfg: Config, sh) -> tuple[int, ...]:
     with one piece a block). Pieces of the largest tensor rather than each tensor: what a later request can reuse is
     decided by the largest freed blocks, and a pipelined rank's replay stays as cheap as its steady state allows."""
     attention = [x for _, x, part in layer_activation_terms(sh)[0] if part in ("norm1", "attention", "norm2")]
-    largest = max(attention + _moe_tensor_sizes(cfg, sh), default=0)
-    total = sum(attention) + sum(x for _, x, _ in moe_layer_terms(cfg)[0])
+    experts = moe_layer_terms(cfg)[0]
+    largest = max(attention + _moe_tensor_sizes(cfg, sh, experts), default=0)
+    total = sum(attention) + sum(x for _, x, _ in experts)
     return tuple(_pieces(total, (1,) * -(-total // largest))) if largest else (total,)
 
 
