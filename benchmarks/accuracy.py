@@ -843,7 +843,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.clocks:
         dirs = run_all(args.runs_dir, args.steps, args.reuse, args.only)
-        print(render_clocks(clock_rows(dirs)))
+        rows = clock_rows(dirs)
+        print(render_clocks(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
         return 0
     if args.sweep:
         rows = run_sweep(args.runs_dir, args.sweep, args.seed, args.steps, args.reuse, args.only)
