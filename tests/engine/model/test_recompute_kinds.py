@@ -196,17 +196,18 @@ def test_new_kinds_lie_between_full_and_none(raw, kind, every):
                # block reduced): a B moment's, which selective-layer at every = 1 (all blocks checkpointed) peaks
                # at where full peaks at its forward
                "fsdp_early_reduce"}
-    acts, after = {}, []
+    acts, after = {}, {}
     for rc in ("none", "full", kind):
         rep = memory_per_rank(build(with_(raw, "training", recompute=rc, recompute_every=every)))
         acts[rc] = [r.activations - sum(t.bytes for t in r.explain("activations") if t.kind in rebuilt)
                     for r in rep.per_rank]
-        if rc == "none":
-            # a rank that keeps everything can peak after its backward (its states and buckets), where its snapshot
-            # holds no activation at all: nothing to compare there (tiny fp32 dp2 tp2, m 1, found by this test)
-            after = [r.peak_moment.startswith(("the end of the backward", "the optimizer step")) for r in rep.per_rank]
-    for lo, mid, hi, done in zip(acts["full"], acts[kind], acts["none"], after):
-        assert lo <= mid
+        # a rank can peak after its backward (its states and buckets), where its snapshot holds no activation at
+        # all: nothing to compare there (tiny fp32 dp2 tp2, m 1, found by this test; and a kind whose in-backward
+        # moments stay below its end while full recompute's recomputed block lifts one above it: 5 tiny blocks,
+        # ffn 4, selective-layer every 2, found by this test, 2026-12-07)
+        after[rc] = [r.peak_moment.startswith(("the end of the backward", "the optimizer step")) for r in rep.per_rank]
+    for lo, mid, hi, done, kind_done in zip(acts["full"], acts[kind], acts["none"], after["none"], after[kind]):
+        assert kind_done or lo <= mid
         assert done or mid <= hi
 
 
