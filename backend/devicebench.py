@@ -127,6 +127,79 @@ def measure() -> dict:
     out["launch_s"] = out["probe_forward_s"] / f_kernels
     out["launch_backward_s"] = max(out["probe_block_s"] - out["probe_forward_s"], 0.0) / b_kernels
     out["recompute"] = {kind: _recompute_probe(kind) for kind in RECOMPUTE_LAUNCH}
+    out.update(_distributed_probes())
+    return out
+
+
+def _distributed_probes() -> dict:
+    """:func:`_tp_probe` and :func:`_fsdp_probe` on one fake process group of 2 ranks (torch's ``FakeStore``: every
+    collective a no-op, so only what DTensor and FSDP2 run in Python and the dispatcher is left)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=PROBE_RANKS)
+    try:
+        mesh = init_device_mesh("cpu", (PROBE_RANKS,))
+        return {"tensor_parallel": _tp_probe(mesh), "fsdp": _fsdp_probe(mesh)}
+    finally:
+        dist.destroy_process_group()
+
+
+#: the fake process group's ranks the TP and FSDP2 probes shard over
+PROBE_RANKS = 2
+
+
+def _fsdp_probe(mesh) -> dict:
+    """What FSDP2 adds: the probe model (2 blocks) unwrapped, then as the backend wraps it (backend.parallel.
+    data_parallel.apply_fsdp: each block, then the root) resharding after forward (ZeRO-3) and not (ZeRO-2): forward,
+    backward and the one-tensor AdamW step as the backend builds it; the difference over the units (forward,
+    backward) and over the optimizer's aten calls (on DTensor parameters)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from backend.parallel.data_parallel import apply_fsdp
+    from engine.time.step import FOR_LOOP_OPTIMIZER
+
+    cfg = probe_config().replace(model={"layers": 2})
+    out: dict = {"units": cfg.model.layers + 1, "optimizer_calls": FOR_LOOP_OPTIMIZER["adamw"][0]}
+    for mode, reshard in (("plain", None), ("zero3", True), ("zero2", False)):
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        if reshard is not None:
+            apply_fsdp(model, mesh, MixedPrecisionPolicy(), reshard, reshard)
+        tokens = torch.randint(0, cfg.model.vocab, (cfg.training.micro_batch_size, cfg.model.seq_len))
+        forward_s = _seconds(lambda model=model, tokens=tokens: model(tokens).sum())
+        step_s = _seconds(lambda model=model, tokens=tokens: model(tokens).sum().backward())
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)  # the backend's one-tensor step on CPU ranks
+        out[mode] = {"forward_s": forward_s, "backward_s": max(step_s - forward_s, 0.0),
+                     "optimizer_s": _seconds(opt.step), "tensors": len(params)}
+    return out
+
+
+def _tp_probe(mesh) -> dict:
+    """What DTensor adds to a TP-sharded block Linear: the probe block (4 heads over 2 KV heads, so that 2 ranks
+    split it) unsharded, then sharded by the backend's own plan (backend.parallel.tensor_parallel) over 2 ranks of a
+    fake process group (torch's ``FakeStore``: every collective a no-op, so only DTensor's dispatch, sharding
+    propagation and redistributes in Python are left), without and with sequence parallelism; the difference over
+    the block's sharded Linears (``engine.time.ops.tp_sharded_linears``), forward and backward."""
+    from backend.parallel.tensor_parallel import apply_tp
+    from engine.time.ops import tp_sharded_linears
+
+    cfg = probe_config().replace(model={"heads": 4, "kv_heads": 2})
+    tp = PROBE_RANKS
+    out: dict = {"linears": tp_sharded_linears(cfg.replace(cluster={"gpus": tp}, parallel={"tp": tp}))}
+    for mode in ("plain", "tp", "sp"):
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        if mode != "plain":
+            apply_tp(model, mesh, sequence_parallel=mode == "sp")
+        block = next(iter(model.layers.values()))
+        seq = cfg.model.seq_len // (tp if mode == "sp" else 1)  # under SP a block takes its sequence shard
+        x = torch.randn(cfg.training.micro_batch_size, seq, cfg.model.hidden, requires_grad=True)
+        forward_s = _seconds(lambda block=block, x=x: block(x).sum())
+        step_s = _seconds(lambda block=block, x=x: block(x).sum().backward())
+        out[mode] = {"forward_s": forward_s, "backward_s": max(step_s - forward_s, 0.0)}
     return out
 
 
@@ -185,7 +258,30 @@ def profile(raw: dict) -> dict:
         **{f"{field}_{suffix}": raw["recompute"][kind][key] * 1e6 for kind, suffix in RECOMPUTE_LAUNCH.items()
            for field, key in (("launch_us", "launch_s"), ("launch_backward_us", "launch_backward_s"))
            if kind in raw.get("recompute", {})},
+        **_tp_fields(raw.get("tensor_parallel")),
+        **_fsdp_fields(raw.get("fsdp")),
     }
+
+
+def _fsdp_fields(fsdp: dict | None) -> dict:
+    """The profile's ``fsdp_unit_us`` … ``dtensor_optimizer_op_us`` from :func:`_fsdp_probe`'s times."""
+    if not fsdp:
+        return {}
+    plain, z3, z2, units = fsdp["plain"], fsdp["zero3"], fsdp["zero2"], fsdp["units"]
+    ops = plain["tensors"] * fsdp["optimizer_calls"]
+    return {"fsdp_unit_us": max(z3["forward_s"] - plain["forward_s"], 0.0) / units * 1e6,
+            "fsdp_unit_kept_us": max(z2["forward_s"] - plain["forward_s"], 0.0) / units * 1e6,
+            "fsdp_unit_backward_us": max(z3["backward_s"] - plain["backward_s"], 0.0) / units * 1e6,
+            "dtensor_optimizer_op_us": max(z3["optimizer_s"] - plain["optimizer_s"], 0.0) / ops * 1e6}
+
+
+def _tp_fields(tp: dict | None) -> dict:
+    """The profile's ``tp_linear_us`` … ``sp_linear_backward_us`` from :func:`_tp_probe`'s times (none: not measured)."""
+    if not tp:
+        return {}
+    plain, n = tp["plain"], tp["linears"]
+    return {f"{mode}_linear{suffix}_us": max(tp[mode][key] - plain[key], 0.0) / n * 1e6
+            for mode in ("tp", "sp") for suffix, key in (("", "forward_s"), ("_backward", "backward_s"))}
 
 
 def main(argv: list[str] | None = None) -> int:

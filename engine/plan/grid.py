@@ -36,10 +36,11 @@ from engine.plan.space import (
     _Struct,
 )
 from engine.plan.time_bound import TimeBound
-from engine.time.comm import cpu_oversubscription, zero1_broadcast_tensors
+from engine.time.comm import PARTIAL_GRADIENT_REDUCES, cpu_oversubscription, norm_tensors, zero1_broadcast_tensors
 from engine.time.durations import flops_per_token
-from engine.time.ops import bound_efficiency
+from engine.time.ops import bound_efficiency, device_profile
 from engine.time.step import (
+    FOR_LOOP_OPTIMIZER,
     analytic_durations,
     optimizer_seconds,
     with_mesh_communication,
@@ -98,8 +99,17 @@ class _Planner(MemoryBound, TimeBound):
         opt_per_tensor = optimizer_seconds(base, 0.0, 1)  # ... and per tensor it steps (0 where torch steps them all at once)
         ctx, buf = runtime_context_bytes(base), collective_buffer_bytes(base)
         peak_rate = cl.gpu.peak_flops(tr.precision) * bound_efficiency(base)
-        self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, opt_per_tensor, ctx, buf, peak_rate,
-                          cpu_oversubscription(base))
+        over = cpu_oversubscription(base)
+        # the host work of DTensor and FSDP2 the device profile measured (engine.time.ops.fsdp_unit_seconds,
+        # engine.time.step.optimizer_seconds): per unit and microbatch, per DTensor parameter stepped
+        prof = device_profile(cl.gpu.name)
+        ops = base.conventions.clock == "ops"
+        unit = tuple(x * 1e-6 * over if ops else 0.0
+                     for x in (prof.fsdp_unit_us, prof.fsdp_unit_kept_us, prof.fsdp_unit_backward_us))
+        opt_dtensor = (FOR_LOOP_OPTIMIZER[tr.optimizer][0] * prof.dtensor_optimizer_op_us * 1e-6 * over
+                       if ops and cl.gpu.name == "cpu" else 0.0)
+        self._k = _Consts(fl, h, act_b, w_b, g_b, o_b, opt_per_param, opt_per_tensor, ctx, buf, peak_rate, over,
+                          unit, opt_dtensor)
         tps = [t for t in _divisors(gpus) if model.heads % t == 0 and model.kv_heads % t == 0
                and model.ffn_hidden % t == 0]
         cols: dict[str, list[np.ndarray]] = {c: [] for c in _COLS}
@@ -235,6 +245,11 @@ class _Planner(MemoryBound, TimeBound):
                          rows[ri].largest_unit_numels(2),
                          max(rows[ri].stages, key=lambda st: st.stage).total)  # its last stage's elements
                         for ri in sorted({0, pp - 1})]}
+        if dp * cp == 1 and tp > 1 and self.base.training.finetune != "lora":
+            # under SP (a row's flag), the optimizer step's all-reduces of the norms' Partial gradients (engine.time.comm)
+            one = self._collective(rep, "tp", "all_reduce", model.hidden * 4)
+            out["sp_step"] = np.array([norm_tensors(self.base, r.layers, n_stages - 1 in r.stage_indices) for r in rows],
+                                      dtype=np.float64) * PARTIAL_GRADIENT_REDUCES[self.base.training.optimizer] * one
         if dp * cp > 1:
             g_bytes, w_b = self.base.training.grad_bytes, self.base.training.param_bytes
             grad_group = "dp" if cp == 1 else "dp_cp"  # gradients reduce over dp·cp (engine.time.comm)
@@ -251,6 +266,7 @@ class _Planner(MemoryBound, TimeBound):
             out["rs"] = per_rank(lambda t: self._collective(rep, grad_group, "reduce_scatter", t * g_bytes))
             out["n_units"] = np.array([max(1, r.unit_count) for r in rows], dtype=np.float64)
             out["ag_latency"] = self._collective(rep, grad_group, "all_gather", 0.0)  # one call's α terms
+            out["rs_latency"] = self._collective(rep, grad_group, "reduce_scatter", 0.0)
         self._shapes[key] = out
         return out
 
@@ -272,13 +288,25 @@ class _Planner(MemoryBound, TimeBound):
         c = g.cols
         tp, pp, v, sc, cp = self.structs[int(c["struct"][i])]
         return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])], cp,
-                _FLOAT8[int(c["f8"][i])], bool(c["cmp"][i]))
+                _FLOAT8[int(c["f8"][i])], bool(c["cmp"][i]),
+                self._wrapper_key(int(c["zero"][i]), self.base.cluster.gpus // (tp * pp) > 1, tp))
+
+    def _wrapper_key(self, zero: int, dp_cp: bool, tp: int) -> int:
+        """What of the data-parallel wrapper (engine.wrapping) the stage durations read: where the device profile
+        times FSDP2's units (engine.time.ops.fsdp_unit_seconds), fully_shard (2), replicate (1) or neither (0); else,
+        in mixed precision, FSDP2 (whose policy casts) or not (autocast's casts are ops: engine.time.ops.autocast_casts);
+        in fp32 nothing (0)."""
+        kind = 2 if zero >= 2 else int(dp_cp and tp > 1)
+        if any(self._k.fsdp_unit):
+            return kind
+        return int(kind > 0) if self.base.training.precision != "fp32" else 0
 
     def makespan(self, cfg: Config) -> float:
         """The simulated pipeline makespan (as engine.time.step computes it), cached per pipeline shape."""
         par, tr = cfg.parallel, cfg.training
         key = (par.tp, par.pp, par.virtual_stages, par.schedule, par.microbatches, tr.micro_batch_size,
-               par.sequence_parallel, tr.recompute, par.cp, tr.float8, tr.compile)
+               par.sequence_parallel, tr.recompute, par.cp, tr.float8, tr.compile,
+               self._wrapper_key(par.zero, par.dp_cp > 1, par.tp))
         out = self._makespans.get(key)
         if out is None:
             pkey = (par.schedule, par.pp, par.microbatches, par.virtual_stages)

@@ -54,6 +54,8 @@ class _Consts(NamedTuple):
     buf: int  # bytes of one communicator's buffers
     peak_rate: float  # achieved FLOP/s of one rank
     over: float  # engine.time.comm.cpu_oversubscription: CPU ranks sharing cores (the whole grid's world)
+    fsdp_unit: tuple[float, float, float] = (0.0, 0.0, 0.0)  # an FSDP2 unit's F (gathering, replicate's) and I seconds
+    opt_dtensor: float = 0.0  # what the optimizer step costs more per DTensor parameter it steps
 
 
 @dataclass

@@ -79,6 +79,13 @@ class TimeBound:
             f, i_, w_ = self._flop_stage_seconds(st, r, gf)
         if k.over != 1.0:  # CPU ranks sharing cores run each action that much longer (engine.time.step)
             f, i_, w_ = f * k.over, i_ * k.over, w_ * k.over
+        if any(k.fsdp_unit):  # FSDP2's units: each stage's blocks and its root (engine.time.ops.fsdp_unit_seconds)
+            gather, kept, back = k.fsdp_unit
+            fully = r.zero >= 2
+            rep = ~fully & (st.dpc > 1) & (tp > 1)  # replicate: DTensor parameters over dp
+            units = L[None, :] + 1.0
+            f = f + units * np.where(fully, gather, np.where(rep, kept, 0.0))[:, None]
+            i_ = i_ + units * np.where(fully | rep, back, 0.0)[:, None]
         one_tp = np.zeros(n)
         if tp > 1:
             for b in st.bs:
@@ -185,7 +192,9 @@ class TimeBound:
                 rounds = gm[:, None] if st.pp == 1 else 1
                 gathers = rounds * (ag + (n_units - 1) * sh["ag_latency"])
                 # ZeRO-1's per-tensor broadcasts: their bytes at least (the queued ones skip the wake)
-                exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag - sh["ag_latency"], gathers + rs))
+                # FSDP2 reduce-scatters each unit's gradients: a call's latency each
+                scatters = rs + (n_units - 1) * sh["rs_latency"]
+                exposed = np.where(zc == 0, nb * one_bucket, np.where(zc == 1, ar + ag - sh["ag_latency"], gathers + scatters))
             else:  # the gradients' collectives hide behind the backward, FSDP's gathers behind F and B
                 back_one = b_ @ member.T  # [n, pp]
                 window = (f @ member.T + back_one) * gm[:, None]
@@ -194,6 +203,12 @@ class TimeBound:
                                    np.where(zc == 1, ar + ag, np.maximum(ag / n_units, calls * ag - window) + rs))
         else:
             exposed = 0.0
+        if self._k.opt_dtensor:  # each DTensor parameter's step (FSDP2's, TP's; engine.time.step.optimizer_seconds)
+            dtensor = (gz >= 2) | (st.tp > 1)
+            opt = opt + np.where(dtensor, self._k.opt_dtensor, 0.0)[:, None] * sh["tensors"][None, :] \
+                / np.where(zc == 1, dpc, 1)
+        if "sp_step" in sh:  # SP rows: the norms' partial gradients all-reduced in the optimizer step
+            opt = opt + (r.sp & (gz < 2))[:, None] * sh["sp_step"][None, :]  # fully_shard's post-backward reduces them
         return mk, exposed + opt
 
     def _float8_and_compile(self, f, i_, w_, tp, L, ckpt, tokens, gs, gr, gf, gc, fl, act_b, rate):

@@ -16,13 +16,21 @@ with one rank per node runs a flat ring over the network.
 Rank placement: TP innermost, then CP, then DP, then PP (engine.pipeline.layout), so TP groups are the
 consecutive ranks and the most likely to fit in a node, CP groups next; PP groups are strided furthest.
 
-Local CPU ranks (GPU kind "cpu") that outnumber ``cluster.cpu_cores`` share the cores: every
-hop of a ring waits for a descheduled peer and every copy runs on a shared core, so α is
-multiplied and B divided by the oversubscription ``world / cores`` (the ``local-cpu`` preset's
-α and B are per core, measured with ``shardscope calibrate --links``). Each step of a collective a
-rank calls after its compute, as training does, pays ``cluster.cpu_wake_latency_us`` more (gloo's
+Local CPU ranks (GPU kind "cpu") run gloo's collectives (:func:`gloo_call_seconds`): its ring steps
+as gloo takes them (a reduce-scatter is an all-reduce on CPU tensors, an all-to-all one round), each
+at α and the bytes at B, both shared by the ranks that outnumber ``cluster.cpu_cores``: every hop
+waits for a descheduled peer and every copy runs on a shared core, so α is multiplied and B divided
+by the oversubscription ``world / cores`` (the ``local-cpu`` preset's α and B are per core, measured
+with ``shardscope calibrate --links``). A collective a rank calls after its compute, as training
+does, pays ``cluster.cpu_wake_latency_us`` once more, times its group's ranks per core (gloo's
 threads and a shared core wake first, which a collective timed after a barrier never waits for;
-the benchmark's busy samples); ZeRO-1's broadcasts, issued back to back with async_op, pay it once.
+``benchmarks/gloo_calls.py``, ``benchmarks/clocks.md``); ZeRO-1's broadcasts, issued back to back
+with async_op, pay it once. Sends (p2p, the broadcasts' rounds) pay the wake at each, times the
+world's ranks per core.
+
+Under sequence parallelism without a data-parallel wrapper the norms' weight gradients reach the
+optimizer as Partial DTensors, and torch's one-tensor step all-reduces each at every op that reads it
+(:func:`sp_partial_gradients`): TP items of phase "step", after the backward.
 
 Expert parallelism (``parallel.ep`` > 1): each MoE block all-to-alls its tokens to the experts'
 ranks and back, forward and backward (:func:`ep_layer_collectives`), over ep consecutive ranks
@@ -245,9 +253,10 @@ def collective_seconds(cfg: Config, kind: str, size_bytes: float, span: GroupSpa
     if n <= 1:
         return 0.0
     if not span.crosses_nodes:
-        if links is not None:
-            intra = links.lookup(kind, n) or intra
-        return ring_seconds(kind, size_bytes, n, *intra)
+        fit = links.lookup(kind, n) if links is not None else None
+        if fit is None and cl.gpu.name == "cpu":
+            return gloo_call_seconds(cfg, kind, size_bytes, n, queued)
+        return ring_seconds(kind, size_bytes, n, *(fit or intra))
     if span.local == 1:
         return ring_seconds(kind, size_bytes, n, *inter)
     # hierarchical: intra reduce-scatter / all-gather around an inter-node collective on S/local
@@ -258,6 +267,28 @@ def collective_seconds(cfg: Config, kind: str, size_bytes: float, span: GroupSpa
                 + ring_seconds("all_gather", size_bytes, local, *intra))
     return (ring_seconds(kind, size_bytes, local, *intra)
             + ring_seconds(kind, size_bytes / local, nodes, *inter))
+
+
+#: ring steps of one gloo collective over n ranks (torch's ProcessGroupGloo on CPU tensors): its all-reduce is a
+#: ring of 2(n − 1) steps; ``reduce_scatter_tensor_coalesced`` clones the input, all-reduces it and copies out the
+#: rank's chunk (an all-reduce's steps and bytes); the all-gather a ring of n − 1; ``alltoall`` posts every send and
+#: receive at once and waits (one round)
+GLOO_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: 2 * (n - 1),
+              "all_gather": lambda n: n - 1, "all_to_all": lambda n: 1}
+
+
+def gloo_call_seconds(cfg: Config, kind: str, size_bytes: float, n: int, queued: bool = False) -> float:
+    """One collective over ``n`` local CPU ranks on gloo as training calls it (``benchmarks/clocks.md``, session 38):
+    the wake once a call (``cluster.cpu_wake_latency_us``: gloo's threads and a core shared with the rank's own
+    compute wake first; none when ``queued`` behind another call), times the group's ranks per core — each must be
+    scheduled — then gloo's steps (:data:`GLOO_STEPS`) at α and the bytes at B, both shared by the world's ranks per
+    core (:func:`cpu_oversubscription`)."""
+    cl = cfg.cluster
+    over = cpu_oversubscription(cfg)
+    per_core = max(1.0, n / cl.cpu_cores) if cl.cpu_cores > 0 else 1.0
+    wake = 0.0 if queued else cpu_wake_s(cfg) * per_core
+    moved = bus_factor("all_reduce" if kind == "reduce_scatter" else kind, n) * size_bytes
+    return wake + GLOO_STEPS[kind](n) * cl.intra_node_latency_us * 1e-6 * over + moved * over / cl.intra_node_bytes_per_s
 
 
 # --------------------------------------------------------------------------- per step
@@ -827,4 +858,36 @@ def _tp_items(cfg: Config, rp, act: int, span: GroupSpan, links: MeasuredLinks |
         one = collective_seconds(cfg, coll, size, span, links)
         items.append(CommItem("tp", f"TP {coll.replace('_', '-')} of the embedding / head / loss ({phase})", coll,
                               calls * m, size, par.tp, span.link, calls * m * one, False, phase))
+    tensors, size = sp_partial_gradients(cfg, layers, n_stages - 1 in stages)
+    calls = tensors * PARTIAL_GRADIENT_REDUCES[tr.optimizer]
+    if calls:
+        one = collective_seconds(cfg, "all_reduce", size, span, links)
+        items.append(CommItem("tp", f"TP all-reduce of the sequence-parallel norms' partial gradients in the optimizer "
+                                    f"step ({tensors} tensor(s))", "all_reduce", calls, size, par.tp, span.link,
+                              calls * one, False, "step"))
     return items
+
+
+#: all-reduces the one-tensor optimizer step runs on a parameter whose gradient is a Partial DTensor: each op that
+#: reads the gradient redistributes it to Replicate on its own (torch/optim/adam.py ``_single_tensor_adam``:
+#: ``exp_avg.lerp_(grad)``, ``exp_avg_sq.addcmul_(grad, grad)`` — one, then two; torch/optim/sgd.py: the parameter's
+#: ``add_`` of the gradient or of the momentum buffer, which stays Partial; traced: 51 all-reduces for 17 norms)
+PARTIAL_GRADIENT_REDUCES = {"adamw": 3, "sgd-momentum": 1, "sgd": 1}
+
+
+def sp_partial_gradients(cfg: Config, blocks: int, last_stage: bool) -> tuple[int, float]:
+    """(tensors, bytes of one) of a rank's parameters whose gradients stay Partial DTensors into the optimizer
+    step: under sequence parallelism the norms run SequenceParallel on sequence shards (backend.parallel.
+    tensor_parallel), so each rank's weight gradient is its shard's partial sum; without an FSDP2 wrapper (dp·cp = 1
+    and ZeRO below 2: engine.wrapping) nothing reduces it before the step (FSDP2's post-backward redistributes it,
+    once, traced). Two norms a block and the final one on the last stage; a LayerNorm's bias too."""
+    par = cfg.parallel
+    if par.tp == 1 or not par.sequence_parallel or wrapping_plan(cfg).fsdp2 or cfg.training.finetune == "lora":
+        return 0, 0.0  # LoRA: the norms are frozen
+    return norm_tensors(cfg, blocks, last_stage), float(cfg.model.hidden * 4)  # fp32: no FSDP2 policy casts them
+
+
+def norm_tensors(cfg: Config, blocks: int, last_stage: bool) -> int:
+    """The norms' parameter tensors of ``blocks`` blocks (two norms each) and, on the last stage, the final norm; a
+    LayerNorm has a bias beside its weight (the parameters stay fp32 without FSDP2's policy)."""
+    return (2 if cfg.model.norm == "layernorm" else 1) * (2 * blocks + (1 if last_stage else 0))

@@ -64,6 +64,13 @@ experts, ``engine.time.durations.stage_block_counts``):
   add; the frozen base keeps its input-gradient GEMMs but W holds the adapters' only (no base, head or
   embedding weight gradient).
 
+Host work the kernels do not show (a profile's optional figures; ``shardscope calibrate --device`` measures them on
+this machine, GPU profiles leave them at 0, their launch queue hiding it): DTensor's dispatch, sharding propagation and
+redistributes per TP-sharded Linear (``tp_linear_us``, ``sp_linear_us`` and their backward figures: an op of kind
+"dtensor" in F and I, in a full recompute's R too), FSDP2's hooks and copies per unit and microbatch
+(:func:`fsdp_unit_seconds`: each stage's blocks and its root) and the optimizer's aten calls on DTensor parameters
+(``engine.time.step.optimizer_seconds``).
+
 What it leaves out (the efficiency clock's terms stand there): the async-TP and context-parallel
 overlap windows (``engine.time.step`` reads them off the efficiency clock); the optimizer step
 (``engine.time.step.optimizer_seconds``: memory-bound; on CPU ranks torch's one-tensor step as an op list of its own,
@@ -132,6 +139,21 @@ class DeviceProfile:
     launch_backward_us_selective: float = 0.0
     launch_us_selective_op: float = 0.0
     launch_backward_us_selective_op: float = 0.0
+    # what a block Linear that tensor parallelism shards costs more, as DTensor runs it (its dispatch, sharding
+    # propagation, the input's and output's redistributes in Python; the collectives themselves are engine.time.comm's),
+    # forward and backward, without and with sequence parallelism (``parallel.sequence_parallel``: the norms, the
+    # residual stream's shards); optional: 0, a GPU's launch queue hides it
+    tp_linear_us: float = 0.0
+    tp_linear_backward_us: float = 0.0
+    sp_linear_us: float = 0.0
+    sp_linear_backward_us: float = 0.0
+    # what FSDP2 costs a unit (``fully_shard``'s pre- and post-forward hooks with its all-gather's copies, or
+    # ``replicate``'s without a gather; the backward's hooks and reduce-scatter copies) beyond the collectives, and what
+    # an aten call of the optimizer's one-tensor step costs more on a DTensor parameter; optional: 0
+    fsdp_unit_us: float = 0.0
+    fsdp_unit_kept_us: float = 0.0
+    fsdp_unit_backward_us: float = 0.0
+    dtensor_optimizer_op_us: float = 0.0
 
     def launch(self, phase: str, recompute: str = "none") -> float:
         """µs one kernel of a block costs beyond its roofline under ``recompute``'s wrapper: a forward or recomputed
@@ -148,6 +170,11 @@ class DeviceProfile:
     def gemm_fraction(self, dtype: str) -> float:
         return getattr(self, f"gemm_fraction_{dtype}")
 
+    def tp_linear(self, phase: str, sequence_parallel: bool) -> float:
+        """µs a TP-sharded Linear costs beyond its kernels in a forward (``phase`` "F") or a backward."""
+        kind = "sp" if sequence_parallel else "tp"
+        return getattr(self, f"{kind}_linear_us" if phase == "F" else f"{kind}_linear_backward_us")
+
     def gemm_half(self, dtype: str) -> float:
         """GFLOP at which a ``dtype`` GEMM runs at half its large-GEMM rate."""
         return self.gemm_half_gflop_bf16 if dtype != "fp32" and self.gemm_half_gflop_bf16 > 0 else self.gemm_half_gflop
@@ -158,7 +185,9 @@ RECOMPUTE_LAUNCH = {"full": "full", "selective": "selective", "selective-op": "s
 
 #: profile fields a table may leave out (their defaults: a GPU's)
 OPTIONAL_FIELDS = ("softmax_fraction", "gemm_half_gflop_bf16",
-                   *(f"{p}_{k}" for k in RECOMPUTE_LAUNCH.values() for p in ("launch_us", "launch_backward_us")))
+                   *(f"{p}_{k}" for k in RECOMPUTE_LAUNCH.values() for p in ("launch_us", "launch_backward_us")),
+                   *(f"{k}_linear{p}_us" for k in ("tp", "sp") for p in ("", "_backward")),
+                   "fsdp_unit_us", "fsdp_unit_kept_us", "fsdp_unit_backward_us", "dtensor_optimizer_op_us")
 
 
 @functools.cache
@@ -270,7 +299,7 @@ class Op:
 
     name: str
     phase: str  # "F", "I" or "W"
-    kind: str  # "gemm", "attention" or "memory"
+    kind: str  # "gemm", "attention", "memory" or "dtensor" (``kernels`` TP-sharded Linears' DTensor costs)
     flops: float
     bytes: float
     kernels: int = 1
@@ -283,6 +312,8 @@ def op_seconds(op: Op, cfg: Config, prof: DeviceProfile, recompute: str = "none"
     """The roofline time of one op on ``cfg``'s GPU kind (module docstring); ``recompute``: the kind whose wrapper
     the op runs in (a block's ops: ``training.recompute``; the head's, the embedding's and the optimizer's none)."""
     gpu = cfg.cluster.gpu
+    if op.kind == "dtensor":
+        return op.kernels * prof.tp_linear(op.phase, cfg.parallel.sequence_parallel) * 1e-6
     seconds = op.bytes / (gpu.hbm_bandwidth_gb_per_s * 1e9 * prof.hbm_fraction
                           * (prof.softmax_fraction if op.exp_bound else 1.0))
     if op.kind == "gemm" and op.flops > 0:
@@ -558,10 +589,23 @@ def _block_parts(cfg: Config, experts: bool, casts: bool = True) -> tuple[list[O
             bwd_in.append(Op(op.name + " backward", "I", "memory", 0.0, 2 * op.bytes, 2 * op.kernels, exp_bound=op.exp_bound))
     trained = [x for x in lin if ".lora_" in x.name] if tr.finetune == "lora" else lin
     bwd_w = [_gemm(x, "W", fp8 if x.float8 else base, a) for x in trained]
+    sharded = tp_sharded_linears(cfg, lin)
+    if sharded:  # DTensor's costs per sharded Linear (DeviceProfile.tp_linear): a recompute's forward runs them again
+        fwd.append(Op("TP DTensor dispatch", "F", "dtensor", 0.0, 0.0, sharded))
+        bwd_in.append(Op("TP DTensor dispatch backward", "I", "dtensor", 0.0, 0.0, sharded))
     if casts and wrapping_plan(cfg).autocast:
         bwd_in += autocast_casts(cfg, lin)["I"]
         bwd_w += autocast_casts(cfg, trained)["W"]  # LoRA: the adapters' weight gradients only
     return fwd, bwd_in, bwd_w, attention, mem
+
+
+def tp_sharded_linears(cfg: Config, lin: list[_Linear] | None = None) -> int:
+    """How many of a block's Linears tensor parallelism shards as DTensors (backend.parallel.tensor_parallel: the
+    attention's and the dense or shared MLP's; not the router, the routed experts or LoRA's adapters); 0 without TP."""
+    if cfg.parallel.tp == 1:
+        return 0
+    lin = _attention_linears(cfg) + _mlp_linears(cfg, False) if lin is None else lin
+    return sum(1 for x in lin if x.name != "router" and not x.name.startswith("experts.") and ".lora_" not in x.name)
 
 
 def _redo(cfg: Config, fwd: list[Op], attention: list[Op], mem: list[Op], recompute: str) -> list[Op]:
@@ -673,10 +717,25 @@ def _op_durations(cfg: Config, profile: DeviceProfile) -> StageDurations:
         f, i, w = f + share * extra[0], i + share * extra[1], w + share * extra[2]
     f[-1], i[-1], w[-1] = f[-1] + hf, i[-1] + hi, w[-1] + hw
     f[0], w[0] = f[0] + ef, w[0] + ew
+    unit_f, unit_b = fsdp_unit_seconds(cfg, profile)
+    if unit_f or unit_b:  # each stage's blocks, its root, and under EP each MoE block's experts
+        units = sum(counts) + 1 + (counts[1] if par.ep > 1 else 0)
+        f, i = f + units * unit_f, i + units * unit_b
     out = StageDurations.of(n, f, i + w, i, w, p2p_seconds(cfg, n), source="model")
     for arr in (out.forward_s, out.backward_s, out.backward_input_s, out.backward_weight_s, out.p2p_s):
         arr.setflags(write=False)
     return out
+
+
+def fsdp_unit_seconds(cfg: Config, profile: DeviceProfile) -> tuple[float, float]:
+    """(forward, backward) seconds an FSDP2 unit costs a microbatch beyond its collectives (the profile's
+    ``fsdp_unit_us``: ``fully_shard``'s forward, which gathers; ``fsdp_unit_kept_us``: ``replicate``'s, which does not;
+    ``fsdp_unit_backward_us``); 0 without an FSDP2 wrapper."""
+    plan = wrapping_plan(cfg)
+    if not plan.fsdp2:
+        return 0.0, 0.0
+    forward = profile.fsdp_unit_kept_us if plan.data_parallel == "replicate" else profile.fsdp_unit_us
+    return forward * 1e-6, profile.fsdp_unit_backward_us * 1e-6
 
 
 def op_table(cfg: Config) -> list[tuple[str, str, str, float, float, int, float]]:

@@ -344,7 +344,8 @@ def optimizer_seconds(cfg: Config, local_params: int, tensors: int = 0) -> float
     ``_default_to_fused_or_foreach``: no foreach kernels on the CPU; ``engine.memory.states.optimizer_foreach``),
     the step is its op list (:data:`FOR_LOOP_OPTIMIZER`), timed as the clock times a memory-bound op: its bytes at
     the profile's bandwidth and each of its aten calls (``tensors`` × the calls per tensor) at the profile's per-op
-    cost. GPU ranks (the multi-tensor step; the one-tensor step of ranks that mix DTensors, not yet measured there)
+    cost, each call on a DTensor parameter (FSDP2's, TP's) the profile's ``dtensor_optimizer_op_us`` more. GPU ranks
+    (the multi-tensor step; the one-tensor step of ranks that mix DTensors, not yet measured there)
     and the efficiency clock keep one pass over the bytes the step must touch.
     """
     par, tr = cfg.parallel, cfg.training
@@ -356,7 +357,11 @@ def optimizer_seconds(cfg: Config, local_params: int, tensors: int = 0) -> float
         calls, fixed, per_p = FOR_LOOP_OPTIMIZER[tr.optimizer]
         p = 4 if lora_fp32 else (master or tr.param_bytes)
         op = Op("optimizer step", "F", "memory", 0.0, shard * (fixed + per_p * p), calls * tensors)
-        return op_seconds(op, cfg, device_profile(cfg.cluster.gpu.name)) * cpu_oversubscription(cfg)
+        prof = device_profile(cfg.cluster.gpu.name)
+        plan = wrapping_plan(cfg)
+        # DTensor parameters (FSDP2's, TP's): each aten call dispatches through DTensor first
+        dtensor = calls * tensors * prof.dtensor_optimizer_op_us * 1e-6 if plan.fsdp2 or par.tp > 1 else 0.0
+        return (op_seconds(op, cfg, prof) + dtensor) * cpu_oversubscription(cfg)
     if lora_fp32:
         per_param = 4 + 4 + 8 * states + 4  # read grad + param + states; write param + states
         return shard * per_param / (cfg.cluster.gpu.hbm_bandwidth_gb_per_s * 1e9) * cpu_oversubscription(cfg)
@@ -483,14 +488,16 @@ def step_time(cfg: Config, durations: StageDurations | None = None,
         tp_here = float(sum(tp_f[s] + tp_b[s] for s in stages)) * par.microbatches
         cp_here = float(sum(cp_f[s] + cp_b[s] for s in stages)) * par.microbatches
         ep_here = float(sum(ep_f[s] + ep_b[s] for s in stages)) * par.microbatches
-        total = timeline.makespan_s + exposed + opt
-        entry = (total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here)
+        # the optimizer step's own TP collectives (sequence-parallel norms' partial gradients): after the backward
+        tp_step = sum(i.seconds for i in rc.items if i.dim == "tp" and i.phase == "step")
+        total = timeline.makespan_s + exposed + opt + tp_step
+        entry = (total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here, tp_step)
         if best is None or total > best[0]:
             best = entry
-    total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here = best
+    total, pp_rank, busy, tp_here, cp_here, exposed, opt, dp_total, ep_here, tp_step = best
     breakdown = {
         "compute": busy - tp_here - cp_here - ep_here,
-        "tp_comm": tp_here,
+        "tp_comm": tp_here + tp_step,
         "cp_comm": cp_here,
         "pipeline_bubble": timeline.makespan_s - busy,
         "dp_comm_exposed": exposed,

@@ -202,10 +202,11 @@ def test_zero1_broadcasts_every_parameter_tensor_separately():
     assert it.seconds == pytest.approx(tensors * broadcast_seconds(c, held / tensors, span))
 
 
-def test_cpu_ranks_pay_the_wake_on_each_step_called_after_compute_and_once_for_queued_broadcasts():
-    """The embedded default's cluster (local-cpu: α 150 µs, wake 1,210 µs a step, 1.8 GB/s, 4 ranks on 2 cores):
-    a step called after compute costs (α + wake) · 2, one queued behind another (ZeRO-1's async broadcasts) α · 2;
-    p2p pays the wake too (the receiver wakes first). Worked by hand."""
+def test_cpu_ranks_pay_the_wake_once_a_call_and_gloo_steps_at_the_shared_cores_alpha():
+    """The embedded default's cluster (local-cpu: α 150 µs, wake 1,210 µs, 1.8 GB/s, 4 ranks on 2 cores): a
+    collective called after compute pays the wake once, times its group's ranks per core (4 / 2), then gloo's ring
+    steps at α · 2 (world / cores) and its bytes at B / 2; one queued behind another (ZeRO-1's async broadcasts) no
+    wake; a broadcast's sends (p2p) pay the wake each, the receiver waking first. Worked by hand."""
     from engine import default_config
     from engine.time.comm import broadcast_seconds
     from engine.time.durations import p2p_seconds
@@ -214,8 +215,9 @@ def test_cpu_ranks_pay_the_wake_on_each_step_called_after_compute_and_once_for_q
     assert (c.cluster.intra_node_latency_us, c.cluster.cpu_wake_latency_us, c.cluster.cpu_cores) == (150.0, 1210.0, 2)
     span = group_span(c, "dp")
     s = 1e6
-    assert collective_seconds(c, "all_reduce", s, span) == pytest.approx(6 * 2720e-6 + 1.5 * s / 0.9e9)
+    assert collective_seconds(c, "all_reduce", s, span) == pytest.approx(2 * 1210e-6 + 6 * 300e-6 + 1.5 * s / 0.9e9)
     assert collective_seconds(c, "all_reduce", s, span, queued=True) == pytest.approx(6 * 300e-6 + 1.5 * s / 0.9e9)
+    assert collective_seconds(c, "all_gather", s, span) == pytest.approx(2 * 1210e-6 + 3 * 300e-6 + 0.75 * s / 0.9e9)
     first, queued = broadcast_seconds(c, s, span), broadcast_seconds(c, s, span, queued=True)
     assert (first, queued) == (pytest.approx(2 * (2720e-6 + s / 0.9e9)), pytest.approx(2 * (300e-6 + s / 0.9e9)))
     it = next(i for i in communication(c).per_pp_rank[0].items if i.what.startswith("ZeRO-1 parameter"))
@@ -261,3 +263,25 @@ def test_the_wake_field_is_written_only_where_a_cluster_sets_it():
     local = default_config()
     assert "cpu_wake_latency_us = 1210.0" in local.dumps_toml()
     assert Config.loads_toml(local.dumps_toml()) == local
+
+
+def test_gloo_reduce_scatters_as_an_all_reduce_and_all_to_alls_in_one_round_on_cpu_ranks():
+    """torch's ProcessGroupGloo on CPU tensors (benchmarks/clocks.md, session 38): ``reduce_scatter_tensor_coalesced``
+    clones the input, all-reduces it and copies out the rank's chunk (an all-reduce's steps and bytes); ``alltoall``
+    posts every send and receive at once (one round). A pair inside 4 ranks on 2 cores wakes once (2 / 2 ranks a
+    core) and steps at α · 2. Worked by hand."""
+    from engine import default_config
+    from engine.time.comm import gloo_call_seconds
+
+    c = default_config().replace(parallel={"dp": 4, "pp": 1, "microbatches": 1})
+    s = 1e6
+    ar = 2 * 1210e-6 + 6 * 300e-6 + 1.5 * s / 0.9e9
+    assert gloo_call_seconds(c, "reduce_scatter", s, 4) == pytest.approx(ar)
+    assert gloo_call_seconds(c, "all_to_all", s, 4) == pytest.approx(2 * 1210e-6 + 300e-6 + 0.75 * s / 0.9e9)
+    assert gloo_call_seconds(c, "all_reduce", s, 2) == pytest.approx(1210e-6 + 2 * 300e-6 + s / 0.9e9)
+    assert gloo_call_seconds(c, "all_gather", s, 2, queued=True) == pytest.approx(300e-6 + 0.5 * s / 0.9e9)
+    # the GPU kinds keep the ring's α-β model
+    gpu = cfg(dp=4, gpus=4)
+    span = group_span(gpu, "dp")
+    assert collective_seconds(gpu, "reduce_scatter", s, span) == pytest.approx(
+        ring_seconds("reduce_scatter", s, 4, gpu.cluster.intra_node_bytes_per_s, gpu.cluster.intra_node_latency_us * 1e-6))

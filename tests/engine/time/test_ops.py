@@ -383,3 +383,57 @@ def test_a_blocks_kernels_cost_what_its_recompute_wrapper_makes_them_cost_worked
     assert d.backward_input_s[0] - plain.backward_input_s[0] == pytest.approx(4 * (full[1] - none["none"][1]), rel=1e-9)
     assert d.backward_weight_s[0] - plain.backward_weight_s[0] == pytest.approx(4 * (full[2] - none["none"][2]),
                                                                                 rel=1e-9)
+
+
+def test_dtensor_and_fsdp2_cost_what_the_profile_measured_beyond_the_kernels_worked_by_hand(tmp_path, monkeypatch):
+    """A profile's DTensor and FSDP2 figures (backend/devicebench.py's fake-process-group probes): each TP-sharded
+    Linear of a block (the tiny preset's 7) costs ``tp_linear_us`` more in F, ``tp_linear_backward_us`` in I, the SP
+    figures under sequence parallelism, and a full recompute runs the forward's again; each FSDP2 unit (8 blocks and
+    the root) ``fsdp_unit_us`` in F (``fsdp_unit_kept_us`` under replicate, which gathers nothing) and
+    ``fsdp_unit_backward_us`` in I; each aten call of the one-tensor optimizer step on a DTensor parameter
+    ``dtensor_optimizer_op_us``. Shipped GPU profiles have none (their launch queue hides the host's work)."""
+    import json
+    import os
+    import socket
+
+    from engine.time.ops import tp_sharded_linears
+    from engine.time.step import optimizer_tensors
+
+    monkeypatch.setenv("SHARDSCOPE_CACHE_DIR", str(tmp_path))
+    extra = {"tp_linear_us": 100.0, "tp_linear_backward_us": 200.0, "sp_linear_us": 300.0,
+             "sp_linear_backward_us": 400.0, "fsdp_unit_us": 1000.0, "fsdp_unit_kept_us": 500.0,
+             "fsdp_unit_backward_us": 2000.0, "dtensor_optimizer_op_us": 10.0}
+    doc = _measured_doc(socket.gethostname())
+    base = default_config().replace(cluster={"gpus": 4, "cpu_cores": 4}, training={"precision": "fp32"},
+                                    conventions={"clock": "ops"})
+    (tmp_path / "device-cpu.json").write_text(json.dumps(doc))
+    plain = {k: base.replace(parallel=p) for k, p in (
+        ("tp", {"dp": 1, "tp": 4, "pp": 1, "microbatches": 1}),
+        ("sp", {"dp": 1, "tp": 4, "pp": 1, "microbatches": 1, "sequence_parallel": True}),
+        ("full", {"dp": 1, "tp": 4, "pp": 1, "microbatches": 1}),
+        ("z3", {"dp": 4, "tp": 1, "pp": 1, "zero": 3, "microbatches": 1}),
+        ("rep", {"dp": 2, "tp": 2, "pp": 1, "zero": 0, "microbatches": 1}))}
+    plain["full"] = plain["full"].replace(training={"recompute": "full"})
+    before = {k: op_durations(c) for k, c in plain.items()}
+    opt_before = {k: step_time(c).optimizer_s for k, c in plain.items()}
+    doc["profile"].update(extra)
+    path = tmp_path / "device-cpu.json"
+    stamp = path.stat().st_mtime_ns
+    path.write_text(json.dumps(doc))
+    os.utime(path, ns=(stamp + 10**9, stamp + 10**9))  # a new profile, whatever the file system's clock grain
+    after = {k: op_durations(c) for k, c in plain.items()}
+    assert tp_sharded_linears(plain["tp"]) == 7 and tp_sharded_linears(base) == 0
+    blocks = 8
+    f, i = (lambda k: after[k].forward_s[0] - before[k].forward_s[0],
+            lambda k: after[k].backward_input_s[0] - before[k].backward_input_s[0])
+    assert (f("tp"), i("tp")) == (pytest.approx(blocks * 7 * 100e-6), pytest.approx(blocks * 7 * 200e-6))
+    assert (f("sp"), i("sp")) == (pytest.approx(blocks * 7 * 300e-6), pytest.approx(blocks * 7 * 400e-6))
+    assert i("full") == pytest.approx(blocks * 7 * (200e-6 + 100e-6))  # the recomputed forward's DTensor ops
+    assert (f("z3"), i("z3")) == (pytest.approx((blocks + 1) * 1000e-6), pytest.approx((blocks + 1) * 2000e-6))
+    # dp2 × tp2: FSDP2's replicate (no gather) and TP's DTensor Linears
+    assert f("rep") == pytest.approx((blocks + 1) * 500e-6 + blocks * 7 * 100e-6)
+    for k in ("z3", "tp"):
+        rp = params_per_rank(plain[k])[0][0]
+        calls = FOR_LOOP_OPTIMIZER["adamw"][0] * optimizer_tensors(plain[k], rp)
+        assert step_time(plain[k]).optimizer_s - opt_before[k] == pytest.approx(calls * 10e-6)
+    assert all(getattr(device_profile(g), k) == 0.0 for g in ("h100-sxm", "a100-80g") for k in extra)

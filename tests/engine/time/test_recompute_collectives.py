@@ -34,10 +34,11 @@ def cfg(recompute="none", sp=False, tp=2, pp=1, every=2, layers=4, dp=1, zero=0,
 
 
 def tp_calls(c: Config, pp_rank: int = 0) -> dict[tuple[str, str], int]:
-    """Per-block TP collective calls of one pp rank for the whole step (edges left out), by (collective, phase)."""
+    """Per-block TP collective calls of one pp rank for the whole step (edges and the optimizer step's left out), by
+    (collective, phase)."""
     out: dict[tuple[str, str], int] = {}
     for it in communication(c).per_pp_rank[pp_rank].items:
-        if it.dim == "tp" and "embedding" not in it.what:
+        if it.dim == "tp" and "embedding" not in it.what and it.phase != "step":
             out[(it.collective, it.phase)] = out.get((it.collective, it.phase), 0) + it.calls
     return out
 
