@@ -359,9 +359,10 @@ class ClusterSpec:
     )
     cpu_wake_latency_us: float = knob(
         0.0,
-        doc="local CPU ranks (gpu cpu) only: what a collective step costs beyond intra_node_latency_us when a rank "
-            "calls it after its own compute, as training does (gloo's threads and a shared core wake first; "
-            "shardscope calibrate --links times calls both ways); calls queued back to back (async_op) pay it once",
+        doc="local CPU ranks (gpu cpu) only: what a collective costs more, once a call (times its group's ranks per "
+            "core; at every send), when a rank calls it after its own compute, as training does (gloo's threads and a "
+            "shared core wake first; shardscope calibrate --links times calls both ways); calls queued back to back "
+            "(async_op) pay it once",
         range=_LATENCY,
         group="cluster",
     )
