@@ -2044,9 +2044,9 @@ class _Laying:
         if kind == _F and phase == ACTION and sig.unit_bytes[j] > 0:
             whole = self._forward(i, stage, mb, j, whole)
         leftover = self._backward_walk(i, stage, mb, j, per_block) if walk_b else []
-        root_end = mask[_POST_BACKWARD] and _ROOT_END in self.per_life
+        root_end = mask[_POST_BACKWARD] and (_ROOT_END in self.per_life or bool(self.grain.root_end))
         if root_end and not self.grain.root_end[2]:  # the end's side before the copy-in: the moment's tensors
-            for j2, nbytes, stream in self.per_life[_ROOT_END]:
+            for j2, nbytes, stream in self.per_life.get(_ROOT_END, ()):
                 alloc(("rci", j2, i), nbytes, stream)
         gathered = 0  # the every-action tensors freed before the root's copy-in (the gathered root among them)
         for _life, (j2, nbytes, _) in whole:
