@@ -28,7 +28,7 @@ threads and a shared core wake first, which a collective timed after a barrier n
 with async_op, pay it once. Sends (p2p, the broadcasts' rounds) pay the wake at each, times the
 world's ranks per core.
 
-Under sequence parallelism without a data-parallel wrapper the norms' weight gradients reach the
+Under sequence parallelism without FSDP2 (dp·cp = 1, ZeRO below 2) the norms' weight gradients reach the
 optimizer as Partial DTensors, and torch's one-tensor step all-reduces each at every op that reads it
 (:func:`sp_partial_gradients`): TP items of phase "step", after the backward.
 
