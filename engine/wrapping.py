@@ -162,20 +162,22 @@ class WrappingPlan:
         return "; ".join(parts)
 
 
+def data_parallel_wrapper(zero: int, dp_cp: int, tp: int) -> str:
+    """The data-parallel wrapper of a ``ddp``-mode layout (DATA_PARALLEL_WRAPPERS): ZeRO-2/3 ``fully_shard``; over
+    dp·cp ranks with TP, FSDP2's ``replicate`` (DTensor parameters); else DDP over dp·cp (context-parallel ranks too),
+    or none."""
+    if zero in (2, 3):
+        return "fully_shard"
+    if dp_cp > 1:
+        return "replicate" if tp > 1 else "ddp"
+    return "none"
+
+
 def wrapping_plan(cfg: Config) -> WrappingPlan:
     """The wrapping plan of ``cfg`` (see the module docstring for the rules)."""
     par, tr = cfg.parallel, cfg.training
     pipelined = par.pp > 1
-    if par.dp_mode == "dataparallel":
-        dp_wrap = "dataparallel"
-    elif par.zero in (2, 3):
-        dp_wrap = "fully_shard"
-    elif par.dp_cp > 1 and par.tp > 1:
-        dp_wrap = "replicate"
-    elif par.dp_cp > 1:  # the gradients are reduced over dp·cp (context-parallel ranks too)
-        dp_wrap = "ddp"
-    else:
-        dp_wrap = "none"
+    dp_wrap = "dataparallel" if par.dp_mode == "dataparallel" else data_parallel_wrapper(par.zero, par.dp_cp, par.tp)
     sharded = dp_wrap == "fully_shard"
     fsdp2 = dp_wrap in ("fully_shard", "replicate")
     compute = _COMPUTE_DTYPE[tr.precision]

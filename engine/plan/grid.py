@@ -45,6 +45,7 @@ from engine.time.step import (
     optimizer_seconds,
     with_mesh_communication,
 )
+from engine.wrapping import data_parallel_wrapper
 
 
 class _Planner(MemoryBound, TimeBound):
@@ -289,24 +290,26 @@ class _Planner(MemoryBound, TimeBound):
         tp, pp, v, sc, cp = self.structs[int(c["struct"][i])]
         return (tp, pp, v, sc, int(c["m"][i]), int(c["b"][i]), bool(c["sp"][i]), _RECOMPUTE[int(c["rc"][i])], cp,
                 _FLOAT8[int(c["f8"][i])], bool(c["cmp"][i]),
-                self._wrapper_key(int(c["zero"][i]), self.base.cluster.gpus // (tp * pp) > 1, tp))
+                self._wrapper_key(int(c["zero"][i]), self.base.cluster.gpus // (tp * pp), tp))
 
-    def _wrapper_key(self, zero: int, dp_cp: bool, tp: int) -> int:
-        """What of the data-parallel wrapper (engine.wrapping) the stage durations read: where the device profile
-        times FSDP2's units (engine.time.ops.fsdp_unit_seconds), fully_shard (2), replicate (1) or neither (0); else,
-        in mixed precision, FSDP2 (whose policy casts) or not (autocast's casts are ops: engine.time.ops.autocast_casts);
-        in fp32 nothing (0)."""
-        kind = 2 if zero >= 2 else int(dp_cp and tp > 1)
+    def _wrapper_key(self, zero: int, dp_cp: int, tp: int) -> str:
+        """What of the data-parallel wrapper (engine.wrapping.data_parallel_wrapper) the stage durations read: where
+        the device profile times FSDP2's units (engine.time.ops.fsdp_unit_seconds), the wrapper; else, in mixed
+        precision, whether it is FSDP2 (whose policy casts; autocast's casts are ops: engine.time.ops.autocast_casts);
+        in fp32 nothing."""
+        kind = data_parallel_wrapper(zero, dp_cp, tp)
         if any(self._k.fsdp_unit):
             return kind
-        return int(kind > 0) if self.base.training.precision != "fp32" else 0
+        fsdp2 = kind in ("fully_shard", "replicate")
+        return "fsdp2" if fsdp2 and self.base.training.precision != "fp32" else ""
+
 
     def makespan(self, cfg: Config) -> float:
         """The simulated pipeline makespan (as engine.time.step computes it), cached per pipeline shape."""
         par, tr = cfg.parallel, cfg.training
         key = (par.tp, par.pp, par.virtual_stages, par.schedule, par.microbatches, tr.micro_batch_size,
                par.sequence_parallel, tr.recompute, par.cp, tr.float8, tr.compile,
-               self._wrapper_key(par.zero, par.dp_cp > 1, par.tp))
+               self._wrapper_key(par.zero, par.dp_cp, par.tp))
         out = self._makespans.get(key)
         if out is None:
             pkey = (par.schedule, par.pp, par.microbatches, par.virtual_stages)
