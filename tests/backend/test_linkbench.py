@@ -178,8 +178,10 @@ def test_calibrate_device_measures_this_cpu_and_the_engine_uses_it(tmp_path, mon
     # a softmax computes an exp per element: it streams below the elementwise add on a CPU core
     assert 0 < prof["softmax_fraction"] < 1 and device_profile("cpu").softmax_fraction == prof["softmax_fraction"]
     # the blocks' kernels under each recompute wrapper: per-op selective checkpointing's dispatch mode runs in Python
-    # on every op, well above the plain and checkpoint-wrapped blocks' costs
-    assert prof["launch_us_selective_op"] > 2 * prof["launch_us_full"] > 2 * prof["launch_us"]
+    # on every op, well above the plain and checkpoint-wrapped blocks' costs (those two are not ordered: a
+    # checkpointed forward runs under no_grad and builds no graph, and CI measured it 0.2 % below the plain one)
+    assert prof["launch_us_full"] > 0
+    assert prof["launch_us_selective_op"] > 2 * max(prof["launch_us_full"], prof["launch_us"])
     assert device_profile("cpu").launch("F", "selective-op") == pytest.approx(prof["launch_us_selective_op"])
     assert "under recompute = selective-op" in out
     # DTensor's and FSDP2's host work (fake-process-group probes): a sharded Linear costs many plain kernels (173 and
