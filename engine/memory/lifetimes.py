@@ -351,6 +351,9 @@ END_FREED_KINDS = frozenset({"fsdp_unsharded_grads", "fsdp_embedding_full_grad",
 #: the step's last; measure --fake of Llama 3 8B tp4 SP cp2 ZeRO-2 fp32, seed 20261244 #26: one 2,004 MiB
 #: allocation where the cache held 3.8 GiB free in smaller blocks, a new segment)
 WHOLE_KINDS = frozenset({"fsdp_embedding_full_grad"})
+#: the event rows' lifetime of a tensor alive from the first backward to the step's end that the events lay whole,
+#: after the blocks' pieces (``Terms.plain_grad_whole``: the TP token embedding's plain gradient at full V × h)
+LATE_WHOLE = "after_first_backward_whole"
 
 #: what is alive all step but not at the optimizer step: autocast's cached weight casts. The training
 #: loop runs each forward and its backward inside ``torch.autocast``, whose exit clears the cache
@@ -1078,6 +1081,7 @@ class _Laid:
         gather = ALL_GATHER_STREAM_KINDS
         grad_piece = getattr(terms, "grad_piece", 0)
         cp_pieces = getattr(terms, "cp_pieces", ())
+        grad_whole = getattr(terms, "plain_grad_whole", 0)
         for c in categories:
             var = []
             acts_c = c == "activations"
@@ -1156,6 +1160,10 @@ class _Laid:
                         parts = [grad_piece] * (nbytes // grad_piece) + ([nbytes % grad_piece] if nbytes % grad_piece else [])
                     else:
                         parts = (nbytes,)
+                    if grad_whole and kind == "gradients" and row_life == "after_first_backward" and nbytes > grad_whole:
+                        add_row((row_life, nbytes - grad_whole, stream))  # the blocks' (and the head's), a piece a block
+                        add_row((LATE_WHOLE, grad_whole, stream))  # the last node's: one tensor, after them
+                        continue
                     for x in parts:
                         add_row((row_life, x, stream))
                     if kind in UNIT_FRESH_KINDS:  # and, for the events only, in each block of a B's walk
@@ -1607,7 +1615,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
         per_life.setdefault(life, []).append((j, nbytes, stream))
     outputs = per_life.get("to_step_end", [])
     accumulated = per_life.get("accumulated", []) + per_life.get("accumulated_whole", [])
-    late = per_life.get("after_first_backward", []) + accumulated
+    late = per_life.get("after_first_backward", []) + per_life.get(LATE_WHOLE, []) + accumulated
     late_done = weight_late_done = False
     stage_on: dict[tuple[str, int], bool] = {}  # (acc | red, local stage) -> laid
     local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}
@@ -1920,6 +1928,7 @@ class _Laying:
         self.outputs = per_life.get("to_step_end", [])
         whole = per_life.get("accumulated_whole", [])
         self.accumulated = {j for j, _, _ in per_life.get("accumulated", []) + whole}
+        whole = per_life.get(LATE_WHOLE, []) + whole
         self.late = per_life.get("after_first_backward", []) + per_life.get("accumulated", []) + whole
         self.whole = {j for j, _, _ in whole}
         self.local = {s: j for j, s in enumerate(sorted(sig.stages) if sig.pp > 1 else (0,))}

@@ -80,6 +80,9 @@ class Terms(dict):
         #: the REDUCE_GRAD moment's unit's whole reduce-scatter input (``buffers._reduce_grad``), which torch allocates
         #: beside that unit's accumulation and gathered parameters: the events lay it whole where it fits; 0: none
         self.reduce_gross: int = 0
+        #: of the plain gradients (``kind="gradients"``, no FSDP2), the one tensor autograd makes after every block's:
+        #: under TP the token embedding's at full V × h (``engine.memory.states``), laid whole by the events; 0: none
+        self.plain_grad_whole: int = 0
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:

@@ -1606,3 +1606,32 @@ def test_the_roots_reduce_scatter_input_after_accumulation_is_one_tensor_of_the_
     assert root_input == 4008 * 2**20 + 16 * 2**10  # the final norm's 16 KiB past 4,008 MiB
     made = [e for e in events if e[0] == "alloc" and e[2] == root_input]
     assert len(made) == 1 and (len(made[0]) < 4 or made[0][3] == 0)  # once, on the compute stream
+
+
+def test_tp_alones_embedding_gradient_is_one_tensor_made_after_the_blocks():
+    """TP without a data-parallel wrapper: the token embedding's backward is the graph's last node, and DTensor's
+    ``embedding_dense_backward`` makes its weight gradient Partial at the full V × h — one fp32 tensor of 128,256 ×
+    4,096 × 4 B = 2,004 MiB for Llama 3 8B, made after every block's gradient when the freed activations are scattered
+    over the forward's segments (measure --fake of seed 20261255 #03, dp1 tp4 SP: that request at the backward's end,
+    a new segment; reserved −10.4 → −1.0 % with it in the events). The events lay it once, after the blocks'
+    gradients, and the rest of the gradients in pieces; the bytes are the gradients' (4 B × (Ψ + V·h − rows))."""
+    from engine.memory.lifetimes import canonical_event_signature
+    from engine.memory.per_rank import rank_body
+    from engine.model.params import params_per_rank
+
+    cfg = Config.from_dict({
+        "model": {"preset": "llama3-8b", "layers": 2, "seq_len": 2048},
+        "cluster": {"gpu": "h100-96g", "gpus": 4, "gpus_per_node": 4},
+        "parallel": {"tp": 4, "sequence_parallel": True},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "fp32"}})
+    body = rank_body(cfg, params_per_rank(cfg)[0][0])
+    whole = 128_256 * 4_096 * 4
+    assert whole == 2004 * 2**20
+    grads = [t for t in body.catalogue["grads"] if t.kind == "gradients"]
+    assert len(grads) == 1 and grads[0].bytes > whole
+    events = replay_events(canonical_event_signature(body.timeline._event_signature()))
+    made = [i for i, e in enumerate(events) if e[0] == "alloc" and e[2] == whole]
+    assert len(made) == 1
+    late = [i for i, e in enumerate(events) if e[0] == "alloc" and e[1][0] == "late"]
+    assert late[-1] == made[0] and len(late) > 1  # the blocks' pieces first, then it
+    assert sum(events[i][2] for i in late) == grads[0].bytes
