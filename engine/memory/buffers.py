@@ -651,6 +651,14 @@ def _root_and_current_unit(cfg: Config, plan: WrappingPlan, rp: RankParams, T: T
     T.add("comm_buffers", "FSDP2 unsharded parameters: the current block's unit" + (" and its experts' unit" if moe else "")
           + f8, cur + moe, f"{cur:,} B" + (f" + {moe:,} B" if moe else "") + " (the largest)", kind="fsdp_unsharded_params")
     _root_regather_at_loss(cfg, plan, T, root_b)
+    # the forward gathers the root first: its parameters are copied out of its all-gather output (``wait_for_unshard``:
+    # ``foreach_all_gather_copy_out``), and that output, on the all-gather stream, is kept to the first block's
+    # copy-out (implicit prefetch: ``prev_all_gather_state``; measure --fake of seed 20261255 #23, Llama 3 8B dp8
+    # ZeRO-3: the root's 2,004 MiB output beside the first block's 416 MiB on the all-gather stream, a segment of its
+    # own): an event-only tensor of the allocation events (``Grain.root_gather``). (Not laid where the units stay
+    # gathered or the rank is pipelined: there the seeds' ranks moved both ways, the events laying every gathered
+    # unit on the all-gather stream where torch's copy-out makes them on the compute stream)
+    T.root_gather = root_b
     if not moe:
         _kept_all_gather_at_copy_out(T, root_b, cur, sum(st.layers for st in rp.stages), f8)
     return cur

@@ -397,7 +397,10 @@ INPUT_TO_WEIGHT_KINDS = frozenset({"split_backward_grads"})
 #: torch/distributed/pipelining/_backward.py)
 INPUT_GRADIENT_KINDS = frozenset({"input_gradients_kept"})
 
-#: the term kinds whose buffers FSDP2 allocates on its all-gather stream
+#: the term kinds whose buffers the allocation events lay on FSDP2's all-gather stream: its all-gather inputs and
+#: outputs, and (an approximation the events keep) the unsharded parameters, which torch's copy-out allocates on the
+#: compute stream (``foreach_all_gather_copy_out`` in ``wait_for_unshard``) but the events lay per moment, freed and
+#: laid again at each, where the compute stream's tensors of the next moment would take their blocks
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
                                      "unsharded_params", "fsdp_root_params"})
 
@@ -1437,6 +1440,9 @@ class Grain(NamedTuple):
     # a recomputed block's (``backward_input``) pieces: (size,) pieces of that size where its tensors are not the
     # dense block's (a block with experts); (): in proportion to ``work``
     recomputed: tuple = ()
+    # FSDP2's root all-gather output, on the all-gather stream, kept to the first block's copy-out beside the root's
+    # parameters copied out of it (``Terms.root_gather``); 0: none laid
+    root_gather: int = 0
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -1899,14 +1905,14 @@ class _Laying:
     __slots__ = ("ev", "laid_lives", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads", "pieces",
                  "stage_on", "plans", "sig",
                  "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "whole", "local", "last_stage", "walk",
-                 "first_backward", "later_w")
+                 "first_backward", "later_w", "root_gathered")
 
     def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
         self.ev: list[tuple] = []
         self.size: dict = {}
         self.live = self.most = 0
         self.peak = self.slack = peak
-        self.late_done = self.weight_late_done = False
+        self.late_done = self.weight_late_done = self.root_gathered = False
         self.pieces: dict[tuple[int, int], int] = {}  # (row, moment) -> the pieces a moment's row is laid in
         self.held: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its saved tensors, by block
         self.heads: dict[tuple[int, int], list] = {}  # (stage, microbatch) -> keys of its loss side (freed at B, W)
@@ -2049,7 +2055,16 @@ class _Laying:
                 free(key)
         # the end of the backward's sharded gradients stay for an optimizer step the events lay (``_optimizer_step``)
         kept = phase == END and bool(self.grain.step)
+        # the rank's first forward gathers the root first: its all-gather output lives to the first block's copy-out,
+        # beside the root's parameters and the block's output (``Grain.root_gather``), an event-only tensor
+        root_gather = (kind == _F and phase == ACTION and self.grain.root_gather and not self.root_gathered
+                       and self.fits(self.grain.root_gather, 0))
+        if root_gather:
+            alloc(("rag", i), self.grain.root_gather, ALL_GATHER_STREAM)
+            self.root_gathered = True
         self._lay_whole(i, whole, kept)
+        if root_gather:
+            free(("rag", i))
         if kind == _F and phase == ACTION and sig.unit_bytes[j] > 0:
             whole = self._forward(i, stage, mb, j, whole)
         leftover = self._backward_walk(i, stage, mb, j, per_block) if walk_b else []

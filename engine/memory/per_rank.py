@@ -192,7 +192,7 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
                  tuple(T.split_backward_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)),
                  T.reduce_gross,
                  tuple(T.freed_at_input_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)),
-                 recomputed)
+                 recomputed, T.root_gather)
 
 
 #: how many of the tensors a block's forward makes the events lay as its transients (the largest)

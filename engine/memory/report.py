@@ -83,6 +83,9 @@ class Terms(dict):
         #: of the plain gradients (``kind="gradients"``, no FSDP2), the one tensor autograd makes after every block's:
         #: under TP the token embedding's at full V × h (``engine.memory.states``), laid whole by the events; 0: none
         self.plain_grad_whole: int = 0
+        #: FSDP2's root all-gather output where the root is gathered first in a forward and kept to the first block's
+        #: copy-out (``engine.memory.buffers._root_and_current_unit``), for the allocation events; 0: none
+        self.root_gather: int = 0
 
     def add(self, category: str, label: str, nbytes: int, formula: str, tracked: bool = True,
             stage: int | None = None, in_flight: int | None = None, kind: str = "") -> None:
