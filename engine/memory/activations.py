@@ -1549,6 +1549,8 @@ def _recomputed_block_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Bloc
         redo = big - shared
         formula = (f"{blocks.moe_formula if blocks.moe and big != per_layer else blocks.layer_formula}"
                    f" − the kept block input = {big:,} − {shared:,}")
+        if moe_here:
+            redo, formula = _recomputed_moe_block(cfg, rp, ckpt_of, blocks, shared, formula)
         trailing = _plain_blocks_after_last_checkpoint(cfg, rp, ckpt_of) if not moe_here else 0
         if trailing:
             # torchtitan's layer-selective AC: the stage's last checkpointed block is recomputed when the backward
@@ -1598,6 +1600,35 @@ def _first_block_replays(cfg: Config, rp, ckpt_of: dict[int, int]) -> bool:
         return False
     trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
     return all(trailing.get(st.stage, 1) == 0 for st in rp.stages if st.layers)
+
+
+def _recomputed_moe_block(cfg: Config, rp, ckpt_of: dict[int, int], blocks: _Blocks, shared: int,
+                          formula: str) -> tuple[int, str]:
+    """A rank with MoE blocks: the most its stages' recomputed block adds at its backward, and the formula. Under
+    "selective-layer" a stage's last checkpointed block is recomputed after the plain blocks behind it freed their
+    saved tensors (torchtitan's counter, ``_plain_after_checkpoint_of_stages``); a stage's MoE blocks are its last
+    ones (the model's ``dense_layers`` lead), so those plain blocks and the recomputed one are MoE blocks where they
+    fall among them. A CPU run of 3 MoE blocks at N = 2 (``benchmarks/accuracy.py --sweep 30 --seed 20261229``, #01:
+    the middle block recomputed after the last one's backward) peaked without the last block's saved tensors beside
+    the recompute. Under the other policies the larger of a dense and a MoE block's, as before."""
+    big_any = max(blocks.per_layer, blocks.per_moe)
+    if cfg.training.recompute != "selective-layer":
+        return big_any - shared, formula
+    trailing = _plain_after_checkpoint_of_stages(cfg, rp, ckpt_of)
+    worst, how = 0, ""
+    for st in rp.stages:
+        if st.stage not in trailing:
+            continue
+        t, moe = trailing[st.stage], st.moe_layers
+        big = blocks.per_moe if t + 1 <= moe else blocks.per_layer
+        freed = min(t, moe) * blocks.per_moe + (t - min(t, moe)) * blocks.per_layer
+        redo = max(big - shared - freed, 0)
+        if redo >= worst:
+            worst = redo
+            how = (f" (stage {st.stage}: its last checkpointed block {'MoE' if big == blocks.per_moe else 'dense'}"
+                   + (f", the {t} plain block{'s' if t > 1 else ''} after it freed by then {freed:,}" if t else "")
+                   + ")")
+    return worst, formula + how
 
 
 def _plain_blocks_after_last_checkpoint(cfg: Config, rp, ckpt_of: dict[int, int]) -> int:
