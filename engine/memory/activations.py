@@ -2854,8 +2854,12 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
             continue  # the experts' gradients are laid beside it (measure --fake seed 20261226: +2.7 -> +4.9 % with it)
         if c[0] > 0 and (best is None or c[0] > best[0]):
             best = c
-        if c[0] > 0 and (best_c is None or c[0] > best_c[0]):
-            best_c = c
+        # an I frees nothing it runs through: stage_backward_input calls autograd with retain_graph=True (the W runs the
+        # rest of the graph), so the weighted outputs index_add_ saved and the later blocks' tensors stay (measure
+        # --fake of seed 20261256 #00, Qwen3 30B-A3B InterleavedZeroBubble ep2: 512 MiB more at three I's, −3.2 … −3.5 %)
+        c_i = (c_temp, st.stage, c_temp, None, 0 if received else one_grad, 0, 0, 0, 0, 0, 0)
+        if best_c is None or c_i[0] > best_c[0]:
+            best_c = c_i
     if par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES:  # as split_backward_terms' condition
         # an I computes input gradients only (stage_backward_input): its moment is the combine's backward; the
         # experts' weight gradients come in the W, and where they outweigh it, at a full B (ZBV's and DualPipeV's
