@@ -437,7 +437,10 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     # (pipelined, a rank whose token embedding's full-size TP gradient outweighs a block keeps the whole block's at its
     # B: laying only the part made, as the fakes hold it, moved the published Table 5 1F1B row's replayed reserve out
     # of its 10 % bar, -8.4 -> -10.7 %, through the replay's fragmentation; left so until the replay lays it)
-    block = made and (big == unit_numel(rp.block_tensors) or bool(rp.expert_units)) and (emb_full <= big or emb_last)
+    # (the largest unit a block's: a dense one, or a MoE block's whole unit where its experts are no unit of their own)
+    block = made and (big == unit_numel(rp.block_tensors) or bool(rp.expert_units)
+                      or any(unit_numel(u) == big for u, _ in rp.unit_groups if u not in rp.root_units)) \
+        and (emb_full <= big or emb_last)
     emb_end = max(emb_full, train_units[0][0]) if emb_last else 0
     if emb_end > big:  # the embeddings' gradient, made at the end of the backward: the largest then
         big, what = emb_end, (f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
