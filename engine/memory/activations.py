@@ -2860,6 +2860,14 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         c_i = (c_temp, st.stage, c_temp, None, 0 if received else one_grad, 0, 0, 0, 0, 0, 0)
         if best_c is None or c_i[0] > best_c[0]:
             best_c = c_i
+    return _lay_moe_moments(cfg, T, best, best_c, autocast, n, n_r)
+
+
+def _lay_moe_moments(cfg: Config, T: Terms, best: tuple | None, best_c: tuple | None, autocast: bool, n: int,
+                     n_r: int) -> bool:
+    """``moe_backward_terms``' moments laid: under a split backward the I's (``best_c``, the combine's) and the full
+    B's (``best``), else one for every backward; returns whether the full backward's is the combine's."""
+    par = cfg.parallel
     if par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES:  # as split_backward_terms' condition
         # an I computes input gradients only (stage_backward_input): its moment is the combine's backward; the
         # experts' weight gradients come in the W, and where they outweigh it, at a full B (ZBV's and DualPipeV's

@@ -2023,21 +2023,7 @@ class _Laying:
             for c, x in enumerate(per_stage[what][i]):
                 if x:
                     whole.extend((what, r) for r in self.per_life.get((what, c), ()))
-        weight_pass = []
-        if kind == _W and phase == ACTION:  # what this stage's weight pass holds while it runs: its recomputes,
-            # in pieces the size of a block's largest tensors (the grain's ``work``: what recompute = "none"
-            # saves), at most WEIGHT_PASS_PIECES of them
-            largest = self.grain.recomputed[0] if self.grain.recomputed else max(self.grain.work, default=0)
-            for j2, nbytes, stream in self.per_life.get(("wr", j), ()):
-                n = max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1)))
-                for q, x in enumerate(_pieces(nbytes, (1,) * n)):
-                    if x:
-                        alloc(("wp", j2, i, q), x, stream)
-                        weight_pass.append(("wp", j2, i, q))
-            if self.later_w and self.later_w[i][j]:  # and, its weights holding a gradient already, the fresh ones beside it
-                for j2, nbytes, stream in self.per_life.get(("lw", j), ()):
-                    alloc(("wp", j2, i, "lw"), nbytes, stream)
-                    weight_pass.append(("wp", j2, i, "lw"))
+        weight_pass = self._weight_pass(i, j) if kind == _W and phase == ACTION else []
         if mask[-1] and not self.late_done:
             for j2, nbytes, stream in self.late:
                 alloc(("late", j2), nbytes, stream)
@@ -2120,6 +2106,24 @@ class _Laying:
             for key in sum(self.held.pop((stage, mb)), []) + self.heads.pop((stage, mb), []):
                 free(key)
         return True
+
+    def _weight_pass(self, i: int, j: int) -> list:
+        """What local stage ``j``'s weight pass holds while it runs (laid; their keys returned, to free after it): its
+        recomputes, in pieces the size of a block's largest tensors (the grain's ``work``: what recompute = "none"
+        saves), at most WEIGHT_PASS_PIECES of them; and, its weights holding a gradient already, the fresh ones."""
+        keys = []
+        largest = self.grain.recomputed[0] if self.grain.recomputed else max(self.grain.work, default=0)
+        for j2, nbytes, stream in self.per_life.get(("wr", j), ()):
+            n = max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1)))
+            for q, x in enumerate(_pieces(nbytes, (1,) * n)):
+                if x:
+                    self.alloc(("wp", j2, i, q), x, stream)
+                    keys.append(("wp", j2, i, q))
+        if self.later_w and self.later_w[i][j]:
+            for j2, nbytes, stream in self.per_life.get(("lw", j), ()):
+                self.alloc(("wp", j2, i, "lw"), nbytes, stream)
+                keys.append(("wp", j2, i, "lw"))
+        return keys
 
     def _root_end(self, i: int, gathered: int) -> None:
         """FSDP2's root post-backward at the end of the backward (``_ROOT_END``), as torch's ``foreach_reduce`` runs it:
