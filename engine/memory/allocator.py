@@ -873,6 +873,8 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
     def lasting(key) -> bool:
         return key is not None and keys.shape(key) not in freed
 
+    before = set(live)  # the keys live when the cycle starts: never renamed
+
     smallest: dict[tuple[int, bool], int] = {}  # per pool, the least request of a period: smaller cached blocks are of no use
     for e in chunk:
         if e[0] == "alloc" and e[2] > 0:
@@ -925,8 +927,11 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
             looks.add(look)
         else:
             spent += cost
-            state, inert = alloc.relative_state(live, lambda k, d=d: k if lasting(k) else keys.shift(k, -d), lasting,
-                                                smallest)
+            # every key named as the first period's, a lasting one too (the periods' kept tensors beside their
+            # microbatches' in a segment still in use are the same tensors of a later period), but one from
+            # before the cycle
+            state, inert = alloc.relative_state(live, lambda k, d=d: k if lasting(k) and k in before
+                                                else keys.shift(k, -d), lasting, smallest)
             now = (alloc._allocated, alloc._reserved)
             hit = seen.get(state)
             if hit is None:
@@ -941,18 +946,21 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
                 inert_ids = {id(h) for h in inert}
                 recent = sorted((h for h in alloc._segment_heads() if h.addr >= hit[3] and id(h) not in inert_ids),
                                 key=lambda h: h.addr)
+                skip = runs * loop
+                key_of = {id(alloc._live[h]): k for k, h in live.items() if alloc._live[h] is not None}
+                held = _lasting_in_use(alloc, live, inert, lambda k: lasting(k) and k not in before)
                 if (runs and all(h.seg is None for h in recent)
-                        and (alloc.capacity is None or top_r <= alloc.capacity)):
-                    skip = runs * loop
-                    key_of = {id(alloc._live[h]): k for k, h in live.items() if alloc._live[h] is not None}
+                        and (alloc.capacity is None or top_r <= alloc.capacity)
+                        and _skip_keeps_every_lasting_key(live, chunk, keys, lasting, held, new, key_of, r, loop, runs,
+                                                          delta)):
                     # each skipped run makes inert segments laid out as this one's, past every segment the
                     # loop started with; the segments this run made that are still in use come after them
+                    moved = [(k, live.pop(k)) for k in list(live) if not lasting(k)] + [(k, live.pop(k)) for k in held]
                     for q in range(1, runs + 1):
                         for h in new:
                             alloc._copy_segment(h, key_of, lambda k, n=q * loop * delta: keys.shift(k, n), live)
                     for h in recent:
                         alloc._relocate(h)
-                    moved = [(k, live.pop(k)) for k in list(live) if not lasting(k)]
                     for k, h in moved:
                         live[keys.shift(k, skip * delta)] = h
                     alloc._max_allocated = max(alloc._max_allocated, top_a)
@@ -960,6 +968,32 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
                     r += skip
                     seen = None  # fewer than a loop's periods are left: they run
         r += 1
+
+
+def _lasting_in_use(alloc: CachingAllocator, live: dict, inert: list, lasting) -> list:
+    """The lasting keys of ``live`` (the cycle's) whose blocks lie in segments still in use (not among
+    ``inert``'s): a later period's once the runs are skipped."""
+    in_inert = {id(b) for h in inert for b in alloc._blocks_of(h)}
+    return [k for k, h in live.items() if lasting(k) and alloc._live[h] is not None
+            and id(alloc._live[h]) not in in_inert]
+
+
+def _skip_keeps_every_lasting_key(live: dict, chunk: tuple, keys, lasting, held: list, new: list, key_of: dict,
+                                  r: int, loop: int, runs: int, delta: int) -> bool:
+    """Whether skipping ``runs`` loops of ``loop`` periods after period ``r`` leaves exactly the lasting keys
+    the plain replay would: those live now and those the skipped periods allocate, each once — the copies of the
+    loop's new inert segments (``new``) shifted by whole loops, and the lasting keys in segments still in use
+    (``held``, the periods' own) shifted by all of them. (Equal relative states make that so for the periods'
+    own keys; a loop's new inert segment holding a key from before the cycle would be copied as if a period had
+    made it.)"""
+    now = {k for k in live if lasting(k)}
+    made = [e[1] for e in chunk if e[0] == "alloc" and lasting(e[1])]
+    want = now | {keys.shift(k, p * delta) for p in range(r + 1, r + 1 + runs * loop) for k in made}
+    copied = [keys.shift(key_of[id(b)], q * loop * delta) for q in range(1, runs + 1) for h in new
+              for b in CachingAllocator._blocks_of(h) if b.allocated]
+    kept = set(held)
+    after = [k for k in now if k not in kept] + copied + [keys.shift(k, runs * loop * delta) for k in held]
+    return len(after) == len(want) and set(after) == want
 
 
 def _where(i: int, at: int | None) -> str:

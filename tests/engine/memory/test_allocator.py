@@ -486,6 +486,10 @@ def _pipeline(in_flight, sizes, kept_size, n, delta=1):
         chunk.append(("alloc", ("mb", "kept", 0), kept_size))
     chunk += [("free", ("mb", j, 0)) for j in range(len(sizes))]
     tail = [("free", ("mb", j, mb)) for mb in range(n * delta, n * delta + in_flight) for j in range(len(sizes))]
+    if kept_size:  # the kept tensors freed after the steady state, every other one first (each key where it is
+        # matters: which blocks merge), then a request as large as two
+        order = list(range(0, n, 2)) + list(range(1, n, 2))
+        tail += [("free", ("mb", "kept", k * delta)) for k in order] + [("alloc", "after-kept", 2 * kept_size)]
     return prefix + [("cycle", tuple(chunk), n, delta, _Shift)] + tail
 
 
