@@ -86,6 +86,16 @@ def fake_refusal(cfg) -> str | None:
     return None
 
 
+def sends_held(schedule: str) -> str:
+    """What torch 2.13's schedule keeps of its sends to other ranks, each a ``dist.isend`` Work that holds its
+    tensor: "all" to the end of its actions (the multi-stage runtime's ``send_ops``, GPipe's
+    ``fwd_sends_to_wait`` / ``bwd_sends_to_wait``), "last_backward" (1F1B: the last backward's input gradients,
+    to the next backward's send) — see ``engine.pipeline.schedules.sends_held``."""
+    from engine.pipeline.schedules import sends_held as held
+
+    return held(schedule)
+
+
 def _stage_actions(cfg, pp_rank: int) -> tuple:
     """This pp rank's compute actions (kind, stage, microbatch) in the order torch executes them."""
     from engine.pipeline.schedules import pipeline_actions
@@ -303,6 +313,7 @@ class _FakeTrainer:
         st.finishing = {s: sum(1 for k, stage, mb in self.actions if stage == s
                                and (k == "W" or (k == "B" and (stage, mb) not in split))) for s in self.stages}
         self.output_chunks = []  # torch clears the last step's outputs when a step starts
+        st.sends_held = sends_held(self.cfg.parallel.schedule)
         mods = dict(self.modules)
         with self._loss_ctx():
             for kind, s, mb in self.actions:
@@ -316,10 +327,27 @@ class _FakeTrainer:
                     self._weight_chunk(st, mod, s, mb)
                 if st.finishing[s] == 0:
                     _perform_reduce_grad(mod)
+            st.sent.clear()  # the schedule waits its sends at the end of its actions and drops them
             if self.has_last and self.output_chunks:  # step()'s return value: the last stage's outputs merged
                 merged = torch.cat(self.output_chunks)
                 del merged
         return 0.0, 1
+
+    def _sent(self, st: _PipelineStep, s: int, tensors, forward: bool) -> None:
+        """What torch's schedule keeps of a send: a send to another rank (not the V-schedules' hand-over to the
+        rank's own next or previous stage) is a ``dist.isend`` whose Work holds its tensor (gloo's SendWork
+        ``tensor_``, NCCL's ``outputs_``) until the schedule drops the Work. The multi-stage runtime and GPipe
+        keep every send's Work to the end of their actions (``send_ops`` / ``fwd_sends_to_wait``,
+        ``bwd_sends_to_wait``); 1F1B keeps the last backward's input gradients (``bwd_sends`` / ``send_work``)
+        until the next backward's send replaces them, and each forward's output only while its
+        ``fwd_cache`` keeps it anyway (torch/distributed/pipelining/schedules.py)."""
+        to = s + 1 if forward else s - 1
+        if to < st.first or to > st.last or to in self.stages:
+            return
+        if st.sends_held == "all":
+            st.sent.extend(t for t in tensors if t is not None)
+        elif st.sends_held == "last_backward" and not forward:
+            st.sent[:] = [t for t in tensors if t is not None]
 
     def _forward_chunk(self, st: _PipelineStep, mod, s: int, mb: int) -> None:
         """forward_one_chunk: the stage's input (token ids, or the received activation), kept with the
@@ -344,6 +372,7 @@ class _FakeTrainer:
                 self.output_chunks.append(out)
             st.losses[mb] = loss_fn(out, torch.zeros(st.mbs, st.seq, dtype=torch.long))
         st.fwd_cache[(s, mb)] = (out if isinstance(out, tuple) else (out,), [x])
+        self._sent(st, s, st.fwd_cache[(s, mb)][0], forward=True)
 
     def _backward_chunk(self, st: _PipelineStep, mod, kind: str, s: int, mb: int) -> None:
         """backward_one_chunk: B (the whole backward) or I (the input's gradient, its state kept for W)."""
@@ -356,18 +385,22 @@ class _FakeTrainer:
             received = self.recv_buffers[("grad", s, mb)]
             stage_output = outputs
             output_grads = (received,) + tuple(torch.ones_like(o) for o in outputs[1:])
+        grads_input = ()
         if kind == "B":
             st.finishing[s] -= 1
-            _backward_maybe_with_nosync(mod, "full", st.finishing[s] == 0, stage_output=stage_output,
-                                        output_grads=output_grads, input_values=inputs)
+            grads_input, _ = _backward_maybe_with_nosync(mod, "full", st.finishing[s] == 0,
+                                                         stage_output=stage_output, output_grads=output_grads,
+                                                         input_values=inputs)
         else:
             param_groups = None
             if s != st.first:
                 if isinstance(stage_output, torch.Tensor):
                     stage_output = (stage_output,)
-                _, param_groups = _backward_maybe_with_nosync(mod, "input", False, stage_output=stage_output,
-                                                              output_grads=output_grads, input_values=inputs)
+                grads_input, param_groups = _backward_maybe_with_nosync(
+                    mod, "input", False, stage_output=stage_output, output_grads=output_grads, input_values=inputs)
             st.backward_state[(s, mb)] = (inputs, param_groups, stage_output, output_grads)
+        if s != st.first:  # get_bwd_send_ops: the input gradients, sent to the previous stage
+            self._sent(st, s, grads_input[:1], forward=False)
         if s == st.last and s != st.first:
             for t in outputs:
                 if not t._is_view():
@@ -400,6 +433,8 @@ class _PipelineStep:
     fwd_cache: dict = field(default_factory=dict)  # (stage, mb) -> (output tuple, input tensors), F until B / I
     backward_state: dict = field(default_factory=dict)  # (stage, mb) -> what I leaves for W
     losses: dict = field(default_factory=dict)  # mb -> the last stage's loss
+    sends_held: str = "none"  # what the schedule keeps of its sends (``sends_held``)
+    sent: list = field(default_factory=list)  # the tensors of the sends it keeps by now
 
 
 def _backward_maybe_with_nosync(mod, kind: str, last_backward: bool, **kw):

@@ -78,6 +78,7 @@ from engine.model.routing import (
 )
 from engine.names import RECOMPUTE_KINDS, SPLIT_BACKWARD_SCHEDULES
 from engine.pipeline.layout import split_layers
+from engine.pipeline.schedules import sends_held
 from engine.wrapping import wrapping_plan
 
 
@@ -1083,6 +1084,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         _recompute_forward_before_mlp(T)  # (LoRA)
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" and not lora_on:
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, ep_rank=ep_rank)
+    if torch_acc and par.pp > 1:
+        kept_input_gradient_terms(cfg, rp, T, res=res, sbh_rep=sbh_rep, hs=hs)
     if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
             and not sh.compile:
         keeps = None if lora_on else (split_backward_group_grads(cfg, act, res, sbh_rep),
@@ -1755,6 +1758,50 @@ def moe_split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int
     return grads
 
 
+def kept_input_gradient_terms(cfg: Config, rp, T: Terms, *, res: int, sbh_rep: int, hs: str) -> None:
+    """A pipelined stage's input gradients kept to the step's end (lifetime ``after_input``, per stage, one per
+    action that keeps one: ``moments``' ``ig``), and its outputs its sends hold (``after_output``: ``ho``).
+
+    A split backward's I sets each input gradient on the stage's receive buffer's ``.grad``, which nothing clears
+    before the next step's ``clear_runtime_states`` (``stage_backward``, a full B, sets it back to None once read;
+    measure --fake of GPT-2 ZBVZeroBubble pp4 m8: every I's input gradient alive at the cooldown's peak, 14 on pp
+    rank 2). And where the schedule keeps its sends' Works to the end of its actions
+    (``engine.pipeline.schedules.sends_held``: the multi-stage runtime, GPipe) a ``dist.isend`` Work holds its
+    tensor (gloo's ``SendWork::tensor_``, NCCL's ``WorkNCCL::outputs_``) until the schedule drops it after the
+    step's last action, before the optimizer step: each B's input gradient sent to another rank, and each
+    microbatch's stage output sent to another rank past the B (or I) that frees the rest of the microbatch
+    (``fwd_cache`` pops it, the Work keeps it). The V-schedules hand a stage's tensors to the rank's own next or
+    previous stage without a send."""
+    par = cfg.parallel
+    mo = moments(par.schedule, rp.pp_rank, par.pp, par.virtual_stages, par.microbatches)
+    local = sorted(st.stage for st in rp.stages)
+    acts = mo.phase == 0  # the actions' own moments (not the loss's, the ends', the step's)
+    end = -2 if mo.phase[-1] == 4 else -1  # the end of the backward: all made by then
+    for st in rp.stages:
+        col = local.index(st.stage)
+        n_o = int(mo.ho[end, col])
+        if n_o:
+            T.add("activations", f"stage {st.stage}: its outputs sent to stage {st.stage + 1}'s rank, each held by its "
+                  f"send's Work from the microbatch's backward to the end of the schedule's actions ({n_o})",
+                  n_o * res * sbh_rep, f"{n_o} × {res}·s·b·{hs} = {n_o} × {res * sbh_rep:,} B", stage=st.stage,
+                  in_flight=n_o, kind="stage_outputs_sent")
+        n = int(mo.ig[end, col])
+        if not n or st.stage == 0:
+            continue
+        n_i = int(((mo.kind == 2) & (mo.stage == st.stage) & acts).sum())
+        n_b = n - n_i
+        why = []
+        if n_i:
+            why.append(f"one per I ({n_i}) on its receive buffer's .grad (stage_backward_input sets it; the next "
+                       "step's clear_runtime_states drops it)")
+        if n_b:
+            why.append(f"one per B ({n_b}) sent to the previous stage's rank, whose send's Work holds it to the end "
+                       "of the schedule's actions")
+        T.add("temporaries", f"stage {st.stage}: its input gradients kept to the step's end: " + "; ".join(why),
+              n * res * sbh_rep, f"{n} × {res}·s·b·{hs} = {n} × {res * sbh_rep:,} B", stage=st.stage, in_flight=n,
+              kind="input_gradients_kept")
+
+
 def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, hs: str,
                          ep_rank: int | None = None) -> None:
     """What a split backward keeps of each stage-microbatch from its I to its W (lifetime
@@ -1820,13 +1867,6 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
             T.add("temporaries", f"stage {st.stage}: what its split backward keeps from each I to its W (the weight "
                   f"ops' output gradients) — {n} microbatch{'es' if n != 1 else ''} at most", n * one,
                   f"{n} × ({formula}) = {n} × {one:,} B", stage=st.stage, in_flight=n, kind="split_backward_grads")
-        n_i = int(mo.ig[-1, local.index(st.stage)])  # the stage's I's: all run by the step's end
-        if n_i:
-            T.add("temporaries", f"stage {st.stage}: its input gradients, one per I ({n_i}), each kept on its receive "
-                  "buffer's .grad to the step's end (stage_backward_input sets it; the next step's "
-                  "clear_runtime_states drops it)", n_i * res * sbh_rep,
-                  f"{n_i} × {res}·s·b·{hs} = {n_i} × {res * sbh_rep:,} B", stage=st.stage, in_flight=n_i,
-                  kind="input_gradients_kept")
     if I_made:
         T.add("temporaries", "an I's own weight-op output gradients, made by its first block's context-parallel "
               "attention (every one but that block's Q, K, V projections' and norm's), beside the ring's workspace",
@@ -2601,7 +2641,8 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
     if holds_last:
         T.add("temporaries", "the blocks' output gradient (the final norm's input gradient)", res * sbh_rep,
               f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="blocks_output_gradient")
-    if par.pp > 1 and any(st.stage > 0 for st in rp.stages):
+    if par.pp > 1 and sends_held(par.schedule) == "last_backward" and any(st.stage > 0 for st in rp.stages):
+        # 1F1B: its ``bwd_sends`` list (then ``send_work``) holds the last backward's until the next one's send
         T.add("temporaries", "the input gradient of the last backward, kept for its send to the previous stage",
               res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="held_input_gradient")
     return before_weight_gradients

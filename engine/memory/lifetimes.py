@@ -29,7 +29,11 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   input_to_weight      a split backward's retained gradients of a stage-microbatch (``INPUT_TO_WEIGHT_KINDS``):
                        made by its I, freed after its W
   after_input          a split backward's input gradient of a stage-microbatch (``INPUT_GRADIENT_KINDS``): made
-                       by its I, kept to the step's end (the optimizer step included)
+                       by its I, kept to the step's end (the optimizer step included); and where the schedule
+                       keeps its sends (``sends_held``) a B's sent to another rank: to the end of the backward
+  after_output         a stage-microbatch's output sent to another rank where the schedule keeps its sends
+                       (``OUTPUT_SENT_KINDS``): the send's Work holds it from the B (or I) that frees the
+                       microbatch to the end of the backward
   stage_accumulated    on a rank of several pipeline stages (FSDP2), one stage's unsharded gradients:
                        from the end of its first B or W (made during it: a split backward's I makes no
                        weight gradient) through its m-th B or W, after which torch's REDUCE_GRAD for that
@@ -183,7 +187,7 @@ import numpy as np
 
 from engine.memory.report import Term
 from engine.names import MEMORY_CATEGORIES
-from engine.pipeline.schedules import ACTION_KINDS, pipeline_actions, single_rank_plan
+from engine.pipeline.schedules import ACTION_KINDS, pipeline_actions, sends_held, single_rank_plan
 
 _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 
@@ -249,7 +253,7 @@ _STAGE_END_COLUMNS = ("be", "lbe")
 _STAGE_W_COLUMNS = ("wr", "lw", "fs", "bi")
 
 #: every lifetime (see the module docstring)
-LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after_input") + TRANSIENT
+LIFETIME_NAMES = ("step", "microbatch", "to_step_end", "input_to_weight", "after_input", "after_output") + TRANSIENT
 
 #: term kind -> lifetime; activation terms of a stage with microbatches in flight are "microbatch"
 #: whatever their kind (``lifetime_of``). Kinds not listed are alive all step (the safe side: a
@@ -276,7 +280,8 @@ LIFETIMES: dict[str, str] = {
     "fsdp_embedding_added_grad": "later_backward_end",
     "embedding_output_gradient": "backward_end", "embedding_output_kept": "backward_end",
     "blocks_output_gradient": "full_backward", "held_input_gradient": "after_first_backward",
-    "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input", "weight_pass": "stage_weight",
+    "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input",
+    "stage_outputs_sent": "after_output", "weight_pass": "stage_weight",
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
     "weight_pass_float8": "stage_weight",
     "first_weight_end": "stage_weight", "first_weight_end_later": "stage_later_weight",
@@ -396,6 +401,12 @@ INPUT_TO_WEIGHT_KINDS = frozenset({"split_backward_grads"})
 #: ``clear_runtime_states`` (``stage_backward``, a full B, sets it back to None once read:
 #: torch/distributed/pipelining/_backward.py)
 INPUT_GRADIENT_KINDS = frozenset({"input_gradients_kept"})
+
+#: a stage's outputs sent to another rank, one per microbatch, where the schedule keeps its sends' Works to the end
+#: of its actions (``after_output``: per stage, ``in_flight`` the microbatches): the output leaves the stage's
+#: ``fwd_cache`` at the microbatch's B (or I) but the ``dist.isend`` Work still holds it
+#: (``engine.pipeline.schedules.sends_held``)
+OUTPUT_SENT_KINDS = frozenset({"stage_outputs_sent"})
 
 #: the term kinds whose buffers the allocation events lay on FSDP2's all-gather stream: its all-gather inputs and
 #: outputs, and (an approximation the events keep) the unsharded parameters, which torch's copy-out allocates on the
@@ -568,11 +579,12 @@ class Moments(NamedTuple):
     lw: np.ndarray
     fs: np.ndarray
     bi: np.ndarray
+    ho: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
         return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
-                                self.ig, self.ga, self.be, self.lbe, self.lw, self.fs, self.bi, self.outputs,
+                                self.ig, self.ga, self.be, self.lbe, self.lw, self.fs, self.bi, self.ho, self.outputs,
                                 self.masks])
 
 
@@ -624,9 +636,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     d_iw[np.arange(n), col] = np.where(kind == _I, 1, np.where(kind == _W, -1, 0))
     iw = np.cumsum(d_iw, axis=0)
     iw[np.arange(n), col] += (kind == _W).astype(np.int64) - (kind == _I)
-    # a split backward's input gradients (``after_input``): made by each I (not yet at its own moment), kept
-    ig = np.cumsum(np.where(d_iw > 0, d_iw, 0), axis=0)
-    ig[np.arange(n), col] -= (kind == _I)
+    keeps, sent_out, ig, ho, ig_step = _sends_kept(schedule, pp, plan.num_stages, stages, kind, stage, col, v)
     last_stage = plan.num_stages - 1
     outputs = np.cumsum(is_f & (stage == last_stage))
     is_bwd_input = (kind == _B) | (kind == _I)
@@ -656,8 +666,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         lm = _loss_masks(kind, stage, loss_at, first_bwd, first_grad)
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
-        iw = np.insert(iw, loss_at, iw[loss_at], axis=0)
-        ig = np.insert(ig, loss_at, ig[loss_at], axis=0)
+        iw, ig, ho = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (iw, ig, ho))
         # the loss moment precedes its action: the stages' columns alike; it opens a B or an I, never a W or a B's end
         acc, red, cv, fr, ga = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga))
         wr, be, lw, fs, bi = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw, fs, bi))
@@ -683,9 +692,10 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         end_iw = iw[last:].copy()
         end_iw[0, col_of_last] -= int(kind[last] == _W)
         iw = np.append(iw, end_iw, axis=0)
-        end_ig = ig[last:].copy()
-        end_ig[0, col_of_last] += int(kind[last] == _I)
-        ig = np.append(ig, end_ig, axis=0)
+        end_ig, end_ho = ig[last:].copy(), ho[last:].copy()  # (what the last action keeps: made by now)
+        end_ig[0, col_of_last] += int(keeps[-1])
+        end_ho[0, col_of_last] += int(sent_out[-1])
+        ig, ho = np.append(ig, end_ig, axis=0), np.append(ho, end_ho, axis=0)
         # every stage reduced (its sharded gradients alive) and resharded by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
         acc, wr, cv, fr, ga, be, lw, fs, bi = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
@@ -694,7 +704,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr,
-                  ig, ga, be, be.copy(), lw, fs, bi)
+                  ig, ga, be, be.copy(), lw, fs, bi, ho)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     if b_end:
@@ -702,10 +712,39 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     if reduce and pp > 1 and v == 1 and len(bwd_idx):
         out = _with_reduce_moment(out)
     if len(bwd_idx):
-        out = _with_step_moment(out)
+        out = _with_step_moment(out, ig_step)
     for x in out:
         x.setflags(write=False)
     return out
+
+
+def _sends_kept(schedule: str, pp: int, num_stages: int, stages, kind: np.ndarray, stage: np.ndarray, col: np.ndarray,
+                v: int) -> tuple:
+    """``moments``' columns of what the actions keep to the end of the backward: per action, whether it keeps an
+    input gradient (``keeps``) and a sent stage output (``sent_out``); per moment and local stage their counts
+    (``ig``, ``ho``: not yet at the action's own moment); and the input gradients the optimizer step still holds.
+
+    The input gradients (``after_input``): a split backward's I sets each on its receive buffer's .grad, to the
+    step's end; and where the schedule keeps its sends' Works to the end of its actions (``sends_held``), each B's
+    that goes to another rank (the V-schedules hand theirs over locally), until the schedule drops the Works
+    before the optimizer step. The stage outputs sent to another rank (``after_output``), there: out of the
+    stage-microbatch once its B or W frees it (an I keeps the output in ``backward_state`` for the W)."""
+    n = len(kind)
+    held = pp > 1 and sends_held(schedule) == "all"
+    keeps = (kind == _I) & (stage > 0)
+    sent_out = np.zeros(n, dtype=bool)
+    if held:
+        keeps = keeps | ((kind == _B) & (stage > 0) & ~np.isin(stage - 1, stages))
+        sent_out = ((kind == _B) | (kind == _W)) & (stage < num_stages - 1) & ~np.isin(stage + 1, stages)
+    out = []
+    for made in (keeps, sent_out):
+        d = np.zeros((n, v), dtype=np.int64)
+        d[np.arange(n), col] = made
+        x = np.cumsum(d, axis=0)
+        x[np.arange(n), col] -= made
+        out.append((x, d))
+    (ig, d_ig), (ho, _) = out
+    return keeps, sent_out, ig, ho, d_ig[kind == _I].sum(axis=0)
 
 
 def _loss_masks(kind: np.ndarray, stage: np.ndarray, loss_at: np.ndarray, first_bwd: int, first_grad: int) -> np.ndarray:
@@ -880,6 +919,7 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc, "iw": iw, "cv": cv,
            "wr": np.zeros_like(mo.wr[rows]), "lw": np.zeros_like(mo.lw[rows]), "fs": np.zeros_like(mo.fs[rows]),
            "bi": np.zeros_like(mo.bi[rows]),
+           "ig": mo.ig[rows + 1], "ho": mo.ho[rows + 1],  # what the B keeps of its sends: the next moment's
            "phase": np.full(len(rows), B_END),
            "be": be, "lbe": lbe}
     row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
@@ -904,11 +944,24 @@ def _with_reduce_moment(mo: Moments) -> Moments:
     return Moments(**row)
 
 
-def _with_step_moment(mo: Moments) -> Moments:
+def input_gradient_keeper(schedule: str, pp: int, stages) -> callable:
+    """Whether an action (kind, stage) of a rank holding ``stages`` makes an input gradient kept to the step's end
+    (``moments``' ``ig``): an I of a later stage, and where the schedule keeps its sends (``sends_held``) a B whose
+    gradient goes to another rank."""
+    held = pp > 1 and sends_held(schedule) == "all"
+    local = frozenset(stages)
+
+    def keeps(kind: int, stage: int) -> bool:
+        return stage > 0 and (kind == _I or (held and kind == _B and stage - 1 not in local))
+    return keeps
+
+
+def _with_step_moment(mo: Moments, ig_step: np.ndarray) -> Moments:
     """``mo`` with the optimizer-step moment after its last (the end of the backward): the same
     microbatches, kept outputs and stage gradients, of the transients the sharded gradients, what lives
     from the first backward on and what the step allocates; not the last unit's post-backward transients
-    (the gradients stay until zero_grad, after the step)."""
+    (the gradients stay until zero_grad, after the step). Of the kept input gradients, the I's (``ig_step``); no
+    sent output."""
     sm = np.zeros((1, mo.masks.shape[1]), dtype=np.int64)
     for life in ("end_of_backward", "optimizer_step", "after_first_weight", "after_first_backward"):
         sm[0, TRANSIENT.index(life)] = 1
@@ -919,6 +972,8 @@ def _with_step_moment(mo: Moments) -> Moments:
     row["fs"] = np.append(mo.fs, np.zeros_like(mo.fs[-1:]), axis=0)
     row["bi"] = np.append(mo.bi, np.zeros_like(mo.bi[-1:]), axis=0)
     row["fr"] = np.append(mo.fr, np.zeros_like(mo.fr[-1:]), axis=0)
+    row["ig"] = np.append(mo.ig, ig_step[None, :], axis=0)
+    row["ho"] = np.append(mo.ho, np.zeros_like(mo.ho[-1:]), axis=0)  # (the sent outputs: dropped with their Works)
     row["phase"] = np.append(mo.phase, STEP)
     return Moments(**row)
 
@@ -963,6 +1018,7 @@ class Signature(NamedTuple):
     lw_bytes: tuple[int, ...] = ()  # per local stage: at each of its W but the first (``stage_later_weight``)
     fs_bytes: tuple[int, ...] = ()  # per local stage: at each of its W that starts a run of ``fr`` (``stage_fresh_start``)
     bi_bytes: tuple[int, ...] = ()  # per local stage: at each of its B and I (``stage_backward_action``)
+    ho_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: its output sent and held (``after_output``)
 
 
 @lru_cache(maxsize=256)
@@ -998,6 +1054,7 @@ class Peak(NamedTuple):
     lw: tuple[int, ...] = ()  # per local stage: the moment is one of its W but the first
     fs: tuple[int, ...] = ()  # per local stage: the moment is one of its W that makes its .grad afresh
     bi: tuple[int, ...] = ()  # per local stage: the moment is one of its B or I
+    ho: tuple[int, ...] = ()  # per local stage: its sent outputs held past their backward
 
 
 #: the optimizer step's transient among a signature's ``transient_bytes``
@@ -1027,7 +1084,7 @@ def _peak_at(sig: Signature, mo: Moments, live: np.ndarray, i: int) -> Peak:
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
                 tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()), tuple(mo.ga[i].tolist()),
                 tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()), tuple(mo.lw[i].tolist()),
-                tuple(mo.fs[i].tolist()), tuple(mo.bi[i].tolist()))
+                tuple(mo.fs[i].tolist()), tuple(mo.bi[i].tolist()), tuple(mo.ho[i].tolist()))
 
 
 @lru_cache(maxsize=256)
@@ -1046,7 +1103,7 @@ def _live_bytes(sig: Signature) -> np.ndarray:
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
          + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none) + (sig.ga_bytes or none)
          + (sig.be_bytes or none) + (sig.lbe_bytes or none) + (sig.lw_bytes or none) + (sig.fs_bytes or none)
-         + (sig.bi_bytes or none)
+         + (sig.bi_bytes or none) + (sig.ho_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -1063,7 +1120,7 @@ class _Laid:
     per local stage the stage-microbatch bytes (``unit``; of them ``acts``: blocks, log-probabilities, the rest of
     the loss side), what an I keeps for its W, the per-stage lifetimes' bytes, the transients', the step's."""
 
-    __slots__ = ("unit", "acts", "iw", "ig", "so", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
+    __slots__ = ("unit", "acts", "iw", "ig", "ho", "so", "stage_grads", "trans", "step", "out", "end_freed", "step_freed",
                  "varying", "rows", "freed", "moment_only")
 
     def __init__(self, terms: dict[str, list[Term]], categories, column: dict[int, int], pp: int, rules: dict,
@@ -1073,6 +1130,7 @@ class _Laid:
         self.acts = acts = [[0, 0, 0] for _ in range(v)]
         self.iw = iw = [0] * v
         self.ig = ig = [0] * v
+        self.ho = ho = [0] * v
         self.so = so = [0] * v
         self.stage_grads = stage_grads = {life: [0] * v for life in STAGE_LIFETIMES}
         self.trans = trans = dict.fromkeys(TRANSIENT, 0)
@@ -1100,6 +1158,11 @@ class _Laid:
                     if n:
                         ig[column[stage if pp > 1 else 0]] += nbytes // n
                     var.append((i, "after_input"))
+                    continue
+                if kind in OUTPUT_SENT_KINDS and stage is not None:
+                    if n:
+                        ho[column[stage if pp > 1 else 0]] += nbytes // n
+                    var.append((i, "after_output"))
                     continue
                 if acts_c and n is not None and stage is not None and kind != "pipeline_outputs":
                     if n:
@@ -1221,7 +1284,8 @@ class RankTimeline:
                          tuple(laid.so) if any(laid.so) and splits else (), cv if any(cv) else (), fr if any(fr) else (),
                          lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only,
                          ga if any(ga) else (), be if any(be) else (), lbe if any(lbe) else (),
-                         lw if any(lw) else (), fs if any(fs) else (), bi if any(bi) else ())
+                         lw if any(lw) else (), fs if any(fs) else (), bi if any(bi) else (),
+                         tuple(laid.ho) if any(laid.ho) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -1287,8 +1351,9 @@ class RankTimeline:
             drop: dict[int, Term | None] = {}
             for i, life in var:
                 t = terms[i]
-                if life == "input_to_weight" or life == "after_input":
-                    k = ((pk.iw if life == "input_to_weight" else pk.ig) or (0,) * len(self._column))[
+                if life == "input_to_weight" or life == "after_input" or life == "after_output":
+                    k = ((pk.iw if life == "input_to_weight" else pk.ig if life == "after_input" else pk.ho)
+                         or (0,) * len(self._column))[
                         self._column[t.stage if pp > 1 else 0]]
                     n = t.in_flight or 0
                     if k != n:
@@ -1632,7 +1697,9 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
     heads = sig.head_bytes or (0,) * len(sig.unit_bytes)
     iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
     igb = sig.ig_bytes or (0,) * len(sig.unit_bytes)
+    keeps_ig = input_gradient_keeper(sig.schedule, sig.pp, sig.stages)
     sob = sig.so_bytes or (0,) * len(sig.unit_bytes)
+    hob = sig.ho_bytes or (0,) * len(sig.unit_bytes)
     lpb = sig.lp_bytes or (0,) * len(sig.unit_bytes)
     laid_lives = [(c, per_life[life]) for c, life in enumerate(PER_MOMENT) if per_life.get(life)]  # (the rest lay none)
     for i, (kind, stage, mb, mask, phase) in enumerate(zip(kinds, stages, mbs, masks, phases)):
@@ -1682,13 +1749,10 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
                                   else ("free", (what, c, j)))
         for j, nbytes, stream in transient:
             ev.append(("alloc", ("t", j, i), nbytes) + ((stream,) if stream else ()))
-        so = sob[col]
-        unit = sig.unit_bytes[col] - hd - so
+        so, ho = sob[col], hob[col]  # (the stage output its send holds: ``ho``, out of the microbatch's)
+        unit = sig.unit_bytes[col] - hd - so - ho
         if kind == _F and phase == ACTION:
-            if unit > 0:
-                ev.append(("alloc", ("mb", stage, mb), unit))
-            if so > 0:
-                ev.append(("alloc", ("so", stage, mb), so))
+            ev.extend(("alloc", (tag, stage, mb), x) for tag, x in (("mb", unit), ("so", so), ("ho", ho)) if x > 0)
             if stage == last_stage:
                 for j, nbytes, _ in outputs:
                     ev.append(("alloc", ("out", j, mb), nbytes))
@@ -1696,7 +1760,7 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             ev.append(("free", ("t", j, i)))
         if kind == _I and phase == ACTION and iwb[col] > 0:  # what the I keeps for its W
             ev.append(("alloc", ("iw", stage, mb), iwb[col]))
-        if kind == _I and phase == ACTION and igb[col] > 0:  # its input gradient, kept to the step's end
+        if phase == ACTION and igb[col] > 0 and keeps_ig(kind, stage):  # its input gradient, kept to the step's end
             ev.append(("alloc", ("ig", stage, mb), igb[col]))
         if kind == _W and phase == ACTION and iwb[col] > 0:
             ev.append(("free", ("iw", stage, mb)))
@@ -1718,9 +1782,8 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
             ev.append(("free", ("late", j)))
     for j, _, _ in per_life.get("after_first_weight", ()) if weight_late_done else ():
         ev.append(("free", ("wlate", j)))
-    for stage, mb in ((s_, m_) for k_, s_, m_, ph in zip(kinds, stages, mbs, phases)
-                      if k_ == _I and ph == ACTION and igb[local[s_ if sig.pp > 1 else 0]] > 0):
-        ev.append(("free", ("ig", stage, mb)))
+    # the input gradients and the sent outputs kept to the end
+    ev.extend([("free", e[1]) for e in ev if e[0] == "alloc" and e[1][0] in ("ig", "ho")])
     for (what, c), on in stage_on.items():
         for j, _, _ in per_life.get((what, c), ()) if on else ():
             ev.append(("free", (what, c, j)))
@@ -1734,11 +1797,11 @@ def _coarse_events(sig: Signature, rows: tuple) -> tuple:
 class MicrobatchKeys:
     """How ``_fine_events`` names what a microbatch allocates, for the allocator's ``("cycle", ...)``:
     the keys tagged "mb" (a stage-microbatch's saved tensors), "iw" (what an I keeps for its W), "so" (a
-    last stage's output, ``_coarse_events``), "out" (the last stage's kept outputs) and "ig" (an I's input gradient,
-    kept to the step's end) carry the microbatch at index 2; every other key is either
+    last stage's output, ``_coarse_events``), "out" (the last stage's kept outputs), "ig" (an input gradient kept
+    to the step's end) and "ho" (a stage output its send holds) carry the microbatch at index 2; every other key is either
     freed within its moment (named by the moment: a period's own) or the step's (never shifted)."""
 
-    TAGS = frozenset({"mb", "iw", "out", "so", "ig"})
+    TAGS = frozenset({"mb", "iw", "out", "so", "ig", "ho"})
 
     @staticmethod
     def shift(key, d: int):
@@ -1905,7 +1968,7 @@ class _Laying:
     __slots__ = ("ev", "laid_lives", "size", "live", "most", "peak", "slack", "late_done", "weight_late_done", "held", "heads", "pieces",
                  "stage_on", "plans", "sig",
                  "acts", "grain", "iwb", "igb", "per_life", "outputs", "accumulated", "late", "whole", "local", "last_stage", "walk",
-                 "first_backward", "later_w", "root_gathered")
+                 "first_backward", "later_w", "root_gathered", "keeps_ig", "sent", "hob")
 
     def __init__(self, sig: Signature, rows: tuple, acts: tuple, grain: Grain, peak: int, first_backward: int):
         self.ev: list[tuple] = []
@@ -1921,6 +1984,12 @@ class _Laying:
         self.sig, self.acts, self.grain, self.first_backward = sig, acts, grain, first_backward
         self.iwb = sig.iw_bytes or (0,) * len(sig.unit_bytes)
         self.igb = sig.ig_bytes or (0,) * len(sig.unit_bytes)
+        self.hob = sig.ho_bytes or (0,) * len(sig.unit_bytes)
+        self.keeps_ig = input_gradient_keeper(sig.schedule, sig.pp, sig.stages)
+        # the stage-microbatches whose B keeps its input gradient: their sends' Works go before the optimizer step
+        mo = sig_moments(sig)
+        self.sent = frozenset((s, m) for k, s, m in zip(mo.kind.tolist(), mo.stage.tolist(), mo.microbatch.tolist())
+                              if k == _B and self.keeps_ig(k, s))
         per_life: dict = {}
         for j, (life, nbytes, stream) in enumerate(rows):
             if life == "step":
@@ -1989,7 +2058,7 @@ class _Laying:
 
     def finish(self) -> None:
         """The step's end: what lives from the first backward on, the stages' gradients, the kept outputs."""
-        for key in [k for k in self.size if k[0] in ("late", "wlate", "out", "ig") + _STAGE_COLUMNS]:
+        for key in [k for k in self.size if k[0] in ("late", "wlate", "out", "ig", "ho") + _STAGE_COLUMNS]:
             self.free(key)
 
     def _blocks(self, j: int) -> tuple[int, int]:
@@ -2002,6 +2071,8 @@ class _Laying:
         """Lay moment ``i``'s events; False at the optimizer step, the last. ``per_stage``: each per-stage
         column (``_STAGE_COLUMNS`` but ``wr``) by its tag, as a list per moment."""
         if phase == STEP:
+            for key in [k for k in self.size if (k[0] == "ig" and k[1:3] in self.sent) or k[0] == "ho"]:
+                self.free(key)  # the schedule waited its sends and dropped their Works before the step
             self._optimizer_step()
             return False
         sig, size, alloc, free = self.sig, self.size, self.alloc, self.free
@@ -2089,8 +2160,8 @@ class _Laying:
             for q, x in enumerate(_pieces(self.iwb[j], weights)):
                 if x:
                     alloc(("iw", stage, mb, q), x)
-        if kind == _I and phase == ACTION and self.igb[j] > 0:  # its input gradient, kept to the step's end
-            alloc(("ig", stage, mb), self.igb[j])
+        if phase == ACTION and self.igb[j] > 0 and self.keeps_ig(kind, stage):  # its input gradient, kept to the
+            alloc(("ig", stage, mb), self.igb[j])  # step's end (a sent one to the end of the backward: ``moment``)
         if kind == _I and phase == ACTION and ("mb", stage, mb, "so", 0) in size:  # the stage output, at the I's end
             # (after the gradients it keeps, made before stage_backward_input detaches the output)
             so_keys = [k for g in self.held[(stage, mb)] for k in g if k[3:4] == ("so",)]
@@ -2213,7 +2284,8 @@ class _Laying:
         blocks, layer_b = self._blocks(j)
         keys = self.held[stage, mb] = []
         so = self.sig.so_bytes[j] if self.sig.so_bytes else 0
-        rest = self.sig.unit_bytes[j] - layer_b - logprob_b - head_b - so
+        ho = self.hob[j]  # the stage output its send holds (out of the rest)
+        rest = self.sig.unit_bytes[j] - layer_b - logprob_b - head_b - so - ho
         # a negative rest (the stage input, which is the p2p receive buffer) comes off the first block
         fold = min(rest, 0) if blocks else 0
         for b in range(blocks):
@@ -2255,6 +2327,8 @@ class _Laying:
             for key, x in zip(so_keys, [x for x in _pieces(so, weights) if x]):
                 alloc(key, x)
             keys.append(so_keys)  # a B frees it with the rest; an I at its end
+        if ho > 0:  # the stage output, held by its send's Work to the end of the backward
+            alloc(("ho", stage, mb), ho)
         if logprob_b > 0:
             # the logits as the loss reads them: its fp32 cast's source, or (fp32) the gathered logits themselves
             logits_b = grain.logits_bytes or grain.head_gather
@@ -2373,8 +2447,9 @@ class _Laying:
         return pending
 
 
-#: the event keys only added until the step's end: the last stage's kept outputs, a split backward's input gradients
-_KEPT_TAGS = ("out", "ig")
+#: the event keys only added until the step's end: the last stage's kept outputs, the input gradients kept, the
+#: stage outputs the sends hold
+_KEPT_TAGS = ("out", "ig", "ho")
 
 
 def _generator_state(live: int, size: dict, late_done: bool, held: dict, heads: dict) -> tuple:

@@ -459,6 +459,20 @@ assert set(_GENERATORS) == set(SCHEDULES)
 assert SPLIT_BACKWARD_SCHEDULES <= set(SCHEDULES)
 
 
+def sends_held(schedule: str) -> str:
+    """What the schedule keeps of its sends to other ranks in torch 2.13 (torch/distributed/pipelining/
+    schedules.py). A send is a plain ``dist.isend`` (``_batch_p2p`` coalesces no all-send batch), whose Work
+    holds its tensor until the Work goes (gloo's ``SendWork::tensor_``; NCCL's ``WorkNCCL::outputs_``, which
+    ``wait()`` keeps). "all": every send's Work is kept to the end of the schedule's actions — the multi-stage
+    runtime's ``send_ops``, GPipe's ``fwd_sends_to_wait`` and ``bwd_sends_to_wait`` — so each forward's output
+    outlives its backward and each backward's input gradient is kept; "last_backward": 1F1B keeps the last
+    backward's input gradients (its ``bwd_sends`` list, then ``send_work``) until the next backward's send
+    replaces them, and each forward's output no longer than its ``fwd_cache`` does."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; allowed: {' | '.join(SCHEDULES)}")
+    return "last_backward" if schedule == "1F1B" else "all"
+
+
 # --------------------------------------------------------------------------- microbatches in flight
 
 

@@ -801,20 +801,19 @@ def test_a_step_tensor_that_fits_an_earlier_ones_cached_rest_is_replayed():
 
 
 def test_a_steady_state_that_never_loops_spends_at_most_a_quarter_of_its_replay_reading_states():
-    """Llama 3 8B, DualPipeV over 8 ranks, 128 microbatches, fp32: the allocator's state after each period
-    never equals an earlier one (each period keeps its I's input gradients to the step's end), so every state
-    read is wasted. They may cost at most a quarter of replaying every period (a block read about as dear as an
-    event replayed): 1,293 block reads for 5,600 events of periods, the same reserve. (Llama 3 8B on ZBV over 16
-    stages was this case until a split backward's input gradients were kept: its states now grow too fast to
-    be worth reading; Qwen3 30B-A3B on DualPipeV until a MoE block's forward was laid in pieces of its largest
-    tensor, ``per_rank._moe_block_pieces``: its periods now differ from the first, no state read at all.)"""
+    """Llama 3 8B, DualPipeV over 4 ranks, 128 microbatches, bf16: pp rank 3's allocator state after each period
+    never equals an earlier one (each period keeps its sent input gradients and stage outputs to the end of the
+    backward, cut from the cached blocks), so every state read is wasted. They may cost at most a quarter of
+    replaying every period (a block read about as dear as an event replayed): 1,679 block reads for 7,134 events
+    of periods, the same reserve. (DualPipeV over 8 ranks at 128 microbatches, fp32, was this case until the
+    sends were kept: its states now grow too fast to be worth reading; Qwen3 30B-A3B on DualPipeV until a MoE
+    block's forward was laid in pieces of its largest tensor, ``per_rank._moe_block_pieces``.)"""
     import engine.memory.allocator as allocator
 
-    c = Config.from_dict({"model": {"preset": "llama3-8b", "seq_len": 4096},
-                          "cluster": {"gpu": "h100-sxm", "gpus": 16},
-                          "parallel": {"dp": 2, "pp": 8, "zero": 2, "schedule": "DualPipeV", "virtual_stages": 2,
+    c = Config.from_dict({"model": {"preset": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "gpus": 4},
+                          "parallel": {"dp": 1, "pp": 4, "schedule": "DualPipeV", "virtual_stages": 2,
                                        "microbatches": 128},
-                          "training": {"micro_batch_size": 1, "precision": "fp32", "optimizer": "sgd"}})
+                          "training": {"precision": "bf16-mixed", "optimizer": "sgd"}})
     cycles = []  # [what its periods cost, what its state reads cost]
     real_cycle, real_state = allocator._replay_cycle, allocator.CachingAllocator.relative_state
 
@@ -828,7 +827,7 @@ def test_a_steady_state_that_never_loops_spends_at_most_a_quarter_of_its_replay_
 
     allocator._replay_cycle, allocator.CachingAllocator.relative_state = cycle, state
     try:
-        sig = memory_per_rank(c).groups[0].first._body.timeline._event_signature()
+        sig = memory_per_rank(c).groups[3].first._body.timeline._event_signature()
         fast = allocator.replay(replay_events(sig))
     finally:
         allocator._replay_cycle, allocator.CachingAllocator.relative_state = real_cycle, real_state
@@ -1056,17 +1055,17 @@ def test_ranks_whose_steps_differ_only_in_their_stage_numbers_replay_once(schedu
 
 
 def test_a_loop_as_long_as_the_keys_lives_or_a_period_more_is_found_and_skipped():
-    """Llama 3 8B, DualPipeV over 8 ranks, 256 microbatches, fp32: rank 0's allocator loops (a block freed in
-    a period handed out again in the next) and the states are read at the first two periods of every 15, so
-    the loop is seen and the runs after it skipped (47 of 239 periods run; at 128 microbatches, since each
-    period keeps its I's input gradients, the loop comes too late to skip a run); the stats are those of every
-    period written out. (Qwen3 30B-A3B was this case until a MoE block's forward was laid in pieces of its largest
-    tensor, ``per_rank._moe_block_pieces``: no loop is seen in the budget, every period runs.)"""
+    """Llama 3 8B, 1F1B over 8 ranks, 256 microbatches, fp32: rank 0's allocator loops (a block freed in a period
+    handed out again in the next) and the states are read at the first two periods of every 7, so the loop is
+    seen and the runs after it skipped (32 of 248 periods run); the stats are those of every period written out.
+    (DualPipeV over 8 ranks was this case until the sends were kept: the input gradients and stage outputs each
+    period keeps to the end of the backward are cut from the cached blocks, and its allocator never loops;
+    Qwen3 30B-A3B until a MoE block's forward was laid in pieces of its largest tensor,
+    ``per_rank._moe_block_pieces``.)"""
     import engine.memory.allocator as allocator
 
     c = Config.from_dict({"model": {"preset": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "gpus": 8},
-                          "parallel": {"dp": 1, "pp": 8, "schedule": "DualPipeV", "virtual_stages": 2,
-                                       "microbatches": 256},
+                          "parallel": {"dp": 1, "pp": 8, "schedule": "1F1B", "microbatches": 256},
                           "training": {"precision": "fp32", "optimizer": "sgd"}})
     sig = memory_per_rank(c).groups[0].first._body.timeline._event_signature()
     events = replay_events(sig)
