@@ -1071,7 +1071,8 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
                            and any(ckpt_of[st.stage] for st in rp.stages))
     if torch_acc and par.pp > 1 and par.schedule not in SPLIT_BACKWARD_SCHEDULES \
             and any(st.stage == 0 for st in rp.stages):
-        _embedding_backward_terms(T, res=res, sbh=s * b * h, sbh_rep=sbh_rep, hs=hs)
+        _embedding_backward_terms(T, res=res, sbh=s * b * h, sbh_rep=sbh_rep, hs=hs,
+                                  sent=sends_held(par.schedule) == "all")
     mlp_phase, before_weight_gradients = 0, False
     if torch_acc:
         before_weight_gradients = block_backward_terms(
@@ -2749,7 +2750,7 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     return parts
 
 
-def _embedding_backward_terms(T: Terms, *, res: int, sbh: int, sbh_rep: int, hs: str) -> None:
+def _embedding_backward_terms(T: Terms, *, res: int, sbh: int, sbh_rep: int, hs: str, sent: bool = False) -> None:
     """The first pipeline stage's B ends with the token embeddings' backward (embedding_dense_backward reads the
     gradient of their output), which makes their weight's fresh gradient: the output's gradient is alive there,
     whole (under SP the embeddings' Shard(1) output gradient all-gathered; without SP replicated), in the residual
@@ -2759,9 +2760,14 @@ def _embedding_backward_terms(T: Terms, *, res: int, sbh: int, sbh_rep: int, hs:
     Llama 3 405B tp8 SP pp8 ZeRO-2 (seed 20261248 #35) a 512 MiB s·b·h Temp and a 64 MiB s·b·h/t Activation; Llama 3
     405B tp8 pp2 cp2 ZeRO-3 (#16) 256 MiB each; on 25 such ranks of ten seeds the engine was under by about these.
     Not under a split backward, whose first stage's W runs that backward: the fakes' and a CPU run's (seed 20261226 #00,
-    IZB pp2 ZeRO-1: activations +2.9 → +16.6 % with them) ends hold no such pair."""
+    IZB pp2 ZeRO-1: activations +2.9 → +16.6 % with them) ends hold no such pair. The residual-stream tensor is the
+    stage's output, which ``backward_one_chunk`` holds to its end (its ``stage_output``, popped from ``fwd_cache``):
+    where the schedule keeps its sends (``sent``) the send's Work holds it past the B anyway, and the sent outputs
+    count it there (``kept_input_gradient_terms``; seed 20261260 #09, Llama 2 7B GPipe pp2: +1.8 % with both)."""
     T.add("temporaries", "the first stage's B at its end: the token embeddings' output gradient, whole, which their "
           "backward reads", res * sbh, f"{res}·s·b·h = {res * sbh:,} B", kind="embedding_output_gradient", stage=0)
+    if sent:
+        return
     T.add("activations", "the first stage's B at its end: one residual-stream tensor of the microbatch still alive "
           "(measured)", res * sbh_rep, f"{res}·s·b·{hs} = {res * sbh_rep:,} B", kind="embedding_output_kept", stage=0)
 

@@ -17,7 +17,7 @@ import pytest
 
 from engine import Config
 from engine.memory import memory_per_rank
-from engine.memory.lifetimes import END, STEP, moments
+from engine.memory.lifetimes import B_END, END, STEP, moments
 from engine.pipeline.schedules import sends_held
 
 TINY = {"preset": "tiny", "layers": 8, "hidden": 128, "heads": 8, "kv_heads": 4, "ffn_hidden": 352,
@@ -131,3 +131,16 @@ def test_the_fake_keeps_what_the_schedule_keeps_of_its_sends(schedule, v, rank, 
     assert f["grads"] == e.grads and f["comm_buffers"] == e.comm_buffers
     if schedule == "Interleaved1F1B":
         assert abs(f["temporaries"] - e.temporaries) <= 1024
+
+
+def test_the_first_stage_output_at_its_b_end_is_counted_once():
+    """The residual-stream tensor measured alive at the end of the first stage's B (``embedding_output_kept``) is
+    the stage output ``backward_one_chunk`` still holds: where the send's Work holds it too, the sent outputs count
+    it (GPipe: no such term, the B's end holds its output in ``ho``); 1F1B keeps the term."""
+    r = memory_per_rank(_cfg("GPipe")).per_rank[0]
+    assert not [t for t in r.catalogue("activations") if t.kind == "embedding_output_kept"]
+    mo = moments("GPipe", 0, 2, 1, 4, b_end=True)
+    ends = np.flatnonzero(mo.phase == B_END)
+    assert mo.ho[ends].ravel().tolist() == [1, 2, 3, 4]
+    r = memory_per_rank(_cfg("1F1B")).per_rank[0]
+    assert [t.bytes for t in r.catalogue("activations") if t.kind == "embedding_output_kept"] == [SBH]
