@@ -29,10 +29,14 @@ def test_under_context_parallelism_the_mlp_phase_holds_only_the_down_projections
     """The B peaks in its MLP's backward (larger than the ring attention's workspace), before the attention's phase
     has made the MLP's other gradients and the output projection's: with all four laid there the engine read +4.9 %.
     Within 1.5 %, not 1 %: since the recomputed block holds the ring attention's output and wo's copy of it, as the
-    fake's does tensor by tensor, the engine reads +1.2 %, one 64 MiB input gradient kept for its send to stage 0
-    (``held_input_gradient``) that the fake's peak does not hold; it had been standing in for the missing copy."""
+    fake's does tensor by tensor, the engine read +1.2 %, one 64 MiB input gradient kept for its send to stage 0
+    (``held_input_gradient``) that the fake's peak did not hold; it had been standing in for the missing copy. GPipe
+    keeps every backward's send to the end of its actions (``bwd_sends_to_wait``), which the fake and the engine both
+    hold since session 54: the peak is the last B's, seven sent input gradients beside it."""
     rank = rank_as_the_fake_holds_it(_cfg(16384, 2, 8, "GPipe", "none"), 4, tmp_path, rel=0.015)
-    assert rank.peak_moment.startswith("stage 1 B of microbatch 1")
+    assert rank.peak_moment.startswith("stage 1 B of microbatch 7")
+    (sent,) = [t for t in rank.explain("temporaries") if t.kind == "input_gradients_kept"]
+    assert sent.in_flight == 7
     made = [t for t in rank.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad_made"]
     assert len(made) == 2 and "down projection" in made[0].label and "ring attention" in made[1].label
 
