@@ -86,16 +86,6 @@ def fake_refusal(cfg) -> str | None:
     return None
 
 
-def sends_held(schedule: str) -> str:
-    """What torch 2.13's schedule keeps of its sends to other ranks, each a ``dist.isend`` Work that holds its
-    tensor: "all" to the end of its actions (the multi-stage runtime's ``send_ops``, GPipe's
-    ``fwd_sends_to_wait`` / ``bwd_sends_to_wait``), "last_backward" (1F1B: the last backward's input gradients,
-    to the next backward's send) — see ``engine.pipeline.schedules.sends_held``."""
-    from engine.pipeline.schedules import sends_held as held
-
-    return held(schedule)
-
-
 def _stage_actions(cfg, pp_rank: int) -> tuple:
     """This pp rank's compute actions (kind, stage, microbatch) in the order torch executes them."""
     from engine.pipeline.schedules import pipeline_actions
@@ -313,7 +303,9 @@ class _FakeTrainer:
         st.finishing = {s: sum(1 for k, stage, mb in self.actions if stage == s
                                and (k == "W" or (k == "B" and (stage, mb) not in split))) for s in self.stages}
         self.output_chunks = []  # torch clears the last step's outputs when a step starts
-        st.sends_held = sends_held(self.cfg.parallel.schedule)
+        from engine.pipeline.schedules import sends_held
+
+        st.sends_held = sends_held(self.cfg.parallel.schedule)  # what the schedule's Works keep of its sends
         mods = dict(self.modules)
         with self._loss_ctx():
             for kind, s, mb in self.actions:

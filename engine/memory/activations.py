@@ -1086,7 +1086,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         if par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" and not lora_on:
             split_backward_terms(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, hs=hs, ep_rank=ep_rank)
     if torch_acc and par.pp > 1:
-        kept_input_gradient_terms(cfg, rp, T, res=res, sbh_rep=sbh_rep, hs=hs)
+        kept_send_terms(cfg, rp, T, res=res, sbh_rep=sbh_rep, hs=hs)
     if torch_acc and par.schedule in SPLIT_BACKWARD_SCHEDULES and par.pp > 1 and model.attention != "mla" \
             and not sh.compile:
         keeps = None if lora_on else (split_backward_group_grads(cfg, act, res, sbh_rep),
@@ -1759,7 +1759,7 @@ def moe_split_backward_group_grads(cfg: Config, act: int, res: int, sbh_rep: int
     return grads
 
 
-def kept_input_gradient_terms(cfg: Config, rp, T: Terms, *, res: int, sbh_rep: int, hs: str) -> None:
+def kept_send_terms(cfg: Config, rp, T: Terms, *, res: int, sbh_rep: int, hs: str) -> None:
     """A pipelined stage's input gradients kept to the step's end (lifetime ``after_input``, per stage, one per
     action that keeps one: ``moments``' ``ig``), and its outputs its sends hold (``after_output``: ``ho``).
 
@@ -2763,7 +2763,7 @@ def _embedding_backward_terms(T: Terms, *, res: int, sbh: int, sbh_rep: int, hs:
     IZB pp2 ZeRO-1: activations +2.9 → +16.6 % with them) ends hold no such pair. The residual-stream tensor is the
     stage's output, which ``backward_one_chunk`` holds to its end (its ``stage_output``, popped from ``fwd_cache``):
     where the schedule keeps its sends (``sent``) the send's Work holds it past the B anyway, and the sent outputs
-    count it there (``kept_input_gradient_terms``; seed 20261260 #09, Llama 2 7B GPipe pp2: +1.8 % with both)."""
+    count it there (``kept_send_terms``; seed 20261260 #09, Llama 2 7B GPipe pp2: +1.8 % with both)."""
     T.add("temporaries", "the first stage's B at its end: the token embeddings' output gradient, whole, which their "
           "backward reads", res * sbh, f"{res}·s·b·h = {res * sbh:,} B", kind="embedding_output_gradient", stage=0)
     if sent:

@@ -937,37 +937,48 @@ def _replay_cycle(alloc: CachingAllocator, chunk: tuple, count: int, delta: int,
             if hit is None:
                 seen[state] = (r, now, {id(h) for h in inert}, alloc._next_addr)
             else:
-                loop = r - hit[0]
-                runs = (count - 1 - r) // loop
-                grew_a, grew_r = now[0] - hit[1][0], now[1] - hit[1][1]
-                top_a = max(p[0] for p in peaks[-loop:]) + runs * grew_a
-                top_r = max(p[1] for p in peaks[-loop:]) + runs * grew_r
-                new = [h for h in inert if id(h) not in hit[2]]
-                inert_ids = {id(h) for h in inert}
-                recent = sorted((h for h in alloc._segment_heads() if h.addr >= hit[3] and id(h) not in inert_ids),
-                                key=lambda h: h.addr)
-                skip = runs * loop
-                key_of = {id(alloc._live[h]): k for k, h in live.items() if alloc._live[h] is not None}
-                held = _lasting_in_use(alloc, live, inert, lambda k: lasting(k) and k not in before)
-                if (runs and all(h.seg is None for h in recent)
-                        and (alloc.capacity is None or top_r <= alloc.capacity)
-                        and _skip_keeps_every_lasting_key(live, chunk, keys, lasting, held, new, key_of, r, loop, runs,
-                                                          delta)):
-                    # each skipped run makes inert segments laid out as this one's, past every segment the
-                    # loop started with; the segments this run made that are still in use come after them
-                    moved = [(k, live.pop(k)) for k in list(live) if not lasting(k)] + [(k, live.pop(k)) for k in held]
-                    for q in range(1, runs + 1):
-                        for h in new:
-                            alloc._copy_segment(h, key_of, lambda k, n=q * loop * delta: keys.shift(k, n), live)
-                    for h in recent:
-                        alloc._relocate(h)
-                    for k, h in moved:
-                        live[keys.shift(k, skip * delta)] = h
-                    alloc._max_allocated = max(alloc._max_allocated, top_a)
-                    alloc._max_reserved = max(alloc._max_reserved, top_r)
-                    r += skip
+                skipped = _skip_loops(alloc, live, chunk, keys, lasting, before, inert, hit, now, peaks, r, count,
+                                      delta)
+                if skipped:
+                    r += skipped
                     seen = None  # fewer than a loop's periods are left: they run
         r += 1
+
+
+def _skip_loops(alloc: CachingAllocator, live: dict, chunk: tuple, keys, lasting, before: set, inert: list,
+                hit: tuple, now: tuple, peaks: list, r: int, count: int, delta: int) -> int:
+    """``_replay_cycle``'s skip, once period ``r`` ends in the relative state period ``hit[0]`` ended in: the
+    whole runs of that loop left are not replayed (its docstring says how); returns the periods skipped, 0 where
+    the skip is not exact (a moved expandable segment, a capacity the grown reserve would pass, lasting keys it
+    would not leave as the plain replay does)."""
+    loop = r - hit[0]
+    runs = (count - 1 - r) // loop
+    grew_a, grew_r = now[0] - hit[1][0], now[1] - hit[1][1]
+    top_a = max(p[0] for p in peaks[-loop:]) + runs * grew_a
+    top_r = max(p[1] for p in peaks[-loop:]) + runs * grew_r
+    new = [h for h in inert if id(h) not in hit[2]]
+    inert_ids = {id(h) for h in inert}
+    recent = sorted((h for h in alloc._segment_heads() if h.addr >= hit[3] and id(h) not in inert_ids),
+                    key=lambda h: h.addr)
+    key_of = {id(alloc._live[h]): k for k, h in live.items() if alloc._live[h] is not None}
+    held = _lasting_in_use(alloc, live, inert, lambda k: lasting(k) and k not in before)
+    if not (runs and all(h.seg is None for h in recent) and (alloc.capacity is None or top_r <= alloc.capacity)
+            and _skip_keeps_every_lasting_key(live, chunk, keys, lasting, held, new, key_of, r, loop, runs, delta)):
+        return 0
+    # each skipped run makes inert segments laid out as this one's, past every segment the loop started with; the
+    # segments this run made that are still in use come after them
+    moved = [(k, live.pop(k)) for k in list(live) if not lasting(k)] + [(k, live.pop(k)) for k in held]
+    for q in range(1, runs + 1):
+        for h in new:
+            alloc._copy_segment(h, key_of, lambda k, n=q * loop * delta: keys.shift(k, n), live)
+    for h in recent:
+        alloc._relocate(h)
+    skip = runs * loop
+    for k, h in moved:
+        live[keys.shift(k, skip * delta)] = h
+    alloc._max_allocated = max(alloc._max_allocated, top_a)
+    alloc._max_reserved = max(alloc._max_reserved, top_r)
+    return skip
 
 
 def _lasting_in_use(alloc: CachingAllocator, live: dict, inert: list, lasting) -> list:
