@@ -1040,8 +1040,6 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     _attention_workspace_terms(cfg, T, sh, torch_acc)
     if holds_last:
         _loss_terms(cfg, T, act, torch_acc=torch_acc, sp=sp, v_loss=v_loss)
-    if torch_acc:
-        _float8_forward_cast_term(cfg, rp, T, sh)
     moe_combine = False
     if blocks.moe and torch_acc:
         # under full recompute the block's backward runs on its recomputed tensors and makes the same expert
@@ -1066,9 +1064,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
     if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
             and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
         _autocast_waiting_gradients(cfg, rp, T, act)
-    if torch_acc and lora_on and autocast and any(st.layers for st in rp.stages):
-        lora_forward_casts(cfg, T, res, recomputed=tr.recompute in ("full", "selective-layer")
-                           and any(ckpt_of[st.stage] for st in rp.stages))
+    if torch_acc and any(st.layers for st in rp.stages):
+        _forward_transient_terms(cfg, rp, T, sh, res, moe=blocks.moe, lora_casts=lora_on and autocast,
+                                 recomputed=any(ckpt_of[st.stage] for st in rp.stages))
     if torch_acc and par.pp > 1 and par.schedule not in SPLIT_BACKWARD_SCHEDULES \
             and any(st.stage == 0 for st in rp.stages):
         _embedding_backward_terms(T, res=res, sbh=s * b * h, sbh_rep=sbh_rep, hs=hs,
@@ -1114,7 +1112,8 @@ def _attention_workspace_terms(cfg: Config, T: Terms, sh: _Shape, torch_acc: boo
         # for the weights' gradients, the I made the attention's), and its recompute's forward workspace is gone by
         # the end of a group's recompute, where the W peaks (measure --fake of GPT-2 DualPipeV pp2 cp4: none there)
         ws_f, formula_f = context_parallel_forward_workspace(sh, par.cp, par.cp_rotate)
-        T.add("temporaries", f"context-parallel attention of one layer ({par.cp_rotate}) in a forward", ws_f, formula_f,
+        # (made in a forward: the activations, as torch's MemTracker files every tensor a forward makes)
+        T.add("activations", f"context-parallel attention of one layer ({par.cp_rotate}) in a forward", ws_f, formula_f,
               kind="cp_attention_forward")
 
 
@@ -2014,6 +2013,49 @@ def _stage_counts(in_flight, unit_bytes: list[int]) -> tuple[int, ...]:
     return counts
 
 
+def _forward_transient_terms(cfg: Config, rp, T: Terms, sh: _Shape, res: int, *, moe: bool, lora_casts: bool,
+                             recomputed: bool) -> None:
+    """What an F's own moment holds beyond its microbatch's saved tensors (``forwards``): float8's weight cast, LoRA's
+    casts under autocast, and the last block's down projection at its tensor-parallel collective, each at its own op
+    of the forward: the last laid only beyond the others."""
+    _float8_forward_cast_term(cfg, rp, T, sh)
+    if lora_casts:
+        lora_forward_casts(cfg, T, res, recomputed=cfg.training.recompute in ("full", "selective-layer") and recomputed)
+    if not moe:
+        _down_projection_term(T, sh, res)
+
+
+def _down_projection_term(T: Terms, sh: _Shape, res: int) -> None:
+    """A forward's last block ends in its down projection w2 (row-parallel under TP) and the residual add, whose
+    output the moment counts (the stage's output or the next block's input). Live beyond the moment, at the
+    projection's collective: its s·b·h output y (a partial sum under TP; none where the per-op policy stashes it) and
+    the collective's own tensors less the add's output not yet made: under sequence parallelism DTensor's Partial ->
+    Shard(1) runs ``funcol.reduce_scatter_single`` with scatter_dim 1, which first copies y to dim-0 chunk order
+    (``_chunk_or_narrow_cat``: one more s·b·h) and returns s·b·h/t (saved by the per-op policy); without it
+    ``funcol.all_reduce`` returns a new s·b·h (torch 2.13 _functional_collectives.py; its meta kernel ``empty_like``).
+    Then, at the add, the collective's output. measure --fake of Llama 3 405B tp8 SP pp4 1F1B (seed 20261260 #22,
+    stage 0): its peak is the fourth F's last reduce-scatter, 2 × s·b·h (2 GiB) beyond the F's moment."""
+    sbh, t, act = sh.s * sh.b * sh.h, sh.t, sh.act
+    per_op = sh.recompute == _SAC
+    y = 0 if per_op and "w2" in sh.sac else act * sbh
+    if t > 1 and sh.sp:
+        out = 0 if per_op else act * sbh // t
+        beyond, how = max(y + act * sbh + out - res * sbh // t, out), "y + the dim-0 copy + y/t − the add's output"
+    elif t > 1:
+        beyond, how = max(y + act * sbh - res * sbh, act * sbh), "y + the all-reduce's output − the add's output"
+    else:
+        beyond, how = y, "y"
+    fwd = sum(x.bytes for c in ("activations", "temporaries") for x in T[c] if x.kind in _FORWARD_KINDS)
+    if beyond > fwd:
+        T.add("activations", "a forward's last down projection at its collective: its output and the collective's "
+              "beyond the F's saved tensors (and beyond the forward's other transients)", beyond - fwd,
+              f"{how} − {fwd:,} B ({sh.act} B × s·b·h = {act * sbh:,} B)", kind="forward_down_projection")
+
+
+#: the kinds a forward's own moment holds beyond its saved tensors, at its ops (``forwards``), before the down projection
+_FORWARD_KINDS = ("cp_attention_forward", "float8_forward_cast", "lora_forward_casts")
+
+
 def _float8_forward_cast_term(cfg: Config, rp, T: Terms, sh: _Shape) -> None:
     """A forward's moment holds its microbatch's saved tensors; its last block cast its largest float8 weight
     (``float8_weight_cast_bytes``) before its MLP saved its own (none under full recompute): the cast beyond them."""
@@ -2023,7 +2065,7 @@ def _float8_forward_cast_term(cfg: Config, rp, T: Terms, sh: _Shape) -> None:
     mlp = 0 if cfg.training.recompute == "full" else sum(x for _, x, part in layer_activation_terms(sh)[0]
                                                          if part == "mlp")
     if f8_cast > mlp:
-        T.add("temporaries", "float8: a forward's cast of its largest Linear weight (fp32 upcast, scaled copy, "
+        T.add("activations", "float8: a forward's cast of its largest Linear weight (fp32 upcast, scaled copy, "
               "float8), beyond the last block's MLP tensors not yet saved", f8_cast - mlp,
               f"9 B × the largest block weight's elements / t − {mlp:,} B", kind="float8_forward_cast")
 

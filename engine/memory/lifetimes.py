@@ -288,7 +288,7 @@ LIFETIMES: dict[str, str] = {
     "fsdp_stage_fresh_unmade": "stage_fresh_start", "recomputed_block_plain": "stage_backward_action",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
     "cp_attention": "backward_input", "attention_backward": "full_backward", "autocast_waiting_attention": "later_full_backward",
-    "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards",
+    "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards", "forward_down_projection": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_embedding_full_grad": "after_first_backward",
     "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
