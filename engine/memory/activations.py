@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config
-from engine.memory.lifetimes import moments
+from engine.memory.lifetimes import LIFETIMES, moments
 from engine.memory.report import Term, Terms, ceil_div
 from engine.memory.states import replicate_expert_grads
 from engine.model import lora
@@ -2045,15 +2045,16 @@ def _down_projection_term(T: Terms, sh: _Shape, res: int) -> None:
         beyond, how = max(y + act * sbh - res * sbh, act * sbh), "y + the all-reduce's output − the add's output"
     else:
         beyond, how = y, "y"
-    fwd = sum(x.bytes for c in ("activations", "temporaries") for x in T[c] if x.kind in _FORWARD_KINDS)
+    fwd = forward_transient_bytes(T)
     if beyond > fwd:
         T.add("activations", "a forward's last down projection at its collective: its output and the collective's "
               "beyond the F's saved tensors (and beyond the forward's other transients)", beyond - fwd,
               f"{how} − {fwd:,} B ({sh.act} B × s·b·h = {act * sbh:,} B)", kind="forward_down_projection")
 
 
-#: the kinds a forward's own moment holds beyond its saved tensors, at its ops (``forwards``), before the down projection
-_FORWARD_KINDS = ("cp_attention_forward", "float8_forward_cast", "lora_forward_casts")
+def forward_transient_bytes(T: Terms) -> int:
+    """What the terms laid so far hold at a forward's own moment beyond its saved tensors (lifetime ``forwards``)."""
+    return sum(t.bytes for c in ("activations", "temporaries") for t in T[c] if LIFETIMES.get(t.kind) == "forwards")
 
 
 def _float8_forward_cast_term(cfg: Config, rp, T: Terms, sh: _Shape) -> None:

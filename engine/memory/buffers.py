@@ -32,12 +32,13 @@ from engine.memory.activations import (
     TABLE_RECOMPUTE,
     attention_phase_of_fresh_gradients,
     first_weight_end_terms,
+    forward_transient_bytes,
     layer_activation_terms,
     mlp_and_out_proj_elements,
     mlp_phase_parts,
     shape_of,
 )
-from engine.memory.lifetimes import BLOCK_KINDS, HEAD_KINDS, LIFETIMES, STAGE_OUTPUT_KINDS
+from engine.memory.lifetimes import BLOCK_KINDS, HEAD_KINDS, STAGE_OUTPUT_KINDS
 from engine.memory.report import MB, Terms, ceil_div
 from engine.memory.states import per_stage_gradients, stage_shares
 from engine.model.params import (
@@ -577,7 +578,7 @@ def _pipelined_kept_all_gather(cfg: Config, plan: WrappingPlan, rp: RankParams, 
         head = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"]
                    if t.kind in HEAD_KINDS or t.kind in STAGE_OUTPUT_KINDS)
         # (the forward's moment holds its own transients and the stage output it keeps, which the copy-out precedes)
-        fwd = sum(t.bytes for c in ("activations", "temporaries") for t in T[c] if LIFETIMES.get(t.kind) == "forwards")
+        fwd = forward_transient_bytes(T)
         kept_out = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind in STAGE_OUTPUT_KINDS)
         first = (root + block - laid - (n - 1) * block - kept_out - fwd, n) if root else (0, 0)
         _kept_all_gather_result(cfg, rp, T, 2 * block - laid if n > 1 else 0, f8, head=head,
@@ -679,7 +680,7 @@ def _kept_all_gather_at_copy_out(T: Terms, root_b: int, block_b: int, blocks: in
     yet: beyond it the larger of the root's output less every block's saved tensors and a block's output less one
     block's (dense blocks: a MoE block's experts are a unit of their own)."""
     saved = sum(t.bytes // max(t.in_flight or 1, 1) for t in T["activations"] if t.kind == "layers")
-    fwd = sum(t.bytes for c in ("activations", "temporaries") for t in T[c] if LIFETIMES.get(t.kind) == "forwards")
+    fwd = forward_transient_bytes(T)
     extra = max(root_b - saved, block_b - saved // max(blocks, 1)) - fwd
     if extra > 0:
         T.add("comm_buffers", "the previous unit's all-gather output kept to the next one's copy-out (FSDP2's implicit "
