@@ -166,17 +166,19 @@ def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: boo
         current = root + block
         T.add("comm_buffers", "FSDP2 unsharded parameters: the stage's root (gathered through each forward and backward) "
               "and the current block's unit" + f8, current, f"{root:,} B + {block:,} B", kind="fsdp_unsharded_params")
-        rest = all_bytes - current - block
+        rest = all_bytes - current
     else:
         n_units = 2 if prefetch and len(two) > 1 else 1
         T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
               + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
-        rest = all_bytes - sum(two[:n_units]) - two[0]  # (the all-gather output: one unit, the largest)
-    if (after_backward or walk) and rest:  # (GPipe too: its later Bs find every unit the first gathered)
+        rest = all_bytes - sum(two[:n_units])
+    # (GPipe too: its later Bs find every unit the first gathered; there the all-gather output is none, lifetime
+    # ``gathering``: measure --fake of Qwen3 235B pp4 GPipe ZeRO-3 ep4, two blocks a stage, four units: their 2.52 GiB
+    # and no output at the second B, where the current, prefetched and output units made 3.38 GiB)
+    if (after_backward or walk) and rest:
         T.add("comm_buffers", "FSDP2 unsharded parameters, the stage's other units: gathered since a backward with "
-              "no forward since (its post-forward reshards them), less the all-gather output (nothing left to "
-              "gather)" + f8, rest, f"{all_bytes:,} B (all units) less the current ones and the output",
-              kind="fsdp_units_kept_after_backward")
+              "no forward since (its post-forward reshards them)" + f8, rest,
+              f"{all_bytes:,} B (all units) less the current ones", kind="fsdp_units_kept_after_backward")
 
 
 def _stage_fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int) -> None:
@@ -245,7 +247,10 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
     elif plan.sharded and plan.reshard_after_forward and (not after_backward or len(rp.stages) == 1):
         walk = _stage_walk(cfg, plan, rp, T) if conv.fsdp_prefetch else None
-        _current_units(T, two, all_bytes, after_backward, conv.fsdp_prefetch, f8, walk)
+        # a rank of one stage keeps every unit its backward gathered until a forward reshards it: a B right after
+        # a B finds them all (GPipe's later Bs, any schedule's cool-down; torch's backward_maybe_with_nosync)
+        kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
+        _current_units(T, two, all_bytes, kept, conv.fsdp_prefetch, f8, walk)
         if walk:
             two = [walk[1]]  # the all-gather output: the next block's
     else:

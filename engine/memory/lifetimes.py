@@ -50,7 +50,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   every_action         transient during every F, B, I and W and at the end of the backward: FSDP2's root
                        unit unpipelined (gathered through the forward and through the backward to its
                        post-backward in the final callback), under pipelining its current (+ prefetched)
-                       unit and the all-gather output (on the all-gather stream), ZeRO-3's gathered unit
+                       unit and the all-gather output (on the all-gather stream; on a rank of one stage
+                       resharding after forward, ``gathering``), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input, the last
                        stage's final norm and head's fresh gradient (made first, reduced at the B's end)
   backward_input       transient during B and I: the block recomputed in its backward; a MoE stage's
@@ -126,6 +127,11 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        at a loss moment after such a backward: under pipelining with ZeRO-3 resharding after forward
                        on a rank of one stage, the stage's units that its backward left gathered
                        (``set_reshard_after_backward(False)``) and no forward resharded since
+  gathering            at every F, B, I and W but one whose stage ran a backward just before it, and at the end of the
+                       backward: under pipelining with ZeRO-3 resharding after forward on a rank of one stage, the
+                       all-gather output of the unit FSDP2 gathers next; a backward right after a backward finds every
+                       unit gathered (``after_a_backward``) and gathers none (measure --fake of Qwen3 235B pp4 GPipe
+                       ZeRO-3, two blocks a stage: its later Bs hold the stage's four units, no output)
   reduce_grad          at the REDUCE_GRAD moment only (a pipelined FSDP2 rank of one stage, before the end of the
                        backward): what its first units' reduce-scatters hold beside every accumulated gradient and
                        gathered unit (``engine.memory.buffers._reduce_grad``)
@@ -212,7 +218,7 @@ TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backwar
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
              "input_backward", "loss_after_forward", "after_a_backward", "backward_after_forward", "reduce_grad",
-             "later_full_backward", "after_first_weight", "after_first_backward")
+             "later_full_backward", "gathering", "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
@@ -516,6 +522,9 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
         out["fsdp_embedding_added_grad"] = "stage_later_backward_end"
         if split_backward and converts:  # a later stage's W makes the whole stage's (``stage_fresh``), its I none
             out["fsdp_fresh_grad"] = "full_backward"
+    if pipelined_fsdp2 and sharded and reshard_after_forward and local_stages == 1:
+        # the next unit's output, but at a backward right after a backward: every unit gathered, none to gather
+        out["all_gather_output"] = "gathering"
     if pipelined and sharded and reshard_after_forward and single_block_stages:
         out["all_gather_output"] = "forwards"
     if not pipelined and sharded and reshard_after_forward:
@@ -663,7 +672,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     loss_at = np.flatnonzero(is_bwd_input & (stage == last_stage))
     is_loss = np.zeros(n, dtype=bool)
     if len(loss_at):
-        lm = _loss_masks(kind, stage, loss_at, first_bwd, first_grad)
+        lm = _loss_masks(kind, stage, loss_at, first_bwd, first_grad, pp > 1)
         kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw, ig, ho = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (iw, ig, ho))
@@ -680,7 +689,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         # outputs, and the transients of the last unit's post-backward (the root unit gathered, its
         # gradient being reduced); no loss, no recomputed block
         em = np.zeros((1, masks.shape[1]), dtype=np.int64)
-        for life in ("every_action", "backward", "end_of_backward", "post_backward", "after_first_weight",
+        for life in ("every_action", "gathering", "backward", "end_of_backward", "post_backward", "after_first_weight",
                      "after_first_backward"):
             em[0, TRANSIENT.index(life)] = 1
         last = len(kind) - 1
@@ -747,17 +756,23 @@ def _sends_kept(schedule: str, pp: int, num_stages: int, stages, kind: np.ndarra
     return keeps, sent_out, ig, ho, d_ig[kind == _I].sum(axis=0)
 
 
-def _loss_masks(kind: np.ndarray, stage: np.ndarray, loss_at: np.ndarray, first_bwd: int, first_grad: int) -> np.ndarray:
+def _loss_masks(kind: np.ndarray, stage: np.ndarray, loss_at: np.ndarray, first_bwd: int, first_grad: int,
+                pipelined: bool = False) -> np.ndarray:
     """The transient lifetimes alive at the loss moments before the actions ``loss_at`` (``TRANSIENT``'s columns): the
     loss, the units kept to the end of the backward, what lives from the first backward (or weight gradient) on if one
-    ran before, the units a forward just resharded (``loss_after_forward``) or a backward left gathered."""
+    ran before, the units a forward just resharded (``loss_after_forward``) or a backward left gathered. Under
+    pipelining a backward leaves every unit it gathered so (set_reshard_after_backward(False)): after one, the current
+    units are gathered too, as at a B's end (``_with_backward_ends``; measure --fake of Qwen3 30B pp4 GPipe ZeRO-3, the
+    last stage's loss before its second B: every unit of the stage gathered)."""
     lm = np.zeros((len(loss_at), len(TRANSIENT)), dtype=np.int64)
     lm[:, TRANSIENT.index("loss")] = 1
     lm[:, TRANSIENT.index("until_end_of_backward")] = 1
     lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
     lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
     lm[:, TRANSIENT.index("loss_after_forward")] = _after_a_forward(kind, stage, loss_at) & (loss_at > first_bwd)
-    lm[:, _AFTER_A_BACKWARD] = np.isin(_previous_kind(kind, stage)[loss_at], (_B, _I, _W))
+    after = np.isin(_previous_kind(kind, stage)[loss_at], (_B, _I, _W))
+    lm[:, _AFTER_A_BACKWARD] = after
+    lm[:, TRANSIENT.index("every_action")] = after & pipelined
     return lm
 
 
@@ -844,12 +859,13 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
     n = len(kind)
     is_bwd_input = (kind == _B) | (kind == _I)
     every = np.ones(n, dtype=bool)
+    after_bwd = np.isin(kind, (_B, _I, _W)) & np.isin(_previous_kind(kind, stage), (_B, _I, _W))
     on = {"every_action": every, "backward": is_bwd_input | (kind == _W), "backward_input": is_bwd_input,
           "full_backward": (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward
           "later_full_backward": _later_bs(kind, stage),
           "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
           "early_backward": kind == _B, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
-          "after_a_backward": np.isin(kind, (_B, _I, _W)) & np.isin(_previous_kind(kind, stage), (_B, _I, _W)),
+          "after_a_backward": after_bwd, "gathering": ~after_bwd,
           "backward_after_forward": np.isin(kind, (_B, _I)) & (_previous_kind(kind, stage) == _F),
           "after_first_backward": np.arange(n) > first_bwd}
     return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)

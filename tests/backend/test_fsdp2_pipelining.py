@@ -52,19 +52,20 @@ def test_unsharded_after_first_backward():
     # (set_reshard_after_backward(False)), but the stage's next forward reshards each in its post-forward
     # (reshard_after_forward): a backward after a forward holds the stage's root (its embeddings), the current block
     # and the next block's all-gather output, a backward after a backward (the cool-down) every unit and nothing
-    # left to all-gather
+    # left to all-gather (the output's lifetime ``gathering``: every action but a backward right after a backward)
     c = cfg(m=4, reshard="always")
     terms = {t.kind: t for t in memory_per_rank(c).per_rank[0].catalogue("comm_buffers")}
     current, output = terms["fsdp_unsharded_params"].bytes, terms["all_gather_output"].bytes
     assert current == 2 * (EMB + BLOCK) and output == 2 * BLOCK
-    assert current + output + terms["fsdp_units_kept_after_backward"].bytes == 2 * STAGE0
+    assert current + terms["fsdp_units_kept_after_backward"].bytes == 2 * STAGE0
     rank0 = memory_per_rank(c).per_rank[0]
     laid = rank0._body.timeline
-    kept = [i for i, t in enumerate(laid.terms["comm_buffers"]) if t.kind == "fsdp_units_kept_after_backward"]
-    assert [laid.lifetime("comm_buffers", i) for i in kept] == ["after_a_backward"]
+    lives = {t.kind: laid.lifetime("comm_buffers", i) for i, t in enumerate(laid.terms["comm_buffers"])}
+    assert lives["fsdp_units_kept_after_backward"] == "after_a_backward"
+    assert lives["all_gather_output"] == "gathering"
     # the last stage alternates F and B from its first backward on: never a backward right after a backward
     last = {t.kind: t for t in memory_per_rank(c).per_rank[2].catalogue("comm_buffers")}
-    assert last["fsdp_unsharded_params"].bytes + last["all_gather_output"].bytes \
+    assert last["fsdp_unsharded_params"].bytes \
         + last["fsdp_units_kept_after_backward"].bytes == 2 * (4 * BLOCK + 128 + EMB)  # 4 blocks + final norm, head
     # without pipelining ZeRO-3 "always" holds the current block's unit, the next one's all-gather output
     # and the root unit (fully_shard(model): embeddings, final norm, head), gathered through
@@ -73,6 +74,21 @@ def test_unsharded_after_first_backward():
     assert term(unpiped, "fsdp_unsharded_params").bytes == 2 * BLOCK
     assert term(unpiped, "all_gather_output").bytes == 2 * BLOCK
     assert term(unpiped, "fsdp_root_params").bytes == 2 * (EMB + 128 + EMB)
+
+
+def test_gpipes_later_backwards_find_every_unit_gathered_and_gather_nothing():
+    # GPipe's Bs follow one another: each leaves every unit it gathered so (torch 2.13 stage.py,
+    # backward_maybe_with_nosync: set_reshard_after_backward(False) before every backward, the REDUCE_GRAD reshards),
+    # so the last stage's loss before its second B holds the stage's every unit (4 blocks, final norm, head), and no
+    # all-gather output: the output lives at every action but a backward right after a backward (``gathering``;
+    # measure --fake of Qwen3 235B pp4 GPipe ZeRO-3 ep4, two blocks a stage: 2.52 GiB of units, no output)
+    from engine.memory import lifetimes as L
+    timeline = memory_per_rank(cfg(m=4, reshard="always", schedule="GPipe")).per_rank[2]._body.timeline
+    at = timeline.peak_in_phase(L.LOSS)
+    assert timeline.peak_moment(at).startswith("stage 1 B of microbatch 1, at its start: the loss")
+    held = {t.kind: t.bytes for t in timeline.snapshot(at)["comm_buffers"]}
+    assert held["fsdp_unsharded_params"] + held["fsdp_units_kept_after_backward"] == 2 * (4 * BLOCK + 128 + EMB)
+    assert "all_gather_output" not in held
 
 
 def test_always_gathers_until_the_first_backward():
