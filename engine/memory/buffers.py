@@ -884,7 +884,12 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     u_emb = pgrad * emb_full if has_emb and emb_full else row  # what the moment holds of it
     before = root_b + gacc * rs - s_root + (row if emb_full else 0)
     copy_in = root_rs - s_root + row - u_emb
-    after = root_rs + max(u_head, row) - u_head - u_emb
+    # with an all-reduce group in a 16-bit reduce dtype (replicate, HSDP) the root's reduce output, all-reduced in that
+    # dtype, is alive at its cast to the sharded gradients' dtype (torch 2.13 foreach_reduce: ``_to_dtype_if_needed``
+    # after ``dist.all_reduce``), and held by the group's ``_all_reduce_state`` to its finalize_backward (measure --fake
+    # of Llama 3 70B dp32 tp2 SP ZeRO-1 (replicate) bf16 gradients, seed 20261263 #04: the root's 2,004 MiB bf16 output
+    # beside its 4,008 MiB fp32 cast and its 2,004 MiB reduce-scatter input, −4.0 % without it)
+    after = root_rs + max(u_head, row) - u_head - u_emb + s_root * held_all_reduce_bytes(plan) // 4
     end = max(before, copy_in, after) - laid
     if end:
         T.add("comm_buffers", "the root's post-backward at the end of the backward: the largest of before it (the root "
