@@ -205,7 +205,7 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: own weight-op output gradients under context parallelism (``activations.split_backward_terms``): laid by the events
 #: as one piece each, they split the replay's segments where the real step makes them one by one
 MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
-                               "split_backward_grads_made"})
+                               "split_backward_grads_made", "cp_saved_refiled"})
 
 #: per-stage terms of the moments only, no event rows: what a W's own moment does not hold yet of the stage's weight
 #: gradients it makes (its recomputes peak first; the events lay those gradients, ``stage_fresh``, after the W's
@@ -281,7 +281,7 @@ LIFETIMES: dict[str, str] = {
     "fsdp_params_resharded_at_loss": "loss_after_forward", "fsdp_units_kept_after_backward": "after_a_backward",
     "fsdp_units_kept_in_a_backward": "backward_after_forward",
     "fsdp_reduce_grad": "reduce_grad",
-    "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward",
+    "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward", "cp_saved_refiled": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "fsdp_embedding_added_grad": "later_backward_end",
     "embedding_output_gradient": "backward_end", "embedding_output_kept": "backward_end",
