@@ -955,6 +955,15 @@ def _block_grads_made(cfg: Config, T: Terms, grads: int, pgrad: int) -> tuple[in
     return made, f"max(down projection's {down:,} B, the MLP weights' {mlp:,} B − the MLP backward's transients {transients:,} B)"
 
 
+def reduce_scatter_input_category(plan: WrappingPlan) -> str:
+    """The category a unit's reduce-scatter input is measured in: FSDPMemTracker names it "Reduce Scatter" (comm_buffers)
+    at the ``_reduce_scatter_base_`` that takes it (torch 2.13 fsdp2_mem_tracker.py, in POST_BW), which ``replicate``'s
+    shard group of one never calls (foreach_reduce copies the input into its output instead): there it stays the
+    temporary it was made as (measure --fake of Llama 3 405B dp4 tp4 SP ZeRO-1 (replicate), seed 20261263 #09: its
+    1,520 MiB input among the temporaries, comm_buffers +8 % and temporaries −42 % with it filed as comm)."""
+    return "temporaries" if plan.data_parallel == "replicate" else "comm_buffers"
+
+
 def held_all_reduce_bytes(plan: WrappingPlan) -> int:
     """Bytes per element of a unit's gradient that FSDP2 keeps after its post-backward beside the fp32 sharded
     gradient, 0 if none: with an all-reduce group (HSDP's replicate dimension, or ``replicate``) torch's
@@ -1008,8 +1017,8 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
         for t, x in early:
             T.add("grads", f"{t.label}: the last block's, reduced before the second block's backward", x,
                   f"{one:,} / {psi_train:,} of {t.bytes:,} B", kind="fsdp_early_reduce")
-        T.add("comm_buffers", f"reduce-scatter input of the last block (in {plan.reduce_dtype}), kept through the "
-              "second block's backward", rs_bytes, rs_how, kind="fsdp_early_reduce")
+        T.add(reduce_scatter_input_category(plan), f"reduce-scatter input of the last block (in {plan.reduce_dtype}), "
+              "kept through the second block's backward", rs_bytes, rs_how, kind="fsdp_early_reduce")
         # (less what the B's moment already takes off of them: its MLP backward's freed down input, laid there too,
         # where the block saved it — ``mlp_saved``: no recompute, or the attention core's only; a recomputing block's
         # down input is one of its recomputed tensors, not of these)
@@ -1041,8 +1050,8 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
     if held and reduced:
         T.add("comm_buffers", f"the all-reduce inputs (in {plan.reduce_dtype}) of those units, each kept by its group to "
               "the end of the backward", reduced * held // 4, f"{held} / 4 of {reduced:,} B", kind="fsdp_late_reduce")
-    T.add("comm_buffers", f"reduce-scatter input of layer {at + 1} (in {plan.reduce_dtype}), kept through layer {at}'s "
-          "backward", rs_bytes, rs_how, kind="fsdp_late_reduce")
+    T.add(reduce_scatter_input_category(plan), f"reduce-scatter input of layer {at + 1} (in {plan.reduce_dtype}), kept "
+          f"through layer {at}'s backward", rs_bytes, rs_how, kind="fsdp_late_reduce")
     if resharded:
         T.add("comm_buffers", "every unit but the root and layer 0, resharded in its post-backward by layer 0's "
               "backward", -resharded, f"−{resharded:,} B", kind="fsdp_late_reduce")

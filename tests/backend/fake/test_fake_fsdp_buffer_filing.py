@@ -65,3 +65,22 @@ def test_the_mlps_saved_tensors_gone_in_the_attention_phase_are_activations(tmp_
     (cats,) = [m["memory"]["categories"] for m in run.records]
     assert any(t.kind == "cp_saved_refiled" for t in r.explain("activations"))
     assert cats["activations"] == pytest.approx(r.activations, rel=0.03)
+
+
+@pytest.mark.integration
+def test_replicates_reduce_scatter_input_is_a_temporary(tmp_path):
+    """Llama 3 405B (8 blocks) s32K dp4 tp4 SP ZeRO-1 (FSDP2's replicate over the DTensor parameters), bf16 gradients,
+    full recompute (seed 20261263 #09): the peak late in the B holds layer 1's 1,520 MiB reduce-scatter input, which
+    FSDPMemTracker names "Reduce Scatter" only at a ``_reduce_scatter_base_`` that replicate's shard group of one never
+    calls — a temporary (comm_buffers +8 %, temporaries −42 % with it filed as comm)."""
+    cfg = Config.from_dict({
+        "model": {"preset": "llama3-405b", "layers": 8, "seq_len": 32768},
+        "cluster": {"gpu": "h100-96g", "gpus": 16, "gpus_per_node": 8},
+        "parallel": {"dp": 4, "tp": 4, "zero": 1, "sequence_parallel": True},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}})
+    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
+    run = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
+    (cats,) = [m["memory"]["categories"] for m in run.records]
+    assert r.peak_moment.startswith("late in stage 0 B")
+    assert cats["temporaries"] == pytest.approx(r.temporaries, rel=0.02)
+    assert cats["comm_buffers"] == pytest.approx(r.comm_buffers, rel=0.02)
