@@ -446,13 +446,13 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     units = [n for i, (n, _) in enumerate(train_units) if not ((emb_unit or emb_last) and i == 0) and i != head_unit]
     big = max(units or [0])
     what = f"largest FSDP unit's trainable elements ({big:,})"
-    # (pipelined, a rank whose token embedding's full-size TP gradient outweighs a block keeps the whole block's at its
-    # B: laying only the part made, as the fakes hold it, moved the published Table 5 1F1B row's replayed reserve out
-    # of its 10 % bar, -8.4 -> -10.7 %, through the replay's fragmentation; left so until the replay lays it)
-    # (the largest unit a block's: a dense one, or a MoE block's whole unit where its experts are no unit of their own)
+    # (the largest unit a block's: a dense one, or a MoE block's whole unit where its experts are no unit of their own;
+    # also where a TP rank's full-size token-embedding gradient outweighs a block: its B holds only the part made, as
+    # the fakes do — seed 20261263 #21, Llama 3 70B tp4 pp2 Interleaved1F1B ZeRO-3, w2's 112 MiB, not the block's
+    # 408 MiB: +1.3 -> 0.0 %. Until session 56 the whole block's was laid there: the part moved the published Table 5
+    # 1F1B row's replayed reserve out of its bar then, -8.4 -> -10.7 %; since session 55 it stays -8.2 % either way)
     block = made and (big == unit_numel(rp.block_tensors) or bool(rp.expert_units)
-                      or any(unit_numel(u) == big for u, _ in rp.unit_groups if u not in rp.root_units)) \
-        and (emb_full <= big or emb_last)
+                      or any(unit_numel(u) == big for u, _ in rp.unit_groups if u not in rp.root_units))
     emb_end = max(emb_full, train_units[0][0]) if emb_last else 0
     if emb_end > big:  # the embeddings' gradient, made at the end of the backward: the largest then
         big, what = emb_end, (f"the token embedding's gradient at full V·h ({emb_full:,}, TP: replicated)"
