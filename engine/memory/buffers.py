@@ -148,6 +148,13 @@ def _backward_walk_units(T: Terms, walk: tuple[int, int, int, int], f8: str) -> 
               f"i × ({block:,} B − {saved:,} B) less the last block's output)", kind="fsdp_units_kept_in_a_backward")
 
 
+def _stage_units(rp: RankParams, st) -> int:
+    """FSDP2 units one pipeline stage of this rank holds: its blocks (a MoE block's experts a unit of their own under
+    expert parallelism), its embeddings' and its final norm's and head's (the stage module's own fully_shard)."""
+    experts = st.moe_layers if rp.expert_units else 0
+    return st.layers + experts + int(bool(st.embedding or st.position or st.final_norm or st.head))
+
+
 def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: bool, prefetch: bool, f8: str,
                    walk: tuple[int, int, int, int] | None = None) -> None:
     """ZeRO-3 resharding after forward (``fsdp2_buffers``): the current (+ prefetched) unit at every action; on a
@@ -250,7 +257,12 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         # a rank of one stage keeps every unit its backward gathered until a forward reshards it: a B right after
         # a B finds them all (GPipe's later Bs, any schedule's cool-down; torch's backward_maybe_with_nosync)
         kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
-        _current_units(T, two, all_bytes, kept, conv.fsdp_prefetch, f8, walk)
+        # FSDP2 prefetches within one root's units: each pipeline stage module is a root of its own, so a rank whose
+        # every stage holds one unit (one block, no embeddings or head) prefetches none (measure --fake of Llama 3 8B
+        # tp8 pp4 LoopedBFS v2 ZeRO-3 "always", one block a stage, seed 20261260's 50741bdb: one unit gathered at
+        # its B, where the current and prefetched units read +3.8 %)
+        prefetch = conv.fsdp_prefetch and (not plan.pipelined or any(_stage_units(rp, st) > 1 for st in rp.stages))
+        _current_units(T, two, all_bytes, kept, prefetch, f8, walk)
         if walk:
             two = [walk[1]]  # the all-gather output: the next block's
     else:
