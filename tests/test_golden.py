@@ -1,6 +1,8 @@
 """The engine held to its recorded golden corpus (tests/golden/make_corpus.py): every rank's
 memory by category, byte for byte, and the step's seconds, for 480 random valid configs over
-every preset, strategy, schedule, precision, LoRA and DataParallel."""
+every preset, strategy, schedule, precision, LoRA and DataParallel, and 128 full-size layouts of the
+fake sweep's draw (seeds 20261300-02: mixtures of experts, expert and context parallelism, ZeRO-3's
+reshard policy, float8, compile)."""
 
 import gzip
 import json
@@ -25,6 +27,11 @@ def test_corpus_covers_what_it_claims():
     assert {c.training.precision for c in cfgs} == set(names.PRECISIONS)
     assert any(c.training.finetune == "lora" for c in cfgs)
     assert any(c.parallel.dp_mode == "dataparallel" for c in cfgs)
+    # the fake sweep's draws (make_corpus.py --add-sweep): what the first generator does not reach
+    assert sum(c.parallel.cp > 1 for c in cfgs) >= 10 and sum(c.parallel.ep > 1 for c in cfgs) >= 10
+    assert any(c.model.experts for c in cfgs) and any(c.training.float8 != "none" for c in cfgs)
+    assert any(c.parallel.pp > 1 and c.parallel.zero == 3 and c.parallel.fsdp_reshard_after_forward == "always"
+               for c in cfgs)
 
 
 @pytest.mark.parametrize("i", range(len(ENTRIES)))

@@ -2,6 +2,11 @@
 
     .venv/bin/python tests/golden/make_corpus.py            # writes tests/golden/corpus.json.gz
     .venv/bin/python tests/golden/make_corpus.py --rerecord # same configs, new observations; prints what moved
+    .venv/bin/python tests/golden/make_corpus.py --add-sweep N SEED  # append N full-size layouts of the fake sweep
+
+``--add-sweep`` draws with ``benchmarks/fake_sweep.draw_layouts(N, SEED, max_layers=8)``: the space the backend runs
+(mixtures of experts and expert parallelism, context parallelism, ZeRO-3's reshard policy, float8, compile, LoRA),
+which this file's own generator does not reach; the entries are configs like the others.
 
 Each entry keeps the config (as its dict, so the corpus does not depend on this generator's
 randomness), every rank's memory by category and total, and the step's seconds. The test
@@ -127,9 +132,30 @@ def rerecord() -> list[dict]:
     return out
 
 
+def add_sweep(n: int, seed: int) -> list[dict]:
+    """The stored entries and ``n`` layouts of the fake sweep's draw (``seed``) that none of them holds, observed."""
+    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+    from fake_sweep import draw_layouts  # noqa: PLC0415 (a benchmark's drawer, only here)
+
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        out = json.load(f)["entries"]
+    seen = {json.dumps(e["config"], sort_keys=True) for e in out}
+    added = 0
+    for cfg in draw_layouts(n, seed, max_layers=8).values():
+        key = json.dumps(cfg.to_dict(), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append({"config": cfg.to_dict(), **observe(cfg)})
+            added += 1
+    print(f"added {added} layouts of the fake sweep's draw (seed {seed})")
+    return out
+
+
 def main() -> None:
     if sys.argv[1:] == ["--rerecord"]:
         corpus = rerecord()
+    elif sys.argv[1:2] == ["--add-sweep"] and len(sys.argv) == 4:
+        corpus = add_sweep(int(sys.argv[2]), int(sys.argv[3]))
     else:
         corpus = generate(int(sys.argv[1]) if len(sys.argv) > 1 else 480)
     with gzip.open(CORPUS, "wt", encoding="utf-8") as f:
