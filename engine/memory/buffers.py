@@ -150,7 +150,10 @@ def _backward_walk_units(T: Terms, walk: tuple[int, int, int, int], f8: str) -> 
 
 def _stage_units(rp: RankParams, st) -> int:
     """FSDP2 units one pipeline stage of this rank holds: its blocks (a MoE block's experts a unit of their own under
-    expert parallelism), its embeddings' and its final norm's and head's (the stage module's own fully_shard)."""
+    expert parallelism), its embeddings' and its final norm's and head's (the stage module's own fully_shard). FSDP2
+    prefetches within one root's units and each stage module is a root of its own, so a rank whose every stage holds
+    one unit prefetches none (measure --fake of Llama 3 8B tp8 pp4 LoopedBFS v2 ZeRO-3 "always", one block a stage,
+    seed 20261260's 50741bdb: one unit gathered at its B, where the current and prefetched units read +3.7 %)."""
     experts = st.moe_layers if rp.expert_units else 0
     return st.layers + experts + int(bool(st.embedding or st.position or st.final_norm or st.head))
 
@@ -257,10 +260,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         # a rank of one stage keeps every unit its backward gathered until a forward reshards it: a B right after
         # a B finds them all (GPipe's later Bs, any schedule's cool-down; torch's backward_maybe_with_nosync)
         kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
-        # FSDP2 prefetches within one root's units: each pipeline stage module is a root of its own, so a rank whose
-        # every stage holds one unit (one block, no embeddings or head) prefetches none (measure --fake of Llama 3 8B
-        # tp8 pp4 LoopedBFS v2 ZeRO-3 "always", one block a stage, seed 20261260's 50741bdb: one unit gathered at
-        # its B, where the current and prefetched units read +3.8 %)
+        # (FSDP2 prefetches within one stage's units: ``_stage_units``)
         prefetch = conv.fsdp_prefetch and (not plan.pipelined or any(_stage_units(rp, st) > 1 for st in rp.stages))
         _current_units(T, two, all_bytes, kept, prefetch, f8, walk)
         if walk:
@@ -902,11 +902,7 @@ def _unit_by_unit_reduce(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
     u_emb = pgrad * emb_full if has_emb and emb_full else row  # what the moment holds of it
     before = root_b + gacc * rs - s_root + (row if emb_full else 0)
     copy_in = root_rs - s_root + row - u_emb
-    # with an all-reduce group in a 16-bit reduce dtype (replicate, HSDP) the root's reduce output, all-reduced in that
-    # dtype, is alive at its cast to the sharded gradients' dtype (torch 2.13 foreach_reduce: ``_to_dtype_if_needed``
-    # after ``dist.all_reduce``), and held by the group's ``_all_reduce_state`` to its finalize_backward (measure --fake
-    # of Llama 3 70B dp32 tp2 SP ZeRO-1 (replicate) bf16 gradients, seed 20261263 #04: the root's 2,004 MiB bf16 output
-    # beside its 4,008 MiB fp32 cast and its 2,004 MiB reduce-scatter input, −4.0 % without it)
+    # (after it: also the root's own all-reduce output in a 16-bit reduce dtype, at its cast: held_all_reduce_bytes)
     after = root_rs + max(u_head, row) - u_head - u_emb + s_root * held_all_reduce_bytes(plan) // 4
     end = max(before, copy_in, after) - laid
     if end:
@@ -983,7 +979,11 @@ def held_all_reduce_bytes(plan: WrappingPlan) -> int:
     unit's ``FSDPParamGroup._all_reduce_state`` holds (torch 2.13: "keeps the buffer off the caching allocator's free
     list", PR #140044) until the unit's next unshard or ``finalize_backward``; where that dtype is the parameters'
     it is the sharded gradient's own storage, else a buffer of its own (``measure --fake`` of Llama 3 405B dp8 tp8
-    replicate, bf16 gradients: seven 760 MiB bf16 buffers beside the 1,520 MiB fp32 gradients late in the B)."""
+    replicate, bf16 gradients: seven 760 MiB bf16 buffers beside the 1,520 MiB fp32 gradients late in the B). The
+    root's own is alive at its cast to the sharded gradients' dtype (``_to_dtype_if_needed`` after ``dist.all_reduce``)
+    in its post-backward (measure --fake of Llama 3 70B dp32 tp2 SP ZeRO-1 (replicate) bf16 gradients, seed 20261263
+    #04: the root's 2,004 MiB bf16 output beside its 4,008 MiB fp32 cast and its 2,004 MiB reduce-scatter input, −4.0 %
+    without it)."""
     if not (plan.hsdp or plan.data_parallel == "replicate"):
         return 0
     rb = PLAN_DTYPE_BYTES.get(plan.reduce_dtype, 4)

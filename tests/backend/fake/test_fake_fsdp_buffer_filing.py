@@ -11,6 +11,14 @@ from engine.config import Config
 from engine.predict import predict
 
 
+def _rank0_and_the_fakes_categories(cfg: Config, tmp_path):
+    """The engine's rank 0 and ``measure --fake``'s categories of it (seconds)."""
+    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
+    run = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
+    (cats,) = [m["memory"]["categories"] for m in run.records]
+    return r, cats
+
+
 @pytest.mark.integration
 def test_the_accumulated_unsharded_gradients_are_comm_buffers(tmp_path):
     """Llama 3 405B (8 blocks) s4K b4 dp16 tp4 SP ZeRO-3, two microbatches, fp32 gradients (seed 20261227
@@ -21,9 +29,7 @@ def test_the_accumulated_unsharded_gradients_are_comm_buffers(tmp_path):
         "cluster": {"gpu": "h100-96g", "gpus": 64, "gpus_per_node": 8},
         "parallel": {"dp": 16, "tp": 4, "zero": 3, "sequence_parallel": True, "microbatches": 2},
         "training": {"micro_batch_size": 4, "precision": "bf16-mixed", "grad_dtype": "fp32", "recompute": "none"}})
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
-    run = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (cats,) = [m["memory"]["categories"] for m in run.records]
+    r, cats = _rank0_and_the_fakes_categories(cfg, tmp_path)
     assert r.comm_buffers > 2**30
     assert cats["comm_buffers"] == pytest.approx(r.comm_buffers, rel=0.05)
     assert cats["temporaries"] == pytest.approx(r.temporaries, rel=0.05)
@@ -40,9 +46,7 @@ def test_the_attention_phases_gradients_come_off_their_own_category_where_the_ml
         "cluster": {"gpu": "h100-96g", "gpus": 64, "gpus_per_node": 8},
         "parallel": {"dp": 2, "tp": 8, "cp": 4, "zero": 2, "sequence_parallel": True},
         "training": {"micro_batch_size": 4, "precision": "fp32", "grad_dtype": "fp32", "recompute": "full"}})
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
-    run = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (cats,) = [m["memory"]["categories"] for m in run.records]
+    r, cats = _rank0_and_the_fakes_categories(cfg, tmp_path)
     assert r.peak_moment.startswith("stage 0 B of microbatch 0 (")
     assert cats["comm_buffers"] == pytest.approx(r.comm_buffers, rel=0.01)
     assert cats["temporaries"] == pytest.approx(r.temporaries, rel=0.01)
@@ -60,9 +64,7 @@ def test_the_mlps_saved_tensors_gone_in_the_attention_phase_are_activations(tmp_
                      "fsdp_reshard_after_forward": "always"},
         "training": {"micro_batch_size": 16, "precision": "bf16-mixed", "grad_dtype": "bf16",
                      "recompute": "selective-op"}})
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
-    run = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (cats,) = [m["memory"]["categories"] for m in run.records]
+    r, cats = _rank0_and_the_fakes_categories(cfg, tmp_path)
     assert any(t.kind == "cp_saved_refiled" for t in r.explain("activations"))
     assert cats["activations"] == pytest.approx(r.activations, rel=0.03)
 
@@ -78,9 +80,7 @@ def test_replicates_reduce_scatter_input_is_a_temporary(tmp_path):
         "cluster": {"gpu": "h100-96g", "gpus": 16, "gpus_per_node": 8},
         "parallel": {"dp": 4, "tp": 4, "zero": 1, "sequence_parallel": True},
         "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "grad_dtype": "bf16", "recompute": "full"}})
-    r = next(x for x in predict(cfg).memory.per_rank if x.rank == 0)
-    run = simulate(cfg, out_dir=tmp_path / "run", ranks=[0], timeout_s=300)
-    (cats,) = [m["memory"]["categories"] for m in run.records]
+    r, cats = _rank0_and_the_fakes_categories(cfg, tmp_path)
     assert r.peak_moment.startswith("late in stage 0 B")
     assert cats["temporaries"] == pytest.approx(r.temporaries, rel=0.02)
     assert cats["comm_buffers"] == pytest.approx(r.comm_buffers, rel=0.02)
