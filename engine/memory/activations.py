@@ -2483,7 +2483,8 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
     fresh weight gradients made by the attention's phase but not by the MLP's take their place in the attention's side
     (``engine.memory.buffers._fresh_gradients``)."""
     cp = sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention")
-    mlp = sum(mlp_phase_parts(T).values())
+    parts = mlp_phase_parts(T)
+    mlp = sum(parts.values())
     again = _lora_forward_again(T)
     if not cp or not (mlp or again):
         return 0
@@ -2495,8 +2496,8 @@ def _cp_attention_after_mlp(T: Terms, sh: _Shape) -> int:
           + (f" (or, LoRA, the recompute's forward again {again:,} B, the larger)" if again else "")
           + f" + MLP and norm2 saved {saved:,} B)",
           kind="mlp_backward_freed")
-    x = saved + mlp_phase_parts(T)["activations"]  # (the MLP backward's own activations terms: its freed down input)
-    if off == max(mlp, again) + saved and not again and x > 0:
+    x = saved + parts["activations"]  # (the MLP backward's own activations terms: its freed down input)
+    if not again and off == mlp + saved and x > 0:
         # the attention's phase is the moment: of what came off, the MLP's and its norm's saved tensors (less what the
         # MLP's backward had freed of them) are activations, not temporaries (measure --fake of Llama 2 7B s128K tp2 pp4
         # cp4 ZeRO-3 per-op, seed 20261263 #05: activations +14 %, temporaries −59 % with them off the temporaries).

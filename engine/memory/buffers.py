@@ -158,13 +158,14 @@ def _stage_units(rp: RankParams, st) -> int:
     return st.layers + experts + int(bool(st.embedding or st.position or st.final_norm or st.head))
 
 
-def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: bool, prefetch: bool, f8: str,
+def _current_units(T: Terms, two: list[int], all_bytes: int, kept: bool, prefetch: bool, f8: str,
                    walk: tuple[int, int, int, int] | None = None) -> None:
-    """ZeRO-3 resharding after forward (``fsdp2_buffers``): the current (+ prefetched) unit at every action; on a
-    pipelined rank of one stage that runs forwards after its first backward, the rest at a backward right after a
-    backward. A backward leaves every unit it gathered so (set_reshard_after_backward(False)) and the stage's next
-    forward reshards each in its post-forward (reshard_after_forward): every unit is gathered at a backward right
-    after a backward (1F1B's cool-down), and nothing is left to all-gather there; at one after a forward the current
+    """ZeRO-3 resharding after forward (``fsdp2_buffers``): the current (+ prefetched) unit at every action; where
+    ``kept`` (a pipelined rank of one stage, or one that runs forwards after its first backward), the rest at a
+    backward right after a backward (GPipe's later Bs, any cool-down), where the all-gather output is none (its
+    lifetime ``gathering``). A backward leaves every unit it gathered so (set_reshard_after_backward(False)) and the
+    stage's next forward reshards each in its post-forward (reshard_after_forward): every unit is gathered at a
+    backward right after a backward, and nothing is left to all-gather there; at one after a forward the current
     unit and the next one's all-gather output (measure --fake of Llama 3 8B pp4 1F1B ZeRO-3 reshard "always", a
     3-block stage's B of its second microbatch: one block's parameters and one block's all-gather output, +4.6 % with
     all three blocks; pp2, stage 0's last B: every unit, no all-gather output)."""
@@ -182,10 +183,9 @@ def _current_units(T: Terms, two: list[int], all_bytes: int, after_backward: boo
         T.add("comm_buffers", "FSDP2 unsharded parameters: current unit" + (" + prefetched unit" if n_units == 2 else "")
               + f8, sum(two[:n_units]), _explain_units(two[:n_units]), kind="fsdp_unsharded_params")
         rest = all_bytes - sum(two[:n_units])
-    # (GPipe too: its later Bs find every unit the first gathered; there the all-gather output is none, lifetime
-    # ``gathering``: measure --fake of Qwen3 235B pp4 GPipe ZeRO-3 ep4, two blocks a stage, four units: their 2.52 GiB
-    # and no output at the second B, where the current, prefetched and output units made 3.38 GiB)
-    if (after_backward or walk) and rest:
+    # (measure --fake of Qwen3 235B pp4 GPipe ZeRO-3 ep4, two blocks a stage, four units: their 2.52 GiB and no
+    # output at the second B, where the current, prefetched and output units made 3.38 GiB)
+    if (kept or walk) and rest:
         T.add("comm_buffers", "FSDP2 unsharded parameters, the stage's other units: gathered since a backward with "
               "no forward since (its post-forward reshards them)" + f8, rest,
               f"{all_bytes:,} B (all units) less the current ones", kind="fsdp_units_kept_after_backward")
@@ -257,8 +257,8 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
     elif plan.sharded and plan.reshard_after_forward and (not after_backward or len(rp.stages) == 1):
         walk = _stage_walk(cfg, plan, rp, T) if conv.fsdp_prefetch else None
-        # a rank of one stage keeps every unit its backward gathered until a forward reshards it: a B right after
-        # a B finds them all (GPipe's later Bs, any schedule's cool-down; torch's backward_maybe_with_nosync)
+        # a rank of one stage keeps every unit its backward gathered until a forward reshards it (torch's
+        # backward_maybe_with_nosync)
         kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
         # (FSDP2 prefetches within one stage's units: ``_stage_units``)
         prefetch = conv.fsdp_prefetch and (not plan.pipelined or any(_stage_units(rp, st) > 1 for st in rp.stages))
