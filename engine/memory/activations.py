@@ -64,7 +64,7 @@ from functools import lru_cache
 from engine.config import Config
 from engine.memory.lifetimes import LIFETIMES, moments
 from engine.memory.report import Term, Terms, ceil_div
-from engine.memory.states import replicate_expert_grads
+from engine.memory.states import plain_grads_late, replicate_expert_grads
 from engine.model import lora
 from engine.model.params import attention_tensors, mlp_tensors
 from engine.model.recompute import block_linears_addmm, checkpointed_per_stage, sac_saved_matmuls, sac_saved_moe
@@ -1150,12 +1150,17 @@ def _expert_buffers_held(cfg: Config, plain_grads: bool) -> tuple[bool, bool]:
     fresh-gradient term holds them; ``unit_grads``: FSDP2 walking its units once, one microbatch unpipelined, where no
     fresh-gradient term is laid and the buffers are the unsharded parameters' .grad, which no gradient term counts
     either). measure --fake of Qwen3 30B dp32 ZeRO-3 per-op recompute m1 (seed 20261234 #20): its peak holds w1's,
-    w2's, w3's 384 MiB bf16 buffers beside two fresh ones, −9.1 % without them. Neither with plain gradients or
-    replicate's left-out experts (their gradients are plain ones)."""
+    w2's, w3's 384 MiB bf16 buffers beside two fresh ones, −9.1 % without them. Plain gradients (DDP, ZeRO-1) in a
+    step's one backward alike: no ``.grad`` exists while the experts' loop runs (torch's accounting: each is made as
+    the walk reaches its parameter, ``states.plain_grads_late``), so the buffers are partial sums beside it, tracked
+    as temporaries, until AccumulateGrad takes each finished one (measure --fake of a tiny MoE DDP dp4 ZeRO-1 step,
+    accuracy sweep seed 20261233 #23: w2's old sum, its new select_backward output and their sum beside w1's sum and
+    its last select_backward output at the peak). Not replicate's left-out experts (their gradients are plain ones)."""
     plan = wrapping_plan(cfg)
     unit = not plain_grads and not replicate_expert_grads(cfg, plan)
     fresh_term = plan.unsharded_after_first_backward or cfg.parallel.microbatches > 1
-    return unit and plan.converts_gradients and fresh_term, unit and not fresh_term
+    plain_first = plain_grads and plain_grads_late(cfg, plan)
+    return unit and plan.converts_gradients and fresh_term, (unit and not fresh_term) or plain_first
 
 
 def _norm_output_casts(shape: _Shape, lora_on: bool) -> tuple[int, int]:

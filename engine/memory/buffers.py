@@ -40,11 +40,12 @@ from engine.memory.activations import (
 )
 from engine.memory.lifetimes import BLOCK_KINDS, HEAD_KINDS, STAGE_OUTPUT_KINDS
 from engine.memory.report import MB, Terms, ceil_div
-from engine.memory.states import per_stage_gradients, stage_shares
+from engine.memory.states import per_stage_gradients, plain_grads_late, stage_shares
 from engine.model.params import (
     RankParams,
     Tensors,
     largest_numels,
+    layer_tensors,
     mlp_tensors,
     sharded_numel,
     unit_numel,
@@ -1072,14 +1073,33 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
               "the backward", saved, f"1 / {layers} of one microbatch's blocks", kind="late_block_activations")
 
 
-def plain_grads_late(cfg: Config, plan: WrappingPlan) -> bool:
-    """Whether this rank's plain gradients (``kind="gradients"``: no FSDP2) live from its first
-    backward on (``lifetimes.lifetime_overrides``): torch's accounting, and not DDP's
-    ``gradient_as_bucket_view``, where ``.grad`` is a view of the Reducer's buckets, which live all
-    step."""
-    conv = cfg.conventions
-    return (conv.state_accounting == "pytorch" and not plan.fsdp2
-            and not getattr(conv, "ddp_gradient_as_bucket_view", False))
+def _plain_early_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int) -> None:
+    """Plain gradients (DDP, ZeRO-1, one rank) in an unpipelined step of one microbatch, at the B's own moment
+    (``early_backward``): autograd has made the ``.grad`` of every parameter its walk has passed — the final norm's
+    and the head's (the loss's backward runs into them first) and, where that moment is inside the last block with
+    experts (``moe_backward_terms``), the blocks after it and its shared experts' (computed after the routed experts
+    in the forward, ``backend/model.py`` ``MoE.forward``: their backward runs first). measure --fake of a tiny MoE
+    DDP dp4 ZeRO-1 step (accuracy sweep seed 20261233 #23, h48, V384, 4 experts): its peak in the routed experts'
+    loop holds the head's, final norm's and shared experts' gradients, 123,072 B (−4.6 % tracked without them)."""
+    if cfg.training.finetune == "lora" or not plain_grads_late(cfg, plan) or not rp.layers or not psi_train:
+        return
+    grads = sum(t.bytes for t in T["grads"] if t.kind == "gradients")
+    if not grads:
+        return
+    m, tp = cfg.model, cfg.parallel.tp
+    done = sum(st.head + st.final_norm for st in rp.stages)
+    where = "the final norm's and head's"
+    if any(t.kind == "moe_backward" and t.bytes for t in T["temporaries"]):
+        last_moe = max(i for i in range(m.layers) if m.is_moe_layer(i))
+        after = m.layers - 1 - last_moe  # dense blocks after it
+        done += after * sum(a * b for a, b in layer_tensors(m, tp))
+        if m.shared_experts:
+            w, bias = mlp_tensors(m, m.shared_experts * m.expert_hidden, tp)
+            done += sum(a * b for a, b in w + bias)
+        where += ", the later blocks' and the last block with experts' shared experts'"
+    if done:
+        T.add("grads", f"gradients made by the B's own moment: {where}", grads * done // psi_train,
+              f"{done:,} / {psi_train:,} of {grads:,} B", kind="plain_early_grads")
 
 
 def _plain_late_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int) -> None:
@@ -1271,6 +1291,7 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
         pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
     if torch_acc and not plan.fsdp2 and par.pp == 1 and par.microbatches == 1 and par.dp_mode != "dataparallel":
         # (legacy nn.DataParallel's GPU 0 sums its terms whole: engine.legacy_dp)
+        _plain_early_backward(cfg, plan, rp, T, psi_train)
         _plain_late_backward(cfg, plan, rp, T, psi_train)
     if torch_acc and par.microbatches > 1 and cfg.training.finetune != "lora" and not (
             par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):  # a split backward's I makes no weight gradient

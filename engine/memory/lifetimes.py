@@ -204,7 +204,7 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: several microbatches before the root's post-backward (``buffers._root_post_backward_after_accumulation``) and an I's
 #: own weight-op output gradients under context parallelism (``activations.split_backward_terms``): laid by the events
 #: as one piece each, they split the replay's segments where the real step makes them one by one
-MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
+MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_early_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
                                "split_backward_grads_made", "cp_saved_refiled"})
 
 #: per-stage terms of the moments only, no event rows: what a W's own moment does not hold yet of the stage's weight
@@ -306,7 +306,8 @@ LIFETIMES: dict[str, str] = {
     "fsdp_root_reduce_accumulated": "post_backward",
     "fsdp_reduced_grads": "late_backward",
     "late_block_activations": "late_backward", "plain_late_grads": "late_backward",
-    "plain_late_activations": "late_backward", "fsdp_early_reduce": "early_backward",
+    "plain_late_activations": "late_backward", "plain_early_grads": "early_backward",
+    "fsdp_early_reduce": "early_backward",
     # expert parallelism's all-to-all buffers: one MoE layer's, while it runs (a fake Qwen3 235B step, ep8,
     # holds none at its loss moment)
     "moe_all_to_all": "during_actions",
@@ -316,7 +317,7 @@ LIFETIMES: dict[str, str] = {
 #: terms that are part of another term at an earlier moment (the sharded gradients some units have made by
 #: then), not more of it: a rank's whole states are its catalogue without them
 PARTIAL_STATE_KINDS = frozenset({"fsdp_early_reduce", "fsdp_reduced_grads", "plain_grads_accumulating",
-                                 "plain_late_grads"})
+                                 "plain_late_grads", "plain_early_grads"})
 
 #: a unit's whole fresh gradient at its post-backward: a term of the end of the backward (``post_backward``), and in
 #: the events also made by every block's backward in a B's walk, after its transients, before its post-backward adds
@@ -477,7 +478,7 @@ def lifetime_of(term: Term, fsdp_params: str = "step", overrides: dict[str, str]
 def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forward: bool | None,
                        local_stages: int = 1, pipelined: bool = True, plain_grads_late: bool = False,
                        split_backward: bool = False, converts: bool = False,
-                       single_block_stages: bool = False) -> dict[str, str]:
+                       single_block_stages: bool = False, moe_late_dense: bool = False) -> dict[str, str]:
     """The kinds whose lifetime the wrapping plan changes: under pipelining with units never resharded
     (no resharding after forward, none after backward) FSDP2's all-gather output exists only in each
     stage's first forward. On a rank holding several stages torch reduces each stage's gradients right
@@ -501,8 +502,13 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
     ``single_block_stages``: every local pipeline stage holds one block; a backward (re)gathers its block and root at
     its start and has no next block to prefetch, so no all-gather output is alive at its moment (measure --fake of
     Qwen3 235B pp8 ZeRO-3 reshard "always", one block a stage: the 4.6 GiB output freed by the copy-out before the
-    block's backward runs; +9 … +12 % on every stage)."""
+    block's backward runs; +9 … +12 % on every stage). ``moe_late_dense``: an unpipelined step of one microbatch with
+    plain gradients whose layer 0, the late-backward moment's block, has no experts: the MoE backward's moment (its
+    experts' input buffers, ``activations.moe_backward_terms``) is the B's own, not the late one's (measure --fake of
+    Mixtral 8x7B, 2 blocks, the first dense, dp8 ZeRO-1: 8.8 GiB of them at the B's moment, none at layer 0's)."""
     out: dict[str, str] = {}
+    if moe_late_dense:
+        out["moe_backward"] = out["moe_backward_freed"] = "early_backward"
     if plain_grads_late and pipelined and local_stages > 1:  # each stage's from its first B (or W) on
         out["gradients"] = "stage_reduced"
         out["plain_grads_accumulating"] = "stage_accumulated"

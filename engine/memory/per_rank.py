@@ -100,7 +100,8 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                                  plain_grads_late(cfg, plan)
                                                  or (replicate_expert_grads(cfg, plan) and rp.experts > 0),
                                                  par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES,
-                                                 plan.converts_gradients, all(st.layers <= 1 for st in rp.stages)))
+                                                 plan.converts_gradients, all(st.layers <= 1 for st in rp.stages),
+                                                 _moe_late_dense(cfg, plan)))
     if ep_rank is not None and _load_per_microbatch(cfg):
         # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
         # flight at the peak (the moment found at the load averaged over microbatches; the allocation
@@ -124,6 +125,14 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
     snapshot = tl.snapshot()
     return _Body(snapshot, rp.stage_indices, rp.pp_rank, catalogue=T, allocated=allocated,
                  reserved=lambda: reserved_bytes(cfg, tl, allocated, snapshot), timeline=tl)
+
+
+def _moe_late_dense(cfg: Config, plan: WrappingPlan) -> bool:
+    """Whether the late-backward moment of an unpipelined one-microbatch step of plain gradients (layer 0's backward,
+    ``buffers._plain_late_backward``) is in a block without experts, on a model with them."""
+    par, m = cfg.parallel, cfg.model
+    return (bool(m.experts) and par.pp == 1 and par.microbatches == 1 and plain_grads_late(cfg, plan)
+            and not m.is_moe_layer(0))
 
 
 def _load_per_microbatch(cfg: Config) -> bool:

@@ -599,3 +599,13 @@ def lora_states(cfg: Config, plan: WrappingPlan, rp: RankParams, dp_rank: int, T
     if not T["optimizer"]:
         T.add("optimizer", "no optimizer state (plain sgd)", 0, "0", kind="none")
     return psi_lora
+
+
+def plain_grads_late(cfg: Config, plan: WrappingPlan) -> bool:
+    """Whether this rank's plain gradients (``kind="gradients"``: no FSDP2) live from its first
+    backward on (``lifetimes.lifetime_overrides``): torch's accounting, and not DDP's
+    ``gradient_as_bucket_view``, where ``.grad`` is a view of the Reducer's buckets, which live all
+    step."""
+    conv = cfg.conventions
+    return (conv.state_accounting == "pytorch" and not plan.fsdp2
+            and not getattr(conv, "ddp_gradient_as_bucket_view", False))

@@ -301,3 +301,22 @@ def test_a_moe_blocks_unit_has_made_no_fresh_gradient_by_its_combines_backward()
     assert any("combine" in t.label for t in terms(c, "temporaries", "moe_backward"))
     assert not terms(c, "comm_buffers", "fsdp_fresh_grad")
     assert terms(c, "comm_buffers", "fsdp_fresh_grad_end")
+
+
+def test_a_plain_one_microbatch_backward_holds_the_gradients_made_before_its_moment():
+    """DDP, one microbatch, no FSDP2: at the B's own moment autograd has made the head's and final norm's
+    ``.grad`` (the loss's backward runs into them first) and, the moment being inside the last block with experts,
+    that block's shared experts' (run after the routed ones in the forward): hand-worked element counts of the tiny
+    MoE (h128, V512 untied, f_e 96, one shared expert, SwiGLU)."""
+    c = cfg({"dp": 4, "zero": 1}, model={"shared_experts": 1}, training={"recompute": "none"})
+    (plain,) = terms(c, "grads", "gradients")
+    (early,) = terms(c, "grads", "plain_early_grads")
+    rp = params_per_rank(c)[0][0]
+    head_and_norm = 512 * 128 + 128
+    shared = 3 * 128 * 96
+    assert early.bytes == plain.bytes * (head_and_norm + shared) // rp.total
+    # the experts' input buffers are partial sums beside it (no .grad exists yet): w1, w2, w3's and two fresh ones
+    (moe,) = terms(c, "temporaries", "moe_backward")
+    assert moe.label.startswith("MoE backward") and "(3 + 2) × 4·96·128·4" in moe.formula
+    # FSDP2 makes no plain .grad: no such term
+    assert not terms(cfg({"dp": 4, "zero": 3}, training={"recompute": "none"}), "grads", "plain_early_grads")
