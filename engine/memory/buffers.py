@@ -271,7 +271,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
         every_unit = True
     if z in (2, 3):
         unpipelined_blocks = every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
-        _all_gather_outputs(cfg, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
+        _all_gather_outputs(cfg, plan, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
         if every_unit and plan.pipelined and conv.fsdp_prefetch and not ignored:
             _pipelined_kept_all_gather(cfg, plan, rp, T, two[0], f8)
     gacc = plan.grad_accumulation_bytes
@@ -554,8 +554,8 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
               kind="fsdp_params_resharded_at_loss")
 
 
-def _all_gather_outputs(cfg: Config, rp: RankParams, T: Terms, groups: list, largest: int, root_split: bool,
-                        f8: str) -> None:
+def _all_gather_outputs(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, groups: list, largest: int,
+                        root_split: bool, f8: str) -> None:
     """FSDP2's all-gather outputs at the rank's moments (ZeRO-2/3). ``groups``: the unit groups (embeddings,
     blocks, head) where the rank runs unpipelined with units that stay gathered, else empty: a forward's
     outputs are then the blocks' (FSDP2 keeps each unit's until the next one's copy-out, and the root's
@@ -571,6 +571,7 @@ def _all_gather_outputs(cfg: Config, rp: RankParams, T: Terms, groups: list, lar
     last = max(b for b, _ in blocks)
     T.add("comm_buffers", "all-gather output of the last block a forward gathers (kept until the root's "
           "post-forward; the largest block)" + f8, last, f"{last:,} B", kind="all_gather_output")
+    _head_forward_at_loss(cfg, plan, T, last)
     if cfg.conventions.fsdp_prefetch:
         prev = last if sum(count for _, count in blocks) > 1 else groups[0][0] + groups[-1][0]
         _kept_all_gather_result(cfg, rp, T, prev, f8)
@@ -711,6 +712,28 @@ def _kept_all_gather_at_copy_out(T: Terms, root_b: int, block_b: int, blocks: in
               "forward prefetch), the root's at the first block's: beyond the forward's moment" + f8, extra,
               f"max(the root's {root_b:,} B − the {blocks} blocks' saved {saved:,} B, a block's {block_b:,} B − one "
               f"block's saved) − the forward's transients {fwd:,} B", kind="fsdp_kept_all_gather")
+
+
+def _head_forward_at_loss(cfg: Config, plan: WrappingPlan, T: Terms, kept: int) -> None:
+    """The head's forward, the forward's last op before the loss: its output (the logits, in the compute dtype) beside
+    the last block's all-gather output, which FSDP2 keeps to the root's post-forward (``comm_ctx.all_gather_state``,
+    freed in ``FSDPState._post_forward`` of the root, after the head: torch 2.13 _fsdp_state.py). Where that is more
+    than the loss's moment holds (its temporaries, the log-probabilities) the loss moment holds it (a term over the
+    loss's own, each part in its category): measure --fake of a tiny dp2 ZeRO-2 step (accuracy sweep seed 20261233
+    #19, V512, three blocks of 347,904 B gathered), its peak at the head's matmul, 85,760 B over the loss's. One
+    microbatch only: with more, the head's backward after the loss (``_head_backward_at_loss``) is the loss moment's
+    other alternative, and the moment holds one of them, not their sum (not laid)."""
+    if cfg.conventions.state_accounting != "pytorch" or cfg.parallel.microbatches > 1:
+        return
+    loss, logp, logits = _after_the_loss(cfg, plan, T)
+    if not loss or kept + logits <= logp + loss:
+        return
+    T.add("comm_buffers", "the head's forward, before the loss: the last block's all-gather output, kept to the root's "
+          "post-forward", kept, f"{kept:,} B", kind="head_forward")
+    T.add("activations", "the head's forward, before the loss: its output (the logits, the compute dtype) where the "
+          "loss's log-probabilities are", logits - logp, f"{logits:,} B − {logp:,} B", kind="head_forward")
+    T.add("temporaries", "the head's forward, before the loss: no loss temporaries yet", -loss, f"−{loss:,} B",
+          kind="head_forward")
 
 
 def _after_the_loss(cfg: Config, plan: WrappingPlan, T: Terms) -> tuple[int, int, int]:

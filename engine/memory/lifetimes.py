@@ -277,7 +277,7 @@ LIFETIMES: dict[str, str] = {
     "moe_backward": "backward_input", "moe_backward_freed": "backward_input",
     "moe_full_backward": "early_backward", "moe_full_backward_freed": "early_backward",
     "moe_input_backward": "input_backward", "moe_input_backward_freed": "input_backward",
-    "loss": "loss", "fsdp_root_regather": "loss", "head_backward": "loss",
+    "loss": "loss", "fsdp_root_regather": "loss", "head_backward": "loss", "head_forward": "loss",
     "fsdp_params_resharded_at_loss": "loss_after_forward", "fsdp_units_kept_after_backward": "after_a_backward",
     "fsdp_units_kept_in_a_backward": "backward_after_forward",
     "fsdp_reduce_grad": "reduce_grad",
