@@ -52,6 +52,7 @@ from engine.model.params import (
 )
 from engine.model.routing import moe_tokens
 from engine.names import SPLIT_BACKWARD_SCHEDULES
+from engine.pipeline.layout import split_layers
 from engine.wrapping import PLAN_DTYPE_BYTES, WrappingPlan, forward_after_first_backward
 
 
@@ -1097,24 +1098,29 @@ def _early_and_late_backward(plan: WrappingPlan, rp: RankParams, T: Terms, psi_t
 
 
 def _plain_early_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int) -> None:
-    """Plain gradients (DDP, ZeRO-1, one rank) in an unpipelined step of one microbatch, at the B's own moment
-    (``early_backward``): autograd has made the ``.grad`` of every parameter its walk has passed — the final norm's
-    and the head's (the loss's backward runs into them first) and, where that moment is inside the last block with
-    experts (``moe_backward_terms``), the blocks after it and its shared experts' (computed after the routed experts
-    in the forward, ``backend/model.py`` ``MoE.forward``: their backward runs first). measure --fake of a tiny MoE
-    DDP dp4 ZeRO-1 step (accuracy sweep seed 20261233 #23, h48, V384, 4 experts): its peak in the routed experts'
-    loop holds the head's, final norm's and shared experts' gradients, 123,072 B (−4.6 % tracked without them)."""
+    """Plain gradients (DDP, ZeRO-1, one rank) on a rank of one stage, at its first B's own moment
+    (``first_backward``): autograd has made the ``.grad`` of every parameter its walk has passed — the final norm's
+    and the head's (the loss's backward runs into them first) and, where that moment is inside the stage's last
+    block with experts (``moe_backward_terms``), the stage's blocks after it and its shared experts' (computed after
+    the routed experts in the forward, ``backend/model.py`` ``MoE.forward``: their backward runs first); a later B
+    holds every gradient (``after_first_backward``). measure --fake of a tiny MoE DDP dp4 ZeRO-1 step (accuracy
+    sweep seed 20261233 #23, h48, V384, 4 experts): its peak in the routed experts' loop holds the head's, final
+    norm's and shared experts' gradients, 123,072 B (−4.6 % tracked without them); a real CPU run of a GPipe tp2 pp2
+    step (the same sweep's #10): its last stage peaks in its first B with four microbatches' activations beside
+    the head's gradient."""
     if cfg.training.finetune == "lora" or not plain_grads_late(cfg, plan) or not rp.layers or not psi_train:
         return
     grads = sum(t.bytes for t in T["grads"] if t.kind == "gradients")
     if not grads:
         return
-    m, tp = cfg.model, cfg.parallel.tp
+    m, par = cfg.model, cfg.parallel
+    tp = par.tp
     done = sum(st.head + st.final_norm for st in rp.stages)
     where = "the final norm's and head's"
-    if any(t.kind == "moe_backward" and t.bytes for t in T["temporaries"]):
-        last_moe = max(i for i in range(m.layers) if m.is_moe_layer(i))
-        after = m.layers - 1 - last_moe  # dense blocks after it
+    layers = split_layers(m.layers, par.num_stages, par.pipeline_split)[rp.stages[0].stage]
+    moe_idx = [i for i in layers if m.is_moe_layer(i)]
+    if moe_idx and any(t.kind == "moe_backward" and t.bytes for t in T["temporaries"]):
+        after = sum(1 for i in layers if i > moe_idx[-1])  # dense blocks after it
         done += after * sum(a * b for a, b in layer_tensors(m, tp))
         if m.shared_experts:
             w, bias = mlp_tensors(m, m.shared_experts * m.expert_hidden, tp)
@@ -1312,9 +1318,11 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
         zero_paper_buffers(cfg, rp, T, train_units)
     if par.pp > 1:
         pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
+    if torch_acc and not plan.fsdp2 and par.dp_mode != "dataparallel" and len(rp.stages) == 1 and not (
+            par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):  # (a split backward's W makes the gradients)
+        _plain_early_backward(cfg, plan, rp, T, psi_train)
     if torch_acc and not plan.fsdp2 and par.pp == 1 and par.microbatches == 1 and par.dp_mode != "dataparallel":
         # (legacy nn.DataParallel's GPU 0 sums its terms whole: engine.legacy_dp)
-        _plain_early_backward(cfg, plan, rp, T, psi_train)
         _plain_late_backward(cfg, plan, rp, T, psi_train)
     if torch_acc and par.microbatches > 1 and cfg.training.finetune != "lora" and not (
             par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):  # a split backward's I makes no weight gradient

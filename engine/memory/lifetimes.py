@@ -138,6 +138,10 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
   backward_after_forward at a B or I whose stage ran a forward just before it: under pipelining with ZeRO-3
                        resharding after forward on a rank of one stage, the blocks such a backward has run, kept
                        gathered beyond what it freed (``fsdp_units_kept_in_a_backward``)
+  first_backward       at the rank's first B's own moment only (not at the late-backward moment): plain gradients
+                       (no FSDP2) on a rank of one stage, the ``.grad`` autograd has made by then (the head's and
+                       final norm's on the last stage; beside a MoE moment the later blocks' and shared experts'),
+                       which no gradient term counts before the first backward ends
   after_first_weight   from the end of the rank's first B or W to the step's end: under a split backward the
                        parameters' plain gradients, which torch makes in the W (``stage_backward_weight``
                        assigns ``.grad``; the I computes input gradients only); laid anew at each moment
@@ -218,13 +222,14 @@ TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backwar
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
              "input_backward", "loss_after_forward", "after_a_backward", "backward_after_forward", "reduce_grad",
-             "later_full_backward", "gathering", "after_first_weight", "after_first_backward")
+             "later_full_backward", "gathering", "first_backward", "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
 _LATE_BACKWARD = TRANSIENT.index("late_backward")
 _FULL_BACKWARD = TRANSIENT.index("full_backward")
 _POST_BACKWARD = TRANSIENT.index("post_backward")
 _EARLY_BACKWARD = TRANSIENT.index("early_backward")
+_FIRST_BACKWARD = TRANSIENT.index("first_backward")
 _BACKWARD_END = TRANSIENT.index("backward_end")
 _LATER_BACKWARD_END = TRANSIENT.index("later_backward_end")
 _AFTER_A_BACKWARD = TRANSIENT.index("after_a_backward")
@@ -306,7 +311,7 @@ LIFETIMES: dict[str, str] = {
     "fsdp_root_reduce_accumulated": "post_backward",
     "fsdp_reduced_grads": "late_backward",
     "late_block_activations": "late_backward", "plain_late_grads": "late_backward",
-    "plain_late_activations": "late_backward", "plain_early_grads": "early_backward",
+    "plain_late_activations": "late_backward", "plain_early_grads": "first_backward",
     "fsdp_early_reduce": "early_backward",
     # expert parallelism's all-to-all buffers: one MoE layer's, while it runs (a fake Qwen3 235B step, ep8,
     # holds none at its loss moment)
@@ -873,7 +878,7 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
           "early_backward": kind == _B, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
           "after_a_backward": after_bwd, "gathering": ~after_bwd,
           "backward_after_forward": np.isin(kind, (_B, _I)) & (_previous_kind(kind, stage) == _F),
-          "after_first_backward": np.arange(n) > first_bwd}
+          "after_first_backward": np.arange(n) > first_bwd, "first_backward": (np.arange(n) == first_bwd) & (kind == _B)}
     return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)
 
 
@@ -897,7 +902,7 @@ def _with_late_moment(mo: Moments) -> Moments:
         row[f] = np.insert(x, n, x[n], axis=0)
     masks = mo.masks[n - 1].copy()  # the B's own transients, but what only its second block holds
     masks[_LATE_BACKWARD] = 1
-    masks[_EARLY_BACKWARD] = 0
+    masks[_EARLY_BACKWARD] = masks[_FIRST_BACKWARD] = 0
     row["masks"] = np.insert(mo.masks, n, masks, axis=0)
     row["phase"] = np.insert(mo.phase, n, LATE)
     return Moments(**row)

@@ -104,6 +104,8 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
                     assert (t.stage is not None) == several
                 elif t.kind == "plain_grads_accumulating":  # the same tensors, from that stage's first B or W
                     assert several and life == "stage_accumulated"
+                elif t.kind == "plain_early_grads":  # what of them the rank's first B has made by its own moment
+                    assert not several and life == "first_backward"
                 else:
                     assert life == "step"
                 if life == "step" or (pk.red[local.index(t.stage)] if life == "stage_reduced"
@@ -1667,3 +1669,25 @@ def test_the_roots_all_gather_output_is_kept_to_the_first_blocks_copy_out():
     body = rank_body(z2, params_per_rank(z2)[0][0])
     assert not [e for e in replay_events(canonical_event_signature(body.timeline._event_signature()))
                 if e[0] == "alloc" and e[1][0] == "rag"]
+
+
+def test_a_last_stages_first_backward_holds_the_heads_plain_gradient_and_no_later_moment_adds_it():
+    """Plain gradients (DDP): a rank's first B makes each ``.grad`` as its walk reaches the parameter, the head's and
+    final norm's first (the loss's backward runs into them), so its own moment holds those (``plain_early_grads``,
+    lifetime ``first_backward``), and from its end every gradient (``after_first_backward``); the first stage holds
+    no head. measure --fake of Llama 2 7B GPipe pp8 m8 DDP fp32 full recompute (the golden corpus's entry 16), last
+    stage: its first B peaks with all eight microbatches' block inputs beside 3.1 GB of gradients."""
+    c = _cfg({"dp": 2, "pp": 2, "schedule": "GPipe", "microbatches": 4}, gpus=4, training={"precision": "fp32"})
+    first, last = (next(r for r in memory_per_rank(c).per_rank if r.stages == (s,)) for s in (0, 1))
+    assert not [t for t in first.catalogue("grads") if t.kind == "plain_early_grads"]
+    (early,) = [t for t in last.catalogue("grads") if t.kind == "plain_early_grads"]
+    (plain,) = [t for t in last.catalogue("grads") if t.kind == "gradients"]
+    m = c.model
+    assert early.bytes == plain.bytes * (m.vocab * m.hidden + m.hidden) // (plain.bytes // 4)
+    assert LIFETIMES["plain_early_grads"] == "first_backward"
+    tl = last._body.timeline
+    mo = sig_moments(tl.signature)
+    col = TRANSIENT.index("first_backward")
+    bs = [i for i in range(len(mo.kind)) if ACTION_KINDS[int(mo.kind[i])] == "B" and mo.phase[i] == 0]
+    assert [int(mo.masks[i, col]) for i in bs] == [1] + [0] * (len(bs) - 1)
+    assert int(mo.masks[:, col].sum()) == 1  # not at the loss moments, the B ends or the end
