@@ -1151,9 +1151,15 @@ def _plain_late_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Ter
           grads * done // psi_train, f"{done:,} / {psi_train:,} of {grads:,} B", kind="plain_late_grads")
     saved = sum(t.bytes // t.in_flight // rp.layers for t in T["activations"]
                 if t.kind in BLOCK_KINDS and t.in_flight)
-    if saved:
-        T.add("activations", "the first block's saved tensors, still alive in its backward", saved,
-              f"1 / {rp.layers} of one microbatch's blocks", kind="plain_late_activations")
+    if cfg.parallel.pp == 1 and cfg.parallel.microbatches == 1:
+        if saved:  # (the moment is the end's, its microbatch freed: ``lifetimes._with_late_moment``)
+            T.add("activations", "the first block's saved tensors, still alive in its backward", saved,
+                  f"1 / {rp.layers} of one microbatch's blocks", kind="plain_late_activations")
+    elif saved and rp.layers > 1:  # the moment is the first B's, its microbatch alive (its stage output kept by the
+        # stage to the B's end: ``lifetimes._with_first_late_moment``): the blocks it has walked freed
+        T.add("activations", "the first B's later blocks' saved tensors, freed by its first block's backward",
+              -saved * (rp.layers - 1), f"−{rp.layers - 1} / {rp.layers} of one microbatch's blocks",
+              kind="plain_late_activations")
 
 
 def _reduce_grad(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, ignored: set) -> None:
@@ -1320,9 +1326,8 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
         pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
     if torch_acc and not plan.fsdp2 and par.dp_mode != "dataparallel" and len(rp.stages) == 1 and not (
             par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):  # (a split backward's W makes the gradients)
-        _plain_early_backward(cfg, plan, rp, T, psi_train)
-    if torch_acc and not plan.fsdp2 and par.pp == 1 and par.microbatches == 1 and par.dp_mode != "dataparallel":
         # (legacy nn.DataParallel's GPU 0 sums its terms whole: engine.legacy_dp)
+        _plain_early_backward(cfg, plan, rp, T, psi_train)
         _plain_late_backward(cfg, plan, rp, T, psi_train)
     if torch_acc and par.microbatches > 1 and cfg.training.finetune != "lora" and not (
             par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):  # a split backward's I makes no weight gradient

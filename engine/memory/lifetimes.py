@@ -727,6 +727,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
                   ig, ga, be, be.copy(), lw, fs, bi, ho)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
+    elif late and v == 1 and len(bwd_idx):
+        out = _with_first_late_moment(out)
     if b_end:
         out = _with_backward_ends(out, column, pp > 1)
     if reduce and pp > 1 and v == 1 and len(bwd_idx):
@@ -905,6 +907,24 @@ def _with_late_moment(mo: Moments) -> Moments:
     masks[_EARLY_BACKWARD] = masks[_FIRST_BACKWARD] = 0
     row["masks"] = np.insert(mo.masks, n, masks, axis=0)
     row["phase"] = np.insert(mo.phase, n, LATE)
+    return Moments(**row)
+
+
+def _with_first_late_moment(mo: Moments) -> Moments:
+    """``mo`` with the late-backward moment of a rank's first B, right after its own (a rank of one stage, pipelined or
+    over several microbatches; plain gradients, ``buffers._plain_late_backward``): its walk at the stage's first
+    block, every later block's gradient made and the microbatch's saved tensors of the blocks walked freed (a term
+    of their own, ``plain_late_activations``: the microbatch stays alive, its stage output held to the B's end by
+    the stage's ``backward_one_chunk``); the B's transients as at its own moment, but what only that holds."""
+    rows = np.flatnonzero((mo.kind == _B) & (mo.phase == ACTION))
+    if not len(rows):
+        return mo
+    b = int(rows[0])
+    row = {f: np.insert(x, b + 1, x[b], axis=0) for f, x in zip(Moments._fields, mo)}
+    masks = row["masks"][b + 1]
+    masks[_LATE_BACKWARD] = 1
+    masks[_EARLY_BACKWARD] = masks[_FIRST_BACKWARD] = 0
+    row["phase"][b + 1] = LATE
     return Moments(**row)
 
 
@@ -1234,7 +1254,7 @@ class _Laid:
                 freed_at_end = life == "after_first_backward" and kind in END_FREED_KINDS
                 end_freed += nbytes if freed_at_end else 0
                 if kind in MOMENT_ONLY_KINDS:  # the events lay these tensors otherwise (the walk's gradients)
-                    moment_only += nbytes
+                    moment_only += nbytes if life == "late_backward" else 0
                 elif nbytes > 0 and kind in UNIT_MADE_KINDS:
                     add_row((_UNIT_MADE, nbytes, 0))
                 elif nbytes > 0 and kind == "fsdp_root_end":

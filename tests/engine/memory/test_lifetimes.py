@@ -106,6 +106,8 @@ def test_categories_are_the_snapshot_at_the_peak_and_sum_to_the_total(par):
                     assert several and life == "stage_accumulated"
                 elif t.kind == "plain_early_grads":  # what of them the rank's first B has made by its own moment
                     assert not several and life == "first_backward"
+                elif t.kind == "plain_late_grads":  # and by its walk's first block (its late moment)
+                    assert not several and life == "late_backward"
                 else:
                     assert life == "step"
                 if life == "step" or (pk.red[local.index(t.stage)] if life == "stage_reduced"
