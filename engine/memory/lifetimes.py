@@ -208,8 +208,8 @@ _F, _B, _I, _W = (ACTION_KINDS.index(k) for k in "FBIW")
 #: several microbatches before the root's post-backward (``buffers._root_post_backward_after_accumulation``) and an I's
 #: own weight-op output gradients under context parallelism (``activations.split_backward_terms``): laid by the events
 #: as one piece each, they split the replay's segments where the real step makes them one by one
-MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_early_grads", "plain_late_activations", "fsdp_root_reduce_accumulated",
-                               "split_backward_grads_made", "cp_saved_refiled"})
+MOMENT_ONLY_KINDS = frozenset({"plain_late_grads", "plain_early_grads", "plain_late_activations",
+                               "fsdp_root_reduce_accumulated", "split_backward_grads_made", "cp_saved_refiled"})
 
 #: per-stage terms of the moments only, no event rows: what a W's own moment does not hold yet of the stage's weight
 #: gradients it makes (its recomputes peak first; the events lay those gradients, ``stage_fresh``, after the W's
@@ -507,8 +507,8 @@ def lifetime_overrides(pipelined_fsdp2: bool, sharded: bool, reshard_after_forwa
     ``single_block_stages``: every local pipeline stage holds one block; a backward (re)gathers its block and root at
     its start and has no next block to prefetch, so no all-gather output is alive at its moment (measure --fake of
     Qwen3 235B pp8 ZeRO-3 reshard "always", one block a stage: the 4.6 GiB output freed by the copy-out before the
-    block's backward runs; +9 … +12 % on every stage). ``moe_late_dense``: an unpipelined step of one microbatch with
-    plain gradients whose layer 0, the late-backward moment's block, has no experts: the MoE backward's moment (its
+    block's backward runs; +9 … +12 % on every stage). ``moe_late_dense``: a first backward with plain gradients on a
+    rank of one stage whose first block, the late-backward moment's, has no experts: the MoE backward's moment (its
     experts' input buffers, ``activations.moe_backward_terms``) is the B's own, not the late one's (measure --fake of
     Mixtral 8x7B, 2 blocks, the first dense, dp8 ZeRO-1: 8.8 GiB of them at the B's moment, none at layer 0's)."""
     out: dict[str, str] = {}

@@ -56,6 +56,7 @@ from engine.memory.states import (
 )
 from engine.model.params import RankParams, params_per_rank, unit_numel
 from engine.names import SPLIT_BACKWARD_SCHEDULES
+from engine.pipeline.layout import split_layers
 from engine.pipeline.schedules import ACTION_KINDS
 from engine.wrapping import WrappingPlan, forward_after_first_backward, wrapping_plan
 
@@ -101,7 +102,7 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                                                  or (replicate_expert_grads(cfg, plan) and rp.experts > 0),
                                                  par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES,
                                                  plan.converts_gradients, all(st.layers <= 1 for st in rp.stages),
-                                                 _moe_late_dense(cfg, plan)))
+                                                 _moe_late_dense(cfg, plan, rp)))
     if ep_rank is not None and _load_per_microbatch(cfg):
         # a measured load per microbatch: the MoE blocks of each stage follow the microbatches in
         # flight at the peak (the moment found at the load averaged over microbatches; the allocation
@@ -127,12 +128,15 @@ def rank_body(cfg: Config, rp: RankParams, dp_rank: int = 0, plan: WrappingPlan 
                  reserved=lambda: reserved_bytes(cfg, tl, allocated, snapshot), timeline=tl)
 
 
-def _moe_late_dense(cfg: Config, plan: WrappingPlan) -> bool:
-    """Whether the late-backward moment of an unpipelined one-microbatch step of plain gradients (layer 0's backward,
-    ``buffers._plain_late_backward``) is in a block without experts, on a model with them."""
+def _moe_late_dense(cfg: Config, plan: WrappingPlan, rp: RankParams) -> bool:
+    """Whether the late-backward moment of a first backward with plain gradients on a rank of one stage (its first
+    block's backward, ``buffers._plain_late_backward``) is in a block without experts, on a model with them."""
     par, m = cfg.parallel, cfg.model
-    return (bool(m.experts) and par.pp == 1 and par.microbatches == 1 and plain_grads_late(cfg, plan)
-            and not m.is_moe_layer(0))
+    if not (m.experts and len(rp.stages) == 1 and plain_grads_late(cfg, plan)) or (
+            par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):
+        return False
+    layers = split_layers(m.layers, par.num_stages, par.pipeline_split)[rp.stages[0].stage]
+    return bool(layers) and not m.is_moe_layer(min(layers))
 
 
 def _load_per_microbatch(cfg: Config) -> bool:
