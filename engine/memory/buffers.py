@@ -40,7 +40,7 @@ from engine.memory.activations import (
 )
 from engine.memory.lifetimes import BLOCK_KINDS, HEAD_KINDS, STAGE_OUTPUT_KINDS
 from engine.memory.report import MB, Terms, ceil_div
-from engine.memory.states import per_stage_gradients, plain_grads_late, stage_shares
+from engine.memory.states import per_stage_gradients, plain_first_backward, stage_shares
 from engine.model.params import (
     RankParams,
     Tensors,
@@ -1105,25 +1105,22 @@ def _plain_early_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Te
     the routed experts in the forward, ``backend/model.py`` ``MoE.forward``: their backward runs first); a later B
     holds every gradient (``after_first_backward``). measure --fake of a tiny MoE DDP dp4 ZeRO-1 step (accuracy
     sweep seed 20261233 #23, h48, V384, 4 experts): its peak in the routed experts' loop holds the head's, final
-    norm's and shared experts' gradients, 123,072 B (−4.6 % tracked without them); a real CPU run of a GPipe tp2 pp2
-    step (the same sweep's #10): its last stage peaks in its first B with four microbatches' activations beside
-    the head's gradient."""
-    if cfg.training.finetune == "lora" or not plain_grads_late(cfg, plan) or not rp.layers or not psi_train:
+    norm's and shared experts' gradients, 123,072 B (−4.6 % tracked without them)."""
+    if cfg.training.finetune == "lora" or not rp.layers or not psi_train:
         return
     grads = sum(t.bytes for t in T["grads"] if t.kind == "gradients")
     if not grads:
         return
     m, par = cfg.model, cfg.parallel
-    tp = par.tp
     done = sum(st.head + st.final_norm for st in rp.stages)
     where = "the final norm's and head's"
     layers = split_layers(m.layers, par.num_stages, par.pipeline_split)[rp.stages[0].stage]
     moe_idx = [i for i in layers if m.is_moe_layer(i)]
     if moe_idx and any(t.kind == "moe_backward" and t.bytes for t in T["temporaries"]):
         after = sum(1 for i in layers if i > moe_idx[-1])  # dense blocks after it
-        done += after * sum(a * b for a, b in layer_tensors(m, tp))
+        done += after * sum(a * b for a, b in layer_tensors(m, par.tp))
         if m.shared_experts:
-            w, bias = mlp_tensors(m, m.shared_experts * m.expert_hidden, tp)
+            w, bias = mlp_tensors(m, m.shared_experts * m.expert_hidden, par.tp)
             done += sum(a * b for a, b in w + bias)
         where += ", the later blocks' and the last block with experts' shared experts'"
     if done:
@@ -1132,14 +1129,17 @@ def _plain_early_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Te
 
 
 def _plain_late_backward(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi_train: int) -> None:
-    """Plain gradients (DDP, ZeRO-1, one rank) in an unpipelined step of one microbatch: autograd makes each
-    parameter's ``.grad`` as the backward reaches it (the head's and final norm's first, each block's in its
-    backward, the embeddings' last), so the walk holds more gradients at each block and fewer saved tensors. Its
-    late moment is layer 0's backward (``late_backward``): every gradient but layer 0's and the embeddings',
-    layer 0's saved tensors (the rest freed) and the B's transients as at its own moment. Measured with
-    ``measure --fake`` of Mixtral 8x7B s32K ep8 DDP full recompute (8 blocks): 6.18 GiB of fp32 gradients at
-    the step's peak, layer 0's recompute and MoE backward beside them."""
-    if cfg.training.finetune == "lora" or not plain_grads_late(cfg, plan) or not rp.layers or not psi_train:
+    """Plain gradients (DDP, ZeRO-1, one rank) in a rank's first B over its one stage (``states.plain_first_backward``):
+    autograd makes each parameter's ``.grad`` as the backward reaches it (the head's and final norm's first, each
+    block's in its backward, the embeddings' last), so the walk holds more gradients at each block and fewer saved
+    tensors. Its late moment is the stage's first block's backward (``late_backward``): every gradient but that
+    block's and the embeddings', and the B's transients as at its own moment; unpipelined with one microbatch the
+    moment is the end's (``lifetimes._with_late_moment``) and that block's saved tensors come back, else the B's own
+    (``lifetimes._with_first_late_moment``) and the walked blocks' go. Measured with ``measure --fake`` of Mixtral
+    8x7B s32K ep8 DDP full recompute (8 blocks): 6.18 GiB of fp32 gradients at the step's peak, layer 0's recompute
+    and MoE backward beside them; of Llama 2 7B GPipe pp2 m8 DDP full recompute, its last stage's first B late in its
+    walk (−1.9 → −0.8 %)."""
+    if cfg.training.finetune == "lora" or not rp.layers or not psi_train:
         return
     grads = sum(t.bytes for t in T["grads"] if t.kind == "gradients")
     if not grads:
@@ -1324,9 +1324,7 @@ def comm_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, *, p
         zero_paper_buffers(cfg, rp, T, train_units)
     if par.pp > 1:
         pipeline_buffers(cfg, rp, T, res, sbh_rep, hs)
-    if torch_acc and not plan.fsdp2 and par.dp_mode != "dataparallel" and len(rp.stages) == 1 and not (
-            par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):  # (a split backward's W makes the gradients)
-        # (legacy nn.DataParallel's GPU 0 sums its terms whole: engine.legacy_dp)
+    if plain_first_backward(cfg, plan, rp):  # (legacy nn.DataParallel's GPU 0 sums its terms whole: engine.legacy_dp)
         _plain_early_backward(cfg, plan, rp, T, psi_train)
         _plain_late_backward(cfg, plan, rp, T, psi_train)
     if torch_acc and par.microbatches > 1 and cfg.training.finetune != "lora" and not (

@@ -31,7 +31,7 @@ from engine.memory.activations import (
     shape_of,
     stage_activation_terms,
 )
-from engine.memory.buffers import comm_buffers, plain_grads_late
+from engine.memory.buffers import comm_buffers
 from engine.memory.conventions import conventions_of
 from engine.memory.in_flight import microbatches_in_flight
 from engine.memory.lifetimes import (
@@ -51,6 +51,8 @@ from engine.memory.states import (
     lora_states,
     lora_unit_groups,
     per_stage_gradients,
+    plain_first_backward,
+    plain_grads_late,
     replicate_expert_grads,
     zero1_shares,
 )
@@ -132,8 +134,7 @@ def _moe_late_dense(cfg: Config, plan: WrappingPlan, rp: RankParams) -> bool:
     """Whether the late-backward moment of a first backward with plain gradients on a rank of one stage (its first
     block's backward, ``buffers._plain_late_backward``) is in a block without experts, on a model with them."""
     par, m = cfg.parallel, cfg.model
-    if not (m.experts and len(rp.stages) == 1 and plain_grads_late(cfg, plan)) or (
-            par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES):
+    if not (m.experts and plain_first_backward(cfg, plan, rp)):
         return False
     layers = split_layers(m.layers, par.num_stages, par.pipeline_split)[rp.stages[0].stage]
     return bool(layers) and not m.is_moe_layer(min(layers))

@@ -60,7 +60,7 @@ from engine.model.params import (
     zero_redundancy_largest,
     zero_redundancy_shares,
 )
-from engine.names import OPTIMIZER_STATES
+from engine.names import OPTIMIZER_STATES, SPLIT_BACKWARD_SCHEDULES
 from engine.wrapping import WrappingPlan, wrapping_plan
 
 
@@ -609,3 +609,13 @@ def plain_grads_late(cfg: Config, plan: WrappingPlan) -> bool:
     conv = cfg.conventions
     return (conv.state_accounting == "pytorch" and not plan.fsdp2
             and not getattr(conv, "ddp_gradient_as_bucket_view", False))
+
+
+def plain_first_backward(cfg: Config, plan: WrappingPlan, rp: RankParams) -> bool:
+    """Whether the rank's first B walks plain gradients into being (``plain_grads_late``) over one pipeline stage with a
+    full backward (no split schedule's W, no legacy nn.DataParallel): its own moment holds the gradients made before it
+    (``buffers._plain_early_backward``) and its late moment, at the stage's first block, every later block's
+    (``buffers._plain_late_backward``, ``lifetimes._with_first_late_moment``)."""
+    par = cfg.parallel
+    return (plain_grads_late(cfg, plan) and par.dp_mode != "dataparallel" and len(rp.stages) == 1
+            and not (par.pp > 1 and par.schedule in SPLIT_BACKWARD_SCHEDULES))
