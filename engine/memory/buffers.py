@@ -253,24 +253,28 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     # under expert parallelism: a block's experts are a unit nested in it, gathered and reduced in an order
     # of their own, and the current + prefetched units stand for both)
     root_split = plan.sharded and plan.reshard_after_forward and not plan.pipelined and bool(rp.root_units)
-    every_unit = False
+    every_unit = stage_by_stage = False
     walk = None
     if root_split:
         two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
-    elif plan.sharded and plan.reshard_after_forward and (not after_backward or len(rp.stages) == 1):
+    elif plan.sharded and plan.reshard_after_forward:
         walk = _stage_walk(cfg, plan, rp, T) if conv.fsdp_prefetch else None
         # a rank of one stage keeps every unit its backward gathered until a forward reshards it (torch's
-        # backward_maybe_with_nosync)
+        # backward_maybe_with_nosync); on a rank of several, each stage's a term of its own (``_stage_kept_units``)
         kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
         # (FSDP2 prefetches within one stage's units: ``_stage_units``)
         prefetch = conv.fsdp_prefetch and (not plan.pipelined or any(_stage_units(rp, st) > 1 for st in rp.stages))
-        _current_units(T, two, all_bytes, kept, prefetch, f8, walk)
+        stage_by_stage = per_stage_gradients(plan, rp)
+        if stage_by_stage:
+            _stage_by_stage_units(cfg, plan, rp, T, all_bytes, f8)
+        else:
+            _current_units(T, two, all_bytes, kept, prefetch, f8, walk)
         if walk:
             two = [walk[1]]  # the all-gather output: the next block's
     else:
-        _every_unit_gathered(plan, rp, T, all_bytes, psi, z, after_backward, bool(left_out), f8)
+        _every_unit_gathered(plan, rp, T, all_bytes, psi, z, bool(left_out), f8)
         every_unit = True
-    if z in (2, 3):
+    if z in (2, 3) and not stage_by_stage:
         unpipelined_blocks = every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
         _all_gather_outputs(cfg, plan, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
         if every_unit and plan.pipelined and conv.fsdp_prefetch and not ignored:
@@ -511,19 +515,55 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
               stage=min(st.stage for st in rp.stages if st.embedding) if per_stage_gradients(plan, rp) else None)
 
 
+def _stage_by_stage_units(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes: int, f8: str) -> None:
+    """ZeRO-3 resharding after forward on a rank of several pipeline stages, stage by stage
+    (``lifetimes._kept_since_backward``): each stage's units kept gathered from its backward (the schedule's
+    ``set_reshard_after_backward(False)``) to its next forward, whose post-forwards reshard them, or to its
+    REDUCE_GRAD (``stage_kept``), which another stage's actions in between find still gathered; and at the stage's
+    own F (or B after a forward) its root unit (the stage module's own fully_shard: embeddings, final norm + head),
+    gathered through it, and its current block's unit with that block's experts' (``stage_current``). FSDP2
+    prefetches within one stage module's units only, so a rank's two largest units may never be gathered together.
+    measure --fake of Mixtral 8x7B Interleaved1F1B pp2 v3 (fake seed 20261268 #03, rank 4, one MoE block a stage):
+    stage 5's last B holds stage 1's units and its own, 2.83 GiB, where every stage's made 4.18 GiB; a stage's F its
+    block's and experts' units, 1.35 GiB, not two experts' units; Llama 3 8B Interleaved1F1B pp2 v2, two blocks a
+    stage: a stage's later B right after its B holds its two blocks and no all-gather output, a stage's F its root,
+    its last block and one block's all-gather output (within 0.01 GiB at each action's peak)."""
+    gathered = {id(u): gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u, _ in rp.unit_groups}
+    roots, experts = rp.root_units, {id(u) for u, _ in rp.expert_units}
+    block = max((gathered[id(u)] for u, _ in rp.unit_groups if u not in roots and id(u) not in experts), default=0)
+    expert = max((gathered[id(u)] for u, _ in rp.expert_units), default=0)
+    first = any(st.stage == 0 for st in rp.stages)
+    emb = gathered[id(roots[0])] if roots and first else 0
+    head = gathered[id(roots[-1])] if roots and (len(roots) > 1 or not first) else 0
+    for st, (stage, x) in zip(sorted(rp.stages, key=lambda st: st.stage), stage_shares(all_bytes, rp)):
+        T.add("comm_buffers", f"FSDP2 unsharded parameters, stage {stage}'s units kept gathered since its last backward "
+              f"(set_reshard_after_backward(False)) to its next forward or its REDUCE_GRAD{f8}", x,
+              f"its share by elements of {all_bytes:,} B (all units)", kind="fsdp_stage_kept_params", stage=stage)
+        root = (emb if st.stage == 0 else 0) + (head if st.final_norm or st.head else 0)
+        current = (block + (expert if st.moe_layers else 0)) if st.layers else 0
+        T.add("comm_buffers", f"FSDP2 unsharded parameters, stage {stage}'s root and current block's units at its "
+              f"forward (and a backward after one){f8}", min(root + current, x), f"{root:,} B + {current:,} B",
+              kind="fsdp_stage_current_params", stage=stage)
+        # beside them the all-gather output of the stage's next unit (prefetched), where it has another: in a forward
+        # any (a MoE block's experts after the block), in a backward after a forward the next block's (a one-block
+        # stage's backward peaks in its experts' backward, its units all copied out); a backward after a backward
+        # finds every unit gathered and gathers none (as on a rank of one stage, ``_current_units``)
+        unit = max(block, expert if st.moe_layers else 0)
+        for kind, x, when in (("fsdp_stage_forward_all_gather_output", unit if _stage_units(rp, st) > 1 else 0,
+                               "forward"),
+                              ("fsdp_stage_all_gather_output", unit if st.layers > 1 else 0, "backward after a forward")):
+            if x:
+                T.add("comm_buffers", f"stage {stage}: all-gather output of its next unit in a {when} (prefetched; "
+                      f"the largest){f8}", x, f"{x:,} B", kind=kind, stage=stage)
+
+
 def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes: int, psi: int, zero: int,
-                         after_backward: bool, left_out: bool, f8: str) -> None:
+                         left_out: bool, f8: str) -> None:
     """FSDP2's unsharded parameters where every unit stays gathered (``fsdp2_buffers``): replicate, ZeRO-2,
-    ZeRO-3 not resharded after forward, or pipelined from the stage's first backward on."""
+    ZeRO-3 not resharded after forward (resharding after forward: ``_current_units``, ``_stage_by_stage_units``)."""
     pd = plan.gathered_bytes
-    # not resharded after forward, a stage's units are gathered from its first forward on, whatever comes after its
-    # first backward (``lifetimes.fsdp_params_lifetime``: "stage_gathered" on a rank of several stages)
-    gathered_from_forward = not (plan.sharded and plan.reshard_after_forward)
     if not plan.sharded:
         why = "replicate"
-    elif after_backward and not gathered_from_forward:
-        why = ("pipelined: every unit stays unsharded from the stage's first backward on "
-               "(set_reshard_after_backward(False)), and the rank runs forwards after it")
     elif zero == 2:
         why = "ZeRO-2: not resharded after forward"
     else:
@@ -535,8 +575,9 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
            if not plan.float8_all_gather and not left_out
            else f"{pd} B × Ψ without the routed experts (replicate ignores them) = {all_bytes:,} B" if left_out
            else f"Σ over {rp.unit_count} units of their gathered bytes (Ψ = {psi:,})")
-    if per_stage_gradients(plan, rp) and (not after_backward or gathered_from_forward):
-        # each stage's units gathered at its first forward and resharded at its REDUCE_GRAD
+    if per_stage_gradients(plan, rp):
+        # not resharded after forward, a stage's units are gathered from its first forward on, whatever comes after its
+        # first backward, and resharded at its REDUCE_GRAD
         # (``engine.memory.lifetimes.fsdp_params_lifetime``: ``stage_gathered``)
         for stage, x in stage_shares(all_bytes, rp):
             T.add("comm_buffers", f"FSDP2 unsharded parameters, stage {stage}'s units ({why}; from its first forward "
@@ -545,14 +586,6 @@ def _every_unit_gathered(plan: WrappingPlan, rp: RankParams, T: Terms, all_bytes
         return
     T.add("comm_buffers", f"FSDP2 unsharded parameters, all units ({why}){f8}", all_bytes, how,
           kind="fsdp_unsharded_params")
-    if after_backward and plan.sharded and plan.reshard_after_forward and any(st.head for st in rp.stages):
-        # resharding after forward, the last stage's forward reshards its units (kept gathered since a backward):
-        # a loss moment right after it holds none of them (measure --fake of Qwen3 235B pp8 ZeRO-3 reshard "always",
-        # last stage: the loss of each later microbatch with no unit gathered, +10.1 %)
-        last = max(st.stage for st in rp.stages)
-        x = dict(stage_shares(all_bytes, rp)).get(last, all_bytes) if len(rp.stages) > 1 else all_bytes
-        T.add("comm_buffers", "the last stage's units, resharded by its forward just before a loss", -x, f"−{x:,} B",
-              kind="fsdp_params_resharded_at_loss")
 
 
 def _all_gather_outputs(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, groups: list, largest: int,

@@ -47,6 +47,14 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        gradient (its first B, or the first I after a W) through its REDUCE_GRAD
   stage_fresh          there, one stage's weight gradients in the parameter dtype, in ``.grad``: from each
                        W (its own moment included) to the I that adds them in, or to the REDUCE_GRAD
+  stage_kept           there, under ZeRO-3 resharding after forward, one stage's units kept gathered since its last
+                       backward, to its next forward or its REDUCE_GRAD (``_kept_since_backward``)
+  stage_current        there, at each F of one stage and each of its B, I or W right after a forward: the stage's
+                       root unit and its current block's (``_kept_since_backward``)
+  stage_gathering      there, at each B, I or W of one stage right after a forward of it: the all-gather output of
+                       the next block its backward gathers (after a backward every unit is gathered already)
+  stage_forward_gathering there, at each F of one stage not right after a backward of it: the all-gather output of
+                       its next unit
   every_action         transient during every F, B, I and W and at the end of the backward: FSDP2's root
                        unit unpipelined (gathered through the forward and through the backward to its
                        post-backward in the final callback), under pipelining its current (+ prefetched)
@@ -221,7 +229,7 @@ MOMENT_ONLY_STAGE_KINDS = frozenset({"fsdp_stage_fresh_unmade", "recomputed_bloc
 TRANSIENT = ("every_action", "backward", "backward_input", "loss", "full_backward", "first_forwards",
              "end_of_backward", "until_end_of_backward", "during_actions", "forwards", "optimizer_step",
              "post_backward", "late_backward", "early_backward", "backward_end", "later_backward_end",
-             "input_backward", "loss_after_forward", "after_a_backward", "backward_after_forward", "reduce_grad",
+             "input_backward", "after_a_backward", "backward_after_forward", "reduce_grad",
              "later_full_backward", "gathering", "first_backward", "after_first_weight", "after_first_backward")
 
 #: the late-backward moment's own lifetime among ``TRANSIENT`` (``_with_late_moment``)
@@ -247,18 +255,20 @@ _WEIGHT_LATE = TRANSIENT.index("after_first_weight")
 #: REDUCE_GRAD, and its sharded gradients exist from then on (``lifetime_overrides``)
 STAGE_LIFETIMES = ("stage_accumulated", "stage_reduced", "stage_weight", "stage_converted", "stage_fresh",
                    "stage_gathered", "stage_backward_end", "stage_later_backward_end", "stage_later_weight",
-                   "stage_fresh_start", "stage_backward_action")
+                   "stage_fresh_start", "stage_backward_action", "stage_kept",
+                   "stage_current", "stage_gathering", "stage_forward_gathering")
 
 #: the event rows' tag of each per-stage lifetime
 _STAGE_TAG = {"stage_accumulated": "acc", "stage_reduced": "red", "stage_weight": "wr", "stage_converted": "cv",
               "stage_fresh": "fr", "stage_gathered": "ga", "stage_backward_end": "be", "stage_later_backward_end": "lbe",
-              "stage_later_weight": "lw", "stage_fresh_start": "fs", "stage_backward_action": "bi"}
+              "stage_later_weight": "lw", "stage_fresh_start": "fs", "stage_backward_action": "bi", "stage_kept": "gk",
+              "stage_current": "cu", "stage_gathering": "sg", "stage_forward_gathering": "sf"}
 
 #: the moments' per-stage columns of ``STAGE_LIFETIMES``, in order (``Moments``' fields of those names)
 _STAGE_COLUMNS = tuple(_STAGE_TAG[life] for life in STAGE_LIFETIMES)
 #: of them, the columns of a stage's B ends: the events lay their rows as the moment's transients (allocated and
 #: freed within it, named by it), not kept from one moment to the next as the other per-stage rows are
-_STAGE_END_COLUMNS = ("be", "lbe")
+_STAGE_END_COLUMNS = ("be", "lbe", "cu", "sg", "sf")
 #: the columns of a stage's own actions: a W's, laid as the W's transients with its weight pass (``wr``, ``lw``), or
 #: moments only (``fs``, and ``bi``: a B's or an I's own moment; ``MOMENT_ONLY_STAGE_KINDS``)
 _STAGE_W_COLUMNS = ("wr", "lw", "fs", "bi")
@@ -283,9 +293,11 @@ LIFETIMES: dict[str, str] = {
     "moe_full_backward": "early_backward", "moe_full_backward_freed": "early_backward",
     "moe_input_backward": "input_backward", "moe_input_backward_freed": "input_backward",
     "loss": "loss", "fsdp_root_regather": "loss", "head_backward": "loss", "head_forward": "loss",
-    "fsdp_params_resharded_at_loss": "loss_after_forward", "fsdp_units_kept_after_backward": "after_a_backward",
+    "fsdp_units_kept_after_backward": "after_a_backward",
     "fsdp_units_kept_in_a_backward": "backward_after_forward",
-    "fsdp_reduce_grad": "reduce_grad",
+    "fsdp_reduce_grad": "reduce_grad", "fsdp_stage_kept_params": "stage_kept",
+    "fsdp_stage_current_params": "stage_current", "fsdp_stage_all_gather_output": "stage_gathering",
+    "fsdp_stage_forward_all_gather_output": "stage_forward_gathering",
     "mlp_backward": "full_backward", "mlp_backward_freed": "full_backward", "cp_saved_refiled": "full_backward",
     "autocast_cast_gradients": "later_backward_end", "fsdp_embedding_fresh_grad": "backward_end",
     "fsdp_embedding_added_grad": "later_backward_end",
@@ -425,7 +437,9 @@ OUTPUT_SENT_KINDS = frozenset({"stage_outputs_sent"})
 #: compute stream (``foreach_all_gather_copy_out`` in ``wait_for_unshard``) but the events lay per moment, freed and
 #: laid again at each, where the compute stream's tensors of the next moment would take their blocks
 ALL_GATHER_STREAM_KINDS = frozenset({"all_gather_output", "fsdp_unsharded_params", "all_gather_input",
-                                     "unsharded_params", "fsdp_root_params"})
+                                     "unsharded_params", "fsdp_root_params", "fsdp_stage_kept_params",
+                                     "fsdp_stage_current_params", "fsdp_stage_all_gather_output",
+                                     "fsdp_stage_forward_all_gather_output"})
 
 #: the term kinds whose buffers FSDP2 allocates on its reduce-scatter stream: the sharded gradients
 REDUCE_SCATTER_STREAM_KINDS = frozenset({"fsdp_sharded_grads", "fsdp_reduced_grads"})
@@ -440,8 +454,7 @@ def fsdp_params_lifetime(sharded: bool, reshard_after_forward: bool | None, afte
     """The lifetime of FSDP2's unsharded-parameters term, as ``engine.memory.buffers`` chose it:
     unpipelined, the current block's unit → during every action, not at the end of the backward (the
     root unit, a term of its own, is gathered then); pipelined, current (+ prefetched) unit → every
-    action; every unit kept from the first backward on under
-    pipelining (resharded after each forward before it) → after the first backward; every unit
+    action (on a rank of several stages per-stage terms instead: ``stage_current``, ``stage_kept``); every unit
     gathered between forward and backward (ZeRO-2, replicate, ZeRO-3 not resharding after forward)
     → every action and loss moment, not the end of the backward: without pipelining from each forward to the
     unit's post-backward; under pipelining the schedule sets ``set_reshard_after_backward(False)`` until its
@@ -600,11 +613,16 @@ class Moments(NamedTuple):
     fs: np.ndarray
     bi: np.ndarray
     ho: np.ndarray
+    gk: np.ndarray
+    cu: np.ndarray
+    sg: np.ndarray
+    sf: np.ndarray
 
     @property
     def matrix(self) -> np.ndarray:
         return np.column_stack([self.counts, self.head, self.iw, self.acc, self.red, self.wr, self.cv, self.fr,
-                                self.ig, self.ga, self.be, self.lbe, self.lw, self.fs, self.bi, self.ho, self.outputs,
+                                self.ig, self.ga, self.be, self.lbe, self.lw, self.fs, self.bi, self.ho, self.gk,
+                                self.cu, self.sg, self.sf, self.outputs,
                                 self.masks])
 
 
@@ -665,6 +683,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
     first_grad = int(grad_idx[0]) if len(grad_idx) else n
     acc, red, wr, cv, fr, ga, fs = _stage_columns(kind, col, v, m, stage == 0)
+    gk, cu, sg, sf = _kept_since_backward(kind, stage, col, v, m)
     bi = np.zeros((n, v), dtype=np.int64)  # a B's or an I's own moment, of its stage
     bi[np.arange(n), col] = (kind == _B) | (kind == _I)
     lw = wr * acc  # a W after the stage's first: its weights hold a gradient (``acc`` from the end of its first B or W)
@@ -688,8 +707,8 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
         iw, ig, ho = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (iw, ig, ho))
         # the loss moment precedes its action: the stages' columns alike; it opens a B or an I, never a W or a B's end
-        acc, red, cv, fr, ga = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga))
-        wr, be, lw, fs, bi = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw, fs, bi))
+        acc, red, cv, fr, ga, gk = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga, gk))
+        wr, be, lw, fs, bi, cu, sg, sf = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw, fs, bi, cu, sg, sf))
         counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
         outputs = np.insert(outputs, loss_at, outputs[loss_at])
         masks = np.insert(masks, loss_at, lm, axis=0)
@@ -718,13 +737,14 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
         ig, ho = np.append(ig, end_ig, axis=0), np.append(ho, end_ho, axis=0)
         # every stage reduced (its sharded gradients alive) and resharded by then
         red = np.append(red, np.ones((1, v), dtype=np.int64), axis=0)
-        acc, wr, cv, fr, ga, be, lw, fs, bi = (np.append(x, np.zeros((1, v), dtype=np.int64), axis=0)
-                                               for x in (acc, wr, cv, fr, ga, be, lw, fs, bi))
+        acc, wr, cv, fr, ga, be, lw, fs, bi, gk, cu, sg, sf = (
+            np.append(x, np.zeros((1, v), dtype=np.int64), axis=0) for x in (acc, wr, cv, fr, ga, be, lw, fs, bi, gk, cu,
+                                                                            sg, sf))
         outputs = np.append(outputs, outputs[last])
         masks = np.append(masks, em, axis=0)
         phase = np.append(phase, END)
     out = Moments(kind.copy(), stage.copy(), mb.copy(), counts, outputs, masks, phase, head, iw, acc, red, wr, cv, fr,
-                  ig, ga, be, be.copy(), lw, fs, bi, ho)
+                  ig, ga, be, be.copy(), lw, fs, bi, ho, gk, cu, sg, sf)
     if late and pp == 1 and m == 1 and len(bwd_idx) and kind[-2] == _B:
         out = _with_late_moment(out)
     elif late and v == 1 and len(bwd_idx):
@@ -773,7 +793,7 @@ def _loss_masks(kind: np.ndarray, stage: np.ndarray, loss_at: np.ndarray, first_
                 pipelined: bool = False) -> np.ndarray:
     """The transient lifetimes alive at the loss moments before the actions ``loss_at`` (``TRANSIENT``'s columns): the
     loss, the units kept to the end of the backward, what lives from the first backward (or weight gradient) on if one
-    ran before, the units a forward just resharded (``loss_after_forward``) or a backward left gathered. Under
+    ran before, the units a backward left gathered (none where a forward resharded them since). Under
     pipelining a backward leaves every unit it gathered so (set_reshard_after_backward(False)): after one, the current
     units are gathered too, as at a B's end (``_with_backward_ends``; measure --fake of Qwen3 30B pp4 GPipe ZeRO-3, the
     last stage's loss before its second B: every unit of the stage gathered)."""
@@ -782,17 +802,10 @@ def _loss_masks(kind: np.ndarray, stage: np.ndarray, loss_at: np.ndarray, first_
     lm[:, TRANSIENT.index("until_end_of_backward")] = 1
     lm[:, TRANSIENT.index("after_first_backward")] = loss_at > first_bwd
     lm[:, TRANSIENT.index("after_first_weight")] = loss_at > first_grad
-    lm[:, TRANSIENT.index("loss_after_forward")] = _after_a_forward(kind, stage, loss_at) & (loss_at > first_bwd)
     after = np.isin(_previous_kind(kind, stage)[loss_at], (_B, _I, _W))
     lm[:, _AFTER_A_BACKWARD] = after
     lm[:, TRANSIENT.index("every_action")] = after & pipelined
     return lm
-
-
-def _after_a_forward(kind: np.ndarray, stage: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Whether the action before each of ``at`` on the same stage was a forward (whose post-forward resharded what
-    FSDP2 had kept gathered)."""
-    return _previous_kind(kind, stage)[at] == _F
 
 
 def _previous_kind(kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
@@ -802,6 +815,42 @@ def _previous_kind(kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
     prev = np.full(len(kind), -1, dtype=np.int64)
     prev[order[1:][same]] = kind[order[:-1][same]]
     return prev
+
+
+def _kept_since_backward(kind: np.ndarray, stage: np.ndarray, col: np.ndarray, v: int,
+                         m: int) -> tuple[np.ndarray, ...]:
+    """Per action and local stage (``Moments``' ``gk``, ``cu``): on a rank of several stages under ZeRO-3 resharding
+    after forward, the stage's FSDP2 units kept gathered since its last backward-like action (B, I or W: the
+    schedule's ``set_reshard_after_backward(False)``, torch/distributed/pipelining/stage.py
+    ``backward_maybe_with_nosync``) — at every moment after it up to the stage's next F, whose post-forwards reshard
+    them block by block (so not at that F's own moment), and not after its REDUCE_GRAD (``perform_reduce_grad`` sets
+    ``reshard_after_backward`` again and reshards them); at the stage's own B, I or W right after a backward every
+    unit is still gathered. ``cu``: the stage's own F, and its B, I or W right after a forward, which gather its
+    root unit and the current block's; ``sg``, ``sf``: its own B, I or W right after a forward, and its F not right
+    after a backward, which all-gather (after a backward every unit is gathered already). measure --fake of Mixtral 8x7B Interleaved1F1B pp2 v3 ZeRO-3 reshard
+    "always" (fake seed 20261268 #03, rank 4, stages 1, 3, 5, one block each): stage 5's last B holds stage 1's
+    units (its B two actions before) and its own, not stage 3's (resharded by its F since)."""
+    n = len(kind)
+    rows = np.arange(n)
+    backward = np.isin(kind, (_B, _I, _W))
+    done = np.zeros((n, v), dtype=np.int64)
+    done[rows, col] = (kind == _B) | (kind == _W)
+    finished = np.cumsum(done, axis=0) >= m
+    reduce_at = np.where(finished.any(axis=0), finished.argmax(axis=0), n)
+    gk = np.zeros((n, v), dtype=np.int64)
+    for j in range(v):
+        own = np.flatnonzero(col == j)
+        before = np.searchsorted(own, rows, side="left") - 1  # the stage's last action before each
+        kept = (before >= 0) & backward[own[np.maximum(before, 0)]] & (rows <= reduce_at[j])
+        gk[:, j] = kept & ~((col == j) & (kind == _F))
+    after_backward = np.isin(_previous_kind(kind, stage), (_B, _I, _W))
+    cu = np.zeros((n, v), dtype=np.int64)
+    cu[rows, col] = (kind == _F) | (backward & ~after_backward)
+    sg = np.zeros((n, v), dtype=np.int64)
+    sg[rows, col] = backward & ~after_backward
+    sf = np.zeros((n, v), dtype=np.int64)
+    sf[rows, col] = (kind == _F) & ~after_backward
+    return gk, cu, sg, sf
 
 
 def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
@@ -969,7 +1018,10 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
     iw[np.arange(len(rows)), col] -= mo.kind[rows] == _W
     cv = mo.cv[rows].copy()  # the accumulation in another dtype: made by the post-backwards before the end, as ``acc``
     cv[np.arange(len(rows)), col] = 1
-    new = {"counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc, "iw": iw, "cv": cv,
+    gk = mo.gk[rows].copy()  # the B's units, kept gathered past its end (to the next forward or the REDUCE_GRAD)
+    gk[np.arange(len(rows)), col] = 1
+    new = {"gk": gk, "cu": np.zeros_like(mo.cu[rows]), "sg": np.zeros_like(mo.sg[rows]), "sf": np.zeros_like(mo.sf[rows]),
+           "counts": counts, "head": np.minimum(mo.head[rows], counts), "masks": masks, "acc": acc, "iw": iw, "cv": cv,
            "wr": np.zeros_like(mo.wr[rows]), "lw": np.zeros_like(mo.lw[rows]), "fs": np.zeros_like(mo.fs[rows]),
            "bi": np.zeros_like(mo.bi[rows]),
            "ig": mo.ig[rows + 1], "ho": mo.ho[rows + 1],  # what the B keeps of its sends: the next moment's
@@ -1072,6 +1124,10 @@ class Signature(NamedTuple):
     fs_bytes: tuple[int, ...] = ()  # per local stage: at each of its W that starts a run of ``fr`` (``stage_fresh_start``)
     bi_bytes: tuple[int, ...] = ()  # per local stage: at each of its B and I (``stage_backward_action``)
     ho_bytes: tuple[int, ...] = ()  # per local stage, one microbatch: its output sent and held (``after_output``)
+    gk_bytes: tuple[int, ...] = ()  # per local stage: its units kept gathered since its last backward (``stage_kept``)
+    cu_bytes: tuple[int, ...] = ()  # per local stage: its root and current block units (``stage_current``)
+    sg_bytes: tuple[int, ...] = ()  # per local stage: its next block's all-gather output (``stage_gathering``)
+    sf_bytes: tuple[int, ...] = ()  # per local stage: its next unit's, in a forward (``stage_forward_gathering``)
 
 
 @lru_cache(maxsize=256)
@@ -1108,6 +1164,10 @@ class Peak(NamedTuple):
     fs: tuple[int, ...] = ()  # per local stage: the moment is one of its W that makes its .grad afresh
     bi: tuple[int, ...] = ()  # per local stage: the moment is one of its B or I
     ho: tuple[int, ...] = ()  # per local stage: its sent outputs held past their backward
+    gk: tuple[int, ...] = ()  # per local stage: its units kept gathered since its last backward
+    cu: tuple[int, ...] = ()  # per local stage: the moment is one of its actions that gathers its current unit
+    sg: tuple[int, ...] = ()  # per local stage: the moment is one of its B, I or W right after a forward
+    sf: tuple[int, ...] = ()  # per local stage: the moment is one of its F not right after a backward
 
 
 #: the optimizer step's transient among a signature's ``transient_bytes``
@@ -1137,7 +1197,9 @@ def _peak_at(sig: Signature, mo: Moments, live: np.ndarray, i: int) -> Peak:
                 tuple(mo.acc[i].tolist()), tuple(mo.red[i].tolist()), tuple(mo.wr[i].tolist()),
                 tuple(mo.cv[i].tolist()), tuple(mo.fr[i].tolist()), tuple(mo.ig[i].tolist()), tuple(mo.ga[i].tolist()),
                 tuple(mo.be[i].tolist()), tuple(mo.lbe[i].tolist()), tuple(mo.lw[i].tolist()),
-                tuple(mo.fs[i].tolist()), tuple(mo.bi[i].tolist()), tuple(mo.ho[i].tolist()))
+                tuple(mo.fs[i].tolist()), tuple(mo.bi[i].tolist()), tuple(mo.ho[i].tolist()), tuple(mo.gk[i].tolist()),
+                tuple(mo.cu[i].tolist()), tuple(mo.sg[i].tolist()),
+                tuple(mo.sf[i].tolist()))
 
 
 @lru_cache(maxsize=256)
@@ -1156,7 +1218,8 @@ def _live_bytes(sig: Signature) -> np.ndarray:
     w = (body + head + iwb + (sig.acc_bytes or none) + (sig.red_bytes or none) + (sig.wr_bytes or none)
          + (sig.cv_bytes or none) + (sig.fr_bytes or none) + (sig.ig_bytes or none) + (sig.ga_bytes or none)
          + (sig.be_bytes or none) + (sig.lbe_bytes or none) + (sig.lw_bytes or none) + (sig.fs_bytes or none)
-         + (sig.bi_bytes or none) + (sig.ho_bytes or none)
+         + (sig.bi_bytes or none) + (sig.ho_bytes or none) + (sig.gk_bytes or none) + (sig.cu_bytes or none)
+         + (sig.sg_bytes or none) + (sig.sf_bytes or none)
          + (sig.output_bytes,) + sig.transient_bytes)
     # bytes past a TiB a term (sums of them could pass int64 at absurd sizes): Python integers, exact
     big = max(map(abs, w), default=0) > 2**40
@@ -1328,7 +1391,8 @@ class RankTimeline:
         head = tuple(a[1] + a[2] for a in laid.acts)  # the loss side (part of unit)
         lp = tuple(a[1] for a in laid.acts)  # of it the log-probabilities
         splits = _splits_backward(schedule, pp, microbatches, virtual_stages)
-        acc, red, wr, cv, fr, ga, be, lbe, lw, fs, bi = (tuple(laid.stage_grads[k]) for k in STAGE_LIFETIMES)
+        acc, red, wr, cv, fr, ga, be, lbe, lw, fs, bi, gk, cu, sg, sf = (tuple(laid.stage_grads[k])
+                                                                         for k in STAGE_LIFETIMES)
         return Signature(schedule, pp_rank if pp > 1 else 0, pp, virtual_stages if pp > 1 else 1, microbatches,
                          local if pp > 1 else tuple(stages), laid.step, tuple(laid.unit), laid.out,
                          tuple(laid.trans[k] for k in TRANSIENT), head if any(head) else (), laid.end_freed,
@@ -1338,7 +1402,8 @@ class RankTimeline:
                          lp if any(lp) and splits else (), tuple(laid.ig) if any(laid.ig) else (), laid.moment_only,
                          ga if any(ga) else (), be if any(be) else (), lbe if any(lbe) else (),
                          lw if any(lw) else (), fs if any(fs) else (), bi if any(bi) else (),
-                         tuple(laid.ho) if any(laid.ho) else ())
+                         tuple(laid.ho) if any(laid.ho) else (), gk if any(gk) else (),
+                         cu if any(cu) else (), sg if any(sg) else (), sf if any(sf) else ())
 
     def category_peaks(self) -> dict[str, int]:
         """Each category's most tracked bytes at any moment of the step, laid alone: what the rank holds of it
@@ -1889,7 +1954,8 @@ class MicrobatchKeys:
         return b[2] - a[2] if a.__class__ is tuple and a[0] in MicrobatchKeys.TAGS else 0
 
 
-def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int, int, int, int]]:
+def _steady_windows(mo: Moments, first_backward: int, pp: int, kept: bool = False,
+                    own: bool = False) -> list[tuple[int, int, int, int]]:
     """Where a rank's step may be in a steady state: windows (start, period, shift, count) such that
     each of the ``count`` periods of ``period`` moments from ``start`` has the first period's moments
     with every microbatch ``shift`` later — the same kinds, stages, phases and transient masks — all
@@ -1897,7 +1963,9 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
     commonest distances between a stage's forwards one, two, pp and 2·pp apart (a microbatch a period,
     or a round of an interleaved schedule: pp microbatches per stage). Moments that repeat are not
     enough (a cooldown's backwards repeat as what they free shrinks): ``_fine_events`` checks the
-    window's first period against its state."""
+    window's first period against its state. ``kept``, ``own``: the rank lays units kept since a backward
+    (``Moments.gk``), its stages' current units and all-gather outputs (``cu``, ``sg``, ``sf``); else those columns,
+    which follow the schedule alone, lay nothing and are not looked at."""
     kind, stage, mb, phase, masks = mo.kind, mo.stage, mo.microbatch, mo.phase, mo.masks
     n = len(kind)
     forwards = np.flatnonzero((kind == _F) & (phase == ACTION))
@@ -1916,10 +1984,15 @@ def _steady_windows(mo: Moments, first_backward: int, pp: int) -> list[tuple[int
             candidates[(top >> 32, top & 0xFFFFFFFF)] = max(candidates.get((top >> 32, top & 0xFFFFFFFF), 0),
                                                             int(counts.max()))
     bits = masks @ (1 << np.arange(masks.shape[1], dtype=np.int64))
+    # (and the moment-only stage columns of its own stage: its current units and all-gather outputs, which follow the
+    # stage's previous action)
     sig = ((kind.astype(np.int64) * 8 + phase) << 32) + (stage.astype(np.int64) << 16) + bits
+    if own:
+        cols = np.column_stack([getattr(mo, what).any(axis=1) for what in ("cu", "sg", "sf")]).astype(np.int64)
+        sig = sig + ((cols @ np.array([1, 2, 4], dtype=np.int64)) << 44)
     # (a stage's B-end columns follow the moments' kind, phase, stage and masks, which the periods repeat)
     grads = np.column_stack([getattr(mo, what) for what in _STAGE_COLUMNS
-                             if what not in _STAGE_W_COLUMNS + _STAGE_END_COLUMNS])
+                             if what not in _STAGE_W_COLUMNS + _STAGE_END_COLUMNS and (kept or what != "gk")])
     changes = np.flatnonzero((grads[1:] != grads[:-1]).any(axis=1)) + 1
     windows, tried = [], set()
     for (period, shift), _ in sorted(candidates.items(), key=lambda c: -c[1]):
@@ -1976,7 +2049,8 @@ def _fine_events(sig: Signature, rows: tuple, acts: tuple, grain: Grain, compres
     first_backward = _first_backward(kinds, phases)
     lay = _Laying(sig, rows, acts, grain, peak_of(sig).bytes, first_backward)
     n_moments = len(kinds)
-    windows = _steady_windows(mo, first_backward, sig.pp) if compress else []
+    windows = _steady_windows(mo, first_backward, sig.pp, bool(sig.gk_bytes),
+                              bool(sig.cu_bytes or sig.sg_bytes or sig.sf_bytes)) if compress else []
     steady = trial = None  # the window being tried; (its first event, the generator's state at its start)
     most_before = 0  # the most live bytes before the window being tried (lay.most: since its start)
     nxt = 0

@@ -94,16 +94,19 @@ def test_gpipes_later_backwards_find_every_unit_gathered_and_gather_nothing():
 def test_a_rank_whose_every_stage_is_one_unit_prefetches_none():
     # each pipeline stage module is an FSDP2 root of its own and prefetches within its own units: pp4 × 2 virtual
     # stages of the tiny preset's 8 blocks is one block a stage, and pp-rank 1 holds stages 1 and 5 (no embeddings, no
-    # head), so its current units are one block's, not two (measure --fake of Llama 3 8B tp8 pp4 LoopedBFS v2 ZeRO-3
-    # "always": one unit gathered at its B)
+    # head), so each stage's current units are one block's, and it all-gathers nothing beside them (measure --fake of
+    # Llama 3 8B tp8 pp4 LoopedBFS v2 ZeRO-3 "always": one unit gathered at its B)
     def pp_rank1(schedule):
         c = Config.from_dict({
             "model": {"preset": "tiny"}, "cluster": {"gpu": "h100-sxm", "gpus": 8},
             "parallel": {"dp": 2, "pp": 4, "virtual_stages": 2, "zero": 3, "microbatches": 4, "schedule": schedule,
                          "fsdp_reshard_after_forward": "always"},
             "training": {"precision": "bf16-mixed", "grad_dtype": "bf16"}})
-        return {t.kind: t.bytes for t in memory_per_rank(c).per_rank[2].catalogue("comm_buffers")}
-    assert pp_rank1("LoopedBFS")["fsdp_unsharded_params"] == 2 * BLOCK
+        return [(t.kind, t.stage, t.bytes) for t in memory_per_rank(c).per_rank[2].catalogue("comm_buffers")]
+    held = pp_rank1("LoopedBFS")
+    assert [(s, b) for k, s, b in held if k == "fsdp_stage_current_params"] == [(1, 2 * BLOCK), (5, 2 * BLOCK)]  # bf16
+    assert not {k for k, _, _ in held} & {"fsdp_stage_all_gather_output", "fsdp_stage_forward_all_gather_output",
+                                          "all_gather_output", "fsdp_unsharded_params"}
 
 
 def test_always_gathers_until_the_first_backward():

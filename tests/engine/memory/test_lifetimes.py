@@ -1693,3 +1693,25 @@ def test_a_last_stages_first_backward_holds_the_heads_plain_gradient_and_no_late
     bs = [i for i in range(len(mo.kind)) if ACTION_KINDS[int(mo.kind[i])] == "B" and mo.phase[i] == 0]
     assert [int(mo.masks[i, col]) for i in bs] == [1] + [0] * (len(bs) - 1)
     assert int(mo.masks[:, col].sum()) == 1  # not at the loss moments, the B ends or the end
+
+
+def test_a_rank_of_several_stages_keeps_each_stages_units_from_its_backward_to_its_next_forward():
+    """ZeRO-3 resharding after forward, Interleaved1F1B pp2 v2 m4, rank 0 (stages 0 and 2), worked by hand from the
+    schedule: a stage's units stay gathered after each of its backwards (``set_reshard_after_backward(False)``)
+    until its next forward reshards them or its REDUCE_GRAD (after its fourth B); its own F and its B after a forward
+    gather its current units (``cu``), and those not right after one of its backwards all-gather (``sg`` in a
+    backward, ``sf`` in a forward)."""
+    mo = moments("Interleaved1F1B", 0, 2, 2, 4)
+    rows = mo.phase == 0
+    got = [(ACTION_KINDS[k], s, mb) for k, s, mb in zip(mo.kind[rows], mo.stage[rows], mo.microbatch[rows])]
+    assert got == [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2), ("B", 2, 0), ("F", 0, 3),
+                   ("B", 2, 1), ("F", 2, 2), ("B", 0, 0), ("F", 2, 3), ("B", 0, 1), ("B", 2, 2), ("B", 2, 3),
+                   ("B", 0, 2), ("B", 0, 3)]
+    assert mo.gk[rows].tolist() == [[0, 0]] * 6 + [[0, 1], [0, 1], [0, 0], [0, 0]] + [[1, 0]] * 3 + [[1, 1]] + [[1, 0]] * 2
+    assert mo.cu[rows].tolist() == [[1, 0], [1, 0], [0, 1], [0, 1], [1, 0], [0, 1], [1, 0], [0, 0], [0, 1], [1, 0],
+                                    [0, 1], [0, 0], [0, 1], [0, 0], [0, 0], [0, 0]]
+    assert mo.sg[rows].tolist() == [[0, 0]] * 5 + [[0, 1]] + [[0, 0]] * 3 + [[1, 0]] + [[0, 0]] * 2 + [[0, 1]] + [[0, 0]] * 3
+    assert mo.sf[rows].tolist() == [[1, 0], [1, 0], [0, 1], [0, 1], [1, 0], [0, 0], [1, 0], [0, 0], [0, 0], [0, 0],
+                                    [0, 1]] + [[0, 0]] * 5
+    # the end of the backward and the optimizer step: every stage reduced and resharded
+    assert not mo.gk[~rows].any() and not mo.cu[~rows].any()
