@@ -16,3 +16,14 @@ def rank_as_the_fake_holds_it(cfg: Config, rank: int, tmp_path, rel: float):
     (row,) = reserved_rows(res)
     assert r.allocated == pytest.approx(row["max_allocated"], rel=rel)
     return r
+
+
+def interleaved_zero3_always(layers: int, seq_len: int, dp: int) -> Config:
+    """Llama 3 8B cut to ``layers`` blocks, dp × pp2 Interleaved1F1B v2 m4, ZeRO-3 resharding after every forward:
+    every rank holds two stages (``engine.memory.lifetimes._kept_since_backward``)."""
+    return Config.from_dict({
+        "model": {"preset": "llama3-8b", "layers": layers, "seq_len": seq_len},
+        "cluster": {"gpu": "h100-96g", "gpus": 2 * dp, "gpus_per_node": 2 * dp},
+        "parallel": {"dp": dp, "pp": 2, "zero": 3, "fsdp_reshard_after_forward": "always",
+                     "schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 4},
+        "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "recompute": "none"}})

@@ -7,17 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import Config
+from tests.fake_helpers import interleaved_zero3_always
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fake_actions  # noqa: E402
 
-CFG = Config.from_dict({
-    "model": {"preset": "llama3-8b", "layers": 4, "seq_len": 1024},
-    "cluster": {"gpu": "h100-96g", "gpus": 4, "gpus_per_node": 4},
-    "parallel": {"dp": 2, "pp": 2, "zero": 3, "fsdp_reshard_after_forward": "always", "schedule": "Interleaved1F1B",
-                 "virtual_stages": 2, "microbatches": 4},
-    "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "recompute": "none"}})
+CFG = interleaved_zero3_always(layers=4, seq_len=1024, dp=2)
 
 
 @pytest.mark.integration

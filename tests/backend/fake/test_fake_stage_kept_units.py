@@ -7,15 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import Config
-from tests.fake_helpers import rank_as_the_fake_holds_it
+from tests.fake_helpers import interleaved_zero3_always, rank_as_the_fake_holds_it
 
-CFG = Config.from_dict({
-    "model": {"preset": "llama3-8b", "layers": 8, "seq_len": 4096},
-    "cluster": {"gpu": "h100-96g", "gpus": 8, "gpus_per_node": 8},
-    "parallel": {"dp": 4, "pp": 2, "zero": 3, "fsdp_reshard_after_forward": "always", "schedule": "Interleaved1F1B",
-                 "virtual_stages": 2, "microbatches": 4},
-    "training": {"micro_batch_size": 1, "precision": "bf16-mixed", "recompute": "none"}})
+CFG = interleaved_zero3_always(layers=8, seq_len=4096, dp=4)
 
 
 @pytest.mark.integration
