@@ -260,7 +260,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     elif plan.sharded and plan.reshard_after_forward:
         walk = _stage_walk(cfg, plan, rp, T) if conv.fsdp_prefetch else None
         # a rank of one stage keeps every unit its backward gathered until a forward reshards it (torch's
-        # backward_maybe_with_nosync); on a rank of several, each stage's a term of its own (``_stage_kept_units``)
+        # backward_maybe_with_nosync); on a rank of several, each stage's terms of their own (``_stage_by_stage_units``)
         kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
         # (FSDP2 prefetches within one stage's units: ``_stage_units``)
         prefetch = conv.fsdp_prefetch and (not plan.pipelined or any(_stage_units(rp, st) > 1 for st in rp.stages))
@@ -527,7 +527,9 @@ def _stage_by_stage_units(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Te
     stage 5's last B holds stage 1's units and its own, 2.83 GiB, where every stage's made 4.18 GiB; a stage's F its
     block's and experts' units, 1.35 GiB, not two experts' units; Llama 3 8B Interleaved1F1B pp2 v2, two blocks a
     stage: a stage's later B right after its B holds its two blocks and no all-gather output, a stage's F its root,
-    its last block and one block's all-gather output (within 0.01 GiB at each action's peak)."""
+    its last block and one block's all-gather output (at 14 of rank 0's 16 actions within 0.01 GiB of the fake's peak
+    inside it, ``benchmarks/fake_actions.py``; its first B of stage 0 holds the root's all-gather output too, −0.54
+    GiB)."""
     gathered = {id(u): gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)) for u, _ in rp.unit_groups}
     roots, experts = rp.root_units, {id(u) for u, _ in rp.expert_units}
     block = max((gathered[id(u)] for u, _ in rp.unit_groups if u not in roots and id(u) not in experts), default=0)
