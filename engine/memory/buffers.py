@@ -215,6 +215,45 @@ def _stage_fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, psi_tra
                   stage=stage)
 
 
+def _gathered_units(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, groups: list[tuple[int, int]],
+                    all_bytes: int, psi: int, ignored: set, left_out: bool, root_split: bool,
+                    f8: str) -> tuple | None:
+    """``fsdp2_buffers``' unsharded parameters and all-gather outputs: the root and current unit unpipelined under
+    ZeRO-3 resharding after forward, stage by stage on a rank of several stages, the current (+ prefetched) units
+    on a rank of one, else every unit. Returns the one-stage rank's walk (``_stage_walk``) for its backward."""
+    conv, z = cfg.conventions, cfg.parallel.zero
+    two = largest_numels(groups, 2)
+    after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
+    # (``root_split``, unpipelined: not yet under expert parallelism, where a block's experts are a unit nested in it,
+    # gathered and reduced in an order of their own, and the current + prefetched units stand for both)
+    every_unit = False
+    stage_by_stage = plan.sharded and plan.reshard_after_forward and per_stage_gradients(plan, rp)
+    walk = None
+    if root_split:
+        two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
+    elif stage_by_stage:  # ZeRO-3 resharding after forward on a rank of several stages: its all-gather outputs too
+        _stage_by_stage_units(cfg, plan, rp, T, all_bytes, f8)
+    elif plan.sharded and plan.reshard_after_forward:
+        walk = _stage_walk(cfg, plan, rp, T) if conv.fsdp_prefetch else None
+        # a rank of one stage keeps every unit its backward gathered until a forward reshards it (torch's
+        # backward_maybe_with_nosync)
+        kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
+        # (FSDP2 prefetches within one stage's units: ``_stage_units``)
+        prefetch = conv.fsdp_prefetch and (not plan.pipelined or any(_stage_units(rp, st) > 1 for st in rp.stages))
+        _current_units(T, two, all_bytes, kept, prefetch, f8, walk)
+        if walk:
+            two = [walk[1]]  # the all-gather output: the next block's
+    else:
+        _every_unit_gathered(plan, rp, T, all_bytes, psi, z, left_out, f8)
+        every_unit = True
+    if z in (2, 3) and not stage_by_stage:
+        unpipelined_blocks = every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
+        _all_gather_outputs(cfg, plan, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
+        if every_unit and plan.pipelined and conv.fsdp_prefetch and not ignored:
+            _pipelined_kept_all_gather(cfg, plan, rp, T, two[0], f8)
+    return walk
+
+
 def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi: int, psi_train: int,
                   train_units: tuple[tuple[int, int], ...], mlp_phase: int = 0,
                   before_weight_gradients: bool = False) -> None:
@@ -233,8 +272,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
       reduce-scatter input, in the reduce dtype; where the two dtypes differ, one unit's fresh
       gradient in the parameter dtype beside the accumulation (until post-backward adds it in).
     """
-    par, conv = cfg.parallel, cfg.conventions
-    z, m = par.zero, par.microbatches
+    m = cfg.parallel.microbatches
     lora_on = cfg.training.finetune == "lora"
     pd = plan.gathered_bytes  # MixedPrecisionPolicy.param_dtype: the copy FSDP2 all-gathers
     f8 = " (float8 Linear weights: 1 B + an fp32 scale each)" if plan.float8_all_gather else ""
@@ -246,39 +284,10 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
     groups = [(gathered_unit_bytes(plan, rp, u, gather_degree(cfg, plan, rp, u)), count)
               for u, count in rp.unit_groups if u not in ignored]
     all_bytes = sum(b * count for b, count in groups) - (pd * left_out if left_out and not ignored else 0)
-    two = largest_numels(groups, 2)
-    after_backward = plan.unsharded_after_first_backward and forward_after_first_backward(cfg, rp.pp_rank)
     # unpipelined, FSDP2's root (embeddings, final norm, head: one fully_shard on the model) is a unit of
-    # its own that stays gathered through each forward and backward (``_root_and_current_unit``). (Not yet
-    # under expert parallelism: a block's experts are a unit nested in it, gathered and reduced in an order
-    # of their own, and the current + prefetched units stand for both)
+    # its own that stays gathered through each forward and backward (``_root_and_current_unit``)
     root_split = plan.sharded and plan.reshard_after_forward and not plan.pipelined and bool(rp.root_units)
-    every_unit = stage_by_stage = False
-    walk = None
-    if root_split:
-        two = [_root_and_current_unit(cfg, plan, rp, T, f8)]
-    elif plan.sharded and plan.reshard_after_forward:
-        walk = _stage_walk(cfg, plan, rp, T) if conv.fsdp_prefetch else None
-        # a rank of one stage keeps every unit its backward gathered until a forward reshards it (torch's
-        # backward_maybe_with_nosync); on a rank of several, each stage's terms of their own (``_stage_by_stage_units``)
-        kept = after_backward or (plan.unsharded_after_first_backward and len(rp.stages) == 1)
-        # (FSDP2 prefetches within one stage's units: ``_stage_units``)
-        prefetch = conv.fsdp_prefetch and (not plan.pipelined or any(_stage_units(rp, st) > 1 for st in rp.stages))
-        stage_by_stage = per_stage_gradients(plan, rp)
-        if stage_by_stage:
-            _stage_by_stage_units(cfg, plan, rp, T, all_bytes, f8)
-        else:
-            _current_units(T, two, all_bytes, kept, prefetch, f8, walk)
-        if walk:
-            two = [walk[1]]  # the all-gather output: the next block's
-    else:
-        _every_unit_gathered(plan, rp, T, all_bytes, psi, z, bool(left_out), f8)
-        every_unit = True
-    if z in (2, 3) and not stage_by_stage:
-        unpipelined_blocks = every_unit and not plan.pipelined and not ignored and len(rp.root_units) == 2
-        _all_gather_outputs(cfg, plan, rp, T, groups if unpipelined_blocks else [], two[0], root_split, f8)
-        if every_unit and plan.pipelined and conv.fsdp_prefetch and not ignored:
-            _pipelined_kept_all_gather(cfg, plan, rp, T, two[0], f8)
+    walk = _gathered_units(cfg, plan, rp, T, groups, all_bytes, psi, ignored, bool(left_out), root_split, f8)
     gacc = plan.grad_accumulation_bytes
     emb_full, emb_extra = replicated_embedding_gradient(cfg, rp)
     if plan.unsharded_after_first_backward or m > 1:

@@ -682,8 +682,7 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     first_bwd = int(bwd_idx[0]) if len(bwd_idx) else n
     grad_idx = np.flatnonzero((kind == _B) | (kind == _W))  # the first action that makes weight gradients
     first_grad = int(grad_idx[0]) if len(grad_idx) else n
-    acc, red, wr, cv, fr, ga, fs = _stage_columns(kind, col, v, m, stage == 0)
-    gk, cu, sg, sf = _kept_since_backward(kind, stage, col, v, m)
+    acc, red, wr, cv, fr, ga, fs, gk, cu, sg, sf = _stage_columns(kind, stage, col, v, m)
     bi = np.zeros((n, v), dtype=np.int64)  # a B's or an I's own moment, of its stage
     bi[np.arange(n), col] = (kind == _B) | (kind == _I)
     lw = wr * acc  # a W after the stage's first: its weights hold a gradient (``acc`` from the end of its first B or W)
@@ -818,7 +817,7 @@ def _previous_kind(kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
 
 
 def _kept_since_backward(kind: np.ndarray, stage: np.ndarray, col: np.ndarray, v: int,
-                         m: int) -> tuple[np.ndarray, ...]:
+                         reduce_at: np.ndarray) -> tuple[np.ndarray, ...]:
     """Per action and local stage (``Moments``' ``gk``, ``cu``): on a rank of several stages under ZeRO-3 resharding
     after forward, the stage's FSDP2 units kept gathered since its last backward-like action (B, I or W: the
     schedule's ``set_reshard_after_backward(False)``, torch/distributed/pipelining/stage.py
@@ -833,10 +832,6 @@ def _kept_since_backward(kind: np.ndarray, stage: np.ndarray, col: np.ndarray, v
     n = len(kind)
     rows = np.arange(n)
     backward = np.isin(kind, (_B, _I, _W))
-    done = np.zeros((n, v), dtype=np.int64)
-    done[rows, col] = (kind == _B) | (kind == _W)
-    finished = np.cumsum(done, axis=0) >= m
-    reduce_at = np.where(finished.any(axis=0), finished.argmax(axis=0), n)
     gk = np.zeros((n, v), dtype=np.int64)
     for j in range(v):
         own = np.flatnonzero(col == j)
@@ -853,8 +848,7 @@ def _kept_since_backward(kind: np.ndarray, stage: np.ndarray, col: np.ndarray, v
     return gk, cu, sg, sf
 
 
-def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
-                   first_stage: np.ndarray) -> tuple[np.ndarray, ...]:
+def _stage_columns(kind: np.ndarray, stage: np.ndarray, col: np.ndarray, v: int, m: int) -> tuple[np.ndarray, ...]:
     """Per action and local stage (``Moments``' ``acc``, ``red``, ``wr``, ``cv``, ``fr``, ``ga``): its unsharded gradients
     alive (after its first B or W, through its REDUCE_GRAD right after its m-th backward-like action, B or W), its
     sharded gradients alive (after that), the action being one of its W; and where FSDP2 accumulates in another
@@ -866,7 +860,9 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     first stage's W is a full backward (stage.py's ``backward_weight_one_chunk``: its I ran nothing), which adds
     them in itself, as a B does (``first_stage``: per action, the action is the pipeline's stage 0's). ``ga``: its
     FSDP2 units gathered and kept so (no resharding after forward; the schedule's ``set_reshard_after_backward(False)``),
-    from its first F through its REDUCE_GRAD, whose post-backward reshards them."""
+    from its first F through its REDUCE_GRAD, whose post-backward reshards them. Then ``gk``, ``cu``, ``sg``, ``sf``
+    (``_kept_since_backward``)."""
+    first_stage = stage == 0
     n = len(kind)
     rows = np.arange(n)
     done = np.zeros((n, v), dtype=np.int64)
@@ -912,7 +908,7 @@ def _stage_columns(kind: np.ndarray, col: np.ndarray, v: int, m: int,
     first_f = np.where(forwards.any(axis=0), forwards.argmax(axis=0), n)
     ga = ((idx >= first_f) & (idx <= reduce_at)).astype(np.int64)
     return (((idx > first_at) & (idx <= reduce_at)).astype(np.int64), (idx > reduce_at).astype(np.int64), wr, cv, fr,
-            ga, fs)
+            ga, fs) + _kept_since_backward(kind, stage, col, v, reduce_at)
 
 
 def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, first_grad: int,

@@ -1209,8 +1209,8 @@ def test_fsdp2_gradients_of_a_split_backward_follow_torchs_post_backward():
 
     def columns(actions, first=False, m=2):
         kind = np.array([ACTION_KINDS.index(a) for a in actions])
-        acc, red, wr, cv, fr, _, fs = _stage_columns(kind, np.zeros(len(kind), dtype=np.int64), 1, m,
-                                                     np.full(len(kind), first))
+        stage = np.full(len(kind), 0 if first else 1)  # (the pipeline's first stage, or a later one)
+        acc, red, wr, cv, fr, _, fs, *_ = _stage_columns(kind, stage, np.zeros(len(kind), dtype=np.int64), 1, m)
         fresh_start.append(fs[:, 0].tolist())
         return [x[:, 0].tolist() for x in (acc, red, cv, fr)]
 
