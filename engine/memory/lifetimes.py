@@ -826,19 +826,23 @@ def _kept_since_backward(kind: np.ndarray, stage: np.ndarray, col: np.ndarray, v
     ``reshard_after_backward`` again and reshards them); at the stage's own B, I or W right after a backward every
     unit is still gathered. ``cu``: the stage's own F, and its B, I or W right after a forward, which gather its
     root unit and the current block's; ``sg``, ``sf``: its own B, I or W right after a forward, and its F not right
-    after a backward, which all-gather (after a backward every unit is gathered already). measure --fake of Mixtral 8x7B Interleaved1F1B pp2 v3 ZeRO-3 reshard
-    "always" (fake seed 20261268 #03, rank 4, stages 1, 3, 5, one block each): stage 5's last B holds stage 1's
-    units (its B two actions before) and its own, not stage 3's (resharded by its F since)."""
+    after a backward, which all-gather (after a backward every unit is gathered already). measure --fake of Mixtral
+    8x7B Interleaved1F1B pp2 v3 ZeRO-3 reshard "always" (fake seed 20261268 #03, rank 4, stages 1, 3, 5, one block
+    each): stage 5's last B holds stage 1's units (its B two actions before) and its own, not stage 3's (resharded by
+    its F since)."""
     n = len(kind)
     rows = np.arange(n)
     backward = np.isin(kind, (_B, _I, _W))
-    gk = np.zeros((n, v), dtype=np.int64)
-    for j in range(v):
-        own = np.flatnonzero(col == j)
-        before = np.searchsorted(own, rows, side="left") - 1  # the stage's last action before each
-        kept = (before >= 0) & backward[own[np.maximum(before, 0)]] & (rows <= reduce_at[j])
-        gk[:, j] = kept & ~((col == j) & (kind == _F))
-    after_backward = np.isin(_previous_kind(kind, stage), (_B, _I, _W))
+    # per moment and stage, the stage's last action before it (−1: none yet), vectorized (the engine's hot path)
+    own = np.full((n, v), -1, dtype=np.int64)
+    own[rows, col] = rows
+    before = np.vstack([np.full((1, v), -1, dtype=np.int64), np.maximum.accumulate(own, axis=0)[:-1]])
+    kept = (before >= 0) & backward[np.maximum(before, 0)] & (rows[:, None] <= reduce_at[None, :])
+    mine = np.zeros((n, v), dtype=bool)
+    mine[rows, col] = True
+    gk = (kept & ~(mine & (kind == _F)[:, None])).astype(np.int64)
+    prev = before[rows, col]  # each action's stage's action before it
+    after_backward = (prev >= 0) & backward[np.maximum(prev, 0)]
     cu = np.zeros((n, v), dtype=np.int64)
     cu[rows, col] = (kind == _F) | (backward & ~after_backward)
     sg = np.zeros((n, v), dtype=np.int64)
