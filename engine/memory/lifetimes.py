@@ -702,16 +702,16 @@ def moments(schedule: str, pp_rank: int, pp: int, virtual_stages: int, microbatc
     is_loss = np.zeros(n, dtype=bool)
     if len(loss_at):
         lm = _loss_masks(kind, stage, loss_at, first_bwd, first_grad, pp > 1)
-        kind, stage, mb = (np.insert(x, loss_at, x[loss_at]) for x in (kind, stage, mb))
-        head = np.insert(head, loss_at, counts[loss_at], axis=0)  # the loss's backward runs on the loss side
-        iw, ig, ho = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (iw, ig, ho))
-        # the loss moment precedes its action: the stages' columns alike; it opens a B or an I, never a W or a B's end
-        acc, red, cv, fr, ga, gk = (np.insert(x, loss_at, x[loss_at], axis=0) for x in (acc, red, cv, fr, ga, gk))
-        wr, be, lw, fs, bi, cu, sg, sf = (np.insert(x, loss_at, 0, axis=0) for x in (wr, be, lw, fs, bi, cu, sg, sf))
-        counts = np.insert(counts, loss_at, counts[loss_at], axis=0)
-        outputs = np.insert(outputs, loss_at, outputs[loss_at])
-        masks = np.insert(masks, loss_at, lm, axis=0)
-        is_loss = np.insert(is_loss, loss_at, True)
+        src, at = _duplicated_rows(n, loss_at)  # each loss moment a copy of its action's row, before it
+        kind, stage, mb, iw, ig, ho, acc, red, cv, fr, ga, gk, counts, outputs = (
+            x[src] for x in (kind, stage, mb, iw, ig, ho, acc, red, cv, fr, ga, gk, counts, outputs))
+        head = head[src]
+        head[at] = counts[at]  # the loss's backward runs on the loss side
+        wr, be, lw, fs, bi, cu, sg, sf = (_zeroed(x[src], at) for x in (wr, be, lw, fs, bi, cu, sg, sf))
+        masks = masks[src]
+        masks[at] = lm
+        is_loss = np.zeros(len(src), dtype=bool)
+        is_loss[at] = True
     phase = is_loss.astype(np.int64)
     if len(bwd_idx):
         # the end of the backward: every gradient complete, every stage-microbatch freed, the kept
@@ -831,6 +831,8 @@ def _kept_since_backward(kind: np.ndarray, stage: np.ndarray, col: np.ndarray, v
     each): stage 5's last B holds stage 1's units (its B two actions before) and its own, not stage 3's (resharded by
     its F since)."""
     n = len(kind)
+    if v == 1:  # a rank of one stage lays none of them (``buffers._stage_by_stage_units``): the planner's hot path
+        return tuple(np.zeros((n, 1), dtype=np.int64) for _ in range(4))
     rows = np.arange(n)
     backward = np.isin(kind, (_B, _I, _W))
     # per moment and stage, the stage's last action before it (−1: none yet), vectorized (the engine's hot path)
@@ -957,6 +959,21 @@ def _with_late_moment(mo: Moments) -> Moments:
     return Moments(**row)
 
 
+def _duplicated_rows(n: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gather index that doubles each of the (sorted, distinct) ``rows`` of an ``n``-row array, and where the first
+    copies land (the second ones one after): ``x[src]`` is ``np.insert(x, rows, x[rows], axis=0)``, at a fraction of
+    ``np.insert``'s cost per array (``moments`` is the planner's hot path)."""
+    reps = np.ones(n, dtype=np.intp)
+    reps[rows] = 2
+    return np.repeat(np.arange(n), reps), rows + np.arange(len(rows))
+
+
+def _zeroed(x: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """``x`` with rows ``at`` zeroed, in place."""
+    x[at] = 0
+    return x
+
+
 def _with_row_repeated(mo: Moments, i: int) -> dict:
     """``mo``'s fields with row ``i`` twice (rows ``i`` and ``i + 1``), as new arrays: ``np.repeat``, which costs a
     fraction of ``np.insert``'s per call (a first prediction builds these for every distinct rank)."""
@@ -1027,7 +1044,11 @@ def _with_backward_ends(mo: Moments, column: np.ndarray, pipelined: bool = True)
            "ig": mo.ig[rows + 1], "ho": mo.ho[rows + 1],  # what the B keeps of its sends: the next moment's
            "phase": np.full(len(rows), B_END),
            "be": be, "lbe": lbe}
-    row = {f: np.insert(x, rows + 1, new[f] if f in new else x[rows], axis=0) for f, x in zip(Moments._fields, mo)}
+    src, at = _duplicated_rows(len(mo.kind), rows)
+    at = at + 1  # each B's end the second copy of its row, after it
+    row = {f: x[src] for f, x in zip(Moments._fields, mo)}
+    for f, x in new.items():
+        row[f][at] = x
     return Moments(**row)
 
 
@@ -1038,14 +1059,15 @@ def _with_reduce_moment(mo: Moments) -> Moments:
     gathered units are all still there, and no sharded gradient yet (``reduce_grad``: the first units'
     reduce-scatters, ``engine.memory.buffers._reduce_grad``); none of the last action's own transients."""
     n = len(mo.kind) - 1  # the END row
-    row = {f: np.insert(x, n, x[n], axis=0) for f, x in zip(Moments._fields, mo)}
-    masks = np.zeros(mo.masks.shape[1], dtype=np.int64)
+    src, _ = _duplicated_rows(n + 1, np.array([n]))
+    row = {f: x[src] for f, x in zip(Moments._fields, mo)}
+    masks = row["masks"][n]
+    masks[:] = 0
     for life in ("reduce_grad", "until_end_of_backward", "every_action", "after_a_backward", "after_first_weight",
                  "after_first_backward"):
         masks[TRANSIENT.index(life)] = 1
-    row["masks"] = np.insert(mo.masks, n, masks, axis=0)
-    row["red"] = np.insert(mo.red, n, 0, axis=0)
-    row["phase"] = np.insert(mo.phase, n, REDUCE)
+    row["red"][n] = 0
+    row["phase"][n] = REDUCE
     return Moments(**row)
 
 
