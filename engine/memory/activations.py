@@ -1066,7 +1066,7 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         _autocast_waiting_gradients(cfg, rp, T, act)
     if torch_acc and any(st.layers for st in rp.stages):
         _forward_transient_terms(cfg, rp, T, sh, res, moe=blocks.moe, lora_casts=lora_on and autocast,
-                                 recomputed=any(ckpt_of[st.stage] for st in rp.stages))
+                                 autocast=autocast, recomputed=any(ckpt_of[st.stage] for st in rp.stages))
     if torch_acc and par.pp > 1 and par.schedule not in SPLIT_BACKWARD_SCHEDULES \
             and any(st.stage == 0 for st in rp.stages):
         _embedding_backward_terms(T, res=res, sbh=s * b * h, sbh_rep=sbh_rep, hs=hs,
@@ -2019,11 +2019,13 @@ def _stage_counts(in_flight, unit_bytes: list[int]) -> tuple[int, ...]:
 
 
 def _forward_transient_terms(cfg: Config, rp, T: Terms, sh: _Shape, res: int, *, moe: bool, lora_casts: bool,
-                             recomputed: bool) -> None:
-    """What an F's own moment holds beyond its microbatch's saved tensors (``forwards``): float8's weight cast, LoRA's
-    casts under autocast, and the last block's down projection at its tensor-parallel collective, each at its own op
-    of the forward: the last laid only beyond the others."""
+                             autocast: bool, recomputed: bool) -> None:
+    """What an F's own moment holds beyond its microbatch's saved tensors (``forwards``): float8's weight cast and its
+    up projection's input cast, LoRA's casts under autocast, and the last block's down projection at its
+    tensor-parallel collective, each at its own op of the forward: each laid only beyond the ones before."""
     _float8_forward_cast_term(cfg, rp, T, sh)
+    if not moe:
+        _float8_forward_input_cast_term(cfg, T, sh, res, autocast)
     if lora_casts:
         lora_forward_casts(cfg, T, res, recomputed=cfg.training.recompute in ("full", "selective-layer") and recomputed)
     if not moe:
@@ -2074,6 +2076,46 @@ def _float8_forward_cast_term(cfg: Config, rp, T: Terms, sh: _Shape) -> None:
         T.add("activations", "float8: a forward's cast of its largest Linear weight (fp32 upcast, scaled copy, "
               "float8), beyond the last block's MLP tensors not yet saved", f8_cast - mlp,
               f"9 B × the largest block weight's elements / t − {mlp:,} B", kind="float8_forward_cast")
+
+
+def _float8_forward_input_cast_term(cfg: Config, T: Terms, sh: _Shape, res: int, autocast: bool) -> None:
+    """A forward's last block, at its MLP's last up projection (w3 of a SwiGLU, w1 otherwise), casting that
+    Linear's input to float8 (torchao 0.18's Float8Linear.forward: ``input.to(autocast_dtype)`` under autocast, then
+    ``matmul_with_hp_or_float8_args`` saves that copy as ``input_hp`` and ``hp_tensor_to_float8_dynamic`` makes
+    ``.to(float32)``, ``* scale``, the clamp and the float8 result: ``float8_input_cast_bytes``). Alive there beyond
+    the F's moment: the cast; the Linear's input as it arrives (the norm's output; under sequence parallelism its
+    all-gathered copy, and the norm's output shard beside it) and autocast's copy of it, each where the block does not
+    save it (a checkpointed block saves neither; Float8Linear saves the copy, not its source); a SwiGLU's SiLU output
+    where the block does not save it (the product reads it after w3), and the attention's residual sum where the block
+    does not save it (the MLP's residual add reads it) — less what the block saves that is not made yet
+    (the MLP's tensors after the cast, and the block's output) and the forward's other transients. measure --fake of
+    Llama 3 70B tp4 SP pp4 1F1B selective-op float8 tensorwise (fake seed 20261270 #17, rank 8): each F peaks at the
+    second block's w3 input cast, 15 B × s·b·h beyond the block's tensors made (the fp32 all-gathered input, its
+    bf16 copy, the fp32 scaled copy and its clamp, the float8 result)."""
+    cast = float8_input_cast_bytes(cfg, sh)[1]
+    if not cast:
+        return
+    sbh = sh.s * sh.b * sh.h
+    terms = () if cfg.training.recompute == "full" else layer_activation_terms(sh)[0]
+    mlp = [(name, x) for name, x, part in terms if part == "mlp"]
+    before = ("MLP input", "gate output", "SiLU output", "w1 output")  # made by the cast (a SwiGLU's w3)
+    made = sum(x for name, x in mlp if name.startswith(before if sh.swiglu else before[:1]))
+    input_saved = any(name.startswith("MLP input") for name, _ in mlp)
+    copy = autocast and not sh.float8_uncast
+    alive = cast + (res * sbh if copy or not input_saved else 0) + (sh.act * sbh if copy and not input_saved else 0)
+    if sh.sp and sh.t > 1:
+        alive += res * sbh // sh.t
+    silu = sh.swiglu and not any(name.startswith("SiLU output") for name, _ in mlp)
+    alive += sh.act * sh.s * sh.b * sh.f // sh.t if silu else 0
+    stream = res * sbh // (sh.t if sh.sp else 1)  # the residual stream: the block's output, and its mid-block sum
+    alive += 0 if any(name.startswith("norm2 input") for name, _, _ in terms) else stream
+    unmade = sum(x for _, x in mlp) - made + stream
+    beyond = alive - unmade - forward_transient_bytes(T)
+    if beyond > 0:
+        T.add("activations", "float8: a forward's last up projection casting its input (its input as it arrives, "
+              "autocast's copy, the fp32 scaled copy, its clamp, the float8 result), beyond what the block saves "
+              "after it", beyond, f"{alive:,} alive at the cast − {unmade:,} B not made yet − the forward's other "
+              f"transients", kind="float8_forward_input_cast")
 
 
 def float8_weight_cast_bytes(cfg: Config) -> int:
@@ -2648,8 +2690,10 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # 32,768 tokens a rank); without it that gradient is the residual stream's, counted where it arrives
         gathered = act * s * b * m.hidden if t > 1 and par.sequence_parallel else 0
         cast, token_casts = _float8_w2_casts(cfg, sbf_e=sbf_e, sbf=sbf, x_b=x_b, f_loc=f_loc, gathered=gathered)
+        x8 = ((0 if x_b == 4 else 4) + 4 + 1) * sbf_e if cast else 0  # (the scaled copy, its clamp, float8)
         replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered,
-                                         unsaved_input=early_stop and autocast and lora_mods is None and not cast)
+                                         unsaved_input=early_stop and autocast and lora_mods is None and not cast,
+                                         x8=x8)
         replay = sum(x for _, x, _, _ in replay_parts)
         # the activation's backward: SwiGLU's makes the gate activation's and the up projection's gradients, GeLU's its
         # input's, beside the down input's gradient, the down input freed by then where w2 saved it. With it saved a
@@ -2774,7 +2818,7 @@ def _add_replay_parts(T: Terms, parts: list[tuple[str, int, str, bool]], dims: s
 
 
 def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered: int,
-                      unsaved_input: bool = False) -> list[tuple[str, int, str, bool]]:
+                      unsaved_input: bool = False, x8: int = 0) -> list[tuple[str, int, str, bool]]:
     """Where a B's first block replays with early stop (``_early_stop_replay_parts``, where ``unsaved_input``) and
     under per-op selective recompute (``early_stop=False``, backend.parallel.recompute): what the first block's
     backward holds beyond the tensors recompute = "none" keeps when the replay of its forward reaches its last op,
@@ -2787,7 +2831,12 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     the all-reduce's output; without TP the residual add's. The output gradient SP all-gathered before the
     down projection's backward asked for the replay is alive through it. Measured with ``measure --fake`` of
     Llama 3 8B s16K b16 tp8 SP pp4 1F1B (stage 2): 2 + 2 GiB at w2 and its copy, 0.25 + 0.25 GiB, beside the
-    2 GiB gathered gradient, at the step's allocated peak."""
+    2 GiB gathered gradient, at the step's allocated peak. Under autocast the MLP's input in the residual stream's
+    dtype (under SP all-gathered) is alive too (its forward's argument; autocast's Linears save their 16-bit casts). Under
+    float8 (``x8``: w2's input cast, 9 B × s·b·f/t) the replay peaks instead at w2 casting its input, where that is
+    larger: measure --fake of Llama 3 70B tp4 SP pp4 1F1B selective-op float8 tensorwise under DDP's autocast (fake
+    seed 20261270 #17, rank 8): each B peaks there, the fp32 scaled copy and its clamp (0.875 GiB each) and the
+    float8 result beside the 1 GiB fp32 gathered input, 0.9 GiB beyond the engine's B."""
     par, tr = cfg.parallel, cfg.training
     if unsaved_input and tr.recompute != "selective-op":
         return _early_stop_replay_parts(cfg, res=res, act=act, gathered=gathered)
@@ -2800,12 +2849,32 @@ def _replay_end_parts(cfg: Config, *, act: int, res: int, sbh_rep: int, gathered
     parts = [("w2's output (handed back from the stash or made anew)", act * sbh, f"{act}·s·b·h", True),
              (copy, act * sbh, f"{act}·s·b·h", True)]
     if sp:
-        parts += [("the reduce-scatter's stashed output", act * sbh_rep, f"{act}·s·b·h/t", True),
-                  ("the MLP's sequence-sharded input (the caller's argument)", res * sbh_rep, f"{res}·s·b·h/t", True)]
+        parts += [("the reduce-scatter's stashed output", act * sbh_rep, f"{act}·s·b·h/t", True)]
+    common = []
+    if sp:
+        common.append(("the MLP's sequence-sharded input (the caller's argument)", res * sbh_rep, f"{res}·s·b·h/t",
+                       True))
+    if res > act:
+        # autocast: the MLP's input in the residual stream's dtype (under SP its all-gathered copy), which the
+        # Linears cast and do not save, alive in the MLP's forward frame until it returns (``_early_stop_replay_parts``;
+        # backend/model.py FeedForward.forward reads x in w1 and w3 and returns w2's output)
+        common.append(("the MLP's input in the residual stream's dtype" + (", all-gathered (SP)" if sp else "")
+                       + ", which autocast's Linears cast and do not save, alive in its forward's frame", res * sbh,
+                       f"{res}·s·b·h", True))
     if gathered:
-        parts.append(("the output gradient all-gathered (SP) before w2's backward asked for the replay", gathered,
-                      f"{act}·s·b·h", False))
-    return parts
+        common.append(("the output gradient all-gathered (SP) before w2's backward asked for the replay", gathered,
+                       f"{act}·s·b·h", False))
+    if x8 > act * 2 * sbh + (act * sbh_rep if sp else 0):
+        # float8: the replay peaks earlier, at w2 casting its input (torchao's hp_tensor_to_float8_dynamic: the
+        # scaled fp32 copy, its clamp and the float8 result), before w2's output exists
+        # the stash's outputs after it, not handed back yet: w2's (where the policy saves it) and the reduce-scatter's
+        m = cfg.model
+        stashed = act * sbh if "w2" in sac_saved_matmuls(m.mlp == "swiglu", block_linears_addmm(m, tr)) else 0
+        stashed += act * sbh_rep if sp else 0
+        return [("w2's input cast to float8 (fp32 scaled copy, its clamp, the float8 result)", x8, "9·s·b·f/t", True),
+                ("the stash's w2 output and reduce-scatter output, not handed back yet", stashed,
+                 f"{stashed:,} B", True)][:2 if stashed else 1] + common
+    return parts + common
 
 
 def _embedding_backward_terms(T: Terms, *, res: int, sbh: int, sbh_rep: int, hs: str, sent: bool = False) -> None:

@@ -316,6 +316,7 @@ LIFETIMES: dict[str, str] = {
     "fsdp_sharded_grads": "end_of_backward",
     "fsdp_stage_fresh_grads": "stage_fresh",
     "optimizer_step": "optimizer_step", "lora_forward_casts": "forwards", "float8_forward_cast": "forwards",
+    "float8_forward_input_cast": "forwards",
     "lora_recompute_casts": "backward_input",
     "fsdp_root_params": "every_action", "fsdp_unit_grads": "backward_input", "fsdp_late_reduce": "late_backward",
     "fsdp_head_grad": "backward", "fsdp_expert_reduce": "backward_input",
