@@ -350,7 +350,7 @@ def fsdp2_buffers(cfg: Config, plan: WrappingPlan, rp: RankParams, T: Terms, psi
 
 
 def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int, category: str = "comm_buffers",
-                               kind: str = "fsdp_fresh_grad_made") -> None:
+                               kind: str = "fsdp_fresh_grad_made", freed_kind: str = "mlp_backward_freed") -> None:
     """Under context parallelism the rest of the largest unit's fresh gradients a B's moment holds in its attention's
     phase (the MLP's and the output projection's, :func:`_made_by_the_b_moment`): beside the ring attention's workspace,
     not beside the MLP's backward. They join the workspace in ``_cp_attention_after_mlp``'s choice of the larger phase:
@@ -369,7 +369,7 @@ def _attention_phase_gradients(T: Terms, nbytes: int, dtype: str, mlp_phase: int
             T.add(category if whole else "temporaries", "the attention phase's fresh gradients are not beside the MLP's "
                   "backward (the larger phase's)", -off,
                   f"−(min({ws:,} + {nbytes:,}, {mlp_phase:,}) − min({ws:,}, {mlp_phase:,})) B",
-                  kind="mlp_backward_freed")
+                  kind=freed_kind)
 
 
 def _attention_phase_without_cp(T: Terms, more: int, dtype: str) -> None:
@@ -395,6 +395,36 @@ def _attention_phase_without_cp(T: Terms, more: int, dtype: str) -> None:
     T.add("activations", "a B's attention backward: the first block's MLP and norm saved tensors freed by then",
           -saved - parts["activations"], f"−{saved:,} B (MLP and norm2 rows) − the MLP phase's {parts['activations']:,} B",
           kind="mlp_backward_freed")
+
+
+def _first_backward_grads_made(plan: WrappingPlan, rp: RankParams, T: Terms, made_by: tuple[int, int] | None,
+                               mlp_phase: int, lora_on: bool, train_units: tuple[tuple[int, int], ...]) -> None:
+    """Under pipelining, FSDP2 accumulating in the parameters' dtype on a rank of one stage: its first B's moment holds
+    the gradients the first block's backward has made by then (:func:`_made_by_the_b_moment`), the unsharded
+    gradients themselves (autograd writes each ``.grad`` in the parameter dtype and the schedule's
+    ``set_reshard_after_backward(False)`` keeps them; ``fsdp_unsharded_grads`` holds them from the first backward's
+    end on, so a later B holds them already): the down projection's at the MLP's phase, and under context parallelism
+    the MLP's others and the output projection's at the ring attention's (``_attention_phase_gradients``); on the last
+    stage the final norm's and head's too, made first (as ``fsdp_head_fresh_grad`` where FSDP2 converts). measure
+    --fake of Llama 2 7B pp2 cp4 ZeRO-2 bf16 gradients float8 (fake seed 20261270 #35, stage 0): its first B peaks in
+    the first block's attention backward with w1, w2, w3 and wo's bf16 gradients (0.28 GiB) beside the workspace; of
+    Llama 3 405B pp4 cp4 ZeRO-2 (fake seed 20261271 #16, stage 3): its first B with the head's 3.9 GiB gradient."""
+    if (made_by is None or lora_on or not plan.unsharded_after_first_backward or len(rp.stages) != 1
+            or not unit_numel(rp.block_tensors)):
+        return
+    pgrad = PLAN_DTYPE_BYTES[plan.compute_dtype]
+    made_mlp, made_attention = made_by
+    if rp.root_units and train_units and any(st.final_norm or st.head for st in rp.stages):
+        head = train_units[-1][0]
+        T.add("comm_buffers", f"the first B: the final norm's and head's gradient in {plan.compute_dtype}, made at the "
+              "head's backward, before the blocks'", pgrad * head, f"{pgrad} B × {head:,}", kind="fsdp_first_grads_made")
+    if made_mlp:
+        T.add("comm_buffers", f"the first B's first block: the gradients in {plan.compute_dtype} its backward has made "
+              "by the B's moment (the down projection's; float8: and an up projection's)", pgrad * made_mlp,
+              f"{pgrad} B × {made_mlp:,} elements", kind="fsdp_first_grads_made")
+    if made_attention and any(t.kind == "cp_attention" for t in T["temporaries"]):
+        _attention_phase_gradients(T, pgrad * made_attention, plan.compute_dtype, mlp_phase,
+                                   kind="fsdp_first_grads_made", freed_kind="first_grads_phase_freed")
 
 
 def _made_by_the_b_moment(cfg: Config, rp: RankParams, lora_on: bool, before: bool = False) -> tuple[int, int] | None:
@@ -461,6 +491,8 @@ def _fresh_gradients(plan: WrappingPlan, rp: RankParams, T: Terms, train_units: 
     # m = 2: the second microbatch's 2,004 MiB full V × h gradient at its backward's end, a new segment for it)
     emb_unit = (unit_numel(rp.root_units[0]) if (plan.pipelined or (microbatches > 1 and not plan.converts_gradients))
                 and not lora_on and rp.root_units and any(st.embedding for st in rp.stages) else 0)
+    if not plan.converts_gradients:
+        _first_backward_grads_made(plan, rp, T, made_by, mlp_phase, lora_on, train_units)
     if not plan.converts_gradients and not emb_unit:
         return
     # under pipelining the last stage's root unit (final norm + head) makes its gradient first, at the head's

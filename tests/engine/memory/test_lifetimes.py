@@ -209,7 +209,8 @@ _TRANSIENT_KIND = {"fsdp_unsharded_grads": "after_first_backward", "mlp_backward
     # unsharded gradients: every rank's peak holds every term but those alive only apart from the steady
     # state (None): the loss (its own moments) and FSDP2's all-gather output (units never resharded: the
     # first forwards only), the sharded gradients (the end of the backward), AdamW's step temporaries, the
-    # token embedding's fresh gradient (the ends of the first stage's Bs) and a forward's own transients (its Fs)
+    # token embedding's fresh gradient (the ends of the first stage's Bs), a forward's own transients (its Fs) and
+    # the gradients a first B has made by its moment (that B's only)
     ({"dp": 2, "pp": 4, "zero": 3, "schedule": "1F1B", "microbatches": 8}, None),
 ])
 def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_peak_moment(par, some_below):
@@ -241,7 +242,7 @@ def test_a_transient_term_is_in_the_peak_exactly_when_its_lifetime_covers_the_pe
             apart = sum(t.bytes for cat in MEMORY_CATEGORIES for i, t in enumerate(r.catalogue(cat))
                         if tl.lifetime(cat, i) in ("loss", "end_of_backward", "first_forwards", "stage_reduced",
                                                    "optimizer_step", "backward_end", "later_backward_end",
-                                                   "reduce_grad", "forwards")
+                                                   "reduce_grad", "forwards", "first_backward")
                         or (tl.lifetime(cat, i) == "stage_accumulated" and not pk.acc[local.index(t.stage)]))
             every = sum(t.bytes for cat in MEMORY_CATEGORIES for t in r.catalogue(cat))
             assert every - apart <= r.total < every, r.rank  # the loss moment can be above the rest
@@ -1384,6 +1385,24 @@ def test_a_bs_mlp_backward_holds_only_the_down_projections_fresh_gradient():
     zbv = {"parallel": {**raw["parallel"], "schedule": "ZBVZeroBubble", "virtual_stages": 2}}
     other = memory_per_rank(Config.from_dict({**raw, **zbv})).per_rank[0]
     assert [t.bytes for t in other.catalogue("comm_buffers") if t.kind == "fsdp_fresh_grad"] == [block]
+
+
+def test_a_first_b_holds_the_gradients_made_by_then_where_fsdp2_accumulates_in_the_parameters_dtype():
+    """Bf16 gradients under bf16 parameters (no conversion): the unsharded gradients are the ``.grad`` autograd writes,
+    held from the first backward on (``fsdp_unsharded_grads``, after it). The rank's first B holds those its backward has
+    made by its moment: the head's and final norm's on the last stage (the head's backward runs first), and the first
+    block's down projection's; the middle stages' only the latter. Only at the first B (a later one holds them all)."""
+    raw = _wide_gpipe({"preset": "local-cpu", "gpus": 4})
+    raw = {**raw, "training": {**raw["training"], "grad_dtype": "bf16"}}
+    ranks = memory_per_rank(Config.from_dict(raw)).per_rank
+    last, first = ranks[2], ranks[0]
+    made = sorted(t.bytes for t in last.catalogue("comm_buffers") if t.kind == "fsdp_first_grads_made")
+    assert made == sorted([2 * 512 * 1024, 2 * (1024 * 512 + 512)])
+    assert [t.bytes for t in first.catalogue("comm_buffers") if t.kind == "fsdp_first_grads_made"] == [2 * 512 * 1024]
+    assert LIFETIMES["fsdp_first_grads_made"] == "first_backward"
+    # converting, the fresh gradients' own terms stand for them (above)
+    conv = memory_per_rank(Config.from_dict(_wide_gpipe({"preset": "local-cpu", "gpus": 4}))).per_rank[2]
+    assert not [t for t in conv.catalogue("comm_buffers") if t.kind == "fsdp_first_grads_made"]
 
 
 def test_the_events_make_each_blocks_fresh_gradient_in_a_bs_walk():
