@@ -1061,8 +1061,9 @@ def stage_activation_terms(cfg: Config, rp, T: Terms, *, torch_acc: bool, autoca
         moe_combine = moe_backward_terms(cfg, rp, T, ep_rank, autocast,
                                          blocks.kept if tr.recompute == "full" else blocks.per_layer, moe_microbatches,
                                          fresh_buffers=fresh_buffers, unit_grads=unit_grads)
-    if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on \
-            and tr.float8 == "none":  # (float8 casts no block weight; LoRA casts its adapters only: not laid)
+    if autocast and plain_grads and par.pp > 1 and par.microbatches > 1 and torch_acc and not lora_on:
+        # (LoRA casts its adapters only: not laid; float8 casts no block weight: the head's cast and the fp32 token
+        # embedding's gradient are left)
         _autocast_waiting_gradients(cfg, rp, T, act)
     if torch_acc and any(st.layers for st in rp.stages):
         _forward_transient_terms(cfg, rp, T, sh, res, moe=blocks.moe, lora_casts=lora_on and autocast,
@@ -1470,12 +1471,16 @@ def _autocast_waiting_gradients(cfg: Config, rp, T: Terms, act: int) -> None:
     gradient before them (``backward_end``: the B's microbatch freed by then). Measured on a real CPU run
     (hidden 512, f 2048, V 4096, pp2 m4 bf16-mixed, no wrapper): 23.03 and 27.06 MiB of temporaries at the peak,
     15 + 8 and 19 + 8 MiB here; measure --fake Llama 3 70B pp4 ZeRO-1: 7.23 GiB of temporaries on the first
-    stage (3.19 GiB of bf16 block weight gradients, 3.91 of the embedding's fp32 one)."""
-    per_block = [a * c for a, c in rp.block_tensors if c > 1]
+    stage (3.19 GiB of bf16 block weight gradients, 3.91 of the embedding's fp32 one). Under float8 no block weight
+    is cast by autocast (Float8Linear casts its own): the head's cast and the token embedding's fp32 gradient beside
+    its ``.grad`` are left (measure --fake of Llama 3 8B tp4 SP pp8 GPipe m32 float8, fake seed 20261272 #16, stage
+    0: two 1.96 GiB fp32 V·h tensors at each later B's end, −8.6 % at its peak without them)."""
+    float8 = cfg.training.float8 != "none"
+    per_block = [] if float8 else [a * c for a, c in rp.block_tensors if c > 1]
     best, what = 0, ""
     for st in rp.stages:
-        weights = rp.block_weight_numel * st.layers // max(rp.layers, 1) + st.head
-        if _moe_autocast(cfg) and rp.layers:
+        weights = (0 if float8 else rp.block_weight_numel * st.layers // max(rp.layers, 1)) + st.head
+        if _moe_autocast(cfg) and rp.layers and not float8:
             weights -= rp.expert_matmul_weights * st.layers // rp.layers  # sliced per expert, cast anew each forward
         # the token embedding's gradient under TP comes back replicated, V·h on every TP rank, where its weight is
         # a row shard (``engine.memory.buffers.replicated_embedding_gradient``: measure --fake of Llama 3 70B tp4 SP

@@ -1311,6 +1311,10 @@ def test_a_later_bs_end_is_a_moment_where_autocast_casts_leave_their_gradients_w
     assert not waiting({"dp": 2, "microbatches": 4})  # unpipelined: one autocast context a microbatch
     assert not waiting({"dp": 2, "pp": 1, "zero": 3, "microbatches": 4})  # FSDP2: no autocast
     assert not waiting({"dp": 1, "pp": 2, "microbatches": 4}, {"precision": "fp32"})
+    # float8: autocast casts no block weight (Float8Linear casts its own); the first stage's token embedding's fp32
+    # V·h gradient beside its .grad is left, the last stage's head's 16-bit gradient waiting and its fp32 one
+    first, last = waiting({"dp": 1, "pp": 2, "microbatches": 4}, {"float8": "tensorwise"})
+    assert first == 4 * 4096 * 512 and last == 2 * 4096 * 512 + 4 * 4096 * 512
 
 
 def test_fsdp2s_embedding_gradient_is_made_at_the_end_of_the_first_stages_b():
