@@ -2151,8 +2151,14 @@ def float8_input_cast_bytes(cfg: Config, sh: _Shape) -> tuple[int, int]:
     tr = cfg.training
     if tr.float8 == "none" or tr.compile:
         return 0, 0
-    per_element = (0 if sh.float8_uncast else 4) + 4 + 1
+    per_element = float8_cast_element_bytes(sh.float8_uncast)
     return per_element * sh.s * sh.b * sh.f // sh.t, per_element * sh.s * sh.b * sh.h
+
+
+def float8_cast_element_bytes(fp32_input: bool) -> int:
+    """Bytes an element of a float8 input cast holds at its peak (torchao's ``hp_tensor_to_float8_dynamic``): the fp32
+    upcast (none where the input is fp32 already), the scaled fp32 copy and the float8 result."""
+    return (0 if fp32_input else 4) + 4 + 1
 
 
 def weight_pass_casts(cfg: Config, sh: _Shape, autocast: bool) -> dict[str, int]:
@@ -2695,7 +2701,7 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         # 32,768 tokens a rank); without it that gradient is the residual stream's, counted where it arrives
         gathered = act * s * b * m.hidden if t > 1 and par.sequence_parallel else 0
         cast, token_casts = _float8_w2_casts(cfg, sbf_e=sbf_e, sbf=sbf, x_b=x_b, f_loc=f_loc, gathered=gathered)
-        x8 = ((0 if x_b == 4 else 4) + 4 + 1) * sbf_e if cast else 0  # (the scaled copy, its clamp, float8)
+        x8 = float8_cast_element_bytes(x_b == 4) * sbf_e if cast else 0  # w2's input cast in the replay
         replay_parts = _replay_end_parts(cfg, act=act, res=res, sbh_rep=sbh_rep, gathered=gathered,
                                          unsaved_input=early_stop and autocast and lora_mods is None and not cast,
                                          x8=x8)
