@@ -124,7 +124,8 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        gradients, what its phases hold differently from the first's — the 16-bit weight gradients
                        waiting for their casts' backward (see ``later_backward_end``) beside the attention's
                        backward, and none of their fp32 casts at the MLP's (``activations._autocast_waiting_phases``)
-  early_backward       at a B's own moment only (not at the late-backward moment): what the B holds once its
+  early_backward       at a B's own moment only (not at the late-backward moment; and at the first stage's W, a
+                       full backward: torch's ``backward_weight_one_chunk`` runs ``stage_backward`` there): what the B holds once its
                        first block has reduced (its sharded gradients, less its saved tensors), where
                        that exceeds the start; under a split backward the MoE backward's moment of a full B
                        (the experts' weight gradients where they outweigh the combine's backward)
@@ -306,7 +307,7 @@ LIFETIMES: dict[str, str] = {
     "split_backward_grads": "input_to_weight", "input_gradients_kept": "after_input",
     "stage_outputs_sent": "after_output", "weight_pass": "stage_weight",
     "weight_pass_fresh": "stage_later_weight", "weight_pass_grads": "stage_weight",
-    "weight_pass_float8": "stage_weight",
+    "weight_pass_float8": "stage_weight", "weight_pass_experts": "stage_weight",
     "first_weight_end": "stage_weight", "first_weight_end_later": "stage_later_weight",
     "fsdp_stage_fresh_unmade": "stage_fresh_start", "recomputed_block_plain": "stage_backward_action",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
@@ -926,11 +927,12 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
     is_bwd_input = (kind == _B) | (kind == _I)
     every = np.ones(n, dtype=bool)
     after_bwd = np.isin(kind, (_B, _I, _W)) & np.isin(_previous_kind(kind, stage), (_B, _I, _W))
+    full_b = (kind == _B) | ((kind == _W) & (stage == 0))  # the first stage's W is a full backward
     on = {"every_action": every, "backward": is_bwd_input | (kind == _W), "backward_input": is_bwd_input,
-          "full_backward": (kind == _B) | ((kind == _W) & (stage == 0)),  # the first stage's W is a full backward
+          "full_backward": full_b,
           "later_full_backward": _later_bs(kind, stage),
           "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
-          "early_backward": kind == _B, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
+          "early_backward": full_b, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
           "after_a_backward": after_bwd, "gathering": ~after_bwd,
           "backward_after_forward": np.isin(kind, (_B, _I)) & (_previous_kind(kind, stage) == _F),
           "after_first_backward": np.arange(n) > first_bwd, "first_backward": (np.arange(n) == first_bwd) & (kind == _B)}
@@ -1650,6 +1652,8 @@ class Grain(NamedTuple):
     # FSDP2's root all-gather output, on the all-gather stream, kept to the first block's copy-out beside the root's
     # parameters copied out of it (``Terms.root_gather``); 0: none laid
     root_gather: int = 0
+    # per local stage, whether its weight pass is laid as one piece (``Terms.weight_pass_whole``); (): none is
+    wp_whole: tuple = ()
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -2335,8 +2339,9 @@ class _Laying:
         saves), at most WEIGHT_PASS_PIECES of them; and, its weights holding a gradient already, the fresh ones."""
         keys = []
         largest = self.grain.recomputed[0] if self.grain.recomputed else max(self.grain.work, default=0)
+        whole = bool(self.grain.wp_whole) and self.grain.wp_whole[j]
         for j2, nbytes, stream in self.per_life.get(("wr", j), ()):
-            n = max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1)))
+            n = 1 if whole else max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1)))
             for q, x in enumerate(_pieces(nbytes, (1,) * n)):
                 if x:
                     self.alloc(("wp", j2, i, q), x, stream)

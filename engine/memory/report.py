@@ -65,6 +65,9 @@ class Terms(dict):
         #: activations.split_backward_terms``: each weight op's output gradient), for the allocation events
         self.split_backward_pieces: dict[int, tuple[int, ...]] = {}
         self.freed_at_input_pieces: dict[int, tuple[int, ...]] = {}  # per stage: what an I frees, as its tensors
+        #: the stages whose W recomputes nothing and holds its weight gradients (``engine.memory.activations.
+        #: _plain_experts_weight_pass``): the events lay their weight pass as one piece, not a block's tensors
+        self.weight_pass_whole: set[int] = set()
         # per stage with a weight pass that recomputes: (blocks whose gradients it has made by its peak, its blocks)
         self.weight_peak_blocks: dict[int, tuple[int, int]] = {}
         #: FSDP2's sharded gradients as the reduce-scatters make them: the largest unit's bytes (each unit's

@@ -13,6 +13,7 @@ from engine.compare.measured import compare
 from engine.memory import memory_per_rank
 from engine.memory.allocator import AllocatorOutOfMemory, replay, round_size
 from engine.memory.lifetimes import (
+    ACTION,
     ACTION_KINDS,
     END_FREED_KINDS,
     HEAD_KINDS,
@@ -1738,3 +1739,22 @@ def test_a_rank_of_several_stages_keeps_each_stages_units_from_its_backward_to_i
                                     [0, 1]] + [[0, 0]] * 5
     # the end of the backward and the optimizer step: every stage reduced and resharded
     assert not mo.gk[~rows].any() and not mo.cu[~rows].any()
+
+
+@pytest.mark.parametrize("sc,v", [("ZBVZeroBubble", 2), ("InterleavedZeroBubble", 2), ("DualPipeV", 2)])
+def test_the_first_stages_w_is_a_full_backward_at_its_early_moment_too(sc, v):
+    """torch's ``backward_weight_one_chunk`` runs ``stage_backward`` (a full backward) for stage 0's W — its input needs
+    no gradient, so its I found no parameter groups (torch/distributed/pipelining/stage.py) — so that W holds what a
+    B holds at its own moment: the ``early_backward`` lifetime (the experts' full-size weight gradients,
+    ``moe_full_backward``; measure --fake of seed 20261273 #21, Qwen3 30B-A3B ZBV pp4, rank 0: every stage-0 W
+    −3.52 GiB without it, +0.03 with it). A later stage's W and every I run no full backward."""
+    early = TRANSIENT.index("early_backward")
+    for rank in range(4):
+        mo = moments(sc, rank, 4, v, 8)
+        on = mo.masks[:, early].astype(bool)
+        kinds = [ACTION_KINDS[int(k)] for k in mo.kind]
+        for i, k in enumerate(kinds):
+            if mo.phase[i] != ACTION or k not in ("B", "I", "W"):
+                continue
+            assert on[i] == (k == "B" or (k == "W" and int(mo.stage[i]) == 0)), (rank, i, k, int(mo.stage[i]))
+        assert on.any() == (rank == 0 or "B" in kinds)
