@@ -1881,6 +1881,53 @@ def split_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
         T.add("temporaries", "an I's own weight-op output gradients, made by its first block's context-parallel "
               "attention (every one but that block's Q, K, V projections' and norm's), beside the ring's workspace",
               I_made, f"{I_made:,} B (the largest stage's)", kind="split_backward_grads_made")
+    _float8_input_pass(cfg, rp, T, act=act, res=res, sbh_rep=sbh_rep, at_cp=I_made)
+
+
+def _float8_input_pass(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_rep: int, at_cp: int) -> None:
+    """An I of a later stage of dense blocks under eager float8, nothing recomputed: torchao's Float8Linear backward
+    (``matmul_with_hp_or_float8_args.backward``) makes grad_weight as well as grad_input, whichever the caller asked
+    for (``stage_backward_input`` asks for the stage input's), so each Linear's backward in the I casts its saved
+    high-precision input to float8 along the tokens (the scaled fp32 copy, its saturated clamp and the float8 result:
+    ``float8_cast_element_bytes``) beside its output gradient's two float8 casts and the weight's. The most comes at the
+    first-run block's last input projection (wq: autograd runs the projections last made first), where the I has made
+    every weight op's output gradient it keeps for the W but that block's norm's (its head's too on the last stage), and
+    the norm output's gradient is the sum of wv's and wk's grad_inputs beside wq's own (the rows all-gathered under
+    sequence parallelism). Laid at I moments beyond what the I's moment holds already (under context parallelism its
+    ring attention's phase, ``split_backward_grads_made``). measure --fake of seed 20261273 #36 (Llama 3 405B tp8 SP
+    pp4 cp2 ZBV tensorwise), the last stage's I: 5.50 GiB above its start at wq's input cast (2.25 GiB of it the cast)
+    where the engine laid 2.36 (allocated −7.5 %)."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    if tr.float8 == "none" or tr.compile or tr.recompute != "none" or tr.finetune != "full" or m.experts:
+        return
+    sh = shape_of(cfg, rp.cp_rank)
+    grads = split_backward_group_grads(cfg, act, res, sbh_rep)
+    lins = {lin.name: lin for lin in lora.adapted_linears(m, "all")}
+    wq = lins["wq"]
+    # under context parallelism the I's moment is its ring attention's: the gradients made by then and the workspace
+    # (``cp_attention``), gone by the projections' backward
+    at_cp += sum(t.bytes for t in T["temporaries"] if t.kind == "cp_attention") if at_cp else 0
+    if wq.d_in % 16 or wq.d_out % 16:  # (backend.parallel.float8.converts: not converted)
+        return
+    x = sh.s * sh.b * sh.h  # the projections' input: every token (gathered under SP), h wide
+    go = sh.s * sh.b * wq.d_out // sh.t
+    w8 = wq.d_in * wq.d_out // sh.t if not wrapping_plan(cfg).float8_all_gather else 0
+    casts = 2 * go + w8 + 2 * act * x + float8_cast_element_bytes(sh.float8_uncast) * x
+    head = res * sbh_rep + act * sh.s * sh.b * ceil_div(m.vocab, sh.t)
+    best = 0
+    for st in rp.stages:
+        if st.stage == 0 or not st.layers:
+            continue
+        made = sum(grads.values()) - grads["norm1"] + (head if st.stage == par.num_stages - 1 else 0)
+        best = max(best, made + casts - at_cp)
+    if best > 0:
+        T.add("temporaries", "an I's float8 casts at its first block's Q projection (its input cast along the tokens for "
+              "the weight gradient torchao makes in the I too, the output gradient's and weight's casts), the norm "
+              "output's gradient from the three projections and every weight-op output gradient the I has made by "
+              "then, less what the I's moment holds already", best,
+              f"made + 2·q8 + w8 + 2·{act}·s·b·h + {float8_cast_element_bytes(sh.float8_uncast)}·s·b·h − {at_cp:,} B "
+              f"= {best:,} B", kind="float8_input_backward")
+        T.input_backward_piece = 4 * x  # the cast's scaled fp32 copy (its clamp's the same)
 
 
 def weight_groups(sh: _Shape) -> tuple[str, ...]:
@@ -2295,7 +2342,8 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     W moments). A later stage's W is ``stage_backward_weight``: a recompute per parameter group
     (``weight_pass_bytes``). The first stage's W is a full backward (torch's ``backward_weight_one_chunk``
     runs ``stage_backward`` there: its input needs no gradient, so its I found no parameter groups), which
-    recomputes one block at a time, as a B. Plain parameters and FSDP2's alike (FSDP2 under pipelining keeps
+    recomputes one block at a time, as a B: the B's own terms lie there (``lifetimes``: ``backward_input`` and
+    ``full_backward`` at stage 0's W, ``recomputed_block`` among them), none here. Plain parameters and FSDP2's alike (FSDP2 under pipelining keeps
     a stage's units unsharded from its first backward, so its weight pass runs on the same graph: measured
     in-process 1.07 × the rule; end to end a ZeRO-3 interleaved zero-bubble run on CPU ranks −3.3 / −5.2 %,
     ``measure --fake`` of Llama 3 8B ZBV ZeRO-3 +9.3 / +4.6 %).
@@ -2312,7 +2360,6 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
     each group's kept gradients as it goes, and its peak comes after most are dropped: what is dropped by
     then comes off the I's keep at the W's moments (``fake`` Llama 3 70B DualPipeV tp8 SP ZeRO-3 full
     recompute: the middle stages' W peak held 1.7 of the 10.0 GiB the I kept)."""
-    shared = checkpoint_shared_bytes(sh, res)
     casts = weight_pass_casts(cfg, sh, autocast)
     plan = wrapping_plan(cfg)
     # the W's fresh weight gradients where the weights hold one already; not analysed under autocast over plain
@@ -2368,11 +2415,7 @@ def weight_pass_terms(cfg: Config, rp, T: Terms, sh: _Shape, blocks: _Blocks, ck
                   stage=st.stage, kind="weight_pass")
             _dropped(T, st.stage, freed)
             continue
-        one = blocks.per_layer - shared
-        if st.stage == 0:
-            T.add("activations", "stage 0: its W is a full backward (its input needs no gradient): one block "
-                  "recomputed at a time", one, f"one block recomputed, less its kept input = {one:,} B",
-                  stage=st.stage, kind="weight_pass")
+        if st.stage == 0:  # its W is a full backward (its input needs no gradient): ``recomputed_block`` there
             continue
         key = (c, keeps is not None, before[st.stage])
         if key not in of_count:
@@ -2500,6 +2543,9 @@ def _float8_plain_weight_pass(cfg: Config, T: Terms, st, sh: _Shape, res: int, k
                 best, at = peak - dropped, g
         dropped += kept.get(g, 0) + sum(nb for gg, nb in frees if gg == g)
     if best:
+        # the pass peaks in the stage's first block (the groups run in parameter order, dropping as they go): FSDP2's
+        # fresh gradients of the stage are not made by then (``buffers._stage_fresh_gradients``)
+        T.weight_peak_blocks[st.stage] = (0, st.layers)
         T.add("temporaries", f"stage {st.stage}: its W's float8 casts at group {at} (torchao's backward makes grad_input "
               "too; the casts along the tokens), less what the groups before it dropped", best, f"{best:,} B",
               stage=st.stage, kind="weight_pass_float8")

@@ -61,9 +61,12 @@ without). Each term has one lifetime, chosen by its ``kind`` (``LIFETIMES``):
                        unit and the all-gather output (on the all-gather stream; on a rank of one stage
                        resharding after forward, ``gathering``), ZeRO-3's gathered unit
   backward             transient during B, I and W: a unit's fresh gradient, the reduce-scatter input, the last
-                       stage's final norm and head's fresh gradient (made first, reduced at the B's end)
-  backward_input       transient during B and I: the block recomputed in its backward; a MoE stage's
-                       routed-experts backward (its weight gradients; what the backward freed by then)
+                       stage's final norm and head's fresh gradient (made first, reduced at the B's end); not
+                       at the first stage's I, which runs no backward (stage.py's ``backward_one_chunk`` computes
+                       no input gradient there and leaves the whole backward to the W)
+  backward_input       transient during B and I (and the first stage's W, a full backward; not its I): the block
+                       recomputed in its backward; a MoE stage's routed-experts backward (its weight gradients;
+                       what the backward freed by then)
   loss                 transient at the loss moment that opens each B or I of the last stage: the fp32
                        logits and their gradient (see below)
   full_backward        transient during a full backward only (a B; the first stage's W, which stage.py runs
@@ -311,6 +314,7 @@ LIFETIMES: dict[str, str] = {
     "first_weight_end": "stage_weight", "first_weight_end_later": "stage_later_weight",
     "fsdp_stage_fresh_unmade": "stage_fresh_start", "recomputed_block_plain": "stage_backward_action",
     "split_backward_grads_freed": "stage_weight", "split_backward_grads_made": "input_backward",
+    "float8_input_backward": "input_backward",
     "cp_attention": "backward_input", "attention_backward": "full_backward", "autocast_waiting_attention": "later_full_backward",
     "cp_attention_forward": "forwards", "fsdp_kept_all_gather": "forwards", "forward_down_projection": "forwards",
     "fsdp_unsharded_grads": "after_first_backward", "fsdp_embedding_full_grad": "after_first_backward",
@@ -924,17 +928,20 @@ def _action_masks(kind: np.ndarray, stage: np.ndarray, first_f: np.ndarray, firs
                   first_bwd: int) -> np.ndarray:
     """Per action, the transient lifetimes alive at its own moment (``TRANSIENT``'s columns, 0 or 1)."""
     n = len(kind)
-    is_bwd_input = (kind == _B) | (kind == _I)
+    # the first stage's I runs no backward (torch's backward_one_chunk computes no input gradient for the first stage
+    # and leaves the whole backward to its W, a full one: torch/distributed/pipelining/stage.py)
+    inputs = (kind == _I) & (stage != 0)
+    is_bwd_input = (kind == _B) | inputs
     every = np.ones(n, dtype=bool)
     after_bwd = np.isin(kind, (_B, _I, _W)) & np.isin(_previous_kind(kind, stage), (_B, _I, _W))
     full_b = (kind == _B) | ((kind == _W) & (stage == 0))  # the first stage's W is a full backward
-    on = {"every_action": every, "backward": is_bwd_input | (kind == _W), "backward_input": is_bwd_input,
+    on = {"every_action": every, "backward": is_bwd_input | (kind == _W), "backward_input": is_bwd_input | full_b,
           "full_backward": full_b,
           "later_full_backward": _later_bs(kind, stage),
           "first_forwards": first_f, "until_end_of_backward": every, "during_actions": every, "forwards": kind == _F,
-          "early_backward": full_b, "input_backward": kind == _I, "after_first_weight": np.arange(n) > first_grad,
+          "early_backward": full_b, "input_backward": inputs, "after_first_weight": np.arange(n) > first_grad,
           "after_a_backward": after_bwd, "gathering": ~after_bwd,
-          "backward_after_forward": np.isin(kind, (_B, _I)) & (_previous_kind(kind, stage) == _F),
+          "backward_after_forward": is_bwd_input & (_previous_kind(kind, stage) == _F),
           "after_first_backward": np.arange(n) > first_bwd, "first_backward": (np.arange(n) == first_bwd) & (kind == _B)}
     return np.column_stack([on.get(life, np.zeros(n, dtype=bool)) for life in TRANSIENT]).astype(np.int64)
 
@@ -1654,6 +1661,8 @@ class Grain(NamedTuple):
     root_gather: int = 0
     # per local stage, whether its weight pass is laid as one piece (``Terms.weight_pass_whole``); (): none is
     wp_whole: tuple = ()
+    # the largest tensor of an I's own transients (``Terms.input_backward_piece``); 0: laid whole
+    ib_piece: int = 0
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -2529,6 +2538,14 @@ class _Laying:
                 # 2,752 MiB; laid whole at the late-backward moment, an 18,225 MiB request)
                 parts = [x for x in self._recomputed_pieces(nbytes) if x]
                 self.pieces[(j2, i)] = len(parts)
+                for q, x in enumerate(parts):
+                    self.alloc(("t", j2, i) if q == 0 else ("t", j2, i, q), x, stream)
+                continue
+            if life == "input_backward" and self.grain.ib_piece and nbytes > self.grain.ib_piece:
+                # an I's float8 phase is casts and gradients, each at most a cast's fp32 copy, not one allocation
+                n = -(-nbytes // self.grain.ib_piece)
+                parts = _pieces(nbytes, (1,) * n)
+                self.pieces[(j2, i)] = n
                 for q, x in enumerate(parts):
                     self.alloc(("t", j2, i) if q == 0 else ("t", j2, i, q), x, stream)
                 continue

@@ -68,6 +68,9 @@ class Terms(dict):
         #: the stages whose W recomputes nothing and holds its weight gradients (``engine.memory.activations.
         #: _plain_experts_weight_pass``): the events lay their weight pass as one piece, not a block's tensors
         self.weight_pass_whole: set[int] = set()
+        #: the largest tensor an I's float8 phase allocates (``engine.memory.activations._float8_input_pass``: a cast's
+        #: fp32 copy): the events lay the I's own transients in pieces no larger; 0: whole
+        self.input_backward_piece: int = 0
         # per stage with a weight pass that recomputes: (blocks whose gradients it has made by its peak, its blocks)
         self.weight_peak_blocks: dict[int, tuple[int, int]] = {}
         #: FSDP2's sharded gradients as the reduce-scatters make them: the largest unit's bytes (each unit's
