@@ -2471,13 +2471,14 @@ def _plain_experts_weight_pass(cfg: Config, T: Terms, st, sh: _Shape, res: int, 
     stage's W 2.38 GiB above its start at w2's first sum — w1's 768 MiB fp32 gradient, the sum, two select_backward
     outputs — less 0.62 GiB dropped; nothing was laid (allocated −5.4 %; laid, +0.007 GiB at every later W)."""
     best, at = experts_weight_pass_peak(cfg, sh, res, autocast, kept, ep_rank)
+    _, wb, h, _, e_loc, f_loc, _ = _moe_backward_dims(cfg, autocast)
     if best:
         T.add("temporaries", f"stage {st.stage}: its W's weight gradients at group {at} (the experts' full-size "
               "gradients summed in the input buffer, two beside the sum, and the previous group's gradient; "
               "stage_backward_weight's dweights held until the next group's returns), less what the groups before "
               "it dropped", best, f"{best:,} B", stage=st.stage, kind="weight_pass_experts")
-        # a few full-size gradients, each sum's buffer reused by the next: the allocator sees them whole
-        T.weight_pass_whole.add(st.stage)
+        # a few full-size gradients, each sum's buffer reused by the next: the allocator sees tensors of that size
+        T.weight_pass_piece[st.stage] = e_loc * f_loc * h * wb
 
 
 def experts_weight_pass_peak(cfg: Config, sh: _Shape, res: int, autocast: bool, kept: dict[str, int] | None,

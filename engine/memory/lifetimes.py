@@ -1659,8 +1659,9 @@ class Grain(NamedTuple):
     # FSDP2's root all-gather output, on the all-gather stream, kept to the first block's copy-out beside the root's
     # parameters copied out of it (``Terms.root_gather``); 0: none laid
     root_gather: int = 0
-    # per local stage, whether its weight pass is laid as one piece (``Terms.weight_pass_whole``); (): none is
-    wp_whole: tuple = ()
+    # per local stage, the pieces its weight pass is laid in where they are not a block's (``Terms.weight_pass_piece``;
+    # 0 or (): a block's)
+    wp_piece: tuple = ()
     # the largest tensor of an I's own transients (``Terms.input_backward_piece``); 0: laid whole
     ib_piece: int = 0
 
@@ -2348,10 +2349,13 @@ class _Laying:
         saves), at most WEIGHT_PASS_PIECES of them; and, its weights holding a gradient already, the fresh ones."""
         keys = []
         largest = self.grain.recomputed[0] if self.grain.recomputed else max(self.grain.work, default=0)
-        whole = bool(self.grain.wp_whole) and self.grain.wp_whole[j]
+        piece = self.grain.wp_piece[j] if self.grain.wp_piece else 0
         for j2, nbytes, stream in self.per_life.get(("wr", j), ()):
-            n = 1 if whole else max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1)))
-            for q, x in enumerate(_pieces(nbytes, (1,) * n)):
+            if piece and nbytes > 0:  # gradients of that size, the last what is left of the pass's net
+                parts = [piece] * (nbytes // piece) + ([nbytes % piece] if nbytes % piece else [])
+            else:
+                parts = _pieces(nbytes, (1,) * max(1, min(WEIGHT_PASS_PIECES, nbytes // max(largest, 1))))
+            for q, x in enumerate(parts):
                 if x:
                     self.alloc(("wp", j2, i, q), x, stream)
                     keys.append(("wp", j2, i, q))

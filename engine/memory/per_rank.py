@@ -207,7 +207,7 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
                  T.reduce_gross,
                  tuple(T.freed_at_input_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)),
                  recomputed, T.root_gather,
-                 tuple(st.stage in T.weight_pass_whole for st in sorted(rp.stages, key=lambda st: st.stage)),
+                 tuple(T.weight_pass_piece.get(st.stage, 0) for st in sorted(rp.stages, key=lambda st: st.stage)),
                  T.input_backward_piece)
 
 

@@ -65,9 +65,9 @@ class Terms(dict):
         #: activations.split_backward_terms``: each weight op's output gradient), for the allocation events
         self.split_backward_pieces: dict[int, tuple[int, ...]] = {}
         self.freed_at_input_pieces: dict[int, tuple[int, ...]] = {}  # per stage: what an I frees, as its tensors
-        #: the stages whose W recomputes nothing and holds its weight gradients (``engine.memory.activations.
-        #: _plain_experts_weight_pass``): the events lay their weight pass as one piece, not a block's tensors
-        self.weight_pass_whole: set[int] = set()
+        #: per stage whose W recomputes nothing and holds the experts' full-size weight gradients (``engine.memory.
+        #: activations._plain_experts_weight_pass``): one gradient's bytes, the pieces the events lay its pass in
+        self.weight_pass_piece: dict[int, int] = {}
         #: the largest tensor an I's float8 phase allocates (``engine.memory.activations._float8_input_pass``: a cast's
         #: fp32 copy): the events lay the I's own transients in pieces no larger; 0: whole
         self.input_backward_piece: int = 0
