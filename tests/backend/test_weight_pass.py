@@ -336,7 +336,7 @@ def test_a_block_with_experts_holds_what_the_engine_says(bf16):
     predicted = [k * (kept + sum(n for g, n in frees if order[g] >= k)) for k in range(1, len(groups) + 1)]
     assert after[:-1] == predicted[:-1]
     total, _, _ = weight_pass_bytes(sh, res, 1, None, None, (kept, frees, groups, above))
-    assert 0.94 <= peak / total <= 1.1, (peak, total)  # measured 1.05 (fp32), 1.08 (bf16)
+    assert 0.94 <= peak / total <= 1.1, (peak, total)  # measured 0.99 (fp32), 1.01 (bf16) since session 60 (1.05, 1.08 before)
     # what the I keeps for it: each group's output gradient (router, experts' matmuls) and the input's
     sbh = cfg.local_seq_len * cfg.training.micro_batch_size * cfg.model.hidden
     keeps = moe_split_backward_group_grads(cfg, sh.act, res, sbh)
