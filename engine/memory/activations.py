@@ -3130,11 +3130,14 @@ def moe_backward_terms(cfg: Config, rp, T: Terms, ep_rank: int | None, autocast:
         if gain > 0 and (best is None or gain > best[0]):
             best = (gain, st.stage, temp, w_grads, grads, routed_grad, freed, after, shared, combine, first)
         c_temp = 3 * 4 * n * k * h + (0 if received else one_grad)
-        # index_add_'s node runs first and frees the weighted outputs it saved (not a row the per-op policy saves)
-        weighted = (4 if autocast else act) * n * k * h if tr.recompute != "selective-op" else 0
+        # index_add_'s node runs first and frees the weighted outputs it saved; under per-op recompute they are the
+        # replay's (``recomputed_block`` counts them): checkpoint's unpack hook drops its handle to a recomputed tensor
+        # once its node has it (torch/utils/checkpoint.py: ``holder.handles[gid] = None``), so it goes the same way.
+        # measure --fake of seed 20261276 #14, Qwen3 30B-A3B Interleaved1F1B tp2 ep32 selective-op: every B peaks
+        # at the combine's backward with the replayed block (less its weighted outputs) and the three fp32 n·k·h
+        # temporaries; three ranks −3.4 … −4.9 → −0.1 % (laid without the weighted outputs freed: +1.1 … +1.6 %)
+        weighted = (4 if autocast else act) * n * k * h
         c = (c_temp - after - weighted, st.stage, c_temp, None, 0 if received else one_grad, 0, after + weighted, after, 0, 0, 0)
-        if tr.recompute == "selective-op":  # the block's backward runs on its replay (``recomputed_block``): only
-            continue  # the experts' gradients are laid beside it (measure --fake seed 20261226: +2.7 -> +4.9 % with it)
         if c[0] > 0 and (best is None or c[0] > best[0]):
             best = c
         # an I frees nothing it runs through: stage_backward_input calls autograd with retain_graph=True (the W runs the
