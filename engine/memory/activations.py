@@ -2168,6 +2168,7 @@ def _float8_forward_input_cast_term(cfg: Config, T: Terms, sh: _Shape, res: int,
               "autocast's copy, the fp32 scaled copy, its clamp, the float8 result), beyond what the block saves "
               "after it", beyond, f"{alive:,} alive at the cast − {unmade:,} B not made yet − the forward's other "
               f"transients", kind="float8_forward_input_cast")
+        T.float8_piece = max(T.float8_piece, 4 * sbh)  # the cast's scaled fp32 copy (its clamp's the same)
 
 
 def float8_weight_cast_bytes(cfg: Config) -> int:
@@ -2826,6 +2827,8 @@ def block_backward_terms(cfg: Config, rp, T: Terms, *, act: int, res: int, sbh_r
                   + (" and the output gradient all-gathered (SP)" if gathered else ""), sbf + cast,
                   f"{sbf:,} B + {cast:,} B ({dims}; torchao's eager casts"
                   + (f"; the gathered output gradient {gathered:,} B" if gathered else "") + ")", kind="mlp_backward")
+            # its largest tensor: a cast's fp32 copy, of the tokens along either width or of w2's weight
+            T.float8_piece = max(T.float8_piece, 4 * max(sbf_e, s * b * m.hidden, f_loc * m.hidden))
         elif act_phase > sbf + w_extra + gathered:
             T.add("temporaries", "the first block's MLP backward: the down input's" + (
                 ", the gate activation's and the up projection's gradients" if swiglu else " and the GeLU input's gradients"),

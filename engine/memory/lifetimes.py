@@ -1664,6 +1664,9 @@ class Grain(NamedTuple):
     wp_piece: tuple = ()
     # the largest tensor of an I's own transients (``Terms.input_backward_piece``); 0: laid whole
     ib_piece: int = 0
+    # the largest tensor of eager float8's casts (``Terms.float8_piece``): a forward's or full backward's rows laid in
+    # pieces no larger; 0: laid whole
+    f8_piece: int = 0
 
 
 def _pieces(total: int, weights: tuple[int, ...]) -> list[int]:
@@ -2545,12 +2548,17 @@ class _Laying:
                 for q, x in enumerate(parts):
                     self.alloc(("t", j2, i) if q == 0 else ("t", j2, i, q), x, stream)
                 continue
-            if life == "input_backward" and self.grain.ib_piece and nbytes > self.grain.ib_piece:
-                # an I's float8 phase is casts and gradients, each at most a cast's fp32 copy, not one allocation
-                n = -(-nbytes // self.grain.ib_piece)
-                parts = _pieces(nbytes, (1,) * n)
+            # an I's float8 phase, and eager float8's casts in a forward's or a B's moment, are casts and gradients,
+            # each at most a cast's fp32 copy, not one allocation (torchao's hp_tensor_to_float8_dynamic: .to(float32),
+            # * scale, the clamp, the float8 result, each a tensor; measure --fake of seed 20261276 #23, Llama 3 405B
+            # tp8 SP float8: no cast above 2 GiB where the B's float8 term is 6.4 GiB, and laid whole its request took
+            # a fresh segment, twice: reserved +8 … +22.5 % on its eight ranks)
+            piece = self.grain.ib_piece if life == "input_backward" else (
+                self.grain.f8_piece if life in ("forwards", "full_backward") else 0)
+            if piece and nbytes > piece:
+                n = -(-nbytes // piece)
                 self.pieces[(j2, i)] = n
-                for q, x in enumerate(parts):
+                for q, x in enumerate(_pieces(nbytes, (1,) * n)):
                     self.alloc(("t", j2, i) if q == 0 else ("t", j2, i, q), x, stream)
                 continue
             self.alloc(("eob", j2) if kept and life == "end_of_backward" else ("t", j2, i), nbytes, stream)

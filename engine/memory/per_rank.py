@@ -208,7 +208,7 @@ def allocation_grain(cfg: Config, rp: RankParams, T: Terms) -> Grain | None:
                  tuple(T.freed_at_input_pieces.get(st.stage, ()) for st in sorted(rp.stages, key=lambda st: st.stage)),
                  recomputed, T.root_gather,
                  tuple(T.weight_pass_piece.get(st.stage, 0) for st in sorted(rp.stages, key=lambda st: st.stage)),
-                 T.input_backward_piece)
+                 T.input_backward_piece, T.float8_piece)
 
 
 #: how many of the tensors a block's forward makes the events lay as its transients (the largest)

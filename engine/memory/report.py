@@ -71,6 +71,9 @@ class Terms(dict):
         #: the largest tensor an I's float8 phase allocates (``engine.memory.activations._float8_input_pass``: a cast's
         #: fp32 copy): the events lay the I's own transients in pieces no larger; 0: whole
         self.input_backward_piece: int = 0
+        #: the largest tensor of eager float8's casts in a forward's or a B's float8 term (a cast's fp32 copy): the events
+        #: lay those moments' rows in pieces no larger; 0: whole
+        self.float8_piece: int = 0
         # per stage with a weight pass that recomputes: (blocks whose gradients it has made by its peak, its blocks)
         self.weight_peak_blocks: dict[int, tuple[int, int]] = {}
         #: FSDP2's sharded gradients as the reduce-scatters make them: the largest unit's bytes (each unit's
