@@ -53,13 +53,21 @@ def slurm():
         net.close()
 
 
+#: Ctrl-C reaches the run however the tests were started: a background job of a non-interactive shell (CI started
+#: with ``cmd &``) has SIGINT ignored, its children inherit that across exec, and Python then installs no
+#: KeyboardInterrupt handler — the run would go on and its job hold both nodes (the tests after it PENDING)
+DEFAULT_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
 def shardscope_run(slurm: SlurmCluster, tmp_path: Path, *args: str, config: str = TWO_RANKS,
                    env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``shardscope run CONFIG --target slurm ...`` in the controller's namespace (where sbatch can reach it)."""
+    """``shardscope run CONFIG --target slurm ...`` in the controller's namespace (where sbatch can reach it), SIGINT
+    at its default (``DEFAULT_SIGINT``)."""
     cfg = tmp_path / "job.toml"
     cfg.write_text(config)
     env = {**slurm.env, "GLOO_SOCKET_IFNAME": IFNAME, **(env or {})}
-    return subprocess.Popen([*slurm.client(), sys.executable, "-m", "gui.cli", "run", str(cfg), "--target", "slurm",
+    return subprocess.Popen([*DEFAULT_SIGINT, *slurm.client(), sys.executable, "-m", "gui.cli", "run", str(cfg), "--target", "slurm",
                              "--out", str(tmp_path / "run"), *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
