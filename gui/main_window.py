@@ -101,10 +101,11 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(outer)
         self._menus()
         self.statusBar().showMessage("Drag a control: memory and pipeline follow at once.")
-        state.predictionReady.connect(
-            lambda p: self.statusBar().showMessage(f"predicted in {p.seconds * 1e3:.1f} ms"))
+        # methods, not lambdas: Qt drops a method's connection with its window, so a prediction that finishes after
+        # the window is gone (the state outlives it) reaches no deleted status bar
+        state.predictionReady.connect(self._show_predicted)
         # a prediction longer than a frame runs on while the window keeps answering: say so, quietly
-        state.predictingChanged.connect(lambda busy: busy and self.statusBar().showMessage("predicting…"))
+        state.predictingChanged.connect(self._show_predicting)
         self.statusBar().setSizeGripEnabled(False)
         state.configChanged.connect(self._config_changed)
         self._title()
@@ -242,6 +243,13 @@ class MainWindow(QMainWindow):
         self.clear_baseline_action.setEnabled(pred is not None)
         if pred is not None:
             self.statusBar().showMessage(f"baseline pinned: {describe_config(pred.config)}")
+
+    def _show_predicted(self, p) -> None:
+        self.statusBar().showMessage(f"predicted in {p.seconds * 1e3:.1f} ms")
+
+    def _show_predicting(self, busy: bool) -> None:
+        if busy:
+            self.statusBar().showMessage("predicting…")
 
     def _config_changed(self, cfg) -> None:
         self._title()
