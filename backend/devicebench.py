@@ -10,6 +10,9 @@ in about 10–20 s:
   the op clock splits into the per-op launch below and ``gemm_half_gflop = (c − launch) · R`` (its rate curve
   ``R · F / (F + F_half)`` costs exactly ``F / R + F_half / R``; bf16's ``gemm_half_gflop_bf16``: oneDNN's
   AMX GEMM costs ~19 µs a call however small, fp32's ~1);
+* the float8 GEMMs as torchao calls ``torch._scaled_mm`` (:func:`_float8_gemms`), fitted the same way per kernel: with
+  one scale a tensor (torch 2.13's CPU kernel then runs ~0.05 GFLOP/s, four orders below bf16: the tensorwise recipe's
+  GEMMs and a rowwise recipe's gradient GEMMs) and with a scale a row (~20 GFLOP/s: a rowwise recipe's forward);
 * the bandwidth of an elementwise kernel: ``torch.add`` of two 32 MiB fp32 tensors into a third; and of a kernel of
   exponentials, ``torch.softmax`` over 4 Mi fp32 elements in rows of 64 (each read and written once: 8 B an
   element), as a fraction of the first (``softmax_fraction``: the op clock's softmax and the loss's log-softmax);
@@ -94,6 +97,7 @@ def measure() -> dict:
         slope, fixed = _fit_line([f for f, _ in fitted], [t for _, t in fitted])
         out["gemm"][name] = {"sizes": list(SIZES), "seconds": [t for _, t in rows],
                              "rate_flops": 1.0 / slope, "fixed_s": max(fixed, 0.0)}
+    out["gemm"].update(_float8_gemms())
     x, y = torch.randn(2**23), torch.randn(2**23)
     z = torch.empty_like(x)
     t = _seconds(lambda: torch.add(x, y, out=z))
@@ -128,6 +132,37 @@ def measure() -> dict:
     out["launch_backward_s"] = max(out["probe_block_s"] - out["probe_forward_s"], 0.0) / b_kernels
     out["recompute"] = {kind: _recompute_probe(kind) for kind in RECOMPUTE_LAUNCH}
     out.update(_distributed_probes())
+    return out
+
+
+#: the float8 GEMMs' sizes (n × n by n × n) per kernel: torch 2.13's CPU ``_scaled_mm`` with one scale a tensor runs
+#: ~0.05 GFLOP/s here (a 128³ GEMM 90 ms), with a scale a row ~20
+FLOAT8_SIZES = {"fp8_tensorwise": (16, 32, 48, 64), "fp8_rowwise": (32, 64, 128, 256)}
+
+
+def _float8_gemms() -> dict:
+    """``torch._scaled_mm`` as torchao's Float8Linear calls it (torchao.float8.float8_ops.addmm_float8_unwrapped:
+    float8 e4m3 operands, the second column-major, a bf16 output), fitted as the GEMMs are (``time = F / R + c``):
+    "fp8_tensorwise" with one fp32 scale a tensor (the tensorwise recipe's three GEMMs, and a rowwise recipe's gradient
+    GEMMs, which run without fast accumulation: torchao then calls this kernel with unit scales and scales the output
+    itself), "fp8_rowwise" with a scale a row of the first operand and a column of the second and fast accumulation (a
+    rowwise recipe's forward GEMM)."""
+    out = {}
+    for name, sizes in FLOAT8_SIZES.items():
+        rows = []
+        for n in sizes:
+            a = torch.randn(n, n).to(torch.float8_e4m3fn)
+            b = torch.randn(n, n).to(torch.float8_e4m3fn).t()
+            if name == "fp8_tensorwise":
+                sa = sb = torch.tensor(1.0)
+                fast = False
+            else:
+                sa, sb, fast = torch.ones(n, 1), torch.ones(1, n), True
+            rows.append((2.0 * n**3, _seconds(lambda a=a, b=b, sa=sa, sb=sb, fast=fast: torch._scaled_mm(
+                a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast), budget_s=0.1, least=3)))
+        slope, fixed = _fit_line([f for f, _ in rows], [t for _, t in rows])
+        out[name] = {"sizes": list(sizes), "seconds": [t for _, t in rows], "rate_flops": 1.0 / slope,
+                     "fixed_s": max(fixed, 0.0)}
     return out
 
 
@@ -243,10 +278,17 @@ def profile(raw: dict) -> dict:
     f16 = g16["rate_flops"] / (gpu.peak_bf16_tflops * 1e12)
     half = max(0.0, g32["fixed_s"] - launch) * g32["rate_flops"] / 1e9
     half16 = max(0.0, g16["fixed_s"] - launch) * g16["rate_flops"] / 1e9
+    # the float8 GEMMs (:func:`_float8_gemms`; a raw record of before them: bf16's rate, as the cpu preset's fp8 peak is)
+    fp8 = {}
+    for kind in ("fp8_tensorwise", "fp8_rowwise"):
+        g = raw["gemm"].get(kind)
+        if g is None:
+            fp8[f"gemm_fraction_{kind}"] = f16 * gpu.peak_bf16_tflops / gpu.peak_fp8_tflops
+            continue
+        fp8[f"gemm_fraction_{kind}"] = g["rate_flops"] / (gpu.peak_fp8_tflops * 1e12)
+        fp8[f"gemm_half_gflop_{kind}"] = max(max(0.0, g["fixed_s"] - launch) * g["rate_flops"] / 1e9, 1e-6)
     return {
-        "gemm_fraction_bf16": f16, "gemm_fraction_fp32": f32,
-        # torch._scaled_mm on the CPU is not measured faster than bf16 (gpus.toml): bf16's rate
-        "gemm_fraction_fp8_tensorwise": f16, "gemm_fraction_fp8_rowwise": f16,
+        "gemm_fraction_bf16": f16, "gemm_fraction_fp32": f32, **fp8,
         "gemm_half_gflop": max(half, 1e-6), "gemm_half_gflop_bf16": max(half16, 1e-6),
         # attention on CPU ranks is GEMMs (eager) or SDPA's CPU kernel: the GEMM fraction stands for it
         "attention_fraction_forward": f32, "attention_fraction_backward": f32,

@@ -38,7 +38,9 @@ The ops of one dense block for one microbatch on one rank (T tokens: micro-batch
   float8 casts of the output gradients; and the recomputed forward (``training.recompute``): the
   whole forward (full; the checkpointed blocks under selective-layer), the attention (selective),
   the matmuls torchtitan's per-op policy does not save and every elementwise op (selective-op).
-* backward for weights (W): each Linear's weight-gradient GEMM.
+* backward for weights (W): each Linear's weight-gradient GEMM. Float8's rowwise recipe runs its gradient GEMMs (I's and
+  W's) without fast accumulation, and torchao then calls the tensorwise kernel with unit scales and scales the output
+  itself (:func:`_rowwise_post_scale`): those GEMMs run at the tensorwise rate, plus 2 kernels over each output.
 * the last stage adds the final norm, the head's GEMMs (bf16: float8 leaves the head alone) and the
   loss (the logits cast to fp32, log-softmax; the backward's softmax gradient and cast back); the
   first stage the embedding's gather.
@@ -130,6 +132,11 @@ class DeviceProfile:
     # the half-rate size of the 16-bit GEMMs where it differs from ``gemm_half_gflop``'s (optional: 0, the same; a CPU's
     # bf16 GEMMs run oneDNN's AMX kernel, whose set-up costs ~19 µs a call where fp32's costs ~1)
     gemm_half_gflop_bf16: float = 0.0
+    # the half-rate sizes of the float8 GEMMs, per kernel (``torch._scaled_mm`` with one scale a tensor, which torchao's
+    # tensorwise recipe and a rowwise recipe's gradient GEMMs call, and with a scale a row, a rowwise forward's); optional:
+    # 0, the 16-bit GEMMs' (a CPU's float8 kernels are others than its bf16 one, backend/devicebench.py)
+    gemm_half_gflop_fp8_tensorwise: float = 0.0
+    gemm_half_gflop_fp8_rowwise: float = 0.0
     # a block's kernels as training pays them under each recompute kind's wrapper (``training.recompute``: torch's
     # checkpoint, its saved-tensor hooks, per-op selective checkpointing's dispatch mode), forward and recomputed
     # ops (``launch_us_*``) and backward ones (``launch_backward_us_*``); optional: 0, the plain figures
@@ -177,6 +184,9 @@ class DeviceProfile:
 
     def gemm_half(self, dtype: str) -> float:
         """GFLOP at which a ``dtype`` GEMM runs at half its large-GEMM rate."""
+        own = getattr(self, f"gemm_half_gflop_{dtype}", 0.0) if dtype.startswith("fp8") else 0.0
+        if own > 0:
+            return own
         return self.gemm_half_gflop_bf16 if dtype != "fp32" and self.gemm_half_gflop_bf16 > 0 else self.gemm_half_gflop
 
 
@@ -184,7 +194,8 @@ class DeviceProfile:
 RECOMPUTE_LAUNCH = {"full": "full", "selective": "selective", "selective-op": "selective_op"}
 
 #: profile fields a table may leave out (their defaults: a GPU's)
-OPTIONAL_FIELDS = ("softmax_fraction", "gemm_half_gflop_bf16",
+OPTIONAL_FIELDS = ("softmax_fraction", "gemm_half_gflop_bf16", "gemm_half_gflop_fp8_tensorwise",
+                   "gemm_half_gflop_fp8_rowwise",
                    *(f"{p}_{k}" for k in RECOMPUTE_LAUNCH.values() for p in ("launch_us", "launch_backward_us")),
                    *(f"{k}_linear{p}_us" for k in ("tp", "sp") for p in ("", "_backward")),
                    "fsdp_unit_us", "fsdp_unit_kept_us", "fsdp_unit_backward_us", "dtensor_optimizer_op_us")
@@ -424,6 +435,20 @@ def _gemm(lin: _Linear, phase: str, dtype: str, act: int) -> Op:
     return Op(f"{lin.name}.{phase}", phase, "gemm", 2.0 * tokens * d_in * d_out, nbytes, 1, dtype, groups=lin.groups)
 
 
+def _rowwise_post_scale(lin: list[_Linear], phase: str, act: int, compiled: bool) -> Op:
+    """The rowwise recipe's scaling of its gradient GEMMs' outputs (``phase`` "I": dx, T × d_in; "W": dW, d_out × d_in),
+    as torchao's ``addmm_float8_unwrapped`` runs it where ``use_fast_accum`` is off (the rowwise recipe's grad_input
+    and grad_weight GEMMs, ``Float8LinearConfig.from_recipe_name("rowwise")``): "the rowwise CUTLASS-based kernel is so
+    slow without fast-accum that we'd rather use the tensorwise cuBLAS-based kernel and do the scaling manually
+    afterwards" — ``post_inverse_scale = a_inverse_scale * b_inverse_scale`` (an fp32 M × N outer product: 4 B an
+    element written) and ``output *= post_inverse_scale`` (the output read and written, the scale read): 2 kernels a
+    GEMM, (8 + 2·act) B an output element; under torch.compile one fused kernel reading and writing the output (2·act
+    B)."""
+    elems = sum((x.tokens * x.d_in) if phase == "I" else (x.groups * x.d_out * x.d_in) for x in lin)
+    per, kernels = (2 * act, 1) if compiled else (8 + 2 * act, 2)
+    return Op(f"float8 rowwise post-scale ({phase})", phase, "memory", 0.0, per * elems, kernels * len(lin))
+
+
 def rms_norm_op(name: str, elems: int, act: int, cfg: Config) -> Op:
     """One eager RMSNorm's forward over ``elems`` elements of an ``act``-byte activation
     (``conventions.rms_norm``). Fused: one kernel reading and writing its tensor, 2·act bytes an element.
@@ -575,7 +600,12 @@ def _block_parts(cfg: Config, experts: bool, casts: bool = True) -> tuple[list[O
         mem = [op for op in mem if op.name != "autocast casts"]
     attention, attention_back = _attention_ops(cfg)
     fwd += attention + mem
-    bwd_in = [_gemm(x, "I", fp8 if x.float8 else base, a) for x in lin] + attention_back
+    # torchao runs a rowwise recipe's gradient GEMMs (use_fast_accum off) on the tensorwise kernel with unit scales, then
+    # multiplies the output by the outer product of the two scale vectors (:func:`_rowwise_post_scale`)
+    grad8 = "fp8_tensorwise" if tr.float8 == "rowwise" else fp8
+    bwd_in = [_gemm(x, "I", grad8 if x.float8 else base, a) for x in lin] + attention_back
+    if tr.float8 == "rowwise":
+        bwd_in.append(_rowwise_post_scale([x for x in lin if x.float8], "I", a, tr.compile))
     for op in mem:
         if op.name == "autocast casts":
             continue  # its backward is its own (autocast_casts)
@@ -588,7 +618,9 @@ def _block_parts(cfg: Config, experts: bool, casts: bool = True) -> tuple[list[O
         else:
             bwd_in.append(Op(op.name + " backward", "I", "memory", 0.0, 2 * op.bytes, 2 * op.kernels, exp_bound=op.exp_bound))
     trained = [x for x in lin if ".lora_" in x.name] if tr.finetune == "lora" else lin
-    bwd_w = [_gemm(x, "W", fp8 if x.float8 else base, a) for x in trained]
+    bwd_w = [_gemm(x, "W", grad8 if x.float8 else base, a) for x in trained]
+    if tr.float8 == "rowwise" and any(x.float8 for x in trained):
+        bwd_w.append(_rowwise_post_scale([x for x in trained if x.float8], "W", a, tr.compile))
     sharded = tp_sharded_linears(cfg, lin)
     if sharded:  # DTensor's costs per sharded Linear (DeviceProfile.tp_linear): a recompute's forward runs them again
         fwd.append(Op("TP DTensor dispatch", "F", "dtensor", 0.0, 0.0, sharded))

@@ -191,5 +191,9 @@ def test_calibrate_device_measures_this_cpu_and_the_engine_uses_it(tmp_path, mon
     assert min(prof[k] for k in ("tp_linear_backward_us", "sp_linear_backward_us", "fsdp_unit_us", "fsdp_unit_kept_us",
                                  "fsdp_unit_backward_us", "dtensor_optimizer_op_us")) > 0
     assert device_profile("cpu").tp_linear("F", True) == prof["sp_linear_us"]
+    # float8: torch._scaled_mm as torchao calls it, each kernel measured. Torch 2.13's CPU kernel with one scale a
+    # tensor (a reference loop) ran 0.064 GFLOP/s here, the one with a scale a row 36 (bf16's GEMM 1,180)
+    assert 0 < prof["gemm_fraction_fp8_tensorwise"] < prof["gemm_fraction_fp8_rowwise"]
+    assert device_profile("cpu").gemm_half("fp8_rowwise") == pytest.approx(prof["gemm_half_gflop_fp8_rowwise"])
     cfg = default_config().replace(conventions={"clock": "ops"})
     assert predict(cfg).step.seconds > 0

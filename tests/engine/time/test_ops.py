@@ -139,6 +139,43 @@ def test_float8_is_faster_on_large_gemms_but_far_from_the_peak_ratio():
     assert {o.dtype for o in block_ops(_cfg(float8="tensorwise"))["F"] if o.kind == "gemm"} == {"fp8_tensorwise"}
 
 
+def test_a_rowwise_recipes_gradient_gemms_run_the_tensorwise_kernel_and_scale_their_outputs_worked_by_hand():
+    """torchao's rowwise recipe turns fast accumulation off for grad_input and grad_weight
+    (``Float8LinearConfig.from_recipe_name("rowwise")``), and ``addmm_float8_unwrapped`` then calls the tensorwise
+    ``_scaled_mm`` with unit scales and multiplies the output by the outer product of the scales: each gradient GEMM
+    at the tensorwise rate, and per GEMM 2 kernels moving (8 + 2·2) B an output element in bf16 (1 kernel, 2·2 B,
+    under compile). Llama 3 8B, one 8,192-token microbatch: the float8 Linears are q (4096 → 4096), k, v (4096 →
+    1024), o (4096 → 4096), w1, w3 (4096 → 14336), w2 (14336 → 4096)."""
+    ops = block_ops(_cfg(float8="rowwise"))
+    assert {o.dtype for o in ops["F"] if o.kind == "gemm"} == {"fp8_rowwise"}
+    assert {o.dtype for phase in ("I", "W") for o in ops[phase] if o.kind == "gemm"} == {"fp8_tensorwise"}
+    linears = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
+    tokens = 8192
+    dx = tokens * sum(d_in for d_in, _ in linears)  # each input gradient: T × d_in
+    dw = sum(d_in * d_out for d_in, d_out in linears)
+    post = {phase: next(o for o in ops[phase] if o.name == f"float8 rowwise post-scale ({phase})") for phase in "IW"}
+    assert (post["I"].bytes, post["I"].kernels) == (12 * dx, 14)
+    assert (post["W"].bytes, post["W"].kernels) == (12 * dw, 14)
+    compiled = block_ops(_cfg(float8="rowwise", compile=True))
+    assert next(o for o in compiled["I"] if o.name.startswith("float8 rowwise post-scale")).bytes == 4 * dx
+    tensorwise = block_ops(_cfg(float8="tensorwise"))
+    assert not [o for phase in ("I", "W") for o in tensorwise[phase] if "post-scale" in o.name]
+
+
+def test_float8_on_cpu_ranks_runs_at_the_rates_torchs_cpu_kernels_run():
+    """The shipped cpu profile holds torch 2.13's CPU ``_scaled_mm`` rates as torchao calls it (devices.toml: 0.064
+    GFLOP/s with one scale a tensor, 35.6 with a scale a row, bf16's GEMM 890): on CPU ranks float8 is far slower
+    than bf16, tensorwise slowest (every GEMM on the first kernel), rowwise between (its forward on the second, its
+    gradient GEMMs on the first). The accuracy matrix's float8 rows measured 50-68 s a step, the bf16 rate had
+    predicted 0.1-0.2 s."""
+    base = default_config().replace(training={"precision": "bf16-mixed"}, conventions={"clock": "ops"})
+    d = {k: op_durations(base.replace(training={"float8": k})) for k in ("none", "tensorwise", "rowwise")}
+    total = {k: float(v.forward_s.sum() + v.backward_s.sum()) for k, v in d.items()}
+    assert total["tensorwise"] > 100 * total["none"]
+    assert total["none"] < total["rowwise"] < total["tensorwise"]
+    assert float(d["rowwise"].forward_s.sum()) < float(d["tensorwise"].forward_s.sum()) / 100
+
+
 def test_recompute_adds_the_forward_ops_it_repeats_to_the_input_backward():
     none, full = op_durations(_cfg(recompute="none")), op_durations(_cfg(recompute="full"))
     sel = op_durations(_cfg(recompute="selective-op"))
