@@ -131,6 +131,7 @@ def measure() -> dict:
     out["launch_s"] = out["probe_forward_s"] / f_kernels
     out["launch_backward_s"] = max(out["probe_block_s"] - out["probe_forward_s"], 0.0) / b_kernels
     out["recompute"] = {kind: _recompute_probe(kind) for kind in RECOMPUTE_LAUNCH}
+    out["context"] = _context_probe()
     out.update(_distributed_probes())
     return out
 
@@ -259,6 +260,46 @@ def _recompute_probe(kind: str) -> dict:
             "launch_s": launch, "launch_backward_s": max(step_s - forward_s - r_k * launch, 0.0) / b_k}
 
 
+#: the in-context probe's model (:func:`_context_probe`): the tiny preset's kind of block at a shape of its own (no
+#: shipped preset, no accuracy-matrix layout has it), a few blocks, one microbatch
+CONTEXT_PROBE = {"preset": None, "layers": 4, "hidden": 192, "heads": 6, "kv_heads": 2, "ffn_hidden": 512, "vocab": 384,
+                 "seq_len": 96}
+
+
+def context_config(precision: str) -> Config:
+    """The in-context probe as one rank's layout (one microbatch, no parallelism), timed by the clock from ops."""
+    return default_config().replace(
+        model=CONTEXT_PROBE, cluster={"gpus": 1},
+        parallel={"dp": 1, "tp": 1, "pp": 1, "zero": 0, "microbatches": 1, "schedule": "1F1B"},
+        training={"micro_batch_size": 1, "precision": precision, "recompute": "none"}, conventions={"clock": "ops"})
+
+
+def _context_probe() -> dict:
+    """A stage's compute as training runs it: the backend's Transformer (:data:`CONTEXT_PROBE`) with its loss
+    (backend.train.loss_fn), forward and forward + backward, in fp32 and under bf16 autocast (a DDP rank's
+    bf16-mixed). :func:`profile` divides them by the op lists' sums at the hot figures (``context_*``)."""
+    from backend.train import loss_fn
+
+    out = {}
+    for name, precision in (("fp32", "fp32"), ("bf16", "bf16-mixed")):
+        cfg = context_config(precision)
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        tokens = torch.randint(0, cfg.model.vocab, (cfg.training.micro_batch_size, cfg.model.seq_len))
+        labels = torch.randint(0, cfg.model.vocab, tokens.shape)
+        cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
+
+        def forward(model=model, tokens=tokens, labels=labels, cast=cast):
+            with cast:
+                return loss_fn(model(tokens), labels)
+
+        def step(model=model, forward=forward):
+            model.zero_grad(set_to_none=True)
+            forward().backward()
+        out[name] = {"precision": precision, "forward_s": _seconds(forward), "step_s": _seconds(step)}
+    return out
+
+
 def probe_config() -> Config:
     """A block of the tiny preset's kind at a size where only the per-op cost is left."""
     return default_config().replace(
@@ -287,7 +328,7 @@ def profile(raw: dict) -> dict:
             continue
         fp8[f"gemm_fraction_{kind}"] = g["rate_flops"] / (gpu.peak_fp8_tflops * 1e12)
         fp8[f"gemm_half_gflop_{kind}"] = max(max(0.0, g["fixed_s"] - launch) * g["rate_flops"] / 1e9, 1e-6)
-    return {
+    fields = {
         "gemm_fraction_bf16": f16, "gemm_fraction_fp32": f32, **fp8,
         "gemm_half_gflop": max(half, 1e-6), "gemm_half_gflop_bf16": max(half16, 1e-6),
         # attention on CPU ranks is GEMMs (eager) or SDPA's CPU kernel: the GEMM fraction stands for it
@@ -303,6 +344,25 @@ def profile(raw: dict) -> dict:
         **_tp_fields(raw.get("tensor_parallel")),
         **_fsdp_fields(raw.get("fsdp")),
     }
+    fields.update(_context_fields(raw.get("context"), fields))
+    return fields
+
+
+def _context_fields(context: dict | None, fields: dict) -> dict:
+    """The profile's ``context_*`` from :func:`_context_probe`'s times: each measured forward (and backward: the step
+    less the forward) over the probe's op-list sum at the profile's other figures (``fields``)."""
+    from engine.time.ops import DeviceProfile, _op_durations
+
+    if not context:
+        return {}
+    prof = DeviceProfile(name="cpu (hot figures)", **fields)
+    out = {}
+    for name, t in context.items():
+        d = _op_durations(context_config(t["precision"]), prof)
+        suffix = "" if name == "fp32" else "_" + name
+        out["context_forward" + suffix] = t["forward_s"] / float(d.forward_s[0])
+        out["context_backward" + suffix] = max(t["step_s"] - t["forward_s"], 0.0) / float(d.backward_s[0])
+    return out
 
 
 def _fsdp_fields(fsdp: dict | None) -> dict:

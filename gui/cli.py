@@ -392,6 +392,11 @@ def _calibrate_device(args: argparse.Namespace) -> int:
           + "".join(f"; under recompute = {kind}: {prof[f'launch_us_{suffix}']:.1f} / "
                     f"{prof[f'launch_backward_us_{suffix}']:.1f}" for kind, suffix in RECOMPUTE_LAUNCH.items()
                     if f"launch_us_{suffix}" in prof)
+          + "".join(f"; float8 GEMMs {raw['gemm'][k]['rate_flops'] / 1e9:.3g} GFLOP/s ({k[4:]} kernel)"
+                    for k in ("fp8_tensorwise", "fp8_rowwise") if k in raw["gemm"])
+          + (f"; in a chain of blocks ops run {prof['context_forward']:.2f} × their time alone forward, "
+             f"{prof['context_backward']:.2f} × backward (bf16: {prof.get('context_forward_bf16', 0):.2f} / "
+             f"{prof.get('context_backward_bf16', 0):.2f})" if "context_forward" in prof else "")
           + f" ({doc['seconds']:.0f} s)")
     print(f"written: {out} — predictions with gpu = \"cpu\" and conventions.clock = \"ops\" on this machine use it")
     return EXIT_OK

@@ -73,6 +73,14 @@ redistributes per TP-sharded Linear (``tp_linear_us``, ``sp_linear_us`` and thei
 (:func:`fsdp_unit_seconds`: each stage's blocks and its root) and the optimizer's aten calls on DTensor parameters
 (``engine.time.step.optimizer_seconds``).
 
+Ops in a chain of blocks (a profile's optional ``context_*`` figures; 1 on GPU profiles): a CPU core runs an op
+interleaved with a block's other ops slower than the micro-benchmarks' hot loops, which repeat it alone (in the tiny
+preset's forward a 128 × 128 × 352 GEMM takes 125 µs against 76 alone, the scores' batched GEMM 167 against 25 on the
+same tensors). ``calibrate --device`` times its own probe model (backend/devicebench.py's ``_context_probe``: 4 blocks
+of hidden 192 and its loss, in fp32 and under bf16 autocast) and divides by its op lists' sums at the other figures;
+every op of a stage's F (and a recompute's forward) and of its I and W is timed at that multiple
+(:meth:`DeviceProfile.context`), the optimizer's not (the probe does not run one).
+
 What it leaves out (the efficiency clock's terms stand there): the async-TP and context-parallel
 overlap windows (``engine.time.step`` reads them off the efficiency clock); the optimizer step
 (``engine.time.step.optimizer_seconds``: memory-bound; on CPU ranks torch's one-tensor step as an op list of its own,
@@ -161,6 +169,22 @@ class DeviceProfile:
     fsdp_unit_kept_us: float = 0.0
     fsdp_unit_backward_us: float = 0.0
     dtensor_optimizer_op_us: float = 0.0
+    # a stage's compute as a chain of blocks runs it, over the sum of its ops at the figures above (hot micro-benchmarks,
+    # each op repeated alone): forward (and recomputed) ops, backward ones; fp32, and under bf16 autocast (the ``_bf16``
+    # figures; 0: the fp32 ones). A CPU core runs an op interleaved with others slower than alone (its caches, its
+    # predictors), which no micro-benchmark sees: backend/devicebench.py's _context_probe measures it on a probe model
+    # of its own. Optional: 1, a GPU's kernels (its launch queue overlaps the host, its caches hold no weights)
+    context_forward: float = 1.0
+    context_backward: float = 1.0
+    context_forward_bf16: float = 0.0
+    context_backward_bf16: float = 0.0
+
+    def context(self, phase: str, precision: str) -> float:
+        """What a stage's op in ``phase`` (F: forward and recomputed; I, W: backward) costs in a chain of blocks over
+        its time alone, under ``training.precision``."""
+        forward = phase == "F"
+        own = (self.context_forward_bf16 if forward else self.context_backward_bf16) if precision != "fp32" else 0.0
+        return own if own > 0 else (self.context_forward if forward else self.context_backward)
 
     def launch(self, phase: str, recompute: str = "none") -> float:
         """µs one kernel of a block costs beyond its roofline under ``recompute``'s wrapper: a forward or recomputed
@@ -198,7 +222,8 @@ OPTIONAL_FIELDS = ("softmax_fraction", "gemm_half_gflop_bf16", "gemm_half_gflop_
                    "gemm_half_gflop_fp8_rowwise",
                    *(f"{p}_{k}" for k in RECOMPUTE_LAUNCH.values() for p in ("launch_us", "launch_backward_us")),
                    *(f"{k}_linear{p}_us" for k in ("tp", "sp") for p in ("", "_backward")),
-                   "fsdp_unit_us", "fsdp_unit_kept_us", "fsdp_unit_backward_us", "dtensor_optimizer_op_us")
+                   "fsdp_unit_us", "fsdp_unit_kept_us", "fsdp_unit_backward_us", "dtensor_optimizer_op_us",
+                   "context_forward", "context_backward", "context_forward_bf16", "context_backward_bf16")
 
 
 @functools.cache
@@ -693,7 +718,10 @@ def embedding_ops(cfg: Config) -> dict[str, list[Op]]:
 
 
 def _seconds(ops: list[Op], cfg: Config, prof: DeviceProfile, recompute: str = "none") -> float:
-    return float(sum(op_seconds(op, cfg, prof, recompute) for op in ops))
+    """A stage's ``ops`` (a block's, the head's, the embedding's) as a chain of blocks runs them: each op's time
+    (:func:`op_seconds`) times the profile's in-context figure for its phase (:meth:`DeviceProfile.context`)."""
+    p = cfg.training.precision
+    return float(sum(op_seconds(op, cfg, prof, recompute) * prof.context(op.phase, p) for op in ops))
 
 
 def unit_seconds(cfg: Config, experts: bool = False, recomputes: tuple[str, ...] | None = None,
@@ -784,5 +812,5 @@ def op_table(cfg: Config) -> list[tuple[str, str, str, float, float, int, float]
         for phase, ops in table.items():
             for op in ops:
                 rows.append((where, phase, op.name, op.flops / 1e9, op.bytes / 1e6, op.kernels,
-                             op_seconds(op, cfg, prof, wrapper) * 1e6))
+                             op_seconds(op, cfg, prof, wrapper) * prof.context(op.phase, cfg.training.precision) * 1e6))
     return rows

@@ -195,5 +195,17 @@ def test_calibrate_device_measures_this_cpu_and_the_engine_uses_it(tmp_path, mon
     # tensor (a reference loop) ran 0.064 GFLOP/s here, the one with a scale a row 36 (bf16's GEMM 1,180)
     assert 0 < prof["gemm_fraction_fp8_tensorwise"] < prof["gemm_fraction_fp8_rowwise"]
     assert device_profile("cpu").gemm_half("fp8_rowwise") == pytest.approx(prof["gemm_half_gflop_fp8_rowwise"])
+    # in a chain of blocks: the probe model's measured forward and backward over its op lists at the hot figures; the
+    # profile then times the probe as measured (a CPU core runs interleaved ops slower than alone: 1.47 / 1.24 here)
+    from backend.devicebench import context_config
+    from engine.time.ops import op_durations
+
+    for t in doc["raw"]["context"].values():
+        d = op_durations(context_config(t["precision"]))
+        assert float(d.forward_s[0]) == pytest.approx(t["forward_s"], rel=1e-6)
+        assert float(d.backward_s[0]) == pytest.approx(t["step_s"] - t["forward_s"], rel=1e-6)
+    assert min(prof[k] for k in ("context_forward", "context_backward", "context_forward_bf16",
+                                 "context_backward_bf16")) > 0
+    assert "in a chain of blocks" in out
     cfg = default_config().replace(conventions={"clock": "ops"})
     assert predict(cfg).step.seconds > 0

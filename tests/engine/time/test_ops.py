@@ -176,6 +176,41 @@ def test_float8_on_cpu_ranks_runs_at_the_rates_torchs_cpu_kernels_run():
     assert float(d["rowwise"].forward_s.sum()) < float(d["tensorwise"].forward_s.sum()) / 100
 
 
+def test_a_profiles_in_context_figures_scale_a_stages_ops_by_phase_and_precision_not_the_optimizer(tmp_path,
+                                                                                                    monkeypatch):
+    """``context_forward`` / ``context_backward`` (backend/devicebench.py's chain-of-blocks probe over its op lists)
+    multiply every stage op's time in F (and a recompute's forward again) and in I and W; the bf16 figures under
+    bf16-mixed, the fp32 ones where a profile has no bf16 figure; the optimizer step, which the probe does not run,
+    keeps its time. Shipped GPU profiles have none (1)."""
+    import json
+    import socket
+
+    monkeypatch.setenv("SHARDSCOPE_CACHE_DIR", str(tmp_path))
+    doc = _measured_doc(socket.gethostname())
+    path = tmp_path / "device-cpu.json"
+    path.write_text(json.dumps(doc))
+    base = default_config().replace(training={"precision": "fp32", "recompute": "full"}, conventions={"clock": "ops"})
+    bf16 = base.replace(training={"precision": "bf16-mixed"})
+    before = {k: op_durations(c) for k, c in (("fp32", base), ("bf16", bf16))}
+    opt = step_time(base).optimizer_s
+    doc["profile"].update(context_forward=1.5, context_backward=1.25)
+    path.write_text(json.dumps(doc))
+    after = op_durations(base)
+    assert after.forward_s == pytest.approx(1.5 * before["fp32"].forward_s)
+    # I holds the recomputed forward (its ops' phase is F) beside the backward's own ops: between the two figures
+    ratio = after.backward_input_s / before["fp32"].backward_input_s
+    assert ((ratio > 1.25) & (ratio < 1.5)).all()
+    assert after.backward_weight_s == pytest.approx(1.25 * before["fp32"].backward_weight_s)
+    assert op_durations(bf16).forward_s == pytest.approx(1.5 * before["bf16"].forward_s)  # no bf16 figure: fp32's
+    assert step_time(base).optimizer_s == pytest.approx(opt)
+    doc["profile"].update(context_forward_bf16=2.0)
+    path.write_text(json.dumps(doc))
+    assert op_durations(bf16).forward_s == pytest.approx(2.0 * before["bf16"].forward_s)
+    assert op_durations(base).forward_s == pytest.approx(1.5 * before["fp32"].forward_s)
+    assert all(p.context("F", "bf16-mixed") == p.context("I", "fp32") == 1.0
+               for k, p in _profiles().items() if k != "cpu")
+
+
 def test_recompute_adds_the_forward_ops_it_repeats_to_the_input_backward():
     none, full = op_durations(_cfg(recompute="none")), op_durations(_cfg(recompute="full"))
     sel = op_durations(_cfg(recompute="selective-op"))
@@ -405,10 +440,13 @@ def test_a_blocks_kernels_cost_what_its_recompute_wrapper_makes_them_cost_worked
     f_k, i_k, w_k = (sum(o.kernels for o in ops[p]) for p in ("F", "I", "W"))
     sop = base.replace(training={"recompute": "selective-op"})
     r_k = sum(o.kernels for o in block_ops(sop)["R"])
-    assert none["selective-op"][0] - none["none"][0] == pytest.approx(f_k * (37.1 - 5.2) * 1e-6, rel=1e-9)
-    assert none["selective-op"][2] - none["none"][2] == pytest.approx(w_k * (7.9 - 4.4) * 1e-6, rel=1e-9)
+    # each op in a chain of blocks (the profile's in-context figures: forward and recomputed ops, backward ones)
+    cf, cb = prof.context("F", "fp32"), prof.context("I", "fp32")
+    assert none["selective-op"][0] - none["none"][0] == pytest.approx(cf * f_k * (37.1 - 5.2) * 1e-6, rel=1e-9)
+    assert none["selective-op"][2] - none["none"][2] == pytest.approx(cb * w_k * (7.9 - 4.4) * 1e-6, rel=1e-9)
     redo = sum(op_seconds(o, sop, prof, "selective-op") for o in block_ops(sop)["R"])
-    assert none["selective-op"][1] - none["none"][1] == pytest.approx(i_k * (7.9 - 4.4) * 1e-6 + redo, rel=1e-9)
+    assert none["selective-op"][1] - none["none"][1] == pytest.approx(cb * i_k * (7.9 - 4.4) * 1e-6 + cf * redo,
+                                                                      rel=1e-9)
     assert redo == pytest.approx(sum(op_seconds(o, sop, prof) for o in block_ops(sop)["R"]) + r_k * (37.1 - 5.2) * 1e-6)
     assert none["selective-op"][3:] == none["none"][3:]  # the head and the embedding run unwrapped
     # selective-layer (every 2nd block checkpoint-wrapped): a wrapped block's F, I and W at full's costs, its forward
