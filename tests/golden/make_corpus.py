@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# the corpus holds what the shipped device profiles predict, as the tests read them (tests/conftest.py), not this
+# machine's measured CPU profile (``shardscope calibrate --device``): the engine reads it from this cache folder
+os.environ["SHARDSCOPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardscope-corpus-cache-")
 
 from engine import Config, ConfigError, names  # noqa: E402
 from engine.predict import predict  # noqa: E402
