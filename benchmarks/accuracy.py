@@ -291,6 +291,22 @@ def render_clocks(rows: list[dict]) -> str:
                                   _pct(r.get("step_ops")), f"{r['step_measured_s'] * 1e3:.0f} ms") for r in rows])
 
 
+def clock_summary(rows: list[dict]) -> str:
+    """How many rows each clock has within 30 % (per-action F and B of the pipelined rows, the step), and the step's
+    mean |error| and mean error."""
+    out = []
+    for clock in ("ops", "efficiency"):
+        parts = []
+        for what in ("F", "B", "step"):
+            errs = [r[f"{what}_{clock}"] for r in rows if r.get(f"{what}_{clock}") is not None]
+            parts.append(f"{what} within 30 % on {sum(abs(e) <= 0.30 for e in errs)} of {len(errs)}")
+        steps = [r[f"step_{clock}"] for r in rows if r.get(f"step_{clock}") is not None]
+        mean = (f"; step mean |error| {100 * sum(map(abs, steps)) / len(steps):.1f} %, mean "
+                f"{100 * sum(steps) / len(steps):+.1f} %") if steps else ""
+        out.append(f"clock = {clock}: " + ", ".join(parts) + mean)
+    return "\n".join(out)
+
+
 def measured_expert_load(meas: dict, rank: int, ep: int, per_microbatch: bool = False) -> list:
     """The per-expert load (``conventions.moe_expert_load``) that ``rank`` saw in the measured step:
     the tokens its expert-parallel group (ep consecutive ranks, the same stage) routed to each expert,
@@ -834,7 +850,8 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", default=str(ROOT / "benchmarks" / "accuracy.md"))
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--sweep", type=int, metavar="N",
-                    help="instead of the matrix: N tiny layouts of random shapes drawn from --seed (memory only)")
+                    help="instead of the matrix: N tiny layouts of random shapes drawn from --seed (memory; with "
+                         "--clocks, their step and per-action times)")
     ap.add_argument("--seed", type=int, default=0, help="the sweep's seed")
     ap.add_argument("--clocks", action="store_true",
                     help="instead of the memory table: per-action F, B and step errors of both clocks, nothing fitted "
@@ -842,9 +859,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.clocks:
-        dirs = run_all(args.runs_dir, args.steps, args.reuse, args.only)
+        if args.sweep:  # the sweep's random shapes and layouts (run, or kept with --reuse), timed by both clocks
+            swept = run_sweep(args.runs_dir, args.sweep, args.seed, args.steps, args.reuse, args.only)
+            dirs = {r["layout"]: Path(r["dir"]) for r in swept if not r.get("failed")}
+            print(render_sweep(swept, args.sweep, args.seed) + "\n")
+        else:
+            dirs = run_all(args.runs_dir, args.steps, args.reuse, args.only)
         rows = clock_rows(dirs)
         print(render_clocks(rows))
+        print(clock_summary(rows))
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1), encoding="utf-8")
         return 0

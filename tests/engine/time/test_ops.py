@@ -209,6 +209,13 @@ def test_a_profiles_in_context_figures_scale_a_stages_ops_by_phase_and_precision
     assert op_durations(base).forward_s == pytest.approx(1.5 * before["fp32"].forward_s)
     assert all(p.context("F", "bf16-mixed") == p.context("I", "fp32") == 1.0
                for k, p in _profiles().items() if k != "cpu")
+    # float8's GEMMs, which the probe does not run, at their own time; the casts beside them in context
+    f8 = bf16.replace(training={"float8": "tensorwise"})
+    prof = device_profile("cpu")
+    ops = {o.name: o for o in block_ops(f8)["F"]}
+    rows = {name: us for where, phase, name, *_, us in op_table(f8) if where == "block" and phase == "F"}
+    assert rows["wq.F"] == pytest.approx(op_seconds(ops["wq.F"], f8, prof) * 1e6)
+    assert rows["float8 casts"] == pytest.approx(2.0 * op_seconds(ops["float8 casts"], f8, prof) * 1e6)
 
 
 def test_recompute_adds_the_forward_ops_it_repeats_to_the_input_backward():
