@@ -176,6 +176,9 @@ def comparison_rows(engine_prediction, measurement: dict, *, simulated: bool = F
         same = cmp.orders_identical
         rows.append(Row("all", "action order identical?", "plan", "yes" if same else "NO", None,
                         "measured order of F/B/I/W actions against the schedule's plan, every rank", TEXT))
+        for kind, cell in cmp.action_kinds().items():  # the error per action kind the timeline's lanes show
+            rows.append(Row("all", f"{kind} action (mean)", cell.predicted, cell.measured, _pct(cell.relative),
+                            "; ".join(cell.notes), SECONDS))
         for t in cmp.timeline:
             j = t.to_json()
             se, ee = j["start_error_s"], j["end_error_s"]

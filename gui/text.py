@@ -165,6 +165,11 @@ def comparison_table(cmp: Comparison) -> str:
                      f"bubble {cmp.bubble.predicted * 100:.1f} % predicted, {cmp.bubble.measured * 100:.1f} % "
                      f"measured ({cmp.bubble.error * 100:+.1f} points)")
         lines.append(f"  action order identical to the plan on every rank: {'yes' if cmp.orders_identical else 'NO'}")
+        kinds = cmp.action_kinds()
+        if kinds:
+            lines.append("  one action, mean over the matched actions: " + "; ".join(
+                f"{k} {c.predicted * 1e3:.2f} ms predicted, {c.measured * 1e3:.2f} ms measured ({_fmt_rel(c.relative)})"
+                for k, c in kinds.items()))
         for t in cmp.timeline:
             j = t.to_json()
             order = "same order" if t.order_identical else f"order differs at action {t.first_difference}"

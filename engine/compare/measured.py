@@ -27,6 +27,7 @@ import numpy as np
 from engine.memory.lifetimes import PARTIAL_STATE_KINDS
 from engine.memory.per_rank import plain_grads_late
 from engine.names import MEMORY_CATEGORIES
+from engine.pipeline.schedules import ACTION_KINDS
 from engine.time.ops import clock_description
 from engine.wrapping import wrapping_plan
 
@@ -149,6 +150,8 @@ class TimelineComparison:
     end_error_s: np.ndarray
     predicted_busy_s: float
     measured_busy_s: float
+    # per action kind (F, B, I, W) over the matched actions: (predicted seconds, measured seconds, actions), summed
+    kind_durations: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         def stats(a: np.ndarray) -> dict:
@@ -158,7 +161,9 @@ class TimelineComparison:
         return {"rank": self.rank, "pp_rank": self.pp_rank, "order_identical": self.order_identical,
                 "first_difference": self.first_difference, "matched": self.matched,
                 "start_error_s": stats(self.start_error_s), "end_error_s": stats(self.end_error_s),
-                "busy_s": {"predicted": self.predicted_busy_s, "measured": self.measured_busy_s}}
+                "busy_s": {"predicted": self.predicted_busy_s, "measured": self.measured_busy_s},
+                "durations_by_kind_s": {k: {"predicted": p, "measured": m, "actions": n}
+                                        for k, (p, m, n) in self.kind_durations.items()}}
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,18 @@ class Comparison:
             vals.append(abs(rel))
         return max(vals) if vals else 0.0
 
+    def action_kinds(self) -> dict[str, Cell]:
+        """Per action kind (F, B, I, W, in that order), the mean duration of one action over the matched actions of
+        every measured rank: predicted and measured, the error per kind the timeline's lanes show."""
+        total: dict[str, list] = {}
+        for t in self.timeline:
+            for k, (p, m, n) in t.kind_durations.items():
+                acc = total.setdefault(k, [0.0, 0.0, 0])
+                acc[0], acc[1], acc[2] = acc[0] + p, acc[1] + m, acc[2] + n
+        return {k: Cell(total[k][0] / total[k][2], total[k][1] / total[k][2],
+                        (f"mean of one action over {total[k][2]} matched actions, every measured rank",))
+                for k in ACTION_KINDS if k in total and total[k][2]}
+
     @property
     def orders_identical(self) -> bool | None:
         return None if not self.timeline else all(t.order_identical for t in self.timeline)
@@ -211,7 +228,8 @@ class Comparison:
             "memory": {"per_rank": [r.to_json() for r in self.memory]},
             "pipeline": None if self.bubble is None else {
                 "makespan_s": self.makespan.to_json(), "bubble_fraction": self.bubble.to_json(),
-                "orders_identical": self.orders_identical, "per_rank": [t.to_json() for t in self.timeline]},
+                "orders_identical": self.orders_identical, "per_rank": [t.to_json() for t in self.timeline],
+                "action_kinds_s": {k: c.to_json() for k, c in self.action_kinds().items()}},
             "step": {"seconds": self.step.to_json()},
             "notes": list(self.notes),
             "conventions": {
@@ -519,11 +537,14 @@ def _compare_actions(rank: int, pp_rank: int, predicted: list, measured: list) -
     m0 = min((a[3] for a in measured), default=0.0)  # measured times count from the step's start;
     p0 = min((a[3] for a in predicted), default=0.0)  # align the first action of each side
     se, ee = [], []
+    kinds: dict[str, tuple[float, float, int]] = {}
     for k, a in zip(mk, measured):
         if k in p_at:
             p = p_at[k]
             se.append((p[3] - p0) - (a[3] - m0))
             ee.append((p[4] - p0) - (a[4] - m0))
+            was = kinds.get(k[0], (0.0, 0.0, 0))
+            kinds[k[0]] = (was[0] + float(p[4] - p[3]), was[1] + float(a[4] - a[3]), was[2] + 1)
     return TimelineComparison(
         rank, pp_rank, first is None, first, len(se), np.asarray(se), np.asarray(ee),
-        float(sum(a[4] - a[3] for a in predicted)), float(sum(a[4] - a[3] for a in measured)))
+        float(sum(a[4] - a[3] for a in predicted)), float(sum(a[4] - a[3] for a in measured)), kinds)

@@ -142,6 +142,12 @@ def test_run_streams_events_and_overlays_measurements(window, qtbot, tmp_path):
     assert "CPU/gloo run" in overhead.note  # engine.compare.measured's explanation, shown beside the number
     order = next(r for r in rows if r.quantity == "action order identical?")
     assert order.measured == "yes"
+    # one action's mean duration per kind, predicted against measured, beside the timeline header's error
+    for kind, cell in cmp.action_kinds().items():
+        row = next(r for r in rows if r.quantity == f"{kind} action (mean)")
+        assert (row.predicted, row.measured) == pytest.approx((cell.predicted, cell.measured))
+        assert row.error == pytest.approx(cell.relative * 100)
+    assert {"F action (mean)", "B action (mean)"} <= {r.quantity for r in rows}
     bubble = next(r for r in rows if r.quantity == "bubble")
     assert bubble.predicted == pytest.approx(cmp.bubble.predicted) and bubble.measured == pytest.approx(cmp.bubble.measured)
     step = next(r for r in rows if r.quantity == "step time")

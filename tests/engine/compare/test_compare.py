@@ -88,6 +88,14 @@ def test_pipeline_order_start_end_and_bubble():
     assert cmp.makespan.measured == pytest.approx(4.4)
     assert cmp.bubble.measured == pytest.approx(0.5) and cmp.bubble.error == pytest.approx(0.0)
     assert "order differs at action 0" in comparison_table(cmp)
+    # per action kind, one action's mean duration over the matched actions of every rank: 1.0 s predicted, 1.1 measured
+    kinds = cmp.action_kinds()
+    assert list(kinds) == ["F", "B"]
+    assert all(c.predicted == pytest.approx(1.0) and c.measured == pytest.approx(1.1) for c in kinds.values())
+    assert kinds["B"].relative == pytest.approx(-1 / 11) and "over 2 matched actions" in kinds["B"].notes[0]
+    assert t0.kind_durations["B"] == pytest.approx((1.0, 1.1, 1))
+    assert cmp.to_json()["pipeline"]["action_kinds_s"]["F"]["measured"] == pytest.approx(1.1)
+    assert "F 1000.00 ms predicted, 1100.00 ms measured (-9.1 %)" in comparison_table(cmp)
 
 
 def test_a_prediction_object_is_accepted_and_compared_with_itself():
