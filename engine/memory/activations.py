@@ -2732,11 +2732,19 @@ def lora_forward_casts(cfg: Config, T: Terms, res: int, recomputed: bool = False
     if not lins:
         return
     widest = max(lins, key=held)
-    T.add("activations", f"LoRA under autocast: {widest.name}'s forward, peft's fp32 cast of its input, the 16-bit input "
-          "its frozen base does not save, the base's and lora_B's outputs and its scaled copy, the part's norm output "
-          "(freed when it returns)", held(widest), f"s·b·(cast·d_in + 6·d_out + {res}·h) = {tokens:,} × "
-          f"(cast × {widest.d_in} + 6 × {widest.d_out} + {res} × {m.hidden})" + (" (local TP widths)" if t > 1 else ""),
-          kind="lora_forward_casts")
+    # an MLP Linear's casts come after the block's attention part has returned: the forward's transients laid before
+    # (the context-parallel attention's workspace, ``cp_attention_forward``) are gone by then, so the moment holds the
+    # larger, as the forward's other transients are laid (``_forward_transient_terms``: each beyond the ones before).
+    # measure --fake of seed 20261278 #21 (GPT-2 LoRA on the MLP, cp2 pp8): every action of rank 0 +0.16 GiB with both
+    before = forward_transient_bytes(T) if widest.name in ("w1", "w2", "w3") else 0
+    if held(widest) > before:
+        T.add("activations", f"LoRA under autocast: {widest.name}'s forward, peft's fp32 cast of its input, the 16-bit "
+              "input its frozen base does not save, the base's and lora_B's outputs and its scaled copy, the part's norm "
+              "output (freed when it returns)" + (", beyond the attention's transients before it" if before else ""),
+              held(widest) - before, f"s·b·(cast·d_in + 6·d_out + {res}·h) = {tokens:,} × "
+              f"(cast × {widest.d_in} + 6 × {widest.d_out} + {res} × {m.hidden})"
+              + (" (local TP widths)" if t > 1 else "") + (f" − {before:,} B" if before else ""),
+              kind="lora_forward_casts")
     if recomputed:
         # a block recomputed whole in its backward runs its forward again, peft's casts and all, beside the recomputed
         # block's tensors (``backward_input``; measure --fake of Llama 2 7B LoRA bf16 base, full recompute, pp2 v4:
